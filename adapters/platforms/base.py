@@ -1,0 +1,143 @@
+"""The platform interface: every chat platform declares `name` and `limits`
+and implements a few send methods. The shared flow (routing by kind, photo
+and upload limits, splitting text and captions, retries, rate limits,
+idempotency) lives once above the adapters, in `tasks.delivery`.
+
+Adapters raise only courier's own errors (`adapters.errors`):
+`RateLimited(retry_after_s)`, `Transient`, `Permanent(reason)`; each adapter
+maps its vendor's errors in one place.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import BinaryIO
+
+MB = 1000 * 1000
+MiB = 1024 * 1024
+
+
+class Kind(str, Enum):
+    TEXT = "text"
+    PHOTO = "photo"
+    ANIMATION = "animation"
+    VIDEO = "video"
+    AUDIO = "audio"
+    VOICE = "voice"
+    DOCUMENT = "document"
+
+
+@dataclass(frozen=True)
+class Limits:
+    text_chars: int
+    caption_chars: int
+    upload_bytes: int
+    #: photos over this go as documents (None: no separate photo limit)
+    photo_bytes: int | None = None
+    #: per-kind upload limits where they differ from `upload_bytes`
+    kind_upload_bytes: dict[Kind, int] = field(default_factory=dict)
+    #: shared rate limits, enforced across all workers through Redis
+    per_chat_per_s: float | None = None
+    per_group_per_min: float | None = None
+    per_bot_per_s: float | None = None
+    files_per_message: int = 1
+    #: kinds the platform shows natively; others fall back (animation -> photo, voice -> audio)
+    native_kinds: frozenset[Kind] = frozenset(Kind)
+    #: how many photos one album may hold (0: no albums)
+    album_max: int = 0
+
+    def upload_limit(self, kind: Kind) -> int:
+        return self.kind_upload_bytes.get(kind, self.upload_bytes)
+
+
+@dataclass(frozen=True)
+class FileSource:
+    """A stored file handed to a platform: bytes come from storage, never a sandbox."""
+
+    name: str
+    size_bytes: int
+    sha256: str
+    #: opens a readable binary stream of the bytes (streamed; never read whole)
+    opener: object
+    #: a local filesystem path holding the bytes, when the store has one
+    path: Path | None = None
+    mime: str | None = None
+
+    def open(self) -> AbstractContextManager[BinaryIO]:
+        return self.opener()  # type: ignore[operator]
+
+
+@dataclass(frozen=True)
+class Sent:
+    """What a platform returned for one send."""
+
+    message_id: str
+    #: a reusable platform file id (Telegram's file_id), for upload-once-send-many
+    file_id: str | None = None
+
+
+class Platform(ABC):
+    name: str = ""
+    limits: Limits
+
+    @abstractmethod
+    def send_text(self, chat: str, text: str, *, delivery_id: str) -> Sent: ...
+
+    @abstractmethod
+    def send_file(
+        self,
+        chat: str,
+        kind: Kind,
+        file: FileSource,
+        *,
+        caption: str | None,
+        delivery_id: str,
+        file_id: str | None = None,
+    ) -> Sent:
+        """Send one file as `kind`. `file_id` is a cached platform id for the
+        same bytes (send it instead of uploading when given)."""
+
+    def send_album(
+        self, chat: str, files: list[tuple[Kind, FileSource]], *, caption: str | None, delivery_id: str
+    ) -> list[Sent]:
+        raise NotImplementedError
+
+    # -- activity (optional; default: nothing) ---------------------------
+    def typing(self, chat: str) -> None:
+        return None
+
+    def start_progress(self, chat: str, text: str) -> str | None:
+        """Post a progress message; returns its id or None if unsupported."""
+        return None
+
+    def edit_progress(self, chat: str, message_id: str, text: str) -> None:
+        return None
+
+    def end_progress(self, chat: str, message_id: str) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+def split_target(target: str) -> tuple[str, str]:
+    """`<platform>:<chat id>` -> (platform, chat)."""
+    from adapters.errors import ConfigError
+
+    platform, sep, chat = target.partition(":")
+    if not sep or not platform or not chat or not platform.isidentifier():
+        raise ConfigError(
+            f"malformed target {target!r}: write <platform>:<chat id>, e.g. outbox:demo or telegram:-100123"
+        )
+    return platform.lower(), chat
+
+
+def iter_file(file: FileSource, chunk_bytes: int = MiB) -> Iterator[bytes]:
+    with file.open() as f:
+        while chunk := f.read(chunk_bytes):
+            yield chunk

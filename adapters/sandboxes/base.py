@@ -1,0 +1,185 @@
+"""Sandboxes: where agents make files. A serialisable :class:`SandboxRef`
+names one; a backend opens it and extracts files into storage, streaming.
+
+The sandbox is untrusted: every path is resolved *inside* the sandbox
+(following links) and checked against the allowed roots and the denylist
+before a byte moves, and checked again after transfer where the backend can.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from urllib.parse import quote, unquote, urlparse
+
+from adapters.errors import ConfigError, UnsafePath
+
+DEFAULT_MAX_BYTES = 50 * 1000 * 1000
+
+#: never read or delivered, whatever the roots say
+DENYLIST: tuple[str, ...] = (
+    "/etc", "/proc", "/sys", "/dev", "/root", "/boot", "/var/log", "/var/lib", "/var/run", "/run",
+)
+#: relative to the sandbox user's home
+HOME_DENYLIST: tuple[str, ...] = (
+    ".ssh", ".aws", ".gnupg", ".kube", ".docker", ".config", ".netrc", ".git-credentials",
+    ".password-store", ".azure", ".gcloud", ".npmrc", ".pypirc",
+)
+
+KINDS = ("local", "docker", "ssh", "modal", "singularity")
+
+
+@dataclass(frozen=True)
+class SandboxRef:
+    """Where a file lives. `kind` picks the backend; `target` names the
+    container / host / sandbox id / instance ('' for local)."""
+
+    kind: str
+    target: str = ""
+    #: allowed roots; empty means the backend's defaults
+    roots: tuple[str, ...] = ()
+    #: extra backend options (user, port, host of a container, ...)
+    options: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "target": self.target, "roots": list(self.roots), "options": dict(self.options)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SandboxRef":
+        return cls(
+            kind=d["kind"],
+            target=d.get("target", ""),
+            roots=tuple(d.get("roots") or ()),
+            options=dict(d.get("options") or {}),
+        )
+
+
+def parse_uri(uri: str) -> tuple[SandboxRef, str]:
+    """`local:///abs/path`, `docker://ctr/abs/path`, `ssh://user@host:port/abs/path`,
+    `modal://sb-id/abs/path`, `singularity://instance/abs/path` -> (ref, path)."""
+    p = urlparse(uri)
+    kind = p.scheme.lower()
+    if kind not in KINDS:
+        raise ConfigError(f"unknown sandbox {kind!r} in {uri!r}: use one of {', '.join(KINDS)}")
+    path = unquote(p.path)
+    if not path.startswith("/"):
+        raise ConfigError(f"sandbox URI needs an absolute path: {uri!r}")
+    if kind == "local":
+        if p.netloc not in ("", "localhost"):
+            raise ConfigError(f"local sandbox URI is local:///abs/path, got {uri!r}")
+        return SandboxRef("local"), path
+    if not p.netloc:
+        raise ConfigError(f"{kind} sandbox URI needs a {'host' if kind == 'ssh' else 'name'}: {uri!r}")
+    options: dict[str, str] = {}
+    target = unquote(p.netloc)
+    if kind == "ssh":
+        target = p.hostname or ""
+        if p.username:
+            options["user"] = unquote(p.username)
+        if p.port:
+            options["port"] = str(p.port)
+    return SandboxRef(kind, target, options=options), path
+
+
+def format_uri(ref: SandboxRef, path: str) -> str:
+    if ref.kind == "local":
+        return f"local://{quote(path)}"
+    netloc = ref.target
+    if ref.kind == "ssh":
+        if "user" in ref.options:
+            netloc = f"{quote(ref.options['user'])}@{netloc}"
+        if "port" in ref.options:
+            netloc = f"{netloc}:{ref.options['port']}"
+    return f"{ref.kind}://{netloc}{quote(path)}"
+
+
+@dataclass(frozen=True)
+class PathPolicy:
+    """Allowed roots and the denylist, applied to *resolved* paths."""
+
+    roots: tuple[str, ...]
+    home: str | None = None
+    denylist: tuple[str, ...] = DENYLIST
+
+    def denied(self) -> list[str]:
+        out = list(self.denylist)
+        if self.home:
+            out += [posixpath.join(self.home, d) for d in HOME_DENYLIST]
+        return out
+
+    def check(self, resolved: str, *, shown: str | None = None) -> str:
+        """Raise UnsafePath unless `resolved` (absolute, links resolved) is allowed."""
+        shown = shown or resolved
+        if not resolved.startswith("/") or "\x00" in resolved:
+            raise UnsafePath(f"{shown}: not an absolute path")
+        norm = posixpath.normpath(resolved)
+        if norm != resolved.rstrip("/") and resolved != "/":
+            raise UnsafePath(f"{shown}: path is not normalised")
+        for d in self.denied():
+            if _under(norm, d):
+                raise UnsafePath(f"{shown}: {d} is never readable")
+        if not any(_under(norm, r) for r in self.roots):
+            raise UnsafePath(f"{shown}: outside the allowed roots ({', '.join(self.roots) or 'none'})")
+        return norm
+
+
+def _under(path: str, root: str) -> bool:
+    root = posixpath.normpath(root)
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def check_lexical(path: str) -> str:
+    """Reject obviously hostile input before any I/O (relative, `..`, NUL)."""
+    if not path.startswith("/"):
+        raise UnsafePath(f"{path}: not an absolute path")
+    if "\x00" in path:
+        raise UnsafePath("path holds a NUL byte")
+    if ".." in path.split("/"):
+        raise UnsafePath(f"{path}: '..' is not allowed")
+    return path
+
+
+class Sandbox(ABC):
+    """An opened sandbox. Backends implement `resolve`, `open_stream` (or
+    override `extract` with a faster channel) and `put`."""
+
+    kind: str = ""
+
+    def __init__(self, ref: SandboxRef, policy: PathPolicy) -> None:
+        self.ref = ref
+        self.policy = policy
+
+    @abstractmethod
+    def resolve(self, path: str) -> tuple[str, int]:
+        """Resolve `path` inside the sandbox (links followed) and check it;
+        returns (resolved path, size in bytes). Raises FileMissing, NotAFile,
+        UnsafePath."""
+
+    @abstractmethod
+    def open_stream(self, resolved: str) -> Iterable[bytes]:
+        """Stream the bytes of an already resolved and checked regular file."""
+
+    def extract(self, path: str, store, key: str, *, max_bytes: int = DEFAULT_MAX_BYTES):
+        """Copy one sandbox file into `store` at `key`; returns storage.BlobInfo.
+
+        The size cap holds before (stat) and during (counted) the transfer;
+        on any failure nothing is left in storage.
+        """
+        from adapters.errors import TooLarge
+
+        check_lexical(path)
+        resolved, size = self.resolve(path)
+        if size > max_bytes:
+            raise TooLarge(
+                f"{path}: {size:,} bytes is over the {max_bytes:,} byte cap", size_bytes=size, limit_bytes=max_bytes
+            )
+        return store.put_stream(key, self.open_stream(resolved), max_bytes=max_bytes)
+
+    def put(self, store, key: str, dest_path: str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
+        """Inbound: copy a stored blob into the sandbox at `dest_path`."""
+        raise NotImplementedError(f"{self.kind} sandbox does not take inbound files yet")
+
+    def close(self) -> None:
+        return None

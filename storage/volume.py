@@ -1,0 +1,156 @@
+"""A blob store on a shared filesystem volume (`file:///abs/dir`)."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import BinaryIO
+
+from adapters.errors import BlobMissing, StorageError
+from storage.base import BlobInfo, BlobStore, check_key
+
+_TMP = ".tmp"
+
+
+class VolumeStore(BlobStore):
+    can_sign = False
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root).absolute()
+        self.url = self.root.as_uri()
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            (self.root / _TMP).mkdir(exist_ok=True)
+        except OSError as exc:
+            raise StorageError(f"storage volume {self.root} is not writable: {exc.strerror}") from exc
+
+    def _path(self, key: str) -> Path:
+        return self.root / check_key(key)
+
+    def local_path(self, key: str) -> Path | None:
+        p = self._path(key)
+        return p if p.is_file() else None
+
+    @contextmanager
+    def open_write(self, key: str, *, private: bool = False):
+        dest = self._path(key)
+        tmp = self.root / _TMP / f"{uuid.uuid4().hex}.part"
+        try:
+            if private:
+                _mkdirs_private(self.root, dest.parent)
+            else:
+                dest.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if private else 0o644)
+        except OSError as exc:
+            raise StorageError(f"cannot write {key}: {exc.strerror or exc}") from exc
+        try:
+            with os.fdopen(fd, "wb", buffering=0) as f:
+                yield f
+            os.replace(tmp, dest)
+        except OSError as exc:
+            _unlink(tmp)
+            raise StorageError(f"cannot write {key}: {exc.strerror or exc}") from exc
+        except BaseException:
+            _unlink(tmp)
+            raise
+
+    def put_file(self, key: str, src: Path, *, link: bool = True) -> BlobInfo | None:
+        """Hard-link `src` into the store when on the same filesystem (no copy).
+
+        Returns None when linking is not possible; callers then stream.
+        """
+        if not link:
+            return None
+        dest = self._path(key)
+        tmp = self.root / _TMP / f"{uuid.uuid4().hex}.link"
+        try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            os.link(src, tmp)
+            os.replace(tmp, dest)
+        except OSError:
+            _unlink(tmp)
+            return None
+        st = dest.stat()
+        return BlobInfo(key=key, size_bytes=st.st_size, modified_s=st.st_mtime)
+
+    @contextmanager
+    def open_read(self, key: str):
+        try:
+            f: BinaryIO = open(self._path(key), "rb")  # noqa: SIM115
+        except FileNotFoundError as exc:
+            raise BlobMissing(f"no blob {key!r} in {self.url}") from exc
+        except OSError as exc:
+            raise StorageError(f"cannot read {key}: {exc.strerror}") from exc
+        with f:
+            yield f
+
+    def stat(self, key: str) -> BlobInfo:
+        try:
+            st = self._path(key).stat()
+        except FileNotFoundError as exc:
+            raise BlobMissing(f"no blob {key!r} in {self.url}") from exc
+        return BlobInfo(key=key, size_bytes=st.st_size, modified_s=st.st_mtime)
+
+    def list(self, prefix: str = "") -> Iterator[BlobInfo]:
+        base = self.root
+        for dirpath, dirnames, filenames in os.walk(base):
+            rel_dir = os.path.relpath(dirpath, base)
+            if rel_dir == _TMP:
+                dirnames[:] = []
+                continue
+            dirnames.sort()
+            for name in sorted(filenames):
+                rel = name if rel_dir == "." else f"{rel_dir}/{name}"
+                rel = rel.replace(os.sep, "/")
+                if not rel.startswith(prefix):
+                    continue
+                try:
+                    st = os.stat(os.path.join(dirpath, name))
+                except FileNotFoundError:
+                    continue
+                yield BlobInfo(key=rel, size_bytes=st.st_size, modified_s=st.st_mtime)
+
+    def delete_many(self, keys: Iterable[str]) -> int:
+        n = 0
+        for key in keys:
+            try:
+                self._path(key).unlink()
+                n += 1
+            except FileNotFoundError:
+                pass
+        return n
+
+    def sweep_tmp(self, older_than_s: float = 3600) -> int:
+        """Remove partial writes left by killed processes."""
+        cutoff = time.time() - older_than_s
+        n = 0
+        for p in (self.root / _TMP).iterdir():
+            try:
+                if p.stat().st_mtime < cutoff:
+                    p.unlink()
+                    n += 1
+            except FileNotFoundError:
+                pass
+        return n
+
+
+def _mkdirs_private(root: Path, d: Path) -> None:
+    parts = d.relative_to(root).parts
+    cur = root
+    for part in parts:
+        cur = cur / part
+        try:
+            cur.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+
+
+def _unlink(p: Path) -> None:
+    try:
+        p.unlink()
+    except FileNotFoundError:
+        pass

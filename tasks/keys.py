@@ -1,0 +1,55 @@
+"""Every Redis key courier writes, in one place.
+
+Celery's own keys (the broker queues `turns`, `sandbox`, `delivery`,
+`janitor`, `unacked*`, `celery-task-meta-*`) are Celery's; everything else
+starts with `courier:`.
+"""
+
+from __future__ import annotations
+
+PREFIX = "courier:"
+
+
+def job(job_id: str) -> str:
+    """hash: a send or a turn (kind, target, created_s, state, ...)"""
+    return f"{PREFIX}job:{job_id}"
+
+
+def job_deliveries(job_id: str) -> str:
+    """list: the delivery ids of a job, in delivery order"""
+    return f"{PREFIX}job:{job_id}:deliveries"
+
+
+def delivery(delivery_id: str) -> str:
+    """hash: one delivery's receipt (state, platform, kind, size, attempts, message_id, reason)"""
+    return f"{PREFIX}delivery:{delivery_id}"
+
+
+def delivery_lock(delivery_id: str) -> str:
+    """string with TTL: held while a worker sends this delivery"""
+    return f"{PREFIX}lock:delivery:{delivery_id}"
+
+
+def events(job_id: str) -> str:
+    """stream: the phase events of a turn or send (bounded length)"""
+    return f"{PREFIX}events:{job_id}"
+
+
+def file_id(platform: str, bot: str, sha256: str, kind: str) -> str:
+    """string: a platform file id for the bytes with this hash (upload once, send many)"""
+    return f"{PREFIX}fileid:{platform}:{bot}:{kind}:{sha256}"
+
+
+def rate_limit_prefix() -> str:
+    """prefix the `limits` library's Redis storage uses for shared rate limits"""
+    return f"{PREFIX}rl"
+
+
+def webhook_seen(platform: str, update_id: str) -> str:
+    """string with TTL: a webhook update already enqueued (drops platform retries)"""
+    return f"{PREFIX}webhook:{platform}:{update_id}"
+
+
+def progress_message(job_id: str) -> str:
+    """hash: the platform progress message of a turn (chat, message id)"""
+    return f"{PREFIX}progress:{job_id}"

@@ -1,0 +1,114 @@
+"""courier's settings: the environment, read in one place.
+
+Only `workers/` reads the environment; it builds adapters and stores from
+these values and hands them over as constructor arguments. Tokens are
+`SecretStr`: they never show in repr, logs or `--help`.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from pydantic import AliasChoices, BaseModel, Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def _default_data_dir() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "courier"
+
+
+def _env(name: str) -> Any:
+    return AliasChoices(name)
+
+
+class AgentSpec(BaseModel):
+    """An agent declared by name: a bridge command (argv list, no shell)."""
+
+    command: list[str]
+    env: dict[str, str] = Field(default_factory=dict)
+    timeout_s: float = 900.0
+    #: sandbox URI of the agent's working directory, e.g. local:///srv/agents/demo
+    sandbox: str | None = None
+    cwd: str | None = None
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="COURIER_", extra="ignore", populate_by_name=True)
+
+    data_dir: Path = Field(default_factory=_default_data_dir)
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    storage_url: str | None = None
+    outbox_dir: Path | None = None
+
+    # -- platforms -----------------------------------------------------
+    telegram_bot_token: SecretStr | None = Field(default=None, validation_alias=_env("TELEGRAM_BOT_TOKEN"))
+    telegram_base_url: str = "https://api.telegram.org"
+    discord_bot_token: SecretStr | None = Field(default=None, validation_alias=_env("DISCORD_BOT_TOKEN"))
+    discord_base_url: str = "https://discord.com/api/v10"
+    slack_bot_token: SecretStr | None = Field(default=None, validation_alias=_env("SLACK_BOT_TOKEN"))
+    slack_base_url: str = "https://slack.com/api/"
+    whatsapp_access_token: SecretStr | None = Field(default=None, validation_alias=_env("WHATSAPP_ACCESS_TOKEN"))
+    whatsapp_phone_number_id: str | None = Field(default=None, validation_alias=_env("WHATSAPP_PHONE_NUMBER_ID"))
+    whatsapp_base_url: str = "https://graph.facebook.com/v21.0"
+
+    # -- sandboxes -----------------------------------------------------
+    #: allowed roots of the local sandbox (JSON list); default: <data dir>/sandbox, /tmp, /workspace
+    local_roots: list[str] | None = None
+    #: size cap for one extracted file
+    max_file_bytes: int = 50 * 1000 * 1000
+
+    # -- agents ----------------------------------------------------------
+    #: JSON object: name -> {"command": [...], "env": {}, "timeout_s": 900, "sandbox": "local:///dir"}
+    agents: dict[str, AgentSpec] = Field(default_factory=dict)
+    default_agent: str = "demo"
+
+    # -- retention (janitor) -----------------------------------------------
+    screenshot_ttl_s: int = 24 * 3600
+    file_ttl_s: int = 7 * 24 * 3600
+    spill_ttl_s: int = 7 * 24 * 3600
+
+    # -- delivery ----------------------------------------------------------
+    delivery_max_attempts: int = 8
+    events_maxlen: int = 1000
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, v: str) -> str:
+        if not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("COURIER_REDIS_URL must start with redis://, rediss:// or unix://")
+        return v
+
+    # -- derived -----------------------------------------------------------
+    @property
+    def storage(self) -> str:
+        return self.storage_url or (self.data_dir / "storage").absolute().as_uri()
+
+    @property
+    def outbox(self) -> Path:
+        return (self.outbox_dir or self.data_dir / "outbox").absolute()
+
+    @property
+    def sandbox_dir(self) -> Path:
+        return (self.data_dir / "sandbox").absolute()
+
+    @property
+    def local_sandbox_roots(self) -> tuple[str, ...]:
+        if self.local_roots is not None:
+            return tuple(str(Path(r).absolute()) for r in self.local_roots)
+        return (str(self.sandbox_dir), "/tmp", "/workspace")
+
+    def agent(self, name: str) -> AgentSpec | None:
+        return self.agents.get(name)
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()
+
+
+def reset_settings() -> None:
+    get_settings.cache_clear()
