@@ -1,0 +1,78 @@
+"""Builds adapters and stores from settings: the only place that turns the
+environment into constructor arguments. Everything is cached per process
+(connections are reused within a worker)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from functools import lru_cache
+
+from adapters.errors import ConfigError
+from adapters.platforms.base import Platform
+from adapters.sandboxes.base import PathPolicy, Sandbox, SandboxRef
+from storage import BlobStore, open_store
+from workers.settings import Settings, get_settings
+
+_lock = threading.Lock()
+
+
+@lru_cache(maxsize=4)
+def _store_for(url: str) -> BlobStore:
+    return open_store(url)
+
+
+def store(settings: Settings | None = None) -> BlobStore:
+    s = settings or get_settings()
+    return _store_for(s.storage)
+
+
+# -- platforms ----------------------------------------------------------------
+PLATFORMS = ("outbox", "telegram", "discord", "slack", "whatsapp")
+
+_platforms: dict[tuple[str, int], Platform] = {}
+
+
+def platform(name: str, settings: Settings | None = None) -> Platform:
+    s = settings or get_settings()
+    key = (name, id(s))
+    with _lock:
+        p = _platforms.get(key)
+        if p is None:
+            p = _platforms[key] = _build_platform(name, s)
+        return p
+
+
+def _build_platform(name: str, s: Settings) -> Platform:
+    if name == "outbox":
+        from adapters.platforms.outbox import OutboxPlatform
+
+        return OutboxPlatform(s.outbox)
+    if name in ("telegram", "discord", "slack", "whatsapp"):
+        raise ConfigError(f"platform {name!r} is not configured in this build yet")
+    raise ConfigError(f"unknown platform {name!r}: use one of {', '.join(PLATFORMS)}")
+
+
+def check_platform(name: str, settings: Settings | None = None) -> None:
+    """Raise ConfigError when a target's platform is unknown or lacks its token."""
+    platform(name, settings)
+
+
+# -- sandboxes ----------------------------------------------------------------
+def sandbox_policy(ref: SandboxRef, default_roots: tuple[str, ...], home: str | None) -> PathPolicy:
+    roots = ref.roots or default_roots
+    return PathPolicy(roots=tuple(roots), home=home)
+
+
+def open_sandbox(ref: SandboxRef, settings: Settings | None = None) -> Sandbox:
+    s = settings or get_settings()
+    if ref.kind == "local":
+        from adapters.sandboxes.local import LocalSandbox
+
+        roots = ref.roots or s.local_sandbox_roots
+        return LocalSandbox.with_roots(tuple(roots), home=os.path.expanduser("~"))
+    # docker: (filled by the sandbox work)
+    # ssh: (filled by the sandbox work)
+    # modal: (filled by the sandbox work)
+    # singularity: (filled by the sandbox work)
+    raise ConfigError(f"sandbox kind {ref.kind!r} is not available in this build")
