@@ -73,6 +73,8 @@ class Settings(BaseSettings):
 
     # -- delivery ----------------------------------------------------------
     delivery_max_attempts: int = 8
+    #: a task held by a worker that died is redelivered after this many seconds
+    visibility_timeout_s: int = 3600
     events_maxlen: int = 1000
 
     @field_validator("redis_url")

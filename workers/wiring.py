@@ -76,3 +76,36 @@ def open_sandbox(ref: SandboxRef, settings: Settings | None = None) -> Sandbox:
     # modal: (filled by the sandbox work)
     # singularity: (filled by the sandbox work)
     raise ConfigError(f"sandbox kind {ref.kind!r} is not available in this build")
+
+
+# -- the task context ------------------------------------------------------------
+_redis_clients: dict[str, object] = {}
+
+
+def redis_client(url: str | None = None):
+    import redis
+
+    u = url or get_settings().redis_url
+    c = _redis_clients.get(u)
+    if c is None:
+        c = _redis_clients[u] = redis.Redis.from_url(u, socket_connect_timeout=3, socket_timeout=30,
+                                                     health_check_interval=30)
+    return c
+
+
+def build_context(settings: Settings | None = None):
+    from tasks.runtime import Context
+
+    s = settings or get_settings()
+    return Context(
+        redis=redis_client(s.redis_url),
+        store=store(s),
+        platform=lambda name: platform(name, s),
+        sandbox=lambda ref: open_sandbox(ref, s),
+        agent=s.agent,
+        default_sandbox_dir=str(s.sandbox_dir),
+        max_file_bytes=s.max_file_bytes,
+        events_maxlen=s.events_maxlen,
+        max_transient_attempts=s.delivery_max_attempts,
+        extras={"screenshot_ttl_s": s.screenshot_ttl_s, "file_ttl_s": s.file_ttl_s, "spill_ttl_s": s.spill_ttl_s},
+    )

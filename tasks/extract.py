@@ -1,0 +1,46 @@
+"""Extracting one sandbox file into storage: plain code, no Celery."""
+
+from __future__ import annotations
+
+import posixpath
+
+from adapters.errors import CourierError, SandboxError, TooLarge
+from adapters.sandboxes.base import SandboxRef
+from tasks import events, receipts
+from tasks.runtime import Context
+
+
+def extract(ctx: Context, spec: dict) -> dict:
+    """spec: job, delivery (id), sandbox (ref dict), path, key, max_bytes?
+
+    Returns {"ok": True, key, name, size, sha256} or, for a permanent
+    problem (unsafe path, missing, not a file, too large), {"ok": False,
+    reason, ...}: the delivery after it records the failure. Transient
+    problems raise for the task to retry."""
+    r = ctx.redis
+    did = spec["delivery"]
+    name = posixpath.basename(spec["path"]) or "file"
+    rec = receipts.get_delivery(r, did) or {}
+    if rec.get("state") == "delivered":
+        return {"ok": True, "key": spec["key"], "name": name, "skipped": True}
+    ref = SandboxRef.from_dict(spec["sandbox"])
+    cap = int(spec.get("max_bytes") or ctx.max_file_bytes)
+    receipts.update_delivery(r, did, state="extracting")
+    try:
+        sandbox = ctx.sandbox(ref)
+        info = sandbox.extract(spec["path"], ctx.store, spec["key"], max_bytes=cap)
+    except TooLarge as exc:
+        return {"ok": False, "reason": f"too large: {exc}", "too_large": True, "name": name,
+                "size": exc.size_bytes, "limit": exc.limit_bytes or cap}
+    except SandboxError as exc:
+        if exc.transient:
+            raise
+        return {"ok": False, "reason": f"{type(exc).__name__}: {exc}", "name": name}
+    except CourierError as exc:
+        if exc.transient:
+            raise
+        return {"ok": False, "reason": exc.reason, "name": name}
+    receipts.update_delivery(r, did, state="extracted", size_bytes=info.size_bytes, sha256=info.sha256, name=name)
+    events.publish(r, spec["job"], {"kind": "delivery", "delivery_id": did, "state": "extracted", "name": name,
+                                    "size_bytes": info.size_bytes}, maxlen=ctx.events_maxlen)
+    return {"ok": True, "key": spec["key"], "name": name, "size": info.size_bytes, "sha256": info.sha256}

@@ -1,0 +1,95 @@
+"""The Celery tasks: thin. Decode args, call plain code, return a small dict.
+
+Retry policy (DESIGN.md reliability rules):
+- RateLimited: re-scheduled after the platform's retry_after plus jitter;
+  the worker never sleeps.
+- Transient (and a busy send lock): exponential backoff with jitter, bounded.
+- Permanent: recorded by the plain code, never retried.
+All tasks are at-least-once (late ack, reject on worker lost); effects are
+idempotent through delivery ids.
+"""
+
+from __future__ import annotations
+
+import random
+
+from celery import shared_task
+from celery.exceptions import Retry
+
+from adapters.errors import CourierError, RateLimited
+from adapters.platforms.base import split_target
+from tasks import delivery as delivery_mod
+from tasks import extract as extract_mod
+from tasks import keys, receipts, runtime
+from tasks import turn as turn_mod
+
+#: countdowns stay well under the broker's visibility timeout
+MAX_COUNTDOWN_S = 900.0
+MAX_RATE_LIMIT_RETRIES = 60
+
+
+def platform_of(target: str) -> str:
+    return split_target(target)[0]
+
+
+def backoff_s(retries: int, base_s: float = 1.0, cap_s: float = 120.0) -> float:
+    return min(cap_s, base_s * 2 ** retries) * random.uniform(0.5, 1.0)
+
+
+@shared_task(bind=True, name="courier.turns.agent_turn", acks_late=True, reject_on_worker_lost=True,
+             ignore_result=False)
+def agent_turn(self, spec: dict) -> dict:
+    def show(ev: dict) -> None:
+        activity = ev.get("activity") or ev.get("status") or ev.get("kind")
+        try:
+            self.update_state(state="PROGRESS", meta={"job": spec["job"], "activity": str(activity)[:80]})
+        except Exception:  # noqa: BLE001 - Flower display only
+            pass
+
+    return turn_mod.run_turn(runtime.ctx(), spec, on_activity=show)
+
+
+@shared_task(bind=True, name="courier.sandbox.extract_file", acks_late=True, reject_on_worker_lost=True,
+             max_retries=None)
+def extract_file(self, spec: dict) -> dict:
+    ctx = runtime.ctx()
+    try:
+        return extract_mod.extract(ctx, spec)
+    except CourierError as exc:
+        if not exc.transient or self.request.retries >= ctx.max_transient_attempts:
+            return {"ok": False, "reason": f"{type(exc).__name__}: {exc}", "name": spec["path"].rsplit("/", 1)[-1]}
+        raise self.retry(exc=exc, countdown=backoff_s(self.request.retries))
+
+
+@shared_task(bind=True, name="courier.delivery.deliver", acks_late=True, reject_on_worker_lost=True,
+             max_retries=None)
+def deliver(self, extracted: dict | None, job: dict) -> dict:
+    ctx = runtime.ctx()
+    try:
+        return delivery_mod.deliver(ctx, job, extracted)
+    except Retry:
+        raise
+    except RateLimited as exc:
+        n = int(ctx.redis.hincrby(keys.delivery(job["id"]), "rate_limited", 1))
+        receipts.update_delivery(ctx.redis, job["id"], state="rate_limited",
+                                 reason=f"rate limited, retry after {exc.retry_after_s:g}s")
+        if n > MAX_RATE_LIMIT_RETRIES:
+            return delivery_mod.record_failure(ctx, job, f"gave up after {n - 1} rate limits")
+        countdown = min(MAX_COUNTDOWN_S, exc.retry_after_s + random.uniform(0.05, 0.5))
+        raise self.retry(exc=exc, countdown=countdown)
+    except CourierError as exc:
+        if not exc.transient:
+            return delivery_mod.record_failure(ctx, job, exc.reason)
+        n = int(ctx.redis.hincrby(keys.delivery(job["id"]), "transient_errors", 1))
+        receipts.update_delivery(ctx.redis, job["id"], state="retrying", reason=exc.reason)
+        busy = isinstance(exc, delivery_mod.Busy)
+        if not busy and n >= ctx.max_transient_attempts:
+            return delivery_mod.record_failure(ctx, job, f"gave up after {n} attempts: {exc.reason}")
+        raise self.retry(exc=exc, countdown=2.0 if busy else backoff_s(n - 1))
+
+
+@shared_task(name="courier.janitor.sweep", acks_late=True)
+def janitor_sweep() -> dict:
+    from tasks.janitor import sweep
+
+    return sweep(runtime.ctx())

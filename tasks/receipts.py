@@ -1,0 +1,97 @@
+"""Jobs and delivery receipts in Redis: what `courier status` shows.
+
+A job (a send or a turn) has an ordered list of deliveries. A delivery's
+receipt moves queued -> (sending) -> delivered | failed, with attempts, the
+platform's message id or the failure reason.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from tasks import keys
+
+RETENTION_S = 30 * 24 * 3600
+TERMINAL = frozenset({"delivered", "failed"})
+
+
+def _s(v: Any) -> str:
+    if isinstance(v, bytes):
+        return v.decode()
+    return "" if v is None else str(v)
+
+
+def _decode(h: dict) -> dict[str, str]:
+    return {_s(k): _s(v) for k, v in h.items()}
+
+
+def create_job(r, job_id: str, *, kind: str, target: str, **meta: Any) -> None:
+    fields = {"id": job_id, "kind": kind, "target": target, "state": "queued", "created_s": f"{time.time():.3f}"}
+    fields.update({k: _s(v) for k, v in meta.items() if v is not None})
+    pipe = r.pipeline()
+    pipe.hset(keys.job(job_id), mapping=fields)
+    pipe.expire(keys.job(job_id), RETENTION_S)
+    pipe.execute()
+
+
+def set_job(r, job_id: str, **fields: Any) -> None:
+    r.hset(keys.job(job_id), mapping={k: _s(v) for k, v in fields.items()})
+
+
+def get_job(r, job_id: str) -> dict[str, str] | None:
+    h = r.hgetall(keys.job(job_id))
+    return _decode(h) if h else None
+
+
+def add_delivery(r, job_id: str, delivery_id: str, **meta: Any) -> None:
+    """Register a delivery as queued (idempotent: an existing receipt is kept)."""
+    k = keys.delivery(delivery_id)
+    fields = {"id": delivery_id, "job": job_id, "state": "queued", "attempts": "0", "queued_s": f"{time.time():.3f}"}
+    fields.update({kk: _s(v) for kk, v in meta.items() if v is not None})
+    pipe = r.pipeline()
+    pipe.exists(k)
+    res = pipe.execute()
+    if res[0]:
+        return
+    pipe = r.pipeline()
+    pipe.hset(k, mapping=fields)
+    pipe.expire(k, RETENTION_S)
+    pipe.rpush(keys.job_deliveries(job_id), delivery_id)
+    pipe.expire(keys.job_deliveries(job_id), RETENTION_S)
+    pipe.execute()
+
+
+def update_delivery(r, delivery_id: str, **fields: Any) -> None:
+    r.hset(keys.delivery(delivery_id), mapping={k: _s(v) for k, v in fields.items() if v is not None})
+
+
+def attempt(r, delivery_id: str) -> int:
+    return int(r.hincrby(keys.delivery(delivery_id), "attempts", 1))
+
+
+def get_delivery(r, delivery_id: str) -> dict[str, str] | None:
+    h = r.hgetall(keys.delivery(delivery_id))
+    return _decode(h) if h else None
+
+
+def job_deliveries(r, job_id: str) -> list[dict[str, str]]:
+    ids = [_s(x) for x in r.lrange(keys.job_deliveries(job_id), 0, -1)]
+    if not ids:
+        return []
+    pipe = r.pipeline()
+    for d in ids:
+        pipe.hgetall(keys.delivery(d))
+    return [_decode(h) for h in pipe.execute() if h]
+
+
+def acquire_send_lock(r, delivery_id: str, owner: str, ttl_s: int = 600) -> bool:
+    return bool(r.set(keys.delivery_lock(delivery_id), owner, nx=True, ex=ttl_s))
+
+
+def release_send_lock(r, delivery_id: str, owner: str) -> None:
+    # only the owner releases (compare-and-delete)
+    r.eval(
+        "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end",
+        1, keys.delivery_lock(delivery_id), owner,
+    )

@@ -1,0 +1,62 @@
+"""What tasks need from the outside world, handed in by `workers/`.
+
+Tasks never read the environment: the worker process installs a context
+factory at start-up (`set_factory`), and plain code receives a `Context`.
+Tests can build a Context directly and call the plain code without a broker.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from adapters.platforms.base import Platform
+from adapters.sandboxes.base import Sandbox, SandboxRef
+from storage import BlobStore
+
+
+class AgentConfig(Protocol):
+    command: list[str]
+    env: dict[str, str]
+    timeout_s: float
+    sandbox: str | None
+    cwd: str | None
+
+
+@dataclass
+class Context:
+    redis: Any
+    store: BlobStore
+    platform: Callable[[str], Platform]
+    sandbox: Callable[[SandboxRef], Sandbox]
+    agent: Callable[[str], AgentConfig | None]
+    #: the local sandbox directory a turn runs in when its agent names none
+    default_sandbox_dir: str = "/tmp/courier-sandbox"
+    max_file_bytes: int = 50 * 1000 * 1000
+    events_maxlen: int = 1000
+    max_transient_attempts: int = 8
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+_factory: Callable[[], Context] | None = None
+_ctx: Context | None = None
+_pid: int | None = None
+
+
+def set_factory(factory: Callable[[], Context]) -> None:
+    global _factory, _ctx
+    _factory = factory
+    _ctx = None
+
+
+def ctx() -> Context:
+    """The process's context (rebuilt after a fork: connections are per process)."""
+    global _ctx, _pid
+    if _ctx is None or _pid != os.getpid():
+        if _factory is None:
+            raise RuntimeError("no courier context: import workers.celery_app (or call tasks.runtime.set_factory)")
+        _ctx = _factory()
+        _pid = os.getpid()
+    return _ctx

@@ -1,0 +1,53 @@
+"""Fitting text and captions into a platform's limits: one place for all adapters."""
+
+from __future__ import annotations
+
+
+def split_text(text: str, limit_chars: int) -> list[str]:
+    """Split `text` into parts of at most `limit_chars`, preferring paragraph,
+    then line, then word boundaries; never loses or reorders characters
+    (bar the whitespace at the cut)."""
+    if limit_chars <= 0:
+        raise ValueError("limit_chars must be positive")
+    text = text.strip()
+    parts: list[str] = []
+    while len(text) > limit_chars:
+        window = text[:limit_chars]
+        cut = -1
+        for sep in ("\n\n", "\n", " "):
+            i = window.rfind(sep)
+            if i > limit_chars // 4:
+                cut = i
+                break
+        if cut <= 0:
+            cut = limit_chars
+        part, text = text[:cut].rstrip(), text[cut:].lstrip()
+        if part:
+            parts.append(part)
+    if text:
+        parts.append(text)
+    return parts
+
+
+def fit_caption(caption: str | None, limit_chars: int) -> tuple[str | None, list[str]]:
+    """A caption that fits, plus the text messages that carry what did not.
+
+    A caption over the limit goes as text messages after the file, so nothing
+    is lost and nothing is cut mid-word."""
+    if not caption:
+        return None, []
+    caption = caption.strip()
+    if limit_chars <= 0:
+        return None, split_text(caption, 4096)
+    if len(caption) <= limit_chars:
+        return caption, []
+    return None, split_text(caption, limit_chars if limit_chars >= 1000 else 4096)
+
+
+def human_bytes(n: int) -> str:
+    f = float(n)
+    for unit in ("B", "KB", "MB", "GB"):
+        if f < 1000 or unit == "GB":
+            return f"{f:.0f} {unit}" if unit == "B" else f"{f:.1f} {unit}"
+        f /= 1000
+    return f"{n} B"

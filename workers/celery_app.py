@@ -1,0 +1,88 @@
+"""The Celery app: queues, routes, reliability settings, the beat schedule.
+
+    celery -A workers.celery_app worker -Q turns,sandbox,delivery,janitor
+    celery -A workers.celery_app beat
+    celery -A workers.celery_app flower
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+from celery.schedules import crontab
+from kombu import Queue
+
+from tasks import runtime
+from workers.settings import get_settings
+
+QUEUES = ("turns", "sandbox", "delivery", "janitor")
+
+
+def task_queue(name: str, args=None, kwargs=None, options=None, task=None, **kw):
+    """`courier.<area>.<verb>` goes to the queue of its area."""
+    area = name.split(".")[1] if name.startswith("courier.") else None
+    if area == "turns":
+        return {"queue": "turns"}
+    if area == "sandbox":
+        return {"queue": "sandbox"}
+    if area == "delivery":
+        return {"queue": "delivery"}
+    if area == "janitor":
+        return {"queue": "janitor"}
+    return None
+
+
+def make_app() -> Celery:
+    s = get_settings()
+    app = Celery("courier", include=["tasks.pipeline"])
+    app.conf.update(
+        broker_url=s.redis_url,
+        result_backend=s.redis_url,
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        event_serializer="json",
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        task_acks_on_failure_or_timeout=True,
+        worker_prefetch_multiplier=1,
+        # a task reserved by a worker that died comes back after this; it must
+        # exceed every countdown we schedule (<= 900 s) and the turn timeout
+        broker_transport_options={"visibility_timeout": s.visibility_timeout_s},
+        result_backend_transport_options={"visibility_timeout": s.visibility_timeout_s},
+        worker_cancel_long_running_tasks_on_connection_loss=True,
+        broker_connection_retry_on_startup=True,
+        broker_connection_timeout=4,
+        task_publish_retry_policy={"max_retries": 3, "interval_start": 0.2, "interval_step": 0.5,
+                                   "interval_max": 1.0},
+        task_ignore_result=True,
+        result_expires=24 * 3600,
+        task_track_started=True,
+        worker_send_task_events=True,
+        task_send_sent_event=True,
+        task_default_queue="delivery",
+        task_queues=[Queue(q) for q in QUEUES],
+        task_create_missing_queues=True,
+        task_routes=(task_queue,),
+        beat_schedule={
+            "janitor-sweep": {
+                "task": "courier.janitor.sweep",
+                "schedule": crontab(minute="*/15"),
+                "options": {"queue": "janitor", "expires": 14 * 60},
+            },
+        },
+        timezone="UTC",
+        worker_hijack_root_logger=False,
+    )
+    return app
+
+
+app = make_app()
+
+
+def _context_factory():
+    from workers.wiring import build_context
+
+    return build_context()
+
+
+runtime.set_factory(_context_factory)
