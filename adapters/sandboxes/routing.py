@@ -1,0 +1,35 @@
+"""Per-host routing of sandbox work.
+
+Docker containers and singularity instances live on one host; their fast
+channels (bind mounts, the instance's root on disk, a local engine socket)
+only work from a worker on that host. A ref may name its host in
+``options["host"]``; the task layer routes ``extract_file`` for such a ref
+to the queue ``sandbox.<host>`` (a worker on that host consumes it).
+"""
+
+from __future__ import annotations
+
+import re
+
+from adapters.errors import ConfigError
+from adapters.sandboxes.base import SandboxRef
+
+_HOST_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
+
+
+def host_of(ref: SandboxRef) -> str | None:
+    """The host a sandbox lives on (`ref.options["host"]`), or None when any
+    worker can reach it. Only hostname characters are accepted, so the value
+    is safe in a queue name."""
+    host = (ref.options or {}).get("host")
+    if not host:
+        return None
+    if not _HOST_OK.match(host):
+        raise ConfigError(f"invalid sandbox host {host!r}")
+    return host
+
+
+def queue_for(ref: SandboxRef, default: str = "sandbox") -> str:
+    """`sandbox.<host>` for a pinned ref, else `default`."""
+    host = host_of(ref)
+    return f"{default}.{host}" if host else default
