@@ -1,0 +1,423 @@
+"""Docker containers (any engine serving the Docker API: dockerd, podman).
+
+Channels, fastest first:
+
+1. bind mount: when the resolved path lies in a ``type: bind`` mount and the
+   engine is on this host (unix socket), the file is read from the host
+   path directly. The host path is re-checked with ``realpath`` against the
+   mount source, opened with O_NOFOLLOW and checked again through
+   ``/proc/self/fd``, so a link inside the mount can never reach the host.
+2. archive API: ``get_archive`` streamed through ``tarfile`` mode ``r|`` in
+   1 MiB blocks straight into storage; the archive is checked member by
+   member (:func:`iter_single_member`).
+3. exec: ``cat`` through exec stdout (:mod:`adapters.sandboxes.execstream`),
+   used for resolving (one exec: ``readlink -f`` + ``stat``) and available
+   as :meth:`DockerSandbox.extract_via_exec`.
+
+Reads *inside* the container through the archive or exec channels are
+scoped to the container's filesystem by the engine; a process in the
+container that races a link swap after our resolve can only reach files it
+could read (and copy into /workspace) anyway. The host is reachable only
+through bind mounts, which is why that channel is checked on the host side.
+
+Every docker / requests / urllib3 error is translated in ONE place
+(:meth:`DockerSandbox._errors`).
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import stat as statmod
+import tarfile
+import time
+import uuid
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, BinaryIO
+
+from adapters.errors import FileMissing, NotAFile, SandboxError, SandboxGone, TooLarge, UnsafePath
+from adapters.sandboxes.base import DEFAULT_MAX_BYTES, PathPolicy, Sandbox, SandboxRef, _under, check_lexical
+from adapters.sandboxes.execstream import (
+    EXIT_CHANGED, ExecStream, ExecStreamMixin, exec_iter_file, exec_resolve, resolve_put_dest,
+)
+from adapters.sandboxes.routing import host_of  # noqa: F401 - re-exported for callers
+from storage.base import IterStream
+
+CHUNK = 1024 * 1024
+#: default roots inside a container (plus the exec user's $HOME when sane)
+DOCKER_DEFAULT_ROOTS = ("/workspace", "/tmp")
+
+# Go os.FileMode type bits, as the engine reports them in the archive stat header
+_GO_MODE_TYPE = (1 << 31) | (1 << 27) | (1 << 26) | (1 << 25) | (1 << 24) | (1 << 21) | (1 << 19)
+
+_FINALIZE_SCRIPT = r"""if [ -L "$2" ] || [ -d "$2" ]; then rm -f -- "$1"; exit 97; fi
+mv -f -- "$1" "$2" || { rm -f -- "$1"; exit 3; }
+"""
+
+
+# -- archive member checking (plain functions: testable with crafted tars) ----------
+def iter_single_member(fileobj: BinaryIO, *, expected_name: str | None, expected_size: int | None,
+                       max_bytes: int, block: int = CHUNK) -> Iterator[bytes]:
+    """Yield the data of the ONE regular file in a tar stream, checked.
+
+    Refuses (UnsafePath) links, devices, directories, absolute or `..`
+    names, a name other than `expected_name`, more than one member, and a
+    size other than `expected_size`; over `max_bytes` is TooLarge. The
+    trailing checks run before the generator ends, so an all-or-nothing
+    store keeps nothing when they fail.
+    """
+    try:
+        tar = tarfile.open(fileobj=fileobj, mode="r|", bufsize=block)
+    except tarfile.ReadError as exc:
+        raise SandboxGone(f"archive stream ended or is corrupt: {exc}") from exc
+    with tar:
+        try:
+            member = tar.next()
+        except tarfile.ReadError as exc:
+            raise SandboxGone(f"archive stream ended or is corrupt: {exc}") from exc
+        if member is None:
+            raise FileMissing("the archive is empty")
+        check_member(member, expected_name=expected_name, expected_size=expected_size, max_bytes=max_bytes)
+        f = tar.extractfile(member)
+        assert f is not None
+        n = 0
+        try:
+            while chunk := f.read(block):
+                n += len(chunk)
+                if n > max_bytes:
+                    raise TooLarge(f"{member.name}: larger than the {max_bytes:,} byte cap", size_bytes=n,
+                                   limit_bytes=max_bytes)
+                yield chunk
+            if n != member.size:
+                raise SandboxGone(f"{member.name}: archive ended after {n:,} of {member.size:,} bytes")
+            extra = tar.next()
+        except tarfile.ReadError as exc:
+            raise SandboxGone(f"archive stream ended early: {exc}") from exc
+        if extra is not None:
+            raise UnsafePath(f"archive holds more than one member ({member.name!r}, {extra.name!r})")
+
+
+def check_member(member: tarfile.TarInfo, *, expected_name: str | None, expected_size: int | None,
+                 max_bytes: int) -> None:
+    name = member.name
+    if name.startswith("/") or "\x00" in name or ".." in name.split("/"):
+        raise UnsafePath(f"archive member {name!r}: unsafe name")
+    if "/" in name.rstrip("/"):
+        raise UnsafePath(f"archive member {name!r}: not a single file")
+    if member.islnk() or member.issym():
+        raise UnsafePath(f"archive member {name!r}: is a link")
+    if member.isdir():
+        raise NotAFile(f"archive member {name!r}: is a directory")
+    if not member.isreg() or member.type not in (tarfile.REGTYPE, tarfile.AREGTYPE):
+        raise NotAFile(f"archive member {name!r}: not a regular file")
+    if expected_name is not None and name != expected_name:
+        raise UnsafePath(f"archive member {name!r}: expected {expected_name!r}")
+    if member.size > max_bytes:
+        raise TooLarge(f"{name}: {member.size:,} bytes is over the {max_bytes:,} byte cap",
+                       size_bytes=member.size, limit_bytes=max_bytes)
+    if expected_size is not None and member.size != expected_size:
+        raise SandboxGone(f"{name}: changed ({member.size:,} bytes in the archive, {expected_size:,} at resolve)")
+
+
+def tar_stream(name: str, size: int, chunks: Iterable[bytes], *, uid: int = 0, gid: int = 0,
+               mode: int = 0o644) -> Iterator[bytes]:
+    """A one-file tar archive as a generator (no temp file, no whole read).
+    Raises when `chunks` does not hold exactly `size` bytes."""
+    ti = tarfile.TarInfo(name)
+    ti.size = size
+    ti.mode = mode
+    ti.mtime = int(time.time())
+    ti.uid, ti.gid = uid, gid
+    ti.type = tarfile.REGTYPE
+    yield ti.tobuf(format=tarfile.PAX_FORMAT)
+    n = 0
+    for chunk in chunks:
+        n += len(chunk)
+        if n > size:
+            raise SandboxError(f"{name}: the stored blob grew while sending")
+        yield chunk
+    if n != size:
+        raise SandboxError(f"{name}: the stored blob shrank while sending ({n} of {size})")
+    pad = (-size) % tarfile.BLOCKSIZE
+    yield b"\0" * (pad + 2 * tarfile.BLOCKSIZE)
+
+
+class _DockerExec:
+    """The :class:`~adapters.sandboxes.execstream.ExecChannel` of one container."""
+
+    binary_safe = True
+
+    def __init__(self, sandbox: "DockerSandbox") -> None:
+        self.sb = sandbox
+
+    def _create(self, argv: Sequence[str]) -> str:
+        api = self.sb.client.api
+        with self.sb._errors("exec"):
+            return api.exec_create(self.sb.container_id, list(argv), stdout=True, stderr=True,
+                                   user=self.sb.ref.options.get("user", ""))["Id"]
+
+    def _exit_code(self, exec_id: str) -> int | None:
+        api = self.sb.client.api
+        with self.sb._errors("exec"):
+            info = api.exec_inspect(exec_id)
+            deadline = time.monotonic() + 5.0
+            # the engine may report the end of output a moment before the exit status
+            while info.get("Running") and time.monotonic() < deadline:
+                time.sleep(0.01)
+                info = api.exec_inspect(exec_id)
+        if info.get("Running"):
+            return None
+        code = info.get("ExitCode")
+        if code is not None and code >= 128 and not self.sb.alive():
+            raise SandboxGone(f"container {self.sb.ref.target} went away during exec")
+        return code
+
+    def exec_small(self, argv: Sequence[str]) -> tuple[int, bytes, bytes]:
+        exec_id = self._create(argv)
+        with self.sb._errors("exec"):
+            out, err = self.sb.client.api.exec_start(exec_id, demux=True)
+        rc = self._exit_code(exec_id)
+        if rc is None:
+            raise SandboxGone("exec did not finish")
+        return rc, out or b"", err or b""
+
+    def exec_stream(self, argv: Sequence[str]) -> ExecStream:
+        exec_id = self._create(argv)
+        with self.sb._errors("exec"):
+            stream = self.sb.client.api.exec_start(exec_id, stream=True, demux=True)
+        err = bytearray()
+        state = {"closed": False}
+
+        def chunks() -> Iterator[bytes]:
+            with self.sb._errors("exec stream"):
+                for out, e in stream:
+                    if out:
+                        yield out
+                    elif e and len(err) < 4096:
+                        err.extend(e[: 4096 - len(err)])
+
+        def close() -> None:
+            if not state["closed"]:
+                state["closed"] = True
+                try:
+                    stream.close()
+                except Exception:  # noqa: BLE001 - best effort on a dying socket
+                    pass
+
+        return ExecStream(chunks=chunks(), exit_code=lambda: self._exit_code(exec_id), stderr=lambda: bytes(err),
+                          close=close)
+
+
+class DockerSandbox(ExecStreamMixin, Sandbox):
+    kind = "docker"
+    exec_default_roots = DOCKER_DEFAULT_ROOTS
+
+    def __init__(self, ref: SandboxRef, policy: PathPolicy | None = None, *, base_url: str | None = None,
+                 client: Any = None, prefer_bind_mounts: bool = True, timeout_s: int = 120) -> None:
+        """`policy` None: roots from the ref, else /workspace, /tmp and the
+        exec user's $HOME (learnt in the first resolve exec), minus the denylist."""
+        self.ref = ref
+        self.policy = policy
+        if not ref.target:
+            raise UnsafePath("docker sandbox needs a container name or id")
+        if client is None:
+            import docker
+
+            try:
+                client = (docker.DockerClient(base_url=base_url, timeout=timeout_s) if base_url
+                          else docker.from_env(timeout=timeout_s))
+            except docker.errors.DockerException as exc:
+                raise SandboxGone(f"cannot reach the docker engine: {exc}") from exc
+            self._own_client = True
+        else:
+            self._own_client = False
+        self.client = client
+        self.prefer_bind_mounts = prefer_bind_mounts
+        self._attrs_cache: dict | None = None
+        self._exec = _DockerExec(self)
+        #: which channel moved each file (observability and tests)
+        self.stats = {"bind": 0, "archive": 0, "exec": 0}
+
+    # -- errors: the ONE place docker/requests errors become courier errors -------------
+    @contextmanager
+    def _errors(self, what: str, path: str | None = None):
+        import docker.errors
+        import requests.exceptions
+        import urllib3.exceptions
+
+        try:
+            yield
+        except (SandboxError, TooLarge):
+            raise
+        except docker.errors.NotFound as exc:
+            if path is not None and self.alive():
+                raise FileMissing(f"{path}: no such file") from exc
+            raise SandboxGone(f"container {self.ref.target} is gone ({what})") from exc
+        except docker.errors.APIError as exc:
+            status = exc.status_code or 0
+            if status in (409,) or status >= 500 or not self.alive():
+                raise SandboxGone(f"container {self.ref.target}: {what} failed: {exc.explanation or exc}") from exc
+            raise SandboxError(f"container {self.ref.target}: {what} failed: {exc.explanation or exc}") from exc
+        except (requests.exceptions.RequestException, urllib3.exceptions.HTTPError, docker.errors.DockerException,
+                ConnectionError, TimeoutError) as exc:
+            raise SandboxGone(f"container {self.ref.target}: {what} interrupted: {exc}") from exc
+        except tarfile.ReadError as exc:
+            raise SandboxGone(f"container {self.ref.target}: {what}: archive cut short: {exc}") from exc
+        except OSError as exc:
+            raise SandboxGone(f"container {self.ref.target}: {what}: {exc}") from exc
+
+    def alive(self) -> bool:
+        """Whether the container still exists and runs (never raises)."""
+        try:
+            info = self.client.api.inspect_container(self.ref.target)
+        except Exception:  # noqa: BLE001 - any failure means: not usable
+            return False
+        return bool(info.get("State", {}).get("Running"))
+
+    # -- container facts -----------------------------------------------------------------
+    def _attrs(self) -> dict:
+        if self._attrs_cache is None:
+            with self._errors("inspect"):
+                self._attrs_cache = self.client.api.inspect_container(self.ref.target)
+        return self._attrs_cache
+
+    @property
+    def container_id(self) -> str:
+        return self._attrs()["Id"]
+
+    def exec_channel(self) -> _DockerExec:
+        return self._exec
+
+    def _engine_is_local(self) -> bool:
+        base = getattr(self.client.api, "base_url", "")
+        return base.startswith("http+docker://") and not base.startswith("http+docker://ssh")
+
+    def bind_host_path(self, resolved: str) -> tuple[str, str] | None:
+        """(host path, mount source) when `resolved` lies in a bind mount
+        whose source exists on this host; the innermost mount wins."""
+        best = None
+        for m in self._attrs().get("Mounts") or []:
+            dest = m.get("Destination") or ""
+            if dest.startswith("/") and _under(resolved, dest):
+                if best is None or len(dest) > len(best["Destination"]):
+                    best = m
+        if best is None or best.get("Type") != "bind" or not best.get("Source"):
+            return None
+        src = best["Source"]
+        rel = posixpath.relpath(resolved, best["Destination"])
+        host = src if rel == "." else os.path.join(src, rel)
+        if not os.path.exists(src):
+            return None
+        return host, src
+
+    # -- outbound ------------------------------------------------------------------------
+    def extract(self, path: str, store, key: str, *, max_bytes: int = DEFAULT_MAX_BYTES):
+        check_lexical(path)
+        r = exec_resolve(self._exec, path)
+        self.policy_for(r.home).check(r.path, shown=path)
+        if r.size > max_bytes:
+            raise TooLarge(f"{path}: {r.size:,} bytes is over the {max_bytes:,} byte cap", size_bytes=r.size,
+                           limit_bytes=max_bytes)
+        if self.prefer_bind_mounts and self._engine_is_local():
+            bound = self.bind_host_path(r.path)
+            if bound is not None:
+                host, src = bound
+                fd = _open_under(host, src, shown=path)
+                try:
+                    size = os.fstat(fd).st_size
+                    if size > max_bytes:
+                        raise TooLarge(f"{path}: {size:,} bytes is over the {max_bytes:,} byte cap",
+                                       size_bytes=size, limit_bytes=max_bytes)
+                    f = os.fdopen(fd, "rb", buffering=0)
+                except BaseException:
+                    os.close(fd)
+                    raise
+                with f:
+                    info = store.put_stream(key, f, max_bytes=max_bytes)
+                self.stats["bind"] += 1
+                return info
+        info = store.put_stream(key, self.iter_archive(r.path, r.size, max_bytes=max_bytes), max_bytes=max_bytes)
+        self.stats["archive"] += 1
+        return info
+
+    def iter_archive(self, resolved: str, size: int | None, *, max_bytes: int) -> Iterator[bytes]:
+        """The file's bytes through ``get_archive``, member-checked."""
+        with self._errors("get_archive", path=resolved):
+            raw, st = self.client.api.get_archive(self.container_id, resolved, chunk_size=CHUNK)
+        try:
+            mode = int(st.get("mode", 0)) if isinstance(st, dict) else 0
+            if mode & _GO_MODE_TYPE:
+                raise NotAFile(f"{resolved}: not a regular file (changed after resolve)")
+            body = IterStream(raw)
+            with self._errors("archive stream", path=resolved):
+                yield from iter_single_member(body, expected_name=posixpath.basename(resolved),
+                                              expected_size=size, max_bytes=max_bytes)
+        finally:
+            close = getattr(raw, "close", None)
+            if close is not None:
+                close()
+
+    def open_stream(self, resolved: str) -> Iterator[bytes]:
+        return self.iter_archive(resolved, None, max_bytes=DEFAULT_MAX_BYTES * 1000)
+
+    def extract_via_exec(self, path: str, store, key: str, *, max_bytes: int = DEFAULT_MAX_BYTES):
+        """The universal fallback (one exec to resolve, one to stream)."""
+        info = self.exec_extract_file(path, store, key, max_bytes=max_bytes)
+        self.stats["exec"] += 1
+        return info
+
+    # -- inbound -------------------------------------------------------------------------
+    def put(self, store, key: str, dest_path: str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
+        """Stream a stored blob into the container: ``put_archive`` of a tar
+        generated on the fly under a temp name, then one exec renames it."""
+        info = store.stat(key)
+        if info.size_bytes > max_bytes:
+            raise TooLarge(f"{key}: {info.size_bytes:,} bytes is over the {max_bytes:,} byte cap",
+                           size_bytes=info.size_bytes, limit_bytes=max_bytes)
+        final, uid, gid = resolve_put_dest(self._exec, self.policy_for, dest_path)
+        parent, name = posixpath.split(final)
+        tmp_name = f".{name[:64]}.{uuid.uuid4().hex[:8]}.courier-part"
+        body = tar_stream(tmp_name, info.size_bytes, store.iter_chunks(key), uid=uid, gid=gid)
+        with self._errors("put_archive", path=parent):
+            self.client.api.put_archive(self.container_id, parent, body)
+        rc, _out, err = self._exec.exec_small(
+            ["sh", "-c", _FINALIZE_SCRIPT, "sh", posixpath.join(parent, tmp_name), final])
+        if rc == EXIT_CHANGED:
+            raise UnsafePath(f"{dest_path}: is a link or a directory")
+        if rc != 0:
+            raise SandboxError(f"{dest_path}: rename failed (exit {rc}: {err[:300]!r})")
+        return final
+
+    def close(self) -> None:
+        if self._own_client:
+            try:
+                self.client.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def _open_under(host: str, src: str, *, shown: str) -> int:
+    """Open `host` for reading only if it resolves (and stays, once opened)
+    inside the bind mount source `src`. Returns an fd of a regular file."""
+    src_real = os.path.realpath(src)
+    real = os.path.realpath(host)
+    if not (real == src_real or real.startswith(src_real.rstrip("/") + "/")):
+        raise UnsafePath(f"{shown}: leaves its bind mount on the host")
+    try:
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError as exc:
+        raise FileMissing(f"{shown}: no such file") from exc
+    except OSError as exc:
+        raise UnsafePath(f"{shown}: cannot open on the host ({exc.strerror})") from exc
+    try:
+        opened = os.readlink(f"/proc/self/fd/{fd}")
+        if not (opened == src_real or opened.startswith(src_real.rstrip("/") + "/")):
+            raise UnsafePath(f"{shown}: changed while opening")
+        if not statmod.S_ISREG(os.fstat(fd).st_mode):
+            raise NotAFile(f"{shown}: not a regular file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
