@@ -60,6 +60,10 @@ class Settings(BaseSettings):
     local_roots: list[str] | None = None
     #: size cap for one extracted file
     max_file_bytes: int = 50 * 1000 * 1000
+    #: Docker API of docker:// sandboxes (unix:///run/podman/podman.sock, tcp://...); default: DOCKER_HOST
+    docker_host: str | None = None
+    #: where singularity instance roots live (<dir>/<instance>/rootfs); default: ask apptainer
+    singularity_instances_dir: str | None = None
 
     # -- agents ----------------------------------------------------------
     #: JSON object: name -> {"command": [...], "env": {}, "timeout_s": 900, "sandbox": "local:///dir"}

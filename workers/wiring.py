@@ -64,6 +64,19 @@ def sandbox_policy(ref: SandboxRef, default_roots: tuple[str, ...], home: str | 
     return PathPolicy(roots=tuple(roots), home=home)
 
 
+@lru_cache(maxsize=4)
+def _docker_client(base_url: str | None):
+    """One Docker API client per engine and process (connections reused)."""
+    import docker
+
+    try:
+        return docker.DockerClient(base_url=base_url, timeout=120) if base_url else docker.from_env(timeout=120)
+    except docker.errors.DockerException as exc:
+        from adapters.errors import SandboxGone
+
+        raise SandboxGone(f"cannot reach the docker engine {base_url or '(DOCKER_HOST)'}: {exc}") from exc
+
+
 def open_sandbox(ref: SandboxRef, settings: Settings | None = None) -> Sandbox:
     s = settings or get_settings()
     if ref.kind == "local":
@@ -71,10 +84,16 @@ def open_sandbox(ref: SandboxRef, settings: Settings | None = None) -> Sandbox:
 
         roots = ref.roots or s.local_sandbox_roots
         return LocalSandbox.with_roots(tuple(roots), home=os.path.expanduser("~"))
-    # docker: (filled by the sandbox work)
+    if ref.kind == "docker":
+        from adapters.sandboxes.docker import DockerSandbox
+
+        return DockerSandbox(ref, None, client=_docker_client(s.docker_host))
     # ssh: (filled by the sandbox work)
     # modal: (filled by the sandbox work)
-    # singularity: (filled by the sandbox work)
+    if ref.kind == "singularity":
+        from adapters.sandboxes.singularity import SingularitySandbox
+
+        return SingularitySandbox(ref, None, instances_dir=s.singularity_instances_dir)
     raise ConfigError(f"sandbox kind {ref.kind!r} is not available in this build")
 
 

@@ -161,9 +161,11 @@ class _DockerExec:
         api = self.sb.client.api
         with self.sb._errors("exec"):
             info = api.exec_inspect(exec_id)
-            deadline = time.monotonic() + 5.0
+            start = time.monotonic()
             # the engine may report the end of output a moment before the exit status
-            while info.get("Running") and time.monotonic() < deadline:
+            while info.get("Running") and time.monotonic() < start + 5.0:
+                if time.monotonic() > start + 0.2 and not self.sb.alive():
+                    raise SandboxGone(f"container {self.sb.ref.target} went away during exec")
                 time.sleep(0.01)
                 info = api.exec_inspect(exec_id)
         if info.get("Running"):
@@ -353,6 +355,10 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
             with self._errors("archive stream", path=resolved):
                 yield from iter_single_member(body, expected_name=posixpath.basename(resolved),
                                               expected_size=size, max_bytes=max_bytes)
+            # an engine may finish a copy from a container removed meanwhile (podman
+            # does); one cheap inspect makes "gone mid-transfer" fail the same everywhere
+            if not self.alive():
+                raise SandboxGone(f"container {self.ref.target} went away during the transfer")
         finally:
             close = getattr(raw, "close", None)
             if close is not None:

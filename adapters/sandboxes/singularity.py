@@ -1,0 +1,294 @@
+"""Singularity / Apptainer instances: the instance's files are on this host.
+
+The instance root is, in order:
+
+1. ``instance_root`` given to the constructor (a sandbox directory, an
+   unpacked rootfs or an overlay upper dir);
+2. ``<instances_dir>/<instance>/rootfs`` (a per-deployment layout);
+3. ``apptainer|singularity instance list --json``: a sandbox-directory
+   image is its own root; a SIF instance is reached through
+   ``/proc/<pid>/root`` (the instance's mount namespace as its process sees
+   it, bind mounts included).
+
+Paths are resolved *inside* that root component by component with
+directory file descriptors (``openat`` with ``O_NOFOLLOW`` on every step):
+symlinks are followed by hand, an absolute link target restarts from the
+instance root and ``..`` never climbs above it, so no link can reach the
+host. The checked, link-free path is then opened by the same fd walk where
+any link found now (a swap after resolve) is refused, and streamed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+import shutil
+import stat as statmod
+import subprocess
+import uuid
+from collections import deque
+from collections.abc import Iterator
+
+from adapters.errors import ConfigError, FileMissing, NotAFile, SandboxGone, TooLarge, UnsafePath
+from adapters.sandboxes.base import DEFAULT_MAX_BYTES, PathPolicy, Sandbox, SandboxRef, check_lexical
+
+CHUNK = 1024 * 1024
+MAX_LINKS = 40
+SINGULARITY_DEFAULT_ROOTS = ("/workspace", "/tmp")
+
+_O_PATH = getattr(os, "O_PATH", os.O_RDONLY)
+_DIR_FLAGS = _O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _valid_instance(name: str) -> str:
+    if not name or name in (".", "..") or "/" in name or "\x00" in name:
+        raise ConfigError(f"invalid singularity instance name {name!r}")
+    return name
+
+
+def find_instance_root(instance: str, *, instance_root: str | None = None, instances_dir: str | None = None,
+                       binary: str | None = None) -> str:
+    """The host directory that is `instance`'s `/` (see module doc)."""
+    if instance_root:
+        if not os.path.isdir(instance_root):
+            raise SandboxGone(f"instance root {instance_root} does not exist")
+        return os.path.realpath(instance_root)
+    _valid_instance(instance)
+    if instances_dir:
+        cand = os.path.join(instances_dir, instance, "rootfs")
+        if os.path.isdir(cand):
+            return os.path.realpath(cand)
+    exe = binary or shutil.which("apptainer") or shutil.which("singularity")
+    if exe is None:
+        if instances_dir:
+            raise SandboxGone(f"singularity instance {instance!r} not found under {instances_dir}")
+        raise ConfigError("no singularity instance root: set the instances dir or install apptainer/singularity")
+    try:
+        out = subprocess.run([exe, "instance", "list", "--json"], capture_output=True, timeout=30, check=True).stdout
+        listing = json.loads(out or b"{}")
+    except (subprocess.SubprocessError, OSError, ValueError) as exc:
+        raise SandboxGone(f"cannot list singularity instances: {exc}") from exc
+    return root_from_listing(listing, instance)
+
+
+def root_from_listing(listing: dict, instance: str) -> str:
+    """Pick `instance` out of `instance list --json` output."""
+    for inst in listing.get("instances") or []:
+        if inst.get("instance") != instance:
+            continue
+        img = inst.get("img") or ""
+        if img and os.path.isdir(img):
+            return os.path.realpath(img)
+        pid = inst.get("pid")
+        if isinstance(pid, int) and pid > 0 and os.path.isdir(f"/proc/{pid}/root"):
+            return f"/proc/{pid}/root"
+        raise SandboxGone(f"singularity instance {instance!r} has no reachable root")
+    raise SandboxGone(f"singularity instance {instance!r} is not running")
+
+
+class _Walk:
+    """Directory fds from the instance root down to a path's parent."""
+
+    def __init__(self, root: str) -> None:
+        try:
+            self.root_fd = os.open(root, _O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError as exc:
+            raise SandboxGone(f"instance root {root} is gone") from exc
+        self.fds: list[int] = [self.root_fd]
+        self.names: list[str] = []
+
+    @property
+    def cur(self) -> int:
+        return self.fds[-1]
+
+    def up(self) -> None:
+        if len(self.fds) > 1:
+            os.close(self.fds.pop())
+            self.names.pop()
+
+    def to_root(self) -> None:
+        while len(self.fds) > 1:
+            self.up()
+
+    def down(self, name: str) -> None:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=self.cur)
+        self.fds.append(fd)
+        self.names.append(name)
+
+    def path(self, leaf: str | None = None) -> str:
+        parts = self.names + ([leaf] if leaf else [])
+        return "/" + "/".join(parts)
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+
+    def __enter__(self) -> "_Walk":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def resolve_in_root(root: str, path: str, *, max_links: int = MAX_LINKS) -> tuple[str, os.stat_result]:
+    """Resolve absolute `path` as the instance sees it, never leaving `root`.
+    Returns (resolved path inside the instance, lstat of the final entry)."""
+    parts = deque(p for p in path.split("/") if p)
+    links = 0
+    with _Walk(root) as w:
+        final: os.stat_result | None = None
+        leaf: str | None = None
+        while parts:
+            part = parts.popleft()
+            if part == ".":
+                continue
+            if part == "..":
+                w.up()
+                continue
+            try:
+                st = os.stat(part, dir_fd=w.cur, follow_symlinks=False)
+            except (FileNotFoundError, NotADirectoryError) as exc:
+                raise FileMissing(f"{path}: no such file") from exc
+            except PermissionError as exc:
+                raise UnsafePath(f"{path}: permission denied") from exc
+            if statmod.S_ISLNK(st.st_mode):
+                links += 1
+                if links > max_links:
+                    raise UnsafePath(f"{path}: too many levels of symbolic links")
+                target = os.readlink(part, dir_fd=w.cur)
+                if target.startswith("/"):
+                    w.to_root()
+                parts.extendleft(reversed([p for p in target.split("/") if p]))
+                continue
+            if parts:
+                if not statmod.S_ISDIR(st.st_mode):
+                    raise FileMissing(f"{path}: {w.path(part)} is not a directory")
+                try:
+                    w.down(part)
+                except OSError as exc:  # swapped for a link between stat and open
+                    raise UnsafePath(f"{path}: changed while resolving ({exc.strerror})") from exc
+            else:
+                final, leaf = st, part
+        if final is None:  # the root itself
+            return "/", os.fstat(w.cur)
+        return w.path(leaf), final
+
+
+def open_in_root(root: str, resolved: str, *, flags: int = os.O_RDONLY) -> int:
+    """Open a resolved (link-free) path under `root`; any link on the way is
+    refused (UnsafePath), the result must be a regular file."""
+    parts = [p for p in resolved.split("/") if p]
+    if not parts or any(p in (".", "..") for p in parts):
+        raise UnsafePath(f"{resolved}: not a resolved file path")
+    with _Walk(root) as w:
+        try:
+            for part in parts[:-1]:
+                w.down(part)
+            fd = os.open(parts[-1], flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=w.cur)
+        except FileNotFoundError as exc:
+            raise FileMissing(f"{resolved}: no such file") from exc
+        except OSError as exc:  # ELOOP / ENOTDIR: a component became a link
+            raise UnsafePath(f"{resolved}: changed after it was checked ({exc.strerror})") from exc
+    try:
+        if not statmod.S_ISREG(os.fstat(fd).st_mode):
+            raise NotAFile(f"{resolved}: not a regular file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class SingularitySandbox(Sandbox):
+    kind = "singularity"
+
+    def __init__(self, ref: SandboxRef, policy: PathPolicy | None = None, *, instance_root: str | None = None,
+                 instances_dir: str | None = None, binary: str | None = None) -> None:
+        """`policy` None: roots from the ref, else /workspace and /tmp (plus
+        ``options["home"]`` when the ref names the instance user's home)."""
+        if policy is None:
+            home = ref.options.get("home") or None
+            roots = tuple(ref.roots) or SINGULARITY_DEFAULT_ROOTS + ((home,) if home else ())
+            policy = PathPolicy(roots=roots, home=home)
+        super().__init__(ref, policy)
+        self.root = find_instance_root(ref.target, instance_root=instance_root, instances_dir=instances_dir,
+                                       binary=binary)
+
+    def resolve(self, path: str) -> tuple[str, int]:
+        check_lexical(path)
+        resolved, st = resolve_in_root(self.root, path)
+        self.policy.check(resolved, shown=path)
+        if statmod.S_ISDIR(st.st_mode):
+            raise NotAFile(f"{path}: is a directory")
+        if not statmod.S_ISREG(st.st_mode):
+            raise NotAFile(f"{path}: not a regular file")
+        return resolved, st.st_size
+
+    def open_stream(self, resolved: str) -> Iterator[bytes]:
+        self.policy.check(resolved)
+        fd = open_in_root(self.root, resolved)
+        with os.fdopen(fd, "rb", buffering=0) as f:
+            while chunk := f.read(CHUNK):
+                yield chunk
+
+    def extract(self, path: str, store, key: str, *, max_bytes: int = DEFAULT_MAX_BYTES):
+        resolved, size = self.resolve(path)
+        if size > max_bytes:
+            raise TooLarge(f"{path}: {size:,} bytes is over the {max_bytes:,} byte cap", size_bytes=size,
+                           limit_bytes=max_bytes)
+        return store.put_stream(key, self.open_stream(resolved), max_bytes=max_bytes)
+
+    def put(self, store, key: str, dest_path: str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
+        """Write a stored blob into the instance: temp file + rename in the
+        resolved destination directory (owned like that directory)."""
+        check_lexical(dest_path)
+        name = posixpath.basename(dest_path)
+        if not name:
+            raise UnsafePath(f"{dest_path}: needs a file name")
+        info = store.stat(key)
+        if info.size_bytes > max_bytes:
+            raise TooLarge(f"{key}: {info.size_bytes:,} bytes is over the {max_bytes:,} byte cap",
+                           size_bytes=info.size_bytes, limit_bytes=max_bytes)
+        parent, pst = resolve_in_root(self.root, posixpath.dirname(dest_path) or "/")
+        if not statmod.S_ISDIR(pst.st_mode):
+            raise NotAFile(f"{dest_path}: {parent} is not a directory")
+        final = posixpath.join(parent, name)
+        self.policy.check(final, shown=dest_path)
+        parts = [p for p in parent.split("/") if p]
+        tmp = f".{name[:64]}.{uuid.uuid4().hex[:8]}.courier-part"
+        with _Walk(self.root) as w:
+            try:
+                for part in parts:
+                    w.down(part)
+                dfd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=w.cur)
+            except OSError as exc:
+                raise UnsafePath(f"{dest_path}: changed after it was checked ({exc.strerror})") from exc
+        try:
+            try:
+                old = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            except FileNotFoundError:
+                old = None
+            if old is not None and (statmod.S_ISLNK(old.st_mode) or statmod.S_ISDIR(old.st_mode)):
+                raise UnsafePath(f"{dest_path}: is a link or a directory")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd)
+            try:
+                dst = os.fstat(dfd)
+                try:
+                    os.fchown(fd, dst.st_uid, dst.st_gid)
+                except PermissionError:
+                    pass
+                with os.fdopen(fd, "wb") as out:
+                    for chunk in store.iter_chunks(key):
+                        out.write(chunk)
+                os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            except BaseException:
+                try:
+                    os.unlink(tmp, dir_fd=dfd)
+                except FileNotFoundError:
+                    pass
+                raise
+        finally:
+            os.close(dfd)
+        return final
