@@ -49,6 +49,7 @@ CHUNK = 1024 * 1024
 DOCKER_DEFAULT_ROOTS = ("/workspace", "/tmp")
 
 # Go os.FileMode type bits, as the engine reports them in the archive stat header
+_GO_MODE_SYMLINK = 1 << 27
 _GO_MODE_TYPE = (1 << 31) | (1 << 27) | (1 << 26) | (1 << 25) | (1 << 24) | (1 << 21) | (1 << 19)
 
 _FINALIZE_SCRIPT = r"""if [ -L "$2" ] || [ -d "$2" ]; then rm -f -- "$1"; exit 97; fi
@@ -349,6 +350,8 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
             raw, st = self.client.api.get_archive(self.container_id, resolved, chunk_size=CHUNK)
         try:
             mode = int(st.get("mode", 0)) if isinstance(st, dict) else 0
+            if mode & _GO_MODE_SYMLINK:
+                raise UnsafePath(f"{resolved}: is a link (changed after resolve)")
             if mode & _GO_MODE_TYPE:
                 raise NotAFile(f"{resolved}: not a regular file (changed after resolve)")
             body = IterStream(raw)
