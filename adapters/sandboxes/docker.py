@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import os
 import posixpath
+import socket
 import stat as statmod
+import struct
 import tarfile
 import time
 import uuid
@@ -184,6 +186,43 @@ class _DockerExec:
         if rc is None:
             raise SandboxGone("exec did not finish")
         return rc, out or b"", err or b""
+
+    def exec_stdin(self, argv: Sequence[str], chunks: Iterable[bytes]) -> tuple[int, bytes, bytes]:
+        """Run argv with `chunks` streamed on its stdin (then EOF); for
+        commands with short output (it is read after stdin is sent)."""
+        api = self.sb.client.api
+        with self.sb._errors("exec"):
+            exec_id = api.exec_create(self.sb.container_id, list(argv), stdin=True, stdout=True, stderr=True,
+                                      user=self.sb.ref.options.get("user", ""))["Id"]
+            sock = api.exec_start(exec_id, socket=True)
+        raw = getattr(sock, "_sock", sock)
+        out, err = bytearray(), bytearray()
+        try:
+            with self.sb._errors("exec stdin"):
+                for chunk in chunks:
+                    if chunk:
+                        raw.sendall(chunk)
+                raw.shutdown(socket.SHUT_WR)
+                buf = bytearray()
+                while data := raw.recv(65536):
+                    buf += data
+                    while len(buf) >= 8:
+                        kind, size = struct.unpack(">BxxxL", bytes(buf[:8]))
+                        if len(buf) < 8 + size:
+                            break
+                        target = out if kind == 1 else err
+                        if len(target) < 65536:
+                            target += buf[8:8 + size]
+                        del buf[:8 + size]
+        finally:
+            try:
+                sock.close()
+            except Exception:  # noqa: BLE001
+                pass
+        rc = self._exit_code(exec_id)
+        if rc is None:
+            raise SandboxGone("exec did not finish")
+        return rc, bytes(out), bytes(err)
 
     def exec_stream(self, argv: Sequence[str]) -> ExecStream:
         exec_id = self._create(argv)

@@ -1,0 +1,235 @@
+"""The exec-stream fallback (adapters/sandboxes/execstream.py) through real channels:
+
+* the docker exec channel of a real container (rootful podman, busybox sh);
+* the same channel declared not binary-safe (base64 on the wire);
+* a local `sh` subprocess channel (dash + GNU coreutils, as on ssh hosts).
+
+Round trips are counted: one exec to resolve, one to stream, whatever the size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+from collections.abc import Iterable, Sequence
+
+import pytest
+
+from adapters.errors import FileMissing, NotAFile, SandboxGone, TooLarge, UnsafePath
+from adapters.sandboxes.base import PathPolicy, SandboxRef
+from adapters.sandboxes.docker import DockerSandbox
+from adapters.sandboxes.execstream import (
+    ExecChannel, ExecStream, default_roots, exec_extract, exec_iter_file, exec_put, exec_resolve,
+)
+from storage.volume import VolumeStore
+
+MB = 1000 * 1000
+
+SETUP = r"""set -e
+mkdir -p /workspace/dir /home/agent/.aws
+: > /workspace/f0
+head -c 1024 /dev/urandom > /workspace/f1k
+head -c 50000000 /dev/urandom > /workspace/f50m
+printf 'x' > '/workspace/we ird
+name'
+ln -s /etc/passwd /workspace/pw
+ln -s f1k /workspace/link_ok
+echo k > /home/agent/.aws/credentials
+"""
+
+
+class Counting:
+    """Wraps a real channel, counts execs; `binary_safe` may be overridden."""
+
+    def __init__(self, ch, binary_safe: bool | None = None) -> None:
+        self.ch = ch
+        self.binary_safe = ch.binary_safe if binary_safe is None else binary_safe
+        self.calls = 0
+
+    def exec_small(self, argv):
+        self.calls += 1
+        return self.ch.exec_small(argv)
+
+    def exec_stream(self, argv):
+        self.calls += 1
+        return self.ch.exec_stream(argv)
+
+    def exec_stdin(self, argv, chunks):
+        self.calls += 1
+        return self.ch.exec_stdin(argv, chunks)
+
+
+class LocalShell:
+    """A real exec channel on this host: `sh` subprocesses."""
+
+    binary_safe = True
+
+    def exec_small(self, argv: Sequence[str]):
+        p = subprocess.run(list(argv), capture_output=True, timeout=60)
+        return p.returncode, p.stdout, p.stderr
+
+    def exec_stream(self, argv: Sequence[str]) -> ExecStream:
+        p = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+
+        def chunks():
+            while data := p.stdout.read1(1 << 20):
+                yield data
+
+        def close():
+            if p.poll() is None:
+                p.kill()
+            p.stdout.close()
+            p.wait()
+
+        return ExecStream(chunks=chunks(), exit_code=p.wait, close=close)
+
+    def exec_stdin(self, argv: Sequence[str], chunks: Iterable[bytes]):
+        p = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for c in chunks:
+            p.stdin.write(c)
+        p.stdin.close()
+        out, err = p.stdout.read(), p.stderr.read()
+        return p.wait(), out, err
+
+
+def _sha_in(ctr, path: str) -> str:
+    res = ctr.exec_run(["sha256sum", path])
+    assert res.exit_code == 0, res.output
+    return res.output.split()[0].decode()
+
+
+@pytest.fixture(scope="module")
+def ctr(docker_api):
+    c = docker_api.run_container()
+    res = c.exec_run(["sh", "-c", SETUP])
+    assert res.exit_code == 0, res.output
+    yield c
+    docker_api.remove_container(c.id)
+
+
+@pytest.fixture(scope="module")
+def sandbox(docker_api, ctr):
+    client = docker_api.client()
+    yield DockerSandbox(SandboxRef("docker", ctr.name), None, client=client)
+    client.close()
+
+
+@pytest.fixture(params=["binary", "base64"])
+def ch(request, sandbox):
+    return Counting(sandbox.exec_channel(), binary_safe=(request.param == "binary"))
+
+
+@pytest.fixture
+def store(tmp_path):
+    return VolumeStore(tmp_path / "store")
+
+
+POLICY = PathPolicy(roots=default_roots("/home/agent"), home="/home/agent")
+
+
+def _stored(store) -> list[str]:
+    return [b.key for b in store.list()] + [p.name for p in (store.root / ".tmp").iterdir()]
+
+
+def test_channel_satisfies_protocol(sandbox):
+    assert isinstance(sandbox.exec_channel(), ExecChannel)
+    assert isinstance(LocalShell(), ExecChannel)
+
+
+@pytest.mark.parametrize("name", ["f0", "f1k", "f50m", "we ird\nname"])
+def test_extract_byte_identical_in_two_execs(ch, ctr, store, name):
+    path = f"/workspace/{name}"
+    info = exec_extract(ch, POLICY, path, store, "files/x", max_bytes=60 * MB)
+    assert info.sha256 == _sha_in(ctr, path)
+    assert ch.calls == 2
+
+
+def test_resolve_follows_links_and_reports_home(ch):
+    r = exec_resolve(ch, "/workspace/link_ok")
+    assert (r.path, r.size, r.home) == ("/workspace/f1k", 1024, "/home/agent")
+    assert ch.calls == 1
+
+
+@pytest.mark.parametrize("path, exc", [
+    ("/workspace/nope", FileMissing),
+    ("/nodir/nope", FileMissing),
+    ("/workspace/dir", NotAFile),
+    ("/workspace/pw", UnsafePath),
+    ("/etc/passwd", UnsafePath),
+    ("/home/agent/.aws/credentials", UnsafePath),
+    ("/workspace/../etc/passwd", UnsafePath),
+    ("/bin/busybox", UnsafePath),
+])
+def test_refused_nothing_stored(ch, store, path, exc):
+    with pytest.raises(exc):
+        exec_extract(ch, POLICY, path, store, "files/x")
+    assert _stored(store) == []
+
+
+def test_over_cap_nothing_stored(ch, store):
+    with pytest.raises(TooLarge):
+        exec_extract(ch, POLICY, "/workspace/f1k", store, "files/x", max_bytes=1000)
+    # and the cap while streaming (size lied about / file grew)
+    with pytest.raises(TooLarge):
+        store.put_stream("files/y", exec_iter_file(ch, "/workspace/f1k", max_bytes=1000))
+    assert _stored(store) == []
+
+
+def test_stream_rechecks_what_it_opened(ch, store):
+    # an unresolved link handed to the stream step: the opened fd is not the path
+    with pytest.raises(UnsafePath):
+        store.put_stream("files/x", exec_iter_file(ch, "/workspace/link_ok"))
+    with pytest.raises(SandboxGone):      # a size other than the resolved one
+        store.put_stream("files/x", exec_iter_file(ch, "/workspace/f1k", expected_size=5))
+    with pytest.raises(NotAFile):
+        store.put_stream("files/x", exec_iter_file(ch, "/workspace/dir"))
+    assert _stored(store) == []
+
+
+@pytest.mark.parametrize("size", [0, 1024, 5 * MB])
+def test_put_through_exec_stdin(ch, ctr, store, size):
+    info = store.put_stream("in/b", (os.urandom(min(MB, size - i)) for i in range(0, size, MB)))
+    final = exec_put(ch, lambda home: POLICY, store, "in/b", f"/workspace/in_{size}_{ch.binary_safe}")
+    assert _sha_in(ctr, final) == info.sha256
+    assert ch.calls == 2
+
+
+@pytest.mark.parametrize("dest", ["/etc/evil", "/workspace/pw", "/workspace/dir", "/home/agent/.aws/config"])
+def test_put_refused(ch, store, dest):
+    store.put_bytes("in/b", b"x")
+    with pytest.raises(UnsafePath):
+        exec_put(ch, lambda home: POLICY, store, "in/b", dest)
+
+
+def test_mixin_builds_default_policy_from_home(docker_api, ctr, store):
+    client = docker_api.client()
+    s = DockerSandbox(SandboxRef("docker", ctr.name), None, client=client)
+    assert s.extract_via_exec("/workspace/f1k", store, "files/a").size_bytes == 1024
+    assert s.policy.roots == ("/workspace", "/tmp", "/home/agent")
+    client.close()
+
+
+def test_default_roots_never_slash_or_denylisted():
+    assert default_roots("/") == ("/workspace", "/tmp")
+    assert default_roots("/root") == ("/workspace", "/tmp")
+    assert default_roots(None) == ("/workspace", "/tmp")
+    assert default_roots("/home/u/") == ("/workspace", "/tmp", "/home/u")
+
+
+# -- the same scripts under dash + GNU coreutils ------------------------------------------
+def test_local_shell_channel(tmp_path, store):
+    root = tmp_path / "ws"
+    root.mkdir()
+    data = os.urandom(3 * MB + 7)
+    (root / "f").write_bytes(data)
+    (root / "up").symlink_to("/etc/passwd")
+    policy = PathPolicy(roots=(str(root),))
+    for binary in (True, False):
+        ch = Counting(LocalShell(), binary_safe=binary)
+        info = exec_extract(ch, policy, str(root / "f"), store, f"files/{binary}", max_bytes=10 * MB)
+        assert info.sha256 == hashlib.sha256(data).hexdigest() and ch.calls == 2
+        with pytest.raises(UnsafePath):
+            exec_extract(ch, policy, str(root / "up"), store, "files/no")
+        exec_put(ch, lambda home: policy, store, f"files/{binary}", str(root / f"back_{binary}"))
+        assert (root / f"back_{binary}").read_bytes() == data
