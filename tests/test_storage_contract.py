@@ -16,22 +16,16 @@ import pytest
 from adapters.errors import BlobMissing, ConfigError, StorageError, TooLarge
 from storage import open_store
 from storage.s3 import MIN_PART_BYTES, S3Store
-from storage.volume import VolumeStore
 from tests.fixtures.services import free_port
 
 MiB = 1024 * 1024
 HOSTILE_KEYS = ["../x", "a/../../x", "/abs", "a\\b", "a//b", "", "a/./b", "a/", "a\x00b"]
 
 
-@pytest.fixture(params=["volume", "s3"])
-def store(request, tmp_path):
-    if request.param == "volume":
-        yield VolumeStore(tmp_path / "store")
-        return
-    srv = request.getfixturevalue("s3_server")
-    bucket = srv.make_bucket()
-    yield srv.store(bucket, "pfx", part_bytes=MIN_PART_BYTES)
-    srv.drop_bucket(bucket)
+@pytest.fixture
+def store(blob_store):
+    """Volume, then S3 on SeaweedFS (see tests/fixtures/s3_server.py)."""
+    return blob_store
 
 
 def leftovers(store) -> list:
