@@ -11,6 +11,7 @@ idempotent through delivery ids.
 
 from __future__ import annotations
 
+import logging
 import random
 
 from celery import shared_task
@@ -22,6 +23,8 @@ from tasks import delivery as delivery_mod
 from tasks import extract as extract_mod
 from tasks import keys, receipts, runtime
 from tasks import turn as turn_mod
+
+log = logging.getLogger(__name__)
 
 #: countdowns stay well under the broker's visibility timeout
 MAX_COUNTDOWN_S = 900.0
@@ -55,8 +58,12 @@ def extract_file(self, spec: dict) -> dict:
     ctx = runtime.ctx()
     try:
         return extract_mod.extract(ctx, spec)
-    except CourierError as exc:
-        if not exc.transient or self.request.retries >= ctx.max_transient_attempts:
+    except Retry:
+        raise
+    except Exception as exc:  # noqa: BLE001 - unmapped errors retry (bounded), then fail cleanly
+        transient = exc.transient if isinstance(exc, CourierError) else True
+        if not transient or self.request.retries + 1 >= ctx.max_transient_attempts:
+            log.warning("extraction %s failed: %r", spec.get("delivery"), exc)
             return {"ok": False, "reason": f"{type(exc).__name__}: {exc}", "name": spec["path"].rsplit("/", 1)[-1]}
         raise self.retry(exc=exc, countdown=backoff_s(self.request.retries))
 
@@ -77,9 +84,12 @@ def deliver(self, extracted: dict | None, job: dict) -> dict:
             return delivery_mod.record_failure(ctx, job, f"gave up after {n - 1} rate limits")
         countdown = min(MAX_COUNTDOWN_S, exc.retry_after_s + random.uniform(0.05, 0.5))
         raise self.retry(exc=exc, countdown=countdown)
-    except CourierError as exc:
-        if not exc.transient:
+    except Exception as exc:  # noqa: BLE001 - unmapped errors count as transient, bounded
+        if isinstance(exc, CourierError) and not exc.transient:
             return delivery_mod.record_failure(ctx, job, exc.reason)
+        if not isinstance(exc, CourierError):
+            log.exception("delivery %s: unexpected error", job["id"])
+            exc = CourierError(f"{type(exc).__name__}: {exc}")
         n = int(ctx.redis.hincrby(keys.delivery(job["id"]), "transient_errors", 1))
         receipts.update_delivery(ctx.redis, job["id"], state="retrying", reason=exc.reason)
         busy = isinstance(exc, delivery_mod.Busy)

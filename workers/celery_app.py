@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from celery import Celery
 from celery.schedules import crontab
-from kombu import Queue
+from kombu import Exchange, Queue
 
 from tasks import runtime
 from workers.settings import get_settings
@@ -20,14 +20,8 @@ QUEUES = ("turns", "sandbox", "delivery", "janitor")
 def task_queue(name: str, args=None, kwargs=None, options=None, task=None, **kw):
     """`courier.<area>.<verb>` goes to the queue of its area."""
     area = name.split(".")[1] if name.startswith("courier.") else None
-    if area == "turns":
-        return {"queue": "turns"}
-    if area == "sandbox":
-        return {"queue": "sandbox"}
-    if area == "delivery":
-        return {"queue": "delivery"}
-    if area == "janitor":
-        return {"queue": "janitor"}
+    if area in QUEUES:
+        return {"queue": area, "exchange": area, "routing_key": area}
     return None
 
 
@@ -60,7 +54,10 @@ def make_app() -> Celery:
         worker_send_task_events=True,
         task_send_sent_event=True,
         task_default_queue="delivery",
-        task_queues=[Queue(q) for q in QUEUES],
+        task_default_exchange="delivery",
+        task_default_routing_key="delivery",
+        # one direct exchange per queue: a message lands in exactly one queue
+        task_queues=[Queue(q, Exchange(q, type="direct"), routing_key=q) for q in QUEUES],
         task_create_missing_queues=True,
         task_routes=(task_queue,),
         beat_schedule={

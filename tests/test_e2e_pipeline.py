@@ -1,0 +1,129 @@
+"""End to end: real Redis, real worker processes, the real CLI; files land
+byte-identical in the outbox, in order."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import pytest
+
+from adapters.platforms.outbox import read_log
+from tests.fixtures.services import wait_until
+
+pytestmark = pytest.mark.slow
+
+
+def _sha(p) -> str:
+    h = hashlib.sha256()
+    with open(p, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _make(path, size: int) -> str:
+    with open(path, "wb") as f:
+        left = size
+        while left:
+            n = min(left, 1 << 20)
+            f.write(os.urandom(n))
+            left -= n
+    return _sha(path)
+
+
+@pytest.fixture
+def files(tmp_path):
+    d = tmp_path / "in"
+    d.mkdir()
+    out = []
+    for name, size in (("empty.bin", 0), ("small.txt", 1000), ("big.mp4", 50 * 1000 * 1000)):
+        p = d / name
+        out.append((p, _make(p, size), size))
+    return out
+
+
+def test_send_wait_delivers_byte_identical_in_order(courier_env, files):
+    env = courier_env()
+    env.start_worker()
+    res = env.cli("send", "outbox:ops", *[str(p) for p, _, _ in files], "--caption", "nightly", "--wait", "--json", "--timeout", "120")
+    assert res.returncode == 0, res.stderr + res.stdout
+    data = json.loads(res.stdout)
+    assert [d["state"] for d in data["deliveries"]] == ["delivered"] * 3
+    log = read_log(env.outbox, "ops")
+    assert [r["name"] for r in log] == [p.name for p, _, _ in files]
+    for rec, (p, sha, size) in zip(log, files):
+        assert rec["sha256"] == sha and rec["size_bytes"] == size
+        assert _sha(env.outbox / "ops" / rec["file"]) == sha
+    assert log[0]["caption"] == "nightly" and log[1]["caption"] is None
+    assert [r["kind"] for r in log] == ["document", "document", "video"]
+
+
+def test_sandbox_uri_extracted_then_delivered(courier_env):
+    env = courier_env()
+    src = env.sandbox / "chart.png"
+    sha = _make(src, 5000)
+    env.start_worker()
+    res = env.cli("send", "outbox:sb", f"local://{src}", "--wait", "--json", "--timeout", "60")
+    assert res.returncode == 0, res.stderr + res.stdout
+    log = read_log(env.outbox, "sb")
+    assert len(log) == 1 and log[0]["kind"] == "photo" and log[0]["sha256"] == sha
+
+
+def test_turn_with_bridge_agent_delivers_files_in_reply_order(courier_env, files, tmp_path):
+    agent = tmp_path / "agent.py"
+    sb = tmp_path / "env-agent-sandbox"
+    sb.mkdir()
+    paths = []
+    for p, sha, size in files:
+        dst = sb / p.name
+        os.link(p, dst)
+        paths.append((dst, sha, size))
+    agent.write_text(
+        "import sys, json\n"
+        "msg = sys.stdin.read()\n"
+        "print('AX_GATEWAY_EVENT ' + json.dumps({'kind': 'tool_start', 'tool_name': 'terminal', 'activity': '$ ls'}))\n"
+        "print('chatter goes here? no: this is the reply')\n"
+        + "".join(f"print('MEDIA:{p}')\n" for p, _, _ in reversed(paths))
+    )
+    agents = json.dumps({"files": {"command": [os.sys.executable, str(agent)], "timeout_s": 60}})
+    env = courier_env(COURIER_AGENTS=agents, COURIER_LOCAL_ROOTS=json.dumps([str(sb)]),
+                      COURIER_MAX_FILE_BYTES=str(60 * 1000 * 1000))
+    env.start_worker()
+    res = env.cli("turn", "outbox:t1", "send me the files", "--agent", "files", "--wait", "--json", "--timeout", "120")
+    assert res.returncode == 0, res.stderr + res.stdout
+    log = read_log(env.outbox, "t1")
+    assert log[0]["kind"] == "text" and "this is the reply" in log[0]["text"] and "MEDIA:" not in log[0]["text"]
+    got = [(r["name"], r["sha256"]) for r in log[1:]]
+    assert got == [(p.name, sha) for p, sha, _ in reversed(paths)]
+
+
+def test_bad_input_is_a_clear_one_line_error_and_nothing_enqueued(courier_env, redis_client, tmp_path):
+    env = courier_env()
+    f = tmp_path / "a.txt"
+    f.write_text("x")
+    outside = tmp_path / "outside.txt"
+    outside.write_text("secret")
+    cases = [
+        (["send", "nowhere:1", str(f)], "unknown platform"),
+        (["send", "outbox", str(f)], "malformed target"),
+        (["send", "outbox:x", str(tmp_path / "missing.txt")], "no such file"),
+        (["send", "outbox:x", f"local://{outside}"], "outside the allowed roots"),
+        (["send", "outbox:x", "local:///etc/passwd"], "never readable"),
+        (["send", "outbox:x", "ftp://host/x"], "unknown sandbox"),
+    ]
+    for args, expect in cases:
+        res = env.cli(*args)
+        assert res.returncode == 2, (args, res.stdout, res.stderr)
+        assert expect in res.stderr, (args, res.stderr)
+        assert len(res.stderr.strip().splitlines()) <= 2, res.stderr
+    bad_storage = courier_env(COURIER_STORAGE_URL="gopher://x/y")
+    res = bad_storage.cli("send", "outbox:x", str(f))
+    assert res.returncode == 2 and "storage" in res.stderr.lower()
+    down = courier_env(COURIER_REDIS_URL="redis://127.0.0.1:1/0")
+    res = down.cli("send", "outbox:x", str(f), timeout_s=30)
+    assert res.returncode == 3 and "not answering" in res.stderr
+    # nothing reached the broker queues
+    assert redis_client.llen("delivery") == 0 and redis_client.llen("sandbox") == 0
+    assert not list(redis_client.scan_iter("courier:job:*"))

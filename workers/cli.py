@@ -1,0 +1,376 @@
+"""The operator CLI: `courier send | turn | status | watch | demo`.
+
+Exit codes: 0 done; 1 a delivery or turn failed; 2 bad input (nothing was
+enqueued); 3 a service (Redis, storage) is unavailable (nothing was
+enqueued); 4 timed out waiting.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from adapters.errors import ConfigError, CourierError, SandboxError, StorageError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="courier: run chat-agent turns and deliver their files to chat platforms.")
+out = Console()
+err = Console(stderr=True)
+
+EXIT_FAILED, EXIT_INPUT, EXIT_SERVICE, EXIT_TIMEOUT = 1, 2, 3, 4
+PROGRESS_MIN_BYTES = 8 * 1024 * 1024
+
+
+def die(msg: str, code: int) -> "typer.Exit":
+    err.print(f"[bold red]error:[/] {msg}", highlight=False, soft_wrap=True)
+    return typer.Exit(code)
+
+
+def _settings():
+    from pydantic import ValidationError
+
+    from workers.settings import get_settings
+
+    try:
+        return get_settings()
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(x) for x in first.get("loc", ()))
+        raise die(f"bad setting {loc.upper() or ''}: {first.get('msg')}", EXIT_INPUT) from None
+
+
+def _redis(settings):
+    from workers.embedded import redact_url, redis_answers
+    from workers.wiring import redis_client
+
+    if not redis_answers(settings.redis_url, 2.0):
+        raise die(f"Redis at {redact_url(settings.redis_url)} is not answering; nothing was enqueued "
+                  "(start Redis or set COURIER_REDIS_URL)", EXIT_SERVICE)
+    return redis_client(settings.redis_url)
+
+
+def _store(settings):
+    from workers.wiring import store
+
+    try:
+        return store(settings)
+    except ConfigError as exc:
+        raise die(f"COURIER_STORAGE_URL: {exc}", EXIT_INPUT) from None
+    except StorageError as exc:
+        raise die(f"storage unavailable: {exc}", EXIT_SERVICE) from None
+
+
+def _target(settings, target: str) -> str:
+    from adapters.platforms.base import split_target
+    from workers.wiring import check_platform
+
+    try:
+        platform, _chat = split_target(target)
+        check_platform(platform, settings)
+    except ConfigError as exc:
+        raise die(str(exc), EXIT_INPUT) from None
+    return platform
+
+
+def _celery():
+    import workers.celery_app  # noqa: F401 - binds the tasks to the configured app
+    import tasks.pipeline  # noqa: F401
+
+
+# -- send ----------------------------------------------------------------------
+@app.command()
+def send(
+    target: Annotated[str, typer.Argument(help="<platform>:<chat id>, e.g. outbox:demo or telegram:-100123")],
+    paths: Annotated[list[str], typer.Argument(help="local files (stored as they are) or sandbox URIs "
+                                                    "(local:///abs/path, docker://ctr/path, ssh://host/path, ...)")],
+    caption: Annotated[str | None, typer.Option(help="caption for the first file")] = None,
+    as_document: Annotated[bool, typer.Option("--as-document", help="send images and video as documents")] = False,
+    voice: Annotated[bool, typer.Option("--voice", help="send audio as voice notes")] = False,
+    wait: Annotated[bool, typer.Option("--wait", help="wait for receipts; exit 1 if any delivery failed")] = False,
+    timeout: Annotated[float, typer.Option(help="seconds to wait with --wait")] = 300.0,
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
+    """Deliver files to a chat."""
+    from adapters.sandboxes.base import parse_uri
+    from tasks import chains, receipts
+
+    settings = _settings()
+    _target(settings, target)
+    items: list[tuple[str, object]] = []
+    for raw in paths:
+        if "://" in raw:
+            try:
+                ref, path = parse_uri(raw)
+            except ConfigError as exc:
+                raise die(str(exc), EXIT_INPUT) from None
+            if ref.kind == "local":
+                _precheck_local(settings, ref, path)
+            items.append(("sandbox", chains.SandboxFile(ref=ref, path=path)))
+        else:
+            p = Path(raw).expanduser()
+            if not p.exists():
+                raise die(f"no such file: {raw}", EXIT_INPUT)
+            if not p.is_file():
+                raise die(f"not a regular file: {raw}", EXIT_INPUT)
+            if not os.access(p, os.R_OK):
+                raise die(f"cannot read {raw}: permission denied", EXIT_INPUT)
+            items.append(("local", p))
+    r = _redis(settings)
+    store = _store(settings)
+    _celery()
+    job_id = chains.new_job_id("snd")
+    files: list = []
+    for seq, (kind, item) in enumerate(items):
+        if kind == "sandbox":
+            files.append(item)
+            continue
+        p: Path = item  # type: ignore[assignment]
+        key = chains.storage_key(job_id, seq, p.name)
+        try:
+            info = _upload(store, key, p)
+        except CourierError as exc:
+            raise die(f"could not store {p}: {exc}", EXIT_SERVICE) from None
+        files.append(chains.StoredFile(key=key, name=p.name, size=info.size_bytes, sha256=info.sha256 or ""))
+    receipts.create_job(r, job_id, kind="send", target=target)
+    plan = chains.Plan(job_id=job_id, target=target, files=files, caption=caption, voice=voice,
+                       as_document=as_document, max_bytes=settings.max_file_bytes)
+    ids = chains.enqueue(r, plan)
+    if not wait:
+        if as_json:
+            print(json.dumps({"job": job_id, "deliveries": ids}))
+        else:
+            out.print(f"queued [bold]{job_id}[/]: " + " ".join(ids), highlight=False)
+        return
+    rows, done = _wait_deliveries(r, job_id, timeout)
+    _finish(job_id, rows, done, as_json)
+
+
+def _precheck_local(settings, ref, path: str) -> None:
+    """A local sandbox path is checked here too, so a bad path enqueues nothing."""
+    from workers.wiring import open_sandbox
+
+    try:
+        open_sandbox(ref, settings).resolve(path)
+    except SandboxError as exc:
+        raise die(str(exc), EXIT_INPUT) from None
+
+
+def _upload(store, key: str, p: Path):
+    size = p.stat().st_size
+    with open(p, "rb") as f:
+        if size < PROGRESS_MIN_BYTES:
+            return store.put_stream(key, f)
+        from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+        with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                      TransferSpeedColumn(), console=err, transient=True) as prog:
+            t = prog.add_task(f"storing {p.name}", total=size)
+            return store.put_stream(key, f, progress=lambda n: prog.advance(t, n))
+
+
+def _wait_deliveries(r, job_id: str, timeout_s: float) -> tuple[list[dict], bool]:
+    from tasks import receipts
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        rows = receipts.job_deliveries(r, job_id)
+        if rows and all(row.get("state") in receipts.TERMINAL for row in rows):
+            return rows, True
+        if time.monotonic() > deadline:
+            return rows, False
+        time.sleep(0.05)
+
+
+def _finish(job_id: str, rows: list[dict], done: bool, as_json: bool) -> None:
+    failed = [row for row in rows if row.get("state") == "failed"]
+    if as_json:
+        print(json.dumps({"job": job_id, "done": done, "deliveries": rows}))
+    else:
+        out.print(_table(job_id, rows))
+    if not done:
+        raise die(f"timed out waiting for {job_id}; see `courier status {job_id}`", EXIT_TIMEOUT)
+    if failed:
+        raise typer.Exit(EXIT_FAILED)
+
+
+def _table(job_id: str, rows: list[dict]) -> Table:
+    t = Table(title=f"deliveries of {job_id}", title_justify="left")
+    for col in ("delivery", "platform", "kind", "name", "size", "attempts", "state", "message id / reason"):
+        t.add_column(col, overflow="fold")
+    for row in rows:
+        state = row.get("state", "")
+        color = {"delivered": "green", "failed": "red"}.get(state, "yellow")
+        t.add_row(row.get("id", ""), row.get("platform", ""), row.get("kind", ""), row.get("name", ""),
+                  row.get("size_bytes", ""), row.get("attempts", ""), f"[{color}]{state}[/]",
+                  row.get("message_id") if state == "delivered" else row.get("reason", ""))
+    return t
+
+
+# -- turn ------------------------------------------------------------------------
+@app.command()
+def turn(
+    target: Annotated[str, typer.Argument(help="<platform>:<chat id> the reply goes to")],
+    message: Annotated[str, typer.Argument(help="the user's message")],
+    agent: Annotated[str | None, typer.Option(help="agent name (settings COURIER_AGENTS, or the built-in demo)")] = None,
+    sandbox: Annotated[str | None, typer.Option(help="sandbox URI the agent works in, e.g. local:///srv/work")] = None,
+    wait: Annotated[bool, typer.Option("--wait", help="show live phases and wait for the deliveries")] = False,
+    timeout: Annotated[float, typer.Option(help="seconds to wait with --wait")] = 1200.0,
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
+    """Enqueue an agent turn."""
+    from adapters.sandboxes.base import parse_uri
+    from tasks import chains, receipts
+    from tasks.turn import BUILTIN_AGENTS
+
+    settings = _settings()
+    _target(settings, target)
+    name = agent or settings.default_agent
+    if settings.agent(name) is None and name not in BUILTIN_AGENTS:
+        known = sorted(set(settings.agents) | set(BUILTIN_AGENTS))
+        raise die(f"unknown agent {name!r}: known agents are {', '.join(known)}", EXIT_INPUT)
+    if sandbox:
+        try:
+            parse_uri(sandbox)
+        except ConfigError as exc:
+            raise die(str(exc), EXIT_INPUT) from None
+    r = _redis(settings)
+    _celery()
+    from tasks.pipeline import agent_turn
+
+    job_id = chains.new_job_id("turn")
+    receipts.create_job(r, job_id, kind="turn", target=target, agent=name)
+    agent_turn.apply_async(args=[{"job": job_id, "target": target, "message": message, "agent": name,
+                                  "sandbox": sandbox}], task_id=job_id)
+    if not wait:
+        print(json.dumps({"job": job_id}) if as_json else job_id)
+        return
+    if not as_json:
+        out.print(f"turn [bold]{job_id}[/] queued", highlight=False)
+    ok = watch_job(r, job_id, timeout, quiet=as_json)
+    if ok is None:
+        raise die(f"timed out waiting for {job_id}; see `courier status {job_id}`", EXIT_TIMEOUT)
+    rows, done = _wait_deliveries(r, job_id, timeout)
+    _finish(job_id, rows, done, as_json)
+    if not ok:
+        raise typer.Exit(EXIT_FAILED)
+
+
+def watch_job(r, job_id: str, timeout_s: float, *, quiet: bool = False) -> bool | None:
+    """Render a job's events until its terminal status. True: completed,
+    False: error / no reply, None: timed out."""
+    from tasks import events
+
+    deadline = time.monotonic() + timeout_s
+    for _eid, ev in events.follow(r, job_id, deadline_s=deadline, block_ms=500):
+        if not ev:
+            continue
+        if not quiet:
+            out.print(render_event(ev), highlight=False)
+        if ev.get("kind") == "status" and ev.get("status") in events.TERMINAL_STATUSES:
+            return ev["status"] == "completed"
+    return None
+
+
+def render_event(ev: dict) -> str:
+    kind = ev.get("kind")
+    if kind == "status":
+        st = ev.get("status", "")
+        color = {"completed": "green", "error": "red"}.get(st, "cyan")
+        extra = ev.get("reason") or ev.get("message") or ev.get("activity") or ""
+        return f"[{color}]● {st}[/] {extra}".rstrip()
+    if kind == "tool_start":
+        return f"  [dim]→[/] {ev.get('activity') or ev.get('tool_name', '')}"
+    if kind == "tool_result":
+        return f"  [dim]✓ {ev.get('tool_name', '')} {ev.get('status', '')}[/]"
+    if kind == "delivery":
+        st = ev.get("state", "")
+        color = {"delivered": "green", "failed": "red"}.get(st, "yellow")
+        what = ev.get("name") or ev.get("delivery_id", "")
+        tail = ev.get("reason") or ev.get("kind") or ""
+        return f"  [{color}]⇢ {st}[/] {what} {tail}".rstrip()
+    return f"  {json.dumps(ev)}"
+
+
+@app.command()
+def watch(
+    job_id: Annotated[str, typer.Argument(help="a turn or send id")],
+    timeout: Annotated[float, typer.Option(help="seconds to watch")] = 3600.0,
+) -> None:
+    """Show a turn's events live."""
+    settings = _settings()
+    r = _redis(settings)
+    res = watch_job(r, job_id, timeout)
+    if res is None:
+        raise typer.Exit(EXIT_TIMEOUT)
+    if not res:
+        raise typer.Exit(EXIT_FAILED)
+
+
+# -- status ------------------------------------------------------------------------
+@app.command()
+def status(
+    ident: Annotated[str, typer.Argument(metavar="ID", help="a send, turn or delivery id")],
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
+    """Show a job's deliveries (or one delivery's receipt)."""
+    from tasks import receipts
+
+    settings = _settings()
+    r = _redis(settings)
+    job = receipts.get_job(r, ident)
+    if job is not None:
+        rows = receipts.job_deliveries(r, ident)
+        if as_json:
+            print(json.dumps({"job": job, "deliveries": rows}))
+        else:
+            line = f"{job.get('kind')} {ident} → {job.get('target')}: {job.get('state')}"
+            if job.get("reason"):
+                line += f" ({job['reason']})"
+            out.print(line, highlight=False)
+            out.print(_table(ident, rows))
+        if any(row.get("state") == "failed" for row in rows) or job.get("state") == "error":
+            raise typer.Exit(EXIT_FAILED)
+        return
+    rec = receipts.get_delivery(r, ident)
+    if rec is None:
+        raise die(f"no send, turn or delivery with id {ident!r}", EXIT_INPUT)
+    if as_json:
+        print(json.dumps(rec))
+    else:
+        out.print(_table(rec.get("job", ""), [rec]))
+    if rec.get("state") == "failed":
+        raise typer.Exit(EXIT_FAILED)
+
+
+# -- demo --------------------------------------------------------------------------
+@app.command()
+def demo(
+    to: Annotated[str | None, typer.Option("--to", help="deliver to this target instead of the outbox")] = None,
+    message: Annotated[str, typer.Option(help="what to ask the demo agent")] = "make a chart of x^2",
+    timeout: Annotated[float, typer.Option(help="seconds before giving up")] = 120.0,
+) -> None:
+    """Run the whole pipeline locally: Redis (embedded if needed), a worker, the demo agent, the outbox."""
+    from workers.demo import run_demo
+
+    code = run_demo(to=to, message=message, timeout_s=timeout, console=out, err=err)
+    raise typer.Exit(code)
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""`courier demo`: the whole pipeline on embedded defaults.
+
+Redis at COURIER_REDIS_URL if it answers, else an embedded one; a worker
+process serving every queue; the bundled demo agent in a local sandbox dir;
+live phases; deliveries to the outbox (or `--to`); a table of what arrived.
+Everything it started is stopped at the end, also on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+WORKER_READY_TIMEOUT_S = 60
+
+
+def start_worker(env: dict[str, str], name: str, *, queues: str = "turns,sandbox,delivery,janitor",
+                 concurrency: int = 2, log_path: str | None = None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "celery", "-A", "workers.celery_app", "worker", "-Q", queues,
+           "--pool=prefork", f"--concurrency={concurrency}", "-n", name, "--loglevel=WARNING",
+           "--without-mingle", "--without-gossip"]
+    log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT if log_path else subprocess.DEVNULL,
+                            cwd=str(Path(__file__).resolve().parent.parent))
+
+
+def wait_worker(app, name: str, proc: subprocess.Popen, timeout_s: float = WORKER_READY_TIMEOUT_S) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        try:
+            if app.control.ping(destination=[name], timeout=0.5):
+                return True
+        except Exception:  # noqa: BLE001 - broker still starting
+            time.sleep(0.2)
+    return False
+
+
+def stop_worker(proc: subprocess.Popen, timeout_s: float = 15) -> None:
+    if proc.poll() is None:
+        proc.terminate()  # warm shutdown: finishes or returns what it holds
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run_demo(*, to: str | None, message: str, timeout_s: float, console: Console, err: Console) -> int:
+    from workers.embedded import ensure_redis, redact_url
+    from workers.settings import get_settings, reset_settings
+
+    settings = get_settings()
+    try:
+        redis_srv = ensure_redis(settings.redis_url)
+    except RuntimeError as exc:
+        err.print(f"[bold red]error:[/] {exc}")
+        return 3
+    worker = None
+    tmp = None
+    try:
+        if redis_srv.embedded:
+            console.print(f"Redis at {redact_url(settings.redis_url)} is not answering: "
+                          f"started an embedded one at {redis_srv.url}", highlight=False)
+        else:
+            console.print(f"using Redis at {redact_url(redis_srv.url)}", highlight=False)
+        os.environ["COURIER_REDIS_URL"] = redis_srv.url
+        if not os.environ.get("COURIER_DATA_DIR"):
+            tmp = tempfile.mkdtemp(prefix="courier-demo-")
+            os.environ["COURIER_DATA_DIR"] = tmp
+        reset_settings()
+        settings = get_settings()
+        target = to or "outbox:demo"
+        from adapters.errors import ConfigError
+        from adapters.platforms.base import split_target
+        from workers.wiring import check_platform
+
+        try:
+            check_platform(split_target(target)[0], settings)
+        except ConfigError as exc:
+            err.print(f"[bold red]error:[/] {exc}")
+            return 2
+
+        import workers.celery_app as celery_app
+        celery_app.app.conf.broker_url = settings.redis_url
+        celery_app.app.conf.result_backend = settings.redis_url
+        import tasks.pipeline  # noqa: F401
+        from tasks import chains, receipts
+        from tasks.pipeline import agent_turn
+        from workers.cli import _table, watch_job
+        from workers.wiring import redis_client
+
+        name = f"demo-{os.getpid()}@localhost"
+        console.print("starting a worker …")
+        worker = start_worker(dict(os.environ), name)
+        if not wait_worker(celery_app.app, name, worker):
+            err.print("[bold red]error:[/] the worker did not start (run `celery -A workers.celery_app worker` "
+                      "to see why)")
+            return 3
+        r = redis_client(settings.redis_url)
+        job_id = chains.new_job_id("turn")
+        receipts.create_job(r, job_id, kind="turn", target=target, agent="demo")
+        agent_turn.apply_async(args=[{"job": job_id, "target": target, "message": message, "agent": "demo"}],
+                               task_id=job_id)
+        console.print(f"turn [bold]{job_id}[/]: “{message}” → {target}", highlight=False)
+        ok = watch_job(r, job_id, timeout_s)
+        if ok is None:
+            err.print(f"[bold red]error:[/] timed out after {timeout_s:g}s")
+            return 4
+        from workers.cli import _wait_deliveries
+
+        rows, done = _wait_deliveries(r, job_id, timeout_s)
+        console.print(_table(job_id, rows))
+        if target.startswith("outbox:"):
+            console.print(_arrived_table(settings.outbox, split_target(target)[1]))
+            console.print(f"outbox: {settings.outbox / split_target(target)[1]}", highlight=False)
+        if not ok or not done or any(row.get("state") == "failed" for row in rows):
+            return 1
+        return 0
+    except KeyboardInterrupt:
+        err.print("interrupted: shutting down")
+        return 130
+    finally:
+        if worker is not None:
+            stop_worker(worker)
+        redis_srv.stop()
+
+
+def _arrived_table(outbox: Path, chat: str) -> Table:
+    from adapters.platforms.outbox import read_log
+
+    t = Table(title=f"arrived in outbox:{chat}", title_justify="left")
+    for col in ("kind", "file / text", "size", "sha256"):
+        t.add_column(col, overflow="fold")
+    for rec in read_log(outbox, chat):
+        if rec["kind"] == "text":
+            t.add_row("text", rec["text"][:70], str(len(rec["text"].encode())), "")
+        else:
+            t.add_row(rec["kind"], rec["file"], f"{rec['size_bytes']:,}", rec["sha256"][:16] + "…")
+    return t

