@@ -1,0 +1,760 @@
+"""The ssh sandbox: files on a remote host, over SFTP (paramiko) or OpenSSH.
+
+Default channel: paramiko SFTP on a pooled connection (one per user, host,
+port and credentials in a process; re-opened when dead), TCP_NODELAY on the
+socket, a tuned window / packet size, and `prefetch()` pipelining with
+255 KiB read requests on OpenSSH servers. Bytes stream into storage in 1 MiB
+chunks; nothing is held whole in memory.
+
+Option `use_openssh`: the `ssh` client over a ControlMaster socket
+(`ControlPersist=60`), streaming `cat -- PATH` from the remote shell. ssh
+joins its arguments into one remote shell command, so every path is quoted
+with `shlex.quote` (a POSIX login shell is assumed on the host).
+
+Safety: the path is resolved on the host (SFTP realpath; `readlink -f` over
+exec where the server's realpath is not trusted), checked against the roots
+and the denylist, and re-checked after transfer (same resolved path, size
+and mtime), else nothing is stored. Host keys are checked against a
+known_hosts file and an unknown key is refused, never added.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import getpass
+import os
+import posixpath
+import shlex
+import socket
+import stat
+import subprocess
+import tempfile
+import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from adapters.errors import (
+    ConfigError, CourierError, FileMissing, NotAFile, SandboxError, SandboxGone, TooLarge, UnsafePath,
+)
+from adapters.sandboxes.base import DEFAULT_MAX_BYTES, PathPolicy, Sandbox, SandboxRef, check_lexical
+
+CHUNK = 1024 * 1024
+#: SSH channel window: bounds what the server may send ahead (and our buffer).
+#: Measured on loopback: 2-8 MiB best; 32-64 MiB slower (paramiko's buffers).
+WINDOW_SIZE = 8 * 1024 * 1024
+#: largest SSH packet we accept (RFC 4253 lets a peer go to 256 KiB)
+MAX_PACKET_SIZE = 256 * 1024
+#: SFTP read/write request size on OpenSSH servers (its max is 256 KiB - 1 KiB);
+#: other servers keep paramiko's 32 KiB, which every server honours
+OPENSSH_REQUEST_SIZE = 261120
+#: default roots besides the remote user's home
+DEFAULT_ROOTS = ("/workspace", "/tmp")
+
+
+class SshAccessDenied(ConfigError, SandboxError):
+    """Authentication failed, or the host key is unknown / changed: a
+    configuration problem, not retried."""
+
+
+class FileChanged(SandboxError):
+    """The file changed (size, mtime or resolved path) during the transfer."""
+
+    transient = True
+
+
+# -- the connection pool ------------------------------------------------------
+@dataclass
+class _Pooled:
+    client: Any  # paramiko.SSHClient
+    pid: int
+
+
+_pool: dict[tuple, _Pooled] = {}
+_pool_lock = threading.Lock()
+
+
+def _paramiko():
+    try:
+        import paramiko
+    except ImportError as exc:  # pragma: no cover - a dependency of courier
+        raise ConfigError("the ssh sandbox needs paramiko: pip install paramiko") from exc
+    return paramiko
+
+
+def close_pool() -> None:
+    """Close every pooled connection of this process (tests, shutdown)."""
+    with _pool_lock:
+        entries = list(_pool.values())
+        _pool.clear()
+    for e in entries:
+        if e.pid == os.getpid():
+            with contextlib.suppress(Exception):
+                e.client.close()
+
+
+_control_dir_lock = threading.Lock()
+_default_control_dir: str | None = None
+
+
+def _control_dir() -> str:
+    """A short private directory for ControlPath sockets (sun_path is ~104 bytes)."""
+    global _default_control_dir
+    with _control_dir_lock:
+        if _default_control_dir is None or not os.path.isdir(_default_control_dir):
+            _default_control_dir = tempfile.mkdtemp(prefix="courier-ssh-", dir="/tmp")
+        return _default_control_dir
+
+
+# -- remote shell snippets (OpenSSH mode and the readlink fallback) ------------
+#: prints "$HOME\n<resolved>\n<size> <mtime>\n"; exit 3 missing, 4 not a file
+_RESOLVE_SH = (
+    'printf "%s\\n" "$HOME"; readlink -f -- "$1" || exit 3; test -e "$1" || exit 3; '
+    'test -f "$1" || exit 4; stat -L -c "%s %Y" -- "$1"'
+)
+#: streams $1, then reports "<marker><resolved>\n<size> <mtime>\n" on stderr
+#: (the after-transfer re-check without another round trip)
+_MARK = "@@courier-recheck@@"
+_CAT_SH = (
+    'cat -- "$1" || exit 9; printf "\n%s\n" "' + _MARK + '" >&2; '
+    'readlink -f -- "$1" >&2 && stat -L -c "%s %Y" -- "$1" >&2'
+)
+#: prints "<lexical ancestor>\0<resolved ancestor>\n" for the deepest existing ancestor of $1
+_ANCESTOR_SH = (
+    'd=$1; while [ ! -e "$d" ] && [ "$d" != / ]; do d=${d%/*}; [ -n "$d" ] || d=/; done; '
+    'printf "%s\\0" "$d"; readlink -f -- "$d"'
+)
+#: $1 resolved parent, $2 dest, $3 temp name, $4 expected size: write, verify, rename
+_PUT_SH = (
+    'umask 022; mkdir -p -- "$1" || exit 7; '
+    'if [ -L "$2" ]; then echo "is a symbolic link" >&2; exit 5; fi; '
+    'if [ -d "$2" ]; then echo "is a directory" >&2; exit 4; fi; '
+    'cat > "$3" || { rm -f -- "$3"; exit 8; }; '
+    'if [ "$(stat -c %s -- "$3")" != "$4" ]; then rm -f -- "$3"; echo "short write" >&2; exit 6; fi; '
+    'mv -f -- "$3" "$2" || { rm -f -- "$3"; exit 8; }'
+)
+
+
+def remote_command(script: str, *args: str) -> str:
+    """One remote shell command line running `script` with `args` as $1.. .
+
+    ssh concatenates its arguments into a single string for the remote login
+    shell, so every piece is quoted; the script itself reads its inputs from
+    positional parameters only."""
+    return " ".join(["sh", "-c", shlex.quote(script), "sh", *(shlex.quote(a) for a in args)])
+
+
+def _strip_nl(s: bytes) -> bytes:
+    return s[:-1] if s.endswith(b"\n") else s
+
+
+def _parse_resolve(out: bytes) -> tuple[str, str | None, tuple[int, int] | None]:
+    """(home, resolved or None, (size, mtime) or None) from `_RESOLVE_SH` output."""
+    home, _, rest = out.partition(b"\n")
+    if not rest:
+        return home.decode("utf-8", "surrogateescape"), None, None
+    body = _strip_nl(rest)
+    if b"\n" in body:
+        resolved, _, statline = body.rpartition(b"\n")
+        parts = statline.split()
+        if len(parts) == 2 and all(p.isdigit() for p in parts):
+            return (home.decode("utf-8", "surrogateescape"), resolved.decode("utf-8", "surrogateescape"),
+                    (int(parts[0]), int(parts[1])))
+    return home.decode("utf-8", "surrogateescape"), body.decode("utf-8", "surrogateescape"), None
+
+
+class SshSandbox(Sandbox):
+    kind = "ssh"
+
+    def __init__(
+        self,
+        ref: SandboxRef,
+        policy: PathPolicy,
+        *,
+        key_path: str | None,
+        known_hosts: str | None,
+        user: str | None = None,
+        port: int = 22,
+        use_openssh: bool = False,
+        control_dir: str | None = None,
+        connect_timeout_s: float = 10,
+        io_timeout_s: float = 60,
+        window_size: int = WINDOW_SIZE,
+        max_packet_size: int = MAX_PACKET_SIZE,
+        request_size: int | None = None,
+    ) -> None:
+        super().__init__(ref, policy)
+        if not ref.target:
+            raise ConfigError("ssh sandbox needs a host (ssh://user@host:port/path)")
+        self.host = ref.target
+        self.user = ref.options.get("user") or user or getpass.getuser()
+        try:
+            self.port = int(ref.options.get("port") or port)
+        except ValueError as exc:
+            raise ConfigError(f"ssh sandbox: bad port {ref.options.get('port')!r}") from exc
+        self.key_path = key_path
+        self.known_hosts = known_hosts
+        self.use_openssh = use_openssh
+        self.control_dir = control_dir
+        self.connect_timeout_s = connect_timeout_s
+        self.io_timeout_s = io_timeout_s
+        self.window_size = window_size
+        self.max_packet_size = max_packet_size
+        self.request_size = request_size
+        #: trust the server's SFTP realpath to resolve links (OpenSSH does);
+        #: when False every resolve runs `readlink -f` over exec
+        self.trust_sftp_realpath: bool | None = None
+        self._checked_policy: PathPolicy | None = None
+        for name, p in (("key", key_path), ("known_hosts", known_hosts)):
+            if p is not None and not os.path.isfile(p):
+                raise ConfigError(f"ssh sandbox: {name} file {p} does not exist")
+
+    @property
+    def where(self) -> str:
+        return f"{self.user}@{self.host}:{self.port}"
+
+    # -- errors: every paramiko / socket / ssh failure is translated here ------
+    @contextlib.contextmanager
+    def _errors(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except CourierError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - translated or re-raised
+            mapped = self._map_error(exc, what)
+            if mapped is None:
+                raise
+            raise mapped from exc
+
+    def _map_error(self, exc: BaseException, what: str) -> CourierError | None:
+        paramiko = _paramiko()
+        if isinstance(exc, paramiko.AuthenticationException):
+            return SshAccessDenied(
+                f"ssh {self.where}: authentication failed for user {self.user!r}"
+                f"{f' with key {self.key_path}' if self.key_path else ''}: {exc}"
+            )
+        if isinstance(exc, paramiko.BadHostKeyException):
+            return SshAccessDenied(
+                f"ssh {self.where}: host key does not match {self.known_hosts or 'known_hosts'} "
+                "(possible man-in-the-middle; refusing)"
+            )
+        if isinstance(exc, paramiko.SSHException) and "known_hosts" in str(exc):
+            return SshAccessDenied(
+                f"ssh {self.where}: unknown host key; add it to {self.known_hosts or '~/.ssh/known_hosts'} "
+                f"(e.g. ssh-keyscan -p {self.port} {self.host}) - host keys are never trusted automatically"
+            )
+        code = getattr(exc, "errno", None)
+        if isinstance(exc, OSError) and code == errno.ENOENT:
+            return FileMissing(f"{what}: no such file on {self.where}")
+        if isinstance(exc, OSError) and code in (errno.EACCES, errno.EPERM):
+            return UnsafePath(f"{what}: permission denied on {self.where}")
+        if isinstance(exc, (socket.timeout, TimeoutError)):
+            self._evict()
+            return SandboxGone(f"ssh {self.where}: timed out ({what})")
+        if isinstance(exc, (EOFError, paramiko.SSHException, ConnectionError, OSError)):
+            if isinstance(exc, (ConnectionError, EOFError, paramiko.SSHException)) or not self._alive():
+                self._evict()
+                return SandboxGone(f"ssh {self.where}: connection lost ({what}): {exc or type(exc).__name__}")
+            return SandboxError(f"{what}: {exc} on {self.where}")
+        return None
+
+    # -- pool -----------------------------------------------------------------
+    def _pool_key(self) -> tuple:
+        return (self.user, self.host, self.port, self.key_path, self.known_hosts,
+                self.window_size, self.max_packet_size)
+
+    def _alive(self) -> bool:
+        e = _pool.get(self._pool_key())
+        t = e.client.get_transport() if e else None
+        return bool(t and t.is_active())
+
+    def _evict(self) -> None:
+        with _pool_lock:
+            e = _pool.pop(self._pool_key(), None)
+        if e is not None and e.pid == os.getpid():
+            with contextlib.suppress(Exception):
+                e.client.close()
+
+    def transport(self):
+        """The pooled paramiko Transport (connecting or reconnecting as needed)."""
+        return self._client().get_transport()
+
+    def _client(self):
+        key = self._pool_key()
+        with _pool_lock:
+            e = _pool.get(key)
+            if e is not None:
+                t = e.client.get_transport()
+                if e.pid == os.getpid() and t is not None and t.is_active():
+                    return e.client
+                _pool.pop(key, None)
+                if e.pid == os.getpid():  # a forked child must not touch the parent's socket
+                    with contextlib.suppress(Exception):
+                        e.client.close()
+            client = self._connect()
+            _pool[key] = _Pooled(client, os.getpid())
+            return client
+
+    def _connect(self):
+        paramiko = _paramiko()
+        client = paramiko.SSHClient()
+        if self.known_hosts:
+            client.load_host_keys(self.known_hosts)
+        else:
+            client.load_system_host_keys()
+        client.set_missing_host_key_policy(paramiko.RejectPolicy())
+        try:
+            sock = socket.create_connection((self.host, self.port), timeout=self.connect_timeout_s)
+        except OSError as exc:
+            raise SandboxGone(f"ssh {self.where}: cannot connect: {exc.strerror or exc}") from exc
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        window, packet = self.window_size, self.max_packet_size
+
+        def factory(s, **kw):
+            return paramiko.Transport(s, default_window_size=window, default_max_packet_size=packet, **kw)
+
+        try:
+            client.connect(
+                self.host, port=self.port, username=self.user, key_filename=self.key_path, sock=sock,
+                timeout=self.connect_timeout_s, banner_timeout=self.connect_timeout_s,
+                auth_timeout=self.connect_timeout_s, allow_agent=self.key_path is None,
+                look_for_keys=self.key_path is None, transport_factory=factory,
+            )
+        except BaseException:
+            client.close()
+            sock.close()
+            raise
+        t = client.get_transport()
+        t.set_keepalive(30)
+        if self.trust_sftp_realpath is None:
+            self.trust_sftp_realpath = "OpenSSH" in (t.remote_version or "")
+        return client
+
+    @contextlib.contextmanager
+    def _sftp(self) -> Iterator[Any]:
+        """A fresh SFTP channel on the pooled connection (channels are cheap;
+        an SFTPClient is not safe to share between threads)."""
+        paramiko = _paramiko()
+        try:
+            t = self.transport()
+            sftp = paramiko.SFTPClient.from_transport(t, window_size=self.window_size,
+                                                      max_packet_size=self.max_packet_size)
+        except (paramiko.SSHException, EOFError, OSError) as exc:
+            if isinstance(exc, paramiko.AuthenticationException) or "known_hosts" in str(exc):
+                raise
+            self._evict()  # stale pooled transport: one reconnect
+            t = self.transport()
+            sftp = paramiko.SFTPClient.from_transport(t, window_size=self.window_size,
+                                                      max_packet_size=self.max_packet_size)
+        if sftp is None:
+            raise SandboxGone(f"ssh {self.where}: could not open an SFTP channel")
+        sftp.get_channel().settimeout(self.io_timeout_s)
+        try:
+            yield sftp
+        finally:
+            with contextlib.suppress(Exception):
+                sftp.close()
+
+    def _exec(self, command: str, limit: int = 1 << 20) -> tuple[int, bytes, bytes]:
+        """Run one small remote command on the pooled connection; (rc, stdout, stderr)."""
+        chan = self.transport().open_session()
+        try:
+            chan.settimeout(self.io_timeout_s)
+            chan.exec_command(command)
+            chan.shutdown_write()
+            out, err = bytearray(), bytearray()
+            for buf, recv in ((out, chan.recv), (err, chan.recv_stderr)):
+                while data := recv(65536):
+                    if len(buf) < limit:
+                        buf += data
+            return chan.recv_exit_status(), bytes(out), bytes(err)
+        finally:
+            chan.close()
+
+    # -- policy ---------------------------------------------------------------
+    def _policy(self, home: str | None) -> PathPolicy:
+        if self._checked_policy is None:
+            roots = self.policy.roots or (*DEFAULT_ROOTS, *((home,) if home else ()))
+            self._checked_policy = PathPolicy(roots=tuple(roots), home=self.policy.home or home,
+                                              denylist=self.policy.denylist)
+        return self._checked_policy
+
+    def _sftp_policy(self, sftp) -> PathPolicy:
+        if self._checked_policy is None:
+            home = None if (self.policy.roots and self.policy.home) else sftp.normalize(".")
+            return self._policy(home)
+        return self._checked_policy
+
+    def _deny_lexical(self, policy: PathPolicy, path: str) -> None:
+        """For a path that does not resolve: refuse it if denylisted as written."""
+        norm = posixpath.normpath(path)
+        for d in policy.denied():
+            if norm == d or norm.startswith(d.rstrip("/") + "/"):
+                raise UnsafePath(f"{path}: {d} is never readable")
+
+    # -- resolve ----------------------------------------------------------------
+    def resolve(self, path: str) -> tuple[str, int]:
+        check_lexical(path)
+        if self.use_openssh:
+            resolved, size, _ = self._resolve_openssh(path)
+            return resolved, size
+        with self._errors(path), self._sftp() as sftp:
+            resolved, st = self._resolve_sftp(sftp, path)
+            return resolved, st.st_size
+
+    def _resolve_sftp(self, sftp, path: str):
+        policy = self._sftp_policy(sftp)
+        try:
+            if self.trust_sftp_realpath:
+                real = sftp.normalize(path)
+            else:
+                real = self._readlink_f(path)
+        except FileNotFoundError:
+            self._deny_lexical(policy, path)
+            raise FileMissing(f"{path}: no such file on {self.where}") from None
+        policy.check(real, shown=path)
+        try:
+            st = sftp.lstat(real)
+        except FileNotFoundError:
+            raise FileMissing(f"{path}: no such file on {self.where}") from None
+        if stat.S_ISLNK(st.st_mode or 0):  # the server's realpath left a link: resolve on the host
+            real = self._readlink_f(real)
+            policy.check(real, shown=path)
+            st = sftp.lstat(real)
+            if stat.S_ISLNK(st.st_mode or 0):
+                raise UnsafePath(f"{path}: links keep changing")
+        if not stat.S_ISREG(st.st_mode or 0):
+            raise NotAFile(f"{path}: not a regular file")
+        return real, st
+
+    def _readlink_f(self, path: str) -> str:
+        rc, out, err = self._exec(remote_command('readlink -f -- "$1"', path), limit=65536)
+        if rc != 0 or not out:
+            raise FileNotFoundError(errno.ENOENT, f"readlink -f failed: {err.decode(errors='replace').strip()}")
+        return _strip_nl(out).decode("utf-8", "surrogateescape")
+
+    # -- stream -----------------------------------------------------------------
+    def _request_size(self, sftp) -> int:
+        if self.request_size:
+            return self.request_size
+        version = sftp.get_channel().get_transport().remote_version or ""
+        return OPENSSH_REQUEST_SIZE if "OpenSSH" in version else 32768
+
+    def _stream_sftp(self, sftp, resolved: str, st0) -> Iterator[bytes]:
+        """Pipelined SFTP read of an already resolved file; re-checked at the end."""
+        f = sftp.open(resolved, "rb")
+        req = self._request_size(sftp)
+        f.MAX_REQUEST_SIZE = req  # per-file: fewer, larger READ requests
+        fst = f.stat()
+        if not stat.S_ISREG(fst.st_mode or 0):
+            raise NotAFile(f"{resolved}: not a regular file")
+        if (fst.st_size, fst.st_mtime) != (st0.st_size, st0.st_mtime):
+            raise FileChanged(f"{resolved}: changed between resolve and open")
+        # No max_concurrent_requests: the SSH window bounds what is in flight
+        # (a cap makes paramiko's prefetch thread poll, measured much slower).
+        f.prefetch(fst.st_size)
+        total = 0
+        parts: list[bytes] = []
+        pending = 0
+        while True:
+            data = f.read(req)
+            if not data:
+                break
+            parts.append(data)
+            pending += len(data)
+            if pending >= CHUNK:
+                total += pending
+                yield b"".join(parts)
+                parts, pending = [], 0
+        if parts:
+            total += pending
+            yield b"".join(parts)
+        f.close()
+        self._recheck_sftp(sftp, resolved, fst, total)
+
+    def _recheck_sftp(self, sftp, resolved: str, st0, total: int) -> None:
+        st1 = sftp.stat(resolved)
+        if total != st0.st_size or (st1.st_size, st1.st_mtime) != (st0.st_size, st0.st_mtime):
+            raise FileChanged(f"{resolved}: changed during the transfer ({total:,} of {st0.st_size:,} bytes read)")
+        if self.trust_sftp_realpath and sftp.normalize(resolved) != resolved:
+            raise FileChanged(f"{resolved}: a link was swapped in during the transfer")
+
+    def open_stream(self, resolved: str) -> Iterator[bytes]:
+        if self.use_openssh:
+            yield from self._stream_openssh(resolved)
+            return
+        with self._errors(resolved), self._sftp() as sftp:
+            policy = self._sftp_policy(sftp)
+            policy.check(resolved)
+            yield from self._stream_sftp(sftp, resolved, sftp.stat(resolved))
+
+    def extract(self, path: str, store, key: str, *, max_bytes: int = DEFAULT_MAX_BYTES):
+        """Resolve, check and stream on one SFTP channel; nothing stored on failure."""
+        check_lexical(path)
+        if self.use_openssh:
+            resolved, size, stamp = self._resolve_openssh(path)
+            self._cap(path, size, max_bytes)
+            return store.put_stream(key, self._stream_openssh(resolved, stamp), max_bytes=max_bytes)
+        with self._errors(path), self._sftp() as sftp:
+            resolved, st = self._resolve_sftp(sftp, path)
+            self._cap(path, st.st_size, max_bytes)
+            return store.put_stream(key, self._stream_sftp(sftp, resolved, st), max_bytes=max_bytes)
+
+    @staticmethod
+    def _cap(path: str, size: int, max_bytes: int) -> None:
+        if size > max_bytes:
+            raise TooLarge(f"{path}: {size:,} bytes is over the {max_bytes:,} byte cap",
+                           size_bytes=size, limit_bytes=max_bytes)
+
+    # -- inbound ------------------------------------------------------------------
+    def put(self, store, key: str, dest_path: str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
+        """Stream a stored blob to `dest_path` on the host: written to a temp
+        name beside it, size-checked, then renamed over the destination."""
+        check_lexical(dest_path)
+        size = store.stat(key).size_bytes
+        if size > max_bytes:
+            raise TooLarge(f"{key}: {size:,} bytes is over the {max_bytes:,} byte cap",
+                           size_bytes=size, limit_bytes=max_bytes)
+        if self.use_openssh:
+            return self._put_openssh(store, key, dest_path, size, max_bytes)
+        with self._errors(dest_path), self._sftp() as sftp:
+            policy = self._sftp_policy(sftp)
+            self._deny_lexical(policy, dest_path)
+            policy.check(posixpath.normpath(dest_path), shown=dest_path)
+            # deepest existing ancestor, resolved on the host; the rest is created
+            missing: list[str] = []
+            cur = posixpath.dirname(dest_path)
+            while True:
+                try:
+                    real_anc = sftp.normalize(cur) if self.trust_sftp_realpath else self._readlink_f(cur)
+                    sftp.stat(real_anc)
+                    break
+                except FileNotFoundError:
+                    if cur == "/":
+                        raise
+                    missing.insert(0, posixpath.basename(cur))
+                    cur = posixpath.dirname(cur)
+            parent = posixpath.join(real_anc, *missing)
+            dest = posixpath.join(parent, posixpath.basename(dest_path))
+            policy.check(dest, shown=dest_path)
+            if not stat.S_ISDIR(sftp.stat(real_anc).st_mode or 0):
+                raise NotAFile(f"{dest_path}: {real_anc} is not a directory")
+            for i in range(len(missing)):
+                d = posixpath.join(real_anc, *missing[: i + 1])
+                try:
+                    sftp.mkdir(d, 0o755)
+                except OSError:
+                    if not stat.S_ISDIR(sftp.lstat(d).st_mode or 0):
+                        raise NotAFile(f"{dest_path}: {d} is not a directory") from None
+            try:
+                st = sftp.lstat(dest)
+            except FileNotFoundError:
+                st = None
+            if st is not None and stat.S_ISLNK(st.st_mode or 0):
+                raise UnsafePath(f"{dest_path}: is a symbolic link")
+            if st is not None and not stat.S_ISREG(st.st_mode or 0):
+                raise NotAFile(f"{dest_path}: exists and is not a regular file")
+            tmp = f"{dest}.courier-{uuid.uuid4().hex[:12]}.part"
+            try:
+                sent = 0
+                with sftp.open(tmp, "wbx") as f:
+                    f.MAX_REQUEST_SIZE = self._request_size(sftp)
+                    f.set_pipelined(True)
+                    for chunk in store.iter_chunks(key):
+                        sent += len(chunk)
+                        if sent > max_bytes:
+                            raise TooLarge(f"{key}: over the {max_bytes:,} byte cap", limit_bytes=max_bytes)
+                        f.write(chunk)
+                if sent != size or sftp.stat(tmp).st_size != sent:
+                    raise FileChanged(f"{dest_path}: short write ({sent:,} of {size:,} bytes)")
+                try:
+                    sftp.posix_rename(tmp, dest)
+                except OSError as exc:
+                    if getattr(exc, "errno", None) is not None:
+                        raise
+                    sftp.rename(tmp, dest)  # no posix-rename extension, and dest absent
+            except BaseException:
+                if self._alive():
+                    with contextlib.suppress(Exception):
+                        sftp.remove(tmp)
+                raise
+            return dest
+
+    # -- OpenSSH ------------------------------------------------------------------
+    def _ssh_argv(self, command: str) -> list[str]:
+        cdir = self.control_dir or _control_dir()
+        argv = [
+            "ssh", "-T", "-e", "none", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
+            "-o", f"ConnectTimeout={max(1, int(self.connect_timeout_s))}",
+            "-o", "ServerAliveInterval=15", "-o", "ServerAliveCountMax=3",
+            "-o", "ControlMaster=auto", "-o", f"ControlPath={cdir}/cm-%C", "-o", "ControlPersist=60",
+            "-p", str(self.port), "-l", self.user,
+        ]
+        if self.known_hosts:
+            argv += ["-o", f"UserKnownHostsFile={self.known_hosts}", "-o", "GlobalKnownHostsFile=/dev/null"]
+        if self.key_path:
+            argv += ["-i", self.key_path, "-o", "IdentitiesOnly=yes"]
+        return [*argv, "--", self.host, command]
+
+    def _ssh_error(self, rc: int, err: bytes, what: str) -> CourierError:
+        text = err.decode("utf-8", "replace").strip()
+        if rc == 255:
+            low = text.lower()
+            if "host key verification failed" in low or "remote host identification has changed" in low:
+                return SshAccessDenied(f"ssh {self.where}: host key unknown or changed; refusing ({text[-300:]})")
+            if "permission denied" in low:
+                return SshAccessDenied(f"ssh {self.where}: authentication failed for user {self.user!r}: {text[-300:]}")
+            return SandboxGone(f"ssh {self.where}: connection failed or lost ({what}): {text[-300:] or 'exit 255'}")
+        if "no such file" in text.lower():
+            return FileMissing(f"{what}: no such file on {self.where}")
+        return SandboxError(f"{what}: remote command failed with exit {rc} on {self.where}: {text[-300:]}")
+
+    def _run_ssh(self, command: str, what: str, *, stdin=subprocess.DEVNULL) -> tuple[int, bytes, bytes]:
+        # stderr goes to a file: a ControlPersist master forked by this ssh
+        # may keep an inherited stderr pipe open for a minute
+        with tempfile.TemporaryFile() as errf:
+            try:
+                proc = subprocess.run(self._ssh_argv(command), stdin=stdin, stdout=subprocess.PIPE, stderr=errf,
+                                      timeout=self.io_timeout_s + self.connect_timeout_s)
+            except subprocess.TimeoutExpired as exc:
+                raise SandboxGone(f"ssh {self.where}: timed out ({what})") from exc
+            except FileNotFoundError as exc:
+                raise ConfigError("use_openssh needs the OpenSSH client: apt-get install openssh-client") from exc
+            errf.seek(0)
+            return proc.returncode, proc.stdout, errf.read(65536)
+
+    def _resolve_openssh(self, path: str) -> tuple[str, int, tuple[int, int]]:
+        rc, out, err = self._run_ssh(remote_command(_RESOLVE_SH, path), path)
+        if rc == 255 or (rc not in (0, 3, 4)):
+            raise self._ssh_error(rc, err, path)
+        home, resolved, stamp = _parse_resolve(out)
+        policy = self._policy(home or None)
+        if resolved is None:
+            self._deny_lexical(policy, path)
+            raise FileMissing(f"{path}: no such file on {self.where}")
+        policy.check(resolved, shown=path)
+        if rc == 3:
+            raise FileMissing(f"{path}: no such file on {self.where}")
+        if rc == 4:
+            raise NotAFile(f"{path}: not a regular file")
+        if stamp is None:
+            raise SandboxError(f"{path}: unexpected answer from {self.where}")
+        return resolved, stamp[0], stamp
+
+    def _stream_openssh(self, resolved: str, stamp: tuple[int, int] | None = None) -> Iterator[bytes]:
+        if stamp is None:
+            resolved2, _, stamp = self._resolve_openssh(resolved)
+            if resolved2 != resolved:
+                raise FileChanged(f"{resolved}: resolves elsewhere now")
+        self._policy(None).check(resolved)
+        with tempfile.TemporaryFile() as errf:
+            try:
+                proc = subprocess.Popen(self._ssh_argv(remote_command(_CAT_SH, resolved)), stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.PIPE, stderr=errf, bufsize=0)
+            except FileNotFoundError as exc:
+                raise ConfigError("use_openssh needs the OpenSSH client: apt-get install openssh-client") from exc
+            total = 0
+            try:
+                buf = bytearray(CHUNK)
+                view = memoryview(buf)
+                fill = 0
+                while True:
+                    n = proc.stdout.readinto(view[fill:])
+                    if not n:
+                        break
+                    fill += n
+                    if fill == CHUNK:
+                        total += fill
+                        yield bytes(buf)
+                        fill = 0
+                if fill:
+                    total += fill
+                    yield bytes(view[:fill])
+                rc = proc.wait(timeout=self.io_timeout_s)
+            finally:
+                if proc.poll() is None:  # abandoned early: stop our ssh client (the master stays)
+                    proc.kill()
+                    proc.wait()
+                proc.stdout.close()
+            errf.seek(0)
+            err = errf.read(1 << 20)
+        if rc != 0:
+            raise self._ssh_error(rc, err, resolved)
+        _, marker, after = err.rpartition(b"\n" + _MARK.encode() + b"\n")
+        _, resolved2, stamp2 = _parse_resolve(b"\n" + after) if marker else ("", None, None)
+        if resolved2 != resolved or stamp2 != stamp or total != stamp[0]:
+            raise FileChanged(f"{resolved}: changed during the transfer ({total:,} of {stamp[0]:,} bytes read)")
+
+    def _put_openssh(self, store, key: str, dest_path: str, size: int, max_bytes: int) -> str:
+        policy = self._policy(self._remote_home())
+        self._deny_lexical(policy, dest_path)
+        policy.check(posixpath.normpath(dest_path), shown=dest_path)
+        parent_lex = posixpath.dirname(dest_path)
+        rc, out, err = self._run_ssh(remote_command(_ANCESTOR_SH, parent_lex), dest_path)
+        if rc != 0:
+            raise self._ssh_error(rc, err, dest_path)
+        anc_lex, _, anc_real = out.partition(b"\0")
+        anc_lex_s = anc_lex.decode("utf-8", "surrogateescape")
+        anc_real_s = _strip_nl(anc_real).decode("utf-8", "surrogateescape")
+        rest = parent_lex[len(anc_lex_s):].lstrip("/") if parent_lex.startswith(anc_lex_s) else None
+        if rest is None or not anc_real_s.startswith("/"):
+            raise SandboxError(f"{dest_path}: unexpected answer from {self.where}")
+        parent = posixpath.join(anc_real_s, rest) if rest else anc_real_s
+        dest = posixpath.join(parent, posixpath.basename(dest_path))
+        policy.check(dest, shown=dest_path)
+        tmp = f"{dest}.courier-{uuid.uuid4().hex[:12]}.part"
+        cmd = remote_command(_PUT_SH, parent, dest, tmp, str(size))
+        with tempfile.TemporaryFile() as errf:
+            proc = subprocess.Popen(self._ssh_argv(cmd), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                    stderr=errf, bufsize=0)
+            sent = 0
+            try:
+                for chunk in store.iter_chunks(key):
+                    sent += len(chunk)
+                    if sent > max_bytes:
+                        raise TooLarge(f"{key}: over the {max_bytes:,} byte cap", limit_bytes=max_bytes)
+                    proc.stdin.write(chunk)
+                proc.stdin.close()
+                rc = proc.wait(timeout=self.io_timeout_s)
+            except BrokenPipeError:
+                proc.wait(timeout=self.io_timeout_s)
+                rc = proc.returncode
+            finally:
+                if proc.poll() is None:  # aborted: the remote never sees a full stream; the size check refuses it
+                    proc.kill()
+                    proc.wait()
+            errf.seek(0)
+            err = errf.read(65536)
+        if rc == 5:
+            raise UnsafePath(f"{dest_path}: is a symbolic link")
+        if rc == 4:
+            raise NotAFile(f"{dest_path}: exists and is not a regular file")
+        if rc == 6:
+            raise FileChanged(f"{dest_path}: short write ({sent:,} of {size:,} bytes)")
+        if rc != 0:
+            raise self._ssh_error(rc, err, dest_path)
+        return dest
+
+    def _remote_home(self) -> str | None:
+        if self._checked_policy is not None or (self.policy.roots and self.policy.home):
+            return None
+        rc, out, err = self._run_ssh('printf "%s\\n" "$HOME"', "home")
+        if rc != 0:
+            raise self._ssh_error(rc, err, "home")
+        return _strip_nl(out).decode("utf-8", "surrogateescape") or None
+
+    def close(self) -> None:
+        """Stop this sandbox's OpenSSH control master, if any (pooled paramiko
+        connections stay for reuse; see close_pool)."""
+        if not self.use_openssh:
+            return
+        cdir = self.control_dir or _default_control_dir
+        if not cdir:
+            return
+        argv = self._ssh_argv("true")
+        argv = argv[: argv.index("--")] + ["-O", "exit", "--", self.host]
+        with contextlib.suppress(Exception):
+            subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           timeout=10)

@@ -1,0 +1,381 @@
+"""SshSandbox against a real OpenSSH server on 127.0.0.1 (tests/fixtures/sshd.py).
+
+Both channels: paramiko SFTP (default) and the OpenSSH client over a
+ControlMaster socket (`use_openssh=True`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+
+from adapters.errors import FileMissing, NotAFile, SandboxGone, TooLarge, UnsafePath
+from adapters.sandboxes.base import PathPolicy, SandboxRef
+from adapters.sandboxes.ssh import FileChanged, SshAccessDenied, SshSandbox, close_pool
+from storage.volume import VolumeStore
+from tests.fixtures.services import wait_until
+
+MODES = ["sftp", "openssh"]
+BIG = 50 * 1000 * 1000
+HOSTILE = [
+    "with space.txt", "quote'single.txt", 'quote"double.txt', "$(touch PWNED).txt", "`touch PWNED`.txt",
+    "new\nline.txt", "-rf", "semi;colon&amp|pipe.txt", "back\\slash*?.txt", "trailing newline\n",
+]
+
+
+def write_random(path: Path, size: int) -> str:
+    digest = hashlib.sha256()
+    with open(path, "wb") as f:
+        left = size
+        while left:
+            block = os.urandom(min(left, 1 << 20))
+            digest.update(block)
+            f.write(block)
+            left -= len(block)
+    return digest.hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def assert_store_empty(store: VolumeStore) -> None:
+    assert list(store.list()) == []
+    assert os.listdir(store.root / ".tmp") == []
+
+
+@pytest.fixture(scope="module")
+def area(tmp_path_factory):
+    """root/ (the allowed root) with files of every size; outside/ beside it."""
+    base = tmp_path_factory.mktemp("sshsb")
+    root, outside = base / "root", base / "outside"
+    root.mkdir()
+    outside.mkdir()
+    sums = {}
+    for name, size in (("empty.bin", 0), ("one_kb.bin", 1000), ("big.bin", BIG)):
+        sums[name] = write_random(root / name, size)
+    (root / "dir").mkdir()
+    (outside / "secret.txt").write_text("secret")
+    os.symlink(outside / "secret.txt", root / "escape.txt")
+    os.symlink("/etc/hostname", root / "etc_link")
+    os.symlink(root / "one_kb.bin", root / "inside_link.bin")
+    os.symlink(outside, root / "outdir")
+    (root / ".ssh").mkdir()
+    (root / ".ssh" / "authorized_keys").write_text("ssh-ed25519 AAAA test\n")
+    return {"root": root, "outside": outside, "sums": sums}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_connections():
+    yield
+    close_pool()
+
+
+@pytest.fixture(scope="module")
+def control_dir(sshd_server):
+    d = tempfile.mkdtemp(prefix="cm", dir="/tmp")  # ControlPath must stay short
+    yield d
+    make(sshd_server, None, "openssh", d).close()  # the master shared by this module's tests
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def store(tmp_path):
+    return VolumeStore(tmp_path / "store")
+
+
+def make(sshd, root: Path | None, mode: str = "sftp", control_dir: str | None = None, home: Path | None = None,
+         **kw) -> SshSandbox:
+    roots = (str(root),) if root else ()
+    ref = SandboxRef("ssh", sshd.host, roots=roots, options={"user": sshd.user, "port": str(sshd.port)})
+    opts = dict(key_path=sshd.key_path, known_hosts=sshd.known_hosts, use_openssh=mode == "openssh",
+                control_dir=control_dir)
+    opts.update(kw)
+    return SshSandbox(ref, PathPolicy(roots=roots, home=str(home) if home else None), **opts)
+
+
+@pytest.fixture(params=MODES)
+def sb(request, sshd_server, area, control_dir):
+    s = make(sshd_server, area["root"], request.param, control_dir)
+    yield s
+    s.close()
+
+
+# -- extraction ----------------------------------------------------------------
+@pytest.mark.parametrize("name", ["empty.bin", "one_kb.bin", "big.bin"])
+def test_extract_byte_identical(sb, area, store, name):
+    info = sb.extract(str(area["root"] / name), store, f"files/{name}")
+    assert info.sha256 == area["sums"][name]
+    assert info.size_bytes == (area["root"] / name).stat().st_size
+    assert sha256_file(store.local_path(f"files/{name}")) == area["sums"][name]
+
+
+def test_link_inside_roots_is_followed(sb, area, store):
+    info = sb.extract(str(area["root"] / "inside_link.bin"), store, "files/l")
+    assert info.sha256 == area["sums"]["one_kb.bin"]
+    assert sb.resolve(str(area["root"] / "inside_link.bin"))[0] == str(area["root"] / "one_kb.bin")
+
+
+def test_over_the_cap_stores_nothing(sb, area, store):
+    with pytest.raises(TooLarge):
+        sb.extract(str(area["root"] / "one_kb.bin"), store, "files/x", max_bytes=999)
+    assert_store_empty(store)
+
+
+@pytest.mark.parametrize("rel, exc", [
+    ("missing.bin", FileMissing),
+    ("nodir/missing.bin", FileMissing),
+    ("dir", NotAFile),
+    ("escape.txt", UnsafePath),
+    ("etc_link", UnsafePath),
+    ("outdir/secret.txt", UnsafePath),
+    ("../outside/secret.txt", UnsafePath),
+    ("dir/../one_kb.bin", UnsafePath),
+    (".ssh/authorized_keys", UnsafePath),
+])
+def test_refused(sshd_server, area, control_dir, store, rel, exc):
+    for mode in MODES:
+        # home == the root: ~/.ssh stays denied although it is under a root
+        s = make(sshd_server, area["root"], mode, control_dir, home=area["root"])
+        with pytest.raises(exc):
+            s.extract(f"{area['root']}/{rel}", store, "files/x")
+    assert_store_empty(store)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_default_roots_and_denylist(sshd_server, area, control_dir, store, mode):
+    """No roots given: /workspace, /tmp and the remote home (root: /root, denylisted)."""
+    s = make(sshd_server, None, mode, control_dir)
+    info = s.extract(str(area["root"] / "one_kb.bin"), store, "files/ok")  # under /tmp
+    assert info.sha256 == area["sums"]["one_kb.bin"]
+    for path in ("/etc/passwd", "/root/.ssh/authorized_keys", "/proc/self/environ",
+                 f"{os.path.expanduser('~')}/.ssh/nothing-here"):
+        with pytest.raises(UnsafePath):
+            s.extract(path, store, "files/no")
+    assert [b.key for b in store.list()] == ["files/ok"]
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+@pytest.mark.parametrize("mode", ["sftp", "openssh", "readlink"])
+def test_hostile_names(sshd_server, area, control_dir, store, tmp_path, mode, name):
+    """Names with spaces, quotes, $(), backticks, newlines and a leading dash
+    reach the remote shell only quoted: bytes identical and nothing executed."""
+    d = Path(tempfile.mkdtemp(dir=area["root"]))
+    src = d / name
+    want = write_random(src, 4096)
+    s = make(sshd_server, area["root"], "openssh" if mode == "openssh" else "sftp", control_dir)
+    if mode == "readlink":
+        s.trust_sftp_realpath = False  # resolve with `readlink -f` over exec
+    info = s.extract(str(src), store, "files/h")
+    assert info.sha256 == want
+    s.put(store, "files/h", str(d / ("copy " + name)))
+    assert sha256_file(d / ("copy " + name)) == want
+    assert not list(Path("/").glob("PWNED*")) and not list(Path.home().glob("PWNED*"))
+    assert sorted(os.listdir(d)) == sorted([name, "copy " + name])
+
+
+# -- host keys and auth --------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_unknown_host_key_rejected(sshd_server, area, control_dir, store, tmp_path, mode):
+    other = tmp_path / "other_ed25519"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
+    wrong = tmp_path / "known_hosts_wrong"
+    wrong.write_text(f"[127.0.0.1]:{sshd_server.port} {' '.join(other.with_suffix('.pub').read_text().split()[:2])}\n")
+    empty = tmp_path / "known_hosts_empty"
+    empty.write_text("")
+    cdir = tempfile.mkdtemp(prefix="cm", dir="/tmp")
+    try:
+        for kh in (wrong, empty):
+            s = make(sshd_server, area["root"], mode, cdir, known_hosts=str(kh))
+            with pytest.raises(SshAccessDenied, match="host key"):
+                s.extract(str(area["root"] / "one_kb.bin"), store, "files/x")
+        assert empty.read_text() == ""  # never added
+    finally:
+        shutil.rmtree(cdir, ignore_errors=True)
+    assert_store_empty(store)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_auth_failure_is_clear(sshd_server, area, store, tmp_path, mode):
+    stranger = tmp_path / "stranger_ed25519"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(stranger)], check=True)
+    cdir = tempfile.mkdtemp(prefix="cm", dir="/tmp")
+    try:
+        s = make(sshd_server, area["root"], mode, cdir, key_path=str(stranger))
+        with pytest.raises(SshAccessDenied, match="authentication failed"):
+            s.extract(str(area["root"] / "one_kb.bin"), store, "files/x")
+    finally:
+        shutil.rmtree(cdir, ignore_errors=True)
+
+
+def test_connection_refused_is_gone(sshd_server, area, store):
+    from tests.fixtures.services import free_port
+
+    s = make(sshd_server, area["root"])
+    s.port = free_port()
+    with pytest.raises(SandboxGone):
+        s.extract(str(area["root"] / "one_kb.bin"), store, "files/x")
+
+
+# -- connection reuse ---------------------------------------------------------------
+def test_connection_reused_and_reopened(sshd_server, area, store):
+    close_pool()
+    s = make(sshd_server, area["root"])
+    s.extract(str(area["root"] / "one_kb.bin"), store, "files/a")
+    t1 = s.transport()
+    s.extract(str(area["root"] / "empty.bin"), store, "files/b")
+    assert s.transport() is t1
+    sock = t1.sock
+    assert sock.getsockopt(__import__("socket").IPPROTO_TCP, __import__("socket").TCP_NODELAY)
+    # a second sandbox object for the same user/host/port shares it
+    assert make(sshd_server, area["root"]).transport() is t1
+    t1.close()
+    s.extract(str(area["root"] / "one_kb.bin"), store, "files/c")  # dead transport: reconnect
+    assert s.transport() is not t1 and s.transport().is_active()
+
+
+def test_openssh_control_master(sshd_server, area, store):
+    cdir = tempfile.mkdtemp(prefix="cm", dir="/tmp")
+    s = make(sshd_server, area["root"], "openssh", cdir)
+    try:
+        s.extract(str(area["root"] / "one_kb.bin"), store, "files/a")
+        sockets = [p for p in os.listdir(cdir) if p.startswith("cm-")]
+        assert len(sockets) == 1
+        before = len(sshd_server.session_pids())
+        for i in range(3):
+            s.extract(str(area["root"] / "one_kb.bin"), store, f"files/b{i}")
+        assert os.listdir(cdir) == sockets  # the same master served them
+        assert len(sshd_server.session_pids()) == before  # no new connections
+    finally:
+        s.close()
+        wait_until(lambda: not os.listdir(cdir), timeout_s=10, what="control master exit")
+        shutil.rmtree(cdir, ignore_errors=True)
+
+
+# -- the sandbox vanishing mid-transfer ------------------------------------------------
+class InterruptingStore(VolumeStore):
+    """Runs `after_first` (in another thread) once the first chunk has arrived."""
+
+    def __init__(self, root, after_first):
+        super().__init__(root)
+        self.after_first = after_first
+        self.chunks = 0
+
+    def put_stream(self, key, src, **kw):
+        def chunks():
+            for chunk in src:
+                self.chunks += 1
+                yield chunk
+                if self.chunks == 1:
+                    t = threading.Thread(target=self.after_first)
+                    t.start()
+                    t.join()
+        return super().put_stream(key, chunks(), **kw)
+
+
+def test_transport_closed_mid_transfer(sshd_server, area, tmp_path):
+    s = make(sshd_server, area["root"])
+    t = s.transport()
+    store = InterruptingStore(tmp_path / "store", t.close)
+    with pytest.raises(SandboxGone):
+        s.extract(str(area["root"] / "big.bin"), store, "files/big")
+    assert store.chunks >= 1
+    assert_store_empty(store)
+    assert s.transport() is not t  # the next use reconnects
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sshd_session_killed_mid_transfer(sshd_server, area, tmp_path, mode):
+    cdir = tempfile.mkdtemp(prefix="cm", dir="/tmp")
+    s = make(sshd_server, area["root"], mode, cdir)
+    try:
+        s.resolve(str(area["root"] / "empty.bin"))  # connection (or master) up
+
+        def kill_sessions():
+            for pid in sshd_server.session_pids():
+                os.kill(pid, 9)
+
+        store = InterruptingStore(tmp_path / "store", kill_sessions)
+        with pytest.raises(SandboxGone):
+            s.extract(str(area["root"] / "big.bin"), store, "files/big")
+        assert store.chunks >= 1
+        assert_store_empty(store)
+        # and it recovers on the next call
+        info = s.extract(str(area["root"] / "one_kb.bin"), VolumeStore(tmp_path / "s2"), "files/ok")
+        assert info.sha256 == area["sums"]["one_kb.bin"]
+    finally:
+        s.close()
+        shutil.rmtree(cdir, ignore_errors=True)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_file_changed_mid_transfer(sshd_server, area, control_dir, tmp_path, mode):
+    src = area["root"] / f"growing-{mode}.bin"
+    write_random(src, 8 * 1024 * 1024)
+
+    def grow():
+        with open(src, "ab") as f:
+            f.write(b"more")
+        os.utime(src, (1, 1))
+
+    s = make(sshd_server, area["root"], mode, control_dir)
+    store = InterruptingStore(tmp_path / "store", grow)
+    with pytest.raises(FileChanged):
+        s.extract(str(src), store, "files/g")
+    assert_store_empty(store)
+
+
+# -- inbound ------------------------------------------------------------------------
+@pytest.mark.parametrize("size", [0, 1000, 5 * 1000 * 1000])
+def test_put_byte_identical(sb, area, store, tmp_path, size):
+    src = tmp_path / "src.bin"
+    want = write_random(src, size)
+    with open(src, "rb") as f:
+        store.put_stream("files/in", f)
+    dest = area["root"] / f"inbox-{sb.use_openssh}" / "deep" / f"in-{size}.bin"
+    got = sb.put(store, "files/in", str(dest))
+    assert got == str(dest)
+    assert sha256_file(dest) == want
+    assert [p for p in os.listdir(dest.parent) if ".part" in p] == []
+    # overwrite in place works too
+    assert sb.put(store, "files/in", str(dest)) == str(dest)
+    assert sha256_file(dest) == want
+
+
+@pytest.mark.parametrize("dest, exc", [
+    ("/etc/courier-test", UnsafePath),
+    ("{outside}/dropped", UnsafePath),
+    ("{root}/outdir/dropped", UnsafePath),
+    ("{root}/escape.txt", UnsafePath),
+    ("{root}/.ssh/authorized_keys", UnsafePath),
+    ("{root}/../outside/dropped", UnsafePath),
+    ("{root}/dir", NotAFile),
+])
+def test_put_refused(sshd_server, area, control_dir, store, dest, exc):
+    store.put_bytes("files/in", b"payload")
+    path = dest.format(root=area["root"], outside=area["outside"])
+    for mode in MODES:
+        s = make(sshd_server, area["root"], mode, control_dir, home=area["root"])
+        with pytest.raises(exc):
+            s.put(store, "files/in", path)
+    assert sorted(os.listdir(area["outside"])) == ["secret.txt"]
+    assert (area["outside"] / "secret.txt").read_text() == "secret"
+    assert not os.path.exists("/etc/courier-test")
+
+
+def test_put_over_cap(sb, area, store):
+    store.put_bytes("files/in", b"x" * 100)
+    with pytest.raises(TooLarge):
+        sb.put(store, "files/in", str(area["root"] / "capped.bin"), max_bytes=99)
+    assert not (area["root"] / "capped.bin").exists()
