@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import io
 import logging
+import mimetypes
 import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -278,6 +279,11 @@ class S3Store(BlobStore):
             )
 
 
+def _content_type(key: str) -> str:
+    """By extension, so a presigned link opens sensibly in a browser."""
+    return mimetypes.guess_type(key, strict=False)[0] or "application/octet-stream"
+
+
 class _S3Writer:
     """Buffers one part; small blobs go as one PutObject, large ones as multipart."""
 
@@ -296,15 +302,20 @@ class _S3Writer:
         self._buf += data
         part = self._store.part_bytes
         while len(self._buf) >= part:
-            self._upload_part(bytes(self._buf[:part]))
-            del self._buf[:part]
+            # hand the buffer itself to the upload: only the (small) overflow is copied
+            body, self._buf = self._buf, self._buf[part:]
+            del body[part:]
+            self._upload_part(body)
+            del body
         return len(data)
 
-    def _upload_part(self, body: bytes) -> None:
+    def _upload_part(self, body: bytes | bytearray) -> None:
         s = self._store
         with _map_errors("write", self._key, s.url):
             if self._upload_id is None:
-                resp = s._client.create_multipart_upload(Bucket=s.bucket, Key=self._full)
+                resp = s._client.create_multipart_upload(
+                    Bucket=s.bucket, Key=self._full, ContentType=_content_type(self._key)
+                )
                 self._upload_id = resp["UploadId"]
             number = len(self._parts) + 1
             if number > MAX_PARTS:
@@ -321,14 +332,13 @@ class _S3Writer:
             return
         s = self._store
         if self._upload_id is None:
-            body = bytes(self._buf)
-            self._buf = bytearray()
+            body, self._buf = self._buf, bytearray()
             with _map_errors("write", self._key, s.url):
-                s._client.put_object(Bucket=s.bucket, Key=self._full, Body=body)
+                s._client.put_object(Bucket=s.bucket, Key=self._full, Body=body, ContentType=_content_type(self._key))
         else:
             if self._buf:
-                self._upload_part(bytes(self._buf))
-                self._buf = bytearray()
+                body, self._buf = self._buf, bytearray()
+                self._upload_part(body)
             with _map_errors("write", self._key, s.url):
                 s._client.complete_multipart_upload(
                     Bucket=s.bucket, Key=self._full, UploadId=self._upload_id,

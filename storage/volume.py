@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-from adapters.errors import BlobMissing, StorageError
+from adapters.errors import BlobMissing, ConfigError, StorageError
 from storage.base import BlobInfo, BlobStore, check_key
 
 _TMP = ".tmp"
@@ -29,7 +29,10 @@ class VolumeStore(BlobStore):
             raise StorageError(f"storage volume {self.root} is not writable: {exc.strerror}") from exc
 
     def _path(self, key: str) -> Path:
-        return self.root / check_key(key)
+        check_key(key)
+        if key.split("/", 1)[0] == _TMP:  # the store's own scratch directory
+            raise ConfigError(f"invalid storage key: {key!r} ({_TMP}/ is reserved)")
+        return self.root / key
 
     def local_path(self, key: str) -> Path | None:
         p = self._path(key)
