@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import posixpath
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import quote, unquote, urlparse
 
-from adapters.errors import ConfigError, UnsafePath
+from adapters.errors import ConfigError, SandboxError, UnsafePath
 
 DEFAULT_MAX_BYTES = 50 * 1000 * 1000
+#: Sandbox.exec: bytes kept per output stream, and the exit code of a timeout
+DEFAULT_EXEC_OUTPUT_BYTES = 1024 * 1024
+EXEC_TIMEOUT_EXIT = 124
 
 #: never read or delivered, whatever the roots say
 DENYLIST: tuple[str, ...] = (
@@ -180,6 +183,22 @@ class Sandbox(ABC):
     def put(self, store, key: str, dest_path: str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
         """Inbound: copy a stored blob into the sandbox at `dest_path`."""
         raise NotImplementedError(f"{self.kind} sandbox does not take inbound files yet")
+
+    def exec(
+        self, argv: Sequence[str], *, timeout_s: float, cwd: str | None = None,
+        max_output_bytes: int = DEFAULT_EXEC_OUTPUT_BYTES,
+    ) -> tuple[int, bytes, bytes]:
+        """Run `argv` (a list, no shell) in the sandbox; returns (exit code,
+        stdout, stderr). Optional: backends that cannot run commands raise
+        :class:`SandboxError`.
+
+        Contract for implementations: `cwd` (None: the backend's default) is
+        checked against the allowed roots; stdin is empty; each of stdout and
+        stderr keeps at most `max_output_bytes` (head and tail, with a marker
+        line where bytes were dropped); past `timeout_s` the whole process
+        tree is killed and the exit code is :data:`EXEC_TIMEOUT_EXIT` (124)
+        with a note at the end of stderr."""
+        raise SandboxError(f"{self.kind or type(self).__name__} sandbox does not support running commands (exec)")
 
     def close(self) -> None:
         return None

@@ -9,12 +9,18 @@ resolved path is checked; the opened file descriptor is checked again
 from __future__ import annotations
 
 import os
+import selectors
+import signal
 import stat
-from collections.abc import Iterator
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from adapters.errors import FileMissing, NotAFile, TooLarge, UnsafePath
-from adapters.sandboxes.base import DEFAULT_MAX_BYTES, PathPolicy, Sandbox, SandboxRef, check_lexical
+from adapters.errors import FileMissing, NotAFile, SandboxError, TooLarge, UnsafePath
+from adapters.sandboxes.base import (
+    DEFAULT_EXEC_OUTPUT_BYTES, DEFAULT_MAX_BYTES, EXEC_TIMEOUT_EXIT, PathPolicy, Sandbox, SandboxRef, check_lexical,
+)
 
 CHUNK = 1024 * 1024
 
@@ -101,3 +107,141 @@ class LocalSandbox(Sandbox):
                 pass
             raise
         return dest
+
+    # -- exec -------------------------------------------------------------------
+    def exec(
+        self, argv: Sequence[str], *, timeout_s: float, cwd: str | None = None,
+        max_output_bytes: int = DEFAULT_EXEC_OUTPUT_BYTES,
+    ) -> tuple[int, bytes, bytes]:
+        """Run `argv` on this host in its own process group (see Sandbox.exec).
+
+        `cwd` (default: the first allowed root) must resolve inside the roots.
+        The command gets a minimal environment (PATH, HOME, LANG, TERM; never
+        the worker's own, which holds tokens). When the command exits while
+        something it started still holds its output pipes, that process group
+        is killed after :data:`EXEC_DRAIN_S`; background jobs that redirect
+        their output keep running. Not an isolation boundary: a local sandbox
+        runs commands as the worker's user."""
+        args = [os.fsdecode(a) if isinstance(a, bytes) else str(a) for a in argv]
+        if not args:
+            raise SandboxError("exec needs a command")
+        workdir = self._exec_cwd(cwd)
+        try:
+            proc = subprocess.Popen(
+                args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                cwd=workdir, env=_exec_env(self.policy.home), start_new_session=True,
+            )
+        except FileNotFoundError:
+            return 127, b"", f"{args[0]}: command not found\n".encode()
+        except PermissionError:
+            return 126, b"", f"{args[0]}: permission denied\n".encode()
+        out, err = _Bounded(max_output_bytes), _Bounded(max_output_bytes)
+        deadline = time.monotonic() + max(0.0, float(timeout_s))
+        timed_out = False
+        drain_until: float | None = None
+        sel = selectors.DefaultSelector()
+        assert proc.stdout is not None and proc.stderr is not None
+        sel.register(proc.stdout, selectors.EVENT_READ, out)
+        sel.register(proc.stderr, selectors.EVENT_READ, err)
+        try:
+            while sel.get_map():
+                now = time.monotonic()
+                if now >= deadline:
+                    timed_out = True
+                    break
+                if drain_until is None and proc.poll() is not None:
+                    drain_until = now + EXEC_DRAIN_S
+                if drain_until is not None and now >= drain_until:
+                    break
+                limit = min(deadline, drain_until or deadline) - now
+                for key, _ in sel.select(timeout=min(0.2, max(0.0, limit))):
+                    chunk = os.read(key.fd, 65536)
+                    if chunk:
+                        key.data.add(chunk)
+                    else:
+                        sel.unregister(key.fileobj)
+            held = bool(sel.get_map())  # something the command started still holds its output
+            if not timed_out:
+                try:
+                    proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    timed_out = True
+            if timed_out or held:
+                _killpg(proc.pid)
+        finally:
+            sel.close()
+            for f in (proc.stdout, proc.stderr):
+                f.close()
+            if proc.poll() is None:
+                _killpg(proc.pid)
+            rc = proc.wait()
+        if timed_out:
+            err.add(f"\n[courier: timed out after {timeout_s:g}s; the process group was killed]\n".encode())
+            return EXEC_TIMEOUT_EXIT, out.value(), err.value()
+        return rc, out.value(), err.value()
+
+    def _exec_cwd(self, cwd: str | None) -> str:
+        if cwd is None:
+            if not self.policy.roots:
+                raise UnsafePath("exec: no allowed roots to run in")
+            cwd = self.policy.roots[0]
+        check_lexical(cwd)
+        real = os.path.realpath(cwd)
+        self.policy.check(real, shown=cwd)
+        if not os.path.isdir(real):
+            raise FileMissing(f"{cwd}: no such directory")
+        return real
+
+
+#: how long exec keeps reading after the command exited (its children may still write)
+EXEC_DRAIN_S = 1.0
+
+
+class _Bounded:
+    """Keeps the first half and the last half of `cap` bytes; counts the rest."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = max(0, int(cap))
+        self.head_cap = self.cap - self.cap // 2
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.dropped = 0
+
+    def add(self, data: bytes) -> None:
+        room = self.head_cap - len(self.head)
+        if room > 0:
+            self.head += data[:room]
+            data = data[room:]
+        if not data:
+            return
+        self.tail += data
+        over = len(self.tail) - (self.cap - self.head_cap)
+        if over > 0:
+            del self.tail[:over]
+            self.dropped += over
+
+    def value(self) -> bytes:
+        if not self.dropped:
+            return bytes(self.head + self.tail)
+        return bytes(self.head) + f"\n[... {self.dropped:,} bytes omitted ...]\n".encode() + bytes(self.tail)
+
+
+def _exec_env(home: str | None) -> dict[str, str]:
+    env = {
+        "PATH": os.environ.get("PATH") or "/usr/local/bin:/usr/bin:/bin",
+        "HOME": home or os.environ.get("HOME") or "/tmp",
+        "LANG": "C.UTF-8",
+        "LC_ALL": "C.UTF-8",
+        "TERM": "dumb",
+    }
+    for k in ("USER", "LOGNAME", "TMPDIR", "TZ"):
+        if os.environ.get(k):
+            env[k] = os.environ[k]
+    return env
+
+
+def _killpg(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
