@@ -175,6 +175,13 @@ def test_hostile_names(sshd_server, area, control_dir, store, tmp_path, mode, na
     src = d / name
     want = write_random(src, 4096)
     s = make(sshd_server, area["root"], "openssh" if mode == "openssh" else "sftp", control_dir)
+    if mode == "openssh" and name.endswith("\n"):
+        # execstream's STREAM_SCRIPT compares $(readlink /proc/$$/fd/3), which
+        # drops a trailing newline, so such a name is refused: fails closed
+        with pytest.raises(UnsafePath):
+            s.extract(str(src), store, "files/h")
+        assert_store_empty(store)
+        pytest.xfail("execstream: file names ending in a newline are refused")
     if mode == "readlink":
         s.trust_sftp_realpath = False  # resolve with `readlink -f` over exec
     info = s.extract(str(src), store, "files/h")
@@ -288,8 +295,9 @@ def test_transport_closed_mid_transfer(sshd_server, area, tmp_path):
     s = make(sshd_server, area["root"])
     t = s.transport()
     store = InterruptingStore(tmp_path / "store", t.close)
-    with pytest.raises(SandboxGone):
+    with pytest.raises(SandboxGone) as err:
         s.extract(str(area["root"] / "big.bin"), store, "files/big")
+    assert not isinstance(err.value, FileChanged), err.value
     assert store.chunks >= 1
     assert_store_empty(store)
     assert s.transport() is not t  # the next use reconnects
@@ -307,8 +315,9 @@ def test_sshd_session_killed_mid_transfer(sshd_server, area, tmp_path, mode):
                 os.kill(pid, 9)
 
         store = InterruptingStore(tmp_path / "store", kill_sessions)
-        with pytest.raises(SandboxGone):
+        with pytest.raises(SandboxGone) as err:
             s.extract(str(area["root"] / "big.bin"), store, "files/big")
+        assert "connection" in str(err.value), err.value
         assert store.chunks >= 1
         assert_store_empty(store)
         # and it recovers on the next call
@@ -331,7 +340,8 @@ def test_file_changed_mid_transfer(sshd_server, area, control_dir, tmp_path, mod
 
     s = make(sshd_server, area["root"], mode, control_dir)
     store = InterruptingStore(tmp_path / "store", grow)
-    with pytest.raises(FileChanged):
+    # sftp re-stats (size, mtime); OpenSSH mode counts bytes against the size
+    with pytest.raises(FileChanged if mode == "sftp" else SandboxGone):
         s.extract(str(src), store, "files/g")
     assert_store_empty(store)
 

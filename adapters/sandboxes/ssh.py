@@ -40,6 +40,7 @@ from adapters.errors import (
     ConfigError, CourierError, FileMissing, NotAFile, SandboxError, SandboxGone, TooLarge, UnsafePath,
 )
 from adapters.sandboxes.base import DEFAULT_MAX_BYTES, PathPolicy, Sandbox, SandboxRef, check_lexical
+from adapters.sandboxes.execstream import ExecStream, Resolved, default_roots, exec_iter_file, exec_resolve
 
 CHUNK = 1024 * 1024
 #: SSH channel window: bounds what the server may send ahead (and our buffer).
@@ -50,7 +51,7 @@ MAX_PACKET_SIZE = 256 * 1024
 #: SFTP read/write request size on OpenSSH servers (its max is 256 KiB - 1 KiB);
 #: other servers keep paramiko's 32 KiB, which every server honours
 OPENSSH_REQUEST_SIZE = 261120
-#: default roots besides the remote user's home
+#: default roots, plus the remote user's home (unless denylisted, e.g. /root)
 DEFAULT_ROOTS = ("/workspace", "/tmp")
 
 
@@ -59,10 +60,9 @@ class SshAccessDenied(ConfigError, SandboxError):
     configuration problem, not retried."""
 
 
-class FileChanged(SandboxError):
-    """The file changed (size, mtime or resolved path) during the transfer."""
-
-    transient = True
+class FileChanged(SandboxGone):
+    """The file changed (size, mtime or resolved path) during the transfer:
+    probably still being written, so worth a retry (as execstream reports it)."""
 
 
 # -- the connection pool ------------------------------------------------------
@@ -108,23 +108,14 @@ def _control_dir() -> str:
         return _default_control_dir
 
 
-# -- remote shell snippets (OpenSSH mode and the readlink fallback) ------------
-#: prints "$HOME\n<resolved>\n<size> <mtime>\n"; exit 3 missing, 4 not a file
-_RESOLVE_SH = (
-    'printf "%s\\n" "$HOME"; readlink -f -- "$1" || exit 3; test -e "$1" || exit 3; '
-    'test -f "$1" || exit 4; stat -L -c "%s %Y" -- "$1"'
-)
-#: streams $1, then reports "<marker><resolved>\n<size> <mtime>\n" on stderr
-#: (the after-transfer re-check without another round trip)
-_MARK = "@@courier-recheck@@"
-_CAT_SH = (
-    'cat -- "$1" || exit 9; printf "\n%s\n" "' + _MARK + '" >&2; '
-    'readlink -f -- "$1" >&2 && stat -L -c "%s %Y" -- "$1" >&2'
-)
-#: prints "<lexical ancestor>\0<resolved ancestor>\n" for the deepest existing ancestor of $1
+# -- remote shell snippets (inbound put in OpenSSH mode) ---------------------------
+# Resolve and stream in OpenSSH mode use adapters.sandboxes.execstream; put keeps
+# its own script because it verifies the received size before the rename (a
+# dropped connection ends `cat` with EOF, which must not publish a short file).
+#: prints "$HOME\0<deepest existing ancestor of $1>\0<it resolved>\n"
 _ANCESTOR_SH = (
     'd=$1; while [ ! -e "$d" ] && [ "$d" != / ]; do d=${d%/*}; [ -n "$d" ] || d=/; done; '
-    'printf "%s\\0" "$d"; readlink -f -- "$d"'
+    'printf "%s\\0%s\\0" "$HOME" "$d"; readlink -f -- "$d"'
 )
 #: $1 resolved parent, $2 dest, $3 temp name, $4 expected size: write, verify, rename
 _PUT_SH = (
@@ -137,32 +128,8 @@ _PUT_SH = (
 )
 
 
-def remote_command(script: str, *args: str) -> str:
-    """One remote shell command line running `script` with `args` as $1.. .
-
-    ssh concatenates its arguments into a single string for the remote login
-    shell, so every piece is quoted; the script itself reads its inputs from
-    positional parameters only."""
-    return " ".join(["sh", "-c", shlex.quote(script), "sh", *(shlex.quote(a) for a in args)])
-
-
 def _strip_nl(s: bytes) -> bytes:
     return s[:-1] if s.endswith(b"\n") else s
-
-
-def _parse_resolve(out: bytes) -> tuple[str, str | None, tuple[int, int] | None]:
-    """(home, resolved or None, (size, mtime) or None) from `_RESOLVE_SH` output."""
-    home, _, rest = out.partition(b"\n")
-    if not rest:
-        return home.decode("utf-8", "surrogateescape"), None, None
-    body = _strip_nl(rest)
-    if b"\n" in body:
-        resolved, _, statline = body.rpartition(b"\n")
-        parts = statline.split()
-        if len(parts) == 2 and all(p.isdigit() for p in parts):
-            return (home.decode("utf-8", "surrogateescape"), resolved.decode("utf-8", "surrogateescape"),
-                    (int(parts[0]), int(parts[1])))
-    return home.decode("utf-8", "surrogateescape"), body.decode("utf-8", "surrogateescape"), None
 
 
 class SshSandbox(Sandbox):
@@ -326,10 +293,7 @@ class SshSandbox(Sandbox):
             client.close()
             sock.close()
             raise
-        t = client.get_transport()
-        t.set_keepalive(30)
-        if self.trust_sftp_realpath is None:
-            self.trust_sftp_realpath = "OpenSSH" in (t.remote_version or "")
+        client.get_transport().set_keepalive(30)
         return client
 
     @contextlib.contextmanager
@@ -376,7 +340,7 @@ class SshSandbox(Sandbox):
     # -- policy ---------------------------------------------------------------
     def _policy(self, home: str | None) -> PathPolicy:
         if self._checked_policy is None:
-            roots = self.policy.roots or (*DEFAULT_ROOTS, *((home,) if home else ()))
+            roots = self.policy.roots or default_roots(home, DEFAULT_ROOTS)
             self._checked_policy = PathPolicy(roots=tuple(roots), home=self.policy.home or home,
                                               denylist=self.policy.denylist)
         return self._checked_policy
@@ -398,16 +362,22 @@ class SshSandbox(Sandbox):
     def resolve(self, path: str) -> tuple[str, int]:
         check_lexical(path)
         if self.use_openssh:
-            resolved, size, _ = self._resolve_openssh(path)
-            return resolved, size
+            r = self._resolve_openssh(path)
+            return r.path, r.size
         with self._errors(path), self._sftp() as sftp:
             resolved, st = self._resolve_sftp(sftp, path)
             return resolved, st.st_size
 
+    def _trusts_realpath(self, sftp) -> bool:
+        """OpenSSH's SFTP realpath resolves every link; other servers' may be lexical."""
+        if self.trust_sftp_realpath is None:
+            return "OpenSSH" in (sftp.get_channel().get_transport().remote_version or "")
+        return self.trust_sftp_realpath
+
     def _resolve_sftp(self, sftp, path: str):
         policy = self._sftp_policy(sftp)
         try:
-            if self.trust_sftp_realpath:
+            if self._trusts_realpath(sftp):
                 real = sftp.normalize(path)
             else:
                 real = self._readlink_f(path)
@@ -430,7 +400,7 @@ class SshSandbox(Sandbox):
         return real, st
 
     def _readlink_f(self, path: str) -> str:
-        rc, out, err = self._exec(remote_command('readlink -f -- "$1"', path), limit=65536)
+        rc, out, err = self._exec(shlex.join(["readlink", "-f", "--", path]), limit=65536)
         if rc != 0 or not out:
             raise FileNotFoundError(errno.ENOENT, f"readlink -f failed: {err.decode(errors='replace').strip()}")
         return _strip_nl(out).decode("utf-8", "surrogateescape")
@@ -478,12 +448,13 @@ class SshSandbox(Sandbox):
         st1 = sftp.stat(resolved)
         if total != st0.st_size or (st1.st_size, st1.st_mtime) != (st0.st_size, st0.st_mtime):
             raise FileChanged(f"{resolved}: changed during the transfer ({total:,} of {st0.st_size:,} bytes read)")
-        if self.trust_sftp_realpath and sftp.normalize(resolved) != resolved:
+        if self._trusts_realpath(sftp) and sftp.normalize(resolved) != resolved:
             raise FileChanged(f"{resolved}: a link was swapped in during the transfer")
 
     def open_stream(self, resolved: str) -> Iterator[bytes]:
         if self.use_openssh:
-            yield from self._stream_openssh(resolved)
+            self._policy(self._remote_home()).check(resolved)
+            yield from exec_iter_file(self._openssh(), resolved)
             return
         with self._errors(resolved), self._sftp() as sftp:
             policy = self._sftp_policy(sftp)
@@ -494,9 +465,10 @@ class SshSandbox(Sandbox):
         """Resolve, check and stream on one SFTP channel; nothing stored on failure."""
         check_lexical(path)
         if self.use_openssh:
-            resolved, size, stamp = self._resolve_openssh(path)
-            self._cap(path, size, max_bytes)
-            return store.put_stream(key, self._stream_openssh(resolved, stamp), max_bytes=max_bytes)
+            r = self._resolve_openssh(path)
+            self._cap(path, r.size, max_bytes)
+            chunks = exec_iter_file(self._openssh(), r.path, expected_size=r.size, max_bytes=max_bytes)
+            return store.put_stream(key, chunks, max_bytes=max_bytes)
         with self._errors(path), self._sftp() as sftp:
             resolved, st = self._resolve_sftp(sftp, path)
             self._cap(path, st.st_size, max_bytes)
@@ -522,13 +494,12 @@ class SshSandbox(Sandbox):
         with self._errors(dest_path), self._sftp() as sftp:
             policy = self._sftp_policy(sftp)
             self._deny_lexical(policy, dest_path)
-            policy.check(posixpath.normpath(dest_path), shown=dest_path)
             # deepest existing ancestor, resolved on the host; the rest is created
             missing: list[str] = []
             cur = posixpath.dirname(dest_path)
             while True:
                 try:
-                    real_anc = sftp.normalize(cur) if self.trust_sftp_realpath else self._readlink_f(cur)
+                    real_anc = sftp.normalize(cur) if self._trusts_realpath(sftp) else self._readlink_f(cur)
                     sftp.stat(real_anc)
                     break
                 except FileNotFoundError:
@@ -611,91 +582,27 @@ class SshSandbox(Sandbox):
             return FileMissing(f"{what}: no such file on {self.where}")
         return SandboxError(f"{what}: remote command failed with exit {rc} on {self.where}: {text[-300:]}")
 
-    def _run_ssh(self, command: str, what: str, *, stdin=subprocess.DEVNULL) -> tuple[int, bytes, bytes]:
-        # stderr goes to a file: a ControlPersist master forked by this ssh
-        # may keep an inherited stderr pipe open for a minute
-        with tempfile.TemporaryFile() as errf:
-            try:
-                proc = subprocess.run(self._ssh_argv(command), stdin=stdin, stdout=subprocess.PIPE, stderr=errf,
-                                      timeout=self.io_timeout_s + self.connect_timeout_s)
-            except subprocess.TimeoutExpired as exc:
-                raise SandboxGone(f"ssh {self.where}: timed out ({what})") from exc
-            except FileNotFoundError as exc:
-                raise ConfigError("use_openssh needs the OpenSSH client: apt-get install openssh-client") from exc
-            errf.seek(0)
-            return proc.returncode, proc.stdout, errf.read(65536)
+    def _openssh(self) -> "_OpenSshChannel":
+        return _OpenSshChannel(self)
 
-    def _resolve_openssh(self, path: str) -> tuple[str, int, tuple[int, int]]:
-        rc, out, err = self._run_ssh(remote_command(_RESOLVE_SH, path), path)
-        if rc == 255 or (rc not in (0, 3, 4)):
-            raise self._ssh_error(rc, err, path)
-        home, resolved, stamp = _parse_resolve(out)
-        policy = self._policy(home or None)
-        if resolved is None:
-            self._deny_lexical(policy, path)
-            raise FileMissing(f"{path}: no such file on {self.where}")
-        policy.check(resolved, shown=path)
-        if rc == 3:
-            raise FileMissing(f"{path}: no such file on {self.where}")
-        if rc == 4:
-            raise NotAFile(f"{path}: not a regular file")
-        if stamp is None:
-            raise SandboxError(f"{path}: unexpected answer from {self.where}")
-        return resolved, stamp[0], stamp
-
-    def _stream_openssh(self, resolved: str, stamp: tuple[int, int] | None = None) -> Iterator[bytes]:
-        if stamp is None:
-            resolved2, _, stamp = self._resolve_openssh(resolved)
-            if resolved2 != resolved:
-                raise FileChanged(f"{resolved}: resolves elsewhere now")
-        self._policy(None).check(resolved)
-        with tempfile.TemporaryFile() as errf:
-            try:
-                proc = subprocess.Popen(self._ssh_argv(remote_command(_CAT_SH, resolved)), stdin=subprocess.DEVNULL,
-                                        stdout=subprocess.PIPE, stderr=errf, bufsize=0)
-            except FileNotFoundError as exc:
-                raise ConfigError("use_openssh needs the OpenSSH client: apt-get install openssh-client") from exc
-            total = 0
-            try:
-                buf = bytearray(CHUNK)
-                view = memoryview(buf)
-                fill = 0
-                while True:
-                    n = proc.stdout.readinto(view[fill:])
-                    if not n:
-                        break
-                    fill += n
-                    if fill == CHUNK:
-                        total += fill
-                        yield bytes(buf)
-                        fill = 0
-                if fill:
-                    total += fill
-                    yield bytes(view[:fill])
-                rc = proc.wait(timeout=self.io_timeout_s)
-            finally:
-                if proc.poll() is None:  # abandoned early: stop our ssh client (the master stays)
-                    proc.kill()
-                    proc.wait()
-                proc.stdout.close()
-            errf.seek(0)
-            err = errf.read(1 << 20)
-        if rc != 0:
-            raise self._ssh_error(rc, err, resolved)
-        _, marker, after = err.rpartition(b"\n" + _MARK.encode() + b"\n")
-        _, resolved2, stamp2 = _parse_resolve(b"\n" + after) if marker else ("", None, None)
-        if resolved2 != resolved or stamp2 != stamp or total != stamp[0]:
-            raise FileChanged(f"{resolved}: changed during the transfer ({total:,} of {stamp[0]:,} bytes read)")
+    def _resolve_openssh(self, path: str) -> Resolved:
+        """ONE exec through the control master (execstream's resolve script)."""
+        try:
+            r = exec_resolve(self._openssh(), path)
+        except (FileMissing, NotAFile):
+            self._deny_lexical(self._policy(self._remote_home()), path)  # denied paths say so, existing or not
+            raise
+        self._policy(r.home).check(r.path, shown=path)
+        return r
 
     def _put_openssh(self, store, key: str, dest_path: str, size: int, max_bytes: int) -> str:
-        policy = self._policy(self._remote_home())
-        self._deny_lexical(policy, dest_path)
-        policy.check(posixpath.normpath(dest_path), shown=dest_path)
         parent_lex = posixpath.dirname(dest_path)
-        rc, out, err = self._run_ssh(remote_command(_ANCESTOR_SH, parent_lex), dest_path)
-        if rc != 0:
+        rc, out, err = self._openssh().exec_small(["sh", "-c", _ANCESTOR_SH, "sh", parent_lex])
+        if rc != 0 or out.count(b"\0") < 2:
             raise self._ssh_error(rc, err, dest_path)
-        anc_lex, _, anc_real = out.partition(b"\0")
+        home, anc_lex, anc_real = out.split(b"\0", 2)
+        policy = self._policy(home.decode("utf-8", "surrogateescape") or None)
+        self._deny_lexical(policy, dest_path)
         anc_lex_s = anc_lex.decode("utf-8", "surrogateescape")
         anc_real_s = _strip_nl(anc_real).decode("utf-8", "surrogateescape")
         rest = parent_lex[len(anc_lex_s):].lstrip("/") if parent_lex.startswith(anc_lex_s) else None
@@ -705,28 +612,19 @@ class SshSandbox(Sandbox):
         dest = posixpath.join(parent, posixpath.basename(dest_path))
         policy.check(dest, shown=dest_path)
         tmp = f"{dest}.courier-{uuid.uuid4().hex[:12]}.part"
-        cmd = remote_command(_PUT_SH, parent, dest, tmp, str(size))
-        with tempfile.TemporaryFile() as errf:
-            proc = subprocess.Popen(self._ssh_argv(cmd), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                    stderr=errf, bufsize=0)
-            sent = 0
-            try:
-                for chunk in store.iter_chunks(key):
-                    sent += len(chunk)
-                    if sent > max_bytes:
-                        raise TooLarge(f"{key}: over the {max_bytes:,} byte cap", limit_bytes=max_bytes)
-                    proc.stdin.write(chunk)
-                proc.stdin.close()
-                rc = proc.wait(timeout=self.io_timeout_s)
-            except BrokenPipeError:
-                proc.wait(timeout=self.io_timeout_s)
-                rc = proc.returncode
-            finally:
-                if proc.poll() is None:  # aborted: the remote never sees a full stream; the size check refuses it
-                    proc.kill()
-                    proc.wait()
-            errf.seek(0)
-            err = errf.read(65536)
+        sent = 0
+
+        def chunks() -> Iterator[bytes]:
+            nonlocal sent
+            for chunk in store.iter_chunks(key):
+                sent += len(chunk)
+                if sent > max_bytes:
+                    raise TooLarge(f"{key}: over the {max_bytes:,} byte cap", limit_bytes=max_bytes)
+                yield chunk
+
+        # an aborted upload reaches the remote `cat` as a short stream: the
+        # size check in _PUT_SH refuses it, so no partial file is published
+        rc, _, err = self._openssh().exec_stdin(["sh", "-c", _PUT_SH, "sh", parent, dest, tmp, str(size)], chunks())
         if rc == 5:
             raise UnsafePath(f"{dest_path}: is a symbolic link")
         if rc == 4:
@@ -740,10 +638,10 @@ class SshSandbox(Sandbox):
     def _remote_home(self) -> str | None:
         if self._checked_policy is not None or (self.policy.roots and self.policy.home):
             return None
-        rc, out, err = self._run_ssh('printf "%s\\n" "$HOME"', "home")
+        rc, out, err = self._openssh().exec_small(["sh", "-c", 'printf "%s" "$HOME"'])
         if rc != 0:
             raise self._ssh_error(rc, err, "home")
-        return _strip_nl(out).decode("utf-8", "surrogateescape") or None
+        return out.decode("utf-8", "surrogateescape") or None
 
     def close(self) -> None:
         """Stop this sandbox's OpenSSH control master, if any (pooled paramiko
@@ -758,3 +656,99 @@ class SshSandbox(Sandbox):
         with contextlib.suppress(Exception):
             subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                            timeout=10)
+
+
+class _OpenSshChannel:
+    """execstream's ExecChannel over the OpenSSH client and its control master.
+
+    ssh joins the remote argv into one string for the remote login shell, so
+    the argv is quoted with shlex (POSIX quoting) and parsed back there. A
+    255 exit (ssh's own failure) is translated here; other exit codes are
+    the command's and go back to the caller."""
+
+    binary_safe = True
+
+    def __init__(self, sb: SshSandbox) -> None:
+        self.sb = sb
+
+    def _popen(self, argv, stdin, stderr) -> subprocess.Popen:
+        try:
+            # stderr goes to a file: a ControlPersist master forked by this
+            # ssh would keep an inherited stderr pipe open for a minute
+            return subprocess.Popen(self.sb._ssh_argv(shlex.join(argv)), stdin=stdin, stdout=subprocess.PIPE,
+                                    stderr=stderr, bufsize=0)
+        except FileNotFoundError as exc:
+            raise ConfigError("use_openssh needs the OpenSSH client: apt-get install openssh-client") from exc
+
+    def _finish(self, proc: subprocess.Popen, errf, what: str) -> tuple[int, bytes]:
+        try:
+            rc = proc.wait(timeout=self.sb.io_timeout_s)
+        except subprocess.TimeoutExpired as exc:
+            raise SandboxGone(f"ssh {self.sb.where}: timed out ({what})") from exc
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        errf.seek(0)
+        err = errf.read(65536)
+        if rc == 255:
+            raise self.sb._ssh_error(rc, err, what)
+        return rc, err
+
+    def exec_small(self, argv) -> tuple[int, bytes, bytes]:
+        with tempfile.TemporaryFile() as errf:
+            proc = self._popen(argv, subprocess.DEVNULL, errf)
+            out = bytearray()
+            with proc.stdout:
+                while data := proc.stdout.read(65536):  # raw pipe: read to EOF
+                    if len(out) < (1 << 20):
+                        out += data
+            rc, err = self._finish(proc, errf, argv[-1] if argv else "ssh")
+        return rc, bytes(out), err
+
+    def exec_stream(self, argv) -> ExecStream:
+        errf = tempfile.TemporaryFile()  # noqa: SIM115 - closed by close()
+        proc = self._popen(argv, subprocess.DEVNULL, errf)
+        state: dict[str, Any] = {"rc": None, "err": b""}
+        what = argv[-2] if len(argv) > 1 else "ssh"
+
+        def chunks() -> Iterator[bytes]:
+            buf = bytearray(CHUNK)
+            view = memoryview(buf)
+            fill = 0
+            while n := proc.stdout.readinto(view[fill:]):
+                fill += n
+                if fill == CHUNK:
+                    yield bytes(buf)
+                    fill = 0
+            if fill:
+                yield bytes(view[:fill])
+            state["rc"], state["err"] = self._finish(proc, errf, what)
+
+        def close() -> None:
+            if proc.poll() is None:  # consumer stopped early: end our client (the master stays)
+                proc.kill()
+                proc.wait()
+            proc.stdout.close()
+            errf.close()
+
+        return ExecStream(chunks=chunks(), exit_code=lambda: state["rc"], stderr=lambda: state["err"], close=close)
+
+    def exec_stdin(self, argv, chunks) -> tuple[int, bytes, bytes]:
+        with tempfile.TemporaryFile() as errf:
+            proc = subprocess.Popen(self.sb._ssh_argv(shlex.join(argv)), stdin=subprocess.PIPE,
+                                    stdout=subprocess.DEVNULL, stderr=errf, bufsize=0)
+            try:
+                for chunk in chunks:
+                    proc.stdin.write(chunk)
+                proc.stdin.close()
+            except BrokenPipeError:
+                pass  # the remote side ended early: its exit code says why
+            except BaseException:
+                proc.kill()  # aborted: the remote sees a short stream and refuses it
+                raise
+            finally:
+                with contextlib.suppress(OSError):
+                    proc.stdin.close()
+            rc, err = self._finish(proc, errf, argv[-1] if argv else "ssh")
+        return rc, b"", err
