@@ -1,33 +1,337 @@
 """The agent bridge runtime: any agent as a subprocess.
 
 The user's message goes on stdin (and in `COURIER_MESSAGE`); the command
-writes lines on stdout. A line `AX_GATEWAY_EVENT <json object>` is an event
-for `on_event`; every other stdout line is part of the final reply. A
-malformed event line is dropped (logged), never leaked into the reply;
-stderr never becomes the reply. A non-zero exit, a crash or a timeout ends
-as one `error` result with a reason.
+writes lines on stdout. A line `AX_GATEWAY_EVENT <json object>` is an event;
+every other stdout line is part of the final reply. stderr never becomes the
+reply (its tail is kept for the logs).
+
+Events (`kind`, or `type` as an alias), normalised by `EventNormaliser`:
+
+- `status`: `status` in started, thinking, processing, completed, error,
+  no_reply (declined, skipped, not_responding: end without a reply); optional
+  `message`, `activity`, `detail`, `reason`. Terminal statuses are not passed
+  on: the caller publishes exactly one terminal event from `BridgeResult`.
+- `tool_start` / `tool_result`: `tool_name`, `tool_call_id` (made up when
+  missing; a result without one closes the last open call of the same tool),
+  `activity` (from `activity_for(tool_name, args)` when the agent gives none),
+  `status` (tool_call; tool_complete or error).
+
+A malformed event line (bad JSON, not an object, unknown kind or status) is
+dropped and logged, never leaked into the reply. A non-zero exit, a crash or
+a timeout ends as one `error` result with a reason; a timeout
+(`runtime_timeout`) kills the whole process group. Output is decoded as
+UTF-8 incrementally, so a character split across reads stays whole; the
+reply and every line are bounded.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 import os
+import re
+import selectors
+import shlex
 import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "ACTIVITY_MAX_CHARS", "DEFAULT_TIMEOUT_S", "EVENT_PREFIX", "NO_REPLY_STATUSES", "BridgeResult",
+    "EventNormaliser", "activity_for", "normalise_activity", "parse_event_line", "run_bridge",
+]
 
 log = logging.getLogger(__name__)
 
 EVENT_PREFIX = "AX_GATEWAY_EVENT"
+DEFAULT_TIMEOUT_S = 900.0
+ACTIVITY_MAX_CHARS = 80
 NO_REPLY_STATUSES = frozenset({"no_reply", "declined", "skipped", "not_responding"})
-MAX_REPLY_CHARS = 1_000_000
-STDERR_TAIL_CHARS = 2000
+PROGRESS_STATUSES = frozenset({"started", "thinking", "processing"})
+TERMINAL_STATUSES = frozenset({"completed", "error"}) | NO_REPLY_STATUSES
+TOOL_STATUSES = frozenset({"tool_call", "tool_complete", "error"})
+
+MAX_REPLY_CHARS = 200_000
+MAX_EVENT_LINE_CHARS = 64 * 1024
+MAX_TEXT_FIELD_CHARS = 500
+STDERR_TAIL_CHARS = 4000
+READ_BYTES = 64 * 1024
+#: after the agent exits, how long its leftover children may keep stdout open
+DRAIN_GRACE_S = 2.0
+#: SIGTERM first; the group gets SIGKILL after this
+KILL_GRACE_S = 2.0
+REPLY_CUT_NOTE = "\n… [reply cut at {n:,} characters]"
 
 
+# -- activity text ---------------------------------------------------------------
+_SPACE = re.compile(r"\s+")
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+
+
+def normalise_activity(text: Any, max_chars: int = ACTIVITY_MAX_CHARS) -> str:
+    """One short human line: whitespace collapsed, control characters gone,
+    cut to `max_chars` (an ellipsis marks the cut)."""
+    if text is None:
+        return ""
+    s = _SPACE.sub(" ", _CONTROL.sub(" ", str(text))).strip()
+    if len(s) > max_chars:
+        s = s[: max_chars - 1].rstrip() + "…"
+    return s
+
+
+def _tool_key(name: str) -> str:
+    """`mcp__fs__read_file`, `functions.ReadFile`, `read-file` -> `read_file`."""
+    base = re.split(r"__|\.|/|:", name.strip())[-1] or name
+    base = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", base)
+    return re.sub(r"[^a-z0-9]+", "_", base.lower()).strip("_")
+
+
+_TERMINAL_TOOLS = {"terminal", "shell", "bash", "sh", "zsh", "exec", "execute", "run", "run_command",
+                   "execute_command", "run_shell_command", "shell_command", "command", "cmd", "local_shell",
+                   "run_terminal_cmd", "terminal_exec", "exec_command", "powershell"}
+_READ_TOOLS = {"read_file", "read", "view", "cat", "open_file", "file_read", "readfile", "view_file", "read_text_file"}
+_WRITE_TOOLS = {"write_file", "write", "create_file", "file_write", "save_file", "writefile", "write_text_file"}
+_EDIT_TOOLS = {"edit_file", "edit", "str_replace", "patch", "apply_patch", "replace", "multi_edit", "multiedit",
+               "str_replace_editor", "str_replace_based_edit_tool", "file_edit", "search_replace", "insert"}
+_SEARCH_TOOLS = {"search", "grep", "search_files", "find", "find_files", "glob", "ripgrep", "rg", "code_search",
+                 "file_search", "codebase_search", "grep_search", "search_code", "list_files"}
+_WEB_SEARCH_TOOLS = {"web_search", "websearch", "search_web", "google", "google_search", "bing", "bing_search",
+                     "brave_search", "tavily_search", "internet_search", "duckduckgo_search", "ddg_search"}
+_FETCH_TOOLS = {"fetch", "web_fetch", "webfetch", "fetch_url", "http_get", "browse", "open_url", "browser_navigate",
+                "navigate", "curl", "wget", "get_url", "read_url", "url_fetch", "http_request", "browser_open"}
+
+_CMD_KEYS = ("command", "cmd", "script", "code", "commands", "input")
+_PATH_KEYS = ("path", "file_path", "filepath", "file", "filename", "target_file", "file_name", "target", "uri")
+_PATTERN_KEYS = ("pattern", "query", "regex", "glob", "q", "search", "search_term", "term", "name")
+_QUERY_KEYS = ("query", "q", "search", "search_term", "term", "question", "text")
+_URL_KEYS = ("url", "uri", "href", "link", "address")
+
+
+def _as_args(args: Any) -> dict[str, Any]:
+    if args is None:
+        return {}
+    if isinstance(args, dict):
+        return args
+    if isinstance(args, str):
+        try:
+            parsed = json.loads(args)
+        except ValueError:
+            return {"input": args}
+        return parsed if isinstance(parsed, dict) else {"input": parsed}
+    return {"input": args}
+
+
+def _scalar(v: Any) -> str | None:
+    if isinstance(v, bool) or v is None:
+        return None
+    if isinstance(v, (int, float)):
+        return str(v)
+    if isinstance(v, str) and v.strip():
+        return v
+    if isinstance(v, list) and v and all(isinstance(x, str) for x in v):
+        return shlex.join(v)
+    return None
+
+
+def _first(a: dict[str, Any], keys: Iterable[str]) -> str | None:
+    for k in keys:
+        v = _scalar(a.get(k))
+        if v is not None:
+            return v
+    return None
+
+
+def _first_line(s: str) -> str:
+    for line in s.splitlines():
+        if line.strip():
+            return line.strip()
+    return s.strip()
+
+
+def activity_for(tool_name: str | None, args: Any = None) -> str:
+    """The activity line for a tool call, from its name and arguments (a dict
+    or a JSON string): `$ <first line of command>`, `reading <path>`,
+    `writing <path>`, `editing <path>`, `searching <pattern>`,
+    `web search: <query>`, `fetching <url>`, else `<tool>: <first scalar
+    arg>` or `using <tool>`; cut to 80 characters."""
+    name = normalise_activity(tool_name or "", 40) or "tool"
+    a = _as_args(args)
+    key = _tool_key(name)
+    text: str | None = None
+    if key in _TERMINAL_TOOLS:
+        cmd = _first(a, _CMD_KEYS)
+        if cmd:
+            text = f"$ {_first_line(cmd)}"
+    elif key in _WEB_SEARCH_TOOLS or ("web" in key and "search" in key):
+        q = _first(a, _QUERY_KEYS)
+        if q:
+            text = f"web search: {q}"
+    elif key in _FETCH_TOOLS:
+        url = _first(a, _URL_KEYS)
+        if url:
+            text = f"fetching {url}"
+    elif key in _EDIT_TOOLS:
+        path = _first(a, _PATH_KEYS)
+        sub = str(a.get("command") or "")
+        if path:
+            verb = {"view": "reading", "create": "writing"}.get(sub, "editing")
+            text = f"{verb} {path}"
+    elif key in _READ_TOOLS:
+        path = _first(a, _PATH_KEYS)
+        if path:
+            text = f"reading {path}"
+    elif key in _WRITE_TOOLS:
+        path = _first(a, _PATH_KEYS)
+        if path:
+            text = f"writing {path}"
+    elif key in _SEARCH_TOOLS:
+        pat = _first(a, _PATTERN_KEYS)
+        if pat:
+            text = f"searching {pat}"
+    if text is None:
+        v = next((s for s in (_scalar(x) for x in a.values()) if s is not None), None)
+        text = f"{name}: {_first_line(v)}" if v is not None else f"using {name}"
+    return normalise_activity(text)
+
+
+# -- events -----------------------------------------------------------------------
+def parse_event_line(line: str) -> dict | None | bool:
+    """The event dict of a protocol line, False for a malformed protocol line
+    (dropped, never in the reply), None for a reply line."""
+    stripped = line.strip()
+    if not stripped.startswith(EVENT_PREFIX):
+        return None
+    rest = stripped[len(EVENT_PREFIX):]
+    if not rest or not rest[0].isspace():
+        return False
+    try:
+        ev = json.loads(rest)
+    except ValueError:
+        return False
+    if not isinstance(ev, dict):
+        return False
+    return ev
+
+
+def _text(v: Any, max_chars: int = MAX_TEXT_FIELD_CHARS) -> str | None:
+    if v is None:
+        return None
+    s = v if isinstance(v, str) else json.dumps(v, ensure_ascii=False, default=str)
+    s = _CONTROL.sub(" ", s).strip()
+    if not s:
+        return None
+    return s if len(s) <= max_chars else s[: max_chars - 1] + "…"
+
+
+class EventNormaliser:
+    """Turns raw agent events into courier's phase events.
+
+    `feed(raw)` returns the event to publish, or None (dropped, or a terminal
+    status, which is recorded in `terminal` for the caller to end the turn
+    with). Tool calls are paired: a `tool_result` without an id closes the
+    last open call of the same tool. Shared by every runtime."""
+
+    def __init__(self) -> None:
+        self.terminal: dict[str, Any] | None = None
+        self._n = 0
+        self._open: dict[str, tuple[str, str, float]] = {}  # id -> (tool, activity, started monotonic)
+        self._order: list[str] = []  # open call ids, oldest first
+        self.dropped = 0
+
+    def _new_id(self) -> str:
+        self._n += 1
+        return f"auto_{self._n}"
+
+    def drop(self, why: str) -> None:
+        self.dropped += 1
+        log.warning("dropped an agent event: %s", why)
+
+    def feed(self, raw: dict[str, Any]) -> dict[str, Any] | None:
+        kind = raw.get("kind", raw.get("type"))
+        if not isinstance(kind, str):
+            self.drop("no kind")
+            return None
+        kind = kind.strip().lower()
+        if kind == "status":
+            return self._status(raw)
+        if kind in ("tool_start", "tool_result"):
+            return self.tool_start(raw) if kind == "tool_start" else self.tool_result(raw)
+        self.drop(f"unknown kind {kind[:40]!r}")
+        return None
+
+    def _status(self, raw: dict[str, Any]) -> dict[str, Any] | None:
+        st = raw.get("status")
+        st = st.strip().lower() if isinstance(st, str) else ""
+        if st not in PROGRESS_STATUSES and st not in TERMINAL_STATUSES:
+            self.drop(f"unknown status {st[:40]!r}")
+            return None
+        ev: dict[str, Any] = {"kind": "status", "status": st}
+        for k in ("message", "detail", "reason"):
+            v = _text(raw.get(k))
+            if v is not None:
+                ev[k] = v
+        act = normalise_activity(raw.get("activity"))
+        if act:
+            ev["activity"] = act
+        if st in TERMINAL_STATUSES:
+            if self.terminal is None:
+                self.terminal = ev
+            return None
+        if st == "started":
+            # courier has published `started` itself; the agent's own start is progress
+            ev["status"] = "processing"
+        return ev
+
+    def tool_start(self, raw: dict[str, Any]) -> dict[str, Any]:
+        tool = normalise_activity(raw.get("tool_name") or raw.get("name") or raw.get("tool"), 64) or "tool"
+        call_id = normalise_activity(raw.get("tool_call_id") or raw.get("id"), 128) or self._new_id()
+        act = normalise_activity(raw.get("activity")) or activity_for(
+            tool, raw.get("args", raw.get("arguments", raw.get("input"))))
+        if call_id in self._open:
+            self._order.remove(call_id)
+        self._open[call_id] = (tool, act, time.monotonic())
+        self._order.append(call_id)
+        ev: dict[str, Any] = {"kind": "tool_start", "tool_name": tool, "tool_call_id": call_id,
+                              "activity": act, "status": "tool_call"}
+        msg = _text(raw.get("message"))
+        if msg:
+            ev["message"] = msg
+        return ev
+
+    def tool_result(self, raw: dict[str, Any]) -> dict[str, Any]:
+        tool = normalise_activity(raw.get("tool_name") or raw.get("name") or raw.get("tool"), 64)
+        call_id = normalise_activity(raw.get("tool_call_id") or raw.get("id"), 128)
+        if not call_id:
+            call_id = next((c for c in reversed(self._order) if not tool or self._open[c][0] == tool), "")
+        opened = self._open.pop(call_id, None) if call_id else None
+        if opened is not None:
+            self._order.remove(call_id)
+        if not call_id:
+            call_id = self._new_id()
+        tool = tool or (opened[0] if opened else "tool")
+        st = raw.get("status")
+        st = st.strip().lower() if isinstance(st, str) else ""
+        failed = st in ("error", "failed", "failure") or (raw.get("error") not in (None, False, "") and st != "tool_complete")
+        ev: dict[str, Any] = {"kind": "tool_result", "tool_name": tool, "tool_call_id": call_id,
+                              "status": "error" if failed else "tool_complete"}
+        act = normalise_activity(raw.get("activity")) or (opened[1] if opened else "")
+        if act:
+            ev["activity"] = act
+        if opened is not None:
+            ev["duration_ms"] = round((time.monotonic() - opened[2]) * 1000)
+        for k in ("message", "error"):
+            v = _text(raw.get(k)) if raw.get(k) is not True else None
+            if v is not None:
+                ev[k] = v
+        return ev
+
+
+# -- the runtime -------------------------------------------------------------------
 @dataclass
 class BridgeResult:
     status: str  # completed | error | no_reply
@@ -39,25 +343,104 @@ class BridgeResult:
     extra: dict = field(default_factory=dict)
 
 
-def parse_event_line(line: str) -> dict | None | bool:
-    """Returns the event dict, False for a malformed event line, None for a reply line."""
-    stripped = line.rstrip("\r\n")
-    if not stripped.startswith(EVENT_PREFIX):
-        return None
-    rest = stripped[len(EVENT_PREFIX):]
-    if rest and not rest[0].isspace():
-        return None  # e.g. AX_GATEWAY_EVENTS: not our prefix
-    try:
-        ev = json.loads(rest)
-    except ValueError:
-        return False
-    if not isinstance(ev, dict):
-        return False
-    if "kind" not in ev and "type" in ev:
-        ev["kind"] = ev["type"]
-    if not isinstance(ev.get("kind"), str):
-        return False
-    return ev
+class _Lines:
+    """Incremental UTF-8 lines from byte chunks; a line longer than
+    `max_chars` comes out in pieces (`complete=False` for all but the last)."""
+
+    def __init__(self, max_chars: int) -> None:
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._buf = ""
+        self._max = max_chars
+
+    def feed(self, data: bytes, final: bool = False) -> list[tuple[str, bool]]:
+        self._buf += self._dec.decode(data, final)
+        out: list[tuple[str, bool]] = []
+        while True:
+            i = self._buf.find("\n")
+            if i < 0:
+                break
+            out.append((self._buf[:i], True))
+            self._buf = self._buf[i + 1:]
+        while len(self._buf) > self._max:
+            out.append((self._buf[: self._max], False))
+            self._buf = self._buf[self._max:]
+        if final and self._buf:
+            out.append((self._buf, True))
+            self._buf = ""
+        return out
+
+
+class _Stdout:
+    """Splits the agent's stdout into events (to `emit`) and reply text (bounded)."""
+
+    def __init__(self, emit: Callable[[dict], None], max_reply_chars: int) -> None:
+        self.lines = _Lines(MAX_EVENT_LINE_CHARS)
+        self.norm = EventNormaliser()
+        self.emit = emit
+        self.reply: list[str] = []
+        self.reply_chars = 0
+        self.max_reply = max_reply_chars
+        self.cut = 0
+        self.events = 0
+        self._mid: str | None = None  # "reply" | "event" | "skip" while inside a long line
+        self._pending = ""
+
+    def feed(self, data: bytes, final: bool = False) -> None:
+        for piece, complete in self.lines.feed(data, final):
+            self._piece(piece, complete)
+
+    def _piece(self, piece: str, complete: bool) -> None:
+        if self._mid is None:
+            if piece.lstrip().startswith(EVENT_PREFIX):
+                self._mid = "event"
+            else:
+                self._mid = "reply"
+        if self._mid == "reply":
+            self._add_reply(piece + ("\n" if complete else ""))
+        elif self._mid == "event":
+            if complete:
+                self._event_line(self._pending + piece)
+                self._pending = ""
+            elif len(self._pending) + len(piece) > MAX_EVENT_LINE_CHARS:
+                self.norm.drop(f"event line over {MAX_EVENT_LINE_CHARS:,} characters")
+                self._pending = ""
+                self._mid = "skip"
+                return
+            else:
+                self._pending += piece
+        if complete:
+            self._mid = None
+
+    def _add_reply(self, s: str) -> None:
+        room = self.max_reply - self.reply_chars
+        if room <= 0:
+            self.cut += len(s)
+            return
+        if len(s) > room:
+            self.cut += len(s) - room
+            s = s[:room]
+        self.reply.append(s)
+        self.reply_chars += len(s)
+
+    def _event_line(self, line: str) -> None:
+        raw = parse_event_line(line)
+        if raw is None or raw is False:
+            self.norm.drop(f"malformed event line ({len(line)} chars)")
+            return
+        ev = self.norm.feed(raw)
+        if ev is None:
+            return
+        self.events += 1
+        try:
+            self.emit(ev)
+        except Exception:  # noqa: BLE001 - a failing sink must not kill the turn
+            log.exception("event sink failed")
+
+    def text(self) -> str:
+        s = "".join(self.reply).strip("\r\n")
+        if self.cut:
+            s += REPLY_CUT_NOTE.format(n=self.max_reply)
+        return s
 
 
 def run_bridge(
@@ -66,12 +449,16 @@ def run_bridge(
     *,
     cwd: str | None = None,
     env: dict[str, str] | None = None,
-    timeout_s: float = 900.0,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
     on_event: Callable[[dict], None] | None = None,
+    max_reply_chars: int = MAX_REPLY_CHARS,
 ) -> BridgeResult:
+    """Run one agent turn; `on_event` gets each normalised non-terminal event
+    (in order, from this thread). Never raises for the agent's misbehaviour."""
     if not command:
         return BridgeResult("error", reason="agent has no command")
     full_env = {**os.environ, **(env or {}), "COURIER_MESSAGE": message}
+    started = time.monotonic()
     try:
         proc = subprocess.Popen(
             command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -80,97 +467,131 @@ def run_bridge(
     except OSError as exc:
         return BridgeResult("error", reason=f"agent could not start: {exc.strerror or exc}")
 
-    reply_parts: list[str] = []
-    reply_len = 0
-    stderr_tail: list[str] = []
-    n_events = 0
-    no_reply = False
-    reported_error: str | None = None
+    out = _Stdout(on_event or (lambda ev: None), max_reply_chars)
+    err_lines = _Lines(STDERR_TAIL_CHARS)
+    err_tail = ""
 
     def feed_stdin() -> None:
         try:
             assert proc.stdin is not None
-            proc.stdin.write(message.encode())
-            proc.stdin.close()
-        except (BrokenPipeError, OSError):
+            proc.stdin.write(message.encode("utf-8", "replace"))
+        except (BrokenPipeError, OSError, ValueError):
             pass
+        finally:
+            try:
+                proc.stdin.close()  # type: ignore[union-attr]
+            except (BrokenPipeError, OSError):
+                pass
 
-    def read_stderr() -> None:
-        assert proc.stderr is not None
-        for raw in proc.stderr:
-            stderr_tail.append(raw.decode("utf-8", "replace"))
-            while sum(map(len, stderr_tail)) > STDERR_TAIL_CHARS and len(stderr_tail) > 1:
-                stderr_tail.pop(0)
-
-    def read_stdout() -> None:
-        nonlocal reply_len, n_events, no_reply, reported_error
-        assert proc.stdout is not None
-        for raw in proc.stdout:
-            line = raw.decode("utf-8", "replace")
-            ev = parse_event_line(line)
-            if ev is None:
-                if reply_len < MAX_REPLY_CHARS:
-                    reply_parts.append(line)
-                    reply_len += len(line)
-                continue
-            if ev is False:
-                log.warning("dropped a malformed agent event line (%d chars)", len(line))
-                continue
-            n_events += 1
-            if ev["kind"] == "status":
-                st = str(ev.get("status", ""))
-                if st in NO_REPLY_STATUSES:
-                    no_reply = True
-                elif st == "error":
-                    reported_error = str(ev.get("reason") or ev.get("message") or "agent reported an error")
-                # terminal statuses are courier's to publish (exactly one per turn)
-                if st in ("completed", "error") or st in NO_REPLY_STATUSES:
-                    continue
-            if on_event is not None:
-                try:
-                    on_event(ev)
-                except Exception:  # noqa: BLE001 - a failing sink must not kill the turn
-                    log.exception("event sink failed")
-
-    threads = [threading.Thread(target=f, daemon=True) for f in (feed_stdin, read_stderr, read_stdout)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + timeout_s
+    threading.Thread(target=feed_stdin, name="bridge-stdin", daemon=True).start()
+    assert proc.stdout is not None and proc.stderr is not None
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ, "out")
+    sel.register(proc.stderr, selectors.EVENT_READ, "err")
+    deadline = started + timeout_s
+    exited_at: float | None = None
     timed_out = False
+    stray_output = False
     try:
-        proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        _kill_group(proc)
-    for t in threads:
-        t.join(timeout=5)
+        while sel.get_map():
+            now = time.monotonic()
+            if now >= deadline:
+                timed_out = True
+                break
+            if exited_at is None and proc.poll() is not None:
+                exited_at = now
+            if exited_at is not None and now - exited_at > DRAIN_GRACE_S:
+                stray_output = True  # the agent is gone but a child of it holds the pipes
+                break
+            wait = min(deadline - now, 0.5 if exited_at is None else 0.1)
+            for key, _ in sel.select(timeout=wait):
+                data = os.read(key.fileobj.fileno(), READ_BYTES)  # type: ignore[union-attr]
+                if not data:
+                    sel.unregister(key.fileobj)
+                    if key.data == "out":
+                        out.feed(b"", final=True)
+                    continue
+                if key.data == "out":
+                    out.feed(data)
+                else:
+                    for piece, _c in err_lines.feed(data):
+                        err_tail = (err_tail + piece + "\n")[-STDERR_TAIL_CHARS:]
+        if timed_out:
+            _kill_group(proc)
+        else:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                _kill_group(proc)
+    finally:
+        sel.close()
+        _reap_group(proc)
+        for f in (proc.stdout, proc.stderr):
+            try:
+                f.close()
+            except OSError:
+                pass
+    for piece, _c in err_lines.feed(b"", final=True):
+        err_tail = (err_tail + piece)[-STDERR_TAIL_CHARS:]
 
-    tail = "".join(stderr_tail)[-STDERR_TAIL_CHARS:]
-    reply = "".join(reply_parts)
+    tail = err_tail.strip()
+    rc = proc.returncode
+    extra = {"duration_s": round(time.monotonic() - started, 3), "dropped_events": out.norm.dropped}
+    if out.cut:
+        extra["reply_cut_chars"] = out.cut
+        log.warning("agent reply cut at %d characters (%d more dropped)", max_reply_chars, out.cut)
+    if stray_output:
+        extra["stray_children"] = True
+    common = {"exit_code": rc, "stderr_tail": tail, "events": out.events, "extra": extra}
     if timed_out:
-        return BridgeResult("error", reason="runtime_timeout", exit_code=proc.returncode, stderr_tail=tail,
-                            events=n_events)
-    if proc.returncode != 0:
-        why = f"agent exited with code {proc.returncode}" if proc.returncode > 0 else \
-            f"agent was killed by signal {-proc.returncode}"
-        return BridgeResult("error", reason=why, exit_code=proc.returncode, stderr_tail=tail, events=n_events)
-    if reported_error is not None:
-        return BridgeResult("error", reason=reported_error, exit_code=0, stderr_tail=tail, events=n_events)
-    if no_reply:
-        return BridgeResult("no_reply", exit_code=0, events=n_events)
-    return BridgeResult("completed", reply=reply.strip("\n"), exit_code=0, stderr_tail=tail, events=n_events)
+        log.warning("agent %s timed out after %gs; process group killed", _argv0(command), timeout_s)
+        return BridgeResult("error", reason="runtime_timeout", **common)
+    if rc != 0:
+        why = f"agent exited with code {rc}" if rc > 0 else f"agent was killed by signal {_signame(-rc)}"
+        log.warning("%s; stderr tail: %s", why, tail[-500:])
+        return BridgeResult("error", reason=why, **common)
+    term = out.norm.terminal
+    if term is not None and term["status"] == "error":
+        return BridgeResult("error", reason=term.get("reason") or term.get("message") or "agent reported an error",
+                            **common)
+    if term is not None and term["status"] in NO_REPLY_STATUSES:
+        return BridgeResult("no_reply", reason=term.get("reason") or term["status"], **common)
+    return BridgeResult("completed", reply=out.text(), **common)
+
+
+def _argv0(command: list[str]) -> str:
+    return os.path.basename(command[0]) if command else "?"
+
+
+def _signame(n: int) -> str:
+    try:
+        return signal.Signals(n).name
+    except ValueError:
+        return str(n)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the agent's whole process group, SIGKILL it after a grace."""
     try:
         os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=3)
-    except (ProcessLookupError, subprocess.TimeoutExpired, PermissionError):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=KILL_GRACE_S)
+    except subprocess.TimeoutExpired:
+        pass
+    _reap_group(proc)
+
+
+def _reap_group(proc: subprocess.Popen) -> None:
+    """SIGKILL whatever is left in the agent's process group (its children
+    end with the turn), and reap the agent."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        log.error("agent process %d did not die after SIGKILL", proc.pid)
