@@ -41,7 +41,16 @@ def make_app() -> Celery:
         worker_prefetch_multiplier=1,
         # a task reserved by a worker that died comes back after this; it must
         # exceed every countdown we schedule (<= 900 s) and the turn timeout
-        broker_transport_options={"visibility_timeout": s.visibility_timeout_s},
+        broker_transport_options={
+            "visibility_timeout": s.visibility_timeout_s,
+            # sweep for abandoned (unacked past the timeout) messages often, so a
+            # task held by a worker that was killed comes back promptly
+            "unacked_restore_interval": max(1, min(10, s.visibility_timeout_s // 3)),
+            "unacked_restore_throttle": 1,
+            "socket_connect_timeout": 5,
+            "socket_timeout": 30,
+            "socket_keepalive": True,
+        },
         result_backend_transport_options={"visibility_timeout": s.visibility_timeout_s},
         worker_cancel_long_running_tasks_on_connection_loss=True,
         broker_connection_retry_on_startup=True,

@@ -1,0 +1,101 @@
+"""Nothing is lost when a worker dies, and nothing is sent twice."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from adapters.platforms.outbox import read_log
+from tasks import receipts
+from tests.fixtures.services import wait_until
+
+pytestmark = pytest.mark.slow
+
+AGENT = """
+import os, sys, time, json
+marker = {marker!r}
+msg = sys.stdin.read()
+first = not os.path.exists(marker)
+with open(marker, "a") as f:
+    f.write(str(os.getpid()) + "\\n")
+if first:
+    time.sleep(120)  # the workload: the test kills the worker while this runs
+print("done: " + msg)
+"""
+
+
+def _worker_pids(proc) -> list[int]:
+    out = [proc.pid]
+    try:
+        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+            out += [int(x) for x in f.read().split()]
+    except OSError:
+        pass
+    return out
+
+
+@pytest.mark.parametrize("how", ["pool_child", "whole_worker"])
+def test_turn_survives_a_killed_worker(courier_env, tmp_path, redis_client, how):
+    marker = tmp_path / f"agent-runs-{how}"
+    agent = tmp_path / "slow_agent.py"
+    agent.write_text(AGENT.format(marker=str(marker)))
+    agents = json.dumps({"slow": {"command": [os.sys.executable, str(agent)], "timeout_s": 300}})
+    env = courier_env(COURIER_AGENTS=agents, COURIER_VISIBILITY_TIMEOUT_S="6")
+    w1 = env.start_worker(queues="turns", concurrency=1)
+    res = env.cli("turn", "outbox:rel", "hello", "--agent", "slow", "--json")
+    assert res.returncode == 0, res.stderr
+    job = json.loads(res.stdout)["job"]
+    wait_until(lambda: marker.exists(), timeout_s=60, what="the agent to start")
+
+    if how == "pool_child":
+        # the pool process dies mid-task: the task is rejected and requeued at once
+        children = _worker_pids(w1)[1:]
+        assert children, "no pool child found"
+        for pid in children:
+            os.kill(pid, signal.SIGKILL)
+    else:
+        # the whole worker dies (SIGKILL, no warm shutdown): the message stays
+        # unacked in Redis and comes back after the visibility timeout
+        for pid in _worker_pids(w1):
+            os.kill(pid, signal.SIGKILL)
+        w1.wait(timeout=10)
+        env.start_worker(queues="turns", concurrency=1)
+    env.start_worker(queues="delivery,sandbox")
+
+    wait_until(lambda: (receipts.get_job(redis_client, job) or {}).get("state") == "replied", timeout_s=90,
+               what="the turn to be redelivered and finish")
+    wait_until(lambda: [d for d in receipts.job_deliveries(redis_client, job) if d.get("state") == "delivered"],
+               timeout_s=60, what="the reply delivered")
+    log = read_log(env.outbox, "rel")
+    assert [r["text"] for r in log] == ["done: hello"]  # delivered exactly once
+    assert len(marker.read_text().split()) == 2  # the agent ran again after the crash
+
+
+def test_redelivered_delivery_is_not_sent_twice(courier_env, redis_client, tmp_path):
+    """A delivery task that runs again after success (at-least-once) sends nothing."""
+    env = courier_env()
+    env.start_worker()
+    f = tmp_path / "a.txt"
+    f.write_text("hello")
+    res = env.cli("send", "outbox:dup", str(f), "--wait", "--json", "--timeout", "60")
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    d = data["deliveries"][0]
+    # re-run the very same delivery task, as a broker redelivery would
+    from celery import Celery
+
+    app = Celery(broker=env.env["COURIER_REDIS_URL"])
+    job = {"id": d["id"], "job": data["job"], "target": "outbox:dup", "type": "file",
+           "key": f"files/{data['job']}/0-a.txt", "name": "a.txt"}
+    app.send_task("courier.delivery.deliver", args=[None, job], queue="delivery",
+                  exchange="delivery", routing_key="delivery")
+    marker = {"id": "probe", "job": data["job"], "target": "outbox:dup", "type": "text", "text": "probe"}
+    app.send_task("courier.delivery.deliver", args=[None, marker], queue="delivery",
+                  exchange="delivery", routing_key="delivery")
+    wait_until(lambda: any(r.get("text") == "probe" for r in read_log(env.outbox, "dup")), timeout_s=30,
+               what="the probe after the redelivered task")
+    names = [r.get("name") for r in read_log(env.outbox, "dup") if r["kind"] != "text"]
+    assert names == ["a.txt"]
