@@ -5,53 +5,92 @@
 <pattern>``, ``web search: <query>``, ``fetching <url>``, else ``<tool>:
 <first scalar arg>`` or ``using <tool>``; always one line, at most
 :data:`MAX_ACTIVITY_CHARS` characters. ``args`` may be a dict, a JSON object
-string (as OpenAI ``tool_calls`` carry them), or anything else (ignored).
+string (as OpenAI ``tool_calls`` carry them), or a bare value (taken as the
+tool's one input). Tool names are matched loosely: ``mcp__fs__read_file``,
+``functions.ReadFile`` and ``read-file`` are all ``read_file``.
+
+One function for every runtime (the bridge and the OpenAI-compatible loop).
 """
 
 from __future__ import annotations
 
 import json
+import re
+import shlex
+from collections.abc import Iterable
 from typing import Any
 
 __all__ = ["MAX_ACTIVITY_CHARS", "activity_for", "cut"]
 
 MAX_ACTIVITY_CHARS = 80
 
-_TERMINAL = frozenset({"terminal", "shell", "bash", "sh", "exec", "run", "run_command", "execute_command"})
-_READ = frozenset({"read_file", "read", "view", "cat", "open_file", "view_file"})
-_WRITE = frozenset({"write_file", "write", "create_file", "save_file"})
-_EDIT = frozenset({"edit", "edit_file", "patch", "apply_patch", "str_replace", "replace_in_file"})
-_SEARCH = frozenset({"search", "search_files", "grep", "glob", "find", "find_files", "ripgrep"})
-_WEB_SEARCH = frozenset({"web_search", "search_web", "websearch"})
-_FETCH = frozenset({"fetch", "web_fetch", "fetch_url", "web_extract", "browser_navigate", "open_url"})
+_SPACE = re.compile(r"\s+")
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
-_PATH_KEYS = ("path", "file_path", "filepath", "file", "filename", "target")
-_PATTERN_KEYS = ("pattern", "query", "regex", "glob", "q")
-_URL_KEYS = ("url", "urls", "href", "link")
+_TERMINAL = frozenset({"terminal", "shell", "bash", "sh", "zsh", "exec", "execute", "run", "run_command",
+                       "execute_command", "run_shell_command", "shell_command", "command", "cmd", "local_shell",
+                       "run_terminal_cmd", "terminal_exec", "exec_command", "powershell"})
+_READ = frozenset({"read_file", "read", "view", "cat", "open_file", "file_read", "readfile", "view_file",
+                   "read_text_file"})
+_WRITE = frozenset({"write_file", "write", "create_file", "file_write", "save_file", "writefile", "write_text_file"})
+_EDIT = frozenset({"edit_file", "edit", "str_replace", "patch", "apply_patch", "replace", "replace_in_file",
+                   "multi_edit", "multiedit", "str_replace_editor", "str_replace_based_edit_tool", "file_edit",
+                   "search_replace", "insert"})
+_SEARCH = frozenset({"search", "grep", "search_files", "find", "find_files", "glob", "ripgrep", "rg", "code_search",
+                     "file_search", "codebase_search", "grep_search", "search_code"})
+_WEB_SEARCH = frozenset({"web_search", "websearch", "search_web", "google", "google_search", "bing", "bing_search",
+                         "brave_search", "tavily_search", "internet_search", "duckduckgo_search", "ddg_search"})
+_FETCH = frozenset({"fetch", "web_fetch", "webfetch", "fetch_url", "web_extract", "http_get", "browse", "open_url",
+                    "browser_navigate", "navigate", "curl", "wget", "get_url", "read_url", "url_fetch",
+                    "http_request", "browser_open"})
+
+_CMD_KEYS = ("command", "cmd", "script", "argv", "code", "commands", "input")
+_PATH_KEYS = ("path", "file_path", "filepath", "file", "filename", "target_file", "file_name", "target")
+_PATTERN_KEYS = ("pattern", "query", "regex", "glob", "q", "search", "search_term", "term")
+_QUERY_KEYS = ("query", "q", "search", "search_term", "term", "question", "input")
+_URL_KEYS = ("url", "urls", "uri", "href", "link", "address")
 
 
-def cut(text: str, limit: int = MAX_ACTIVITY_CHARS) -> str:
-    """One line, at most `limit` characters (an ellipsis marks a cut)."""
-    line = " ".join(str(text).split())
+def cut(text: Any, limit: int = MAX_ACTIVITY_CHARS) -> str:
+    """One line, at most `limit` characters (an ellipsis marks a cut):
+    whitespace collapsed, control characters gone."""
+    if text is None:
+        return ""
+    line = _SPACE.sub(" ", _CONTROL.sub(" ", str(text))).strip()
     if len(line) <= limit:
         return line
-    return line[: max(0, limit - 1)] + "…"
+    return line[: max(0, limit - 1)].rstrip() + "…"
+
+
+def tool_key(name: str) -> str:
+    """`mcp__fs__read_file`, `functions.ReadFile`, `read-file` -> `read_file`."""
+    base = re.split(r"__|\.|/|:", name.strip())[-1] or name
+    base = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", base)
+    return re.sub(r"[^a-z0-9]+", "_", base.lower()).strip("_")
 
 
 def _as_dict(args: Any) -> dict:
+    if args is None:
+        return {}
     if isinstance(args, dict):
         return args
-    if isinstance(args, (str, bytes)):
+    if isinstance(args, bytes):
+        args = args.decode("utf-8", "replace")
+    if isinstance(args, str):
         try:
             v = json.loads(args)
-        except (TypeError, ValueError):
-            return {}
-        return v if isinstance(v, dict) else {}
-    return {}
+        except ValueError:
+            return {"input": args}
+        return v if isinstance(v, dict) else {"input": v}
+    return {"input": args}
 
 
-def _scalar(v: Any) -> str | None:
+def _scalar(v: Any, *, join: bool = False) -> str | None:
+    """A printable scalar; a list gives its first item (a command list: the
+    whole command, shell-quoted)."""
     if isinstance(v, (list, tuple)) and v:
+        if join and all(isinstance(x, str) for x in v):
+            return shlex.join(v)
         v = v[0]
     if isinstance(v, bool) or v is None:
         return None
@@ -61,9 +100,9 @@ def _scalar(v: Any) -> str | None:
     return None
 
 
-def _first(args: dict, keys: tuple[str, ...]) -> str | None:
+def _first(args: dict, keys: Iterable[str], *, join: bool = False) -> str | None:
     for k in keys:
-        s = _scalar(args.get(k))
+        s = _scalar(args.get(k), join=join)
         if s is not None:
             return s
     return None
@@ -76,40 +115,41 @@ def _first_line(s: str) -> str:
     return s.strip()
 
 
-def activity_for(tool_name: str, args: Any = None) -> str:
-    name = str(tool_name or "").strip() or "tool"
-    key = name.lower()
+def activity_for(tool_name: str | None, args: Any = None) -> str:
+    name = cut(tool_name or "", 40) or "tool"
+    key = tool_key(name)
     a = _as_dict(args)
+    text: str | None = None
     if key in _TERMINAL:
-        cmd = _first(a, ("command", "cmd", "script", "argv"))
+        cmd = _first(a, _CMD_KEYS, join=True)
         if cmd:
-            return cut(f"$ {_first_line(cmd)}")
-    elif key in _READ:
-        p = _first(a, _PATH_KEYS)
-        if p:
-            return cut(f"reading {p}")
-    elif key in _WRITE:
-        p = _first(a, _PATH_KEYS)
-        if p:
-            return cut(f"writing {p}")
-    elif key in _EDIT:
-        p = _first(a, _PATH_KEYS)
-        if p:
-            return cut(f"editing {p}")
-    elif key in _SEARCH:
-        p = _first(a, _PATTERN_KEYS)
-        if p:
-            return cut(f"searching {p}")
-    elif key in _WEB_SEARCH:
-        q = _first(a, ("query", "q", "search"))
+            text = f"$ {_first_line(cmd)}"
+    elif key in _WEB_SEARCH or ("web" in key and "search" in key):
+        q = _first(a, _QUERY_KEYS)
         if q:
-            return cut(f"web search: {q}")
+            text = f"web search: {q}"
     elif key in _FETCH:
         u = _first(a, _URL_KEYS)
         if u:
-            return cut(f"fetching {u}")
-    for v in a.values():
-        s = _scalar(v)
-        if s is not None:
-            return cut(f"{name}: {_first_line(s)}")
-    return cut(f"using {name}")
+            text = f"fetching {u}"
+    elif key in _EDIT:
+        p = _first(a, _PATH_KEYS)
+        if p:
+            verb = {"view": "reading", "create": "writing"}.get(str(a.get("command") or ""), "editing")
+            text = f"{verb} {p}"
+    elif key in _READ:
+        p = _first(a, _PATH_KEYS)
+        if p:
+            text = f"reading {p}"
+    elif key in _WRITE:
+        p = _first(a, _PATH_KEYS)
+        if p:
+            text = f"writing {p}"
+    elif key in _SEARCH:
+        p = _first(a, _PATTERN_KEYS)
+        if p:
+            text = f"searching {p}"
+    if text is None:
+        s = next((x for x in (_scalar(v) for v in a.values()) if x is not None), None)
+        text = f"{name}: {_first_line(s)}" if s is not None else f"using {name}"
+    return cut(text)

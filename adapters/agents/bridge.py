@@ -32,14 +32,15 @@ import logging
 import os
 import re
 import selectors
-import shlex
 import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from adapters.agents.activity import MAX_ACTIVITY_CHARS, activity_for, cut
 
 __all__ = [
     "ACTIVITY_MAX_CHARS", "DEFAULT_TIMEOUT_S", "EVENT_PREFIX", "NO_REPLY_STATUSES", "BridgeResult",
@@ -50,7 +51,7 @@ log = logging.getLogger(__name__)
 
 EVENT_PREFIX = "AX_GATEWAY_EVENT"
 DEFAULT_TIMEOUT_S = 900.0
-ACTIVITY_MAX_CHARS = 80
+ACTIVITY_MAX_CHARS = MAX_ACTIVITY_CHARS
 NO_REPLY_STATUSES = frozenset({"no_reply", "declined", "skipped", "not_responding"})
 PROGRESS_STATUSES = frozenset({"started", "thinking", "processing"})
 TERMINAL_STATUSES = frozenset({"completed", "error"}) | NO_REPLY_STATUSES
@@ -68,135 +69,11 @@ KILL_GRACE_S = 2.0
 REPLY_CUT_NOTE = "\n… [reply cut at {n:,} characters]"
 
 
-# -- activity text ---------------------------------------------------------------
-_SPACE = re.compile(r"\s+")
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
-
-
+# -- activity text (one function for every runtime: adapters.agents.activity) --------
 def normalise_activity(text: Any, max_chars: int = ACTIVITY_MAX_CHARS) -> str:
     """One short human line: whitespace collapsed, control characters gone,
     cut to `max_chars` (an ellipsis marks the cut)."""
-    if text is None:
-        return ""
-    s = _SPACE.sub(" ", _CONTROL.sub(" ", str(text))).strip()
-    if len(s) > max_chars:
-        s = s[: max_chars - 1].rstrip() + "…"
-    return s
-
-
-def _tool_key(name: str) -> str:
-    """`mcp__fs__read_file`, `functions.ReadFile`, `read-file` -> `read_file`."""
-    base = re.split(r"__|\.|/|:", name.strip())[-1] or name
-    base = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", base)
-    return re.sub(r"[^a-z0-9]+", "_", base.lower()).strip("_")
-
-
-_TERMINAL_TOOLS = {"terminal", "shell", "bash", "sh", "zsh", "exec", "execute", "run", "run_command",
-                   "execute_command", "run_shell_command", "shell_command", "command", "cmd", "local_shell",
-                   "run_terminal_cmd", "terminal_exec", "exec_command", "powershell"}
-_READ_TOOLS = {"read_file", "read", "view", "cat", "open_file", "file_read", "readfile", "view_file", "read_text_file"}
-_WRITE_TOOLS = {"write_file", "write", "create_file", "file_write", "save_file", "writefile", "write_text_file"}
-_EDIT_TOOLS = {"edit_file", "edit", "str_replace", "patch", "apply_patch", "replace", "multi_edit", "multiedit",
-               "str_replace_editor", "str_replace_based_edit_tool", "file_edit", "search_replace", "insert"}
-_SEARCH_TOOLS = {"search", "grep", "search_files", "find", "find_files", "glob", "ripgrep", "rg", "code_search",
-                 "file_search", "codebase_search", "grep_search", "search_code", "list_files"}
-_WEB_SEARCH_TOOLS = {"web_search", "websearch", "search_web", "google", "google_search", "bing", "bing_search",
-                     "brave_search", "tavily_search", "internet_search", "duckduckgo_search", "ddg_search"}
-_FETCH_TOOLS = {"fetch", "web_fetch", "webfetch", "fetch_url", "http_get", "browse", "open_url", "browser_navigate",
-                "navigate", "curl", "wget", "get_url", "read_url", "url_fetch", "http_request", "browser_open"}
-
-_CMD_KEYS = ("command", "cmd", "script", "code", "commands", "input")
-_PATH_KEYS = ("path", "file_path", "filepath", "file", "filename", "target_file", "file_name", "target", "uri")
-_PATTERN_KEYS = ("pattern", "query", "regex", "glob", "q", "search", "search_term", "term", "name")
-_QUERY_KEYS = ("query", "q", "search", "search_term", "term", "question", "text")
-_URL_KEYS = ("url", "uri", "href", "link", "address")
-
-
-def _as_args(args: Any) -> dict[str, Any]:
-    if args is None:
-        return {}
-    if isinstance(args, dict):
-        return args
-    if isinstance(args, str):
-        try:
-            parsed = json.loads(args)
-        except ValueError:
-            return {"input": args}
-        return parsed if isinstance(parsed, dict) else {"input": parsed}
-    return {"input": args}
-
-
-def _scalar(v: Any) -> str | None:
-    if isinstance(v, bool) or v is None:
-        return None
-    if isinstance(v, (int, float)):
-        return str(v)
-    if isinstance(v, str) and v.strip():
-        return v
-    if isinstance(v, list) and v and all(isinstance(x, str) for x in v):
-        return shlex.join(v)
-    return None
-
-
-def _first(a: dict[str, Any], keys: Iterable[str]) -> str | None:
-    for k in keys:
-        v = _scalar(a.get(k))
-        if v is not None:
-            return v
-    return None
-
-
-def _first_line(s: str) -> str:
-    for line in s.splitlines():
-        if line.strip():
-            return line.strip()
-    return s.strip()
-
-
-def activity_for(tool_name: str | None, args: Any = None) -> str:
-    """The activity line for a tool call, from its name and arguments (a dict
-    or a JSON string): `$ <first line of command>`, `reading <path>`,
-    `writing <path>`, `editing <path>`, `searching <pattern>`,
-    `web search: <query>`, `fetching <url>`, else `<tool>: <first scalar
-    arg>` or `using <tool>`; cut to 80 characters."""
-    name = normalise_activity(tool_name or "", 40) or "tool"
-    a = _as_args(args)
-    key = _tool_key(name)
-    text: str | None = None
-    if key in _TERMINAL_TOOLS:
-        cmd = _first(a, _CMD_KEYS)
-        if cmd:
-            text = f"$ {_first_line(cmd)}"
-    elif key in _WEB_SEARCH_TOOLS or ("web" in key and "search" in key):
-        q = _first(a, _QUERY_KEYS)
-        if q:
-            text = f"web search: {q}"
-    elif key in _FETCH_TOOLS:
-        url = _first(a, _URL_KEYS)
-        if url:
-            text = f"fetching {url}"
-    elif key in _EDIT_TOOLS:
-        path = _first(a, _PATH_KEYS)
-        sub = str(a.get("command") or "")
-        if path:
-            verb = {"view": "reading", "create": "writing"}.get(sub, "editing")
-            text = f"{verb} {path}"
-    elif key in _READ_TOOLS:
-        path = _first(a, _PATH_KEYS)
-        if path:
-            text = f"reading {path}"
-    elif key in _WRITE_TOOLS:
-        path = _first(a, _PATH_KEYS)
-        if path:
-            text = f"writing {path}"
-    elif key in _SEARCH_TOOLS:
-        pat = _first(a, _PATTERN_KEYS)
-        if pat:
-            text = f"searching {pat}"
-    if text is None:
-        v = next((s for s in (_scalar(x) for x in a.values()) if s is not None), None)
-        text = f"{name}: {_first_line(v)}" if v is not None else f"using {name}"
-    return normalise_activity(text)
+    return cut(text, max_chars)
 
 
 # -- events -----------------------------------------------------------------------
@@ -216,6 +93,9 @@ def parse_event_line(line: str) -> dict | None | bool:
     if not isinstance(ev, dict):
         return False
     return ev
+
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
 
 def _text(v: Any, max_chars: int = MAX_TEXT_FIELD_CHARS) -> str | None:
