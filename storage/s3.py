@@ -30,8 +30,10 @@ from typing import Any
 
 import boto3
 import botocore.exceptions as bce
+import botocore.session
 from boto3.exceptions import Boto3Error
 from botocore.config import Config
+from botocore.loaders import create_loader
 
 from adapters.errors import BlobMissing, ConfigError, CourierError, StorageError
 from storage.base import BlobInfo, BlobStore, check_key
@@ -44,6 +46,22 @@ DELETE_BATCH = 1000  # S3's maximum keys per DeleteObjects
 MAX_PRESIGN_S = 7 * 24 * 3600  # SigV4 presigned URLs live at most 7 days
 
 _MISSING_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
+
+_LOADER = None
+
+
+def _session(access_key: str | None, secret_key: str | None, region: str | None) -> boto3.session.Session:
+    """A boto3 session of its own (credentials, env) sharing one model loader:
+    botocore's service models are parsed once per process, not once per store."""
+    global _LOADER
+    if _LOADER is None:
+        _LOADER = create_loader()
+    core = botocore.session.get_session()
+    core.register_component("data_loader", _LOADER)
+    return boto3.session.Session(
+        aws_access_key_id=access_key, aws_secret_access_key=secret_key,
+        region_name=region, botocore_session=core,
+    )
 
 
 @contextmanager
@@ -115,12 +133,10 @@ class S3Store(BlobStore):
         self.url = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
         self._key_prefix = f"{prefix}/" if prefix else ""
 
-        session = boto3.session.Session(
-            aws_access_key_id=access_key,
-            aws_secret_access_key=secret_key,
-            region_name=region,
-        )
+        with _map_errors("configure", where=self.url):
+            session = _session(access_key, secret_key, region)
         endpoint = endpoint_url or None
+        custom_endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         self._client_kwargs: dict[str, Any] = {
             "endpoint_url": endpoint,
             "region_name": session.region_name or "us-east-1",
@@ -131,7 +147,7 @@ class S3Store(BlobStore):
                 retries={"mode": "standard", "max_attempts": max_attempts},
                 # path-style always works on loopback / S3-compatible servers;
                 # virtual-host style stays the default on AWS itself.
-                s3={"addressing_style": "path" if endpoint else "auto"},
+                s3={"addressing_style": "path" if custom_endpoint else "auto"},
                 # only the checksums an operation requires: the "when_supported"
                 # default trips several S3-compatible servers.
                 request_checksum_calculation="when_required",
@@ -215,7 +231,7 @@ class S3Store(BlobStore):
     # -- listing and deleting ----------------------------------------------
     def list(self, prefix: str = "") -> Iterator[BlobInfo]:
         strip = len(self._key_prefix)
-        with _map_errors("list", prefix or None, self.url):
+        with _map_errors("list", where=f"{self.url}/{prefix}" if prefix else self.url):
             pages = self._client.get_paginator("list_objects_v2").paginate(
                 Bucket=self.bucket, Prefix=self._key_prefix + prefix
             )
