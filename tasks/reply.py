@@ -45,6 +45,8 @@ Tags
   `(MEDIA:/a.png)`, `"MEDIA:/a.png"`, `**MEDIA:/a.png**` leave nothing.
 - Duplicates (compared after unquoting and punctuation clean-up) deliver
   once; the first occurrence keeps its place in `media`.
+- A path is at most 4096 characters (PATH_MAX); longer ones are not tags.
+  Every search is bounded by that, so parsing stays near-linear.
 
 Code
 ----
@@ -67,11 +69,14 @@ inside the brackets, anywhere outside code; stripped and set the flags.
 Text
 ----
 - Tags and directives are cut out. Around each cut, the whitespace run is
-  tidied: at the start of a line the indentation before the tag is kept and
-  the space after it dropped; at the end of a line it is dropped; before
-  closing punctuation (`.,;:!?)]}>` and CJK) it is dropped; elsewhere it
-  becomes a single (the first) whitespace character. Two ASCII/Latin words
-  glued by a cut (`hereMEDIA:/a.pngthere`) get a single space.
+  tidied: at the start of a line the indentation before the tag is kept, and
+  the spaces and separator punctuation (`.,;:!?` and CJK `。，！？、；：`) after
+  it are dropped (`MEDIA:/a.png, here` -> `here`); at the end of a line it is
+  dropped; before closing punctuation (`.,;:!?)]}>` and CJK) it is dropped,
+  and of two separators meeting there one goes (`Done: MEDIA:/a.png.` ->
+  `Done.`, `a, MEDIA:/b.png, c` -> `a, c`, `Wow! MEDIA:/x.png.` -> `Wow!`);
+  elsewhere it becomes a single (the first) whitespace character. Two
+  non-CJK words glued by a cut (`hereMEDIA:/a.pngthere`) get one space.
 - A line that holds a cut and becomes blank is removed. Outside fenced code,
   runs of blank lines are collapsed to one (empty) line. The result is
   `strip()`ped. Lines without cuts are otherwise left alone.
@@ -163,6 +168,12 @@ _UNQUOTED_END_RE = re.compile(r"\s|`|MEDIA:|\[\[")
 _BACKTICKS_RE = re.compile(r"`+")
 _BLANK_LINE_RE = re.compile(r"\n[ \t\r]*(?=\n)")
 _ZWSP = "\u200b"
+_CLOSING_QUOTE_RE = {
+    q: re.compile(re.escape(q) + r"(?=\s|[" + re.escape("".join(sorted(_TRAIL_PUNCT))) + r"]|MEDIA:|$)")
+    for q in "\"'"
+}
+#: longest path a tag may name (Linux PATH_MAX); bounds every search
+_MAX_PATH = 4096
 
 
 @dataclass(frozen=True)
@@ -188,7 +199,7 @@ def _valid_path(path: str) -> bool:
         ok = len(path) > 1 and not path.startswith("//")
     else:
         return False
-    return ok and not any(unicodedata.category(ch) == "Cc" for ch in path)
+    return ok and len(path) <= _MAX_PATH and not any(unicodedata.category(ch) == "Cc" for ch in path)
 
 
 def _glued(rest: str) -> bool:
@@ -308,36 +319,28 @@ class _Scanner:
         return _DIRECTIVE_RE.match(self.text, j)
 
     def _closing_quote(self, q: str, start: int, line_end: int) -> int:
-        text = self.text
-        first = -1
-        pos = text.find(q, start, line_end)
-        while pos != -1:
-            if first == -1:
-                first = pos
-            after = pos + 1
-            if (
-                after >= line_end
-                or text[after].isspace()
-                or text[after] in _TRAIL_PUNCT
-                or text.startswith(_TAG, after)
-            ):
-                return pos
-            pos = text.find(q, after, line_end)
-        return first
+        """The first `q` followed by a boundary, else the first `q`, else -1."""
+        m = _CLOSING_QUOTE_RE[q].search(self.text, start, line_end)
+        if m is not None:
+            return m.start()
+        return self.text.find(q, start, line_end)
 
     def _unquoted(self, start: int) -> tuple[str, int] | None:
         text = self.text
+        limit = min(self.n, start + _MAX_PATH + 1)
         pos = start
         while True:
-            m = _UNQUOTED_END_RE.search(text, pos)
+            m = _UNQUOTED_END_RE.search(text, pos, limit)
             if m is None:
-                end = self.n
+                end = limit
                 break
             if m.group() == "[[" and self._directive_at(m.start()) is None:
                 pos = m.start() + 2
                 continue
             end = m.start()
             break
+        if end - start > _MAX_PATH:
+            return None
         path = _clean_unquoted(text[start:end])
         if not _valid_path(path):
             return None
@@ -349,9 +352,9 @@ class _Scanner:
         if p >= self.n:
             return None
         c = text[p]
-        line_end = text.find("\n", p)
+        line_end = text.find("\n", p, p + _MAX_PATH + 16)
         if line_end == -1:
-            line_end = self.n
+            line_end = min(self.n, p + _MAX_PATH + 16)
         if c in "\"'":
             q = self._closing_quote(c, p + 1, line_end)
             if q != -1:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import PurePosixPath
 
 import pytest
@@ -198,6 +200,35 @@ def test_parse_reply_rejects_non_str(bad: object) -> None:
         parse_reply(bad)  # type: ignore[arg-type]
 
 
+def test_path_length_cap() -> None:
+    ok = "/" + "a" * 4091 + ".png"
+    assert parse_reply(f"MEDIA:{ok}").media == (ok,)
+    assert parse_reply(f'MEDIA:"{ok}"').media == (ok,)
+    long = "/" + "a" * 4092 + ".png"
+    assert parse_reply(f"MEDIA:{long} x") == ParsedReply(f"MEDIA:{long} x", (), False, False)
+    assert parse_reply(f'MEDIA:"{long}" x').media == ()
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        'MEDIA:"x"x' * 5000,
+        "MEDIA:'" * 8000,
+        "MEDIA:`" + "`a" * 20000,
+        "MEDIA:/" + "[[" * 20000,
+        "MEDIA:/" + "a.png." * 8000,
+        "```\n" * 10000,
+        "MEDIA:[[as_document]]/x.png " * 2000,
+        "`" * 50000,
+    ],
+    ids=["quotes", "open-quotes", "backticks", "brackets", "dots", "fences", "defuse", "one-run"],
+)
+def test_pathological_input_is_fast(reply: str) -> None:
+    t0 = time.perf_counter()
+    parse_reply(reply)
+    assert time.perf_counter() - t0 < 2.0
+
+
 def test_parsed_reply_is_frozen() -> None:
     got = parse_reply("MEDIA:/a.png")
     with pytest.raises(AttributeError):
@@ -207,7 +238,8 @@ def test_parsed_reply_is_frozen() -> None:
 # --------------------------------------------------------------------------
 # property-based tests
 
-_SETTINGS = settings(max_examples=200, deadline=None)
+# REPLY_FUZZ_EXAMPLES=20000 for a long local fuzz run
+_SETTINGS = settings(max_examples=int(os.environ.get("REPLY_FUZZ_EXAMPLES", "200")), deadline=None, database=None)
 
 _seg = st.text("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-", min_size=1, max_size=12)
 _ext = st.sampled_from(sorted(KNOWN_EXT) + [".bin", ".dat", ".tsx", ".pyc", ".PNG", ".Mp4"])
