@@ -64,6 +64,18 @@ class Settings(BaseSettings):
     docker_host: str | None = None
     #: where singularity instance roots live (<dir>/<instance>/rootfs); default: ask apptainer
     singularity_instances_dir: str | None = None
+    #: ssh:// sandboxes: private key and known_hosts (default: agent / ~/.ssh keys, ~/.ssh/known_hosts);
+    #: host keys are always checked, an unknown host is refused
+    ssh_key_path: str | None = None
+    ssh_known_hosts: str | None = None
+    #: remote user and port when the URI names none (default: the worker's user, 22)
+    ssh_user: str | None = None
+    ssh_port: int = 22
+    #: use the OpenSSH client over a ControlMaster socket instead of paramiko SFTP
+    ssh_use_openssh: bool = False
+    #: directory of the ControlMaster sockets (keep it short); default: a private dir in /tmp
+    ssh_control_dir: str | None = None
+    ssh_connect_timeout_s: float = 10.0
 
     # -- agents ----------------------------------------------------------
     #: JSON object: name -> {"command": [...], "env": {}, "timeout_s": 900, "sandbox": "local:///dir"}

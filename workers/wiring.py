@@ -88,8 +88,19 @@ def open_sandbox(ref: SandboxRef, settings: Settings | None = None) -> Sandbox:
         from adapters.sandboxes.docker import DockerSandbox
 
         return DockerSandbox(ref, None, client=_docker_client(s.docker_host))
-    # ssh: (filled by the sandbox work)
-    # modal: (filled by the sandbox work)
+    if ref.kind == "ssh":
+        from adapters.sandboxes.ssh import SshSandbox
+
+        # roots: the ref's, else /workspace, /tmp and the remote home (resolved on first use)
+        return SshSandbox(
+            ref, PathPolicy(roots=tuple(ref.roots)), key_path=s.ssh_key_path, known_hosts=s.ssh_known_hosts,
+            user=s.ssh_user, port=s.ssh_port, use_openssh=s.ssh_use_openssh, control_dir=s.ssh_control_dir,
+            connect_timeout_s=s.ssh_connect_timeout_s,
+        )
+    if ref.kind == "modal":
+        from adapters.sandboxes.modal import ModalSandbox
+
+        return ModalSandbox(ref, None)
     if ref.kind == "singularity":
         from adapters.sandboxes.singularity import SingularitySandbox
 

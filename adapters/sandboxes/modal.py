@@ -1,0 +1,357 @@
+"""Modal sandboxes (`modal://sb-id/abs/path`), on the modal SDK.
+
+The SDK is imported lazily (`pip install 'courier[modal]'`); credentials are
+the SDK's own (MODAL_TOKEN_ID / MODAL_TOKEN_SECRET or ~/.modal.toml).
+
+* resolve: ONE exec (`readlink -f` + type + size + $HOME, the script of
+  :mod:`adapters.sandboxes.execstream`), then the policy check;
+* read: the SDK's file API, ``sandbox.open(resolved, "rb")`` read in 1 MiB
+  chunks straight into storage; where the SDK has no file API (modal 1.x
+  dropped ``Sandbox.open``) or it fails before the first byte, ONE streaming
+  ``cat`` through ``sandbox.exec`` (execstream); the byte count must match
+  the size resolved, else nothing is stored;
+* put: the destination is resolved (one exec), written to a temp name beside
+  it (``sandbox.open(tmp, "wb")``, or ``cat`` fed through exec stdin), then
+  size-checked and renamed by one exec, so a short upload never appears.
+
+Reads happen inside the sandbox, scoped to its own filesystem; a process in
+the sandbox racing a link swap after the resolve can only reach what it
+could read itself. SDK errors are translated in ONE place
+(:meth:`ModalSandbox._errors`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import posixpath
+import threading
+import uuid
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+from adapters.errors import (
+    ConfigError, CourierError, FileMissing, NotAFile, SandboxError, SandboxGone, TooLarge, UnsafePath,
+)
+from adapters.sandboxes.base import DEFAULT_MAX_BYTES, PathPolicy, Sandbox, SandboxRef, check_lexical
+from adapters.sandboxes.execstream import (
+    EXIT_CHANGED, ExecStream, ExecStreamMixin, exec_iter_file, exec_resolve, resolve_put_dest,
+)
+
+CHUNK = 1024 * 1024
+MODAL_DEFAULT_ROOTS = ("/workspace", "/tmp")
+INSTALL_HINT = "modal sandboxes need the modal SDK: pip install 'courier[modal]' (or: pip install modal)"
+
+#: $1 temp, $2 final, $3 expected size, $4 "cat" to read the temp from stdin first.
+#: A short temp (an aborted upload ends `cat` with EOF) is removed, never renamed.
+_PUT_SIZED = r"""umask 022
+if [ "$4" = cat ]; then cat > "$1" || { rm -f -- "$1"; exit 3; }; fi
+[ "$(stat -c %s -- "$1")" = "$3" ] || { rm -f -- "$1"; exit 6; }
+if [ -L "$2" ] || [ -d "$2" ]; then rm -f -- "$1"; exit 97; fi
+mv -f -- "$1" "$2" || { rm -f -- "$1"; exit 3; }
+"""
+
+
+def _modal():
+    try:
+        import modal
+    except ImportError as exc:
+        raise ConfigError(INSTALL_HINT) from exc
+    return modal
+
+
+# one SDK sandbox object per id and process (from_id is a network call)
+_handles: OrderedDict[str, Any] = OrderedDict()
+_handles_lock = threading.Lock()
+
+
+def forget_handles() -> None:
+    with _handles_lock:
+        _handles.clear()
+
+
+class _ModalExec:
+    """execstream's ExecChannel over ``Sandbox.exec`` (argv, binary stdout)."""
+
+    binary_safe = True
+
+    def __init__(self, sandbox: "ModalSandbox") -> None:
+        self.msb = sandbox
+
+    def _exec(self, argv: Sequence[str]):
+        with self.msb._errors(argv[-1] if argv else "exec"):
+            return self.msb.handle().exec(*argv, text=False)
+
+    def exec_small(self, argv: Sequence[str]) -> tuple[int, bytes, bytes]:
+        p = self._exec(argv)
+        with self.msb._errors(argv[-1]):
+            out = _bounded(p.stdout)
+            err = _bounded(p.stderr)
+            rc = p.wait()
+        return (rc if rc is not None else p.returncode), out, err
+
+    def exec_stream(self, argv: Sequence[str]) -> ExecStream:
+        p = self._exec(argv)
+        state: dict[str, Any] = {"rc": None}
+
+        def chunks() -> Iterator[bytes]:
+            with self.msb._errors(argv[-2] if len(argv) > 1 else "exec"):
+                for chunk in p.stdout:
+                    yield _as_bytes(chunk)
+                rc = p.wait()
+                state["rc"] = rc if rc is not None else p.returncode
+
+        def stderr() -> bytes:
+            with contextlib.suppress(Exception):
+                return _bounded(p.stderr)
+            return b""
+
+        return ExecStream(chunks=chunks(), exit_code=lambda: state["rc"], stderr=stderr)
+
+    def exec_stdin(self, argv: Sequence[str], chunks: Iterable[bytes]) -> tuple[int, bytes, bytes]:
+        p = self._exec(argv)
+        with self.msb._errors(argv[-1]):
+            for chunk in chunks:
+                p.stdin.write(chunk)
+                p.stdin.drain()
+            p.stdin.write_eof()
+            p.stdin.drain()
+            err = _bounded(p.stderr)
+            rc = p.wait()
+        return (rc if rc is not None else p.returncode), b"", err
+
+
+def _as_bytes(chunk) -> bytes:
+    return chunk.encode("utf-8", "surrogateescape") if isinstance(chunk, str) else bytes(chunk)
+
+
+def _bounded(stream, limit: int = 1 << 20) -> bytes:
+    out = bytearray()
+    for chunk in stream:
+        if len(out) < limit:
+            out += _as_bytes(chunk)
+    return bytes(out[:limit])
+
+
+class ModalSandbox(ExecStreamMixin, Sandbox):
+    kind = "modal"
+    exec_default_roots = MODAL_DEFAULT_ROOTS
+
+    def __init__(self, ref: SandboxRef, policy: PathPolicy | None = None, *, client: Any = None) -> None:
+        super().__init__(ref, policy)  # type: ignore[arg-type]
+        if not ref.target:
+            raise ConfigError("modal sandbox needs an id: modal://sb-.../abs/path")
+        self.client = client
+        self._handle: Any = None
+
+    # -- the SDK object and its errors --------------------------------------------
+    def handle(self):
+        """The SDK's Sandbox object (``modal.Sandbox.from_id``), shared per id."""
+        if self._handle is None:
+            key = self.ref.target
+            with _handles_lock:
+                h = _handles.get(key)
+            if h is None:
+                modal = _modal()
+                with self._errors("from_id"):
+                    h = modal.Sandbox.from_id(key, client=self.client) if self.client else modal.Sandbox.from_id(key)
+                with _handles_lock:
+                    _handles[key] = h
+                    while len(_handles) > 64:
+                        _handles.popitem(last=False)
+            self._handle = h
+        return self._handle
+
+    @contextlib.contextmanager
+    def _errors(self, what: str):
+        try:
+            yield
+        except CourierError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - translated or re-raised
+            mapped = self._map(exc, what)
+            if mapped is None:
+                raise
+            if isinstance(mapped, SandboxGone):
+                self._drop_handle()
+            raise mapped from exc
+
+    def _map(self, exc: Exception, what: str) -> CourierError | None:
+        sid = self.ref.target
+        try:
+            me = _modal().exception
+        except ConfigError:
+            me = None
+        if me is not None:
+            gone = tuple(getattr(me, n) for n in (
+                "NotFoundError", "SandboxTerminatedError", "SandboxTimeoutError", "ConnectionError", "ClientClosed",
+                "TimeoutError", "ExecTimeoutError", "InternalFailure", "ServiceError",
+            ) if hasattr(me, n))
+            if isinstance(exc, getattr(me, "AuthError", ())):
+                return ConfigError(f"modal sandbox {sid}: authentication failed (MODAL_TOKEN_ID / MODAL_TOKEN_SECRET): {exc}")
+            if isinstance(exc, getattr(me, "PermissionDeniedError", ())):
+                return ConfigError(f"modal sandbox {sid}: permission denied by Modal: {exc}")
+            if isinstance(exc, getattr(me, "SandboxFilesystemNotFoundError", ())):
+                return FileMissing(f"{what}: no such file in modal sandbox {sid}")
+            if isinstance(exc, getattr(me, "SandboxFilesystemIsADirectoryError", ())):
+                return NotAFile(f"{what}: is a directory")
+            if isinstance(exc, getattr(me, "SandboxFilesystemPermissionError", ())):
+                return UnsafePath(f"{what}: permission denied in modal sandbox {sid}")
+            if gone and isinstance(exc, gone):
+                return SandboxGone(f"modal sandbox {sid} is gone or unreachable ({what}): {exc}")
+            if isinstance(exc, me.Error):
+                return SandboxError(f"{what}: modal sandbox {sid}: {exc}")
+        if isinstance(exc, FileNotFoundError):
+            return FileMissing(f"{what}: no such file in modal sandbox {sid}")
+        if isinstance(exc, IsADirectoryError):
+            return NotAFile(f"{what}: is a directory")
+        if isinstance(exc, PermissionError):
+            return UnsafePath(f"{what}: permission denied in modal sandbox {sid}")
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            return SandboxGone(f"modal sandbox {sid}: connection lost ({what}): {exc}")
+        return None
+
+    def _drop_handle(self) -> None:
+        with _handles_lock:
+            if _handles.get(self.ref.target) is self._handle:
+                _handles.pop(self.ref.target, None)
+        self._handle = None
+
+    def exec_channel(self) -> _ModalExec:
+        return _ModalExec(self)
+
+    # -- resolve ------------------------------------------------------------------
+    def resolve(self, path: str) -> tuple[str, int]:
+        check_lexical(path)
+        try:
+            r = exec_resolve(self.exec_channel(), path)
+        except (FileMissing, NotAFile):
+            self._deny_lexical(path)
+            raise
+        self.policy_for(r.home).check(r.path, shown=path)
+        return r.path, r.size
+
+    def _deny_lexical(self, path: str) -> None:
+        """A path that does not resolve is still refused if denylisted as written."""
+        policy = self.policy or PathPolicy(roots=MODAL_DEFAULT_ROOTS)
+        norm = posixpath.normpath(path)
+        for d in policy.denied():
+            if norm == d or norm.startswith(d.rstrip("/") + "/"):
+                raise UnsafePath(f"{path}: {d} is never readable")
+
+    # -- read -------------------------------------------------------------------------
+    def _iter_file_api(self, resolved: str) -> Iterator[bytes] | None:
+        """Chunks through ``sandbox.open``; None when the SDK has no usable file API."""
+        h = self.handle()
+        opener = getattr(h, "open", None)
+        if opener is None:
+            return None
+        me = _modal().exception
+        try:
+            f = opener(resolved, "rb")
+        except (FileNotFoundError, IsADirectoryError, PermissionError) as exc:
+            raise self._map(exc, resolved) from exc  # type: ignore[misc]
+        except me.Error as exc:
+            mapped = self._map(exc, resolved)
+            if isinstance(mapped, (SandboxGone, ConfigError, FileMissing, NotAFile, UnsafePath)):
+                raise mapped from exc
+            return None  # the file API failed: use exec
+
+        def chunks() -> Iterator[bytes]:
+            try:
+                with self._errors(resolved):
+                    while True:
+                        data = f.read(CHUNK)
+                        if not data:
+                            break
+                        yield _as_bytes(data)
+            finally:
+                with contextlib.suppress(Exception):
+                    f.close()
+
+        return chunks()
+
+    def _stream(self, resolved: str, size: int | None, max_bytes: int | None) -> Iterator[bytes]:
+        chunks = self._iter_file_api(resolved)
+        if chunks is None:
+            yield from exec_iter_file(self.exec_channel(), resolved, expected_size=size, max_bytes=max_bytes)
+            return
+        n = 0
+        for chunk in chunks:
+            n += len(chunk)
+            if max_bytes is not None and n > max_bytes:
+                raise TooLarge(f"{resolved}: larger than the {max_bytes:,} byte cap", size_bytes=n,
+                               limit_bytes=max_bytes)
+            yield chunk
+        if size is not None and n != size:
+            raise SandboxGone(f"{resolved}: changed during transfer ({n:,} bytes read, {size:,} expected)")
+
+    def open_stream(self, resolved: str) -> Iterator[bytes]:
+        again, _ = self.resolve(resolved)  # also learns $HOME for the default policy
+        if again != resolved:
+            raise UnsafePath(f"{resolved}: resolves to {again}")
+        return self._stream(resolved, None, None)
+
+    def extract(self, path: str, store, key: str, *, max_bytes: int = DEFAULT_MAX_BYTES):
+        check_lexical(path)
+        resolved, size = self.resolve(path)
+        if size > max_bytes:
+            raise TooLarge(f"{path}: {size:,} bytes is over the {max_bytes:,} byte cap", size_bytes=size,
+                           limit_bytes=max_bytes)
+        return store.put_stream(key, self._stream(resolved, size, max_bytes), max_bytes=max_bytes)
+
+    # -- inbound ------------------------------------------------------------------------
+    def put(self, store, key: str, dest_path: str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
+        check_lexical(dest_path)
+        size = store.stat(key).size_bytes
+        if size > max_bytes:
+            raise TooLarge(f"{key}: {size:,} bytes is over the {max_bytes:,} byte cap", size_bytes=size,
+                           limit_bytes=max_bytes)
+        ch = self.exec_channel()
+        self._deny_lexical(dest_path)
+        final, _uid, _gid = resolve_put_dest(ch, self.policy_for, dest_path)
+        tmp = posixpath.join(posixpath.dirname(final), f".{posixpath.basename(final)}.{uuid.uuid4().hex[:8]}.courier-part")
+
+        def chunks() -> Iterator[bytes]:
+            sent = 0
+            for chunk in store.iter_chunks(key):
+                sent += len(chunk)
+                if sent > max_bytes:
+                    raise TooLarge(f"{key}: over the {max_bytes:,} byte cap", limit_bytes=max_bytes)
+                yield chunk
+
+        opener = getattr(self.handle(), "open", None)
+        wrote = False
+        if opener is not None:
+            me = _modal().exception
+            try:
+                f = opener(tmp, "wb")
+            except me.Error as exc:
+                mapped = self._map(exc, dest_path)
+                if isinstance(mapped, (SandboxGone, ConfigError)):
+                    raise mapped from exc
+            else:
+                try:
+                    with self._errors(dest_path):
+                        for chunk in chunks():
+                            f.write(chunk)
+                        f.flush()
+                        f.close()
+                except BaseException:
+                    with contextlib.suppress(Exception):
+                        f.close()
+                    with contextlib.suppress(Exception):  # best effort: the sandbox may be gone
+                        ch.exec_small(["rm", "-f", "--", tmp])
+                    raise
+                wrote = True
+        if wrote:
+            rc, _, err = ch.exec_small(["sh", "-c", _PUT_SIZED, "sh", tmp, final, str(size), ""])
+        else:  # no file API: cat through exec stdin, same size check
+            rc, _, err = ch.exec_stdin(["sh", "-c", _PUT_SIZED, "sh", tmp, final, str(size), "cat"], chunks())
+        if rc == EXIT_CHANGED:
+            raise UnsafePath(f"{dest_path}: is a link or a directory")
+        if rc == 6:
+            raise SandboxGone(f"{dest_path}: short write into the sandbox (expected {size:,} bytes)")
+        if rc != 0:
+            raise SandboxError(f"{dest_path}: writing failed (exit {rc}: {err.decode('utf-8', 'replace')[:300]})")
+        return final

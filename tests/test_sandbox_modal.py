@@ -1,0 +1,428 @@
+"""ModalSandbox against a stand-in for the modal SDK's Sandbox object.
+
+Modal's cloud is unreachable from here, so these tests replace `modal.Sandbox`
+(the SDK boundary; the real `modal` package and its exception classes stay)
+with `FakeSandbox`, which has the same methods the backend calls:
+`from_id(id)`, `open(path, mode)` (the file API of the SDKs that have one),
+`exec(*argv, text=False)` returning a process with `.stdout` / `.stderr`
+(iterables of byte chunks), `.stdin` (`write` / `drain` / `write_eof`),
+`.wait()` and `.returncode`, and `terminate()`. Its "sandbox filesystem" is
+a local directory tree and its exec runs the real command (argv, no shell)
+on this machine, so resolve, streaming `cat` and the put scripts run for
+real. Variants: with the file API, without it (modal 1.x has no
+`Sandbox.open`), and with a file API that fails (exec fallback).
+"""
+
+from __future__ import annotations
+
+import builtins
+import hashlib
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+modal = pytest.importorskip("modal")
+
+from adapters.errors import ConfigError, FileMissing, NotAFile, SandboxGone, TooLarge, UnsafePath  # noqa: E402
+from adapters.sandboxes import modal as modal_backend  # noqa: E402
+from adapters.sandboxes.base import PathPolicy, SandboxRef  # noqa: E402
+from adapters.sandboxes.modal import INSTALL_HINT, ModalSandbox  # noqa: E402
+from storage.volume import VolumeStore  # noqa: E402
+
+BIG = 50 * 1000 * 1000
+VARIANTS = ["file_api", "exec_only", "file_api_fails"]
+
+
+# -- the stand-in ---------------------------------------------------------------------
+class _Stream:
+    def __init__(self, pipe, box: "FakeSandbox") -> None:
+        self.pipe, self.box = pipe, box
+
+    def __iter__(self):
+        while True:
+            self.box.check_alive()
+            data = os.read(self.pipe.fileno(), 256 * 1024)
+            if not data:
+                return
+            yield data
+
+    def read(self) -> bytes:
+        return b"".join(self)
+
+
+class _Stdin:
+    def __init__(self, pipe, box: "FakeSandbox") -> None:
+        self.pipe, self.box = pipe, box
+
+    def write(self, data: bytes) -> None:
+        self.box.check_alive()
+        self.pipe.write(data)
+
+    def drain(self) -> None:
+        if not self.pipe.closed:
+            self.pipe.flush()
+
+    def write_eof(self) -> None:
+        self.pipe.close()
+
+
+class FakeProcess:
+    def __init__(self, argv, box: "FakeSandbox") -> None:
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.stdout, self.stderr = _Stream(self.proc.stdout, box), _Stream(self.proc.stderr, box)
+        self.stdin = _Stdin(self.proc.stdin, box)
+        self.returncode: int | None = None
+
+    def wait(self) -> int:
+        self.returncode = self.proc.wait()
+        for p in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            if not p.closed:
+                p.close()
+        return self.returncode
+
+    def poll(self):
+        return self.proc.poll()
+
+
+class _FakeFile:
+    def __init__(self, f, box: "FakeSandbox") -> None:
+        self.f, self.box = f, box
+
+    def read(self, n: int = -1) -> bytes:
+        self.box.check_alive()
+        return self.f.read(n)
+
+    def write(self, data: bytes) -> int:
+        self.box.check_alive()
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def close(self) -> None:
+        self.f.close()
+
+
+class FakeSandbox:
+    """modal.Sandbox stand-in (with the file API)."""
+
+    registry: dict[str, "FakeSandbox"] = {}
+    from_id_calls = 0
+
+    def __init__(self, sandbox_id: str, open_fails: bool = False) -> None:
+        self.object_id = sandbox_id
+        self.open_fails = open_fails
+        self.terminated = False
+        self.procs: list[FakeProcess] = []
+        self.opened: list[str] = []
+        self.execs: list[list[str]] = []
+
+    @classmethod
+    def from_id(cls, sandbox_id: str, client=None):
+        FakeSandbox.from_id_calls += 1
+        box = FakeSandbox.registry.get(sandbox_id)
+        if box is None or box.terminated:
+            raise modal.exception.NotFoundError(f"Sandbox {sandbox_id} not found")
+        return box
+
+    def check_alive(self) -> None:
+        if self.terminated:
+            raise modal.exception.SandboxTerminatedError("Sandbox was terminated")
+
+    def terminate(self) -> None:
+        self.terminated = True
+        for p in self.procs:  # the sandbox's processes die with it
+            if p.proc.poll() is None:
+                p.proc.kill()
+                p.proc.wait()
+
+    def exec(self, *argv: str, text: bool = True, **kw):
+        assert text is False, "binary streams need text=False"
+        assert all(isinstance(a, str) for a in argv)
+        self.check_alive()
+        self.execs.append(list(argv))
+        p = FakeProcess(list(argv), self)
+        self.procs.append(p)
+        return p
+
+    def open(self, path: str, mode: str = "r"):
+        self.check_alive()
+        if self.open_fails:
+            raise modal.exception.SandboxFilesystemError("file API unavailable")
+        self.opened.append(path)
+        return _FakeFile(builtins.open(path, mode), self)
+
+
+class FakeSandboxNoFileApi(FakeSandbox):
+    """Like modal 1.x: no `Sandbox.open`."""
+
+    def __getattribute__(self, name):
+        if name == "open":
+            raise AttributeError(name)
+        return super().__getattribute__(name)
+
+
+# -- fixtures ---------------------------------------------------------------------------
+def write_random(path: Path, size: int) -> str:
+    digest = hashlib.sha256()
+    with open(path, "wb") as f:
+        left = size
+        while left:
+            block = os.urandom(min(left, 1 << 20))
+            digest.update(block)
+            f.write(block)
+            left -= len(block)
+    return digest.hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def assert_store_empty(store: VolumeStore) -> None:
+    assert list(store.list()) == []
+    assert os.listdir(store.root / ".tmp") == []
+
+
+@pytest.fixture(scope="module")
+def area(tmp_path_factory):
+    base = tmp_path_factory.mktemp("modalsb")
+    root, outside = base / "root", base / "outside"
+    root.mkdir()
+    outside.mkdir()
+    sums = {name: write_random(root / name, size)
+            for name, size in (("empty.bin", 0), ("one_kb.bin", 1000), ("big.bin", BIG))}
+    (root / "dir").mkdir()
+    (outside / "secret.txt").write_text("secret")
+    os.symlink(outside / "secret.txt", root / "escape.txt")
+    os.symlink(root / "one_kb.bin", root / "inside_link.bin")
+    os.symlink(outside, root / "outdir")
+    (root / ".ssh").mkdir()
+    (root / ".ssh" / "authorized_keys").write_text("ssh-ed25519 AAAA test\n")
+    return {"root": root, "outside": outside, "sums": sums}
+
+
+@pytest.fixture(autouse=True)
+def fake_sdk(monkeypatch):
+    """Replace modal.Sandbox at the SDK boundary (and forget cached handles)."""
+    monkeypatch.setattr(modal, "Sandbox", FakeSandbox)
+    FakeSandbox.registry.clear()
+    FakeSandbox.from_id_calls = 0
+    modal_backend.forget_handles()
+    yield
+    modal_backend.forget_handles()
+
+
+def make_box(variant: str, sid: str = "sb-test") -> FakeSandbox:
+    box = (FakeSandboxNoFileApi(sid) if variant == "exec_only"
+           else FakeSandbox(sid, open_fails=variant == "file_api_fails"))
+    FakeSandbox.registry[sid] = box
+    return box
+
+
+def make(area, sid: str = "sb-test", home: Path | None = None) -> ModalSandbox:
+    ref = SandboxRef("modal", sid, roots=(str(area["root"]),))
+    policy = PathPolicy(roots=(str(area["root"]),), home=str(home) if home else None)
+    return ModalSandbox(ref, policy)
+
+
+@pytest.fixture
+def store(tmp_path):
+    return VolumeStore(tmp_path / "store")
+
+
+# -- extraction ----------------------------------------------------------------------------
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("name", ["empty.bin", "one_kb.bin", "big.bin"])
+def test_extract_byte_identical(area, store, variant, name):
+    box = make_box(variant)
+    info = make(area).extract(str(area["root"] / name), store, f"files/{name}")
+    assert info.sha256 == area["sums"][name]
+    assert sha256_file(store.local_path(f"files/{name}")) == area["sums"][name]
+    used_file_api = bool(box.opened)
+    assert used_file_api == (variant == "file_api")
+    # resolve is one exec; the exec variants stream with one more (cat)
+    assert len(box.execs) == (1 if variant == "file_api" else 2)
+
+
+def test_link_inside_roots_is_followed(area, store):
+    box = make_box("file_api")
+    info = make(area).extract(str(area["root"] / "inside_link.bin"), store, "files/l")
+    assert info.sha256 == area["sums"]["one_kb.bin"]
+    assert box.opened == [str(area["root"] / "one_kb.bin")]  # the resolved path is opened
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_over_the_cap_stores_nothing(area, store, variant):
+    make_box(variant)
+    with pytest.raises(TooLarge):
+        make(area).extract(str(area["root"] / "one_kb.bin"), store, "files/x", max_bytes=999)
+    assert_store_empty(store)
+
+
+@pytest.mark.parametrize("rel, exc", [
+    ("missing.bin", FileMissing),
+    ("nodir/missing.bin", FileMissing),
+    ("dir", NotAFile),
+    ("escape.txt", UnsafePath),
+    ("outdir/secret.txt", UnsafePath),
+    ("../outside/secret.txt", UnsafePath),
+    (".ssh/authorized_keys", UnsafePath),
+])
+def test_refused(area, store, rel, exc):
+    box = make_box("file_api")
+    with pytest.raises(exc):
+        make(area, home=area["root"]).extract(f"{area['root']}/{rel}", store, "files/x")
+    assert box.opened == []
+    assert_store_empty(store)
+
+
+def test_default_roots_and_denylist(area, store):
+    """No roots: /workspace, /tmp and $HOME (here /root: denylisted, so not a root)."""
+    make_box("file_api")
+    sb = ModalSandbox(SandboxRef("modal", "sb-test"), None)
+    assert sb.extract(str(area["root"] / "one_kb.bin"), store, "files/ok").sha256 == area["sums"]["one_kb.bin"]
+    for path in ("/etc/passwd", "/root/.ssh/authorized_keys", "/proc/self/environ"):
+        with pytest.raises(UnsafePath):
+            sb.extract(path, store, "files/no")
+    assert [b.key for b in store.list()] == ["files/ok"]
+
+
+def test_handle_reused(area, store):
+    make_box("file_api")
+    a = make(area)
+    a.extract(str(area["root"] / "one_kb.bin"), store, "files/a")
+    a.extract(str(area["root"] / "empty.bin"), store, "files/b")
+    b = make(area)
+    b.extract(str(area["root"] / "one_kb.bin"), store, "files/c")
+    assert FakeSandbox.from_id_calls == 1
+    assert a.handle() is b.handle()
+
+
+def test_unknown_sandbox_is_gone(area, store):
+    with pytest.raises(SandboxGone):
+        make(area, sid="sb-nope").extract(str(area["root"] / "one_kb.bin"), store, "files/x")
+
+
+def test_sdk_missing_has_an_install_hint(area, store, monkeypatch):
+    monkeypatch.setitem(sys.modules, "modal", None)  # import modal -> ImportError
+    with pytest.raises(ConfigError, match="pip install"):
+        make(area).extract(str(area["root"] / "one_kb.bin"), store, "files/x")
+    assert "modal" in INSTALL_HINT
+
+
+class InterruptingStore(VolumeStore):
+    def __init__(self, root, after_first):
+        super().__init__(root)
+        self.after_first, self.chunks = after_first, 0
+
+    def put_stream(self, key, src, **kw):
+        def chunks():
+            for chunk in src:
+                self.chunks += 1
+                yield chunk
+                if self.chunks == 1:
+                    t = threading.Thread(target=self.after_first)
+                    t.start()
+                    t.join()
+        return super().put_stream(key, chunks(), **kw)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_terminated_mid_transfer(area, tmp_path, variant):
+    box = make_box(variant)
+    store = InterruptingStore(tmp_path / "store", box.terminate)
+    sb = make(area)
+    with pytest.raises(SandboxGone):
+        sb.extract(str(area["root"] / "big.bin"), store, "files/big")
+    assert store.chunks >= 1
+    assert_store_empty(store)
+    with pytest.raises(SandboxGone):  # the cached handle was dropped; from_id now says gone
+        make(area).extract(str(area["root"] / "one_kb.bin"), store, "files/x")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_file_growing_mid_transfer(area, tmp_path, variant):
+    src = area["root"] / f"growing-{variant}.bin"
+    write_random(src, 4 * 1024 * 1024)
+    make_box(variant)
+
+    def grow():
+        with open(src, "ab") as f:
+            f.write(b"more")
+
+    store = InterruptingStore(tmp_path / "store", grow)
+    with pytest.raises(SandboxGone):
+        make(area).extract(str(src), store, "files/g")
+    assert_store_empty(store)
+
+
+# -- inbound ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("size", [0, 1000, 5 * 1000 * 1000])
+def test_put_byte_identical(area, store, tmp_path, variant, size):
+    box = make_box(variant)
+    src = tmp_path / "src.bin"
+    want = write_random(src, size)
+    with open(src, "rb") as f:
+        store.put_stream("files/in", f)
+    inbox = area["root"] / f"inbox-{variant}"
+    inbox.mkdir(exist_ok=True)
+    dest = inbox / f"in-{size}.bin"
+    assert make(area).put(store, "files/in", str(dest)) == str(dest)
+    assert sha256_file(dest) == want
+    assert sorted(os.listdir(inbox)) == sorted(p for p in os.listdir(inbox) if "courier-part" not in p)
+    assert bool(box.opened) == (variant == "file_api")
+
+
+@pytest.mark.parametrize("dest, exc", [
+    ("/etc/courier-test", UnsafePath),
+    ("{outside}/dropped", UnsafePath),
+    ("{root}/outdir/dropped", UnsafePath),
+    ("{root}/escape.txt", UnsafePath),
+    ("{root}/.ssh/authorized_keys", UnsafePath),
+    ("{root}/../outside/dropped", UnsafePath),
+    ("{root}/dir", UnsafePath),
+    ("{root}/no/such/dir/f", FileMissing),
+])
+def test_put_refused(area, store, dest, exc):
+    box = make_box("file_api")
+    store.put_bytes("files/in", b"payload")
+    with pytest.raises(exc):
+        make(area, home=area["root"]).put(store, "files/in", dest.format(root=area["root"], outside=area["outside"]))
+    assert box.opened == []
+    assert sorted(os.listdir(area["outside"])) == ["secret.txt"]
+    assert not os.path.exists("/etc/courier-test")
+
+
+@pytest.mark.parametrize("variant", ["file_api", "exec_only"])
+def test_put_over_cap_and_interrupted(area, store, variant):
+    box = make_box(variant)
+    store.put_bytes("files/in", b"x" * 100)
+    inbox = area["root"] / f"capped-{variant}"
+    inbox.mkdir(exist_ok=True)
+    with pytest.raises(TooLarge):
+        make(area).put(store, "files/in", str(inbox / "capped.bin"), max_bytes=99)
+    # the sandbox vanishing during the upload never publishes the file (a
+    # temp may stay behind in the stand-in; a real terminated sandbox is gone)
+    store.put_bytes("files/big", os.urandom(3 * 1024 * 1024))
+    real_iter = store.iter_chunks
+
+    def iter_then_terminate(key, *a, **kw):
+        for i, chunk in enumerate(real_iter(key, *a, **kw)):
+            if i == 1:
+                box.terminate()
+            yield chunk
+
+    store.iter_chunks = iter_then_terminate
+    with pytest.raises(SandboxGone):
+        make(area).put(store, "files/big", str(inbox / "big.bin"))
+    assert not (inbox / "big.bin").exists() and not (inbox / "capped.bin").exists()
