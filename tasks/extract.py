@@ -6,7 +6,7 @@ import posixpath
 
 from adapters.errors import CourierError, SandboxError, TooLarge
 from adapters.sandboxes.base import SandboxRef
-from tasks import events, receipts
+from tasks import events, keys, receipts
 from tasks.runtime import Context
 
 
@@ -20,12 +20,11 @@ def extract(ctx: Context, spec: dict) -> dict:
     r = ctx.redis
     did = spec["delivery"]
     name = posixpath.basename(spec["path"]) or "file"
-    rec = receipts.get_delivery(r, did) or {}
-    if rec.get("state") == "delivered":
+    state = r.hget(keys.delivery(did), "state")
+    if state in (b"delivered", "delivered"):
         return {"ok": True, "key": spec["key"], "name": name, "skipped": True}
     ref = SandboxRef.from_dict(spec["sandbox"])
     cap = int(spec.get("max_bytes") or ctx.max_file_bytes)
-    receipts.update_delivery(r, did, state="extracting")
     try:
         sandbox = ctx.sandbox(ref)
         info = sandbox.extract(spec["path"], ctx.store, spec["key"], max_bytes=cap)
@@ -40,7 +39,9 @@ def extract(ctx: Context, spec: dict) -> dict:
         if exc.transient:
             raise
         return {"ok": False, "reason": exc.reason, "name": name}
-    receipts.update_delivery(r, did, state="extracted", size_bytes=info.size_bytes, sha256=info.sha256, name=name)
+    pipe = r.pipeline(transaction=False)
+    receipts.update_delivery(pipe, did, state="extracted", size_bytes=info.size_bytes, sha256=info.sha256, name=name)
     events.publish(r, spec["job"], {"kind": "delivery", "delivery_id": did, "state": "extracted", "name": name,
-                                    "size_bytes": info.size_bytes}, maxlen=ctx.events_maxlen)
+                                    "size_bytes": info.size_bytes}, maxlen=ctx.events_maxlen, pipe=pipe)
+    pipe.execute()
     return {"ok": True, "key": spec["key"], "name": name, "size": info.size_bytes, "sha256": info.sha256}

@@ -63,6 +63,7 @@ def add_delivery(r, job_id: str, delivery_id: str, **meta: Any) -> None:
 
 
 def update_delivery(r, delivery_id: str, **fields: Any) -> None:
+    """Set receipt fields (None values are skipped). `r` may be a pipeline."""
     r.hset(keys.delivery(delivery_id), mapping={k: _s(v) for k, v in fields.items() if v is not None})
 
 
@@ -85,13 +86,30 @@ def job_deliveries(r, job_id: str) -> list[dict[str, str]]:
     return [_decode(h) for h in pipe.execute() if h]
 
 
+def begin_send(r, delivery_id: str, owner: str, ttl_s: int = 600) -> tuple[bool, dict[str, str]]:
+    """Take the send lock and read the receipt in one round trip."""
+    pipe = r.pipeline(transaction=False)
+    pipe.set(keys.delivery_lock(delivery_id), owner, nx=True, ex=ttl_s)
+    pipe.hgetall(keys.delivery(delivery_id))
+    locked, rec = pipe.execute()
+    return bool(locked), _decode(rec or {})
+
+
+def start_attempt(r, delivery_id: str, **fields: Any) -> int:
+    """Count an attempt and set fields in one round trip; returns the attempt number."""
+    pipe = r.pipeline(transaction=False)
+    pipe.hincrby(keys.delivery(delivery_id), "attempts", 1)
+    pipe.hset(keys.delivery(delivery_id), mapping={k: _s(v) for k, v in fields.items()})
+    return int(pipe.execute()[0])
+
+
+_RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
+
+
 def acquire_send_lock(r, delivery_id: str, owner: str, ttl_s: int = 600) -> bool:
     return bool(r.set(keys.delivery_lock(delivery_id), owner, nx=True, ex=ttl_s))
 
 
 def release_send_lock(r, delivery_id: str, owner: str) -> None:
-    # only the owner releases (compare-and-delete)
-    r.eval(
-        "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end",
-        1, keys.delivery_lock(delivery_id), owner,
-    )
+    """Only the owner releases (compare-and-delete). `r` may be a pipeline."""
+    r.eval(_RELEASE, 1, keys.delivery_lock(delivery_id), owner)

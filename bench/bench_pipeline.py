@@ -1,0 +1,175 @@
+"""Deliveries per second through extract_file -> deliver (1 KB files, local
+sandbox -> volume storage -> outbox) with one worker, against a bare Celery
+two-task no-op chain on the same broker, same worker, same run.
+Then peak worker RSS while one 1 GiB file goes through the pipeline.
+
+    python -m bench.bench_pipeline            (BENCH_QUICK=1 for a smoke run)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench._common import quick, report, report_limit  # noqa: E402
+
+
+def _vm_hwm_mb(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def _vm_rss_mb(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+
+
+def main() -> int:
+    from tests.fixtures.redis_server import RedisServer
+
+    n = 100 if quick() else 600
+    big = (64 if quick() else 1024) * 1024 * 1024
+    with tempfile.TemporaryDirectory(prefix="courier-bench-") as tmp:
+        tmpd = Path(tmp)
+        redis_dir = tmpd / "redis"
+        redis_dir.mkdir()
+        srv = RedisServer(redis_dir).start()
+        sandbox = tmpd / "sandbox"
+        sandbox.mkdir()
+        env = {**os.environ, "COURIER_REDIS_URL": srv.url, "COURIER_DATA_DIR": str(tmpd / "data"),
+               "COURIER_LOCAL_ROOTS": f'["{sandbox}"]', "COURIER_MAX_FILE_BYTES": str(2 * 1024**3),
+               "PYTHONPATH": str(ROOT)}
+        os.environ.update({k: v for k, v in env.items() if k.startswith("COURIER_")})
+        from workers.settings import reset_settings
+
+        reset_settings()
+        import workers.celery_app as celery_app
+        import tasks.pipeline  # noqa: F401
+        from bench import noop_tasks
+        from tasks import chains, receipts
+        from workers.demo import start_worker, stop_worker, wait_worker
+        from workers.wiring import redis_client
+
+        r = redis_client(srv.url)
+        name = "bench@localhost"
+        cmd_env = dict(env)
+        proc = start_worker(cmd_env, name, concurrency=2, log_path=str(tmpd / "worker.log"))
+        # the bare tasks live in the same worker
+        stop_worker(proc)
+        import subprocess
+
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "workers.celery_app", "worker", "-Q",
+             "turns,sandbox,delivery,janitor", "-I", "bench.noop_tasks", "--pool=prefork", "--concurrency=2",
+             "-n", name, "--loglevel=WARNING", "--without-mingle", "--without-gossip"],
+            env=cmd_env, cwd=str(ROOT), stdout=open(tmpd / "worker.log", "ab"), stderr=subprocess.STDOUT)
+        try:
+            if not wait_worker(celery_app.app, name, proc):
+                print("worker did not start", file=sys.stderr)
+                return 1
+            # -- baseline: n bare two-task chains
+            from celery import chain
+
+            key = "bench:noop:done"
+            r.delete(key)
+            t0 = time.perf_counter()
+            for i in range(n):
+                chain(noop_tasks.noop_first.si(i).set(queue="sandbox"),
+                      noop_tasks.noop_last.s(key, srv.url).set(queue="delivery")).apply_async()
+            while int(r.get(key) or 0) < n:
+                time.sleep(0.01)
+            base_rate = n / (time.perf_counter() - t0)
+
+            # -- courier: n single-file jobs, extract_file -> deliver
+            files = []
+            for i in range(n):
+                p = sandbox / f"f{i}.bin"
+                p.write_bytes(os.urandom(1000))
+                files.append(p)
+            from adapters.sandboxes.base import SandboxRef
+
+            ref = SandboxRef("local")
+            jobs = []
+            t0 = time.perf_counter()
+            for i, p in enumerate(files):
+                job = chains.new_job_id("bench")
+                receipts.create_job(r, job, kind="send", target=f"outbox:c{i % 20}")
+                chains.enqueue(r, chains.Plan(job_id=job, target=f"outbox:c{i % 20}",
+                                              files=[chains.SandboxFile(ref=ref, path=str(p))]))
+                jobs.append(job)
+            pending = set(jobs)
+            while pending:
+                pipe = r.pipeline()
+                order = list(pending)
+                for j in order:
+                    pipe.hget(f"courier:delivery:{chains.delivery_id(j, 0)}", "state")
+                for j, st in zip(order, pipe.execute()):
+                    if st in (b"delivered", b"failed"):
+                        pending.discard(j)
+                        if st == b"failed":
+                            print(f"delivery {j} failed", file=sys.stderr)
+                            return 1
+                if pending:
+                    time.sleep(0.01)
+            rate = n / (time.perf_counter() - t0)
+            report("pipeline_1kb_deliveries", rate, "deliveries/s", "bare 2-task chain", base_rate, target=0.7,
+                   extra=f"n={n}, 1 worker x2 processes, outbox")
+
+            # -- peak RSS with one big file
+            idle = max([_vm_rss_mb(c) for c in _children(proc.pid)] + [0.0])
+            bigf = sandbox / "big.bin"
+            with open(bigf, "wb") as f:
+                chunk = os.urandom(1 << 20)
+                for _ in range(big >> 20):
+                    f.write(chunk)
+            job = chains.new_job_id("big")
+            receipts.create_job(r, job, kind="send", target="outbox:big")
+            chains.enqueue(r, chains.Plan(job_id=job, target="outbox:big",
+                                          files=[chains.SandboxFile(ref=ref, path=str(bigf))],
+                                          max_bytes=2 * 1024**3))
+            deadline = time.monotonic() + 600
+            while time.monotonic() < deadline:
+                st = r.hget(f"courier:delivery:{chains.delivery_id(job, 0)}", "state")
+                if st in (b"delivered", b"failed"):
+                    break
+                time.sleep(0.05)
+            if st != b"delivered":
+                print(f"big delivery ended {st!r}", file=sys.stderr)
+                return 1
+            peak = max([_vm_hwm_mb(c) for c in _children(proc.pid)] + [_vm_hwm_mb(proc.pid)])
+            report_limit(f"pipeline_peak_worker_rss_{big >> 20}MiB_file", peak, "MB", limit=150,
+                         baseline_name="idle worker process", baseline=idle)
+        finally:
+            stop_worker(proc)
+            srv.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
