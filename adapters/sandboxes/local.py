@@ -14,6 +14,7 @@ import signal
 import stat
 import subprocess
 import time
+import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -46,6 +47,8 @@ class LocalSandbox(Sandbox):
             raise FileMissing(f"{path}: no such file") from exc
         except PermissionError as exc:
             raise UnsafePath(f"{path}: permission denied") from exc
+        except OSError as exc:  # ENOTDIR (a file as a directory), ELOOP (a link cycle), ...
+            raise FileMissing(f"{path}: no such file ({exc.strerror})") from exc
         if not stat.S_ISREG(st.st_mode):
             raise NotAFile(f"{path}: not a regular file")
         return real, st.st_size
@@ -89,17 +92,23 @@ class LocalSandbox(Sandbox):
         self.policy.check(dest, shown=dest_path)
         if os.path.islink(dest):
             raise UnsafePath(f"{dest_path}: is a symbolic link")
+        if os.path.isdir(dest):
+            raise NotAFile(f"{dest_path}: is a directory")
         info = store.stat(key)
         if info.size_bytes > max_bytes:
             raise TooLarge(f"{key}: {info.size_bytes:,} bytes is over the {max_bytes:,} byte cap")
         Path(parent).mkdir(parents=True, exist_ok=True)
-        tmp = f"{dest}.courier-part"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        # a temp name of our own (O_EXCL): concurrent puts never share or truncate one
+        tmp = os.path.join(parent, f".{os.path.basename(dest)}.{uuid.uuid4().hex[:8]}.courier-part")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         try:
             with os.fdopen(fd, "wb") as out:
                 for chunk in store.iter_chunks(key):
                     out.write(chunk)
-            os.replace(tmp, dest)
+            try:
+                os.replace(tmp, dest)
+            except IsADirectoryError as exc:  # a directory appeared there meanwhile
+                raise NotAFile(f"{dest_path}: is a directory") from exc
         except BaseException:
             try:
                 os.unlink(tmp)

@@ -1,0 +1,221 @@
+"""LocalSandbox: paths on the worker's own host, into a real VolumeStore."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from adapters.errors import FileMissing, NotAFile, TooLarge, UnsafePath
+from adapters.sandboxes.base import SandboxRef, parse_uri
+from adapters.sandboxes.local import LocalSandbox
+from storage.volume import VolumeStore
+
+BIG = 50 * 1000 * 1000
+
+
+def write_random(path: Path, size: int) -> str:
+    digest = hashlib.sha256()
+    with open(path, "wb") as f:
+        left = size
+        while left:
+            block = os.urandom(min(left, 1 << 20))
+            digest.update(block)
+            f.write(block)
+            left -= len(block)
+    return digest.hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def assert_store_empty(store: VolumeStore) -> None:
+    assert list(store.list()) == []
+    assert os.listdir(store.root / ".tmp") == []
+
+
+@pytest.fixture(scope="module")
+def area(tmp_path_factory):
+    base = tmp_path_factory.mktemp("localsb")
+    root, outside = base / "root", base / "outside"
+    root.mkdir()
+    outside.mkdir()
+    sums = {name: write_random(root / name, size)
+            for name, size in (("empty.bin", 0), ("one_kb.bin", 1000), ("big.bin", BIG))}
+    (root / "dir").mkdir()
+    (outside / "secret.txt").write_text("secret")
+    os.symlink(outside / "secret.txt", root / "escape.txt")
+    os.symlink("/etc/hostname", root / "etc_link")
+    os.symlink(root / "one_kb.bin", root / "inside_link.bin")
+    os.symlink(outside, root / "outdir")
+    os.symlink(root / "loop_b", root / "loop_a")
+    os.symlink(root / "loop_a", root / "loop_b")
+    os.mkfifo(root / "fifo")
+    (root / ".ssh").mkdir()
+    (root / ".ssh" / "authorized_keys").write_text("ssh-ed25519 AAAA test\n")
+    return {"root": root, "outside": outside, "sums": sums}
+
+
+@pytest.fixture
+def sb(area):
+    return LocalSandbox.with_roots((str(area["root"]),), home=str(area["root"]))
+
+
+@pytest.fixture
+def store(tmp_path):
+    return VolumeStore(tmp_path / "store")
+
+
+@pytest.mark.parametrize("name", ["empty.bin", "one_kb.bin", "big.bin"])
+def test_extract_byte_identical(sb, area, store, name):
+    info = sb.extract(str(area["root"] / name), store, f"files/{name}")
+    assert info.sha256 == area["sums"][name]
+    assert info.size_bytes == (area["root"] / name).stat().st_size
+    stored = store.local_path(f"files/{name}")
+    assert sha256_file(stored) == area["sums"][name]
+    # a copy, never a link: the agent changing its file later cannot change the blob
+    assert stored.stat().st_ino != (area["root"] / name).stat().st_ino
+
+
+def test_link_inside_roots_is_followed(sb, area, store):
+    assert sb.extract(str(area["root"] / "inside_link.bin"), store, "files/l").sha256 == area["sums"]["one_kb.bin"]
+
+
+def test_over_the_cap_stores_nothing(sb, area, store):
+    with pytest.raises(TooLarge):
+        sb.extract(str(area["root"] / "one_kb.bin"), store, "files/x", max_bytes=999)
+    assert_store_empty(store)
+
+
+@pytest.mark.parametrize("rel, exc", [
+    ("missing.bin", FileMissing),
+    ("nodir/missing.bin", FileMissing),
+    ("one_kb.bin/below", FileMissing),
+    ("loop_a", FileMissing),
+    ("dir", NotAFile),
+    ("fifo", NotAFile),
+    ("escape.txt", UnsafePath),
+    ("etc_link", UnsafePath),
+    ("outdir/secret.txt", UnsafePath),
+    ("../outside/secret.txt", UnsafePath),
+    ("dir/../one_kb.bin", UnsafePath),
+    (".ssh/authorized_keys", UnsafePath),
+])
+def test_refused(sb, area, store, rel, exc):
+    with pytest.raises(exc):
+        sb.extract(f"{area['root']}/{rel}", store, "files/x")
+    assert_store_empty(store)
+
+
+def test_relative_and_nul_paths_refused(sb, store):
+    for bad in ("relative/path", "/tmp/a\x00b"):
+        with pytest.raises(UnsafePath):
+            sb.extract(bad, store, "files/x")
+
+
+def test_denylist_beats_roots(store, tmp_path):
+    """Even with / as a root, /etc, /proc and ~/.ssh stay unreadable."""
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "id_ed25519").write_text("key")
+    s = LocalSandbox.with_roots(("/",), home=str(home))
+    for path in ("/etc/hostname", "/proc/self/environ", str(home / ".ssh" / "id_ed25519")):
+        with pytest.raises(UnsafePath):
+            s.extract(path, store, "files/x")
+    assert_store_empty(store)
+
+
+def test_link_swapped_after_resolve(sb, area, store, tmp_path):
+    """A file replaced by a link to outside between resolve and open is refused."""
+    victim = area["root"] / "swap.bin"
+    victim.write_bytes(b"harmless")
+    resolved, _ = sb.resolve(str(victim))
+    victim.unlink()
+    os.symlink(area["outside"] / "secret.txt", victim)
+    with pytest.raises(UnsafePath):
+        store.put_stream("files/x", sb.open_stream(resolved))
+    assert_store_empty(store)
+
+
+# -- inbound ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("size", [0, 1000, 5 * 1000 * 1000])
+def test_put_byte_identical(sb, area, store, tmp_path, size):
+    src = tmp_path / "src.bin"
+    want = write_random(src, size)
+    with open(src, "rb") as f:
+        store.put_stream("files/in", f)
+    dest = area["root"] / "inbox" / "deep" / f"in-{size}.bin"
+    assert sb.put(store, "files/in", str(dest)) == str(dest)
+    assert sha256_file(dest) == want
+    assert sb.put(store, "files/in", str(dest)) == str(dest)  # overwrite
+    assert sha256_file(dest) == want
+    assert [p for p in os.listdir(dest.parent) if "courier-part" in p] == []
+
+
+@pytest.mark.parametrize("dest, exc", [
+    ("/etc/courier-test", UnsafePath),
+    ("{outside}/dropped", UnsafePath),
+    ("{root}/outdir/dropped", UnsafePath),
+    ("{root}/escape.txt", UnsafePath),
+    ("{root}/.ssh/authorized_keys", UnsafePath),
+    ("{root}/../outside/dropped", UnsafePath),
+    ("{root}/dir", NotAFile),
+])
+def test_put_refused(sb, area, store, dest, exc):
+    store.put_bytes("files/in", b"payload")
+    with pytest.raises(exc):
+        sb.put(store, "files/in", dest.format(root=area["root"], outside=area["outside"]))
+    assert sorted(os.listdir(area["outside"])) == ["secret.txt"]
+    assert (area["outside"] / "secret.txt").read_text() == "secret"
+    assert not os.path.exists("/etc/courier-test")
+    assert [p for p in os.listdir(area["root"]) if "courier-part" in p] == []
+
+
+def test_put_over_cap(sb, area, store):
+    store.put_bytes("files/in", b"x" * 100)
+    with pytest.raises(TooLarge):
+        sb.put(store, "files/in", str(area["root"] / "capped.bin"), max_bytes=99)
+    assert not (area["root"] / "capped.bin").exists()
+
+
+def test_concurrent_puts_to_one_destination(sb, area, store):
+    """Two puts racing for one path: the result is one of them, whole."""
+    a, b = os.urandom(3 * 1024 * 1024), os.urandom(3 * 1024 * 1024)
+    store.put_bytes("files/a", a)
+    store.put_bytes("files/b", b)
+    dest = area["root"] / "raced.bin"
+    errors = []
+
+    def put(key):
+        try:
+            for _ in range(5):
+                sb.put(store, key, str(dest))
+        except Exception as exc:  # noqa: BLE001 - collected for the assert
+            errors.append(exc)
+
+    threads = [threading.Thread(target=put, args=(k,)) for k in ("files/a", "files/b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert dest.read_bytes() in (a, b)
+    assert [p for p in os.listdir(area["root"]) if "courier-part" in p] == []
+
+
+def test_wiring_builds_local_sandbox(area, store, monkeypatch):
+    from workers.settings import Settings
+    from workers.wiring import open_sandbox
+
+    ref, path = parse_uri(f"local://{area['root']}/one_kb.bin")
+    assert ref == SandboxRef("local")
+    s = Settings(local_roots=[str(area["root"])])
+    assert open_sandbox(ref, s).extract(path, store, "files/w").sha256 == area["sums"]["one_kb.bin"]
