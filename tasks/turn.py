@@ -4,6 +4,12 @@ delivery chain. Plain code, no Celery.
 Lifecycle published on the turn's event stream: started -> (thinking, tool
 events from the agent) -> completed | error | no_reply, exactly one terminal
 event per turn. An error gives the chat a short message, never a traceback.
+
+The agent's spec picks the runtime: a bridge command (`run_bridge`), or
+`"runtime": "openai"`, the built-in loop whose tools act in the turn's
+sandbox (`run_openai`). Hooks (`ctx.extras["hooks"]`) run before each LLM
+call of the built-in loop, and once before a bridge agent starts: their
+context reaches the agent in env `COURIER_HOOK_CONTEXT`.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from collections.abc import Callable
 from adapters.agents.bridge import run_bridge
 from adapters.errors import ConfigError, CourierError
 from adapters.sandboxes.base import SandboxRef, parse_uri
+from storage.spill import SpillConfig
 from tasks import chains, events, receipts
 from tasks.runtime import Context
 
@@ -64,6 +71,9 @@ def run_turn(ctx: Context, spec: dict, *, on_activity: Callable[[dict], None] | 
         return _fail(ctx, spec, finish, f"unknown agent {name!r}")
     else:
         command, env, timeout_s = list(agent.command), dict(agent.env), float(agent.timeout_s)
+    runtime = getattr(agent, "runtime", "bridge") if agent is not None else "bridge"
+    hooks = ctx.extras.get("hooks")
+    hook_ctx = {"job": job_id, "target": spec["target"], "message": spec.get("message", ""), "agent": name}
 
     try:
         ref, workdir = _sandbox_for(ctx, spec, agent)
@@ -72,10 +82,17 @@ def run_turn(ctx: Context, spec: dict, *, on_activity: Callable[[dict], None] | 
     if workdir:
         os.makedirs(workdir, exist_ok=True)
     publish({"kind": "status", "status": "thinking"})
-    env = {**env, "COURIER_TURN_ID": job_id, "COURIER_TARGET": spec["target"],
-           "PYTHONPATH": os.pathsep.join(p for p in [_project_root(), os.environ.get("PYTHONPATH", "")] if p)}
-    result = run_bridge(command, spec.get("message", ""), cwd=workdir or (agent.cwd if agent else None), env=env,
-                        timeout_s=timeout_s, on_event=publish)
+    if runtime == "openai":
+        result = _run_openai(ctx, spec, agent, ref, workdir, hooks, hook_ctx, timeout_s, publish)
+    else:
+        env = {**env, "COURIER_TURN_ID": job_id, "COURIER_TARGET": spec["target"],
+               "PYTHONPATH": os.pathsep.join(p for p in [_project_root(), os.environ.get("PYTHONPATH", "")] if p)}
+        # hooks run once before a bridge agent starts; their context goes in its environment
+        hook_text = hooks.context_for({**hook_ctx, "step": 0}) if hooks else ""
+        if hook_text:
+            env["COURIER_HOOK_CONTEXT"] = hook_text
+        result = run_bridge(command, spec.get("message", ""), cwd=workdir or (agent.cwd if agent else None),
+                            env=env, timeout_s=timeout_s, on_event=publish)
     if result.status == "error":
         return _fail(ctx, spec, finish, result.reason)
     if result.status == "no_reply":
@@ -86,10 +103,14 @@ def run_turn(ctx: Context, spec: dict, *, on_activity: Callable[[dict], None] | 
     parsed = parse_reply(result.reply)
     files = []
     home = os.path.expanduser("~") if ref.kind == "local" else None
+    stored = result.extra.get("stored") or {}  # screenshots of the OpenAI runtime: already in storage
     for path in parsed.media:
         if path.startswith("~/") and home:
             path = os.path.join(home, path[2:])
-        files.append(chains.SandboxFile(ref=ref, path=path))
+        if path in stored:
+            files.append(chains.StoredFile(**stored[path]))
+        else:
+            files.append(chains.SandboxFile(ref=ref, path=path))
     plan = chains.Plan(job_id=job_id, target=spec["target"], text=parsed.text or None, files=files,
                        voice=parsed.audio_as_voice, as_document=parsed.as_document,
                        max_bytes=ctx.max_file_bytes)
@@ -100,6 +121,35 @@ def run_turn(ctx: Context, spec: dict, *, on_activity: Callable[[dict], None] | 
     for d in ids:
         publish({"kind": "delivery", "delivery_id": d, "state": "queued"})
     return finish("replied", deliveries=len(ids))
+
+
+def _run_openai(ctx: Context, spec: dict, agent, ref: SandboxRef, workdir: str | None, hooks, hook_ctx: dict,
+                timeout_s: float, publish: Callable[[dict], None]):
+    """The built-in OpenAI-compatible loop, its tools acting in the turn's sandbox."""
+    from adapters.agents.bridge import BridgeResult
+    from adapters.agents.openai_runtime import OpenAIConfig, run_openai
+    from adapters.agents.tools import Toolbox
+
+    o = ctx.extras.get("openai") or {}
+    model = agent.model or o.get("model")
+    if not model:
+        return BridgeResult("error", reason="no model: set COURIER_OPENAI_MODEL or the agent's model")
+    key = o.get("api_key")
+    config = OpenAIConfig(
+        base_url=agent.base_url or o.get("base_url") or "https://api.openai.com/v1", model=model,
+        api_key=key.get_secret_value() if hasattr(key, "get_secret_value") else key,
+        system_prompt=agent.system_prompt, max_steps=agent.max_steps or int(o.get("max_steps") or 20),
+        call_timeout_s=float(o.get("call_timeout_s") or 120.0), timeout_s=timeout_s,
+    )
+    try:
+        sandbox = ctx.sandbox(ref)
+    except CourierError as exc:
+        return BridgeResult("error", reason=exc.reason)
+    tools = Toolbox(sandbox=sandbox, workdir=workdir or ref.options.get("workdir") or "/", store=ctx.store,
+                    job_id=spec["job"], spill=ctx.extras.get("spill") or SpillConfig(),
+                    chromium_path=ctx.extras.get("chromium_path") or "/usr/bin/chromium")
+    return run_openai(config, spec.get("message", ""), tools=tools, hooks=hooks, hook_context=hook_ctx,
+                      on_event=publish)
 
 
 def _fail(ctx: Context, spec: dict, finish, reason: str) -> dict:

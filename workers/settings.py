@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import AliasChoices, BaseModel, Field, SecretStr, field_validator
+from pydantic import AliasChoices, BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -26,14 +26,53 @@ def _env(name: str) -> Any:
 
 
 class AgentSpec(BaseModel):
-    """An agent declared by name: a bridge command (argv list, no shell)."""
+    """An agent declared by name: a bridge command (argv list, no shell), or
+    ``"runtime": "openai"``: the built-in loop against an OpenAI-compatible
+    endpoint (model, system prompt and base URL default to COURIER_OPENAI_*)."""
 
-    command: list[str]
+    runtime: Literal["bridge", "openai"] = "bridge"
+    command: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
     timeout_s: float = 900.0
     #: sandbox URI of the agent's working directory, e.g. local:///srv/agents/demo
     sandbox: str | None = None
     cwd: str | None = None
+    # -- runtime "openai" only ---------------------------------------------
+    model: str | None = None
+    system_prompt: str | None = None
+    base_url: str | None = None
+    max_steps: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _needs_command(self) -> "AgentSpec":
+        if self.runtime == "bridge" and not self.command:
+            raise ValueError("a bridge agent needs a command (argv list)")
+        return self
+
+
+class HookSpec(BaseModel):
+    """A shell hook: an argv command (no shell) that reads the turn context as
+    JSON on stdin and prints JSON. COURIER_HOOKS takes a bare argv list too."""
+
+    command: list[str] = Field(min_length=1)
+    name: str | None = None
+    timeout_s: float | None = Field(default=None, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _argv(cls, v: Any) -> Any:
+        return {"command": v} if isinstance(v, list) else v
+
+
+class OutputSpill(BaseModel):
+    """``hooks.output_spill`` (DESIGN.md): hook contexts and tool outputs over
+    `max_chars` go to storage under `directory`; the prompt gets a preview."""
+
+    enabled: bool = True
+    max_chars: int = 10000
+    preview_head: int = 500
+    preview_tail: int = 500
+    directory: str = "hook_outputs/"
 
 
 class Settings(BaseSettings):
@@ -81,6 +120,24 @@ class Settings(BaseSettings):
     #: JSON object: name -> {"command": [...], "env": {}, "timeout_s": 900, "sandbox": "local:///dir"}
     agents: dict[str, AgentSpec] = Field(default_factory=dict)
     default_agent: str = "demo"
+    #: OpenAI-compatible chat completions (agents with "runtime": "openai")
+    openai_base_url: str = "https://api.openai.com/v1"
+    openai_model: str | None = None
+    openai_api_key: SecretStr | None = None
+    openai_max_steps: int = Field(default=20, ge=1)
+    #: one chat-completions request
+    openai_call_timeout_s: float = Field(default=120.0, gt=0)
+    #: headless Chromium for the browser_screenshot tool
+    chromium_path: str = "/usr/bin/chromium"
+
+    # -- hooks -------------------------------------------------------------
+    #: JSON list of shell hooks: [["cmd", "arg"], {"command": [...], "name": "x", "timeout_s": 5}]
+    hooks: list[HookSpec] = Field(default_factory=list)
+    hook_timeout_s: float = Field(default=10.0, gt=0)
+    #: load Python hook plugins from the `courier.hooks` entry point group
+    hook_plugins: bool = True
+    #: JSON object: enabled, max_chars, preview_head, preview_tail, directory
+    hooks_output_spill: OutputSpill = Field(default_factory=OutputSpill)
 
     # -- retention (janitor) -----------------------------------------------
     screenshot_ttl_s: int = 24 * 3600

@@ -137,5 +137,26 @@ def build_context(settings: Settings | None = None):
         max_file_bytes=s.max_file_bytes,
         events_maxlen=s.events_maxlen,
         max_transient_attempts=s.delivery_max_attempts,
-        extras={"screenshot_ttl_s": s.screenshot_ttl_s, "file_ttl_s": s.file_ttl_s, "spill_ttl_s": s.spill_ttl_s},
+        extras={"screenshot_ttl_s": s.screenshot_ttl_s, "file_ttl_s": s.file_ttl_s, "spill_ttl_s": s.spill_ttl_s,
+                **agent_extras(s, store(s))},
     )
+
+
+def agent_extras(s: Settings, blob_store: BlobStore) -> dict:
+    """What agent turns need beyond the Context fields: the OpenAI-compatible
+    endpoint (`openai`), the hooks (`hooks`, a HookRunner: shell hooks, then
+    entry-point plugins), the output spill config (`spill`), `chromium_path`."""
+    from adapters.agents.hooks import HookRunner, ShellHook, load_plugins
+    from storage.spill import SpillConfig
+
+    spill = SpillConfig(**s.hooks_output_spill.model_dump())
+    hooks: list = [ShellHook(tuple(h.command), h.name or "", h.timeout_s or s.hook_timeout_s) for h in s.hooks]
+    if s.hook_plugins:
+        hooks += load_plugins(timeout_s=s.hook_timeout_s)
+    return {
+        "openai": {"base_url": s.openai_base_url, "model": s.openai_model, "api_key": s.openai_api_key,
+                   "max_steps": s.openai_max_steps, "call_timeout_s": s.openai_call_timeout_s},
+        "hooks": HookRunner(hooks, store=blob_store, spill=spill),
+        "spill": spill,
+        "chromium_path": s.chromium_path,
+    }

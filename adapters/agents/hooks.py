@@ -1,0 +1,201 @@
+"""Hooks: extra prompt context from shell commands and Python plugins.
+
+Hooks run before each LLM call of the OpenAI-compatible runtime, and once
+before a bridge agent starts (its context goes in env ``COURIER_HOOK_CONTEXT``).
+Each gets the turn context, a JSON object::
+
+    {"job": "turn_…", "target": "outbox:me", "message": "…", "step": 1, "agent": "name"}
+
+(``step`` counts LLM calls from 1; 0 for a bridge agent) and may return
+``{"context": "…"}``: that text is added to the prompt after passing through
+:func:`storage.spill.spill_if_needed` (source: the hook's name, session: the
+job id), so a huge context becomes a bounded preview and the full text goes to
+storage.
+
+* A **shell hook** is an argv command (no shell): the context JSON on stdin,
+  a JSON object on stdout (empty stdout: nothing to add). It runs in its own
+  process group, with the worker's environment; past its timeout the group is
+  killed.
+* A **Python plugin** is an entry point in the group ``courier.hooks`` naming
+  a callable ``(context: dict) -> dict | None``.
+
+A hook that fails (non-zero exit, exception, not a JSON object on stdout, a
+non-object return) or runs past its timeout (default 10 s) is logged and
+skipped; the turn goes on. Hooks of one call run concurrently; their contexts
+are joined in the declared order (shell hooks first, then plugins), separated
+by a blank line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from storage.spill import SpillConfig, spill_if_needed
+
+__all__ = ["ENTRY_POINT_GROUP", "Hook", "HookRunner", "PluginHook", "ShellHook", "load_plugins"]
+
+log = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "courier.hooks"
+DEFAULT_TIMEOUT_S = 10.0
+
+
+class HookSkipped(Exception):
+    """A hook failed, timed out or returned something unusable (logged, never raised to the turn)."""
+
+
+@dataclass(frozen=True)
+class ShellHook:
+    command: tuple[str, ...]
+    name: str = ""
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    @property
+    def label(self) -> str:
+        return self.name or (os.path.basename(self.command[0]) if self.command else "hook")
+
+    def call(self, context: dict) -> Any:
+        try:
+            proc = subprocess.Popen(list(self.command), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, start_new_session=True)
+        except OSError as exc:
+            raise HookSkipped(f"could not start: {exc.strerror or exc}") from None
+        payload = json.dumps(context, ensure_ascii=False).encode()
+        try:
+            out, err = proc.communicate(payload, timeout=self.timeout_s)
+        except subprocess.TimeoutExpired:
+            _killpg(proc)
+            proc.communicate()
+            raise HookSkipped(f"timed out after {self.timeout_s:g}s") from None
+        if proc.returncode != 0:
+            tail = err.decode("utf-8", "replace").strip().splitlines()[-1:] or [""]
+            raise HookSkipped(f"exit code {proc.returncode}: {tail[0][:200]}")
+        text = out.decode("utf-8", "replace").strip()
+        if not text:
+            return None
+        try:
+            return json.loads(text)
+        except ValueError:
+            raise HookSkipped(f"stdout is not JSON ({len(text):,} chars)") from None
+
+
+@dataclass(frozen=True)
+class PluginHook:
+    name: str
+    func: Callable[[dict], Any] = field(repr=False)
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    @property
+    def label(self) -> str:
+        return self.name
+
+    def call(self, context: dict) -> Any:
+        return self.func(dict(context))
+
+
+Hook = ShellHook | PluginHook
+
+
+def load_plugins(group: str = ENTRY_POINT_GROUP, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[PluginHook]:
+    """Every callable registered in the entry point `group`; one that fails
+    to load, or is not callable, is logged and left out."""
+    from importlib.metadata import entry_points
+
+    out: list[PluginHook] = []
+    try:
+        eps = sorted(entry_points(group=group), key=lambda e: e.name)
+    except Exception:  # noqa: BLE001 - broken metadata must not stop turns
+        log.exception("could not list %s entry points", group)
+        return out
+    for ep in eps:
+        try:
+            obj = ep.load()
+        except Exception as exc:  # noqa: BLE001
+            log.warning("hook plugin %s (%s) failed to load: %r", ep.name, ep.value, exc)
+            continue
+        if not callable(obj):
+            log.warning("hook plugin %s (%s) is not callable", ep.name, ep.value)
+            continue
+        out.append(PluginHook(ep.name, obj, timeout_s))
+    return out
+
+
+class HookRunner:
+    """Runs a fixed list of hooks; `context_for` returns the text to add."""
+
+    def __init__(self, hooks: Sequence[Hook], *, store=None, spill: SpillConfig = SpillConfig()) -> None:
+        self.hooks = list(hooks)
+        self.store = store
+        self.spill = spill
+
+    def __bool__(self) -> bool:
+        return bool(self.hooks)
+
+    def run(self, context: dict) -> list[tuple[str, str]]:
+        """(hook label, spilled context text) for each hook that added something, in order."""
+        if not self.hooks:
+            return []
+        session = str(context.get("job") or "unknown")
+        pool = ThreadPoolExecutor(max_workers=len(self.hooks), thread_name_prefix="courier-hook")
+        started = time.monotonic()
+        try:
+            futures: list[Future] = [pool.submit(h.call, context) for h in self.hooks]
+            out: list[tuple[str, str]] = []
+            for hook, fut in zip(self.hooks, futures):
+                # shell hooks enforce their own timeout; this bounds plugins (and leaves a stuck one behind)
+                left = max(0.0, started + hook.timeout_s + 2.0 - time.monotonic())
+                try:
+                    value = fut.result(timeout=left)
+                    text = _context_text(value)
+                except HookSkipped as exc:
+                    log.warning("hook %s skipped (job %s): %s", hook.label, session, exc)
+                    continue
+                except TimeoutError:
+                    log.warning("hook %s skipped (job %s): timed out after %gs", hook.label, session, hook.timeout_s)
+                    continue
+                except Exception as exc:  # noqa: BLE001 - a failing hook is skipped, the turn goes on
+                    log.warning("hook %s skipped (job %s): %r", hook.label, session, exc)
+                    continue
+                if text:
+                    out.append((hook.label, spill_if_needed(text, source=hook.label, session_id=session,
+                                                            store=self.store, config=self.spill)))
+            return out
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def context_for(self, context: dict) -> str:
+        """The hooks' contexts joined by blank lines ("" when none)."""
+        return "\n\n".join(text for _, text in self.run(context))
+
+
+def _context_text(value: Any) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, dict):
+        raise HookSkipped(f"returned {type(value).__name__}, not a JSON object")
+    ctx = value.get("context")
+    if ctx is None:
+        return ""
+    if isinstance(ctx, str):
+        return ctx
+    try:
+        return json.dumps(ctx, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return str(ctx)
+
+
+def _killpg(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
+

@@ -1,0 +1,221 @@
+"""The built-in agent loop against an OpenAI-compatible chat-completions endpoint.
+
+``run_openai(config, message, tools=…, hooks=…, on_event=…)`` posts
+``{base_url}/chat/completions`` with the conversation and the tools' JSON
+schemas; while the response's message carries ``tool_calls`` it runs each one
+(:class:`~adapters.agents.tools.Toolbox`) and sends the results back as
+``role: tool`` messages; the first message without tool calls is the reply.
+It returns a :class:`~adapters.agents.bridge.BridgeResult`, like the bridge,
+and emits the bridge's phase events: ``status: thinking`` before every LLM
+call after the first (courier publishes the first), ``tool_start`` /
+``tool_result`` around each tool call with activity text.
+
+Before each LLM call the hooks run (step = the call's number, from 1); their
+context is appended to the user message *of that call only* (the stored
+conversation keeps the plain message), already spilled when large.
+
+Bounds and errors, each ending the turn with one short reason:
+
+* ``max_steps`` LLM calls (``max_steps_exceeded``);
+* ``call_timeout_s`` per request, ``timeout_s`` for the whole turn
+  (``runtime_timeout``, as the bridge);
+* HTTP 4xx/5xx, an unreachable endpoint, a body that is not the expected
+  JSON: ``openai endpoint …`` reasons. Response bodies are never logged or
+  shown (they can echo credentials); the API key goes only in the
+  ``Authorization`` header.
+
+The reply is the model's text plus a ``MEDIA:`` tag for every file a tool
+marked for delivery (``send_file``, screenshots; a path named twice is
+delivered once); ``extra["stored"]`` maps screenshot paths to their blobs and
+``extra["steps"]`` / ``extra["usage"]`` report the work done.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlparse
+
+import httpx
+
+from adapters.agents.bridge import BridgeResult
+from adapters.agents.tools import Toolbox, media_tag
+
+try:  # the bridge module owns the protocol's activity text once it has it
+    from adapters.agents.bridge import activity_for  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - depends on the bridge module's version
+    from adapters.agents.activity import activity_for
+
+__all__ = ["OpenAIConfig", "run_openai"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class OpenAIConfig:
+    base_url: str
+    model: str
+    api_key: str | None = field(default=None, repr=False)
+    system_prompt: str | None = None
+    max_steps: int = 20
+    call_timeout_s: float = 120.0
+    #: the whole turn
+    timeout_s: float = 900.0
+
+
+class _End(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def run_openai(
+    config: OpenAIConfig,
+    message: str,
+    *,
+    tools: Toolbox | None = None,
+    hooks=None,
+    hook_context: dict | None = None,
+    on_event: Callable[[dict], None] | None = None,
+) -> BridgeResult:
+    """One turn of the agent loop (see the module docstring). Never raises for endpoint or tool trouble."""
+    deadline = time.monotonic() + config.timeout_s
+    if tools is not None and tools.deadline is None:
+        tools.deadline = deadline
+    emit = _emitter(on_event)
+    messages: list[dict] = []
+    if config.system_prompt:
+        messages.append({"role": "system", "content": config.system_prompt})
+    user_index = len(messages)
+    messages.append({"role": "user", "content": message})
+    usage: dict[str, int] = {}
+    steps = 0
+    headers = {"Content-Type": "application/json"}
+    if config.api_key:
+        headers["Authorization"] = f"Bearer {config.api_key}"
+    try:
+        with httpx.Client(base_url=config.base_url.rstrip("/") + "/", headers=headers, follow_redirects=False,
+                          trust_env=False) as client:
+            while True:
+                if steps >= config.max_steps:
+                    raise _End(f"max_steps_exceeded: no answer after {config.max_steps} model calls")
+                steps += 1
+                if steps > 1:
+                    emit({"kind": "status", "status": "thinking"})
+                call_messages = messages
+                if hooks:
+                    extra = hooks.context_for({**(hook_context or {}), "message": message, "step": steps})
+                    if extra:
+                        call_messages = list(messages)
+                        call_messages[user_index] = {"role": "user", "content": f"{message}\n\n{extra}"}
+                body: dict[str, Any] = {"model": config.model, "messages": call_messages}
+                if tools is not None:
+                    body["tools"] = tools.schemas
+                reply = _call(client, config, body, deadline)
+                _add_usage(usage, reply.get("usage"))
+                msg = reply["message"]
+                calls = msg.get("tool_calls") or []
+                if not calls:
+                    text = msg.get("content") or ""
+                    return _result(text if isinstance(text, str) else str(text), tools, steps, usage)
+                messages.append({"role": "assistant", "content": msg.get("content"), "tool_calls": calls})
+                for call in calls:
+                    if time.monotonic() >= deadline:
+                        raise _End("runtime_timeout")
+                    messages.append(_run_tool(tools, call, emit))
+    except _End as end:
+        return BridgeResult("error", reason=end.reason, events=0, extra={"steps": steps, "usage": usage})
+
+
+def _emitter(on_event: Callable[[dict], None] | None) -> Callable[[dict], None]:
+    def emit(ev: dict) -> None:
+        if on_event is None:
+            return
+        try:
+            on_event(ev)
+        except Exception:  # noqa: BLE001 - a failing sink must not kill the turn
+            log.exception("event sink failed")
+
+    return emit
+
+
+def _call(client: httpx.Client, config: OpenAIConfig, body: dict, deadline: float) -> dict:
+    """POST chat/completions; returns {"message": {...}, "usage": {...}} or raises _End."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise _End("runtime_timeout")
+    t = min(config.call_timeout_s, left)
+    host = urlparse(config.base_url).hostname or "endpoint"
+    try:
+        resp = client.post("chat/completions", json=body, timeout=httpx.Timeout(t, connect=min(t, 10.0)))
+    except httpx.TimeoutException:
+        if t < config.call_timeout_s:
+            raise _End("runtime_timeout") from None
+        raise _End(f"openai endpoint timed out after {t:g}s") from None
+    except httpx.HTTPError as exc:
+        raise _End(f"openai endpoint {host} unreachable ({type(exc).__name__})") from None
+    if resp.status_code >= 400:
+        raise _End(f"openai endpoint returned HTTP {resp.status_code}{_HTTP_HINTS.get(resp.status_code, '')}")
+    try:
+        data = resp.json()
+        msg = data["choices"][0]["message"]
+        if not isinstance(msg, dict):
+            raise TypeError("message is not an object")
+        calls = msg.get("tool_calls")
+        if calls is not None and not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
+            raise TypeError("tool_calls is not a list of objects")
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
+        log.warning("malformed chat-completions response from %s: %s", host, type(exc).__name__)
+        raise _End("openai endpoint sent a malformed response") from None
+    return {"message": msg, "usage": data.get("usage")}
+
+
+_HTTP_HINTS = {
+    400: " (bad request)", 401: " (unauthorized: check COURIER_OPENAI_API_KEY)", 403: " (forbidden)",
+    404: " (not found: check the base URL and model)", 429: " (rate limited)",
+}
+
+
+def _run_tool(tools: Toolbox | None, call: dict, emit: Callable[[dict], None]) -> dict:
+    fn = call.get("function") if isinstance(call.get("function"), dict) else {}
+    name = str(fn.get("name") or "unknown")
+    args = fn.get("arguments")
+    call_id = str(call.get("id") or f"call_{uuid.uuid4().hex[:12]}")
+    activity = activity_for(name, args)
+    emit({"kind": "tool_start", "tool_name": name, "tool_call_id": call_id, "activity": activity,
+          "status": "tool_call"})
+    started = time.monotonic()
+    if tools is None:
+        text, ok = f"error: no tools are available (asked for {name!r})", False
+    else:
+        res = tools.call(name, args if args is not None else "{}")
+        text, ok = res.text, res.ok
+    emit({"kind": "tool_result", "tool_name": name, "tool_call_id": call_id, "activity": activity,
+          "status": "tool_complete" if ok else "error", "duration_s": round(time.monotonic() - started, 3)})
+    return {"role": "tool", "tool_call_id": call_id, "content": text}
+
+
+def _add_usage(total: dict[str, int], usage: Any) -> None:
+    if isinstance(usage, dict):
+        for k in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            v = usage.get(k)
+            if isinstance(v, int):
+                total[k] = total.get(k, 0) + v
+
+
+def _result(text: str, tools: Toolbox | None, steps: int, usage: dict) -> BridgeResult:
+    marked = list(tools.marked) if tools is not None else []
+    stored = dict(tools.stored) if tools is not None else {}
+    text = text.strip()
+    if not text and not marked:
+        return BridgeResult("no_reply", exit_code=0, extra={"steps": steps, "usage": usage})
+    # every marked file, even when the text names it (perhaps inside code, where a tag is only text):
+    # a path named twice is delivered once
+    reply = "\n".join([text, *(media_tag(p) for p in marked)]).strip()
+    return BridgeResult("completed", reply=reply, exit_code=0, extra={"steps": steps, "usage": usage,
+                                                                        "stored": stored})
+

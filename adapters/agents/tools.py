@@ -1,0 +1,301 @@
+"""Tools of the built-in OpenAI-compatible runtime, acting in the turn's sandbox.
+
+=====================  =====================================================
+``terminal``           ``sh -c <command>`` through ``Sandbox.exec`` in the
+                       turn's working directory (timeout; output bounded
+                       per stream, then spilled when over the spill cap)
+``read_file``          a sandbox file as text (first :data:`READ_MAX_BYTES`,
+                       spilled when over the cap); allowed roots apply
+``write_file``         text to a sandbox file (through a temporary blob and
+                       ``Sandbox.put``, so every backend with ``put`` works)
+``browser_screenshot`` an http(s) page in headless Chromium (playwright, the
+                       system ``chromium``); the PNG goes to storage at
+                       ``screenshots/<job>/<uuid>.png`` and into the sandbox
+                       at ``<workdir>/screenshots/<uuid>.png``; sent with the
+                       reply
+``send_file``          marks a sandbox file for delivery
+=====================  =====================================================
+
+A file marked for delivery (``send_file``, every screenshot) comes back to the
+model as its ``MEDIA:<path>`` tag and is added to the reply by the runtime, so
+it is delivered even when the model does not repeat the tag. Screenshots are
+delivered straight from their ``screenshots/`` blob (the janitor's 24 h
+expiry), not extracted again: :attr:`Toolbox.stored` maps their sandbox path to
+the blob, and only paths in that map (made by this runtime, never by an agent's
+text) are treated so.
+
+Relative paths are relative to the working directory. A tool's failure is a
+tool result starting with ``error:`` (the model sees it; the turn goes on).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import posixpath
+import re
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlparse
+
+from adapters.errors import CourierError
+from adapters.sandboxes.base import Sandbox, check_lexical
+from storage.spill import SpillConfig, spill_if_needed
+
+__all__ = ["CHROMIUM_ARGS", "ToolResult", "Toolbox", "media_tag", "take_screenshot"]
+
+log = logging.getLogger(__name__)
+
+TERMINAL_DEFAULT_TIMEOUT_S = 60.0
+TERMINAL_MAX_TIMEOUT_S = 600.0
+#: bytes kept per output stream of one command (before the spill cap applies)
+TERMINAL_MAX_OUTPUT_BYTES = 1024 * 1024
+READ_MAX_BYTES = 1024 * 1024
+WRITE_MAX_CHARS = 10 * 1000 * 1000
+SCREENSHOT_TIMEOUT_S = 45.0
+SCREENSHOT_VIEWPORT = {"width": 1280, "height": 800}
+SCREENSHOT_MAX_BYTES = 20 * 1000 * 1000
+
+CHROMIUM_ARGS = (
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+)
+
+_SAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+@dataclass
+class ToolResult:
+    text: str
+    ok: bool = True
+
+
+def media_tag(path: str) -> str:
+    """`MEDIA:<path>`, quoted when the path holds whitespace or quotes."""
+    if not re.search(r"[\s\"'`]", path):
+        return f"MEDIA:{path}"
+    if '"' not in path:
+        return f'MEDIA:"{path}"'
+    return f"MEDIA:`{path}`"
+
+
+def _schema(name: str, description: str, props: dict, required: list[str]) -> dict:
+    return {"type": "function", "function": {
+        "name": name, "description": description,
+        "parameters": {"type": "object", "properties": props, "required": required, "additionalProperties": False},
+    }}
+
+
+SCHEMAS: list[dict] = [
+    _schema("terminal", "Run a shell command (sh -c) in the working directory of your sandbox. "
+            "Returns stdout, stderr and the exit code; long output is truncated to a preview.",
+            {"command": {"type": "string", "description": "the shell command"},
+             "timeout_s": {"type": "number", "description": f"seconds before it is killed "
+                           f"(default {TERMINAL_DEFAULT_TIMEOUT_S:g}, at most {TERMINAL_MAX_TIMEOUT_S:g})"}},
+            ["command"]),
+    _schema("read_file", "Read a text file from your sandbox (absolute, or relative to the working directory).",
+            {"path": {"type": "string"}}, ["path"]),
+    _schema("write_file", "Write text to a file in your sandbox, replacing it; parent directories are made.",
+            {"path": {"type": "string"}, "content": {"type": "string"}}, ["path", "content"]),
+    _schema("browser_screenshot", "Take a PNG screenshot of a web page (http or https) in a headless browser. "
+            "The screenshot is sent to the chat with your reply; returns its MEDIA tag.",
+            {"url": {"type": "string"},
+             "full_page": {"type": "boolean", "description": "the whole scrollable page (default: the viewport)"}},
+            ["url"]),
+    _schema("send_file", "Send a file from your sandbox to the chat with your reply; returns its MEDIA tag.",
+            {"path": {"type": "string"}}, ["path"]),
+]
+
+
+@dataclass
+class Toolbox:
+    """The tools of one turn. `marked` lists the paths to deliver, in order;
+    `stored` maps a screenshot's sandbox path to its blob (key, name, size, sha256)."""
+
+    sandbox: Sandbox
+    workdir: str
+    store: Any
+    job_id: str
+    spill: SpillConfig = field(default_factory=SpillConfig)
+    chromium_path: str = "/usr/bin/chromium"
+    #: monotonic deadline of the turn (tools never run past it)
+    deadline: float | None = None
+    marked: list[str] = field(default_factory=list)
+    stored: dict[str, dict] = field(default_factory=dict)
+
+    @property
+    def schemas(self) -> list[dict]:
+        return SCHEMAS
+
+    def call(self, name: str, args: Any) -> ToolResult:
+        """Run one tool call; never raises (a failure is an `error:` result)."""
+        fn: Callable[..., ToolResult] | None = getattr(self, f"_tool_{name}", None) if name in _NAMES else None
+        if fn is None:
+            return ToolResult(f"error: unknown tool {name!r}; tools: {', '.join(sorted(_NAMES))}", ok=False)
+        if isinstance(args, str):
+            try:
+                args = json.loads(args or "{}")
+            except ValueError:
+                return ToolResult("error: the arguments are not valid JSON", ok=False)
+        if not isinstance(args, dict):
+            return ToolResult("error: the arguments must be a JSON object", ok=False)
+        try:
+            return fn(**args)
+        except TypeError as exc:
+            return ToolResult(f"error: bad arguments for {name}: {exc}", ok=False)
+        except CourierError as exc:
+            return ToolResult(f"error: {exc.reason}", ok=False)
+        except Exception as exc:  # noqa: BLE001 - the model sees the failure, the turn goes on
+            log.exception("tool %s failed (job %s)", name, self.job_id)
+            return ToolResult(f"error: {name} failed: {type(exc).__name__}: {exc}"[:500], ok=False)
+
+    # -- helpers ----------------------------------------------------------------
+    def _path(self, path: Any) -> str:
+        if not isinstance(path, str) or not path.strip():
+            raise ToolInputError("a path is required")
+        p = path.strip()
+        if not p.startswith("/"):
+            p = posixpath.join(self.workdir, p)
+        return check_lexical(posixpath.normpath(p))
+
+    def _spilled(self, source: str, text: str) -> str:
+        return spill_if_needed(text, source=source, session_id=self.job_id, store=self.store, config=self.spill)
+
+    def _left_s(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    # -- tools ---------------------------------------------------------------------
+    def _tool_terminal(self, command: str, timeout_s: float | None = None) -> ToolResult:
+        if not isinstance(command, str) or not command.strip():
+            return ToolResult("error: command is empty", ok=False)
+        t = float(timeout_s) if isinstance(timeout_s, (int, float)) and timeout_s > 0 else TERMINAL_DEFAULT_TIMEOUT_S
+        t = min(t, TERMINAL_MAX_TIMEOUT_S)
+        left = self._left_s()
+        if left is not None:
+            t = min(t, left)
+        rc, out, err = self.sandbox.exec(["sh", "-c", command], timeout_s=t, cwd=self.workdir,
+                                         max_output_bytes=TERMINAL_MAX_OUTPUT_BYTES)
+        parts = []
+        if out:
+            parts.append(out.decode("utf-8", "replace").rstrip("\n"))
+        if err:
+            parts.append("[stderr]\n" + err.decode("utf-8", "replace").rstrip("\n"))
+        parts.append(f"[exit code {rc}]")
+        return ToolResult(self._spilled("terminal", "\n".join(parts)), ok=rc == 0)
+
+    def _tool_read_file(self, path: str) -> ToolResult:
+        p = self._path(path)
+        resolved, size = self.sandbox.resolve(p)
+        buf = bytearray()
+        stream = self.sandbox.open_stream(resolved)
+        try:
+            for chunk in stream:
+                buf += chunk
+                if len(buf) >= READ_MAX_BYTES:
+                    break
+        finally:
+            close = getattr(stream, "close", None)
+            if close:
+                close()
+        data = bytes(buf[:READ_MAX_BYTES])
+        if b"\x00" in data[:8192]:
+            return ToolResult(f"error: {p} is a binary file ({size:,} bytes); use terminal to inspect it", ok=False)
+        text = data.decode("utf-8", "replace")
+        if size > len(data):
+            text += f"\n[read the first {len(data):,} of {size:,} bytes]"
+        return ToolResult(self._spilled("read_file", text))
+
+    def _tool_write_file(self, path: str, content: str) -> ToolResult:
+        if not isinstance(content, str):
+            return ToolResult("error: content must be a string", ok=False)
+        if len(content) > WRITE_MAX_CHARS:
+            return ToolResult(f"error: content is over {WRITE_MAX_CHARS:,} characters", ok=False)
+        p = self._path(path)
+        data = content.encode("utf-8", "replace")
+        key = f"files/{_SAFE.sub('_', self.job_id)}/write-{uuid.uuid4().hex}"
+        self.store.put_bytes(key, data, private=True)
+        try:
+            dest = self.sandbox.put(self.store, key, p, max_bytes=len(data) + 1)
+        except NotImplementedError as exc:
+            return ToolResult(f"error: {exc}", ok=False)
+        finally:
+            try:
+                self.store.delete(key)
+            except Exception:  # noqa: BLE001 - a leftover expires with files/
+                log.warning("could not delete temporary blob %s", key)
+        return ToolResult(f"wrote {len(data):,} bytes to {dest}")
+
+    def _tool_send_file(self, path: str) -> ToolResult:
+        p = self._path(path)
+        if p not in self.stored:
+            self.sandbox.resolve(p)  # exists, a regular file, inside the allowed roots
+        if p not in self.marked:
+            self.marked.append(p)
+        return ToolResult(f"{media_tag(p)} (will be sent with your reply)")
+
+    def _tool_browser_screenshot(self, url: str, full_page: bool = False) -> ToolResult:
+        if not isinstance(url, str) or urlparse(url.strip()).scheme.lower() not in ("http", "https"):
+            return ToolResult("error: only http:// and https:// URLs can be screenshotted", ok=False)
+        url = url.strip()
+        timeout_s = SCREENSHOT_TIMEOUT_S
+        left = self._left_s()
+        if left is not None:
+            timeout_s = min(timeout_s, left)
+        png = take_screenshot(url, chromium_path=self.chromium_path, full_page=bool(full_page), timeout_s=timeout_s)
+        name = f"{uuid.uuid4().hex}.png"
+        key = f"screenshots/{_SAFE.sub('_', self.job_id)}/{name}"
+        info = self.store.put_stream(key, [png], max_bytes=SCREENSHOT_MAX_BYTES)
+        dest = posixpath.join(self.workdir, "screenshots", name)
+        try:
+            dest = self.sandbox.put(self.store, key, dest, max_bytes=SCREENSHOT_MAX_BYTES)
+        except Exception as exc:  # noqa: BLE001 - delivery comes from storage anyway
+            log.info("screenshot %s not copied into the sandbox: %s", key, exc)
+        self.stored[dest] = {"key": key, "name": name, "size": info.size_bytes, "sha256": info.sha256}
+        if dest not in self.marked:
+            self.marked.append(dest)
+        return ToolResult(f"{media_tag(dest)} (screenshot of {url}, {info.size_bytes:,} bytes; "
+                          f"will be sent with your reply)")
+
+
+_NAMES = frozenset(s["function"]["name"] for s in SCHEMAS)
+
+
+class ToolInputError(CourierError):
+    """The model called a tool with unusable arguments."""
+
+
+class ScreenshotError(CourierError):
+    pass
+
+
+def take_screenshot(url: str, *, chromium_path: str, full_page: bool = False,
+                    timeout_s: float = SCREENSHOT_TIMEOUT_S) -> bytes:
+    """PNG bytes of `url` in headless Chromium (playwright driving the system
+    browser; never downloads one). Raises ScreenshotError with a short reason."""
+    import os
+
+    try:
+        from playwright.sync_api import Error as PlaywrightError
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        raise ScreenshotError("screenshots need playwright: pip install 'courier[browser]'") from None
+    if not os.access(chromium_path, os.X_OK):
+        raise ScreenshotError(f"no Chromium at {chromium_path} (install the chromium package "
+                              "or set COURIER_CHROMIUM_PATH)")
+    ms = max(1000.0, timeout_s * 1000)
+    try:
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=chromium_path, headless=True, args=list(CHROMIUM_ARGS),
+                                         timeout=ms)
+            try:
+                page = browser.new_page(viewport=SCREENSHOT_VIEWPORT)
+                page.goto(url, wait_until="load", timeout=ms)
+                return page.screenshot(full_page=full_page, type="png", timeout=ms)
+            finally:
+                browser.close()
+    except PlaywrightError as exc:
+        first = (str(exc).strip().splitlines() or ["browser error"])[0]
+        raise ScreenshotError(f"screenshot of {url} failed: {first[:200]}") from None

@@ -1,0 +1,220 @@
+"""The built-in OpenAI-compatible runtime, end to end: a real worker runs
+turns against a local chat-completions server playing scripted turns; tools
+act in a local sandbox; files and screenshots land in the outbox."""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import struct
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from adapters.agents.tools import SCREENSHOT_VIEWPORT
+from adapters.platforms.outbox import read_log
+from tasks import events
+from tests.fixtures.fake_openai import calls, forever, http_error, raw, say, tool_call
+from tests.fixtures.services import need
+from tests.fixtures.workers import CourierEnv
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "sk-test-" + "k3y" * 8
+AGENTS = {
+    "files": {}, "shot": {}, "spill": {}, "http500": {}, "badjson": {},
+    "steps": {"max_steps": 3},
+}
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory, redis_server, fake_openai):
+    redis_server.client().flushall()
+    agents = {name: {"runtime": "openai", "model": name, "timeout_s": 120, **extra} for name, extra in AGENTS.items()}
+    agents["files"]["system_prompt"] = "You are a careful file clerk."
+    e = CourierEnv(tmp_path_factory.mktemp("openai"), redis_server.url, COURIER_AGENTS=json.dumps(agents),
+                   COURIER_OPENAI_BASE_URL=fake_openai.base_url, COURIER_OPENAI_API_KEY=API_KEY)
+    e.start_worker()
+    yield e
+    e.stop()
+
+
+def _turn(env: CourierEnv, agent: str, message: str, chat: str):
+    res = env.cli("turn", f"outbox:{chat}", message, "--agent", agent, "--wait", "--json", "--timeout", "120")
+    try:
+        job = json.loads(res.stdout)["job"]
+    except (ValueError, KeyError):
+        raise AssertionError(f"no job in the CLI output: {res.stdout!r} {res.stderr!r}") from None
+    return res, job
+
+
+def _events(redis_server, job: str) -> list[dict]:
+    return [ev for _, ev in events.read(redis_server.client(), job, count=10000)]
+
+
+def _terminal(evs: list[dict]) -> list[dict]:
+    return [e for e in evs if e.get("kind") == "status" and e.get("status") in events.TERMINAL_STATUSES]
+
+
+def _sha(path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def test_terminal_writes_a_file_and_send_file_delivers_it(env, fake_openai, redis_server):
+    fake_openai.script(
+        "files",
+        calls(tool_call("terminal", command="printf 'made in %s\\n' \"$(basename \"$PWD\")\" > out.txt && "
+                                            "echo done; echo warn >&2")),
+        calls(tool_call("write_file", path="notes/hello.md", content="# héllo\nline 2\n"),
+              tool_call("read_file", path="notes/hello.md")),
+        calls(tool_call("send_file", path="out.txt")),
+        say("Here is your file."),
+    )
+    res, job = _turn(env, "files", "make me a file", "files")
+    assert res.returncode == 0, res.stdout + res.stderr
+
+    sandbox = env.data_dir / "sandbox" / "files"
+    made = sandbox / "out.txt"
+    assert made.read_text() == "made in files\n"
+    log = read_log(env.outbox, "files")
+    assert [r["kind"] for r in log] == ["text", "document"]
+    assert log[0]["text"] == "Here is your file."
+    assert log[1]["name"] == "out.txt" and log[1]["sha256"] == _sha(made)
+    assert _sha(env.outbox / "files" / log[1]["file"]) == _sha(made)
+
+    reqs = fake_openai.requests("files")
+    assert len(reqs) == 4
+    assert reqs[0].headers["authorization"] == f"Bearer {API_KEY}"
+    assert reqs[0].messages[0] == {"role": "system", "content": "You are a careful file clerk."}
+    assert {t["function"]["name"] for t in reqs[0].body["tools"]} == {
+        "terminal", "read_file", "write_file", "browser_screenshot", "send_file"}
+    term = reqs[1].tool_results()[-1]["content"]
+    assert "done" in term and "[stderr]\nwarn" in term and "[exit code 0]" in term
+    wrote, read = [m["content"] for m in reqs[2].tool_results()[-2:]]
+    assert wrote.startswith("wrote ") and read == "# héllo\nline 2\n"
+    assert (sandbox / "notes" / "hello.md").read_text(encoding="utf-8") == "# héllo\nline 2\n"
+    assert f"MEDIA:{made}" in reqs[3].tool_results()[-1]["content"]
+
+    evs = _events(redis_server, job)
+    statuses = [e["status"] for e in evs if e["kind"] == "status"]
+    assert statuses[0] == "started" and statuses.count("thinking") == 4 and statuses[-1] == "completed"
+    assert len(_terminal(evs)) == 1
+    starts = [e for e in evs if e["kind"] == "tool_start"]
+    results = [e for e in evs if e["kind"] == "tool_result"]
+    assert [e["tool_name"] for e in starts] == ["terminal", "write_file", "read_file", "send_file"]
+    assert starts[0]["activity"].startswith("$ printf") and len(starts[0]["activity"]) <= 80
+    assert starts[1]["activity"] == "writing notes/hello.md" and starts[2]["activity"] == "reading notes/hello.md"
+    assert [e["tool_call_id"] for e in results] == [e["tool_call_id"] for e in starts]
+    assert {e["status"] for e in results} == {"tool_complete"}
+    # the key goes only in the Authorization header
+    for log_file in env.tmp.glob("worker-*.log"):
+        assert API_KEY not in log_file.read_text(errors="replace")
+
+
+class _Page(BaseHTTPRequestHandler):
+    hits: list[str] = []
+    BODY = (b"<!doctype html><html><head><title>courier test page</title></head>"
+            b"<body style='margin:0;background:#1e6fd9'><h1 style='color:#fff;font:64px sans-serif'>"
+            b"courier screenshot test</h1><div style='width:600px;height:300px;background:#f5c400'></div>"
+            b"</body></html>")
+
+    def do_GET(self) -> None:  # noqa: N802
+        type(self).hits.append(self.path)
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html; charset=utf-8")
+        self.send_header("Content-Length", str(len(self.BODY)))
+        self.end_headers()
+        self.wfile.write(self.BODY)
+
+    def log_message(self, *args) -> None:
+        return None
+
+
+@pytest.fixture
+def page():
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Page)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}/page.html"
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_browser_screenshot_is_stored_and_delivered(env, fake_openai, page, redis_server):
+    need(os.access("/usr/bin/chromium", os.X_OK), "chromium is not installed (apt-get install chromium)")
+    try:
+        import playwright  # noqa: F401
+    except ImportError:
+        need(False, "the playwright package is not installed (pip install playwright)")
+    fake_openai.script("shot", calls(tool_call("browser_screenshot", url=page)), say("Screenshot attached."))
+    res, job = _turn(env, "shot", "screenshot that page", "shot")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "/page.html" in _Page.hits
+
+    log = read_log(env.outbox, "shot")
+    assert [r["kind"] for r in log] == ["text", "photo"]
+    png = (env.outbox / "shot" / log[1]["file"]).read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 2000
+    width, height = struct.unpack(">II", png[16:24])
+    assert (width, height) == (SCREENSHOT_VIEWPORT["width"], SCREENSHOT_VIEWPORT["height"])
+    stored = glob.glob(str(env.data_dir / "storage" / "screenshots" / job / "*.png"))
+    assert len(stored) == 1 and _sha(stored[0]) == hashlib.sha256(png).hexdigest() == log[1]["sha256"]
+    # delivered from screenshots/ (24 h expiry), not extracted again into files/
+    assert not glob.glob(str(env.data_dir / "storage" / "files" / job / "*.png"))
+    # and the agent has its copy in the sandbox
+    shot_name = os.path.basename(stored[0])
+    assert (env.data_dir / "sandbox" / "shot" / "screenshots" / shot_name).read_bytes() == png
+    tool_msg = fake_openai.requests("shot")[1].tool_results()[-1]["content"]
+    assert tool_msg.startswith(f"MEDIA:{env.data_dir / 'sandbox' / 'shot' / 'screenshots' / shot_name}")
+    assert len(_terminal(_events(redis_server, job))) == 1
+
+
+def test_huge_tool_output_is_spilled(env, fake_openai):
+    n = 30000
+    fake_openai.script("spill", calls(tool_call("terminal", command=f"seq 1 {n}")), say("counted"))
+    res, job = _turn(env, "spill", "count", "spill")
+    assert res.returncode == 0, res.stdout + res.stderr
+    full = "\n".join(str(i) for i in range(1, n + 1)) + "\n[exit code 0]"
+    preview = fake_openai.requests("spill")[1].tool_results()[-1]["content"]
+    assert preview.startswith(f"[terminal output truncated — {len(full):,} chars; full content saved to ")
+    assert "--- head ---\n1\n2\n3\n" in preview and preview.endswith(f"{n}\n[exit code 0]")
+    assert len(preview) < 1500
+    spilled = glob.glob(str(env.data_dir / "storage" / "hook_outputs" / job / "*.txt"))
+    assert len(spilled) == 1
+    with open(spilled[0], encoding="utf-8") as f:
+        assert f.read() == full
+    assert oct(os.stat(spilled[0]).st_mode & 0o777) == oct(0o600)
+
+
+@pytest.mark.parametrize("agent, step, reason", [
+    ("http500", http_error(500), "openai endpoint returned HTTP 500"),
+    ("badjson", raw(b"<html>not json</html>"), "openai endpoint sent a malformed response"),
+])
+def test_endpoint_errors_end_the_turn_cleanly(env, fake_openai, redis_server, agent, step, reason):
+    fake_openai.script(agent, step)
+    res, job = _turn(env, agent, "hello?", agent)
+    assert res.returncode != 0
+    evs = _events(redis_server, job)
+    term = _terminal(evs)
+    assert len(term) == 1 and term[0]["status"] == "error" and term[0]["reason"] == reason
+    assert not [e for e in evs if e["kind"] == "tool_start"]
+    log = read_log(env.outbox, agent)
+    assert len(log) == 1 and log[0]["kind"] == "text"
+    text = log[0]["text"]
+    assert reason in text and len(text) < 300 and "Traceback" not in text
+    assert len(fake_openai.requests(agent)) == 1
+
+
+def test_max_steps_bounds_the_loop(env, fake_openai, redis_server):
+    fake_openai.script("steps", forever(calls(tool_call("terminal", command="echo again"))))
+    res, job = _turn(env, "steps", "loop forever", "steps")
+    assert res.returncode != 0
+    assert len(fake_openai.requests("steps")) == AGENTS["steps"]["max_steps"]
+    evs = _events(redis_server, job)
+    assert len([e for e in evs if e["kind"] == "tool_start"]) == AGENTS["steps"]["max_steps"]
+    term = _terminal(evs)
+    assert len(term) == 1 and term[0]["status"] == "error" and term[0]["reason"].startswith("max_steps_exceeded")
+
