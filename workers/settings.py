@@ -12,7 +12,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import AliasChoices, BaseModel, Field, SecretStr, field_validator, model_validator
+from pydantic import AliasChoices, ValidationInfo, BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -86,10 +86,18 @@ class Settings(BaseSettings):
     # -- platforms -----------------------------------------------------
     telegram_bot_token: SecretStr | None = Field(default=None, validation_alias=_env("TELEGRAM_BOT_TOKEN"))
     telegram_base_url: str = "https://api.telegram.org"
+    #: a local Bot API server (telegram-bot-api --local): uploads up to 2000 MB
+    telegram_local_api: bool = False
+    #: shared per-bot send rate (~30/s; paid broadcasts allow up to 1000/s; 0: no per-bot limit)
+    telegram_bot_per_s: float = 30.0
     discord_bot_token: SecretStr | None = Field(default=None, validation_alias=_env("DISCORD_BOT_TOKEN"))
     discord_base_url: str = "https://discord.com/api/v10"
+    #: attachment cap: 10 MiB by default; boosted guilds allow more (50 MiB at level 2, 100 MiB at 3)
+    discord_upload_bytes: int = Field(default=10 * 1024 * 1024, gt=0)
     slack_bot_token: SecretStr | None = Field(default=None, validation_alias=_env("SLACK_BOT_TOKEN"))
     slack_base_url: str = "https://slack.com/api/"
+    #: per-file cap (Slack's is 1 GB; a workspace may set less)
+    slack_upload_bytes: int = Field(default=1024 * 1024 * 1024, gt=0)
     whatsapp_access_token: SecretStr | None = Field(default=None, validation_alias=_env("WHATSAPP_ACCESS_TOKEN"))
     whatsapp_phone_number_id: str | None = Field(default=None, validation_alias=_env("WHATSAPP_PHONE_NUMBER_ID"))
     whatsapp_base_url: str = "https://graph.facebook.com/v21.0"
@@ -149,6 +157,35 @@ class Settings(BaseSettings):
     #: a task held by a worker that died is redelivered after this many seconds
     visibility_timeout_s: int = 3600
     events_maxlen: int = 1000
+
+    # -- web process: webhooks and Server-Sent Events -------------------------
+    web_host: str = "127.0.0.1"
+    web_port: int = 8080
+    #: an SSE comment line is sent after this many idle seconds
+    sse_keepalive_s: float = 15.0
+    #: webhook secrets: a request that does not verify gets 401 and enqueues nothing
+    telegram_webhook_secret: SecretStr | None = Field(default=None,
+                                                      validation_alias=_env("TELEGRAM_WEBHOOK_SECRET"))
+    slack_signing_secret: SecretStr | None = Field(default=None, validation_alias=_env("SLACK_SIGNING_SECRET"))
+    #: the application's Ed25519 public key (hex) from the Discord developer portal
+    discord_public_key: str | None = Field(default=None, validation_alias=_env("DISCORD_PUBLIC_KEY"))
+    whatsapp_app_secret: SecretStr | None = Field(default=None, validation_alias=_env("WHATSAPP_APP_SECRET"))
+    whatsapp_verify_token: SecretStr | None = Field(default=None, validation_alias=_env("WHATSAPP_VERIFY_TOKEN"))
+    #: the agent webhook turns run (default: default_agent)
+    webhook_agent: str | None = None
+    #: a platform's retried update (same update/event id) within this window is dropped
+    webhook_dedupe_ttl_s: int = 24 * 3600
+    #: development only: send every webhook turn's reply here (e.g. outbox:dev) instead of the chat
+    webhook_reply_target_override: str | None = None
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, v: Any, info: ValidationInfo) -> Any:
+        """An empty variable (TOKEN= in compose or .env) means "not set": the default."""
+        if isinstance(v, str) and v.strip() == "":
+            field = cls.model_fields[info.field_name]
+            return field.get_default(call_default_factory=True)
+        return v
 
     @field_validator("redis_url")
     @classmethod
