@@ -219,3 +219,10 @@ def test_wiring_builds_local_sandbox(area, store, monkeypatch):
     assert ref == SandboxRef("local")
     s = Settings(local_roots=[str(area["root"])])
     assert open_sandbox(ref, s).extract(path, store, "files/w").sha256 == area["sums"]["one_kb.bin"]
+
+
+def test_put_long_name(sb, area, store):
+    store.put_bytes("files/in", b"payload")
+    dest = area["root"] / ("n" * 250)
+    assert sb.put(store, "files/in", str(dest)) == str(dest)
+    assert dest.read_bytes() == b"payload"

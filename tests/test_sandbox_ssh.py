@@ -357,7 +357,7 @@ def test_put_byte_identical(sb, area, store, tmp_path, size):
     got = sb.put(store, "files/in", str(dest))
     assert got == str(dest)
     assert sha256_file(dest) == want
-    assert [p for p in os.listdir(dest.parent) if ".part" in p] == []
+    assert [p for p in os.listdir(dest.parent) if "courier-part" in p] == []
     # overwrite in place works too
     assert sb.put(store, "files/in", str(dest)) == str(dest)
     assert sha256_file(dest) == want
@@ -389,3 +389,24 @@ def test_put_over_cap(sb, area, store):
     with pytest.raises(TooLarge):
         sb.put(store, "files/in", str(area["root"] / "capped.bin"), max_bytes=99)
     assert not (area["root"] / "capped.bin").exists()
+
+
+def test_put_long_name(sb, area, store):
+    store.put_bytes("files/in", b"payload")
+    dest = area["root"] / f"long-{sb.use_openssh}" / ("n" * 250)
+    assert sb.put(store, "files/in", str(dest)) == str(dest)
+    assert dest.read_bytes() == b"payload"
+
+
+def test_wiring_builds_ssh_sandbox(sshd_server, area, store):
+    from adapters.sandboxes.base import parse_uri
+    from workers.settings import Settings
+    from workers.wiring import open_sandbox
+
+    s = Settings(ssh_key_path=sshd_server.key_path, ssh_known_hosts=sshd_server.known_hosts)
+    ref, path = parse_uri(f"ssh://{sshd_server.user}@{sshd_server.host}:{sshd_server.port}{area['root']}/one_kb.bin")
+    sb = open_sandbox(ref, s)
+    assert isinstance(sb, SshSandbox) and not sb.use_openssh
+    assert sb.extract(path, store, "files/w").sha256 == area["sums"]["one_kb.bin"]
+    with pytest.raises(UnsafePath):  # default roots: /workspace, /tmp, home (/root is denylisted)
+        sb.extract("/etc/hostname", store, "files/no")

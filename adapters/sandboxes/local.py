@@ -99,7 +99,7 @@ class LocalSandbox(Sandbox):
             raise TooLarge(f"{key}: {info.size_bytes:,} bytes is over the {max_bytes:,} byte cap")
         Path(parent).mkdir(parents=True, exist_ok=True)
         # a temp name of our own (O_EXCL): concurrent puts never share or truncate one
-        tmp = os.path.join(parent, f".{os.path.basename(dest)}.{uuid.uuid4().hex[:8]}.courier-part")
+        tmp = os.path.join(parent, f".{os.path.basename(dest)[:64]}.{uuid.uuid4().hex[:8]}.courier-part")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         try:
             with os.fdopen(fd, "wb") as out:

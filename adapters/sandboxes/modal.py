@@ -310,7 +310,7 @@ class ModalSandbox(ExecStreamMixin, Sandbox):
         ch = self.exec_channel()
         self._deny_lexical(dest_path)
         final, _uid, _gid = resolve_put_dest(ch, self.policy_for, dest_path)
-        tmp = posixpath.join(posixpath.dirname(final), f".{posixpath.basename(final)}.{uuid.uuid4().hex[:8]}.courier-part")
+        tmp = posixpath.join(posixpath.dirname(final), f".{posixpath.basename(final)[:64]}.{uuid.uuid4().hex[:8]}.courier-part")
 
         def chunks() -> Iterator[bytes]:
             sent = 0

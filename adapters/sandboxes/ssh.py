@@ -128,6 +128,12 @@ _PUT_SH = (
 )
 
 
+def _temp_beside(dest: str) -> str:
+    """A hidden temp name next to `dest` (short enough for NAME_MAX)."""
+    return posixpath.join(posixpath.dirname(dest),
+                          f".{posixpath.basename(dest)[:64]}.{uuid.uuid4().hex[:8]}.courier-part")
+
+
 def _strip_nl(s: bytes) -> bytes:
     return s[:-1] if s.endswith(b"\n") else s
 
@@ -527,7 +533,7 @@ class SshSandbox(Sandbox):
                 raise UnsafePath(f"{dest_path}: is a symbolic link")
             if st is not None and not stat.S_ISREG(st.st_mode or 0):
                 raise NotAFile(f"{dest_path}: exists and is not a regular file")
-            tmp = f"{dest}.courier-{uuid.uuid4().hex[:12]}.part"
+            tmp = _temp_beside(dest)
             try:
                 sent = 0
                 with sftp.open(tmp, "wbx") as f:
@@ -611,7 +617,7 @@ class SshSandbox(Sandbox):
         parent = posixpath.join(anc_real_s, rest) if rest else anc_real_s
         dest = posixpath.join(parent, posixpath.basename(dest_path))
         policy.check(dest, shown=dest_path)
-        tmp = f"{dest}.courier-{uuid.uuid4().hex[:12]}.part"
+        tmp = _temp_beside(dest)
         sent = 0
 
         def chunks() -> Iterator[bytes]:
