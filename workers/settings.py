@@ -78,28 +78,37 @@ class OutputSpill(BaseModel):
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="COURIER_", extra="ignore", populate_by_name=True)
 
+    #: where courier keeps its files by default (storage, outbox, local sandboxes)
     data_dir: Path = Field(default_factory=_default_data_dir)
+    #: broker, results, events, locks, rate limits
     redis_url: str = "redis://127.0.0.1:6379/0"
+    #: `file:///abs/dir` or `s3://bucket/prefix` (endpoint: AWS_ENDPOINT_URL); default file://<data dir>/storage
     storage_url: str | None = None
+    #: where the `outbox` platform writes; default <data dir>/outbox
     outbox_dir: Path | None = None
 
     # -- platforms -----------------------------------------------------
     telegram_bot_token: SecretStr | None = Field(default=None, validation_alias=_env("TELEGRAM_BOT_TOKEN"))
+    #: Bot API server root (a local Bot API server or a test server may stand in); courier adds /bot<token>/<method>
     telegram_base_url: str = "https://api.telegram.org"
     #: a local Bot API server (telegram-bot-api --local): uploads up to 2000 MB
     telegram_local_api: bool = False
     #: shared per-bot send rate (~30/s; paid broadcasts allow up to 1000/s; 0: no per-bot limit)
     telegram_bot_per_s: float = 30.0
     discord_bot_token: SecretStr | None = Field(default=None, validation_alias=_env("DISCORD_BOT_TOKEN"))
+    #: Discord REST root
     discord_base_url: str = "https://discord.com/api/v10"
     #: attachment cap: 10 MiB by default; boosted guilds allow more (50 MiB at level 2, 100 MiB at 3)
     discord_upload_bytes: int = Field(default=10 * 1024 * 1024, gt=0)
     slack_bot_token: SecretStr | None = Field(default=None, validation_alias=_env("SLACK_BOT_TOKEN"))
+    #: Slack Web API root
     slack_base_url: str = "https://slack.com/api/"
     #: per-file cap (Slack's is 1 GB; a workspace may set less)
     slack_upload_bytes: int = Field(default=1024 * 1024 * 1024, gt=0)
     whatsapp_access_token: SecretStr | None = Field(default=None, validation_alias=_env("WHATSAPP_ACCESS_TOKEN"))
+    #: the sending phone number's id (Cloud API)
     whatsapp_phone_number_id: str | None = Field(default=None, validation_alias=_env("WHATSAPP_PHONE_NUMBER_ID"))
+    #: WhatsApp Cloud API root
     whatsapp_base_url: str = "https://graph.facebook.com/v21.0"
 
     # -- sandboxes -----------------------------------------------------
@@ -127,6 +136,7 @@ class Settings(BaseSettings):
     # -- agents ----------------------------------------------------------
     #: JSON object: name -> {"command": [...], "env": {}, "timeout_s": 900, "sandbox": "local:///dir"}
     agents: dict[str, AgentSpec] = Field(default_factory=dict)
+    #: the agent `courier turn` runs without --agent
     default_agent: str = "demo"
     #: OpenAI-compatible chat completions (agents with "runtime": "openai")
     openai_base_url: str = "https://api.openai.com/v1"
@@ -148,14 +158,19 @@ class Settings(BaseSettings):
     hooks_output_spill: OutputSpill = Field(default_factory=OutputSpill)
 
     # -- retention (janitor) -----------------------------------------------
+    #: screenshots/ older than this are deleted by the janitor
     screenshot_ttl_s: int = 24 * 3600
+    #: files/ (extracted and sent files) older than this are deleted by the janitor
     file_ttl_s: int = 7 * 24 * 3600
+    #: hook_outputs/ spills older than this are deleted by the janitor
     spill_ttl_s: int = 7 * 24 * 3600
 
     # -- delivery ----------------------------------------------------------
+    #: attempts of a delivery or extraction on transient errors before it is recorded failed
     delivery_max_attempts: int = 8
     #: a task held by a worker that died is redelivered after this many seconds
     visibility_timeout_s: int = 3600
+    #: events kept per turn stream (approximate)
     events_maxlen: int = 1000
 
     # -- web process: webhooks and Server-Sent Events -------------------------
@@ -175,7 +190,8 @@ class Settings(BaseSettings):
     webhook_agent: str | None = None
     #: a platform's retried update (same update/event id) within this window is dropped
     webhook_dedupe_ttl_s: int = 24 * 3600
-    #: development only: send every webhook turn's reply here (e.g. outbox:dev) instead of the chat
+    #: development only: send every webhook turn's reply here instead of the chat, e.g. outbox:dev
+    #: or outbox:{platform}_{chat} (the placeholders name the chat the update came from)
     webhook_reply_target_override: str | None = None
 
     @field_validator("*", mode="before")
