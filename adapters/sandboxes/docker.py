@@ -26,8 +26,12 @@ Every docker / requests / urllib3 error is translated in ONE place
 
 from __future__ import annotations
 
+import base64
+import io
+import json
 import os
 import posixpath
+import threading
 import socket
 import stat as statmod
 import struct
@@ -36,7 +40,7 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, BinaryIO
+from typing import Any
 
 from adapters.errors import FileMissing, NotAFile, SandboxError, SandboxGone, TooLarge, UnsafePath
 from adapters.sandboxes.base import DEFAULT_MAX_BYTES, PathPolicy, Sandbox, SandboxRef, _under, check_lexical
@@ -44,7 +48,6 @@ from adapters.sandboxes.execstream import (
     EXIT_CHANGED, ExecStream, ExecStreamMixin, exec_iter_file, exec_resolve, resolve_put_dest,
 )
 from adapters.sandboxes.routing import host_of  # noqa: F401 - re-exported for callers
-from storage.base import IterStream
 
 CHUNK = 1024 * 1024
 #: default roots inside a container (plus the exec user's $HOME when sane)
@@ -60,7 +63,80 @@ mv -f -- "$1" "$2" || { rm -f -- "$1"; exit 3; }
 
 
 # -- archive member checking (plain functions: testable with crafted tars) ----------
-def iter_single_member(fileobj: BinaryIO, *, expected_name: str | None, expected_size: int | None,
+class ForwardReader:
+    """A forward-only file over byte chunks: enough of `read/tell/seek` for
+    tarfile's plain read mode to parse headers, plus :meth:`read_some`,
+    which hands out the chunks themselves (no copy) when aligned."""
+
+    def __init__(self, chunks: Iterable[bytes]) -> None:
+        self._it = iter(chunks)
+        self._cur = b""
+        self._off = 0
+        self._pos = 0
+
+    @classmethod
+    def of(cls, src, block: int = CHUNK) -> "ForwardReader":
+        if isinstance(src, ForwardReader):
+            return src
+
+        def chunks():
+            while data := src.read(block):
+                yield data
+        return cls(chunks())
+
+    def _fill(self) -> bool:
+        while self._off >= len(self._cur):
+            try:
+                self._cur = next(self._it)
+            except StopIteration:
+                self._cur, self._off = b"", 0
+                return False
+            self._off = 0
+        return True
+
+    def read_some(self, n: int) -> bytes:
+        """Up to `n` bytes (b"" at the end), without joining chunks."""
+        if n <= 0 or not self._fill():
+            return b""
+        cur, off = self._cur, self._off
+        if off == 0 and len(cur) <= n:
+            out = cur
+        else:
+            out = cur[off:off + n]
+        self._off += len(out)
+        self._pos += len(out)
+        return out
+
+    def read(self, n: int = -1) -> bytes:
+        parts = []
+        want = n if n >= 0 else 1 << 62
+        while want > 0:
+            piece = self.read_some(want)
+            if not piece:
+                break
+            parts.append(piece)
+            want -= len(piece)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        if whence != 0 or pos < self._pos:
+            raise io.UnsupportedOperation("forward-only stream")
+        while self._pos < pos:
+            if not self.read_some(min(CHUNK, pos - self._pos)):
+                break
+        return self._pos
+
+    def seekable(self) -> bool:
+        return False
+
+    def readable(self) -> bool:
+        return True
+
+
+def iter_single_member(fileobj, *, expected_name: str | None, expected_size: int | None,
                        max_bytes: int, block: int = CHUNK) -> Iterator[bytes]:
     """Yield the data of the ONE regular file in a tar stream, checked.
 
@@ -69,36 +145,46 @@ def iter_single_member(fileobj: BinaryIO, *, expected_name: str | None, expected
     size other than `expected_size`; over `max_bytes` is TooLarge. The
     trailing checks run before the generator ends, so an all-or-nothing
     store keeps nothing when they fail.
+
+    tarfile parses the headers (pax, GNU long names) from a forward-only
+    reader; the member's data is then handed out as the received chunks
+    (no re-buffering), so a big file costs no extra copies.
     """
+    reader = ForwardReader.of(fileobj, block)
     try:
-        tar = tarfile.open(fileobj=fileobj, mode="r|", bufsize=block)
+        tar = tarfile.open(fileobj=reader, mode="r:")
     except tarfile.ReadError as exc:
         raise SandboxGone(f"archive stream ended or is corrupt: {exc}") from exc
-    with tar:
-        try:
-            member = tar.next()
-        except tarfile.ReadError as exc:
-            raise SandboxGone(f"archive stream ended or is corrupt: {exc}") from exc
-        if member is None:
-            raise FileMissing("the archive is empty")
-        check_member(member, expected_name=expected_name, expected_size=expected_size, max_bytes=max_bytes)
-        f = tar.extractfile(member)
-        assert f is not None
-        n = 0
-        try:
-            while chunk := f.read(block):
-                n += len(chunk)
-                if n > max_bytes:
-                    raise TooLarge(f"{member.name}: larger than the {max_bytes:,} byte cap", size_bytes=n,
-                                   limit_bytes=max_bytes)
-                yield chunk
-            if n != member.size:
-                raise SandboxGone(f"{member.name}: archive ended after {n:,} of {member.size:,} bytes")
-            extra = tar.next()
-        except tarfile.ReadError as exc:
-            raise SandboxGone(f"archive stream ended early: {exc}") from exc
-        if extra is not None:
-            raise UnsafePath(f"archive holds more than one member ({member.name!r}, {extra.name!r})")
+    try:
+        member = tar.next()
+    except tarfile.ReadError as exc:
+        raise SandboxGone(f"archive stream ended or is corrupt: {exc}") from exc
+    if member is None:
+        raise FileMissing("the archive is empty")
+    check_member(member, expected_name=expected_name, expected_size=expected_size, max_bytes=max_bytes)
+    if reader.tell() != member.offset_data:
+        raise SandboxGone(f"{member.name}: archive out of step")
+    left = member.size
+    parts: list[bytes] = []
+    have = 0
+    while left > 0:
+        chunk = reader.read_some(min(block - have, left))
+        if not chunk:
+            raise SandboxGone(f"{member.name}: archive ended after {member.size - left:,} of {member.size:,} bytes")
+        left -= len(chunk)
+        parts.append(chunk)
+        have += len(chunk)
+        if have >= block or left == 0:
+            # engines send small HTTP chunks (podman: 32 KiB): hand out ~1 MiB
+            # pieces so hashing and writing see few, large calls
+            yield parts[0] if len(parts) == 1 else b"".join(parts)
+            parts, have = [], 0
+    try:
+        extra = tar.next()
+    except tarfile.ReadError as exc:
+        raise SandboxGone(f"archive stream ended early: {exc}") from exc
+    if extra is not None:
+        raise UnsafePath(f"archive holds more than one member ({member.name!r}, {extra.name!r})")
 
 
 def check_member(member: tarfile.TarInfo, *, expected_name: str | None, expected_size: int | None,
@@ -356,44 +442,77 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
     # -- outbound ------------------------------------------------------------------------
     def extract(self, path: str, store, key: str, *, max_bytes: int = DEFAULT_MAX_BYTES):
         check_lexical(path)
-        r = exec_resolve(self._exec, path)
-        self.policy_for(r.home).check(r.path, shown=path)
-        if r.size > max_bytes:
-            raise TooLarge(f"{path}: {r.size:,} bytes is over the {max_bytes:,} byte cap", size_bytes=r.size,
-                           limit_bytes=max_bytes)
-        if self.prefer_bind_mounts and self._engine_is_local():
-            bound = self.bind_host_path(r.path)
-            if bound is not None:
-                host, src = bound
-                fd = _open_under(host, src, shown=path)
+        # Latency hiding: the archive request for the path as given starts while
+        # the resolve exec runs; its bytes are read only if the resolved, checked
+        # path is that same path (no links on the way), else it is dropped unread.
+        spec = self._speculate(path)
+        try:
+            r = exec_resolve(self._exec, path)
+            self.policy_for(r.home).check(r.path, shown=path)
+            if r.size > max_bytes:
+                raise TooLarge(f"{path}: {r.size:,} bytes is over the {max_bytes:,} byte cap", size_bytes=r.size,
+                               limit_bytes=max_bytes)
+            if self.prefer_bind_mounts and self._engine_is_local():
+                bound = self.bind_host_path(r.path)
+                if bound is not None:
+                    info = self._extract_bound(bound, path, store, key, max_bytes=max_bytes)
+                    self.stats["bind"] += 1
+                    return info
+            opened = None
+            if spec is not None and r.path == path:
                 try:
-                    size = os.fstat(fd).st_size
-                    if size > max_bytes:
-                        raise TooLarge(f"{path}: {size:,} bytes is over the {max_bytes:,} byte cap",
-                                       size_bytes=size, limit_bytes=max_bytes)
-                    f = os.fdopen(fd, "rb", buffering=0)
-                except BaseException:
-                    os.close(fd)
-                    raise
-                with f:
-                    info = store.put_stream(key, f, max_bytes=max_bytes)
-                self.stats["bind"] += 1
-                return info
-        info = store.put_stream(key, self.iter_archive(r.path, r.size, max_bytes=max_bytes), max_bytes=max_bytes)
-        self.stats["archive"] += 1
-        return info
+                    opened = spec.result()
+                except Exception:  # noqa: BLE001 - redone below, with the error mapped
+                    opened = None
+                spec = None
+            info = store.put_stream(key, self.iter_archive(r.path, r.size, max_bytes=max_bytes, opened=opened),
+                                    max_bytes=max_bytes)
+            self.stats["archive"] += 1
+            return info
+        finally:
+            if spec is not None:
+                _discard(spec)
 
-    def iter_archive(self, resolved: str, size: int | None, *, max_bytes: int) -> Iterator[bytes]:
+    def _speculate(self, path: str):
+        if self.prefer_bind_mounts and self._engine_is_local():
+            try:
+                if self.bind_host_path(path) is not None:
+                    return None
+            except SandboxError:
+                return None
+        try:
+            self.container_id  # noqa: B018 - inspect once, here, so errors map in the caller's thread
+        except SandboxError:
+            return None
+        return _spec_pool().submit(self._open_archive, path)
+
+    def _extract_bound(self, bound: tuple[str, str], path: str, store, key: str, *, max_bytes: int):
+        host, src = bound
+        fd = _open_under(host, src, shown=path)
+        try:
+            size = os.fstat(fd).st_size
+            if size > max_bytes:
+                raise TooLarge(f"{path}: {size:,} bytes is over the {max_bytes:,} byte cap",
+                               size_bytes=size, limit_bytes=max_bytes)
+            f = os.fdopen(fd, "rb", buffering=0)
+        except BaseException:
+            os.close(fd)
+            raise
+        with f:
+            return store.put_stream(key, f, max_bytes=max_bytes)
+
+    def iter_archive(self, resolved: str, size: int | None, *, max_bytes: int, opened=None) -> Iterator[bytes]:
         """The file's bytes through ``get_archive``, member-checked."""
-        with self._errors("get_archive", path=resolved):
-            raw, st = self.client.api.get_archive(self.container_id, resolved, chunk_size=CHUNK)
+        if opened is None:
+            with self._errors("get_archive", path=resolved):
+                opened = self._open_archive(resolved)
+        body, st, raw = opened
         try:
             mode = int(st.get("mode", 0)) if isinstance(st, dict) else 0
             if mode & _GO_MODE_SYMLINK:
                 raise UnsafePath(f"{resolved}: is a link (changed after resolve)")
             if mode & _GO_MODE_TYPE:
                 raise NotAFile(f"{resolved}: not a regular file (changed after resolve)")
-            body = IterStream(raw)
             with self._errors("archive stream", path=resolved):
                 yield from iter_single_member(body, expected_name=posixpath.basename(resolved),
                                               expected_size=size, max_bytes=max_bytes)
@@ -402,9 +521,26 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
             if not self.alive():
                 raise SandboxGone(f"container {self.ref.target} went away during the transfer")
         finally:
-            close = getattr(raw, "close", None)
-            if close is not None:
-                close()
+            raw.close()
+
+    def _open_archive(self, path: str) -> tuple[Any, dict, Any]:
+        """(readable body, stat header, closable response) of the engine's
+        archive of `path`: the HTTP body as 1 MiB chunks (like the SDK's
+        ``get_archive``, but with the response at hand so an unread
+        speculative request can be closed) through a thin file adapter."""
+        api = self.client.api
+        if not all(hasattr(api, a) for a in ("_get", "_url", "_raise_for_status")):
+            gen, st = api.get_archive(self.container_id, path, chunk_size=CHUNK)
+            return ForwardReader(gen), st, gen
+        res = api._get(api._url("/containers/{0}/archive", self.container_id), params={"path": path}, stream=True)
+        try:
+            api._raise_for_status(res)
+            hdr = res.headers.get("x-docker-container-path-stat")
+            st = json.loads(base64.b64decode(hdr)) if hdr else {}
+        except BaseException:
+            res.close()
+            raise
+        return ForwardReader(res.iter_content(CHUNK, False)), st, res
 
     def open_stream(self, resolved: str) -> Iterator[bytes]:
         return self.iter_archive(resolved, None, max_bytes=DEFAULT_MAX_BYTES * 1000)
@@ -443,6 +579,32 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
                 self.client.close()
             except Exception:  # noqa: BLE001
                 pass
+
+
+_pool = None
+_pool_lock = threading.Lock()
+
+
+def _spec_pool():
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="docker-archive")
+        return _pool
+
+
+def _discard(future) -> None:
+    """Close a speculative archive response unread (waits for its headers)."""
+    try:
+        _body, _st, closable = future.result(timeout=60)
+    except Exception:  # noqa: BLE001 - nothing to close
+        return
+    try:
+        closable.close()
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def _open_under(host: str, src: str, *, shown: str) -> int:

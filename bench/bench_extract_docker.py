@@ -1,0 +1,137 @@
+"""Docker extraction through the archive API vs the engine's own `podman cp`.
+
+    python bench/bench_extract_docker.py          # throughput, 200 MB (target ratio >= 0.8)
+    python bench/bench_extract_docker.py --rss    # peak RSS extracting 1 GiB (limit <= 150 MB)
+
+Both start a private rootful podman (tests/fixtures/podman.py), run one
+busybox container (network none), make the file inside it, and print ONE
+line. BENCH_QUICK=1 shrinks the sizes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench._common import quick, report, report_limit  # noqa: E402
+
+MiB = 1024 * 1024
+
+
+def _make_file(ctr, path: str, size: int) -> None:
+    res = ctr.exec_run(["sh", "-c", 'head -c "$1" /dev/urandom > "$2"', "sh", str(size), path])
+    if res.exit_code != 0:
+        raise SystemExit(f"cannot make {path}: {res.output!r}")
+
+
+def _out_dir() -> str | None:
+    env = os.environ.get("BENCH_OUT_DIR")
+    if env:
+        return env
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+def throughput() -> None:
+    from adapters.sandboxes.base import SandboxRef
+    from adapters.sandboxes.docker import DockerSandbox
+    from storage.volume import VolumeStore
+    from tests.fixtures.podman import start_podman
+
+    size = (20 if quick() else 200) * 1000 * 1000
+    runs = 2 if quick() else 3
+    with tempfile.TemporaryDirectory(prefix="bench-docker-") as tmp:
+        svc = start_podman(Path(tmp) / "podman")
+        try:
+            ctr = svc.run_container()
+            _make_file(ctr, "/workspace/big", size)
+            # both sides write to the same place: RAM when there is a tmpfs, so
+            # disk writeback (noisy on shared machines) is measured for neither
+            out = Path(tempfile.mkdtemp(prefix="bench-docker-out-", dir=_out_dir()))
+            store = VolumeStore(out / "store")
+            client = svc.client()
+            sb = DockerSandbox(SandboxRef("docker", ctr.name), None, client=client)
+            ours, cp = [], []
+            for i in range(runs):
+                t = time.perf_counter()
+                info = sb.extract("/workspace/big", store, f"files/big{i}", max_bytes=size)
+                ours.append(time.perf_counter() - t)
+                assert info.size_bytes == size
+                store.delete(f"files/big{i}")
+                dest = out / f"cp{i}"
+                t = time.perf_counter()
+                svc.podman("cp", f"{ctr.id}:/workspace/big", str(dest))
+                cp.append(time.perf_counter() - t)
+                assert dest.stat().st_size == size
+                dest.unlink()
+            client.close()
+            shutil.rmtree(out, ignore_errors=True)
+        finally:
+            svc.stop()
+    mb = size / 1e6
+    report("docker extract 200MB (archive API)" if not quick() else "docker extract 20MB (archive API)",
+           mb / min(ours), "MB/s", "podman cp", mb / min(cp), target=0.8,
+           extra=f"best of {runs}: {min(ours):.2f}s vs {min(cp):.2f}s")
+
+
+CHILD = r"""
+import json, resource, sys
+sys.path.insert(0, sys.argv[1])
+from adapters.sandboxes.base import SandboxRef
+from adapters.sandboxes.docker import DockerSandbox
+from storage.volume import VolumeStore
+import docker
+base_url, name, path, store_dir, size = sys.argv[2:7]
+client = docker.DockerClient(base_url=base_url, timeout=300)
+sb = DockerSandbox(SandboxRef("docker", name), None, client=client)
+store = VolumeStore(store_dir)
+if path != "-":
+    info = sb.extract(path, store, "files/huge", max_bytes=int(size))
+    assert info.size_bytes == int(size), info
+else:
+    client.ping()
+print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0}))
+"""
+
+
+def rss() -> None:
+    from tests.fixtures.podman import start_podman
+
+    size = (100 if quick() else 1024) * MiB
+    with tempfile.TemporaryDirectory(prefix="bench-docker-rss-") as tmp:
+        svc = start_podman(Path(tmp) / "podman")
+        try:
+            ctr = svc.run_container()
+            res = ctr.exec_run(["sh", "-c", 'head -c "$1" /dev/zero > /workspace/huge', "sh", str(size)])
+            assert res.exit_code == 0, res.output
+
+            def child(path: str) -> float:
+                out = subprocess.run(
+                    [sys.executable, "-c", CHILD, str(ROOT), svc.base_url, ctr.name, path,
+                     str(Path(tmp) / "store"), str(size)],
+                    check=True, capture_output=True, text=True, timeout=600,
+                )
+                return json.loads(out.stdout.strip().splitlines()[-1])["peak_rss_mb"]
+
+            idle = child("-")
+            peak = child("/workspace/huge")
+        finally:
+            svc.stop()
+    report_limit(f"docker extract {size // MiB} MiB peak RSS", peak, "MB", limit=150,
+                 baseline_name="same process idle", baseline=idle)
+
+
+if __name__ == "__main__":
+    if "--rss" in sys.argv[1:]:
+        rss()
+    else:
+        throughput()
