@@ -16,9 +16,9 @@ import os
 import uuid
 from typing import Any
 
-from adapters.errors import CourierError, Permanent
+from adapters.errors import CourierError, Permanent, RateLimited
 from adapters.platforms.base import FileSource, Kind, Platform, Sent, split_target
-from tasks import events, keys, receipts
+from tasks import events, keys, ratelimit, receipts
 from tasks.runtime import Context
 from tasks.text import fit_caption, human_bytes, split_text
 
@@ -72,6 +72,8 @@ def deliver(ctx: Context, job: dict, extracted: dict | None = None) -> dict:
         platform = ctx.platform(platform_name)
     except CourierError as exc:
         return record_failure(ctx, job, exc.reason)
+    # every send below takes a shared rate-limit slot first, and each part is sent once
+    platform = ratelimit.guard(r, platform, did)
 
     if extracted is not None and not extracted.get("ok", False):
         reason = extracted.get("reason") or "extraction failed"
@@ -176,6 +178,8 @@ def _notice_too_large(ctx: Context, platform: Platform, chat: str, job: dict, na
             text += f"\nDownload it here (link valid 7 days): {url}"
     try:
         platform.send_text(chat, text, delivery_id=f"{job['id']}#notice")
+    except RateLimited:
+        raise  # re-scheduled: the notice goes out once its slot is free
     except CourierError:
         pass  # the failure is recorded either way
     return reason

@@ -40,6 +40,12 @@ def file_id(platform: str, bot: str, sha256: str, kind: str) -> str:
     return f"{PREFIX}fileid:{platform}:{bot}:{kind}:{sha256}"
 
 
+def delivery_parts(delivery_id: str) -> str:
+    """hash: the messages already sent for parts of one delivery (part id -> message id),
+    so a delivery re-scheduled midway (rate limit, error) resumes without sending twice"""
+    return f"{PREFIX}parts:{delivery_id}"
+
+
 def rate_limit_prefix() -> str:
     """prefix the `limits` library's Redis storage uses for shared rate limits"""
     return f"{PREFIX}rl"

@@ -48,7 +48,23 @@ def _build_platform(name: str, s: Settings) -> Platform:
         from adapters.platforms.outbox import OutboxPlatform
 
         return OutboxPlatform(s.outbox)
-    if name in ("telegram", "discord", "slack", "whatsapp"):
+    if name == "telegram":
+        from adapters.platforms.telegram import TelegramPlatform
+
+        if s.telegram_bot_token is None or not s.telegram_bot_token.get_secret_value():
+            raise ConfigError("telegram: TELEGRAM_BOT_TOKEN is not set")
+        return TelegramPlatform(s.telegram_bot_token.get_secret_value(), base_url=s.telegram_base_url,
+                                local_api=s.telegram_local_api, bot_per_s=s.telegram_bot_per_s)
+    if name == "whatsapp":
+        from adapters.platforms.whatsapp import WhatsAppPlatform
+
+        if s.whatsapp_access_token is None or not s.whatsapp_access_token.get_secret_value():
+            raise ConfigError("whatsapp: WHATSAPP_ACCESS_TOKEN is not set")
+        if not s.whatsapp_phone_number_id:
+            raise ConfigError("whatsapp: WHATSAPP_PHONE_NUMBER_ID is not set")
+        return WhatsAppPlatform(s.whatsapp_access_token.get_secret_value(), s.whatsapp_phone_number_id,
+                                base_url=s.whatsapp_base_url)
+    if name in ("discord", "slack"):
         raise ConfigError(f"platform {name!r} is not configured in this build yet")
     raise ConfigError(f"unknown platform {name!r}: use one of {', '.join(PLATFORMS)}")
 

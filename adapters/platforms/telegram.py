@@ -1,0 +1,328 @@
+"""Telegram over python-telegram-bot (Bot API over HTTP; no polling, no updater).
+
+- One `telegram.Bot` per process, on the process's asyncio loop thread
+  (`adapters.platforms._aio`), built lazily and again after a fork.
+- No rate limiter that waits: a 429 becomes `RateLimited(retry_after)` and the
+  task is re-scheduled; the shared per-chat / per-group / per-bot limits are
+  enforced above the adapter, in Redis (`tasks.ratelimit`).
+- Uploads stream: the open file object from `FileSource.open()` is handed to
+  httpx (`InputFile(..., read_file_handle=False)`), never read whole.
+- A `file_id` Telegram returned for the same bytes is sent instead of
+  uploading again (`cache_key` names the bot: a hash of the token, never the
+  token itself).
+- Vendor errors are translated in one place, `map_error`.
+
+The token is part of every Bot API URL; it never appears in a repr, a log line
+of ours or an exception message (`_redact`), and httpx's request log lines
+are filtered the same way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+from collections.abc import Awaitable, Callable
+from contextlib import ExitStack
+from typing import Any, TypeVar
+
+from telegram import Bot, InputFile, InputMediaAudio, InputMediaDocument, InputMediaPhoto, InputMediaVideo, Message
+from telegram.constants import ChatAction
+from telegram.error import (
+    BadRequest,
+    ChatMigrated,
+    Conflict,
+    Forbidden,
+    InvalidToken,
+    NetworkError,
+    RetryAfter,
+    TelegramError,
+    TimedOut,
+)
+from telegram.request import HTTPXRequest
+
+from adapters.errors import ConfigError, DeliveryError, Permanent, RateLimited, Transient
+from adapters.platforms import _aio
+from adapters.platforms.base import MB, FileSource, Kind, Limits, Platform, Sent
+
+__all__ = ["TelegramPlatform", "map_error"]
+
+T = TypeVar("T")
+
+#: a 429 without `parameters.retry_after` (a proxy, an odd server): wait this long
+DEFAULT_RETRY_AFTER_S = 3.0
+
+_SEND = {
+    Kind.PHOTO: ("send_photo", "photo"),
+    Kind.ANIMATION: ("send_animation", "animation"),
+    Kind.VIDEO: ("send_video", "video"),
+    Kind.AUDIO: ("send_audio", "audio"),
+    Kind.VOICE: ("send_voice", "voice"),
+    Kind.DOCUMENT: ("send_document", "document"),
+}
+_ALBUM_MEDIA = {
+    Kind.PHOTO: InputMediaPhoto,
+    Kind.VIDEO: InputMediaVideo,
+    Kind.AUDIO: InputMediaAudio,
+    Kind.DOCUMENT: InputMediaDocument,
+}
+_CHAT_ID = re.compile(r"-?\d+")
+
+
+# -- errors -------------------------------------------------------------------------------
+class _HTTPStatus(TelegramError):
+    """An HTTP status python-telegram-bot folds into a generic NetworkError (413)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _redact(text: str, secret: str) -> str:
+    return text.replace(secret, "<token>") if secret else text
+
+
+def _seconds(v: Any) -> float:
+    return v.total_seconds() if hasattr(v, "total_seconds") else float(v)
+
+
+def map_error(exc: BaseException, secret: str = "") -> DeliveryError:
+    """The one place Telegram's errors become courier's (`secret` is redacted)."""
+    msg = _redact(getattr(exc, "message", None) or str(exc) or type(exc).__name__, secret)
+    if isinstance(exc, DeliveryError):
+        return exc
+    if isinstance(exc, RetryAfter):
+        s = _seconds(getattr(exc, "_retry_after", None) or exc.retry_after)
+        return RateLimited(s, f"telegram: flood control, retry after {s:g}s")
+    if isinstance(exc, _HTTPStatus) and exc.status == 413:
+        return Permanent(f"telegram: too large for the Bot API server (413): {msg}")
+    if isinstance(exc, _HTTPStatus):
+        return (Transient if exc.status >= 500 else Permanent)(f"telegram: HTTP {exc.status}: {msg}")
+    if isinstance(exc, ChatMigrated):
+        return Permanent(f"telegram: the group is now the supergroup {exc.new_chat_id}; "
+                         f"send to telegram:{exc.new_chat_id}")
+    if isinstance(exc, BadRequest):  # chat not found, bad file, text too long, ...
+        return Permanent(f"telegram: {msg}")
+    if isinstance(exc, Forbidden):  # blocked by the user, kicked from the group
+        return Permanent(f"telegram: {msg}")
+    if isinstance(exc, InvalidToken):  # 401 / 404: the token, or the base URL, is wrong
+        return Permanent("telegram: the Bot API rejected the bot token (401/404): check TELEGRAM_BOT_TOKEN "
+                         "and COURIER_TELEGRAM_BASE_URL")
+    if isinstance(exc, Conflict):
+        return Permanent(f"telegram: conflict: {msg}")
+    if isinstance(exc, TimedOut):
+        return Transient(f"telegram: timed out: {msg}")
+    if isinstance(exc, NetworkError):  # 5xx, connection refused/reset
+        return Transient(f"telegram: {msg}")
+    if isinstance(exc, (TimeoutError, OSError)):
+        return Transient(f"telegram: {type(exc).__name__}: {msg}")
+    return Transient(f"telegram: unexpected {type(exc).__name__}: {msg}")
+
+
+class _Request(HTTPXRequest):
+    """HTTPXRequest that keeps the HTTP status python-telegram-bot would fold away."""
+
+    async def do_request(self, url, method, request_data=None, **kw):  # type: ignore[override]
+        code, payload = await super().do_request(url, method, request_data, **kw)
+        if code == 413:
+            raise _HTTPStatus(413, _description(payload) or "Request Entity Too Large")
+        if code == 429:
+            params = _parameters(payload)
+            if not params.get("retry_after"):
+                raise RetryAfter(int(DEFAULT_RETRY_AFTER_S))
+        return code, payload
+
+
+def _json(payload: bytes) -> dict:
+    try:
+        data = json.loads(payload)
+    except (ValueError, UnicodeDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _description(payload: bytes) -> str:
+    return str(_json(payload).get("description") or "")
+
+
+def _parameters(payload: bytes) -> dict:
+    p = _json(payload).get("parameters")
+    return p if isinstance(p, dict) else {}
+
+
+class _RedactToken(logging.Filter):
+    """httpx logs every request URL at INFO; the Bot API URL holds the token."""
+
+    def __init__(self, secret: str) -> None:
+        super().__init__()
+        self.secret = secret
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.secret:
+            try:
+                text = record.getMessage()
+            except Exception:  # noqa: BLE001 - a bad record is not ours to fix
+                return True
+            if self.secret in text:
+                record.msg, record.args = _redact(text, self.secret), None
+        return True
+
+
+# -- the adapter --------------------------------------------------------------------------
+class TelegramPlatform(Platform):
+    name = "telegram"
+
+    def __init__(self, token: str, *, base_url: str = "https://api.telegram.org", local_api: bool = False,
+                 bot_per_s: float | None = 30.0, connect_timeout_s: float = 10.0, read_timeout_s: float = 60.0,
+                 media_write_timeout_s: float = 120.0, pool_size: int = 32) -> None:
+        if not token:
+            raise ConfigError("telegram: TELEGRAM_BOT_TOKEN is not set")
+        self._token = token
+        self._base = base_url.rstrip("/")
+        #: names this bot in shared Redis keys (file ids, rate limits): a hash, never the token
+        self.cache_key = hashlib.sha256(b"telegram-bot:" + token.encode()).hexdigest()[:20]
+        self.limits = Limits(
+            text_chars=4096,
+            caption_chars=1024,
+            upload_bytes=(2000 if local_api else 50) * MB,
+            photo_bytes=10 * MB,
+            per_chat_per_s=1.0,
+            per_group_per_min=20,
+            per_bot_per_s=bot_per_s or None,
+            files_per_message=1,
+            native_kinds=frozenset(Kind),
+            album_max=10,
+        )
+        self._timeouts = (connect_timeout_s, read_timeout_s, media_write_timeout_s)
+        self._pool_size = pool_size
+        self._bot: Bot | None = None
+        self._bot_pid: int | None = None
+        redactor = _RedactToken(token)
+        for logger in ("httpx", "httpcore", "telegram"):
+            logging.getLogger(logger).addFilter(redactor)
+
+    def __repr__(self) -> str:
+        return f"TelegramPlatform(base_url={self._base!r}, bot={self.cache_key})"
+
+    # -- plumbing ----------------------------------------------------------------------------
+    def is_group(self, chat: str) -> bool:
+        """Groups, supergroups and channels have negative ids (20 messages a minute)."""
+        return chat.startswith("-")
+
+    def _get_bot(self) -> Bot:
+        """Called on the loop thread: the Bot's httpx client belongs to this process's loop."""
+        if self._bot is None or self._bot_pid != os.getpid():
+            connect, read, media_write = self._timeouts
+            request = _Request(connection_pool_size=self._pool_size, connect_timeout=connect, read_timeout=read,
+                               write_timeout=30.0, pool_timeout=30.0, media_write_timeout=media_write)
+            self._bot = Bot(self._token, base_url=f"{self._base}/bot", base_file_url=f"{self._base}/file/bot",
+                            request=request, get_updates_request=_Request(connection_pool_size=1))
+            self._bot_pid = os.getpid()
+        return self._bot
+
+    def _call(self, fn: Callable[[Bot], Awaitable[T]], *, timeout_s: float = 300.0) -> T:
+        async def go() -> T:
+            return await fn(self._get_bot())
+
+        try:
+            return _aio.run(go(), timeout_s)
+        except TelegramError as exc:
+            raise map_error(exc, self._token) from None
+        except TimeoutError:
+            raise Transient(f"telegram: no answer within {timeout_s:g}s") from None
+
+    @staticmethod
+    def _chat(chat: str) -> int | str:
+        return int(chat) if _CHAT_ID.fullmatch(chat) else chat
+
+    @staticmethod
+    def _timeout_for(size_bytes: int) -> float:
+        return 120.0 + size_bytes / (1 * MB)  # at worst ~1 MB/s
+
+    # -- sends -------------------------------------------------------------------------------
+    def send_text(self, chat: str, text: str, *, delivery_id: str) -> Sent:
+        msg = self._call(lambda bot: bot.send_message(self._chat(chat), text))
+        return Sent(message_id=str(msg.message_id))
+
+    def send_file(self, chat: str, kind: Kind, file: FileSource, *, caption: str | None, delivery_id: str,
+                  file_id: str | None = None) -> Sent:
+        method, field = _SEND.get(kind, _SEND[Kind.DOCUMENT])
+        cid = self._chat(chat)
+        if file_id:
+            try:
+                msg = self._call(lambda bot: getattr(bot, method)(cid, **{field: file_id, "caption": caption}))
+                return Sent(message_id=str(msg.message_id), file_id=_file_id(msg, kind) or file_id)
+            except Permanent as exc:
+                if "file" not in exc.reason.lower():
+                    raise
+                # a stale or foreign file id: upload the bytes once more
+
+        with file.open() as f:
+            upload = InputFile(f, filename=file.name, read_file_handle=False)
+            msg = self._call(lambda bot: getattr(bot, method)(cid, **{field: upload, "caption": caption}),
+                             timeout_s=self._timeout_for(file.size_bytes))
+        return Sent(message_id=str(msg.message_id), file_id=_file_id(msg, kind))
+
+    def send_album(self, chat: str, files: list[tuple[Kind, FileSource]], *, caption: str | None,
+                   delivery_id: str) -> list[Sent]:
+        """Up to 10 photos/videos (or audios, or documents) as one media group;
+        the caption goes on the first item."""
+        if not 2 <= len(files) <= self.limits.album_max:
+            raise Permanent(f"telegram: an album holds 2 to {self.limits.album_max} items, not {len(files)}")
+        with ExitStack() as stack:
+            media = []
+            for i, (kind, src) in enumerate(files):
+                cls = _ALBUM_MEDIA.get(kind, InputMediaDocument)
+                f = stack.enter_context(src.open())
+                upload = InputFile(f, filename=src.name, attach=True, read_file_handle=False)
+                media.append(cls(media=upload, caption=caption if i == 0 else None))
+            total = sum(src.size_bytes for _, src in files)
+            msgs = self._call(lambda bot: bot.send_media_group(self._chat(chat), media),
+                              timeout_s=self._timeout_for(total))
+        return [Sent(message_id=str(m.message_id), file_id=_file_id(m, kind)) for m, (kind, _) in zip(msgs, files)]
+
+    # -- activity ----------------------------------------------------------------------------
+    def typing(self, chat: str) -> None:
+        self._call(lambda bot: bot.send_chat_action(self._chat(chat), ChatAction.TYPING), timeout_s=30)
+
+    def start_progress(self, chat: str, text: str) -> str | None:
+        msg = self._call(lambda bot: bot.send_message(self._chat(chat), text, disable_notification=True),
+                         timeout_s=30)
+        return str(msg.message_id)
+
+    def edit_progress(self, chat: str, message_id: str, text: str) -> None:
+        try:
+            self._call(lambda bot: bot.edit_message_text(text, chat_id=self._chat(chat),
+                                                         message_id=int(message_id)), timeout_s=30)
+        except Permanent as exc:
+            if "not modified" not in exc.reason:
+                raise
+
+    def end_progress(self, chat: str, message_id: str) -> None:
+        try:
+            self._call(lambda bot: bot.delete_message(self._chat(chat), int(message_id)), timeout_s=30)
+        except Permanent as exc:
+            if "not found" not in exc.reason:
+                raise
+
+    def close(self) -> None:
+        bot, self._bot = self._bot, None
+        if bot is not None and self._bot_pid == os.getpid():
+            try:
+                _aio.run(bot.shutdown(), 10)
+            except Exception:  # noqa: BLE001 - closing is best effort
+                pass
+
+
+def _file_id(msg: Message, kind: Kind) -> str | None:
+    """The reusable file id of what a message carries (largest photo size)."""
+    if kind == Kind.PHOTO and msg.photo:
+        return msg.photo[-1].file_id
+    att = getattr(msg, kind.value, None) if kind != Kind.TEXT else None
+    if att is None:
+        att = msg.effective_attachment
+        if isinstance(att, tuple):  # photo sizes
+            att = att[-1] if att else None
+    return getattr(att, "file_id", None)

@@ -1,0 +1,212 @@
+"""WhatsApp Cloud API over httpx: upload media, then send a message by media id.
+
+- `POST /{phone_number_id}/media` (multipart: messaging_product, type, file),
+  streamed from `FileSource.open()`; the media id it returns is the
+  reusable file id (upload once, send many: ids live 30 days; a stale one is
+  uploaded again once).
+- `POST /{phone_number_id}/messages` with `type` image | video | audio |
+  document | text. A voice note is `audio` with `"voice": true` (ogg/opus);
+  audio takes no caption, so a caption there follows as a text message.
+- WhatsApp shows few formats natively (images: jpeg/png; video: mp4/3gpp;
+  audio: aac/amr/mp3/m4a/ogg): anything else of those kinds goes as a document.
+- Limits: text 4096, caption 1024; uploads: image 5 MB, video/audio 16 MB,
+  document 100 MB; ~80 messages/s per business number.
+- Errors mapped in one place, `map_error`: 429 and the rate-limit codes
+  (4, 80007, 130429, 131048, 131056) -> RateLimited (Retry-After, else a
+  per-code default); 5xx, timeouts, dropped connections, the API's transient
+  codes -> Transient; other 4xx -> Permanent with the API's own message.
+
+The access token only travels in the Authorization header: never in a URL,
+a repr, or an error message.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mimetypes
+import os
+import threading
+from typing import Any
+
+import httpx
+
+from adapters.errors import ConfigError, DeliveryError, Permanent, RateLimited, Transient
+from adapters.platforms.base import MB, FileSource, Kind, Limits, Platform, Sent
+
+__all__ = ["WhatsAppPlatform", "map_error"]
+
+#: default waits when a rate-limit error carries no Retry-After
+_RATE_LIMIT_CODES = {4: 60.0, 80007: 60.0, 130429: 1.0, 131048: 60.0, 131056: 6.0}
+#: the API's own "try again later" codes
+_TRANSIENT_CODES = {1, 2, 131000, 131016, 133004}
+#: a cached media id the API no longer knows: upload again
+_STALE_MEDIA_CODES = {100, 131052, 131053}
+
+_NATIVE_MIME = {
+    Kind.PHOTO: {"image/jpeg", "image/png"},
+    Kind.VIDEO: {"video/mp4", "video/3gpp"},
+    Kind.AUDIO: {"audio/aac", "audio/amr", "audio/mpeg", "audio/mp4", "audio/ogg", "audio/x-m4a"},
+    Kind.VOICE: {"audio/ogg"},
+}
+_EXTRA_MIME = {".opus": "audio/ogg", ".ogg": "audio/ogg", ".m4a": "audio/mp4", ".3gp": "video/3gpp",
+               ".amr": "audio/amr", ".aac": "audio/aac", ".webp": "image/webp"}
+
+
+def mime_of(name: str, given: str | None = None) -> str:
+    if given:
+        return given
+    ext = os.path.splitext(name)[1].lower()
+    return _EXTRA_MIME.get(ext) or mimetypes.guess_type(name, strict=False)[0] or "application/octet-stream"
+
+
+def map_error(err: httpx.Response | BaseException) -> DeliveryError:
+    """The one place WhatsApp's answers and transport failures become courier's errors."""
+    if isinstance(err, DeliveryError):
+        return err
+    if isinstance(err, httpx.TimeoutException):
+        return Transient(f"whatsapp: timed out ({type(err).__name__})")
+    if isinstance(err, (httpx.TransportError, OSError)):
+        return Transient(f"whatsapp: connection failed ({type(err).__name__}: {err})")
+    if not isinstance(err, httpx.Response):
+        return Transient(f"whatsapp: unexpected {type(err).__name__}: {err}")
+    status = err.status_code
+    try:
+        body = err.json()
+    except ValueError:
+        body = {}
+    e = body.get("error") if isinstance(body, dict) else None
+    e = e if isinstance(e, dict) else {}
+    code = e.get("code")
+    message = str(e.get("message") or err.reason_phrase or f"HTTP {status}")
+    details = (e.get("error_data") or {}).get("details") if isinstance(e.get("error_data"), dict) else None
+    text = f"whatsapp: {message}" + (f" — {details}" if details and details not in message else "")
+    text += f" (HTTP {status}" + (f", code {code})" if code is not None else ")")
+    if status == 429 or code in _RATE_LIMIT_CODES:
+        retry = err.headers.get("Retry-After")
+        try:
+            wait = float(retry) if retry is not None else _RATE_LIMIT_CODES.get(code, 5.0)
+        except ValueError:
+            wait = _RATE_LIMIT_CODES.get(code, 5.0)
+        return RateLimited(wait, text)
+    if status >= 500 or code in _TRANSIENT_CODES or e.get("is_transient") is True:
+        return Transient(text)
+    perm = Permanent(text)
+    perm.api_code = code  # type: ignore[attr-defined]
+    return perm
+
+
+class WhatsAppPlatform(Platform):
+    name = "whatsapp"
+    limits = Limits(
+        text_chars=4096,
+        caption_chars=1024,
+        upload_bytes=100 * MB,
+        photo_bytes=5 * MB,
+        kind_upload_bytes={Kind.PHOTO: 5 * MB, Kind.VIDEO: 16 * MB, Kind.AUDIO: 16 * MB, Kind.VOICE: 16 * MB},
+        per_bot_per_s=80,
+        files_per_message=1,
+        native_kinds=frozenset({Kind.TEXT, Kind.PHOTO, Kind.VIDEO, Kind.AUDIO, Kind.VOICE, Kind.DOCUMENT}),
+        album_max=0,
+    )
+
+    def __init__(self, access_token: str, phone_number_id: str, *,
+                 base_url: str = "https://graph.facebook.com/v21.0", connect_timeout_s: float = 10.0,
+                 read_timeout_s: float = 60.0, write_timeout_s: float = 120.0) -> None:
+        if not access_token:
+            raise ConfigError("whatsapp: WHATSAPP_ACCESS_TOKEN is not set")
+        if not phone_number_id:
+            raise ConfigError("whatsapp: WHATSAPP_PHONE_NUMBER_ID is not set")
+        self._token = access_token
+        self._root = f"{base_url.rstrip('/')}/{phone_number_id}"
+        #: names this sender in shared Redis keys (media ids, rate limits)
+        self.cache_key = hashlib.sha256(b"whatsapp:" + phone_number_id.encode()).hexdigest()[:20]
+        self._timeout = httpx.Timeout(connect=connect_timeout_s, read=read_timeout_s, write=write_timeout_s,
+                                      pool=30.0)
+        self._lock = threading.Lock()
+        self._client: httpx.Client | None = None
+        self._client_pid: int | None = None
+
+    def __repr__(self) -> str:
+        return f"WhatsAppPlatform(root={self._root!r})"
+
+    def _http(self) -> httpx.Client:
+        with self._lock:
+            if self._client is None or self._client_pid != os.getpid():
+                self._client = httpx.Client(timeout=self._timeout,
+                                            headers={"Authorization": f"Bearer {self._token}"},
+                                            limits=httpx.Limits(max_connections=32, max_keepalive_connections=16))
+                self._client_pid = os.getpid()
+            return self._client
+
+    def _post(self, path: str, **kw: Any) -> dict:
+        try:
+            resp = self._http().post(f"{self._root}/{path}", **kw)
+        except httpx.HTTPError as exc:
+            raise map_error(exc) from None
+        if resp.status_code >= 400:
+            raise map_error(resp)
+        try:
+            data = resp.json()
+        except ValueError:
+            raise Transient(f"whatsapp: unreadable answer to {path} (HTTP {resp.status_code})") from None
+        return data if isinstance(data, dict) else {}
+
+    def _message(self, chat: str, type_: str, body: dict) -> Sent:
+        data = self._post("messages", json={"messaging_product": "whatsapp", "recipient_type": "individual",
+                                            "to": chat, "type": type_, type_: body})
+        msgs = data.get("messages") or [{}]
+        mid = msgs[0].get("id")
+        if not mid:
+            raise Transient("whatsapp: the messages answer held no message id")
+        return Sent(message_id=str(mid))
+
+    # -- sends ---------------------------------------------------------------------------------
+    def send_text(self, chat: str, text: str, *, delivery_id: str) -> Sent:
+        return self._message(chat, "text", {"body": text, "preview_url": False})
+
+    def upload(self, file: FileSource, mime: str) -> str:
+        with file.open() as f:
+            data = self._post("media", data={"messaging_product": "whatsapp", "type": mime},
+                              files={"file": (os.path.basename(file.name) or "file", f, mime)})
+        media_id = data.get("id")
+        if not media_id:
+            raise Transient("whatsapp: the media upload answer held no id")
+        return str(media_id)
+
+    def send_file(self, chat: str, kind: Kind, file: FileSource, *, caption: str | None, delivery_id: str,
+                  file_id: str | None = None) -> Sent:
+        mime = mime_of(file.name, file.mime)
+        if kind in _NATIVE_MIME and mime.split(";")[0] not in _NATIVE_MIME[kind]:
+            kind = Kind.DOCUMENT  # a format WhatsApp does not play inline
+        type_ = {Kind.PHOTO: "image", Kind.ANIMATION: "image", Kind.VIDEO: "video", Kind.AUDIO: "audio",
+                 Kind.VOICE: "audio"}.get(kind, "document")
+
+        def body(media_id: str) -> dict:
+            b: dict[str, Any] = {"id": media_id}
+            if kind == Kind.VOICE:
+                b["voice"] = True
+            if type_ == "document":
+                b["filename"] = os.path.basename(file.name) or "file"
+            if caption and type_ != "audio":
+                b["caption"] = caption
+            return b
+
+        sent: Sent | None = None
+        if file_id:
+            try:
+                sent = Sent(self._message(chat, type_, body(file_id)).message_id, file_id=file_id)
+            except Permanent as exc:
+                if getattr(exc, "api_code", None) not in _STALE_MEDIA_CODES:
+                    raise
+        if sent is None:
+            media_id = self.upload(file, mime)
+            sent = Sent(self._message(chat, type_, body(media_id)).message_id, file_id=media_id)
+        if caption and type_ == "audio":  # audio messages carry no caption: it follows as text
+            self.send_text(chat, caption, delivery_id=f"{delivery_id}#caption")
+        return sent
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None and self._client_pid == os.getpid():
+            client.close()
