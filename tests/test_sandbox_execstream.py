@@ -233,3 +233,32 @@ def test_local_shell_channel(tmp_path, store):
             exec_extract(ch, policy, str(root / "up"), store, "files/no")
         exec_put(ch, lambda home: policy, store, f"files/{binary}", str(root / f"back_{binary}"))
         assert (root / f"back_{binary}").read_bytes() == data
+
+
+# -- the docker exec demultiplexer on crafted frame streams --------------------------------
+def _frames(*frames: tuple[int, bytes]) -> bytes:
+    import struct
+
+    return b"".join(struct.pack(">BxxxL", k, len(d)) + d for k, d in frames)
+
+
+@pytest.mark.parametrize("cut", [1, 3, 7, 8, 9, 100, 4096])
+def test_demux_stdout_any_split(cut):
+    from adapters.sandboxes.docker import demux_stdout
+
+    payload = os.urandom(50_000)
+    wire = _frames((1, payload[:10]), (2, b"warn"), (1, b""), (1, payload[10:30_000]), (2, b"x" * 10),
+                   (1, payload[30_000:]))
+    pieces = [wire[i:i + cut] for i in range(0, len(wire), cut)]
+
+    def recv_into(view):
+        if not pieces:
+            return 0
+        p = pieces.pop(0)
+        assert len(p) <= len(view)
+        view[:len(p)] = p
+        return len(p)
+
+    err = bytearray()
+    out = b"".join(demux_stdout(recv_into, err, block=8192, err_cap=8))
+    assert out == payload and bytes(err) == b"warnxxxx"

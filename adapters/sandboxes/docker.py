@@ -313,28 +313,67 @@ class _DockerExec:
     def exec_stream(self, argv: Sequence[str]) -> ExecStream:
         exec_id = self._create(argv)
         with self.sb._errors("exec"):
-            stream = self.sb.client.api.exec_start(exec_id, stream=True, demux=True)
+            sock = self.sb.client.api.exec_start(exec_id, socket=True)
+        raw = getattr(sock, "_sock", sock)
         err = bytearray()
         state = {"closed": False}
 
         def chunks() -> Iterator[bytes]:
             with self.sb._errors("exec stream"):
-                for out, e in stream:
-                    if out:
-                        yield out
-                    elif e and len(err) < 4096:
-                        err.extend(e[: 4096 - len(err)])
+                yield from demux_stdout(raw.recv_into, err)
 
         def close() -> None:
             if not state["closed"]:
                 state["closed"] = True
                 try:
-                    stream.close()
+                    sock.close()
                 except Exception:  # noqa: BLE001 - best effort on a dying socket
                     pass
 
         return ExecStream(chunks=chunks(), exit_code=lambda: self._exit_code(exec_id), stderr=lambda: bytes(err),
                           close=close)
+
+
+def demux_stdout(recv_into, err: bytearray, *, block: int = CHUNK, err_cap: int = 4096) -> Iterator[bytes]:
+    """Stdout of a multiplexed exec stream (8-byte frame headers: stream id,
+    size) as ~`block`-sized pieces; stderr goes to `err` (capped).
+
+    Receives up to `block` bytes a call into one reused buffer (the SDK's
+    own demuxer polls and reads once per frame: far more calls)."""
+    buf = bytearray(block)
+    view = memoryview(buf)
+    start = 0          # bytes of an unfinished frame header kept at buf[0:start]
+    kind, left = 0, 0
+    out: list[bytes] = []
+    have = 0
+    while True:
+        got = recv_into(view[start:])
+        if not got:
+            break
+        n = start + got
+        pos, start = 0, 0
+        while pos < n:
+            if left == 0:
+                if n - pos < 8:
+                    buf[0:n - pos] = buf[pos:n]
+                    start = n - pos
+                    break
+                kind, left = struct.unpack_from(">BxxxL", buf, pos)
+                pos += 8
+                continue
+            take = min(left, n - pos)
+            if kind == 1:
+                out.append(bytes(view[pos:pos + take]))
+                have += take
+            elif kind == 2 and len(err) < err_cap:
+                err.extend(view[pos:pos + min(take, err_cap - len(err))])
+            pos += take
+            left -= take
+        if have >= block // 2:
+            yield out[0] if len(out) == 1 else b"".join(out)
+            out, have = [], 0
+    if out:
+        yield out[0] if len(out) == 1 else b"".join(out)
 
 
 class DockerSandbox(ExecStreamMixin, Sandbox):
