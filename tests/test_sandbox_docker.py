@@ -15,7 +15,7 @@ import threading
 
 import pytest
 
-from adapters.errors import FileMissing, NotAFile, SandboxError, SandboxGone, TooLarge, UnsafePath
+from adapters.errors import FileMissing, NotAFile, SandboxError, SandboxGone, StorageError, TooLarge, UnsafePath
 from adapters.sandboxes.base import SandboxRef, parse_uri
 from adapters.sandboxes.docker import DockerSandbox, _open_under, iter_single_member, tar_stream
 from adapters.sandboxes.routing import host_of, queue_for
@@ -327,6 +327,30 @@ def test_put_over_cap(sb, store):
     store.put_bytes("in/b", b"x" * 2000)
     with pytest.raises(TooLarge):
         sb.put(store, "in/b", "/workspace/big.bin", max_bytes=1000)
+
+
+class FailingReads:
+    """The real store, whose reads break after the first chunk (a storage outage)."""
+
+    def __init__(self, store) -> None:
+        self.store = store
+
+    def stat(self, key):
+        return self.store.stat(key)
+
+    def iter_chunks(self, key):
+        for i, chunk in enumerate(self.store.iter_chunks(key)):
+            if i == 1:
+                raise OSError("storage went away")
+            yield chunk
+
+
+def test_put_cut_midway_leaves_nothing(sb, ctr, store):
+    store.put_stream("in/big", (os.urandom(MB) for _ in range(3)))
+    with pytest.raises(StorageError):
+        sb.put(FailingReads(store), "in/big", "/workspace/cut.bin")
+    ls = ctr.exec_run(["ls", "-a", "/workspace"]).output.decode()
+    assert "cut.bin" not in ls
 
 
 # -- the container goes away mid-transfer ---------------------------------------------------

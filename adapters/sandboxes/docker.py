@@ -42,7 +42,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from adapters.errors import FileMissing, NotAFile, SandboxError, SandboxGone, TooLarge, UnsafePath
+from adapters.errors import (
+    CourierError, FileMissing, NotAFile, SandboxError, SandboxGone, StorageError, TooLarge, UnsafePath,
+)
 from adapters.sandboxes.base import DEFAULT_MAX_BYTES, PathPolicy, Sandbox, SandboxRef, _under, check_lexical
 from adapters.sandboxes.execstream import (
     EXIT_CHANGED, ExecStream, ExecStreamMixin, exec_iter_file, exec_resolve, resolve_put_dest,
@@ -221,7 +223,16 @@ def tar_stream(name: str, size: int, chunks: Iterable[bytes], *, uid: int = 0, g
     ti.type = tarfile.REGTYPE
     yield ti.tobuf(format=tarfile.PAX_FORMAT)
     n = 0
-    for chunk in chunks:
+    it = iter(chunks)
+    while True:
+        try:
+            chunk = next(it)
+        except StopIteration:
+            break
+        except CourierError:
+            raise
+        except Exception as exc:  # the blob store broke mid-read: say so, not "sandbox gone"
+            raise StorageError(f"{name}: reading the stored blob failed: {exc}") from exc
         n += len(chunk)
         if n > size:
             raise SandboxError(f"{name}: the stored blob grew while sending")
@@ -602,8 +613,16 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
         parent, name = posixpath.split(final)
         tmp_name = f".{name[:64]}.{uuid.uuid4().hex[:8]}.courier-part"
         body = tar_stream(tmp_name, info.size_bytes, store.iter_chunks(key), uid=uid, gid=gid)
-        with self._errors("put_archive", path=parent):
-            self.client.api.put_archive(self.container_id, parent, body)
+        try:
+            with self._errors("put_archive", path=parent):
+                self.client.api.put_archive(self.container_id, parent, body)
+        except BaseException:
+            # a cut upload may leave a partial temp file: best-effort removal
+            try:
+                self._exec.exec_small(["rm", "-f", "--", posixpath.join(parent, tmp_name)])
+            except Exception:  # noqa: BLE001 - the original error matters
+                pass
+            raise
         rc, _out, err = self._exec.exec_small(
             ["sh", "-c", _FINALIZE_SCRIPT, "sh", posixpath.join(parent, tmp_name), final])
         if rc == EXIT_CHANGED:
