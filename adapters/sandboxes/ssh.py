@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import getpass
 import os
 import posixpath
+import queue
 import shlex
 import socket
 import stat
@@ -74,6 +76,7 @@ class _Pooled:
 
 _pool: dict[tuple, _Pooled] = {}
 _pool_lock = threading.Lock()
+_connect_locks: dict[tuple, threading.Lock] = {}
 
 
 def _paramiko():
@@ -132,6 +135,78 @@ def _temp_beside(dest: str) -> str:
     """A hidden temp name next to `dest` (short enough for NAME_MAX)."""
     return posixpath.join(posixpath.dirname(dest),
                           f".{posixpath.basename(dest)[:64]}.{uuid.uuid4().hex[:8]}.courier-part")
+
+
+def _sftp_chunks(f, req: int) -> Iterator[bytes]:
+    """1 MiB chunks from a prefetching SFTPFile read in `req`-sized requests."""
+    parts: list[bytes] = []
+    pending = 0
+    while data := f.read(req):
+        parts.append(data)
+        pending += len(data)
+        if pending >= CHUNK:
+            yield b"".join(parts)
+            parts, pending = [], 0
+    if parts:
+        yield b"".join(parts)
+
+
+class _Failed:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+_DONE = object()
+
+
+def read_ahead(chunks: Iterator[bytes], *, depth: int = 4, abort=None) -> Iterator[bytes]:
+    """Iterate `chunks` in a helper thread, at most `depth` chunks ahead.
+
+    Errors raised by the producer are re-raised here. When the consumer stops
+    early, `abort()` (e.g. closing the channel) unblocks the producer."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def run() -> None:
+        try:
+            for chunk in chunks:
+                if not put(chunk):
+                    return
+            put(_DONE)
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            put(_Failed(exc))
+        finally:
+            with contextlib.suppress(Exception):
+                chunks.close()  # type: ignore[attr-defined]
+
+    t = threading.Thread(target=run, name="courier-read-ahead", daemon=True)
+    t.start()
+    finished = False
+    try:
+        while True:
+            item = q.get()
+            if item is _DONE:
+                finished = True
+                return
+            if isinstance(item, _Failed):
+                finished = True
+                raise item.exc
+            yield item
+    finally:
+        stop.set()
+        if not finished and abort is not None:
+            with contextlib.suppress(Exception):
+                abort()
+        t.join()
 
 
 def _strip_nl(s: bytes) -> bytes:
@@ -195,7 +270,7 @@ class SshSandbox(Sandbox):
             yield
         except CourierError:
             raise
-        except BaseException as exc:  # noqa: BLE001 - translated or re-raised
+        except Exception as exc:  # noqa: BLE001 - translated or re-raised
             mapped = self._map_error(exc, what)
             if mapped is None:
                 raise
@@ -257,17 +332,22 @@ class SshSandbox(Sandbox):
     def _client(self):
         key = self._pool_key()
         with _pool_lock:
-            e = _pool.get(key)
+            key_lock = _connect_locks.setdefault(key, threading.Lock())
+        with key_lock:  # one connect per destination at a time; other hosts are not held up
+            with _pool_lock:
+                e = _pool.get(key)
             if e is not None:
                 t = e.client.get_transport()
                 if e.pid == os.getpid() and t is not None and t.is_active():
                     return e.client
-                _pool.pop(key, None)
+                with _pool_lock:
+                    _pool.pop(key, None)
                 if e.pid == os.getpid():  # a forked child must not touch the parent's socket
                     with contextlib.suppress(Exception):
                         e.client.close()
             client = self._connect()
-            _pool[key] = _Pooled(client, os.getpid())
+            with _pool_lock:
+                _pool[key] = _Pooled(client, os.getpid())
             return client
 
     def _connect(self):
@@ -312,7 +392,8 @@ class SshSandbox(Sandbox):
             sftp = paramiko.SFTPClient.from_transport(t, window_size=self.window_size,
                                                       max_packet_size=self.max_packet_size)
         except (paramiko.SSHException, EOFError, OSError) as exc:
-            if isinstance(exc, paramiko.AuthenticationException) or "known_hosts" in str(exc):
+            if isinstance(exc, (paramiko.AuthenticationException, paramiko.BadHostKeyException)) \
+                    or "known_hosts" in str(exc):
                 raise
             self._evict()  # stale pooled transport: one reconnect
             t = self.transport()
@@ -432,21 +513,11 @@ class SshSandbox(Sandbox):
         # (a cap makes paramiko's prefetch thread poll, measured much slower).
         f.prefetch(fst.st_size)
         total = 0
-        parts: list[bytes] = []
-        pending = 0
-        while True:
-            data = f.read(req)
-            if not data:
-                break
-            parts.append(data)
-            pending += len(data)
-            if pending >= CHUNK:
-                total += pending
-                yield b"".join(parts)
-                parts, pending = [], 0
-        if parts:
-            total += pending
-            yield b"".join(parts)
+        # paramiko's parsing holds the GIL while hashing and writing (in
+        # put_stream) mostly release it: overlap them with a read-ahead thread
+        for chunk in read_ahead(_sftp_chunks(f, req), abort=sftp.get_channel().close):
+            total += len(chunk)
+            yield chunk
         f.close()
         self._recheck_sftp(sftp, resolved, fst, total)
 
@@ -715,6 +786,8 @@ class _OpenSshChannel:
     def exec_stream(self, argv) -> ExecStream:
         errf = tempfile.TemporaryFile()  # noqa: SIM115 - closed by close()
         proc = self._popen(argv, subprocess.DEVNULL, errf)
+        with contextlib.suppress(OSError, AttributeError):  # a 1 MiB pipe: fewer stalls of ssh while we hash
+            fcntl.fcntl(proc.stdout.fileno(), fcntl.F_SETPIPE_SZ, CHUNK)
         state: dict[str, Any] = {"rc": None, "err": b""}
         what = argv[-2] if len(argv) > 1 else "ssh"
 

@@ -1,0 +1,131 @@
+"""Local extraction (LocalSandbox.extract into a VolumeStore) vs `cp`.
+
+    python bench/bench_extract_local.py            # 500 MB, store on the source's filesystem (target ratio >= 0.8)
+    python bench/bench_extract_local.py --stream   # 500 MB, store on another filesystem (tmpfs when there is one)
+    python bench/bench_extract_local.py --rss      # peak RSS extracting 1 GiB, in a child process (limit <= 150 MB)
+
+Each prints ONE line. BENCH_QUICK=1 shrinks the sizes. The source lives in a
+temp dir under /tmp (the sandbox root; /dev is denylisted); `cp` writes where
+the store writes. Our side also computes the sha256 the pipeline keys uploads
+by, which `cp` does not: the extra field shows that hash alone (hashlib).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench._common import quick, report, report_limit  # noqa: E402
+
+MiB = 1024 * 1024
+
+
+def make_file(path: Path, size: int, *, zeros: bool = False) -> None:
+    src = "/dev/zero" if zeros else "/dev/urandom"
+    with open(path, "wb") as out:
+        subprocess.run(["head", "-c", str(size), src], stdout=out, check=True)
+
+
+def other_fs_dir() -> str | None:
+    env = os.environ.get("BENCH_OUT_DIR")
+    if env:
+        return env
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+def hash_time(path: Path) -> float:
+    t = time.perf_counter()
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        while block := f.read(MiB):
+            h.update(block)
+    return time.perf_counter() - t
+
+
+def throughput(stream: bool) -> None:
+    from adapters.sandboxes.local import LocalSandbox
+    from storage.volume import VolumeStore
+
+    size = (50 if quick() else 500) * 1000 * 1000
+    runs = 2 if quick() else 3
+    with tempfile.TemporaryDirectory(prefix="bench-local-", dir="/tmp") as tmp:
+        src = Path(tmp) / "src.bin"
+        make_file(src, size)
+        out_parent = other_fs_dir() if stream else tmp
+        if stream and out_parent is None:
+            raise SystemExit("--stream needs another filesystem: set BENCH_OUT_DIR")
+        out = Path(tempfile.mkdtemp(prefix="bench-local-out-", dir=out_parent))
+        try:
+            same_fs = os.stat(out).st_dev == os.stat(src).st_dev
+            sb = LocalSandbox.with_roots((tmp,))
+            store = VolumeStore(out / "store")
+            ours, cp = [], []
+            for i in range(runs):
+                t = time.perf_counter()
+                info = sb.extract(str(src), store, f"files/big{i}", max_bytes=size)
+                ours.append(time.perf_counter() - t)
+                assert info.size_bytes == size
+                store.delete(f"files/big{i}")
+                dest = out / f"cp{i}"
+                t = time.perf_counter()
+                subprocess.run(["cp", str(src), str(dest)], check=True)
+                cp.append(time.perf_counter() - t)
+                assert dest.stat().st_size == size
+                dest.unlink()
+            sha = hash_time(src)
+        finally:
+            shutil.rmtree(out, ignore_errors=True)
+    mb = size / 1e6
+    where = "same fs" if same_fs else "other fs (streamed copy)"
+    report(f"local extract {size // 1000 // 1000}MB, {where}", mb / min(ours), "MB/s", "cp", mb / min(cp),
+           target=0.8, extra=f"best of {runs}: {min(ours):.2f}s vs {min(cp):.2f}s; sha256 alone {sha:.2f}s")
+
+
+CHILD = r"""
+import json, resource, sys
+sys.path.insert(0, sys.argv[1])
+from adapters.sandboxes.local import LocalSandbox
+from storage.volume import VolumeStore
+root, path, store_dir, size = sys.argv[2:6]
+sb = LocalSandbox.with_roots((root,))
+store = VolumeStore(store_dir)
+if path != "-":
+    info = sb.extract(path, store, "files/huge", max_bytes=int(size))
+    assert info.size_bytes == int(size), info
+print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0}))
+"""
+
+
+def rss() -> None:
+    size = (100 if quick() else 1024) * MiB
+    with tempfile.TemporaryDirectory(prefix="bench-local-rss-", dir="/tmp") as tmp:
+        src = Path(tmp) / "huge.bin"
+        make_file(src, size, zeros=True)
+
+        def child(path: str) -> float:
+            out = subprocess.run([sys.executable, "-c", CHILD, str(ROOT), tmp, path, str(Path(tmp) / "store"),
+                                  str(size)], check=True, capture_output=True, text=True, timeout=600)
+            return json.loads(out.stdout.strip().splitlines()[-1])["peak_rss_mb"]
+
+        idle = child("-")
+        peak = child(str(src))
+    report_limit(f"local extract {size // MiB} MiB peak RSS", peak, "MB", limit=150,
+                 baseline_name="same process idle", baseline=idle)
+
+
+if __name__ == "__main__":
+    if "--rss" in sys.argv[1:]:
+        rss()
+    else:
+        throughput(stream="--stream" in sys.argv[1:])
