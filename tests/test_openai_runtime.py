@@ -17,7 +17,7 @@ import pytest
 from adapters.agents.tools import SCREENSHOT_VIEWPORT
 from adapters.platforms.outbox import read_log
 from tasks import events
-from tests.fixtures.fake_openai import calls, forever, http_error, raw, say, tool_call
+from tests.fixtures.fake_openai import calls, forever, http_error, raw, run_turn, say, tool_call
 from tests.fixtures.services import need
 from tests.fixtures.workers import CourierEnv
 
@@ -42,19 +42,6 @@ def env(tmp_path_factory, redis_server, fake_openai):
     e.stop()
 
 
-def _turn(env: CourierEnv, agent: str, message: str, chat: str):
-    res = env.cli("turn", f"outbox:{chat}", message, "--agent", agent, "--wait", "--json", "--timeout", "120")
-    try:
-        job = json.loads(res.stdout)["job"]
-    except (ValueError, KeyError):
-        raise AssertionError(f"no job in the CLI output: {res.stdout!r} {res.stderr!r}") from None
-    return res, job
-
-
-def _events(redis_server, job: str) -> list[dict]:
-    return [ev for _, ev in events.read(redis_server.client(), job, count=10000)]
-
-
 def _terminal(evs: list[dict]) -> list[dict]:
     return [e for e in evs if e.get("kind") == "status" and e.get("status") in events.TERMINAL_STATUSES]
 
@@ -74,8 +61,8 @@ def test_terminal_writes_a_file_and_send_file_delivers_it(env, fake_openai, redi
         calls(tool_call("send_file", path="out.txt")),
         say("Here is your file."),
     )
-    res, job = _turn(env, "files", "make me a file", "files")
-    assert res.returncode == 0, res.stdout + res.stderr
+    job, term, evs = run_turn(env, redis_server.client(), "files", "make me a file", "files")
+    assert term["status"] == "completed"
 
     sandbox = env.data_dir / "sandbox" / "files"
     made = sandbox / "out.txt"
@@ -99,7 +86,6 @@ def test_terminal_writes_a_file_and_send_file_delivers_it(env, fake_openai, redi
     assert (sandbox / "notes" / "hello.md").read_text(encoding="utf-8") == "# héllo\nline 2\n"
     assert f"MEDIA:{made}" in reqs[3].tool_results()[-1]["content"]
 
-    evs = _events(redis_server, job)
     statuses = [e["status"] for e in evs if e["kind"] == "status"]
     assert statuses[0] == "started" and statuses.count("thinking") == 4 and statuses[-1] == "completed"
     assert len(_terminal(evs)) == 1
@@ -150,8 +136,8 @@ def test_browser_screenshot_is_stored_and_delivered(env, fake_openai, page, redi
     except ImportError:
         need(False, "the playwright package is not installed (pip install playwright)")
     fake_openai.script("shot", calls(tool_call("browser_screenshot", url=page)), say("Screenshot attached."))
-    res, job = _turn(env, "shot", "screenshot that page", "shot")
-    assert res.returncode == 0, res.stdout + res.stderr
+    job, term, evs = run_turn(env, redis_server.client(), "shot", "screenshot that page", "shot")
+    assert term["status"] == "completed"
     assert "/page.html" in _Page.hits
 
     log = read_log(env.outbox, "shot")
@@ -169,14 +155,14 @@ def test_browser_screenshot_is_stored_and_delivered(env, fake_openai, page, redi
     assert (env.data_dir / "sandbox" / "shot" / "screenshots" / shot_name).read_bytes() == png
     tool_msg = fake_openai.requests("shot")[1].tool_results()[-1]["content"]
     assert tool_msg.startswith(f"MEDIA:{env.data_dir / 'sandbox' / 'shot' / 'screenshots' / shot_name}")
-    assert len(_terminal(_events(redis_server, job))) == 1
+    assert len(_terminal(evs)) == 1
 
 
-def test_huge_tool_output_is_spilled(env, fake_openai):
+def test_huge_tool_output_is_spilled(env, fake_openai, redis_server):
     n = 30000
     fake_openai.script("spill", calls(tool_call("terminal", command=f"seq 1 {n}")), say("counted"))
-    res, job = _turn(env, "spill", "count", "spill")
-    assert res.returncode == 0, res.stdout + res.stderr
+    job, term, _ = run_turn(env, redis_server.client(), "spill", "count", "spill")
+    assert term["status"] == "completed"
     full = "\n".join(str(i) for i in range(1, n + 1)) + "\n[exit code 0]"
     preview = fake_openai.requests("spill")[1].tool_results()[-1]["content"]
     assert preview.startswith(f"[terminal output truncated — {len(full):,} chars; full content saved to ")
@@ -195,11 +181,8 @@ def test_huge_tool_output_is_spilled(env, fake_openai):
 ])
 def test_endpoint_errors_end_the_turn_cleanly(env, fake_openai, redis_server, agent, step, reason):
     fake_openai.script(agent, step)
-    res, job = _turn(env, agent, "hello?", agent)
-    assert res.returncode != 0
-    evs = _events(redis_server, job)
-    term = _terminal(evs)
-    assert len(term) == 1 and term[0]["status"] == "error" and term[0]["reason"] == reason
+    job, term, evs = run_turn(env, redis_server.client(), agent, "hello?", agent)
+    assert len(_terminal(evs)) == 1 and term["status"] == "error" and term["reason"] == reason
     assert not [e for e in evs if e["kind"] == "tool_start"]
     log = read_log(env.outbox, agent)
     assert len(log) == 1 and log[0]["kind"] == "text"
@@ -210,11 +193,9 @@ def test_endpoint_errors_end_the_turn_cleanly(env, fake_openai, redis_server, ag
 
 def test_max_steps_bounds_the_loop(env, fake_openai, redis_server):
     fake_openai.script("steps", forever(calls(tool_call("terminal", command="echo again"))))
-    res, job = _turn(env, "steps", "loop forever", "steps")
-    assert res.returncode != 0
+    job, term, evs = run_turn(env, redis_server.client(), "steps", "loop forever", "steps")
     assert len(fake_openai.requests("steps")) == AGENTS["steps"]["max_steps"]
-    evs = _events(redis_server, job)
     assert len([e for e in evs if e["kind"] == "tool_start"]) == AGENTS["steps"]["max_steps"]
-    term = _terminal(evs)
-    assert len(term) == 1 and term[0]["status"] == "error" and term[0]["reason"].startswith("max_steps_exceeded")
+    assert len(_terminal(evs)) == 1 and term["status"] == "error" and term["reason"].startswith("max_steps_exceeded")
+    assert "max_steps_exceeded" in read_log(env.outbox, "steps")[0]["text"]
 

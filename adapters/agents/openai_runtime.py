@@ -42,13 +42,9 @@ from urllib.parse import urlparse
 
 import httpx
 
+from adapters.agents.activity import activity_for
 from adapters.agents.bridge import BridgeResult
 from adapters.agents.tools import Toolbox, media_tag
-
-try:  # the bridge module owns the protocol's activity text once it has it
-    from adapters.agents.bridge import activity_for  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover - depends on the bridge module's version
-    from adapters.agents.activity import activity_for
 
 __all__ = ["OpenAIConfig", "run_openai"]
 
