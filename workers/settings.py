@@ -134,14 +134,18 @@ class Settings(BaseSettings):
     ssh_connect_timeout_s: float = 10.0
 
     # -- agents ----------------------------------------------------------
-    #: JSON object: name -> {"command": [...], "env": {}, "timeout_s": 900, "sandbox": "local:///dir"}
+    #: JSON object: name -> {"command": [...], "env": {}, "timeout_s": 900, "sandbox": "local:///dir"}, or
+    #: {"runtime": "openai", "model": ..., "system_prompt": ..., "base_url": ..., "max_steps": ..., "sandbox": ...}
     agents: dict[str, AgentSpec] = Field(default_factory=dict)
     #: the agent `courier turn` runs without --agent
     default_agent: str = "demo"
     #: OpenAI-compatible chat completions (agents with "runtime": "openai")
     openai_base_url: str = "https://api.openai.com/v1"
+    #: model of openai agents that name none
     openai_model: str | None = None
+    #: sent only as the Authorization bearer token
     openai_api_key: SecretStr | None = None
+    #: model calls per turn before it ends with max_steps_exceeded (an agent's max_steps wins)
     openai_max_steps: int = Field(default=20, ge=1)
     #: one chat-completions request
     openai_call_timeout_s: float = Field(default=120.0, gt=0)
@@ -151,6 +155,7 @@ class Settings(BaseSettings):
     # -- hooks -------------------------------------------------------------
     #: JSON list of shell hooks: [["cmd", "arg"], {"command": [...], "name": "x", "timeout_s": 5}]
     hooks: list[HookSpec] = Field(default_factory=list)
+    #: a hook (shell or plugin) running longer is skipped (a shell hook's process group is killed)
     hook_timeout_s: float = Field(default=10.0, gt=0)
     #: load Python hook plugins from the `courier.hooks` entry point group
     hook_plugins: bool = True
