@@ -14,11 +14,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from adapters.agents.tools import SCREENSHOT_VIEWPORT
+from adapters.agents.openai_runtime import OpenAIConfig, run_openai
+from adapters.agents.tools import SCREENSHOT_VIEWPORT, Toolbox
 from adapters.platforms.outbox import read_log
+from adapters.sandboxes.local import LocalSandbox
+from storage.volume import VolumeStore
 from tasks import events
-from tests.fixtures.fake_openai import calls, forever, http_error, raw, run_turn, say, tool_call
-from tests.fixtures.services import need
+from tests.fixtures.fake_openai import calls, forever, http_error, raw, run_turn, say, stall, tool_call
+from tests.fixtures.services import free_port, need
 from tests.fixtures.workers import CourierEnv
 
 pytestmark = pytest.mark.slow
@@ -199,3 +202,70 @@ def test_max_steps_bounds_the_loop(env, fake_openai, redis_server):
     assert len(_terminal(evs)) == 1 and term["status"] == "error" and term["reason"].startswith("max_steps_exceeded")
     assert "max_steps_exceeded" in read_log(env.outbox, "steps")[0]["text"]
 
+
+
+# -- the loop in process (no worker): endpoint failures and tool errors ----------------------------------------
+def _toolbox(tmp_path) -> Toolbox:
+    work = tmp_path / "work"
+    work.mkdir(exist_ok=True)
+    return Toolbox(sandbox=LocalSandbox.with_roots((str(tmp_path),)), workdir=str(work),
+                   store=VolumeStore(tmp_path / "store"), job_id="job_inproc")
+
+
+@pytest.mark.parametrize("case", ["timeout", "turn_timeout", "unreachable", "401", "no_choices"])
+def test_endpoint_failures_in_process(tmp_path, fake_openai, case):
+    model = f"inproc-{case}"
+    base, call_timeout_s, timeout_s = fake_openai.base_url, 30.0, 60.0
+    step, reason = {
+        "timeout": (stall(30, say("late")), "openai endpoint timed out after 0.5s"),
+        "turn_timeout": (stall(30, say("late")), "runtime_timeout"),
+        "unreachable": (None, "openai endpoint 127.0.0.1 unreachable (ConnectError)"),
+        "401": (http_error(401), "openai endpoint returned HTTP 401 (unauthorized: check COURIER_OPENAI_API_KEY)"),
+        "no_choices": (raw(b'{"choices": []}'), "openai endpoint sent a malformed response"),
+    }[case]
+    if case == "timeout":
+        call_timeout_s = 0.5
+    if case == "turn_timeout":
+        timeout_s = 0.5
+    if case == "unreachable":
+        base = f"http://127.0.0.1:{free_port()}/v1"
+    fake_openai.script(model, step)
+    seen: list[dict] = []
+    res = run_openai(OpenAIConfig(base_url=base, model=model, api_key="sk-x", call_timeout_s=call_timeout_s,
+                                  timeout_s=timeout_s), "hi", tools=_toolbox(tmp_path), on_event=seen.append)
+    assert (res.status, res.reason) == ("error", reason)
+    assert not [e for e in seen if e["kind"] in ("tool_start", "tool_result")]
+
+
+def test_tool_errors_go_back_to_the_model_and_the_turn_goes_on(tmp_path, fake_openai):
+    fake_openai.script(
+        "inproc-tools",
+        calls({"id": "bad1", "type": "function", "function": {"name": "terminal", "arguments": "{not json"}},
+              tool_call("no_such_tool", x=1),
+              tool_call("read_file", path="/etc/passwd"),
+              tool_call("send_file", path="missing.txt"),
+              tool_call("browser_screenshot", url="file:///etc/passwd"),
+              tool_call("terminal", command="exit 7")),
+        say("recovered"),
+    )
+    seen: list[dict] = []
+    res = run_openai(OpenAIConfig(base_url=fake_openai.base_url, model="inproc-tools"), "go",
+                     tools=_toolbox(tmp_path), on_event=seen.append)
+    assert (res.status, res.reply) == ("completed", "recovered")
+    results = [m["content"] for m in fake_openai.requests("inproc-tools")[1].tool_results()]
+    assert len(results) == 6
+    assert results[0] == "error: the arguments are not valid JSON"
+    assert results[1].startswith("error: unknown tool 'no_such_tool'")
+    assert results[2].startswith("error: ") and "/etc is never readable" in results[2]
+    assert results[3].startswith("error: ") and "no such file" in results[3]
+    assert results[4] == "error: only http:// and https:// URLs can be screenshotted"
+    assert results[5].endswith("[exit code 7]")
+    assert [e["status"] for e in seen if e["kind"] == "tool_result"] == ["error"] * 6
+    assert [e["tool_call_id"] for e in seen if e["kind"] == "tool_start"][0] == "bad1"
+
+
+def test_empty_answer_is_no_reply(tmp_path, fake_openai):
+    fake_openai.script("inproc-empty", say(""))
+    res = run_openai(OpenAIConfig(base_url=fake_openai.base_url, model="inproc-empty"), "hm",
+                     tools=_toolbox(tmp_path))
+    assert res.status == "no_reply"
