@@ -9,6 +9,8 @@
   audio takes no caption, so a caption there follows as a text message.
 - WhatsApp shows few formats natively (images: jpeg/png; video: mp4/3gpp;
   audio: aac/amr/mp3/m4a/ogg): anything else of those kinds goes as a document.
+  Media files sent as documents are uploaded as application/octet-stream, so
+  the API applies the document limit, not the inline type's.
 - Limits: text 4096, caption 1024; uploads: image 5 MB, video/audio 16 MB,
   document 100 MB; ~80 messages/s per business number.
 - Errors mapped in one place, `map_error`: 429 and the rate-limit codes
@@ -190,6 +192,10 @@ class WhatsAppPlatform(Platform):
             if caption and type_ != "audio":
                 b["caption"] = caption
             return b
+
+        if type_ == "document" and mime.split("/")[0] in ("image", "video", "audio"):
+            # as a document, not under the inline type's size limit (image 5 MB, video 16 MB)
+            mime = "application/octet-stream"
 
         sent: Sent | None = None
         if file_id:

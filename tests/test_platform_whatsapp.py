@@ -1,0 +1,171 @@
+"""WhatsApp end to end: real worker processes and real Redis drive the adapter
+(httpx against the Cloud API) into a local server speaking that API
+(`tests/fixtures/fake_whatsapp.py`); assertions are on what the server received."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from adapters.errors import Permanent, RateLimited, Transient
+from adapters.platforms.whatsapp import map_error
+from tests.fixtures.fake_telegram import enqueue, wait_job
+from tests.test_platform_telegram import _write
+
+pytestmark = pytest.mark.slow
+
+TO = "+15551234567"
+
+
+@pytest.fixture
+def wa(courier_env, fake_whatsapp, redis_client):
+    env = courier_env(WHATSAPP_ACCESS_TOKEN=fake_whatsapp.token, WHATSAPP_PHONE_NUMBER_ID=fake_whatsapp.phone_number_id,
+                      COURIER_WHATSAPP_BASE_URL=fake_whatsapp.url)
+    env.start_worker()
+    return env
+
+
+def _body(call) -> dict:
+    return json.loads(call.fields[call.fields["type"]])
+
+
+def test_cli_send_photo_document_voice(wa, fake_whatsapp, tmp_path):
+    files = [tmp_path / n for n in ("a.png", "b.pdf", "c.ogg")]
+    shas = [_write(p, 2000 + i * 500) for i, p in enumerate(files)]
+    res = wa.cli("send", f"whatsapp:{TO}", *map(str, files), "--voice", "--caption", "see",
+                 "--wait", "--json", "--timeout", "60")
+    assert res.returncode == 0, res.stderr + res.stdout
+    rows = json.loads(res.stdout)["deliveries"]
+    assert [(d["state"], d["kind"]) for d in rows] == [("delivered", "photo"), ("delivered", "document"),
+                                                       ("delivered", "voice")]
+    uploads = fake_whatsapp.calls_for("media")
+    assert [u.files["file"].sha256 for u in uploads] == shas
+    assert [u.fields["type"] for u in uploads] == ["image/png", "application/pdf", "audio/ogg"]
+    msgs = fake_whatsapp.calls_for("messages", chat=TO)
+    assert [m.fields["type"] for m in msgs] == ["image", "document", "audio"]
+    bodies = [_body(m) for m in msgs]
+    assert [b["id"] for b in bodies] == [u.result["id"] for u in uploads]
+    assert bodies[0]["caption"] == "see" and bodies[1]["filename"] == "b.pdf" and bodies[2]["voice"] is True
+    assert [d["message_id"] for d in rows] == [m.result["messages"][0]["id"] for m in msgs]
+
+
+def test_missing_settings_are_config_errors(courier_env, tmp_path):
+    f = tmp_path / "a.txt"
+    f.write_text("x")
+    res = courier_env(WHATSAPP_ACCESS_TOKEN="").cli("send", "whatsapp:+1555", str(f))
+    assert res.returncode == 2 and "WHATSAPP_ACCESS_TOKEN is not set" in res.stderr
+    res = courier_env(WHATSAPP_ACCESS_TOKEN="t", WHATSAPP_PHONE_NUMBER_ID="").cli("send", "whatsapp:+1555", str(f))
+    assert res.returncode == 2 and "WHATSAPP_PHONE_NUMBER_ID is not set" in res.stderr
+
+
+def test_every_kind_limits_and_fallbacks(wa, fake_whatsapp, redis_client, tmp_path):
+    cases = {  # name -> (receipt kind, message type, uploaded mime)
+        "p.jpg": ("photo", "image", "image/jpeg"), "v.mp4": ("video", "video", "video/mp4"),
+        "s.mp3": ("audio", "audio", "audio/mpeg"), "r.csv": ("document", "document", "text/csv"),
+        "w.webp": ("photo", "document", "application/octet-stream"),  # not an inline image on WhatsApp: a document
+        "k.mkv": ("video", "document", "application/octet-stream"),
+    }
+    jobs = {}
+    for i, name in enumerate(cases):
+        p = tmp_path / name
+        to = f"+1555000{i:04d}"
+        jobs[name] = (to, _write(p, 3000 + i), enqueue(wa, f"whatsapp:{to}", files=[p], caption=f"about {name}"))
+    long_text = "\n\n".join(f"paragraph {i} " + "x" * 900 for i in range(6))  # ~5.5 K chars: two messages
+    big_photo = tmp_path / "big.png"  # over the 5 MB image limit: goes as a document
+    big_sha = _write(big_photo, 5_500_000)
+    text_job = enqueue(wa, "whatsapp:+15559990000", text=long_text, files=[big_photo], caption="y" * 1500)
+
+    for name, (kind, mtype, mime) in cases.items():
+        to, sha, job = jobs[name]
+        (row,) = wait_job(redis_client, job)
+        assert row["state"] == "delivered" and row["kind"] == kind, row
+        msgs = fake_whatsapp.calls_for("messages", chat=to)
+        assert msgs[0].fields["type"] == mtype
+        media = fake_whatsapp.media[_body(msgs[0])["id"]]
+        assert (media.sha256, media.mime) == (sha, mime)
+        if mtype == "audio":  # audio takes no caption: it follows as a text message
+            assert "caption" not in _body(msgs[0]) and [_body(m)["body"] for m in msgs[1:]] == [f"about {name}"]
+        else:
+            assert _body(msgs[0])["caption"] == f"about {name}" and len(msgs) == 1
+
+    rows = wait_job(redis_client, text_job)
+    assert [(d["state"], d["kind"]) for d in rows] == [("delivered", "text"), ("delivered", "document")], rows
+    msgs = fake_whatsapp.calls_for("messages", chat="+15559990000")
+    assert [m.fields["type"] for m in msgs] == ["text", "text", "document", "text", "text"]
+    assert "\n\n".join(_body(m)["body"] for m in msgs[:2]) == long_text
+    doc = _body(msgs[2])
+    assert "caption" not in doc and fake_whatsapp.media[doc["id"]].sha256 == big_sha
+    assert "".join(_body(m)["body"] for m in msgs[3:]) == "y" * 1500
+
+
+def test_video_over_16mb_gets_a_notice_and_nothing_uploaded(wa, fake_whatsapp, redis_client, tmp_path):
+    p = tmp_path / "talk.mp4"
+    with open(p, "wb") as f:
+        f.truncate(16_500_000)
+    (row,) = wait_job(redis_client, enqueue(wa, f"whatsapp:{TO}", files=[p]))
+    assert row["state"] == "failed" and "16.0 MB" in row["reason"] and "talk.mp4" in row["reason"]
+    (notice,) = fake_whatsapp.calls_for("messages", chat=TO)
+    assert notice.fields["type"] == "text" and "talk.mp4" in _body(notice)["body"]
+    assert fake_whatsapp.calls_for("media") == []
+
+
+def test_rate_limit_then_success_is_sent_once_after_retry_after(wa, fake_whatsapp, redis_client, tmp_path):
+    fake_whatsapp.fail_next(1, 429, code=130429, retry_after=2, method="messages")
+    (row,) = wait_job(redis_client, enqueue(wa, f"whatsapp:{TO}", text="hi"), timeout_s=60)
+    assert row["state"] == "delivered"
+    limited, ok = fake_whatsapp.calls_for("messages", chat=TO)
+    assert (limited.status, ok.status) == (429, 200) and ok.t - limited.t >= 2.0
+    assert row["rate_limited"] == "1"
+
+
+def test_500s_then_success_and_permanent_error_recorded(wa, fake_whatsapp, redis_client, tmp_path):
+    fake_whatsapp.fail_next(2, 500, method="media")
+    p = tmp_path / "d.pdf"
+    sha = _write(p, 1200)
+    (row,) = wait_job(redis_client, enqueue(wa, f"whatsapp:{TO}", files=[p]), timeout_s=60)
+    assert row["state"] == "delivered" and row["transient_errors"] == "2"
+    assert [c.status for c in fake_whatsapp.calls_for("media")] == [500, 500, 200]
+    assert fake_whatsapp.calls_for("media")[-1].files["file"].sha256 == sha
+
+    fake_whatsapp.unknown_chats.add("+15550000404")
+    job = enqueue(wa, "whatsapp:+15550000404", text="anyone?")
+    (row,) = wait_job(redis_client, job)
+    assert row["state"] == "failed" and "not in allowed list" in row["reason"] and "131030" in row["reason"]
+    assert len(fake_whatsapp.calls_for("messages", chat="+15550000404")) == 1  # not retried
+    res = wa.cli("status", job, "--json")
+    assert res.returncode == 1 and "not in allowed list" in json.loads(res.stdout)["deliveries"][0]["reason"]
+    assert fake_whatsapp.token not in res.stdout
+
+
+def test_same_file_to_two_chats_is_uploaded_once(wa, fake_whatsapp, redis_client, tmp_path):
+    p = tmp_path / "same.jpg"
+    sha = _write(p, 4000)
+    (a,) = wait_job(redis_client, enqueue(wa, "whatsapp:+15551110001", files=[p]))
+    (b,) = wait_job(redis_client, enqueue(wa, "whatsapp:+15551110002", files=[p]))
+    assert a["state"] == b["state"] == "delivered"
+    assert [u.sha256 for u in fake_whatsapp.uploads()] == [sha]
+    ids = [_body(m)["id"] for m in fake_whatsapp.calls_for("messages")]
+    assert len(ids) == 2 and ids[0] == ids[1]
+
+
+def test_error_map():
+    def resp(status: int, code: int | None = None, headers: dict | None = None, msg: str = "boom"):
+        body = {"error": {"message": msg, "type": "OAuthException", "code": code}} if code else {}
+        return httpx.Response(status, json=body, headers=headers)
+
+    cases = [
+        (resp(429, 130429, {"Retry-After": "3"}), RateLimited, 3.0),
+        (resp(400, 131056), RateLimited, 6.0),  # pair rate limit: default wait
+        (resp(400, 80007), RateLimited, 60.0),
+        (resp(500, 1), Transient, None), (resp(503), Transient, None), (resp(400, 131000), Transient, None),
+        (resp(400, 131026), Permanent, None), (resp(401, 190), Permanent, None), (resp(404), Permanent, None),
+        (httpx.ReadTimeout("slow"), Transient, None), (httpx.ConnectError("refused"), Transient, None),
+    ]
+    for err, cls, wait in cases:
+        mapped = map_error(err)
+        assert type(mapped) is cls, (err, mapped)
+        if wait is not None:
+            assert mapped.retry_after_s == wait
+    assert "boom" in map_error(resp(400, 131026)).reason and "131026" in map_error(resp(400, 131026)).reason
