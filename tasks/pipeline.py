@@ -39,17 +39,51 @@ def backoff_s(retries: int, base_s: float = 1.0, cap_s: float = 120.0) -> float:
     return min(cap_s, base_s * 2 ** retries) * random.uniform(0.5, 1.0)
 
 
+def progress_meta(job_id: str, ev: dict) -> dict | None:
+    """The custom `PROGRESS` state's meta for a phase event (None: not shown):
+    what the turn is doing now, for the result backend and Flower."""
+    kind = ev.get("kind")
+    if kind == "status" and ev.get("status") in ("started", "thinking", "processing"):
+        activity = ev.get("activity") or ev.get("message") or ev["status"]
+    elif kind == "tool_start":
+        activity = ev.get("activity") or f"using {ev.get('tool_name', 'a tool')}"
+    elif kind == "tool_result":
+        activity = f"{ev.get('activity') or ev.get('tool_name', 'tool')} ({ev.get('status', 'tool_complete')})"
+    else:
+        return None
+    meta = {"job": job_id, "phase": ev.get("status") if kind == "status" else kind, "activity": str(activity)[:80]}
+    if ev.get("tool_name"):
+        meta["tool"] = ev["tool_name"]
+    return meta
+
+
 @shared_task(bind=True, name="courier.turns.agent_turn", acks_late=True, reject_on_worker_lost=True,
              ignore_result=False)
 def agent_turn(self, spec: dict) -> dict:
-    def show(ev: dict) -> None:
-        activity = ev.get("activity") or ev.get("status") or ev.get("kind")
-        try:
-            self.update_state(state="PROGRESS", meta={"job": spec["job"], "activity": str(activity)[:80]})
-        except Exception:  # noqa: BLE001 - Flower display only
-            pass
+    """One agent turn. While it runs, the task's state is the custom
+    `PROGRESS` with meta {job, phase, activity, tool?} in the result backend
+    (`AsyncResult(job).info`), and each change is sent as a `task-progress`
+    event, so Flower shows the state and the activity live. The chat shows
+    typing / a progress message (tasks.activity)."""
+    from tasks.activity import TurnActivity
 
-    return turn_mod.run_turn(runtime.ctx(), spec, on_activity=show)
+    ctx = runtime.ctx()
+    last: list[str] = []
+
+    def show(ev: dict) -> None:
+        native.on_event(ev)
+        meta = progress_meta(spec["job"], ev)
+        if meta is None or last == [meta["activity"]]:
+            return
+        last[:] = [meta["activity"]]
+        try:
+            self.update_state(state="PROGRESS", meta=meta)
+            self.send_event("task-progress", activity=meta["activity"], result=repr(meta))
+        except Exception as exc:  # noqa: BLE001 - display only, never fails the turn
+            log.debug("progress state of %s not recorded: %r", spec["job"], exc)
+
+    with TurnActivity(ctx, spec["target"], spec["job"]) as native:
+        return turn_mod.run_turn(ctx, spec, on_activity=show)
 
 
 @shared_task(bind=True, name="courier.sandbox.extract_file", acks_late=True, reject_on_worker_lost=True,

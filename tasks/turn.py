@@ -57,6 +57,7 @@ def run_turn(ctx: Context, spec: dict, *, on_activity: Callable[[dict], None] | 
             on_activity(ev)
 
     def finish(state: str, **ev) -> dict:
+        ev.setdefault("deliveries", 0)  # readers wait for this many deliveries' final states
         receipts.set_job(r, job_id, state=state, **{k: v for k, v in ev.items() if k == "reason"})
         publish({"kind": "status", "status": "completed" if state == "replied" else state, **ev})
         return {"job": job_id, "state": state, **ev}
@@ -96,7 +97,7 @@ def run_turn(ctx: Context, spec: dict, *, on_activity: Callable[[dict], None] | 
     if result.status == "error":
         return _fail(ctx, spec, finish, result.reason)
     if result.status == "no_reply":
-        return finish("no_reply")
+        return finish("no_reply", **({"reason": result.reason} if result.reason else {}))
 
     from tasks.reply import parse_reply
 
@@ -153,15 +154,19 @@ def _run_openai(ctx: Context, spec: dict, agent, ref: SandboxRef, workdir: str |
 
 
 def _fail(ctx: Context, spec: dict, finish, reason: str) -> dict:
-    """One clean error event, and a short message to the chat."""
-    out = finish("error", reason=reason)
+    """A short message to the chat, then one clean error event (which counts
+    that message among the turn's deliveries)."""
     plan = chains.Plan(job_id=spec["job"], target=spec["target"],
                        text=f"Sorry, that did not work ({reason[:200]}).")
+    ids: list[str] = []
     try:
-        chains.enqueue(ctx.redis, plan)
+        ids = chains.enqueue(ctx.redis, plan)
     except CourierError:
         pass
-    return out
+    for d in ids:
+        events.publish(ctx.redis, spec["job"], {"kind": "delivery", "delivery_id": d, "state": "queued"},
+                       maxlen=ctx.events_maxlen)
+    return finish("error", reason=reason, deliveries=len(ids))
 
 
 def _project_root() -> str:

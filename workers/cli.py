@@ -263,55 +263,160 @@ def turn(
         raise typer.Exit(EXIT_FAILED)
 
 
-def watch_job(r, job_id: str, timeout_s: float, *, quiet: bool = False) -> bool | None:
-    """Render a job's events until its terminal status. True: completed,
-    False: error / no reply, None: timed out."""
+def watch_job(r, job_id: str, timeout_s: float, *, quiet: bool = False, as_json: bool = False) -> bool | None:
+    """Follow a job's phase events until it is over: the terminal status and
+    every delivery's final state. Live (rich): a status line with the phase,
+    the current activity, elapsed time and deliveries, above it a log of
+    status changes, tool events and deliveries. `as_json`: one JSON line per
+    event (`id` is the stream id). True: completed and all delivered; False:
+    error, no reply or a failed delivery; None: timed out."""
+    from rich.live import Live
+
     from tasks import events
 
+    tracker = events.EndTracker.for_job(r, job_id)
+    view = _WatchView(job_id)
     deadline = time.monotonic() + timeout_s
-    for _eid, ev in events.follow(r, job_id, deadline_s=deadline, block_ms=500):
-        if not ev:
-            continue
-        if not quiet:
-            out.print(render_event(ev), highlight=False)
-        if ev.get("kind") == "status" and ev.get("status") in events.TERMINAL_STATUSES:
-            return ev["status"] == "completed"
-    return None
+    cursor = "0-0"
+    live = Live(view, console=out, transient=True, refresh_per_second=8) \
+        if not (quiet or as_json) and out.is_terminal else None
+    try:
+        if live is not None:
+            live.start()
+        while not tracker.done:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            for eid, ev in events.read(r, job_id, cursor, block_ms=int(min(left, 0.25) * 1000) or 1, count=200):
+                cursor = eid
+                tracker.feed(ev)
+                line = view.feed(ev)
+                if as_json:
+                    print(json.dumps({"id": eid, **ev}, ensure_ascii=False), flush=True)
+                elif not quiet and line:
+                    out.print(line, highlight=False)
+    finally:
+        if live is not None:
+            live.stop()
+    if not (quiet or as_json):
+        out.print(view.summary(tracker), highlight=False)
+    return tracker.ok
+
+
+class _WatchView:
+    """The live status line of `courier watch` (a rich renderable)."""
+
+    def __init__(self, job_id: str) -> None:
+        from rich.spinner import Spinner
+
+        self.job_id = job_id
+        self.phase = "queued"
+        self.activity = ""
+        self.t0 = time.monotonic()
+        self.deliveries: dict[str, str] = {}
+        self.tools = 0
+        self.spinner = Spinner("dots", style="cyan")
+
+    def feed(self, ev: dict) -> str | None:
+        """Update the status line; returns the log line for the event (or None)."""
+        kind = ev.get("kind")
+        if kind == "status":
+            self.phase = ev.get("status", self.phase)
+            if ev.get("activity") or ev.get("message"):
+                self.activity = ev.get("activity") or ev.get("message")
+        elif kind == "tool_start":
+            self.tools += 1
+            self.activity = ev.get("activity") or ev.get("tool_name", "")
+        elif kind == "delivery" and ev.get("delivery_id"):
+            self.deliveries[ev["delivery_id"]] = ev.get("state", "")
+        return render_event(ev)
+
+    def __rich__(self):
+        from rich.text import Text
+
+        done = sum(1 for s in self.deliveries.values() if s in ("delivered", "failed"))
+        line = Text.assemble((self.job_id, "bold"), " · ", (self.phase, "cyan"))
+        if self.activity:
+            line.append(" · ")
+            line.append(self.activity)
+        line.append(f" · {time.monotonic() - self.t0:.1f}s", style="dim")
+        if self.deliveries:
+            line.append(f" · deliveries {done}/{len(self.deliveries)}", style="dim")
+        self.spinner.update(text=line)
+        return self.spinner
+
+    def summary(self, tracker) -> str:
+        st = (tracker.terminal or {}).get("status") or self.phase
+        color = "green" if tracker.ok else "red"
+        n = len(tracker.final)
+        failed = sum(1 for s in tracker.final.values() if s == "failed")
+        tail = f", {failed} failed" if failed else ""
+        return (f"[{color}]{self.job_id}: {st}[/] · {self.tools} tool call{'s' * (self.tools != 1)} · "
+                f"{n} deliver{'ies' if n != 1 else 'y'}{tail} · {time.monotonic() - self.t0:.1f}s")
 
 
 def render_event(ev: dict) -> str:
     kind = ev.get("kind")
     if kind == "status":
         st = ev.get("status", "")
-        color = {"completed": "green", "error": "red"}.get(st, "cyan")
-        extra = ev.get("reason") or ev.get("message") or ev.get("activity") or ""
-        return f"[{color}]● {st}[/] {extra}".rstrip()
+        color = {"completed": "green", "error": "red", "no_reply": "yellow"}.get(st, "cyan")
+        extra = ev.get("reason") or ev.get("activity") or ev.get("message") or ""
+        return f"[{color}]● {st}[/] {_esc(extra)}".rstrip()
     if kind == "tool_start":
-        return f"  [dim]→[/] {ev.get('activity') or ev.get('tool_name', '')}"
+        return f"  [dim]→[/] {_esc(ev.get('activity') or ev.get('tool_name', ''))}"
     if kind == "tool_result":
-        return f"  [dim]✓ {ev.get('tool_name', '')} {ev.get('status', '')}[/]"
+        ok = ev.get("status") != "error"
+        mark = "[green]✓[/]" if ok else "[red]✗[/]"
+        took = f" {ev['duration_ms'] / 1000:.1f}s" if isinstance(ev.get("duration_ms"), (int, float)) else ""
+        err_ = f" {_esc(ev.get('error'))}" if not ok and ev.get("error") else ""
+        return f"  {mark} [dim]{_esc(ev.get('activity') or ev.get('tool_name', ''))}{took}[/]{err_}"
     if kind == "delivery":
         st = ev.get("state", "")
         color = {"delivered": "green", "failed": "red"}.get(st, "yellow")
         what = ev.get("name") or ev.get("delivery_id", "")
-        tail = ev.get("reason") or ev.get("kind") or ""
-        return f"  [{color}]⇢ {st}[/] {what} {tail}".rstrip()
-    return f"  {json.dumps(ev)}"
+        tail = ev.get("reason") or ev.get("media") or ""
+        return f"  [{color}]⇢ {st}[/] {_esc(what)} {_esc(tail)}".rstrip()
+    return f"  {_esc(json.dumps(ev))}"
+
+
+def _esc(v) -> str:
+    from rich.markup import escape
+
+    return escape(str(v)) if v is not None else ""
 
 
 @app.command()
 def watch(
     job_id: Annotated[str, typer.Argument(help="a turn or send id")],
     timeout: Annotated[float, typer.Option(help="seconds to watch")] = 3600.0,
+    as_json: Annotated[bool, typer.Option("--json", help="one JSON line per event (with its stream id)")] = False,
 ) -> None:
-    """Show a turn's events live."""
+    """Show a turn's (or a send's) events live, until its deliveries are done."""
+    from tasks import keys, receipts
+
     settings = _settings()
     r = _redis(settings)
-    res = watch_job(r, job_id, timeout)
+    if receipts.get_job(r, job_id) is None and not r.exists(keys.events(job_id)):
+        raise die(f"no turn or send with id {job_id!r}", EXIT_INPUT)
+    res = watch_job(r, job_id, timeout, as_json=as_json)
     if res is None:
-        raise typer.Exit(EXIT_TIMEOUT)
+        raise die(f"timed out watching {job_id}; see `courier status {job_id}`", EXIT_TIMEOUT)
     if not res:
         raise typer.Exit(EXIT_FAILED)
+
+
+# -- web ---------------------------------------------------------------------------
+@app.command()
+def web(
+    host: Annotated[str | None, typer.Option(help="address to bind (default COURIER_WEB_HOST)")] = None,
+    port: Annotated[int | None, typer.Option(help="port (default COURIER_WEB_PORT)")] = None,
+) -> None:
+    """Serve platform webhooks and the turns' Server-Sent Events (uvicorn)."""
+    import uvicorn
+
+    settings = _settings()
+    uvicorn.run("workers.web:app", host=host or settings.web_host, port=port or settings.web_port,
+                log_level="info", timeout_graceful_shutdown=5)
 
 
 # -- status ------------------------------------------------------------------------
