@@ -53,6 +53,9 @@ MAX_PACKET_SIZE = 256 * 1024
 #: SFTP read/write request size on OpenSSH servers (its max is 256 KiB - 1 KiB);
 #: other servers keep paramiko's 32 KiB, which every server honours
 OPENSSH_REQUEST_SIZE = 261120
+#: AES-GCM first: one AEAD pass instead of AES-CTR plus an HMAC-SHA256 pass
+#: over every packet (measured faster on loopback; both use AES-NI via cryptography)
+PREFERRED_CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com")
 #: default roots, plus the remote user's home (unless denylisted, e.g. /root)
 DEFAULT_ROOTS = ("/workspace", "/tmp")
 
@@ -207,6 +210,10 @@ def read_ahead(chunks: Iterator[bytes], *, depth: int = 4, abort=None) -> Iterat
             with contextlib.suppress(Exception):
                 abort()
         t.join()
+
+
+def _prefer(available: tuple[str, ...], first: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(c for c in first if c in available) + tuple(c for c in available if c not in first)
 
 
 def _strip_nl(s: bytes) -> bytes:
@@ -366,7 +373,10 @@ class SshSandbox(Sandbox):
         window, packet = self.window_size, self.max_packet_size
 
         def factory(s, **kw):
-            return paramiko.Transport(s, default_window_size=window, default_max_packet_size=packet, **kw)
+            t = paramiko.Transport(s, default_window_size=window, default_max_packet_size=packet, **kw)
+            opts = t.get_security_options()
+            opts.ciphers = _prefer(opts.ciphers, PREFERRED_CIPHERS)
+            return t
 
         try:
             client.connect(
