@@ -410,3 +410,38 @@ def test_wiring_builds_ssh_sandbox(sshd_server, area, store):
     assert sb.extract(path, store, "files/w").sha256 == area["sums"]["one_kb.bin"]
     with pytest.raises(UnsafePath):  # default roots: /workspace, /tmp, home (/root is denylisted)
         sb.extract("/etc/hostname", store, "files/no")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_store_failure_mid_transfer_leaves_connection_usable(sshd_server, area, control_dir, tmp_path, mode):
+    """The consumer stopping early (storage full) ends the read-ahead thread and
+    the transfer; the pooled connection keeps working."""
+    from adapters.errors import StorageError
+
+    def disk_full():
+        raise StorageError("disk full")
+
+    s = make(sshd_server, area["root"], mode, control_dir)
+    s.resolve(str(area["root"] / "empty.bin"))
+    threads = threading.active_count()
+    store = InterruptingStore(tmp_path / "store", lambda: None)
+    real = store.put_stream
+
+    def failing_put(key, src, **kw):
+        def chunks():
+            for i, chunk in enumerate(src):
+                if i == 1:
+                    disk_full()
+                yield chunk
+        return real(key, chunks(), **kw)
+
+    store.put_stream = failing_put
+    with pytest.raises(StorageError):
+        s.extract(str(area["root"] / "big.bin"), store, "files/big")
+    assert_store_empty(store)
+    wait_until(lambda: threading.active_count() <= threads, timeout_s=10, what="read-ahead thread exit")
+    t = s.transport() if mode == "sftp" else None
+    info = s.extract(str(area["root"] / "one_kb.bin"), VolumeStore(tmp_path / "s2"), "files/ok")
+    assert info.sha256 == area["sums"]["one_kb.bin"]
+    if t is not None:
+        assert s.transport() is t

@@ -2,20 +2,25 @@
 
 Default channel: paramiko SFTP on a pooled connection (one per user, host,
 port and credentials in a process; re-opened when dead), TCP_NODELAY on the
-socket, a tuned window / packet size, and `prefetch()` pipelining with
-255 KiB read requests on OpenSSH servers. Bytes stream into storage in 1 MiB
-chunks; nothing is held whole in memory.
+socket, AES-GCM preferred, an 8 MiB window with 256 KiB packets, and
+`prefetch()` pipelining with 255 KiB read requests on OpenSSH servers, read
+by a helper thread so that hashing and writing overlap the SSH parsing.
+Bytes stream into storage in 1 MiB chunks; nothing is held whole in memory.
 
 Option `use_openssh`: the `ssh` client over a ControlMaster socket
-(`ControlPersist=60`), streaming `cat -- PATH` from the remote shell. ssh
-joins its arguments into one remote shell command, so every path is quoted
-with `shlex.quote` (a POSIX login shell is assumed on the host).
+(`ControlPersist=60`); resolve and stream (`cat`) are execstream's scripts
+(:mod:`adapters.sandboxes.execstream`). ssh joins its arguments into one
+remote shell command line, so the argv is quoted with `shlex.join` (a POSIX
+login shell is assumed on the host).
 
 Safety: the path is resolved on the host (SFTP realpath; `readlink -f` over
 exec where the server's realpath is not trusted), checked against the roots
 and the denylist, and re-checked after transfer (same resolved path, size
-and mtime), else nothing is stored. Host keys are checked against a
-known_hosts file and an unknown key is refused, never added.
+and mtime; in OpenSSH mode the opened path and the byte count), else nothing
+is stored. Host keys are checked against a known_hosts file and an unknown
+key is refused, never added. Every paramiko / socket / ssh error is
+translated in ONE place (:meth:`SshSandbox._map_error`, and
+:meth:`SshSandbox._ssh_error` for the ssh client's exit status 255).
 """
 
 from __future__ import annotations
