@@ -64,8 +64,20 @@ def _build_platform(name: str, s: Settings) -> Platform:
             raise ConfigError("whatsapp: WHATSAPP_PHONE_NUMBER_ID is not set")
         return WhatsAppPlatform(s.whatsapp_access_token.get_secret_value(), s.whatsapp_phone_number_id,
                                 base_url=s.whatsapp_base_url)
-    if name in ("discord", "slack"):
-        raise ConfigError(f"platform {name!r} is not configured in this build yet")
+    if name == "discord":
+        from adapters.platforms.discord import DiscordPlatform
+
+        if s.discord_bot_token is None or not s.discord_bot_token.get_secret_value():
+            raise ConfigError("discord: DISCORD_BOT_TOKEN is not set")
+        return DiscordPlatform(s.discord_bot_token.get_secret_value(), base_url=s.discord_base_url,
+                               upload_bytes=s.discord_upload_bytes)
+    if name == "slack":
+        from adapters.platforms.slack import SlackPlatform
+
+        if s.slack_bot_token is None or not s.slack_bot_token.get_secret_value():
+            raise ConfigError("slack: SLACK_BOT_TOKEN is not set")
+        return SlackPlatform(s.slack_bot_token.get_secret_value(), base_url=s.slack_base_url,
+                             upload_bytes=s.slack_upload_bytes)
     raise ConfigError(f"unknown platform {name!r}: use one of {', '.join(PLATFORMS)}")
 
 

@@ -1,0 +1,357 @@
+"""Discord over discord.py's REST client (no gateway websocket).
+
+A `discord.Client` is logged in once per process (`await client.login(token)`
+checks the token and nothing else is needed to send); every call runs on the
+process's one asyncio loop (`adapters.platforms._aio`).
+
+- Files go as attachments of one message (multipart `payload_json` +
+  `files[n]`), streamed from storage: a local path when the store has one,
+  else a reader over the stored stream. Discord shows photos, video and
+  audio inline itself; it has no voice-note or animation kind for bots, so
+  those fall back (voice -> audio, gif -> photo).
+- Every message carries a nonce derived from its delivery id with
+  `enforce_nonce`: a task that sent, then died before its receipt was
+  recorded, gets the original message back on its rerun instead of posting a
+  second one (Discord keeps nonces for a few minutes).
+- Agent text never pings anyone (`allowed_mentions` none).
+- No sleeping in a worker: discord.py's per-process buckets are replaced by
+  no-op ones (courier's shared limits live in Redis), its 429 wait is capped
+  so a 429 raises, and its 5xx retry loop is cut short by raising from an
+  aiohttp trace hook. The task layer re-schedules instead.
+
+Every vendor error is translated in one place, `_translate`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import aiohttp
+import discord
+
+from adapters.errors import ConfigError, CourierError, DeliveryError, Permanent, RateLimited, Transient
+from adapters.platforms import _aio
+from adapters.platforms.base import FileSource, Kind, Limits, MiB, Platform, Sent
+
+__all__ = ["DiscordPlatform", "DEFAULT_BASE_URL", "DEFAULT_UPLOAD_BYTES"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+DEFAULT_BASE_URL = "https://discord.com/api/v10"
+#: the default attachment cap since 2025 (boosted guilds allow more)
+DEFAULT_UPLOAD_BYTES = 10 * MiB
+#: discord.py raises `RateLimited` for any 429 wait longer than this
+_NO_WAIT_S = 1e-6
+#: statuses discord.py retries itself, sleeping 1-9 s in between
+_SDK_RETRIED = frozenset({500, 502, 504, 524})
+#: Discord allows up to 25 characters in a nonce
+_NONCE_CHARS = 25
+
+
+def nonce_for(delivery_id: str) -> str:
+    """The message nonce of a delivery (stable, at most 25 characters)."""
+    return hashlib.sha256(delivery_id.encode()).hexdigest()[:_NONCE_CHARS]
+
+
+class _NoWaitBucket:
+    """Stands in for discord.py's per-process `Ratelimit` bucket: never waits.
+    Limits are shared across workers in Redis; a 429 re-schedules the task."""
+
+    remaining = 1
+
+    async def __aenter__(self) -> "_NoWaitBucket":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    def update(self, response: object, *, use_clock: bool = False) -> None:
+        return None
+
+
+def _server_errors_raise() -> aiohttp.TraceConfig:
+    """discord.py retries 500/502/504/524 five times, sleeping between; raise
+    instead, so the task backs off without holding the worker."""
+
+    async def on_end(session: object, ctx: object, params: aiohttp.TraceRequestEndParams) -> None:
+        resp = params.response
+        if resp.status in _SDK_RETRIED:
+            text = await resp.text(errors="replace")
+            try:
+                import json
+
+                body: Any = json.loads(text) if "json" in (resp.content_type or "") else text
+            except ValueError:
+                body = text
+            raise discord.DiscordServerError(resp, body)
+
+    tc = aiohttp.TraceConfig()
+    tc.on_request_end.append(on_end)
+    return tc
+
+
+class _StoredReader(io.RawIOBase):
+    """A stored file as `discord.File` wants it (readable and seekable):
+    reads stream from storage; seeking back to the start reopens it."""
+
+    def __init__(self, file: FileSource) -> None:
+        super().__init__()
+        self._file = file
+        self._cm: Any = None
+        self._f: Any = None
+        self._pos = 0
+        self.name = file.name
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        if whence == io.SEEK_CUR:
+            offset, whence = self._pos + offset, io.SEEK_SET
+        if whence == io.SEEK_SET and offset == self._pos:
+            return self._pos
+        if whence == io.SEEK_SET and offset == 0:
+            self._release()
+            self._pos = 0
+            return 0
+        raise io.UnsupportedOperation("a stored stream only seeks back to its start")
+
+    def readinto(self, b: Any) -> int:
+        if self._f is None:
+            self._cm = self._file.open()
+            self._f = self._cm.__enter__()
+        readinto = getattr(self._f, "readinto", None)
+        if readinto is not None:
+            n = readinto(b) or 0
+        else:
+            data = self._f.read(len(b))
+            n = len(data)
+            b[:n] = data
+        self._pos += n
+        return n
+
+    def _release(self) -> None:
+        cm, self._cm, self._f = self._cm, None, None
+        if cm is not None:
+            cm.__exit__(None, None, None)
+
+    def close(self) -> None:
+        self._release()
+        super().close()
+
+
+class DiscordPlatform(Platform):
+    name = "discord"
+
+    def __init__(self, token: str, *, base_url: str = DEFAULT_BASE_URL, upload_bytes: int = DEFAULT_UPLOAD_BYTES,
+                 timeout_s: float = 300.0) -> None:
+        if not token:
+            raise ConfigError("discord: DISCORD_BOT_TOKEN is not set")
+        self.__token = token
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.limits = Limits(
+            text_chars=2000,
+            caption_chars=2000,  # a file's caption is its message content
+            upload_bytes=upload_bytes,
+            photo_bytes=None,
+            per_chat_per_s=1.0,  # a channel's message bucket is 5 per 5 s
+            per_bot_per_s=50.0,  # the global limit
+            files_per_message=10,
+            native_kinds=frozenset({Kind.TEXT, Kind.PHOTO, Kind.VIDEO, Kind.AUDIO, Kind.DOCUMENT}),
+            album_max=10,
+        )
+        self._client: discord.Client | None = None
+        self._pid: int | None = None
+        self._login_lock: asyncio.Lock | None = None
+
+    def __repr__(self) -> str:
+        return f"DiscordPlatform(base_url={self.base_url!r})"
+
+    # -- the client -----------------------------------------------------------------
+    async def _ready(self) -> discord.Client:
+        pid = os.getpid()
+        if self._pid != pid:  # a forked child: the parent's client belongs to another loop
+            self._client, self._login_lock, self._pid = None, asyncio.Lock(), pid
+        if self._client is not None:
+            return self._client
+        assert self._login_lock is not None
+        async with self._login_lock:
+            if self._client is not None:
+                return self._client
+            discord.http.Route.BASE = self.base_url
+            # (no gateway connection: intents only quiet the "guilds intent disabled" warning)
+            client = discord.Client(intents=discord.Intents(guilds=True), http_trace=_server_errors_raise())
+            # the constructor floors this at 30 s; courier never waits in a worker
+            client.http.max_ratelimit_timeout = _NO_WAIT_S
+            client.http.get_ratelimit = lambda key: _NoWaitBucket()  # type: ignore[method-assign,assignment,return-value]
+            try:
+                await client.login(self.__token)
+            except BaseException:
+                await client.close()
+                raise
+            self._client = client
+            return client
+
+    def _run(self, what: str, fn: Callable[[discord.Client], Awaitable[T]]) -> T:
+        async def go() -> T:
+            return await fn(await self._ready())
+
+        try:
+            return _aio.run(go(), timeout_s=self.timeout_s)
+        except CourierError:
+            raise  # ours already (a bad channel id, a storage error while streaming)
+        except Exception as exc:  # noqa: BLE001 - every vendor error is translated here
+            raise _translate(exc, what) from exc
+
+    @staticmethod
+    def _channel(client: discord.Client, chat: str) -> discord.PartialMessageable:
+        try:
+            cid = int(chat)
+        except ValueError:
+            raise Permanent(f"discord: channel id must be a number, not {chat!r}") from None
+        return client.get_partial_messageable(cid)
+
+    # -- sending ------------------------------------------------------------------------
+    def send_text(self, chat: str, text: str, *, delivery_id: str) -> Sent:
+        async def go(client: discord.Client) -> Sent:
+            msg = await self._channel(client, chat).send(
+                content=text, nonce=nonce_for(delivery_id), allowed_mentions=discord.AllowedMentions.none())
+            return Sent(message_id=str(msg.id))
+
+        return self._run("send a message", go)
+
+    def send_file(self, chat: str, kind: Kind, file: FileSource, *, caption: str | None, delivery_id: str,
+                  file_id: str | None = None) -> Sent:
+        return self._send_files(chat, [file], caption, delivery_id)[0]
+
+    def send_album(self, chat: str, files: list[tuple[Kind, FileSource]], *, caption: str | None,
+                   delivery_id: str) -> list[Sent]:
+        if not 0 < len(files) <= self.limits.files_per_message:
+            raise Permanent(f"discord: a message holds 1 to {self.limits.files_per_message} files, not {len(files)}")
+        return self._send_files(chat, [f for _, f in files], caption, delivery_id)
+
+    def _send_files(self, chat: str, files: list[FileSource], caption: str | None, delivery_id: str) -> list[Sent]:
+        async def go(client: discord.Client) -> list[Sent]:
+            channel = self._channel(client, chat)
+            readers: list[io.RawIOBase] = []
+            attachments: list[discord.File] = []
+            try:
+                for f in files:
+                    if f.path is not None:
+                        attachments.append(discord.File(str(f.path), filename=f.name))
+                    else:
+                        reader = _StoredReader(f)
+                        readers.append(reader)
+                        attachments.append(discord.File(reader, filename=f.name))  # type: ignore[arg-type]
+                msg = await channel.send(content=caption or None, files=attachments, nonce=nonce_for(delivery_id),
+                                         allowed_mentions=discord.AllowedMentions.none())
+            finally:
+                for a in attachments:
+                    a.close()
+                for r in readers:
+                    r.close()
+            return [Sent(message_id=str(msg.id)) for _ in files]
+
+        return self._run("upload a file", go)
+
+    # -- activity --------------------------------------------------------------------------
+    def typing(self, chat: str) -> None:
+        async def go(client: discord.Client) -> None:
+            self._channel(client, chat)  # checks the id
+            await client.http.send_typing(int(chat))
+
+        self._run("show typing", go)
+
+    def start_progress(self, chat: str, text: str) -> str | None:
+        async def go(client: discord.Client) -> str:
+            msg = await self._channel(client, chat).send(content=text,
+                                                         allowed_mentions=discord.AllowedMentions.none())
+            return str(msg.id)
+
+        return self._run("post a progress message", go)
+
+    def edit_progress(self, chat: str, message_id: str, text: str) -> None:
+        async def go(client: discord.Client) -> None:
+            await self._channel(client, chat).get_partial_message(int(message_id)).edit(content=text)
+
+        self._run("edit the progress message", go)
+
+    def end_progress(self, chat: str, message_id: str) -> None:
+        async def go(client: discord.Client) -> None:
+            try:
+                await self._channel(client, chat).get_partial_message(int(message_id)).delete()
+            except discord.NotFound:
+                pass  # already gone
+
+        self._run("delete the progress message", go)
+
+    def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None and self._pid == os.getpid():
+            try:
+                _aio.run(client.close(), timeout_s=10)
+            except Exception:  # noqa: BLE001 - closing is best effort
+                log.debug("discord: closing the client failed", exc_info=True)
+
+
+# -- the one error map ----------------------------------------------------------------------
+def _retry_after(exc: discord.HTTPException) -> float:
+    headers = getattr(exc.response, "headers", None) or {}
+    for name in ("X-RateLimit-Reset-After", "Retry-After"):
+        value = headers.get(name)
+        if value:
+            try:
+                return float(value)
+            except ValueError:
+                continue
+    return 1.0
+
+
+def _translate(exc: BaseException, what: str) -> DeliveryError:
+    """discord.py / aiohttp / asyncio errors -> courier's tree."""
+    if isinstance(exc, discord.RateLimited):  # a 429 discord.py would have slept on
+        return RateLimited(exc.retry_after, f"discord: rate limited, retry after {exc.retry_after:g}s")
+    if isinstance(exc, discord.LoginFailure):
+        return Permanent("discord: the bot token was rejected (401 Unauthorized)")
+    if isinstance(exc, discord.HTTPException):
+        status = exc.status
+        detail = f"{status} {exc.text or getattr(exc.response, 'reason', '')}".strip()
+        if exc.code:
+            detail += f" (code {exc.code})"
+        if status == 429:  # e.g. without a Via header discord.py does not treat it as its own
+            ra = _retry_after(exc)
+            return RateLimited(ra, f"discord: rate limited, retry after {ra:g}s")
+        if status >= 500:
+            return Transient(f"discord: server error {detail} ({what})")
+        if status == 413 or exc.code == 40005:
+            return Permanent(f"discord: too large: {detail}")
+        if status == 401:
+            return Permanent(f"discord: the bot token was rejected ({detail})")
+        if isinstance(exc, discord.Forbidden):
+            return Permanent(f"discord: forbidden: {detail}")
+        if isinstance(exc, discord.NotFound):
+            return Permanent(f"discord: not found: {detail}")
+        return Permanent(f"discord: rejected: {detail}")
+    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+        return Transient(f"discord: timed out trying to {what}")
+    if isinstance(exc, aiohttp.ClientError):
+        return Transient(f"discord: connection failed trying to {what}: {type(exc).__name__}: {exc}")
+    if isinstance(exc, OSError):
+        return Transient(f"discord: I/O error trying to {what}: {exc.strerror or exc}")
+    if isinstance(exc, discord.ClientException):
+        return Permanent(f"discord: cannot {what}: {exc}")
+    return Transient(f"discord: unexpected {type(exc).__name__} trying to {what}: {exc}")

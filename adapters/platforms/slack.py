@@ -1,0 +1,215 @@
+"""Slack over slack_sdk's WebClient.
+
+- Text: `chat.postMessage` (40 000 characters; `&`, `<`, `>` escaped as
+  Slack asks, so agent text shows as written).
+- Files: Slack's external upload flow, streamed: `files.getUploadURLExternal`
+  (name + length) -> POST of the bytes to the returned URL (httpx, read from
+  storage chunk by chunk with a Content-Length, never whole in memory; the
+  bot token is not sent there) -> `files.completeUploadExternal` (shares
+  them in the channel, the caption as `initial_comment`). slack_sdk's own
+  `files_upload_v2` reads every file whole into memory, so it is not used.
+  Slack shows every file as a file (images with a preview): photos stay
+  photos, everything else is a document.
+- Progress: a message posted, updated, deleted. Slack has no typing
+  indicator for bots over the Web API: `typing` does nothing.
+- No sleeping in a worker: the client has no retry handlers (slack_sdk's
+  rate-limit handler sleeps, its connection handler sleeps too); a 429 is
+  `RateLimited(Retry-After)` and the task is re-scheduled.
+
+Every vendor error is translated in one place, `_translate`.
+"""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import os
+import socket
+import urllib.error
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import httpx
+from slack_sdk import WebClient
+from slack_sdk.errors import SlackApiError, SlackClientError, SlackRequestError
+
+from adapters.errors import ConfigError, CourierError, DeliveryError, Permanent, RateLimited, Transient
+from adapters.platforms.base import FileSource, Kind, Limits, Platform, Sent, iter_file
+
+__all__ = ["SlackPlatform", "DEFAULT_BASE_URL", "DEFAULT_UPLOAD_BYTES"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+DEFAULT_BASE_URL = "https://slack.com/api/"
+#: Slack's per-file cap (slack_sdk: MAX_V2_FILE_SIZE)
+DEFAULT_UPLOAD_BYTES = 1024 * 1024 * 1024
+UPLOAD_CHUNK_BYTES = 256 * 1024
+
+#: `error` codes worth another try later
+_TRANSIENT_ERRORS = frozenset({
+    "internal_error", "fatal_error", "service_unavailable", "request_timeout", "team_added_to_org",
+})
+_TOO_LARGE_ERRORS = frozenset({"file_too_large", "msg_too_long", "too_large"})
+
+
+def escape(text: str) -> str:
+    """Slack's three control characters, escaped (Slack shows them as written)."""
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+class _UploadRejected(Exception):
+    """The upload URL answered with something other than 200."""
+
+    def __init__(self, status: int, body: str, retry_after: str | None) -> None:
+        super().__init__(f"upload answered {status}: {body[:200]}")
+        self.status = status
+        self.body = body
+        self.retry_after = retry_after
+
+
+class SlackPlatform(Platform):
+    name = "slack"
+
+    def __init__(self, token: str, *, base_url: str = DEFAULT_BASE_URL, upload_bytes: int = DEFAULT_UPLOAD_BYTES,
+                 timeout_s: float = 60.0, upload_timeout_s: float = 600.0) -> None:
+        if not token:
+            raise ConfigError("slack: SLACK_BOT_TOKEN is not set")
+        self.base_url = base_url if base_url.endswith("/") else base_url + "/"
+        self.timeout_s = timeout_s
+        self.upload_timeout_s = upload_timeout_s
+        # no retry handlers: every built-in one sleeps in the calling thread
+        self._api = WebClient(token=token, base_url=self.base_url, timeout=int(timeout_s), retry_handlers=[])
+        self._http: httpx.Client | None = None
+        self._http_pid: int | None = None
+        self.limits = Limits(
+            text_chars=40000,
+            caption_chars=40000,  # initial_comment is a message text
+            upload_bytes=upload_bytes,
+            photo_bytes=None,
+            per_chat_per_s=1.0,  # chat.postMessage: about one message a second per channel
+            files_per_message=10,
+            native_kinds=frozenset({Kind.TEXT, Kind.PHOTO, Kind.DOCUMENT}),
+            album_max=10,
+        )
+
+    def __repr__(self) -> str:
+        return f"SlackPlatform(base_url={self.base_url!r})"
+
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except CourierError:
+            raise  # ours already (e.g. a storage error while streaming)
+        except Exception as exc:  # noqa: BLE001 - every vendor error is translated here
+            raise _translate(exc, what) from exc
+
+    def _uploader(self) -> httpx.Client:
+        if self._http is None or self._http_pid != os.getpid():
+            self._http = httpx.Client(timeout=httpx.Timeout(self.upload_timeout_s, connect=min(30.0, self.timeout_s)),
+                                      follow_redirects=False)
+            self._http_pid = os.getpid()
+        return self._http
+
+    # -- sending -----------------------------------------------------------------
+    def send_text(self, chat: str, text: str, *, delivery_id: str) -> Sent:
+        resp = self._call("chat.postMessage", lambda: self._api.chat_postMessage(channel=chat, text=escape(text)))
+        return Sent(message_id=str(resp["ts"]))
+
+    def send_file(self, chat: str, kind: Kind, file: FileSource, *, caption: str | None, delivery_id: str,
+                  file_id: str | None = None) -> Sent:
+        return self._share(chat, [file], caption)[0]
+
+    def send_album(self, chat: str, files: list[tuple[Kind, FileSource]], *, caption: str | None,
+                   delivery_id: str) -> list[Sent]:
+        if not 0 < len(files) <= self.limits.files_per_message:
+            raise Permanent(f"slack: one message shares 1 to {self.limits.files_per_message} files, not {len(files)}")
+        return self._share(chat, [f for _, f in files], caption)
+
+    def _share(self, chat: str, files: list[FileSource], caption: str | None) -> list[Sent]:
+        ids: list[str] = []
+        for f in files:
+            got = self._call("files.getUploadURLExternal",
+                             lambda f=f: self._api.files_getUploadURLExternal(filename=f.name, length=f.size_bytes))
+            self._call("the file upload", lambda f=f, url=got["upload_url"]: self._post(url, f))
+            ids.append(str(got["file_id"]))
+        done = self._call("files.completeUploadExternal", lambda: self._api.files_completeUploadExternal(
+            files=[{"id": fid, "title": f.name} for fid, f in zip(ids, files)], channel_id=chat,
+            initial_comment=escape(caption) if caption else None))
+        shared = [str(x.get("id")) for x in (done.get("files") or [])] or ids
+        return [Sent(message_id=fid) for fid in shared]
+
+    def _post(self, url: str, file: FileSource) -> None:
+        resp = self._uploader().post(
+            url, content=iter_file(file, UPLOAD_CHUNK_BYTES),
+            headers={"Content-Type": "application/octet-stream", "Content-Length": str(file.size_bytes)})
+        if resp.status_code != 200:
+            raise _UploadRejected(resp.status_code, resp.text, resp.headers.get("Retry-After"))
+
+    # -- activity ---------------------------------------------------------------------
+    def start_progress(self, chat: str, text: str) -> str | None:
+        resp = self._call("chat.postMessage", lambda: self._api.chat_postMessage(channel=chat, text=escape(text)))
+        return str(resp["ts"])
+
+    def edit_progress(self, chat: str, message_id: str, text: str) -> None:
+        self._call("chat.update", lambda: self._api.chat_update(channel=chat, ts=message_id, text=escape(text)))
+
+    def end_progress(self, chat: str, message_id: str) -> None:
+        try:
+            self._call("chat.delete", lambda: self._api.chat_delete(channel=chat, ts=message_id))
+        except Permanent as exc:
+            if "message_not_found" not in exc.reason:
+                raise
+
+    def close(self) -> None:
+        http, self._http = self._http, None
+        if http is not None and self._http_pid == os.getpid():
+            http.close()
+
+
+# -- the one error map -----------------------------------------------------------------------
+def _seconds(value: Any, default: float = 1.0) -> float:
+    try:
+        return max(0.0, float(value))
+    except (TypeError, ValueError):
+        return default
+
+
+def _translate(exc: BaseException, what: str) -> DeliveryError:
+    """slack_sdk / urllib / httpx errors -> courier's tree."""
+    if isinstance(exc, SlackApiError):
+        resp = exc.response
+        status = int(getattr(resp, "status_code", 0) or 0)
+        headers = {k.lower(): v for k, v in (getattr(resp, "headers", None) or {}).items()}
+        data = getattr(resp, "data", None)
+        error = str(data.get("error") or "") if isinstance(data, dict) else ""
+        if status == 429 or error == "ratelimited":
+            ra = _seconds(headers.get("retry-after"))
+            return RateLimited(ra, f"slack: {what}: rate limited, retry after {ra:g}s")
+        label = error if len(error) <= 80 else f"HTTP {status}"
+        if status >= 500 or error in _TRANSIENT_ERRORS:
+            return Transient(f"slack: {what}: server error {label or status}")
+        if error in _TOO_LARGE_ERRORS:
+            return Permanent(f"slack: too large: {what}: {error}")
+        if status != 200 and not error:
+            return Transient(f"slack: {what}: unexpected HTTP {status}")
+        return Permanent(f"slack: {what}: {label or f'HTTP {status}'}")
+    if isinstance(exc, _UploadRejected):
+        if exc.status == 429:
+            ra = _seconds(exc.retry_after)
+            return RateLimited(ra, f"slack: upload rate limited, retry after {ra:g}s")
+        if exc.status == 413:
+            return Permanent(f"slack: too large: the upload answered 413 {exc.body[:100]}".rstrip())
+        if exc.status >= 500 or exc.status == 408:
+            return Transient(f"slack: the upload answered {exc.status}")
+        return Permanent(f"slack: the upload answered {exc.status}: {exc.body[:100]}".rstrip())
+    if isinstance(exc, SlackRequestError):
+        return Permanent(f"slack: {what}: bad request: {exc}")
+    if isinstance(exc, (httpx.TimeoutException, socket.timeout, TimeoutError)):
+        return Transient(f"slack: timed out on {what}")
+    if isinstance(exc, (httpx.TransportError, urllib.error.URLError, http.client.HTTPException, ConnectionError,
+                        OSError)):
+        return Transient(f"slack: connection failed on {what}: {type(exc).__name__}")
+    if isinstance(exc, SlackClientError):
+        return Transient(f"slack: {what}: {type(exc).__name__}")
+    return Transient(f"slack: unexpected {type(exc).__name__} on {what}: {exc}")
