@@ -39,7 +39,7 @@ def main() -> None:
 
     size = (5 if quick() else 20) * 1000 * 1000
     chunked_bytes = (10 if quick() else 50) * CHUNK  # 0.6 / 3 MB: tens of seconds at ~0.3 MB/s
-    with tempfile.TemporaryDirectory(prefix="bench-exec-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-exec-", ignore_cleanup_errors=True) as tmp:
         svc = start_podman(Path(tmp) / "podman")
         try:
             ctr = svc.run_container()

@@ -49,7 +49,7 @@ def throughput() -> None:
 
     size = (20 if quick() else 200) * 1000 * 1000
     runs = 2 if quick() else 3
-    with tempfile.TemporaryDirectory(prefix="bench-docker-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-docker-", ignore_cleanup_errors=True) as tmp:
         svc = start_podman(Path(tmp) / "podman")
         try:
             ctr = svc.run_container()
@@ -107,7 +107,7 @@ def rss() -> None:
     from tests.fixtures.podman import start_podman
 
     size = (100 if quick() else 1024) * MiB
-    with tempfile.TemporaryDirectory(prefix="bench-docker-rss-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-docker-rss-", ignore_cleanup_errors=True) as tmp:
         svc = start_podman(Path(tmp) / "podman")
         try:
             ctr = svc.run_container()

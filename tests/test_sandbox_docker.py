@@ -126,7 +126,7 @@ def test_archive_channel_byte_identical(sb, ctr, store, name):
     path = f"/workspace/{name}"
     info = sb.extract(path, store, f"files/{name}", max_bytes=60 * MB)
     assert info.sha256 == _sha_in(ctr, path) == _sha_host(store.local_path(f"files/{name}"))
-    assert sb.stats == {"bind": 0, "archive": 1, "exec": 0}
+    assert (sb.stats["bind"], sb.stats["archive"], sb.stats["exec"], sb.stats["resolve_exec"]) == (0, 1, 0, 0)
 
 
 @pytest.mark.parametrize("name", ["b0", "b1k", "b50m"])
@@ -138,7 +138,7 @@ def test_bind_mount_fast_path_skips_archive_api(docker_api, ctr, store, bind_dir
     assert info.sha256 == _sha_host(bind_dir / name) == _sha_in(ctr, f"/workspace/bind/{name}")
     assert s.stats["bind"] == 1
     assert _archive_calls(spy) == 0
-    assert spy.api.calls.get("exec_create", 0) == 1  # the one resolve exec
+    assert spy.api.calls.get("exec_create", 0) == 0  # resolved by stat calls, no exec
     client.close()
 
 
@@ -179,6 +179,24 @@ def test_exec_fallback_byte_identical(sb, ctr, store, name):
 def test_link_inside_roots_resolved(sb, ctr, store):
     info = sb.extract("/workspace/link_ok", store, "files/l")
     assert info.sha256 == _sha_in(ctr, "/workspace/f1k")
+    assert sb.stats["resolve_exec"] == 1 and sb.stats["resolve_stat"] == 0
+
+
+def test_plain_path_resolved_without_exec(docker_api, ctr, store):
+    client = docker_api.client()
+    spy = SpyClient(client)
+    s = DockerSandbox(SandboxRef("docker", ctr.name), None, client=spy)
+    assert s.resolve("/workspace//f1k") == ("/workspace/f1k", 1024)
+    assert s.extract("/workspace/f1k", store, "files/p").sha256 == _sha_in(ctr, "/workspace/f1k")
+    assert spy.api.calls.get("exec_create", 0) == 0
+    assert s.stats["resolve_stat"] == 2 and s.stats["resolve_exec"] == 0
+    # a link on the way, and a lexically refused path, go through the exec resolve
+    with pytest.raises(UnsafePath):
+        s.resolve("/workspace/pw")
+    with pytest.raises(UnsafePath):
+        s.resolve("/etc/passwd")
+    assert s.stats["resolve_exec"] == 2
+    client.close()
 
 
 def test_default_roots_include_home_but_not_its_secrets(sb, store):

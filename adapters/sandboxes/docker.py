@@ -7,12 +7,17 @@ Channels, fastest first:
    path directly. The host path is re-checked with ``realpath`` against the
    mount source, opened with O_NOFOLLOW and checked again through
    ``/proc/self/fd``, so a link inside the mount can never reach the host.
-2. archive API: ``get_archive`` streamed through ``tarfile`` mode ``r|`` in
-   1 MiB blocks straight into storage; the archive is checked member by
-   member (:func:`iter_single_member`).
+2. archive API: the ``GET .../archive`` body streamed in ~1 MiB pieces
+   straight into storage; ``tarfile`` parses the headers from a
+   forward-only reader and the archive is checked member by member
+   (:func:`iter_single_member`).
 3. exec: ``cat`` through exec stdout (:mod:`adapters.sandboxes.execstream`),
-   used for resolving (one exec: ``readlink -f`` + ``stat``) and available
-   as :meth:`DockerSandbox.extract_via_exec`.
+   available as :meth:`DockerSandbox.extract_via_exec`.
+
+Resolving: the engine's lstat of each component (``HEAD .../archive``,
+~2 ms each on podman) proves a path link-free, so it is its own
+resolution; a path with a link on the way (or one the lexical policy
+refuses) is resolved by ONE exec (``readlink -f`` + ``stat``, ~100 ms).
 
 Reads *inside* the container through the archive or exec channels are
 scoped to the container's filesystem by the engine; a process in the
@@ -47,7 +52,7 @@ from adapters.errors import (
 )
 from adapters.sandboxes.base import DEFAULT_MAX_BYTES, PathPolicy, Sandbox, SandboxRef, _under, check_lexical
 from adapters.sandboxes.execstream import (
-    EXIT_CHANGED, ExecStream, ExecStreamMixin, exec_iter_file, exec_resolve, resolve_put_dest,
+    EXIT_CHANGED, ExecStream, ExecStreamMixin, Resolved, exec_resolve, resolve_put_dest,
 )
 from adapters.sandboxes.routing import host_of  # noqa: F401 - re-exported for callers
 
@@ -57,6 +62,7 @@ DOCKER_DEFAULT_ROOTS = ("/workspace", "/tmp")
 
 # Go os.FileMode type bits, as the engine reports them in the archive stat header
 _GO_MODE_SYMLINK = 1 << 27
+_GO_MODE_DIR = 1 << 31
 _GO_MODE_TYPE = (1 << 31) | (1 << 27) | (1 << 26) | (1 << 25) | (1 << 24) | (1 << 21) | (1 << 19)
 
 _FINALIZE_SCRIPT = r"""if [ -L "$2" ] || [ -d "$2" ]; then rm -f -- "$1"; exit 97; fi
@@ -415,7 +421,8 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
         self._attrs_cache: dict | None = None
         self._exec = _DockerExec(self)
         #: which channel moved each file (observability and tests)
-        self.stats = {"bind": 0, "archive": 0, "exec": 0}
+        self.stats = {"bind": 0, "archive": 0, "exec": 0, "resolve_stat": 0, "resolve_exec": 0}
+        self._home_cache: str | None = None
 
     # -- errors: the ONE place docker/requests errors become courier errors -------------
     @contextmanager
@@ -490,51 +497,105 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
         return host, src
 
     # -- outbound ------------------------------------------------------------------------
-    def extract(self, path: str, store, key: str, *, max_bytes: int = DEFAULT_MAX_BYTES):
-        check_lexical(path)
-        # Latency hiding: the archive request for the path as given starts while
-        # the resolve exec runs; its bytes are read only if the resolved, checked
-        # path is that same path (no links on the way), else it is dropped unread.
-        spec = self._speculate(path)
-        try:
-            r = exec_resolve(self._exec, path)
-            self.policy_for(r.home).check(r.path, shown=path)
-            if r.size > max_bytes:
-                raise TooLarge(f"{path}: {r.size:,} bytes is over the {max_bytes:,} byte cap", size_bytes=r.size,
-                               limit_bytes=max_bytes)
-            if self.prefer_bind_mounts and self._engine_is_local():
-                bound = self.bind_host_path(r.path)
-                if bound is not None:
-                    info = self._extract_bound(bound, path, store, key, max_bytes=max_bytes)
-                    self.stats["bind"] += 1
-                    return info
-            opened = None
-            if spec is not None and r.path == path:
-                try:
-                    opened = spec.result()
-                except Exception:  # noqa: BLE001 - redone below, with the error mapped
-                    opened = None
-                spec = None
-            info = store.put_stream(key, self.iter_archive(r.path, r.size, max_bytes=max_bytes, opened=opened),
-                                    max_bytes=max_bytes)
-            self.stats["archive"] += 1
-            return info
-        finally:
-            if spec is not None:
-                _discard(spec)
+    # -- resolving ----------------------------------------------------------------------
+    def resolve(self, path: str) -> tuple[str, int]:
+        r = self._resolve(path)
+        self.policy_for(r.home).check(r.path, shown=path)
+        return r.path, r.size
 
-    def _speculate(self, path: str):
-        if self.prefer_bind_mounts and self._engine_is_local():
+    def _resolve(self, path: str) -> Resolved:
+        """Stat walk through the archive API when the path holds no links
+        (a few ms), else ONE exec (`readlink -f` + `stat`, ~100 ms on podman)."""
+        check_lexical(path)
+        fast = self._resolve_by_stat(path)
+        if fast is not None:
+            return fast
+        r = exec_resolve(self._exec, path)
+        self.stats["resolve_exec"] += 1
+        return r
+
+    def _home(self) -> str | None:
+        """$HOME of the exec user: the container's env, else one exec, once."""
+        if self._home_cache is None:
+            env = (self._attrs().get("Config") or {}).get("Env") or []
+            home = next((e[5:] for e in env if e.startswith("HOME=")), "")
+            if not home:
+                rc, out, _err = self._exec.exec_small(["sh", "-c", 'printf %s "$HOME"'])
+                home = out.decode("utf-8", "surrogateescape") if rc == 0 else ""
+            self._home_cache = home
+        return self._home_cache or None
+
+    def _stat(self, path: str) -> dict | None:
+        """The engine's lstat of `path` (HEAD /containers/{id}/archive); None if absent."""
+        api = self.client.api
+        with self._errors("stat", path=path):
+            res = api.head(api._url("/containers/{0}/archive", self.container_id), params={"path": path})
             try:
-                if self.bind_host_path(path) is not None:
+                if res.status_code == 404:
                     return None
-            except SandboxError:
-                return None
+                api._raise_for_status(res)
+                hdr = res.headers.get("x-docker-container-path-stat")
+            finally:
+                res.close()
         try:
-            self.container_id  # noqa: B018 - inspect once, here, so errors map in the caller's thread
-        except SandboxError:
+            return json.loads(base64.b64decode(hdr)) if hdr else None
+        except ValueError:
             return None
-        return _spec_pool().submit(self._open_archive, path)
+
+    def _resolve_by_stat(self, path: str) -> Resolved | None:
+        """Resolved without an exec when every component is a plain directory
+        and the last a regular file (then the path *is* its resolution).
+        None: a link on the way, a path the lexical policy refuses (a link may
+        still lead somewhere allowed), or an engine without the stat call."""
+        api = self.client.api
+        if not all(hasattr(api, a) for a in ("head", "_url", "_raise_for_status")):
+            return None
+        parts = [p for p in path.split("/") if p]
+        if not parts:
+            return None
+        norm = "/" + "/".join(parts)
+        home = self._home()
+        try:
+            self.policy_for(home).check(norm, shown=path)
+        except UnsafePath:
+            return None
+        st: dict | None = None
+        for i in range(len(parts)):
+            st = self._stat("/" + "/".join(parts[: i + 1]))
+            if st is None:
+                if not self.alive():
+                    raise SandboxGone(f"container {self.ref.target} is gone")
+                raise FileMissing(f"{path}: no such file")
+            mode = int(st.get("mode", 0))
+            if mode & _GO_MODE_SYMLINK:
+                return None
+            if i < len(parts) - 1 and not mode & _GO_MODE_DIR:
+                raise FileMissing(f"{path}: {'/'.join(parts[: i + 1])} is not a directory")
+        assert st is not None
+        mode = int(st.get("mode", 0))
+        if mode & _GO_MODE_DIR:
+            raise NotAFile(f"{path}: is a directory")
+        if mode & _GO_MODE_TYPE:
+            raise NotAFile(f"{path}: not a regular file")
+        self.stats["resolve_stat"] += 1
+        return Resolved(path=norm, size=int(st.get("size", 0)), home=home)
+
+    # -- outbound ------------------------------------------------------------------------
+    def extract(self, path: str, store, key: str, *, max_bytes: int = DEFAULT_MAX_BYTES):
+        r = self._resolve(path)
+        self.policy_for(r.home).check(r.path, shown=path)
+        if r.size > max_bytes:
+            raise TooLarge(f"{path}: {r.size:,} bytes is over the {max_bytes:,} byte cap", size_bytes=r.size,
+                           limit_bytes=max_bytes)
+        if self.prefer_bind_mounts and self._engine_is_local():
+            bound = self.bind_host_path(r.path)
+            if bound is not None:
+                info = self._extract_bound(bound, path, store, key, max_bytes=max_bytes)
+                self.stats["bind"] += 1
+                return info
+        info = store.put_stream(key, self.iter_archive(r.path, r.size, max_bytes=max_bytes), max_bytes=max_bytes)
+        self.stats["archive"] += 1
+        return info
 
     def _extract_bound(self, bound: tuple[str, str], path: str, store, key: str, *, max_bytes: int):
         host, src = bound
@@ -551,12 +612,10 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
         with f:
             return store.put_stream(key, f, max_bytes=max_bytes)
 
-    def iter_archive(self, resolved: str, size: int | None, *, max_bytes: int, opened=None) -> Iterator[bytes]:
+    def iter_archive(self, resolved: str, size: int | None, *, max_bytes: int) -> Iterator[bytes]:
         """The file's bytes through ``get_archive``, member-checked."""
-        if opened is None:
-            with self._errors("get_archive", path=resolved):
-                opened = self._open_archive(resolved)
-        body, st, raw = opened
+        with self._errors("get_archive", path=resolved):
+            body, st, raw = self._open_archive(resolved)
         try:
             mode = int(st.get("mode", 0)) if isinstance(st, dict) else 0
             if mode & _GO_MODE_SYMLINK:
@@ -576,8 +635,8 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
     def _open_archive(self, path: str) -> tuple[Any, dict, Any]:
         """(readable body, stat header, closable response) of the engine's
         archive of `path`: the HTTP body as 1 MiB chunks (like the SDK's
-        ``get_archive``, but with the response at hand so an unread
-        speculative request can be closed) through a thin file adapter."""
+        ``get_archive``, with the response at hand to close it) through a
+        forward-only reader."""
         api = self.client.api
         if not all(hasattr(api, a) for a in ("_get", "_url", "_raise_for_status")):
             gen, st = api.get_archive(self.container_id, path, chunk_size=CHUNK)
@@ -637,32 +696,6 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
                 self.client.close()
             except Exception:  # noqa: BLE001
                 pass
-
-
-_pool = None
-_pool_lock = threading.Lock()
-
-
-def _spec_pool():
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            _pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="docker-archive")
-        return _pool
-
-
-def _discard(future) -> None:
-    """Close a speculative archive response unread (waits for its headers)."""
-    try:
-        _body, _st, closable = future.result(timeout=60)
-    except Exception:  # noqa: BLE001 - nothing to close
-        return
-    try:
-        closable.close()
-    except Exception:  # noqa: BLE001
-        pass
 
 
 def _open_under(host: str, src: str, *, shown: str) -> int:
