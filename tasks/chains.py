@@ -67,12 +67,12 @@ class Plan:
 
 
 def sandbox_queue(ref: SandboxRef) -> str:
-    """Docker containers and singularity instances live on one host: their
-    extractions go to that host's queue, `sandbox.<host>`."""
-    host = ref.options.get("host")
-    if ref.kind in ("docker", "singularity") and host:
-        return f"sandbox.{host}"
-    return "sandbox"
+    """Docker containers and singularity instances live on one host: a ref
+    pinned to a host (`?host=` in its URI) is extracted on that host's queue,
+    `sandbox.<host>`; everything else on `sandbox`."""
+    from adapters.sandboxes.routing import queue_for
+
+    return queue_for(ref)
 
 
 def register(r, plan: Plan) -> list[str]:

@@ -61,7 +61,10 @@ class SandboxRef:
 
 def parse_uri(uri: str) -> tuple[SandboxRef, str]:
     """`local:///abs/path`, `docker://ctr/abs/path`, `ssh://user@host:port/abs/path`,
-    `modal://sb-id/abs/path`, `singularity://instance/abs/path` -> (ref, path)."""
+    `modal://sb-id/abs/path`, `singularity://instance/abs/path` -> (ref, path).
+
+    `?host=<worker host>` pins a docker container or singularity instance to
+    the host it lives on: its extractions go to the queue `sandbox.<host>`."""
     p = urlparse(uri)
     kind = p.scheme.lower()
     if kind not in KINDS:
@@ -76,6 +79,13 @@ def parse_uri(uri: str) -> tuple[SandboxRef, str]:
     if not p.netloc:
         raise ConfigError(f"{kind} sandbox URI needs a {'host' if kind == 'ssh' else 'name'}: {uri!r}")
     options: dict[str, str] = {}
+    if p.query:
+        from urllib.parse import parse_qsl
+
+        for k, v in parse_qsl(p.query, keep_blank_values=False):
+            if k != "host":
+                raise ConfigError(f"unknown sandbox URI option {k!r} in {uri!r} (known: host)")
+            options["host"] = v
     target = unquote(p.netloc)
     if kind == "ssh":
         target = p.hostname or ""
@@ -95,7 +105,8 @@ def format_uri(ref: SandboxRef, path: str) -> str:
             netloc = f"{quote(ref.options['user'])}@{netloc}"
         if "port" in ref.options:
             netloc = f"{netloc}:{ref.options['port']}"
-    return f"{ref.kind}://{netloc}{quote(path)}"
+    query = f"?host={quote(ref.options['host'])}" if ref.options.get("host") else ""
+    return f"{ref.kind}://{netloc}{quote(path)}{query}"
 
 
 @dataclass(frozen=True)

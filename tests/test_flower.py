@@ -1,0 +1,43 @@
+"""Flower, the operators' view, sees courier's tasks (real worker, real Flower)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from tests.fixtures.services import free_port, port_open, stop_process, wait_until
+from tests.fixtures.workers import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def test_flower_lists_courier_tasks_behind_basic_auth(courier_env, tmp_path):
+    env = courier_env()
+    env.start_worker()
+    port = free_port()
+    flower = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "workers.celery_app", "flower", "--address=127.0.0.1",
+         f"--port={port}", "--basic_auth=ops:pw"],
+        env=env.env, cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: port_open(port), timeout_s=60, what="flower")
+        base = f"http://127.0.0.1:{port}"
+        assert httpx.get(f"{base}/api/tasks", timeout=10).status_code == 401
+        f = tmp_path / "x.txt"
+        f.write_text("hi")
+        res = env.cli("send", "outbox:fl", str(f), "--wait", "--timeout", "60")
+        assert res.returncode == 0, res.stderr
+
+        def seen():
+            r = httpx.get(f"{base}/api/tasks", auth=("ops", "pw"), timeout=10)
+            r.raise_for_status()
+            return [t for t in r.json().values()
+                    if t.get("name") == "courier.delivery.deliver" and t.get("state") == "SUCCESS"]
+
+        tasks = wait_until(seen, timeout_s=60, what="flower to show the delivery task")
+        assert tasks[0]["worker"].startswith("t")
+    finally:
+        stop_process(flower)
