@@ -127,3 +127,27 @@ def test_bad_input_is_a_clear_one_line_error_and_nothing_enqueued(courier_env, r
     # nothing reached the broker queues
     assert redis_client.llen("delivery") == 0 and redis_client.llen("sandbox") == 0
     assert not list(redis_client.scan_iter("courier:job:*"))
+
+
+def test_routing_flags_reach_the_platform(courier_env, tmp_path):
+    """--voice and --as-document change the kinds the platform is asked for."""
+    env = courier_env()
+    names = ["a.png", "b.ogg", "c.mp3", "d.gif", "e.mp4", "f.pdf"]
+    paths = []
+    for n in names:
+        p = tmp_path / n
+        p.write_bytes(os.urandom(100))
+        paths.append(str(p))
+    env.start_worker()
+    res = env.cli("send", "outbox:plain", *paths, "--wait", "--json", "--timeout", "60")
+    assert res.returncode == 0, res.stderr
+    res = env.cli("send", "outbox:flags", *paths, "--voice", "--as-document", "--wait", "--json", "--timeout", "60")
+    assert res.returncode == 0, res.stderr
+    plain = [r["kind"] for r in read_log(env.outbox, "plain")]
+    flags = [r["kind"] for r in read_log(env.outbox, "flags")]
+    assert plain == ["photo", "audio", "audio", "animation", "video", "document"]
+    assert flags == ["document", "voice", "voice", "document", "document", "document"]
+    status = env.cli("status", json.loads(res.stdout)["job"], "--json")
+    assert status.returncode == 0
+    rows = json.loads(status.stdout)["deliveries"]
+    assert [r["kind"] for r in rows] == flags and all(r["attempts"] == "1" for r in rows)
