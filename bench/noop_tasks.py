@@ -10,7 +10,6 @@ def noop_first(i: int) -> int:
 
 @shared_task(name="bench.noop_last", acks_late=True, reject_on_worker_lost=True)
 def noop_last(prev: int, counter_key: str, redis_url: str) -> int:
-    import redis
 
     r = _client(redis_url)
     r.incr(counter_key)

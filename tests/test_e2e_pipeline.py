@@ -10,7 +10,6 @@ import os
 import pytest
 
 from adapters.platforms.outbox import read_log
-from tests.fixtures.services import wait_until
 
 pytestmark = pytest.mark.slow
 

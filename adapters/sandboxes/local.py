@@ -1,7 +1,8 @@
 """The local sandbox: paths on the worker's own host.
 
-Fast path: a hard link into a volume store on the same filesystem (no bytes
-copied); else a streamed copy. Links are resolved with `realpath` and the
+Extraction is a streamed copy in 1 MiB reads, hashed on the way (a hard
+link would let the agent change a stored file after the fact, so none is
+made). Links are resolved with `realpath` and the
 resolved path is checked; the opened file descriptor is checked again
 (`/proc/self/fd`) so a link swapped between check and open cannot escape.
 """
@@ -75,15 +76,6 @@ class LocalSandbox(Sandbox):
         with os.fdopen(fd, "rb", buffering=0) as f:
             while chunk := f.read(CHUNK):
                 yield chunk
-
-    def extract(self, path: str, store, key: str, *, max_bytes: int = DEFAULT_MAX_BYTES):
-        check_lexical(path)
-        resolved, size = self.resolve(path)
-        if size > max_bytes:
-            raise TooLarge(
-                f"{path}: {size:,} bytes is over the {max_bytes:,} byte cap", size_bytes=size, limit_bytes=max_bytes
-            )
-        return store.put_stream(key, self.open_stream(resolved), max_bytes=max_bytes)
 
     def put(self, store, key: str, dest_path: str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
         check_lexical(dest_path)
