@@ -55,6 +55,7 @@ AGENTS = {
         """,
     "echo": """
         ev(kind="tool_start", tool_name="read_file", args={"path": "message.txt"})
+        time.sleep(0.6)
         ev(kind="tool_result", tool_name="read_file")
         print("echo: " + msg)
         """,
@@ -75,10 +76,12 @@ AGENTS = {
 
 # -- the stack: one worker and one web process for the module ---------------------------------
 class Stack:
-    def __init__(self, env: CourierEnv, base_url: str, discord_key) -> None:
+    def __init__(self, env: CourierEnv, base_url: str, direct_url: str, discord_key, telegram) -> None:
         self.env = env
-        self.base = base_url
+        self.base = base_url  # the web process with the reply override (outbox:{platform}_{chat})
+        self.direct = direct_url  # the web process without it: replies go to the real chat
         self.discord_key = discord_key
+        self.telegram = telegram
         import redis
 
         self.r = redis.Redis.from_url(env.env["COURIER_REDIS_URL"])
@@ -106,9 +109,19 @@ class Stack:
         return wait_until(over, timeout_s=timeout_s, what=f"{job_id} to be over")
 
 
+def _web(env: dict, tmp: Path, name: str) -> tuple[subprocess.Popen, str, object]:
+    port = free_port()
+    log = open(tmp / f"{name}.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen([sys.executable, "-m", "workers.cli", "web", "--host", "127.0.0.1", "--port", str(port)],
+                            env=env, cwd=str(ROOT), stdout=log, stderr=subprocess.STDOUT)
+    return proc, f"http://127.0.0.1:{port}", log
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, redis_server):
     from nacl.signing import SigningKey
+
+    from tests.fixtures.fake_telegram import FakeTelegram
 
     tmp = tmp_path_factory.mktemp("sse")
     agents = {}
@@ -117,32 +130,36 @@ def stack(tmp_path_factory, redis_server):
         p.write_text(AGENT_PRELUDE + textwrap.dedent(body))
         agents[name] = {"command": [sys.executable, str(p)], "timeout_s": 1.5 if name == "sleepy" else 60}
     discord_key = SigningKey.generate()
+    telegram = FakeTelegram().start()
     env = CourierEnv(tmp, redis_server.url, **{
         "COURIER_AGENTS": json.dumps(agents),
         "COURIER_SSE_KEEPALIVE_S": "0.3",
+        "TELEGRAM_BOT_TOKEN": telegram.token,
+        "COURIER_TELEGRAM_BASE_URL": telegram.url,
         "TELEGRAM_WEBHOOK_SECRET": TELEGRAM_SECRET,
         "SLACK_SIGNING_SECRET": SLACK_SECRET,
         "DISCORD_PUBLIC_KEY": discord_key.verify_key.encode().hex(),
         "WHATSAPP_APP_SECRET": WA_SECRET,
         "WHATSAPP_VERIFY_TOKEN": WA_VERIFY,
         "COURIER_WEBHOOK_AGENT": "echo",
-        "COURIER_WEBHOOK_REPLY_TARGET_OVERRIDE": "outbox:{platform}_{chat}",
     })
-    port = free_port()
-    log = open(tmp / "web.log", "wb")  # noqa: SIM115
-    web = subprocess.Popen([sys.executable, "-m", "workers.cli", "web", "--host", "127.0.0.1", "--port", str(port)],
-                           env=env.env, cwd=str(ROOT), stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
+    webs = [_web({**env.env, "COURIER_WEBHOOK_REPLY_TARGET_OVERRIDE": "outbox:{platform}_{chat}"}, tmp, "web"),
+            _web(env.env, tmp, "web-direct")]
     try:
         env.start_worker()
-        wait_until(lambda: web.poll() is None and httpx.get(base + "/healthz", timeout=1).status_code == 200,
-                   timeout_s=30, what="the web process")
-        yield Stack(env, base, discord_key)
+        for proc, base, _log in webs:
+            wait_until(lambda: proc.poll() is None and httpx.get(base + "/healthz", timeout=1).status_code == 200,
+                       timeout_s=30, what=f"the web process at {base}")
+        yield Stack(env, webs[0][1], webs[1][1], discord_key, telegram)
     finally:
-        stop_process(web)
-        log.close()
+        for proc, _base, log in webs:
+            stop_process(proc)
+            log.close()
         env.stop()
-        assert TELEGRAM_SECRET not in (tmp / "web.log").read_text(errors="replace")
+        telegram.stop()
+    for name in ("web", "web-direct"):
+        text = (tmp / f"{name}.log").read_text(errors="replace")
+        assert TELEGRAM_SECRET not in text and telegram.token not in text
 
 
 # -- SSE ------------------------------------------------------------------------------------
@@ -376,6 +393,30 @@ def test_telegram_webhook(stack):
     # a non-text update is acknowledged and ignored
     sticker = {"update_id": 9002, "message": {"message_id": 2, "chat": {"id": 1}, "sticker": {}}}
     assert httpx.post(url, json=sticker, headers=good).json()["ignored"]
+
+
+def test_telegram_webhook_turn_shows_native_activity_and_replies_in_the_chat(stack):
+    """No override: a real worker, the real Telegram adapter against a local Bot API server."""
+    tg = stack.telegram
+    update = {"update_id": 77001, "message": {"message_id": 5, "chat": {"id": 5151, "type": "private"},
+                                               "text": "hi bot"}}
+    r1 = httpx.post(stack.direct + "/webhooks/telegram", json=update,
+                    headers={"X-Telegram-Bot-Api-Secret-Token": TELEGRAM_SECRET})
+    job = r1.json()["job"]
+    rec = receipts.get_job(stack.r, job)
+    assert rec["target"] == rec["origin"] == "telegram:5151"
+    stack.wait_over(job)
+    calls = tg.calls_for(chat="5151", ok=True)
+    assert any(c.method == "sendChatAction" and c.fields.get("action") == "typing" for c in calls)
+    progress = [c for c in calls if c.method == "sendMessage" and c.text == "reading message.txt"]
+    assert len(progress) == 1
+    pid = str(progress[0].result["message_id"])
+    wait_until(lambda: [c.fields.get("message_id") for c in tg.calls_for("deleteMessage", chat="5151")] == [pid],
+               timeout_s=10, what="the progress message removed")
+    replies = [c for c in tg.calls_for("sendMessage", chat="5151") if c.text == "echo: hi bot"]
+    assert len(replies) == 1 and replies[0].t > progress[0].t
+    # the outbox records nothing for activity (nor for this chat)
+    assert read_log(stack.env.outbox, "5151") == []
 
 
 def _slack_headers(body: bytes, ts: int | None = None, secret: str = SLACK_SECRET) -> dict:
