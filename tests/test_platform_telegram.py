@@ -16,18 +16,19 @@ from adapters.errors import Permanent, RateLimited, Transient
 from adapters.platforms.base import FileSource, Kind
 from adapters.platforms.telegram import TelegramPlatform
 from tasks import receipts
-from tests.fixtures.fake_telegram import enqueue, wait_job
+from tests.fixtures.fake_telegram import FakeTelegram, enqueue, wait_job
 from tests.fixtures.services import wait_until
+from tests.fixtures.workers import CourierEnv
 
 pytestmark = pytest.mark.slow
 
 CHAT = "777001"
 
 
-def _write(path, size: int, seed: bytes = b"") -> str:
-    """A file of `size` pseudo-random bytes (written in chunks); returns its sha256."""
+def _write(path, size: int) -> str:
+    """A file of `size` bytes, unique to this call (written in chunks); returns its sha256."""
     h = hashlib.sha256()
-    block = hashlib.sha256(seed + path.name.encode()).digest() * 4096  # 128 KiB
+    block = os.urandom(32) * 4096  # 128 KiB
     with open(path, "wb") as f:
         left = size
         while left:
@@ -38,12 +39,39 @@ def _write(path, size: int, seed: bytes = b"") -> str:
     return h.hexdigest()
 
 
+@pytest.fixture(scope="module")
+def _deployment(redis_server, tmp_path_factory):
+    """One courier deployment for the module: its Telegram is the local fake, one worker.
+    Tests use their own chats and fresh file contents, and reset the fake."""
+    fake = FakeTelegram().start()
+    env = CourierEnv(tmp_path_factory.mktemp("tg"), redis_server.url, TELEGRAM_BOT_TOKEN=fake.token,
+                     COURIER_TELEGRAM_BASE_URL=fake.url)
+    try:
+        env.start_worker()
+        yield env, fake
+    finally:
+        env.stop()
+        fake.stop()
+
+
 @pytest.fixture
-def tg(courier_env, fake_telegram, redis_client):
-    """A courier deployment whose Telegram is the local fake, with one worker."""
-    env = courier_env(TELEGRAM_BOT_TOKEN=fake_telegram.token, COURIER_TELEGRAM_BASE_URL=fake_telegram.url)
-    env.start_worker()
+def tg(_deployment):
+    env, fake = _deployment
+    fake.reset()
     return env
+
+
+@pytest.fixture
+def fake_telegram(_deployment):  # noqa: F811 - this module shares one server with its worker
+    return _deployment[1]
+
+
+@pytest.fixture
+def r(redis_server):
+    """A client of the shared Redis that, unlike `r`, does not flush it under the worker."""
+    c = redis_server.client()
+    yield c
+    c.close()
 
 
 def _fields(call, name: str) -> str | None:
@@ -70,18 +98,19 @@ def test_cli_send_photo_document_voice(tg, fake_telegram, tmp_path):
     assert all(b.t - a.t >= 0.95 for a, b in zip(calls, calls[1:])), [c.t for c in calls]
 
 
-def test_missing_token_is_a_config_error_and_nothing_enqueued(courier_env, redis_client, tmp_path):
-    env = courier_env(TELEGRAM_BOT_TOKEN="")
+def test_missing_token_is_a_config_error_and_nothing_enqueued(redis_server, r, tmp_path):
+    env = CourierEnv(tmp_path, redis_server.url, TELEGRAM_BOT_TOKEN="")
     f = tmp_path / "a.txt"
     f.write_text("x")
+    jobs_before = set(r.scan_iter("courier:job:*"))
     res = env.cli("send", "telegram:1", str(f))
     assert res.returncode == 2, res.stdout + res.stderr
     assert "TELEGRAM_BOT_TOKEN is not set" in res.stderr
-    assert redis_client.llen("delivery") == 0 and not list(redis_client.scan_iter("courier:job:*"))
+    assert r.llen("delivery") == 0 and set(r.scan_iter("courier:job:*")) == jobs_before
 
 
 # -- every kind, text and caption limits ------------------------------------------------------
-def test_every_kind_text_split_and_caption_overflow(tg, fake_telegram, redis_client, tmp_path):
+def test_every_kind_text_split_and_caption_overflow(tg, fake_telegram, r, tmp_path):
     kinds = {"p.jpg": ("sendPhoto", "photo", False), "a.gif": ("sendAnimation", "animation", False),
              "v.mp4": ("sendVideo", "video", False), "s.mp3": ("sendAudio", "audio", False),
              "n.ogg": ("sendVoice", "voice", True), "m.ogg": ("sendAudio", "audio", False),
@@ -100,12 +129,12 @@ def test_every_kind_text_split_and_caption_overflow(tg, fake_telegram, redis_cli
 
     for name, (method, field, _) in kinds.items():
         chat, sha, job = jobs[name]
-        rows = wait_job(redis_client, job)
+        rows = wait_job(r, job)
         assert rows[0]["state"] == "delivered" and rows[0]["kind"] == field, rows
         (call,) = fake_telegram.calls_for(chat=chat)
         assert call.method == method and call.files[field].sha256 == sha and call.caption == f"cap {name}"
 
-    rows = wait_job(redis_client, text_job, timeout_s=60)
+    rows = wait_job(r, text_job, timeout_s=60)
     assert [d["state"] for d in rows] == ["delivered", "delivered"], rows
     calls = fake_telegram.calls_for(chat="800200")
     assert [c.method for c in calls] == ["sendMessage"] * 3 + ["sendDocument", "sendMessage", "sendMessage"]
@@ -116,16 +145,16 @@ def test_every_kind_text_split_and_caption_overflow(tg, fake_telegram, redis_cli
     assert all(b.t - a.t >= 0.95 for a, b in zip(calls, calls[1:]))  # one chat, 1 msg/s
 
 
-def test_photo_over_10mb_goes_as_document(tg, fake_telegram, redis_client, tmp_path):
+def test_photo_over_10mb_goes_as_document(tg, fake_telegram, r, tmp_path):
     p = tmp_path / "huge.png"
     sha = _write(p, 10 * 1000 * 1000 + 500_000)
-    rows = wait_job(redis_client, enqueue(tg, "telegram:800300", files=[p]))
+    rows = wait_job(r, enqueue(tg, "telegram:800300", files=[p]))
     assert rows[0]["state"] == "delivered" and rows[0]["kind"] == "document"
     (call,) = fake_telegram.calls_for(chat="800300")
     assert call.method == "sendDocument" and call.files["document"].sha256 == sha
 
 
-def test_over_the_upload_limit_sends_a_notice_and_uploads_nothing(tg, fake_telegram, redis_client, tmp_path):
+def test_over_the_upload_limit_sends_a_notice_and_uploads_nothing(tg, fake_telegram, r, tmp_path):
     p = tmp_path / "backup.tar"
     with open(p, "wb") as f:  # sparse: 51 MB without writing them
         f.truncate(51 * 1000 * 1000)
@@ -138,33 +167,33 @@ def test_over_the_upload_limit_sends_a_notice_and_uploads_nothing(tg, fake_teleg
     assert fake_telegram.uploads() == []
 
 
-def test_server_413_is_permanent(tg, fake_telegram, redis_client, tmp_path):
+def test_server_413_is_permanent(tg, fake_telegram, r, tmp_path):
     fake_telegram.max_upload_bytes = 100_000
     p = tmp_path / "big.zip"
     _write(p, 200_000)
-    rows = wait_job(redis_client, enqueue(tg, "telegram:800500", files=[p]))
+    rows = wait_job(r, enqueue(tg, "telegram:800500", files=[p]))
     assert rows[0]["state"] == "failed" and "413" in rows[0]["reason"], rows
     assert len(fake_telegram.calls_for(chat="800500")) == 1
 
 
 # -- retries ------------------------------------------------------------------------------------
-def test_429_then_success_waits_retry_after_and_sends_once(tg, fake_telegram, redis_client, tmp_path):
+def test_429_then_success_waits_retry_after_and_sends_once(tg, fake_telegram, r, tmp_path):
     fake_telegram.fail_next(1, 429, retry_after=2, method="sendDocument")
     p = tmp_path / "r.pdf"
     sha = _write(p, 4000)
-    rows = wait_job(redis_client, enqueue(tg, "telegram:800600", files=[p]), timeout_s=60)
+    rows = wait_job(r, enqueue(tg, "telegram:800600", files=[p]), timeout_s=60)
     assert rows[0]["state"] == "delivered", rows
     limited, ok = fake_telegram.calls_for(chat="800600")
     assert (limited.status, ok.status) == (429, 200) and ok.files["document"].sha256 == sha
     assert ok.t - limited.t >= 2.0
     assert len(fake_telegram.calls_for(chat="800600", ok=True)) == 1
-    assert receipts.get_delivery(redis_client, rows[0]["id"])["rate_limited"] == "1"
+    assert receipts.get_delivery(r, rows[0]["id"])["rate_limited"] == "1"
 
 
-def test_repeated_500s_then_success(tg, fake_telegram, redis_client, tmp_path):
+def test_repeated_500s_then_success(tg, fake_telegram, r, tmp_path):
     fake_telegram.fail_next(3, 500, method="sendMessage")
     job = enqueue(tg, "telegram:800700", text="hello after errors")
-    rows = wait_job(redis_client, job, timeout_s=90)
+    rows = wait_job(r, job, timeout_s=90)
     assert rows[0]["state"] == "delivered", rows
     calls = fake_telegram.calls_for(chat="800700")
     assert [c.status for c in calls] == [500, 500, 500, 200]
@@ -175,13 +204,13 @@ def test_repeated_500s_then_success(tg, fake_telegram, redis_client, tmp_path):
 
 
 @pytest.mark.parametrize("failure", ["unknown", "blocked"])
-def test_permanent_errors_do_not_retry_and_show_in_status(tg, fake_telegram, redis_client, tmp_path, failure):
+def test_permanent_errors_do_not_retry_and_show_in_status(tg, fake_telegram, r, tmp_path, failure):
     chat = "800800"
     (fake_telegram.unknown_chats if failure == "unknown" else fake_telegram.blocked_chats).add(chat)
     p = tmp_path / "x.pdf"
     _write(p, 1000)
     job = enqueue(tg, f"telegram:{chat}", files=[p])
-    rows = wait_job(redis_client, job)
+    rows = wait_job(r, job)
     expect = "Chat not found" if failure == "unknown" else "Forbidden: bot was blocked by the user"
     assert rows[0]["state"] == "failed" and expect in rows[0]["reason"], rows
     assert len(fake_telegram.calls_for(chat=chat)) == 1  # no retry
@@ -192,13 +221,13 @@ def test_permanent_errors_do_not_retry_and_show_in_status(tg, fake_telegram, red
 
 
 # -- idempotency and upload once -------------------------------------------------------------
-def test_redelivered_task_after_success_sends_nothing(tg, fake_telegram, redis_client, tmp_path):
+def test_redelivered_task_after_success_sends_nothing(tg, fake_telegram, r, tmp_path):
     from celery import Celery
 
     p = tmp_path / "once.pdf"
     _write(p, 1000)
     job = enqueue(tg, "telegram:800900", files=[p])
-    (row,) = wait_job(redis_client, job)
+    (row,) = wait_job(r, job)
     assert row["state"] == "delivered"
     app = Celery(broker=tg.env["COURIER_REDIS_URL"])
     again = {"id": row["id"], "job": job, "target": "telegram:800900", "type": "file",
@@ -211,11 +240,11 @@ def test_redelivered_task_after_success_sends_nothing(tg, fake_telegram, redis_c
     assert [c.method for c in fake_telegram.calls_for(chat="800900")] == ["sendDocument", "sendMessage"]
 
 
-def test_same_file_to_two_chats_is_uploaded_once(tg, fake_telegram, redis_client, tmp_path):
+def test_same_file_to_two_chats_is_uploaded_once(tg, fake_telegram, r, tmp_path):
     p = tmp_path / "shared.png"
     sha = _write(p, 5000)
-    (first,) = wait_job(redis_client, enqueue(tg, "telegram:801000", files=[p]))
-    (second,) = wait_job(redis_client, enqueue(tg, "telegram:-1001234", files=[p]))
+    (first,) = wait_job(r, enqueue(tg, "telegram:801000", files=[p]))
+    (second,) = wait_job(r, enqueue(tg, "telegram:-1001234", files=[p]))
     assert first["state"] == second["state"] == "delivered"
     a, b = fake_telegram.calls_for("sendPhoto")
     assert a.files["photo"].sha256 == sha and b.files == {}
@@ -229,7 +258,7 @@ def _src(name: str, data: bytes) -> FileSource:
                       opener=lambda: contextlib.closing(io.BytesIO(data)))
 
 
-def test_album_typing_and_progress_message(fake_telegram):
+def test_album_typing_and_progress_message(tg, fake_telegram):
     tp = TelegramPlatform(fake_telegram.token, base_url=fake_telegram.url)
     blobs = [os.urandom(1500 + i) for i in range(3)]
     sent = tp.send_album("-100777", [(Kind.PHOTO, _src(f"{i}.jpg", b)) for i, b in enumerate(blobs)],
@@ -251,7 +280,7 @@ def test_album_typing_and_progress_message(fake_telegram):
     tp.close()
 
 
-def test_error_map_and_no_token_in_errors(fake_telegram):
+def test_error_map_and_no_token_in_errors(tg, fake_telegram):
     tp = TelegramPlatform(fake_telegram.token, base_url=fake_telegram.url)
     fake_telegram.fail_next(1, 429, retry_after=7)
     with pytest.raises(RateLimited) as rl:

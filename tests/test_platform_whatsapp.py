@@ -12,6 +12,8 @@ import pytest
 from adapters.errors import Permanent, RateLimited, Transient
 from adapters.platforms.whatsapp import map_error
 from tests.fixtures.fake_telegram import enqueue, wait_job
+from tests.fixtures.fake_whatsapp import FakeWhatsApp
+from tests.fixtures.workers import CourierEnv
 from tests.test_platform_telegram import _write
 
 pytestmark = pytest.mark.slow
@@ -19,12 +21,39 @@ pytestmark = pytest.mark.slow
 TO = "+15551234567"
 
 
+@pytest.fixture(scope="module")
+def _deployment(redis_server, tmp_path_factory):
+    """One courier deployment for the module: its WhatsApp is the local fake, one worker.
+    Tests use their own recipients and fresh file contents, and reset the fake."""
+    fake = FakeWhatsApp().start()
+    env = CourierEnv(tmp_path_factory.mktemp("wa"), redis_server.url, WHATSAPP_ACCESS_TOKEN=fake.token,
+                     WHATSAPP_PHONE_NUMBER_ID=fake.phone_number_id, COURIER_WHATSAPP_BASE_URL=fake.url)
+    try:
+        env.start_worker()
+        yield env, fake
+    finally:
+        env.stop()
+        fake.stop()
+
+
 @pytest.fixture
-def wa(courier_env, fake_whatsapp, redis_client):
-    env = courier_env(WHATSAPP_ACCESS_TOKEN=fake_whatsapp.token, WHATSAPP_PHONE_NUMBER_ID=fake_whatsapp.phone_number_id,
-                      COURIER_WHATSAPP_BASE_URL=fake_whatsapp.url)
-    env.start_worker()
+def wa(_deployment):
+    env, fake = _deployment
+    fake.reset()
     return env
+
+
+@pytest.fixture
+def fake_whatsapp(_deployment):  # noqa: F811 - this module shares one server with its worker
+    return _deployment[1]
+
+
+@pytest.fixture
+def r(redis_server):
+    """A client of the shared Redis that, unlike `r`, does not flush it under the worker."""
+    c = redis_server.client()
+    yield c
+    c.close()
 
 
 def _body(call) -> dict:
@@ -51,16 +80,18 @@ def test_cli_send_photo_document_voice(wa, fake_whatsapp, tmp_path):
     assert [d["message_id"] for d in rows] == [m.result["messages"][0]["id"] for m in msgs]
 
 
-def test_missing_settings_are_config_errors(courier_env, tmp_path):
+def test_missing_settings_are_config_errors(redis_server, tmp_path):
     f = tmp_path / "a.txt"
     f.write_text("x")
-    res = courier_env(WHATSAPP_ACCESS_TOKEN="").cli("send", "whatsapp:+1555", str(f))
+    env = CourierEnv(tmp_path / "e1", redis_server.url, WHATSAPP_ACCESS_TOKEN="")
+    res = env.cli("send", "whatsapp:+1555", str(f))
     assert res.returncode == 2 and "WHATSAPP_ACCESS_TOKEN is not set" in res.stderr
-    res = courier_env(WHATSAPP_ACCESS_TOKEN="t", WHATSAPP_PHONE_NUMBER_ID="").cli("send", "whatsapp:+1555", str(f))
+    env = CourierEnv(tmp_path / "e2", redis_server.url, WHATSAPP_ACCESS_TOKEN="t", WHATSAPP_PHONE_NUMBER_ID="")
+    res = env.cli("send", "whatsapp:+1555", str(f))
     assert res.returncode == 2 and "WHATSAPP_PHONE_NUMBER_ID is not set" in res.stderr
 
 
-def test_every_kind_limits_and_fallbacks(wa, fake_whatsapp, redis_client, tmp_path):
+def test_every_kind_limits_and_fallbacks(wa, fake_whatsapp, r, tmp_path):
     cases = {  # name -> (receipt kind, message type, uploaded mime)
         "p.jpg": ("photo", "image", "image/jpeg"), "v.mp4": ("video", "video", "video/mp4"),
         "s.mp3": ("audio", "audio", "audio/mpeg"), "r.csv": ("document", "document", "text/csv"),
@@ -79,7 +110,7 @@ def test_every_kind_limits_and_fallbacks(wa, fake_whatsapp, redis_client, tmp_pa
 
     for name, (kind, mtype, mime) in cases.items():
         to, sha, job = jobs[name]
-        (row,) = wait_job(redis_client, job)
+        (row,) = wait_job(r, job)
         assert row["state"] == "delivered" and row["kind"] == kind, row
         msgs = fake_whatsapp.calls_for("messages", chat=to)
         assert msgs[0].fields["type"] == mtype
@@ -90,7 +121,7 @@ def test_every_kind_limits_and_fallbacks(wa, fake_whatsapp, redis_client, tmp_pa
         else:
             assert _body(msgs[0])["caption"] == f"about {name}" and len(msgs) == 1
 
-    rows = wait_job(redis_client, text_job)
+    rows = wait_job(r, text_job)
     assert [(d["state"], d["kind"]) for d in rows] == [("delivered", "text"), ("delivered", "document")], rows
     msgs = fake_whatsapp.calls_for("messages", chat="+15559990000")
     assert [m.fields["type"] for m in msgs] == ["text", "text", "document", "text", "text"]
@@ -100,38 +131,38 @@ def test_every_kind_limits_and_fallbacks(wa, fake_whatsapp, redis_client, tmp_pa
     assert "".join(_body(m)["body"] for m in msgs[3:]) == "y" * 1500
 
 
-def test_video_over_16mb_gets_a_notice_and_nothing_uploaded(wa, fake_whatsapp, redis_client, tmp_path):
+def test_video_over_16mb_gets_a_notice_and_nothing_uploaded(wa, fake_whatsapp, r, tmp_path):
     p = tmp_path / "talk.mp4"
     with open(p, "wb") as f:
         f.truncate(16_500_000)
-    (row,) = wait_job(redis_client, enqueue(wa, f"whatsapp:{TO}", files=[p]))
+    (row,) = wait_job(r, enqueue(wa, f"whatsapp:{TO}", files=[p]))
     assert row["state"] == "failed" and "16.0 MB" in row["reason"] and "talk.mp4" in row["reason"]
     (notice,) = fake_whatsapp.calls_for("messages", chat=TO)
     assert notice.fields["type"] == "text" and "talk.mp4" in _body(notice)["body"]
     assert fake_whatsapp.calls_for("media") == []
 
 
-def test_rate_limit_then_success_is_sent_once_after_retry_after(wa, fake_whatsapp, redis_client, tmp_path):
+def test_rate_limit_then_success_is_sent_once_after_retry_after(wa, fake_whatsapp, r, tmp_path):
     fake_whatsapp.fail_next(1, 429, code=130429, retry_after=2, method="messages")
-    (row,) = wait_job(redis_client, enqueue(wa, f"whatsapp:{TO}", text="hi"), timeout_s=60)
+    (row,) = wait_job(r, enqueue(wa, f"whatsapp:{TO}", text="hi"), timeout_s=60)
     assert row["state"] == "delivered"
     limited, ok = fake_whatsapp.calls_for("messages", chat=TO)
     assert (limited.status, ok.status) == (429, 200) and ok.t - limited.t >= 2.0
     assert row["rate_limited"] == "1"
 
 
-def test_500s_then_success_and_permanent_error_recorded(wa, fake_whatsapp, redis_client, tmp_path):
+def test_500s_then_success_and_permanent_error_recorded(wa, fake_whatsapp, r, tmp_path):
     fake_whatsapp.fail_next(2, 500, method="media")
     p = tmp_path / "d.pdf"
     sha = _write(p, 1200)
-    (row,) = wait_job(redis_client, enqueue(wa, f"whatsapp:{TO}", files=[p]), timeout_s=60)
+    (row,) = wait_job(r, enqueue(wa, f"whatsapp:{TO}", files=[p]), timeout_s=60)
     assert row["state"] == "delivered" and row["transient_errors"] == "2"
     assert [c.status for c in fake_whatsapp.calls_for("media")] == [500, 500, 200]
     assert fake_whatsapp.calls_for("media")[-1].files["file"].sha256 == sha
 
     fake_whatsapp.unknown_chats.add("+15550000404")
     job = enqueue(wa, "whatsapp:+15550000404", text="anyone?")
-    (row,) = wait_job(redis_client, job)
+    (row,) = wait_job(r, job)
     assert row["state"] == "failed" and "not in allowed list" in row["reason"] and "131030" in row["reason"]
     assert len(fake_whatsapp.calls_for("messages", chat="+15550000404")) == 1  # not retried
     res = wa.cli("status", job, "--json")
@@ -139,11 +170,11 @@ def test_500s_then_success_and_permanent_error_recorded(wa, fake_whatsapp, redis
     assert fake_whatsapp.token not in res.stdout
 
 
-def test_same_file_to_two_chats_is_uploaded_once(wa, fake_whatsapp, redis_client, tmp_path):
+def test_same_file_to_two_chats_is_uploaded_once(wa, fake_whatsapp, r, tmp_path):
     p = tmp_path / "same.jpg"
     sha = _write(p, 4000)
-    (a,) = wait_job(redis_client, enqueue(wa, "whatsapp:+15551110001", files=[p]))
-    (b,) = wait_job(redis_client, enqueue(wa, "whatsapp:+15551110002", files=[p]))
+    (a,) = wait_job(r, enqueue(wa, "whatsapp:+15551110001", files=[p]))
+    (b,) = wait_job(r, enqueue(wa, "whatsapp:+15551110002", files=[p]))
     assert a["state"] == b["state"] == "delivered"
     assert [u.sha256 for u in fake_whatsapp.uploads()] == [sha]
     ids = [_body(m)["id"] for m in fake_whatsapp.calls_for("messages")]
