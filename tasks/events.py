@@ -65,17 +65,24 @@ def follow(r, job_id: str, after: str = "0-0", *, block_ms: int = 1000, deadline
 DELIVERY_FINAL = frozenset({"delivered", "failed"})
 
 
+def decode(fields: dict) -> dict | None:
+    """The event of one stream entry's fields (None if it is not one)."""
+    raw = fields.get(b"data") or fields.get("data")
+    try:
+        ev = json.loads(raw)
+    except (TypeError, ValueError):
+        return None
+    return ev if isinstance(ev, dict) else None
+
+
 def read_range(r, job_id: str, start: str = "-", end: str = "+", *, count: int | None = None
                ) -> list[tuple[str, dict]]:
     """Events between two stream ids, inclusive (`-`/`+`: the ends)."""
     out: list[tuple[str, dict]] = []
     for eid, fields in r.xrange(keys.events(job_id), start, end, count=count):
-        eid = eid.decode() if isinstance(eid, bytes) else eid
-        raw = fields.get(b"data") or fields.get("data")
-        try:
-            out.append((eid, json.loads(raw)))
-        except (TypeError, ValueError):
-            continue
+        ev = decode(fields)
+        if ev is not None:
+            out.append((eid.decode() if isinstance(eid, bytes) else eid, ev))
     return out
 
 

@@ -200,7 +200,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
             tracker.expect_deliveries(int(await r.llen(keys.job_deliveries(job_id)) or 0))
         if last:  # what was already sent still counts towards the end
             for _eid, fields in await r.xrange(key, "-", last):
-                ev = _decode(fields)
+                ev = events.decode(fields)
                 if ev is not None:
                     tracker.feed(ev)
             if tracker.done and not await r.xrange(key, f"({last}", "+", count=1):
@@ -218,7 +218,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
                 for _stream, entries in res or []:
                     for eid, fields in entries:
                         cursor = _s(eid)
-                        ev = _decode(fields)
+                        ev = events.decode(fields)
                         if ev is None:
                             continue
                         got = True
@@ -395,15 +395,6 @@ def create_app(settings: Settings | None = None) -> Starlette:
     application = Starlette(routes=routes, lifespan=lifespan)
     application.state.web = web
     return application
-
-
-def _decode(fields: dict) -> dict | None:
-    raw = fields.get(b"data") or fields.get("data")
-    try:
-        ev = json.loads(raw)
-    except (TypeError, ValueError):
-        return None
-    return ev if isinstance(ev, dict) else None
 
 
 app = create_app()
