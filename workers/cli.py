@@ -1,4 +1,4 @@
-"""The operator CLI: `courier send | turn | status | watch | demo`.
+"""The operator CLI: `courier send | turn | status | watch | web | demo`.
 
 Exit codes: 0 done; 1 a delivery or turn failed; 2 bad input (nothing was
 enqueued); 3 a service (Redis, storage) is unavailable (nothing was
