@@ -31,9 +31,10 @@ def delivery_id(job_id: str, seq: int) -> str:
     return f"{job_id}.{seq}"
 
 
-def storage_key(job_id: str, seq: int, name: str) -> str:
+def storage_key(job_id: str, seq: int, name: str, *, prefix: str = "files") -> str:
+    """`files/<job>/<seq>-<safe name>` (outbound) or `inbound/...` (attachments)."""
     safe = _SAFE.sub("_", posixpath.basename(name)).lstrip(".")[:100] or "file"
-    return f"files/{job_id}/{seq}-{safe}"
+    return f"{prefix}/{job_id}/{seq}-{safe}"
 
 
 @dataclass

@@ -8,6 +8,7 @@ from tasks.runtime import Context
 RETENTION = {
     "screenshots/": "screenshot_ttl_s",
     "files/": "file_ttl_s",
+    "inbound/": "file_ttl_s",
     "hook_outputs/": "spill_ttl_s",
 }
 DEFAULT_TTL_S = {"screenshot_ttl_s": 24 * 3600, "file_ttl_s": 7 * 24 * 3600, "spill_ttl_s": 7 * 24 * 3600}

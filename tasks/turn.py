@@ -14,7 +14,9 @@ context reaches the agent in env `COURIER_HOOK_CONTEXT`.
 
 from __future__ import annotations
 
+import json
 import os
+import posixpath
 import sys
 from collections.abc import Callable
 
@@ -82,6 +84,15 @@ def run_turn(ctx: Context, spec: dict, *, on_activity: Callable[[dict], None] | 
         return _fail(ctx, spec, finish, exc.reason)
     if workdir:
         os.makedirs(workdir, exist_ok=True)
+    try:
+        attached = put_attachments(ctx, spec, ref, workdir)
+    except CourierError as exc:
+        return _fail(ctx, spec, finish, f"could not hand the attached files to the agent: {exc.reason}")
+    if attached:
+        publish({"kind": "status", "status": "processing",
+                 "message": f"received {len(attached)} file{'s' if len(attached) != 1 else ''}"})
+        spec = {**spec, "message": spec.get("message", "") + "\n\n[attached files: " + ", ".join(attached) + "]"}
+        env = {**env, "COURIER_ATTACHMENTS": json.dumps(attached)}
     publish({"kind": "status", "status": "thinking"})
     if runtime == "openai":
         result = _run_openai(ctx, spec, agent, ref, workdir, hooks, hook_ctx, timeout_s, publish)
@@ -122,6 +133,23 @@ def run_turn(ctx: Context, spec: dict, *, on_activity: Callable[[dict], None] | 
     for d in ids:
         publish({"kind": "delivery", "delivery_id": d, "state": "queued"})
     return finish("replied", deliveries=len(ids))
+
+
+def put_attachments(ctx: Context, spec: dict, ref: SandboxRef, workdir: str | None) -> list[str]:
+    """Inbound files (a chat user's attachments, `courier turn --attach`):
+    storage -> the turn's sandbox, under `<workdir>/inbox/`, with the
+    sandbox's own path checks. Returns the sandbox paths, in order."""
+    items = spec.get("attachments") or []
+    if not items:
+        return []
+    sandbox = ctx.sandbox(ref)
+    base = workdir or ref.options.get("workdir") or "/workspace"
+    out = []
+    for item in items:
+        name = posixpath.basename(item["name"]).lstrip(".") or "file"
+        dest = posixpath.join(base, "inbox", name)
+        out.append(sandbox.put(ctx.store, item["key"], dest, max_bytes=ctx.max_file_bytes))
+    return out
 
 
 def _run_openai(ctx: Context, spec: dict, agent, ref: SandboxRef, workdir: str | None, hooks, hook_ctx: dict,

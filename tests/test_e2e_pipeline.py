@@ -150,3 +150,28 @@ def test_routing_flags_reach_the_platform(courier_env, tmp_path):
     assert status.returncode == 0
     rows = json.loads(status.stdout)["deliveries"]
     assert [r["kind"] for r in rows] == flags and all(r["attempts"] == "1" for r in rows)
+
+
+def test_turn_attachments_reach_the_agent_in_its_sandbox(courier_env, tmp_path):
+    """Inbound: storage -> the turn's sandbox, then the agent works on the file."""
+    agent = tmp_path / "hasher.py"
+    agent.write_text(
+        "import hashlib, json, os, sys\n"
+        "sys.stdin.read()\n"
+        "for p in json.loads(os.environ['COURIER_ATTACHMENTS']):\n"
+        "    print(os.path.basename(p), hashlib.sha256(open(p, 'rb').read()).hexdigest(), p.startswith(os.getcwd()))\n"
+    )
+    sb = tmp_path / "work"
+    agents = json.dumps({"hasher": {"command": [os.sys.executable, str(agent)], "sandbox": f"local://{sb}"}})
+    env = courier_env(COURIER_AGENTS=agents, COURIER_LOCAL_ROOTS=json.dumps([str(sb)]))
+    src = tmp_path / "user photo.jpg"
+    sha = _make(src, 300_000)
+    env.start_worker()
+    res = env.cli("turn", "outbox:in", "what is this?", "--agent", "hasher", "--attach", str(src), "--wait",
+                  "--json", "--timeout", "60")
+    assert res.returncode == 0, res.stderr + res.stdout
+    text = read_log(env.outbox, "in")[0]["text"]
+    assert text == f"user photo.jpg {sha} True"
+    assert (sb / "inbox" / "user photo.jpg").stat().st_size == 300_000
+    res = env.cli("turn", "outbox:in", "x", "--agent", "hasher", "--attach", str(tmp_path / "nope.bin"))
+    assert res.returncode == 2 and "no such file to attach" in res.stderr

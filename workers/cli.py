@@ -221,6 +221,8 @@ def turn(
     message: Annotated[str, typer.Argument(help="the user's message")],
     agent: Annotated[str | None, typer.Option(help="agent name (settings COURIER_AGENTS, or the built-in demo)")] = None,
     sandbox: Annotated[str | None, typer.Option(help="sandbox URI the agent works in, e.g. local:///srv/work")] = None,
+    attach: Annotated[list[Path] | None, typer.Option("--attach", help="a file for the agent (repeatable): "
+                                                                        "put in its sandbox under inbox/")] = None,
     wait: Annotated[bool, typer.Option("--wait", help="show live phases and wait for the deliveries")] = False,
     timeout: Annotated[float, typer.Option(help="seconds to wait with --wait")] = 1200.0,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
@@ -241,14 +243,27 @@ def turn(
             parse_uri(sandbox)
         except ConfigError as exc:
             raise die(str(exc), EXIT_INPUT) from None
+    for p in attach or []:
+        if not p.is_file():
+            raise die(f"no such file to attach: {p}", EXIT_INPUT)
     r = _redis(settings)
     _celery()
     from tasks.pipeline import agent_turn
 
     job_id = chains.new_job_id("turn")
+    attachments = []
+    if attach:
+        store = _store(settings)
+        for i, p in enumerate(attach):
+            key = chains.storage_key(job_id, i, p.name, prefix="inbound")
+            try:
+                _upload(store, key, p)
+            except CourierError as exc:
+                raise die(f"could not store {p}: {exc}", EXIT_SERVICE) from None
+            attachments.append({"key": key, "name": p.name})
     receipts.create_job(r, job_id, kind="turn", target=target, agent=name)
     agent_turn.apply_async(args=[{"job": job_id, "target": target, "message": message, "agent": name,
-                                  "sandbox": sandbox}], task_id=job_id)
+                                  "sandbox": sandbox, "attachments": attachments}], task_id=job_id)
     if not wait:
         print(json.dumps({"job": job_id}) if as_json else job_id)
         return
