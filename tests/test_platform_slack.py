@@ -325,6 +325,16 @@ def test_progress_message_album_and_no_typing(adapter, fake, tmp_path):
     assert [s.message_id for s in sents] == [f["id"] for f in msg["files"]]
 
 
+def test_text_that_escaping_pushes_over_the_limit_is_cut_again(adapter, fake):
+    chan = channel()
+    text = " ".join(["x&y"] * 9750)  # fits 40 000 as written, not once `&` is `&amp;`
+    sent = adapter.send_text(chan, text, delivery_id="amp")
+    msgs = fake.channel_messages(chan)
+    assert len(msgs) == 2 and all(len(m["text"]) <= 40000 for m in msgs)
+    assert " ".join(m["text"] for m in msgs) == slack_escaped(text)
+    assert sent.message_id == ",".join(m["ts"] for m in msgs)
+
+
 @pytest.mark.parametrize("route,status,opts,error,word", [
     ("chat.postMessage", 429, {"retry_after": 3}, RateLimited, "3"),
     ("chat.postMessage", 500, {}, Transient, "internal_error"),

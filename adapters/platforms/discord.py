@@ -329,7 +329,7 @@ def _translate(exc: BaseException, what: str) -> DeliveryError:
         return Permanent("discord: the bot token was rejected (401 Unauthorized)")
     if isinstance(exc, discord.HTTPException):
         status = exc.status
-        detail = f"{status} {exc.text or getattr(exc.response, 'reason', '')}".strip()
+        detail = " ".join(f"{status} {exc.text or getattr(exc.response, 'reason', '')}".split())
         if exc.code:
             detail += f" (code {exc.code})"
         if status == 429:  # e.g. without a Via header discord.py does not treat it as its own

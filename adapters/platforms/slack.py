@@ -58,6 +58,23 @@ def escape(text: str) -> str:
     return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
+def fit_escaped(text: str, limit_chars: int) -> list[str]:
+    """Escaping can push a text that fit past the limit (`&` is 5 characters
+    on the wire): cut it again at a space, never inside an entity."""
+    parts: list[str] = []
+    while len(text) > limit_chars:
+        cut = text.rfind(" ", limit_chars // 2, limit_chars)
+        if cut <= 0:
+            cut = limit_chars
+            amp = text.rfind("&", cut - 4, cut)
+            if amp != -1 and ";" not in text[amp:cut]:
+                cut = amp
+        parts.append(text[:cut])
+        text = text[cut:].lstrip(" ")
+    parts.append(text)
+    return parts
+
+
 class _UploadRejected(Exception):
     """The upload URL answered with something other than 200."""
 
@@ -113,8 +130,11 @@ class SlackPlatform(Platform):
 
     # -- sending -----------------------------------------------------------------
     def send_text(self, chat: str, text: str, *, delivery_id: str) -> Sent:
-        resp = self._call("chat.postMessage", lambda: self._api.chat_postMessage(channel=chat, text=escape(text)))
-        return Sent(message_id=str(resp["ts"]))
+        ts = []
+        for piece in fit_escaped(escape(text), self.limits.text_chars):
+            resp = self._call("chat.postMessage", lambda p=piece: self._api.chat_postMessage(channel=chat, text=p))
+            ts.append(str(resp["ts"]))
+        return Sent(message_id=",".join(ts))
 
     def send_file(self, chat: str, kind: Kind, file: FileSource, *, caption: str | None, delivery_id: str,
                   file_id: str | None = None) -> Sent:
