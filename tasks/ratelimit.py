@@ -1,36 +1,39 @@
 """Shared platform rate limits, enforced across every worker process in Redis.
 
 Each platform declares its limits (`Limits.per_chat_per_s`,
-`per_group_per_min`, `per_bot_per_s`); `acquire(redis, platform, chat)`
-takes one slot of each that applies, with the `limits` library's moving
-window on the courier Redis (keys under `keys.rate_limit_prefix()`). A moving
-window of 1 per second means no two sends to one chat start less than a
-second apart, whichever worker makes them.
+`per_group_per_min`, `per_bot_per_s`); before each send one slot of each
+that applies is taken, in Redis, so every worker process shares them:
 
-When a slot is not free, `acquire` raises `RateLimited(retry_after_s)` with
-the time until the window frees (from its window stats): the task is
-re-scheduled by Celery, the worker never sleeps. A chain is sequential, so a
-re-scheduled delivery is not overtaken by the next message of its chain.
+- per bot and per group: the `limits` library's moving windows on the
+  courier Redis (keys under `keys.rate_limit_prefix()`): at most N sends in
+  any window of the declared length;
+- per chat: a gate, one Redis key per chat taken with SET NX when a send
+  starts and, when it ends, left to expire one interval (1 / per_chat_per_s)
+  later. A window counts sends by when they start, but the platform counts
+  them by when they arrive, and a send can take a while to arrive (a cold
+  process, a big upload); the gate makes the next send to a chat start only
+  once the previous one is over plus the interval, so arrivals are spaced
+  by the limit whatever the sends' own latency. A worker that dies mid-send
+  holds the gate at most `GATE_TTL_MS`.
+
+When a slot is not free, `RateLimited(retry_after_s)` is raised with the time
+until it frees (the gate's remaining time, the window's reset from its
+stats): the task is re-scheduled by Celery, the worker never sleeps. A chain
+is sequential, so a re-scheduled delivery is not overtaken by the next
+message of its chain.
+
+Slots are taken narrowest first (chat gate, group, bot) and a denied send
+gives back what it took, so a send waiting for its chat uses none of the
+bot's slots; a send that fails after taking its slots keeps them taken (the
+limit errs on the safe side).
 
 `guard(redis, platform, delivery_id)` wraps a platform for one delivery:
-before each send it acquires, and it records each message it sent under the
-part's id (the `delivery_id` every send call gets: `<id>`, `<id>#0`,
-`<id>#c0`, ...). A delivery of several messages (long text, caption
-overflow) that is re-scheduled midway resumes after the parts already sent
-instead of sending them again.
-
-Slots are tested narrowest first (chat, group, bot) and then taken, so a
-denied send uses no slot; a slot taken by a send that then fails stays taken
-(the limit errs on the safe side).
-
-A window counts sends by when they start, but the platform counts them by
-when they arrive, and a send can take long to arrive (a cold process, a big
-upload). So a chat with a per-chat limit also has a gate (a Redis key): it
-is taken with SET NX when a send starts and, when the send ends, left to
-expire one interval later. The next send to that chat starts only after the
-previous one ended plus the interval, which bounds the spacing on arrival,
-whatever the sends' own latency. `acquire` returns the `Slot` to `release`
-when the send is over (`Guarded` does this for every send of a delivery).
+every send takes its slots first, and each message sent is recorded under
+its part's id (the `delivery_id` each send call gets: `<id>`, `<id>#0`,
+`<id>#c0`, ...), so a delivery of several messages (long text, caption
+overflow) re-scheduled midway resumes after the parts already sent instead
+of sending them again. Its Redis round trips per send: one (part check +
+gate), one per window, one (gate release + part record).
 """
 
 from __future__ import annotations
@@ -81,12 +84,11 @@ def per_second(rate: float) -> RateLimitItem:
 
 
 def rules(platform: Platform, chat: str) -> list[tuple[RateLimitItem, tuple[str, ...]]]:
-    """The limits that apply to one send, narrowest first, with their identifiers."""
+    """The moving windows that apply to one send (group, then bot), with their identifiers.
+    The per-chat limit is the chat's gate (`gate_of`)."""
     lim = platform.limits
     bot = str(getattr(platform, "cache_key", None) or "default")
     out: list[tuple[RateLimitItem, tuple[str, ...]]] = []
-    if lim.per_chat_per_s:
-        out.append((per_second(lim.per_chat_per_s), (platform.name, bot, "chat", chat)))
     is_group: Callable[[str], bool] | None = getattr(platform, "is_group", None)
     if lim.per_group_per_min and is_group is not None and is_group(chat):
         out.append((RateLimitItemPerMinute(int(round(lim.per_group_per_min)), 1),
@@ -96,39 +98,28 @@ def rules(platform: Platform, chat: str) -> list[tuple[RateLimitItem, tuple[str,
     return out
 
 
-def _retry_after(limiter: MovingWindowRateLimiter, item: RateLimitItem, ids: tuple[str, ...], what: str) -> RateLimited:
+def gate_of(platform: Platform, chat: str) -> tuple[str | None, float]:
+    """The chat's gate key and interval, or (None, 0) without a per-chat limit."""
+    rate = platform.limits.per_chat_per_s
+    if not rate:
+        return None, 0.0
+    bot = str(getattr(platform, "cache_key", None) or "default")
+    return f"{keys.rate_limit_prefix()}:gate:{platform.name}:{bot}:{chat}", 1.0 / rate
+
+
+def _sending() -> str:
+    return f"sending:{time.time():.3f}"
+
+
+def _retry_after(limiter: MovingWindowRateLimiter, item: RateLimitItem, ids: tuple[str, ...]) -> RateLimited:
     stats = limiter.get_window_stats(item, *ids)
     wait = max(MIN_RETRY_S, stats.reset_time - time.time())
-    return RateLimited(wait, f"{ids[0]}: {what} limit {item.amount} per {item.get_expiry()}s reached, "
+    return RateLimited(wait, f"{ids[0]}: {ids[2]} limit of {item.amount} per {item.get_expiry()}s reached, "
                              f"retry after {wait:.2f}s")
 
 
-class Slot:
-    """A send slot: `release()` it when the send is over (also a context manager)."""
-
-    def __init__(self, redis: Any, gate: str | None, interval_s: float) -> None:
-        self._redis, self._gate, self._interval_s = redis, gate, interval_s
-
-    def release(self) -> None:
-        if self._gate is not None:
-            # the next send to this chat may start one interval after this one ended
-            self._redis.set(self._gate, "done", px=max(1, int(self._interval_s * 1000)))
-            self._gate = None
-
-    def __enter__(self) -> "Slot":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-
-def _gate_key(platform: Platform, chat: str) -> str:
-    bot = str(getattr(platform, "cache_key", None) or "default")
-    return f"{keys.rate_limit_prefix()}:gate:{platform.name}:{bot}:{chat}"
-
-
-def _gate_wait(redis: Any, gate: str, interval_s: float) -> RateLimited:
-    pipe = redis.pipeline()
+def _gate_wait(redis: Any, platform: Platform, gate: str, interval_s: float) -> RateLimited:
+    pipe = redis.pipeline(transaction=False)
     pipe.get(gate)
     pipe.pttl(gate)
     value, pttl = pipe.execute()
@@ -141,39 +132,55 @@ def _gate_wait(redis: Any, gate: str, interval_s: float) -> RateLimited:
         wait = min(30.0, max(interval_s, in_flight_s / 2))
     else:
         wait = max(MIN_RETRY_S, (pttl or 0) / 1000)
-    return RateLimited(wait, f"{platform_name(gate)}: the previous send to this chat ended less than "
-                             f"{interval_s:g}s ago or is still on its way, retry after {wait:.2f}s")
+    return RateLimited(wait, f"{platform.name}: the previous send to this chat ended less than {interval_s:g}s "
+                             f"ago or is still on its way, retry after {wait:.2f}s")
 
 
-def platform_name(gate: str) -> str:
-    return gate.split(":gate:", 1)[-1].split(":", 1)[0]
+class Slot:
+    """The slots of one send: `release()` when the send is over (also a context manager)."""
+
+    def __init__(self, redis: Any, gate: str | None, interval_s: float) -> None:
+        self._redis, self._gate, self._interval_s = redis, gate, interval_s
+
+    def release(self, pipe: Any = None) -> None:
+        """Start the chat's interval from now (queued on `pipe` when given)."""
+        if self._gate is not None:
+            (pipe or self._redis).set(self._gate, "done", px=max(1, int(self._interval_s * 1000)))
+            self._gate = None
+
+    def __enter__(self) -> "Slot":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
-def acquire(redis: Any, platform: Platform, chat: str) -> Slot:
-    """Take a send slot for `chat` on `platform`, or raise RateLimited.
-    Release the returned slot when the send is over."""
+def _windows(redis: Any, platform: Platform, chat: str, gate: str | None, interval_s: float) -> Slot:
+    """Take the group and bot windows for a send that holds its chat gate (if any)."""
     rs = rules(platform, chat)
-    lim = platform.limits
-    gate = None
-    interval_s = 0.0
-    if lim.per_chat_per_s:
-        interval_s = 1.0 / lim.per_chat_per_s
-        gate = _gate_key(platform, chat)
-        if not redis.set(gate, f"sending:{time.time():.3f}", nx=True, px=GATE_TTL_MS):
-            raise _gate_wait(redis, gate, interval_s)
     try:
-        limiter = _limiter(redis) if rs else None
-        for item, ids in rs:
-            if not limiter.test(item, *ids):  # type: ignore[union-attr]
-                raise _retry_after(limiter, item, ids, ids[2])  # type: ignore[arg-type]
-        for item, ids in rs:
-            if not limiter.hit(item, *ids):  # type: ignore[union-attr] # taken meanwhile by another worker
-                raise _retry_after(limiter, item, ids, ids[2])  # type: ignore[arg-type]
+        if rs:
+            limiter = _limiter(redis)
+            for item, ids in rs[:-1]:  # the narrower ones: test first, so a denial takes nothing
+                if not limiter.test(item, *ids):
+                    raise _retry_after(limiter, item, ids)
+            for item, ids in reversed(rs):  # then take them, broadest first
+                if not limiter.hit(item, *ids):  # full (or just taken by another worker)
+                    raise _retry_after(limiter, item, ids)
     except BaseException:
         if gate is not None:
             redis.delete(gate)  # nothing was sent: open the gate again
         raise
     return Slot(redis, gate, interval_s)
+
+
+def acquire(redis: Any, platform: Platform, chat: str) -> Slot:
+    """Take the send slots for `chat` on `platform`, or raise RateLimited.
+    Release the returned slot when the send is over."""
+    gate, interval_s = gate_of(platform, chat)
+    if gate is not None and not redis.set(gate, _sending(), nx=True, px=GATE_TTL_MS):
+        raise _gate_wait(redis, platform, gate, interval_s)
+    return _windows(redis, platform, chat, gate, interval_s)
 
 
 class Guarded(Platform):
@@ -193,12 +200,28 @@ class Guarded(Platform):
         return f"Guarded({self._p!r})"
 
     def _once(self, chat: str, part: str, send: Callable[[], Sent]) -> Sent:
-        done = self._redis.hget(self._parts_key, part)
-        if done is not None:
+        r = self._redis
+        gate, interval_s = gate_of(self._p, chat)
+        pipe = r.pipeline(transaction=False)
+        pipe.hget(self._parts_key, part)
+        if gate is not None:
+            pipe.set(gate, _sending(), nx=True, px=GATE_TTL_MS)
+        res = pipe.execute()
+        done, got_gate = res[0], (res[1] if gate is not None else True)
+        if done is not None:  # sent by an earlier run of this delivery
+            if gate is not None and got_gate:
+                r.delete(gate)
             return Sent(message_id=done.decode() if isinstance(done, bytes) else str(done))
-        with acquire(self._redis, self._p, chat):
+        if not got_gate:
+            raise _gate_wait(r, self._p, gate, interval_s)  # type: ignore[arg-type]
+        slot = _windows(r, self._p, chat, gate, interval_s)
+        try:
             sent = send()
-        pipe = self._redis.pipeline()
+        except BaseException:
+            slot.release()
+            raise
+        pipe = r.pipeline(transaction=False)
+        slot.release(pipe)
         pipe.hset(self._parts_key, part, sent.message_id)
         pipe.expire(self._parts_key, PARTS_TTL_S)
         pipe.execute()
@@ -214,16 +237,14 @@ class Guarded(Platform):
 
     def send_album(self, chat: str, files: list[tuple[Kind, FileSource]], *, caption: str | None,
                    delivery_id: str) -> list[Sent]:
-        done = self._redis.hget(self._parts_key, delivery_id)
-        if done is not None:
-            return [Sent(message_id=m) for m in (done.decode() if isinstance(done, bytes) else done).split(",")]
-        with acquire(self._redis, self._p, chat):
-            sents = self._p.send_album(chat, files, caption=caption, delivery_id=delivery_id)
-        pipe = self._redis.pipeline()
-        pipe.hset(self._parts_key, delivery_id, ",".join(s.message_id for s in sents))
-        pipe.expire(self._parts_key, PARTS_TTL_S)
-        pipe.execute()
-        return sents
+        out: list[Sent] = []
+
+        def send() -> Sent:
+            out.extend(self._p.send_album(chat, files, caption=caption, delivery_id=delivery_id))
+            return Sent(message_id=",".join(s.message_id for s in out))
+
+        sent = self._once(chat, delivery_id, send)
+        return out or [Sent(message_id=m) for m in sent.message_id.split(",")]
 
     def typing(self, chat: str) -> None:
         return self._p.typing(chat)

@@ -1,0 +1,203 @@
+"""Telegram deliveries per second: the full task chain vs a plain SDK loop.
+
+    python bench/bench_telegram.py        # BENCH_QUICK=1: fewer rounds
+
+Both paths send the same load to the same local Bot API server (the test
+fake, in its own process, so it shares no GIL with either side): rounds of
+100 distinct 1 KB documents, one to each of 100 chats.
+
+- courier: each document is a job (`chains.enqueue`: receipts, then the
+  deliver task) handled by one Celery worker with 2 pool processes against a
+  private redis-server; a round is timed from the first enqueue until every
+  receipt says delivered. Every send goes through the shared rate limits
+  (per-chat gate, per-bot window), receipts, send locks, file-id lookups.
+- baseline: one process, one `telegram.Bot`, a plain `await
+  bot.send_document(...)` loop over the same 100 chats.
+
+Rounds alternate between the two, with a pause of over a second between
+rounds (not timed), so neither side sends two messages to one chat within a
+second: Telegram's per-chat limit holds for both. The per-bot limit is set
+to 1000/s (Telegram's paid-broadcast ceiling); with the default ~30/s both
+paths would only measure that limit. One warm-up round per side is not
+counted.
+
+The headline has the server answer each call after BENCH_TG_LATENCY_MS
+(default 25 ms; the real Bot API, or a local telegram-bot-api server
+forwarding to it, takes longer), as a remote API does. The bracket also
+gives the same measure with a server that answers at once: then both sides
+are bound by CPU on the machine, and the chain's work per delivery (enqueue,
+Celery, receipts, limits: several times the loop's) shows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench._common import quick, report  # noqa: E402
+
+TOKEN = "424242:bench-token"
+CHATS = 100
+DOC_BYTES = 1024
+PAUSE_S = 1.3
+
+
+def _docs(d: Path, n: int, tag: str) -> list[Path]:
+    out = []
+    for i in range(n):
+        p = d / f"{tag}-{i:03d}.txt"
+        p.write_bytes(os.urandom(DOC_BYTES))
+        out.append(p)
+    return out
+
+
+def main() -> None:
+    rounds = 2 if quick() else 6
+    concurrency = int(os.environ.get("BENCH_CONCURRENCY", "2"))
+    with tempfile.TemporaryDirectory(prefix="bench-telegram-") as tmp_s:
+        tmp = Path(tmp_s)
+        from tests.fixtures.redis_server import RedisServer
+        from tests.fixtures.services import free_port, port_open, stop_process, wait_until
+
+        (tmp / "redis").mkdir()
+        redis_srv = RedisServer(tmp / "redis").start()
+        port = free_port()
+        fake = subprocess.Popen([sys.executable, "-m", "tests.fixtures.fake_telegram", "--token", TOKEN,
+                                 "--port", str(port)], cwd=str(ROOT), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        worker = None
+        try:
+            wait_until(lambda: port_open(port), timeout_s=30, what="the Bot API fake")
+            base_url = f"http://127.0.0.1:{port}"
+            env = {**os.environ, "COURIER_REDIS_URL": redis_srv.url, "COURIER_DATA_DIR": str(tmp / "data"),
+                   "TELEGRAM_BOT_TOKEN": TOKEN, "COURIER_TELEGRAM_BASE_URL": base_url,
+                   "COURIER_TELEGRAM_BOT_PER_S": "1000", "PYTHONPATH": str(ROOT)}
+            os.environ.update({k: v for k, v in env.items() if k.startswith(("COURIER_", "TELEGRAM_"))})
+
+            import workers.celery_app  # noqa: F401 - binds the tasks to the bench Redis
+            import tasks.pipeline  # noqa: F401
+            from workers.demo import start_worker, stop_worker, wait_worker
+            from workers.wiring import redis_client, store
+
+            worker = start_worker(env, "bench-tg@localhost", queues="delivery", concurrency=concurrency,
+                                  log_path=str(tmp / "worker.log"))
+            if not wait_worker(workers.celery_app.app, "bench-tg@localhost", worker):
+                raise SystemExit("the worker did not start:\n" + (tmp / "worker.log").read_text()[-2000:])
+            r = redis_client(redis_srv.url)
+            st = store()
+            chats = [str(700000 + i) for i in range(CHATS)]
+
+            courier_s = _Courier(r, st, chats, tmp)
+            baseline_s = _Baseline(base_url, chats, tmp)
+            latency_ms = float(os.environ.get("BENCH_TG_LATENCY_MS", "25"))
+            remote = _measure(base_url, courier_s, baseline_s, rounds, latency_ms)
+            local = _measure(base_url, courier_s, baseline_s, max(2, rounds // 2), 0.0)
+            baseline_s.close()
+            report("telegram deliveries", remote[0], "deliveries/s", "plain SDK loop", remote[1], target=1.0,
+                   extra=f"server answers after {latency_ms:g} ms; {rounds} rounds x {CHATS} chats x 1 KB "
+                         f"documents; 1 worker x {concurrency} processes; per-bot limit 1000/s; "
+                         f"server answering at once: {local[0]:.4g} vs {local[1]:.4g}/s, "
+                         f"ratio {local[0] / local[1]:.2f}")
+        finally:
+            if worker is not None:
+                stop_worker(worker)
+            stop_process(fake)
+            redis_srv.stop()
+
+
+def _measure(base_url: str, courier_s: "_Courier", baseline_s: "_Baseline", rounds: int,
+             latency_ms: float) -> tuple[float, float]:
+    """Deliveries per second of (courier, baseline) with the server answering after `latency_ms`."""
+    import httpx
+
+    httpx.post(f"{base_url}/_control/latency_ms/{latency_ms:g}").raise_for_status()
+    totals = {"courier": [0, 0.0], "baseline": [0, 0.0]}
+    for rnd in range(rounds + 1):
+        for name, side in (("courier", courier_s), ("baseline", baseline_s)):
+            n, dt = side.round(rnd)
+            if rnd > 0:  # round 0 warms both sides up
+                totals[name][0] += n
+                totals[name][1] += dt
+            time.sleep(PAUSE_S)  # the per-chat limit, for both sides (not timed)
+    return totals["courier"][0] / totals["courier"][1], totals["baseline"][0] / totals["baseline"][1]
+
+
+class _Courier:
+    def __init__(self, r, st, chats: list[str], tmp: Path) -> None:
+        self.r, self.st, self.chats, self.tmp = r, st, chats, tmp
+        self.n = 0
+
+    def round(self, rnd: int) -> tuple[int, float]:
+        from tasks import chains, receipts
+
+        self.n += 1
+        docs = _docs(self.tmp, len(self.chats), f"c{self.n}")
+        plans = []
+        for chat, p in zip(self.chats, docs):  # the operator stores the files first (not timed)
+            job_id = chains.new_job_id("bench")
+            key = chains.storage_key(job_id, 0, p.name)
+            with open(p, "rb") as f:
+                info = self.st.put_stream(key, f)
+            receipts.create_job(self.r, job_id, kind="send", target=f"telegram:{chat}")
+            plans.append(chains.Plan(job_id=job_id, target=f"telegram:{chat}", files=[
+                chains.StoredFile(key=key, name=p.name, size=info.size_bytes, sha256=info.sha256 or "")]))
+        t0 = time.perf_counter()
+        ids: list[str] = []
+        for plan in plans:
+            ids += chains.enqueue(self.r, plan)
+        from tasks import keys
+
+        left, failed = list(ids), 0
+        while left:  # poll only what is not done yet, every 10 ms (light on Redis and CPU)
+            pipe = self.r.pipeline(transaction=False)
+            for d in left:
+                pipe.hget(keys.delivery(d), "state")
+            states = pipe.execute()
+            failed += sum(1 for s in states if s == b"failed")
+            left = [d for d, s in zip(left, states) if s not in (b"delivered", b"failed")]
+            if left:
+                time.sleep(0.01)
+        dt = time.perf_counter() - t0
+        if failed:
+            raise SystemExit(f"{failed} deliveries failed: see `courier status`")
+        return len(ids), dt
+
+
+class _Baseline:
+    def __init__(self, base_url: str, chats: list[str], tmp: Path) -> None:
+        from telegram import Bot
+
+        self.loop = asyncio.new_event_loop()
+        self.bot = Bot(TOKEN, base_url=f"{base_url}/bot", base_file_url=f"{base_url}/file/bot")
+        self.chats, self.tmp = chats, tmp
+        self.n = 0
+
+    def round(self, rnd: int) -> tuple[int, float]:
+        self.n += 1
+        docs = _docs(self.tmp, len(self.chats), f"b{self.n}")
+
+        async def run() -> None:
+            for chat, p in zip(self.chats, docs):
+                with open(p, "rb") as f:
+                    await self.bot.send_document(chat_id=int(chat), document=f)
+
+        t0 = time.perf_counter()
+        self.loop.run_until_complete(run())
+        return len(docs), time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.bot.shutdown())
+        self.loop.close()
+
+
+if __name__ == "__main__":
+    main()
