@@ -93,7 +93,7 @@ def throughput(openssh: bool) -> None:
             shutil.rmtree(out, ignore_errors=True)
             shutil.rmtree(cdir, ignore_errors=True)
     mb = size / 1e6
-    how = "OpenSSH ControlMaster + cat" if openssh else "paramiko SFTP prefetch"
+    how = "OpenSSH ControlMaster + cat" if openssh else "paramiko SFTP, pipelined reads"
     report(f"ssh extract {size // 1000 // 1000}MB ({how})", mb / min(ours), "MB/s", "scp", mb / min(scp),
            target=0.8, extra=f"best of {runs}: {min(ours):.2f}s vs {min(scp):.2f}s; our first run {ours[0]:.2f}s")
 

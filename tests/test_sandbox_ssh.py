@@ -445,3 +445,24 @@ def test_store_failure_mid_transfer_leaves_connection_usable(sshd_server, area, 
     assert info.sha256 == area["sums"]["one_kb.bin"]
     if t is not None:
         assert s.transport() is t
+
+
+def test_socket_error_mid_stream_is_gone_not_storage(sshd_server, area, tmp_path, monkeypatch):
+    """An OSError from the sandbox side raised inside put_stream (within the
+    store's write) must still read as SandboxGone, never as a StorageError."""
+    from adapters.sandboxes import ssh as ssh_mod
+
+    real = ssh_mod._sftp_pipeline
+    s = make(sshd_server, area["root"])
+
+    def dying(sftp, *a, **kw):
+        it = real(sftp, *a, **kw)
+        yield next(it)
+        s.transport().close()
+        raise OSError("Socket is closed")
+
+    monkeypatch.setattr(ssh_mod, "_sftp_pipeline", dying)
+    store = VolumeStore(tmp_path / "store")
+    with pytest.raises(SandboxGone):
+        s.extract(str(area["root"] / "big.bin"), store, "files/big")
+    assert_store_empty(store)

@@ -2,8 +2,9 @@
 
 Default channel: paramiko SFTP on a pooled connection (one per user, host,
 port and credentials in a process; re-opened when dead), TCP_NODELAY on the
-socket, AES-GCM preferred, an 8 MiB window with 256 KiB packets, and
-`prefetch()` pipelining with 255 KiB read requests on OpenSSH servers, read
+socket, AES-GCM preferred, an 8 MiB window with 256 KiB packets and a
+channel input buffer that does not shift on every read, and a window's worth
+of 255 KiB READ requests in flight (OpenSSH servers; 32 KiB elsewhere), read
 by a helper thread so that hashing and writing overlap the SSH parsing.
 Bytes stream into storage in 1 MiB chunks; nothing is held whole in memory.
 
@@ -38,7 +39,9 @@ import stat
 import subprocess
 import tempfile
 import threading
+import time
 import uuid
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -145,18 +148,72 @@ def _temp_beside(dest: str) -> str:
                           f".{posixpath.basename(dest)[:64]}.{uuid.uuid4().hex[:8]}.courier-part")
 
 
-def _sftp_chunks(f, req: int) -> Iterator[bytes]:
-    """1 MiB chunks from a prefetching SFTPFile read in `req`-sized requests."""
+class _Replies:
+    """Collects the SFTP replies paramiko routes to us by request number."""
+
+    def __init__(self) -> None:
+        self.got: dict[int, tuple[int, Any]] = {}
+
+    def _async_response(self, t: int, msg, num: int) -> None:  # paramiko's callback name
+        self.got[num] = (t, msg)
+
+
+def _sftp_pipeline(sftp, handle: bytes, size: int, req: int, depth: int) -> Iterator[bytes]:
+    """1 MiB chunks of a remote file, with `depth` READ requests of `req`
+    bytes in flight, consumed in order.
+
+    Not paramiko's `SFTPFile.prefetch()`: its helper thread marks the
+    prefetch done whenever replies overtake the requests it has registered,
+    after which every later reply is parked in memory unread (a 1 GiB file
+    measured 1 GiB RSS) and the rest is read one round trip at a time. This
+    uses the same SFTPClient primitives (`_async_request`, `_read_response`)
+    the SFTPFile is built on, bounded by `depth`. A short read asks again for
+    the remainder; the end of the file before `size` is a change."""
+    from paramiko.sftp import CMD_DATA, CMD_READ, CMD_STATUS, int64
+
+    replies = _Replies()
+    pending: deque[tuple[int, int, int]] = deque()  # (request number, offset, length)
+    next_off = 0
+
+    def ask(off: int, length: int) -> tuple[int, int, int]:
+        return sftp._async_request(replies, CMD_READ, handle, int64(off), int(length)), off, length
+
     parts: list[bytes] = []
-    pending = 0
-    while data := f.read(req):
-        parts.append(data)
-        pending += len(data)
-        if pending >= CHUNK:
+    ready = 0
+    try:
+        while next_off < size or pending:
+            while next_off < size and len(pending) < depth:
+                length = min(req, size - next_off)
+                pending.append(ask(next_off, length))
+                next_off += length
+            num, off, length = pending[0]
+            while num not in replies.got:
+                sftp._read_response()  # one reply, handed to replies._async_response
+            t, msg = replies.got.pop(num)
+            pending.popleft()
+            if t == CMD_STATUS:
+                try:
+                    sftp._convert_status(msg)
+                except EOFError:
+                    raise FileChanged(f"file shrank during the transfer (end of file at {off:,})") from None
+            if t != CMD_DATA:
+                raise SandboxError(f"unexpected SFTP reply {t} to a read")
+            data = msg.get_string()
+            if not data:
+                raise FileChanged(f"file shrank during the transfer (end of file at {off:,})")
+            if len(data) < length:  # a short read: ask again for the rest, first in line
+                pending.appendleft(ask(off + len(data), length - len(data)))
+            parts.append(data)
+            ready += len(data)
+            if ready >= CHUNK:
+                yield b"".join(parts)
+                parts, ready = [], 0
+        if parts:
             yield b"".join(parts)
-            parts, pending = [], 0
-    if parts:
-        yield b"".join(parts)
+    finally:
+        with sftp._lock:  # stopped early: replies still coming are dropped by paramiko
+            for num, _, _ in pending:
+                sftp._expecting.pop(num, None)
 
 
 class _Failed:
@@ -221,6 +278,128 @@ def _prefer(available: tuple[str, ...], first: tuple[str, ...]) -> tuple[str, ..
     return tuple(c for c in first if c in available) + tuple(c for c in available if c not in first)
 
 
+def _fast_pipe_class():
+    """A paramiko BufferedPipe that does not move the whole buffer on every read.
+
+    paramiko's pipe is one array that `del buf[:n]` shifts on each read; SFTP
+    reads a 4-byte length and then the body of every response, so with a full
+    multi-MiB window each 255 KiB response cost two buffer-sized memmoves.
+    This keeps the fed chunks in a deque and an offset into the first one:
+    the same interface and locking, O(bytes read) per read."""
+    from paramiko.buffered_pipe import BufferedPipe, PipeTimeout
+
+    class FastPipe(BufferedPipe):
+        def __init__(self) -> None:
+            super().__init__()
+            self._chunks: deque[bytes] = deque()
+            self._off = 0
+            self._size = 0
+
+        def set_event(self, event) -> None:
+            with self._lock:
+                self._event = event
+                if self._closed or self._size > 0:
+                    event.set()
+                else:
+                    event.clear()
+
+        def feed(self, data) -> None:
+            data = bytes(data) if not isinstance(data, bytes) else data
+            with self._lock:
+                if self._event is not None:
+                    self._event.set()
+                if data:
+                    self._chunks.append(data)
+                    self._size += len(data)
+                self._cv.notify_all()
+
+        def read_ready(self) -> bool:
+            with self._lock:
+                return self._size > 0
+
+        def _take(self, n: int) -> bytes:
+            first = self._chunks[0]
+            avail = len(first) - self._off
+            if n < avail:  # part of the first chunk
+                out = first[self._off:self._off + n]
+                self._off += n
+            elif n == avail or len(self._chunks) == 1:
+                out = first[self._off:] if self._off else first
+                self._chunks.popleft()
+                self._off = 0
+            else:
+                parts = [memoryview(first)[self._off:]]
+                self._chunks.popleft()
+                self._off = 0
+                need = n - avail
+                while need and self._chunks:
+                    c = self._chunks[0]
+                    if len(c) <= need:
+                        parts.append(c)
+                        self._chunks.popleft()
+                        need -= len(c)
+                    else:
+                        parts.append(memoryview(c)[:need])
+                        self._off = need
+                        need = 0
+                out = b"".join(parts)
+            self._size -= len(out)
+            return out
+
+        def read(self, nbytes, timeout=None):
+            with self._lock:
+                if self._size == 0:
+                    if self._closed:
+                        return b""
+                    if timeout == 0.0:
+                        raise PipeTimeout()
+                    while self._size == 0 and not self._closed:
+                        then = time.time()
+                        self._cv.wait(timeout)
+                        if timeout is not None:
+                            timeout -= time.time() - then
+                            if timeout <= 0.0:
+                                raise PipeTimeout()
+                    if self._size == 0:
+                        return b""
+                out = self._take(min(nbytes, self._size))
+                if self._size == 0 and self._event is not None and not self._closed:
+                    self._event.clear()
+                return out
+
+        def empty(self) -> bytes:
+            with self._lock:
+                out = self._take(self._size) if self._size else b""
+                if self._event is not None and not self._closed:
+                    self._event.clear()
+                return out
+
+        def __len__(self) -> int:
+            with self._lock:
+                return self._size
+
+    return FastPipe
+
+
+def _use_fast_pipe(chan) -> None:
+    """Swap a quiet channel's input pipe (no request outstanding, nothing buffered)."""
+    global _FastPipe
+    if _FastPipe is None:
+        _FastPipe = _fast_pipe_class()
+    old = chan.in_buffer
+    new = _FastPipe()
+    with old._lock:
+        left = old._buffer.tobytes() if len(old._buffer) else b""
+        if old._event is not None:
+            new.set_event(old._event)
+        chan.in_buffer = new
+    if left:
+        new.feed(left)
+
+
+_FastPipe = None
+
+
 def _strip_nl(s: bytes) -> bytes:
     return s[:-1] if s.endswith(b"\n") else s
 
@@ -266,6 +445,8 @@ class SshSandbox(Sandbox):
         #: trust the server's SFTP realpath to resolve links (OpenSSH does);
         #: when False every resolve runs `readlink -f` over exec
         self.trust_sftp_realpath: bool | None = None
+        #: replace paramiko's channel input buffer on SFTP channels (see _fast_pipe_class)
+        self.fast_pipe = True
         self._checked_policy: PathPolicy | None = None
         for name, p in (("key", key_path), ("known_hosts", known_hosts)):
             if p is not None and not os.path.isfile(p):
@@ -417,6 +598,8 @@ class SshSandbox(Sandbox):
         if sftp is None:
             raise SandboxGone(f"ssh {self.where}: could not open an SFTP channel")
         sftp.get_channel().settimeout(self.io_timeout_s)
+        if self.fast_pipe:
+            _use_fast_pipe(sftp.get_channel())
         try:
             yield sftp
         finally:
@@ -524,17 +707,23 @@ class SshSandbox(Sandbox):
             raise NotAFile(f"{resolved}: not a regular file")
         if (fst.st_size, fst.st_mtime) != (st0.st_size, st0.st_mtime):
             raise FileChanged(f"{resolved}: changed between resolve and open")
-        # No max_concurrent_requests: the SSH window bounds what is in flight
-        # (a cap makes paramiko's prefetch thread poll, measured much slower).
-        f.prefetch(fst.st_size)
         total = 0
-        # paramiko's parsing holds the GIL while hashing and writing (in
-        # put_stream) mostly release it: overlap them with a read-ahead thread
-        for chunk in read_ahead(_sftp_chunks(f, req), abort=sftp.get_channel().close):
+        # READ requests pipelined (a window's worth in flight), read by a helper
+        # thread: paramiko's parsing holds the GIL while hashing and writing (in
+        # put_stream) mostly release it, so they overlap
+        depth = max(4, self.window_size // req)
+        for chunk in read_ahead(_sftp_pipeline(sftp, f.handle, fst.st_size, req, depth),
+                                abort=sftp.get_channel().close):
             total += len(chunk)
             yield chunk
         f.close()
         self._recheck_sftp(sftp, resolved, fst, total)
+
+    def _guarded(self, chunks: Iterator[bytes], what: str) -> Iterator[bytes]:
+        """Translate errors inside the stream: put_stream runs it within the
+        store's write, where a raw OSError would pass for a storage failure."""
+        with self._errors(what):
+            yield from chunks
 
     def _recheck_sftp(self, sftp, resolved: str, st0, total: int) -> None:
         st1 = sftp.stat(resolved)
@@ -546,12 +735,12 @@ class SshSandbox(Sandbox):
     def open_stream(self, resolved: str) -> Iterator[bytes]:
         if self.use_openssh:
             self._policy(self._remote_home()).check(resolved)
-            yield from exec_iter_file(self._openssh(), resolved)
+            yield from self._guarded(exec_iter_file(self._openssh(), resolved), resolved)
             return
         with self._errors(resolved), self._sftp() as sftp:
             policy = self._sftp_policy(sftp)
             policy.check(resolved)
-            yield from self._stream_sftp(sftp, resolved, sftp.stat(resolved))
+            yield from self._guarded(self._stream_sftp(sftp, resolved, sftp.stat(resolved)), resolved)
 
     def extract(self, path: str, store, key: str, *, max_bytes: int = DEFAULT_MAX_BYTES):
         """Resolve, check and stream on one SFTP channel; nothing stored on failure."""
@@ -560,11 +749,12 @@ class SshSandbox(Sandbox):
             r = self._resolve_openssh(path)
             self._cap(path, r.size, max_bytes)
             chunks = exec_iter_file(self._openssh(), r.path, expected_size=r.size, max_bytes=max_bytes)
-            return store.put_stream(key, chunks, max_bytes=max_bytes)
+            return store.put_stream(key, self._guarded(chunks, path), max_bytes=max_bytes)
         with self._errors(path), self._sftp() as sftp:
             resolved, st = self._resolve_sftp(sftp, path)
             self._cap(path, st.st_size, max_bytes)
-            return store.put_stream(key, self._stream_sftp(sftp, resolved, st), max_bytes=max_bytes)
+            return store.put_stream(key, self._guarded(self._stream_sftp(sftp, resolved, st), path),
+                                    max_bytes=max_bytes)
 
     @staticmethod
     def _cap(path: str, size: int, max_bytes: int) -> None:
