@@ -466,3 +466,33 @@ def test_socket_error_mid_stream_is_gone_not_storage(sshd_server, area, tmp_path
     with pytest.raises(SandboxGone):
         s.extract(str(area["root"] / "big.bin"), store, "files/big")
     assert_store_empty(store)
+
+
+def test_fast_pipe_keeps_bytes_and_order():
+    """The channel buffer replacing paramiko's: any feed and read sizes give
+    back the same bytes, in order; timeouts and close behave like paramiko's."""
+    import random
+
+    from paramiko.buffered_pipe import PipeTimeout
+
+    from adapters.sandboxes.ssh import _fast_pipe_class
+
+    rnd = random.Random(7)
+    pipe = _fast_pipe_class()()
+    data = os.urandom(3 * 1024 * 1024)
+    i = 0
+    while i < len(data):
+        n = rnd.choice([1, 4, 13, 4096, 32768, 262144, 300000])
+        pipe.feed(data[i:i + n])
+        i += n
+    assert len(pipe) == len(data) and pipe.read_ready()
+    out = bytearray()
+    while len(out) < len(data):
+        out += pipe.read(rnd.choice([1, 4, 5, 1000, 65536, 261120, 10 ** 6]))
+    assert bytes(out) == data and len(pipe) == 0 and not pipe.read_ready()
+    with pytest.raises(PipeTimeout):
+        pipe.read(10, timeout=0.01)
+    pipe.feed(b"tail")
+    assert pipe.empty() == b"tail"
+    pipe.close()
+    assert pipe.read(10) == b""

@@ -387,6 +387,8 @@ def _use_fast_pipe(chan) -> None:
     if _FastPipe is None:
         _FastPipe = _fast_pipe_class()
     old = chan.in_buffer
+    if not all(hasattr(old, a) for a in ("_lock", "_buffer", "_event")):
+        return  # a paramiko whose pipe looks different: keep it
     new = _FastPipe()
     with old._lock:
         left = old._buffer.tobytes() if len(old._buffer) else b""
