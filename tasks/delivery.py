@@ -29,14 +29,16 @@ class Busy(CourierError):
     transient = True
 
 
-def _event(ctx: Context, job: dict, **ev: Any) -> None:
+def _event(ctx: Context, job: dict, pipe=None, **ev: Any) -> None:
     events.publish(ctx.redis, job["job"], {"kind": "delivery", "delivery_id": job["id"], **ev},
-                   maxlen=ctx.events_maxlen)
+                   maxlen=ctx.events_maxlen, pipe=pipe)
 
 
 def record_failure(ctx: Context, job: dict, reason: str) -> dict:
-    receipts.update_delivery(ctx.redis, job["id"], state="failed", reason=reason)
-    _event(ctx, job, state="failed", reason=reason, name=job.get("name"))
+    pipe = ctx.redis.pipeline(transaction=False)
+    receipts.update_delivery(pipe, job["id"], state="failed", reason=reason)
+    _event(ctx, job, pipe=pipe, state="failed", reason=reason, name=job.get("name"))
+    pipe.execute()
     return {"id": job["id"], "state": "failed", "reason": reason}
 
 
@@ -61,12 +63,36 @@ def deliver(ctx: Context, job: dict, extracted: dict | None = None) -> dict:
     result of the extraction before it in the chain (file items from a sandbox)."""
     r = ctx.redis
     did = job["id"]
-    rec = receipts.get_delivery(r, did) or {}
+    owner = uuid.uuid4().hex
+    locked, rec = receipts.begin_send(r, did, owner, ttl_s=receipts.SEND_LOCK_TTL_S)
+    done = _already_done(did, rec)
+    if done is not None or not locked:
+        if locked:
+            receipts.release_send_lock(r, did, owner)
+        if done is not None:
+            return done
+        raise Busy(f"delivery {did} is being sent by another worker")
+    # the lock is short and renewed while this process works: a worker that
+    # dies frees its deliveries within SEND_LOCK_TTL_S (well inside Discord's
+    # nonce memory), while a long upload keeps its lock
+    with receipts.renewing(r, did, owner):
+        try:
+            return _deliver_locked(ctx, job, extracted, owner)
+        finally:
+            receipts.release_send_lock(r, did, owner)
+
+
+def _already_done(did: str, rec: dict) -> dict | None:
     if rec.get("state") == "delivered":
         return {"id": did, "state": "delivered", "message_id": rec.get("message_id"), "skipped": True}
     if rec.get("state") == "failed" and rec.get("final") == "1":
         return {"id": did, "state": "failed", "reason": rec.get("reason"), "skipped": True}
+    return None
 
+
+def _deliver_locked(ctx: Context, job: dict, extracted: dict | None, owner: str) -> dict:
+    r = ctx.redis
+    did = job["id"]
     platform_name, chat = split_target(job["target"])
     try:
         platform = ctx.platform(platform_name)
@@ -84,37 +110,26 @@ def deliver(ctx: Context, job: dict, extracted: dict | None = None) -> dict:
     if extracted:
         job = {**job, **{k: extracted[k] for k in ("key", "name", "size", "sha256") if k in extracted}}
 
-    owner = uuid.uuid4().hex
-    if not receipts.acquire_send_lock(r, did, owner):
-        raise Busy(f"delivery {did} is being sent by another worker")
+    attempts = receipts.start_attempt(r, did, state="sending", platform=platform_name)
     try:
-        # re-check under the lock: another worker may have finished it meanwhile
-        rec = receipts.get_delivery(r, did) or {}
-        if rec.get("state") == "delivered":
-            return {"id": did, "state": "delivered", "message_id": rec.get("message_id"), "skipped": True}
-        attempts = receipts.attempt(r, did)
-        receipts.update_delivery(r, did, state="sending", platform=platform_name)
-        try:
-            if job.get("type") == "text":
-                sent = _send_text(platform, chat, job.get("text") or "", did)
-                kind_name, size = Kind.TEXT.value, len((job.get("text") or "").encode())
-            else:
-                sent, kind_name, size = _send_file(ctx, platform, chat, job)
-        except Permanent as exc:
-            receipts.update_delivery(r, did, final="1")
-            return record_failure(ctx, job, exc.reason)
-        except _TooLargeNotice as notice:
-            receipts.update_delivery(r, did, final="1")
-            return record_failure(ctx, job, notice.reason)
-        receipts.update_delivery(
-            r, did, state="delivered", message_id=sent.message_id, kind=kind_name, size_bytes=size,
-            attempts=attempts, reason="",
-        )
-        _event(ctx, job, state="delivered", message_id=sent.message_id, kind=kind_name, name=job.get("name"),
-               size_bytes=size)
-        return {"id": did, "state": "delivered", "message_id": sent.message_id, "kind": kind_name}
-    finally:
-        receipts.release_send_lock(r, did, owner)
+        if job.get("type") == "text":
+            sent = _send_text(platform, chat, job.get("text") or "", did)
+            kind_name, size = Kind.TEXT.value, len((job.get("text") or "").encode())
+        else:
+            sent, kind_name, size = _send_file(ctx, platform, chat, job)
+    except Permanent as exc:
+        receipts.update_delivery(r, did, final="1")
+        return record_failure(ctx, job, exc.reason)
+    except _TooLargeNotice as notice:
+        receipts.update_delivery(r, did, final="1")
+        return record_failure(ctx, job, notice.reason)
+    pipe = r.pipeline(transaction=False)
+    receipts.update_delivery(pipe, did, state="delivered", message_id=sent.message_id, kind=kind_name,
+                             size_bytes=size, attempts=attempts, reason="")
+    _event(ctx, job, pipe=pipe, state="delivered", message_id=sent.message_id, media=kind_name,
+           name=job.get("name"), size_bytes=size)
+    pipe.execute()
+    return {"id": did, "state": "delivered", "message_id": sent.message_id, "kind": kind_name}
 
 
 def _send_text(platform: Platform, chat: str, text: str, did: str) -> Sent:

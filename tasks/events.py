@@ -24,9 +24,6 @@ def publish(r, job_id: str, event: dict[str, Any], *, maxlen: int = 1000, pipe=N
     """Append an event (one round trip). With `pipe`, queue it on that pipeline
     instead and return None."""
     event = {"ts": round(time.time(), 3), **event}
-    if "delivery_id" in event and event.get("kind") != "delivery":
-        # `kind` names the event; a delivery's media kind (photo, document, ...) travels as `media`
-        event["media"], event["kind"] = event.get("kind"), "delivery"
     p = pipe if pipe is not None else r.pipeline(transaction=False)
     p.xadd(keys.events(job_id), {"data": json.dumps(event, ensure_ascii=False)}, maxlen=maxlen, approximate=True)
     p.expire(keys.events(job_id), STREAM_TTL_S)

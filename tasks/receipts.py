@@ -7,12 +7,17 @@ platform's message id or the failure reason.
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from tasks import keys
 
 RETENTION_S = 30 * 24 * 3600
+#: a send lock lives this long unless its holder renews it (every third of it)
+SEND_LOCK_TTL_S = 30
 TERMINAL = frozenset({"delivered", "failed"})
 
 
@@ -103,11 +108,33 @@ def start_attempt(r, delivery_id: str, **fields: Any) -> int:
     return int(pipe.execute()[0])
 
 
+_RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('expire', KEYS[1], ARGV[2]) else return 0 end"
 _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
 
 
 def acquire_send_lock(r, delivery_id: str, owner: str, ttl_s: int = 600) -> bool:
     return bool(r.set(keys.delivery_lock(delivery_id), owner, nx=True, ex=ttl_s))
+
+
+@contextmanager
+def renewing(r, delivery_id: str, owner: str, ttl_s: int = SEND_LOCK_TTL_S) -> Iterator[None]:
+    """Keep a send lock alive while the block runs (a daemon thread renews it)."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(ttl_s / 3):
+            try:
+                if not r.eval(_RENEW, 1, keys.delivery_lock(delivery_id), owner, ttl_s):
+                    return  # lost (expired or released): nothing left to renew
+            except Exception:  # noqa: BLE001 - a missed renewal only shortens the lock
+                pass
+
+    t = threading.Thread(target=beat, name=f"lock-{delivery_id}", daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
 
 
 def release_send_lock(r, delivery_id: str, owner: str) -> None:
