@@ -91,6 +91,12 @@ class BlobStore(ABC):
                     progress(len(chunk))
         return BlobInfo(key=key, size_bytes=size, sha256=digest.hexdigest(), modified_s=0.0)
 
+    def put_fd(self, key: str, fd: int, *, max_bytes: int | None = None) -> BlobInfo | None:
+        """Store an open local file by a faster channel than streaming, where
+        the store has one (the volume: an in-kernel copy). None: not here,
+        stream instead. The result may carry no sha256."""
+        return None
+
     def put_bytes(self, key: str, data: bytes, *, private: bool = False) -> BlobInfo:
         """Small payloads only (spill previews, test fixtures)."""
         return self.put_stream(key, [data], private=private)

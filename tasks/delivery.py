@@ -164,6 +164,8 @@ def _send_file(ctx: Context, platform: Platform, chat: str, job: dict) -> tuple[
     fid_key = None
     cached = None
     bot = getattr(platform, "cache_key", None)
+    if bot and not sha:
+        sha = _sha256_of(store, key)  # extraction by kernel copy hashes nothing; the file-id cache needs it
     if bot and sha:
         fid_key = keys.file_id(platform.name, bot, sha, kind.value)
         raw = ctx.redis.get(fid_key)
@@ -176,6 +178,15 @@ def _send_file(ctx: Context, platform: Platform, chat: str, job: dict) -> tuple[
     for i, part in enumerate(overflow):
         platform.send_text(chat, part, delivery_id=f"{job['id']}#c{i}")
     return sent, kind.value, size
+
+
+def _sha256_of(store, key: str) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    for chunk in store.iter_chunks(key):
+        digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _notice_too_large(ctx: Context, platform: Platform, chat: str, job: dict, name: str, size: Any, limit: Any,

@@ -77,7 +77,7 @@ def store(tmp_path):
 @pytest.mark.parametrize("name", ["empty.bin", "one_kb.bin", "big.bin"])
 def test_extract_byte_identical(sb, area, store, name):
     info = sb.extract(str(area["root"] / name), store, f"files/{name}")
-    assert info.sha256 == area["sums"][name]
+    assert info.sha256 in (None, area["sums"][name])  # an in-kernel copy hashes nothing
     assert info.size_bytes == (area["root"] / name).stat().st_size
     stored = store.local_path(f"files/{name}")
     assert sha256_file(stored) == area["sums"][name]
@@ -86,7 +86,8 @@ def test_extract_byte_identical(sb, area, store, name):
 
 
 def test_link_inside_roots_is_followed(sb, area, store):
-    assert sb.extract(str(area["root"] / "inside_link.bin"), store, "files/l").sha256 == area["sums"]["one_kb.bin"]
+    sb.extract(str(area["root"] / "inside_link.bin"), store, "files/l")
+    assert sha256_file(store.local_path("files/l")) == area["sums"]["one_kb.bin"]
 
 
 def test_over_the_cap_stores_nothing(sb, area, store):
@@ -218,7 +219,8 @@ def test_wiring_builds_local_sandbox(area, store, monkeypatch):
     ref, path = parse_uri(f"local://{area['root']}/one_kb.bin")
     assert ref == SandboxRef("local")
     s = Settings(local_roots=[str(area["root"])])
-    assert open_sandbox(ref, s).extract(path, store, "files/w").sha256 == area["sums"]["one_kb.bin"]
+    open_sandbox(ref, s).extract(path, store, "files/w")
+    assert sha256_file(store.local_path("files/w")) == area["sums"]["one_kb.bin"]
 
 
 def test_put_long_name(sb, area, store):
