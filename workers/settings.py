@@ -123,14 +123,17 @@ class Settings(BaseSettings):
     #: ssh:// sandboxes: private key and known_hosts (default: agent / ~/.ssh keys, ~/.ssh/known_hosts);
     #: host keys are always checked, an unknown host is refused
     ssh_key_path: str | None = None
+    #: known_hosts file for ssh:// sandboxes (default ~/.ssh/known_hosts); an unknown host is refused
     ssh_known_hosts: str | None = None
     #: remote user and port when the URI names none (default: the worker's user, 22)
     ssh_user: str | None = None
+    #: remote port when the URI names none
     ssh_port: int = 22
     #: use the OpenSSH client over a ControlMaster socket instead of paramiko SFTP
     ssh_use_openssh: bool = False
     #: directory of the ControlMaster sockets (keep it short); default: a private dir in /tmp
     ssh_control_dir: str | None = None
+    #: seconds to connect and authenticate before an ssh sandbox counts as gone
     ssh_connect_timeout_s: float = 10.0
 
     # -- agents ----------------------------------------------------------
@@ -179,7 +182,9 @@ class Settings(BaseSettings):
     events_maxlen: int = 1000
 
     # -- web process: webhooks and Server-Sent Events -------------------------
+    #: address `courier web` binds (behind a TLS-terminating proxy in production)
     web_host: str = "127.0.0.1"
+    #: port `courier web` listens on
     web_port: int = 8080
     #: an SSE comment line is sent after this many idle seconds
     sse_keepalive_s: float = 15.0
