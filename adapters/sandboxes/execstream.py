@@ -58,6 +58,7 @@ EXIT_MISSING = 2
 EXIT_NOT_FILE = 4
 EXIT_CHANGED = 97
 EXIT_NOT_DIR = 5
+EXIT_SHORT = 6
 
 # $1 = path as given. Prints HOME NUL resolved NUL type NUL size
 # (type: f regular file, d directory, o other). readlink's output is kept
@@ -75,10 +76,13 @@ printf '%s\0%s\0%s\0%s' "$HOME" "$r" "$t" "$s"
 
 # $1 = resolved path, $2 = "cat" or "base64". Opens the file once on fd 3,
 # checks what was opened is still the resolved path (the fd's own link in
-# /proc where there is one), then streams from that fd.
+# /proc where there is one; kept exactly, as in RESOLVE_SCRIPT), then streams
+# from that fd.
 STREAM_SCRIPT = r"""[ -f "$1" ] || { [ -e "$1" ] && exit 4; exit 2; }
 exec 3< "$1" || exit 2
-if [ -e "/proc/$$/fd/3" ]; then r=$(readlink "/proc/$$/fd/3"); else r=$(readlink -f -- "$1"); fi
+if [ -e "/proc/$$/fd/3" ]; then r=$(readlink "/proc/$$/fd/3"; echo x); else r=$(readlink -f -- "$1"; echo x); fi
+r=${r%x}
+r=${r%?}
 [ "$r" = "$1" ] || exit 97
 if [ "$2" = base64 ]; then exec base64 <&3; fi
 exec cat <&3
@@ -96,10 +100,13 @@ if [ -L "$r/$2" ] || [ -d "$r/$2" ]; then exit 97; fi
 printf '%s\0%s\0%s\0%s' "$HOME" "$r" "$(id -u)" "$(id -g)"
 """
 
-# $1 = temp path, $2 = final path, $3 = "cat" or "base64". stdin -> temp -> rename.
+# $1 = temp path, $2 = final path, $3 = "cat" or "base64", $4 = expected size.
+# stdin -> temp -> size check -> rename. A cut upload ends `cat` with a plain
+# EOF: the size check refuses the short temp (exit 6) instead of publishing it.
 PUT_SCRIPT = r"""umask 022
 if [ "$3" = base64 ]; then base64 -d > "$1" || { rm -f -- "$1"; exit 3; }
 else cat > "$1" || { rm -f -- "$1"; exit 3; }; fi
+[ "$(stat -c %s -- "$1")" = "$4" ] || { rm -f -- "$1"; exit 6; }
 [ -L "$2" ] || [ -d "$2" ] && { rm -f -- "$1"; exit 97; }
 mv -f -- "$1" "$2" || { rm -f -- "$1"; exit 3; }
 """
@@ -288,7 +295,8 @@ def resolve_put_dest(ch: ExecChannel, policy_for: Callable[[str | None], PathPol
 def exec_put(ch, policy_for: Callable[[str | None], PathPolicy], store, key: str, dest_path: str, *,
              max_bytes: int = DEFAULT_MAX_BYTES) -> str:
     """Inbound through exec stdin (needs ``ch.exec_stdin(argv, chunks)``):
-    2 execs whatever the size; the file appears atomically (temp + rename)."""
+    2 execs whatever the size; the file appears atomically (temp + rename),
+    and only whole: the temp's size is checked against the blob's first."""
     info = store.stat(key)
     if info.size_bytes > max_bytes:
         raise TooLarge(f"{key}: {info.size_bytes:,} bytes is over the {max_bytes:,} byte cap",
@@ -299,9 +307,22 @@ def exec_put(ch, policy_for: Callable[[str | None], PathPolicy], store, key: str
     chunks: Iterable[bytes] = store.iter_chunks(key)
     if not binary:
         chunks = _b64_encode(chunks)
-    rc, _out, err = ch.exec_stdin(["sh", "-c", PUT_SCRIPT, "sh", tmp, final, "cat" if binary else "base64"], chunks)
+    sent = 0
+
+    def counted(chunks: Iterable[bytes]) -> Iterator[bytes]:
+        nonlocal sent
+        for chunk in chunks:
+            sent += len(chunk)
+            yield chunk
+
+    rc, _out, err = ch.exec_stdin(
+        ["sh", "-c", PUT_SCRIPT, "sh", tmp, final, "cat" if binary else "base64", str(info.size_bytes)],
+        counted(chunks))
     if rc == EXIT_CHANGED:
         raise UnsafePath(f"{dest_path}: is a link or a directory")
+    if rc == EXIT_SHORT:
+        raise SandboxGone(f"{dest_path}: upload cut short; nothing written "
+                          f"({info.size_bytes:,} bytes expected, {sent:,} sent)")
     if rc != 0:
         raise SandboxError(f"{dest_path}: writing failed (exit {rc}: {_err_text(err)})")
     return final
