@@ -8,10 +8,13 @@ before a byte moves, and checked again after transfer where the backend can.
 
 from __future__ import annotations
 
+import os
 import posixpath
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 from urllib.parse import quote, unquote, urlparse
 
 from adapters.errors import ConfigError, SandboxError, UnsafePath
@@ -20,6 +23,10 @@ DEFAULT_MAX_BYTES = 50 * 1000 * 1000
 #: Sandbox.exec: bytes kept per output stream, and the exit code of a timeout
 DEFAULT_EXEC_OUTPUT_BYTES = 1024 * 1024
 EXEC_TIMEOUT_EXIT = 124
+#: how long exec keeps reading after the command exited (its children may still write)
+EXEC_DRAIN_S = 1.0
+#: how often exec asks whether a quiet command has exited
+EXEC_POLL_S = 0.25
 
 #: never read or delivered, whatever the roots say
 DENYLIST: tuple[str, ...] = (
@@ -208,8 +215,127 @@ class Sandbox(ABC):
         stderr keeps at most `max_output_bytes` (head and tail, with a marker
         line where bytes were dropped); past `timeout_s` the whole process
         tree is killed and the exit code is :data:`EXEC_TIMEOUT_EXIT` (124)
-        with a note at the end of stderr."""
+        with a note at the end of stderr. Backends drive their channel with
+        :func:`run_exec`, which holds these rules in one place."""
         raise SandboxError(f"{self.kind or type(self).__name__} sandbox does not support running commands (exec)")
 
     def close(self) -> None:
         return None
+
+
+# -- exec: the rules every backend shares ------------------------------------------------
+class BoundedOutput:
+    """One output stream of an exec: keeps the first half and the last half
+    of `cap` bytes and counts what falls between (shown as one marker line)."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = max(0, int(cap))
+        self.head_cap = self.cap - self.cap // 2
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.dropped = 0
+
+    def add(self, data: bytes) -> None:
+        room = self.head_cap - len(self.head)
+        if room > 0:
+            self.head += data[:room]
+            data = data[room:]
+        if not data:
+            return
+        self.tail += data
+        over = len(self.tail) - (self.cap - self.head_cap)
+        if over > 0:
+            del self.tail[:over]
+            self.dropped += over
+
+    def value(self) -> bytes:
+        if not self.dropped:
+            return bytes(self.head + self.tail)
+        return bytes(self.head) + f"\n[... {self.dropped:,} bytes omitted ...]\n".encode() + bytes(self.tail)
+
+
+def exec_argv(argv: Sequence[str | bytes]) -> list[str]:
+    """The argv of an exec as strings (bytes decoded as the OS would); never empty."""
+    if isinstance(argv, (str, bytes)):
+        raise SandboxError("exec takes an argv list, not a command string")
+    args = [os.fsdecode(a) if isinstance(a, bytes) else str(a) for a in argv]
+    if not args:
+        raise SandboxError("exec needs a command")
+    if any("\x00" in a for a in args):
+        raise SandboxError("exec: an argument holds a NUL byte")
+    return args
+
+
+class ExecRun(Protocol):
+    """A started command as :func:`run_exec` drives it (one per backend channel)."""
+
+    def pump(self, wait_s: float, out: BoundedOutput, err: BoundedOutput) -> bool:
+        """Add what output is available (waiting up to `wait_s` for some) to
+        `out` / `err`; False once both streams have ended."""
+        ...
+
+    def poll(self) -> int | None:
+        """The exit code if the command has exited, else None (never blocks long)."""
+        ...
+
+    def wait(self, timeout_s: float) -> int | None:
+        """The exit code, waiting up to `timeout_s`; None if still running."""
+        ...
+
+    def kill(self) -> None:
+        """Kill the command and everything it started (best effort, never raises)."""
+        ...
+
+    def close(self) -> None:
+        """Release the channel (idempotent)."""
+        ...
+
+
+def run_exec(run: ExecRun, *, timeout_s: float, max_output_bytes: int,
+             drain_s: float = EXEC_DRAIN_S, poll_s: float = EXEC_POLL_S) -> tuple[int, bytes, bytes]:
+    """Drive a started command to (exit code, stdout, stderr) with the
+    :meth:`Sandbox.exec` rules: output bounded per stream; past `timeout_s`
+    the command is killed and the exit code is 124 with a note on stderr;
+    once it exited, output is read for `drain_s` more, and if something it
+    started still holds the output then, that is killed too. A command
+    killed by signal N exits 128 + N, as in a shell."""
+    out, err = BoundedOutput(max_output_bytes), BoundedOutput(max_output_bytes)
+    deadline = time.monotonic() + max(0.0, float(timeout_s))
+    timed_out = False
+    rc: int | None = None
+    drain_until: float | None = None
+    next_poll = time.monotonic() + min(poll_s, 0.05)  # quick commands: one early look
+    streaming = True
+    try:
+        while streaming:
+            now = time.monotonic()
+            if now >= deadline:
+                timed_out = True
+                break
+            if rc is None and now >= next_poll:
+                rc = run.poll()
+                next_poll = now + poll_s
+                if rc is not None:
+                    drain_until = now + drain_s
+            if drain_until is not None and now >= drain_until:
+                break
+            until = min(deadline, drain_until or deadline, next_poll if rc is None else deadline)
+            streaming = run.pump(min(0.2, max(0.0, until - now)), out, err)
+        held = streaming  # something the command started still holds its output
+        if not timed_out and rc is None:
+            rc = run.wait(max(0.0, deadline - time.monotonic()))
+            timed_out = rc is None
+        if timed_out or held:
+            run.kill()
+    except BaseException:
+        run.kill()
+        raise
+    finally:
+        run.close()
+    if timed_out:
+        err.add(f"\n[courier: timed out after {float(timeout_s):g}s; the command was killed]\n".encode())
+        return EXEC_TIMEOUT_EXIT, out.value(), err.value()
+    assert rc is not None
+    if rc < 0:  # killed by signal N: reported as a shell does, 128 + N
+        rc = 128 - rc
+    return rc, out.value(), err.value()

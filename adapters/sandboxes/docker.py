@@ -14,6 +14,14 @@ Channels, fastest first:
 3. exec: ``cat`` through exec stdout (:mod:`adapters.sandboxes.execstream`),
    available as :meth:`DockerSandbox.extract_via_exec`.
 
+Commands (``Sandbox.exec``): one docker exec under execstream's run script
+(working directory resolved and checked first, the image's GNU ``timeout``
+as a backstop where it has one), stdout and stderr demultiplexed from the
+attach socket as they arrive, the exit code from the engine; on a timeout
+one more exec kills every process of the run. Unlike the local backend, a
+background job that still holds the output when the command exits keeps
+running: the engine ends the exec's stream with the command itself.
+
 Resolving: the engine's lstat of each component (``HEAD .../archive``,
 ~2 ms each on podman) proves a path link-free, so it is its own
 resolution; a path with a link on the way (or one the lexical policy
@@ -36,6 +44,7 @@ import io
 import json
 import os
 import posixpath
+import select
 import threading
 import socket
 import stat as statmod
@@ -44,15 +53,17 @@ import tarfile
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 from adapters.errors import (
     CourierError, FileMissing, NotAFile, SandboxError, SandboxGone, StorageError, TooLarge, UnsafePath,
 )
-from adapters.sandboxes.base import DEFAULT_MAX_BYTES, PathPolicy, Sandbox, SandboxRef, _under, check_lexical
+from adapters.sandboxes.base import (
+    DEFAULT_MAX_BYTES, BoundedOutput, PathPolicy, Sandbox, SandboxRef, _under, check_lexical,
+)
 from adapters.sandboxes.execstream import (
-    EXIT_CHANGED, ExecStream, ExecStreamMixin, Resolved, exec_resolve, resolve_put_dest,
+    EXIT_CHANGED, ExecStream, ExecStreamMixin, Resolved, exec_resolve, kill_argv, resolve_put_dest,
 )
 from adapters.sandboxes.routing import host_of  # noqa: F401 - re-exported for callers
 
@@ -302,7 +313,7 @@ class _DockerExec:
         out, err = bytearray(), bytearray()
         try:
             with self.sb._errors("exec stdin"):
-                for chunk in chunks:
+                for chunk in _store_chunks(chunks, argv[-1] if argv else "exec stdin"):
                     if chunk:
                         raw.sendall(chunk)
                 raw.shutdown(socket.SHUT_WR)
@@ -349,6 +360,113 @@ class _DockerExec:
 
         return ExecStream(chunks=chunks(), exit_code=lambda: self._exit_code(exec_id), stderr=lambda: bytes(err),
                           close=close)
+
+
+def _store_chunks(chunks: Iterable[bytes], what: str) -> Iterator[bytes]:
+    """`chunks` with a failure of their source (the blob store) said as such
+    (StorageError), not taken for the container going away."""
+    it = iter(chunks)
+    while True:
+        try:
+            chunk = next(it)
+        except StopIteration:
+            return
+        except CourierError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - re-raised, named
+            raise StorageError(f"{what}: reading the stored blob failed: {exc}") from exc
+        yield chunk
+
+
+class _Frames:
+    """Splits a multiplexed exec stream (8-byte frame headers: stream id,
+    size) fed in arbitrary pieces into (stream id, bytes)."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+        self.kind = 0
+        self.left = 0
+
+    def feed(self, data: bytes) -> list[tuple[int, bytes]]:
+        self.buf += data
+        pos, n, out = 0, len(self.buf), []
+        while pos < n:
+            if self.left == 0:
+                if n - pos < 8:
+                    break
+                self.kind, self.left = struct.unpack_from(">BxxxL", self.buf, pos)
+                pos += 8
+                continue
+            take = min(self.left, n - pos)
+            out.append((self.kind, bytes(self.buf[pos:pos + take])))
+            pos += take
+            self.left -= take
+        del self.buf[:pos]
+        return out
+
+
+class _DockerRun:
+    """One ``Sandbox.exec`` command in a container (an ExecRun for run_exec):
+    stdout and stderr demultiplexed from the attach socket as they come, the
+    exit code from the engine's exec inspect, killed by run id."""
+
+    def __init__(self, ch: _DockerExec, argv: Sequence[str], run_id: str) -> None:
+        self.ch, self.run_id = ch, run_id
+        self.exec_id = ch._create(argv)
+        with ch.sb._errors("exec"):
+            self.sock = ch.sb.client.api.exec_start(self.exec_id, socket=True)
+        self.raw = getattr(self.sock, "_sock", self.sock)
+        self.frames = _Frames()
+        self.ended = False
+        self.closed = False
+
+    def pump(self, wait_s: float, out: BoundedOutput, err: BoundedOutput) -> bool:
+        if self.ended:
+            return False
+        pending = getattr(self.raw, "pending", None)  # TLS: bytes already decrypted
+        if not (pending and pending()):
+            ready, _, _ = select.select([self.raw], [], [], wait_s)
+            if not ready:
+                return True
+        with self.ch.sb._errors("exec output"):
+            data = self.raw.recv(CHUNK)
+        if not data:
+            self.ended = True
+            return False
+        for kind, piece in self.frames.feed(data):
+            if kind == 1:
+                out.add(piece)
+            elif kind == 2:
+                err.add(piece)
+        return True
+
+    def poll(self) -> int | None:
+        sb = self.ch.sb
+        with sb._errors("exec"):
+            info = sb.client.api.exec_inspect(self.exec_id)
+        if info.get("Running"):
+            return None
+        code = info.get("ExitCode")
+        if code is not None and code >= 128 and not sb.alive():
+            raise SandboxGone(f"container {sb.ref.target} went away during exec")
+        return code
+
+    def wait(self, timeout_s: float) -> int | None:
+        end = time.monotonic() + timeout_s
+        while (rc := self.poll()) is None and time.monotonic() < end:
+            time.sleep(0.01)  # the engine may report the end of output a moment before the exit
+        return rc
+
+    def kill(self) -> None:
+        with suppress(Exception):  # best effort; the container's `timeout` is the backstop
+            self.ch.exec_small(kill_argv(self.run_id))
+        self.close()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            with suppress(Exception):  # best effort on a dying socket
+                self.sock.close()
 
 
 def demux_stdout(recv_into, err: bytearray, *, block: int = CHUNK, err_cap: int = 4096) -> Iterator[bytes]:
@@ -473,6 +591,10 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
 
     def exec_channel(self) -> _DockerExec:
         return self._exec
+
+    def exec_start(self, argv: list[str], run_id: str, *, backstop_s: int | None = None) -> _DockerRun:
+        """A ``Sandbox.exec`` command (ExecStreamMixin.exec): one docker exec."""
+        return _DockerRun(self._exec, argv, run_id)
 
     def _engine_is_local(self) -> bool:
         base = getattr(self.client.api, "base_url", "")

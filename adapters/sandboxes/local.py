@@ -15,14 +15,14 @@ import selectors
 import signal
 import stat
 import subprocess
-import time
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from adapters.errors import FileMissing, NotAFile, SandboxError, TooLarge, UnsafePath
+from adapters.errors import FileMissing, NotAFile, TooLarge, UnsafePath
 from adapters.sandboxes.base import (
-    DEFAULT_EXEC_OUTPUT_BYTES, DEFAULT_MAX_BYTES, EXEC_TIMEOUT_EXIT, PathPolicy, Sandbox, SandboxRef, check_lexical,
+    DEFAULT_EXEC_OUTPUT_BYTES, DEFAULT_MAX_BYTES, BoundedOutput, PathPolicy, Sandbox, SandboxRef, check_lexical,
+    exec_argv, run_exec,
 )
 
 CHUNK = 1024 * 1024
@@ -140,16 +140,15 @@ class LocalSandbox(Sandbox):
     ) -> tuple[int, bytes, bytes]:
         """Run `argv` on this host in its own process group (see Sandbox.exec).
 
-        `cwd` (default: the first allowed root) must resolve inside the roots.
-        The command gets a minimal environment (PATH, HOME, LANG, TERM; never
-        the worker's own, which holds tokens). When the command exits while
-        something it started still holds its output pipes, that process group
-        is killed after :data:`EXEC_DRAIN_S`; background jobs that redirect
-        their output keep running. Not an isolation boundary: a local sandbox
-        runs commands as the worker's user."""
-        args = [os.fsdecode(a) if isinstance(a, bytes) else str(a) for a in argv]
-        if not args:
-            raise SandboxError("exec needs a command")
+        `cwd` (default: the first allowed root that is a directory) must
+        resolve inside the roots. The command gets a minimal environment
+        (PATH, HOME, LANG, TERM; never the worker's own, which holds tokens).
+        When the command exits while something it started still holds its
+        output pipes, that process group is killed after
+        :data:`~adapters.sandboxes.base.EXEC_DRAIN_S`; background jobs that
+        redirect their output keep running. Not an isolation boundary: a
+        local sandbox runs commands as the worker's user."""
+        args = exec_argv(argv)
         workdir = self._exec_cwd(cwd)
         try:
             proc = subprocess.Popen(
@@ -160,56 +159,13 @@ class LocalSandbox(Sandbox):
             return 127, b"", f"{args[0]}: command not found\n".encode()
         except PermissionError:
             return 126, b"", f"{args[0]}: permission denied\n".encode()
-        out, err = _Bounded(max_output_bytes), _Bounded(max_output_bytes)
-        deadline = time.monotonic() + max(0.0, float(timeout_s))
-        timed_out = False
-        drain_until: float | None = None
-        sel = selectors.DefaultSelector()
-        assert proc.stdout is not None and proc.stderr is not None
-        sel.register(proc.stdout, selectors.EVENT_READ, out)
-        sel.register(proc.stderr, selectors.EVENT_READ, err)
-        try:
-            while sel.get_map():
-                now = time.monotonic()
-                if now >= deadline:
-                    timed_out = True
-                    break
-                if drain_until is None and proc.poll() is not None:
-                    drain_until = now + EXEC_DRAIN_S
-                if drain_until is not None and now >= drain_until:
-                    break
-                limit = min(deadline, drain_until or deadline) - now
-                for key, _ in sel.select(timeout=min(0.2, max(0.0, limit))):
-                    chunk = os.read(key.fd, 65536)
-                    if chunk:
-                        key.data.add(chunk)
-                    else:
-                        sel.unregister(key.fileobj)
-            held = bool(sel.get_map())  # something the command started still holds its output
-            if not timed_out:
-                try:
-                    proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    timed_out = True
-            if timed_out or held:
-                _killpg(proc.pid)
-        finally:
-            sel.close()
-            for f in (proc.stdout, proc.stderr):
-                f.close()
-            if proc.poll() is None:
-                _killpg(proc.pid)
-            rc = proc.wait()
-        if timed_out:
-            err.add(f"\n[courier: timed out after {timeout_s:g}s; the process group was killed]\n".encode())
-            return EXEC_TIMEOUT_EXIT, out.value(), err.value()
-        return rc, out.value(), err.value()
+        return run_exec(_LocalRun(proc), timeout_s=timeout_s, max_output_bytes=max_output_bytes)
 
     def _exec_cwd(self, cwd: str | None) -> str:
         if cwd is None:
             if not self.policy.roots:
                 raise UnsafePath("exec: no allowed roots to run in")
-            cwd = self.policy.roots[0]
+            cwd = next((r for r in self.policy.roots if os.path.isdir(r)), self.policy.roots[0])
         check_lexical(cwd)
         real = os.path.realpath(cwd)
         self.policy.check(real, shown=cwd)
@@ -218,37 +174,47 @@ class LocalSandbox(Sandbox):
         return real
 
 
-#: how long exec keeps reading after the command exited (its children may still write)
-EXEC_DRAIN_S = 1.0
+class _LocalRun:
+    """:class:`~adapters.sandboxes.base.ExecRun` of a local process group."""
 
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+        self.sel = selectors.DefaultSelector()
+        assert proc.stdout is not None and proc.stderr is not None
+        self.sel.register(proc.stdout, selectors.EVENT_READ, "out")
+        self.sel.register(proc.stderr, selectors.EVENT_READ, "err")
 
-class _Bounded:
-    """Keeps the first half and the last half of `cap` bytes; counts the rest."""
+    def pump(self, wait_s: float, out: BoundedOutput, err: BoundedOutput) -> bool:
+        if not self.sel.get_map():
+            return False
+        for key, _ in self.sel.select(timeout=wait_s):
+            chunk = os.read(key.fd, 65536)
+            if chunk:
+                (out if key.data == "out" else err).add(chunk)
+            else:
+                self.sel.unregister(key.fileobj)
+        return bool(self.sel.get_map())
 
-    def __init__(self, cap: int) -> None:
-        self.cap = max(0, int(cap))
-        self.head_cap = self.cap - self.cap // 2
-        self.head = bytearray()
-        self.tail = bytearray()
-        self.dropped = 0
+    def poll(self) -> int | None:
+        return self.proc.poll()
 
-    def add(self, data: bytes) -> None:
-        room = self.head_cap - len(self.head)
-        if room > 0:
-            self.head += data[:room]
-            data = data[room:]
-        if not data:
-            return
-        self.tail += data
-        over = len(self.tail) - (self.cap - self.head_cap)
-        if over > 0:
-            del self.tail[:over]
-            self.dropped += over
+    def wait(self, timeout_s: float) -> int | None:
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
 
-    def value(self) -> bytes:
-        if not self.dropped:
-            return bytes(self.head + self.tail)
-        return bytes(self.head) + f"\n[... {self.dropped:,} bytes omitted ...]\n".encode() + bytes(self.tail)
+    def kill(self) -> None:
+        _killpg(self.proc.pid)
+
+    def close(self) -> None:
+        self.sel.close()
+        for f in (self.proc.stdout, self.proc.stderr):
+            if f is not None:
+                f.close()
+        if self.proc.poll() is None:
+            _killpg(self.proc.pid)
+        self.proc.wait()
 
 
 def _exec_env(home: str | None) -> dict[str, str]:

@@ -14,6 +14,12 @@ the SDK's own (MODAL_TOKEN_ID / MODAL_TOKEN_SECRET or ~/.modal.toml).
   it (``sandbox.open(tmp, "wb")``, or ``cat`` fed through exec stdin), then
   size-checked and renamed by one exec, so a short upload never appears.
 
+Commands (``Sandbox.exec``): ``sandbox.exec`` of execstream's run script
+(working directory resolved and checked first), with the SDK's own exec
+``timeout`` as the backstop; stdout and stderr are read apart by two helper
+threads as they arrive; on a timeout one more exec kills every process of
+the run.
+
 Reads happen inside the sandbox, scoped to its own filesystem; a process in
 the sandbox racing a link swap after the resolve can only reach what it
 could read itself. SDK errors are translated in ONE place
@@ -25,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import posixpath
 import threading
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
@@ -33,9 +40,12 @@ from typing import Any
 from adapters.errors import (
     ConfigError, CourierError, FileMissing, NotAFile, SandboxError, SandboxGone, TooLarge, UnsafePath,
 )
-from adapters.sandboxes.base import DEFAULT_MAX_BYTES, PathPolicy, Sandbox, SandboxRef, check_lexical
+from adapters.sandboxes.base import (
+    DEFAULT_MAX_BYTES, BoundedOutput, PathPolicy, Sandbox, SandboxRef, check_lexical,
+)
 from adapters.sandboxes.execstream import (
-    EXIT_CHANGED, ExecStream, ExecStreamMixin, exec_iter_file, exec_resolve, resolve_put_dest,
+    EXIT_CHANGED, ExecStream, ExecStreamMixin, exec_iter_file, exec_resolve, kill_argv,
+    resolve_put_dest,
 )
 
 CHUNK = 1024 * 1024
@@ -119,6 +129,75 @@ class _ModalExec:
             err = _bounded(p.stderr)
             rc = p.wait()
         return (rc if rc is not None else p.returncode), b"", err
+
+
+class _ModalRun:
+    """One ``Sandbox.exec`` command (an ExecRun): the SDK's stdout and stderr
+    iterators block, so a helper thread reads each into a shared queue."""
+
+    def __init__(self, ch: _ModalExec, argv: Sequence[str], run_id: str, backstop_s: int | None) -> None:
+        self.ch, self.run_id = ch, run_id
+        with ch.msb._errors("exec"):
+            self.p = ch.msb.handle().exec(*argv, text=False, timeout=backstop_s)
+            self.p.stdin.write_eof()  # stdin: empty
+            self.p.stdin.drain()
+        self.cond = threading.Condition()
+        self.chunks: list[tuple[str, bytes]] = []
+        self.open_streams = 2
+        self.failed: BaseException | None = None
+        for name, stream in (("out", self.p.stdout), ("err", self.p.stderr)):
+            threading.Thread(target=self._read, args=(name, stream), name=f"courier-modal-exec-{name}",
+                             daemon=True).start()
+
+    def _read(self, name: str, stream) -> None:
+        try:
+            for chunk in stream:
+                if chunk:
+                    with self.cond:
+                        self.chunks.append((name, _as_bytes(chunk)))
+                        self.cond.notify_all()
+        except BaseException as exc:  # noqa: BLE001 - handed to pump
+            with self.cond:
+                self.failed = self.failed or exc
+        finally:
+            with self.cond:
+                self.open_streams -= 1
+                self.cond.notify_all()
+
+    def pump(self, wait_s: float, out: BoundedOutput, err: BoundedOutput) -> bool:
+        with self.cond:
+            if not self.chunks and self.open_streams and self.failed is None:
+                self.cond.wait(wait_s)
+            chunks, self.chunks = self.chunks, []
+            failed, left = self.failed, self.open_streams
+        for name, chunk in chunks:
+            (out if name == "out" else err).add(chunk)
+        if failed is not None:
+            with self.ch.msb._errors("exec output"):
+                raise failed
+        return left > 0
+
+    def poll(self) -> int | None:
+        with self.ch.msb._errors("exec"):
+            rc = self.p.poll()
+        return rc
+
+    def wait(self, timeout_s: float) -> int | None:
+        end = time.monotonic() + timeout_s
+        while (rc := self.poll()) is None and time.monotonic() < end:
+            time.sleep(0.02)  # the SDK's wait() has no timeout
+        return rc
+
+    def kill(self) -> None:
+        with contextlib.suppress(Exception):  # best effort; the exec timeout is the backstop
+            self.ch.exec_small(kill_argv(self.run_id))
+        with contextlib.suppress(Exception):
+            self.wait(2.0)  # the run ends with its processes
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            if self.p.poll() is not None:
+                self.p.wait()  # reaps and releases the streams
 
 
 def _as_bytes(chunk) -> bytes:
@@ -219,6 +298,11 @@ class ModalSandbox(ExecStreamMixin, Sandbox):
 
     def exec_channel(self) -> _ModalExec:
         return _ModalExec(self)
+
+    def exec_start(self, argv: list[str], run_id: str, *, backstop_s: int | None = None) -> _ModalRun:
+        """A ``Sandbox.exec`` command (ExecStreamMixin.exec): one ``sandbox.exec``,
+        which the SDK ends after `backstop_s` should the worker not."""
+        return _ModalRun(self.exec_channel(), argv, run_id, backstop_s)
 
     # -- resolve ------------------------------------------------------------------
     def resolve(self, path: str) -> tuple[str, int]:

@@ -14,6 +14,16 @@ Option `use_openssh`: the `ssh` client over a ControlMaster socket
 remote shell command line, so the argv is quoted with `shlex.join` (a POSIX
 login shell is assumed on the host).
 
+Commands (``Sandbox.exec``): the argv, quoted with `shlex.join` into one
+remote command line, runs under execstream's run script (working directory
+resolved and checked first, GNU `timeout` on the host as a backstop) on a
+session channel of the pooled connection (OpenSSH mode: an `ssh` client
+that joins the control master but never starts one, so no master inherits
+its output pipes); stdout and stderr are read apart as they arrive; on a
+timeout one more remote command kills every process of the run and the
+channel is closed. In OpenSSH mode an exit code of 255 is ssh's own failure
+and raises (the command's own 255 cannot be told apart).
+
 Safety: the path is resolved on the host (SFTP realpath; `readlink -f` over
 exec where the server's realpath is not trusted), checked against the roots
 and the denylist, and re-checked after transfer (same resolved path, size
@@ -33,6 +43,8 @@ import getpass
 import os
 import posixpath
 import queue
+import select
+import selectors
 import shlex
 import socket
 import stat
@@ -42,15 +54,19 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from adapters.errors import (
     ConfigError, CourierError, FileMissing, NotAFile, SandboxError, SandboxGone, TooLarge, UnsafePath,
 )
-from adapters.sandboxes.base import DEFAULT_MAX_BYTES, PathPolicy, Sandbox, SandboxRef, check_lexical
-from adapters.sandboxes.execstream import ExecStream, Resolved, default_roots, exec_iter_file, exec_resolve
+from adapters.sandboxes.base import (
+    DEFAULT_EXEC_OUTPUT_BYTES, DEFAULT_MAX_BYTES, BoundedOutput, PathPolicy, Sandbox, SandboxRef, check_lexical,
+)
+from adapters.sandboxes.execstream import (
+    ExecStream, Resolved, default_roots, exec_command, exec_iter_file, exec_resolve, kill_argv,
+)
 
 CHUNK = 1024 * 1024
 #: SSH channel window: bounds what the server may send ahead (and our buffer).
@@ -450,6 +466,8 @@ class SshSandbox(Sandbox):
         #: replace paramiko's channel input buffer on SFTP channels (see _fast_pipe_class)
         self.fast_pipe = True
         self._checked_policy: PathPolicy | None = None
+        #: exec working directories as resolved on the host (re-proved on every run)
+        self._exec_cwds: dict[str | None, str] = {}
         for name, p in (("key", key_path), ("known_hosts", known_hosts)):
             if p is not None and not os.path.isfile(p):
                 raise ConfigError(f"ssh sandbox: {name} file {p} does not exist")
@@ -837,14 +855,36 @@ class SshSandbox(Sandbox):
                 raise
             return dest
 
+    # -- exec ---------------------------------------------------------------------
+    def exec(self, argv: Sequence[str], *, timeout_s: float, cwd: str | None = None,
+             max_output_bytes: int = DEFAULT_EXEC_OUTPUT_BYTES) -> tuple[int, bytes, bytes]:
+        """Run `argv` on the host (see Sandbox.exec and the module docstring);
+        `cwd` None: the first allowed root that is a directory."""
+        if self.use_openssh:
+            ch: Any = self._openssh()
+
+            def start(wrapped: list[str], run_id: str, **_: Any) -> _OpenSshRun:
+                return _OpenSshRun(self, wrapped, run_id)
+        else:
+            ch = _SshSmall(self)
+
+            def start(wrapped: list[str], run_id: str, **_: Any) -> _SshRun:  # type: ignore[misc]
+                return _SshRun(self, wrapped, run_id)
+        known = self.policy.roots or (self._checked_policy.roots if self._checked_policy else DEFAULT_ROOTS)
+        return exec_command(ch, self._policy, start, argv, timeout_s=timeout_s, cwd=cwd,
+                            max_output_bytes=max_output_bytes, defaults=known, cwd_cache=self._exec_cwds)
+
     # -- OpenSSH ------------------------------------------------------------------
-    def _ssh_argv(self, command: str) -> list[str]:
+    def _ssh_argv(self, command: str, *, master: bool = True) -> list[str]:
+        """`master` False: use a running control master but never fork one
+        (a forked master would inherit this client's output pipes)."""
         cdir = self.control_dir or _control_dir()
         argv = [
             "ssh", "-T", "-e", "none", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
             "-o", f"ConnectTimeout={max(1, int(self.connect_timeout_s))}",
             "-o", "ServerAliveInterval=15", "-o", "ServerAliveCountMax=3",
-            "-o", "ControlMaster=auto", "-o", f"ControlPath={cdir}/cm-%C", "-o", "ControlPersist=60",
+            "-o", f"ControlMaster={'auto' if master else 'no'}", "-o", f"ControlPath={cdir}/cm-%C",
+            "-o", "ControlPersist=60",
             "-p", str(self.port), "-l", self.user,
         ]
         if self.known_hosts:
@@ -1038,3 +1078,139 @@ class _OpenSshChannel:
                     proc.stdin.close()
             rc, err = self._finish(proc, errf, argv[-1] if argv else "ssh")
         return rc, b"", err
+
+
+# -- exec runs ----------------------------------------------------------------------
+class _SshSmall:
+    """Short remote commands on the pooled paramiko connection (argv quoted
+    with shlex), errors translated: the exec_small of execstream's channel."""
+
+    binary_safe = True
+
+    def __init__(self, sb: SshSandbox) -> None:
+        self.sb = sb
+
+    def exec_small(self, argv: Sequence[str]) -> tuple[int, bytes, bytes]:
+        with self.sb._errors("exec"):
+            return self.sb._exec(shlex.join(argv))
+
+
+class _SshRun:
+    """One ``Sandbox.exec`` command on a paramiko session channel (an ExecRun)."""
+
+    def __init__(self, sb: SshSandbox, argv: Sequence[str], run_id: str) -> None:
+        self.sb, self.run_id = sb, run_id
+        with sb._errors("exec"):
+            self.chan = sb.transport().open_session()
+            try:
+                self.chan.exec_command(shlex.join(argv))
+                self.chan.shutdown_write()  # stdin: empty
+            except BaseException:
+                self.chan.close()
+                raise
+
+    def _ended(self) -> bool:
+        ch = self.chan
+        return (ch.eof_received or ch.closed) and not ch.recv_ready() and not ch.recv_stderr_ready()
+
+    def pump(self, wait_s: float, out: BoundedOutput, err: BoundedOutput) -> bool:
+        ch = self.chan
+        with self.sb._errors("exec output"):
+            if not (ch.recv_ready() or ch.recv_stderr_ready()):
+                if self._ended():
+                    return False
+                select.select([ch], [], [], wait_s)  # readable: data on either stream, or EOF
+            if ch.recv_ready():
+                out.add(ch.recv(CHUNK))
+            if ch.recv_stderr_ready():
+                err.add(ch.recv_stderr(CHUNK))
+        return not self._ended()
+
+    def poll(self) -> int | None:
+        if not self.chan.exit_status_ready():
+            return None
+        code = self.chan.recv_exit_status()
+        if code == -1:  # no exit-status: the channel closed without one
+            t = self.chan.get_transport()
+            if t is None or not t.is_active():
+                self.sb._evict()
+                raise SandboxGone(f"ssh {self.sb.where}: connection lost during exec")
+            return 255
+        return code
+
+    def wait(self, timeout_s: float) -> int | None:
+        self.chan.status_event.wait(timeout_s)
+        return self.poll()
+
+    def kill(self) -> None:
+        with contextlib.suppress(Exception):  # best effort; the host's `timeout` is the backstop
+            self.sb._exec(shlex.join(kill_argv(self.run_id)), limit=4096)
+        self.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.chan.close()
+
+
+class _OpenSshRun:
+    """One ``Sandbox.exec`` command through the OpenSSH client (an ExecRun);
+    the client joins the control master but never forks one."""
+
+    def __init__(self, sb: SshSandbox, argv: Sequence[str], run_id: str) -> None:
+        self.sb, self.run_id = sb, run_id
+        try:
+            self.proc = subprocess.Popen(sb._ssh_argv(shlex.join(argv), master=False), stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0)
+        except FileNotFoundError as exc:
+            raise ConfigError("use_openssh needs the OpenSSH client: apt-get install openssh-client") from exc
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(self.proc.stdout, selectors.EVENT_READ, "out")
+        self.sel.register(self.proc.stderr, selectors.EVENT_READ, "err")
+        self.err_head = bytearray()  # for ssh's own failure messages (exit 255)
+        self.closed = False
+
+    def pump(self, wait_s: float, out: BoundedOutput, err: BoundedOutput) -> bool:
+        if not self.sel.get_map():
+            return False
+        for key, _ in self.sel.select(timeout=wait_s):
+            chunk = os.read(key.fd, CHUNK)
+            if not chunk:
+                self.sel.unregister(key.fileobj)
+            elif key.data == "out":
+                out.add(chunk)
+            else:
+                err.add(chunk)
+                if len(self.err_head) < 4096:
+                    self.err_head += chunk[:4096 - len(self.err_head)]
+        return bool(self.sel.get_map())
+
+    def poll(self) -> int | None:
+        rc = self.proc.poll()
+        if rc == 255:
+            raise self.sb._ssh_error(rc, bytes(self.err_head), "exec")
+        return rc
+
+    def wait(self, timeout_s: float) -> int | None:
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+        return self.poll()
+
+    def kill(self) -> None:
+        with contextlib.suppress(Exception):  # best effort; the host's `timeout` is the backstop
+            self.sb._openssh().exec_small(kill_argv(self.run_id))
+        if self.proc.poll() is None:
+            self.proc.kill()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.sel.close()
+        for f in (self.proc.stdout, self.proc.stderr):
+            if f is not None:
+                f.close()
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
