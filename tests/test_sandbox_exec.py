@@ -22,9 +22,19 @@ from pathlib import Path
 
 import pytest
 
-from adapters.errors import FileMissing, SandboxError, SandboxGone, StorageError, UnsafePath
+from adapters.errors import (
+    FileMissing,
+    SandboxError,
+    SandboxGone,
+    StorageError,
+    UnsafePath,
+)
 from adapters.sandboxes.base import (
-    DEFAULT_EXEC_OUTPUT_BYTES, EXEC_TIMEOUT_EXIT, PathPolicy, Sandbox, SandboxRef,
+    DEFAULT_EXEC_OUTPUT_BYTES,
+    EXEC_TIMEOUT_EXIT,
+    PathPolicy,
+    Sandbox,
+    SandboxRef,
 )
 from storage.volume import VolumeStore
 from tests.fixtures.services import need, wait_until

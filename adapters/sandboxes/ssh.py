@@ -22,7 +22,10 @@ that joins the control master but never starts one, so no master inherits
 its output pipes); stdout and stderr are read apart as they arrive; on a
 timeout one more remote command kills every process of the run and the
 channel is closed. In OpenSSH mode an exit code of 255 is ssh's own failure
-and raises (the command's own 255 cannot be told apart).
+and raises (the command's own 255 cannot be told apart), and the exit is
+only known when the channel closes: a background job still holding the
+output keeps exec waiting until the timeout (124; paramiko sees the exit
+and kills such a job after the drain time, as the local backend does).
 
 Safety: the path is resolved on the host (SFTP realpath; `readlink -f` over
 exec where the server's realpath is not trusted), checked against the roots
