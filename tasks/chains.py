@@ -6,6 +6,13 @@ reply names them, each file as `extract_file` (sandbox -> storage) then
 `deliver` (storage -> platform). Files already in storage skip extraction.
 Delivery ids are deterministic (`<job>.<seq>`): re-enqueuing a job never
 sends twice what was delivered.
+
+Albums: where the target platform takes them (`Plan.album_max` >= 2, filled
+by the caller from the platform's `Limits.album_max`), a run of two or more
+consecutive files that route to photos becomes one group (runs longer than
+`album_max` are split): each file of the group is extracted as usual (its
+result recorded in its receipt), then one `deliver_album` sends the group.
+Each file keeps its own delivery id and receipt.
 """
 
 from __future__ import annotations
@@ -65,6 +72,8 @@ class Plan:
     voice: bool = False
     as_document: bool = False
     max_bytes: int | None = None
+    #: photos one album may hold on the target platform (`Limits.album_max`; 0 or 1: no albums)
+    album_max: int = 0
 
 
 def sandbox_queue(ref: SandboxRef) -> str:
@@ -102,9 +111,33 @@ def register(r, plan: Plan) -> list[str]:
     return ids
 
 
+def _name(f: StoredFile | SandboxFile) -> str:
+    return f.name if isinstance(f, StoredFile) else posixpath.basename(f.path)
+
+
+def album_groups(plan: Plan) -> list[list[int]]:
+    """Indexes (into `plan.files`) of the files sent as albums: runs of >= 2
+    consecutive files that route to photos, cut into groups of <= album_max
+    (a group of one left over goes alone)."""
+    from adapters.platforms.base import Kind
+    from tasks.reply import route
+
+    size = plan.album_max
+    if size < 2 or plan.as_document:
+        return []
+    runs: list[list[int]] = [[]]
+    for i, f in enumerate(plan.files):
+        if route(_name(f), voice=plan.voice, as_document=plan.as_document) == Kind.PHOTO:
+            runs[-1].append(i)
+        elif runs[-1]:
+            runs.append([])
+    groups = [run[j:j + size] for run in runs for j in range(0, len(run), size)]
+    return [g for g in groups if len(g) >= 2]
+
+
 def build(plan: Plan):
     """The chain for a plan (call `.apply_async()` on it)."""
-    from tasks.pipeline import deliver, extract_file
+    from tasks.pipeline import deliver, deliver_album, extract_file
 
     sigs = []
     seq = 0
@@ -112,28 +145,55 @@ def build(plan: Plan):
         sigs.append(deliver.si(None, {"id": delivery_id(plan.job_id, seq), "job": plan.job_id,
                                       "target": plan.target, "type": "text", "text": plan.text}))
         seq += 1
-    first_file = True
-    for f in plan.files:
-        d = delivery_id(plan.job_id, seq)
-        job = {"id": d, "job": plan.job_id, "target": plan.target, "type": "file",
-               "voice": plan.voice, "as_document": plan.as_document}
-        if first_file and plan.caption:
+    first_seq = seq
+    grouped = {g[0]: g for g in album_groups(plan)}
+    i = 0
+    while i < len(plan.files):
+        if i in grouped:
+            group = grouped[i]
+            items = []
+            for j in group:
+                job, extract = _file_sig(plan, j, first_seq + j, extract_file)
+                if extract is not None:
+                    sigs.append(extract)
+                    # the album task finds the extraction's result in the receipt, the bytes at this key
+                    job.update(key=extract.args[0]["key"], name=_name(plan.files[j]), extracted=True)
+                items.append(job)
+            spec = {"job": plan.job_id, "target": plan.target, "items": items}
+            if i == 0 and plan.caption:
+                spec["caption"] = plan.caption
+            sigs.append(deliver_album.si(spec))
+            i += len(group)
+            continue
+        job, extract = _file_sig(plan, i, first_seq + i, extract_file)
+        if i == 0 and plan.caption:
             job["caption"] = plan.caption
-        first_file = False
-        if isinstance(f, StoredFile):
-            job.update(key=f.key, name=f.name, size=f.size, sha256=f.sha256)
+        if extract is None:
             sigs.append(deliver.si(None, job))
         else:
-            spec = {"job": plan.job_id, "delivery": d, "sandbox": f.ref.to_dict(), "path": f.path,
-                    "key": storage_key(plan.job_id, seq, f.path)}
-            if plan.max_bytes:
-                spec["max_bytes"] = plan.max_bytes
-            sigs.append(extract_file.si(spec).set(queue=sandbox_queue(f.ref)))
+            sigs.append(extract)
             sigs.append(deliver.s(job))
-        seq += 1
+        i += 1
     if not sigs:
         return None
     return chain(*sigs)
+
+
+def _file_sig(plan: Plan, index: int, seq: int, extract_file):
+    """A file's delivery job and, for a sandbox file, its extraction signature (else None).
+    A sandbox file's job names the storage key its extraction writes."""
+    f = plan.files[index]
+    d = delivery_id(plan.job_id, seq)
+    job = {"id": d, "job": plan.job_id, "target": plan.target, "type": "file",
+           "voice": plan.voice, "as_document": plan.as_document}
+    if isinstance(f, StoredFile):
+        job.update(key=f.key, name=f.name, size=f.size, sha256=f.sha256)
+        return job, None
+    spec = {"job": plan.job_id, "delivery": d, "sandbox": f.ref.to_dict(), "path": f.path,
+            "key": storage_key(plan.job_id, seq, f.path)}
+    if plan.max_bytes:
+        spec["max_bytes"] = plan.max_bytes
+    return job, extract_file.si(spec).set(queue=sandbox_queue(f.ref))
 
 
 def enqueue(r, plan: Plan) -> list[str]:

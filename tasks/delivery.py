@@ -1,4 +1,5 @@
-"""Delivering one stored file (or a text) to one chat: plain code, no Celery.
+"""Delivering one stored file (or a text), or a group of photos as one album
+(`deliver_album`), to one chat: plain code, no Celery.
 
 The shared flow above every adapter: idempotency (a delivery id recorded on
 success and checked before sending, a send lock against two workers at
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from adapters.errors import CourierError, Permanent, RateLimited
@@ -21,6 +24,9 @@ from adapters.platforms.base import FileSource, Kind, Platform, Sent, split_targ
 from tasks import events, keys, ratelimit, receipts
 from tasks.runtime import Context
 from tasks.text import fit_caption, human_bytes, split_text
+
+#: how long a platform file id is remembered for the same bytes
+FILE_ID_TTL_S = 30 * 24 * 3600
 
 
 class Busy(CourierError):
@@ -61,23 +67,30 @@ def deliver(ctx: Context, job: dict, extracted: dict | None = None) -> dict:
     """Deliver one item. `job` holds: id, job, target, type ('text'|'file'),
     and text | (key, name, caption, voice, as_document). `extracted` is the
     result of the extraction before it in the chain (file items from a sandbox)."""
-    r = ctx.redis
     did = job["id"]
+    return _under_send_lock(ctx, did, lambda rec: _already_done(did, rec),
+                            lambda: _deliver_locked(ctx, job, extracted))
+
+
+def _under_send_lock(ctx: Context, did: str, done: Callable[[dict], dict | None], work: Callable[[], dict]) -> dict:
+    """Run `work` holding the send lock of `did`, unless `done(receipt)` says
+    there is nothing left to do; another worker holding the lock: `Busy`."""
+    r = ctx.redis
     owner = uuid.uuid4().hex
     locked, rec = receipts.begin_send(r, did, owner, ttl_s=receipts.SEND_LOCK_TTL_S)
-    done = _already_done(did, rec)
-    if done is not None or not locked:
+    result = done(rec)
+    if result is not None or not locked:
         if locked:
             receipts.release_send_lock(r, did, owner)
-        if done is not None:
-            return done
+        if result is not None:
+            return result
         raise Busy(f"delivery {did} is being sent by another worker")
     # the lock is short and renewed while this process works: a worker that
     # dies frees its deliveries within SEND_LOCK_TTL_S (well inside Discord's
     # nonce memory), while a long upload keeps its lock
     with receipts.renewing(r, did, owner):
         try:
-            return _deliver_locked(ctx, job, extracted, owner)
+            return work()
         finally:
             receipts.release_send_lock(r, did, owner)
 
@@ -90,27 +103,29 @@ def _already_done(did: str, rec: dict) -> dict | None:
     return None
 
 
-def _deliver_locked(ctx: Context, job: dict, extracted: dict | None, owner: str) -> dict:
-    r = ctx.redis
-    did = job["id"]
+def _deliver_locked(ctx: Context, job: dict, extracted: dict | None) -> dict:
     platform_name, chat = split_target(job["target"])
     try:
         platform = ctx.platform(platform_name)
     except CourierError as exc:
         return record_failure(ctx, job, exc.reason)
+    return _deliver_item(ctx, platform, chat, job, extracted)
+
+
+def _deliver_item(ctx: Context, platform: Platform, chat: str, job: dict, extracted: dict | None) -> dict:
+    """One item to `chat` (its send lock held by the caller): a failed
+    extraction recorded (with the too-large notice), else sent and recorded."""
+    r = ctx.redis
+    did = job["id"]
     # every send below takes a shared rate-limit slot first, and each part is sent once
     platform = ratelimit.guard(r, platform, did)
 
     if extracted is not None and not extracted.get("ok", False):
-        reason = extracted.get("reason") or "extraction failed"
-        if extracted.get("too_large"):
-            _notice_too_large(ctx, platform, chat, job, extracted.get("name") or job.get("name") or "file",
-                              extracted.get("size"), extracted.get("limit"), key=None)
-        return record_failure(ctx, job, reason)
+        return _extraction_failed(ctx, platform, chat, job, extracted)
     if extracted:
-        job = {**job, **{k: extracted[k] for k in ("key", "name", "size", "sha256") if k in extracted}}
+        job = _with_extraction(job, extracted)
 
-    attempts = receipts.start_attempt(r, did, state="sending", platform=platform_name)
+    attempts = receipts.start_attempt(r, did, state="sending", platform=platform.name)
     try:
         if job.get("type") == "text":
             sent = _send_text(platform, chat, job.get("text") or "", did)
@@ -123,13 +138,32 @@ def _deliver_locked(ctx: Context, job: dict, extracted: dict | None, owner: str)
     except _TooLargeNotice as notice:
         receipts.update_delivery(r, did, final="1")
         return record_failure(ctx, job, notice.reason)
-    pipe = r.pipeline(transaction=False)
-    receipts.update_delivery(pipe, did, state="delivered", message_id=sent.message_id, kind=kind_name,
+    return _record_delivered(ctx, job, sent.message_id, kind_name, size, attempts)
+
+
+def _with_extraction(job: dict, extracted: dict) -> dict:
+    return {**job, **{k: extracted[k] for k in ("key", "name", "size", "sha256") if k in extracted}}
+
+
+def _extraction_failed(ctx: Context, platform: Platform, chat: str, job: dict, extracted: dict) -> dict:
+    reason = extracted.get("reason") or "extraction failed"
+    if extracted.get("too_large"):
+        _notice_too_large(ctx, platform, chat, job, extracted.get("name") or job.get("name") or "file",
+                          extracted.get("size"), extracted.get("limit"), key=None)
+    return record_failure(ctx, job, reason)
+
+
+def _record_delivered(ctx: Context, job: dict, message_id: str, kind_name: str, size: int, attempts: int,
+                      pipe=None) -> dict:
+    """The receipt and the delivery event of a delivered item (queued on `pipe` when given)."""
+    p = pipe if pipe is not None else ctx.redis.pipeline(transaction=False)
+    receipts.update_delivery(p, job["id"], state="delivered", message_id=message_id, kind=kind_name,
                              size_bytes=size, attempts=attempts, reason="")
-    _event(ctx, job, pipe=pipe, state="delivered", message_id=sent.message_id, media=kind_name,
+    _event(ctx, job, pipe=p, state="delivered", message_id=message_id, media=kind_name,
            name=job.get("name"), size_bytes=size)
-    pipe.execute()
-    return {"id": did, "state": "delivered", "message_id": sent.message_id, "kind": kind_name}
+    if pipe is None:
+        p.execute()
+    return {"id": job["id"], "state": "delivered", "message_id": message_id, "kind": kind_name}
 
 
 def _send_text(platform: Platform, chat: str, text: str, did: str) -> Sent:
@@ -147,37 +181,187 @@ class _TooLargeNotice(Exception):
         self.reason = reason
 
 
-def _send_file(ctx: Context, platform: Platform, chat: str, job: dict) -> tuple[Sent, str, int]:
+def _plan_file(ctx: Context, platform: Platform, job: dict) -> tuple[Kind, FileSource, int]:
+    """A stored file's kind on this platform (routing, photo limit), its
+    source, and the upload limit for that kind."""
     store = ctx.store
     key = job["key"]
-    info = store.stat(key)
-    size = info.size_bytes
+    size = store.stat(key).size_bytes
     name = job.get("name") or os.path.basename(key)
     kind = choose_kind(platform, name, size, voice=bool(job.get("voice")), as_document=bool(job.get("as_document")))
-    limit = platform.limits.upload_limit(kind)
-    if size > limit:
-        reason = _notice_too_large(ctx, platform, chat, job, name, size, limit, key=key)
-        raise _TooLargeNotice(reason)
-    receipts.update_delivery(ctx.redis, job["id"], kind=kind.value, size_bytes=size, name=name)
-    caption, overflow = fit_caption(job.get("caption"), platform.limits.caption_chars)
-    sha = job.get("sha256") or ""
-    fid_key = None
-    cached = None
+    src = FileSource(name=name, size_bytes=size, sha256=job.get("sha256") or "", opener=lambda: store.open_read(key),
+                     path=store.local_path(key))
+    return kind, src, platform.limits.upload_limit(kind)
+
+
+def _fid_key(platform: Platform, sha: str, kind: Kind) -> str | None:
     bot = getattr(platform, "cache_key", None)
-    if bot and not sha:
-        sha = _sha256_of(store, key)  # extraction by kernel copy hashes nothing; the file-id cache needs it
-    if bot and sha:
-        fid_key = keys.file_id(platform.name, bot, sha, kind.value)
+    return keys.file_id(platform.name, bot, sha, kind.value) if bot and sha else None
+
+
+def _send_overflow(platform: Platform, chat: str, overflow: list[str], base_id: str) -> None:
+    """What did not fit in a caption, as text messages after the file(s)."""
+    for i, part in enumerate(overflow):
+        platform.send_text(chat, part, delivery_id=f"{base_id}#c{i}")
+
+
+def _send_file(ctx: Context, platform: Platform, chat: str, job: dict) -> tuple[Sent, str, int]:
+    kind, src, limit = _plan_file(ctx, platform, job)
+    key, size = job["key"], src.size_bytes
+    if size > limit:
+        reason = _notice_too_large(ctx, platform, chat, job, src.name, size, limit, key=key)
+        raise _TooLargeNotice(reason)
+    receipts.update_delivery(ctx.redis, job["id"], kind=kind.value, size_bytes=size, name=src.name)
+    caption, overflow = fit_caption(job.get("caption"), platform.limits.caption_chars)
+    cached = None
+    if getattr(platform, "cache_key", None) and not src.sha256:
+        # extraction by kernel copy hashes nothing; the file-id cache needs it
+        src = replace(src, sha256=_sha256_of(ctx.store, key))
+    fid_key = _fid_key(platform, src.sha256, kind)
+    if fid_key:
         raw = ctx.redis.get(fid_key)
         cached = raw.decode() if isinstance(raw, bytes) else raw
-    src = FileSource(name=name, size_bytes=size, sha256=sha, opener=lambda: store.open_read(key),
-                     path=store.local_path(key))
     sent = platform.send_file(chat, kind, src, caption=caption, delivery_id=job["id"], file_id=cached)
     if fid_key and sent.file_id:
-        ctx.redis.set(fid_key, sent.file_id, ex=30 * 24 * 3600)
-    for i, part in enumerate(overflow):
-        platform.send_text(chat, part, delivery_id=f"{job['id']}#c{i}")
+        ctx.redis.set(fid_key, sent.file_id, ex=FILE_ID_TTL_S)
+    _send_overflow(platform, chat, overflow, job["id"])
     return sent, kind.value, size
+
+
+# -- albums ----------------------------------------------------------------------------------
+def deliver_album(ctx: Context, group: dict) -> dict:
+    """Deliver a group of photos (built by `tasks.chains`) as one album.
+
+    `group` holds job, target, caption? and items: the file jobs as
+    `deliver` takes them, each with its own delivery id and receipt; a
+    sandbox file's item has `extracted` set, its extraction's result being in
+    its receipt. Items already done are skipped; a failed extraction is
+    recorded failed (with the too-large notice); photos that fit the photo
+    and upload limits go as one album when two or more remain, the rest
+    (a photo over the photo limit, a file over the upload limit, a lone
+    photo) go after it one by one, as `deliver` sends them. The caption goes
+    on the album, else on the first item sent. One send lock, on the first
+    item's id, covers the group."""
+    lead = group["items"][0]["id"]
+    return _under_send_lock(ctx, lead, lambda rec: None, lambda: _deliver_album_locked(ctx, group))
+
+
+def _deliver_album_locked(ctx: Context, group: dict) -> dict:
+    from tasks.extract import result_of
+
+    r = ctx.redis
+    items = group["items"]
+    lead = items[0]["id"]
+    results: dict[str, dict] = {}
+    pending: list[tuple[dict, dict]] = []
+    recs = _receipts_of(r, items)
+    # the caption goes with the group's first send: an earlier run that sent (or finally failed) one used it
+    caption = None if any(rec.get("state") == "delivered" or rec.get("final") == "1" for rec in recs) \
+        else group.get("caption")
+    for item, rec in zip(items, recs):
+        done = _already_done(item["id"], rec)
+        if done is None and rec.get("state") == "failed" and rec.get("extraction") == "failed":
+            done = {"id": item["id"], "state": "failed", "reason": rec.get("reason"), "skipped": True}
+        if done is not None:
+            results[item["id"]] = done
+        else:
+            pending.append((item, rec))
+
+    def summary() -> dict:
+        return {"album": lead, "deliveries": [results[i["id"]] for i in items if i["id"] in results]}
+
+    if not pending:
+        return summary()
+    platform_name, chat = split_target(group["target"])
+    try:
+        platform = ctx.platform(platform_name)
+    except CourierError as exc:
+        for item, _ in pending:
+            results[item["id"]] = record_failure(ctx, _job_of(item), exc.reason)
+        return summary()
+
+    photos: list[tuple[dict, FileSource]] = []
+    singles: list[dict] = []
+    for item, rec in pending:
+        job = _job_of(item)
+        if item.get("extracted"):
+            extracted = result_of(rec, item["key"]) or {"ok": False, "name": item.get("name"),
+                                                        "reason": "the extraction recorded no result"}
+            if not extracted["ok"]:
+                results[job["id"]] = _deliver_item(ctx, platform, chat, job, extracted)
+                continue
+            job = _with_extraction(job, extracted)
+        kind, src, limit = _plan_file(ctx, platform, job)
+        if kind == Kind.PHOTO and src.size_bytes <= limit:
+            photos.append((job, src))
+        else:
+            singles.append(job)
+
+    size = platform.limits.album_max
+    if len(photos) >= 2 and size >= 2:
+        album, rest = photos[:size], [job for job, _ in photos[size:]]
+        results.update(_send_album(ctx, platform, chat, lead, album, caption))
+        caption = None
+    else:
+        rest = [job for job, _ in photos]
+    order = {item["id"]: i for i, item in enumerate(items)}
+    for job in sorted(rest + singles, key=lambda j: order[j["id"]]):
+        if caption:
+            job, caption = {**job, "caption": caption}, None
+        results[job["id"]] = _deliver_item(ctx, platform, chat, job, None)
+    return summary()
+
+
+def _job_of(item: dict) -> dict:
+    return {k: v for k, v in item.items() if k != "extracted"}
+
+
+def _receipts_of(r, items: list[dict]) -> list[dict]:
+    pipe = r.pipeline(transaction=False)
+    for item in items:
+        pipe.hgetall(keys.delivery(item["id"]))
+    return [{_str(k): _str(v) for k, v in (h or {}).items()} for h in pipe.execute()]
+
+
+def _str(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _send_album(ctx: Context, platform: Platform, chat: str, lead: str, album: list[tuple[dict, FileSource]],
+                caption: str | None) -> dict[str, dict]:
+    """Send photos as one album and record each item with its own message id."""
+    r = ctx.redis
+    part = f"{lead}#album"  # the album's part id: a re-run after it was sent does not send it again
+    guarded = ratelimit.guard(r, platform, lead)
+    attempts = [receipts.start_attempt(r, job["id"], state="sending", platform=platform.name,
+                                       kind=Kind.PHOTO.value, size_bytes=src.size_bytes, name=src.name)
+                for job, src in album]
+    text, overflow = fit_caption(caption, platform.limits.caption_chars)
+    try:
+        sents = guarded.send_album(chat, [(Kind.PHOTO, src) for _, src in album], caption=text, delivery_id=part)
+        _send_overflow(guarded, chat, overflow, part)
+    except Permanent as exc:
+        out = {}
+        for job, _ in album:
+            receipts.update_delivery(r, job["id"], final="1")
+            out[job["id"]] = record_failure(ctx, job, exc.reason)
+        return out
+    out = {}
+    pipe = r.pipeline(transaction=False)
+    for i, ((job, src), n) in enumerate(zip(album, attempts)):
+        sent = sents[min(i, len(sents) - 1)]
+        fid_key = _fid_key(platform, src.sha256, Kind.PHOTO)
+        if fid_key and sent.file_id:
+            pipe.set(fid_key, sent.file_id, ex=FILE_ID_TTL_S)
+        out[job["id"]] = _record_delivered(ctx, job, sent.message_id, Kind.PHOTO.value, src.size_bytes, n, pipe=pipe)
+    pipe.execute()
+    return out
+
+
+def album_items_open(ctx: Context, group: dict) -> list[dict]:
+    """The group's items not yet delivered or failed (for the task's retry bookkeeping)."""
+    return [_job_of(item) for item, rec in zip(group["items"], _receipts_of(ctx.redis, group["items"]))
+            if rec.get("state") not in receipts.TERMINAL]
 
 
 def _sha256_of(store, key: str) -> str:

@@ -98,7 +98,8 @@ def extract_file(self, spec: dict) -> dict:
         transient = exc.transient if isinstance(exc, CourierError) else True
         if not transient or self.request.retries + 1 >= ctx.max_transient_attempts:
             log.warning("extraction %s failed: %r", spec.get("delivery"), exc)
-            return {"ok": False, "reason": f"{type(exc).__name__}: {exc}", "name": spec["path"].rsplit("/", 1)[-1]}
+            return extract_mod.record_failure(ctx.redis, spec["delivery"], {
+                "ok": False, "reason": f"{type(exc).__name__}: {exc}", "name": spec["path"].rsplit("/", 1)[-1]})
         raise self.retry(exc=exc, countdown=backoff_s(self.request.retries))
 
 
@@ -129,6 +130,48 @@ def deliver(self, extracted: dict | None, job: dict) -> dict:
         busy = isinstance(exc, delivery_mod.Busy)
         if not busy and n >= ctx.max_transient_attempts:
             return delivery_mod.record_failure(ctx, job, f"gave up after {n} attempts: {exc.reason}")
+        raise self.retry(exc=exc, countdown=2.0 if busy else backoff_s(n - 1))
+
+
+@shared_task(bind=True, name="courier.delivery.deliver_album", acks_late=True, reject_on_worker_lost=True,
+             max_retries=None)
+def deliver_album(self, group: dict) -> dict:
+    """A group of photos as one album (tasks.chains builds the group); the
+    retry policy of `deliver`, its counters on the group's first receipt."""
+    ctx = runtime.ctx()
+    lead = group["items"][0]["id"]
+
+    def give_up(reason: str) -> dict:
+        return {"album": lead, "deliveries": [delivery_mod.record_failure(ctx, job, reason)
+                                              for job in delivery_mod.album_items_open(ctx, group)]}
+
+    def mark(**fields) -> None:
+        for job in delivery_mod.album_items_open(ctx, group):
+            receipts.update_delivery(ctx.redis, job["id"], **fields)
+
+    try:
+        return delivery_mod.deliver_album(ctx, group)
+    except Retry:
+        raise
+    except RateLimited as exc:
+        n = int(ctx.redis.hincrby(keys.delivery(lead), "rate_limited", 1))
+        mark(state="rate_limited", reason=f"rate limited, retry after {exc.retry_after_s:g}s")
+        if n > MAX_RATE_LIMIT_RETRIES:
+            return give_up(f"gave up after {n - 1} rate limits")
+        countdown = min(MAX_COUNTDOWN_S, exc.retry_after_s + random.uniform(0.05, 0.5))
+        raise self.retry(exc=exc, countdown=countdown)
+    except Exception as exc:  # noqa: BLE001 - unmapped errors count as transient, bounded
+        if isinstance(exc, CourierError) and not exc.transient:
+            return give_up(exc.reason)
+        if not isinstance(exc, CourierError):
+            log.exception("album %s: unexpected error", lead)
+            exc = CourierError(f"{type(exc).__name__}: {exc}")
+        n = int(ctx.redis.hincrby(keys.delivery(lead), "transient_errors", 1))
+        busy = isinstance(exc, delivery_mod.Busy)
+        if not busy:
+            mark(state="retrying", reason=exc.reason)
+        if not busy and n >= ctx.max_transient_attempts:
+            return give_up(f"gave up after {n} attempts: {exc.reason}")
         raise self.retry(exc=exc, countdown=2.0 if busy else backoff_s(n - 1))
 
 

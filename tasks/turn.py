@@ -125,7 +125,7 @@ def run_turn(ctx: Context, spec: dict, *, on_activity: Callable[[dict], None] | 
             files.append(chains.SandboxFile(ref=ref, path=path))
     plan = chains.Plan(job_id=job_id, target=spec["target"], text=parsed.text or None, files=files,
                        voice=parsed.audio_as_voice, as_document=parsed.as_document,
-                       max_bytes=ctx.max_file_bytes)
+                       max_bytes=ctx.max_file_bytes, album_max=_album_max(ctx, spec["target"]))
     try:
         ids = chains.enqueue(r, plan)
     except CourierError as exc:
@@ -133,6 +133,16 @@ def run_turn(ctx: Context, spec: dict, *, on_activity: Callable[[dict], None] | 
     for d in ids:
         publish({"kind": "delivery", "delivery_id": d, "state": "queued"})
     return finish("replied", deliveries=len(ids))
+
+
+def _album_max(ctx: Context, target: str) -> int:
+    """How many photos one album holds on the target's platform (0: none, or not configured)."""
+    from adapters.platforms.base import split_target
+
+    try:
+        return ctx.platform(split_target(target)[0]).limits.album_max
+    except CourierError:
+        return 0
 
 
 def put_attachments(ctx: Context, spec: dict, ref: SandboxRef, workdir: str | None) -> list[str]:

@@ -53,3 +53,68 @@ def test_storage_keys_are_safe():
     assert chains.storage_key("j", 3, "../../etc/pa ss wd") == "files/j/3-pa_ss_wd"
     assert chains.storage_key("j", 0, ".hidden") == "files/j/0-hidden"
     assert chains.storage_key("j", 0, "") == "files/j/0-file"
+
+
+# -- albums ------------------------------------------------------------------------------------
+def _album_plan(names, *, album_max=10, as_document=False, caption="cap", text=None):
+    ref = SandboxRef("local")
+    files = [chains.StoredFile(key=f"files/snd_x/{i}-{n}", name=n, size=3, sha256="00") if i % 2
+             else chains.SandboxFile(ref, f"/tmp/{n}") for i, n in enumerate(names)]
+    return chains.Plan(job_id="snd_x", target="telegram:1", text=text, files=files, caption=caption,
+                       as_document=as_document, album_max=album_max)
+
+
+def _shape(c):
+    """The chain as (task, delivery ids) pairs: extract -> its id, deliver -> its id, album -> its ids."""
+    out = []
+    for t in c.tasks:
+        if t.task == "courier.delivery.deliver_album":
+            out.append(("album", [i["id"] for i in t.args[0]["items"]]))
+        elif t.task == "courier.delivery.deliver":
+            out.append(("deliver", t.args[-1]["id"]))
+        else:
+            out.append(("extract", t.args[0]["delivery"]))
+    return out
+
+
+def test_runs_of_photos_become_albums_of_at_most_album_max():
+    names = [f"p{i}.jpg" for i in range(12)] + ["doc.pdf", "a.png", "b.webp", "c.gif", "d.JPEG"]
+    plan = _album_plan(names, text="hi")
+    assert chains.album_groups(plan) == [list(range(10)), [10, 11], [13, 14]]
+    c = chains.build(plan)
+    shape = _shape(c)
+    ids = [f"snd_x.{i + 1}" for i in range(len(names))]  # .0 is the text
+    albums = [s for s in shape if s[0] == "album"]
+    assert albums == [("album", ids[:10]), ("album", ids[10:12]), ("album", ids[13:15])]
+    # the text first; each sandbox file extracted before its album; a pdf, a gif and a lone photo go alone
+    assert shape[0] == ("deliver", "snd_x.0")
+    assert shape[1:7] == [("extract", ids[i]) for i in (0, 2, 4, 6, 8)] + [("album", ids[:10])]
+    # (files at even indexes are in a sandbox, odd ones already stored)
+    assert shape[7:] == [("extract", ids[10]), ("album", ids[10:12]),
+                         ("extract", ids[12]), ("deliver", ids[12]),  # the pdf breaks the run
+                         ("extract", ids[14]), ("album", ids[13:15]),
+                         ("deliver", ids[15]),  # a gif is not a photo (an animation on Telegram)
+                         ("extract", ids[16]), ("deliver", ids[16])]  # a lone photo goes alone
+    album = next(t for t in c.tasks if t.task == "courier.delivery.deliver_album")
+    spec = album.args[0]
+    assert album.immutable and spec["caption"] == "cap" and spec["target"] == "telegram:1"
+    first, second = spec["items"][:2]
+    # a sandbox file's item names the key its extraction writes; a stored file's carries its own
+    assert first["extracted"] is True and first["key"] == "files/snd_x/1-p0.jpg" and first["name"] == "p0.jpg"
+    assert "extracted" not in second and second["key"] == "files/snd_x/1-p1.jpg"
+    extract = c.tasks[1]
+    assert extract.immutable and extract.args[0]["key"] == first["key"]
+    # the caption rides on the first file only: the first album here
+    assert all("caption" not in t.args[0] for t in c.tasks if t.task.endswith("deliver_album") and t is not album)
+
+
+def test_no_albums_when_the_platform_or_the_plan_says_so():
+    names = ["a.jpg", "b.png", "c.webp"]
+    for plan in (_album_plan(names, album_max=0), _album_plan(names, album_max=1),
+                 _album_plan(names, as_document=True)):
+        assert chains.album_groups(plan) == []
+        assert [s[0] for s in _shape(chains.build(plan))] == ["extract", "deliver", "deliver", "extract", "deliver"]
+    # a lone photo between other files stays a plain delivery, and a leftover of one after a full album too
+    assert chains.album_groups(_album_plan(["a.jpg", "b.pdf", "c.jpg"])) == []
+    assert chains.album_groups(_album_plan([f"{i}.jpg" for i in range(11)])) == [list(range(10))]
+    assert chains.album_groups(_album_plan([f"{i}.jpg" for i in range(5)], album_max=2)) == [[0, 1], [2, 3]]

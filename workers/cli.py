@@ -101,9 +101,10 @@ def send(
     """Deliver files to a chat."""
     from adapters.sandboxes.base import parse_uri
     from tasks import chains, receipts
+    from workers.wiring import platform as wired_platform
 
     settings = _settings()
-    _target(settings, target)
+    album_max = wired_platform(_target(settings, target), settings).limits.album_max  # built by the check
     items: list[tuple[str, object]] = []
     for raw in paths:
         if "://" in raw:
@@ -141,7 +142,7 @@ def send(
         files.append(chains.StoredFile(key=key, name=p.name, size=info.size_bytes, sha256=info.sha256 or ""))
     receipts.create_job(r, job_id, kind="send", target=target)
     plan = chains.Plan(job_id=job_id, target=target, files=files, caption=caption, voice=voice,
-                       as_document=as_document, max_bytes=settings.max_file_bytes)
+                       as_document=as_document, max_bytes=settings.max_file_bytes, album_max=album_max)
     ids = chains.enqueue(r, plan)
     if not wait:
         if as_json:
