@@ -12,6 +12,7 @@ idempotent through delivery ids.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 import random
 
 from celery import shared_task
@@ -103,34 +104,48 @@ def extract_file(self, spec: dict) -> dict:
         raise self.retry(exc=exc, countdown=backoff_s(self.request.retries))
 
 
+def _with_retries(task, ctx, lead: str, run: Callable[[], dict], *, mark: Callable[..., None],
+                  give_up: Callable[[str], dict], what: str) -> dict:
+    """The delivery retry policy, one place for `deliver` and `deliver_album`:
+    rate limits re-schedule after retry_after (+ jitter, bounded count);
+    transient and unexpected errors back off exponentially (bounded by
+    max_transient_attempts); a busy send lock retries shortly without
+    touching the receipt; permanent errors give up at once. Counters live
+    on the receipt of `lead`."""
+    try:
+        return run()
+    except Retry:
+        raise
+    except RateLimited as exc:
+        n = int(ctx.redis.hincrby(keys.delivery(lead), "rate_limited", 1))
+        mark(state="rate_limited", reason=f"rate limited, retry after {exc.retry_after_s:g}s")
+        if n > MAX_RATE_LIMIT_RETRIES:
+            return give_up(f"gave up after {n - 1} rate limits")
+        countdown = min(MAX_COUNTDOWN_S, exc.retry_after_s + random.uniform(0.05, 0.5))
+        raise task.retry(exc=exc, countdown=countdown)
+    except Exception as exc:  # noqa: BLE001 - unmapped errors count as transient, bounded
+        if isinstance(exc, CourierError) and not exc.transient:
+            return give_up(exc.reason)
+        if not isinstance(exc, CourierError):
+            log.exception("%s: unexpected error", what)
+            exc = CourierError(f"{type(exc).__name__}: {exc}")
+        n = int(ctx.redis.hincrby(keys.delivery(lead), "transient_errors", 1))
+        busy = isinstance(exc, delivery_mod.Busy)
+        if not busy:
+            mark(state="retrying", reason=exc.reason)
+        if not busy and n >= ctx.max_transient_attempts:
+            return give_up(f"gave up after {n} attempts: {exc.reason}")
+        raise task.retry(exc=exc, countdown=2.0 if busy else backoff_s(n - 1))
+
+
 @shared_task(bind=True, name="courier.delivery.deliver", acks_late=True, reject_on_worker_lost=True,
              max_retries=None)
 def deliver(self, extracted: dict | None, job: dict) -> dict:
     ctx = runtime.ctx()
-    try:
-        return delivery_mod.deliver(ctx, job, extracted)
-    except Retry:
-        raise
-    except RateLimited as exc:
-        n = int(ctx.redis.hincrby(keys.delivery(job["id"]), "rate_limited", 1))
-        receipts.update_delivery(ctx.redis, job["id"], state="rate_limited",
-                                 reason=f"rate limited, retry after {exc.retry_after_s:g}s")
-        if n > MAX_RATE_LIMIT_RETRIES:
-            return delivery_mod.record_failure(ctx, job, f"gave up after {n - 1} rate limits")
-        countdown = min(MAX_COUNTDOWN_S, exc.retry_after_s + random.uniform(0.05, 0.5))
-        raise self.retry(exc=exc, countdown=countdown)
-    except Exception as exc:  # noqa: BLE001 - unmapped errors count as transient, bounded
-        if isinstance(exc, CourierError) and not exc.transient:
-            return delivery_mod.record_failure(ctx, job, exc.reason)
-        if not isinstance(exc, CourierError):
-            log.exception("delivery %s: unexpected error", job["id"])
-            exc = CourierError(f"{type(exc).__name__}: {exc}")
-        n = int(ctx.redis.hincrby(keys.delivery(job["id"]), "transient_errors", 1))
-        receipts.update_delivery(ctx.redis, job["id"], state="retrying", reason=exc.reason)
-        busy = isinstance(exc, delivery_mod.Busy)
-        if not busy and n >= ctx.max_transient_attempts:
-            return delivery_mod.record_failure(ctx, job, f"gave up after {n} attempts: {exc.reason}")
-        raise self.retry(exc=exc, countdown=2.0 if busy else backoff_s(n - 1))
+    return _with_retries(
+        self, ctx, job["id"], lambda: delivery_mod.deliver(ctx, job, extracted),
+        mark=lambda **f: receipts.update_delivery(ctx.redis, job["id"], **f),
+        give_up=lambda reason: delivery_mod.record_failure(ctx, job, reason), what=f"delivery {job['id']}")
 
 
 @shared_task(bind=True, name="courier.delivery.deliver_album", acks_late=True, reject_on_worker_lost=True,
@@ -149,30 +164,8 @@ def deliver_album(self, group: dict) -> dict:
         for job in delivery_mod.album_items_open(ctx, group):
             receipts.update_delivery(ctx.redis, job["id"], **fields)
 
-    try:
-        return delivery_mod.deliver_album(ctx, group)
-    except Retry:
-        raise
-    except RateLimited as exc:
-        n = int(ctx.redis.hincrby(keys.delivery(lead), "rate_limited", 1))
-        mark(state="rate_limited", reason=f"rate limited, retry after {exc.retry_after_s:g}s")
-        if n > MAX_RATE_LIMIT_RETRIES:
-            return give_up(f"gave up after {n - 1} rate limits")
-        countdown = min(MAX_COUNTDOWN_S, exc.retry_after_s + random.uniform(0.05, 0.5))
-        raise self.retry(exc=exc, countdown=countdown)
-    except Exception as exc:  # noqa: BLE001 - unmapped errors count as transient, bounded
-        if isinstance(exc, CourierError) and not exc.transient:
-            return give_up(exc.reason)
-        if not isinstance(exc, CourierError):
-            log.exception("album %s: unexpected error", lead)
-            exc = CourierError(f"{type(exc).__name__}: {exc}")
-        n = int(ctx.redis.hincrby(keys.delivery(lead), "transient_errors", 1))
-        busy = isinstance(exc, delivery_mod.Busy)
-        if not busy:
-            mark(state="retrying", reason=exc.reason)
-        if not busy and n >= ctx.max_transient_attempts:
-            return give_up(f"gave up after {n} attempts: {exc.reason}")
-        raise self.retry(exc=exc, countdown=2.0 if busy else backoff_s(n - 1))
+    return _with_retries(self, ctx, lead, lambda: delivery_mod.deliver_album(ctx, group), mark=mark,
+                         give_up=give_up, what=f"album {lead}")
 
 
 @shared_task(name="courier.janitor.sweep", acks_late=True)
