@@ -69,15 +69,31 @@ def deliver(ctx: Context, job: dict, extracted: dict | None = None) -> dict:
     result of the extraction before it in the chain (file items from a sandbox)."""
     did = job["id"]
     return _under_send_lock(ctx, did, lambda rec: _already_done(did, rec),
-                            lambda: _deliver_locked(ctx, job, extracted))
+                            lambda session: _deliver_locked(ctx, job, extracted, session), count_attempt=True)
 
 
-def _under_send_lock(ctx: Context, did: str, done: Callable[[dict], dict | None], work: Callable[[], dict]) -> dict:
+class SendSession:
+    """What holding a delivery's send lock gives the work done under it."""
+
+    def __init__(self, ctx: Context, did: str, owner: str, attempts: int) -> None:
+        self.ctx, self.did, self.owner, self.attempts = ctx, did, owner, attempts
+        self.released = False
+
+    def release(self, pipe=None) -> None:
+        """Release the lock (queued on `pipe` when given: one round trip less)."""
+        if not self.released:
+            receipts.release_send_lock(pipe if pipe is not None else self.ctx.redis, self.did, self.owner)
+            self.released = True
+
+
+def _under_send_lock(ctx: Context, did: str, done: Callable[[dict], dict | None],
+                     work: Callable[[SendSession], dict], *, count_attempt: bool = False) -> dict:
     """Run `work` holding the send lock of `did`, unless `done(receipt)` says
     there is nothing left to do; another worker holding the lock: `Busy`."""
     r = ctx.redis
     owner = uuid.uuid4().hex
-    locked, rec = receipts.begin_send(r, did, owner, ttl_s=receipts.SEND_LOCK_TTL_S)
+    locked, rec, attempts = receipts.begin_send(r, did, owner, ttl_s=receipts.SEND_LOCK_TTL_S,
+                                                count_attempt=count_attempt)
     result = done(rec)
     if result is not None or not locked:
         if locked:
@@ -88,11 +104,12 @@ def _under_send_lock(ctx: Context, did: str, done: Callable[[dict], dict | None]
     # the lock is short and renewed while this process works: a worker that
     # dies frees its deliveries within SEND_LOCK_TTL_S (well inside Discord's
     # nonce memory), while a long upload keeps its lock
+    session = SendSession(ctx, did, owner, attempts)
     with receipts.renewing(r, did, owner):
         try:
-            return work()
+            return work(session)
         finally:
-            receipts.release_send_lock(r, did, owner)
+            session.release()
 
 
 def _already_done(did: str, rec: dict) -> dict | None:
@@ -103,16 +120,17 @@ def _already_done(did: str, rec: dict) -> dict | None:
     return None
 
 
-def _deliver_locked(ctx: Context, job: dict, extracted: dict | None) -> dict:
+def _deliver_locked(ctx: Context, job: dict, extracted: dict | None, session: SendSession) -> dict:
     platform_name, chat = split_target(job["target"])
     try:
         platform = ctx.platform(platform_name)
     except CourierError as exc:
         return record_failure(ctx, job, exc.reason)
-    return _deliver_item(ctx, platform, chat, job, extracted)
+    return _deliver_item(ctx, platform, chat, job, extracted, session)
 
 
-def _deliver_item(ctx: Context, platform: Platform, chat: str, job: dict, extracted: dict | None) -> dict:
+def _deliver_item(ctx: Context, platform: Platform, chat: str, job: dict, extracted: dict | None,
+                  session: SendSession | None = None) -> dict:
     """One item to `chat` (its send lock held by the caller): a failed
     extraction recorded (with the too-large notice), else sent and recorded."""
     r = ctx.redis
@@ -125,7 +143,10 @@ def _deliver_item(ctx: Context, platform: Platform, chat: str, job: dict, extrac
     if extracted:
         job = _with_extraction(job, extracted)
 
-    attempts = receipts.start_attempt(r, did, state="sending", platform=platform.name)
+    if session is not None and session.attempts:
+        attempts = session.attempts  # counted when the lock was taken
+    else:
+        attempts = receipts.start_attempt(r, did, state="sending", platform=platform.name)
     try:
         if job.get("type") == "text":
             sent = _send_text(platform, chat, job.get("text") or "", did)
@@ -138,7 +159,10 @@ def _deliver_item(ctx: Context, platform: Platform, chat: str, job: dict, extrac
     except _TooLargeNotice as notice:
         receipts.update_delivery(r, did, final="1")
         return record_failure(ctx, job, notice.reason)
-    return _record_delivered(ctx, job, sent.message_id, kind_name, size, attempts)
+    pipe = r.pipeline(transaction=False)
+    if session is not None:
+        session.release(pipe)
+    return _record_delivered(ctx, job, sent.message_id, kind_name, size, attempts, pipe=pipe, execute=True)
 
 
 def _with_extraction(job: dict, extracted: dict) -> dict:
@@ -154,14 +178,14 @@ def _extraction_failed(ctx: Context, platform: Platform, chat: str, job: dict, e
 
 
 def _record_delivered(ctx: Context, job: dict, message_id: str, kind_name: str, size: int, attempts: int,
-                      pipe=None) -> dict:
+                      pipe=None, execute: bool = False) -> dict:
     """The receipt and the delivery event of a delivered item (queued on `pipe` when given)."""
     p = pipe if pipe is not None else ctx.redis.pipeline(transaction=False)
     receipts.update_delivery(p, job["id"], state="delivered", message_id=message_id, kind=kind_name,
                              size_bytes=size, attempts=attempts, reason="")
     _event(ctx, job, pipe=p, state="delivered", message_id=message_id, media=kind_name,
            name=job.get("name"), size_bytes=size)
-    if pipe is None:
+    if pipe is None or execute:
         p.execute()
     return {"id": job["id"], "state": "delivered", "message_id": message_id, "kind": kind_name}
 
@@ -243,7 +267,7 @@ def deliver_album(ctx: Context, group: dict) -> dict:
     on the album, else on the first item sent. One send lock, on the first
     item's id, covers the group."""
     lead = group["items"][0]["id"]
-    return _under_send_lock(ctx, lead, lambda rec: None, lambda: _deliver_album_locked(ctx, group))
+    return _under_send_lock(ctx, lead, lambda rec: None, lambda session: _deliver_album_locked(ctx, group))
 
 
 def _deliver_album_locked(ctx: Context, group: dict) -> dict:

@@ -7,6 +7,7 @@ platform's message id or the failure reason.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -91,13 +92,32 @@ def job_deliveries(r, job_id: str) -> list[dict[str, str]]:
     return [_decode(h) for h in pipe.execute() if h]
 
 
-def begin_send(r, delivery_id: str, owner: str, ttl_s: int = 600) -> tuple[bool, dict[str, str]]:
-    """Take the send lock and read the receipt in one round trip."""
-    pipe = r.pipeline(transaction=False)
-    pipe.set(keys.delivery_lock(delivery_id), owner, nx=True, ex=ttl_s)
-    pipe.hgetall(keys.delivery(delivery_id))
-    locked, rec = pipe.execute()
-    return bool(locked), _decode(rec or {})
+_BEGIN = """
+local locked = redis.call('set', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2])
+local rec = redis.call('hgetall', KEYS[2])
+local attempts = 0
+if locked and ARGV[3] == '1' then
+  local st = redis.call('hget', KEYS[2], 'state')
+  local final = redis.call('hget', KEYS[2], 'final')
+  if st ~= 'delivered' and not (st == 'failed' and final == '1') then
+    attempts = redis.call('hincrby', KEYS[2], 'attempts', 1)
+    redis.call('hset', KEYS[2], 'state', 'sending')
+  end
+end
+return {locked and 1 or 0, rec, attempts}
+"""
+
+
+def begin_send(r, delivery_id: str, owner: str, ttl_s: int = 600, *, count_attempt: bool = False
+               ) -> tuple[bool, dict[str, str], int]:
+    """One round trip: take the send lock, read the receipt and, when the lock
+    was taken and the delivery is not done yet (and `count_attempt`), count
+    an attempt and mark it sending. Returns (locked, receipt as it was, attempt
+    number or 0)."""
+    locked, flat, attempts = r.eval(_BEGIN, 2, keys.delivery_lock(delivery_id), keys.delivery(delivery_id), owner,
+                                    ttl_s, "1" if count_attempt else "0")
+    rec = {_s(flat[i]): _s(flat[i + 1]) for i in range(0, len(flat), 2)}
+    return bool(locked), rec, int(attempts)
 
 
 def start_attempt(r, delivery_id: str, **fields: Any) -> int:
@@ -116,25 +136,60 @@ def acquire_send_lock(r, delivery_id: str, owner: str, ttl_s: int = 600) -> bool
     return bool(r.set(keys.delivery_lock(delivery_id), owner, nx=True, ex=ttl_s))
 
 
+class _Renewer:
+    """One daemon thread per process renews every send lock this process
+    holds, in one pipeline each third of the lock's life."""
+
+    def __init__(self, ttl_s: int) -> None:
+        self.ttl_s = ttl_s
+        self.held: dict[tuple[int, str], tuple[Any, str]] = {}
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+        self.pid = 0
+
+    def add(self, r, delivery_id: str, owner: str) -> tuple[int, str]:
+        token = (id(r), delivery_id + "\0" + owner)
+        with self.lock:
+            self.held[token] = (r, delivery_id)
+            if self.thread is None or self.pid != os.getpid() or not self.thread.is_alive():
+                self.pid = os.getpid()
+                self.thread = threading.Thread(target=self._run, name="courier-lock-renewer", daemon=True)
+                self.thread.start()
+        return token
+
+    def remove(self, token: tuple[int, str]) -> None:
+        with self.lock:
+            self.held.pop(token, None)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.ttl_s / 3)
+            with self.lock:
+                items = list(self.held.items())
+            by_client: dict[int, list] = {}
+            for (cid, ident), (r, did) in items:
+                by_client.setdefault(cid, [r]).append((did, ident.split("\0", 1)[1]))
+            for r, *locks in by_client.values():
+                try:
+                    pipe = r.pipeline(transaction=False)
+                    for did, owner in locks:
+                        pipe.eval(_RENEW, 1, keys.delivery_lock(did), owner, self.ttl_s)
+                    pipe.execute()
+                except Exception:  # noqa: BLE001 - a missed renewal only shortens the lock
+                    pass
+
+
+_renewer = _Renewer(SEND_LOCK_TTL_S)
+
+
 @contextmanager
-def renewing(r, delivery_id: str, owner: str, ttl_s: int = SEND_LOCK_TTL_S) -> Iterator[None]:
-    """Keep a send lock alive while the block runs (a daemon thread renews it)."""
-    stop = threading.Event()
-
-    def beat() -> None:
-        while not stop.wait(ttl_s / 3):
-            try:
-                if not r.eval(_RENEW, 1, keys.delivery_lock(delivery_id), owner, ttl_s):
-                    return  # lost (expired or released): nothing left to renew
-            except Exception:  # noqa: BLE001 - a missed renewal only shortens the lock
-                pass
-
-    t = threading.Thread(target=beat, name=f"lock-{delivery_id}", daemon=True)
-    t.start()
+def renewing(r, delivery_id: str, owner: str) -> Iterator[None]:
+    """Keep a send lock alive while the block runs."""
+    token = _renewer.add(r, delivery_id, owner)
     try:
         yield
     finally:
-        stop.set()
+        _renewer.remove(token)
 
 
 def release_send_lock(r, delivery_id: str, owner: str) -> None:

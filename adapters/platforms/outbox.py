@@ -38,21 +38,31 @@ class OutboxPlatform(Platform):
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
+        self._made: set[Path] = set()  # chat dirs known to exist
 
     def _chat_dir(self, chat: str) -> Path:
         safe = _SAFE.sub("_", chat).strip(".")
         if not safe:
             raise Permanent(f"invalid outbox chat {chat!r}")
         d = self.root / safe
+        if d in self._made:
+            return d
         try:
             d.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise Transient(f"outbox {d} is not writable: {exc.strerror}") from exc
+        if len(self._made) > 10_000:
+            self._made.clear()
+        self._made.add(d)
         return d
 
     def _log(self, d: Path, record: dict) -> None:
         line = (json.dumps(record, ensure_ascii=False, sort_keys=True) + "\n").encode()
-        fd = os.open(d / LOG_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            fd = os.open(d / LOG_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError as exc:
+            self._made.discard(d)
+            raise Transient(f"outbox log write failed: {exc.strerror or exc}") from exc
         try:
             os.write(fd, line)
         finally:
@@ -79,6 +89,7 @@ class OutboxPlatform(Platform):
             os.replace(tmp, d / fname)
         except OSError as exc:
             tmp.unlink(missing_ok=True)
+            self._made.discard(d)  # made again on the retry
             raise Transient(f"outbox write failed: {exc.strerror or exc}") from exc
         self._log(d, {
             "delivery_id": delivery_id, "kind": kind.value, "name": file.name, "file": fname,
