@@ -92,6 +92,7 @@ def register(r, plan: Plan) -> list[str]:
     ids: list[str] = []
     seq = 0
     platform = platform_of(plan.target)
+    r = r.pipeline(transaction=False)  # one round trip for the whole plan
     if plan.text:
         d = delivery_id(plan.job_id, seq)
         receipts.add_delivery(r, plan.job_id, d, type="text", platform=platform, kind="text",
@@ -108,6 +109,7 @@ def register(r, plan: Plan) -> list[str]:
                                   name=posixpath.basename(f.path), source=f.path)
         ids.append(d)
         seq += 1
+    r.execute()
     return ids
 
 

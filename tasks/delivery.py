@@ -136,7 +136,7 @@ def _deliver_item(ctx: Context, platform: Platform, chat: str, job: dict, extrac
     r = ctx.redis
     did = job["id"]
     # every send below takes a shared rate-limit slot first, and each part is sent once
-    platform = ratelimit.guard(r, platform, did)
+    platform = ratelimit.guard(r, platform, did, first_attempt=session is not None and session.attempts == 1)
 
     if extracted is not None and not extracted.get("ok", False):
         return _extraction_failed(ctx, platform, chat, job, extracted)
@@ -210,7 +210,7 @@ def _plan_file(ctx: Context, platform: Platform, job: dict) -> tuple[Kind, FileS
     source, and the upload limit for that kind."""
     store = ctx.store
     key = job["key"]
-    size = store.stat(key).size_bytes
+    size = job["size"] if isinstance(job.get("size"), int) else store.stat(key).size_bytes
     name = job.get("name") or os.path.basename(key)
     kind = choose_kind(platform, name, size, voice=bool(job.get("voice")), as_document=bool(job.get("as_document")))
     src = FileSource(name=name, size_bytes=size, sha256=job.get("sha256") or "", opener=lambda: store.open_read(key),

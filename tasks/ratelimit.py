@@ -186,9 +186,11 @@ def acquire(redis: Any, platform: Platform, chat: str) -> Slot:
 class Guarded(Platform):
     """A platform seen through one delivery: rate-limited sends, each part sent once."""
 
-    def __init__(self, redis: Any, platform: Platform, delivery_id: str) -> None:
+    def __init__(self, redis: Any, platform: Platform, delivery_id: str, *, first_attempt: bool = False) -> None:
         self._redis = redis
         self._p = platform
+        #: on a delivery's first attempt no part can have been sent before: no need to look
+        self._fresh = first_attempt
         self._parts_key = keys.delivery_parts(delivery_id)
         self.name = platform.name
         self.limits = platform.limits
@@ -202,12 +204,15 @@ class Guarded(Platform):
     def _once(self, chat: str, part: str, send: Callable[[], Sent]) -> Sent:
         r = self._redis
         gate, interval_s = gate_of(self._p, chat)
-        pipe = r.pipeline(transaction=False)
-        pipe.hget(self._parts_key, part)
-        if gate is not None:
-            pipe.set(gate, _sending(), nx=True, px=GATE_TTL_MS)
-        res = pipe.execute()
-        done, got_gate = res[0], (res[1] if gate is not None else True)
+        if self._fresh and gate is None:
+            done, got_gate = None, True
+        else:
+            pipe = r.pipeline(transaction=False)
+            pipe.hget(self._parts_key, part)
+            if gate is not None:
+                pipe.set(gate, _sending(), nx=True, px=GATE_TTL_MS)
+            res = pipe.execute()
+            done, got_gate = res[0], (res[1] if gate is not None else True)
         if done is not None:  # sent by an earlier run of this delivery
             if gate is not None and got_gate:
                 r.delete(gate)
@@ -262,5 +267,5 @@ class Guarded(Platform):
         return None  # the wrapped platform is shared by the process
 
 
-def guard(redis: Any, platform: Platform, delivery_id: str) -> Platform:
-    return Guarded(redis, platform, delivery_id)
+def guard(redis: Any, platform: Platform, delivery_id: str, *, first_attempt: bool = False) -> Platform:
+    return Guarded(redis, platform, delivery_id, first_attempt=first_attempt)

@@ -50,22 +50,23 @@ def get_job(r, job_id: str) -> dict[str, str] | None:
     return _decode(h) if h else None
 
 
+_ADD = """
+if redis.call('exists', KEYS[1]) == 1 then return 0 end
+redis.call('hset', KEYS[1], unpack(ARGV, 2))
+redis.call('expire', KEYS[1], ARGV[1])
+redis.call('rpush', KEYS[2], redis.call('hget', KEYS[1], 'id'))
+redis.call('expire', KEYS[2], ARGV[1])
+return 1
+"""
+
+
 def add_delivery(r, job_id: str, delivery_id: str, **meta: Any) -> None:
-    """Register a delivery as queued (idempotent: an existing receipt is kept)."""
-    k = keys.delivery(delivery_id)
+    """Register a delivery as queued (idempotent: an existing receipt is kept).
+    `r` may be a pipeline (one round trip for a whole plan)."""
     fields = {"id": delivery_id, "job": job_id, "state": "queued", "attempts": "0", "queued_s": f"{time.time():.3f}"}
     fields.update({kk: _s(v) for kk, v in meta.items() if v is not None})
-    pipe = r.pipeline()
-    pipe.exists(k)
-    res = pipe.execute()
-    if res[0]:
-        return
-    pipe = r.pipeline()
-    pipe.hset(k, mapping=fields)
-    pipe.expire(k, RETENTION_S)
-    pipe.rpush(keys.job_deliveries(job_id), delivery_id)
-    pipe.expire(keys.job_deliveries(job_id), RETENTION_S)
-    pipe.execute()
+    flat = [x for kv in fields.items() for x in kv]
+    r.eval(_ADD, 2, keys.delivery(delivery_id), keys.job_deliveries(job_id), RETENTION_S, *flat)
 
 
 def update_delivery(r, delivery_id: str, **fields: Any) -> None:
