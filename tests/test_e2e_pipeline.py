@@ -32,6 +32,18 @@ def _make(path, size: int) -> str:
     return _sha(path)
 
 
+@pytest.fixture(params=["volume", "s3"])
+def storage_env(request) -> dict:
+    """The deployment's storage: the shared volume, or a real S3 server (SeaweedFS)."""
+    if request.param == "volume":
+        return {}
+    srv = request.getfixturevalue("s3_server")
+    bucket = srv.make_bucket()
+    return {"COURIER_STORAGE_URL": f"s3://{bucket}/courier", "AWS_ENDPOINT_URL": srv.endpoint_url,
+            "AWS_ACCESS_KEY_ID": srv.access_key, "AWS_SECRET_ACCESS_KEY": srv.secret_key,
+            "AWS_DEFAULT_REGION": srv.region}
+
+
 @pytest.fixture
 def files(tmp_path):
     d = tmp_path / "in"
@@ -43,8 +55,8 @@ def files(tmp_path):
     return out
 
 
-def test_send_wait_delivers_byte_identical_in_order(courier_env, files):
-    env = courier_env()
+def test_send_wait_delivers_byte_identical_in_order(courier_env, files, storage_env):
+    env = courier_env(**storage_env)
     env.start_worker()
     res = env.cli("send", "outbox:ops", *[str(p) for p, _, _ in files], "--caption", "nightly", "--wait", "--json", "--timeout", "120")
     assert res.returncode == 0, res.stderr + res.stdout
@@ -70,7 +82,7 @@ def test_sandbox_uri_extracted_then_delivered(courier_env):
     assert len(log) == 1 and log[0]["kind"] == "photo" and log[0]["sha256"] == sha
 
 
-def test_turn_with_bridge_agent_delivers_files_in_reply_order(courier_env, files, tmp_path):
+def test_turn_with_bridge_agent_delivers_files_in_reply_order(courier_env, files, tmp_path, storage_env):
     agent = tmp_path / "agent.py"
     sb = tmp_path / "env-agent-sandbox"
     sb.mkdir()
@@ -88,7 +100,7 @@ def test_turn_with_bridge_agent_delivers_files_in_reply_order(courier_env, files
     )
     agents = json.dumps({"files": {"command": [os.sys.executable, str(agent)], "timeout_s": 60}})
     env = courier_env(COURIER_AGENTS=agents, COURIER_LOCAL_ROOTS=json.dumps([str(sb)]),
-                      COURIER_MAX_FILE_BYTES=str(60 * 1000 * 1000))
+                      COURIER_MAX_FILE_BYTES=str(60 * 1000 * 1000), **storage_env)
     env.start_worker()
     res = env.cli("turn", "outbox:t1", "send me the files", "--agent", "files", "--wait", "--json", "--timeout", "120")
     assert res.returncode == 0, res.stderr + res.stdout
@@ -96,6 +108,16 @@ def test_turn_with_bridge_agent_delivers_files_in_reply_order(courier_env, files
     assert log[0]["kind"] == "text" and "this is the reply" in log[0]["text"] and "MEDIA:" not in log[0]["text"]
     got = [(r["name"], r["sha256"]) for r in log[1:]]
     assert got == [(p.name, sha) for p, sha, _ in reversed(paths)]
+    if storage_env:  # the bytes really went through S3
+        import boto3
+
+        s3 = boto3.client("s3", endpoint_url=storage_env["AWS_ENDPOINT_URL"],
+                          aws_access_key_id=storage_env["AWS_ACCESS_KEY_ID"],
+                          aws_secret_access_key=storage_env["AWS_SECRET_ACCESS_KEY"], region_name="us-east-1")
+        bucket = storage_env["COURIER_STORAGE_URL"].split("/")[2]
+        listed = s3.list_objects_v2(Bucket=bucket, Prefix="courier/files/")
+        sizes = sorted(o["Size"] for o in listed.get("Contents", []))
+        assert sizes == sorted(size for _, _, size in paths)
 
 
 def test_bad_input_is_a_clear_one_line_error_and_nothing_enqueued(courier_env, redis_client, tmp_path):
