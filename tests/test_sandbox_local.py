@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
-from pathlib import Path
 
 import pytest
 
@@ -13,55 +11,19 @@ from adapters.errors import FileMissing, NotAFile, TooLarge, UnsafePath
 from adapters.sandboxes.base import SandboxRef, parse_uri
 from adapters.sandboxes.local import LocalSandbox
 from storage.volume import VolumeStore
+from tests.fixtures._files import assert_store_empty, make_area, sha256_file, write_random
 
 BIG = 50 * 1000 * 1000
 
 
-def write_random(path: Path, size: int) -> str:
-    digest = hashlib.sha256()
-    with open(path, "wb") as f:
-        left = size
-        while left:
-            block = os.urandom(min(left, 1 << 20))
-            digest.update(block)
-            f.write(block)
-            left -= len(block)
-    return digest.hexdigest()
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def assert_store_empty(store: VolumeStore) -> None:
-    assert list(store.list()) == []
-    assert os.listdir(store.root / ".tmp") == []
-
-
 @pytest.fixture(scope="module")
 def area(tmp_path_factory):
-    base = tmp_path_factory.mktemp("localsb")
-    root, outside = base / "root", base / "outside"
-    root.mkdir()
-    outside.mkdir()
-    sums = {name: write_random(root / name, size)
-            for name, size in (("empty.bin", 0), ("one_kb.bin", 1000), ("big.bin", BIG))}
-    (root / "dir").mkdir()
-    (outside / "secret.txt").write_text("secret")
-    os.symlink(outside / "secret.txt", root / "escape.txt")
-    os.symlink("/etc/hostname", root / "etc_link")
-    os.symlink(root / "one_kb.bin", root / "inside_link.bin")
-    os.symlink(outside, root / "outdir")
+    area = make_area(tmp_path_factory.mktemp("localsb"), BIG)
+    root = area["root"]
     os.symlink(root / "loop_b", root / "loop_a")
     os.symlink(root / "loop_a", root / "loop_b")
     os.mkfifo(root / "fifo")
-    (root / ".ssh").mkdir()
-    (root / ".ssh" / "authorized_keys").write_text("ssh-ed25519 AAAA test\n")
-    return {"root": root, "outside": outside, "sums": sums}
+    return area
 
 
 @pytest.fixture

@@ -16,7 +16,6 @@ real. Variants: with the file API, without it (modal 1.x has no
 from __future__ import annotations
 
 import builtins
-import hashlib
 import os
 import subprocess
 import sys
@@ -37,6 +36,7 @@ from adapters.sandboxes import modal as modal_backend  # noqa: E402
 from adapters.sandboxes.base import PathPolicy, SandboxRef  # noqa: E402
 from adapters.sandboxes.modal import INSTALL_HINT, ModalSandbox  # noqa: E402
 from storage.volume import VolumeStore  # noqa: E402
+from tests.fixtures._files import assert_store_empty, make_area, sha256_file, write_random  # noqa: E402
 
 BIG = 50 * 1000 * 1000
 VARIANTS = ["file_api", "exec_only", "file_api_fails"]
@@ -172,47 +172,9 @@ class FakeSandboxNoFileApi(FakeSandbox):
 
 
 # -- fixtures ---------------------------------------------------------------------------
-def write_random(path: Path, size: int) -> str:
-    digest = hashlib.sha256()
-    with open(path, "wb") as f:
-        left = size
-        while left:
-            block = os.urandom(min(left, 1 << 20))
-            digest.update(block)
-            f.write(block)
-            left -= len(block)
-    return digest.hexdigest()
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def assert_store_empty(store: VolumeStore) -> None:
-    assert list(store.list()) == []
-    assert os.listdir(store.root / ".tmp") == []
-
-
 @pytest.fixture(scope="module")
 def area(tmp_path_factory):
-    base = tmp_path_factory.mktemp("modalsb")
-    root, outside = base / "root", base / "outside"
-    root.mkdir()
-    outside.mkdir()
-    sums = {name: write_random(root / name, size)
-            for name, size in (("empty.bin", 0), ("one_kb.bin", 1000), ("big.bin", BIG))}
-    (root / "dir").mkdir()
-    (outside / "secret.txt").write_text("secret")
-    os.symlink(outside / "secret.txt", root / "escape.txt")
-    os.symlink(root / "one_kb.bin", root / "inside_link.bin")
-    os.symlink(outside, root / "outdir")
-    (root / ".ssh").mkdir()
-    (root / ".ssh" / "authorized_keys").write_text("ssh-ed25519 AAAA test\n")
-    return {"root": root, "outside": outside, "sums": sums}
+    return make_area(tmp_path_factory.mktemp("modalsb"), BIG, etc_link=False)
 
 
 @pytest.fixture(autouse=True)

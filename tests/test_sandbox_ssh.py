@@ -6,7 +6,6 @@ ControlMaster socket (`use_openssh=True`).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import subprocess
@@ -20,6 +19,7 @@ from adapters.errors import FileMissing, NotAFile, SandboxGone, TooLarge, Unsafe
 from adapters.sandboxes.base import PathPolicy, SandboxRef
 from adapters.sandboxes.ssh import FileChanged, SshAccessDenied, SshSandbox, close_pool
 from storage.volume import VolumeStore
+from tests.fixtures._files import assert_store_empty, make_area, sha256_file, write_random
 from tests.fixtures.services import wait_until
 
 MODES = ["sftp", "openssh"]
@@ -30,50 +30,10 @@ HOSTILE = [
 ]
 
 
-def write_random(path: Path, size: int) -> str:
-    digest = hashlib.sha256()
-    with open(path, "wb") as f:
-        left = size
-        while left:
-            block = os.urandom(min(left, 1 << 20))
-            digest.update(block)
-            f.write(block)
-            left -= len(block)
-    return digest.hexdigest()
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def assert_store_empty(store: VolumeStore) -> None:
-    assert list(store.list()) == []
-    assert os.listdir(store.root / ".tmp") == []
-
-
 @pytest.fixture(scope="module")
 def area(tmp_path_factory):
     """root/ (the allowed root) with files of every size; outside/ beside it."""
-    base = tmp_path_factory.mktemp("sshsb")
-    root, outside = base / "root", base / "outside"
-    root.mkdir()
-    outside.mkdir()
-    sums = {}
-    for name, size in (("empty.bin", 0), ("one_kb.bin", 1000), ("big.bin", BIG)):
-        sums[name] = write_random(root / name, size)
-    (root / "dir").mkdir()
-    (outside / "secret.txt").write_text("secret")
-    os.symlink(outside / "secret.txt", root / "escape.txt")
-    os.symlink("/etc/hostname", root / "etc_link")
-    os.symlink(root / "one_kb.bin", root / "inside_link.bin")
-    os.symlink(outside, root / "outdir")
-    (root / ".ssh").mkdir()
-    (root / ".ssh" / "authorized_keys").write_text("ssh-ed25519 AAAA test\n")
-    return {"root": root, "outside": outside, "sums": sums}
+    return make_area(tmp_path_factory.mktemp("sshsb"), BIG)
 
 
 @pytest.fixture(scope="module", autouse=True)
