@@ -5,9 +5,16 @@
 
 from __future__ import annotations
 
+import json
 import os
 import resource
+import subprocess
 import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+MiB = 1024 * 1024
 
 
 def report(name: str, value: float, unit: str, baseline_name: str, baseline: float, *, target: float,
@@ -37,6 +44,59 @@ def peak_rss_mb_of_children() -> float:
 def quick() -> bool:
     """BENCH_QUICK=1 shrinks sizes so a bench can run as a smoke test."""
     return os.environ.get("BENCH_QUICK", "") not in ("", "0")
+
+
+# -- the extraction benches (bench_extract_*, bench_exec_fallback) ------------------------------
+def make_file(path: Path, size: int, *, zeros: bool = False) -> None:
+    """`size` bytes of /dev/urandom (or /dev/zero) at `path`, written by `head`."""
+    with open(path, "wb") as out:
+        subprocess.run(["head", "-c", str(size), "/dev/zero" if zeros else "/dev/urandom"], stdout=out, check=True)
+
+
+def make_file_in(ctr, path: str, size: int, *, zeros: bool = False) -> None:
+    """`size` bytes of /dev/urandom (or /dev/zero) at `path` inside a container."""
+    src = "/dev/zero" if zeros else "/dev/urandom"
+    res = ctr.exec_run(["sh", "-c", f'head -c "$1" {src} > "$2"', "sh", str(size), path])
+    if res.exit_code != 0:
+        raise SystemExit(f"cannot make {path}: {res.output!r}")
+
+
+def out_dir() -> str | None:
+    """Where both sides of a race write: $BENCH_OUT_DIR, else /dev/shm (RAM) when writable."""
+    env = os.environ.get("BENCH_OUT_DIR")
+    if env:
+        return env
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+def extract_vs_copy(runs: int, sb, src: str, store, size: int, out: Path,
+                    copy: Callable[[Path], object], *, dest_prefix: str = "cp") -> tuple[list[float], list[float]]:
+    """`runs` alternating rounds: `sb.extract(src)` into `store` (then deleted),
+    then `copy(dest)` to out/<dest_prefix><i> (then unlinked); both must move
+    `size` bytes. Returns (our seconds, the copy's seconds), one per round."""
+    ours: list[float] = []
+    theirs: list[float] = []
+    for i in range(runs):
+        t = time.perf_counter()
+        info = sb.extract(src, store, f"files/big{i}", max_bytes=size)
+        ours.append(time.perf_counter() - t)
+        assert info.size_bytes == size
+        store.delete(f"files/big{i}")
+        dest = out / f"{dest_prefix}{i}"
+        t = time.perf_counter()
+        copy(dest)
+        theirs.append(time.perf_counter() - t)
+        assert dest.stat().st_size == size
+        dest.unlink()
+    return ours, theirs
+
+
+def child_peak_rss(child: str, *args: str, timeout: float) -> float:
+    """Run `python -c child ROOT *args`; the peak RSS (MB) it reports as JSON on its last line."""
+    root = str(Path(__file__).resolve().parents[1])
+    out = subprocess.run([sys.executable, "-c", child, root, *args], check=True, capture_output=True, text=True,
+                         timeout=timeout)
+    return json.loads(out.stdout.strip().splitlines()[-1])["peak_rss_mb"]
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._common import quick, report  # noqa: E402
+from bench._common import make_file_in, quick, report  # noqa: E402
 
 CHUNK = 60 * 1000
 # one exec per chunk: the old way (dd a 60 KB slice, base64 it)
@@ -43,8 +43,7 @@ def main() -> None:
         svc = start_podman(Path(tmp) / "podman")
         try:
             ctr = svc.run_container()
-            res = ctr.exec_run(["sh", "-c", 'head -c "$1" /dev/urandom > /workspace/f', "sh", str(size)])
-            assert res.exit_code == 0, res.output
+            make_file_in(ctr, "/workspace/f", size)
             store = VolumeStore(Path(tmp) / "store")
             client = svc.client()
             sb = DockerSandbox(SandboxRef("docker", ctr.name), None, client=client)

@@ -10,35 +10,25 @@ line. BENCH_QUICK=1 shrinks the sizes.
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._common import quick, report, report_limit  # noqa: E402
-
-MiB = 1024 * 1024
-
-
-def _make_file(ctr, path: str, size: int) -> None:
-    res = ctr.exec_run(["sh", "-c", 'head -c "$1" /dev/urandom > "$2"', "sh", str(size), path])
-    if res.exit_code != 0:
-        raise SystemExit(f"cannot make {path}: {res.output!r}")
-
-
-def _out_dir() -> str | None:
-    env = os.environ.get("BENCH_OUT_DIR")
-    if env:
-        return env
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+from bench._common import (  # noqa: E402
+    MiB,
+    child_peak_rss,
+    extract_vs_copy,
+    make_file_in,
+    out_dir,
+    quick,
+    report,
+    report_limit,
+)
 
 
 def throughput() -> None:
@@ -53,26 +43,15 @@ def throughput() -> None:
         svc = start_podman(Path(tmp) / "podman")
         try:
             ctr = svc.run_container()
-            _make_file(ctr, "/workspace/big", size)
+            make_file_in(ctr, "/workspace/big", size)
             # both sides write to the same place: RAM when there is a tmpfs, so
             # disk writeback (noisy on shared machines) is measured for neither
-            out = Path(tempfile.mkdtemp(prefix="bench-docker-out-", dir=_out_dir()))
+            out = Path(tempfile.mkdtemp(prefix="bench-docker-out-", dir=out_dir()))
             store = VolumeStore(out / "store")
             client = svc.client()
             sb = DockerSandbox(SandboxRef("docker", ctr.name), None, client=client)
-            ours, cp = [], []
-            for i in range(runs):
-                t = time.perf_counter()
-                info = sb.extract("/workspace/big", store, f"files/big{i}", max_bytes=size)
-                ours.append(time.perf_counter() - t)
-                assert info.size_bytes == size
-                store.delete(f"files/big{i}")
-                dest = out / f"cp{i}"
-                t = time.perf_counter()
-                svc.podman("cp", f"{ctr.id}:/workspace/big", str(dest))
-                cp.append(time.perf_counter() - t)
-                assert dest.stat().st_size == size
-                dest.unlink()
+            ours, cp = extract_vs_copy(runs, sb, "/workspace/big", store, size, out,
+                                       lambda dest: svc.podman("cp", f"{ctr.id}:/workspace/big", str(dest)))
             client.close()
             shutil.rmtree(out, ignore_errors=True)
         finally:
@@ -111,16 +90,11 @@ def rss() -> None:
         svc = start_podman(Path(tmp) / "podman")
         try:
             ctr = svc.run_container()
-            res = ctr.exec_run(["sh", "-c", 'head -c "$1" /dev/zero > /workspace/huge', "sh", str(size)])
-            assert res.exit_code == 0, res.output
+            make_file_in(ctr, "/workspace/huge", size, zeros=True)
 
             def child(path: str) -> float:
-                out = subprocess.run(
-                    [sys.executable, "-c", CHILD, str(ROOT), svc.base_url, ctr.name, path,
-                     str(Path(tmp) / "store"), str(size)],
-                    check=True, capture_output=True, text=True, timeout=600,
-                )
-                return json.loads(out.stdout.strip().splitlines()[-1])["peak_rss_mb"]
+                return child_peak_rss(CHILD, svc.base_url, ctr.name, path, str(Path(tmp) / "store"), str(size),
+                                      timeout=600)
 
             idle = child("-")
             peak = child("/workspace/huge")

@@ -13,7 +13,6 @@ by, which `cp` does not: the extra field shows that hash alone (hashlib).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import subprocess
@@ -26,22 +25,16 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._common import quick, report, report_limit  # noqa: E402
-
-MiB = 1024 * 1024
-
-
-def make_file(path: Path, size: int, *, zeros: bool = False) -> None:
-    src = "/dev/zero" if zeros else "/dev/urandom"
-    with open(path, "wb") as out:
-        subprocess.run(["head", "-c", str(size), src], stdout=out, check=True)
-
-
-def other_fs_dir() -> str | None:
-    env = os.environ.get("BENCH_OUT_DIR")
-    if env:
-        return env
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+from bench._common import (  # noqa: E402
+    MiB,
+    child_peak_rss,
+    extract_vs_copy,
+    make_file,
+    quick,
+    report,
+    report_limit,
+)
+from bench._common import out_dir as other_fs_dir  # noqa: E402
 
 
 def hash_time(path: Path) -> float:
@@ -70,19 +63,8 @@ def throughput(stream: bool) -> None:
             same_fs = os.stat(out).st_dev == os.stat(src).st_dev
             sb = LocalSandbox.with_roots((tmp,))
             store = VolumeStore(out / "store")
-            ours, cp = [], []
-            for i in range(runs):
-                t = time.perf_counter()
-                info = sb.extract(str(src), store, f"files/big{i}", max_bytes=size)
-                ours.append(time.perf_counter() - t)
-                assert info.size_bytes == size
-                store.delete(f"files/big{i}")
-                dest = out / f"cp{i}"
-                t = time.perf_counter()
-                subprocess.run(["cp", str(src), str(dest)], check=True)
-                cp.append(time.perf_counter() - t)
-                assert dest.stat().st_size == size
-                dest.unlink()
+            ours, cp = extract_vs_copy(runs, sb, str(src), store, size, out,
+                                       lambda dest: subprocess.run(["cp", str(src), str(dest)], check=True))
             sha = hash_time(src)
         finally:
             shutil.rmtree(out, ignore_errors=True)
@@ -114,9 +96,7 @@ def rss() -> None:
         make_file(src, size, zeros=True)
 
         def child(path: str) -> float:
-            out = subprocess.run([sys.executable, "-c", CHILD, str(ROOT), tmp, path, str(Path(tmp) / "store"),
-                                  str(size)], check=True, capture_output=True, text=True, timeout=600)
-            return json.loads(out.stdout.strip().splitlines()[-1])["peak_rss_mb"]
+            return child_peak_rss(CHILD, tmp, path, str(Path(tmp) / "store"), str(size), timeout=600)
 
         idle = child("-")
         peak = child(str(src))

@@ -14,34 +14,26 @@ the first run too.
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._common import quick, report, report_limit  # noqa: E402
-
-MiB = 1024 * 1024
-
-
-def make_file(path: Path, size: int, *, zeros: bool = False) -> None:
-    with open(path, "wb") as out:
-        subprocess.run(["head", "-c", str(size), "/dev/zero" if zeros else "/dev/urandom"], stdout=out, check=True)
-
-
-def out_dir() -> str | None:
-    env = os.environ.get("BENCH_OUT_DIR")
-    if env:
-        return env
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+from bench._common import (  # noqa: E402
+    MiB,
+    child_peak_rss,
+    extract_vs_copy,
+    make_file,
+    out_dir,
+    quick,
+    report,
+    report_limit,
+)
 
 
 def sandbox(srv, root: str, openssh: bool, control_dir: str | None = None):
@@ -71,20 +63,11 @@ def throughput(openssh: bool) -> None:
             make_file(src, size)
             sb = sandbox(srv, str(src.parent), openssh, cdir)
             store = VolumeStore(out / "store")
-            ours, scp = [], []
-            for i in range(runs):
-                t = time.perf_counter()
-                info = sb.extract(str(src), store, f"files/big{i}", max_bytes=size)
-                ours.append(time.perf_counter() - t)
-                assert info.size_bytes == size
-                store.delete(f"files/big{i}")
-                dest = out / f"scp{i}"
-                t = time.perf_counter()
-                subprocess.run(["scp", "-q", *srv.ssh_args("-P"), f"{srv.user}@{srv.host}:{src}", str(dest)],
-                               check=True)
-                scp.append(time.perf_counter() - t)
-                assert dest.stat().st_size == size
-                dest.unlink()
+            ours, scp = extract_vs_copy(
+                runs, sb, str(src), store, size, out,
+                lambda dest: subprocess.run(["scp", "-q", *srv.ssh_args("-P"), f"{srv.user}@{srv.host}:{src}",
+                                             str(dest)], check=True),
+                dest_prefix="scp")
         finally:
             if sb is not None:
                 sb.close()
@@ -131,12 +114,8 @@ def rss() -> None:
             store_dir = Path(tempfile.mkdtemp(prefix="bench-ssh-rss-out-", dir=out_dir()))
 
             def child(path: str) -> float:
-                out = subprocess.run(
-                    [sys.executable, "-c", CHILD, str(ROOT), srv.host, str(srv.port), srv.user, srv.key_path,
-                     srv.known_hosts, str(data), path, str(store_dir), str(size)],
-                    check=True, capture_output=True, text=True, timeout=900,
-                )
-                return json.loads(out.stdout.strip().splitlines()[-1])["peak_rss_mb"]
+                return child_peak_rss(CHILD, srv.host, str(srv.port), srv.user, srv.key_path, srv.known_hosts,
+                                      str(data), path, str(store_dir), str(size), timeout=900)
 
             try:
                 idle = child("-")
