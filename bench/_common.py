@@ -91,6 +91,22 @@ def extract_vs_copy(runs: int, sb, src: str, store, size: int, out: Path,
     return ours, theirs
 
 
+def rss_child(setup: str, *, idle: str = "", after: str = "") -> str:
+    """The script of a peak-RSS child: ROOT on sys.path, `setup` (which sets
+    `sb`, `store`, `path` and `size` from sys.argv[2:]), then extract `path`
+    (or, when path is "-", run `idle`), `after`, and print the peak RSS."""
+    idle_part = f"else:\n    {idle}\n" if idle else ""
+    after_part = f"{after}\n" if after else ""
+    return ("import json, resource, sys\n"
+            "sys.path.insert(0, sys.argv[1])\n"
+            f"{setup.strip()}\n"
+            'if path != "-":\n'
+            '    info = sb.extract(path, store, "files/huge", max_bytes=int(size))\n'
+            "    assert info.size_bytes == int(size), info\n"
+            f"{idle_part}{after_part}"
+            'print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0}))\n')
+
+
 def child_peak_rss(child: str, *args: str, timeout: float) -> float:
     """Run `python -c child ROOT *args`; the peak RSS (MB) it reports as JSON on its last line."""
     root = str(Path(__file__).resolve().parents[1])

@@ -19,16 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._common import (  # noqa: E402
-    MiB,
-    child_peak_rss,
-    extract_vs_copy,
-    make_file_in,
-    out_dir,
-    quick,
-    report,
-    report_limit,
-)
+from bench._common import MiB, child_peak_rss, extract_vs_copy, make_file_in  # noqa: E402
+from bench._common import out_dir, quick, report, report_limit, rss_child  # noqa: E402
 
 
 def throughput() -> None:
@@ -62,9 +54,7 @@ def throughput() -> None:
            extra=f"best of {runs}: {min(ours):.2f}s vs {min(cp):.2f}s")
 
 
-CHILD = r"""
-import json, resource, sys
-sys.path.insert(0, sys.argv[1])
+CHILD = rss_child(r"""
 from adapters.sandboxes.base import SandboxRef
 from adapters.sandboxes.docker import DockerSandbox
 from storage.volume import VolumeStore
@@ -73,13 +63,7 @@ base_url, name, path, store_dir, size = sys.argv[2:7]
 client = docker.DockerClient(base_url=base_url, timeout=300)
 sb = DockerSandbox(SandboxRef("docker", name), None, client=client)
 store = VolumeStore(store_dir)
-if path != "-":
-    info = sb.extract(path, store, "files/huge", max_bytes=int(size))
-    assert info.size_bytes == int(size), info
-else:
-    client.ping()
-print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0}))
-"""
+""", idle="client.ping()")
 
 
 def rss() -> None:

@@ -25,15 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._common import (  # noqa: E402
-    MiB,
-    child_peak_rss,
-    extract_vs_copy,
-    make_file,
-    quick,
-    report,
-    report_limit,
-)
+from bench._common import MiB, child_peak_rss, extract_vs_copy  # noqa: E402
+from bench._common import make_file, quick, report, report_limit, rss_child  # noqa: E402
 from bench._common import out_dir as other_fs_dir  # noqa: E402
 
 
@@ -74,19 +67,13 @@ def throughput(stream: bool) -> None:
            target=0.8, extra=f"best of {runs}: {min(ours):.2f}s vs {min(cp):.2f}s; sha256 alone {sha:.2f}s")
 
 
-CHILD = r"""
-import json, resource, sys
-sys.path.insert(0, sys.argv[1])
+CHILD = rss_child(r"""
 from adapters.sandboxes.local import LocalSandbox
 from storage.volume import VolumeStore
 root, path, store_dir, size = sys.argv[2:6]
 sb = LocalSandbox.with_roots((root,))
 store = VolumeStore(store_dir)
-if path != "-":
-    info = sb.extract(path, store, "files/huge", max_bytes=int(size))
-    assert info.size_bytes == int(size), info
-print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0}))
-"""
+""")
 
 
 def rss() -> None:

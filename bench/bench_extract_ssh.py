@@ -24,16 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._common import (  # noqa: E402
-    MiB,
-    child_peak_rss,
-    extract_vs_copy,
-    make_file,
-    out_dir,
-    quick,
-    report,
-    report_limit,
-)
+from bench._common import MiB, child_peak_rss, extract_vs_copy, make_file  # noqa: E402
+from bench._common import out_dir, quick, report, report_limit, rss_child  # noqa: E402
 
 
 def sandbox(srv, root: str, openssh: bool, control_dir: str | None = None):
@@ -81,9 +73,7 @@ def throughput(openssh: bool) -> None:
            target=0.8, extra=f"best of {runs}: {min(ours):.2f}s vs {min(scp):.2f}s; our first run {ours[0]:.2f}s")
 
 
-CHILD = r"""
-import json, resource, sys
-sys.path.insert(0, sys.argv[1])
+CHILD = rss_child(r"""
 from adapters.sandboxes.base import PathPolicy, SandboxRef
 from adapters.sandboxes.ssh import SshSandbox, close_pool
 from storage.volume import VolumeStore
@@ -91,14 +81,7 @@ host, port, user, key, kh, root, path, store_dir, size = sys.argv[2:11]
 ref = SandboxRef("ssh", host, roots=(root,), options={"user": user, "port": port})
 sb = SshSandbox(ref, PathPolicy(roots=(root,)), key_path=key, known_hosts=kh)
 store = VolumeStore(store_dir)
-if path != "-":
-    info = sb.extract(path, store, "files/huge", max_bytes=int(size))
-    assert info.size_bytes == int(size), info
-else:
-    sb.transport()  # connected, nothing moved
-close_pool()
-print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0}))
-"""
+""", idle="sb.transport()  # connected, nothing moved", after="close_pool()")
 
 
 def rss() -> None:
