@@ -3,33 +3,15 @@ byte-identical in the outbox, in order."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 
 import pytest
 
 from adapters.platforms.outbox import read_log
+from tests.fixtures._files import sha256_file, write_random
 
 pytestmark = pytest.mark.slow
-
-
-def _sha(p) -> str:
-    h = hashlib.sha256()
-    with open(p, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _make(path, size: int) -> str:
-    with open(path, "wb") as f:
-        left = size
-        while left:
-            n = min(left, 1 << 20)
-            f.write(os.urandom(n))
-            left -= n
-    return _sha(path)
 
 
 @pytest.fixture(params=["volume", "s3"])
@@ -51,7 +33,7 @@ def files(tmp_path):
     out = []
     for name, size in (("empty.bin", 0), ("small.txt", 1000), ("big.mp4", 50 * 1000 * 1000)):
         p = d / name
-        out.append((p, _make(p, size), size))
+        out.append((p, write_random(p, size), size))
     return out
 
 
@@ -66,7 +48,7 @@ def test_send_wait_delivers_byte_identical_in_order(courier_env, files, storage_
     assert [r["name"] for r in log] == [p.name for p, _, _ in files]
     for rec, (p, sha, size) in zip(log, files):
         assert rec["sha256"] == sha and rec["size_bytes"] == size
-        assert _sha(env.outbox / "ops" / rec["file"]) == sha
+        assert sha256_file(env.outbox / "ops" / rec["file"]) == sha
     assert log[0]["caption"] == "nightly" and log[1]["caption"] is None
     assert [r["kind"] for r in log] == ["document", "document", "video"]
 
@@ -74,7 +56,7 @@ def test_send_wait_delivers_byte_identical_in_order(courier_env, files, storage_
 def test_sandbox_uri_extracted_then_delivered(courier_env):
     env = courier_env()
     src = env.sandbox / "chart.png"
-    sha = _make(src, 5000)
+    sha = write_random(src, 5000)
     env.start_worker()
     res = env.cli("send", "outbox:sb", f"local://{src}", "--wait", "--json", "--timeout", "60")
     assert res.returncode == 0, res.stderr + res.stdout
@@ -187,7 +169,7 @@ def test_turn_attachments_reach_the_agent_in_its_sandbox(courier_env, tmp_path):
     agents = json.dumps({"hasher": {"command": [os.sys.executable, str(agent)], "sandbox": f"local://{sb}"}})
     env = courier_env(COURIER_AGENTS=agents, COURIER_LOCAL_ROOTS=json.dumps([str(sb)]))
     src = tmp_path / "user photo.jpg"
-    sha = _make(src, 300_000)
+    sha = write_random(src, 300_000)
     env.start_worker()
     res = env.cli("turn", "outbox:in", "what is this?", "--agent", "hasher", "--attach", str(src), "--wait",
                   "--json", "--timeout", "60")

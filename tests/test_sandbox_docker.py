@@ -7,7 +7,6 @@ run in the container, never from constants.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 import tarfile
@@ -20,8 +19,7 @@ from adapters.sandboxes.base import SandboxRef, parse_uri
 from adapters.sandboxes.docker import DockerSandbox, _open_under, iter_single_member, tar_stream
 from adapters.sandboxes.routing import host_of, queue_for
 from storage.volume import VolumeStore
-
-MB = 1000 * 1000
+from tests.fixtures._files import MB, random_chunks, sha256_file, sha_in_container, stored
 
 SETUP = r"""set -e
 mkdir -p /workspace/dir /home/agent/.ssh
@@ -33,20 +31,6 @@ ln -s f1k /workspace/link_ok
 echo secret > /home/agent/.ssh/id_rsa
 echo hi > /home/agent/notes.txt
 """
-
-
-def _sha_in(ctr, path: str) -> str:
-    res = ctr.exec_run(["sha256sum", path])
-    assert res.exit_code == 0, res.output
-    return res.output.split()[0].decode()
-
-
-def _sha_host(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class SpyAPI:
@@ -116,16 +100,12 @@ def store(tmp_path):
     return VolumeStore(tmp_path / "store")
 
 
-def _stored(store) -> list[str]:
-    return [b.key for b in store.list()] + [p.name for p in (store.root / ".tmp").iterdir()]
-
-
 # -- outbound: byte-identical through each channel --------------------------------------
 @pytest.mark.parametrize("name", ["f0", "f1k", "f50m"])
 def test_archive_channel_byte_identical(sb, ctr, store, name):
     path = f"/workspace/{name}"
     info = sb.extract(path, store, f"files/{name}", max_bytes=60 * MB)
-    assert info.sha256 == _sha_in(ctr, path) == _sha_host(store.local_path(f"files/{name}"))
+    assert info.sha256 == sha_in_container(ctr, path) == sha256_file(store.local_path(f"files/{name}"))
     assert (sb.stats["bind"], sb.stats["archive"], sb.stats["exec"], sb.stats["resolve_exec"]) == (0, 1, 0, 0)
 
 
@@ -135,7 +115,7 @@ def test_bind_mount_fast_path_skips_archive_api(docker_api, ctr, store, bind_dir
     spy = SpyClient(client)
     s = DockerSandbox(SandboxRef("docker", ctr.name), None, client=spy)
     info = s.extract(f"/workspace/bind/{name}", store, f"files/{name}", max_bytes=60 * MB)
-    assert info.sha256 == _sha_host(bind_dir / name) == _sha_in(ctr, f"/workspace/bind/{name}")
+    assert info.sha256 == sha256_file(bind_dir / name) == sha_in_container(ctr, f"/workspace/bind/{name}")
     assert s.stats["bind"] == 1
     assert _archive_calls(spy) == 0
     assert spy.api.calls.get("exec_create", 0) == 0  # resolved by stat calls, no exec
@@ -147,7 +127,7 @@ def test_bind_mount_ignored_when_not_preferred(docker_api, ctr, store, bind_dir)
     spy = SpyClient(client)
     s = DockerSandbox(SandboxRef("docker", ctr.name), None, client=spy, prefer_bind_mounts=False)
     info = s.extract("/workspace/bind/b1k", store, "files/x")
-    assert info.sha256 == _sha_host(bind_dir / "b1k")
+    assert info.sha256 == sha256_file(bind_dir / "b1k")
     assert _archive_calls(spy) == 1 and s.stats["bind"] == 0
     client.close()
 
@@ -172,13 +152,13 @@ def test_bind_host_side_link_escape_refused(tmp_path):
 def test_exec_fallback_byte_identical(sb, ctr, store, name):
     path = f"/workspace/{name}"
     info = sb.extract_via_exec(path, store, f"files/{name}", max_bytes=60 * MB)
-    assert info.sha256 == _sha_in(ctr, path)
+    assert info.sha256 == sha_in_container(ctr, path)
     assert sb.stats["exec"] == 1
 
 
 def test_link_inside_roots_resolved(sb, ctr, store):
     info = sb.extract("/workspace/link_ok", store, "files/l")
-    assert info.sha256 == _sha_in(ctr, "/workspace/f1k")
+    assert info.sha256 == sha_in_container(ctr, "/workspace/f1k")
     assert sb.stats["resolve_exec"] == 1 and sb.stats["resolve_stat"] == 0
 
 
@@ -187,7 +167,7 @@ def test_plain_path_resolved_without_exec(docker_api, ctr, store):
     spy = SpyClient(client)
     s = DockerSandbox(SandboxRef("docker", ctr.name), None, client=spy)
     assert s.resolve("/workspace//f1k") == ("/workspace/f1k", 1024)
-    assert s.extract("/workspace/f1k", store, "files/p").sha256 == _sha_in(ctr, "/workspace/f1k")
+    assert s.extract("/workspace/f1k", store, "files/p").sha256 == sha_in_container(ctr, "/workspace/f1k")
     assert spy.api.calls.get("exec_create", 0) == 0
     assert s.stats["resolve_stat"] == 2 and s.stats["resolve_exec"] == 0
     # a link on the way, and a lexically refused path, go through the exec resolve
@@ -222,7 +202,7 @@ def test_default_roots_include_home_but_not_its_secrets(sb, store):
 def test_refused(sb, store, path, exc):
     with pytest.raises(exc):
         sb.extract(path, store, "files/x")
-    assert _stored(store) == []
+    assert stored(store) == []
 
 
 def test_over_cap_nothing_stored(sb, store):
@@ -233,7 +213,7 @@ def test_over_cap_nothing_stored(sb, store):
         sb.extract("/workspace/bind/b1k", store, "files/x", max_bytes=1000)
     with pytest.raises(TooLarge):
         sb.extract_via_exec("/workspace/f1k", store, "files/x", max_bytes=1000)
-    assert _stored(store) == []
+    assert stored(store) == []
 
 
 def test_real_archive_of_link_and_dir_refused_by_member_check(sb):
@@ -317,10 +297,10 @@ def test_tar_stream_is_a_valid_one_file_archive():
 # -- inbound -------------------------------------------------------------------------------
 @pytest.mark.parametrize("size", [0, 1024, 5 * MB])
 def test_put_byte_identical(sb, ctr, store, size):
-    info = store.put_stream("in/blob", (os.urandom(min(MB, size - i)) for i in range(0, size, MB)))
+    info = store.put_stream("in/blob", random_chunks(size))
     final = sb.put(store, "in/blob", f"/workspace/up_{size}.bin")
     assert final == f"/workspace/up_{size}.bin"
-    assert _sha_in(ctr, final) == info.sha256
+    assert sha_in_container(ctr, final) == info.sha256
     ls = ctr.exec_run(["sh", "-c", "ls -a /workspace | grep -c courier-part || true"]).output.strip()
     assert ls == b"0"
 
@@ -407,7 +387,7 @@ def test_container_removed_mid_transfer(docker_api, store, channel):
         extract("/workspace/big", wrapper, "files/big", max_bytes=300 * MB)
     wrapper.thread.join(60)
     assert wrapper.first.is_set()
-    assert _stored(store) == []
+    assert stored(store) == []
     with pytest.raises(SandboxGone):      # and later calls say so too
         s.extract("/workspace/big", store, "files/big2", max_bytes=300 * MB)
     client.close()
@@ -429,7 +409,7 @@ def test_wiring_opens_docker_sandbox(docker_api, ctr, store):
     ref, path = parse_uri(f"docker://{ctr.name}/workspace/f1k")
     s = open_sandbox(ref, Settings(docker_host=docker_api.base_url))
     assert isinstance(s, DockerSandbox)
-    assert s.extract(path, store, "files/w").sha256 == _sha_in(ctr, path)
+    assert s.extract(path, store, "files/w").sha256 == sha_in_container(ctr, path)
 
 
 def test_host_routing():

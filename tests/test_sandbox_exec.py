@@ -37,6 +37,7 @@ from adapters.sandboxes.base import (
     SandboxRef,
 )
 from storage.volume import VolumeStore
+from tests.fixtures._files import proc_cmdlines
 from tests.fixtures.services import need, wait_until
 
 BACKENDS = ["local", "docker", "ssh", "ssh-openssh", "modal"]
@@ -154,19 +155,8 @@ def _close_ssh():
 def procs_with(arg: str) -> list[int]:
     """Live processes on this host with `arg` as one of their argv elements
     (zombies have an empty cmdline, so they do not count)."""
-    found = []
     want = arg.encode()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        if want in argv:
-            found.append(int(entry))
-    return found
+    return [pid for pid, argv in proc_cmdlines() if want in argv]
 
 
 # -- the contract -------------------------------------------------------------------

@@ -23,8 +23,7 @@ from adapters.sandboxes.execstream import (
     ExecChannel, ExecStream, default_roots, exec_extract, exec_iter_file, exec_put, exec_resolve,
 )
 from storage.volume import VolumeStore
-
-MB = 1000 * 1000
+from tests.fixtures._files import MB, random_chunks, sha_in_container, stored
 
 SETUP = r"""set -e
 mkdir -p /workspace/dir /home/agent/.aws
@@ -93,12 +92,6 @@ class LocalShell:
         return p.wait(), out, err
 
 
-def _sha_in(ctr, path: str) -> str:
-    res = ctr.exec_run(["sha256sum", path])
-    assert res.exit_code == 0, res.output
-    return res.output.split()[0].decode()
-
-
 @pytest.fixture(scope="module")
 def ctr(docker_api):
     c = docker_api.run_container()
@@ -128,10 +121,6 @@ def store(tmp_path):
 POLICY = PathPolicy(roots=default_roots("/home/agent"), home="/home/agent")
 
 
-def _stored(store) -> list[str]:
-    return [b.key for b in store.list()] + [p.name for p in (store.root / ".tmp").iterdir()]
-
-
 def test_channel_satisfies_protocol(sandbox):
     assert isinstance(sandbox.exec_channel(), ExecChannel)
     assert isinstance(LocalShell(), ExecChannel)
@@ -141,7 +130,7 @@ def test_channel_satisfies_protocol(sandbox):
 def test_extract_byte_identical_in_two_execs(ch, ctr, store, name):
     path = f"/workspace/{name}"
     info = exec_extract(ch, POLICY, path, store, "files/x", max_bytes=60 * MB)
-    assert info.sha256 == _sha_in(ctr, path)
+    assert info.sha256 == sha_in_container(ctr, path)
     assert ch.calls == 2
 
 
@@ -164,7 +153,7 @@ def test_resolve_follows_links_and_reports_home(ch):
 def test_refused_nothing_stored(ch, store, path, exc):
     with pytest.raises(exc):
         exec_extract(ch, POLICY, path, store, "files/x")
-    assert _stored(store) == []
+    assert stored(store) == []
 
 
 def test_over_cap_nothing_stored(ch, store):
@@ -173,7 +162,7 @@ def test_over_cap_nothing_stored(ch, store):
     # and the cap while streaming (size lied about / file grew)
     with pytest.raises(TooLarge):
         store.put_stream("files/y", exec_iter_file(ch, "/workspace/f1k", max_bytes=1000))
-    assert _stored(store) == []
+    assert stored(store) == []
 
 
 def test_stream_rechecks_what_it_opened(ch, store):
@@ -184,14 +173,14 @@ def test_stream_rechecks_what_it_opened(ch, store):
         store.put_stream("files/x", exec_iter_file(ch, "/workspace/f1k", expected_size=5))
     with pytest.raises(NotAFile):
         store.put_stream("files/x", exec_iter_file(ch, "/workspace/dir"))
-    assert _stored(store) == []
+    assert stored(store) == []
 
 
 @pytest.mark.parametrize("size", [0, 1024, 5 * MB])
 def test_put_through_exec_stdin(ch, ctr, store, size):
-    info = store.put_stream("in/b", (os.urandom(min(MB, size - i)) for i in range(0, size, MB)))
+    info = store.put_stream("in/b", random_chunks(size))
     final = exec_put(ch, lambda home: POLICY, store, "in/b", f"/workspace/in_{size}_{ch.binary_safe}")
-    assert _sha_in(ctr, final) == info.sha256
+    assert sha_in_container(ctr, final) == info.sha256
     assert ch.calls == 2
 
 

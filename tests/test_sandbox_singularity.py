@@ -9,7 +9,6 @@ that reads a live instance's root. Instance discovery from
 
 from __future__ import annotations
 
-import hashlib
 import os
 
 import pytest
@@ -20,16 +19,7 @@ from adapters.sandboxes.singularity import (
     SingularitySandbox, find_instance_root, open_in_root, resolve_in_root, root_from_listing,
 )
 from storage.volume import VolumeStore
-
-MB = 1000 * 1000
-
-
-def _sha(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
+from tests.fixtures._files import MB, random_chunks, sha256_file, stored
 
 
 @pytest.fixture(scope="module")
@@ -79,20 +69,17 @@ def store(tmp_path):
     return VolumeStore(tmp_path / "store")
 
 
-def _stored(store) -> list[str]:
-    return [b.key for b in store.list()] + [p.name for p in (store.root / ".tmp").iterdir()]
-
-
 @pytest.mark.parametrize("name", ["f0", "f1k", "f50m"])
 def test_byte_identical(sb, root, store, name):
     info = sb.extract(f"/workspace/{name}", store, f"files/{name}", max_bytes=60 * MB)
-    assert info.sha256 == _sha(os.path.join(root, "workspace", name)) == _sha(store.local_path(f"files/{name}"))
+    assert info.sha256 == sha256_file(os.path.join(root, "workspace", name)) \
+        == sha256_file(store.local_path(f"files/{name}"))
 
 
 @pytest.mark.parametrize("path", ["/workspace/abs_ok", "/workspace/rel_ok", "/workspace/climb"])
 def test_links_resolved_inside_the_instance(sb, root, store, path):
     assert sb.resolve(path) == ("/workspace/f1k", 1024)
-    assert sb.extract(path, store, "files/l").sha256 == _sha(os.path.join(root, "workspace", "f1k"))
+    assert sb.extract(path, store, "files/l").sha256 == sha256_file(os.path.join(root, "workspace", "f1k"))
 
 
 def test_home_and_tmp_roots(sb, store):
@@ -116,13 +103,13 @@ def test_home_and_tmp_roots(sb, store):
 def test_refused(sb, store, path, exc):
     with pytest.raises(exc):
         sb.extract(path, store, "files/x")
-    assert _stored(store) == []
+    assert stored(store) == []
 
 
 def test_over_cap_nothing_stored(sb, store):
     with pytest.raises(TooLarge):
         sb.extract("/workspace/f1k", store, "files/x", max_bytes=1000)
-    assert _stored(store) == []
+    assert stored(store) == []
 
 
 def test_resolution_never_leaves_the_root(root):
@@ -155,10 +142,10 @@ def test_open_refuses_a_link_swapped_in_after_resolve(tmp_path):
 
 @pytest.mark.parametrize("size", [0, 1024, 5 * MB])
 def test_put_byte_identical(sb, root, store, size):
-    info = store.put_stream("in/b", (os.urandom(min(MB, size - i)) for i in range(0, size, MB)))
+    info = store.put_stream("in/b", random_chunks(size))
     final = sb.put(store, "in/b", f"/workspace/up_{size}")
     assert final == f"/workspace/up_{size}"
-    assert _sha(os.path.join(root, "workspace", f"up_{size}")) == info.sha256
+    assert sha256_file(os.path.join(root, "workspace", f"up_{size}")) == info.sha256
     assert not [n for n in os.listdir(os.path.join(root, "workspace")) if "courier-part" in n]
 
 
