@@ -4,14 +4,10 @@ driven by `courier send ... --wait` and `courier turn`."""
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import os
-import random
 import signal
-import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -20,7 +16,9 @@ import redis
 from adapters.errors import Permanent, RateLimited, Transient
 from adapters.platforms.base import FileSource, Kind, MiB
 from adapters.platforms.discord import DiscordPlatform, nonce_for
-from tasks import chains, keys, receipts
+from tasks import keys, receipts
+from tests.fixtures._files import sha256_file as sha
+from tests.fixtures._platforms import agent_env, chain_with_marker, db, make, opener, redelivered_file_job, send, words
 from tests.fixtures.services import wait_until
 from tests.fixtures.workers import CourierEnv
 
@@ -34,50 +32,6 @@ def channel() -> str:
     return str(700000000000000000 + next(_chan))
 
 
-def sha(p: Path) -> str:
-    h = hashlib.sha256()
-    with open(p, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def make(d: Path, name: str, size: int) -> Path:
-    p = d / name
-    with open(p, "wb") as f:
-        left = size
-        while left:
-            n = min(left, 1 << 20)
-            f.write(os.urandom(n))
-            left -= n
-    return p
-
-
-def words(n_chars: int, seed: int) -> str:
-    rnd = random.Random(seed)
-    out: list[str] = []
-    total = 0
-    while total < n_chars:
-        w = "".join(rnd.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rnd.randint(2, 9)))
-        out.append(w)
-        total += len(w) + 1
-    return " ".join(out)
-
-
-def send(env: CourierEnv, target: str, *args: str, timeout_s: float = 90) -> tuple[int, dict, str]:
-    res = env.cli("send", target, *args, "--wait", "--json", "--timeout", str(timeout_s), timeout_s=timeout_s + 30)
-    try:
-        data = json.loads(res.stdout)
-    except ValueError:
-        raise AssertionError(f"no JSON from courier send (exit {res.returncode}):\n{res.stdout}\n{res.stderr}")
-    return res.returncode, data, res.stderr
-
-
-def db(redis_server, n: int) -> str:
-    """A Redis database of its own per deployment: workers of one never take another's tasks."""
-    return redis_server.url.rsplit("/", 1)[0] + f"/{n}"
-
-
 MODULE_DB, BOOSTED_DB, CRASH_DB = 1, 2, 3
 
 
@@ -87,19 +41,10 @@ def nonced(fake, chan: str) -> list[dict]:
 
 
 # -- one worker for the module ------------------------------------------------------------
-AGENT = "import sys\nsys.stdin.read()\nprint(open(sys.argv[1], encoding='utf-8').read())\n"
-
-
 @pytest.fixture(scope="module")
 def denv(tmp_path_factory, redis_server, fake_discord):
-    tmp = tmp_path_factory.mktemp("discord")
-    agent = tmp / "agent.py"
-    agent.write_text(AGENT)
-    reply = tmp / "reply.txt"
-    agents = json.dumps({"long": {"command": [sys.executable, str(agent), str(reply)], "timeout_s": 60}})
-    env = CourierEnv(tmp / "env", db(redis_server, MODULE_DB), DISCORD_BOT_TOKEN=fake_discord.token,
-                     COURIER_DISCORD_BASE_URL=fake_discord.base_url, COURIER_AGENTS=agents)
-    env.reply_file = reply  # type: ignore[attr-defined]
+    env = agent_env(tmp_path_factory.mktemp("discord"), db(redis_server, MODULE_DB), "long",
+                    DISCORD_BOT_TOKEN=fake_discord.token, COURIER_DISCORD_BASE_URL=fake_discord.base_url)
     env.start_worker(concurrency=2)
     yield env
     env.stop()
@@ -275,20 +220,10 @@ def test_redelivered_task_after_success_sends_nothing(denv, fake, tmp_path, rcli
     assert code == 0, (data, err)
     row = data["deliveries"][0]
     target = f"discord:{chan}"
-    job = {"id": row["id"], "job": data["job"], "target": target, "type": "file", "voice": False,
-           "as_document": False, "key": chains.storage_key(data["job"], 0, p.name), "name": p.name,
-           "size": p.stat().st_size, "sha256": sha(p)}
+    job = redelivered_file_job(data, target, p, sha(p))
     # the same task again, then a marker after it in one chain: when the marker
     # arrives, the redelivered task has run
-    marker_job = chains.new_job_id("mark")
-    marker = {"id": chains.delivery_id(marker_job, 0), "job": marker_job, "target": target, "type": "text",
-              "text": f"marker {marker_job}"}
-    receipts.add_delivery(rclient, marker_job, marker["id"], type="text", platform="discord")
-    from celery import chain
-
-    app = denv.celery_app()
-    sig = lambda j: app.signature("courier.delivery.deliver", args=[None, j], immutable=True, queue="delivery")  # noqa: E731
-    chain(sig(job), sig(marker)).apply_async()
+    marker = chain_with_marker(denv, rclient, target, "discord", job)
     wait_until(lambda: any(m["content"] == marker["text"] for m in fake.channel_messages(chan)), timeout_s=60,
                what="the marker message")
     files_sent = [c for c in fake.calls("send", chan) if c.files]
@@ -337,14 +272,8 @@ def test_crash_between_send_and_record_still_one_message(fake, tmp_path, redis_s
 
 
 # -- the adapter on its own (same real client and server, no worker) ----------------------------------
-@contextmanager
-def _opener(p: Path):
-    with open(p, "rb") as f:
-        yield f
-
-
 def _source(p: Path, *, with_path: bool) -> FileSource:
-    return FileSource(name=p.name, size_bytes=p.stat().st_size, sha256="", opener=lambda: _opener(p),
+    return FileSource(name=p.name, size_bytes=p.stat().st_size, sha256="", opener=lambda: opener(p),
                       path=p if with_path else None)
 
 

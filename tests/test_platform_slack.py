@@ -4,14 +4,9 @@ worker processes, against a local server speaking Slack's Web API
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import os
-import random
-import sys
-from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 import redis
@@ -19,7 +14,9 @@ import redis
 from adapters.errors import Permanent, RateLimited, Transient
 from adapters.platforms.base import FileSource, Kind
 from adapters.platforms.slack import DEFAULT_UPLOAD_BYTES, SlackPlatform
-from tasks import chains, receipts
+from tasks import receipts
+from tests.fixtures._files import sha256_file as sha
+from tests.fixtures._platforms import agent_env, chain_with_marker, db, make, opener, redelivered_file_job, send, words
 from tests.fixtures.services import wait_until
 from tests.fixtures.workers import CourierEnv
 
@@ -34,66 +31,18 @@ def channel() -> str:
     return f"C{next(_chan):08d}"
 
 
-def db(redis_server, n: int) -> str:
-    """A Redis database of its own per deployment: workers of one never take another's tasks."""
-    return redis_server.url.rsplit("/", 1)[0] + f"/{n}"
-
-
-def sha(p: Path) -> str:
-    h = hashlib.sha256()
-    with open(p, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def make(d: Path, name: str, size: int) -> Path:
-    p = d / name
-    p.write_bytes(os.urandom(size))
-    return p
-
-
-def words(n_chars: int) -> str:
-    rnd = random.Random(int.from_bytes(os.urandom(4), "big"))
-    out: list[str] = []
-    total = 0
-    while total < n_chars:
-        w = "".join(rnd.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rnd.randint(2, 9)))
-        out.append(w)
-        total += len(w) + 1
-    return " ".join(out)
-
-
 def slack_escaped(text: str) -> str:
     return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-
-
-def send(env: CourierEnv, target: str, *args: str, timeout_s: float = 90) -> tuple[int, dict, str]:
-    res = env.cli("send", target, *args, "--wait", "--json", "--timeout", str(timeout_s), timeout_s=timeout_s + 30)
-    try:
-        data = json.loads(res.stdout)
-    except ValueError:
-        raise AssertionError(f"no JSON from courier send (exit {res.returncode}):\n{res.stdout}\n{res.stderr}")
-    return res.returncode, data, res.stderr
 
 
 def file_messages(fake, chan: str) -> list[dict]:
     return [m for m in fake.channel_messages(chan) if m["files"]]
 
 
-AGENT = "import sys\nsys.stdin.read()\nprint(open(sys.argv[1], encoding='utf-8').read())\n"
-
-
 @pytest.fixture(scope="module")
 def senv(tmp_path_factory, redis_server, fake_slack):
-    tmp = tmp_path_factory.mktemp("slack")
-    agent = tmp / "agent.py"
-    agent.write_text(AGENT)
-    reply = tmp / "reply.txt"
-    agents = json.dumps({"long": {"command": [sys.executable, str(agent), str(reply)], "timeout_s": 60}})
-    env = CourierEnv(tmp / "env", db(redis_server, MODULE_DB), SLACK_BOT_TOKEN=fake_slack.token,
-                     COURIER_SLACK_BASE_URL=fake_slack.base_url, COURIER_AGENTS=agents)
-    env.reply_file = reply  # type: ignore[attr-defined]
+    env = agent_env(tmp_path_factory.mktemp("slack"), db(redis_server, MODULE_DB), "long",
+                    SLACK_BOT_TOKEN=fake_slack.token, COURIER_SLACK_BASE_URL=fake_slack.base_url)
     env.start_worker(concurrency=2)
     yield env
     env.stop()
@@ -270,18 +219,8 @@ def test_redelivered_task_after_success_sends_nothing(senv, fake, tmp_path, rcli
     row = data["deliveries"][0]
     target = f"slack:{chan}"
     uploads = len(fake.calls("upload"))
-    job = {"id": row["id"], "job": data["job"], "target": target, "type": "file", "voice": False,
-           "as_document": False, "key": chains.storage_key(data["job"], 0, p.name), "name": p.name,
-           "size": p.stat().st_size, "sha256": sha(p)}
-    marker_job = chains.new_job_id("mark")
-    marker = {"id": chains.delivery_id(marker_job, 0), "job": marker_job, "target": target, "type": "text",
-              "text": f"marker {marker_job}"}
-    receipts.add_delivery(rclient, marker_job, marker["id"], type="text", platform="slack")
-    from celery import chain
-
-    app = senv.celery_app()
-    sig = lambda j: app.signature("courier.delivery.deliver", args=[None, j], immutable=True, queue="delivery")  # noqa: E731
-    chain(sig(job), sig(marker)).apply_async()
+    job = redelivered_file_job(data, target, p, sha(p))
+    marker = chain_with_marker(senv, rclient, target, "slack", job)
     wait_until(lambda: any(m["text"] == marker["text"] for m in fake.channel_messages(chan)), timeout_s=60,
                what="the marker message")
     assert len(fake.calls("upload")) == uploads
@@ -290,12 +229,6 @@ def test_redelivered_task_after_success_sends_nothing(senv, fake, tmp_path, rcli
 
 
 # -- the adapter on its own (same real client and server, no worker) ----------------------------------
-@contextmanager
-def _opener(p: Path):
-    with open(p, "rb") as f:
-        yield f
-
-
 @pytest.fixture
 def adapter(fake):
     a = SlackPlatform(fake.token, base_url=fake.base_url)
@@ -318,7 +251,7 @@ def test_progress_message_album_and_no_typing(adapter, fake, tmp_path):
                                                              "chat.delete"]
     files = [make(tmp_path, f"p{i}.png", 2000 + i) for i in range(3)]
     srcs = [(Kind.PHOTO, FileSource(name=f.name, size_bytes=f.stat().st_size, sha256="",
-                                    opener=lambda f=f: _opener(f))) for f in files]
+                                    opener=lambda f=f: opener(f))) for f in files]
     sents = adapter.send_album(chan, srcs, caption="three", delivery_id="album-1")
     (msg,) = fake.channel_messages(chan)
     assert [f["sha256"] for f in msg["files"]] == [sha(f) for f in files] and msg["text"] == "three"
@@ -353,7 +286,7 @@ def test_error_map(adapter, fake, tmp_path, route, status, opts, error, word):
         if route == "upload":
             p = make(tmp_path, "f.bin", 100)
             adapter.send_file(chan, Kind.DOCUMENT, FileSource(name=p.name, size_bytes=100, sha256="",
-                                                              opener=lambda: _opener(p), path=p),
+                                                              opener=lambda: opener(p), path=p),
                               caption=None, delivery_id="e")
         else:
             adapter.send_text(chan, "hello", delivery_id="e")
