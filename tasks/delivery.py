@@ -136,10 +136,14 @@ def _deliver_item(ctx: Context, platform: Platform, chat: str, job: dict, extrac
     r = ctx.redis
     did = job["id"]
     # every send below takes a shared rate-limit slot first, and each part is sent once
-    platform = ratelimit.guard(r, platform, did, first_attempt=session is not None and session.attempts == 1)
+    platform = guarded = ratelimit.guard(r, platform, did, defer=True,
+                                         first_attempt=session is not None and session.attempts == 1)
 
     if extracted is not None and not extracted.get("ok", False):
-        return _extraction_failed(ctx, platform, chat, job, extracted)
+        try:
+            return _extraction_failed(ctx, platform, chat, job, extracted)
+        finally:
+            guarded.flush()
     if extracted:
         job = _with_extraction(job, extracted)
 
@@ -154,12 +158,18 @@ def _deliver_item(ctx: Context, platform: Platform, chat: str, job: dict, extrac
         else:
             sent, kind_name, size = _send_file(ctx, platform, chat, job)
     except Permanent as exc:
+        guarded.flush()
         receipts.update_delivery(r, did, final="1")
         return record_failure(ctx, job, exc.reason)
     except _TooLargeNotice as notice:
+        guarded.flush()
         receipts.update_delivery(r, did, final="1")
         return record_failure(ctx, job, notice.reason)
+    except BaseException:
+        guarded.flush()  # parts already sent stay recorded for the retry
+        raise
     pipe = r.pipeline(transaction=False)
+    guarded.flush(pipe)
     if session is not None:
         session.release(pipe)
     return _record_delivered(ctx, job, sent.message_id, kind_name, size, attempts, pipe=pipe, execute=True)
@@ -235,7 +245,8 @@ def _send_file(ctx: Context, platform: Platform, chat: str, job: dict) -> tuple[
     if size > limit:
         reason = _notice_too_large(ctx, platform, chat, job, src.name, size, limit, key=key)
         raise _TooLargeNotice(reason)
-    receipts.update_delivery(ctx.redis, job["id"], kind=kind.value, size_bytes=size, name=src.name)
+    if size > 8 * 1024 * 1024:  # a long upload: show its kind and size in `courier status` meanwhile
+        receipts.update_delivery(ctx.redis, job["id"], kind=kind.value, size_bytes=size, name=src.name)
     caption, overflow = fit_caption(job.get("caption"), platform.limits.caption_chars)
     cached = None
     if getattr(platform, "cache_key", None) and not src.sha256:

@@ -186,9 +186,13 @@ def acquire(redis: Any, platform: Platform, chat: str) -> Slot:
 class Guarded(Platform):
     """A platform seen through one delivery: rate-limited sends, each part sent once."""
 
-    def __init__(self, redis: Any, platform: Platform, delivery_id: str, *, first_attempt: bool = False) -> None:
+    def __init__(self, redis: Any, platform: Platform, delivery_id: str, *, first_attempt: bool = False,
+                 defer: bool = False) -> None:
         self._redis = redis
         self._p = platform
+        #: with `defer`, a part sent without a chat gate is recorded later (`flush`)
+        self._defer = defer
+        self._pending: list[tuple[str, str]] = []
         #: on a delivery's first attempt no part can have been sent before: no need to look
         self._fresh = first_attempt
         self._parts_key = keys.delivery_parts(delivery_id)
@@ -204,6 +208,8 @@ class Guarded(Platform):
     def _once(self, chat: str, part: str, send: Callable[[], Sent]) -> Sent:
         r = self._redis
         gate, interval_s = gate_of(self._p, chat)
+        if self._pending:
+            self.flush()  # an earlier part's record goes before the next part is sent
         if self._fresh and gate is None:
             done, got_gate = None, True
         else:
@@ -225,12 +231,36 @@ class Guarded(Platform):
         except BaseException:
             slot.release()
             raise
+        if self._defer and gate is None:
+            # recorded with the next part's send or the delivery's own receipt
+            # (`flush`): the same crash window, one round trip less
+            self._pending.append((part, sent.message_id))
+            return sent
         pipe = r.pipeline(transaction=False)
         slot.release(pipe)
-        pipe.hset(self._parts_key, part, sent.message_id)
-        pipe.expire(self._parts_key, PARTS_TTL_S)
+        self._queue_record(pipe, part, sent.message_id)
         pipe.execute()
         return sent
+
+    def _queue_record(self, pipe: Any, part: str, message_id: str) -> None:
+        for p, m in self._pending:
+            pipe.hset(self._parts_key, p, m)
+        self._pending.clear()
+        pipe.hset(self._parts_key, part, message_id)
+        pipe.expire(self._parts_key, PARTS_TTL_S)
+
+    def flush(self, pipe: Any = None) -> None:
+        """Queue the record of parts sent but not yet recorded on `pipe`
+        (the caller's receipt pipeline), or write it now."""
+        if not self._pending:
+            return
+        p = pipe if pipe is not None else self._redis.pipeline(transaction=False)
+        for part, m in self._pending:
+            p.hset(self._parts_key, part, m)
+        p.expire(self._parts_key, PARTS_TTL_S)
+        self._pending.clear()
+        if pipe is None:
+            p.execute()
 
     def send_text(self, chat: str, text: str, *, delivery_id: str) -> Sent:
         return self._once(chat, delivery_id, lambda: self._p.send_text(chat, text, delivery_id=delivery_id))
@@ -267,5 +297,6 @@ class Guarded(Platform):
         return None  # the wrapped platform is shared by the process
 
 
-def guard(redis: Any, platform: Platform, delivery_id: str, *, first_attempt: bool = False) -> Platform:
-    return Guarded(redis, platform, delivery_id, first_attempt=first_attempt)
+def guard(redis: Any, platform: Platform, delivery_id: str, *, first_attempt: bool = False,
+          defer: bool = False) -> Guarded:
+    return Guarded(redis, platform, delivery_id, first_attempt=first_attempt, defer=defer)
