@@ -6,31 +6,21 @@ delivery id, receipt and message id."""
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import sys
 
 import pytest
 import redis
 
 from tasks import events, receipts
+from tests.fixtures._files import write_random
+from tests.fixtures._platforms import agent_env, db, running
 from tests.fixtures.fake_telegram import FakeTelegram, wait_job
 from tests.fixtures.services import wait_until
-from tests.fixtures.workers import CourierEnv
 
 pytestmark = pytest.mark.slow
 
 #: this module's Redis database (other worker modules use 0-5)
 MODULE_DB = 9
-AGENT = "import sys\nsys.stdin.read()\nprint(open(sys.argv[1], encoding='utf-8').read())\n"
-
-
-def _write(path, size: int) -> str:
-    """Fresh random bytes; returns their sha256."""
-    data = os.urandom(size)
-    path.write_bytes(data)
-    return hashlib.sha256(data).hexdigest()
 
 
 @pytest.fixture(scope="module")
@@ -39,20 +29,10 @@ def deployment(redis_server, tmp_path_factory):
     bridge agent that replies with the text of `env.reply_file`."""
     tmp = tmp_path_factory.mktemp("albums")
     fake = FakeTelegram().start()
-    agent = tmp / "agent.py"
-    agent.write_text(AGENT)
-    reply = tmp / "reply.txt"
-    agents = json.dumps({"reply": {"command": [sys.executable, str(agent), str(reply)], "timeout_s": 60}})
-    url = redis_server.url.rsplit("/", 1)[0] + f"/{MODULE_DB}"
-    env = CourierEnv(tmp / "env", url, TELEGRAM_BOT_TOKEN=fake.token, COURIER_TELEGRAM_BASE_URL=fake.url,
-                     COURIER_AGENTS=agents)
-    env.reply_file = reply  # type: ignore[attr-defined]
-    try:
-        env.start_worker()
-        yield env, fake
-    finally:
-        env.stop()
-        fake.stop()
+    env = agent_env(tmp, db(redis_server, MODULE_DB), "reply", TELEGRAM_BOT_TOKEN=fake.token,
+                    COURIER_TELEGRAM_BASE_URL=fake.url)
+    with running(env, fake) as dep:
+        yield dep
 
 
 @pytest.fixture
@@ -102,7 +82,7 @@ def delivered_events(r, job: str) -> dict[str, int]:
 def test_three_photos_and_a_pdf_go_as_one_album_then_a_document(env, fake, r, tmp_path):
     chat = "910001"
     files = [tmp_path / n for n in ("a.jpg", "b.png", "c.webp", "d.pdf")]
-    shas = [_write(p, 2000 + 100 * i) for i, p in enumerate(files)]
+    shas = [write_random(p, 2000 + 100 * i) for i, p in enumerate(files)]
     code, data = send(env, chat, *files, caption="three and a pdf")
     assert code == 0, data
     rows = data["deliveries"]
@@ -126,7 +106,7 @@ def test_three_photos_and_a_pdf_go_as_one_album_then_a_document(env, fake, r, tm
 def test_twelve_photos_go_as_albums_of_ten_and_two(env, fake, r, tmp_path):
     chat = "910002"
     files = [tmp_path / f"p{i:02d}.jpg" for i in range(12)]
-    shas = [_write(p, 1000 + i) for i, p in enumerate(files)]
+    shas = [write_random(p, 1000 + i) for i, p in enumerate(files)]
     code, data = send(env, chat, *files)
     assert code == 0, data
     rows = data["deliveries"]
@@ -142,7 +122,7 @@ def test_twelve_photos_go_as_albums_of_ten_and_two(env, fake, r, tmp_path):
 def test_a_photo_over_the_photo_limit_goes_alone_as_a_document_after_the_album(env, fake, r, tmp_path):
     chat = "910005"
     files = [tmp_path / n for n in ("s1.jpg", "huge.png", "s2.jpg")]
-    shas = [_write(files[0], 2000), _write(files[1], 10 * 1000 * 1000 + 1), _write(files[2], 2100)]
+    shas = [write_random(files[0], 2000), write_random(files[1], 10 * 1000 * 1000 + 1), write_random(files[2], 2100)]
     code, data = send(env, chat, *files, caption="two and a big one")
     assert code == 0, data
     assert [(d["state"], d["kind"]) for d in data["deliveries"]] == [
@@ -157,7 +137,7 @@ def test_redelivered_album_task_sends_nothing_again(env, fake, r, tmp_path):
     chat = "910003"
     files = [tmp_path / n for n in ("x.jpg", "y.jpg")]
     for i, p in enumerate(files):
-        _write(p, 1500 + i)
+        write_random(p, 1500 + i)
     code, data = send(env, chat, *files)
     assert code == 0, data
     job, rows = data["job"], data["deliveries"]
@@ -198,7 +178,7 @@ def test_reply_with_a_missing_photo_records_it_failed_and_sends_the_others_as_an
     sandbox = env.sandbox / "t4"
     sandbox.mkdir(exist_ok=True)
     a, c = sandbox / "a.jpg", sandbox / "c.png"
-    shas = [_write(a, 3000), _write(c, 3100)]
+    shas = [write_random(a, 3000), write_random(c, 3100)]
     env.reply_file.write_text(f"Your pictures: MEDIA:{a} MEDIA:{sandbox / 'gone.jpg'} MEDIA:{c}")
     res = env.cli("turn", f"telegram:{chat}", "pictures please", "--agent", "reply", "--wait", "--json",
                   "--timeout", "60")

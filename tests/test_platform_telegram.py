@@ -17,6 +17,7 @@ from adapters.errors import Permanent, RateLimited, Transient
 from adapters.platforms.base import FileSource, Kind
 from adapters.platforms.telegram import TelegramPlatform
 from tasks import receipts
+from tests.fixtures._platforms import running, write_unique
 from tests.fixtures.fake_telegram import FakeTelegram, enqueue, wait_job
 from tests.fixtures.services import wait_until
 from tests.fixtures.workers import CourierEnv
@@ -26,20 +27,6 @@ pytestmark = pytest.mark.slow
 CHAT = "777001"
 
 
-def _write(path, size: int) -> str:
-    """A file of `size` bytes, unique to this call (written in chunks); returns its sha256."""
-    h = hashlib.sha256()
-    block = os.urandom(32) * 4096  # 128 KiB
-    with open(path, "wb") as f:
-        left = size
-        while left:
-            chunk = block[: min(left, len(block))]
-            f.write(chunk)
-            h.update(chunk)
-            left -= len(chunk)
-    return h.hexdigest()
-
-
 @pytest.fixture(scope="module")
 def _deployment(redis_server, tmp_path_factory):
     """One courier deployment for the module: its Telegram is the local fake, one worker.
@@ -47,12 +34,8 @@ def _deployment(redis_server, tmp_path_factory):
     fake = FakeTelegram().start()
     env = CourierEnv(tmp_path_factory.mktemp("tg"), redis_server.url, TELEGRAM_BOT_TOKEN=fake.token,
                      COURIER_TELEGRAM_BASE_URL=fake.url)
-    try:
-        env.start_worker()
-        yield env, fake
-    finally:
-        env.stop()
-        fake.stop()
+    with running(env, fake) as deployment:
+        yield deployment
 
 
 @pytest.fixture
@@ -82,7 +65,7 @@ def _fields(call, name: str) -> str | None:
 # -- the operator's command -----------------------------------------------------------------
 def test_cli_send_photo_document_voice(tg, fake_telegram, tmp_path):
     files = {n: tmp_path / n for n in ("a.png", "b.pdf", "c.ogg")}
-    shas = {n: _write(p, 3000 + i * 1000) for i, (n, p) in enumerate(files.items())}
+    shas = {n: write_unique(p, 3000 + i * 1000) for i, (n, p) in enumerate(files.items())}
     res = tg.cli("send", f"telegram:{CHAT}", *map(str, files.values()), "--voice", "--caption", "look",
                  "--wait", "--json", "--timeout", "60")
     assert res.returncode == 0, res.stderr + res.stdout
@@ -119,13 +102,13 @@ def test_every_kind_text_split_and_caption_overflow(tg, fake_telegram, r, tmp_pa
     jobs = {}
     for i, (name, (_, _, voice)) in enumerate(kinds.items()):
         p = tmp_path / name
-        sha = _write(p, 2000 + i)
+        sha = write_unique(p, 2000 + i)
         chat = str(800100 + i)
         jobs[name] = (chat, sha, enqueue(tg, f"telegram:{chat}", files=[p], voice=voice, caption=f"cap {name}"))
     long_text = " ".join(f"word{i}" for i in range(1200))  # ~9 KB: three messages
     long_caption = "c" * 700 + " " + "d" * 700  # over 1024: the file goes bare, the caption follows
     doc = tmp_path / "long.pdf"
-    doc_sha = _write(doc, 1500)
+    doc_sha = write_unique(doc, 1500)
     text_job = enqueue(tg, "telegram:800200", text=long_text, files=[doc], caption=long_caption)
 
     for name, (method, field, _) in kinds.items():
@@ -148,7 +131,7 @@ def test_every_kind_text_split_and_caption_overflow(tg, fake_telegram, r, tmp_pa
 
 def test_photo_over_10mb_goes_as_document(tg, fake_telegram, r, tmp_path):
     p = tmp_path / "huge.png"
-    sha = _write(p, 10 * 1000 * 1000 + 500_000)
+    sha = write_unique(p, 10 * 1000 * 1000 + 500_000)
     rows = wait_job(r, enqueue(tg, "telegram:800300", files=[p]))
     assert rows[0]["state"] == "delivered" and rows[0]["kind"] == "document"
     (call,) = fake_telegram.calls_for(chat="800300")
@@ -171,7 +154,7 @@ def test_over_the_upload_limit_sends_a_notice_and_uploads_nothing(tg, fake_teleg
 def test_server_413_is_permanent(tg, fake_telegram, r, tmp_path):
     fake_telegram.max_upload_bytes = 100_000
     p = tmp_path / "big.zip"
-    _write(p, 200_000)
+    write_unique(p, 200_000)
     rows = wait_job(r, enqueue(tg, "telegram:800500", files=[p]))
     assert rows[0]["state"] == "failed" and "413" in rows[0]["reason"], rows
     assert len(fake_telegram.calls_for(chat="800500")) == 1
@@ -181,7 +164,7 @@ def test_server_413_is_permanent(tg, fake_telegram, r, tmp_path):
 def test_429_then_success_waits_retry_after_and_sends_once(tg, fake_telegram, r, tmp_path):
     fake_telegram.fail_next(1, 429, retry_after=2, method="sendDocument")
     p = tmp_path / "r.pdf"
-    sha = _write(p, 4000)
+    sha = write_unique(p, 4000)
     rows = wait_job(r, enqueue(tg, "telegram:800600", files=[p]), timeout_s=60)
     assert rows[0]["state"] == "delivered", rows
     limited, ok = fake_telegram.calls_for(chat="800600")
@@ -209,7 +192,7 @@ def test_permanent_errors_do_not_retry_and_show_in_status(tg, fake_telegram, r, 
     chat = "800800"
     (fake_telegram.unknown_chats if failure == "unknown" else fake_telegram.blocked_chats).add(chat)
     p = tmp_path / "x.pdf"
-    _write(p, 1000)
+    write_unique(p, 1000)
     job = enqueue(tg, f"telegram:{chat}", files=[p])
     rows = wait_job(r, job)
     expect = "Chat not found" if failure == "unknown" else "Forbidden: bot was blocked by the user"
@@ -226,7 +209,7 @@ def test_redelivered_task_after_success_sends_nothing(tg, fake_telegram, r, tmp_
     from celery import Celery
 
     p = tmp_path / "once.pdf"
-    _write(p, 1000)
+    write_unique(p, 1000)
     job = enqueue(tg, "telegram:800900", files=[p])
     (row,) = wait_job(r, job)
     assert row["state"] == "delivered"
@@ -243,7 +226,7 @@ def test_redelivered_task_after_success_sends_nothing(tg, fake_telegram, r, tmp_
 
 def test_same_file_to_two_chats_is_uploaded_once(tg, fake_telegram, r, tmp_path):
     p = tmp_path / "shared.png"
-    sha = _write(p, 5000)
+    sha = write_unique(p, 5000)
     (first,) = wait_job(r, enqueue(tg, "telegram:801000", files=[p]))
     (second,) = wait_job(r, enqueue(tg, "telegram:-1001234", files=[p]))
     assert first["state"] == second["state"] == "delivered"

@@ -11,10 +11,10 @@ import pytest
 
 from adapters.errors import Permanent, RateLimited, Transient
 from adapters.platforms.whatsapp import map_error
+from tests.fixtures._platforms import running, write_unique
 from tests.fixtures.fake_telegram import enqueue, wait_job
 from tests.fixtures.fake_whatsapp import FakeWhatsApp
 from tests.fixtures.workers import CourierEnv
-from tests.test_platform_telegram import _write
 
 pytestmark = pytest.mark.slow
 
@@ -28,12 +28,8 @@ def _deployment(redis_server, tmp_path_factory):
     fake = FakeWhatsApp().start()
     env = CourierEnv(tmp_path_factory.mktemp("wa"), redis_server.url, WHATSAPP_ACCESS_TOKEN=fake.token,
                      WHATSAPP_PHONE_NUMBER_ID=fake.phone_number_id, COURIER_WHATSAPP_BASE_URL=fake.url)
-    try:
-        env.start_worker()
-        yield env, fake
-    finally:
-        env.stop()
-        fake.stop()
+    with running(env, fake) as deployment:
+        yield deployment
 
 
 @pytest.fixture
@@ -62,7 +58,7 @@ def _body(call) -> dict:
 
 def test_cli_send_photo_document_voice(wa, fake_whatsapp, tmp_path):
     files = [tmp_path / n for n in ("a.png", "b.pdf", "c.ogg")]
-    shas = [_write(p, 2000 + i * 500) for i, p in enumerate(files)]
+    shas = [write_unique(p, 2000 + i * 500) for i, p in enumerate(files)]
     res = wa.cli("send", f"whatsapp:{TO}", *map(str, files), "--voice", "--caption", "see",
                  "--wait", "--json", "--timeout", "60")
     assert res.returncode == 0, res.stderr + res.stdout
@@ -102,10 +98,10 @@ def test_every_kind_limits_and_fallbacks(wa, fake_whatsapp, r, tmp_path):
     for i, name in enumerate(cases):
         p = tmp_path / name
         to = f"+1555000{i:04d}"
-        jobs[name] = (to, _write(p, 3000 + i), enqueue(wa, f"whatsapp:{to}", files=[p], caption=f"about {name}"))
+        jobs[name] = (to, write_unique(p, 3000 + i), enqueue(wa, f"whatsapp:{to}", files=[p], caption=f"about {name}"))
     long_text = "\n\n".join(f"paragraph {i} " + "x" * 900 for i in range(6))  # ~5.5 K chars: two messages
     big_photo = tmp_path / "big.png"  # over the 5 MB image limit: goes as a document
-    big_sha = _write(big_photo, 5_500_000)
+    big_sha = write_unique(big_photo, 5_500_000)
     text_job = enqueue(wa, "whatsapp:+15559990000", text=long_text, files=[big_photo], caption="y" * 1500)
 
     for name, (kind, mtype, mime) in cases.items():
@@ -154,7 +150,7 @@ def test_rate_limit_then_success_is_sent_once_after_retry_after(wa, fake_whatsap
 def test_500s_then_success_and_permanent_error_recorded(wa, fake_whatsapp, r, tmp_path):
     fake_whatsapp.fail_next(2, 500, method="media")
     p = tmp_path / "d.pdf"
-    sha = _write(p, 1200)
+    sha = write_unique(p, 1200)
     (row,) = wait_job(r, enqueue(wa, f"whatsapp:{TO}", files=[p]), timeout_s=60)
     assert row["state"] == "delivered" and row["transient_errors"] == "2"
     assert [c.status for c in fake_whatsapp.calls_for("media")] == [500, 500, 200]
@@ -172,7 +168,7 @@ def test_500s_then_success_and_permanent_error_recorded(wa, fake_whatsapp, r, tm
 
 def test_same_file_to_two_chats_is_uploaded_once(wa, fake_whatsapp, r, tmp_path):
     p = tmp_path / "same.jpg"
-    sha = _write(p, 4000)
+    sha = write_unique(p, 4000)
     (a,) = wait_job(r, enqueue(wa, "whatsapp:+15551110001", files=[p]))
     (b,) = wait_job(r, enqueue(wa, "whatsapp:+15551110002", files=[p]))
     assert a["state"] == b["state"] == "delivered"
