@@ -69,6 +69,21 @@ def add_delivery(r, job_id: str, delivery_id: str, **meta: Any) -> None:
     r.eval(_ADD, 2, keys.delivery(delivery_id), keys.job_deliveries(job_id), RETENTION_S, *flat)
 
 
+_UPDATE_OPEN = """
+if redis.call('hget', KEYS[1], 'state') == 'delivered' then return 0 end
+redis.call('hset', KEYS[1], unpack(ARGV))
+return 1
+"""
+
+
+def update_open_delivery(r, delivery_id: str, **fields: Any) -> None:
+    """Set receipt fields unless the delivery is already delivered (a
+    redelivered extraction must not touch a finished receipt). `r` may be a pipeline."""
+    flat = [x for k, v in fields.items() if v is not None for x in (k, _s(v))]
+    if flat:
+        r.eval(_UPDATE_OPEN, 1, keys.delivery(delivery_id), *flat)
+
+
 def update_delivery(r, delivery_id: str, **fields: Any) -> None:
     """Set receipt fields (None values are skipped). `r` may be a pipeline."""
     r.hset(keys.delivery(delivery_id), mapping={k: _s(v) for k, v in fields.items() if v is not None})
