@@ -9,6 +9,7 @@ import pytest
 
 from adapters.errors import TooLarge
 from storage.volume import VolumeStore
+from tests.fixtures.services import need
 from tests.fixtures._files import sha256_file
 
 
@@ -42,8 +43,8 @@ def test_put_fd_cap_holds_during_copy(tmp_path):
 
 def test_put_fd_across_filesystems(tmp_path):
     """/dev/shm is another filesystem than the tests' tmp dir on these machines."""
-    if not os.path.isdir("/dev/shm") or os.stat("/dev/shm").st_dev == os.stat(tmp_path).st_dev:
-        pytest.skip("no second filesystem here")
+    need(os.path.isdir("/dev/shm") and os.stat("/dev/shm").st_dev != os.stat(tmp_path).st_dev,
+         "no second filesystem (/dev/shm) here")
     import tempfile
 
     src = tmp_path / "src.bin"
