@@ -117,6 +117,7 @@ def main() -> int:
                     p = sandbox / f"f{next(counter)}.bin"
                     p.write_bytes(os.urandom(1000))
                     files.append(p)
+                os.sync()
                 jobs = []
                 t0 = time.perf_counter()
                 for i, p in enumerate(files):
@@ -148,7 +149,9 @@ def main() -> int:
             baseline(30), courier(30)  # warm both paths up (imports, connections, first files)
             base_rates, rates = [], []
             for _ in range(rounds):
+                os.sync()  # each round starts with no writeback of the last one pending
                 base_rates.append(baseline(n))
+                os.sync()
                 rates.append(courier(n))
             report("pipeline_1kb_deliveries", max(rates), "deliveries/s", "bare 2-task chain", max(base_rates),
                    target=0.7, extra=f"best of {rounds} alternating rounds of n={n} after a warm-up; "
