@@ -159,6 +159,7 @@ def build(plan: Plan):
                 if extract is not None:
                     sigs.append(extract)
                     # the album task finds the extraction's result in the receipt, the bytes at this key
+                    extract.args[0]["record"] = True
                     job.update(key=extract.args[0]["key"], name=_name(plan.files[j]), extracted=True)
                 items.append(job)
             spec = {"job": plan.job_id, "target": plan.target, "items": items}

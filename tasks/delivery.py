@@ -192,7 +192,7 @@ def _record_delivered(ctx: Context, job: dict, message_id: str, kind_name: str, 
     """The receipt and the delivery event of a delivered item (queued on `pipe` when given)."""
     p = pipe if pipe is not None else ctx.redis.pipeline(transaction=False)
     receipts.update_delivery(p, job["id"], state="delivered", message_id=message_id, kind=kind_name,
-                             size_bytes=size, attempts=attempts, reason="")
+                             size_bytes=size, attempts=attempts, reason="", sha256=job.get("sha256") or None)
     _event(ctx, job, pipe=p, state="delivered", message_id=message_id, media=kind_name,
            name=job.get("name"), size_bytes=size)
     if pipe is None or execute:

@@ -10,6 +10,10 @@ from tasks import events, receipts
 from tasks.runtime import Context
 
 
+#: extractions at least this large are recorded (receipt + event) as they finish
+RECORD_MIN_BYTES = 1024 * 1024
+
+
 def extract(ctx: Context, spec: dict) -> dict:
     """spec: job, delivery (id), sandbox (ref dict), path, key, max_bytes?
 
@@ -43,12 +47,16 @@ def extract(ctx: Context, spec: dict) -> dict:
         if exc.transient:
             raise
         return record_failure(r, did, {"ok": False, "reason": exc.reason, "name": name})
-    pipe = r.pipeline(transaction=False)
-    receipts.update_open_delivery(pipe, did, state="extracted", extraction="ok", reason="",
-                                  size_bytes=info.size_bytes, sha256=info.sha256, name=name)
-    events.publish(r, spec["job"], {"kind": "delivery", "delivery_id": did, "state": "extracted", "name": name,
-                                    "size_bytes": info.size_bytes}, maxlen=ctx.events_maxlen, pipe=pipe)
-    pipe.execute()
+    if spec.get("record") or info.size_bytes >= RECORD_MIN_BYTES:
+        # an album reads its members' results from their receipts; a large file shows
+        # its progress; a small one's result simply rides the chain to its delivery
+        pipe = r.pipeline(transaction=False)
+        receipts.update_open_delivery(pipe, did, state="extracted", extraction="ok", reason="",
+                                      size_bytes=info.size_bytes, sha256=info.sha256, name=name)
+        events.publish(r, spec["job"], {"kind": "delivery", "delivery_id": did, "state": "extracted",
+                                        "name": name, "size_bytes": info.size_bytes}, maxlen=ctx.events_maxlen,
+                       pipe=pipe)
+        pipe.execute()
     return {"ok": True, "key": spec["key"], "name": name, "size": info.size_bytes, "sha256": info.sha256}
 
 
