@@ -85,14 +85,17 @@ def sandbox_queue(ref: SandboxRef) -> str:
     return queue_for(ref)
 
 
-def register(r, plan: Plan) -> list[str]:
-    """Record the plan's deliveries as queued receipts; returns their ids."""
+def register(r, plan: Plan, *, job_kind: str | None = None) -> list[str]:
+    """Record the plan's deliveries as queued receipts (and, with `job_kind`,
+    the job itself) in one round trip; returns their ids."""
     from tasks.pipeline import platform_of
 
     ids: list[str] = []
     seq = 0
     platform = platform_of(plan.target)
     r = r.pipeline(transaction=False)  # one round trip for the whole plan
+    if job_kind is not None:
+        receipts.create_job(r, plan.job_id, kind=job_kind, target=plan.target, pipe=r)
     if plan.text:
         d = delivery_id(plan.job_id, seq)
         receipts.add_delivery(r, plan.job_id, d, type="text", platform=platform, kind="text",
@@ -199,9 +202,10 @@ def _file_sig(plan: Plan, index: int, seq: int, extract_file):
     return job, extract_file.si(spec).set(queue=sandbox_queue(f.ref))
 
 
-def enqueue(r, plan: Plan) -> list[str]:
-    """Register receipts, then publish the chain. Returns the delivery ids."""
-    ids = register(r, plan)
+def enqueue(r, plan: Plan, *, job_kind: str | None = None) -> list[str]:
+    """Register receipts (and the job, with `job_kind`), then publish the
+    chain. Returns the delivery ids."""
+    ids = register(r, plan, job_kind=job_kind)
     c = build(plan)
     if c is not None:
         c.apply_async()

@@ -32,13 +32,15 @@ def _decode(h: dict) -> dict[str, str]:
     return {_s(k): _s(v) for k, v in h.items()}
 
 
-def create_job(r, job_id: str, *, kind: str, target: str, **meta: Any) -> None:
+def create_job(r, job_id: str, *, kind: str, target: str, pipe=None, **meta: Any) -> None:
+    """Record a job (a send or a turn); queued on `pipe` when given."""
     fields = {"id": job_id, "kind": kind, "target": target, "state": "queued", "created_s": f"{time.time():.3f}"}
     fields.update({k: _s(v) for k, v in meta.items() if v is not None})
-    pipe = r.pipeline()
-    pipe.hset(keys.job(job_id), mapping=fields)
-    pipe.expire(keys.job(job_id), RETENTION_S)
-    pipe.execute()
+    p = pipe if pipe is not None else r.pipeline()
+    p.hset(keys.job(job_id), mapping=fields)
+    p.expire(keys.job(job_id), RETENTION_S)
+    if pipe is None:
+        p.execute()
 
 
 def set_job(r, job_id: str, **fields: Any) -> None:

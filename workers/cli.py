@@ -100,7 +100,7 @@ def send(
 ) -> None:
     """Deliver files to a chat."""
     from adapters.sandboxes.base import parse_uri
-    from tasks import chains, receipts
+    from tasks import chains
     from workers.wiring import platform as wired_platform
 
     settings = _settings()
@@ -140,10 +140,9 @@ def send(
         except CourierError as exc:
             raise die(f"could not store {p}: {exc}", EXIT_SERVICE) from None
         files.append(chains.StoredFile(key=key, name=p.name, size=info.size_bytes, sha256=info.sha256 or ""))
-    receipts.create_job(r, job_id, kind="send", target=target)
     plan = chains.Plan(job_id=job_id, target=target, files=files, caption=caption, voice=voice,
                        as_document=as_document, max_bytes=settings.max_file_bytes, album_max=album_max)
-    ids = chains.enqueue(r, plan)
+    ids = chains.enqueue(r, plan, job_kind="send")
     if not wait:
         if as_json:
             print(json.dumps({"job": job_id, "deliveries": ids}))
