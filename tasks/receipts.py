@@ -126,14 +126,27 @@ return {locked and 1 or 0, rec, attempts}
 """
 
 
+_scripts: dict[tuple[int, str], Any] = {}
+
+
+def _script(r, text: str):
+    """A registered script (EVALSHA; loaded again by redis-py if Redis lost it)."""
+    k = (id(r), text)
+    sc = _scripts.get(k)
+    if sc is None:
+        sc = _scripts[k] = r.register_script(text)
+    return sc
+
+
 def begin_send(r, delivery_id: str, owner: str, ttl_s: int = 600, *, count_attempt: bool = False
                ) -> tuple[bool, dict[str, str], int]:
     """One round trip: take the send lock, read the receipt and, when the lock
     was taken and the delivery is not done yet (and `count_attempt`), count
     an attempt and mark it sending. Returns (locked, receipt as it was, attempt
     number or 0)."""
-    locked, flat, attempts = r.eval(_BEGIN, 2, keys.delivery_lock(delivery_id), keys.delivery(delivery_id), owner,
-                                    ttl_s, "1" if count_attempt else "0")
+    locked, flat, attempts = _script(r, _BEGIN)(
+        keys=[keys.delivery_lock(delivery_id), keys.delivery(delivery_id)],
+        args=[owner, ttl_s, "1" if count_attempt else "0"])
     rec = {_s(flat[i]): _s(flat[i + 1]) for i in range(0, len(flat), 2)}
     return bool(locked), rec, int(attempts)
 
