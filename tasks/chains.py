@@ -140,6 +140,14 @@ def album_groups(plan: Plan) -> list[list[int]]:
     return [g for g in groups if len(g) >= 2]
 
 
+def _label(sig, text: str):
+    """A short `argsrepr` for a signature: what Flower and the worker's log
+    show for the task instead of Celery's repr of the argument dicts, which
+    costs CPU at every publish and would put chat text and captions on
+    display."""
+    return sig.set(argsrepr=text[:200], kwargsrepr="{}")
+
+
 def build(plan: Plan):
     """The chain for a plan (call `.apply_async()` on it)."""
     from tasks.pipeline import deliver, deliver_album, extract_file
@@ -147,8 +155,10 @@ def build(plan: Plan):
     sigs = []
     seq = 0
     if plan.text:
-        sigs.append(deliver.si(None, {"id": delivery_id(plan.job_id, seq), "job": plan.job_id,
-                                      "target": plan.target, "type": "text", "text": plan.text}))
+        d = delivery_id(plan.job_id, seq)
+        sigs.append(_label(deliver.si(None, {"id": d, "job": plan.job_id, "target": plan.target, "type": "text",
+                                             "text": plan.text}),
+                           f"({d} text, {len(plan.text)} chars -> {plan.target})"))
         seq += 1
     first_seq = seq
     grouped = {g[0]: g for g in album_groups(plan)}
@@ -168,17 +178,19 @@ def build(plan: Plan):
             spec = {"job": plan.job_id, "target": plan.target, "items": items}
             if i == 0 and plan.caption:
                 spec["caption"] = plan.caption
-            sigs.append(deliver_album.si(spec))
+            sigs.append(_label(deliver_album.si(spec),
+                               f"({items[0]['id']} album of {len(items)} -> {plan.target})"))
             i += len(group)
             continue
         job, extract = _file_sig(plan, i, first_seq + i, extract_file)
         if i == 0 and plan.caption:
             job["caption"] = plan.caption
+        label = f"({job['id']} {_name(plan.files[i])} -> {plan.target})"
         if extract is None:
-            sigs.append(deliver.si(None, job))
+            sigs.append(_label(deliver.si(None, job), label))
         else:
             sigs.append(extract)
-            sigs.append(deliver.s(job))
+            sigs.append(_label(deliver.s(job), label))
         i += 1
     if not sigs:
         return None
@@ -199,7 +211,7 @@ def _file_sig(plan: Plan, index: int, seq: int, extract_file):
             "key": storage_key(plan.job_id, seq, f.path)}
     if plan.max_bytes:
         spec["max_bytes"] = plan.max_bytes
-    return job, extract_file.si(spec).set(queue=sandbox_queue(f.ref))
+    return job, _label(extract_file.si(spec).set(queue=sandbox_queue(f.ref)), f"({d} {f.ref.kind}:{f.path})")
 
 
 def enqueue(r, plan: Plan, *, job_kind: str | None = None) -> list[str]:

@@ -118,3 +118,52 @@ def test_no_albums_when_the_platform_or_the_plan_says_so():
     assert chains.album_groups(_album_plan(["a.jpg", "b.pdf", "c.jpg"])) == []
     assert chains.album_groups(_album_plan([f"{i}.jpg" for i in range(11)])) == [list(range(10))]
     assert chains.album_groups(_album_plan([f"{i}.jpg" for i in range(5)], album_max=2)) == [[0, 1], [2, 3]]
+
+
+# -- what goes on the wire ---------------------------------------------------------------------
+def test_task_labels_are_short_and_keep_chat_text_out():
+    """Flower and the worker log show each task by a short label (its
+    delivery id, file and target), never the reply's text or caption."""
+    ref = SandboxRef("local")
+    plan = chains.Plan(job_id="snd_l", target="outbox:a", text="the secret reply " * 40,
+                       files=[chains.SandboxFile(ref, "/tmp/a.csv")], caption="private caption")
+    c = chains.build(plan)
+    labels = [t.options.get("argsrepr") for t in c.tasks]
+    assert all(labels) and all(len(x) <= 200 for x in labels)
+    assert not any("secret" in x or "private" in x for x in labels)
+    assert labels[0].startswith("(snd_l.0 text") and "snd_l.1" in labels[1] and "a.csv" in labels[2]
+
+
+def test_tasks_are_published_straight_into_their_queue(redis_server, redis_client, monkeypatch):
+    """A route names its queue only, so Celery publishes to the anonymous
+    exchange: the message goes straight into the queue's list, and no
+    exchange bindings are looked up in Redis per publish."""
+    import json
+
+    from workers.celery_app import make_app
+    from workers.settings import reset_settings
+
+    monkeypatch.setenv("COURIER_REDIS_URL", redis_server.url)
+    reset_settings()
+    try:
+        app = make_app()
+        route = app.amqp.router.route({}, "courier.delivery.deliver", (), {}, None)
+        assert route["queue"].name == "delivery" and "exchange" not in route
+        plan = chains.Plan(job_id="snd_w", target="outbox:a",
+                           files=[chains.SandboxFile(SandboxRef("local"), "/tmp/w.bin")])
+
+        def smembers_calls() -> int:
+            return int(redis_client.info("commandstats").get("cmdstat_smembers", {}).get("calls", 0))
+
+        app.send_task("courier.delivery.deliver", args=[None, {"id": "warm-up"}])  # connects
+        before = smembers_calls()
+        for _ in range(2):
+            app.send_task("courier.delivery.deliver", args=[None, {"id": "x"}])
+        extract = chains.build(plan).tasks[0]
+        app.send_task(extract.task, args=extract.args, **extract.options)
+        assert smembers_calls() == before
+        assert redis_client.llen("delivery") == 3 and redis_client.llen("sandbox") == 1
+        msg = json.loads(redis_client.lindex("sandbox", 0))
+        assert msg["headers"]["argsrepr"] == "(snd_w.0 local:/tmp/w.bin)"
+    finally:
+        reset_settings()
