@@ -222,3 +222,32 @@ def enqueue(r, plan: Plan, *, job_kind: str | None = None) -> list[str]:
     if c is not None:
         c.apply_async()
     return ids
+
+
+def enqueue_turn(r, target: str, message: str, *, agent: str, job_id: str | None = None,
+                 sandbox: str | None = None, attachments: list[dict] | None = None,
+                 origin: str | None = None) -> str:
+    """Record a turn's job, then enqueue `agent_turn` with the job id as its
+    task id (the CLI, the web process and the demo all come here). Returns
+    the job id. The task's label shows the agent and the target, not the
+    user's message."""
+    job_id = job_id or new_job_id("turn")
+    receipts.create_job(r, job_id, kind="turn", target=target, agent=agent, origin=origin)
+    turn_sig(job_id, target, message, agent=agent, sandbox=sandbox, attachments=attachments).apply_async(
+        task_id=job_id)
+    return job_id
+
+
+def turn_sig(job_id: str, target: str, message: str, *, agent: str, sandbox: str | None = None,
+             attachments: list[dict] | None = None):
+    """The `agent_turn` signature of a turn, labelled."""
+    from tasks.pipeline import agent_turn
+
+    spec = {"job": job_id, "target": target, "message": message, "agent": agent}
+    if sandbox:
+        spec["sandbox"] = sandbox
+    if attachments:
+        spec["attachments"] = attachments
+    label = f"({job_id} {agent} -> {target}, {len(message)} chars"
+    label += f", {len(attachments)} attachments)" if attachments else ")"
+    return _label(agent_turn.si(spec), label)

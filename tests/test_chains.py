@@ -132,6 +132,9 @@ def test_task_labels_are_short_and_keep_chat_text_out():
     assert all(labels) and all(len(x) <= 200 for x in labels)
     assert not any("secret" in x or "private" in x for x in labels)
     assert labels[0].startswith("(snd_l.0 text") and "snd_l.1" in labels[1] and "a.csv" in labels[2]
+    turn = chains.turn_sig("turn_x", "outbox:a", "my private question", agent="demo")
+    assert turn.options["argsrepr"] == "(turn_x demo -> outbox:a, 19 chars)"
+    assert turn.args[0]["message"] == "my private question" and "sandbox" not in turn.args[0]
 
 
 def test_tasks_are_published_straight_into_their_queue(redis_server, redis_client, monkeypatch):

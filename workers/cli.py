@@ -229,7 +229,7 @@ def turn(
 ) -> None:
     """Enqueue an agent turn."""
     from adapters.sandboxes.base import parse_uri
-    from tasks import chains, receipts
+    from tasks import chains
     from tasks.turn import BUILTIN_AGENTS
 
     settings = _settings()
@@ -248,7 +248,6 @@ def turn(
             raise die(f"no such file to attach: {p}", EXIT_INPUT)
     r = _redis(settings)
     _celery()
-    from tasks.pipeline import agent_turn
 
     job_id = chains.new_job_id("turn")
     attachments = []
@@ -261,9 +260,7 @@ def turn(
             except CourierError as exc:
                 raise die(f"could not store {p}: {exc}", EXIT_SERVICE) from None
             attachments.append({"key": key, "name": p.name})
-    receipts.create_job(r, job_id, kind="turn", target=target, agent=name)
-    agent_turn.apply_async(args=[{"job": job_id, "target": target, "message": message, "agent": name,
-                                  "sandbox": sandbox, "attachments": attachments}], task_id=job_id)
+    chains.enqueue_turn(r, target, message, agent=name, job_id=job_id, sandbox=sandbox, attachments=attachments)
     if not wait:
         print(json.dumps({"job": job_id}) if as_json else job_id)
         return

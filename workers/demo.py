@@ -93,8 +93,7 @@ def run_demo(*, to: str | None, message: str, timeout_s: float, console: Console
         celery_app.app.conf.broker_url = settings.redis_url
         celery_app.app.conf.result_backend = settings.redis_url
         import tasks.pipeline  # noqa: F401
-        from tasks import chains, receipts
-        from tasks.pipeline import agent_turn
+        from tasks import chains
         from workers.cli import _table, watch_job
         from workers.wiring import redis_client
 
@@ -106,10 +105,7 @@ def run_demo(*, to: str | None, message: str, timeout_s: float, console: Console
                       "to see why)")
             return 3
         r = redis_client(settings.redis_url)
-        job_id = chains.new_job_id("turn")
-        receipts.create_job(r, job_id, kind="turn", target=target, agent="demo")
-        agent_turn.apply_async(args=[{"job": job_id, "target": target, "message": message, "agent": "demo"}],
-                               task_id=job_id)
+        job_id = chains.enqueue_turn(r, target, message, agent="demo")
         console.print(f"turn [bold]{job_id}[/]: “{message}” → {target}", highlight=False)
         ok = watch_job(r, job_id, timeout_s)
         if ok is None:

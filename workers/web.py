@@ -105,29 +105,18 @@ class _Web:
         origin = f"{platform}:{chat}"
         override = s.webhook_reply_target_override
         target = override.replace("{platform}", platform).replace("{chat}", chat) if override else origin
+        import workers.celery_app  # noqa: F401 - binds the tasks to the configured app
+        from tasks import chains
+
         try:
-            job_id = enqueue_turn(self.redis, target, message[:MAX_MESSAGE_CHARS],
-                                  agent=s.webhook_agent or s.default_agent, origin=origin)
+            job_id = chains.enqueue_turn(self.redis, target, message[:MAX_MESSAGE_CHARS],
+                                         agent=s.webhook_agent or s.default_agent, origin=origin)
         except Exception:
             self.redis.delete(seen)  # let the platform's retry through
             raise
         self.redis.set(seen, job_id, ex=s.webhook_dedupe_ttl_s)
         log.info("%s webhook: update %s -> turn %s", platform, update_id, job_id)
         return {"ok": True, "job": job_id}
-
-
-def enqueue_turn(r, target: str, message: str, *, agent: str, origin: str | None = None,
-                 sandbox: str | None = None) -> str:
-    """Create the turn's job record and enqueue `agent_turn` (as `courier turn` does)."""
-    import workers.celery_app  # noqa: F401 - binds the tasks to the configured app
-    from tasks import chains, receipts
-    from tasks.pipeline import agent_turn
-
-    job_id = chains.new_job_id("turn")
-    receipts.create_job(r, job_id, kind="turn", target=target, agent=agent, origin=origin)
-    agent_turn.apply_async(args=[{"job": job_id, "target": target, "message": message, "agent": agent,
-                                  "sandbox": sandbox}], task_id=job_id)
-    return job_id
 
 
 async def _body(request: Request) -> bytes | None:
