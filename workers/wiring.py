@@ -92,6 +92,16 @@ def sandbox_policy(ref: SandboxRef, default_roots: tuple[str, ...], home: str | 
     return PathPolicy(roots=tuple(roots), home=home)
 
 
+@lru_cache(maxsize=64)
+def _local_sandbox(roots: tuple[str, ...], home: str):
+    """A local sandbox per set of roots, per process: resolving the roots'
+    links costs a syscall per path component, and a sandbox holds nothing
+    else (every file is resolved and checked when it is opened)."""
+    from adapters.sandboxes.local import LocalSandbox
+
+    return LocalSandbox.with_roots(roots, home=home)
+
+
 @lru_cache(maxsize=4)
 def _docker_client(base_url: str | None):
     """One Docker API client per engine and process (connections reused)."""
@@ -108,10 +118,7 @@ def _docker_client(base_url: str | None):
 def open_sandbox(ref: SandboxRef, settings: Settings | None = None) -> Sandbox:
     s = settings or get_settings()
     if ref.kind == "local":
-        from adapters.sandboxes.local import LocalSandbox
-
-        roots = ref.roots or s.local_sandbox_roots
-        return LocalSandbox.with_roots(tuple(roots), home=os.path.expanduser("~"))
+        return _local_sandbox(tuple(ref.roots or s.local_sandbox_roots), os.path.expanduser("~"))
     if ref.kind == "docker":
         from adapters.sandboxes.docker import DockerSandbox
 

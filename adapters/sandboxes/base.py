@@ -124,6 +124,11 @@ class PathPolicy:
     home: str | None = None
     denylist: tuple[str, ...] = DENYLIST
 
+    def __post_init__(self) -> None:
+        # normalised once: a check runs for every file, twice
+        object.__setattr__(self, "_denied", tuple((d, _prefix(d)) for d in self.denied()))
+        object.__setattr__(self, "_roots", tuple(_prefix(r) for r in self.roots))
+
     def denied(self) -> list[str]:
         out = list(self.denylist)
         if self.home:
@@ -138,12 +143,20 @@ class PathPolicy:
         norm = posixpath.normpath(resolved)
         if norm != resolved.rstrip("/") and resolved != "/":
             raise UnsafePath(f"{shown}: path is not normalised")
-        for d in self.denied():
-            if _under(norm, d):
+        probe = norm if norm.endswith("/") else norm + "/"
+        for d, prefix in self._denied:  # type: ignore[attr-defined]
+            if probe.startswith(prefix):
                 raise UnsafePath(f"{shown}: {d} is never readable")
-        if not any(_under(norm, r) for r in self.roots):
+        if not probe.startswith(self._roots):  # type: ignore[attr-defined]
             raise UnsafePath(f"{shown}: outside the allowed roots ({', '.join(self.roots) or 'none'})")
         return norm
+
+
+def _prefix(root: str) -> str:
+    """`root` normalised with one trailing slash: `p + "/"` starts with it
+    exactly when p is root or under it."""
+    root = posixpath.normpath(root)
+    return root if root.endswith("/") else root + "/"
 
 
 def _under(path: str, root: str) -> bool:

@@ -26,6 +26,8 @@ from adapters.sandboxes.base import (
 )
 
 CHUNK = 1024 * 1024
+#: where an open descriptor's real path is read back from
+_PROC_FD = os.path.isdir("/proc/self/fd")
 
 
 class LocalSandbox(Sandbox):
@@ -58,7 +60,7 @@ class LocalSandbox(Sandbox):
     def _open_checked(self, resolved: str) -> int:
         fd = os.open(resolved, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
         try:
-            real = os.readlink(f"/proc/self/fd/{fd}") if os.path.exists("/proc/self/fd") else resolved
+            real = os.readlink(f"/proc/self/fd/{fd}") if _PROC_FD else resolved
             self.policy.check(real, shown=resolved)
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise NotAFile(f"{resolved}: not a regular file")
