@@ -23,6 +23,7 @@ class VolumeStore(BlobStore):
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root).absolute()
+        self._tmp_s = str(self.root / _TMP)
         self.url = self.root.as_uri()
         try:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -69,14 +70,12 @@ class VolumeStore(BlobStore):
         `sendfile` across filesystems; no bytes pass through this process). The cap holds during the copy.
         No sha256 is computed (None in the result). Returns None when the
         kernel cannot copy between these files; callers then stream."""
-        check_key(key)
+        dest = str(self._path(key))
         if not hasattr(os, "copy_file_range"):
             return None
-        dest = self._path(key)
-        tmp = self.root / _TMP / f"{uuid.uuid4().hex}.part"
+        tmp = os.path.join(self._tmp_s, f"{uuid.uuid4().hex}.part")
         limit = None if max_bytes is None else max_bytes + 1
         try:
-            dest.parent.mkdir(parents=True, exist_ok=True)
             out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except OSError as exc:
             raise StorageError(f"cannot write {key}: {exc.strerror or exc}") from exc
@@ -107,6 +106,7 @@ class VolumeStore(BlobStore):
             except OSError as exc:
                 if size == 0 and exc.errno in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP,
                                                 errno.EBADF):
+                    _unlink(Path(tmp))
                     return None  # not supported here: the caller streams
                 raise StorageError(f"cannot write {key}: {exc.strerror or exc}") from exc
             finally:
@@ -114,9 +114,10 @@ class VolumeStore(BlobStore):
             if max_bytes is not None and size > max_bytes:
                 raise TooLarge(f"file is larger than the {max_bytes:,} byte cap", size_bytes=size,
                                limit_bytes=max_bytes)
-            os.replace(tmp, dest)
-        finally:
-            _unlink(tmp)
+            _replace_making_dirs(tmp, dest, key)
+        except BaseException:
+            _unlink(Path(tmp))
+            raise
         return BlobInfo(key=key, size_bytes=size, modified_s=time.time())
 
     @contextmanager
@@ -189,6 +190,19 @@ def _mkdirs_private(root: Path, d: Path) -> None:
             cur.mkdir(mode=0o700)
         except FileExistsError:
             pass
+
+
+def _replace_making_dirs(tmp: str, dest: str, key: str) -> None:
+    """Move a finished temp file to its key, making the key's directories
+    when they are missing (the first file of a job)."""
+    try:
+        os.replace(tmp, dest)
+    except FileNotFoundError:
+        try:
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            os.replace(tmp, dest)
+        except OSError as exc:
+            raise StorageError(f"cannot write {key}: {exc.strerror or exc}") from exc
 
 
 def _unlink(p: Path) -> None:
