@@ -169,7 +169,7 @@ def _deliver_item(ctx: Context, platform: Platform, chat: str, job: dict, extrac
         guarded.flush()  # parts already sent stay recorded for the retry
         raise
     pipe = r.pipeline(transaction=False)
-    guarded.flush(pipe)
+    guarded.flush(pipe, covered=did)  # the receipt below says it was sent
     if session is not None:
         session.release(pipe)
     return _record_delivered(ctx, job, sent.message_id, kind_name, size, attempts, pipe=pipe, execute=True)

@@ -249,16 +249,19 @@ class Guarded(Platform):
         pipe.hset(self._parts_key, part, message_id)
         pipe.expire(self._parts_key, PARTS_TTL_S)
 
-    def flush(self, pipe: Any = None) -> None:
+    def flush(self, pipe: Any = None, *, covered: str | None = None) -> None:
         """Queue the record of parts sent but not yet recorded on `pipe`
-        (the caller's receipt pipeline), or write it now."""
-        if not self._pending:
+        (the caller's receipt pipeline), or write it now. `covered`: the
+        delivery id whose receipt the same pipeline marks delivered: a part
+        that is the whole delivery needs no record of its own."""
+        pending = [(part, m) for part, m in self._pending if part != covered]
+        self._pending.clear()
+        if not pending:
             return
         p = pipe if pipe is not None else self._redis.pipeline(transaction=False)
-        for part, m in self._pending:
+        for part, m in pending:
             p.hset(self._parts_key, part, m)
         p.expire(self._parts_key, PARTS_TTL_S)
-        self._pending.clear()
         if pipe is None:
             p.execute()
 

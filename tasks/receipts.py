@@ -112,11 +112,10 @@ def job_deliveries(r, job_id: str) -> list[dict[str, str]]:
 
 _BEGIN = """
 local locked = redis.call('set', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2])
-local rec = redis.call('hgetall', KEYS[2])
+local rec = redis.call('hmget', KEYS[2], 'state', 'final', 'message_id', 'reason')
 local attempts = 0
 if locked and ARGV[3] == '1' then
-  local st = redis.call('hget', KEYS[2], 'state')
-  local final = redis.call('hget', KEYS[2], 'final')
+  local st, final = rec[1], rec[2]
   if st ~= 'delivered' and not (st == 'failed' and final == '1') then
     attempts = redis.call('hincrby', KEYS[2], 'attempts', 1)
     redis.call('hset', KEYS[2], 'state', 'sending')
@@ -125,6 +124,8 @@ end
 return {locked and 1 or 0, rec, attempts}
 """
 
+
+_BEGIN_FIELDS = ("state", "final", "message_id", "reason")
 
 _scripts: dict[tuple[int, str], Any] = {}
 
@@ -143,11 +144,12 @@ def begin_send(r, delivery_id: str, owner: str, ttl_s: int = 600, *, count_attem
     """One round trip: take the send lock, read the receipt and, when the lock
     was taken and the delivery is not done yet (and `count_attempt`), count
     an attempt and mark it sending. Returns (locked, receipt as it was, attempt
-    number or 0)."""
-    locked, flat, attempts = _script(r, _BEGIN)(
+    number or 0). The receipt holds the fields that say whether the delivery
+    is done: state, final, message_id, reason (those set)."""
+    locked, values, attempts = _script(r, _BEGIN)(
         keys=[keys.delivery_lock(delivery_id), keys.delivery(delivery_id)],
         args=[owner, ttl_s, "1" if count_attempt else "0"])
-    rec = {_s(flat[i]): _s(flat[i + 1]) for i in range(0, len(flat), 2)}
+    rec = {k: _s(v) for k, v in zip(_BEGIN_FIELDS, values) if v is not None}
     return bool(locked), rec, int(attempts)
 
 

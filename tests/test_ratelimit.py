@@ -117,6 +117,27 @@ def test_guarded_delivery_resumes_after_the_parts_already_sent(redis_client):
     assert g.cache_key == "b1" and g.limits is p.limits and Kind.TEXT in g.limits.native_kinds
 
 
+def test_deferred_part_records_skip_the_part_the_receipt_covers(redis_client):
+    """A delivery sent in one part is recorded by its receipt alone; the
+    parts of a delivery sent in several are recorded for a retry to skip."""
+    from tasks import keys
+
+    p = _Stub(_limits())
+    g = ratelimit.guard(redis_client, p, "job.5", first_attempt=True, defer=True)
+    g.send_text("c", "whole", delivery_id="job.5")
+    pipe = redis_client.pipeline(transaction=False)
+    g.flush(pipe, covered="job.5")
+    pipe.execute()
+    assert not redis_client.exists(keys.delivery_parts("job.5"))
+    g = ratelimit.guard(redis_client, p, "job.6", first_attempt=True, defer=True)
+    g.send_text("c", "one", delivery_id="job.6#0")
+    g.send_text("c", "two", delivery_id="job.6#1")  # the first part is recorded before this one goes
+    assert redis_client.hget(keys.delivery_parts("job.6"), "job.6#0") == b"m2"
+    g.flush(covered="job.6")
+    assert redis_client.hgetall(keys.delivery_parts("job.6")) == {b"job.6#0": b"m2", b"job.6#1": b"m3"}
+    assert 0 < redis_client.ttl(keys.delivery_parts("job.6"))
+
+
 @pytest.mark.slow
 def test_two_workers_40_messages_to_one_chat_hold_one_per_second(courier_env, fake_telegram, redis_client):
     env = courier_env(TELEGRAM_BOT_TOKEN=fake_telegram.token, COURIER_TELEGRAM_BASE_URL=fake_telegram.url)
