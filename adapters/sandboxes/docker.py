@@ -45,7 +45,6 @@ import json
 import os
 import posixpath
 import select
-import threading
 import socket
 import stat as statmod
 import struct
