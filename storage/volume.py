@@ -76,6 +76,7 @@ class VolumeStore(BlobStore):
         tmp = os.path.join(self._tmp_s, f"{uuid.uuid4().hex}.part")
         limit = None if max_bytes is None else max_bytes + 1
         try:
+            _make_parent(dest)
             out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except OSError as exc:
             raise StorageError(f"cannot write {key}: {exc.strerror or exc}") from exc
@@ -114,7 +115,7 @@ class VolumeStore(BlobStore):
             if max_bytes is not None and size > max_bytes:
                 raise TooLarge(f"file is larger than the {max_bytes:,} byte cap", size_bytes=size,
                                limit_bytes=max_bytes)
-            _replace_making_dirs(tmp, dest, key)
+            os.replace(tmp, dest)
         except BaseException:
             _unlink(Path(tmp))
             raise
@@ -192,17 +193,16 @@ def _mkdirs_private(root: Path, d: Path) -> None:
             pass
 
 
-def _replace_making_dirs(tmp: str, dest: str, key: str) -> None:
-    """Move a finished temp file to its key, making the key's directories
-    when they are missing (the first file of a job)."""
+def _make_parent(path: str) -> None:
+    """The directory a key's file goes in: one mkdir when it is new or there
+    already (the usual cases), every missing level otherwise."""
+    parent = os.path.dirname(path)
     try:
-        os.replace(tmp, dest)
+        os.mkdir(parent)
+    except FileExistsError:
+        pass
     except FileNotFoundError:
-        try:
-            os.makedirs(os.path.dirname(dest), exist_ok=True)
-            os.replace(tmp, dest)
-        except OSError as exc:
-            raise StorageError(f"cannot write {key}: {exc.strerror or exc}") from exc
+        os.makedirs(parent, exist_ok=True)
 
 
 def _unlink(p: Path) -> None:
