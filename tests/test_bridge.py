@@ -288,6 +288,55 @@ def test_timeout_kills_the_whole_process_group(tmp_path):
         wait_until(lambda: not pid_alive(pid), timeout_s=10, what=f"process {pid} to die")
 
 
+def test_a_killed_worker_takes_its_agent_and_the_agents_children_with_it(tmp_path):
+    """SIGKILL the process running the bridge (a worker killed mid-turn): the
+    agent and a child it started die too (the guard's parent-death signal),
+    so a redelivered turn never races a leftover agent."""
+    import signal
+    import subprocess
+
+    agent = tmp_path / "agent.py"
+    agent.write_text(PRELUDE + textwrap.dedent("""
+        import subprocess
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        open("pids", "w").write(f"{os.getpid()} {child.pid}")
+        ev(kind="status", status="thinking")
+        time.sleep(120)
+        """))
+    worker = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from adapters.agents.bridge import run_bridge; "
+         f"run_bridge([sys.executable, {str(agent)!r}], 'hi', cwd={str(tmp_path)!r}, timeout_s=300)"],
+        cwd=str(ROOT))
+    try:
+        pids_file = tmp_path / "pids"
+        wait_until(lambda: pids_file.exists() and len(pids_file.read_text().split()) == 2, timeout_s=30,
+                   what="the agent to start its child")
+        pids = [int(x) for x in pids_file.read_text().split()]
+        assert all(pid_alive(p) for p in pids)
+        worker.send_signal(signal.SIGKILL)
+        worker.wait(timeout=10)
+        for pid in pids:
+            wait_until(lambda: not pid_alive(pid), timeout_s=10, what=f"process {pid} to die with the worker")
+    finally:
+        worker.kill()
+
+
+def test_agent_exit_codes_and_signals_pass_through_the_guard(tmp_path):
+    res, _ = run_script(tmp_path, "sys.exit(3)")
+    assert res.status == "error" and res.reason == "agent exited with code 3" and res.exit_code == 3
+    res, _ = run_script(tmp_path, "import signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    assert res.reason == "agent was killed by signal SIGSEGV"
+    # the agent gets default signal dispositions, not the guard's
+    res, _ = run_script(tmp_path, "import signal; print(signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, "
+                                  "signal.getsignal(signal.SIGINT) is signal.default_int_handler)")
+    assert res.status == "completed" and res.reply == "True True"
+    assert run_bridge(["no-such-agent-anywhere"], "hi").reason == \
+        "agent could not start: no-such-agent-anywhere: not found on PATH"
+    script = tmp_path / "noexec.sh"
+    script.write_text("#!/bin/sh\necho hi\n")
+    assert run_bridge([str(script)], "hi").reason == f"agent could not start: {script}: not executable"
+
+
 def test_timeout_default_and_agent_setting():
     import inspect
 

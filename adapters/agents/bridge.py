@@ -19,7 +19,9 @@ Events (`kind`, or `type` as an alias), normalised by `EventNormaliser`:
 A malformed event line (bad JSON, not an object, unknown kind or status) is
 dropped and logged, never leaked into the reply. A non-zero exit, a crash or
 a timeout ends as one `error` result with a reason; a timeout
-(`runtime_timeout`) kills the whole process group. Output is decoded as
+(`runtime_timeout`) kills the whole process group, and so does the death of
+the worker running the turn, even by SIGKILL (the agent runs under
+`_guard.py`, which holds a parent-death signal). Output is decoded as
 UTF-8 incrementally, so a character split across reads stays whole; the
 reply and every line are bounded.
 """
@@ -33,7 +35,9 @@ import os
 import re
 import selectors
 import signal
+import shutil
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -339,9 +343,14 @@ def run_bridge(
         return BridgeResult("error", reason="agent has no command")
     full_env = {**os.environ, **(env or {}), "COURIER_MESSAGE": message}
     started = time.monotonic()
+    missing = _not_runnable(command[0], cwd, full_env.get("PATH"))
+    if missing:
+        return BridgeResult("error", reason=f"agent could not start: {missing}")
     try:
+        # the guard leads the agent's new session and takes the group down if this worker dies
         proc = subprocess.Popen(
-            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            [sys.executable, "-I", _GUARD, str(os.getpid()), *command],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             cwd=cwd, env=full_env, start_new_session=True,
         )
     except OSError as exc:
@@ -438,6 +447,24 @@ def run_bridge(
     if term is not None and term["status"] in NO_REPLY_STATUSES:
         return BridgeResult("no_reply", reason=term.get("reason") or term["status"], **common)
     return BridgeResult("completed", reply=out.text(), **common)
+
+
+_GUARD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_guard.py")
+
+
+def _not_runnable(program: str, cwd: str | None, path: str | None) -> str | None:
+    """Why `program` cannot be started (None: it can), checked before the
+    guard starts it, so a bad command is a clean error, not an exit code."""
+    if "/" in program:
+        full = os.path.join(cwd or os.getcwd(), program)
+        if not os.path.isfile(full):
+            return f"{program}: no such file"
+        if not os.access(full, os.X_OK):
+            return f"{program}: not executable"
+        return None
+    if shutil.which(program, path=path if path is not None else os.defpath) is None:
+        return f"{program}: not found on PATH"
+    return None
 
 
 def _argv0(command: list[str]) -> str:
