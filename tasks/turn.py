@@ -186,7 +186,8 @@ def _run_openai(ctx: Context, spec: dict, agent, ref: SandboxRef, workdir: str |
         return BridgeResult("error", reason=exc.reason)
     tools = Toolbox(sandbox=sandbox, workdir=workdir or ref.options.get("workdir") or "/", store=ctx.store,
                     job_id=spec["job"], spill=ctx.extras.get("spill") or SpillConfig(),
-                    chromium_path=ctx.extras.get("chromium_path") or "/usr/bin/chromium")
+                    chromium_path=ctx.extras.get("chromium_path") or "/usr/bin/chromium",
+                    browser_allowed_hosts=tuple(ctx.extras.get("browser_allowed_hosts") or ()))
     return run_openai(config, spec.get("message", ""), tools=tools, hooks=hooks, hook_context=hook_ctx,
                       on_event=publish)
 

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 
 API_KEY = "sk-test-" + "k3y" * 8
 AGENTS = {
-    "files": {}, "shot": {}, "spill": {}, "http500": {}, "badjson": {},
+    "files": {}, "shot": {}, "shotdeny": {}, "spill": {}, "http500": {}, "badjson": {},
     "steps": {"max_steps": 3},
 }
 
@@ -39,7 +39,9 @@ def env(tmp_path_factory, redis_server, fake_openai):
     agents = {name: {"runtime": "openai", "model": name, "timeout_s": 120, **extra} for name, extra in AGENTS.items()}
     agents["files"]["system_prompt"] = "You are a careful file clerk."
     e = CourierEnv(tmp_path_factory.mktemp("openai"), redis_server.url, COURIER_AGENTS=json.dumps(agents),
-                   COURIER_OPENAI_BASE_URL=fake_openai.base_url, COURIER_OPENAI_API_KEY=API_KEY)
+                   COURIER_OPENAI_BASE_URL=fake_openai.base_url, COURIER_OPENAI_API_KEY=API_KEY,
+                   # the test pages are on 127.0.0.1: allowed here (loopback is refused by default)
+                   COURIER_BROWSER_ALLOWED_HOSTS='["127.0.0.1"]')
     e.start_worker()
     yield e
     e.stop()
@@ -123,21 +125,39 @@ class _Page(BaseHTTPRequestHandler):
         return None
 
 
+def _serve_page(host: str):
+    srv = ThreadingHTTPServer((host, 0), _Page)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv
+
+
 @pytest.fixture
 def page():
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Page)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    srv = _serve_page("127.0.0.1")
     yield f"http://127.0.0.1:{srv.server_address[1]}/page.html"
     srv.shutdown()
     srv.server_close()
 
 
-def test_browser_screenshot_is_stored_and_delivered(env, fake_openai, page, redis_server):
+@pytest.fixture
+def denied_page():
+    """The same page on 127.0.0.2: loopback too, and not in the worker's allow-list."""
+    srv = _serve_page("127.0.0.2")
+    yield f"http://127.0.0.2:{srv.server_address[1]}/denied.html"
+    srv.shutdown()
+    srv.server_close()
+
+
+def _need_browser() -> None:
     need(os.access("/usr/bin/chromium", os.X_OK), "chromium is not installed (apt-get install chromium)")
     try:
         import playwright  # noqa: F401
     except ImportError:
         need(False, "the playwright package is not installed (pip install playwright)")
+
+
+def test_browser_screenshot_is_stored_and_delivered(env, fake_openai, page, redis_server):
+    _need_browser()
     fake_openai.script("shot", calls(tool_call("browser_screenshot", url=page)), say("Screenshot attached."))
     job, term, evs = run_turn(env, redis_server.client(), "shot", "screenshot that page", "shot")
     assert term["status"] == "completed"
@@ -159,6 +179,21 @@ def test_browser_screenshot_is_stored_and_delivered(env, fake_openai, page, redi
     tool_msg = fake_openai.requests("shot")[1].tool_results()[-1]["content"]
     assert tool_msg.startswith(f"MEDIA:{env.data_dir / 'sandbox' / 'shot' / 'screenshots' / shot_name}")
     assert len(_terminal(evs)) == 1
+
+
+def test_browser_screenshot_of_a_denied_address_is_refused(env, fake_openai, denied_page, redis_server):
+    """The worker's egress guard: a loopback page outside COURIER_BROWSER_ALLOWED_HOSTS
+    is never fetched; the model gets the reason and the turn goes on."""
+    _need_browser()
+    fake_openai.script("shotdeny", calls(tool_call("browser_screenshot", url=denied_page)), say("Could not."))
+    job, term, evs = run_turn(env, redis_server.client(), "shotdeny", "screenshot that page", "shotdeny")
+    assert term["status"] == "completed"
+    assert "/denied.html" not in _Page.hits
+    tool_msg = fake_openai.requests("shotdeny")[1].tool_results()[-1]["content"]
+    assert tool_msg == (f"error: screenshot of {denied_page} refused: 127.0.0.2 is a loopback address "
+                        "(allow it with COURIER_BROWSER_ALLOWED_HOSTS)")
+    assert [r["kind"] for r in read_log(env.outbox, "shotdeny")] == ["text"]
+    assert not glob.glob(str(env.data_dir / "storage" / "screenshots" / job / "*"))
 
 
 def test_huge_tool_output_is_spilled(env, fake_openai, redis_server):

@@ -154,6 +154,11 @@ class Settings(BaseSettings):
     openai_call_timeout_s: float = Field(default=120.0, gt=0)
     #: headless Chromium for the browser_screenshot tool
     chromium_path: str = "/usr/bin/chromium"
+    #: JSON list of destinations browser_screenshot may reach although they are not public (loopback, private,
+    #: link-local): host names, addresses or CIDR networks, each optionally with :port ([v6]:port), e.g.
+    #: ["dash.intranet", "10.1.0.0/16:8080"]; an entry without a port allows every port. Everything else must be a
+    #: public address on port 80 or 443 (the page, its redirects and subresources)
+    browser_allowed_hosts: list[str] | None = None
 
     # -- hooks -------------------------------------------------------------
     #: JSON list of shell hooks: [["cmd", "arg"], {"command": [...], "name": "x", "timeout_s": 5}]
@@ -218,6 +223,14 @@ class Settings(BaseSettings):
     def _redis_scheme(cls, v: str) -> str:
         if not v.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("COURIER_REDIS_URL must start with redis://, rediss:// or unix://")
+        return v
+
+    @field_validator("browser_allowed_hosts")
+    @classmethod
+    def _browser_allowed_hosts(cls, v: list[str] | None) -> list[str] | None:
+        from adapters.agents.egress import parse_allowed_hosts
+
+        parse_allowed_hosts(v or ())  # a malformed entry is a ValueError now, not at the first screenshot
         return v
 
     # -- derived -----------------------------------------------------------

@@ -180,7 +180,8 @@ def build_context(settings: Settings | None = None):
 def agent_extras(s: Settings, blob_store: BlobStore) -> dict:
     """What agent turns need beyond the Context fields: the OpenAI-compatible
     endpoint (`openai`), the hooks (`hooks`, a HookRunner: shell hooks, then
-    entry-point plugins), the output spill config (`spill`), `chromium_path`."""
+    entry-point plugins), the output spill config (`spill`), `chromium_path`,
+    `browser_allowed_hosts`."""
     from adapters.agents.hooks import HookRunner, ShellHook, load_plugins
     from storage.spill import SpillConfig
 
@@ -194,4 +195,5 @@ def agent_extras(s: Settings, blob_store: BlobStore) -> dict:
         "hooks": HookRunner(hooks, store=blob_store, spill=spill),
         "spill": spill,
         "chromium_path": s.chromium_path,
+        "browser_allowed_hosts": tuple(s.browser_allowed_hosts or ()),
     }

@@ -12,7 +12,10 @@
                        system ``chromium``); the PNG goes to storage at
                        ``screenshots/<job>/<uuid>.png`` and into the sandbox
                        at ``<workdir>/screenshots/<uuid>.png``; sent with the
-                       reply
+                       reply. Every connection of the browser goes through
+                       the egress guard (:mod:`adapters.agents.egress`): no
+                       loopback, private or link-local destination unless
+                       ``browser_allowed_hosts`` names it
 ``send_file``          marks a sandbox file for delivery
 =====================  =====================================================
 
@@ -41,11 +44,12 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
 
+from adapters.agents.egress import ALLOW_SETTING, EgressPolicy, EgressProxy, Refusal
 from adapters.errors import CourierError
 from adapters.sandboxes.base import Sandbox, check_lexical
 from storage.spill import SpillConfig, spill_if_needed
 
-__all__ = ["CHROMIUM_ARGS", "ToolResult", "Toolbox", "media_tag", "take_screenshot"]
+__all__ = ["CHROMIUM_ARGS", "EGRESS_ARGS", "ToolResult", "Toolbox", "media_tag", "take_screenshot"]
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +125,8 @@ class Toolbox:
     job_id: str
     spill: SpillConfig = field(default_factory=SpillConfig)
     chromium_path: str = "/usr/bin/chromium"
+    #: destinations the browser may reach even though they are not public (COURIER_BROWSER_ALLOWED_HOSTS)
+    browser_allowed_hosts: tuple[str, ...] = ()
     #: monotonic deadline of the turn (tools never run past it)
     deadline: float | None = None
     marked: list[str] = field(default_factory=list)
@@ -244,7 +250,9 @@ class Toolbox:
         left = self._left_s()
         if left is not None:
             timeout_s = min(timeout_s, left)
-        png = take_screenshot(url, chromium_path=self.chromium_path, full_page=bool(full_page), timeout_s=timeout_s)
+        refused: list[Refusal] = []
+        png = take_screenshot(url, chromium_path=self.chromium_path, full_page=bool(full_page), timeout_s=timeout_s,
+                              allowed_hosts=self.browser_allowed_hosts, refused=refused)
         name = f"{uuid.uuid4().hex}.png"
         key = f"screenshots/{_SAFE.sub('_', self.job_id)}/{name}"
         info = self.store.put_stream(key, [png], max_bytes=SCREENSHOT_MAX_BYTES)
@@ -256,8 +264,10 @@ class Toolbox:
         self.stored[dest] = {"key": key, "name": name, "size": info.size_bytes, "sha256": info.sha256}
         if dest not in self.marked:
             self.marked.append(dest)
+        blocked = sorted({f"{r.host}:{r.port}" for r in refused if r.status == 403})
+        note = f"; blocked (not public): {', '.join(blocked[:5])}{' ...' if len(blocked) > 5 else ''}" if blocked else ""
         return ToolResult(f"{media_tag(dest)} (screenshot of {url}, {info.size_bytes:,} bytes; "
-                          f"will be sent with your reply)")
+                          f"will be sent with your reply{note})")
 
 
 _NAMES = frozenset(s["function"]["name"] for s in SCHEMAS)
@@ -272,9 +282,16 @@ class ScreenshotError(CourierError):
 
 
 def take_screenshot(url: str, *, chromium_path: str, full_page: bool = False,
-                    timeout_s: float = SCREENSHOT_TIMEOUT_S) -> bytes:
+                    timeout_s: float = SCREENSHOT_TIMEOUT_S, allowed_hosts: tuple[str, ...] | list[str] = (),
+                    refused: list[Refusal] | None = None) -> bytes:
     """PNG bytes of `url` in headless Chromium (playwright driving the system
-    browser; never downloads one). Raises ScreenshotError with a short reason."""
+    browser; never downloads one). Raises ScreenshotError with a short reason.
+
+    The browser reaches the network only through an :class:`EgressProxy` that
+    refuses non-public destinations (but `allowed_hosts`): the page itself, its
+    redirects and its subresources. A refused page is an error naming the
+    reason; a refused subresource just does not load. The proxy's refusals are
+    appended to `refused` when given."""
     import os
 
     try:
@@ -285,17 +302,59 @@ def take_screenshot(url: str, *, chromium_path: str, full_page: bool = False,
     if not os.access(chromium_path, os.X_OK):
         raise ScreenshotError(f"no Chromium at {chromium_path} (install the chromium package "
                               "or set COURIER_CHROMIUM_PATH)")
-    ms = max(1000.0, timeout_s * 1000)
     try:
+        policy = EgressPolicy(allowed_hosts)
+    except ValueError as exc:
+        raise ScreenshotError(f"{exc} (fix {ALLOW_SETTING})") from None
+    ms = max(1000.0, timeout_s * 1000)
+    proxy = EgressProxy(policy).start()
+    try:
+        args = [*CHROMIUM_ARGS, f"--proxy-server={proxy.url}", *EGRESS_ARGS]
         with sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=chromium_path, headless=True, args=list(CHROMIUM_ARGS),
-                                         timeout=ms)
+            browser = pw.chromium.launch(executable_path=chromium_path, headless=True, args=args, timeout=ms)
             try:
                 page = browser.new_page(viewport=SCREENSHOT_VIEWPORT)
-                page.goto(url, wait_until="load", timeout=ms)
+                navigations: list[str] = []
+                page.on("request", lambda req: navigations.append(req.url)
+                        if req.is_navigation_request() and req.frame == page.main_frame else None)
+                try:
+                    response = page.goto(url, wait_until="load", timeout=ms)
+                except PlaywrightError:
+                    refusal = _navigation_refusal(proxy, navigations[-1] if navigations else url)
+                    if refusal is None:
+                        raise
+                    raise ScreenshotError(_refusal_text(url, refusal)) from None
+                # a refused plain-http page is the proxy's own 403, which Chromium shows as the page
+                refusal = proxy.refusal_marked(response.headers) if response is not None else None
+                if refusal is not None:
+                    raise ScreenshotError(_refusal_text(url, refusal))
                 return page.screenshot(full_page=full_page, type="png", timeout=ms)
             finally:
                 browser.close()
     except PlaywrightError as exc:
         first = (str(exc).strip().splitlines() or ["browser error"])[0]
         raise ScreenshotError(f"screenshot of {url} failed: {first[:200]}") from None
+    finally:
+        proxy.stop()
+        if refused is not None:
+            refused.extend(proxy.refusals)
+
+
+#: Chromium sends every connection through the proxy: `<-loopback>` removes the
+#: implicit bypass of localhost, 127/8, [::1] and link-local; WebRTC may not use
+#: UDP outside the proxy
+EGRESS_ARGS = ("--proxy-bypass-list=<-loopback>", "--force-webrtc-ip-handling-policy=disable_non_proxied_udp")
+
+
+def _navigation_refusal(proxy: EgressProxy, nav_url: str) -> Refusal | None:
+    try:
+        u = urlparse(nav_url)
+        host, port = u.hostname or "", u.port or (443 if u.scheme in ("https", "wss") else 80)
+    except ValueError:
+        return None
+    return proxy.refusal_for(host, port) if host else None
+
+
+def _refusal_text(url: str, refusal: Refusal) -> str:
+    verb = "refused" if refusal.status == 403 else "failed"
+    return f"screenshot of {url} {verb}: {refusal.reason}"

@@ -1,0 +1,667 @@
+"""The browser's egress guard: a small filtering forward proxy.
+
+``browser_screenshot`` opens whatever URL a model asks for, so the headless
+Chromium it drives must not reach loopback, private networks, link-local
+addresses (cloud metadata endpoints) or anything else that is not on the
+public internet — neither for the page itself, nor for what the page
+redirects to or loads. Chromium is started with ``--proxy-server`` pointing
+at an :class:`EgressProxy` on 127.0.0.1 (and ``--proxy-bypass-list=<-loopback>``
+so that even loopback URLs go through it); every connection it opens then
+passes :class:`EgressPolicy`:
+
+- ``CONNECT host:port`` (https, wss): the host is resolved, *every* address
+  is checked, and the proxy connects to a checked address (the IP, never the
+  name again: a second DNS answer cannot rebind it), answers ``200`` and
+  pipes bytes both ways.
+- absolute-form plain http (``GET http://host/path HTTP/1.1``): the same
+  check; the request goes upstream in origin-form with ``Connection: close``
+  and no hop-by-hop or ``Proxy-*`` headers; its body and the response are
+  streamed; the client connection is closed after that one request.
+
+A refused destination gets ``403`` with a one-line reason, a host that does
+not resolve or answer ``502``; each is kept in :attr:`EgressProxy.refusals`
+(and logged at INFO with the host, never a URL). Only ports 80 and 443 are
+open, plus what the allow-list names.
+
+The allow-list (``COURIER_BROWSER_ALLOWED_HOSTS``) holds host names and
+addresses or CIDR networks, each optionally with ``:port`` (``[v6]:port`` for
+IPv6): an entry without a port allows every port of that host or network.
+A name is matched as the URL spells it (case-insensitive); a network
+matches the resolved addresses. A name that resolves to several addresses is
+allowed only when every one of them is.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import secrets
+import selectors
+import socket
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+__all__ = ["ALLOW_SETTING", "EgressPolicy", "EgressProxy", "Refusal", "Refused", "address_problem",
+           "parse_allowed_hosts"]
+
+log = logging.getLogger(__name__)
+
+#: the setting an operator uses to open a private destination (named in refusals)
+ALLOW_SETTING = "COURIER_BROWSER_ALLOWED_HOSTS"
+DEFAULT_PORTS = (80, 443)
+#: bytes read from a socket at once (the most a pipe holds per direction)
+CHUNK = 64 * 1024
+MAX_HEAD_BYTES = 64 * 1024
+MAX_HEADERS = 200
+#: seconds a closing client connection is drained before it is closed
+LINGER_S = 2.0
+#: response header carrying a refusal's token and index, so the caller can tell a
+#: proxy refusal (shown by Chromium as the page for plain http) from an origin's 403
+MARK_HEADER = "X-Courier-Egress-Refused"
+
+_HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "te", "trailer", "upgrade", "expect",
+                         "proxy-authorization", "proxy-authenticate", "host"})
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+# -- policy ------------------------------------------------------------------------------------------------------
+def address_problem(addr: str | Address) -> str | None:
+    """Why `addr` may not be reached ("a loopback address", ...), or None when
+    it is globally routable. IPv4-mapped, 6to4 and NAT64 addresses are judged
+    by the IPv4 address inside them too."""
+    ip = ipaddress.ip_address(addr) if isinstance(addr, str) else addr
+    if ip.version == 6:
+        inner: ipaddress.IPv4Address | None = ip.ipv4_mapped or ip.sixtofour
+        if inner is None and ip in _NAT64:
+            inner = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+        if inner is not None:
+            problem = address_problem(inner)
+            if problem:
+                return problem
+            if ip.ipv4_mapped:
+                return None
+    if ip.is_unspecified:
+        return "an unspecified address"
+    if ip.is_loopback:
+        return "a loopback address"
+    if ip.is_link_local:
+        return "a link-local address"
+    if ip.is_multicast:
+        return "a multicast address"
+    if ip.version == 6 and ip.is_site_local:
+        return "a site-local address"
+    if ip.is_private:
+        return "a private address"
+    if ip.is_reserved:
+        return "a reserved address"
+    if not ip.is_global:
+        return "not a public address"
+    return None
+
+
+@dataclass(frozen=True)
+class _Entry:
+    name: str | None = None
+    net: Network | None = None
+    port: int | None = None
+
+    def allows_port(self, port: int) -> bool:
+        return self.port is None or self.port == port
+
+
+def _port(text: str, entry: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise ValueError(f"bad port in {ALLOW_SETTING} entry {entry!r}")
+    return int(text)
+
+
+def _net(text: str) -> Network | None:
+    try:
+        return ipaddress.ip_network(text, strict=False)
+    except ValueError:
+        return None
+
+
+def _parse_entry(raw: str) -> _Entry:
+    entry = raw.strip()
+    if not entry:
+        raise ValueError(f"empty {ALLOW_SETTING} entry")
+    port: int | None = None
+    if entry.startswith("["):  # [v6], [v6]:port, [v6/len], [v6]/len, [v6]/len:port
+        close = entry.find("]")
+        if close < 0:
+            raise ValueError(f"unclosed [ in {ALLOW_SETTING} entry {raw!r}")
+        host, rest = entry[1:close], entry[close + 1:]
+        if rest.startswith("/"):
+            length, _, p = rest[1:].partition(":")
+            host, rest = f"{host}/{length}", (f":{p}" if p else "")
+        if rest:
+            if not rest.startswith(":"):
+                raise ValueError(f"bad {ALLOW_SETTING} entry {raw!r}")
+            port = _port(rest[1:], raw)
+        net = _net(host)
+        if net is None or net.version != 6:
+            raise ValueError(f"bad IPv6 address in {ALLOW_SETTING} entry {raw!r}")
+        return _Entry(net=net, port=port)
+    net = _net(entry)
+    if net is not None:  # an address or network, IPv4 or unbracketed IPv6, no port
+        return _Entry(net=net)
+    if entry.count(":") == 1:
+        entry, p = entry.split(":")
+        port = _port(p, raw)
+        net = _net(entry)
+        if net is not None:
+            return _Entry(net=net, port=port)
+    name = entry.lower().rstrip(".")
+    if not name or any(c in name for c in "/:[]@ \t") or len(name) > 253:
+        raise ValueError(f"bad {ALLOW_SETTING} entry {raw!r} (a host name, address or CIDR network, "
+                         "optionally with :port)")
+    return _Entry(name=name, port=port)
+
+
+def parse_allowed_hosts(entries: Iterable[str]) -> tuple[_Entry, ...]:
+    """Parse allow-list entries; a malformed one raises ValueError."""
+    return tuple(_parse_entry(e) for e in entries)
+
+
+class Refused(Exception):
+    """A destination the proxy will not connect to: `status` 403 (the policy)
+    or 502 (does not resolve, does not answer)."""
+
+    def __init__(self, host: str, port: int, reason: str, status: int = 403) -> None:
+        super().__init__(reason)
+        self.host, self.port, self.reason, self.status = host, port, reason, status
+
+
+class EgressPolicy:
+    """Which (host, port) the browser may connect to; `resolve` is
+    `socket.getaddrinfo` (a parameter only so the policy is plain code)."""
+
+    def __init__(self, allowed_hosts: Iterable[str] = (), *, ports: Iterable[int] = DEFAULT_PORTS,
+                 resolve: Callable[..., list] = socket.getaddrinfo) -> None:
+        self.entries = parse_allowed_hosts(allowed_hosts)
+        self.ports = frozenset(ports)
+        self._resolve = resolve
+
+    def check(self, host: str, port: int) -> list[tuple[int, tuple]]:
+        """The (family, sockaddr) pairs to connect to, every resolved address
+        checked; raises Refused with the reason."""
+        name = host.lower().rstrip(".")
+        by_name = any(e.name == name and e.allows_port(port) for e in self.entries)
+        try:
+            infos = self._resolve(host, port, 0, socket.SOCK_STREAM)
+        except (OSError, UnicodeError) as exc:
+            raise Refused(host, port, f"{host} does not resolve ({getattr(exc, 'strerror', None) or exc})",
+                          502) from None
+        out: list[tuple[int, tuple]] = []
+        for family, _type, _proto, _canon, sockaddr in infos:
+            if family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            addr = sockaddr[0].split("%", 1)[0]
+            if not by_name:
+                self._check_address(host, addr, port)
+            if (family, sockaddr) not in out:
+                out.append((family, sockaddr))
+        if not out:
+            raise Refused(host, port, f"{host} does not resolve to an IP address", 502)
+        return out
+
+    def _check_address(self, host: str, addr: str, port: int) -> None:
+        ip = ipaddress.ip_address(addr)
+        if any(e.net is not None and e.allows_port(port) and _in(ip, e.net) for e in self.entries):
+            return
+        problem = address_problem(ip)
+        literal = _is_literal(host, ip)
+        if problem:
+            where = f"{addr} is {problem}" if literal else f"{host} resolves to {addr}, {problem}"
+            raise Refused(host, port, f"{where} (allow it with {ALLOW_SETTING})")
+        if port not in self.ports:
+            shown = f"[{host}]" if ":" in host else host
+            raise Refused(host, port, f"port {port} is not allowed (only {' and '.join(map(str, sorted(self.ports)))}; "
+                                      f"allow {shown}:{port} with {ALLOW_SETTING})")
+
+
+def _in(ip: Address, net: Network) -> bool:
+    if ip.version == 6 and ip.ipv4_mapped is not None and net.version == 4:
+        ip = ip.ipv4_mapped
+    return ip.version == net.version and ip in net
+
+
+def _is_literal(host: str, ip: Address) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")) == ip
+    except ValueError:
+        return False
+
+
+# -- proxy -------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Refusal:
+    """One connection the proxy refused: 403 by the policy, 502 unreachable."""
+
+    host: str
+    port: int
+    reason: str
+    status: int = 403
+
+
+class _BadRequest(Exception):
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status, self.reason = status, reason
+
+
+class _Reader:
+    """Buffered reads from a socket: lines of a head, then raw bytes."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = bytearray()
+
+    def _fill(self) -> None:
+        data = self.sock.recv(CHUNK)
+        if not data:
+            raise EOFError
+        self.buf += data
+
+    def readline(self, limit: int) -> bytes:
+        while True:
+            i = self.buf.find(b"\n", 0, limit)
+            if i >= 0:
+                line = bytes(self.buf[:i + 1])
+                del self.buf[:i + 1]
+                return line
+            if len(self.buf) >= limit:
+                raise _BadRequest(431, "request head too large")
+            self._fill()
+
+    def read_some(self, n: int) -> bytes:
+        if not self.buf:
+            self._fill()
+        out = bytes(self.buf[:n])
+        del self.buf[:n]
+        return out
+
+    def take(self) -> bytes:
+        out = bytes(self.buf)
+        self.buf.clear()
+        return out
+
+
+def _read_head(r: _Reader) -> tuple[str, list[tuple[str, str]]]:
+    budget = MAX_HEAD_BYTES
+    line = r.readline(budget)
+    while line in (b"\r\n", b"\n"):  # tolerated blank lines before a request (RFC 9112 2.2)
+        line = r.readline(budget)
+    budget -= len(line)
+    headers: list[tuple[str, str]] = []
+    while True:
+        raw = r.readline(max(1, budget))
+        budget -= len(raw)
+        if raw in (b"\r\n", b"\n"):
+            break
+        if budget <= 0 or len(headers) >= MAX_HEADERS:
+            raise _BadRequest(431, "request head too large")
+        name, sep, value = raw.decode("latin-1").partition(":")
+        if not sep or not name or name != name.strip() or name[0] in " \t":
+            raise _BadRequest(400, "malformed header")
+        headers.append((name, value.strip()))
+    return line.decode("latin-1").rstrip("\r\n"), headers
+
+
+def _split_authority(authority: str) -> tuple[str, int]:
+    if authority.startswith("["):
+        host, _, rest = authority[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else ""
+    else:
+        host, _, port = authority.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise _BadRequest(400, "CONNECT needs host:port")
+    return host, int(port)
+
+
+def _connection_tokens(headers: list[tuple[str, str]]) -> set[str]:
+    return {t.strip().lower() for n, v in headers if n.lower() == "connection" for t in v.split(",")}
+
+
+def _filtered(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    drop = _HOP_BY_HOP | _connection_tokens(headers)
+    return [(n, v) for n, v in headers if n.lower() not in drop and not n.lower().startswith("proxy-")]
+
+
+class EgressProxy:
+    """The filtering forward proxy, on 127.0.0.1 and a free port, for one
+    browser session: ``with EgressProxy(policy) as proxy: ... proxy.port``."""
+
+    def __init__(self, policy: EgressPolicy, *, connect_timeout_s: float = 10.0, idle_timeout_s: float = 60.0,
+                 max_connections: int = 64) -> None:
+        self.policy = policy
+        self.connect_timeout_s = connect_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.refusals: list[Refusal] = []
+        self.token = secrets.token_hex(8)
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._lock = threading.Lock()
+        self._open: set[socket.socket] = set()
+        self._stopping = threading.Event()
+        self._listener: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self.port = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+    def start(self) -> "EgressProxy":
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.bind(("127.0.0.1", 0))
+        s.listen(128)
+        self._listener, self.port = s, s.getsockname()[1]
+        self._thread = threading.Thread(target=self._accept_loop, name=f"egress-proxy-{self.port}", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._listener is not None:
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept()
+            except OSError:
+                pass
+            self._listener.close()
+        with self._lock:
+            socks, self._open = list(self._open), set()
+        for s in socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv
+            except OSError:
+                pass
+            _close(s)
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def __enter__(self) -> "EgressProxy":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def refusal_for(self, host: str, port: int) -> Refusal | None:
+        """The latest refusal of (host, port)."""
+        name = host.strip("[]").lower().rstrip(".")
+        with self._lock:
+            for r in reversed(self.refusals):
+                if r.host.lower().rstrip(".") == name and r.port == port:
+                    return r
+        return None
+
+    def refusal_marked(self, headers: dict[str, str]) -> Refusal | None:
+        """The refusal a response's headers carry (the proxy's own 403/502 to
+        a plain http request), or None for an origin's response."""
+        token, _, index = (headers.get(MARK_HEADER.lower()) or headers.get(MARK_HEADER) or "").partition(" ")
+        if token != self.token or not index.isdigit():
+            return None
+        with self._lock:
+            return self.refusals[int(index)] if int(index) < len(self.refusals) else None
+
+    # -- connections -------------------------------------------------------------------------------------------
+    def _track(self, s: socket.socket) -> bool:
+        with self._lock:
+            if self._stopping.is_set():
+                return False
+            self._open.add(s)
+            return True
+
+    def _untrack(self, s: socket.socket) -> None:
+        with self._lock:
+            self._open.discard(s)
+        _close(s)
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._stopping.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            if not self._slots.acquire(blocking=False):
+                _close(client)  # over the cap: Chromium retries on another connection
+                continue
+            if not self._track(client):
+                self._slots.release()
+                _close(client)
+                return
+            threading.Thread(target=self._serve, args=(client,), daemon=True,
+                             name=f"egress-proxy-{self.port}-conn").start()
+
+    def _serve(self, client: socket.socket) -> None:
+        upstream: socket.socket | None = None
+        try:
+            client.settimeout(self.idle_timeout_s)
+            r = _Reader(client)
+            try:
+                line, headers = _read_head(r)
+            except EOFError:
+                return
+            parts = line.split(" ")
+            if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+                raise _BadRequest(400, "malformed request line")
+            method, target, _version = parts
+            if method.upper() == "CONNECT":
+                host, port = _split_authority(target)
+                upstream = self._dial(host, port)
+                client.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
+                pending = r.take()
+                if pending:
+                    upstream.sendall(pending)
+                self._pipe(client, upstream)
+            else:
+                upstream = self._forward(client, r, method, target, headers)
+        except Refused as exc:
+            self._refuse(client, exc)
+        except _BadRequest as exc:
+            self._respond(client, exc.status, exc.reason)
+        except (OSError, EOFError, ValueError):
+            pass  # a side went away or timed out: nothing to tell anyone
+        except Exception:  # noqa: BLE001 - one connection's bug must not end the proxy
+            log.warning("browser egress proxy: connection failed", exc_info=True)
+        finally:
+            if upstream is not None:
+                self._untrack(upstream)
+            self._untrack(client)
+            self._slots.release()
+
+    def _dial(self, host: str, port: int) -> socket.socket:
+        last: OSError | None = None
+        for family, sockaddr in self.policy.check(host, port):
+            s = socket.socket(family, socket.SOCK_STREAM)
+            if not self._track(s):
+                _close(s)
+                raise OSError("proxy stopping")
+            s.settimeout(self.connect_timeout_s)
+            try:
+                s.connect(sockaddr)  # the checked address, not the name
+            except OSError as exc:
+                last = exc
+                self._untrack(s)
+                continue
+            s.settimeout(self.idle_timeout_s)
+            return s
+        why = getattr(last, "strerror", None) or type(last).__name__
+        raise Refused(host, port, f"{host}:{port} does not answer ({why})", 502)
+
+    def _refuse(self, client: socket.socket, exc: Refused) -> None:
+        with self._lock:
+            index = len(self.refusals)
+            self.refusals.append(Refusal(exc.host, exc.port, exc.reason, exc.status))
+        if exc.status == 403:
+            log.info("browser egress refused %s:%s: %s", exc.host, exc.port, exc.reason)
+        else:
+            log.info("browser egress failed %s:%s: %s", exc.host, exc.port, exc.reason)
+        self._respond(client, exc.status, exc.reason, mark=f"{self.token} {index}")
+
+    def _respond(self, client: socket.socket, status: int, reason: str, mark: str | None = None) -> None:
+        phrase = {400: "Bad Request", 403: "Forbidden", 431: "Request Header Fields Too Large",
+                  502: "Bad Gateway"}.get(status, "Error")
+        body = (reason.replace("\r", " ").replace("\n", " ") + "\n").encode("utf-8", "replace")
+        head = [f"HTTP/1.1 {status} {phrase}", "Content-Type: text/plain; charset=utf-8",
+                f"Content-Length: {len(body)}", "Connection: close", "Cache-Control: no-store"]
+        if mark:
+            head.append(f"{MARK_HEADER}: {mark}")
+        try:
+            client.sendall(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body)
+        except OSError:
+            return
+        self._linger(client)
+
+    def _forward(self, client: socket.socket, r: _Reader, method: str, target: str,
+                 headers: list[tuple[str, str]]) -> socket.socket:
+        """One plain-http request: checked, sent upstream in origin-form, its
+        body and the response streamed. Returns the upstream socket."""
+        if not target.lower().startswith("http://"):
+            raise _BadRequest(400, "only absolute http:// requests and CONNECT are proxied")
+        try:
+            u = urlsplit(target)
+            host, port = u.hostname or "", u.port or 80
+        except ValueError:
+            raise _BadRequest(400, "malformed request target") from None
+        if not host:
+            raise _BadRequest(400, "malformed request target")
+        path = (u.path or "/") + (f"?{u.query}" if u.query else "")
+        lowered = {n.lower(): v for n, v in headers}
+        te = lowered.get("transfer-encoding", "").lower()
+        chunked = te.rsplit(",", 1)[-1].strip() == "chunked"
+        if te and not chunked:
+            raise _BadRequest(400, "unsupported transfer-encoding")
+        length = 0
+        if "content-length" in lowered:
+            if te:
+                raise _BadRequest(400, "both transfer-encoding and content-length")
+            values = {v.strip() for n, v in headers if n.lower() == "content-length"}
+            if len(values) != 1 or not next(iter(values)).isdigit():
+                raise _BadRequest(400, "bad content-length")
+            length = int(values.pop())
+        upstream = self._dial(host, port)
+        shown = f"[{host}]" if ":" in host else host
+        authority = shown if port == 80 else f"{shown}:{port}"
+        head = [f"{method} {path} HTTP/1.1", f"Host: {authority}"]
+        head += [f"{n}: {v}" for n, v in _filtered(headers)]
+        head.append("Connection: close")
+        upstream.sendall(("\r\n".join(head) + "\r\n\r\n").encode("latin-1"))
+        if lowered.get("expect", "").lower() == "100-continue":
+            client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+        if chunked:
+            self._copy_chunked(r, upstream)
+        else:
+            self._copy_exact(r, upstream, length)
+        # the response; nothing more is read from the client, which is closed after it
+        ur = _Reader(upstream)
+        while True:
+            try:
+                status_line, rheaders = _read_head(ur)
+            except EOFError:
+                raise Refused(host, port, f"{host}:{port} sent no response", 502) from None
+            code = status_line.split(" ", 2)[1] if status_line.count(" ") >= 1 else ""
+            out = [status_line] + [f"{n}: {v}" for n, v in _filtered(rheaders)]
+            informational = code.startswith("1") and code != "101"
+            if not informational:
+                out.append("Connection: close")
+            client.sendall(("\r\n".join(out) + "\r\n\r\n").encode("latin-1"))
+            if not informational:
+                break
+        rlower = {n.lower(): v.strip() for n, v in rheaders}
+        if method.upper() == "HEAD" or code in ("204", "304"):
+            pass
+        elif rlower.get("transfer-encoding", "").lower().rsplit(",", 1)[-1].strip() == "chunked":
+            self._copy_chunked(ur, client)
+        elif rlower.get("content-length", "").isdigit() and "transfer-encoding" not in rlower:
+            self._copy_exact(ur, client, int(rlower["content-length"]))
+        else:  # delimited by the upstream's close
+            while True:
+                try:
+                    data = ur.read_some(CHUNK)
+                except EOFError:
+                    break
+                client.sendall(data)
+        self._linger(client)
+        return upstream
+
+    def _linger(self, client: socket.socket) -> None:
+        """Close after the one response: FIN first, then discard what the
+        client still sends (a pipelined request goes nowhere) until it closes,
+        so the close is not a reset that could cut the response short."""
+        try:
+            client.shutdown(socket.SHUT_WR)
+            client.settimeout(LINGER_S)
+            budget = CHUNK * 4
+            while budget > 0:
+                data = client.recv(CHUNK)
+                if not data:
+                    return
+                budget -= len(data)
+        except OSError:
+            pass
+
+    @staticmethod
+    def _copy_exact(r: _Reader, dest: socket.socket, length: int) -> None:
+        while length > 0:
+            data = r.read_some(min(CHUNK, length))
+            dest.sendall(data)
+            length -= len(data)
+
+    @classmethod
+    def _copy_chunked(cls, r: _Reader, dest: socket.socket) -> None:
+        """One chunked body, as it is (sizes, extensions, trailers), chunk by chunk."""
+        while True:
+            line = r.readline(4096)
+            dest.sendall(line)
+            try:
+                size = int(line.split(b";", 1)[0].strip(), 16)
+            except ValueError:
+                raise _BadRequest(400, "malformed chunk") from None
+            if size == 0:
+                while True:  # trailers, then the blank line
+                    t = r.readline(4096)
+                    dest.sendall(t)
+                    if t in (b"\r\n", b"\n"):
+                        return
+            cls._copy_exact(r, dest, size + 2)  # the chunk and its CRLF
+
+    def _pipe(self, a: socket.socket, b: socket.socket) -> None:
+        """Bytes both ways, one chunk at a time, until both sides have closed
+        (a side's close is passed on as a half-close) or nothing moves for
+        `idle_timeout_s`."""
+        peer = {a: b, b: a}
+        with selectors.DefaultSelector() as sel:
+            for s in (a, b):
+                sel.register(s, selectors.EVENT_READ)
+            live = 2
+            while live:
+                ready = sel.select(self.idle_timeout_s)
+                if not ready:
+                    return
+                for key, _ in ready:
+                    s: socket.socket = key.fileobj  # type: ignore[assignment]
+                    data = s.recv(CHUNK)
+                    if data:
+                        peer[s].sendall(data)
+                        continue
+                    sel.unregister(s)
+                    live -= 1
+                    try:
+                        peer[s].shutdown(socket.SHUT_WR)
+                    except OSError:
+                        return
+
+
+def _close(s: socket.socket) -> None:
+    try:
+        s.close()
+    except OSError:
+        pass
