@@ -38,3 +38,19 @@ def test_secrets_do_not_show_in_help_or_repr(monkeypatch):
                              [sys.executable, "-m", "workers.cli", *cmd], capture_output=True, text=True,
                              env=env, cwd=str(ROOT), timeout=60)
         assert "SUPERSECRETTOKEN" not in res.stdout + res.stderr
+
+
+def test_an_empty_variable_means_not_set(monkeypatch, tmp_path):
+    """`NAME=` (compose, .env) for every setting, lists and maps included,
+    loads the defaults instead of failing."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from settings_table import env_name
+
+    from workers.settings import Settings
+
+    monkeypatch.setenv("COURIER_DATA_DIR", str(tmp_path))
+    defaults = Settings()
+    for name, field in Settings.model_fields.items():
+        if name != "data_dir":
+            monkeypatch.setenv(env_name(name, field), "")
+    assert Settings() == defaults

@@ -76,7 +76,8 @@ class OutputSpill(BaseModel):
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="COURIER_", extra="ignore", populate_by_name=True)
+    model_config = SettingsConfigDict(env_prefix="COURIER_", extra="ignore", populate_by_name=True,
+                                      env_ignore_empty=True)
 
     #: where courier keeps its files by default (storage, outbox, local sandboxes)
     data_dir: Path = Field(default_factory=_default_data_dir)
