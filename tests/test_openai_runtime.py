@@ -125,27 +125,24 @@ class _Page(BaseHTTPRequestHandler):
         return None
 
 
-def _serve_page(host: str):
+def _served_page(host: str, name: str):
+    """The test page served on `host` (a loopback address) as /`name`."""
     srv = ThreadingHTTPServer((host, 0), _Page)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
-    return srv
+    yield f"http://{host}:{srv.server_address[1]}/{name}"
+    srv.shutdown()
+    srv.server_close()
 
 
 @pytest.fixture
 def page():
-    srv = _serve_page("127.0.0.1")
-    yield f"http://127.0.0.1:{srv.server_address[1]}/page.html"
-    srv.shutdown()
-    srv.server_close()
+    yield from _served_page("127.0.0.1", "page.html")
 
 
 @pytest.fixture
 def denied_page():
     """The same page on 127.0.0.2: loopback too, and not in the worker's allow-list."""
-    srv = _serve_page("127.0.0.2")
-    yield f"http://127.0.0.2:{srv.server_address[1]}/denied.html"
-    srv.shutdown()
-    srv.server_close()
+    yield from _served_page("127.0.0.2", "denied.html")
 
 
 def _need_browser() -> None:
