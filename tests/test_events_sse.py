@@ -10,156 +10,24 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import subprocess
 import sys
 import textwrap
 import threading
 import time
 import urllib.parse
-from pathlib import Path
 
 import httpx
 import pytest
 
 from adapters.platforms.outbox import read_log
 from tasks import events, keys, receipts
-from tests.fixtures.services import free_port, stop_process, wait_until
-from tests.fixtures.workers import ROOT, CourierEnv
+from tests.fixtures.services import wait_until
+from tests.fixtures.webstack import AGENT_PRELUDE, TELEGRAM_SECRET, WA_SECRET, WA_VERIFY
+from tests.fixtures.webstack import slack_headers as _slack_headers
+
+# the `stack` fixture (worker, web processes, agents, fake platform servers): tests/fixtures/webstack.py
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
-
-TELEGRAM_SECRET = "tg-secret-" + "x" * 20
-SLACK_SECRET = "slack-signing-secret-0123456789"
-WA_SECRET = "whatsapp-app-secret"
-WA_VERIFY = "wa-verify-token"
-
-AGENT_PRELUDE = """\
-import json, os, sys, time
-def ev(**kw):
-    print("AX_GATEWAY_EVENT " + json.dumps(kw), flush=True)
-msg = sys.stdin.read()
-"""
-
-AGENTS = {
-    # a turn with tool events over ~1 s, a file and a text reply
-    "slow": """
-        ev(kind="status", status="thinking", message="planning")
-        for i in range(int(os.environ.get("STEPS", "8"))):
-            ev(kind="tool_start", tool_name="terminal", args={"command": f"step {i}"})
-            time.sleep(0.1)
-            ev(kind="tool_result", tool_name="terminal")
-        p = os.path.join(os.getcwd(), "result.txt")
-        open(p, "w").write("result of " + msg)
-        print("finished: " + msg)
-        print("MEDIA:" + p)
-        """,
-    "echo": """
-        ev(kind="tool_start", tool_name="read_file", args={"path": "message.txt"})
-        time.sleep(0.6)
-        ev(kind="tool_result", tool_name="read_file")
-        print("echo: " + msg)
-        """,
-    "fail": """
-        ev(kind="tool_start", tool_name="terminal", args={"command": "make deploy"})
-        sys.stderr.write("secret stack trace\\n")
-        sys.exit(2)
-        """,
-    "quiet": """
-        ev(kind="status", status="declined", reason="not for me")
-        """,
-    "sleepy": """
-        ev(kind="tool_start", tool_name="terminal", args={"command": "sleep 60"})
-        time.sleep(60)
-        """,
-}
-
-
-# -- the stack: one worker and one web process for the module ---------------------------------
-class Stack:
-    def __init__(self, env: CourierEnv, base_url: str, direct_url: str, discord_key, telegram) -> None:
-        self.env = env
-        self.base = base_url  # the web process with the reply override (outbox:{platform}_{chat})
-        self.direct = direct_url  # the web process without it: replies go to the real chat
-        self.discord_key = discord_key
-        self.telegram = telegram
-        import redis
-
-        self.r = redis.Redis.from_url(env.env["COURIER_REDIS_URL"])
-
-    def turn(self, target: str, message: str, agent: str) -> str:
-        res = self.env.cli("turn", target, message, "--agent", agent, "--json")
-        assert res.returncode == 0, res.stderr
-        return json.loads(res.stdout)["job"]
-
-    def stream(self, job_id: str) -> list[tuple[str, dict]]:
-        return events.read_range(self.r, job_id)
-
-    def jobs(self) -> set[str]:
-        return {k.decode().split(":", 2)[2] for k in self.r.scan_iter(keys.job("*"))
-                if k.decode().count(":") == 2}
-
-    def wait_over(self, job_id: str, timeout_s: float = 60) -> list[tuple[str, dict]]:
-        def over():
-            t = events.EndTracker()
-            evs = self.stream(job_id)
-            for _, ev in evs:
-                t.feed(ev)
-            return evs if t.done else None
-
-        return wait_until(over, timeout_s=timeout_s, what=f"{job_id} to be over")
-
-
-def _web(env: dict, tmp: Path, name: str) -> tuple[subprocess.Popen, str, object]:
-    port = free_port()
-    log = open(tmp / f"{name}.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen([sys.executable, "-m", "workers.cli", "web", "--host", "127.0.0.1", "--port", str(port)],
-                            env=env, cwd=str(ROOT), stdout=log, stderr=subprocess.STDOUT)
-    return proc, f"http://127.0.0.1:{port}", log
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory, redis_server):
-    from nacl.signing import SigningKey
-
-    from tests.fixtures.fake_telegram import FakeTelegram
-
-    tmp = tmp_path_factory.mktemp("sse")
-    agents = {}
-    for name, body in AGENTS.items():
-        p = tmp / f"agent_{name}.py"
-        p.write_text(AGENT_PRELUDE + textwrap.dedent(body))
-        agents[name] = {"command": [sys.executable, str(p)], "timeout_s": 1.5 if name == "sleepy" else 60}
-    discord_key = SigningKey.generate()
-    telegram = FakeTelegram().start()
-    env = CourierEnv(tmp, redis_server.url, **{
-        "COURIER_AGENTS": json.dumps(agents),
-        "COURIER_SSE_KEEPALIVE_S": "0.3",
-        "TELEGRAM_BOT_TOKEN": telegram.token,
-        "COURIER_TELEGRAM_BASE_URL": telegram.url,
-        "TELEGRAM_WEBHOOK_SECRET": TELEGRAM_SECRET,
-        "SLACK_SIGNING_SECRET": SLACK_SECRET,
-        "DISCORD_PUBLIC_KEY": discord_key.verify_key.encode().hex(),
-        "WHATSAPP_APP_SECRET": WA_SECRET,
-        "WHATSAPP_VERIFY_TOKEN": WA_VERIFY,
-        "COURIER_WEBHOOK_AGENT": "echo",
-    })
-    webs = [_web({**env.env, "COURIER_WEBHOOK_REPLY_TARGET_OVERRIDE": "outbox:{platform}_{chat}"}, tmp, "web"),
-            _web(env.env, tmp, "web-direct")]
-    try:
-        env.start_worker()
-        for proc, base, _log in webs:
-            wait_until(lambda: proc.poll() is None and httpx.get(base + "/healthz", timeout=1).status_code == 200,
-                       timeout_s=30, what=f"the web process at {base}")
-        yield Stack(env, webs[0][1], webs[1][1], discord_key, telegram)
-    finally:
-        for proc, _base, log in webs:
-            stop_process(proc)
-            log.close()
-        env.stop()
-        telegram.stop()
-    for name in ("web", "web-direct"):
-        text = (tmp / f"{name}.log").read_text(errors="replace")
-        assert TELEGRAM_SECRET not in text and telegram.token not in text
 
 
 # -- SSE ------------------------------------------------------------------------------------
@@ -417,13 +285,6 @@ def test_telegram_webhook_turn_shows_native_activity_and_replies_in_the_chat(sta
     assert len(replies) == 1 and replies[0].t > progress[0].t
     # the outbox records nothing for activity (nor for this chat)
     assert read_log(stack.env.outbox, "5151") == []
-
-
-def _slack_headers(body: bytes, ts: int | None = None, secret: str = SLACK_SECRET) -> dict:
-    ts = int(time.time()) if ts is None else ts
-    base = f"v0:{ts}:".encode() + body
-    sig = "v0=" + hmac.new(secret.encode(), base, hashlib.sha256).hexdigest()
-    return {"X-Slack-Request-Timestamp": str(ts), "X-Slack-Signature": sig, "Content-Type": "application/json"}
 
 
 def test_slack_webhook(stack):
