@@ -20,7 +20,12 @@ import pytest
 from adapters.platforms.outbox import read_log
 from tasks import keys, receipts
 from tests.fixtures.services import wait_until
-from tests.fixtures.webstack import attachment_bytes, discord_signed, slack_headers, whatsapp_headers
+from tests.fixtures.webstack import (
+    attachment_bytes,
+    discord_signed,
+    slack_headers,
+    whatsapp_headers,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -108,7 +113,7 @@ def test_discord_interaction_turn_replies_with_text_and_file_in_the_channel(stac
     # then comes as bot messages in the interaction's channel (not as a follow-up
     # through the interaction token: courier has no such path)
     assert r.status_code == 200 and acked_in < 3.0, (r.status_code, acked_in)
-    assert r.json() == {"type": 4, "data": {"content": f"> attach {name}"}}
+    assert r.json() == {"type": 4, "data": {"content": f"> attach {name}", "allowed_mentions": {"parse": []}}}
     seen = keys.webhook_seen("discord", interaction["id"])  # the update id -> its turn
     job = wait_until(lambda: (v := stack.r.get(seen)) and v != b"pending" and v.decode(), what="the turn's id")
     rows = settle(stack, job, f"discord:{chan}")

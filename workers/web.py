@@ -313,7 +313,8 @@ def create_app(settings: Settings | None = None) -> Starlette:
         out = await _accept(web, "discord", str(payload["id"]), str(channel), text)
         if isinstance(out, Response):
             return out
-        return JSONResponse({"type": 4, "data": {"content": f"> {text[:1900]}"}})
+        # the user's own words, quoted back: they never ping anyone (as the adapter's agent text)
+        return JSONResponse({"type": 4, "data": {"content": f"> {text[:1900]}", "allowed_mentions": {"parse": []}}})
 
     # -- WhatsApp Cloud API: hub.challenge; X-Hub-Signature-256 ----------------------------------
     async def whatsapp_verify(request: Request) -> Response:
