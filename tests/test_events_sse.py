@@ -307,6 +307,11 @@ def test_slack_webhook(stack):
     retry = httpx.post(url, content=ev, headers={**_slack_headers(ev), "X-Slack-Retry-Num": "1",
                                                   "X-Slack-Retry-Reason": "http_timeout"})
     assert retry.json() == {"ok": True, "duplicate": True} and retry.headers["x-slack-no-retry"] == "1"
+    # the same mention as a `message` event (an app subscribed to both) is the same turn
+    also = json.dumps({"type": "event_callback", "event_id": "Ev0003", "team_id": "T1",
+                       "event": {"type": "message", "user": "U1", "text": "<@UBOT> hello slack",
+                                 "channel": "C0123", "ts": "1700000000.000100"}}).encode()
+    assert httpx.post(url, content=also, headers=_slack_headers(also)).json() == {"ok": True, "duplicate": True}
     bot = json.dumps({"type": "event_callback", "event_id": "Ev0002",
                       "event": {"type": "message", "bot_id": "B1", "text": "mine", "channel": "C0123"}}).encode()
     assert httpx.post(url, content=bot, headers=_slack_headers(bot)).json()["ignored"]

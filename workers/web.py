@@ -269,8 +269,10 @@ def create_app(settings: Settings | None = None) -> Starlette:
             return JSONResponse({"ok": True, "ignored": "not a user message"})
         text = _SLACK_MENTION.sub("", str(event.get("text") or "")).strip()
         channel = event.get("channel")
-        event_id = payload.get("event_id") or f"{channel}:{event.get('ts')}"
-        if not text or not channel:
+        # one user message is one turn: a mention comes as both `app_mention` and `message`
+        # (different event ids) when the app subscribes to both; a retry repeats either
+        event_id = f"{channel}:{event['ts']}" if event.get("ts") else payload.get("event_id")
+        if not text or not channel or not event_id:
             return JSONResponse({"ok": True, "ignored": "no text message"})
         out = await _accept(web, "slack", str(event_id), str(channel), text)
         if isinstance(out, Response):
