@@ -233,6 +233,19 @@ def _fid_key(platform: Platform, sha: str, kind: Kind) -> str | None:
     return keys.file_id(platform.name, bot, sha, kind.value) if bot and sha else None
 
 
+def _fit_file_caption(platform: Platform, kind: Kind, src: FileSource,
+                      caption: str | None) -> tuple[str | None, list[str]]:
+    """`fit_caption` with the caption limit for this file as `kind`: a platform may
+    answer per file (`caption_chars_for(kind, file)`, e.g. Discord's voice message
+    holds no text: 0), else its `caption_chars`. With no room, the whole caption
+    follows the file as text messages that fit the platform's text limit."""
+    per_file = getattr(platform, "caption_chars_for", None)
+    limit = per_file(kind, src) if per_file is not None else platform.limits.caption_chars
+    if limit <= 0 and caption and caption.strip():
+        return None, split_text(caption.strip(), platform.limits.text_chars)
+    return fit_caption(caption, limit)
+
+
 def _send_overflow(platform: Platform, chat: str, overflow: list[str], base_id: str) -> None:
     """What did not fit in a caption, as text messages after the file(s)."""
     for i, part in enumerate(overflow):
@@ -247,7 +260,7 @@ def _send_file(ctx: Context, platform: Platform, chat: str, job: dict) -> tuple[
         raise _TooLargeNotice(reason)
     if size > 8 * 1024 * 1024:  # a long upload: show its kind and size in `courier status` meanwhile
         receipts.update_delivery(ctx.redis, job["id"], kind=kind.value, size_bytes=size, name=src.name)
-    caption, overflow = fit_caption(job.get("caption"), platform.limits.caption_chars)
+    caption, overflow = _fit_file_caption(platform, kind, src, job.get("caption"))
     cached = None
     if getattr(platform, "cache_key", None) and not src.sha256:
         # extraction by kernel copy hashes nothing; the file-id cache needs it

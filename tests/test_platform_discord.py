@@ -4,6 +4,7 @@ driven by `courier send ... --wait` and `courier turn`."""
 
 from __future__ import annotations
 
+import base64
 import itertools
 import json
 import os
@@ -12,15 +13,17 @@ from pathlib import Path
 
 import pytest
 import redis
+import requests
 
 from adapters.errors import Permanent, RateLimited, Transient
 from adapters.platforms.base import FileSource, Kind, MiB
-from adapters.platforms.discord import DiscordPlatform, nonce_for
+from adapters.platforms.discord import DiscordPlatform, nonce_for, waveform_for
 from tasks import keys, receipts
 from tests.fixtures._files import sha256_file as sha
 from tests.fixtures._platforms import agent_env, chain_with_marker, db, make, opener, redelivered_file_job, send, words
 from tests.fixtures.services import wait_until
 from tests.fixtures.workers import CourierEnv
+from tests.test_ogg import opus_stream, write_opus
 
 pytestmark = pytest.mark.slow
 
@@ -73,10 +76,12 @@ def test_send_every_kind_as_attachments(denv, fake, tmp_path):
     assert code == 0, (data, err)
     rows = data["deliveries"]
     assert [r["state"] for r in rows] == ["delivered"] * 5
-    # no voice-note or animation kind on Discord: ogg as audio, gif as photo
-    assert [r["kind"] for r in rows] == ["photo", "document", "audio", "video", "photo"]
+    # no animation kind on Discord: gif as photo; random bytes named .ogg are no Ogg
+    # Opus: that voice note goes as an audio attachment
+    assert [r["kind"] for r in rows] == ["photo", "document", "voice", "video", "photo"]
     msgs = nonced(fake, chan)
     assert len(msgs) == 5
+    assert all(m["flags"] == 0 for m in msgs)
     for msg, p, row in zip(msgs, files, rows):
         assert [a["filename"] for a in msg["attachments"]] == [p.name]
         assert msg["attachments"][0]["size"] == p.stat().st_size
@@ -155,6 +160,114 @@ def test_over_the_upload_limit_sends_a_notice_and_nothing_else(denv, fake, tmp_p
         assert msg["courier_test_sha256"] == [sha(big)]
     finally:
         boosted.stop()
+
+
+# -- voice notes ---------------------------------------------------------------------------------------
+VOICE_FLAG = 1 << 13
+
+
+def test_ogg_voice_note_is_a_native_voice_message(denv, fake, tmp_path):
+    chan = channel()
+    p = write_opus(tmp_path / "note.ogg", 3.27, frame=b"\xf8" + os.urandom(120))
+    code, data, err = send(denv, f"discord:{chan}", str(p), "--voice")
+    assert code == 0, (data, err)
+    (row,) = data["deliveries"]
+    assert row["state"] == "delivered" and row["kind"] == "voice"
+    (msg,) = nonced(fake, chan)
+    assert msg["flags"] == VOICE_FLAG and msg["content"] == ""
+    (att,) = msg["attachments"]
+    assert att["filename"] == "note.ogg" and att["content_type"] == "audio/ogg" and att["size"] == p.stat().st_size
+    assert att["duration_secs"] == pytest.approx(3.27, abs=0.05)
+    wave = base64.b64decode(att["waveform"], validate=True)
+    assert 0 < len(wave) <= 256
+    assert msg["courier_test_sha256"] == [sha(p)]
+    assert row["message_id"] == msg["id"] and msg["nonce"] == nonce_for(row["id"])
+    (call,) = fake.calls("send", chan)
+    assert call.fields["flags"] == VOICE_FLAG and not call.fields.get("content")
+    assert call.fields["enforce_nonce"] is True and call.fields["allowed_mentions"]["parse"] == []
+    assert [c["field"] for c in call.files] == ["files[0]"]
+    assert [a["id"] for a in call.fields["attachments"]] == [0]
+
+
+@pytest.mark.parametrize("chars,parts", [(0, 1), (2600, 2)], ids=["short", "long"])
+def test_voice_note_caption_follows_as_text(denv, fake, tmp_path, chars, parts):
+    """A voice message holds no text: its caption follows as text messages, split
+    at Discord's 2000 characters, each a part of its own."""
+    chan = channel()
+    caption = "listen <@123>" + (" " + words(chars, seed=int.from_bytes(os.urandom(4), "big")) if chars else "")
+    p = write_opus(tmp_path / "memo.opus", 1.5)
+    code, data, err = send(denv, f"discord:{chan}", str(p), "--voice", "--caption", caption)
+    assert code == 0, (data, err)
+    (row,) = data["deliveries"]
+    msgs = nonced(fake, chan)
+    assert len(msgs) == 1 + parts
+    voice, texts = msgs[0], msgs[1:]
+    assert voice["flags"] == VOICE_FLAG and voice["content"] == "" and voice["id"] == row["message_id"]
+    assert [a["filename"] for a in voice["attachments"]] == ["memo.ogg"]  # Discord takes a voice message as .ogg
+    assert voice["attachments"][0]["duration_secs"] == pytest.approx(1.5, abs=0.05)
+    assert all(m["flags"] == 0 and not m["attachments"] and len(m["content"]) <= 2000 for m in texts)
+    assert " ".join(m["content"] for m in texts) == caption
+    assert [m["nonce"] for m in texts] == [nonce_for(f"{row['id']}#c{i}") for i in range(parts)]
+    assert all(c.fields["allowed_mentions"]["parse"] == [] for c in fake.calls("send", chan))
+
+
+def test_caption_part_failing_after_the_voice_message_resends_only_the_caption(denv, fake, tmp_path):
+    chan = channel()
+    fake.fail_next("send_text", 1, 500, channel=chan)
+    p = write_opus(tmp_path / "retry.ogg", 2.0)
+    code, data, err = send(denv, f"discord:{chan}", str(p), "--voice", "--caption", "said once")
+    assert code == 0, (data, err)
+    calls = fake.calls("send", chan)
+    assert [(bool(c.files), c.status) for c in calls] == [(True, 200), (False, 500), (False, 200)]
+    msgs = nonced(fake, chan)
+    assert [(m["flags"], m["content"]) for m in msgs] == [(VOICE_FLAG, ""), (0, "said once")]
+
+
+def test_mp3_voice_note_goes_as_an_audio_attachment(denv, fake, tmp_path):
+    chan = channel()
+    p = make(tmp_path, "song.mp3", 3000)
+    code, data, err = send(denv, f"discord:{chan}", str(p), "--voice", "--caption", "a song")
+    assert code == 0, (data, err)
+    (msg,) = nonced(fake, chan)
+    assert msg["flags"] == 0 and msg["content"] == "a song"
+    (att,) = msg["attachments"]
+    assert att["filename"] == "song.mp3" and "duration_secs" not in att and "waveform" not in att
+    assert msg["courier_test_sha256"] == [sha(p)]
+    assert "flags" not in fake.calls("send", chan)[0].fields
+
+
+def test_malformed_ogg_voice_notes_fall_back_to_attachments(denv, fake, tmp_path):
+    chan = channel()
+    cut = tmp_path / "cut.ogg"
+    cut.write_bytes(opus_stream(2.0)[:-9])  # truncated inside its last page
+    noise = make(tmp_path, "noise.ogg", 2000)  # not Ogg at all
+    code, data, err = send(denv, f"discord:{chan}", str(cut), str(noise), "--voice", "--caption", "two notes")
+    assert code == 0, (data, err)
+    assert [r["state"] for r in data["deliveries"]] == ["delivered"] * 2
+    msgs = nonced(fake, chan)
+    assert [m["flags"] for m in msgs] == [0, 0]
+    assert [[a["filename"] for a in m["attachments"]] for m in msgs] == [["cut.ogg"], ["noise.ogg"]]
+    assert [m["courier_test_sha256"] for m in msgs] == [[sha(cut)], [sha(noise)]]
+    assert msgs[0]["content"] == "two notes"  # not a voice message: the caption rides on the attachment
+    assert all(c.status == 200 for c in fake.calls("send", chan))
+
+
+def test_redelivered_voice_note_task_sends_nothing_twice(denv, fake, tmp_path, rclient):
+    chan = channel()
+    target = f"discord:{chan}"
+    p = write_opus(tmp_path / "once.ogg", 2.5)
+    code, data, err = send(denv, target, str(p), "--voice", "--caption", "only once")
+    assert code == 0, (data, err)
+    row = data["deliveries"][0]
+    job = {**redelivered_file_job(data, target, p, sha(p)), "voice": True, "caption": "only once"}
+    marker = chain_with_marker(denv, rclient, target, "discord", job)
+    wait_until(lambda: any(m["content"] == marker["text"] for m in fake.channel_messages(chan)), timeout_s=60,
+               what="the marker message")
+    assert len([c for c in fake.calls("send", chan) if c.files]) == 1
+    assert [(m["flags"], m["content"]) for m in nonced(fake, chan)] == \
+        [(VOICE_FLAG, ""), (0, "only once"), (0, marker["text"])]
+    assert len([c for c in fake.calls("send", chan) if c.fields.get("content") == "only once"]) == 1
+    assert receipts.get_delivery(rclient, row["id"])["state"] == "delivered"
 
 
 # -- rate limits and errors ------------------------------------------------------------------------
@@ -338,3 +451,86 @@ def test_bad_token_bad_channel_and_missing_token(fake, denv, tmp_path):
     env = CourierEnv(tmp_path / "notoken", denv.env["COURIER_REDIS_URL"], DISCORD_BOT_TOKEN="")
     res = env.cli("send", "discord:1", str(make(tmp_path, "a.txt", 5)))
     assert res.returncode == 2 and "DISCORD_BOT_TOKEN is not set" in res.stderr
+
+
+# -- voice messages, the adapter on its own ------------------------------------------------------------
+def test_voice_message_from_a_stream_and_the_caption_limit(adapter, fake, tmp_path):
+    chan = channel()
+    p = write_opus(tmp_path / "stream.opus", 12.34)
+    src = _source(p, with_path=False)
+    assert adapter.caption_chars_for(Kind.VOICE, src) == 0  # a voice message holds no text
+    assert adapter.caption_chars_for(Kind.AUDIO, src) == 2000
+    assert adapter.caption_chars_for(Kind.VOICE, _source(make(tmp_path, "x.mp3", 100), with_path=True)) == 2000
+    assert adapter.caption_chars_for(Kind.VOICE, _source(make(tmp_path, "y.ogg", 100), with_path=True)) == 2000
+    sent = adapter.send_file(chan, Kind.VOICE, src, caption=None, delivery_id="voice-stream")
+    (msg,) = fake.channel_messages(chan)
+    assert sent.message_id == msg["id"] and msg["flags"] == VOICE_FLAG
+    (att,) = msg["attachments"]
+    assert att["filename"] == "stream.ogg" and att["duration_secs"] == pytest.approx(12.34, abs=0.05)
+    assert base64.b64decode(att["waveform"]) == waveform_for(12.34)
+    assert msg["courier_test_sha256"] == [sha(p)]
+    # a voice message cannot be edited
+    with pytest.raises(Permanent, match="50162"):
+        adapter.edit_progress(chan, sent.message_id, "x")
+
+
+def test_waveform_is_flat_and_at_most_256_samples():
+    assert waveform_for(0.01) == bytes([128])
+    assert len(waveform_for(3.27)) == 33 and set(waveform_for(3.27)) == {128}
+    assert len(waveform_for(3600)) == 256
+
+
+def test_voice_note_with_a_caption_given_directly_keeps_it_on_an_attachment(adapter, fake, tmp_path):
+    chan = channel()
+    p = write_opus(tmp_path / "direct.ogg", 1.0)
+    adapter.send_file(chan, Kind.VOICE, _source(p, with_path=True), caption="kept", delivery_id="voice-cap")
+    (msg,) = fake.channel_messages(chan)
+    assert msg["flags"] == 0 and msg["content"] == "kept" and msg["attachments"][0]["filename"] == "direct.ogg"
+
+
+def test_channel_without_voice_messages_gets_an_audio_attachment(adapter, fake, tmp_path):
+    chan = channel()
+    fake.no_voice_channels.add(chan)
+    p = write_opus(tmp_path / "refused.ogg", 2.0)
+    sent = adapter.send_file(chan, Kind.VOICE, _source(p, with_path=False), caption=None, delivery_id="voice-no")
+    (msg,) = fake.channel_messages(chan)
+    assert sent.message_id == msg["id"] and msg["flags"] == 0
+    assert msg["courier_test_sha256"] == [sha(p)] and msg["nonce"] == nonce_for("voice-no")
+    calls = fake.calls("send", chan)
+    assert [(c.status, c.fields.get("flags")) for c in calls] == [(403, VOICE_FLAG), (200, None)]
+
+
+def _post_voice(fake, chan: str, payload: dict, files: list[tuple[str, bytes]]) -> requests.Response:
+    form = {"payload_json": (None, json.dumps(payload), "application/json")}
+    for i, (name, data) in enumerate(files):
+        form[f"files[{i}]"] = (name, data, "application/octet-stream")
+    return requests.post(f"{fake.base_url}/channels/{chan}/messages", files=form, timeout=10,
+                         headers={"Authorization": f"Bot {fake.token}"})
+
+
+@pytest.mark.parametrize("change,code", [
+    ({"content": "hello"}, 50159),
+    ({"files": 2}, 50160),
+    ({"name": "note.txt"}, 50160),
+    ({"meta": {"waveform": "gA=="}}, 50161),
+    ({"meta": {"duration_secs": 1.5}}, 50161),
+    ({"meta": {"duration_secs": "1.5", "waveform": "gA=="}}, 50161),
+    ({"meta": {"duration_secs": 1.5, "waveform": "not base64!"}}, 50161),
+    ({"meta": {"duration_secs": 1.5, "waveform": base64.b64encode(bytes(257)).decode()}}, 50161),
+    ({}, None),
+], ids=["content", "two-files", "not-audio", "no-duration", "no-waveform", "duration-string", "bad-base64",
+        "waveform-257", "sound"])
+def test_fake_rejects_what_discord_rejects_in_a_voice_message(fake, change, code):
+    chan = channel()
+    meta = change.get("meta", {"duration_secs": 1.5, "waveform": base64.b64encode(bytes([128]) * 15).decode()})
+    names = [change.get("name", "v.ogg")] * change.get("files", 1)
+    payload = {"flags": VOICE_FLAG, "attachments": [{"id": i, "filename": n, **meta} for i, n in enumerate(names)]}
+    if "content" in change:
+        payload["content"] = change["content"]
+    resp = _post_voice(fake, chan, payload, [(n, opus_stream(1.5)) for n in names])
+    if code is None:
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["flags"] == VOICE_FLAG and resp.json()["attachments"][0]["duration_secs"] == 1.5
+    else:
+        assert resp.status_code == 400 and resp.json()["code"] == code, resp.text
+        assert fake.channel_messages(chan) == []

@@ -7,8 +7,21 @@ process's one asyncio loop (`adapters.platforms._aio`).
 - Files go as attachments of one message (multipart `payload_json` +
   `files[n]`), streamed from storage: a local path when the store has one,
   else a reader over the stored stream. Discord shows photos, video and
-  audio inline itself; it has no voice-note or animation kind for bots, so
-  those fall back (voice -> audio, gif -> photo).
+  audio inline itself; it has no animation kind (gif -> photo).
+- A voice note (`Kind.VOICE`) that is Ogg Opus goes as a native voice
+  message: flag `IS_VOICE_MESSAGE` (8192), its one attachment carrying
+  `duration_secs` (read from the Ogg pages by `_ogg`, without reading the
+  file whole) and a `waveform`, and no content. A voice message holds no
+  text, so `caption_chars_for` tells the shared flow to send a voice note's
+  caption as text messages after it (each part sent once, as any caption
+  overflow). A voice note that is not Ogg Opus (an .mp3 sent with
+  `--voice`, an .ogg that is Vorbis, truncated or not Ogg at all) goes as
+  an audio attachment, as does one Discord refuses as a voice message
+  (a channel without voice messages, 50173; missing permission, 50013).
+  discord.py (2.7) cannot send voice messages by itself: `_VoiceFile` adds
+  the two attachment fields to its `File`, and the message goes through its
+  own `handle_message_parameters` + `HTTPClient.send_message` with
+  `MessageFlags(voice=True)`.
 - Every message carries a nonce derived from its delivery id with
   `enforce_nonce`: a task that sent, then died before its receipt was
   recorded, gets the original message back on its rerun instead of posting a
@@ -25,9 +38,11 @@ Every vendor error is translated in one place, `_translate`.
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import io
 import logging
+import math
 import os
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -36,7 +51,7 @@ import aiohttp
 import discord
 
 from adapters.errors import ConfigError, CourierError, DeliveryError, Permanent, RateLimited, Transient
-from adapters.platforms import _aio
+from adapters.platforms import _aio, _ogg
 from adapters.platforms.base import FileSource, Kind, Limits, MiB, Platform, Sent
 
 __all__ = ["DiscordPlatform", "DEFAULT_BASE_URL", "DEFAULT_UPLOAD_BYTES"]
@@ -53,6 +68,18 @@ _NO_WAIT_S = 1e-6
 _SDK_RETRIED = frozenset({500, 502, 504, 524})
 #: Discord allows up to 25 characters in a nonce
 _NONCE_CHARS = 25
+#: names and media types that may hold Ogg Opus (what Discord plays as a voice message)
+_OGG_EXT = frozenset({".ogg", ".opus", ".oga"})
+_OGG_MIME = frozenset({"audio/ogg", "audio/opus", "application/ogg"})
+#: Discord's answers that refuse a message as a voice message (then it goes as an audio
+#: attachment): extra content, not one audio attachment, bad metadata, a channel without
+#: voice messages, no permission to send them
+_VOICE_REFUSED = frozenset({50159, 50160, 50161, 50173, 50013})
+#: a voice message's waveform: at most 256 amplitudes (clients sample every 100 ms, then downsample)
+_WAVEFORM_MAX = 256
+_WAVEFORM_STEP_S = 0.1
+#: the flat level sent for every sample (0-255)
+_WAVEFORM_LEVEL = 128
 
 
 def nonce_for(delivery_id: str) -> str:
@@ -153,6 +180,47 @@ class _StoredReader(io.RawIOBase):
         super().close()
 
 
+def waveform_for(duration_s: float) -> bytes:
+    """A voice message's waveform: one amplitude (0-255) per 100 ms, at most 256.
+
+    A real envelope needs the audio decoded, and courier has no Opus decoder:
+    this is a flat mid-level line of the right length. Discord renders it
+    (as a level bar) and plays the audio as usual."""
+    n = min(_WAVEFORM_MAX, max(1, math.ceil(duration_s / _WAVEFORM_STEP_S)))
+    return bytes([_WAVEFORM_LEVEL]) * n
+
+
+def _may_be_ogg(file: FileSource) -> bool:
+    ext = os.path.splitext(file.name)[1].lower()
+    mime = (file.mime or "").split(";")[0].strip().lower()
+    return ext in _OGG_EXT or mime in _OGG_MIME
+
+
+def _voice_filename(name: str) -> str:
+    """Discord takes a voice message's audio by its `.ogg` name (discord.py sends
+    every part as application/octet-stream)."""
+    stem, ext = os.path.splitext(os.path.basename(name) or "voice-message.ogg")
+    return name if ext.lower() == ".ogg" else f"{stem or 'voice-message'}.ogg"
+
+
+class _VoiceFile(discord.File):
+    """A `discord.File` whose attachment entry in `payload_json` carries a voice
+    message's `duration_secs` and `waveform` (base64)."""
+
+    __slots__ = ("duration_secs", "waveform")
+
+    def __init__(self, fp: Any, filename: str, *, duration_secs: float, waveform: bytes) -> None:
+        super().__init__(fp, filename=filename)
+        self.duration_secs = duration_secs
+        self.waveform = waveform
+
+    def to_dict(self, index: int) -> dict[str, Any]:
+        out = super().to_dict(index)
+        out["duration_secs"] = self.duration_secs
+        out["waveform"] = base64.b64encode(self.waveform).decode("ascii")
+        return out
+
+
 class DiscordPlatform(Platform):
     name = "discord"
 
@@ -171,12 +239,16 @@ class DiscordPlatform(Platform):
             per_chat_per_s=1.0,  # a channel's message bucket is 5 per 5 s
             per_bot_per_s=50.0,  # the global limit
             files_per_message=10,
-            native_kinds=frozenset({Kind.TEXT, Kind.PHOTO, Kind.VIDEO, Kind.AUDIO, Kind.DOCUMENT}),
+            # VOICE: a native voice message when the file is Ogg Opus, else an audio attachment
+            native_kinds=frozenset({Kind.TEXT, Kind.PHOTO, Kind.VIDEO, Kind.AUDIO, Kind.VOICE, Kind.DOCUMENT}),
             album_max=10,
         )
         self._client: discord.Client | None = None
         self._pid: int | None = None
         self._login_lock: asyncio.Lock | None = None
+        #: the last file probed as a voice note and what was found (the shared flow asks
+        #: `caption_chars_for` and then `send_file` about the same FileSource)
+        self._voice_memo: tuple[FileSource, _ogg.OpusInfo | None] | None = None
 
     def __repr__(self) -> str:
         return f"DiscordPlatform(base_url={self.base_url!r})"
@@ -234,8 +306,46 @@ class DiscordPlatform(Platform):
 
         return self._run("send a message", go)
 
+    # -- voice messages ----------------------------------------------------------------------
+    def voice_info(self, file: FileSource) -> _ogg.OpusInfo | None:
+        """The file's Ogg Opus description when it can go as a voice message, else None
+        (not named or typed as Ogg, or not a sound Ogg Opus stream: logged, never raised).
+        A storage error while reading it propagates (the delivery is retried)."""
+        memo = self._voice_memo
+        if memo is not None and memo[0] is file:
+            return memo[1]
+        info: _ogg.OpusInfo | None = None
+        if _may_be_ogg(file):
+            try:
+                if file.path is not None:
+                    with open(file.path, "rb") as f:
+                        info = _ogg.opus_info(f)
+                else:
+                    with file.open() as f:
+                        info = _ogg.opus_info(f)
+            except _ogg.OggError as exc:
+                log.info("discord: %s goes as an audio attachment, not a voice message: %s", file.name, exc.reason)
+            except OSError as exc:
+                raise Transient(f"discord: I/O error reading {file.name}: {exc.strerror or exc}") from exc
+        self._voice_memo = (file, info)
+        return info
+
+    def caption_chars_for(self, kind: Kind, file: FileSource) -> int:
+        """The caption limit for this file as `kind` (asked by `tasks.delivery`): a voice
+        message holds no text, so 0 (its caption follows as text messages); else a
+        message's content limit."""
+        if kind == Kind.VOICE and self.voice_info(file) is not None:
+            return 0
+        return self.limits.caption_chars
+
     def send_file(self, chat: str, kind: Kind, file: FileSource, *, caption: str | None, delivery_id: str,
                   file_id: str | None = None) -> Sent:
+        if kind == Kind.VOICE and not caption:
+            info = self.voice_info(file)
+            if info is not None:
+                return self._send_voice(chat, file, info, delivery_id)
+        # (a caption that reaches here with a voice note rides on it as an audio
+        # attachment: a voice message would lose it; tasks.delivery moves it out first)
         return self._send_files(chat, [file], caption, delivery_id)[0]
 
     def send_album(self, chat: str, files: list[tuple[Kind, FileSource]], *, caption: str | None,
@@ -246,27 +356,68 @@ class DiscordPlatform(Platform):
 
     def _send_files(self, chat: str, files: list[FileSource], caption: str | None, delivery_id: str) -> list[Sent]:
         async def go(client: discord.Client) -> list[Sent]:
-            channel = self._channel(client, chat)
-            readers: list[io.RawIOBase] = []
-            attachments: list[discord.File] = []
-            try:
-                for f in files:
-                    if f.path is not None:
-                        attachments.append(discord.File(str(f.path), filename=f.name))
-                    else:
-                        reader = _StoredReader(f)
-                        readers.append(reader)
-                        attachments.append(discord.File(reader, filename=f.name))  # type: ignore[arg-type]
-                msg = await channel.send(content=caption or None, files=attachments, nonce=nonce_for(delivery_id),
-                                         allowed_mentions=discord.AllowedMentions.none())
-            finally:
-                for a in attachments:
-                    a.close()
-                for r in readers:
-                    r.close()
-            return [Sent(message_id=str(msg.id)) for _ in files]
+            msg_id = await self._post_attachments(client, chat, files, caption, delivery_id)
+            return [Sent(message_id=msg_id) for _ in files]
 
         return self._run("upload a file", go)
+
+    async def _post_attachments(self, client: discord.Client, chat: str, files: list[FileSource],
+                                caption: str | None, delivery_id: str) -> str:
+        channel = self._channel(client, chat)
+        readers: list[io.RawIOBase] = []
+        attachments: list[discord.File] = []
+        try:
+            for f in files:
+                attachments.append(discord.File(self._source_of(f, readers), filename=f.name))
+            msg = await channel.send(content=caption or None, files=attachments, nonce=nonce_for(delivery_id),
+                                     allowed_mentions=discord.AllowedMentions.none())
+        finally:
+            for a in attachments:
+                a.close()
+            for r in readers:
+                r.close()
+        return str(msg.id)
+
+    @staticmethod
+    def _source_of(f: FileSource, readers: list[io.RawIOBase]) -> Any:
+        """What `discord.File` reads: the local path, else a reader over the stored stream."""
+        if f.path is not None:
+            return str(f.path)
+        reader = _StoredReader(f)
+        readers.append(reader)
+        return reader
+
+    def _send_voice(self, chat: str, file: FileSource, info: _ogg.OpusInfo, delivery_id: str) -> Sent:
+        """One voice message: flag IS_VOICE_MESSAGE, its one attachment with
+        `duration_secs` and `waveform`, no content. Refused as a voice message
+        (`_VOICE_REFUSED`): the same file as an audio attachment, same nonce
+        (Discord created nothing under it)."""
+        nonce = nonce_for(delivery_id)
+
+        async def go(client: discord.Client) -> Sent:
+            channel = self._channel(client, chat)
+            readers: list[io.RawIOBase] = []
+            voice = _VoiceFile(self._source_of(file, readers), _voice_filename(file.name),
+                               duration_secs=round(info.duration_s, 3), waveform=waveform_for(info.duration_s))
+            try:
+                # (Messageable.send takes no flags: the same parameters it builds, with the voice flag)
+                with discord.http.handle_message_parameters(
+                        files=[voice], flags=discord.MessageFlags(voice=True), nonce=nonce,
+                        allowed_mentions=discord.AllowedMentions.none()) as params:
+                    data = await client.http.send_message(channel.id, params=params)
+                return Sent(message_id=str(data["id"]))
+            except discord.HTTPException as exc:
+                if exc.code not in _VOICE_REFUSED:
+                    raise
+                log.warning("discord: %s refused as a voice message (%s %s, code %s): sent as an audio attachment",
+                            file.name, exc.status, exc.text, exc.code)
+            finally:
+                voice.close()
+                for r in readers:
+                    r.close()
+            return Sent(message_id=await self._post_attachments(client, chat, [file], None, delivery_id))
+
+        return self._run("send a voice message", go)
 
     # -- activity --------------------------------------------------------------------------
     def typing(self, chat: str) -> None:

@@ -1,0 +1,223 @@
+"""Just enough Ogg Opus to describe a voice note: its duration, read without
+reading the file whole.
+
+- The first page must hold the `OpusHead` packet (RFC 7845 §5.1): channel
+  count, pre-skip, input rate.
+- The duration is the last page's granule position (48 kHz samples since the
+  stream began) less the pre-skip, over 48000 (RFC 7845 §4). That page is
+  found in the file's tail only (a page is at most 65,307 bytes, so the last
+  64 KiB hold the whole last page): the last `OggS` capture pattern whose
+  page checks out (CRC, the Opus stream's serial, a granule set) and ends
+  where the file does.
+
+Anything else (not Ogg, not Opus, a truncated file, a bad CRC, no audio)
+raises `OggError` with a reason a person can read; callers treat it as "not a
+voice note" and never crash on it. Plain code: no vendor SDK, no courier
+imports.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+from dataclasses import dataclass
+from typing import BinaryIO
+
+__all__ = ["OggError", "OpusInfo", "crc32", "opus_info", "OPUS_RATE"]
+
+#: Opus granule positions always count 48 kHz samples, whatever the input rate
+OPUS_RATE = 48000
+CAPTURE = b"OggS"
+#: capture pattern, version, header type, granule, serial, sequence, CRC, segment count
+_HEADER = struct.Struct("<4sBBqIIIB")
+HEADER_BYTES = _HEADER.size  # 27
+MAX_PAGE_BYTES = HEADER_BYTES + 255 + 255 * 255  # 65,307
+#: how much of the end of the file is read to find the last page
+TAIL_BYTES = 64 * 1024
+_BOS, _EOS = 0x02, 0x04
+#: a page on which no packet ends carries granule -1
+_NO_GRANULE = -1
+
+
+class OggError(ValueError):
+    """Not a usable Ogg Opus stream; `reason` says why."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class OpusInfo:
+    channels: int
+    pre_skip: int
+    input_rate: int
+    last_granule: int
+    #: (last granule - pre-skip) / 48000
+    duration_s: float
+
+
+def _crc_table() -> list[int]:
+    table = []
+    for i in range(256):
+        r = i << 24
+        for _ in range(8):
+            r = ((r << 1) ^ 0x04C11DB7) if r & 0x80000000 else (r << 1)
+        table.append(r & 0xFFFFFFFF)
+    return table
+
+
+_CRC = _crc_table()
+
+
+def crc32(data: bytes | bytearray | memoryview) -> int:
+    """Ogg's page checksum: CRC-32, polynomial 0x04c11db7, initial value 0,
+    not reflected, no final xor (not zlib's CRC-32). Computed with the page's
+    CRC field zeroed."""
+    crc = 0
+    table = _CRC
+    for b in bytes(data):
+        crc = ((crc << 8) & 0xFFFFFFFF) ^ table[(crc >> 24) ^ b]
+    return crc
+
+
+@dataclass(frozen=True)
+class _Page:
+    header_type: int
+    granule: int
+    serial: int
+    start: int
+    #: header + lacing table + body
+    length: int
+    body_start: int
+    lacing: bytes
+
+
+def _page_at(buf: bytes, start: int) -> _Page | None:
+    """The page at `buf[start:]` if it is complete there and its CRC holds, else None."""
+    if len(buf) - start < HEADER_BYTES:
+        return None
+    capture, version, header_type, granule, serial, _seq, crc, nsegs = _HEADER.unpack_from(buf, start)
+    if capture != CAPTURE or version != 0:
+        return None
+    lacing_end = start + HEADER_BYTES + nsegs
+    if lacing_end > len(buf):
+        return None
+    lacing = buf[start + HEADER_BYTES:lacing_end]
+    length = HEADER_BYTES + nsegs + sum(lacing)
+    if start + length > len(buf):
+        return None
+    page = bytearray(buf[start:start + length])
+    page[22:26] = b"\0\0\0\0"
+    if crc32(page) != crc:
+        return None
+    return _Page(header_type, granule, serial, start, length, lacing_end, bytes(lacing))
+
+
+def _read_exactly(f: BinaryIO, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = f.read(n - len(out))
+        if not chunk:
+            break
+        out += chunk
+    return bytes(out)
+
+
+def _first_page(f: BinaryIO) -> tuple[_Page, bytes]:
+    head = _read_exactly(f, HEADER_BYTES)
+    if len(head) < 4 or head[:4] != CAPTURE:
+        raise OggError("not an Ogg file (no OggS capture pattern at its start)")
+    if len(head) < HEADER_BYTES:
+        raise OggError("truncated Ogg file: its first page header is incomplete")
+    if head[4] != 0:
+        raise OggError(f"unsupported Ogg version {head[4]}")
+    nsegs = head[26]
+    lacing = _read_exactly(f, nsegs)
+    if len(lacing) < nsegs:
+        raise OggError("truncated Ogg file: its first page is incomplete")
+    body = _read_exactly(f, sum(lacing))
+    buf = head + lacing + body
+    if len(body) < sum(lacing):
+        raise OggError("truncated Ogg file: its first page is incomplete")
+    page = _page_at(buf, 0)
+    if page is None:
+        raise OggError("corrupt Ogg file: the first page's CRC does not match")
+    return page, buf
+
+
+def _opus_head(page: _Page, buf: bytes) -> tuple[int, int, int]:
+    if not page.header_type & _BOS:
+        raise OggError("not the start of an Ogg stream (the first page is not marked beginning-of-stream)")
+    # the first packet: segments up to the first lacing value under 255
+    n = 0
+    for lace in page.lacing:
+        n += lace
+        if lace < 255:
+            break
+    packet = buf[page.body_start:page.body_start + n]
+    if not packet.startswith(b"OpusHead"):
+        what = "Vorbis" if packet[1:7] == b"vorbis" else "not Opus"
+        raise OggError(f"not an Ogg Opus stream (no OpusHead; the first packet is {what})")
+    if len(packet) < 19:
+        raise OggError("corrupt OpusHead (under 19 bytes)")
+    version, channels, pre_skip, input_rate = struct.unpack_from("<BBHI", packet, 8)
+    if version >> 4:
+        raise OggError(f"unsupported Opus version {version}")
+    if channels == 0:
+        raise OggError("corrupt OpusHead (0 channels)")
+    return channels, pre_skip, input_rate
+
+
+def _size_and_tail(f: BinaryIO, already_read: int) -> tuple[int, bytes]:
+    """The stream's total size and its last TAIL_BYTES, seeking when the
+    stream can, else reading through it keeping only the tail."""
+    try:
+        seekable = f.seekable()
+    except (AttributeError, ValueError, OSError):
+        seekable = False
+    if seekable:
+        size = f.seek(0, io.SEEK_END)
+        start = max(0, size - TAIL_BYTES)
+        f.seek(start)
+        return size, _read_exactly(f, size - start)
+    size, tail = already_read, b""
+    while chunk := f.read(TAIL_BYTES):
+        size += len(chunk)
+        tail = (tail + chunk)[-TAIL_BYTES:]
+    return size, tail
+
+
+def opus_info(f: BinaryIO) -> OpusInfo:
+    """Describe the Ogg Opus stream `f` (a binary stream at its start); `OggError` if it is not one."""
+    first, buf = _first_page(f)
+    channels, pre_skip, input_rate = _opus_head(first, buf)
+    size, tail = _size_and_tail(f, len(buf))
+    tail_offset = size - len(tail)
+    if tail_offset < 0:  # (the stream's size moved under us)
+        raise OggError("the file changed while it was read")
+    # the last page: search backward for a capture pattern whose page is sound
+    # (an "OggS" inside packet data fails the CRC check)
+    ends_file = False
+    last: _Page | None = None
+    pos = len(tail)
+    while (pos := tail.rfind(CAPTURE, 0, pos)) >= 0:
+        page = _page_at(tail, pos)
+        if page is None:
+            continue
+        if not ends_file:
+            if tail_offset + page.start + page.length != size:
+                raise OggError("truncated or corrupt Ogg file: it does not end on a complete page")
+            ends_file = True
+        if page.serial == first.serial and page.granule != _NO_GRANULE:
+            last = page
+            break
+    if not ends_file:
+        raise OggError("truncated or corrupt Ogg file: no complete page at its end")
+    if last is None:
+        raise OggError("corrupt Ogg Opus file: no granule position near its end")
+    samples = last.granule - pre_skip
+    if samples <= 0:
+        raise OggError("the Ogg Opus stream holds no audio")
+    return OpusInfo(channels=channels, pre_skip=pre_skip, input_rate=input_rate, last_granule=last.granule,
+                    duration_s=samples / OPUS_RATE)
