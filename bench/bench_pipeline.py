@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import quick, report, report_limit  # noqa: E402
+from bench._common import data_dir, quick, report, report_limit  # noqa: E402
 
 
 def _vm_hwm_mb(pid: int) -> float:
@@ -57,14 +57,15 @@ def main() -> int:
     n = 100 if quick() else 300
     rounds = 2 if quick() else 5
     big = (64 if quick() else 1024) * 1024 * 1024
-    with tempfile.TemporaryDirectory(prefix="courier-bench-") as tmp:
+    data_tmp, data_where = data_dir("courier-bench-data-", 2 * big + 64 * 1024 * 1024)
+    with tempfile.TemporaryDirectory(prefix="courier-bench-") as tmp, data_tmp as data:
         tmpd = Path(tmp)
         redis_dir = tmpd / "redis"
         redis_dir.mkdir()
         srv = RedisServer(redis_dir).start()
         sandbox = tmpd / "sandbox"
         sandbox.mkdir()
-        env = {**os.environ, "COURIER_REDIS_URL": srv.url, "COURIER_DATA_DIR": str(tmpd / "data"),
+        env = {**os.environ, "COURIER_REDIS_URL": srv.url, "COURIER_DATA_DIR": data,
                "COURIER_LOCAL_ROOTS": f'["{sandbox}"]', "COURIER_MAX_FILE_BYTES": str(2 * 1024**3),
                "PYTHONPATH": str(ROOT)}
         os.environ.update({k: v for k, v in env.items() if k.startswith("COURIER_")})
@@ -160,7 +161,8 @@ def main() -> int:
                    statistics.median(base_rates), target=0.7,
                    extra=f"medians of {rounds} alternating rounds of n={n} after a warm-up; "
                    f"all: {', '.join(f'{x:.0f}' for x in rates)} vs {', '.join(f'{x:.0f}' for x in base_rates)}; "
-                   f"median of the paired ratios {pairs:.3f}; 1 worker x2 processes, outbox")
+                   f"median of the paired ratios {pairs:.3f}; 1 worker x2 processes, outbox; storage and "
+                   f"outbox on {data_where}, sandbox files on {tempfile.gettempdir()}")
 
             # -- peak RSS with one big file
             idle = max([_vm_rss_mb(c) for c in _children(proc.pid)] + [0.0])
