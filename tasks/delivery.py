@@ -237,13 +237,10 @@ def _fit_file_caption(platform: Platform, kind: Kind, src: FileSource,
                       caption: str | None) -> tuple[str | None, list[str]]:
     """`fit_caption` with the caption limit for this file as `kind`: a platform may
     answer per file (`caption_chars_for(kind, file)`, e.g. Discord's voice message
-    holds no text: 0), else its `caption_chars`. With no room, the whole caption
-    follows the file as text messages that fit the platform's text limit."""
+    holds no text: 0), else its `caption_chars`."""
     per_file = getattr(platform, "caption_chars_for", None)
     limit = per_file(kind, src) if per_file is not None else platform.limits.caption_chars
-    if limit <= 0 and caption and caption.strip():
-        return None, split_text(caption.strip(), platform.limits.text_chars)
-    return fit_caption(caption, limit)
+    return fit_caption(caption, limit, platform.limits.text_chars)
 
 
 def _send_overflow(platform: Platform, chat: str, overflow: list[str], base_id: str) -> None:
@@ -384,7 +381,7 @@ def _send_album(ctx: Context, platform: Platform, chat: str, lead: str, album: l
     attempts = [receipts.start_attempt(r, job["id"], state="sending", platform=platform.name,
                                        kind=Kind.PHOTO.value, size_bytes=src.size_bytes, name=src.name)
                 for job, src in album]
-    text, overflow = fit_caption(caption, platform.limits.caption_chars)
+    text, overflow = fit_caption(caption, platform.limits.caption_chars, platform.limits.text_chars)
     try:
         sents = guarded.send_album(chat, [(Kind.PHOTO, src) for _, src in album], caption=text, delivery_id=part)
         _send_overflow(guarded, chat, overflow, part)
