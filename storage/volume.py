@@ -49,7 +49,7 @@ class VolumeStore(BlobStore):
             if private:
                 _mkdirs_private(self.root, dest.parent)
             else:
-                dest.parent.mkdir(parents=True, exist_ok=True)
+                _make_parent(str(dest))
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if private else 0o644)
         except OSError as exc:
             raise StorageError(f"cannot write {key}: {exc.strerror or exc}") from exc
@@ -107,7 +107,7 @@ class VolumeStore(BlobStore):
             except OSError as exc:
                 if size == 0 and exc.errno in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP,
                                                 errno.EBADF):
-                    _unlink(Path(tmp))
+                    _unlink(tmp)
                     return None  # not supported here: the caller streams
                 raise StorageError(f"cannot write {key}: {exc.strerror or exc}") from exc
             finally:
@@ -117,7 +117,7 @@ class VolumeStore(BlobStore):
                                limit_bytes=max_bytes)
             os.replace(tmp, dest)
         except BaseException:
-            _unlink(Path(tmp))
+            _unlink(tmp)
             raise
         return BlobInfo(key=key, size_bytes=size, modified_s=time.time())
 
@@ -200,13 +200,14 @@ def _make_parent(path: str) -> None:
     try:
         os.mkdir(parent)
     except FileExistsError:
-        pass
+        if not os.path.isdir(parent):
+            raise NotADirectoryError(errno.ENOTDIR, "a file stands where the key's directory goes", parent) from None
     except FileNotFoundError:
         os.makedirs(parent, exist_ok=True)
 
 
-def _unlink(p: Path) -> None:
+def _unlink(p: str | Path) -> None:
     try:
-        p.unlink()
+        os.unlink(p)
     except FileNotFoundError:
         pass

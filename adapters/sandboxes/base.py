@@ -143,7 +143,7 @@ class PathPolicy:
         norm = posixpath.normpath(resolved)
         if norm != resolved.rstrip("/") and resolved != "/":
             raise UnsafePath(f"{shown}: path is not normalised")
-        probe = norm if norm.endswith("/") else norm + "/"
+        probe = _dir_form(norm)
         for d, prefix in self._denied:  # type: ignore[attr-defined]
             if probe.startswith(prefix):
                 raise UnsafePath(f"{shown}: {d} is never readable")
@@ -152,16 +152,18 @@ class PathPolicy:
         return norm
 
 
+def _dir_form(path: str) -> str:
+    return path if path.endswith("/") else path + "/"
+
+
 def _prefix(root: str) -> str:
-    """`root` normalised with one trailing slash: `p + "/"` starts with it
+    """`root` normalised with one trailing slash: `_dir_form(p)` starts with it
     exactly when p is root or under it."""
-    root = posixpath.normpath(root)
-    return root if root.endswith("/") else root + "/"
+    return _dir_form(posixpath.normpath(root))
 
 
 def _under(path: str, root: str) -> bool:
-    root = posixpath.normpath(root)
-    return path == root or path.startswith(root.rstrip("/") + "/")
+    return _dir_form(path).startswith(_prefix(root))
 
 
 def check_lexical(path: str) -> str:
