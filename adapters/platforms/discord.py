@@ -317,12 +317,8 @@ class DiscordPlatform(Platform):
         info: _ogg.OpusInfo | None = None
         if _may_be_ogg(file):
             try:
-                if file.path is not None:
-                    with open(file.path, "rb") as f:
-                        info = _ogg.opus_info(f)
-                else:
-                    with file.open() as f:
-                        info = _ogg.opus_info(f)
+                with file.open() as f:
+                    info = _ogg.opus_info(f)
             except _ogg.OggError as exc:
                 log.info("discord: %s goes as an audio attachment, not a voice message: %s", file.name, exc.reason)
             except OSError as exc:
