@@ -1,31 +1,37 @@
-"""The one module that builds every chain.
+"""The one module that turns a job into ledger entries and task messages.
 
-A job (a turn's reply, or an operator's send) becomes one Celery chain, so
-order per chat is kept: the text first, then each file in the order the
-reply names them, each file as `extract_file` (sandbox -> storage) then
-`deliver` (storage -> platform). Files already in storage skip extraction.
+A job (a turn's reply, or an operator's send) is registered in the ledger
+(tasks/ledger.py, tasks/receipts.py) in one Redis transaction: one receipt
+per delivery, holding everything needed to run it again (its `spec`), and
+its steps appended to the chat's **lane** (`keys.lane(target)`) in order:
+the text first, then each file in the order the reply names them. Sends to
+one chat queue up behind each other in that lane, across jobs, in enqueue
+order. Then small messages go out carrying ids only: one `extract_file`
+per sandbox file (on its sandbox's queue; extractions run in parallel) and
+one `drive_lane` for the chat (tasks/lanes.py delivers the lane's head
+steps as they become ready). A message that is lost costs nothing: the
+reconciler (tasks/reconcile.py) re-drives any stage whose due time passed.
 Delivery ids are deterministic (`<job>.<seq>`): re-enqueuing a job never
 sends twice what was delivered.
 
 Albums: where the target platform takes them (`Plan.album_max` >= 2, filled
 by the caller from the platform's `Limits.album_max`), a run of two or more
-consecutive files that route to photos becomes one group (runs longer than
-`album_max` are split): each file of the group is extracted as usual (its
-result recorded in its receipt), then one `deliver_album` sends the group.
-Each file keeps its own delivery id and receipt.
+consecutive files that route to photos becomes one step (runs longer than
+`album_max` are split): each file of the group is extracted as usual, then
+the step sends the group as one album. Each file keeps its own delivery id
+and receipt.
 """
 
 from __future__ import annotations
 
+import json
 import posixpath
 import re
 import secrets
-from dataclasses import dataclass, field
-
-from celery import chain
+from dataclasses import dataclass, field, replace
 
 from adapters.sandboxes.base import SandboxRef
-from tasks import receipts
+from tasks import ledger, receipts
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 
@@ -74,6 +80,8 @@ class Plan:
     max_bytes: int | None = None
     #: photos one album may hold on the target platform (`Limits.album_max`; 0 or 1: no albums)
     album_max: int = 0
+    #: files one job may send (0: no cap); the rest are left out with a notice in the text
+    max_files: int = 0
 
 
 def sandbox_queue(ref: SandboxRef) -> str:
@@ -85,35 +93,102 @@ def sandbox_queue(ref: SandboxRef) -> str:
     return queue_for(ref)
 
 
-def register(r, plan: Plan, *, job_kind: str | None = None) -> list[str]:
-    """Record the plan's deliveries as queued receipts (and, with `job_kind`,
-    the job itself) in one round trip; returns their ids."""
+#: the reconciler re-drives a lane or an extraction nobody has looked at for this long
+LANE_GRACE_S = 10.0
+EXTRACT_GRACE_S = 60.0
+TURN_GRACE_S = 60.0
+
+
+def capped(plan: Plan) -> Plan:
+    """A plan over `max_files` keeps its first `max_files` files; the chat is
+    told how many were left out (with the text, or as the text)."""
+    if not plan.max_files or len(plan.files) <= plan.max_files:
+        return plan
+    cut = len(plan.files) - plan.max_files
+    notice = (f"⚠️ {cut} more file{'s were' if cut != 1 else ' was'} not sent: "
+              f"at most {plan.max_files} files go with one message.")
+    text = f"{plan.text}\n\n{notice}" if plan.text else notice
+    return replace(plan, files=plan.files[:plan.max_files], text=text)
+
+
+@dataclass
+class _Entry:
+    """One delivery as the ledger keeps it: its receipt fields and what it takes to run it."""
+
+    did: str
+    fields: dict
+    spec: dict
+    lane: bool = True  # a step of its own in the lane (album members after the first: no)
+    queue: str | None = None  # extraction queue of a sandbox file
+
+
+def entries(plan: Plan) -> list[_Entry]:
+    """The plan's deliveries in lane order, each with its spec (the text or
+    file job, the extraction of a sandbox file, an album's members)."""
     from tasks.pipeline import platform_of
 
-    ids: list[str] = []
-    seq = 0
     platform = platform_of(plan.target)
-    r = r.pipeline(transaction=False)  # one round trip for the whole plan
-    if job_kind is not None:
-        receipts.create_job(r, plan.job_id, kind=job_kind, target=plan.target, pipe=r)
+    out: list[_Entry] = []
+    seq = 0
     if plan.text:
         d = delivery_id(plan.job_id, seq)
-        receipts.add_delivery(r, plan.job_id, d, type="text", platform=platform, kind="text",
-                              size_bytes=len(plan.text.encode()))
-        ids.append(d)
+        out.append(_Entry(d, {"type": "text", "platform": platform, "kind": "text",
+                              "size_bytes": len(plan.text.encode())},
+                          {"id": d, "job": plan.job_id, "target": plan.target, "type": "text", "text": plan.text}))
         seq += 1
-    for f in plan.files:
-        d = delivery_id(plan.job_id, seq)
+    first_seq = seq
+    groups = {j: g for g in album_groups(plan) for j in g}
+    for i, f in enumerate(plan.files):
+        d = delivery_id(plan.job_id, first_seq + i)
+        job = {"id": d, "job": plan.job_id, "target": plan.target, "type": "file",
+               "voice": plan.voice, "as_document": plan.as_document}
+        fields = {"type": "file", "platform": platform, "name": _name(f)}
+        queue = None
         if isinstance(f, StoredFile):
-            receipts.add_delivery(r, plan.job_id, d, type="file", platform=platform, name=f.name,
-                                  size_bytes=f.size, sha256=f.sha256)
+            job.update(key=f.key, name=f.name, size=f.size, sha256=f.sha256)
+            fields.update(size_bytes=f.size, sha256=f.sha256)
         else:
-            receipts.add_delivery(r, plan.job_id, d, type="file", platform=platform,
-                                  name=posixpath.basename(f.path), source=f.path)
-        ids.append(d)
-        seq += 1
-    r.execute()
-    return ids
+            key = storage_key(plan.job_id, first_seq + i, f.path)
+            job.update(key=key, name=_name(f))
+            job["extract"] = {"sandbox": f.ref.to_dict(), "path": f.path, "key": key}
+            if plan.max_bytes:
+                job["extract"]["max_bytes"] = plan.max_bytes
+            fields["source"] = f.path
+            queue = sandbox_queue(f.ref)
+        group = groups.get(i)
+        if i == 0 and plan.caption:
+            job["caption"] = plan.caption
+        entry = _Entry(d, fields, job, queue=queue)
+        if group is not None:
+            lead = delivery_id(plan.job_id, first_seq + group[0])
+            fields["step"] = lead
+            entry.lane = i == group[0]
+            if entry.lane:
+                fields["album"] = json.dumps([delivery_id(plan.job_id, first_seq + j) for j in group])
+        out.append(entry)
+    return out
+
+
+def register(r, plan: Plan, *, job_kind: str | None = None) -> list[_Entry]:
+    """Record the plan in the ledger in one transaction: the job (with
+    `job_kind`), a queued receipt per delivery with its spec, the steps at
+    the end of the chat's lane, and due times for the lane and each
+    extraction. Idempotent: a delivery already registered is left as it is
+    (and not queued again). Returns the plan's entries."""
+    items = entries(plan)
+    p = r.pipeline(transaction=True)  # one round trip, and no other job's steps in between
+    if job_kind is not None:
+        receipts.create_job(r, plan.job_id, kind=job_kind, target=plan.target, pipe=p)
+    for e in items:
+        receipts.add_delivery(p, plan.job_id, e.did, spec=json.dumps(e.spec, separators=(",", ":")),
+                              queue=e.queue, lane=plan.target if e.lane else None, **e.fields)
+    if items:
+        ledger.set_due(p, "lane", plan.target, LANE_GRACE_S)
+    for e in items:
+        if e.queue is not None:
+            ledger.set_due(p, "extract", e.did, EXTRACT_GRACE_S)
+    p.execute()
+    return items
 
 
 def _name(f: StoredFile | SandboxFile) -> str:
@@ -142,112 +217,81 @@ def album_groups(plan: Plan) -> list[list[int]]:
 
 def _label(sig, text: str):
     """A short `argsrepr` for a signature: what Flower and the worker's log
-    show for the task instead of Celery's repr of the argument dicts, which
-    costs CPU at every publish and would put chat text and captions on
-    display."""
+    show for the task instead of Celery's repr of its arguments (never chat
+    text or captions)."""
     return sig.set(argsrepr=text[:200], kwargsrepr="{}")
 
 
-def build(plan: Plan):
-    """The chain for a plan (call `.apply_async()` on it)."""
-    from tasks.pipeline import deliver, deliver_album, extract_file
+# -- the messages: ids only ----------------------------------------------------------------------
+def extract_sig(did: str, queue: str, what: str = ""):
+    from tasks.pipeline import extract_file
 
-    sigs = []
-    seq = 0
-    if plan.text:
-        d = delivery_id(plan.job_id, seq)
-        sigs.append(_label(deliver.si(None, {"id": d, "job": plan.job_id, "target": plan.target, "type": "text",
-                                             "text": plan.text}),
-                           f"({d} text, {len(plan.text)} chars -> {plan.target})"))
-        seq += 1
-    first_seq = seq
-    grouped = {g[0]: g for g in album_groups(plan)}
-    i = 0
-    while i < len(plan.files):
-        if i in grouped:
-            group = grouped[i]
-            items = []
-            for j in group:
-                job, extract = _file_sig(plan, j, first_seq + j, extract_file)
-                if extract is not None:
-                    sigs.append(extract)
-                    # the album task finds the extraction's result in the receipt, the bytes at this key
-                    extract.args[0]["record"] = True
-                    job.update(key=extract.args[0]["key"], name=_name(plan.files[j]), extracted=True)
-                items.append(job)
-            spec = {"job": plan.job_id, "target": plan.target, "items": items}
-            if i == 0 and plan.caption:
-                spec["caption"] = plan.caption
-            sigs.append(_label(deliver_album.si(spec),
-                               f"({items[0]['id']} album of {len(items)} -> {plan.target})"))
-            i += len(group)
-            continue
-        job, extract = _file_sig(plan, i, first_seq + i, extract_file)
-        if i == 0 and plan.caption:
-            job["caption"] = plan.caption
-        label = f"({job['id']} {_name(plan.files[i])} -> {plan.target})"
-        if extract is None:
-            sigs.append(_label(deliver.si(None, job), label))
-        else:
-            sigs.append(extract)
-            sigs.append(_label(deliver.s(job), label))
-        i += 1
-    if not sigs:
-        return None
-    return chain(*sigs)
+    return _label(extract_file.si(did).set(queue=queue), f"({did} {what})" if what else f"({did})")
 
 
-def _file_sig(plan: Plan, index: int, seq: int, extract_file):
-    """A file's delivery job and, for a sandbox file, its extraction signature (else None).
-    A sandbox file's job names the storage key its extraction writes."""
-    f = plan.files[index]
-    d = delivery_id(plan.job_id, seq)
-    job = {"id": d, "job": plan.job_id, "target": plan.target, "type": "file",
-           "voice": plan.voice, "as_document": plan.as_document}
-    if isinstance(f, StoredFile):
-        job.update(key=f.key, name=f.name, size=f.size, sha256=f.sha256)
-        return job, None
-    spec = {"job": plan.job_id, "delivery": d, "sandbox": f.ref.to_dict(), "path": f.path,
-            "key": storage_key(plan.job_id, seq, f.path)}
-    if plan.max_bytes:
-        spec["max_bytes"] = plan.max_bytes
-    return job, _label(extract_file.si(spec).set(queue=sandbox_queue(f.ref)), f"({d} {f.ref.kind}:{f.path})")
+def lane_sig(target: str, countdown: float | None = None):
+    from tasks.pipeline import drive_lane
+
+    sig = _label(drive_lane.si(target), f"(lane {target})")
+    return sig.set(countdown=countdown) if countdown else sig
+
+
+def publish_extract(did: str, queue: str, what: str = "") -> None:
+    extract_sig(did, queue, what).apply_async()
+
+
+def publish_lane(target: str, countdown: float | None = None) -> None:
+    lane_sig(target, countdown).apply_async()
 
 
 def enqueue(r, plan: Plan, *, job_kind: str | None = None) -> list[str]:
-    """Register receipts (and the job, with `job_kind`), then publish the
-    chain. Returns the delivery ids."""
-    ids = register(r, plan, job_kind=job_kind)
-    c = build(plan)
-    if c is not None:
-        c.apply_async()
-    return ids
+    """Register the plan in the ledger (and the job, with `job_kind`), then
+    publish its extractions and one drive of the chat's lane. Returns the
+    delivery ids. A publish that fails after the ledger was written loses
+    nothing: the reconciler finds the due times."""
+    items = register(r, capped(plan), job_kind=job_kind)
+    for e in items:
+        if e.queue is not None:
+            publish_extract(e.did, e.queue, f"{e.spec['extract']['sandbox'].get('kind', '')}:{e.spec['extract']['path']}")
+    if items:
+        publish_lane(plan.target)
+    return [e.did for e in items]
 
 
 def enqueue_turn(r, target: str, message: str, *, agent: str, job_id: str | None = None,
                  sandbox: str | None = None, attachments: list[dict] | None = None,
                  origin: str | None = None) -> str:
-    """Record a turn's job, then enqueue `agent_turn` with the job id as its
-    task id (the CLI, the web process and the demo all come here). Returns
-    the job id. The task's label shows the agent and the target, not the
-    user's message."""
+    """Record a turn's job (with its spec: the ledger can run it again), then
+    enqueue `agent_turn` with the job id as its task id (the CLI, the web
+    process and the demo all come here). Returns the job id. The task's
+    label shows the agent and the target, not the user's message."""
     job_id = job_id or new_job_id("turn")
-    receipts.create_job(r, job_id, kind="turn", target=target, agent=agent, origin=origin)
-    turn_sig(job_id, target, message, agent=agent, sandbox=sandbox, attachments=attachments).apply_async(
-        task_id=job_id)
+    sig = turn_sig(job_id, target, message, agent=agent, sandbox=sandbox, attachments=attachments)
+    p = r.pipeline(transaction=True)
+    receipts.create_job(r, job_id, kind="turn", target=target, agent=agent, origin=origin, pipe=p,
+                        spec=json.dumps(sig.args[0], separators=(",", ":")))
+    ledger.set_due(p, "turn", job_id, TURN_GRACE_S)
+    p.execute()
+    sig.apply_async(task_id=job_id)
     return job_id
 
 
 def turn_sig(job_id: str, target: str, message: str, *, agent: str, sandbox: str | None = None,
              attachments: list[dict] | None = None):
     """The `agent_turn` signature of a turn, labelled."""
-    from tasks.pipeline import agent_turn
-
     spec = {"job": job_id, "target": target, "message": message, "agent": agent}
     if sandbox:
         spec["sandbox"] = sandbox
     if attachments:
         spec["attachments"] = attachments
-    label = f"({job_id} {agent} -> {target}, {len(message)} chars"
+    return spec_sig(spec)
+
+
+def spec_sig(spec: dict):
+    """The labelled `agent_turn` signature of a turn's spec (also the reconciler's way to run it again)."""
+    from tasks.pipeline import agent_turn
+
+    attachments = spec.get("attachments")
+    label = f"({spec['job']} {spec['agent']} -> {spec['target']}, {len(spec.get('message', ''))} chars"
     label += f", {len(attachments)} attachments)" if attachments else ")"
     return _label(agent_turn.si(spec), label)

@@ -165,6 +165,10 @@ def _deliver_item(ctx: Context, platform: Platform, chat: str, job: dict, extrac
         guarded.flush()
         receipts.update_delivery(r, did, final="1")
         return record_failure(ctx, job, notice.reason)
+    except ratelimit.Paced:
+        guarded.flush()  # parts already sent stay recorded for the retry
+        r.hincrby(keys.delivery(did), "attempts", -1)  # courier's own pacing: this try never reached the platform
+        raise
     except BaseException:
         guarded.flush()  # parts already sent stay recorded for the retry
         raise
@@ -184,6 +188,9 @@ def _extraction_failed(ctx: Context, platform: Platform, chat: str, job: dict, e
     if extracted.get("too_large"):
         _notice_too_large(ctx, platform, chat, job, extracted.get("name") or job.get("name") or "file",
                           extracted.get("size"), extracted.get("limit"), key=None)
+    elif extracted.get("notify"):
+        notice_failed(ctx, job, reason)
+    receipts.update_delivery(ctx.redis, job["id"], final="1")
     return record_failure(ctx, job, reason)
 
 
@@ -438,3 +445,15 @@ def _notice_too_large(ctx: Context, platform: Platform, chat: str, job: dict, na
     except CourierError:
         pass  # the failure is recorded either way
     return reason
+
+
+def notice_failed(ctx: Context, job: dict, reason: str) -> None:
+    """Tell the chat that a file it was to get failed for good (an outage past
+    its deadline, errors past their count): one short notice, best effort."""
+    platform_name, chat = split_target(job["target"])
+    name = job.get("name") or "a file"
+    try:
+        platform = ratelimit.guard(ctx.redis, ctx.platform(platform_name), job["id"])
+        platform.send_text(chat, f"⚠️ {name} could not be sent: {reason[:300]}", delivery_id=f"{job['id']}#notice")
+    except CourierError:
+        pass  # the failure is recorded either way

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import posixpath
 
-from adapters.errors import CourierError, SandboxError, TooLarge
+from adapters.errors import CourierError, SandboxError, StorageError, TooLarge
 from adapters.sandboxes.base import SandboxRef
 from tasks import events, receipts
 from tasks.runtime import Context
 
 
-#: extractions at least this large are recorded (receipt + event) as they finish
+#: extractions at least this large publish an `extracted` event as they finish
 RECORD_MIN_BYTES = 1024 * 1024
 
 
@@ -47,16 +47,15 @@ def extract(ctx: Context, spec: dict) -> dict:
         if exc.transient:
             raise
         return record_failure(r, did, {"ok": False, "reason": exc.reason, "name": name})
-    if spec.get("record") or info.size_bytes >= RECORD_MIN_BYTES:
-        # an album reads its members' results from their receipts; a large file shows
-        # its progress; a small one's result simply rides the chain to its delivery
-        pipe = r.pipeline(transaction=False)
-        receipts.update_open_delivery(pipe, did, state="extracted", extraction="ok", reason="",
-                                      size_bytes=info.size_bytes, sha256=info.sha256, name=name)
+    # the lane reads the result from the receipt (the ledger), whoever drives it
+    pipe = r.pipeline(transaction=False)
+    receipts.update_open_delivery(pipe, did, state="extracted", extraction="ok", reason="",
+                                  size_bytes=info.size_bytes, sha256=info.sha256, name=name)
+    if info.size_bytes >= RECORD_MIN_BYTES:  # a large file shows its progress
         events.publish(r, spec["job"], {"kind": "delivery", "delivery_id": did, "state": "extracted",
                                         "name": name, "size_bytes": info.size_bytes}, maxlen=ctx.events_maxlen,
                        pipe=pipe)
-        pipe.execute()
+    pipe.execute()
     return {"ok": True, "key": spec["key"], "name": name, "size": info.size_bytes, "sha256": info.sha256}
 
 
@@ -64,7 +63,8 @@ def record_failure(r, did: str, result: dict) -> dict:
     """Record a permanent extraction failure in the receipt (the delivery
     after it makes it final: `failed`, with a notice when too large); returns `result`."""
     receipts.update_open_delivery(r, did, state="extract_failed", extraction="failed", reason=result["reason"],
-                                  too_large="1" if result.get("too_large") else None, size_bytes=result.get("size"),
+                                  too_large="1" if result.get("too_large") else None,
+                                  notify="1" if result.get("notify") else None, size_bytes=result.get("size"),
                                   limit_bytes=result.get("limit"))
     return result
 
@@ -78,7 +78,54 @@ def result_of(rec: dict, key: str) -> dict | None:
                 "sha256": rec.get("sha256") or ""}
     if rec.get("extraction") == "failed":
         out = {"ok": False, "reason": rec.get("reason") or "extraction failed", "name": name}
+        if rec.get("notify") == "1":
+            out["notify"] = True
         if rec.get("too_large") == "1":
             out.update(too_large=True, size=rec.get("size_bytes") or None, limit=rec.get("limit_bytes") or None)
         return out
     return None
+
+
+def run(ctx: Context, did: str) -> dict:
+    """The extraction stage of delivery `did`, from the ledger alone: its
+    spec is in the receipt. Holds the stage's lease while it works (a second
+    message for it finds the lease and leaves); a transient failure backs
+    off through the stage's due time (storage outages until their deadline,
+    other errors up to `max_transient_attempts`), then fails the file. Ends
+    by recording the result and clearing the due time; the caller drives the
+    chat's lane after it."""
+    import json
+
+    from tasks import ledger
+
+    r = ctx.redis
+    rec = receipts.get_delivery(r, did)
+    if rec is None or not rec.get("spec"):
+        ledger.clear_due(r, "extract", did)
+        return {"delivery": did, "state": "gone"}
+    job = json.loads(rec["spec"])
+    out = {"delivery": did, "target": job["target"]}
+    if rec.get("extraction") in ("ok", "failed") or rec.get("state") in receipts.TERMINAL:
+        ledger.clear_due(r, "extract", did)
+        return {**out, "state": "done"}
+    with ledger.leased(r, "extract", did) as token:
+        if token is None:
+            return {**out, "state": "busy"}
+        ledger.set_due(r, "extract", did, ledger.LEASE_TTL_S)
+        spec = {**job["extract"], "job": job["job"], "delivery": did}
+        try:
+            result = extract(ctx, spec)
+        except Exception as exc:  # noqa: BLE001 - transient (mapped or not): back off, bounded
+            reason = exc.reason if isinstance(exc, CourierError) else f"{type(exc).__name__}: {exc}"
+            n, first_s = ledger.count_transient(r, did)
+            if not ledger.gives_up(exc, n, first_s, max_attempts=ctx.max_transient_attempts,
+                                   outage_deadline_s=ctx.outage_deadline_s):
+                delay = ledger.backoff_s(n, storage=isinstance(exc, StorageError))
+                receipts.update_open_delivery(r, did, state="retrying", reason=reason)
+                ledger.set_due(r, "extract", did, delay)
+                return {**out, "state": "retrying", "wait_s": round(delay, 3)}
+            what = "storage unavailable" if isinstance(exc, StorageError) else f"gave up after {n} attempts"
+            result = record_failure(r, did, {"ok": False, "reason": f"{what}: {reason}", "name": job.get("name"),
+                                             "notify": True})
+        ledger.clear_due(r, "extract", did)
+    return {**out, "state": "extracted" if result.get("ok") else "failed"}

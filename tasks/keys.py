@@ -59,3 +59,26 @@ def webhook_seen(platform: str, update_id: str) -> str:
 def progress_message(job_id: str) -> str:
     """hash: the platform progress message of a turn (chat, message id)"""
     return f"{PREFIX}progress:{job_id}"
+
+
+# -- the ledger (tasks/ledger.py): leases, lanes, due times ------------------------------------
+def lease(stage: str, ident: str) -> str:
+    """string with TTL: held (value: the holder's token) while a worker runs a stage
+    (`extract`, `lane`, `turn`); renewed by a heartbeat, so a dead holder frees it within its TTL"""
+    return f"{PREFIX}lease:{stage}:{ident}"
+
+
+def lane(target: str) -> str:
+    """list: a chat's ordered lane of delivery steps (a delivery id, or an album's first id)"""
+    return f"{PREFIX}lane:{target}"
+
+
+def due(stage: str) -> str:
+    """sorted set: the stage's entries (lane targets, extraction delivery ids, turn job ids)
+    scored by when the reconciler must look at them again if nothing else has"""
+    return f"{PREFIX}due:{stage}"
+
+
+def reconciler_lock() -> str:
+    """string with TTL: held by the one process whose reconciler runs"""
+    return f"{PREFIX}reconciler"

@@ -52,7 +52,13 @@ from adapters.errors import RateLimited
 from adapters.platforms.base import FileSource, Kind, Platform, Sent
 from tasks import keys
 
-__all__ = ["acquire", "guard", "rules", "Guarded", "Slot"]
+__all__ = ["acquire", "guard", "rules", "Guarded", "Paced", "Slot"]
+
+
+class Paced(RateLimited):
+    """courier's own pacing (a shared limit's slot is not free yet), not a
+    platform's refusal: waiting for it is no attempt and never gives up."""
+
 
 #: never re-schedule sooner than this (Celery timer granularity, Redis round trips)
 MIN_RETRY_S = 0.02
@@ -111,14 +117,14 @@ def _sending() -> str:
     return f"sending:{time.time():.3f}"
 
 
-def _retry_after(limiter: MovingWindowRateLimiter, item: RateLimitItem, ids: tuple[str, ...]) -> RateLimited:
+def _retry_after(limiter: MovingWindowRateLimiter, item: RateLimitItem, ids: tuple[str, ...]) -> Paced:
     stats = limiter.get_window_stats(item, *ids)
     wait = max(MIN_RETRY_S, stats.reset_time - time.time())
-    return RateLimited(wait, f"{ids[0]}: {ids[2]} limit of {item.amount} per {item.get_expiry()}s reached, "
+    return Paced(wait, f"{ids[0]}: {ids[2]} limit of {item.amount} per {item.get_expiry()}s reached, "
                              f"retry after {wait:.2f}s")
 
 
-def _gate_wait(redis: Any, platform: Platform, gate: str, interval_s: float) -> RateLimited:
+def _gate_wait(redis: Any, platform: Platform, gate: str, interval_s: float) -> Paced:
     pipe = redis.pipeline(transaction=False)
     pipe.get(gate)
     pipe.pttl(gate)
@@ -132,7 +138,7 @@ def _gate_wait(redis: Any, platform: Platform, gate: str, interval_s: float) -> 
         wait = min(30.0, max(interval_s, in_flight_s / 2))
     else:
         wait = max(MIN_RETRY_S, (pttl or 0) / 1000)
-    return RateLimited(wait, f"{platform.name}: the previous send to this chat ended less than {interval_s:g}s "
+    return Paced(wait, f"{platform.name}: the previous send to this chat ended less than {interval_s:g}s "
                              f"ago or is still on its way, retry after {wait:.2f}s")
 
 

@@ -7,11 +7,7 @@ platform's message id or the failure reason.
 
 from __future__ import annotations
 
-import os
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from tasks import keys
@@ -54,21 +50,25 @@ def get_job(r, job_id: str) -> dict[str, str] | None:
 
 _ADD = """
 if redis.call('exists', KEYS[1]) == 1 then return 0 end
-redis.call('hset', KEYS[1], unpack(ARGV, 2))
+redis.call('hset', KEYS[1], unpack(ARGV, 3))
 redis.call('expire', KEYS[1], ARGV[1])
-redis.call('rpush', KEYS[2], redis.call('hget', KEYS[1], 'id'))
+local id = redis.call('hget', KEYS[1], 'id')
+redis.call('rpush', KEYS[2], id)
 redis.call('expire', KEYS[2], ARGV[1])
+if ARGV[2] == '1' then redis.call('rpush', KEYS[3], id) end
 return 1
 """
 
 
-def add_delivery(r, job_id: str, delivery_id: str, **meta: Any) -> None:
-    """Register a delivery as queued (idempotent: an existing receipt is kept).
-    `r` may be a pipeline (one round trip for a whole plan)."""
+def add_delivery(r, job_id: str, delivery_id: str, *, lane: str | None = None, **meta: Any) -> None:
+    """Register a delivery as queued (idempotent: an existing receipt is kept),
+    appending it to the chat lane `lane` (a target) when given. `r` may be a
+    pipeline (one round trip for a whole plan)."""
     fields = {"id": delivery_id, "job": job_id, "state": "queued", "attempts": "0", "queued_s": f"{time.time():.3f}"}
     fields.update({kk: _s(v) for kk, v in meta.items() if v is not None})
     flat = [x for kv in fields.items() for x in kv]
-    r.eval(_ADD, 2, keys.delivery(delivery_id), keys.job_deliveries(job_id), RETENTION_S, *flat)
+    r.eval(_ADD, 3, keys.delivery(delivery_id), keys.job_deliveries(job_id), keys.lane(lane or ""), RETENTION_S,
+           "1" if lane else "0", *flat)
 
 
 _UPDATE_OPEN = """
@@ -161,7 +161,6 @@ def start_attempt(r, delivery_id: str, **fields: Any) -> int:
     return int(pipe.execute()[0])
 
 
-_RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('expire', KEYS[1], ARGV[2]) else return 0 end"
 _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
 
 
@@ -169,60 +168,11 @@ def acquire_send_lock(r, delivery_id: str, owner: str, ttl_s: int = 600) -> bool
     return bool(r.set(keys.delivery_lock(delivery_id), owner, nx=True, ex=ttl_s))
 
 
-class _Renewer:
-    """One daemon thread per process renews every send lock this process
-    holds, in one pipeline each third of the lock's life."""
+def renewing(r, delivery_id: str, owner: str):
+    """Keep a send lock alive while the block runs (the ledger's lease heartbeat)."""
+    from tasks import ledger
 
-    def __init__(self, ttl_s: int) -> None:
-        self.ttl_s = ttl_s
-        self.held: dict[tuple[int, str], tuple[Any, str]] = {}
-        self.lock = threading.Lock()
-        self.thread: threading.Thread | None = None
-        self.pid = 0
-
-    def add(self, r, delivery_id: str, owner: str) -> tuple[int, str]:
-        token = (id(r), delivery_id + "\0" + owner)
-        with self.lock:
-            self.held[token] = (r, delivery_id)
-            if self.thread is None or self.pid != os.getpid() or not self.thread.is_alive():
-                self.pid = os.getpid()
-                self.thread = threading.Thread(target=self._run, name="courier-lock-renewer", daemon=True)
-                self.thread.start()
-        return token
-
-    def remove(self, token: tuple[int, str]) -> None:
-        with self.lock:
-            self.held.pop(token, None)
-
-    def _run(self) -> None:
-        while True:
-            time.sleep(self.ttl_s / 3)
-            with self.lock:
-                items = list(self.held.items())
-            by_client: dict[int, list] = {}
-            for (cid, ident), (r, did) in items:
-                by_client.setdefault(cid, [r]).append((did, ident.split("\0", 1)[1]))
-            for r, *locks in by_client.values():
-                try:
-                    pipe = r.pipeline(transaction=False)
-                    for did, owner in locks:
-                        pipe.eval(_RENEW, 1, keys.delivery_lock(did), owner, self.ttl_s)
-                    pipe.execute()
-                except Exception:  # noqa: BLE001 - a missed renewal only shortens the lock
-                    pass
-
-
-_renewer = _Renewer(SEND_LOCK_TTL_S)
-
-
-@contextmanager
-def renewing(r, delivery_id: str, owner: str) -> Iterator[None]:
-    """Keep a send lock alive while the block runs."""
-    token = _renewer.add(r, delivery_id, owner)
-    try:
-        yield
-    finally:
-        _renewer.remove(token)
+    return ledger.renewing(r, keys.delivery_lock(delivery_id), owner, SEND_LOCK_TTL_S)
 
 
 def release_send_lock(r, delivery_id: str, owner: str) -> None:

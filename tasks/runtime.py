@@ -37,6 +37,10 @@ class Context:
     max_file_bytes: int = 50 * 1000 * 1000
     events_maxlen: int = 1000
     max_transient_attempts: int = 8
+    #: how long transient storage errors are waited out before a file fails (with a notice)
+    outage_deadline_s: float = 1800.0
+    #: files one job may send (MEDIA tags of a reply, files of a send); 0: no cap
+    max_files_per_job: int = 0
     extras: dict[str, Any] = field(default_factory=dict)
 
 

@@ -24,7 +24,7 @@ from adapters.agents.bridge import run_bridge
 from adapters.errors import ConfigError, CourierError
 from adapters.sandboxes.base import SandboxRef, parse_uri
 from storage.spill import SpillConfig
-from tasks import chains, events, receipts
+from tasks import chains, events, keys, ledger, receipts
 from tasks.runtime import Context
 
 DONE_STATES = frozenset({"replied", "no_reply", "error"})
@@ -51,7 +51,9 @@ def run_turn(ctx: Context, spec: dict, *, on_activity: Callable[[dict], None] | 
     job_id = spec["job"]
     job = receipts.get_job(r, job_id) or {}
     if job.get("state") in DONE_STATES:
+        ledger.clear_due(r, "turn", job_id)
         return {"job": job_id, "state": job["state"], "skipped": True}
+    r.hincrby(keys.job(job_id), "attempts", 1)  # the reconciler gives up on a turn that kills its worker
 
     def publish(ev: dict) -> None:
         events.publish(r, job_id, ev, maxlen=ctx.events_maxlen)
@@ -61,6 +63,7 @@ def run_turn(ctx: Context, spec: dict, *, on_activity: Callable[[dict], None] | 
     def finish(state: str, **ev) -> dict:
         ev.setdefault("deliveries", 0)  # readers wait for this many deliveries' final states
         receipts.set_job(r, job_id, state=state, **{k: v for k, v in ev.items() if k == "reason"})
+        ledger.clear_due(r, "turn", job_id)
         publish({"kind": "status", "status": "completed" if state == "replied" else state, **ev})
         return {"job": job_id, "state": state, **ev}
 
@@ -125,7 +128,8 @@ def run_turn(ctx: Context, spec: dict, *, on_activity: Callable[[dict], None] | 
             files.append(chains.SandboxFile(ref=ref, path=path))
     plan = chains.Plan(job_id=job_id, target=spec["target"], text=parsed.text or None, files=files,
                        voice=parsed.audio_as_voice, as_document=parsed.as_document,
-                       max_bytes=ctx.max_file_bytes, album_max=_album_max(ctx, spec["target"]))
+                       max_bytes=ctx.max_file_bytes, album_max=_album_max(ctx, spec["target"]),
+                       max_files=ctx.max_files_per_job)
     try:
         ids = chains.enqueue(r, plan)
     except CourierError as exc:
@@ -206,6 +210,22 @@ def _fail(ctx: Context, spec: dict, finish, reason: str) -> dict:
         events.publish(ctx.redis, spec["job"], {"kind": "delivery", "delivery_id": d, "state": "queued"},
                        maxlen=ctx.events_maxlen)
     return finish("error", reason=reason, deliveries=len(ids))
+
+
+def abandon(ctx: Context, job_id: str, reason: str) -> dict:
+    """End a turn that cannot run (its runs kept dying with their workers):
+    the chat's short message and the one terminal error event, as `_fail`."""
+    r = ctx.redis
+    job = receipts.get_job(r, job_id) or {}
+    spec = json.loads(job["spec"]) if job.get("spec") else {"job": job_id, "target": job.get("target", "")}
+
+    def finish(state: str, **ev) -> dict:
+        receipts.set_job(r, job_id, state=state, reason=ev.get("reason"))
+        ledger.clear_due(r, "turn", job_id)
+        events.publish(r, job_id, {"kind": "status", "status": state, **ev}, maxlen=ctx.events_maxlen)
+        return {"job": job_id, "state": state, **ev}
+
+    return _fail(ctx, spec, finish, reason)
 
 
 def _project_root() -> str:

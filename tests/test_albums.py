@@ -11,7 +11,7 @@ import json
 import pytest
 import redis
 
-from tasks import events, receipts
+from tasks import chains, events, keys, receipts
 from tests.fixtures._files import write_random
 from tests.fixtures._platforms import agent_env, db, running
 from tests.fixtures.fake_telegram import FakeTelegram, wait_job
@@ -143,19 +143,13 @@ def test_redelivered_album_task_sends_nothing_again(env, fake, r, tmp_path):
     job, rows = data["job"], data["deliveries"]
     (album,) = fake.calls_for("sendMediaGroup", chat=chat)
 
-    app = env.celery_app()
-    group = {"job": job, "target": f"telegram:{chat}",
-             "items": [{"id": d["id"], "job": job, "target": f"telegram:{chat}", "type": "file",
-                        "key": f"files/{job}/{i}-{p.name}", "name": p.name, "voice": False, "as_document": False}
-                       for i, (d, p) in enumerate(zip(rows, files))]}
+    target = f"telegram:{chat}"
 
     def redeliver(probe_text: str) -> None:
-        app.send_task("courier.delivery.deliver_album", args=[group], queue="delivery", exchange="delivery",
-                      routing_key="delivery")
-        probe = {"id": f"{job}.{probe_text}", "job": job, "target": f"telegram:{chat}", "type": "text",
-                 "text": probe_text}
-        app.send_task("courier.delivery.deliver", args=[None, probe], queue="delivery", exchange="delivery",
-                      routing_key="delivery")
+        # the album's step once more in the chat's lane, then a probe behind it
+        r.rpush(keys.lane(target), rows[0]["id"])
+        with env.publishing():
+            chains.enqueue(r, chains.Plan(job_id=chains.new_job_id("probe"), target=target, text=probe_text))
         wait_until(lambda: [c for c in fake.calls_for("sendMessage", chat=chat) if c.text == probe_text],
                    timeout_s=30, what=f"the probe {probe_text}")
 

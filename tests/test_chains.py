@@ -14,31 +14,56 @@ def _plan(files, text="hello"):
     return chains.Plan(job_id="snd_x", target="outbox:a", text=text, files=files, caption="cap")
 
 
-def test_chain_order_text_then_files_in_reply_order():
+def _lane(plan):
+    """The plan's lane steps as (kind, ids): text / file -> its id, album -> its ids."""
+    out = []
+    for e in chains.entries(plan):
+        if not e.lane:
+            continue
+        if "album" in e.fields:
+            import json
+
+            out.append(("album", json.loads(e.fields["album"])))
+        else:
+            out.append((e.spec["type"], e.did))
+    return out
+
+
+def test_lane_order_text_then_files_in_reply_order():
     ref = SandboxRef("local")
     files = [chains.SandboxFile(ref, "/tmp/a.png"),
              chains.StoredFile(key="files/snd_x/2-b.pdf", name="b.pdf", size=3, sha256="00"),
              chains.SandboxFile(ref, "/tmp/c.ogg")]
-    c = chains.build(_plan(files))
-    names = [t.task for t in c.tasks]
-    assert names == ["courier.delivery.deliver", "courier.sandbox.extract_file", "courier.delivery.deliver",
-                     "courier.delivery.deliver", "courier.sandbox.extract_file", "courier.delivery.deliver"]
-    ids = [t.args[-1]["id"] if t.task.endswith("deliver") else t.args[0]["delivery"] for t in c.tasks]
-    assert ids == ["snd_x.0", "snd_x.1", "snd_x.1", "snd_x.2", "snd_x.3", "snd_x.3"]
-    # the caption rides on the first file only; extraction results feed the delivery after them
-    assert c.tasks[2].args[-1]["caption"] == "cap" and "caption" not in c.tasks[5].args[-1]
-    assert c.tasks[1].immutable and not c.tasks[2].immutable
+    items = chains.entries(_plan(files))
+    assert _lane(_plan(files)) == [("text", "snd_x.0"), ("file", "snd_x.1"), ("file", "snd_x.2"), ("file", "snd_x.3")]
+    # sandbox files carry their extraction (on the sandbox queue); stored files do not
+    assert [e.queue for e in items] == [None, "sandbox", None, "sandbox"]
+    assert items[1].spec["extract"] == {"sandbox": ref.to_dict(), "path": "/tmp/a.png", "key": "files/snd_x/1-a.png"}
+    assert items[1].spec["key"] == "files/snd_x/1-a.png" and "extract" not in items[2].spec
+    # the caption rides on the first file only
+    assert items[1].spec["caption"] == "cap" and "caption" not in items[3].spec
 
 
 def test_pinned_sandboxes_go_to_their_hosts_queue():
     ref, path = parse_uri("docker://build-7/workspace/out.mp4?host=gpu-box-1")
     assert ref.options["host"] == "gpu-box-1" and path == "/workspace/out.mp4"
     assert parse_uri(format_uri(ref, path)) == (ref, path)
-    c = chains.build(_plan([chains.SandboxFile(ref, path)], text=None))
-    extract = c.tasks[0] if hasattr(c, "tasks") else c
-    assert extract.options["queue"] == "sandbox.gpu-box-1"
-    plain = chains.build(_plan([chains.SandboxFile(SandboxRef("local"), "/tmp/x")], text=None))
-    assert plain.tasks[0].options["queue"] == "sandbox"
+    (e,) = chains.entries(_plan([chains.SandboxFile(ref, path)], text=None))
+    assert e.queue == "sandbox.gpu-box-1"
+    (plain,) = chains.entries(_plan([chains.SandboxFile(SandboxRef("local"), "/tmp/x")], text=None))
+    assert plain.queue == "sandbox"
+
+
+def test_files_over_the_cap_are_left_out_with_a_notice():
+    ref = SandboxRef("local")
+    plan = chains.Plan(job_id="snd_c", target="outbox:a", text="here", files=[chains.SandboxFile(ref, f"/tmp/{i}.txt")
+                                                                              for i in range(7)], max_files=3)
+    capped = chains.capped(plan)
+    assert [f.path for f in capped.files] == ["/tmp/0.txt", "/tmp/1.txt", "/tmp/2.txt"]
+    assert capped.text.startswith("here\n\n") and "4 more files were not sent" in capped.text
+    assert chains.capped(chains.Plan(job_id="j", target="outbox:a", files=plan.files[:3], max_files=3)).text is None
+    alone = chains.capped(chains.Plan(job_id="j", target="outbox:a", files=plan.files[:2], max_files=1))
+    assert alone.text.startswith("⚠️ 1 more file was not sent")
 
 
 @pytest.mark.parametrize("uri", ["docker://c/x?host=bad/host", "docker://c/x?evil=1", "docker:///x",
@@ -64,48 +89,23 @@ def _album_plan(names, *, album_max=10, as_document=False, caption="cap", text=N
                        as_document=as_document, album_max=album_max)
 
 
-def _shape(c):
-    """The chain as (task, delivery ids) pairs: extract -> its id, deliver -> its id, album -> its ids."""
-    out = []
-    for t in c.tasks:
-        if t.task == "courier.delivery.deliver_album":
-            out.append(("album", [i["id"] for i in t.args[0]["items"]]))
-        elif t.task == "courier.delivery.deliver":
-            out.append(("deliver", t.args[-1]["id"]))
-        else:
-            out.append(("extract", t.args[0]["delivery"]))
-    return out
-
-
 def test_runs_of_photos_become_albums_of_at_most_album_max():
     names = [f"p{i}.jpg" for i in range(12)] + ["doc.pdf", "a.png", "b.webp", "c.gif", "d.JPEG"]
     plan = _album_plan(names, text="hi")
     assert chains.album_groups(plan) == [list(range(10)), [10, 11], [13, 14]]
-    c = chains.build(plan)
-    shape = _shape(c)
     ids = [f"snd_x.{i + 1}" for i in range(len(names))]  # .0 is the text
-    albums = [s for s in shape if s[0] == "album"]
-    assert albums == [("album", ids[:10]), ("album", ids[10:12]), ("album", ids[13:15])]
-    # the text first; each sandbox file extracted before its album; a pdf, a gif and a lone photo go alone
-    assert shape[0] == ("deliver", "snd_x.0")
-    assert shape[1:7] == [("extract", ids[i]) for i in (0, 2, 4, 6, 8)] + [("album", ids[:10])]
-    # (files at even indexes are in a sandbox, odd ones already stored)
-    assert shape[7:] == [("extract", ids[10]), ("album", ids[10:12]),
-                         ("extract", ids[12]), ("deliver", ids[12]),  # the pdf breaks the run
-                         ("extract", ids[14]), ("album", ids[13:15]),
-                         ("deliver", ids[15]),  # a gif is not a photo (an animation on Telegram)
-                         ("extract", ids[16]), ("deliver", ids[16])]  # a lone photo goes alone
-    album = next(t for t in c.tasks if t.task == "courier.delivery.deliver_album")
-    spec = album.args[0]
-    assert album.immutable and spec["caption"] == "cap" and spec["target"] == "telegram:1"
-    first, second = spec["items"][:2]
-    # a sandbox file's item names the key its extraction writes; a stored file's carries its own
-    assert first["extracted"] is True and first["key"] == "files/snd_x/1-p0.jpg" and first["name"] == "p0.jpg"
-    assert "extracted" not in second and second["key"] == "files/snd_x/1-p1.jpg"
-    extract = c.tasks[1]
-    assert extract.immutable and extract.args[0]["key"] == first["key"]
-    # the caption rides on the first file only: the first album here
-    assert all("caption" not in t.args[0] for t in c.tasks if t.task.endswith("deliver_album") and t is not album)
+    assert _lane(plan) == [("text", "snd_x.0"), ("album", ids[:10]), ("album", ids[10:12]),
+                           ("file", ids[12]),  # the pdf breaks the run
+                           ("album", ids[13:15]),
+                           ("file", ids[15]),  # a gif is not a photo (an animation on Telegram)
+                           ("file", ids[16])]  # a lone photo goes alone
+    items = {e.did: e for e in chains.entries(plan)}
+    first, second = items[ids[0]], items[ids[1]]
+    # every member is extracted on its own and knows its step; the first carries the caption
+    assert first.fields["step"] == second.fields["step"] == ids[0] and not second.lane
+    assert first.spec["extract"]["key"] == first.spec["key"] == "files/snd_x/1-p0.jpg" and first.queue == "sandbox"
+    assert "extract" not in second.spec and second.spec["key"] == "files/snd_x/1-p1.jpg"
+    assert first.spec["caption"] == "cap" and all("caption" not in e.spec for d, e in items.items() if d != ids[0])
 
 
 def test_no_albums_when_the_platform_or_the_plan_says_so():
@@ -113,7 +113,7 @@ def test_no_albums_when_the_platform_or_the_plan_says_so():
     for plan in (_album_plan(names, album_max=0), _album_plan(names, album_max=1),
                  _album_plan(names, as_document=True)):
         assert chains.album_groups(plan) == []
-        assert [s[0] for s in _shape(chains.build(plan))] == ["extract", "deliver", "deliver", "extract", "deliver"]
+        assert [k for k, _ in _lane(plan)] == ["file", "file", "file"]
     # a lone photo between other files stays a plain delivery, and a leftover of one after a full album too
     assert chains.album_groups(_album_plan(["a.jpg", "b.pdf", "c.jpg"])) == []
     assert chains.album_groups(_album_plan([f"{i}.jpg" for i in range(11)])) == [list(range(10))]
@@ -121,17 +121,15 @@ def test_no_albums_when_the_platform_or_the_plan_says_so():
 
 
 # -- what goes on the wire ---------------------------------------------------------------------
-def test_task_labels_are_short_and_keep_chat_text_out():
-    """Flower and the worker log show each task by a short label (its
-    delivery id, file and target), never the reply's text or caption."""
-    ref = SandboxRef("local")
-    plan = chains.Plan(job_id="snd_l", target="outbox:a", text="the secret reply " * 40,
-                       files=[chains.SandboxFile(ref, "/tmp/a.csv")], caption="private caption")
-    c = chains.build(plan)
-    labels = [t.options.get("argsrepr") for t in c.tasks]
-    assert all(labels) and all(len(x) <= 200 for x in labels)
-    assert not any("secret" in x or "private" in x for x in labels)
-    assert labels[0].startswith("(snd_l.0 text") and "snd_l.1" in labels[1] and "a.csv" in labels[2]
+def test_task_labels_are_short_and_messages_carry_ids_only():
+    """Flower and the worker log show each task by a short label, never the
+    reply's text or caption; a message carries ids, not the plan (its size
+    does not grow with the number of files)."""
+    extract = chains.extract_sig("snd_l.1", "sandbox", "local:/tmp/a.csv")
+    lane = chains.lane_sig("outbox:a")
+    assert extract.args == ("snd_l.1",) and extract.options["argsrepr"] == "(snd_l.1 local:/tmp/a.csv)"
+    assert lane.args == ("outbox:a",) and lane.options["argsrepr"] == "(lane outbox:a)"
+    assert chains.lane_sig("outbox:a", 1.5).options["countdown"] == 1.5
     turn = chains.turn_sig("turn_x", "outbox:a", "my private question", agent="demo")
     assert turn.options["argsrepr"] == "(turn_x demo -> outbox:a, 19 chars)"
     assert turn.args[0]["message"] == "my private question" and "sandbox" not in turn.args[0]
@@ -150,19 +148,17 @@ def test_tasks_are_published_straight_into_their_queue(redis_server, redis_clien
     reset_settings()
     try:
         app = make_app()
-        route = app.amqp.router.route({}, "courier.delivery.deliver", (), {}, None)
+        route = app.amqp.router.route({}, "courier.delivery.drive_lane", (), {}, None)
         assert route["queue"].name == "delivery" and "exchange" not in route
-        plan = chains.Plan(job_id="snd_w", target="outbox:a",
-                           files=[chains.SandboxFile(SandboxRef("local"), "/tmp/w.bin")])
 
         def smembers_calls() -> int:
             return int(redis_client.info("commandstats").get("cmdstat_smembers", {}).get("calls", 0))
 
-        app.send_task("courier.delivery.deliver", args=[None, {"id": "warm-up"}])  # connects
+        app.send_task("courier.delivery.drive_lane", args=["warm-up"])  # connects
         before = smembers_calls()
         for _ in range(2):
-            app.send_task("courier.delivery.deliver", args=[None, {"id": "x"}])
-        extract = chains.build(plan).tasks[0]
+            app.send_task("courier.delivery.drive_lane", args=["outbox:x"])
+        extract = chains.extract_sig("snd_w.0", "sandbox", "local:/tmp/w.bin")
         app.send_task(extract.task, args=extract.args, **extract.options)
         assert smembers_calls() == before
         assert redis_client.llen("delivery") == 3 and redis_client.llen("sandbox") == 1

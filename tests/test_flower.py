@@ -35,7 +35,7 @@ def test_flower_lists_courier_tasks_behind_basic_auth(courier_env, tmp_path):
             r = httpx.get(f"{base}/api/tasks", auth=("ops", "pw"), timeout=10)
             r.raise_for_status()
             return [t for t in r.json().values()
-                    if t.get("name") == "courier.delivery.deliver" and t.get("state") == "SUCCESS"]
+                    if t.get("name") == "courier.delivery.drive_lane" and t.get("state") == "SUCCESS"]
 
         tasks = wait_until(seen, timeout_s=60, what="flower to show the delivery task")
         assert tasks[0]["worker"].startswith("t")

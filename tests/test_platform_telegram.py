@@ -206,20 +206,19 @@ def test_permanent_errors_do_not_retry_and_show_in_status(tg, fake_telegram, r, 
 
 # -- idempotency and upload once -------------------------------------------------------------
 def test_redelivered_task_after_success_sends_nothing(tg, fake_telegram, r, tmp_path):
-    from celery import Celery
+    from tasks import chains, keys
 
     p = tmp_path / "once.pdf"
     write_unique(p, 1000)
     job = enqueue(tg, "telegram:800900", files=[p])
     (row,) = wait_job(r, job)
     assert row["state"] == "delivered"
-    app = Celery(broker=tg.env["COURIER_REDIS_URL"])
-    again = {"id": row["id"], "job": job, "target": "telegram:800900", "type": "file",
-             "key": f"files/{job}/0-once.pdf", "name": "once.pdf"}
-    probe = {"id": f"{job}.probe", "job": job, "target": "telegram:800900", "type": "text", "text": "probe"}
-    for body in (again, probe):
-        app.send_task("courier.delivery.deliver", args=[None, body], queue="delivery", exchange="delivery",
-                      routing_key="delivery")
+    # the delivered step once more in the lane, two more drives of it, then a probe behind them
+    r.rpush(keys.lane("telegram:800900"), row["id"])
+    with tg.publishing():
+        chains.publish_lane("telegram:800900")
+        chains.publish_lane("telegram:800900")
+    enqueue(tg, "telegram:800900", text="probe")
     wait_until(lambda: fake_telegram.calls_for("sendMessage", chat="800900"), timeout_s=30, what="the probe")
     assert [c.method for c in fake_telegram.calls_for(chat="800900")] == ["sendDocument", "sendMessage"]
 

@@ -152,9 +152,10 @@ def test_two_workers_40_messages_to_one_chat_hold_one_per_second(courier_env, fa
     assert sorted(c.text for c in calls) == sorted(f"message {i}" for i in range(40))  # each once
     gaps = [b.t - a.t for a, b in zip(calls, calls[1:])]
     assert min(gaps) >= 1.0 - 0.02, sorted(gaps)[:5]
-    # the waits were re-schedules, not sleeps: many deliveries were rate limited at least once
-    counts = [int(wait_job(redis_client, job)[0].get("rate_limited", 0)) for job in jobs]
-    print("rate-limited re-schedules per delivery:", sorted(counts), "gaps:", min(gaps), max(gaps))
-    assert sum(1 for n in counts if n > 0) >= 20
+    # one chat's lane: the messages went out in the order they were enqueued, and courier's own
+    # pacing was no attempt and no rate limit (the platform refused none)
+    assert [c.text for c in calls] == [f"message {i}" for i in range(40)]
+    rows = [wait_job(redis_client, job)[0] for job in jobs]
+    assert {(row["attempts"], row.get("rate_limited", "0")) for row in rows} == {("1", "0")}
     # the sends came over several connections (the workers' processes), yet never closer than 1 s
     assert len({c.peer for c in calls}) >= 2

@@ -43,7 +43,7 @@ def test_turn_survives_a_killed_worker(courier_env, tmp_path, redis_client, how)
     agent = tmp_path / "slow_agent.py"
     agent.write_text(AGENT.format(marker=str(marker)))
     agents = json.dumps({"slow": {"command": [os.sys.executable, str(agent)], "timeout_s": 300}})
-    env = courier_env(COURIER_AGENTS=agents, COURIER_VISIBILITY_TIMEOUT_S="6")
+    env = courier_env(COURIER_AGENTS=agents)  # the default visibility timeout (1 h): the ledger recovers
     w1 = env.start_worker(queues="turns", concurrency=1)
     res = env.cli("turn", "outbox:rel", "hello", "--agent", "slow", "--json")
     assert res.returncode == 0, res.stderr
@@ -57,8 +57,9 @@ def test_turn_survives_a_killed_worker(courier_env, tmp_path, redis_client, how)
         for pid in children:
             os.kill(pid, signal.SIGKILL)
     else:
-        # the whole worker dies (SIGKILL, no warm shutdown): the message stays
-        # unacked in Redis and comes back after the visibility timeout
+        # the whole worker dies (SIGKILL, no warm shutdown): its message stays unacked
+        # for the visibility timeout (1 h), but the turn's lease lapses within 20 s
+        # and the reconciler (in the new worker) runs it again
         for pid in _worker_pids(w1):
             os.kill(pid, signal.SIGKILL)
         w1.wait(timeout=10)
@@ -66,7 +67,7 @@ def test_turn_survives_a_killed_worker(courier_env, tmp_path, redis_client, how)
     env.start_worker(queues="delivery,sandbox")
 
     try:
-        wait_until(lambda: (receipts.get_job(redis_client, job) or {}).get("state") == "replied", timeout_s=150,
+        wait_until(lambda: (receipts.get_job(redis_client, job) or {}).get("state") == "replied", timeout_s=90,
                    what="the turn to be redelivered and finish")
     except AssertionError as exc:
         logs = "\n".join(f"--- {p.courier_log}\n{p.courier_log.read_text()[-2000:]}" for p in env.workers)
@@ -89,17 +90,15 @@ def test_redelivered_delivery_is_not_sent_twice(courier_env, redis_client, tmp_p
     assert res.returncode == 0, res.stderr
     data = json.loads(res.stdout)
     d = data["deliveries"][0]
-    # re-run the very same delivery task, as a broker redelivery would
-    from celery import Celery
+    # the very same step once more in the chat's lane (a duplicate message, a redelivery),
+    # and the drive of the lane published twice, then a probe behind them
+    from tasks import chains, keys
 
-    app = Celery(broker=env.env["COURIER_REDIS_URL"])
-    job = {"id": d["id"], "job": data["job"], "target": "outbox:dup", "type": "file",
-           "key": f"files/{data['job']}/0-a.txt", "name": "a.txt"}
-    app.send_task("courier.delivery.deliver", args=[None, job], queue="delivery",
-                  exchange="delivery", routing_key="delivery")
-    marker = {"id": "probe", "job": data["job"], "target": "outbox:dup", "type": "text", "text": "probe"}
-    app.send_task("courier.delivery.deliver", args=[None, marker], queue="delivery",
-                  exchange="delivery", routing_key="delivery")
+    redis_client.rpush(keys.lane("outbox:dup"), d["id"])
+    with env.publishing():
+        chains.publish_lane("outbox:dup")
+        chains.enqueue(redis_client, chains.Plan(job_id=chains.new_job_id("probe"), target="outbox:dup",
+                                                 text="probe"))
     wait_until(lambda: any(r.get("text") == "probe" for r in read_log(env.outbox, "dup")), timeout_s=30,
                what="the probe after the redelivered task")
     names = [r.get("name") for r in read_log(env.outbox, "dup") if r["kind"] != "text"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from celery import Celery
 from celery.schedules import crontab
+from celery.signals import worker_ready, worker_shutdown
 from kombu import Exchange, Queue
 
 from tasks import runtime
@@ -31,8 +32,9 @@ def task_queue(name: str, args=None, kwargs=None, options=None, task=None, **kw)
     return None
 
 
-def make_app() -> Celery:
-    s = get_settings()
+def make_app(settings=None) -> Celery:
+    """courier's Celery app for `settings` (default: the environment's)."""
+    s = settings or get_settings()
     app = Celery("courier", include=["tasks.pipeline"])
     app.conf.update(
         broker_url=s.redis_url,
@@ -42,11 +44,24 @@ def make_app() -> Celery:
         accept_content=["json"],
         event_serializer="json",
         task_acks_late=True,
+        # a stage that hangs (an I/O without a deadline) is cut: the soft limit raises inside
+        # the task (a transient error: the ledger retries it), the hard one ends the process
+        task_annotations={
+            "courier.delivery.drive_lane": {"soft_time_limit": s.delivery_time_limit_s,
+                                            "time_limit": s.delivery_time_limit_s + 30},
+            "courier.sandbox.extract_file": {"soft_time_limit": s.extract_time_limit_s,
+                                             "time_limit": s.extract_time_limit_s + 30},
+            "courier.turns.agent_turn": {"soft_time_limit": s.turn_time_limit_s,
+                                         "time_limit": s.turn_time_limit_s + 30},
+            "courier.janitor.sweep": {"soft_time_limit": 1800, "time_limit": 1830},
+            "courier.janitor.reconcile": {"soft_time_limit": 60, "time_limit": 90},
+        },
         task_reject_on_worker_lost=True,
         task_acks_on_failure_or_timeout=True,
         worker_prefetch_multiplier=1,
-        # a task reserved by a worker that died comes back after this; it must
-        # exceed every countdown we schedule (<= 900 s) and the turn timeout
+        # a message reserved by a worker that died comes back after this; recovery does not
+        # wait for it (the reconciler re-drives the stage once its lease lapses), but it must
+        # exceed the longest countdown (ledger.COUNTDOWN_MAX_S: settings check it)
         broker_transport_options={
             "visibility_timeout": s.visibility_timeout_s,
             # sweep for abandoned (unacked past the timeout) messages often, so a
@@ -90,6 +105,10 @@ def make_app() -> Celery:
 
 
 app = make_app()
+# courier's app is every thread's app: tasks published from the web process's
+# thread pool or a worker's reconciler thread go to COURIER_REDIS_URL, never
+# to Celery's default broker
+app.set_default()
 
 
 def _context_factory():
@@ -99,3 +118,22 @@ def _context_factory():
 
 
 runtime.set_factory(_context_factory)
+
+
+@worker_ready.connect
+def _start_reconciler(sender=None, **_kw) -> None:
+    """Every worker runs the reconciler (one pass a second; a Redis lock lets
+    one worker at a time work), so no extra process is needed for recovery."""
+    from tasks.reconcile import Reconciler
+
+    global _reconciler
+    _reconciler = Reconciler(runtime.ctx).start()
+
+
+@worker_shutdown.connect
+def _stop_reconciler(sender=None, **_kw) -> None:
+    if _reconciler is not None:
+        _reconciler.stop()
+
+
+_reconciler = None

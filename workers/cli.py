@@ -105,6 +105,9 @@ def send(
 
     settings = _settings()
     album_max = wired_platform(_target(settings, target), settings).limits.album_max  # built by the check
+    if len(paths) > settings.max_files_per_job:
+        raise die(f"{len(paths)} files: at most {settings.max_files_per_job} go with one send "
+                  "(COURIER_MAX_FILES_PER_JOB)", EXIT_INPUT)
     items: list[tuple[str, object]] = []
     for raw in paths:
         if "://" in raw:

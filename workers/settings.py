@@ -182,8 +182,21 @@ class Settings(BaseSettings):
     # -- delivery ----------------------------------------------------------
     #: attempts of a delivery or extraction on transient errors before it is recorded failed
     delivery_max_attempts: int = 8
-    #: a task held by a worker that died is redelivered after this many seconds
-    visibility_timeout_s: int = 3600
+    #: a task message held by a worker that died is handed out again after this many seconds
+    #: (recovery does not wait for it: the reconciler re-drives a dead worker's stages within
+    #: ~20 s); it must exceed courier's longest countdown (10 s), so at least 30
+    visibility_timeout_s: int = Field(3600, ge=30)
+    #: how long transient storage errors (S3 or the volume away) are waited out before a file
+    #: fails, with a notice in the chat
+    storage_outage_deadline_s: float = Field(1800.0, gt=0)
+    #: files one job may send (MEDIA tags of one reply, files of one send); the rest are left
+    #: out with a notice in the chat (a send over it is refused)
+    max_files_per_job: int = Field(50, ge=1)
+    #: time limits of one task run: past the soft one the stage is retried by the ledger,
+    #: past the hard one (+30 s) its process is ended
+    delivery_time_limit_s: int = Field(1800, ge=10)
+    extract_time_limit_s: int = Field(1800, ge=10)
+    turn_time_limit_s: int = Field(3600, ge=10)
     #: events kept per turn stream (approximate)
     events_maxlen: int = 1000
 

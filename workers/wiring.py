@@ -172,6 +172,8 @@ def build_context(settings: Settings | None = None):
         max_file_bytes=s.max_file_bytes,
         events_maxlen=s.events_maxlen,
         max_transient_attempts=s.delivery_max_attempts,
+        outage_deadline_s=s.storage_outage_deadline_s,
+        max_files_per_job=s.max_files_per_job,
         extras={"screenshot_ttl_s": s.screenshot_ttl_s, "file_ttl_s": s.file_ttl_s, "spill_ttl_s": s.spill_ttl_s,
                 **agent_extras(s, store(s))},
     )

@@ -1,0 +1,204 @@
+"""Per-chat lanes: a chat's deliveries go out one step at a time, in enqueue
+order, paced by the shared rate limits (plain code, no Celery).
+
+`keys.lane(target)` lists the chat's steps (a delivery id, or the first id
+of an album). `drive(ctx, target)` takes the lane's lease and sends the
+steps at its head while they are ready:
+- a step whose deliveries are all final is dropped from the lane;
+- a step whose files are still being extracted waits: the extraction drives
+  the lane when it ends (and the lane's due time is a safety net);
+- a slot not free yet (courier's own pacing, `ratelimit.Paced`) or a
+  platform's 429 waits `retry_after`: a countdown drive for a short wait,
+  the reconciler for a long one; no task polls meanwhile, and the pacing is
+  no attempt. Only the platform's own 429s count, and transient errors back
+  off (storage outages until their deadline) before the step fails.
+The lane keeps its order through all of it: nothing behind a waiting step
+overtakes it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from adapters.errors import CourierError, RateLimited, StorageError
+from tasks import delivery as delivery_mod
+from tasks import keys, ledger, receipts
+from tasks.extract import result_of
+from tasks.ratelimit import Paced
+from tasks.runtime import Context
+
+#: a lane nobody has looked at for this long is driven again by the reconciler
+LANE_GRACE_S = 10.0
+#: how long one drive keeps sending before it hands the lane to a fresh task (other lanes get a turn)
+BUDGET_S = 2.0
+#: a lane waiting for an extraction is looked at again after this (the extraction's end drives it sooner)
+EXTRACT_WAIT_S = 30.0
+#: platform 429s one step takes before it fails
+MAX_RATE_LIMITS = 60
+
+Publish = Callable[[str, float | None], None]
+
+_POP_HEAD = """
+if redis.call('lindex', KEYS[1], 0) == ARGV[1] then redis.call('lpop', KEYS[1]) return 1 end
+return 0
+"""
+_FORGET_IF_EMPTY = """
+if redis.call('llen', KEYS[1]) == 0 then redis.call('zrem', KEYS[2], ARGV[1]) return 1 end
+return 0
+"""
+
+
+@dataclass
+class Step:
+    lead: str
+    ids: list[str]
+    recs: list[dict]
+    specs: list[dict]
+
+    @property
+    def done(self) -> bool:
+        return all(rec.get("state") in receipts.TERMINAL for rec in self.recs)
+
+    @property
+    def ready(self) -> bool:
+        """Every sandbox file of the step extracted (or failed to be)."""
+        return all(rec.get("extraction") in ("ok", "failed") or "extract" not in spec
+                   or rec.get("state") in receipts.TERMINAL for rec, spec in zip(self.recs, self.specs))
+
+
+def load_step(r, lead: str) -> Step | None:
+    rec = receipts.get_delivery(r, lead)
+    if rec is None:
+        return None  # expired or never there: nothing to send
+    ids = json.loads(rec["album"]) if rec.get("album") else [lead]
+    recs = [rec] + ([receipts.get_delivery(r, d) or {} for d in ids[1:]])
+    specs = [json.loads(x["spec"]) if x.get("spec") else {} for x in recs]
+    return Step(lead, ids, recs, specs)
+
+
+def drive(ctx: Context, target: str, publish: Publish) -> dict:
+    """Send what is ready at the head of `target`'s lane. `publish(target,
+    countdown)` enqueues another drive of the lane. Returns a small summary."""
+    r = ctx.redis
+    with ledger.leased(r, "lane", target) as token:
+        if token is None:
+            return {"lane": target, "state": "busy"}  # a live worker is on it
+        out = _drive_leased(ctx, target, publish)
+    if out["state"] == "extracting":
+        # an extraction that ended while this drive held the lease found it
+        # busy: look once more now that it is free
+        step = load_step(r, out["head"])
+        if step is not None and (step.ready or step.done):
+            publish(target, None)
+    return out
+
+
+def _drive_leased(ctx: Context, target: str, publish: Publish) -> dict:
+    r = ctx.redis
+    lane = keys.lane(target)
+    sent = 0
+    deadline = time.monotonic() + BUDGET_S
+    while True:
+        raw = r.lindex(lane, 0)
+        if raw is None:
+            if r.eval(_FORGET_IF_EMPTY, 2, lane, keys.due("lane"), target):
+                return {"lane": target, "state": "empty", "sent": sent}
+            continue
+        head = raw.decode() if isinstance(raw, bytes) else raw
+        step = load_step(r, head)
+        if step is None or step.done:
+            r.eval(_POP_HEAD, 1, lane, head)
+            continue
+        if not step.ready:
+            ledger.set_due(r, "lane", target, EXTRACT_WAIT_S)
+            return {"lane": target, "state": "extracting", "head": head, "sent": sent}
+        if time.monotonic() > deadline:
+            ledger.set_due(r, "lane", target, LANE_GRACE_S)
+            publish(target, None)
+            return {"lane": target, "state": "continued", "sent": sent}
+        wait = _run_step(ctx, step)
+        if wait is not None:
+            _wait(r, target, wait, publish)
+            return {"lane": target, "state": "waiting", "head": head, "wait_s": round(wait, 3), "sent": sent}
+        sent += 1
+
+
+def _wait(r, target: str, wait_s: float, publish: Publish) -> None:
+    """The lane goes on in `wait_s`: a countdown drive for a short wait (the
+    due time after it is the safety net), the reconciler for a long one."""
+    if wait_s <= ledger.COUNTDOWN_MAX_S:
+        ledger.set_due(r, "lane", target, wait_s + LANE_GRACE_S)
+        publish(target, wait_s)
+    else:
+        ledger.set_due(r, "lane", target, wait_s)
+
+
+def _jobs(step: Step) -> list[dict]:
+    return [{k: v for k, v in spec.items() if k != "extract"} for spec in step.specs]
+
+
+def _run_step(ctx: Context, step: Step) -> float | None:
+    """Send one step. Returns None when it is final, else how long to wait before trying again."""
+    r = ctx.redis
+    jobs = _jobs(step)
+    try:
+        if len(step.ids) == 1:
+            job, spec = jobs[0], step.specs[0]
+            extracted = result_of(step.recs[0], spec["key"]) if "extract" in spec else None
+            delivery_mod.deliver(ctx, job, extracted)
+        else:
+            group = {"job": jobs[0]["job"], "target": jobs[0]["target"],
+                     "items": [{**job, "extracted": True} if "extract" in spec else job
+                               for job, spec in zip(jobs, step.specs)]}
+            if jobs[0].get("caption"):
+                group["caption"] = jobs[0]["caption"]
+                group["items"][0] = {k: v for k, v in group["items"][0].items() if k != "caption"}
+            delivery_mod.deliver_album(ctx, group)
+        return None
+    except Paced as exc:  # courier's own pacing: no attempt, no give-up
+        return exc.retry_after_s + random.uniform(0.0, 0.05)
+    except RateLimited as exc:
+        n = int(r.hincrby(keys.delivery(step.lead), "rate_limited", 1))
+        _mark_open(ctx, step, state="rate_limited", reason=f"rate limited, retry after {exc.retry_after_s:g}s")
+        if n > MAX_RATE_LIMITS:
+            _give_up(ctx, step, f"gave up after {n - 1} rate limits from {jobs[0]['target'].split(':')[0]}")
+            return None
+        return min(900.0, exc.retry_after_s) + random.uniform(0.05, 0.5)
+    except delivery_mod.Busy:
+        # a dead worker's send lock: it expires by itself; waiting for it is no attempt
+        return receipts.SEND_LOCK_TTL_S / 3
+    except Exception as exc:  # noqa: BLE001 - unmapped errors count as transient, bounded
+        if isinstance(exc, CourierError) and not exc.transient:
+            _give_up(ctx, step, exc.reason)
+            return None
+        reason = exc.reason if isinstance(exc, CourierError) else f"{type(exc).__name__}: {exc}"
+        n, first_s = ledger.count_transient(r, step.lead)
+        _mark_open(ctx, step, state="retrying", reason=reason)
+        if ledger.gives_up(exc, n, first_s, max_attempts=ctx.max_transient_attempts,
+                           outage_deadline_s=ctx.outage_deadline_s):
+            what = "storage unavailable" if isinstance(exc, StorageError) else f"gave up after {n} attempts"
+            _give_up(ctx, step, f"{what}: {reason}", notify=True)
+            return None
+        return ledger.backoff_s(n, storage=isinstance(exc, StorageError))
+
+
+def _open(ctx: Context, step: Step) -> list[dict]:
+    recs = [receipts.get_delivery(ctx.redis, d) or {} for d in step.ids]
+    return [job for job, rec in zip(_jobs(step), recs) if rec.get("state") not in receipts.TERMINAL]
+
+
+def _mark_open(ctx: Context, step: Step, **fields) -> None:
+    for job in _open(ctx, step):
+        receipts.update_delivery(ctx.redis, job["id"], **fields)
+
+
+def _give_up(ctx: Context, step: Step, reason: str, *, notify: bool = False) -> None:
+    for job in _open(ctx, step):
+        receipts.update_delivery(ctx.redis, job["id"], final="1")
+        delivery_mod.record_failure(ctx, job, reason)
+        if notify and job.get("type") == "file":
+            delivery_mod.notice_failed(ctx, job, reason)

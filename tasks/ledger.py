@@ -1,0 +1,203 @@
+"""The ledger's moving parts: leases and due times (plain code, no Celery).
+
+The receipts (tasks/receipts.py) say what each stage is and how far it got;
+this module says who is working on it and when somebody must look again:
+
+- a **lease** (`keys.lease(stage, id)`): a key holding its holder's token with
+  a short TTL, renewed by one heartbeat thread per process while the work
+  runs. A worker that dies (SIGKILL, OOM, a lost host) stops renewing, so its
+  lease is gone within `LEASE_TTL_S`.
+- a **due time** (`keys.due(stage)`, a sorted set): when the reconciler must
+  look at an entry again if nothing else has. Every stage that is queued,
+  waiting or running has one; a stage that is final has none. A task message
+  that vanished (a Redis restart, a task acked after a Redis error, a worker
+  that died holding it) leaves its due time behind, and the reconciler
+  re-drives the stage from the ledger alone when it passes and no lease is held.
+
+Stages: `lane` (a chat's ordered deliveries, id = target), `extract`
+(one sandbox file, id = delivery id), `turn` (an agent turn, id = job id).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from tasks import keys
+
+#: a lease lives this long unless its holder renews it (every third of it)
+LEASE_TTL_S = 20
+STAGES = ("lane", "extract", "turn")
+
+_TAKE = "return redis.call('set', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) and 1 or 0"
+_RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('expire', KEYS[1], ARGV[2]) else return 0 end"
+_RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
+
+
+def new_token() -> str:
+    return uuid.uuid4().hex
+
+
+def take(r, key: str, token: str, ttl_s: int = LEASE_TTL_S) -> bool:
+    """Take a lease (or a lock) if nobody holds it."""
+    return bool(r.set(key, token, nx=True, ex=ttl_s))
+
+
+def release(r, key: str, token: str) -> None:
+    """Only the holder releases (compare-and-delete). `r` may be a pipeline."""
+    r.eval(_RELEASE, 1, key, token)
+
+
+def held(r, key: str) -> bool:
+    return bool(r.exists(key))
+
+
+class _Renewer:
+    """One daemon thread per process renews every lease this process holds,
+    in one pipeline each third of its life. A missed renewal (Redis away for
+    a moment) only shortens the lease: the worst case is a second worker
+    re-driving a stage, which every stage tolerates (receipts say what is done)."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, tuple[Any, str, str, int]] = {}
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+        self.pid = 0
+        self.next = 0
+
+    def add(self, r, key: str, token: str, ttl_s: int) -> int:
+        with self.lock:
+            self.next += 1
+            ident = self.next
+            self.held[ident] = (r, key, token, ttl_s)
+            if self.thread is None or self.pid != os.getpid() or not self.thread.is_alive():
+                self.pid = os.getpid()
+                self.thread = threading.Thread(target=self._run, name="courier-lease-renewer", daemon=True)
+                self.thread.start()
+        return ident
+
+    def remove(self, ident: int) -> None:
+        with self.lock:
+            self.held.pop(ident, None)
+
+    def _run(self) -> None:
+        while True:
+            with self.lock:
+                items = list(self.held.values())
+            period = min([ttl for *_, ttl in items] or [LEASE_TTL_S]) / 3
+            by_client: dict[int, list] = {}
+            for r, key, token, ttl in items:
+                by_client.setdefault(id(r), [r]).append((key, token, ttl))
+            for r, *leases in by_client.values():
+                try:
+                    pipe = r.pipeline(transaction=False)
+                    for key, token, ttl in leases:
+                        pipe.eval(_RENEW, 1, key, token, ttl)
+                    pipe.execute()
+                except Exception:  # noqa: BLE001 - see the class docstring
+                    pass
+            time.sleep(period)
+
+
+_renewer = _Renewer()
+
+
+@contextmanager
+def renewing(r, key: str, token: str, ttl_s: int = LEASE_TTL_S) -> Iterator[None]:
+    """Keep a lease (or a send lock) alive while the block runs."""
+    ident = _renewer.add(r, key, token, ttl_s)
+    try:
+        yield
+    finally:
+        _renewer.remove(ident)
+
+
+@contextmanager
+def leased(r, stage: str, ident: str, ttl_s: int = LEASE_TTL_S) -> Iterator[str | None]:
+    """Hold the stage's lease while the block runs: yields the token, or None
+    when another live worker holds it (the block must then leave the stage alone)."""
+    key = keys.lease(stage, ident)
+    token = new_token()
+    if not take(r, key, token, ttl_s):
+        yield None
+        return
+    try:
+        with renewing(r, key, token, ttl_s):
+            yield token
+    finally:
+        try:
+            release(r, key, token)
+        except Exception:  # noqa: BLE001 - an unreleased lease expires by itself
+            pass
+
+
+def set_due(r, stage: str, ident: str, in_s: float) -> None:
+    """The reconciler looks at this entry again in `in_s` seconds unless it is
+    final by then. `r` may be a pipeline."""
+    r.zadd(keys.due(stage), {ident: time.time() + max(0.0, in_s)})
+
+
+def clear_due(r, stage: str, ident: str) -> None:
+    """The entry is final: the reconciler forgets it. `r` may be a pipeline."""
+    r.zrem(keys.due(stage), ident)
+
+
+def overdue(r, stage: str, *, now: float | None = None, limit: int = 500) -> list[str]:
+    """The entries whose due time has passed, oldest first."""
+    now = time.time() if now is None else now
+    out = r.zrangebyscore(keys.due(stage), "-inf", now, start=0, num=limit)
+    return [x.decode() if isinstance(x, bytes) else x for x in out]
+
+
+def pending(r) -> dict[str, int]:
+    """How many entries each stage has waiting or running (for status and metrics)."""
+    pipe = r.pipeline(transaction=False)
+    for stage in STAGES:
+        pipe.zcard(keys.due(stage))
+    return dict(zip(STAGES, (int(n) for n in pipe.execute())))
+
+
+# -- the retry policy of a stage that failed for a transient reason ---------------------------
+#: courier's own re-drives of a lane wait no longer than this as a countdown
+#: task; a longer wait is the reconciler's (no task held for minutes)
+COUNTDOWN_MAX_S = 10.0
+#: a storage outage is waited out in steps of at most this long (resumes soon after it ends)
+STORAGE_BACKOFF_CAP_S = 30.0
+
+
+def backoff_s(n: int, *, storage: bool = False) -> float:
+    """The wait before attempt `n + 1` after `n` transient failures: exponential with jitter."""
+    cap = STORAGE_BACKOFF_CAP_S if storage else 120.0
+    return min(cap, 2.0 ** max(0, n - 1)) * random.uniform(0.5, 1.0)
+
+
+def count_transient(r, delivery_id: str) -> tuple[int, float]:
+    """Count one transient failure on a receipt; returns (failures so far,
+    when the first of this run of failures happened)."""
+    now = time.time()
+    pipe = r.pipeline(transaction=False)
+    pipe.hincrby(keys.delivery(delivery_id), "transient_errors", 1)
+    pipe.hsetnx(keys.delivery(delivery_id), "first_error_s", f"{now:.3f}")
+    pipe.hget(keys.delivery(delivery_id), "first_error_s")
+    n, _, first = pipe.execute()
+    try:
+        first_s = float(first)
+    except (TypeError, ValueError):
+        first_s = now
+    return int(n), first_s
+
+
+def gives_up(exc: BaseException, n: int, first_s: float, *, max_attempts: int, outage_deadline_s: float) -> bool:
+    """Storage errors are an outage to wait out until its deadline; any other
+    transient error gives up after `max_attempts`."""
+    from adapters.errors import StorageError
+
+    if isinstance(exc, StorageError):
+        return time.time() - first_s >= outage_deadline_s
+    return n >= max_attempts

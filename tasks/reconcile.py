@@ -1,0 +1,147 @@
+"""The reconciler: re-drives every stage whose due time passed with nobody on it.
+
+Each worker process runs `Reconciler` (a thread, one pass a second); a
+Redis lock lets one of them work at a time, so adding workers adds no load.
+A pass reads only the due entries of each stage (`ZRANGEBYSCORE` to now):
+idle, it costs three small reads a second.
+
+For each overdue entry:
+- its lease is held: the holder is alive (it renews) - look again later;
+- it is final: forget it;
+- else publish its task again (ids only, from the ledger) and look again
+  after a grace that doubles with each re-drive of a stage that never
+  started (a long queue is not a lost message).
+A turn that has started `TURN_MAX_RUNS` times and died each time (it kills
+its worker) is ended with an error, and its chat told.
+
+Recovery time after a worker dies is therefore the lease's TTL plus a pass:
+about `ledger.LEASE_TTL_S` + 1 s, whatever the broker's visibility timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+from tasks import keys, ledger, receipts
+from tasks.runtime import Context
+
+log = logging.getLogger(__name__)
+
+INTERVAL_S = 1.0
+#: how long the reconciler's lock outlives a pass that stopped renewing it
+LOCK_TTL_S = 5
+TURN_MAX_RUNS = 3
+#: the longest grace between two re-drives of a stage that never starts
+MAX_GRACE_S = 300.0
+
+
+def _grace(base_s: float, redrives: int) -> float:
+    return min(MAX_GRACE_S, base_s * 2 ** min(redrives, 10))
+
+
+def tick(ctx: Context, *, now: float | None = None) -> dict:
+    """One pass over the overdue entries of every stage. Returns what it did."""
+    from tasks import chains
+
+    r = ctx.redis
+    out = {"lanes": 0, "extractions": 0, "turns": 0, "abandoned": 0}
+    for target in ledger.overdue(r, "lane", now=now):
+        if ledger.held(r, keys.lease("lane", target)):
+            ledger.set_due(r, "lane", target, ledger.LEASE_TTL_S)
+            continue
+        if not r.exists(keys.lane(target)):
+            ledger.clear_due(r, "lane", target)
+            continue
+        ledger.set_due(r, "lane", target, chains.LANE_GRACE_S)
+        chains.publish_lane(target)
+        out["lanes"] += 1
+    for did in ledger.overdue(r, "extract", now=now):
+        if ledger.held(r, keys.lease("extract", did)):
+            ledger.set_due(r, "extract", did, ledger.LEASE_TTL_S)
+            continue
+        rec = receipts.get_delivery(r, did)
+        if rec is None or rec.get("extraction") in ("ok", "failed") or rec.get("state") in receipts.TERMINAL \
+                or not rec.get("queue"):
+            ledger.clear_due(r, "extract", did)
+            if rec is not None and rec.get("spec"):
+                chains.publish_lane(_target_of(rec))  # the lane may be waiting for it
+            continue
+        n = int(r.hincrby(keys.delivery(did), "redrives", 1))
+        ledger.set_due(r, "extract", did, _grace(chains.EXTRACT_GRACE_S, n - 1))
+        chains.publish_extract(did, rec["queue"], rec.get("source", ""))
+        out["extractions"] += 1
+    for job_id in ledger.overdue(r, "turn", now=now):
+        if ledger.held(r, keys.lease("turn", job_id)):
+            ledger.set_due(r, "turn", job_id, ledger.LEASE_TTL_S)
+            continue
+        job = receipts.get_job(r, job_id)
+        if job is None or job.get("state") in ("replied", "no_reply", "error") or not job.get("spec"):
+            ledger.clear_due(r, "turn", job_id)
+            continue
+        if int(job.get("attempts") or 0) >= TURN_MAX_RUNS:
+            from tasks.turn import abandon
+
+            abandon(ctx, job_id, f"the agent's worker died {job['attempts']} times during this turn")
+            out["abandoned"] += 1
+            continue
+        n = int(r.hincrby(keys.job(job_id), "redrives", 1))
+        ledger.set_due(r, "turn", job_id, _grace(chains.TURN_GRACE_S, n - 1))
+        chains.spec_sig(json.loads(job["spec"])).apply_async()
+        out["turns"] += 1
+    return out
+
+
+def _target_of(rec: dict) -> str:
+    return json.loads(rec["spec"])["target"]
+
+
+class Reconciler:
+    """The reconciler's thread in a worker process: every `interval_s` it
+    takes (or keeps) the cluster-wide lock and, holding it, runs a pass.
+    Redis errors are logged and the next pass tries again."""
+
+    def __init__(self, ctx_factory: Callable[[], Context], interval_s: float = INTERVAL_S) -> None:
+        self.ctx_factory = ctx_factory
+        self.interval_s = interval_s
+        self.token = f"{os.getpid()}:{ledger.new_token()}"
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="courier-reconciler", daemon=True)
+        self.failures = 0
+
+    def start(self) -> "Reconciler":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    def _holds_lock(self, r) -> bool:
+        key = keys.reconciler_lock()
+        if r.set(key, self.token, nx=True, ex=LOCK_TTL_S):
+            return True
+        return bool(r.eval("if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('expire', KEYS[1], "
+                           "ARGV[2]) else return 0 end", 1, key, self.token, LOCK_TTL_S))
+
+    def _run(self) -> None:
+        while not self.stopping.wait(self.interval_s):
+            try:
+                ctx = self.ctx_factory()
+                if self._holds_lock(ctx.redis):
+                    done = tick(ctx)
+                    if any(done.values()):
+                        log.info("reconciler: re-drove %s", done)
+                self.failures = 0
+            except Exception as exc:  # noqa: BLE001 - Redis away: try again next pass
+                self.failures += 1
+                if self.failures in (1, 10) or self.failures % 60 == 0:
+                    log.warning("reconciler pass failed (%d in a row): %r", self.failures, exc)
+        try:
+            ctx = self.ctx_factory()
+            ledger.release(ctx.redis, keys.reconciler_lock(), self.token)
+        except Exception:  # noqa: BLE001 - it expires by itself
+            pass
