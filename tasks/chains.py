@@ -253,7 +253,9 @@ def enqueue(r, plan: Plan, *, job_kind: str | None = None) -> list[str]:
     for e in items:
         if e.queue is not None:
             publish_extract(e.did, e.queue, f"{e.spec['extract']['sandbox'].get('kind', '')}:{e.spec['extract']['path']}")
-    if items:
+    if any(e.queue is None for e in items):
+        # something is ready to go now; steps that wait for an extraction are
+        # driven by the extraction's end (and by the lane's due time)
         publish_lane(plan.target)
     return [e.did for e in items]
 

@@ -100,6 +100,7 @@ def drive(ctx: Context, target: str, publish: Publish) -> dict:
 def _drive_leased(ctx: Context, target: str, publish: Publish) -> dict:
     r = ctx.redis
     lane = keys.lane(target)
+    _clear_dead_senders_gate(ctx, target)
     sent = 0
     deadline = time.monotonic() + BUDGET_S
     while True:
@@ -125,6 +126,23 @@ def _drive_leased(ctx: Context, target: str, publish: Publish) -> dict:
             _wait(r, target, wait, publish)
             return {"lane": target, "state": "waiting", "head": head, "wait_s": round(wait, 3), "sent": sent}
         sent += 1
+
+
+def _clear_dead_senders_gate(ctx: Context, target: str) -> None:
+    """The lane's lease is the chat's only sender: a chat gate still saying
+    "a send is on its way" when a drive takes the lease was left by a holder
+    that died mid-send (a live one would still hold the lease). It goes, so
+    the chat does not wait out the gate's own 60 s TTL."""
+    from adapters.platforms.base import split_target
+    from tasks import ratelimit
+
+    try:
+        name, chat = split_target(target)
+        gate, _ = ratelimit.gate_of(ctx.platform(name), chat)
+    except CourierError:
+        return  # the step itself reports an unusable target
+    if gate is not None:
+        ratelimit.clear_if_sending(ctx.redis, gate)
 
 
 def _wait(r, target: str, wait_s: float, publish: Publish) -> None:
@@ -169,8 +187,9 @@ def _run_step(ctx: Context, step: Step) -> float | None:
             return None
         return min(900.0, exc.retry_after_s) + random.uniform(0.05, 0.5)
     except delivery_mod.Busy:
-        # a dead worker's send lock: it expires by itself; waiting for it is no attempt
-        return receipts.SEND_LOCK_TTL_S / 3
+        # a dead worker's send lock: it lapses with the lane's lease; waiting for it is no attempt
+        left_s = ledger.held(r, keys.delivery_lock(step.lead))
+        return min(left_s, receipts.SEND_LOCK_TTL_S) + 0.1 if left_s else 0.1
     except Exception as exc:  # noqa: BLE001 - unmapped errors count as transient, bounded
         if isinstance(exc, CourierError) and not exc.transient:
             _give_up(ctx, step, exc.reason)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import random
+import socket
 import threading
 import time
 import uuid
@@ -41,7 +42,8 @@ _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del
 
 
 def new_token() -> str:
-    return uuid.uuid4().hex
+    """A lease holder's token: `<host>:<pid>:<random>` (who holds it, for operators)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
 
 
 def take(r, key: str, token: str, ttl_s: int = LEASE_TTL_S) -> bool:
@@ -54,8 +56,10 @@ def release(r, key: str, token: str) -> None:
     r.eval(_RELEASE, 1, key, token)
 
 
-def held(r, key: str) -> bool:
-    return bool(r.exists(key))
+def held(r, key: str) -> float:
+    """Seconds the lease has left (0.0: not held)."""
+    ms = r.pttl(key)
+    return max(0.001, ms / 1000) if ms and ms > 0 else 0.0
 
 
 class _Renewer:

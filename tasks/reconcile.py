@@ -51,8 +51,9 @@ def tick(ctx: Context, *, now: float | None = None) -> dict:
     r = ctx.redis
     out = {"lanes": 0, "extractions": 0, "turns": 0, "abandoned": 0}
     for target in ledger.overdue(r, "lane", now=now):
-        if ledger.held(r, keys.lease("lane", target)):
-            ledger.set_due(r, "lane", target, ledger.LEASE_TTL_S)
+        left_s = ledger.held(r, keys.lease("lane", target))
+        if left_s:  # its holder is alive, or was until its lease lapses: look again then
+            ledger.set_due(r, "lane", target, left_s + 0.1)
             continue
         if not r.exists(keys.lane(target)):
             ledger.clear_due(r, "lane", target)
@@ -61,8 +62,9 @@ def tick(ctx: Context, *, now: float | None = None) -> dict:
         chains.publish_lane(target)
         out["lanes"] += 1
     for did in ledger.overdue(r, "extract", now=now):
-        if ledger.held(r, keys.lease("extract", did)):
-            ledger.set_due(r, "extract", did, ledger.LEASE_TTL_S)
+        left_s = ledger.held(r, keys.lease("extract", did))
+        if left_s:  # its holder is alive, or was until its lease lapses: look again then
+            ledger.set_due(r, "extract", did, left_s + 0.1)
             continue
         rec = receipts.get_delivery(r, did)
         if rec is None or rec.get("extraction") in ("ok", "failed") or rec.get("state") in receipts.TERMINAL \
@@ -76,8 +78,9 @@ def tick(ctx: Context, *, now: float | None = None) -> dict:
         chains.publish_extract(did, rec["queue"], rec.get("source", ""))
         out["extractions"] += 1
     for job_id in ledger.overdue(r, "turn", now=now):
-        if ledger.held(r, keys.lease("turn", job_id)):
-            ledger.set_due(r, "turn", job_id, ledger.LEASE_TTL_S)
+        left_s = ledger.held(r, keys.lease("turn", job_id))
+        if left_s:  # its holder is alive, or was until its lease lapses: look again then
+            ledger.set_due(r, "turn", job_id, left_s + 0.1)
             continue
         job = receipts.get_job(r, job_id)
         if job is None or job.get("state") in ("replied", "no_reply", "error") or not job.get("spec"):

@@ -13,6 +13,7 @@ from celery.signals import worker_ready, worker_shutdown
 from kombu import Exchange, Queue
 
 from tasks import runtime
+from workers.redis_url import celery_url
 from workers.settings import get_settings
 
 QUEUES = ("turns", "sandbox", "delivery", "janitor")
@@ -35,10 +36,11 @@ def task_queue(name: str, args=None, kwargs=None, options=None, task=None, **kw)
 def make_app(settings=None) -> Celery:
     """courier's Celery app for `settings` (default: the environment's)."""
     s = settings or get_settings()
+    url, sentinel_options = celery_url(s.redis_url)
     app = Celery("courier", include=["tasks.pipeline"])
     app.conf.update(
-        broker_url=s.redis_url,
-        result_backend=s.redis_url,
+        broker_url=url,
+        result_backend=url,
         task_serializer="json",
         result_serializer="json",
         accept_content=["json"],
@@ -71,8 +73,9 @@ def make_app(settings=None) -> Celery:
             "socket_connect_timeout": 5,
             "socket_timeout": 30,
             "socket_keepalive": True,
+            **sentinel_options,
         },
-        result_backend_transport_options={"visibility_timeout": s.visibility_timeout_s},
+        result_backend_transport_options={"visibility_timeout": s.visibility_timeout_s, **sentinel_options},
         worker_cancel_long_running_tasks_on_connection_loss=True,
         broker_connection_retry_on_startup=True,
         broker_connection_timeout=4,

@@ -81,7 +81,8 @@ class Settings(BaseSettings):
 
     #: where courier keeps its files by default (storage, outbox, local sandboxes)
     data_dir: Path = Field(default_factory=_default_data_dir)
-    #: broker, results, events, locks, rate limits
+    #: broker, results, ledger, events, rate limits: `redis://host:port/db`, or
+    #: `sentinel://h1:26379,h2:26379/<master name>/<db>` for a Sentinel-managed master
     redis_url: str = "redis://127.0.0.1:6379/0"
     #: `file:///abs/dir` or `s3://bucket/prefix` (endpoint: AWS_ENDPOINT_URL); default file://<data dir>/storage
     storage_url: str | None = None
@@ -235,8 +236,11 @@ class Settings(BaseSettings):
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, v: str) -> str:
-        if not v.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("COURIER_REDIS_URL must start with redis://, rediss:// or unix://")
+        from workers.redis_url import SCHEMES, parse_sentinel
+
+        if not v.startswith(SCHEMES):
+            raise ValueError("COURIER_REDIS_URL must start with redis://, rediss://, unix:// or sentinel://")
+        parse_sentinel(v)  # a malformed sentinel URL says what is wrong
         return v
 
     @field_validator("browser_allowed_hosts")

@@ -148,13 +148,13 @@ _redis_clients: dict[str, object] = {}
 
 
 def redis_client(url: str | None = None):
-    import redis
+    """One client per URL and process (plain or Sentinel-managed: workers.redis_url)."""
+    from workers import redis_url
 
     u = url or get_settings().redis_url
     c = _redis_clients.get(u)
     if c is None:
-        c = _redis_clients[u] = redis.Redis.from_url(u, socket_connect_timeout=3, socket_timeout=30,
-                                                     health_check_interval=30)
+        c = _redis_clients[u] = redis_url.client(u)
     return c
 
 

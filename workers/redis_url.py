@@ -1,0 +1,90 @@
+"""COURIER_REDIS_URL, plain or Sentinel-managed, for every client courier makes.
+
+    redis://[:password@]host:port/db            one Redis
+    rediss://... , unix:///path?db=0            TLS, a socket
+    sentinel://[:password@]h1:p1,h2:p2/<master>/<db>
+                                                the master Sentinel names (high availability)
+
+With Sentinel, every client asks the sentinels for the current master and
+asks again after a failover: the task context's client (redis-py's
+`Sentinel.master_for`), the web process's async client, and Celery's broker
+and result backend (kombu's `sentinel://` transport with `master_name`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from urllib.parse import unquote, urlsplit
+
+SCHEMES = ("redis://", "rediss://", "unix://", "sentinel://")
+
+#: client timeouts: a dead master is noticed in seconds, never hangs a worker
+CONNECT_TIMEOUT_S = 3
+SOCKET_TIMEOUT_S = 30
+
+
+@dataclass(frozen=True)
+class SentinelUrl:
+    hosts: tuple[tuple[str, int], ...]
+    master: str
+    db: int
+    password: str | None
+
+
+def parse_sentinel(url: str) -> SentinelUrl | None:
+    """The parts of a `sentinel://` URL (None for any other scheme); a malformed one is a ValueError."""
+    if not url.startswith("sentinel://"):
+        return None
+    u = urlsplit(url)
+    netloc = u.netloc
+    password = None
+    if "@" in netloc:
+        cred, netloc = netloc.rsplit("@", 1)
+        password = unquote(cred.split(":", 1)[1] if ":" in cred else cred) or None
+    hosts = []
+    for part in netloc.split(","):
+        host, _, port = part.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"sentinel URL: {part!r} is not host:port")
+        hosts.append((host.strip("[]"), int(port)))
+    path = [p for p in u.path.split("/") if p]
+    if not path or len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
+        raise ValueError("sentinel URL must be sentinel://host:port[,host:port]/<master name>[/<db>]")
+    return SentinelUrl(tuple(hosts), path[0], int(path[1]) if len(path) == 2 else 0, password)
+
+
+def client(url: str):
+    """A redis-py client for `url` (the current master, for a sentinel URL)."""
+    import redis
+
+    s = parse_sentinel(url)
+    if s is None:
+        return redis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=SOCKET_TIMEOUT_S,
+                                    health_check_interval=30)
+    from redis.sentinel import Sentinel
+
+    sentinel = Sentinel(list(s.hosts), socket_timeout=CONNECT_TIMEOUT_S, socket_connect_timeout=CONNECT_TIMEOUT_S)
+    return sentinel.master_for(s.master, db=s.db, password=s.password, socket_connect_timeout=CONNECT_TIMEOUT_S,
+                               socket_timeout=SOCKET_TIMEOUT_S, health_check_interval=30)
+
+
+def async_client(url: str):
+    """The asyncio twin of `client` (the web process's event streams)."""
+    import redis.asyncio
+
+    s = parse_sentinel(url)
+    if s is None:
+        return redis.asyncio.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S)
+    from redis.asyncio.sentinel import Sentinel
+
+    sentinel = Sentinel(list(s.hosts), socket_timeout=CONNECT_TIMEOUT_S, socket_connect_timeout=CONNECT_TIMEOUT_S)
+    return sentinel.master_for(s.master, db=s.db, password=s.password, socket_connect_timeout=CONNECT_TIMEOUT_S)
+
+
+def celery_url(url: str) -> tuple[str, dict]:
+    """Celery's broker / result backend URL for `url`, and the transport options it needs."""
+    s = parse_sentinel(url)
+    if s is None:
+        return url, {}
+    cred = f":{s.password}@" if s.password else ""
+    return ";".join(f"sentinel://{cred}{h}:{p}/{s.db}" for h, p in s.hosts), {"master_name": s.master}
