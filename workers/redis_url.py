@@ -13,6 +13,7 @@ and result backend (kombu's `sentinel://` transport with `master_name`).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
@@ -64,8 +65,41 @@ def client(url: str):
     from redis.sentinel import Sentinel
 
     sentinel = Sentinel(list(s.hosts), socket_timeout=CONNECT_TIMEOUT_S, socket_connect_timeout=CONNECT_TIMEOUT_S)
-    return sentinel.master_for(s.master, db=s.db, password=s.password, socket_connect_timeout=CONNECT_TIMEOUT_S,
-                               socket_timeout=SOCKET_TIMEOUT_S, health_check_interval=30)
+    c = sentinel.master_for(s.master, db=s.db, password=s.password, socket_connect_timeout=CONNECT_TIMEOUT_S,
+                            socket_timeout=SOCKET_TIMEOUT_S, health_check_interval=30)
+    _SwitchWatcher(s, c.connection_pool).start()
+    return c
+
+
+class _SwitchWatcher(threading.Thread):
+    """Drops a Sentinel-managed client's connections the moment a sentinel
+    announces a new master (`+switch-master`). Without it the client keeps
+    writing to the old master until it is turned into a replica (~10 s
+    later), and those writes are discarded with its history: the ledger
+    would replay, and re-send, everything done in that window."""
+
+    def __init__(self, s: SentinelUrl, pool) -> None:
+        super().__init__(name="courier-sentinel-watch", daemon=True)
+        self.s, self.pool = s, pool
+
+    def run(self) -> None:
+        import redis
+
+        while True:
+            for host, port in self.s.hosts:
+                try:
+                    conn = redis.Redis(host=host, port=port, socket_connect_timeout=CONNECT_TIMEOUT_S,
+                                       socket_timeout=None)
+                    sub = conn.pubsub(ignore_subscribe_messages=True)
+                    sub.subscribe("+switch-master")
+                    for msg in sub.listen():
+                        data = msg.get("data")
+                        name = (data.decode() if isinstance(data, bytes) else str(data)).split(" ", 1)[0]
+                        if name == self.s.master:
+                            self.pool.disconnect(inuse_connections=True)
+                except Exception:  # noqa: BLE001 - that sentinel is away: try the next one
+                    pass
+            threading.Event().wait(1.0)
 
 
 def async_client(url: str):

@@ -152,9 +152,10 @@ def redis_client(url: str | None = None):
     from workers import redis_url
 
     u = url or get_settings().redis_url
-    c = _redis_clients.get(u)
+    k = f"{os.getpid()}:{u}"  # a forked pool process makes its own (and its own Sentinel watcher)
+    c = _redis_clients.get(k)
     if c is None:
-        c = _redis_clients[u] = redis_url.client(u)
+        c = _redis_clients[k] = redis_url.client(u)
     return c
 
 
