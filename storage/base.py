@@ -140,6 +140,11 @@ class BlobStore(ABC):
     def delete(self, key: str) -> None:
         self.delete_many([key])
 
+    def sweep_tmp(self, older_than_s: float = 3600) -> int:
+        """Remove what writes killed mid-way left behind (temp files, unfinished
+        multipart uploads) older than `older_than_s`; returns how many went."""
+        return 0
+
     # -- links -----------------------------------------------------------
     def signed_url(self, key: str, expires_s: int = 3600) -> str | None:
         """A time-limited download link, or None where the store cannot sign."""

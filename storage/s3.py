@@ -171,6 +171,24 @@ class S3Store(BlobStore):
             self._client_pid = os.getpid()
         return self._client_obj
 
+    def sweep_tmp(self, older_than_s: float = 3600) -> int:
+        """Abort multipart uploads under this store's prefix started over
+        `older_than_s` ago (a worker killed mid-upload leaves its parts billed forever)."""
+        import datetime
+
+        cutoff = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=older_than_s)
+        n = 0
+        with _map_errors("list uploads", self._key_prefix, self.url):
+            pages = self._client.get_paginator("list_multipart_uploads").paginate(
+                Bucket=self.bucket, Prefix=self._key_prefix)
+            stale = [(u["Key"], u["UploadId"]) for page in pages for u in page.get("Uploads", [])
+                     if u["Initiated"] < cutoff]
+        for key, upload_id in stale:
+            with _map_errors("abort", key, self.url):
+                self._client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
+            n += 1
+        return n
+
     def _full(self, key: str) -> str:
         return self._key_prefix + check_key(key)
 

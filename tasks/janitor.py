@@ -21,7 +21,6 @@ def sweep(ctx: Context) -> dict:
     for prefix, setting in RETENTION.items():
         ttl = int(ctx.extras.get(setting, DEFAULT_TTL_S[setting]))
         out[prefix.rstrip("/")] = expire(ctx.store, prefix, ttl)
-    sweep_tmp = getattr(ctx.store, "sweep_tmp", None)
-    if sweep_tmp is not None:
-        out["partial_writes"] = sweep_tmp()
+    out["partial_writes"] = ctx.store.sweep_tmp()  # temp files, unfinished multipart uploads
+    out["outbox_partial_writes"] = ctx.platform("outbox").sweep_partial()
     return out

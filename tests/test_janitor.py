@@ -43,3 +43,32 @@ def test_beat_schedules_the_janitor():
     entry = app.conf.beat_schedule["janitor-sweep"]
     assert entry["task"] == "courier.janitor.sweep" and entry["options"]["queue"] == "janitor"
     assert "courier.janitor.sweep" in app.tasks or app.loader.import_default_modules() is not None
+
+
+def test_sweep_aborts_abandoned_multipart_uploads_and_outbox_partials(s3_server, tmp_path):
+    """A worker killed mid-upload leaves an unfinished multipart upload on S3
+    (its parts kept, and billed, forever) and a `.part` file in the outbox:
+    the janitor's sweep removes both once they are old, and nothing fresh."""
+    from adapters.platforms.outbox import OutboxPlatform
+
+    bucket = s3_server.make_bucket()
+    store = s3_server.store(bucket, "courier")
+    c = s3_server.client()
+    up = c.create_multipart_upload(Bucket=bucket, Key="courier/files/j/0-big.bin")
+    c.upload_part(Bucket=bucket, Key="courier/files/j/0-big.bin", UploadId=up["UploadId"], PartNumber=1,
+                  Body=b"x" * 1024)
+    other = c.create_multipart_upload(Bucket=bucket, Key="elsewhere/x.bin")  # not under the store's prefix
+    assert len(s3_server.pending_uploads(bucket)) == 2
+    assert store.sweep_tmp(older_than_s=3600) == 0  # fresh: a live upload may still be going
+    assert store.sweep_tmp(older_than_s=0) == 1
+    assert [u["Key"] for u in s3_server.pending_uploads(bucket)] == ["elsewhere/x.bin"]
+    c.abort_multipart_upload(Bucket=bucket, Key="elsewhere/x.bin", UploadId=other["UploadId"])
+
+    outbox = OutboxPlatform(tmp_path / "outbox")
+    outbox.send_text("chat", "hello", delivery_id="d.0")
+    old, fresh = tmp_path / "outbox" / "chat" / ".dead.part", tmp_path / "outbox" / "chat" / ".live.part"
+    old.write_bytes(b"partial")
+    fresh.write_bytes(b"partial")
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    assert outbox.sweep_partial(older_than_s=3600) == 1
+    assert not old.exists() and fresh.exists()

@@ -124,6 +124,11 @@ class Platform(ABC):
     def close(self) -> None:
         return None
 
+    def sweep_partial(self, older_than_s: float = 3600) -> int:
+        """Remove partial writes a killed worker left where this platform
+        writes locally (the outbox); returns how many went."""
+        return 0
+
 
 def split_target(target: str) -> tuple[str, str]:
     """`<platform>:<chat id>` -> (platform, chat)."""

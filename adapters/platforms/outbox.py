@@ -68,6 +68,21 @@ class OutboxPlatform(Platform):
         finally:
             os.close(fd)
 
+    def sweep_partial(self, older_than_s: float = 3600) -> int:
+        """`.part` files of sends killed mid-write, older than `older_than_s`."""
+        cutoff = time.time() - older_than_s
+        n = 0
+        if not self.root.is_dir():
+            return 0
+        for p in self.root.glob("*/.*.part"):
+            try:
+                if p.stat().st_mtime < cutoff:
+                    p.unlink()
+                    n += 1
+            except FileNotFoundError:
+                pass
+        return n
+
     def send_text(self, chat: str, text: str, *, delivery_id: str) -> Sent:
         d = self._chat_dir(chat)
         self._log(d, {"delivery_id": delivery_id, "kind": Kind.TEXT.value, "text": text, "ts": time.time()})
