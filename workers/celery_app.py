@@ -90,6 +90,11 @@ def make_app() -> Celery:
 
 
 app = make_app()
+# courier's app is Celery's default app too: a `shared_task` is found through
+# the calling thread's current app, which is set only in the thread that made
+# this one; from any other thread (Starlette's thread pool, a client's worker
+# threads) it would otherwise be Celery's own default app (amqp://localhost)
+app.set_default()
 
 
 def _context_factory():

@@ -426,7 +426,13 @@ def web(
     """Serve platform webhooks and the turns' Server-Sent Events (uvicorn)."""
     import uvicorn
 
+    from workers.web import BrokerMismatch, courier_celery
+
     settings = _settings()
+    try:
+        courier_celery(settings)  # the app checks it too (lifespan); here with a one-line error
+    except BrokerMismatch as exc:
+        raise die(str(exc), EXIT_INPUT) from None
     uvicorn.run("workers.web:app", host=host or settings.web_host, port=port or settings.web_port,
                 log_level="info", timeout_graceful_shutdown=5)
 

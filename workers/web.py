@@ -28,6 +28,7 @@ import hashlib
 import hmac
 import json
 import logging
+import os
 import re
 import time
 from typing import Any
@@ -71,6 +72,7 @@ class _Web:
         self.settings = settings
         self._redis = None
         self._aredis = None
+        self._celery = None
 
     @property
     def redis(self):
@@ -95,9 +97,23 @@ class _Web:
             self._aredis = None
 
     # -- turns from webhooks ------------------------------------------------------------
+    @property
+    def celery(self):
+        """Courier's Celery app, checked once (see `courier_celery`)."""
+        if self._celery is None:
+            self._celery = courier_celery(self.settings)
+        return self._celery
+
     def accept(self, platform: str, update_id: str, chat: str, message: str) -> dict:
-        """Enqueue a turn for one platform update, once (blocking: call in a thread)."""
+        """Enqueue a turn for one platform update, once (blocking: call in a thread).
+
+        The de-dup key is set first ("pending", so a concurrent retry is
+        dropped) and kept only once the turn is queued: when the enqueue
+        fails, the key and the turn's job record are deleted again (no
+        orphan "queued" job) and the caller answers 503, so the platform's
+        retry goes through."""
         s = self.settings
+        app = self.celery
         seen = keys.webhook_seen(platform, update_id)
         if not self.redis.set(seen, "pending", nx=True, ex=s.webhook_dedupe_ttl_s):
             log.info("%s webhook: dropped a retried update %s", platform, update_id)
@@ -105,18 +121,55 @@ class _Web:
         origin = f"{platform}:{chat}"
         override = s.webhook_reply_target_override
         target = override.replace("{platform}", platform).replace("{chat}", chat) if override else origin
-        import workers.celery_app  # noqa: F401 - binds the tasks to the configured app
         from tasks import chains
 
+        job_id = chains.new_job_id("turn")
         try:
-            job_id = chains.enqueue_turn(self.redis, target, message[:MAX_MESSAGE_CHARS],
-                                         agent=s.webhook_agent or s.default_agent, origin=origin)
+            app.set_current()  # this thread publishes through courier's app, whatever else set its current app
+            chains.enqueue_turn(self.redis, target, message[:MAX_MESSAGE_CHARS], job_id=job_id,
+                                agent=s.webhook_agent or s.default_agent, origin=origin)
+            self.redis.set(seen, job_id, ex=s.webhook_dedupe_ttl_s)
         except Exception:
-            self.redis.delete(seen)  # let the platform's retry through
+            self._forget(seen, job_id)
             raise
-        self.redis.set(seen, job_id, ex=s.webhook_dedupe_ttl_s)
         log.info("%s webhook: update %s -> turn %s", platform, update_id, job_id)
         return {"ok": True, "job": job_id}
+
+    def _forget(self, seen: str, job_id: str) -> None:
+        """After a failed enqueue: no de-dup key (the retry goes through), no job record."""
+        try:
+            self.redis.delete(seen, keys.job(job_id))
+        except Exception as exc:  # noqa: BLE001 - both expire anyway; the 503 stands
+            log.error("webhook: could not clear %s after a failed enqueue: %s", job_id, type(exc).__name__)
+
+
+class BrokerMismatch(RuntimeError):
+    """The web process would publish turns somewhere else than COURIER_REDIS_URL."""
+
+
+def courier_celery(settings: Settings):
+    """Courier's Celery app, once it is checked that every thread publishes
+    through it and that its broker is `settings.redis_url` (Celery reads
+    CELERY_BROKER_URL from the environment before its own configuration)."""
+    import threading
+
+    from celery import current_app
+
+    from workers.celery_app import app
+    from workers.embedded import redact_url
+
+    broker = app.conf.broker_url
+    if broker != settings.redis_url:
+        why = " (CELERY_BROKER_URL is set in the environment)" if os.environ.get("CELERY_BROKER_URL") else ""
+        raise BrokerMismatch(f"the Celery broker is {redact_url(str(broker))}, not COURIER_REDIS_URL "
+                             f"{redact_url(settings.redis_url)}{why}: webhook turns would be lost")
+    seen: list = []
+    t = threading.Thread(target=lambda: seen.append(current_app._get_current_object()), name="courier-app-check")
+    t.start()
+    t.join()
+    if seen[0] is not app:
+        raise BrokerMismatch(f"another thread publishes through Celery app {seen[0].main!r}, not courier's")
+    return app
 
 
 async def _body(request: Request) -> bytes | None:
@@ -381,6 +434,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
 
     @asynccontextmanager
     async def lifespan(_app):
+        web.celery  # noqa: B018 - refuse to start when turns would be published anywhere else
         yield
         await shutdown()
 
