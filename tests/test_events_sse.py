@@ -181,6 +181,27 @@ def test_turn_wait_shows_live_phases_and_delivers_the_demo_files(stack):
     assert sorted(r.get("name", "") for r in read_log(stack.env.outbox, "me")) == ["", "chart.png", "report.csv"]
 
 
+@pytest.mark.parametrize("agent,status", [("quiet", "no_reply"), ("empty", None)])
+def test_turn_wait_ends_when_the_turn_ends_without_a_reply(stack, agent, status):
+    """No reply (declined) or an empty one: `--wait` ends as soon as the turn
+    is over, exit 0 (it used to wait for deliveries that never come: the
+    whole --timeout, then exit 4)."""
+    t0 = time.monotonic()
+    res = stack.env.cli("turn", f"outbox:noreply_{agent}", "go", "--agent", agent, "--wait", "--timeout", "40",
+                        "--json", timeout_s=60)
+    took = time.monotonic() - t0
+    assert res.returncode == 0 and took < 20, (res.returncode, took, res.stderr)
+    out = json.loads(res.stdout)
+    job = out["job"]
+    assert out["done"] is True and out["deliveries"] == []
+    terminal = [ev for _, ev in stack.stream(job) if events.is_terminal(ev)]
+    assert terminal[0]["status"] == (status or terminal[0]["status"]) and terminal[0]["deliveries"] == 0
+    res = stack.env.cli("turn", f"outbox:noreply_{agent}", "go", "--agent", agent, "--wait", "--timeout", "40",
+                        timeout_s=60)
+    assert res.returncode == 0, res.stderr
+    assert read_log(stack.env.outbox, f"noreply_{agent}") == []
+
+
 def test_watch_a_send_job(stack, tmp_path):
     f = tmp_path / "n.txt"
     f.write_text("note")

@@ -26,6 +26,8 @@ out = Console()
 err = Console(stderr=True)
 
 EXIT_FAILED, EXIT_INPUT, EXIT_SERVICE, EXIT_TIMEOUT = 1, 2, 3, 4
+#: a turn's job states once it is over (its deliveries, if any, are registered by then)
+TURN_OVER = frozenset({"replied", "no_reply", "error"})
 PROGRESS_MIN_BYTES = 8 * 1024 * 1024
 
 
@@ -177,12 +179,16 @@ def _upload(store, key: str, p: Path):
 
 
 def _wait_deliveries(r, job_id: str, timeout_s: float) -> tuple[list[dict], bool]:
+    """The job's deliveries once all are final; done at once for a turn that
+    ended with none (no reply, an empty reply)."""
     from tasks import receipts
 
     deadline = time.monotonic() + timeout_s
     while True:
         rows = receipts.job_deliveries(r, job_id)
         if rows and all(row.get("state") in receipts.TERMINAL for row in rows):
+            return rows, True
+        if not rows and (receipts.get_job(r, job_id) or {}).get("state") in TURN_OVER:
             return rows, True
         if time.monotonic() > deadline:
             return rows, False
@@ -280,8 +286,9 @@ def watch_job(r, job_id: str, timeout_s: float, *, quiet: bool = False, as_json:
     every delivery's final state. Live (rich): a status line with the phase,
     the current activity, elapsed time and deliveries, above it a log of
     status changes, tool events and deliveries. `as_json`: one JSON line per
-    event (`id` is the stream id). True: completed and all delivered; False:
-    error, no reply or a failed delivery; None: timed out."""
+    event (`id` is the stream id). True: completed (or ended with no reply:
+    the agent chose so) and all delivered; False: error or a failed
+    delivery; None: timed out."""
     from rich.live import Live
 
     from tasks import events
@@ -312,7 +319,13 @@ def watch_job(r, job_id: str, timeout_s: float, *, quiet: bool = False, as_json:
             live.stop()
     if not (quiet or as_json):
         out.print(view.summary(tracker), highlight=False)
-    return tracker.ok
+    return _ok(tracker)
+
+
+def _ok(tracker) -> bool:
+    """Over as it should be: completed or no reply, and no delivery failed."""
+    st = (tracker.terminal or {}).get("status")
+    return st in ("completed", "no_reply") and "failed" not in tracker.final.values()
 
 
 class _WatchView:
@@ -359,7 +372,7 @@ class _WatchView:
 
     def summary(self, tracker) -> str:
         st = (tracker.terminal or {}).get("status") or self.phase
-        color = "green" if tracker.ok else "red"
+        color = ("yellow" if st == "no_reply" else "green") if _ok(tracker) else "red"
         n = len(tracker.final)
         failed = sum(1 for s in tracker.final.values() if s == "failed")
         tail = f", {failed} failed" if failed else ""
