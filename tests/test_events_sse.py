@@ -202,6 +202,42 @@ def test_turn_wait_ends_when_the_turn_ends_without_a_reply(stack, agent, status)
     assert read_log(stack.env.outbox, f"noreply_{agent}") == []
 
 
+def test_agent_text_is_never_markup_and_never_carries_control_characters(stack):
+    """`[/]` in the agent's text, tool arguments, a file name and a failed
+    path's reason: `turn --wait` and `status` print them as they are (they
+    used to crash with rich's MarkupError); a NUL or an escape sequence never
+    reaches the chat."""
+    res = stack.env.cli("turn", "outbox:markup", "go", "--agent", "markup", "--wait", "--timeout", "60")
+    assert "Traceback" not in res.stderr and "MarkupError" not in res.stderr, res.stderr
+    assert res.returncode == 1, res.stdout + res.stderr  # the MEDIA path that does not exist failed
+    job = res.stdout.split()[1]
+    assert "$ echo [/] [bold]" in res.stdout and "out[bold]x.txt" in res.stdout, res.stdout
+    rows = receipts.job_deliveries(stack.r, job)
+    assert [(d["type"], d["state"]) for d in rows] == [("text", "delivered"), ("file", "delivered"),
+                                                      ("file", "failed")]
+    assert "[/i]" in rows[2]["reason"]
+    log = read_log(stack.env.outbox, "markup")
+    assert log[0]["text"] == "done [/] [red]xy[0m" and log[1]["name"] == "out[bold]x.txt"
+    import subprocess
+
+    res = subprocess.run([sys.executable, "-m", "workers.cli", "status", job], capture_output=True, text=True,
+                         env={**stack.env.env, "COLUMNS": "600"}, timeout=60)  # wide: no folded cells
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    assert "out[bold]x.txt" in res.stdout and "/nonexistent[/i]/gone.png" in res.stdout, res.stdout
+
+
+def test_an_error_text_with_brackets_is_printed_as_it_is(stack, tmp_path):
+    import subprocess
+
+    f = tmp_path / "n.txt"
+    f.write_text("note")
+    res = subprocess.run([sys.executable, "-m", "workers.cli", "send", "outbox:x", str(f)], capture_output=True,
+                         text=True, env={**stack.env.env, "COURIER_STORAGE_URL": "s3:/bucket"}, timeout=60)
+    assert res.returncode == 2 and res.stdout == "", res.stderr
+    assert res.stderr.strip() == "error: COURIER_STORAGE_URL: storage URL must be s3://bucket[/prefix], " \
+                                 "got 's3:/bucket'", res.stderr
+
+
 def test_watch_a_send_job(stack, tmp_path):
     f = tmp_path / "n.txt"
     f.write_text("note")

@@ -32,7 +32,7 @@ PROGRESS_MIN_BYTES = 8 * 1024 * 1024
 
 
 def die(msg: str, code: int) -> "typer.Exit":
-    err.print(f"[bold red]error:[/] {msg}", highlight=False, soft_wrap=True)
+    err.print(f"[bold red]error:[/] {_esc(msg)}", highlight=False, soft_wrap=True)
     return typer.Exit(code)
 
 
@@ -149,7 +149,7 @@ def send(
         if as_json:
             print(json.dumps({"job": job_id, "deliveries": ids}))
         else:
-            out.print(f"queued [bold]{job_id}[/]: " + " ".join(ids), highlight=False)
+            out.print(f"queued [bold]{_esc(job_id)}[/]: " + _esc(" ".join(ids)), highlight=False)
         return
     rows, done = _wait_deliveries(r, job_id, timeout)
     _finish(job_id, rows, done, as_json)
@@ -208,15 +208,19 @@ def _finish(job_id: str, rows: list[dict], done: bool, as_json: bool) -> None:
 
 
 def _table(job_id: str, rows: list[dict]) -> Table:
-    t = Table(title=f"deliveries of {job_id}", title_justify="left")
+    """Receipts as a table; every cell is data (Text: never read as markup)."""
+    from rich.text import Text
+
+    t = Table(title=Text(f"deliveries of {job_id}"), title_justify="left")
     for col in ("delivery", "platform", "kind", "name", "size", "attempts", "state", "message id / reason"):
         t.add_column(col, overflow="fold")
     for row in rows:
         state = row.get("state", "")
         color = {"delivered": "green", "failed": "red"}.get(state, "yellow")
-        t.add_row(row.get("id", ""), row.get("platform", ""), row.get("kind", ""), row.get("name", ""),
-                  row.get("size_bytes", ""), row.get("attempts", ""), f"[{color}]{state}[/]",
-                  row.get("message_id") if state == "delivered" else row.get("reason", ""))
+        t.add_row(*(Text(str(v or "")) for v in (
+            row.get("id"), row.get("platform"), row.get("kind"), row.get("name"), row.get("size_bytes"),
+            row.get("attempts"))), Text(str(state), style=color),
+            Text(str((row.get("message_id") if state == "delivered" else row.get("reason")) or "")))
     return t
 
 
@@ -271,7 +275,7 @@ def turn(
         print(json.dumps({"job": job_id}) if as_json else job_id)
         return
     if not as_json:
-        out.print(f"turn [bold]{job_id}[/] queued", highlight=False)
+        out.print(f"turn [bold]{_esc(job_id)}[/] queued", highlight=False)
     ok = watch_job(r, job_id, timeout, quiet=as_json)
     if ok is None:
         raise die(f"timed out waiting for {job_id}; see `courier status {job_id}`", EXIT_TIMEOUT)
@@ -376,7 +380,7 @@ class _WatchView:
         n = len(tracker.final)
         failed = sum(1 for s in tracker.final.values() if s == "failed")
         tail = f", {failed} failed" if failed else ""
-        return (f"[{color}]{self.job_id}: {st}[/] · {self.tools} tool call{'s' * (self.tools != 1)} · "
+        return (f"[{color}]{_esc(self.job_id)}: {_esc(st)}[/] · {self.tools} tool call{'s' * (self.tools != 1)} · "
                 f"{n} deliver{'ies' if n != 1 else 'y'}{tail} · {time.monotonic() - self.t0:.1f}s")
 
 
@@ -386,7 +390,7 @@ def render_event(ev: dict) -> str:
         st = ev.get("status", "")
         color = {"completed": "green", "error": "red", "no_reply": "yellow"}.get(st, "cyan")
         extra = ev.get("reason") or ev.get("activity") or ev.get("message") or ""
-        return f"[{color}]● {st}[/] {_esc(extra)}".rstrip()
+        return f"[{color}]● {_esc(st)}[/] {_esc(extra)}".rstrip()
     if kind == "tool_start":
         return f"  [dim]→[/] {_esc(ev.get('activity') or ev.get('tool_name', ''))}"
     if kind == "tool_result":
@@ -400,7 +404,7 @@ def render_event(ev: dict) -> str:
         color = {"delivered": "green", "failed": "red"}.get(st, "yellow")
         what = ev.get("name") or ev.get("delivery_id", "")
         tail = ev.get("reason") or ev.get("media") or ""
-        return f"  [{color}]⇢ {st}[/] {_esc(what)} {_esc(tail)}".rstrip()
+        return f"  [{color}]⇢ {_esc(st)}[/] {_esc(what)} {_esc(tail)}".rstrip()
     return f"  {_esc(json.dumps(ev))}"
 
 
@@ -470,7 +474,7 @@ def status(
             line = f"{job.get('kind')} {ident} → {job.get('target')}: {job.get('state')}"
             if job.get("reason"):
                 line += f" ({job['reason']})"
-            out.print(line, highlight=False)
+            out.print(line, highlight=False, markup=False)
             out.print(_table(ident, rows))
         if any(row.get("state") == "failed" for row in rows) or job.get("state") == "error":
             raise typer.Exit(EXIT_FAILED)
