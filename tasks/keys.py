@@ -59,3 +59,8 @@ def webhook_seen(platform: str, update_id: str) -> str:
 def progress_message(job_id: str) -> str:
     """hash: the platform progress message of a turn (chat, message id)"""
     return f"{PREFIX}progress:{job_id}"
+
+
+def events_key() -> str:
+    """string, no TTL: the random key per-job events tokens are made with (workers/eventauth.py)"""
+    return f"{PREFIX}events_key"

@@ -63,7 +63,7 @@ def sse(client: httpx.Client, url: str, *, last_event_id: str | None = None, lim
 def test_sse_shows_a_real_turn_and_ends_after_its_deliveries(stack):
     job = stack.turn("outbox:sse", "compute", "slow")
     with httpx.Client(base_url=stack.base) as c:
-        got = sse(c, f"/turns/{job}/events")
+        got = sse(c, stack.events(job))
     full = stack.stream(job)
     assert got == full  # the same ids, the same events, in order
     kinds = [ev.get("status") or ev["kind"] for _, ev in got]
@@ -83,19 +83,19 @@ def test_sse_resume_with_last_event_id_skips_nothing_repeats_nothing(stack):
     job = stack.turn("outbox:resume", "resume me", "slow")
     with httpx.Client(base_url=stack.base) as c:
         # live: drop the connection mid-turn, resume from the last id seen, twice
-        part1 = sse(c, f"/turns/{job}/events", limit=4)
-        part2 = sse(c, f"/turns/{job}/events", last_event_id=part1[-1][0], limit=6)
-        part3 = sse(c, f"/turns/{job}/events", last_event_id=part2[-1][0])
+        part1 = sse(c, stack.events(job), limit=4)
+        part2 = sse(c, stack.events(job), last_event_id=part1[-1][0], limit=6)
+        part3 = sse(c, stack.events(job), last_event_id=part2[-1][0])
         full = stack.stream(job)
         assert part1 + part2 + part3 == full
         assert len({eid for eid, _ in full}) == len(full)
         # after the end: resuming from any id gives exactly the rest
         for k in (0, len(full) // 2, len(full) - 2):
-            assert sse(c, f"/turns/{job}/events", last_event_id=full[k][0]) == full[k + 1:]
+            assert sse(c, stack.events(job), last_event_id=full[k][0]) == full[k + 1:]
         # query parameter form (EventSource polyfills)
-        assert sse(c, f"/turns/{job}/events?last_event_id={full[3][0]}") == full[4:]
+        assert sse(c, stack.events(job) + f"&last_event_id={full[3][0]}") == full[4:]
         # resuming a stream that is over: 204, the browser's EventSource stops reconnecting
-        assert c.get(f"/turns/{job}/events", headers={"Last-Event-ID": full[-1][0]}).status_code == 204
+        assert c.get(stack.events(job), headers={"Last-Event-ID": full[-1][0]}).status_code == 204
 
 
 def test_sse_keepalive_while_waiting_then_ends(stack):
@@ -107,7 +107,7 @@ def test_sse_keepalive_while_waiting_then_ends(stack):
 
     def read():
         with httpx.Client(base_url=stack.base) as c:
-            sse(c, f"/turns/{job}/events", keepalives=keepalives, into=result)
+            sse(c, stack.events(job), keepalives=keepalives, into=result)
 
     t = threading.Thread(target=read, daemon=True)
     t.start()
@@ -126,9 +126,9 @@ def test_sse_keepalive_while_waiting_then_ends(stack):
 def test_sse_errors_and_healthz(stack):
     with httpx.Client(base_url=stack.base) as c:
         assert c.get("/healthz").json() == {"ok": True, "redis": "ok"}
-        assert c.get("/turns/turn_nope/events").status_code == 404
+        assert c.get(stack.events("turn_nope")).status_code == 404
         job = stack.turn("outbox:x", "hi", "echo")
-        assert c.get(f"/turns/{job}/events", headers={"Last-Event-ID": "garbage"}).status_code == 400
+        assert c.get(stack.events(job), headers={"Last-Event-ID": "garbage"}).status_code == 400
 
 
 @pytest.mark.parametrize("agent,status,reason,deliveries", [
@@ -140,7 +140,7 @@ def test_exactly_one_terminal_event_and_a_short_error_message(stack, agent, stat
     chat = f"term_{agent}"
     job = stack.turn(f"outbox:{chat}", "go", agent)
     with httpx.Client(base_url=stack.base) as c:
-        got = sse(c, f"/turns/{job}/events")
+        got = sse(c, stack.events(job))
     assert got == stack.stream(job)
     terminal = [ev for _, ev in got if events.is_terminal(ev)]
     assert len(terminal) == 1

@@ -11,7 +11,6 @@ is the enqueue)."""
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import random
@@ -23,19 +22,14 @@ import httpx
 import pytest
 
 from tasks import keys
-from tests.fixtures.redis_server import RedisServer
-from tests.fixtures.services import free_port, stop_process, wait_until
+from tests.fixtures.services import free_port
 from tests.fixtures.webstack import (
     PLATFORMS,
-    SLACK_SECRET,
-    TELEGRAM_SECRET,
-    WA_SECRET,
-    WA_VERIFY,
-    _web,
     fire,
     signed_update,
+    web_only,
 )
-from tests.fixtures.workers import ROOT, CourierEnv
+from tests.fixtures.workers import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -44,61 +38,10 @@ REPLAYS = 100  # per platform, sent at the same time as the originals
 CONCURRENCY = 16
 
 
-class LoadWeb:
-    def __init__(self, redis_srv: RedisServer, env: CourierEnv, base: str, log_path, discord_key) -> None:
-        self.srv = redis_srv
-        self.env = env
-        self.base = base
-        self.log_path = log_path
-        self.discord_key = discord_key
-        self.r = redis_srv.client()
-
-    def queued(self) -> list[dict]:
-        """The task messages waiting in Redis lists (any list: the `turns` queue and anything else)."""
-        out = []
-        for k in self.r.scan_iter():
-            if self.r.type(k) != b"list":
-                continue
-            for raw in self.r.lrange(k, 0, -1):
-                msg = json.loads(raw)
-                args = json.loads(base64.b64decode(msg["body"]))
-                out.append({"queue": k.decode(), "task": msg["headers"]["task"], "id": msg["headers"]["id"],
-                            "spec": args[0][0]})
-        return out
-
-    def jobs(self) -> dict[str, dict]:
-        out = {}
-        for k in self.r.scan_iter(keys.job("*")):
-            h = {a.decode(): b.decode() for a, b in self.r.hgetall(k).items()}
-            out[h.get("id", k.decode())] = h
-        return out
-
-
 @pytest.fixture(scope="module")
 def loadweb(tmp_path_factory):
-    from nacl.signing import SigningKey
-
-    tmp = tmp_path_factory.mktemp("load")
-    (tmp / "redis").mkdir()
-    srv = RedisServer(tmp / "redis").start()
-    discord_key = SigningKey.generate()
-    env = CourierEnv(tmp, srv.url, **{
-        "TELEGRAM_WEBHOOK_SECRET": TELEGRAM_SECRET,
-        "SLACK_SIGNING_SECRET": SLACK_SECRET,
-        "DISCORD_PUBLIC_KEY": discord_key.verify_key.encode().hex(),
-        "WHATSAPP_APP_SECRET": WA_SECRET,
-        "WHATSAPP_VERIFY_TOKEN": WA_VERIFY,
-        "COURIER_WEBHOOK_AGENT": "echo",
-    })
-    proc, base, log = _web(env.env, tmp, "web")
-    try:
-        wait_until(lambda: proc.poll() is None and httpx.get(base + "/healthz", timeout=1).status_code == 200,
-                   timeout_s=30, what=f"the web process at {base}")
-        yield LoadWeb(srv, env, base, tmp / "web.log", discord_key)
-    finally:
-        stop_process(proc)
-        log.close()
-        srv.stop()
+    with web_only(tmp_path_factory.mktemp("load")) as w:
+        yield w
 
 
 def test_concurrent_signed_updates_are_each_enqueued_exactly_once(loadweb):

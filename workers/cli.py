@@ -272,7 +272,12 @@ def turn(
             attachments.append({"key": key, "name": p.name})
     chains.enqueue_turn(r, target, message, agent=name, job_id=job_id, sandbox=sandbox, attachments=attachments)
     if not wait:
-        print(json.dumps({"job": job_id}) if as_json else job_id)
+        if as_json:
+            from workers.eventauth import events_token
+
+            print(json.dumps({"job": job_id, "events_token": events_token(r, job_id)}))
+        else:
+            print(job_id)
         return
     if not as_json:
         out.print(f"turn [bold]{_esc(job_id)}[/] queued", highlight=False)
@@ -439,6 +444,8 @@ def watch(
 def web(
     host: Annotated[str | None, typer.Option(help="address to bind (default COURIER_WEB_HOST)")] = None,
     port: Annotated[int | None, typer.Option(help="port (default COURIER_WEB_PORT)")] = None,
+    log_level: Annotated[str, typer.Option(help="uvicorn's log level: critical, error, warning, info, debug, "
+                                                "trace (no level logs a secret)")] = "info",
 ) -> None:
     """Serve platform webhooks and the turns' Server-Sent Events (uvicorn)."""
     import uvicorn
@@ -451,7 +458,7 @@ def web(
     except BrokerMismatch as exc:
         raise die(str(exc), EXIT_INPUT) from None
     uvicorn.run("workers.web:app", host=host or settings.web_host, port=port or settings.web_port,
-                log_level="info", timeout_graceful_shutdown=5)
+                log_level=log_level.lower(), timeout_graceful_shutdown=5)
 
 
 # -- status ------------------------------------------------------------------------
@@ -467,14 +474,18 @@ def status(
     r = _redis(settings)
     job = receipts.get_job(r, ident)
     if job is not None:
+        from workers.eventauth import events_token
+
         rows = receipts.job_deliveries(r, ident)
+        token = events_token(r, ident)
         if as_json:
-            print(json.dumps({"job": job, "deliveries": rows}))
+            print(json.dumps({"job": job, "deliveries": rows, "events_token": token}))
         else:
             line = f"{job.get('kind')} {ident} → {job.get('target')}: {job.get('state')}"
             if job.get("reason"):
                 line += f" ({job['reason']})"
             out.print(line, highlight=False, markup=False)
+            out.print(f"events: /turns/{ident}/events?token={token}", highlight=False, markup=False)
             out.print(_table(ident, rows))
         if any(row.get("state") == "failed" for row in rows) or job.get("state") == "error":
             raise typer.Exit(EXIT_FAILED)
