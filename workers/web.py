@@ -40,6 +40,8 @@ import logging
 import os
 import re
 import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.applications import Starlette
@@ -57,6 +59,7 @@ __all__ = ["app", "create_app", "format_sse"]
 
 MAX_WEBHOOK_BODY_BYTES = 1024 * 1024
 MAX_MESSAGE_CHARS = 32_000
+ENQUEUE_BATCH = 64
 SSE_RETRY_MS = 2000
 _JOB_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 _STREAM_ID = re.compile(r"\d{1,20}-\d{1,20}")
@@ -82,6 +85,7 @@ class _Web:
         self._redis = None
         self._aredis = None
         self._celery = None
+        self._enqueuer: _Enqueuer | None = None
         self.events_key: bytes | None = None
 
     @property
@@ -102,6 +106,9 @@ class _Web:
         return self._aredis
 
     async def close(self) -> None:
+        if self._enqueuer is not None:
+            self._enqueuer.stop()
+            self._enqueuer = None
         if self._aredis is not None:
             await self._aredis.aclose()
             self._aredis = None
@@ -114,43 +121,169 @@ class _Web:
             self._celery = courier_celery(self.settings)
         return self._celery
 
-    def accept(self, platform: str, update_id: str, chat: str, message: str) -> dict:
-        """Enqueue a turn for one platform update, once (blocking: call in a thread).
-
-        The de-dup key is set first ("pending", so a concurrent retry is
-        dropped) and kept only once the turn is queued: when the enqueue
-        fails, the key and the turn's job record are deleted again (no
-        orphan "queued" job) and the caller answers 503, so the platform's
-        retry goes through."""
+    async def accept(self, platform: str, update_id: str, chat: str, message: str) -> dict:
+        """Enqueue a turn for one platform update, once: {"ok", "job"}, or
+        {"ok", "duplicate"} for an update already enqueued. Raises when the
+        turn could not be enqueued (nothing is left behind then)."""
         s = self.settings
-        app = self.celery
-        seen = keys.webhook_seen(platform, update_id)
-        if not self.redis.set(seen, "pending", nx=True, ex=s.webhook_dedupe_ttl_s):
-            log.info("%s webhook: dropped a retried update %s", platform, update_id)
-            return {"ok": True, "duplicate": True}
+        self.celery  # noqa: B018 - checked once: never publish anywhere else
+        from tasks import chains, receipts
+
         origin = f"{platform}:{chat}"
         override = s.webhook_reply_target_override
-        target = override.replace("{platform}", platform).replace("{chat}", chat) if override else origin
+        turn = _Turn(platform=platform, update_id=update_id, seen=keys.webhook_seen(platform, update_id),
+                     job_id=chains.new_job_id("turn"), origin=origin,
+                     target=override.replace("{platform}", platform).replace("{chat}", chat) if override else origin,
+                     agent=s.webhook_agent or s.default_agent, message=message[:MAX_MESSAGE_CHARS])
+        receipts.create_job(None, turn.job_id, kind="turn", target=turn.target, agent=turn.agent, origin=origin,
+                            pipe=turn.job)
+        if self._enqueuer is None:
+            self._enqueuer = _Enqueuer(self)
+        return await asyncio.wrap_future(self._enqueuer.submit(turn))
+
+
+@dataclass
+class _Turn:
+    platform: str
+    update_id: str
+    seen: str
+    job_id: str
+    origin: str
+    target: str
+    agent: str
+    message: str
+    job: _JobFields = field(default_factory=lambda: _JobFields())
+    future: Future = field(default_factory=Future)
+
+
+class _Enqueuer:
+    """One thread that enqueues webhook turns, in batches of what came in
+    meanwhile (at most ENQUEUE_BATCH): one round trip claims them all (per
+    turn `_CLAIM`: the de-dup key, SET NX with the job id as its value, and
+    only when it was new, the job record), then courier's Celery app
+    publishes the claimed turns as one kombu publish batch (one round trip).
+    When publishing fails, the claimed turns' keys and job records are
+    deleted again (no orphan "queued" job; the platform's retry goes
+    through) and each of their requests gets the error (a 503). One thread
+    and a batch per round trip: the per-turn cost is Celery's message, not
+    thread hand-offs and round trips."""
+
+    def __init__(self, web: _Web) -> None:
+        import queue
+        import threading
+
+        self.web = web
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.claim = web.redis.register_script(_CLAIM)
+        self.thread = threading.Thread(target=self._run, name="courier-enqueue", daemon=True)
+        self.thread.start()
+
+    def submit(self, turn: _Turn) -> Future:
+        self.q.put(turn)
+        return turn.future
+
+    def stop(self) -> None:
+        self.q.put(None)
+
+    def _run(self) -> None:
+        import queue
+
+        app = self.web.celery
+        app.set_current()  # this thread publishes through courier's app, whatever else set its current app
+        while True:
+            first = self.q.get()
+            if first is None:
+                return
+            batch = [first]
+            while len(batch) < ENQUEUE_BATCH:
+                try:
+                    t = self.q.get_nowait()
+                except queue.Empty:
+                    break
+                if t is None:
+                    self.q.put(None)
+                    break
+                batch.append(t)
+            try:
+                self._enqueue(app, batch)
+            except BaseException as exc:  # noqa: BLE001 - every request gets an answer; the thread goes on
+                for t in batch:
+                    if not t.future.done():
+                        t.future.set_exception(exc)
+
+    def _enqueue(self, app, batch: list[_Turn]) -> None:
         from tasks import chains
 
-        job_id = chains.new_job_id("turn")
+        r = self.web.redis
+        ttl = self.web.settings.webhook_dedupe_ttl_s
+        pipe = r.pipeline(transaction=False)
+        for t in batch:
+            self.claim(keys=[t.seen, t.job.key], args=[t.job_id, ttl, t.job.ttl, *t.job.flat()], client=pipe)
+        claimed = pipe.execute()
+        new = []
+        for t, ok in zip(batch, claimed):
+            if ok:
+                new.append(t)
+            else:
+                log.info("%s webhook: dropped a retried update %s", t.platform, t.update_id)
+                t.future.set_result({"ok": True, "duplicate": True})
+        if not new:
+            return
         try:
-            app.set_current()  # this thread publishes through courier's app, whatever else set its current app
-            chains.enqueue_turn(self.redis, target, message[:MAX_MESSAGE_CHARS], job_id=job_id,
-                                agent=s.webhook_agent or s.default_agent, origin=origin)
-            self.redis.set(seen, job_id, ex=s.webhook_dedupe_ttl_s)
-        except Exception:
-            self._forget(seen, job_id)
-            raise
-        log.info("%s webhook: update %s -> turn %s", platform, update_id, job_id)
-        return {"ok": True, "job": job_id}
+            with app.producer_or_acquire() as producer, producer.batch():
+                for t in new:
+                    # declare=[]: the publish goes to the `turns` list itself (the anonymous
+                    # exchange, see workers/celery_app.task_queue); declaring the queue again
+                    # for every message only costs (the workers declare what they consume)
+                    chains.turn_sig(t.job_id, t.target, t.message, agent=t.agent).apply_async(
+                        task_id=t.job_id, producer=producer, declare=[])
+        except Exception as exc:  # noqa: BLE001 - answered 503: the platform retries
+            self._forget(new)
+            for t in new:
+                t.future.set_exception(exc)
+            return
+        for t in new:
+            log.info("%s webhook: update %s -> turn %s", t.platform, t.update_id, t.job_id)
+            t.future.set_result({"ok": True, "job": t.job_id})
 
-    def _forget(self, seen: str, job_id: str) -> None:
-        """After a failed enqueue: no de-dup key (the retry goes through), no job record."""
+    def _forget(self, turns: list[_Turn]) -> None:
+        """After a failed publish: no de-dup keys (the retries go through), no job records."""
         try:
-            self.redis.delete(seen, keys.job(job_id))
+            self.web.redis.delete(*[k for t in turns for k in (t.seen, t.job.key)])
         except Exception as exc:  # noqa: BLE001 - both expire anyway; the 503 stands
-            log.error("webhook: could not clear %s after a failed enqueue: %s", job_id, type(exc).__name__)
+            log.error("webhook: could not clear %d turns after a failed enqueue: %s", len(turns),
+                      type(exc).__name__)
+
+
+#: SET NX the de-dup key (KEYS[1]) to the job id with its TTL; only when it was
+#: new, record the job: HSET KEYS[2] with the fields, EXPIRE it. 1 when claimed.
+_CLAIM = """
+if not redis.call('set', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then return 0 end
+redis.call('hset', KEYS[2], unpack(ARGV, 4))
+redis.call('expire', KEYS[2], ARGV[3])
+return 1
+"""
+
+
+class _JobFields:
+    """Takes what `receipts.create_job` writes on a pipeline (its one HSET and
+    EXPIRE), for `_CLAIM` to write: the job record's fields stay defined in
+    one place."""
+
+    def __init__(self) -> None:
+        self.key = ""
+        self.fields: dict = {}
+        self.ttl = 0
+
+    def hset(self, key, mapping):
+        self.key, self.fields = key, dict(mapping)
+
+    def expire(self, key, ttl):
+        assert key == self.key
+        self.ttl = int(ttl)
+
+    def flat(self) -> list:
+        return [x for kv in self.fields.items() for x in kv]
 
 
 class BrokerMismatch(RuntimeError):
@@ -179,6 +312,12 @@ def courier_celery(settings: Settings):
     t.join()
     if seen[0] is not app:
         raise BrokerMismatch(f"another thread publishes through Celery app {seen[0].main!r}, not courier's")
+    # nobody here waits for a task's result: without this, Celery's Redis result
+    # backend SUBSCRIBEs to every published turn's result channel in this process
+    # (one round trip more per webhook, and channels and unread results that pile up)
+    from celery._state import _set_task_join_will_block
+
+    _set_task_join_will_block(True)
     return app
 
 
@@ -282,7 +421,7 @@ def _timestamp(raw: str) -> int:
 
 async def _accept(web: _Web, platform: str, update_id: str, chat: str, message: str) -> Response | dict:
     try:
-        return await run_in_threadpool(web.accept, platform, update_id, chat, message)
+        return await web.accept(platform, update_id, chat, message)
     except Exception as exc:  # noqa: BLE001 - the platform retries on 5xx
         log.error("%s webhook: could not enqueue a turn: %s", platform, type(exc).__name__)
         return JSONResponse({"ok": False, "error": "could not enqueue the turn"}, status_code=503)
