@@ -40,7 +40,6 @@ import logging
 import os
 import re
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,7 +138,10 @@ class _Web:
                             pipe=turn.job)
         if self._enqueuer is None:
             self._enqueuer = _Enqueuer(self)
-        return await asyncio.wrap_future(self._enqueuer.submit(turn))
+        turn.loop = asyncio.get_running_loop()
+        turn.future = turn.loop.create_future()
+        self._enqueuer.submit(turn)
+        return await turn.future
 
 
 @dataclass
@@ -153,7 +155,21 @@ class _Turn:
     agent: str
     message: str
     job: _JobFields = field(default_factory=lambda: _JobFields())
-    future: Future = field(default_factory=Future)
+    loop: asyncio.AbstractEventLoop | None = None
+    future: asyncio.Future | None = None
+    outcome: tuple[dict | None, BaseException | None] | None = None
+
+
+def _settle(turns: list[_Turn]) -> None:
+    """On the event loop: each waiting request gets its turn's outcome."""
+    for t in turns:
+        if t.future is None or t.future.done():
+            continue
+        result, exc = t.outcome or (None, RuntimeError("not enqueued"))
+        if exc is not None:
+            t.future.set_exception(exc)
+        else:
+            t.future.set_result(result)
 
 
 class _Enqueuer:
@@ -178,9 +194,8 @@ class _Enqueuer:
         self.thread = threading.Thread(target=self._run, name="courier-enqueue", daemon=True)
         self.thread.start()
 
-    def submit(self, turn: _Turn) -> Future:
+    def submit(self, turn: _Turn) -> None:
         self.q.put(turn)
-        return turn.future
 
     def stop(self) -> None:
         self.q.put(None)
@@ -208,8 +223,15 @@ class _Enqueuer:
                 self._enqueue(app, batch)
             except BaseException as exc:  # noqa: BLE001 - every request gets an answer; the thread goes on
                 for t in batch:
-                    if not t.future.done():
-                        t.future.set_exception(exc)
+                    if t.outcome is None:
+                        t.outcome = (None, exc)
+            # one wake-up of the event loop for the whole batch
+            loops = {t.loop for t in batch}
+            for loop in loops:
+                try:
+                    loop.call_soon_threadsafe(_settle, [t for t in batch if t.loop is loop])
+                except RuntimeError:  # that loop is closed: nobody waits any more
+                    pass
 
     def _enqueue(self, app, batch: list[_Turn]) -> None:
         from tasks import chains
@@ -226,25 +248,27 @@ class _Enqueuer:
                 new.append(t)
             else:
                 log.info("%s webhook: dropped a retried update %s", t.platform, t.update_id)
-                t.future.set_result({"ok": True, "duplicate": True})
+                t.outcome = ({"ok": True, "duplicate": True}, None)
         if not new:
             return
         try:
             with app.producer_or_acquire() as producer, producer.batch():
                 for t in new:
-                    # declare=[]: the publish goes to the `turns` list itself (the anonymous
-                    # exchange, see workers/celery_app.task_queue); declaring the queue again
-                    # for every message only costs (the workers declare what they consume)
-                    chains.turn_sig(t.job_id, t.target, t.message, agent=t.agent).apply_async(
-                        task_id=t.job_id, producer=producer, declare=[])
+                    sig = chains.turn_sig(t.job_id, t.target, t.message, agent=t.agent)
+                    # published through courier's app by name; declare=[]: the message goes
+                    # to the `turns` list itself (the anonymous exchange, see
+                    # workers/celery_app.task_queue): declaring the queue again for every
+                    # message only costs (the workers declare what they consume)
+                    app.send_task(sig.task, args=sig.args, kwargs=sig.kwargs, task_id=t.job_id, producer=producer,
+                                  declare=[], ignore_result=app.tasks[sig.task].ignore_result, **sig.options)
         except Exception as exc:  # noqa: BLE001 - answered 503: the platform retries
             self._forget(new)
             for t in new:
-                t.future.set_exception(exc)
+                t.outcome = (None, exc)
             return
         for t in new:
             log.info("%s webhook: update %s -> turn %s", t.platform, t.update_id, t.job_id)
-            t.future.set_result({"ok": True, "job": t.job_id})
+            t.outcome = ({"ok": True, "job": t.job_id}, None)
 
     def _forget(self, turns: list[_Turn]) -> None:
         """After a failed publish: no de-dup keys (the retries go through), no job records."""
