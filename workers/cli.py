@@ -457,6 +457,11 @@ def web(
         courier_celery(settings)  # the app checks it too (lifespan); here with a one-line error
     except BrokerMismatch as exc:
         raise die(str(exc), EXIT_INPUT) from None
+    import logging
+
+    # courier's own lines (and its libraries') at the same level, on stderr like uvicorn's
+    logging.basicConfig(level="DEBUG" if log_level.lower() == "trace" else log_level.upper(),
+                        format="%(levelname)s:     %(name)s: %(message)s")
     uvicorn.run("workers.web:app", host=host or settings.web_host, port=port or settings.web_port,
                 log_level=log_level.lower(), timeout_graceful_shutdown=5)
 
