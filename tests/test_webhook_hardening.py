@@ -263,6 +263,12 @@ def test_the_events_stream_needs_the_turns_token(web):
     token = events_token(web.r, job)
     for r in (httpx.get(url + "?token=" + token), httpx.get(url, headers={"Authorization": f"Bearer {token}"})):
         assert r.status_code == 200 and r.text.count("event: status") == 2, r.text
+    # deleting the key revokes every token given so far
+    from tasks import keys
+
+    web.r.delete(keys.events_key())
+    assert one_line_4xx(httpx.get(url + "?token=" + token), 403)
+    assert httpx.get(url + "?token=" + events_token(web.r, job)).status_code == 200
     # an unknown turn: its (valid) token gets a 404, no token a 401, a wrong one a 403
     assert one_line_4xx(httpx.get(web.base + "/turns/turn_nope/events?token=" + events_token(web.r, "turn_nope")), 404)
     assert one_line_4xx(httpx.get(web.base + "/turns/turn_nope/events"), 401)

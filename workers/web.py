@@ -85,7 +85,6 @@ class _Web:
         self._aredis = None
         self._celery = None
         self._enqueuer: _Enqueuer | None = None
-        self.events_key: bytes | None = None
 
     @property
     def redis(self):
@@ -375,7 +374,7 @@ async def _body(request: Request, cap: int) -> bytes:
     (at once when Content-Length says so)."""
     declared = request.headers.get("content-length")
     if declared is not None:
-        if not declared.isdigit():
+        if not (declared.isascii() and declared.isdigit()):
             raise BadRequest(400, "bad Content-Length")
         if int(declared) > cap:
             raise BadRequest(413, f"body over {cap} bytes")
@@ -436,7 +435,7 @@ def _text(v) -> str | None:
 
 def _timestamp(raw: str) -> int:
     """A signed request's timestamp (epoch seconds): within MAX_CLOCK_SKEW_S of now, else BadRequest 401."""
-    if not raw.isdigit() or len(raw) > 12:
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 12:
         raise BadRequest(401, "missing or bad timestamp")
     if abs(time.time() - int(raw)) > MAX_CLOCK_SKEW_S:
         raise BadRequest(401, "stale or future timestamp")
@@ -526,9 +525,8 @@ def create_app(settings: Settings | None = None) -> Starlette:
                                 headers={"WWW-Authenticate": "Bearer"})
         from workers import eventauth
 
-        if web.events_key is None:
-            web.events_key = await run_in_threadpool(eventauth.server_key, web.redis)
-        if not eventauth.verify(web.events_key, job_id, token):
+        key = await run_in_threadpool(eventauth.server_key, web.redis)  # read each time: deleting it revokes
+        if not eventauth.verify(key, job_id, token):
             return JSONResponse({"error": "wrong token for this turn"}, status_code=403)
         if last and not _STREAM_ID.fullmatch(last):
             return JSONResponse({"error": "Last-Event-ID must be a stream id like 1700000000000-0"},
