@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from tasks import keys
-from tests.fixtures.services import free_port
+from tests.fixtures.services import free_port, wait_until
 from tests.fixtures.webstack import (
     PLATFORMS,
     fire,
@@ -127,3 +127,27 @@ def test_web_refuses_to_start_when_its_broker_is_not_courier_redis(loadweb, tmp_
     assert "amqp-pw-123" not in out
     if how == "courier":
         assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_a_stalled_redis_answers_503_in_bounded_time_and_the_retry_is_not_lost(loadweb):
+    """Redis stops answering writes (CLIENT PAUSE) while an update comes in: the
+    platform gets a 503 after ENQUEUE_TIMEOUT_S, not a hung request; once Redis
+    answers again, the turn is queued and the platform's retry is dropped as
+    the duplicate it is: one turn, exactly."""
+    from workers.web import ENQUEUE_TIMEOUT_S
+
+    r = loadweb.r
+    r.flushall()
+    path, body, headers, seen, text = signed_update("slack", 1, os.urandom(3).hex())
+    r.execute_command("CLIENT", "PAUSE", int((ENQUEUE_TIMEOUT_S + 2) * 1000), "WRITE")
+    t0 = time.monotonic()
+    got = httpx.post(loadweb.base + path, content=body, headers=headers, timeout=30)
+    took = time.monotonic() - t0
+    assert got.status_code == 503 and ENQUEUE_TIMEOUT_S - 1 < took < ENQUEUE_TIMEOUT_S + 3, (got.status_code, took)
+    r.execute_command("CLIENT", "UNPAUSE")
+    job = wait_until(lambda: r.get(seen), timeout_s=10, what="the turn queued after the pause").decode()
+    retry = httpx.post(loadweb.base + path, content=body, headers={**headers, "X-Slack-Retry-Num": "1"}, timeout=30)
+    assert retry.json() == {"ok": True, "duplicate": True}
+    wait_until(lambda: len(loadweb.queued()) == 1, timeout_s=10, what="the turn's message")
+    assert [(m["id"], m["spec"]["message"]) for m in loadweb.queued()] == [(job, text)]
+    assert list(loadweb.jobs()) == [job]

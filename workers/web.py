@@ -59,6 +59,7 @@ __all__ = ["app", "create_app", "format_sse"]
 MAX_WEBHOOK_BODY_BYTES = 1024 * 1024
 MAX_MESSAGE_CHARS = 32_000
 ENQUEUE_BATCH = 64
+ENQUEUE_TIMEOUT_S = 10.0
 SSE_RETRY_MS = 2000
 _JOB_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 _STREAM_ID = re.compile(r"\d{1,20}-\d{1,20}")
@@ -140,7 +141,10 @@ class _Web:
         turn.loop = asyncio.get_running_loop()
         turn.future = turn.loop.create_future()
         self._enqueuer.submit(turn)
-        return await turn.future
+        # Redis stalling: answer 503 after a while (platforms give up after a few seconds
+        # anyway); the turn goes on: queued after all, the platform's retry is a duplicate;
+        # failed, its keys are cleared and the retry goes through
+        return await asyncio.wait_for(asyncio.shield(turn.future), timeout=ENQUEUE_TIMEOUT_S)
 
 
 @dataclass
