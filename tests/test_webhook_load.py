@@ -66,6 +66,11 @@ def test_concurrent_signed_updates_are_each_enqueued_exactly_once(loadweb):
         assert v is not None and v != b"pending", (seen, v)
         job_of[v.decode()] = text
     assert len(job_of) == len(updates)
+    # kept for the full de-dup TTL once queued (the claim alone expires within a minute)
+    pipe = r.pipeline()
+    for _path, _body, _h, seen, _text in updates:
+        pipe.ttl(seen)
+    assert min(pipe.execute()) > 3600
     msgs = loadweb.queued()
     assert {m["queue"] for m in msgs} == {"turns"} and {m["task"] for m in msgs} == {"courier.turns.agent_turn"}
     assert len(msgs) == len(updates), f"{len(msgs)} task messages in Redis for {len(updates)} updates"
@@ -105,8 +110,18 @@ def test_a_failed_enqueue_answers_503_and_leaves_nothing_behind(loadweb):
         msgs = loadweb.queued()
         assert [(m["id"], m["spec"]["message"]) for m in msgs] == [(job, text)]
         assert list(loadweb.jobs()) == [job]
+        # a failure that cannot even clean up (as a web process killed between claim and
+        # publish): the claim was provisional, both keys expire soon, the retry goes through then
+        from workers.web import CLAIM_TTL_S
+
+        ra.execute_command("ACL", "SETUSER", "default", "resetkeys", "~courier:*", "-del")
+        path, body, headers, seen, _text = signed_update("whatsapp", 2, os.urandom(3).hex())
+        assert httpx.post(loadweb.base + path, content=body, headers=headers, timeout=30).status_code == 503
+        stuck = ra.get(seen).decode()
+        assert 0 < ra.ttl(seen) <= CLAIM_TTL_S and 0 < ra.ttl(keys.job(stuck)) <= CLAIM_TTL_S
+        assert ra.llen("turns") == 1  # still only the first turn
     finally:
-        ra.execute_command("ACL", "SETUSER", "default", "allkeys")
+        ra.execute_command("ACL", "SETUSER", "default", "allkeys", "+@all")
         ra.execute_command("ACL", "DELUSER", "admin")
         ra.close()
 

@@ -60,6 +60,9 @@ MAX_WEBHOOK_BODY_BYTES = 1024 * 1024
 MAX_MESSAGE_CHARS = 32_000
 ENQUEUE_BATCH = 64
 ENQUEUE_TIMEOUT_S = 10.0
+#: how long a claimed update's de-dup key and job record live until its turn is published:
+#: a web process killed in between loses no update (the platform's retry goes through then)
+CLAIM_TTL_S = 60
 SSE_RETRY_MS = 2000
 _JOB_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 _STREAM_ID = re.compile(r"\d{1,20}-\d{1,20}")
@@ -179,11 +182,14 @@ class _Enqueuer:
     """One thread that enqueues webhook turns, in batches of what came in
     meanwhile (at most ENQUEUE_BATCH): one round trip claims them all (per
     turn `_CLAIM`: the de-dup key, SET NX with the job id as its value, and
-    only when it was new, the job record), then courier's Celery app
-    publishes the claimed turns as one kombu publish batch (one round trip).
-    When publishing fails, the claimed turns' keys and job records are
-    deleted again (no orphan "queued" job; the platform's retry goes
-    through) and each of their requests gets the error (a 503). One thread
+    only when it was new, the job record; both provisional, with a
+    CLAIM_TTL_S TTL), then courier's Celery app publishes the claimed turns
+    as one kombu publish batch (one round trip), then one round trip gives
+    their keys and records their full TTLs. When publishing fails, the
+    claimed turns' keys and job records are deleted again (no orphan
+    "queued" job; the platform's retry goes through) and each of their
+    requests gets the error (a 503); when the process dies before
+    publishing, they expire. One thread
     and a batch per round trip: the per-turn cost is Celery's message, not
     thread hand-offs and round trips."""
 
@@ -240,10 +246,9 @@ class _Enqueuer:
         from tasks import chains
 
         r = self.web.redis
-        ttl = self.web.settings.webhook_dedupe_ttl_s
         pipe = r.pipeline(transaction=False)
-        for t in batch:
-            self.claim(keys=[t.seen, t.job.key], args=[t.job_id, ttl, t.job.ttl, *t.job.flat()], client=pipe)
+        for t in batch:  # provisional: both keys expire after CLAIM_TTL_S unless the turn is published
+            self.claim(keys=[t.seen, t.job.key], args=[t.job_id, CLAIM_TTL_S, CLAIM_TTL_S, *t.job.flat()], client=pipe)
         claimed = pipe.execute()
         new = []
         for t, ok in zip(batch, claimed):
@@ -269,9 +274,23 @@ class _Enqueuer:
             for t in new:
                 t.outcome = (None, exc)
             return
+        self._keep(new)
         for t in new:
             log.info("%s webhook: update %s -> turn %s", t.platform, t.update_id, t.job_id)
             t.outcome = ({"ok": True, "job": t.job_id}, None)
+
+    def _keep(self, turns: list[_Turn]) -> None:
+        """After the publish: the de-dup keys and job records get their full TTLs."""
+        ttl = self.web.settings.webhook_dedupe_ttl_s
+        try:
+            pipe = self.web.redis.pipeline(transaction=False)
+            for t in turns:
+                pipe.expire(t.seen, ttl)
+                pipe.expire(t.job.key, t.job.ttl)
+            pipe.execute()
+        except Exception as exc:  # noqa: BLE001 - queued all the same: answered 200
+            log.error("webhook: %d turns queued, but their de-dup keys could not be kept (%s): a retry within "
+                      "%ds is dropped, a later one queued again", len(turns), type(exc).__name__, CLAIM_TTL_S)
 
     def _forget(self, turns: list[_Turn]) -> None:
         """After a failed publish: no de-dup keys (the retries go through), no job records."""
