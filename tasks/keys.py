@@ -82,3 +82,8 @@ def due(stage: str) -> str:
 def reconciler_lock() -> str:
     """string with TTL: held by the one process whose reconciler runs"""
     return f"{PREFIX}reconciler"
+
+
+def events_key() -> str:
+    """string, no TTL: the random key per-job events tokens are made with (workers/eventauth.py)"""
+    return f"{PREFIX}events_key"

@@ -84,6 +84,9 @@ Text
   `MEDIA:[[as_document]]/x.png`), that tag is defused with a zero-width space
   after `MEDIA`, so the returned text never yields a delivery when parsed
   again.
+- Control characters never reach the chat: NUL and the other C0/C1 controls
+  (and DEL) are removed from the returned text, except `\n`, `\t` and `\r`
+  (a tag that removal glues together is defused as above).
 - `parse_reply` never raises for a `str`; anything else is a `TypeError`.
 
 Routing
@@ -168,6 +171,7 @@ _UNQUOTED_END_RE = re.compile(r"\s|`|MEDIA:|\[\[")
 _BACKTICKS_RE = re.compile(r"`+")
 _BLANK_LINE_RE = re.compile(r"\n[ \t\r]*(?=\n)")
 _ZWSP = "\u200b"
+_CONTROL_RE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 _CLOSING_QUOTE_RE = {
     q: re.compile(re.escape(q) + r"(?=\s|[" + re.escape("".join(sorted(_TRAIL_PUNCT))) + r"]|MEDIA:|$)")
     for q in "\"'"
@@ -559,6 +563,9 @@ def parse_reply(text: str) -> ParsedReply:
         out = _defuse(_assemble(sc.pieces))
     else:
         out = _assemble(sc.pieces)
+    clean = _CONTROL_RE.sub("", out)
+    if clean != out:  # what a control character kept apart may now read as a tag: defuse it
+        out = _defuse(clean).strip()
     return ParsedReply(
         text=out,
         media=tuple(sc.media),

@@ -63,7 +63,7 @@ def sse(client: httpx.Client, url: str, *, last_event_id: str | None = None, lim
 def test_sse_shows_a_real_turn_and_ends_after_its_deliveries(stack):
     job = stack.turn("outbox:sse", "compute", "slow")
     with httpx.Client(base_url=stack.base) as c:
-        got = sse(c, f"/turns/{job}/events")
+        got = sse(c, stack.events(job))
     full = stack.stream(job)
     assert got == full  # the same ids, the same events, in order
     kinds = [ev.get("status") or ev["kind"] for _, ev in got]
@@ -83,19 +83,19 @@ def test_sse_resume_with_last_event_id_skips_nothing_repeats_nothing(stack):
     job = stack.turn("outbox:resume", "resume me", "slow")
     with httpx.Client(base_url=stack.base) as c:
         # live: drop the connection mid-turn, resume from the last id seen, twice
-        part1 = sse(c, f"/turns/{job}/events", limit=4)
-        part2 = sse(c, f"/turns/{job}/events", last_event_id=part1[-1][0], limit=6)
-        part3 = sse(c, f"/turns/{job}/events", last_event_id=part2[-1][0])
+        part1 = sse(c, stack.events(job), limit=4)
+        part2 = sse(c, stack.events(job), last_event_id=part1[-1][0], limit=6)
+        part3 = sse(c, stack.events(job), last_event_id=part2[-1][0])
         full = stack.stream(job)
         assert part1 + part2 + part3 == full
         assert len({eid for eid, _ in full}) == len(full)
         # after the end: resuming from any id gives exactly the rest
         for k in (0, len(full) // 2, len(full) - 2):
-            assert sse(c, f"/turns/{job}/events", last_event_id=full[k][0]) == full[k + 1:]
+            assert sse(c, stack.events(job), last_event_id=full[k][0]) == full[k + 1:]
         # query parameter form (EventSource polyfills)
-        assert sse(c, f"/turns/{job}/events?last_event_id={full[3][0]}") == full[4:]
+        assert sse(c, stack.events(job) + f"&last_event_id={full[3][0]}") == full[4:]
         # resuming a stream that is over: 204, the browser's EventSource stops reconnecting
-        assert c.get(f"/turns/{job}/events", headers={"Last-Event-ID": full[-1][0]}).status_code == 204
+        assert c.get(stack.events(job), headers={"Last-Event-ID": full[-1][0]}).status_code == 204
 
 
 def test_sse_keepalive_while_waiting_then_ends(stack):
@@ -107,7 +107,7 @@ def test_sse_keepalive_while_waiting_then_ends(stack):
 
     def read():
         with httpx.Client(base_url=stack.base) as c:
-            sse(c, f"/turns/{job}/events", keepalives=keepalives, into=result)
+            sse(c, stack.events(job), keepalives=keepalives, into=result)
 
     t = threading.Thread(target=read, daemon=True)
     t.start()
@@ -126,9 +126,9 @@ def test_sse_keepalive_while_waiting_then_ends(stack):
 def test_sse_errors_and_healthz(stack):
     with httpx.Client(base_url=stack.base) as c:
         assert c.get("/healthz").json() == {"ok": True, "redis": "ok"}
-        assert c.get("/turns/turn_nope/events").status_code == 404
+        assert c.get(stack.events("turn_nope")).status_code == 404
         job = stack.turn("outbox:x", "hi", "echo")
-        assert c.get(f"/turns/{job}/events", headers={"Last-Event-ID": "garbage"}).status_code == 400
+        assert c.get(stack.events(job), headers={"Last-Event-ID": "garbage"}).status_code == 400
 
 
 @pytest.mark.parametrize("agent,status,reason,deliveries", [
@@ -140,7 +140,7 @@ def test_exactly_one_terminal_event_and_a_short_error_message(stack, agent, stat
     chat = f"term_{agent}"
     job = stack.turn(f"outbox:{chat}", "go", agent)
     with httpx.Client(base_url=stack.base) as c:
-        got = sse(c, f"/turns/{job}/events")
+        got = sse(c, stack.events(job))
     assert got == stack.stream(job)
     terminal = [ev for _, ev in got if events.is_terminal(ev)]
     assert len(terminal) == 1
@@ -179,6 +179,63 @@ def test_turn_wait_shows_live_phases_and_delivers_the_demo_files(stack):
     for expect in ("● started", "● thinking", "→ writing", "chart.png", "⇢ delivered", "completed"):
         assert expect in res.stdout, res.stdout
     assert sorted(r.get("name", "") for r in read_log(stack.env.outbox, "me")) == ["", "chart.png", "report.csv"]
+
+
+@pytest.mark.parametrize("agent,status", [("quiet", "no_reply"), ("empty", None)])
+def test_turn_wait_ends_when_the_turn_ends_without_a_reply(stack, agent, status):
+    """No reply (declined) or an empty one: `--wait` ends as soon as the turn
+    is over, exit 0 (it used to wait for deliveries that never come: the
+    whole --timeout, then exit 4)."""
+    t0 = time.monotonic()
+    res = stack.env.cli("turn", f"outbox:noreply_{agent}", "go", "--agent", agent, "--wait", "--timeout", "40",
+                        "--json", timeout_s=60)
+    took = time.monotonic() - t0
+    assert res.returncode == 0 and took < 20, (res.returncode, took, res.stderr)
+    out = json.loads(res.stdout)
+    job = out["job"]
+    assert out["done"] is True and out["deliveries"] == []
+    terminal = [ev for _, ev in stack.stream(job) if events.is_terminal(ev)]
+    assert terminal[0]["status"] == (status or terminal[0]["status"]) and terminal[0]["deliveries"] == 0
+    res = stack.env.cli("turn", f"outbox:noreply_{agent}", "go", "--agent", agent, "--wait", "--timeout", "40",
+                        timeout_s=60)
+    assert res.returncode == 0, res.stderr
+    assert read_log(stack.env.outbox, f"noreply_{agent}") == []
+
+
+def test_agent_text_is_never_markup_and_never_carries_control_characters(stack):
+    """`[/]` in the agent's text, tool arguments, a file name and a failed
+    path's reason: `turn --wait` and `status` print them as they are (they
+    used to crash with rich's MarkupError); a NUL or an escape sequence never
+    reaches the chat."""
+    res = stack.env.cli("turn", "outbox:markup", "go", "--agent", "markup", "--wait", "--timeout", "60")
+    assert "Traceback" not in res.stderr and "MarkupError" not in res.stderr, res.stderr
+    assert res.returncode == 1, res.stdout + res.stderr  # the MEDIA path that does not exist failed
+    job = res.stdout.split()[1]
+    assert "$ echo [/] [bold]" in res.stdout and "out[bold]x.txt" in res.stdout, res.stdout
+    rows = receipts.job_deliveries(stack.r, job)
+    assert [(d["type"], d["state"]) for d in rows] == [("text", "delivered"), ("file", "delivered"),
+                                                      ("file", "failed")]
+    assert "[/i]" in rows[2]["reason"]
+    log = read_log(stack.env.outbox, "markup")
+    assert log[0]["text"] == "done [/] [red]xy[0m" and log[1]["name"] == "out[bold]x.txt"
+    import subprocess
+
+    res = subprocess.run([sys.executable, "-m", "workers.cli", "status", job], capture_output=True, text=True,
+                         env={**stack.env.env, "COLUMNS": "600"}, timeout=60)  # wide: no folded cells
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    assert "out[bold]x.txt" in res.stdout and "/nonexistent[/i]/gone.png" in res.stdout, res.stdout
+
+
+def test_an_error_text_with_brackets_is_printed_as_it_is(stack, tmp_path):
+    import subprocess
+
+    f = tmp_path / "n.txt"
+    f.write_text("note")
+    res = subprocess.run([sys.executable, "-m", "workers.cli", "send", "outbox:x", str(f)], capture_output=True,
+                         text=True, env={**stack.env.env, "COURIER_STORAGE_URL": "s3:/bucket"}, timeout=60)
+    assert res.returncode == 2 and res.stdout == "", res.stderr
+    assert res.stderr.strip() == "error: COURIER_STORAGE_URL: storage URL must be s3://bucket[/prefix], " \
+                                 "got 's3:/bucket'", res.stderr
 
 
 def test_watch_a_send_job(stack, tmp_path):

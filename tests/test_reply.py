@@ -128,7 +128,8 @@ CASES = [
     pytest.param("MEDIA:", (), "MEDIA:", False, False, id="bare-prefix"),
     pytest.param("MEDIA:C:\\Users\\me\\a.png", (), "MEDIA:C:\\Users\\me\\a.png", False, False, id="windows-path"),
     pytest.param("path C:\\tmp\\x.png and MEDIA:/tmp/a\\b.png", ("/tmp/a\\b.png",), "path C:\\tmp\\x.png and", False, False, id="backslashes-in-text"),
-    pytest.param("MEDIA:/tmp/a\x00b.png", (), "MEDIA:/tmp/a\x00b.png", False, False, id="control-char"),
+    pytest.param("MEDIA:/tmp/a\x00b.png", (), "MEDIA\u200b:/tmp/ab.png", False, False, id="control-char"),
+    pytest.param("a\x00b\x1b[31m c\x7f\td\r\ne\x85", (), "ab[31m c\td\r\ne", False, False, id="control-chars-dropped"),
     # --- code
     pytest.param("`MEDIA:/tmp/x.png`", (), "`MEDIA:/tmp/x.png`", False, False, id="inline-code"),
     pytest.param("run `MEDIA:/tmp/x.png` then MEDIA:/tmp/y.png", ("/tmp/y.png",), "run `MEDIA:/tmp/x.png` then", False, False, id="inline-code-and-tag"),

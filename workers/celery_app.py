@@ -108,9 +108,10 @@ def make_app(settings=None) -> Celery:
 
 
 app = make_app()
-# courier's app is every thread's app: tasks published from the web process's
-# thread pool or a worker's reconciler thread go to COURIER_REDIS_URL, never
-# to Celery's default broker
+# courier's app is every thread's app (Celery's default): a `shared_task` is found through
+# the calling thread's current app, set only in the thread that made this one; from any
+# other thread (Starlette's thread pool, a worker's reconciler thread) it would otherwise
+# be Celery's own default app (amqp://localhost)
 app.set_default()
 
 

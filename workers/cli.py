@@ -26,11 +26,13 @@ out = Console()
 err = Console(stderr=True)
 
 EXIT_FAILED, EXIT_INPUT, EXIT_SERVICE, EXIT_TIMEOUT = 1, 2, 3, 4
+#: a turn's job states once it is over (its deliveries, if any, are registered by then)
+TURN_OVER = frozenset({"replied", "no_reply", "error"})
 PROGRESS_MIN_BYTES = 8 * 1024 * 1024
 
 
 def die(msg: str, code: int) -> "typer.Exit":
-    err.print(f"[bold red]error:[/] {msg}", highlight=False, soft_wrap=True)
+    err.print(f"[bold red]error:[/] {_esc(msg)}", highlight=False, soft_wrap=True)
     return typer.Exit(code)
 
 
@@ -150,7 +152,7 @@ def send(
         if as_json:
             print(json.dumps({"job": job_id, "deliveries": ids}))
         else:
-            out.print(f"queued [bold]{job_id}[/]: " + " ".join(ids), highlight=False)
+            out.print(f"queued [bold]{_esc(job_id)}[/]: " + _esc(" ".join(ids)), highlight=False)
         return
     rows, done = _wait_deliveries(r, job_id, timeout)
     _finish(job_id, rows, done, as_json)
@@ -180,12 +182,16 @@ def _upload(store, key: str, p: Path):
 
 
 def _wait_deliveries(r, job_id: str, timeout_s: float) -> tuple[list[dict], bool]:
+    """The job's deliveries once all are final; done at once for a turn that
+    ended with none (no reply, an empty reply)."""
     from tasks import receipts
 
     deadline = time.monotonic() + timeout_s
     while True:
         rows = receipts.job_deliveries(r, job_id)
         if rows and all(row.get("state") in receipts.TERMINAL for row in rows):
+            return rows, True
+        if not rows and (receipts.get_job(r, job_id) or {}).get("state") in TURN_OVER:
             return rows, True
         if time.monotonic() > deadline:
             return rows, False
@@ -205,15 +211,19 @@ def _finish(job_id: str, rows: list[dict], done: bool, as_json: bool) -> None:
 
 
 def _table(job_id: str, rows: list[dict]) -> Table:
-    t = Table(title=f"deliveries of {job_id}", title_justify="left")
+    """Receipts as a table; every cell is data (Text: never read as markup)."""
+    from rich.text import Text
+
+    t = Table(title=Text(f"deliveries of {job_id}"), title_justify="left")
     for col in ("delivery", "platform", "kind", "name", "size", "attempts", "state", "message id / reason"):
         t.add_column(col, overflow="fold")
     for row in rows:
         state = row.get("state", "")
         color = {"delivered": "green", "failed": "red"}.get(state, "yellow")
-        t.add_row(row.get("id", ""), row.get("platform", ""), row.get("kind", ""), row.get("name", ""),
-                  row.get("size_bytes", ""), row.get("attempts", ""), f"[{color}]{state}[/]",
-                  row.get("message_id") if state == "delivered" else row.get("reason", ""))
+        t.add_row(*(Text(str(v or "")) for v in (
+            row.get("id"), row.get("platform"), row.get("kind"), row.get("name"), row.get("size_bytes"),
+            row.get("attempts"))), Text(str(state), style=color),
+            Text(str((row.get("message_id") if state == "delivered" else row.get("reason")) or "")))
     return t
 
 
@@ -265,10 +275,15 @@ def turn(
             attachments.append({"key": key, "name": p.name})
     chains.enqueue_turn(r, target, message, agent=name, job_id=job_id, sandbox=sandbox, attachments=attachments)
     if not wait:
-        print(json.dumps({"job": job_id}) if as_json else job_id)
+        if as_json:
+            from workers.eventauth import events_token
+
+            print(json.dumps({"job": job_id, "events_token": events_token(r, job_id)}))
+        else:
+            print(job_id)
         return
     if not as_json:
-        out.print(f"turn [bold]{job_id}[/] queued", highlight=False)
+        out.print(f"turn [bold]{_esc(job_id)}[/] queued", highlight=False)
     ok = watch_job(r, job_id, timeout, quiet=as_json)
     if ok is None:
         raise die(f"timed out waiting for {job_id}; see `courier status {job_id}`", EXIT_TIMEOUT)
@@ -283,8 +298,9 @@ def watch_job(r, job_id: str, timeout_s: float, *, quiet: bool = False, as_json:
     every delivery's final state. Live (rich): a status line with the phase,
     the current activity, elapsed time and deliveries, above it a log of
     status changes, tool events and deliveries. `as_json`: one JSON line per
-    event (`id` is the stream id). True: completed and all delivered; False:
-    error, no reply or a failed delivery; None: timed out."""
+    event (`id` is the stream id). True: completed (or ended with no reply:
+    the agent chose so) and all delivered; False: error or a failed
+    delivery; None: timed out."""
     from rich.live import Live
 
     from tasks import events
@@ -315,7 +331,13 @@ def watch_job(r, job_id: str, timeout_s: float, *, quiet: bool = False, as_json:
             live.stop()
     if not (quiet or as_json):
         out.print(view.summary(tracker), highlight=False)
-    return tracker.ok
+    return _ok(tracker)
+
+
+def _ok(tracker) -> bool:
+    """Over as it should be: completed or no reply, and no delivery failed."""
+    st = (tracker.terminal or {}).get("status")
+    return st in ("completed", "no_reply") and "failed" not in tracker.final.values()
 
 
 class _WatchView:
@@ -362,11 +384,11 @@ class _WatchView:
 
     def summary(self, tracker) -> str:
         st = (tracker.terminal or {}).get("status") or self.phase
-        color = "green" if tracker.ok else "red"
+        color = ("yellow" if st == "no_reply" else "green") if _ok(tracker) else "red"
         n = len(tracker.final)
         failed = sum(1 for s in tracker.final.values() if s == "failed")
         tail = f", {failed} failed" if failed else ""
-        return (f"[{color}]{self.job_id}: {st}[/] · {self.tools} tool call{'s' * (self.tools != 1)} · "
+        return (f"[{color}]{_esc(self.job_id)}: {_esc(st)}[/] · {self.tools} tool call{'s' * (self.tools != 1)} · "
                 f"{n} deliver{'ies' if n != 1 else 'y'}{tail} · {time.monotonic() - self.t0:.1f}s")
 
 
@@ -376,7 +398,7 @@ def render_event(ev: dict) -> str:
         st = ev.get("status", "")
         color = {"completed": "green", "error": "red", "no_reply": "yellow"}.get(st, "cyan")
         extra = ev.get("reason") or ev.get("activity") or ev.get("message") or ""
-        return f"[{color}]● {st}[/] {_esc(extra)}".rstrip()
+        return f"[{color}]● {_esc(st)}[/] {_esc(extra)}".rstrip()
     if kind == "tool_start":
         return f"  [dim]→[/] {_esc(ev.get('activity') or ev.get('tool_name', ''))}"
     if kind == "tool_result":
@@ -390,7 +412,7 @@ def render_event(ev: dict) -> str:
         color = {"delivered": "green", "failed": "red"}.get(st, "yellow")
         what = ev.get("name") or ev.get("delivery_id", "")
         tail = ev.get("reason") or ev.get("media") or ""
-        return f"  [{color}]⇢ {st}[/] {_esc(what)} {_esc(tail)}".rstrip()
+        return f"  [{color}]⇢ {_esc(st)}[/] {_esc(what)} {_esc(tail)}".rstrip()
     return f"  {_esc(json.dumps(ev))}"
 
 
@@ -425,13 +447,26 @@ def watch(
 def web(
     host: Annotated[str | None, typer.Option(help="address to bind (default COURIER_WEB_HOST)")] = None,
     port: Annotated[int | None, typer.Option(help="port (default COURIER_WEB_PORT)")] = None,
+    log_level: Annotated[str, typer.Option(help="uvicorn's log level: critical, error, warning, info, debug, "
+                                                "trace (no level logs a secret)")] = "info",
 ) -> None:
     """Serve platform webhooks and the turns' Server-Sent Events (uvicorn)."""
     import uvicorn
 
+    from workers.web import BrokerMismatch, courier_celery
+
     settings = _settings()
+    try:
+        courier_celery(settings)  # the app checks it too (lifespan); here with a one-line error
+    except BrokerMismatch as exc:
+        raise die(str(exc), EXIT_INPUT) from None
+    import logging
+
+    # courier's own lines (and its libraries') at the same level, on stderr like uvicorn's
+    logging.basicConfig(level="DEBUG" if log_level.lower() == "trace" else log_level.upper(),
+                        format="%(levelname)s:     %(name)s: %(message)s")
     uvicorn.run("workers.web:app", host=host or settings.web_host, port=port or settings.web_port,
-                log_level="info", timeout_graceful_shutdown=5)
+                log_level=log_level.lower(), timeout_graceful_shutdown=5)
 
 
 # -- status ------------------------------------------------------------------------
@@ -447,14 +482,18 @@ def status(
     r = _redis(settings)
     job = receipts.get_job(r, ident)
     if job is not None:
+        from workers.eventauth import events_token
+
         rows = receipts.job_deliveries(r, ident)
+        token = events_token(r, ident)
         if as_json:
-            print(json.dumps({"job": job, "deliveries": rows}))
+            print(json.dumps({"job": job, "deliveries": rows, "events_token": token}))
         else:
             line = f"{job.get('kind')} {ident} → {job.get('target')}: {job.get('state')}"
             if job.get("reason"):
                 line += f" ({job['reason']})"
-            out.print(line, highlight=False)
+            out.print(line, highlight=False, markup=False)
+            out.print(f"events: /turns/{ident}/events?token={token}", highlight=False, markup=False)
             out.print(_table(ident, rows))
         if any(row.get("state") == "failed" for row in rows) or job.get("state") == "error":
             raise typer.Exit(EXIT_FAILED)

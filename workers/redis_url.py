@@ -108,7 +108,7 @@ def async_client(url: str):
 
     s = parse_sentinel(url)
     if s is None:
-        return redis.asyncio.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S)
+        return redis.asyncio.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S, health_check_interval=30)
     from redis.asyncio.sentinel import Sentinel
 
     sentinel = Sentinel(list(s.hosts), socket_timeout=CONNECT_TIMEOUT_S, socket_connect_timeout=CONNECT_TIMEOUT_S)

@@ -5,7 +5,9 @@
 
 Routes
 - `GET /turns/{id}/events`: the job's phase events as Server-Sent Events
-  (`id:` the stream id, `event:` the kind, `data:` the JSON event). Resumable:
+  (`id:` the stream id, `event:` the kind, `data:` the JSON event). It needs
+  the job's token (`workers/eventauth.py`: `?token=` or `Authorization:
+  Bearer`; 401 without one, 403 with a wrong one). Resumable:
   with `Last-Event-ID` (header, or `?last_event_id=`) it goes on right after
   that id, skipping nothing and repeating nothing. The stream ends after the
   terminal status and the final state of every delivery; while waiting, an
@@ -13,12 +15,19 @@ Routes
   resume of a stream that is already over answers 204 (EventSource stops).
 - `GET /healthz`: 200 when Redis answers, else 503.
 - `POST /webhooks/telegram | slack | discord | whatsapp` (and `GET
-  /webhooks/whatsapp`, the hub.challenge check): each verifies its platform's
-  signature or secret first (401, nothing enqueued, when it does not verify;
-  404 when the platform's secret is not configured), drops a retried update
-  (Redis SET NX with a TTL on the platform's update / event id,
-  `keys.webhook_seen`), then enqueues an `agent_turn` whose reply goes back
-  to the chat (`<platform>:<chat>`).
+  /webhooks/whatsapp`, the hub.challenge check): each checks its platform's
+  secret header, or its signature's headers (Slack and Discord: a timestamp
+  within 5 minutes of now), before it reads the body; reads the body up to
+  the platform's cap (`BODY_CAPS`: 413 past it, read no further); verifies
+  the signature before it parses the body (401, nothing enqueued, when it
+  does not verify; 404 when the platform's secret is not configured); then
+  drops a retried update (Redis SET NX with a TTL on the platform's update /
+  event id, `keys.webhook_seen`) and enqueues an `agent_turn` whose reply
+  goes back to the chat (`<platform>:<chat>`). Every refused or malformed
+  request is a 4xx with a one-line reason (`{"ok": false, "error": ...}`),
+  logged as one line; a turn that cannot be enqueued is a 503.
+- Logs: uvicorn's access log and ASGI trace show no query string (the
+  WhatsApp verify token, an events token).
 """
 
 from __future__ import annotations
@@ -28,8 +37,10 @@ import hashlib
 import hmac
 import json
 import logging
+import os
 import re
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.applications import Starlette
@@ -47,6 +58,11 @@ __all__ = ["app", "create_app", "format_sse"]
 
 MAX_WEBHOOK_BODY_BYTES = 1024 * 1024
 MAX_MESSAGE_CHARS = 32_000
+ENQUEUE_BATCH = 64
+ENQUEUE_TIMEOUT_S = 10.0
+#: how long a claimed update's de-dup key and job record live until its turn is published:
+#: a web process killed in between loses no update (the platform's retry goes through then)
+CLAIM_TTL_S = 60
 SSE_RETRY_MS = 2000
 _JOB_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 _STREAM_ID = re.compile(r"\d{1,20}-\d{1,20}")
@@ -71,6 +87,8 @@ class _Web:
         self.settings = settings
         self._redis = None
         self._aredis = None
+        self._celery = None
+        self._enqueuer: _Enqueuer | None = None
 
     @property
     def redis(self):
@@ -83,50 +101,316 @@ class _Web:
     @property
     def aredis(self):
         if self._aredis is None:
-            import redis.asyncio
+            from workers.redis_url import async_client
 
-            self._aredis = redis.asyncio.Redis.from_url(self.settings.redis_url, socket_connect_timeout=3,
-                                                        health_check_interval=30)
+            self._aredis = async_client(self.settings.redis_url)
         return self._aredis
 
     async def close(self) -> None:
+        if self._enqueuer is not None:
+            self._enqueuer.stop()
+            self._enqueuer = None
         if self._aredis is not None:
             await self._aredis.aclose()
             self._aredis = None
 
     # -- turns from webhooks ------------------------------------------------------------
-    def accept(self, platform: str, update_id: str, chat: str, message: str) -> dict:
-        """Enqueue a turn for one platform update, once (blocking: call in a thread)."""
+    @property
+    def celery(self):
+        """Courier's Celery app, checked once (see `courier_celery`)."""
+        if self._celery is None:
+            self._celery = courier_celery(self.settings)
+        return self._celery
+
+    async def accept(self, platform: str, update_id: str, chat: str, message: str) -> dict:
+        """Enqueue a turn for one platform update, once: {"ok", "job"}, or
+        {"ok", "duplicate"} for an update already enqueued. Raises when the
+        turn could not be enqueued (nothing is left behind then)."""
         s = self.settings
-        seen = keys.webhook_seen(platform, update_id)
-        if not self.redis.set(seen, "pending", nx=True, ex=s.webhook_dedupe_ttl_s):
-            log.info("%s webhook: dropped a retried update %s", platform, update_id)
-            return {"ok": True, "duplicate": True}
+        self.celery  # noqa: B018 - checked once: never publish anywhere else
+        from tasks import chains, receipts
+
         origin = f"{platform}:{chat}"
         override = s.webhook_reply_target_override
-        target = override.replace("{platform}", platform).replace("{chat}", chat) if override else origin
-        import workers.celery_app  # noqa: F401 - binds the tasks to the configured app
+        turn = _Turn(platform=platform, update_id=update_id, seen=keys.webhook_seen(platform, update_id),
+                     job_id=chains.new_job_id("turn"), origin=origin,
+                     target=override.replace("{platform}", platform).replace("{chat}", chat) if override else origin,
+                     agent=s.webhook_agent or s.default_agent, message=message[:MAX_MESSAGE_CHARS])
+        spec = chains.turn_sig(turn.job_id, turn.target, turn.message, agent=turn.agent).args[0]
+        receipts.create_job(None, turn.job_id, kind="turn", target=turn.target, agent=turn.agent, origin=origin,
+                            pipe=turn.job, spec=json.dumps(spec, separators=(",", ":")))
+        if self._enqueuer is None:
+            self._enqueuer = _Enqueuer(self)
+        turn.loop = asyncio.get_running_loop()
+        turn.future = turn.loop.create_future()
+        self._enqueuer.submit(turn)
+        # Redis stalling: answer 503 after a while (platforms give up after a few seconds
+        # anyway); the turn goes on: queued after all, the platform's retry is a duplicate;
+        # failed, its keys are cleared and the retry goes through
+        return await asyncio.wait_for(asyncio.shield(turn.future), timeout=ENQUEUE_TIMEOUT_S)
+
+
+@dataclass
+class _Turn:
+    platform: str
+    update_id: str
+    seen: str
+    job_id: str
+    origin: str
+    target: str
+    agent: str
+    message: str
+    job: _JobFields = field(default_factory=lambda: _JobFields())
+    loop: asyncio.AbstractEventLoop | None = None
+    future: asyncio.Future | None = None
+    outcome: tuple[dict | None, BaseException | None] | None = None
+
+
+def _settle(turns: list[_Turn]) -> None:
+    """On the event loop: each waiting request gets its turn's outcome."""
+    for t in turns:
+        if t.future is None or t.future.done():
+            continue
+        result, exc = t.outcome or (None, RuntimeError("not enqueued"))
+        if exc is not None:
+            t.future.set_exception(exc)
+        else:
+            t.future.set_result(result)
+
+
+class _Enqueuer:
+    """One thread that enqueues webhook turns, in batches of what came in
+    meanwhile (at most ENQUEUE_BATCH): one round trip claims them all (per
+    turn `_CLAIM`: the de-dup key, SET NX with the job id as its value, and
+    only when it was new, the job record; both provisional, with a
+    CLAIM_TTL_S TTL), then courier's Celery app publishes the claimed turns
+    as one kombu publish batch (one round trip), then one round trip gives
+    their keys and records their full TTLs. When publishing fails, the
+    claimed turns' keys and job records are deleted again (no orphan
+    "queued" job; the platform's retry goes through) and each of their
+    requests gets the error (a 503); when the process dies before
+    publishing, they expire. One thread
+    and a batch per round trip: the per-turn cost is Celery's message, not
+    thread hand-offs and round trips."""
+
+    def __init__(self, web: _Web) -> None:
+        import queue
+        import threading
+
+        self.web = web
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.claim = web.redis.register_script(_CLAIM)
+        self.thread = threading.Thread(target=self._run, name="courier-enqueue", daemon=True)
+        self.thread.start()
+
+    def submit(self, turn: _Turn) -> None:
+        self.q.put(turn)
+
+    def stop(self) -> None:
+        self.q.put(None)
+
+    def _run(self) -> None:
+        import queue
+
+        app = self.web.celery
+        app.set_current()  # this thread publishes through courier's app, whatever else set its current app
+        while True:
+            first = self.q.get()
+            if first is None:
+                return
+            batch = [first]
+            while len(batch) < ENQUEUE_BATCH:
+                try:
+                    t = self.q.get_nowait()
+                except queue.Empty:
+                    break
+                if t is None:
+                    self.q.put(None)
+                    break
+                batch.append(t)
+            try:
+                self._enqueue(app, batch)
+            except BaseException as exc:  # noqa: BLE001 - every request gets an answer; the thread goes on
+                for t in batch:
+                    if t.outcome is None:
+                        t.outcome = (None, exc)
+            # one wake-up of the event loop for the whole batch
+            loops = {t.loop for t in batch}
+            for loop in loops:
+                try:
+                    loop.call_soon_threadsafe(_settle, [t for t in batch if t.loop is loop])
+                except RuntimeError:  # that loop is closed: nobody waits any more
+                    pass
+
+    def _enqueue(self, app, batch: list[_Turn]) -> None:
         from tasks import chains
 
+        r = self.web.redis
+        pipe = r.pipeline(transaction=False)
+        for t in batch:  # provisional: both keys expire after CLAIM_TTL_S unless the turn is published
+            self.claim(keys=[t.seen, t.job.key], args=[t.job_id, CLAIM_TTL_S, CLAIM_TTL_S, *t.job.flat()], client=pipe)
+        claimed = pipe.execute()
+        new = []
+        for t, ok in zip(batch, claimed):
+            if ok:
+                new.append(t)
+            else:
+                log.info("%s webhook: dropped a retried update %s", t.platform, t.update_id)
+                t.outcome = ({"ok": True, "duplicate": True}, None)
+        if not new:
+            return
         try:
-            job_id = chains.enqueue_turn(self.redis, target, message[:MAX_MESSAGE_CHARS],
-                                         agent=s.webhook_agent or s.default_agent, origin=origin)
-        except Exception:
-            self.redis.delete(seen)  # let the platform's retry through
-            raise
-        self.redis.set(seen, job_id, ex=s.webhook_dedupe_ttl_s)
-        log.info("%s webhook: update %s -> turn %s", platform, update_id, job_id)
-        return {"ok": True, "job": job_id}
+            with app.producer_or_acquire() as producer, producer.batch():
+                for t in new:
+                    sig = chains.turn_sig(t.job_id, t.target, t.message, agent=t.agent)
+                    # published through courier's app by name; declare=[]: the message goes
+                    # to the `turns` list itself (the anonymous exchange, see
+                    # workers/celery_app.task_queue): declaring the queue again for every
+                    # message only costs (the workers declare what they consume)
+                    app.send_task(sig.task, args=sig.args, kwargs=sig.kwargs, task_id=t.job_id, producer=producer,
+                                  declare=[], ignore_result=app.tasks[sig.task].ignore_result, **sig.options)
+        except Exception as exc:  # noqa: BLE001 - answered 503: the platform retries
+            self._forget(new)
+            for t in new:
+                t.outcome = (None, exc)
+            return
+        self._keep(new)
+        for t in new:
+            log.info("%s webhook: update %s -> turn %s", t.platform, t.update_id, t.job_id)
+            t.outcome = ({"ok": True, "job": t.job_id}, None)
+
+    def _keep(self, turns: list[_Turn]) -> None:
+        """After the publish: the de-dup keys and job records get their full TTLs."""
+        ttl = self.web.settings.webhook_dedupe_ttl_s
+        try:
+            from tasks import chains, ledger
+
+            pipe = self.web.redis.pipeline(transaction=False)
+            for t in turns:
+                pipe.expire(t.seen, ttl)
+                pipe.expire(t.job.key, t.job.ttl)
+                ledger.set_due(pipe, "turn", t.job_id, chains.TURN_GRACE_S)  # the ledger watches it from now on
+            pipe.execute()
+        except Exception as exc:  # noqa: BLE001 - queued all the same: answered 200
+            log.error("webhook: %d turns queued, but their de-dup keys could not be kept (%s): a retry within "
+                      "%ds is dropped, a later one queued again", len(turns), type(exc).__name__, CLAIM_TTL_S)
+
+    def _forget(self, turns: list[_Turn]) -> None:
+        """After a failed publish: no de-dup keys (the retries go through), no job records."""
+        try:
+            self.web.redis.delete(*[k for t in turns for k in (t.seen, t.job.key)])
+        except Exception as exc:  # noqa: BLE001 - both expire anyway; the 503 stands
+            log.error("webhook: could not clear %d turns after a failed enqueue: %s", len(turns),
+                      type(exc).__name__)
 
 
-async def _body(request: Request) -> bytes | None:
-    """The raw body, or None when it is over the webhook limit."""
+#: SET NX the de-dup key (KEYS[1]) to the job id with its TTL; only when it was
+#: new, record the job: HSET KEYS[2] with the fields, EXPIRE it. 1 when claimed.
+_CLAIM = """
+if not redis.call('set', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then return 0 end
+redis.call('hset', KEYS[2], unpack(ARGV, 4))
+redis.call('expire', KEYS[2], ARGV[3])
+return 1
+"""
+
+
+class _JobFields:
+    """Takes what `receipts.create_job` writes on a pipeline (its one HSET and
+    EXPIRE), for `_CLAIM` to write: the job record's fields stay defined in
+    one place."""
+
+    def __init__(self) -> None:
+        self.key = ""
+        self.fields: dict = {}
+        self.ttl = 0
+
+    def hset(self, key, mapping):
+        self.key, self.fields = key, dict(mapping)
+
+    def expire(self, key, ttl):
+        assert key == self.key
+        self.ttl = int(ttl)
+
+    def flat(self) -> list:
+        return [x for kv in self.fields.items() for x in kv]
+
+
+class BrokerMismatch(RuntimeError):
+    """The web process would publish turns somewhere else than COURIER_REDIS_URL."""
+
+
+def courier_celery(settings: Settings):
+    """Courier's Celery app, once it is checked that every thread publishes
+    through it and that its broker is `settings.redis_url` (Celery reads
+    CELERY_BROKER_URL from the environment before its own configuration)."""
+    import threading
+
+    from celery import current_app
+
+    from workers.celery_app import app
+    from workers.embedded import redact_url
+    from workers.redis_url import celery_url
+
+    broker = app.conf.broker_url
+    if broker != celery_url(settings.redis_url)[0]:
+        why = " (CELERY_BROKER_URL is set in the environment)" if os.environ.get("CELERY_BROKER_URL") else ""
+        raise BrokerMismatch(f"the Celery broker is {redact_url(str(broker))}, not COURIER_REDIS_URL "
+                             f"{redact_url(settings.redis_url)}{why}: webhook turns would be lost")
+    seen: list = []
+    t = threading.Thread(target=lambda: seen.append(current_app._get_current_object()), name="courier-app-check")
+    t.start()
+    t.join()
+    if seen[0] is not app:
+        raise BrokerMismatch(f"another thread publishes through Celery app {seen[0].main!r}, not courier's")
+    # nobody here waits for a task's result: without this, Celery's Redis result
+    # backend SUBSCRIBEs to every published turn's result channel in this process
+    # (one round trip more per webhook, and channels and unread results that pile up)
+    from celery._state import _set_task_join_will_block
+
+    _set_task_join_will_block(True)
+    return app
+
+
+#: the largest body each webhook reads (a longer one is a 413, read no further): a Telegram
+#: update, a Slack event and a Discord interaction are a few KiB; a WhatsApp notification
+#: may batch many messages
+BODY_CAPS = {"telegram": 128 * 1024, "slack": 256 * 1024, "discord": 128 * 1024, "whatsapp": 512 * 1024}
+#: how far a signed timestamp (Slack, Discord) may be from now, either way
+MAX_CLOCK_SKEW_S = 300
+#: ids that go into Redis keys (update, event, chat ids): a bounded, plain alphabet
+_ID = re.compile(r"[A-Za-z0-9_.:=+-]{1,256}")
+_HEX = re.compile(r"[0-9a-fA-F]+")
+
+
+class BadRequest(Exception):
+    """A request that is refused: its status and a one-line reason for the caller."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+
+
+def _refuse(platform: str, status: int, reason: str) -> Response:
+    log.warning("%s webhook: %d %s", platform, status, reason)
+    return JSONResponse({"ok": False, "error": reason}, status_code=status)
+
+
+async def _body(request: Request, cap: int) -> bytes:
+    """The raw body, read as it streams in; BadRequest 413 as soon as it is over `cap`
+    (at once when Content-Length says so)."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not (declared.isascii() and declared.isdigit()):
+            raise BadRequest(400, "bad Content-Length")
+        if int(declared) > cap:
+            raise BadRequest(413, f"body over {cap} bytes")
     chunks: list[bytes] = []
     n = 0
     async for chunk in request.stream():
         n += len(chunk)
-        if n > MAX_WEBHOOK_BODY_BYTES:
-            return None
+        if n > cap:
+            raise BadRequest(413, f"body over {cap} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -135,33 +419,115 @@ def _secret(v) -> bytes:
     return v.get_secret_value().encode() if v is not None else b""
 
 
-def _unauthorized(platform: str, why: str) -> Response:
-    log.warning("%s webhook: rejected (%s)", platform, why)
-    return JSONResponse({"ok": False, "error": "signature does not verify"}, status_code=401)
-
-
 def _not_configured(platform: str, setting: str) -> Response:
     return JSONResponse({"ok": False, "error": f"{platform} webhook is not configured ({setting})"}, status_code=404)
 
 
-def _json(body: bytes) -> Any:
+def _payload(body: bytes, what: str) -> dict:
+    """The JSON object of a (verified) body; BadRequest 400 when it is not one."""
     try:
-        return json.loads(body)
-    except ValueError:
+        payload = json.loads(body)
+    except (ValueError, RecursionError):
+        raise BadRequest(400, f"not {what}: the body is not JSON") from None
+    if not isinstance(payload, dict):
+        raise BadRequest(400, f"not {what}: the body is not a JSON object")
+    return payload
+
+
+def _obj(v) -> dict:
+    return v if isinstance(v, dict) else {}
+
+
+def _arr(v) -> list:
+    return v if isinstance(v, list) else []
+
+
+def _id(v, what: str) -> str:
+    """An id from a payload (int or plain string) as a string; BadRequest 400 otherwise."""
+    if isinstance(v, bool) or not isinstance(v, (int, str)) or not _ID.fullmatch(str(v)):
+        raise BadRequest(400, f"bad {what}")
+    return str(v)
+
+
+def _text(v) -> str | None:
+    """A message text, or None; lone surrogates (invalid JSON escapes) become U+FFFD."""
+    if not isinstance(v, str) or not v.strip():
         return None
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        v = "".join("\ufffd" if 0xD800 <= ord(c) <= 0xDFFF else c for c in v)
+    return v
+
+
+def _timestamp(raw: str) -> int:
+    """A signed request's timestamp (epoch seconds): within MAX_CLOCK_SKEW_S of now, else BadRequest 401."""
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 12:
+        raise BadRequest(401, "missing or bad timestamp")
+    if abs(time.time() - int(raw)) > MAX_CLOCK_SKEW_S:
+        raise BadRequest(401, "stale or future timestamp")
+    return int(raw)
 
 
 async def _accept(web: _Web, platform: str, update_id: str, chat: str, message: str) -> Response | dict:
     try:
-        return await run_in_threadpool(web.accept, platform, update_id, chat, message)
+        return await web.accept(platform, update_id, chat, message)
     except Exception as exc:  # noqa: BLE001 - the platform retries on 5xx
         log.error("%s webhook: could not enqueue a turn: %s", platform, type(exc).__name__)
         return JSONResponse({"ok": False, "error": "could not enqueue the turn"}, status_code=503)
 
 
+def _webhook(platform: str):
+    """A webhook route: a refused request (BadRequest) is its status with a one-line reason;
+    anything a payload's shape makes the handler trip over is a 400, never a 500."""
+
+    def wrap(handler):
+        async def route(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except BadRequest as exc:
+                return _refuse(platform, exc.status, exc.reason)
+            except (TypeError, AttributeError, KeyError, ValueError, IndexError, RecursionError) as exc:
+                return _refuse(platform, 400, f"malformed {platform} payload ({type(exc).__name__})")
+
+        return route
+
+    return wrap
+
+
+# -- logs: no secret in a request line --------------------------------------------------------
+class _NoQueryStrings(logging.Filter):
+    """uvicorn's access log without query strings (the WhatsApp verify token, an events
+    token), and its ASGI trace without the scope's query string."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and args:
+            record.args = tuple(self._clean(a) for a in args)
+        return True
+
+    @staticmethod
+    def _clean(a):
+        if isinstance(a, str) and "?" in a and a.startswith("/"):
+            return a.split("?", 1)[0] + "?…"
+        if isinstance(a, dict) and a.get("query_string"):
+            return {**a, "query_string": b"<...>"}
+        return a
+
+
+def quiet_query_strings() -> None:
+    """Install the filter on uvicorn's access and ASGI loggers (idempotent)."""
+    for name in ("uvicorn.access", "uvicorn.asgi"):
+        lg = logging.getLogger(name)
+        if not any(isinstance(f, _NoQueryStrings) for f in lg.filters):
+            lg.addFilter(_NoQueryStrings())
+
+
 # -- routes ---------------------------------------------------------------------------
 def create_app(settings: Settings | None = None) -> Starlette:
     web = _Web(settings or get_settings())
+    quiet_query_strings()
+    discord_key: list = []  # the VerifyKey, made once
 
     async def healthz(request: Request) -> Response:
         try:
@@ -176,6 +542,19 @@ def create_app(settings: Settings | None = None) -> Starlette:
         last = last.strip()
         if not _JOB_ID.fullmatch(job_id):
             return JSONResponse({"error": "bad job id"}, status_code=404)
+        token = request.query_params.get("token") or ""
+        auth = request.headers.get("authorization", "")
+        if auth[:7].lower() == "bearer ":
+            token = auth[7:].strip()
+        if not token:
+            return JSONResponse({"error": "the events of a turn need its token: ?token= or Authorization: Bearer "
+                                          "(courier turn --json, courier status ID)"}, status_code=401,
+                                headers={"WWW-Authenticate": "Bearer"})
+        from workers import eventauth
+
+        key = await run_in_threadpool(eventauth.server_key, web.redis)  # read each time: deleting it revokes
+        if not eventauth.verify(key, job_id, token):
+            return JSONResponse({"error": "wrong token for this turn"}, status_code=403)
         if last and not _STREAM_ID.fullmatch(last):
             return JSONResponse({"error": "Last-Event-ID must be a stream id like 1700000000000-0"},
                                 status_code=400)
@@ -224,57 +603,59 @@ def create_app(settings: Settings | None = None) -> Starlette:
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     # -- Telegram: X-Telegram-Bot-Api-Secret-Token, update_id -----------------------------
+    @_webhook("telegram")
     async def telegram(request: Request) -> Response:
         secret = web.settings.telegram_webhook_secret
         if secret is None:
             return _not_configured("telegram", "TELEGRAM_WEBHOOK_SECRET")
         got = request.headers.get("x-telegram-bot-api-secret-token", "").encode()
         if not hmac.compare_digest(got, _secret(secret)):
-            return _unauthorized("telegram", "bad secret token")
-        body = await _body(request)
-        update = _json(body) if body is not None else None
-        if not isinstance(update, dict) or not isinstance(update.get("update_id"), int):
-            return JSONResponse({"ok": False, "error": "not a Telegram update"}, status_code=400)
-        msg = update.get("message") or update.get("channel_post")
-        text = (msg.get("text") or msg.get("caption")) if isinstance(msg, dict) else None
-        chat = (msg.get("chat") or {}).get("id") if isinstance(msg, dict) else None
-        if not isinstance(text, str) or not text.strip() or chat is None:
+            raise BadRequest(401, "bad secret token")
+        update = _payload(await _body(request, BODY_CAPS["telegram"]), "a Telegram update")
+        if isinstance(update.get("update_id"), bool) or not isinstance(update.get("update_id"), int):
+            raise BadRequest(400, "not a Telegram update: no update_id")
+        msg = _obj(update.get("message") or update.get("channel_post"))
+        text = _text(msg.get("text")) or _text(msg.get("caption"))
+        chat = _obj(msg.get("chat")).get("id")
+        if text is None or chat is None:
             return JSONResponse({"ok": True, "ignored": "no text message"})
-        out = await _accept(web, "telegram", str(update["update_id"]), str(chat), text)
+        out = await _accept(web, "telegram", _id(update["update_id"], "update_id"), _id(chat, "chat id"), text)
         return out if isinstance(out, Response) else JSONResponse(out)
 
     # -- Slack: signing secret, url_verification, event_id / X-Slack-Retry-Num ------------------
+    @_webhook("slack")
     async def slack(request: Request) -> Response:
         secret = web.settings.slack_signing_secret
         if secret is None:
             return _not_configured("slack", "SLACK_SIGNING_SECRET")
-        from slack_sdk.signature import SignatureVerifier
-
-        body = await _body(request)
-        if body is None:
-            return JSONResponse({"ok": False, "error": "body too large"}, status_code=413)
-        verifier = SignatureVerifier(secret.get_secret_value())
-        if not verifier.is_valid(body=body, timestamp=request.headers.get("x-slack-request-timestamp", ""),
-                                 signature=request.headers.get("x-slack-signature", "")):
-            return _unauthorized("slack", "bad or stale signature")
-        payload = _json(body)
-        if not isinstance(payload, dict):
-            return JSONResponse({"ok": False, "error": "not a Slack event"}, status_code=400)
+        ts = _timestamp(request.headers.get("x-slack-request-timestamp", ""))
+        sig = request.headers.get("x-slack-signature", "")
+        if not (sig.startswith("v0=") and len(sig) == 67 and _HEX.fullmatch(sig[3:])):
+            raise BadRequest(401, "missing or bad signature")
+        body = await _body(request, BODY_CAPS["slack"])
+        want = "v0=" + hmac.new(_secret(secret), f"v0:{ts}:".encode() + body, hashlib.sha256).hexdigest()
+        if not hmac.compare_digest(sig.lower().encode(), want.encode()):
+            raise BadRequest(401, "signature does not verify")
+        payload = _payload(body, "a Slack event")
         if payload.get("type") == "url_verification":
-            return JSONResponse({"challenge": payload.get("challenge", "")})
+            challenge = payload.get("challenge", "")
+            return JSONResponse({"challenge": challenge if isinstance(challenge, str) else ""})
         event = payload.get("event")
         if payload.get("type") != "event_callback" or not isinstance(event, dict):
-            return JSONResponse({"ok": True, "ignored": payload.get("type")})
+            kind = payload.get("type")
+            return JSONResponse({"ok": True, "ignored": kind if isinstance(kind, str) else "not an event"})
         if event.get("type") not in ("message", "app_mention") or event.get("bot_id") or event.get("subtype"):
             return JSONResponse({"ok": True, "ignored": "not a user message"})
-        text = _SLACK_MENTION.sub("", str(event.get("text") or "")).strip()
+        raw = event.get("text")
+        text = _text(_SLACK_MENTION.sub("", raw).strip()) if isinstance(raw, str) else None
         channel = event.get("channel")
         # one user message is one turn: a mention comes as both `app_mention` and `message`
         # (different event ids) when the app subscribes to both; a retry repeats either
-        event_id = f"{channel}:{event['ts']}" if event.get("ts") else payload.get("event_id")
-        if not text or not channel or not event_id:
+        if not text or not channel or not (event.get("ts") or payload.get("event_id")):
             return JSONResponse({"ok": True, "ignored": "no text message"})
-        out = await _accept(web, "slack", str(event_id), str(channel), text)
+        channel = _id(channel, "channel")
+        event_id = f"{channel}:{_id(event['ts'], 'ts')}" if event.get("ts") else _id(payload["event_id"], "event_id")
+        out = await _accept(web, "slack", event_id, channel, text)
         if isinstance(out, Response):
             return out
         headers = {"X-Slack-No-Retry": "1"} if out.get("duplicate") or request.headers.get("x-slack-retry-num") \
@@ -282,43 +663,46 @@ def create_app(settings: Settings | None = None) -> Starlette:
         return JSONResponse(out, headers=headers)
 
     # -- Discord interactions: Ed25519 over timestamp + body; PING -> PONG ----------------------
+    @_webhook("discord")
     async def discord(request: Request) -> Response:
         public_key = web.settings.discord_public_key
         if not public_key:
             return _not_configured("discord", "DISCORD_PUBLIC_KEY")
         from nacl.exceptions import BadSignatureError
-        from nacl.signing import VerifyKey
 
-        body = await _body(request)
-        if body is None:
-            return JSONResponse({"ok": False, "error": "body too large"}, status_code=413)
-        sig = request.headers.get("x-signature-ed25519", "")
+        if not discord_key:
+            discord_key.append(_discord_verify_key(public_key))
         ts = request.headers.get("x-signature-timestamp", "")
+        _timestamp(ts)
+        sig = request.headers.get("x-signature-ed25519", "")
+        if len(sig) != 128 or not _HEX.fullmatch(sig):
+            raise BadRequest(401, "missing or bad signature")
+        body = await _body(request, BODY_CAPS["discord"])
         try:
-            VerifyKey(bytes.fromhex(public_key)).verify(ts.encode() + body, bytes.fromhex(sig))
-        except (BadSignatureError, ValueError, TypeError):
-            return _unauthorized("discord", "bad signature")
-        payload = _json(body)
-        if not isinstance(payload, dict):
-            return JSONResponse({"error": "not an interaction"}, status_code=400)
+            discord_key[0].verify(ts.encode() + body, bytes.fromhex(sig))
+        except BadSignatureError:
+            raise BadRequest(401, "signature does not verify") from None
+        payload = _payload(body, "an interaction")
         if payload.get("type") == 1:
             return JSONResponse({"type": 1})
         if payload.get("type") != 2:
             return JSONResponse({"type": 4, "data": {"content": "This interaction is not supported.", "flags": 64}})
-        data = payload.get("data") or {}
-        text = next((o.get("value") for o in data.get("options") or []
-                     if isinstance(o, dict) and isinstance(o.get("value"), str) and o["value"].strip()), None)
-        channel = payload.get("channel_id") or (payload.get("channel") or {}).get("id")
+        data = _obj(payload.get("data"))
+        text = next((_text(o.get("value")) for o in _arr(data.get("options"))
+                     if isinstance(o, dict) and _text(o.get("value"))), None)
+        channel = payload.get("channel_id") or _obj(payload.get("channel")).get("id")
         if not text or not channel or not payload.get("id"):
-            return JSONResponse({"type": 4, "data": {"content": "Ask me something: /" + str(data.get("name", "ask"))
-                                                     + " <message>", "flags": 64}})
-        out = await _accept(web, "discord", str(payload["id"]), str(channel), text)
+            name = data.get("name") if isinstance(data.get("name"), str) else "ask"
+            return JSONResponse({"type": 4, "data": {"content": f"Ask me something: /{name[:32]} <message>",
+                                                     "flags": 64, "allowed_mentions": {"parse": []}}})
+        out = await _accept(web, "discord", _id(payload["id"], "interaction id"), _id(channel, "channel id"), text)
         if isinstance(out, Response):
             return out
         # the user's own words, quoted back: they never ping anyone (as the adapter's agent text)
         return JSONResponse({"type": 4, "data": {"content": f"> {text[:1900]}", "allowed_mentions": {"parse": []}}})
 
     # -- WhatsApp Cloud API: hub.challenge; X-Hub-Signature-256 ----------------------------------
+    @_webhook("whatsapp")
     async def whatsapp_verify(request: Request) -> Response:
         token = web.settings.whatsapp_verify_token
         if token is None:
@@ -326,43 +710,43 @@ def create_app(settings: Settings | None = None) -> Starlette:
         q = request.query_params
         if q.get("hub.mode") == "subscribe" and hmac.compare_digest(q.get("hub.verify_token", "").encode(),
                                                                      _secret(token)):
-            return PlainTextResponse(q.get("hub.challenge", ""))
-        log.warning("whatsapp webhook: verification refused (bad verify token)")
-        return JSONResponse({"ok": False, "error": "verify token does not match"}, status_code=403)
+            return PlainTextResponse(q.get("hub.challenge", "")[:256])
+        raise BadRequest(403, "verify token does not match")
 
+    @_webhook("whatsapp")
     async def whatsapp(request: Request) -> Response:
         secret = web.settings.whatsapp_app_secret
         if secret is None:
             return _not_configured("whatsapp", "WHATSAPP_APP_SECRET")
-        body = await _body(request)
-        if body is None:
-            return JSONResponse({"ok": False, "error": "body too large"}, status_code=413)
+        sig = request.headers.get("x-hub-signature-256", "")
+        if not (sig.startswith("sha256=") and len(sig) == 71 and _HEX.fullmatch(sig[7:])):
+            raise BadRequest(401, "missing or bad signature")
+        body = await _body(request, BODY_CAPS["whatsapp"])
         want = "sha256=" + hmac.new(_secret(secret), body, hashlib.sha256).hexdigest()
-        if not hmac.compare_digest(request.headers.get("x-hub-signature-256", "").encode(), want.encode()):
-            return _unauthorized("whatsapp", "bad signature")
-        payload = _json(body)
-        if not isinstance(payload, dict):
-            return JSONResponse({"ok": False, "error": "not a WhatsApp notification"}, status_code=400)
-        jobs: list[str] = []
-        duplicates = 0
-        for entry in payload.get("entry") or []:
-            for change in (entry or {}).get("changes") or []:
-                value = (change or {}).get("value") or {}
-                for m in value.get("messages") or []:
+        if not hmac.compare_digest(sig.lower().encode(), want.encode()):
+            raise BadRequest(401, "signature does not verify")
+        payload = _payload(body, "a WhatsApp notification")
+        found: list[tuple[str, str, str]] = []  # (message id, chat, text): all checked before any is enqueued
+        for entry in _arr(payload.get("entry")):
+            for change in _arr(_obj(entry).get("changes")):
+                for m in _arr(_obj(_obj(change).get("value")).get("messages")):
                     if not isinstance(m, dict) or m.get("type") != "text" or not m.get("id") or not m.get("from"):
                         continue
-                    text = (m.get("text") or {}).get("body")
-                    if not isinstance(text, str) or not text.strip():
+                    text = _text(_obj(m.get("text")).get("body"))
+                    if text is None:
                         continue
-                    chat = str(m["from"])
-                    out = await _accept(web, "whatsapp", str(m["id"]), chat if chat.startswith("+") else f"+{chat}",
-                                        text)
-                    if isinstance(out, Response):
-                        return out
-                    if out.get("duplicate"):
-                        duplicates += 1
-                    else:
-                        jobs.append(out["job"])
+                    chat = _id(m["from"], "sender")
+                    found.append((_id(m["id"], "message id"), chat if chat.startswith("+") else f"+{chat}", text))
+        jobs: list[str] = []
+        duplicates = 0
+        for mid, chat, text in found:
+            out = await _accept(web, "whatsapp", mid, chat, text)
+            if isinstance(out, Response):
+                return out
+            if out.get("duplicate"):
+                duplicates += 1
+            else:
+                jobs.append(out["job"])
         return JSONResponse({"ok": True, "jobs": jobs, "duplicates": duplicates})
 
     async def shutdown() -> None:
@@ -381,12 +765,25 @@ def create_app(settings: Settings | None = None) -> Starlette:
 
     @asynccontextmanager
     async def lifespan(_app):
+        web.celery  # noqa: B018 - refuse to start when turns would be published anywhere else
+        if web.settings.discord_public_key:
+            discord_key[:] = [_discord_verify_key(web.settings.discord_public_key)]  # a bad key: no start
+        quiet_query_strings()
         yield
         await shutdown()
 
     application = Starlette(routes=routes, lifespan=lifespan)
     application.state.web = web
     return application
+
+
+def _discord_verify_key(public_key: str):
+    from nacl.signing import VerifyKey
+
+    try:
+        return VerifyKey(bytes.fromhex(public_key))
+    except (ValueError, TypeError):
+        raise ValueError("DISCORD_PUBLIC_KEY is not an Ed25519 public key in hex (64 hex digits)") from None
 
 
 app = create_app()

@@ -1,0 +1,112 @@
+"""Webhook throughput: signed updates accepted and enqueued per second at 16
+concurrent connections, against a bare Starlette endpoint answering 200.
+
+    python -m bench.bench_webhooks          (BENCH_QUICK=1: 200 per round)
+
+One private redis-server; two uvicorn processes on loopback, started the
+same way (`--log-level info`, access log on):
+- courier: `courier web` with every platform's secret. Each request is a
+  signed update (Telegram, Slack, Discord, WhatsApp in turn, each unique):
+  secret or signature checked, the body parsed, the de-dup key set, the job
+  recorded and its `agent_turn` published to the `turns` queue. A round
+  counts from its first request until every answer is in AND every turn is
+  in the `turns` list in Redis (no worker consumes it; it is emptied between
+  rounds);
+- bare: `bench/bare_web.py`, the same four paths answering 200 at once
+  without reading the body, with the same requests.
+The client is the same for both (16 threads, one keep-alive http.client
+connection each, tests/fixtures/webstack.py `fire`). Rounds alternate, the
+best of each side counts. Higher is better; target: ratio >= 0.5.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench._common import quick, report  # noqa: E402
+
+TARGET_RATIO = 0.5
+CONCURRENCY = 16
+
+
+def main() -> None:
+    import httpx
+    from nacl.signing import SigningKey
+
+    from tests.fixtures.redis_server import RedisServer
+    from tests.fixtures.services import free_port, stop_process, wait_until
+    from tests.fixtures.webstack import (
+        PLATFORMS,
+        SLACK_SECRET,
+        TELEGRAM_SECRET,
+        WA_SECRET,
+        WA_VERIFY,
+        fire,
+        signed_update,
+    )
+
+    n = 200 if quick() else 2000
+    rounds = 2 if quick() else 3
+    tmp = Path(tempfile.mkdtemp(prefix="bench-webhooks-"))
+    srv = RedisServer(tmp).start()
+    key = SigningKey.generate()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COURIER_REDIS_URL": srv.url, "COURIER_DATA_DIR": str(tmp / "data"),
+           "TELEGRAM_WEBHOOK_SECRET": TELEGRAM_SECRET, "SLACK_SIGNING_SECRET": SLACK_SECRET,
+           "DISCORD_PUBLIC_KEY": key.verify_key.encode().hex(), "WHATSAPP_APP_SECRET": WA_SECRET,
+           "WHATSAPP_VERIFY_TOKEN": WA_VERIFY, "COURIER_WEBHOOK_AGENT": "echo"}
+    env.pop("CELERY_BROKER_URL", None)
+    procs = []
+    try:
+        ports = {"courier": free_port(), "bare": free_port()}
+        log = open(tmp / "web.log", "wb")  # noqa: SIM115
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "workers.cli", "web", "--host", "127.0.0.1", "--port", str(ports["courier"])],
+            env=env, cwd=str(ROOT), stdout=log, stderr=subprocess.STDOUT))
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "bench.bare_web:app", "--host", "127.0.0.1", "--port",
+             str(ports["bare"]), "--log-level", "info"], env=env, cwd=str(ROOT), stdout=log, stderr=subprocess.STDOUT))
+        base = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
+        for k in base:
+            wait_until(lambda k=k: httpx.post(base[k] + "/webhooks/telegram", content=b"{}", timeout=1).status_code
+                       in (200, 400, 401), timeout_s=30, what=f"the {k} web process")
+        r = srv.client()
+        best = {"courier": 0.0, "bare": 0.0}
+        for rnd in range(rounds):
+            for side in ("bare", "courier"):
+                tag = f"{side}{rnd}{os.urandom(2).hex()}"
+                reqs = []
+                for i in range(n):
+                    path, body, headers, _seen, _text = signed_update(PLATFORMS[i % 4], i, tag, key)
+                    reqs.append(("POST", path, body, headers))
+                r.delete("turns")
+                t0 = time.perf_counter()
+                res = fire(base[side], reqs, concurrency=CONCURRENCY, timeout_s=30)
+                if side == "courier":
+                    wait_until(lambda: r.llen("turns") >= n, timeout_s=30, interval_s=0.005, what="every turn queued")
+                took = time.perf_counter() - t0
+                bad = [st for st, _ in res if st != 200]
+                if bad:
+                    raise SystemExit(f"{side}: {len(bad)} of {n} answers were not 200 (e.g. {bad[0]})")
+                if side == "courier" and r.llen("turns") != n:
+                    raise SystemExit(f"{r.llen('turns')} turns queued for {n} updates")
+                best[side] = max(best[side], n / took)
+        report("webhooks accepted and enqueued at 16 concurrent", best["courier"], "req/s",
+               "bare starlette 200", best["bare"], target=TARGET_RATIO,
+               extra=f"{n} signed updates per round, 4 platforms, best of {rounds}")
+    finally:
+        for p in procs:
+            stop_process(p)
+        srv.stop()
+
+
+if __name__ == "__main__":
+    main()
