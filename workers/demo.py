@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 WORKER_READY_TIMEOUT_S = 60
@@ -62,16 +63,16 @@ def run_demo(*, to: str | None, message: str, timeout_s: float, console: Console
     try:
         redis_srv = ensure_redis(settings.redis_url)
     except RuntimeError as exc:
-        err.print(f"[bold red]error:[/] {exc}")
+        err.print(f"[bold red]error:[/] {escape(str(exc))}")
         return 3
     worker = None
     tmp = None
     try:
         if redis_srv.embedded:
-            console.print(f"Redis at {redact_url(settings.redis_url)} is not answering: "
-                          f"started an embedded one at {redis_srv.url}", highlight=False)
+            console.print(f"Redis at {escape(redact_url(settings.redis_url))} is not answering: "
+                          f"started an embedded one at {escape(redis_srv.url)}", highlight=False)
         else:
-            console.print(f"using Redis at {redact_url(redis_srv.url)}", highlight=False)
+            console.print(f"using Redis at {escape(redact_url(redis_srv.url))}", highlight=False)
         os.environ["COURIER_REDIS_URL"] = redis_srv.url
         if not os.environ.get("COURIER_DATA_DIR"):
             tmp = tempfile.mkdtemp(prefix="courier-demo-")
@@ -86,7 +87,7 @@ def run_demo(*, to: str | None, message: str, timeout_s: float, console: Console
         try:
             check_platform(split_target(target)[0], settings)
         except ConfigError as exc:
-            err.print(f"[bold red]error:[/] {exc}")
+            err.print(f"[bold red]error:[/] {escape(str(exc))}")
             return 2
 
         import workers.celery_app as celery_app
@@ -106,7 +107,7 @@ def run_demo(*, to: str | None, message: str, timeout_s: float, console: Console
             return 3
         r = redis_client(settings.redis_url)
         job_id = chains.enqueue_turn(r, target, message, agent="demo")
-        console.print(f"turn [bold]{job_id}[/]: “{message}” → {target}", highlight=False)
+        console.print(f"turn [bold]{job_id}[/]: “{escape(message)}” → {escape(target)}", highlight=False)
         ok = watch_job(r, job_id, timeout_s)
         if ok is None:
             err.print(f"[bold red]error:[/] timed out after {timeout_s:g}s")
@@ -117,7 +118,7 @@ def run_demo(*, to: str | None, message: str, timeout_s: float, console: Console
         console.print(_table(job_id, rows))
         if target.startswith("outbox:"):
             console.print(_arrived_table(settings.outbox, split_target(target)[1]))
-            console.print(f"outbox: {settings.outbox / split_target(target)[1]}", highlight=False)
+            console.print(f"outbox: {escape(str(settings.outbox / split_target(target)[1]))}", highlight=False)
         if not ok or not done or any(row.get("state") == "failed" for row in rows):
             return 1
         return 0
@@ -138,7 +139,7 @@ def _arrived_table(outbox: Path, chat: str) -> Table:
         t.add_column(col, overflow="fold")
     for rec in read_log(outbox, chat):
         if rec["kind"] == "text":
-            t.add_row("text", rec["text"][:70], str(len(rec["text"].encode())), "")
+            t.add_row("text", escape(rec["text"][:70]), str(len(rec["text"].encode())), "")
         else:
-            t.add_row(rec["kind"], rec["file"], f"{rec['size_bytes']:,}", rec["sha256"][:16] + "…")
+            t.add_row(rec["kind"], escape(rec["file"]), f"{rec['size_bytes']:,}", rec["sha256"][:16] + "…")
     return t
