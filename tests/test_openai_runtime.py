@@ -69,9 +69,9 @@ def test_terminal_writes_a_file_and_send_file_delivers_it(env, fake_openai, redi
     job, term, evs = run_turn(env, redis_server.client(), "files", "make me a file", "files")
     assert term["status"] == "completed"
 
-    sandbox = env.data_dir / "sandbox" / "files"
+    sandbox = env.data_dir / "sandbox" / "files" / "turns" / job  # the turn's own workspace
     made = sandbox / "out.txt"
-    assert made.read_text() == "made in files\n"
+    assert made.read_text() == f"made in {job}\n"
     log = read_log(env.outbox, "files")
     assert [r["kind"] for r in log] == ["text", "document"]
     assert log[0]["text"] == "Here is your file."
@@ -172,9 +172,10 @@ def test_browser_screenshot_is_stored_and_delivered(env, fake_openai, page, redi
     assert not glob.glob(str(env.data_dir / "storage" / "files" / job / "*.png"))
     # and the agent has its copy in the sandbox
     shot_name = os.path.basename(stored[0])
-    assert (env.data_dir / "sandbox" / "shot" / "screenshots" / shot_name).read_bytes() == png
+    ws = env.data_dir / "sandbox" / "shot" / "turns" / job
+    assert (ws / "screenshots" / shot_name).read_bytes() == png
     tool_msg = fake_openai.requests("shot")[1].tool_results()[-1]["content"]
-    assert tool_msg.startswith(f"MEDIA:{env.data_dir / 'sandbox' / 'shot' / 'screenshots' / shot_name}")
+    assert tool_msg.startswith(f"MEDIA:{ws / 'screenshots' / shot_name}")
     assert len(_terminal(evs)) == 1
 
 

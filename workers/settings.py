@@ -178,6 +178,9 @@ class Settings(BaseSettings):
     file_ttl_s: int = 7 * 24 * 3600
     #: hook_outputs/ spills older than this are deleted by the janitor
     spill_ttl_s: int = 7 * 24 * 3600
+    #: turn workspaces of local sandboxes (<agent dir>/turns/<job>) untouched this long are deleted by the
+    #: janitor; keep it well above the turn timeout plus the time deliveries may wait
+    workspace_ttl_s: int = 24 * 3600
 
     # -- delivery ----------------------------------------------------------
     #: attempts of a delivery or extraction on transient errors before it is recorded failed
@@ -255,6 +258,21 @@ class Settings(BaseSettings):
 
     def agent(self, name: str) -> AgentSpec | None:
         return self.agents.get(name)
+
+    @property
+    def agent_sandbox_dirs(self) -> tuple[str, ...]:
+        """The directories of agents whose sandbox is local (their turn workspaces live under them)."""
+        out = []
+        for a in self.agents.values():
+            if a.sandbox and a.sandbox.startswith("local:"):
+                from adapters.errors import ConfigError
+                from adapters.sandboxes.base import parse_uri
+
+                try:
+                    out.append(parse_uri(a.sandbox)[1])
+                except ConfigError:
+                    continue
+        return tuple(out)
 
 
 @lru_cache(maxsize=1)

@@ -173,6 +173,7 @@ def build_context(settings: Settings | None = None):
         events_maxlen=s.events_maxlen,
         max_transient_attempts=s.delivery_max_attempts,
         extras={"screenshot_ttl_s": s.screenshot_ttl_s, "file_ttl_s": s.file_ttl_s, "spill_ttl_s": s.spill_ttl_s,
+                "workspace_ttl_s": s.workspace_ttl_s, "agent_sandbox_dirs": s.agent_sandbox_dirs,
                 **agent_extras(s, store(s))},
     )
 

@@ -1,0 +1,83 @@
+"""Agent turns are isolated from each other and from the worker: a workspace
+per turn, paths confined to it, an environment allowlist, nothing the agent
+starts outlives its turn. Real worker processes, real agent processes
+(tests/fixtures/hostile_agent.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import sys
+
+import pytest
+
+from adapters.platforms.outbox import read_log
+from tests.fixtures.services import wait_until
+from tests.fixtures.workers import CourierEnv
+
+pytestmark = pytest.mark.slow
+
+HOSTILE = [sys.executable, "-m", "tests.fixtures.hostile_agent"]
+
+
+def _sha(path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _enqueue(env: CourierEnv, chat: str, agent: str, message: str = "go") -> str:
+    res = env.cli("turn", f"outbox:{chat}", message, "--agent", agent, "--json")
+    assert res.returncode == 0, res.stdout + res.stderr
+    return json.loads(res.stdout)["job"]
+
+
+def test_ten_concurrent_turns_of_one_agent_get_only_their_own_files(tmp_path, redis_server):
+    go = tmp_path / "go"
+    agents = {"same": {"command": [*HOSTILE, "same-names", str(go)], "timeout_s": 120}}
+    env = CourierEnv(tmp_path / "env", redis_server.url, COURIER_AGENTS=json.dumps(agents))
+    try:
+        env.start_worker(concurrency=10)
+        chats = [f"c{i}" for i in range(10)]
+        for chat in chats:
+            _enqueue(env, chat, "same")
+        go.write_text("go")  # every agent waits for this: the ten turns write at the same moment
+
+        def done() -> bool:
+            return all(len(read_log(env.outbox, c)) >= 3 for c in chats)
+
+        wait_until(done, 120, what="ten turns' deliveries")
+        crossed = []
+        for chat in chats:
+            log = read_log(env.outbox, chat)
+            assert [r["kind"] for r in log] == ["text", "photo", "document"], log
+            want = dict(re.findall(r"(png|csv)=([0-9a-f]{64})", log[0]["text"]))
+            got = {"png": _sha(env.outbox / chat / log[1]["file"]), "csv": _sha(env.outbox / chat / log[2]["file"])}
+            assert got["png"] == log[1]["sha256"] and got["csv"] == log[2]["sha256"]
+            if got != want:
+                crossed.append(chat)
+        assert not crossed, f"{len(crossed)} of 10 chats got another turn's files: {crossed}"
+    finally:
+        env.stop()
+
+
+def test_janitor_sweeps_old_turn_workspaces(tmp_path):
+    import os
+    import time
+
+    from tasks.janitor import sweep_workspaces
+
+    now = time.time()
+    a = tmp_path / "sandbox" / "demo"
+    old, new = a / "turns" / "turn_old", a / "turns" / "turn_new"
+    for d in (old, new):
+        (d / "inbox").mkdir(parents=True)
+        (d / "inbox" / "x.txt").write_text("x")
+    outside = tmp_path / "keep"
+    outside.mkdir()
+    (outside / "precious").write_text("p")
+    (old / "link").symlink_to(outside)
+    os.utime(old, (now - 25 * 3600, now - 25 * 3600))
+    assert sweep_workspaces([str(a)], 24 * 3600, now=now) == 1
+    assert not old.exists() and (new / "inbox" / "x.txt").exists()
+    assert (outside / "precious").read_text() == "p"  # a link inside is removed, never followed
