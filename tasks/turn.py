@@ -58,9 +58,13 @@ def workspace_path(base: str, job_id: str) -> str:
     return posixpath.join(base, TURNS_DIR, name[:128])
 
 
-def make_workspace(ctx: Context, ref: SandboxRef, local_dir: str | None, job_id: str) -> tuple[SandboxRef, str]:
+def make_workspace(ctx: Context, ref: SandboxRef, local_dir: str | None, job_id: str,
+                   extra_roots: tuple[str, ...] = ()) -> tuple[SandboxRef, str]:
     """Make the turn's workspace before the agent starts; returns the turn's
-    sandbox ref (its roots: that workspace) and the workspace path.
+    sandbox ref and the workspace path. The ref's allowed roots are that
+    workspace plus `extra_roots` (the roots the agent's config names), so
+    the agent's MEDIA paths and file tools reach nothing else: not other
+    turns, not /tmp, not the data dir.
 
     Local: `<agent dir>/turns/<job>`, 0700, made here. Other backends:
     `<workdir>/turns/<job>` inside the sandbox, made through the sandbox
@@ -70,7 +74,7 @@ def make_workspace(ctx: Context, ref: SandboxRef, local_dir: str | None, job_id:
         assert local_dir is not None
         ws = workspace_path(os.path.abspath(local_dir), job_id)
         os.makedirs(ws, mode=0o700, exist_ok=True)
-        return ref, ws
+        return SandboxRef("local", roots=(ws, *extra_roots), options=dict(ref.options)), ws
     base = ref.options.get("workdir") or "/workspace"
     ws = workspace_path(base, job_id)
     sandbox = ctx.sandbox(ref)
@@ -87,7 +91,7 @@ def make_workspace(ctx: Context, ref: SandboxRef, local_dir: str | None, job_id:
             sandbox.put(ctx.store, key, posixpath.join(ws, ".courier-turn"))
         finally:
             ctx.store.delete(key)
-    turn_ref = SandboxRef(ref.kind, ref.target, ref.roots, {**ref.options, "workdir": ws})
+    turn_ref = SandboxRef(ref.kind, ref.target, (ws, *extra_roots), {**ref.options, "workdir": ws})
     return turn_ref, ws
 
 
@@ -126,7 +130,7 @@ def run_turn(ctx: Context, spec: dict, *, on_activity: Callable[[dict], None] | 
 
     try:
         ref, workdir = _sandbox_for(ctx, spec, agent)
-        ref, workdir = make_workspace(ctx, ref, workdir, job_id)
+        ref, workdir = make_workspace(ctx, ref, workdir, job_id, tuple(getattr(agent, "roots", None) or ()))
     except CourierError as exc:
         return _fail(ctx, spec, finish, f"could not make the turn's workspace: {exc.reason}")
     except OSError as exc:
@@ -162,11 +166,10 @@ def run_turn(ctx: Context, spec: dict, *, on_activity: Callable[[dict], None] | 
 
     parsed = parse_reply(result.reply)
     files = []
-    home = os.path.expanduser("~") if ref.kind == "local" else None
     stored = result.extra.get("stored") or {}  # screenshots of the OpenAI runtime: already in storage
     for path in parsed.media:
-        if path.startswith("~/") and home:
-            path = os.path.join(home, path[2:])
+        if path.startswith("~/") and local:  # a local agent's home is its workspace
+            path = posixpath.join(workdir, path[2:])
         if path in stored:
             files.append(chains.StoredFile(**stored[path]))
         else:

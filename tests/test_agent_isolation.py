@@ -81,3 +81,63 @@ def test_janitor_sweeps_old_turn_workspaces(tmp_path):
     assert sweep_workspaces([str(a)], 24 * 3600, now=now) == 1
     assert not old.exists() and (new / "inbox" / "x.txt").exists()
     assert (outside / "precious").read_text() == "p"  # a link inside is removed, never followed
+
+
+def _status(env: CourierEnv, job: str) -> dict:
+    res = env.cli("status", job, "--json")
+    assert res.returncode in (0, 1), res.stdout + res.stderr
+    return json.loads(res.stdout)
+
+
+def test_an_agent_reaches_only_its_workspace_and_its_configured_roots(tmp_path, redis_server):
+    """MEDIA paths outside the turn's workspace are refused: another turn's
+    workspace, the outbox, /tmp, storage (spills), the worker's home; a
+    root the agent's config names is reachable."""
+    import os
+    import tempfile
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "ok.txt").write_text("configured root\n")
+    env = CourierEnv(tmp_path / "env", redis_server.url)
+    first = env.data_dir / "sandbox" / "m" / "turns" / "turn_other"
+    first.mkdir(parents=True)
+    (first / "other.txt").write_text("another chat's file\n")
+    (env.outbox / "someone").mkdir(parents=True)
+    (env.outbox / "someone" / "their.txt").write_text("another chat's delivery\n")
+    spill = env.data_dir / "storage" / "hook_outputs" / "turn_other" / "x.txt"
+    spill.parent.mkdir(parents=True)
+    spill.write_text("another turn's spill\n")
+    fd, tmp_secret = tempfile.mkstemp(prefix="courier-worker-key-", dir="/tmp")
+    os.write(fd, b"worker secret\n")
+    os.close(fd)
+    try:
+        bad = [str(first / "other.txt"), str(env.outbox / "someone" / "their.txt"), str(spill), tmp_secret,
+               f"{first}/../../turns/turn_other/other.txt"]
+        agents = {"m": {"command": [*HOSTILE, "media", *bad, str(shared / "ok.txt"), "~/own.txt"],
+                        "roots": [str(shared)]}}
+        env.env["COURIER_AGENTS"] = json.dumps(agents)
+        # the operator's roots (courier send local://...) still name /tmp: agent turns do not get them
+        env.env["COURIER_LOCAL_ROOTS"] = json.dumps([str(env.data_dir / "sandbox"), "/tmp", str(env.outbox),
+                                                     str(env.data_dir / "storage")])
+        env.start_worker()
+        job = _enqueue(env, "m", "m")
+        def settled() -> bool:
+            st = _status(env, job)
+            return st["job"].get("state") in ("replied", "error") and bool(st["deliveries"]) and all(
+                d.get("state") in ("delivered", "failed") for d in st["deliveries"])
+
+        wait_until(settled, 90, what="the turn's deliveries")
+        st = _status(env, job)
+        rows = st["deliveries"]
+        delivered = [r.get("name") for r in rows if r["state"] == "delivered"]
+        failed = [r for r in rows if r["state"] == "failed"]
+        assert sorted(n for n in delivered if n) == ["ok.txt", "own.txt", "own.txt"], rows  # ~/own.txt: the workspace
+        assert len(failed) == len(bad), rows
+        assert all(("outside the allowed roots" in r.get("reason", "") or "'..'" in r.get("reason", ""))
+                   for r in failed), failed
+        got = [r for r in read_log(env.outbox, "m") if r["kind"] == "document"]
+        assert sorted(r["name"] for r in got) == ["ok.txt", "own.txt", "own.txt"]
+    finally:
+        os.unlink(tmp_secret)
+        env.stop()

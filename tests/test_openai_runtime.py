@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 
 API_KEY = "sk-test-" + "k3y" * 8
 AGENTS = {
-    "files": {}, "shot": {}, "shotdeny": {}, "spill": {}, "http500": {}, "badjson": {},
+    "files": {}, "shot": {}, "shotdeny": {}, "spill": {}, "http500": {}, "badjson": {}, "escape": {},
     "steps": {"max_steps": 3},
 }
 
@@ -54,6 +54,36 @@ def _terminal(evs: list[dict]) -> list[dict]:
 def _sha(path) -> str:
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
+
+
+def test_file_tools_are_confined_to_the_turns_workspace(env, fake_openai, redis_server, tmp_path):
+    """send_file / read_file with '..' or an absolute path outside the turn's
+    workspace are refused (the agent's own directory above its turns, /tmp)."""
+    import tempfile
+
+    agent_dir = env.data_dir / "sandbox" / "escape"
+    agent_dir.mkdir(parents=True, exist_ok=True)
+    (agent_dir / "secret.txt").write_text("not for the chat\n")
+    fd, tmp_secret = tempfile.mkstemp(prefix="courier-worker-key-", dir="/tmp")
+    os.write(fd, b"worker secret\n")
+    os.close(fd)
+    try:
+        fake_openai.script(
+            "escape",
+            calls(tool_call("send_file", path="../../secret.txt"), tool_call("read_file", path="../../secret.txt"),
+                  tool_call("send_file", path=tmp_secret), tool_call("read_file", path=tmp_secret),
+                  tool_call("write_file", path="../../planted.txt", content="x")),
+            say("nothing to send"),
+        )
+        job, term, evs = run_turn(env, redis_server.client(), "escape", "leak it", "escape")
+    finally:
+        os.unlink(tmp_secret)
+    assert term["status"] == "completed"
+    results = [m["content"] for m in fake_openai.requests("escape")[1].tool_results()]
+    assert len(results) == 5 and all(r.startswith("error:") and "outside the allowed roots" in r for r in results), results
+    assert not any("not for the chat" in r or "worker secret" in r for r in results)
+    assert not (agent_dir / "planted.txt").exists()
+    assert [r["kind"] for r in read_log(env.outbox, "escape")] == ["text"]
 
 
 def test_terminal_writes_a_file_and_send_file_delivers_it(env, fake_openai, redis_server):

@@ -37,11 +37,22 @@ class AgentSpec(BaseModel):
     #: sandbox URI of the agent's working directory, e.g. local:///srv/agents/demo
     sandbox: str | None = None
     cwd: str | None = None
+    #: paths beyond the turn's own workspace that this agent's MEDIA tags and file tools may reach
+    #: (absolute; inside its sandbox); nothing else is reachable, /tmp included
+    roots: list[str] = Field(default_factory=list)
     # -- runtime "openai" only ---------------------------------------------
     model: str | None = None
     system_prompt: str | None = None
     base_url: str | None = None
     max_steps: int | None = Field(default=None, ge=1)
+
+    @field_validator("roots")
+    @classmethod
+    def _absolute_roots(cls, v: list[str]) -> list[str]:
+        bad = [r for r in v if not r.startswith("/") or ".." in r.split("/") or "\x00" in r]
+        if bad:
+            raise ValueError(f"roots must be absolute paths without '..': {bad}")
+        return v
 
     @model_validator(mode="after")
     def _needs_command(self) -> "AgentSpec":
@@ -138,7 +149,7 @@ class Settings(BaseSettings):
     ssh_connect_timeout_s: float = 10.0
 
     # -- agents ----------------------------------------------------------
-    #: JSON object: name -> {"command": [...], "env": {}, "timeout_s": 900, "sandbox": "local:///dir"}, or
+    #: JSON object: name -> {"command": [...], "env": {}, "timeout_s": 900, "sandbox": "local:///dir", "roots": []}, or
     #: {"runtime": "openai", "model": ..., "system_prompt": ..., "base_url": ..., "max_steps": ..., "sandbox": ...}
     agents: dict[str, AgentSpec] = Field(default_factory=dict)
     #: the agent `courier turn` runs without --agent
