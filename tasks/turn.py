@@ -149,14 +149,19 @@ def run_turn(ctx: Context, spec: dict, *, on_activity: Callable[[dict], None] | 
     if runtime == "openai":
         result = _run_openai(ctx, spec, agent, ref, workdir, hooks, hook_ctx, timeout_s, publish)
     else:
-        env = {**env, "COURIER_TURN_ID": job_id, "COURIER_TARGET": spec["target"], "COURIER_WORKSPACE": workdir,
-               "PYTHONPATH": os.pathsep.join(p for p in [_project_root(), os.environ.get("PYTHONPATH", "")] if p)}
+        # the agent's environment is an allowlist (run_bridge): basics, its env_passthrough, its config's env
+        turn_env = {"COURIER_TURN_ID": job_id, "COURIER_TARGET": spec["target"], "COURIER_WORKSPACE": workdir,
+                    "PYTHONPATH": os.pathsep.join(p for p in [_project_root(), os.environ.get("PYTHONPATH", "")]
+                                                  if p)}
+        home = {"HOME": workdir} if local else {}  # ~ is the workspace, as for its MEDIA paths
+        env = {**home, **env, **turn_env}
         # hooks run once before a bridge agent starts; their context goes in its environment
         hook_text = hooks.context_for({**hook_ctx, "step": 0}) if hooks else ""
         if hook_text:
             env["COURIER_HOOK_CONTEXT"] = hook_text
         result = run_bridge(command, spec.get("message", ""), cwd=workdir if local else (agent.cwd if agent else None),
-                            env=env, timeout_s=timeout_s, on_event=publish)
+                            env=env, timeout_s=timeout_s, on_event=publish,
+                            passthrough=tuple(getattr(agent, "env_passthrough", None) or ()))
     if result.status == "error":
         return _fail(ctx, spec, finish, result.reason)
     if result.status == "no_reply":

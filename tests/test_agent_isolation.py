@@ -141,3 +141,26 @@ def test_an_agent_reaches_only_its_workspace_and_its_configured_roots(tmp_path, 
     finally:
         os.unlink(tmp_secret)
         env.stop()
+
+
+def test_an_agent_gets_an_environment_allowlist_not_the_workers_secrets(tmp_path, redis_server):
+    agents = {"dump": {"command": [*HOSTILE, "env"], "env": {"MODEL": "m-1"}, "env_passthrough": ["HTTPS_PROXY"]}}
+    secrets = {"TELEGRAM_BOT_TOKEN": "123:tg-secret", "COURIER_OPENAI_API_KEY": "sk-secret-key",
+               "AWS_SECRET_ACCESS_KEY": "aws-secret", "SLACK_SIGNING_SECRET": "slack-secret"}
+    env = CourierEnv(tmp_path / "env", redis_server.url, COURIER_AGENTS=json.dumps(agents),
+                     HTTPS_PROXY="http://proxy.example:3128", **secrets)
+    try:
+        env.start_worker()
+        job = _enqueue(env, "dump", "dump")
+        wait_until(lambda: read_log(env.outbox, "dump"), 60, what="the env dump")
+        text = read_log(env.outbox, "dump")[0]["text"]
+        got = json.loads(text)
+        leaked = [k for k in got if k.startswith(("COURIER_REDIS", "COURIER_DATA", "COURIER_LOCAL", "COURIER_AGENTS",
+                                                   "COURIER_OPENAI", "TELEGRAM", "AWS_", "SLACK_"))]
+        assert not leaked, leaked
+        assert not any(v in text for v in [*secrets.values(), redis_server.url])
+        assert got["MODEL"] == "m-1" and got["HTTPS_PROXY"] == "http://proxy.example:3128"
+        assert got["COURIER_TURN_ID"] == job and got["PATH"]
+        assert got["HOME"] == got["COURIER_WORKSPACE"] == str(env.data_dir / "sandbox" / "dump" / "turns" / job)
+    finally:
+        env.stop()

@@ -32,7 +32,11 @@ class AgentSpec(BaseModel):
 
     runtime: Literal["bridge", "openai"] = "bridge"
     command: list[str] = Field(default_factory=list)
+    #: variables the agent gets (its environment is an allowlist: PATH, HOME, LANG, TZ and the like,
+    #: these, and the names in env_passthrough; never the worker's settings or secrets)
     env: dict[str, str] = Field(default_factory=dict)
+    #: names of the worker's own variables this agent may inherit (e.g. ["HTTPS_PROXY"])
+    env_passthrough: list[str] = Field(default_factory=list)
     timeout_s: float = 900.0
     #: sandbox URI of the agent's working directory, e.g. local:///srv/agents/demo
     sandbox: str | None = None
@@ -149,7 +153,8 @@ class Settings(BaseSettings):
     ssh_connect_timeout_s: float = 10.0
 
     # -- agents ----------------------------------------------------------
-    #: JSON object: name -> {"command": [...], "env": {}, "timeout_s": 900, "sandbox": "local:///dir", "roots": []}, or
+    #: JSON object: name -> {"command": [...], "env": {}, "timeout_s": 900, "sandbox": "local:///dir", "roots": [],
+    #: "env_passthrough": []}, or
     #: {"runtime": "openai", "model": ..., "system_prompt": ..., "base_url": ..., "max_steps": ..., "sandbox": ...}
     agents: dict[str, AgentSpec] = Field(default_factory=dict)
     #: the agent `courier turn` runs without --agent

@@ -47,7 +47,7 @@ from typing import Any
 from adapters.agents.activity import MAX_ACTIVITY_CHARS, activity_for, cut
 
 __all__ = [
-    "ACTIVITY_MAX_CHARS", "DEFAULT_TIMEOUT_S", "EVENT_PREFIX", "NO_REPLY_STATUSES", "BridgeResult",
+    "ACTIVITY_MAX_CHARS", "BASE_ENV", "DEFAULT_TIMEOUT_S", "agent_base_env", "EVENT_PREFIX", "NO_REPLY_STATUSES", "BridgeResult",
     "EventNormaliser", "activity_for", "normalise_activity", "parse_event_line", "run_bridge",
 ]
 
@@ -336,12 +336,18 @@ def run_bridge(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     on_event: Callable[[dict], None] | None = None,
     max_reply_chars: int = MAX_REPLY_CHARS,
+    passthrough: tuple[str, ...] | list[str] = (),
 ) -> BridgeResult:
     """Run one agent turn; `on_event` gets each normalised non-terminal event
-    (in order, from this thread). Never raises for the agent's misbehaviour."""
+    (in order, from this thread). Never raises for the agent's misbehaviour.
+
+    The agent's environment is an allowlist, never the worker's own (which
+    holds tokens, the API key and the Redis URL): the basics of
+    :data:`BASE_ENV` and the names in `passthrough` from this process's
+    environment, then `env`, then ``COURIER_MESSAGE``."""
     if not command:
         return BridgeResult("error", reason="agent has no command")
-    full_env = {**os.environ, **(env or {}), "COURIER_MESSAGE": message}
+    full_env = {**agent_base_env(passthrough), **(env or {}), "COURIER_MESSAGE": message}
     started = time.monotonic()
     missing = _not_runnable(command[0], cwd, full_env.get("PATH"))
     if missing:
@@ -447,6 +453,16 @@ def run_bridge(
     if term is not None and term["status"] in NO_REPLY_STATUSES:
         return BridgeResult("no_reply", reason=term.get("reason") or term["status"], **common)
     return BridgeResult("completed", reply=out.text(), **common)
+
+
+#: what every agent inherits from the worker's environment (nothing secret)
+BASE_ENV = ("PATH", "HOME", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "LC_MESSAGES", "TZ", "TERM", "USER",
+            "LOGNAME", "SHELL", "TMPDIR")
+
+
+def agent_base_env(passthrough: tuple[str, ...] | list[str] = ()) -> dict[str, str]:
+    """The worker's variables an agent gets: :data:`BASE_ENV` plus `passthrough` (those set)."""
+    return {k: os.environ[k] for k in (*BASE_ENV, *passthrough) if k in os.environ}
 
 
 _GUARD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_guard.py")
