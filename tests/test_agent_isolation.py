@@ -164,3 +164,53 @@ def test_an_agent_gets_an_environment_allowlist_not_the_workers_secrets(tmp_path
         assert got["HOME"] == got["COURIER_WORKSPACE"] == str(env.data_dir / "sandbox" / "dump" / "turns" / job)
     finally:
         env.stop()
+
+
+def _daemon_pid(beat) -> int:
+    return int(beat.read_text().split()[0])
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            st = f.read()
+    except FileNotFoundError:
+        return True
+    return st[st.rfind(b")") + 2:][:1] in (b"Z", b"X")  # dead, waiting to be reaped
+
+
+def _assert_daemon_ends(beat) -> None:
+    import os
+    import signal
+
+    pid = _daemon_pid(beat)
+    try:
+        wait_until(lambda: _gone(pid), 10, what=f"the agent's setsid daemon {pid} to end")
+    finally:
+        if not _gone(pid):
+            os.kill(pid, signal.SIGKILL)  # the old code's leak: do not leave it running
+
+
+def test_a_setsid_daemon_the_agent_started_ends_with_its_turn(tmp_path, redis_server):
+    beat = tmp_path / "heartbeat"
+    agents = {"d": {"command": [*HOSTILE, "daemon", str(beat)]}}
+    env = CourierEnv(tmp_path / "env", redis_server.url, COURIER_AGENTS=json.dumps(agents))
+    try:
+        env.start_worker()
+        _enqueue(env, "d", "d")
+        wait_until(lambda: read_log(env.outbox, "d"), 60, what="the turn's reply")
+        assert read_log(env.outbox, "d")[0]["text"] == "daemon started"
+        _assert_daemon_ends(beat)
+    finally:
+        env.stop()
+
+
+def test_a_setsid_daemon_ends_with_a_turn_that_times_out(tmp_path):
+    from adapters.agents.bridge import run_bridge
+    from tests.fixtures.workers import ROOT
+
+    beat = tmp_path / "heartbeat"
+    res = run_bridge([*HOSTILE, "daemon-sleep", str(beat)], "go", cwd=str(tmp_path), timeout_s=2,
+                     env={"PYTHONPATH": str(ROOT)})
+    assert res.status == "error" and res.reason == "runtime_timeout"
+    _assert_daemon_ends(beat)

@@ -19,9 +19,10 @@ Events (`kind`, or `type` as an alias), normalised by `EventNormaliser`:
 A malformed event line (bad JSON, not an object, unknown kind or status) is
 dropped and logged, never leaked into the reply. A non-zero exit, a crash or
 a timeout ends as one `error` result with a reason; a timeout
-(`runtime_timeout`) kills the whole process group, and so does the death of
-the worker running the turn, even by SIGKILL (the agent runs under
-`_guard.py`, which holds a parent-death signal). Output is decoded as
+(`runtime_timeout`) kills the agent and everything it started, and so does
+the death of the worker running the turn, even by SIGKILL (the agent runs
+under `_guard.py`, a child subreaper holding a parent-death signal: a
+`setsid` daemon the agent double-forked is killed with it). Output is decoded as
 UTF-8 incrementally, so a character split across reads stays whole; the
 reply and every line are bounded.
 """
@@ -68,8 +69,10 @@ STDERR_TAIL_CHARS = 4000
 READ_BYTES = 64 * 1024
 #: after the agent exits, how long its leftover children may keep stdout open
 DRAIN_GRACE_S = 2.0
-#: SIGTERM first; the group gets SIGKILL after this
+#: SIGTERM first; the guard kills everything the agent started after this
 KILL_GRACE_S = 2.0
+#: how long the guard may take to kill and reap what is left before the group gets SIGKILL
+GUARD_CLEANUP_S = 3.0
 REPLY_CUT_NOTE = "\n… [reply cut at {n:,} characters]"
 
 
@@ -495,13 +498,15 @@ def _signame(n: int) -> str:
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the agent's whole process group, SIGKILL it after a grace."""
+    """SIGTERM the agent's whole process group; the guard SIGKILLs every
+    descendant (setsid ones too) after its grace (`_guard.TERM_GRACE_S`) and
+    exits; the group gets SIGKILL if the guard has not gone by then."""
     try:
         os.killpg(proc.pid, signal.SIGTERM)
     except (ProcessLookupError, PermissionError):
         pass
     try:
-        proc.wait(timeout=KILL_GRACE_S)
+        proc.wait(timeout=KILL_GRACE_S + GUARD_CLEANUP_S)
     except subprocess.TimeoutExpired:
         pass
     _reap_group(proc)
