@@ -247,6 +247,7 @@ def _run_openai(ctx: Context, spec: dict, agent, ref: SandboxRef, workdir: str, 
         api_key=key.get_secret_value() if hasattr(key, "get_secret_value") else key,
         system_prompt=agent.system_prompt, max_steps=agent.max_steps or int(o.get("max_steps") or 20),
         call_timeout_s=float(o.get("call_timeout_s") or 120.0), timeout_s=timeout_s,
+        **{k: o[k] for k in ("max_attempts", "retry_base_s", "retry_max_s") if o.get(k) is not None},
     )
     try:
         sandbox = ctx.sandbox(ref)

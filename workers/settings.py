@@ -169,6 +169,12 @@ class Settings(BaseSettings):
     openai_max_steps: int = Field(default=20, ge=1)
     #: one chat-completions request
     openai_call_timeout_s: float = Field(default=120.0, gt=0)
+    #: tries of one model call: a 429 (after its retry-after), a 5xx or a failed connection is tried again
+    openai_max_attempts: int = Field(default=6, ge=1)
+    #: backoff between tries of a model call: base * 2^n seconds with jitter, at most openai_retry_max_s
+    openai_retry_base_s: float = Field(default=1.0, ge=0)
+    #: longest backoff between tries of a model call (never past the turn's timeout)
+    openai_retry_max_s: float = Field(default=30.0, ge=0)
     #: headless Chromium for the browser_screenshot tool
     chromium_path: str = "/usr/bin/chromium"
     #: JSON list of destinations browser_screenshot may reach although they are not public (loopback, private,

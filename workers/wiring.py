@@ -192,7 +192,9 @@ def agent_extras(s: Settings, blob_store: BlobStore) -> dict:
         hooks += load_plugins(timeout_s=s.hook_timeout_s)
     return {
         "openai": {"base_url": s.openai_base_url, "model": s.openai_model, "api_key": s.openai_api_key,
-                   "max_steps": s.openai_max_steps, "call_timeout_s": s.openai_call_timeout_s},
+                   "max_steps": s.openai_max_steps, "call_timeout_s": s.openai_call_timeout_s,
+                   "max_attempts": s.openai_max_attempts, "retry_base_s": s.openai_retry_base_s,
+                   "retry_max_s": s.openai_retry_max_s},
         "hooks": HookRunner(hooks, store=blob_store, spill=spill),
         "spill": spill,
         "chromium_path": s.chromium_path,
