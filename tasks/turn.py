@@ -22,6 +22,7 @@ import sys
 from collections.abc import Callable
 
 from adapters.agents.bridge import run_bridge
+from adapters.agents.hooks import TurnHooks
 from adapters.errors import ConfigError, CourierError, SandboxError
 from adapters.sandboxes.base import SandboxRef, parse_uri
 from storage.spill import SpillConfig
@@ -136,6 +137,9 @@ def run_turn(ctx: Context, spec: dict, *, on_activity: Callable[[dict], None] | 
     except OSError as exc:
         return _fail(ctx, spec, finish, f"could not make the turn's workspace: {exc.strerror or exc}")
     local = ref.kind == "local"
+    place = spill_placer(ctx, ref, workdir)
+    if hooks:
+        hooks = TurnHooks(hooks, place)
     try:
         attached = put_attachments(ctx, spec, ref, workdir)
     except CourierError as exc:
@@ -147,7 +151,7 @@ def run_turn(ctx: Context, spec: dict, *, on_activity: Callable[[dict], None] | 
         env = {**env, "COURIER_ATTACHMENTS": json.dumps(attached)}
     publish({"kind": "status", "status": "thinking"})
     if runtime == "openai":
-        result = _run_openai(ctx, spec, agent, ref, workdir, hooks, hook_ctx, timeout_s, publish)
+        result = _run_openai(ctx, spec, agent, ref, workdir, hooks, hook_ctx, timeout_s, publish, place)
     else:
         # the agent's environment is an allowlist (run_bridge): basics, its env_passthrough, its config's env
         turn_env = {"COURIER_TURN_ID": job_id, "COURIER_TARGET": spec["target"], "COURIER_WORKSPACE": workdir,
@@ -201,6 +205,26 @@ def _album_max(ctx: Context, target: str) -> int:
         return 0
 
 
+#: where a turn's spilled outputs are put in its workspace, for the agent to read
+SPILL_DIR = ".courier/spills"
+
+
+def spill_placer(ctx: Context, ref: SandboxRef, workdir: str) -> Callable[[str], str]:
+    """`place` for the turn's spills: the spilled blob is copied once into
+    `<workspace>/.courier/spills/<name>` (through the sandbox's `put`, so
+    every backend that takes inbound files works) and that path is what the
+    preview names: the agent reads it with its file tool."""
+    placed: dict[str, str] = {}
+
+    def place(key: str) -> str:
+        if key not in placed:
+            dest = posixpath.join(workdir, SPILL_DIR, posixpath.basename(key))
+            placed[key] = ctx.sandbox(ref).put(ctx.store, key, dest, max_bytes=ctx.max_file_bytes * 4)
+        return placed[key]
+
+    return place
+
+
 def put_attachments(ctx: Context, spec: dict, ref: SandboxRef, workdir: str) -> list[str]:
     """Inbound files (a chat user's attachments, `courier turn --attach`):
     storage -> the turn's workspace, under `<workspace>/inbox/`, with the
@@ -231,7 +255,7 @@ def _distinct(name: str, taken: set[str]) -> str:
 
 
 def _run_openai(ctx: Context, spec: dict, agent, ref: SandboxRef, workdir: str, hooks, hook_ctx: dict,
-                timeout_s: float, publish: Callable[[dict], None]):
+                timeout_s: float, publish: Callable[[dict], None], place: Callable[[str], str] | None = None):
     """The built-in OpenAI-compatible loop, its tools acting in the turn's sandbox."""
     from adapters.agents.bridge import BridgeResult
     from adapters.agents.openai_runtime import OpenAIConfig, run_openai
@@ -256,7 +280,7 @@ def _run_openai(ctx: Context, spec: dict, agent, ref: SandboxRef, workdir: str, 
     tools = Toolbox(sandbox=sandbox, workdir=workdir, store=ctx.store,
                     job_id=spec["job"], spill=ctx.extras.get("spill") or SpillConfig(),
                     chromium_path=ctx.extras.get("chromium_path") or "/usr/bin/chromium",
-                    browser_allowed_hosts=tuple(ctx.extras.get("browser_allowed_hosts") or ()))
+                    browser_allowed_hosts=tuple(ctx.extras.get("browser_allowed_hosts") or ()), place=place)
     return run_openai(config, spec.get("message", ""), tools=tools, hooks=hooks, hook_context=hook_ctx,
                       on_event=publish)
 
