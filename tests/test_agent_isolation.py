@@ -214,3 +214,52 @@ def test_a_setsid_daemon_ends_with_a_turn_that_times_out(tmp_path):
                      env={"PYTHONPATH": str(ROOT)})
     assert res.status == "error" and res.reason == "runtime_timeout"
     _assert_daemon_ends(beat)
+
+
+def test_a_root_configured_inside_a_denied_prefix_allows_below_it_only():
+    from adapters.errors import UnsafePath
+    from adapters.sandboxes.base import PathPolicy
+
+    data = "/root/.local/share/courier/sandbox"
+    p = PathPolicy(roots=(data, "/var/lib/courier"), home="/root")
+    assert p.check(f"{data}/demo/turns/t1/chart.png") == f"{data}/demo/turns/t1/chart.png"
+    assert p.check("/var/lib/courier/x")
+    for bad, why in [("/root/secret.txt", "/root is never readable"), ("/root/.ssh/id_rsa", "is never readable"),
+                     ("/var/lib/dpkg/status", "/var/lib is never readable"), ("/etc/passwd", "/etc is never")]:
+        with pytest.raises(UnsafePath, match=why):
+            p.check(bad)
+    # never: the home's secrets, special files, or a root that is the denied prefix itself
+    for roots, path in [(("/root/.ssh/keys",), "/root/.ssh/keys/id"), (("/proc/self",), "/proc/self/environ"),
+                        (("/root",), "/root/x"), (("/",), "/etc/shadow")]:
+        with pytest.raises(UnsafePath, match="is never readable"):
+            PathPolicy(roots=roots, home="/root").check(path)
+
+
+def test_the_readme_example_works_with_the_default_data_dir_of_root(tmp_path, redis_server):
+    """`courier turn outbox:me "make a chart of x^2" --agent demo --wait` with
+    no COURIER_DATA_DIR: as root the default data dir is under /root (a
+    denied prefix). HOME is a fresh directory under the real home here (so
+    under /root when the tests run as root) and removed afterwards."""
+    import os
+    import shutil
+    import tempfile
+
+    home = tempfile.mkdtemp(prefix="courier-test-home-", dir=os.path.expanduser("~"))
+    try:
+        env = CourierEnv(tmp_path / "env", redis_server.url, HOME=home,
+                         COURIER_OUTBOX_DIR=str(tmp_path / "outbox"))
+        for k in ("COURIER_DATA_DIR", "COURIER_LOCAL_ROOTS", "XDG_DATA_HOME"):
+            env.env.pop(k, None)
+        try:
+            env.start_worker()
+            res = env.cli("turn", "outbox:me", "make a chart of x^2", "--agent", "demo", "--wait", "--timeout", "90")
+            assert res.returncode == 0, res.stdout + res.stderr
+            log = read_log(tmp_path / "outbox", "me")
+            assert [r["kind"] for r in log] == ["text", "photo", "document"], log
+            assert not any("UnsafePath" in (r.get("text") or "") for r in log)
+            turns = os.listdir(f"{home}/.local/share/courier/sandbox/demo/turns")  # the default data dir
+            assert len(turns) == 1
+        finally:
+            env.stop()
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
