@@ -263,3 +263,38 @@ def test_the_readme_example_works_with_the_default_data_dir_of_root(tmp_path, re
             env.stop()
     finally:
         shutil.rmtree(home, ignore_errors=True)
+
+
+def test_a_docker_sandbox_turn_gets_its_own_workspace_inside_the_container(tmp_path, redis_server, docker_api,
+                                                                           fake_openai):
+    """The OpenAI runtime in a container (podman's Docker API): the turn's
+    workspace is made inside the agent's workdir before the model's first
+    tool call, its tools work there, `..` out of it is refused, and the file
+    it sends comes out of the container."""
+    from tests.fixtures.fake_openai import calls, run_turn, say, tool_call
+
+    ctr = docker_api.run_container()
+    ctr_name = ctr.name
+    docker_api.client().containers.get(ctr.id).exec_run(["sh", "-c", "mkdir -p /workspace && echo s > /workspace/secret.txt"])
+    agents = {"box": {"runtime": "openai", "model": "box", "sandbox": f"docker://{ctr_name}/workspace"}}
+    env = CourierEnv(tmp_path / "env", redis_server.url, COURIER_AGENTS=json.dumps(agents),
+                     COURIER_OPENAI_BASE_URL=fake_openai.base_url, COURIER_DOCKER_HOST=docker_api.base_url)
+    fake_openai.script(
+        "box",
+        calls(tool_call("terminal", command="pwd > where.txt; echo made >> where.txt")),
+        calls(tool_call("send_file", path="where.txt"), tool_call("read_file", path="../../secret.txt"),
+              tool_call("send_file", path="/workspace/secret.txt")),
+        say("sent"),
+    )
+    try:
+        env.start_worker()
+        job, term, _ = run_turn(env, redis_server.client(), "box", "in the box", "box")
+        assert term["status"] == "completed", term
+        results = [m["content"] for m in fake_openai.requests("box")[2].tool_results()][-3:]
+        assert results[0].startswith(f"MEDIA:/workspace/turns/{job}/where.txt")
+        assert all(r.startswith("error:") and "outside the allowed roots" in r for r in results[1:]), results
+        log = read_log(env.outbox, "box")
+        assert [r["kind"] for r in log] == ["text", "document"]
+        assert (env.outbox / "box" / log[1]["file"]).read_text() == f"/workspace/turns/{job}\nmade\n"
+    finally:
+        env.stop()
