@@ -80,8 +80,9 @@ def test_turn_with_bridge_agent_delivers_files_in_reply_order(courier_env, files
         "print('chatter goes here? no: this is the reply')\n"
         + "".join(f"print('MEDIA:{p}')\n" for p, _, _ in reversed(paths))
     )
-    agents = json.dumps({"files": {"command": [os.sys.executable, str(agent)], "timeout_s": 60}})
-    env = courier_env(COURIER_AGENTS=agents, COURIER_LOCAL_ROOTS=json.dumps([str(sb)]),
+    # files outside the turn's workspace: reachable because the agent's config names their root
+    agents = json.dumps({"files": {"command": [os.sys.executable, str(agent)], "timeout_s": 60, "roots": [str(sb)]}})
+    env = courier_env(COURIER_AGENTS=agents,
                       COURIER_MAX_FILE_BYTES=str(60 * 1000 * 1000), **storage_env)
     env.start_worker()
     res = env.cli("turn", "outbox:t1", "send me the files", "--agent", "files", "--wait", "--json", "--timeout", "120")
