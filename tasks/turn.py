@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import posixpath
+import re
 import sys
 from collections.abc import Callable
 
 from adapters.agents.bridge import run_bridge
 from adapters.agents.hooks import TurnHooks
-from adapters.errors import ConfigError, CourierError, SandboxError
+from adapters.errors import CourierError, SandboxError
 from adapters.sandboxes.base import SandboxRef, parse_uri
 from storage.spill import SpillConfig
 from tasks import chains, events, receipts

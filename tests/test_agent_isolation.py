@@ -275,7 +275,7 @@ def test_a_docker_sandbox_turn_gets_its_own_workspace_inside_the_container(tmp_p
 
     ctr = docker_api.run_container()
     ctr_name = ctr.name
-    docker_api.client().containers.get(ctr.id).exec_run(["sh", "-c", "mkdir -p /workspace && echo s > /workspace/secret.txt"])
+    ctr.exec_run(["sh", "-c", "mkdir -p /workspace && echo s > /workspace/secret.txt"])
     agents = {"box": {"runtime": "openai", "model": "box", "sandbox": f"docker://{ctr_name}/workspace"}}
     env = CourierEnv(tmp_path / "env", redis_server.url, COURIER_AGENTS=json.dumps(agents),
                      COURIER_OPENAI_BASE_URL=fake_openai.base_url, COURIER_DOCKER_HOST=docker_api.base_url)

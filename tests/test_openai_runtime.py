@@ -83,7 +83,8 @@ def test_file_tools_are_confined_to_the_turns_workspace(env, fake_openai, redis_
         os.unlink(tmp_secret)
     assert term["status"] == "completed"
     results = [m["content"] for m in fake_openai.requests("escape")[1].tool_results()]
-    assert len(results) == 5 and all(r.startswith("error:") and "outside the allowed roots" in r for r in results), results
+    assert len(results) == 5, results
+    assert all(r.startswith("error:") and "outside the allowed roots" in r for r in results), results
     assert not any("not for the chat" in r or "worker secret" in r for r in results)
     assert not (agent_dir / "planted.txt").exists()
     assert [r["kind"] for r in read_log(env.outbox, "escape")] == ["text"]
@@ -287,7 +288,8 @@ def test_429_500_and_dropped_connections_are_retried_and_the_turn_goes_on(env, f
     ws = env.data_dir / "sandbox" / "flaky" / "turns" / job
     assert (ws / "runs.txt").read_text() == "ran\n"  # the tool ran once
     log = read_log(env.outbox, "flaky")
-    assert [(r["kind"], r.get("text") or r.get("name")) for r in log] == [("text", "All done."), ("document", "runs.txt")]
+    assert [(r["kind"], r.get("text") or r.get("name")) for r in log] == [("text", "All done."),
+                                                                         ("document", "runs.txt")]
     assert len([e for e in evs if e["kind"] == "tool_start"]) == 2
 
 

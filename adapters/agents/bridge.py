@@ -48,7 +48,8 @@ from typing import Any
 from adapters.agents.activity import MAX_ACTIVITY_CHARS, activity_for, cut
 
 __all__ = [
-    "ACTIVITY_MAX_CHARS", "BASE_ENV", "DEFAULT_TIMEOUT_S", "agent_base_env", "EVENT_PREFIX", "NO_REPLY_STATUSES", "BridgeResult",
+    "ACTIVITY_MAX_CHARS", "BASE_ENV", "DEFAULT_TIMEOUT_S", "EVENT_PREFIX", "NO_REPLY_STATUSES", "BridgeResult",
+    "agent_base_env",
     "EventNormaliser", "activity_for", "normalise_activity", "parse_event_line", "run_bridge",
 ]
 

@@ -141,8 +141,9 @@ class PathPolicy:
         # /root/.local/share/courier; a data dir under /var/lib) is allowed below that root: the
         # explicit root is the more specific rule. Never for NEVER_WAIVED nor the home's secrets.
         waivable = tuple(_prefix(d) for d in self.denylist if not _under(d, NEVER_WAIVED))
-        object.__setattr__(self, "_waives", tuple(
-            frozenset(d for d in waivable if r.startswith(d) and r != d) for r in self._roots))  # type: ignore[attr-defined]
+        roots = self._roots  # type: ignore[attr-defined]
+        object.__setattr__(self, "_waives", tuple(frozenset(d for d in waivable if r.startswith(d) and r != d)
+                                                  for r in roots))
 
     def denied(self) -> list[str]:
         out = list(self.denylist)
