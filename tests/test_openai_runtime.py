@@ -369,3 +369,44 @@ def test_empty_answer_is_no_reply(tmp_path, fake_openai):
     res = run_openai(OpenAIConfig(base_url=fake_openai.base_url, model="inproc-empty"), "hm",
                      tools=_toolbox(tmp_path))
     assert res.status == "no_reply"
+
+
+def test_terminal_on_a_local_sandbox_leaves_nothing_running(tmp_path):
+    """A setsid daemon the terminal tool starts ends with the command (the
+    agents' guard); a command past its timeout is killed with everything it
+    started, and the tool says it timed out."""
+    import time as _time
+
+    tools = _toolbox(tmp_path)
+    work = tmp_path / "work"
+    daemon = ("setsid sh -c 'while :; do echo $$ > beat.tmp; mv beat.tmp beat; sleep 0.05; done' "
+              "</dev/null >/dev/null 2>&1 & sleep 0.3; echo started")
+    res = tools.call("terminal", {"command": daemon})
+    assert res.ok and res.text.startswith("started"), res.text
+    pid = int((work / "beat").read_text())
+
+    def gone(p: int) -> bool:
+        try:
+            st = open(f"/proc/{p}/stat", "rb").read()
+        except FileNotFoundError:
+            return True
+        return st[st.rfind(b")") + 2:][:1] in (b"Z", b"X")
+
+    from tests.fixtures.services import wait_until
+
+    try:
+        wait_until(lambda: gone(pid), 10, what=f"the terminal's setsid daemon {pid} to end")
+    finally:
+        if not gone(pid):
+            os.kill(pid, 9)  # do not leave the leak running
+    t0 = _time.monotonic()
+    res = tools.call("terminal", {"command": "setsid sleep 60 </dev/null >/dev/null 2>&1 & echo $! > sleeper; "
+                                             "sleep 60", "timeout_s": 1})
+    assert not res.ok and "[exit code 124]" in res.text and "timed out after 1s" in res.text, res.text
+    assert _time.monotonic() - t0 < 10
+    sleeper = int((work / "sleeper").read_text())
+    try:
+        wait_until(lambda: gone(sleeper), 10, what="the timed-out command's daemon to end")
+    finally:
+        if not gone(sleeper):
+            os.kill(sleeper, 9)

@@ -1,7 +1,7 @@
 """Runs one agent command for the bridge; everything the agent starts ends
 with its turn, and with the worker that started it, even by SIGKILL.
 
-    python -I _guard.py <worker pid> <command> [args...]
+    python -I _guard.py <worker pid>[:<deadline s>] <command> [args...]
 
 The bridge starts this script as the leader of a new session; the agent runs
 as its child in the same process group, on the same stdin/stdout/stderr.
@@ -15,6 +15,10 @@ as its child in the same process group, on the same stdin/stdout/stderr.
   the next round), reaps them, and only then exits the way the agent did.
 * **Timeout.** The bridge sends SIGTERM to the group: the agent gets it; the
   guard gives it :data:`TERM_GRACE_S`, then SIGKILLs every descendant.
+* **Deadline** (``<pid>:<seconds>``; the OpenAI runtime's ``terminal`` tool
+  on a local sandbox runs each command so): past it every descendant is
+  SIGKILLed and the guard exits 124 with a note on stderr, like a sandbox
+  exec that timed out.
 * **Worker death.** The kernel sends SIGHUP here when the worker dies
   (``PR_SET_PDEATHSIG``); every descendant and the whole group get SIGKILL,
   so the turn is redelivered and runs again elsewhere.
@@ -32,6 +36,7 @@ import time
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 CANNOT_START = 127
+TIMED_OUT = 124
 #: after a SIGTERM (the turn's timeout), how long the agent has before everything is killed
 TERM_GRACE_S = 2.0
 #: rounds of kill-what-is-left before giving up (each a /proc scan)
@@ -112,11 +117,20 @@ def _grace_over(*_args) -> None:
     _kill_descendants(reap=False)
 
 
+_deadline_s: list[float] = []
+
+
+def _deadline(*_args) -> None:
+    _deadline_s.append(1.0)
+    _kill_descendants(reap=False)
+
+
 def main(argv: list[str]) -> int:
     if len(argv) < 3:
-        print("usage: _guard.py <worker pid> <command> [args...]", file=sys.stderr)
+        print("usage: _guard.py <worker pid>[:<deadline s>] <command> [args...]", file=sys.stderr)
         return 2
-    worker = int(argv[1])
+    worker_s, _, deadline_s = argv[1].partition(":")
+    worker = int(worker_s)
     signal.signal(signal.SIGHUP, _worker_died)
     signal.signal(signal.SIGTERM, _terminated)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -135,10 +149,16 @@ def main(argv: list[str]) -> int:
     except OSError as exc:
         print(f"courier: agent could not start: {exc.strerror or exc}", file=sys.stderr)
         return CANNOT_START
+    if deadline_s:
+        signal.signal(signal.SIGALRM, _deadline)
+        signal.setitimer(signal.ITIMER_REAL, max(0.001, float(deadline_s)))
     rc = child.wait()
     signal.setitimer(signal.ITIMER_REAL, 0)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _kill_descendants(reap=True)  # nothing the agent started outlives it
+    if _deadline_s:
+        print(f"\n[courier: timed out after {float(deadline_s):g}s; the command was killed]", file=sys.stderr)
+        return TIMED_OUT
     if rc < 0:  # die the way the agent died
         try:
             signal.signal(-rc, signal.SIG_DFL)

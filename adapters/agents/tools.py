@@ -3,7 +3,9 @@
 =====================  =====================================================
 ``terminal``           ``sh -c <command>`` through ``Sandbox.exec`` in the
                        turn's working directory (timeout; output bounded
-                       per stream, then spilled when over the spill cap)
+                       per stream, then spilled when over the spill cap);
+                       on a local sandbox under the agents' guard: what
+                       the command starts (``setsid`` too) ends with it
 ``read_file``          a sandbox file as text (first :data:`READ_MAX_BYTES`,
                        spilled when over the cap); allowed roots apply
 ``write_file``         text to a sandbox file (through a temporary blob and
@@ -35,8 +37,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import posixpath
 import re
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -54,6 +58,10 @@ __all__ = ["CHROMIUM_ARGS", "EGRESS_ARGS", "ToolResult", "Toolbox", "media_tag",
 log = logging.getLogger(__name__)
 
 TERMINAL_DEFAULT_TIMEOUT_S = 60.0
+#: the guard of a local terminal command
+GUARD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_guard.py")
+#: the local exec's own timeout, past the guard's deadline (the guard kills first, and cleans up)
+GUARD_BACKSTOP_S = 5.0
 TERMINAL_MAX_TIMEOUT_S = 600.0
 #: bytes kept per output stream of one command (before the spill cap applies)
 TERMINAL_MAX_OUTPUT_BYTES = 1024 * 1024
@@ -188,7 +196,13 @@ class Toolbox:
         left = self._left_s()
         if left is not None:
             t = min(t, left)
-        rc, out, err = self.sandbox.exec(["sh", "-c", command], timeout_s=t, cwd=self.workdir,
+        argv, exec_t = ["sh", "-c", command], t
+        if self.sandbox.kind == "local":
+            # on the worker's host the command runs under the agents' guard (a subreaper): whatever it
+            # starts, a setsid daemon included, ends with the command; the guard keeps the deadline
+            argv = [sys.executable, "-I", GUARD, f"{os.getpid()}:{t:g}", *argv]
+            exec_t = t + GUARD_BACKSTOP_S
+        rc, out, err = self.sandbox.exec(argv, timeout_s=exec_t, cwd=self.workdir,
                                          max_output_bytes=TERMINAL_MAX_OUTPUT_BYTES)
         parts = []
         if out:
@@ -325,7 +339,6 @@ def take_screenshot(url: str, *, chromium_path: str, full_page: bool = False,
     redirects and its subresources. A refused page is an error naming the
     reason; a refused subresource just does not load. The proxy's refusals are
     appended to `refused` when given."""
-    import os
 
     try:
         from playwright.sync_api import Error as PlaywrightError
