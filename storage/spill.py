@@ -2,7 +2,8 @@
 
 Hooks run before each LLM call and may return ``{"context": "..."}``. When that
 text is longer than ``max_chars`` the full text is written to the blob store at
-``<directory>/<sanitised session id>/<uuid4 hex>.txt`` (``private=True``: 0600
+``<directory>/<sanitised session id>/<sha256 of the text>.txt`` (once per text
+and session; ``private=True``: 0600
 files in 0700 directories on a volume) and the prompt gets::
 
     [<source> output truncated — <N:,> chars; full content saved to <location>]
@@ -37,6 +38,7 @@ import hashlib
 import logging
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from storage.base import BlobStore, check_key
@@ -116,11 +118,24 @@ def _write(store: BlobStore, key: str, text: str) -> None:
             out.write(text[i : i + WRITE_CHUNK_CHARS].encode("utf-8", "replace"))
 
 
-def spill_key(session_id: str, directory: str = SpillConfig.directory) -> str:
-    """A fresh key ``<directory>/<sanitised session id>/<uuid4 hex>.txt``."""
+def spill_key(session_id: str, directory: str = SpillConfig.directory, text: str | None = None) -> str:
+    """``<directory>/<sanitised session id>/<name>.txt``: the name is the
+    text's sha256 (first 32 hex digits) when `text` is given — one text, one
+    key per session, so it is written once and the preview naming it stays
+    the same from call to call (a stable prompt prefix for caching) — else a
+    fresh uuid4."""
     d = directory.strip("/")
     key = f"{d}/" if d else ""
-    return check_key(f"{key}{sanitize_session_id(session_id)}/{uuid.uuid4().hex}.txt")
+    return check_key(f"{key}{sanitize_session_id(session_id)}/{_name(text)}.txt")
+
+
+def _name(text: str | None) -> str:
+    if text is None:
+        return uuid.uuid4().hex
+    h = hashlib.sha256()
+    for i in range(0, len(text), WRITE_CHUNK_CHARS):
+        h.update(text[i : i + WRITE_CHUNK_CHARS].encode("utf-8", "replace"))
+    return h.hexdigest()[:32]
 
 
 def spill_if_needed(
@@ -130,12 +145,17 @@ def spill_if_needed(
     session_id: str,
     store: BlobStore | None,
     config: SpillConfig = SpillConfig(),
+    place: Callable[[str], str] | None = None,
 ) -> str:
     """Return text unchanged when within ``max_chars`` (or disabled); else spill it.
 
-    The full text goes to ``store`` at ``<directory>/<sanitised session id>/<uuid4 hex>.txt``
-    (private) and the preview comes back (see the module docstring). Never raises;
-    non-str input is ``str()``-ed (None -> "").
+    The full text goes to ``store`` at ``<directory>/<sanitised session id>/<sha256>.txt``
+    (private; written once: the same text of the same session is not written
+    again) and the preview comes back (see the module docstring). `place(key)`
+    (optional) puts the spilled blob where the reader of the preview can open
+    it (e.g. into an agent's workspace) and returns that path, which the
+    header then names; if it fails, the header names the storage location.
+    Never raises; non-str input is ``str()``-ed (None -> "").
     """
     try:
         text = _as_text(text)
@@ -147,10 +167,16 @@ def spill_if_needed(
         try:
             if store is None:
                 raise RuntimeError("no blob store configured")
-            key = spill_key(session_id, config.directory)
+            key = spill_key(session_id, config.directory, text)
             where = store.describe(key)
-            _write(store, key, text)
+            if not store.exists(key):
+                _write(store, key, text)
             location = where
+            if place is not None:
+                try:
+                    location = place(key)
+                except Exception as exc:  # noqa: BLE001 - the storage location still stands
+                    log.warning("spilled output %s not placed for its reader: %s", key, exc)
         except Exception as exc:  # noqa: BLE001 - reported in the header, never raised
             log.warning("hook output spill failed (%s, %s chars): %s", label, f"{n:,}", exc)
         if location is not None:

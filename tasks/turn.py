@@ -17,11 +17,13 @@ from __future__ import annotations
 import json
 import os
 import posixpath
+import re
 import sys
 from collections.abc import Callable
 
 from adapters.agents.bridge import run_bridge
-from adapters.errors import ConfigError, CourierError
+from adapters.agents.hooks import TurnHooks
+from adapters.errors import CourierError, SandboxError
 from adapters.sandboxes.base import SandboxRef, parse_uri
 from storage.spill import SpillConfig
 from tasks import chains, events, keys, ledger, receipts
@@ -33,8 +35,14 @@ DONE_STATES = frozenset({"replied", "no_reply", "error"})
 BUILTIN_AGENTS = {"demo": [sys.executable, "-m", "adapters.agents.demo_agent"]}
 
 
+#: where a turn's own workspace lives inside its agent's sandbox directory: <dir>/turns/<job>
+TURNS_DIR = "turns"
+_UNSAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")
+
+
 def _sandbox_for(ctx: Context, spec: dict, agent) -> tuple[SandboxRef, str | None]:
-    """The turn's sandbox ref and, for a local sandbox, its working directory."""
+    """The agent's sandbox ref and, for a local sandbox, its directory (the
+    parent of the turn workspaces)."""
     uri = spec.get("sandbox") or (agent.sandbox if agent is not None else None)
     if uri:
         ref, path = parse_uri(uri)
@@ -43,6 +51,49 @@ def _sandbox_for(ctx: Context, spec: dict, agent) -> tuple[SandboxRef, str | Non
         return SandboxRef(ref.kind, ref.target, ref.roots, {**ref.options, "workdir": path}), None
     d = os.path.join(ctx.default_sandbox_dir, spec.get("agent") or "default")
     return SandboxRef("local"), d
+
+
+def workspace_path(base: str, job_id: str) -> str:
+    """The turn's own directory inside its agent's sandbox directory `base`."""
+    name = _UNSAFE_NAME.sub("_", job_id).lstrip(".") or "turn"
+    return posixpath.join(base, TURNS_DIR, name[:128])
+
+
+def make_workspace(ctx: Context, ref: SandboxRef, local_dir: str | None, job_id: str,
+                   extra_roots: tuple[str, ...] = ()) -> tuple[SandboxRef, str]:
+    """Make the turn's workspace before the agent starts; returns the turn's
+    sandbox ref and the workspace path. The ref's allowed roots are that
+    workspace plus `extra_roots` (the roots the agent's config names), so
+    the agent's MEDIA paths and file tools reach nothing else: not other
+    turns, not /tmp, not the data dir.
+
+    Local: `<agent dir>/turns/<job>`, 0700, made here. Other backends:
+    `<workdir>/turns/<job>` inside the sandbox, made through the sandbox
+    (`mkdir -p` by exec; a backend without exec gets it by `put` of an
+    empty marker file)."""
+    if ref.kind == "local":
+        assert local_dir is not None
+        ws = workspace_path(os.path.abspath(local_dir), job_id)
+        os.makedirs(ws, mode=0o700, exist_ok=True)
+        return SandboxRef("local", roots=(ws, *extra_roots), options=dict(ref.options)), ws
+    base = ref.options.get("workdir") or "/workspace"
+    ws = workspace_path(base, job_id)
+    sandbox = ctx.sandbox(ref)
+    try:
+        rc, _out, err = sandbox.exec(["mkdir", "-p", "--", ws], timeout_s=60)
+        if rc != 0:
+            raise SandboxError(f"mkdir {ws}: exit {rc}: {err.decode('utf-8', 'replace').strip()[:200]}")
+    except SandboxError as exc:
+        if "does not support running commands" not in str(exc.reason):
+            raise
+        key = f"files/{_UNSAFE_NAME.sub('_', job_id)}/workspace-marker"
+        ctx.store.put_bytes(key, b"", private=True)
+        try:
+            sandbox.put(ctx.store, key, posixpath.join(ws, ".courier-turn"))
+        finally:
+            ctx.store.delete(key)
+    turn_ref = SandboxRef(ref.kind, ref.target, (ws, *extra_roots), {**ref.options, "workdir": ws})
+    return turn_ref, ws
 
 
 def run_turn(ctx: Context, spec: dict, *, on_activity: Callable[[dict], None] | None = None) -> dict:
@@ -83,10 +134,15 @@ def run_turn(ctx: Context, spec: dict, *, on_activity: Callable[[dict], None] | 
 
     try:
         ref, workdir = _sandbox_for(ctx, spec, agent)
-    except ConfigError as exc:
-        return _fail(ctx, spec, finish, exc.reason)
-    if workdir:
-        os.makedirs(workdir, exist_ok=True)
+        ref, workdir = make_workspace(ctx, ref, workdir, job_id, tuple(getattr(agent, "roots", None) or ()))
+    except CourierError as exc:
+        return _fail(ctx, spec, finish, f"could not make the turn's workspace: {exc.reason}")
+    except OSError as exc:
+        return _fail(ctx, spec, finish, f"could not make the turn's workspace: {exc.strerror or exc}")
+    local = ref.kind == "local"
+    place = spill_placer(ctx, ref, workdir)
+    if hooks:
+        hooks = TurnHooks(hooks, place)
     try:
         attached = put_attachments(ctx, spec, ref, workdir)
     except CourierError as exc:
@@ -98,16 +154,21 @@ def run_turn(ctx: Context, spec: dict, *, on_activity: Callable[[dict], None] | 
         env = {**env, "COURIER_ATTACHMENTS": json.dumps(attached)}
     publish({"kind": "status", "status": "thinking"})
     if runtime == "openai":
-        result = _run_openai(ctx, spec, agent, ref, workdir, hooks, hook_ctx, timeout_s, publish)
+        result = _run_openai(ctx, spec, agent, ref, workdir, hooks, hook_ctx, timeout_s, publish, place)
     else:
-        env = {**env, "COURIER_TURN_ID": job_id, "COURIER_TARGET": spec["target"],
-               "PYTHONPATH": os.pathsep.join(p for p in [_project_root(), os.environ.get("PYTHONPATH", "")] if p)}
+        # the agent's environment is an allowlist (run_bridge): basics, its env_passthrough, its config's env
+        turn_env = {"COURIER_TURN_ID": job_id, "COURIER_TARGET": spec["target"], "COURIER_WORKSPACE": workdir,
+                    "PYTHONPATH": os.pathsep.join(p for p in [_project_root(), os.environ.get("PYTHONPATH", "")]
+                                                  if p)}
+        home = {"HOME": workdir} if local else {}  # ~ is the workspace, as for its MEDIA paths
+        env = {**home, **env, **turn_env}
         # hooks run once before a bridge agent starts; their context goes in its environment
         hook_text = hooks.context_for({**hook_ctx, "step": 0}) if hooks else ""
         if hook_text:
             env["COURIER_HOOK_CONTEXT"] = hook_text
-        result = run_bridge(command, spec.get("message", ""), cwd=workdir or (agent.cwd if agent else None),
-                            env=env, timeout_s=timeout_s, on_event=publish)
+        result = run_bridge(command, spec.get("message", ""), cwd=workdir if local else (agent.cwd if agent else None),
+                            env=env, timeout_s=timeout_s, on_event=publish,
+                            passthrough=tuple(getattr(agent, "env_passthrough", None) or ()))
     if result.status == "error":
         return _fail(ctx, spec, finish, result.reason)
     if result.status == "no_reply":
@@ -117,11 +178,10 @@ def run_turn(ctx: Context, spec: dict, *, on_activity: Callable[[dict], None] | 
 
     parsed = parse_reply(result.reply)
     files = []
-    home = os.path.expanduser("~") if ref.kind == "local" else None
     stored = result.extra.get("stored") or {}  # screenshots of the OpenAI runtime: already in storage
     for path in parsed.media:
-        if path.startswith("~/") and home:
-            path = os.path.join(home, path[2:])
+        if path.startswith("~/") and local:  # a local agent's home is its workspace
+            path = posixpath.join(workdir, path[2:])
         if path in stored:
             files.append(chains.StoredFile(**stored[path]))
         else:
@@ -149,25 +209,57 @@ def _album_max(ctx: Context, target: str) -> int:
         return 0
 
 
-def put_attachments(ctx: Context, spec: dict, ref: SandboxRef, workdir: str | None) -> list[str]:
+#: where a turn's spilled outputs are put in its workspace, for the agent to read
+SPILL_DIR = ".courier/spills"
+
+
+def spill_placer(ctx: Context, ref: SandboxRef, workdir: str) -> Callable[[str], str]:
+    """`place` for the turn's spills: the spilled blob is copied once into
+    `<workspace>/.courier/spills/<name>` (through the sandbox's `put`, so
+    every backend that takes inbound files works) and that path is what the
+    preview names: the agent reads it with its file tool."""
+    placed: dict[str, str] = {}
+
+    def place(key: str) -> str:
+        if key not in placed:
+            dest = posixpath.join(workdir, SPILL_DIR, posixpath.basename(key))
+            placed[key] = ctx.sandbox(ref).put(ctx.store, key, dest, max_bytes=ctx.max_file_bytes * 4)
+        return placed[key]
+
+    return place
+
+
+def put_attachments(ctx: Context, spec: dict, ref: SandboxRef, workdir: str) -> list[str]:
     """Inbound files (a chat user's attachments, `courier turn --attach`):
-    storage -> the turn's sandbox, under `<workdir>/inbox/`, with the
-    sandbox's own path checks. Returns the sandbox paths, in order."""
+    storage -> the turn's workspace, under `<workspace>/inbox/`, with the
+    sandbox's own path checks. Two attachments with one name keep both
+    (`a.pdf`, `a-2.pdf`). Returns the sandbox paths, in order."""
     items = spec.get("attachments") or []
     if not items:
         return []
     sandbox = ctx.sandbox(ref)
-    base = workdir or ref.options.get("workdir") or "/workspace"
     out = []
+    taken: set[str] = set()
     for item in items:
-        name = posixpath.basename(item["name"]).lstrip(".") or "file"
-        dest = posixpath.join(base, "inbox", name)
+        name = _distinct(posixpath.basename(item["name"]).lstrip(".") or "file", taken)
+        dest = posixpath.join(workdir, "inbox", name)
         out.append(sandbox.put(ctx.store, item["key"], dest, max_bytes=ctx.max_file_bytes))
     return out
 
 
-def _run_openai(ctx: Context, spec: dict, agent, ref: SandboxRef, workdir: str | None, hooks, hook_ctx: dict,
-                timeout_s: float, publish: Callable[[dict], None]):
+def _distinct(name: str, taken: set[str]) -> str:
+    """`name`, or `stem-N.ext` when an earlier attachment of the turn took it."""
+    stem, ext = posixpath.splitext(name)
+    n, out = 1, name
+    while out.lower() in taken:
+        n += 1
+        out = f"{stem}-{n}{ext}"
+    taken.add(out.lower())
+    return out
+
+
+def _run_openai(ctx: Context, spec: dict, agent, ref: SandboxRef, workdir: str, hooks, hook_ctx: dict,
+                timeout_s: float, publish: Callable[[dict], None], place: Callable[[str], str] | None = None):
     """The built-in OpenAI-compatible loop, its tools acting in the turn's sandbox."""
     from adapters.agents.bridge import BridgeResult
     from adapters.agents.openai_runtime import OpenAIConfig, run_openai
@@ -183,15 +275,16 @@ def _run_openai(ctx: Context, spec: dict, agent, ref: SandboxRef, workdir: str |
         api_key=key.get_secret_value() if hasattr(key, "get_secret_value") else key,
         system_prompt=agent.system_prompt, max_steps=agent.max_steps or int(o.get("max_steps") or 20),
         call_timeout_s=float(o.get("call_timeout_s") or 120.0), timeout_s=timeout_s,
+        **{k: o[k] for k in ("max_attempts", "retry_base_s", "retry_max_s") if o.get(k) is not None},
     )
     try:
         sandbox = ctx.sandbox(ref)
     except CourierError as exc:
         return BridgeResult("error", reason=exc.reason)
-    tools = Toolbox(sandbox=sandbox, workdir=workdir or ref.options.get("workdir") or "/", store=ctx.store,
+    tools = Toolbox(sandbox=sandbox, workdir=workdir, store=ctx.store,
                     job_id=spec["job"], spill=ctx.extras.get("spill") or SpillConfig(),
                     chromium_path=ctx.extras.get("chromium_path") or "/usr/bin/chromium",
-                    browser_allowed_hosts=tuple(ctx.extras.get("browser_allowed_hosts") or ()))
+                    browser_allowed_hosts=tuple(ctx.extras.get("browser_allowed_hosts") or ()), place=place)
     return run_openai(config, spec.get("message", ""), tools=tools, hooks=hooks, hook_context=hook_ctx,
                       on_event=publish)
 

@@ -80,8 +80,9 @@ def test_turn_with_bridge_agent_delivers_files_in_reply_order(courier_env, files
         "print('chatter goes here? no: this is the reply')\n"
         + "".join(f"print('MEDIA:{p}')\n" for p, _, _ in reversed(paths))
     )
-    agents = json.dumps({"files": {"command": [os.sys.executable, str(agent)], "timeout_s": 60}})
-    env = courier_env(COURIER_AGENTS=agents, COURIER_LOCAL_ROOTS=json.dumps([str(sb)]),
+    # files outside the turn's workspace: reachable because the agent's config names their root
+    agents = json.dumps({"files": {"command": [os.sys.executable, str(agent)], "timeout_s": 60, "roots": [str(sb)]}})
+    env = courier_env(COURIER_AGENTS=agents,
                       COURIER_MAX_FILE_BYTES=str(60 * 1000 * 1000), **storage_env)
     env.start_worker()
     res = env.cli("turn", "outbox:t1", "send me the files", "--agent", "files", "--wait", "--json", "--timeout", "120")
@@ -170,12 +171,16 @@ def test_turn_attachments_reach_the_agent_in_its_sandbox(courier_env, tmp_path):
     env = courier_env(COURIER_AGENTS=agents, COURIER_LOCAL_ROOTS=json.dumps([str(sb)]))
     src = tmp_path / "user photo.jpg"
     sha = write_random(src, 300_000)
+    (tmp_path / "b").mkdir()
+    src2 = tmp_path / "b" / "user photo.jpg"  # the same name: both reach the agent, neither overwrites
+    sha2 = write_random(src2, 1000)
     env.start_worker()
-    res = env.cli("turn", "outbox:in", "what is this?", "--agent", "hasher", "--attach", str(src), "--wait",
-                  "--json", "--timeout", "60")
+    res = env.cli("turn", "outbox:in", "what is this?", "--agent", "hasher", "--attach", str(src),
+                  "--attach", str(src2), "--wait", "--json", "--timeout", "60")
     assert res.returncode == 0, res.stderr + res.stdout
     text = read_log(env.outbox, "in")[0]["text"]
-    assert text == f"user photo.jpg {sha} True"
-    assert (sb / "inbox" / "user photo.jpg").stat().st_size == 300_000
+    assert text == f"user photo.jpg {sha} True\nuser photo-2.jpg {sha2} True"
+    job = json.loads(res.stdout)["job"]
+    assert (sb / "turns" / job / "inbox" / "user photo.jpg").stat().st_size == 300_000
     res = env.cli("turn", "outbox:in", "x", "--agent", "hasher", "--attach", str(tmp_path / "nope.bin"))
     assert res.returncode == 2 and "no such file to attach" in res.stderr

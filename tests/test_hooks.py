@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import glob
 import json
+import re
 import os
 import sys
 import threading
@@ -88,15 +89,30 @@ def _worker_log(env: CourierEnv) -> str:
     return "".join(p.read_text(errors="replace") for p in env.tmp.glob("worker-*.log"))
 
 
+def _spill_location(body: dict) -> str:
+    user = next(m["content"] for m in body["messages"] if m["role"] == "user")
+    return re.search(r"\[huge output truncated — [\d,]+ chars; full content saved to (\S+)\]", user).group(1)
+
+
 def test_hooks_add_context_to_each_llm_call_and_bad_hooks_are_skipped(env, fake_openai, redis_server):
-    fake_openai.script("hooked", calls(tool_call("terminal", command="true")), say("all good"))
+    fake_openai.script("hooked", calls(tool_call("terminal", command="true")),
+                       # the agent reads the spill back at the path the preview gives (the whole file, then lines)
+                       lambda body: calls(tool_call("read_file", path=_spill_location(body))),
+                       lambda body: calls(tool_call("read_file", path=_spill_location(body), offset=1, limit=1)),
+                       say("all good"))
     msg = "what is new?"
     job, term, _ = run_turn(env, redis_server.client(), "hooked", msg, "hk")
     assert term["status"] == "completed"
     assert read_log(env.outbox, "hk")[0]["text"] == "all good"
 
     reqs = fake_openai.requests("hooked")
-    assert len(reqs) == 2
+    assert len(reqs) == 4
+    # one spill per hook output per turn: every call names the same file, in the turn's workspace
+    locations = {_spill_location(r.body) for r in reqs}
+    ws = env.data_dir / "sandbox" / "hooked" / "turns" / job
+    assert len(locations) == 1 and locations.pop().startswith(f"{ws}/.courier/spills/")
+    for res in (reqs[2].tool_results()[-1]["content"], reqs[3].tool_results()[-1]["content"]):
+        assert not res.startswith("error:") and "HEAD-MARK" in res and "TAIL-MARK" in res, res[:300]
     for step, req in enumerate(reqs, 1):
         user = req.user_text()
         assert user.startswith(msg + "\n\n")
@@ -113,10 +129,11 @@ def test_hooks_add_context_to_each_llm_call_and_bad_hooks_are_skipped(env, fake_
     assert "step=1" not in reqs[1].user_text()
 
     spilled = sorted(glob.glob(str(env.data_dir / "storage" / "hook_outputs" / job / "*.txt")))
-    assert len(spilled) == 2
-    for path in spilled:
-        with open(path, encoding="utf-8") as f:
-            assert f.read() == HUGE
+    texts = [open(p, encoding="utf-8").read() for p in spilled]
+    # 4 calls, one file of the hook's output (reading it whole spilled the same text: the same file);
+    # the line-range read is another text, so another file
+    assert len(spilled) == 2 and texts.count(HUGE) == 1
+    assert [t for t in texts if t != HUGE][0].startswith("[lines 1-1 of ")
 
     log = _worker_log(env)
     for name, why in (("fail", "exit code 3: hook exploded"), ("badjson", "stdout is not JSON"),

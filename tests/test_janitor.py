@@ -1,5 +1,5 @@
-"""The janitor, run by a real worker: old screenshots, files and spills go,
-fresh ones stay."""
+"""The janitor, run by a real worker: old screenshots, files, spills and turn
+workspaces go, fresh ones stay."""
 
 from __future__ import annotations
 
@@ -27,11 +27,18 @@ def test_janitor_expires_by_age_and_prefix(courier_env, tmp_path):
     for key, age in ages.items():
         store.put_bytes(key, b"x" * 10)
         os.utime(store.local_path(key), (now - age, now - age))
+    turns = env.data_dir / "sandbox" / "demo" / "turns"  # local turn workspaces: 24 h untouched
+    for name, age in (("turn_old", 25 * 3600), ("turn_new", 3600)):
+        (turns / name / "inbox").mkdir(parents=True)
+        (turns / name / "inbox" / "a.txt").write_text("x")
+        os.utime(turns / name, (now - age, now - age))
     env.start_worker(queues="janitor")
     app = Celery(broker=env.env["COURIER_REDIS_URL"])
     app.send_task("courier.janitor.sweep", queue="janitor", exchange="janitor", routing_key="janitor")
     wait_until(lambda: not store.exists("screenshots/t1/old.png") and not store.exists("files/j1/0-old.bin")
-               and not store.exists("hook_outputs/s1/old.txt"), timeout_s=60, what="the sweep")
+               and not store.exists("hook_outputs/s1/old.txt") and not (turns / "turn_old").exists(),
+               timeout_s=60, what="the sweep")
+    assert (turns / "turn_new" / "inbox" / "a.txt").exists()
     assert store.exists("screenshots/t1/new.png")
     assert store.exists("files/j2/0-new.bin")
     assert store.exists("hook_outputs/s1/new.txt")

@@ -20,7 +20,7 @@ from adapters.platforms.outbox import read_log
 from adapters.sandboxes.local import LocalSandbox
 from storage.volume import VolumeStore
 from tasks import events
-from tests.fixtures.fake_openai import calls, forever, http_error, raw, run_turn, say, stall, tool_call
+from tests.fixtures.fake_openai import calls, drop, forever, http_error, raw, run_turn, say, stall, tool_call
 from tests.fixtures.services import free_port, need
 from tests.fixtures.workers import CourierEnv
 
@@ -28,7 +28,8 @@ pytestmark = pytest.mark.slow
 
 API_KEY = "sk-test-" + "k3y" * 8
 AGENTS = {
-    "files": {}, "shot": {}, "shotdeny": {}, "spill": {}, "http500": {}, "badjson": {},
+    "files": {}, "shot": {}, "shotdeny": {}, "spill": {}, "http500": {}, "http400": {}, "badjson": {}, "escape": {},
+    "flaky": {},
     "steps": {"max_steps": 3},
 }
 
@@ -41,7 +42,9 @@ def env(tmp_path_factory, redis_server, fake_openai):
     e = CourierEnv(tmp_path_factory.mktemp("openai"), redis_server.url, COURIER_AGENTS=json.dumps(agents),
                    COURIER_OPENAI_BASE_URL=fake_openai.base_url, COURIER_OPENAI_API_KEY=API_KEY,
                    # the test pages are on 127.0.0.1: allowed here (loopback is refused by default)
-                   COURIER_BROWSER_ALLOWED_HOSTS='["127.0.0.1"]')
+                   COURIER_BROWSER_ALLOWED_HOSTS='["127.0.0.1"]',
+                   # retries of a model call: few and quick here
+                   COURIER_OPENAI_MAX_ATTEMPTS="4", COURIER_OPENAI_RETRY_BASE_S="0.05")
     e.start_worker()
     yield e
     e.stop()
@@ -54,6 +57,37 @@ def _terminal(evs: list[dict]) -> list[dict]:
 def _sha(path) -> str:
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
+
+
+def test_file_tools_are_confined_to_the_turns_workspace(env, fake_openai, redis_server, tmp_path):
+    """send_file / read_file with '..' or an absolute path outside the turn's
+    workspace are refused (the agent's own directory above its turns, /tmp)."""
+    import tempfile
+
+    agent_dir = env.data_dir / "sandbox" / "escape"
+    agent_dir.mkdir(parents=True, exist_ok=True)
+    (agent_dir / "secret.txt").write_text("not for the chat\n")
+    fd, tmp_secret = tempfile.mkstemp(prefix="courier-worker-key-", dir="/tmp")
+    os.write(fd, b"worker secret\n")
+    os.close(fd)
+    try:
+        fake_openai.script(
+            "escape",
+            calls(tool_call("send_file", path="../../secret.txt"), tool_call("read_file", path="../../secret.txt"),
+                  tool_call("send_file", path=tmp_secret), tool_call("read_file", path=tmp_secret),
+                  tool_call("write_file", path="../../planted.txt", content="x")),
+            say("nothing to send"),
+        )
+        job, term, evs = run_turn(env, redis_server.client(), "escape", "leak it", "escape")
+    finally:
+        os.unlink(tmp_secret)
+    assert term["status"] == "completed"
+    results = [m["content"] for m in fake_openai.requests("escape")[1].tool_results()]
+    assert len(results) == 5, results
+    assert all(r.startswith("error:") and "outside the allowed roots" in r for r in results), results
+    assert not any("not for the chat" in r or "worker secret" in r for r in results)
+    assert not (agent_dir / "planted.txt").exists()
+    assert [r["kind"] for r in read_log(env.outbox, "escape")] == ["text"]
 
 
 def test_terminal_writes_a_file_and_send_file_delivers_it(env, fake_openai, redis_server):
@@ -69,9 +103,9 @@ def test_terminal_writes_a_file_and_send_file_delivers_it(env, fake_openai, redi
     job, term, evs = run_turn(env, redis_server.client(), "files", "make me a file", "files")
     assert term["status"] == "completed"
 
-    sandbox = env.data_dir / "sandbox" / "files"
+    sandbox = env.data_dir / "sandbox" / "files" / "turns" / job  # the turn's own workspace
     made = sandbox / "out.txt"
-    assert made.read_text() == "made in files\n"
+    assert made.read_text() == f"made in {job}\n"
     log = read_log(env.outbox, "files")
     assert [r["kind"] for r in log] == ["text", "document"]
     assert log[0]["text"] == "Here is your file."
@@ -172,9 +206,10 @@ def test_browser_screenshot_is_stored_and_delivered(env, fake_openai, page, redi
     assert not glob.glob(str(env.data_dir / "storage" / "files" / job / "*.png"))
     # and the agent has its copy in the sandbox
     shot_name = os.path.basename(stored[0])
-    assert (env.data_dir / "sandbox" / "shot" / "screenshots" / shot_name).read_bytes() == png
+    ws = env.data_dir / "sandbox" / "shot" / "turns" / job
+    assert (ws / "screenshots" / shot_name).read_bytes() == png
     tool_msg = fake_openai.requests("shot")[1].tool_results()[-1]["content"]
-    assert tool_msg.startswith(f"MEDIA:{env.data_dir / 'sandbox' / 'shot' / 'screenshots' / shot_name}")
+    assert tool_msg.startswith(f"MEDIA:{ws / 'screenshots' / shot_name}")
     assert len(_terminal(evs)) == 1
 
 
@@ -210,11 +245,12 @@ def test_huge_tool_output_is_spilled(env, fake_openai, redis_server):
     assert oct(os.stat(spilled[0]).st_mode & 0o777) == oct(0o600)
 
 
-@pytest.mark.parametrize("agent, step, reason", [
-    ("http500", http_error(500), "openai endpoint returned HTTP 500"),
-    ("badjson", raw(b"<html>not json</html>"), "openai endpoint sent a malformed response"),
+@pytest.mark.parametrize("agent, step, reason, tries", [
+    ("http500", forever(http_error(500)), "openai endpoint returned HTTP 500; gave up after 4 attempts", 4),
+    ("http400", http_error(400), "openai endpoint returned HTTP 400 (bad request)", 1),
+    ("badjson", raw(b"<html>not json</html>"), "openai endpoint sent a malformed response", 1),
 ])
-def test_endpoint_errors_end_the_turn_cleanly(env, fake_openai, redis_server, agent, step, reason):
+def test_endpoint_errors_end_the_turn_cleanly(env, fake_openai, redis_server, agent, step, reason, tries):
     fake_openai.script(agent, step)
     job, term, evs = run_turn(env, redis_server.client(), agent, "hello?", agent)
     assert len(_terminal(evs)) == 1 and term["status"] == "error" and term["reason"] == reason
@@ -223,7 +259,38 @@ def test_endpoint_errors_end_the_turn_cleanly(env, fake_openai, redis_server, ag
     assert len(log) == 1 and log[0]["kind"] == "text"
     text = log[0]["text"]
     assert reason in text and len(text) < 300 and "Traceback" not in text
-    assert len(fake_openai.requests(agent)) == 1
+    assert len(fake_openai.requests(agent)) == tries  # a 5xx is tried again (COURIER_OPENAI_MAX_ATTEMPTS), a 4xx not
+
+
+def test_429_500_and_dropped_connections_are_retried_and_the_turn_goes_on(env, fake_openai, redis_server):
+    """Mid-turn: a 429 with retry-after, a 500, a dropped connection, a 503:
+    each model call is asked again, the turn completes, no tool ran twice and
+    nothing reached the chat twice."""
+    fake_openai.script(
+        "flaky",
+        calls(tool_call("terminal", command="echo ran >> runs.txt")),
+        http_error(429, "slow down", headers={"retry-after": "1"}),
+        http_error(500),
+        drop(),
+        calls(tool_call("send_file", path="runs.txt")),
+        http_error(503),
+        drop(),
+        say("All done."),
+    )
+    job, term, evs = run_turn(env, redis_server.client(), "flaky", "do it once", "flaky")
+    assert term["status"] == "completed" and len(_terminal(evs)) == 1
+    reqs = fake_openai.requests("flaky")
+    assert len(reqs) == 8
+    assert reqs[2].t - reqs[1].t >= 1.0  # the 429's retry-after was honoured
+    # the retried calls are the same request: the conversation went on where it was
+    assert reqs[1].body["messages"] == reqs[2].body["messages"] == reqs[3].body["messages"] == reqs[4].body["messages"]
+    assert reqs[5].body["messages"] == reqs[6].body["messages"] == reqs[7].body["messages"]
+    ws = env.data_dir / "sandbox" / "flaky" / "turns" / job
+    assert (ws / "runs.txt").read_text() == "ran\n"  # the tool ran once
+    log = read_log(env.outbox, "flaky")
+    assert [(r["kind"], r.get("text") or r.get("name")) for r in log] == [("text", "All done."),
+                                                                         ("document", "runs.txt")]
+    assert len([e for e in evs if e["kind"] == "tool_start"]) == 2
 
 
 def test_max_steps_bounds_the_loop(env, fake_openai, redis_server):
@@ -251,7 +318,7 @@ def test_endpoint_failures_in_process(tmp_path, fake_openai, case):
     step, reason = {
         "timeout": (stall(30, say("late")), "openai endpoint timed out after 0.5s"),
         "turn_timeout": (stall(30, say("late")), "runtime_timeout"),
-        "unreachable": (None, "openai endpoint 127.0.0.1 unreachable (ConnectError)"),
+        "unreachable": (None, "openai endpoint 127.0.0.1 unreachable (ConnectError); gave up after 2 attempts"),
         "401": (http_error(401), "openai endpoint returned HTTP 401 (unauthorized: check COURIER_OPENAI_API_KEY)"),
         "no_choices": (raw(b'{"choices": []}'), "openai endpoint sent a malformed response"),
     }[case]
@@ -264,7 +331,8 @@ def test_endpoint_failures_in_process(tmp_path, fake_openai, case):
     fake_openai.script(model, step)
     seen: list[dict] = []
     res = run_openai(OpenAIConfig(base_url=base, model=model, api_key="sk-x", call_timeout_s=call_timeout_s,
-                                  timeout_s=timeout_s), "hi", tools=_toolbox(tmp_path), on_event=seen.append)
+                                  timeout_s=timeout_s, max_attempts=2, retry_base_s=0.01),
+                     "hi", tools=_toolbox(tmp_path), on_event=seen.append)
     assert (res.status, res.reason) == ("error", reason)
     assert not [e for e in seen if e["kind"] in ("tool_start", "tool_result")]
 
@@ -301,3 +369,44 @@ def test_empty_answer_is_no_reply(tmp_path, fake_openai):
     res = run_openai(OpenAIConfig(base_url=fake_openai.base_url, model="inproc-empty"), "hm",
                      tools=_toolbox(tmp_path))
     assert res.status == "no_reply"
+
+
+def test_terminal_on_a_local_sandbox_leaves_nothing_running(tmp_path):
+    """A setsid daemon the terminal tool starts ends with the command (the
+    agents' guard); a command past its timeout is killed with everything it
+    started, and the tool says it timed out."""
+    import time as _time
+
+    tools = _toolbox(tmp_path)
+    work = tmp_path / "work"
+    daemon = ("setsid sh -c 'while :; do echo $$ > beat.tmp; mv beat.tmp beat; sleep 0.05; done' "
+              "</dev/null >/dev/null 2>&1 & sleep 0.3; echo started")
+    res = tools.call("terminal", {"command": daemon})
+    assert res.ok and res.text.startswith("started"), res.text
+    pid = int((work / "beat").read_text())
+
+    def gone(p: int) -> bool:
+        try:
+            st = open(f"/proc/{p}/stat", "rb").read()
+        except FileNotFoundError:
+            return True
+        return st[st.rfind(b")") + 2:][:1] in (b"Z", b"X")
+
+    from tests.fixtures.services import wait_until
+
+    try:
+        wait_until(lambda: gone(pid), 10, what=f"the terminal's setsid daemon {pid} to end")
+    finally:
+        if not gone(pid):
+            os.kill(pid, 9)  # do not leave the leak running
+    t0 = _time.monotonic()
+    res = tools.call("terminal", {"command": "setsid sleep 60 </dev/null >/dev/null 2>&1 & echo $! > sleeper; "
+                                             "sleep 60", "timeout_s": 1})
+    assert not res.ok and "[exit code 124]" in res.text and "timed out after 1s" in res.text, res.text
+    assert _time.monotonic() - t0 < 10
+    sleeper = int((work / "sleeper").read_text())
+    try:
+        wait_until(lambda: gone(sleeper), 10, what="the timed-out command's daemon to end")
+    finally:
+        if not gone(sleeper):
+            os.kill(sleeper, 9)

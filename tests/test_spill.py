@@ -301,8 +301,8 @@ def test_expire_deletes_in_batches(blob_store, monkeypatch):
 
 
 def test_expire_spills(blob_store):
-    for sid in ["s1", "s1", "s2"]:
-        spill_if_needed(make_text(200), source="h", session_id=sid, store=blob_store, config=SMALL)
+    for sid, n in [("s1", 200), ("s1", 201), ("s2", 200)]:
+        spill_if_needed(make_text(n), source="h", session_id=sid, store=blob_store, config=SMALL)
     blob_store.put_bytes("files/other", b"o")
     assert len(spilled(blob_store)) == 3
     assert expire_spills(blob_store, older_than_s=24 * 3600) == 0
@@ -311,6 +311,42 @@ def test_expire_spills(blob_store):
     assert [b.key for b in blob_store.list("")] == ["files/other"]
     if isinstance(blob_store, VolumeStore):  # empty, old session directories go too
         assert list((blob_store.root / "hook_outputs").iterdir()) == []
+
+
+def test_same_text_spills_once_per_session_with_the_same_preview(volume, monkeypatch):
+    """A hook output repeated before every model call: one file, one
+    preview (a stable prompt); another session or another text: its own."""
+    writes = []
+    real = volume.open_write
+    monkeypatch.setattr(volume, "open_write", lambda key, **kw: (writes.append(key), real(key, **kw))[1])
+    text = make_text(500)
+    previews = [spill_if_needed(text, source="h", session_id="turn_1", store=volume, config=SMALL) for _ in range(4)]
+    assert len(set(previews)) == 1 and len(writes) == 1
+    assert len(spilled(volume)) == 1
+    spill_if_needed(text, source="h", session_id="turn_2", store=volume, config=SMALL)
+    spill_if_needed(text + "x", source="h", session_id="turn_1", store=volume, config=SMALL)
+    assert len(spilled(volume)) == 3 and len(writes) == 3
+
+
+def test_place_names_where_the_reader_finds_the_spill(volume, tmp_path):
+    placed = []
+
+    def place(key: str) -> str:
+        placed.append(key)
+        return f"/work/.courier/spills/{key.rsplit('/', 1)[1]}"
+
+    text = make_text(500)
+    out = spill_if_needed(text, source="h", session_id="t", store=volume, config=SMALL, place=place)
+    loc = SAVED.match(out.splitlines()[0]).group("loc")
+    assert loc == f"/work/.courier/spills/{placed[0].rsplit('/', 1)[1]}"
+    with volume.open_read(placed[0]) as f:
+        assert f.read().decode() == text
+
+    def broken(key: str) -> str:
+        raise OSError("sandbox gone")
+
+    out = spill_if_needed(text, source="h", session_id="t", store=volume, config=SMALL, place=broken)
+    assert SAVED.match(out.splitlines()[0]).group("loc") == volume.describe(placed[0])  # storage still named
 
 
 def test_expire_guards(volume):

@@ -32,16 +32,31 @@ class AgentSpec(BaseModel):
 
     runtime: Literal["bridge", "openai"] = "bridge"
     command: list[str] = Field(default_factory=list)
+    #: variables the agent gets (its environment is an allowlist: PATH, HOME, LANG, TZ and the like,
+    #: these, and the names in env_passthrough; never the worker's settings or secrets)
     env: dict[str, str] = Field(default_factory=dict)
+    #: names of the worker's own variables this agent may inherit (e.g. ["HTTPS_PROXY"])
+    env_passthrough: list[str] = Field(default_factory=list)
     timeout_s: float = 900.0
     #: sandbox URI of the agent's working directory, e.g. local:///srv/agents/demo
     sandbox: str | None = None
     cwd: str | None = None
+    #: paths beyond the turn's own workspace that this agent's MEDIA tags and file tools may reach
+    #: (absolute; inside its sandbox); nothing else is reachable, /tmp included
+    roots: list[str] = Field(default_factory=list)
     # -- runtime "openai" only ---------------------------------------------
     model: str | None = None
     system_prompt: str | None = None
     base_url: str | None = None
     max_steps: int | None = Field(default=None, ge=1)
+
+    @field_validator("roots")
+    @classmethod
+    def _absolute_roots(cls, v: list[str]) -> list[str]:
+        bad = [r for r in v if not r.startswith("/") or ".." in r.split("/") or "\x00" in r]
+        if bad:
+            raise ValueError(f"roots must be absolute paths without '..': {bad}")
+        return v
 
     @model_validator(mode="after")
     def _needs_command(self) -> "AgentSpec":
@@ -139,7 +154,8 @@ class Settings(BaseSettings):
     ssh_connect_timeout_s: float = 10.0
 
     # -- agents ----------------------------------------------------------
-    #: JSON object: name -> {"command": [...], "env": {}, "timeout_s": 900, "sandbox": "local:///dir"}, or
+    #: JSON object: name -> {"command": [...], "env": {}, "timeout_s": 900, "sandbox": "local:///dir", "roots": [],
+    #: "env_passthrough": []}, or
     #: {"runtime": "openai", "model": ..., "system_prompt": ..., "base_url": ..., "max_steps": ..., "sandbox": ...}
     agents: dict[str, AgentSpec] = Field(default_factory=dict)
     #: the agent `courier turn` runs without --agent
@@ -154,6 +170,12 @@ class Settings(BaseSettings):
     openai_max_steps: int = Field(default=20, ge=1)
     #: one chat-completions request
     openai_call_timeout_s: float = Field(default=120.0, gt=0)
+    #: tries of one model call: a 429 (after its retry-after), a 5xx or a failed connection is tried again
+    openai_max_attempts: int = Field(default=6, ge=1)
+    #: backoff between tries of a model call: base * 2^n seconds with jitter, at most openai_retry_max_s
+    openai_retry_base_s: float = Field(default=1.0, ge=0)
+    #: longest backoff between tries of a model call (never past the turn's timeout)
+    openai_retry_max_s: float = Field(default=30.0, ge=0)
     #: headless Chromium for the browser_screenshot tool
     chromium_path: str = "/usr/bin/chromium"
     #: JSON list of destinations browser_screenshot may reach although they are not public (loopback, private,
@@ -179,6 +201,9 @@ class Settings(BaseSettings):
     file_ttl_s: int = 7 * 24 * 3600
     #: hook_outputs/ spills older than this are deleted by the janitor
     spill_ttl_s: int = 7 * 24 * 3600
+    #: turn workspaces of local sandboxes (<agent dir>/turns/<job>) untouched this long are deleted by the
+    #: janitor; keep it well above the turn timeout plus the time deliveries may wait
+    workspace_ttl_s: int = 24 * 3600
 
     # -- delivery ----------------------------------------------------------
     #: attempts of a delivery or extraction on transient errors before it is recorded failed
@@ -272,6 +297,21 @@ class Settings(BaseSettings):
 
     def agent(self, name: str) -> AgentSpec | None:
         return self.agents.get(name)
+
+    @property
+    def agent_sandbox_dirs(self) -> tuple[str, ...]:
+        """The directories of agents whose sandbox is local (their turn workspaces live under them)."""
+        out = []
+        for a in self.agents.values():
+            if a.sandbox and a.sandbox.startswith("local:"):
+                from adapters.errors import ConfigError
+                from adapters.sandboxes.base import parse_uri
+
+                try:
+                    out.append(parse_uri(a.sandbox)[1])
+                except ConfigError:
+                    continue
+        return tuple(out)
 
 
 @lru_cache(maxsize=1)

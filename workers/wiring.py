@@ -176,6 +176,7 @@ def build_context(settings: Settings | None = None):
         outage_deadline_s=s.storage_outage_deadline_s,
         max_files_per_job=s.max_files_per_job,
         extras={"screenshot_ttl_s": s.screenshot_ttl_s, "file_ttl_s": s.file_ttl_s, "spill_ttl_s": s.spill_ttl_s,
+                "workspace_ttl_s": s.workspace_ttl_s, "agent_sandbox_dirs": s.agent_sandbox_dirs,
                 **agent_extras(s, store(s))},
     )
 
@@ -194,7 +195,9 @@ def agent_extras(s: Settings, blob_store: BlobStore) -> dict:
         hooks += load_plugins(timeout_s=s.hook_timeout_s)
     return {
         "openai": {"base_url": s.openai_base_url, "model": s.openai_model, "api_key": s.openai_api_key,
-                   "max_steps": s.openai_max_steps, "call_timeout_s": s.openai_call_timeout_s},
+                   "max_steps": s.openai_max_steps, "call_timeout_s": s.openai_call_timeout_s,
+                   "max_attempts": s.openai_max_attempts, "retry_base_s": s.openai_retry_base_s,
+                   "retry_max_s": s.openai_retry_max_s},
         "hooks": HookRunner(hooks, store=blob_store, spill=spill),
         "spill": spill,
         "chromium_path": s.chromium_path,

@@ -1,18 +1,29 @@
-"""Runs one agent command for the bridge and ends the agent's whole process
-group when the worker process that started it dies, even by SIGKILL.
+"""Runs one agent command for the bridge; everything the agent starts ends
+with its turn, and with the worker that started it, even by SIGKILL.
 
-    python -I _guard.py <worker pid> <command> [args...]
+    python -I _guard.py <worker pid>[:<deadline s>] <command> [args...]
 
 The bridge starts this script as the leader of a new session; the agent runs
-as its child in the same process group, on the same stdin/stdout/stderr. The
-kernel sends SIGHUP here when the worker dies (`PR_SET_PDEATHSIG`); then the
-whole group gets SIGKILL, so no agent (or tool it started) outlives the
-worker whose turn it was: the turn is redelivered and runs again elsewhere.
+as its child in the same process group, on the same stdin/stdout/stderr.
 
-Otherwise this script is transparent: it ignores the SIGTERM the bridge sends
-the group on a timeout (the agent gets it), waits for the agent and exits
-the way the agent did (its exit code, or the same signal). Standard library
-only, run in isolated mode: nothing from courier is imported.
+* **Subreaper.** The guard is a child subreaper (``PR_SET_CHILD_SUBREAPER``):
+  whatever the agent starts and leaves behind — a ``setsid`` daemon that
+  double-forked out of the process group included — is re-parented to the
+  guard instead of init. When the agent exits, the guard SIGKILLs every
+  descendant it still has (found in ``/proc`` by parent pid, round after
+  round until none is left: a child forked meanwhile shows up re-parented in
+  the next round), reaps them, and only then exits the way the agent did.
+* **Timeout.** The bridge sends SIGTERM to the group: the agent gets it; the
+  guard gives it :data:`TERM_GRACE_S`, then SIGKILLs every descendant.
+* **Deadline** (``<pid>:<seconds>``; the OpenAI runtime's ``terminal`` tool
+  on a local sandbox runs each command so): past it every descendant is
+  SIGKILLed and the guard exits 124 with a note on stderr, like a sandbox
+  exec that timed out.
+* **Worker death.** The kernel sends SIGHUP here when the worker dies
+  (``PR_SET_PDEATHSIG``); every descendant and the whole group get SIGKILL,
+  so the turn is redelivered and runs again elsewhere.
+
+Standard library only, run in isolated mode: nothing from courier is imported.
 """
 
 import ctypes
@@ -20,30 +31,117 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
 CANNOT_START = 127
+TIMED_OUT = 124
+#: after a SIGTERM (the turn's timeout), how long the agent has before everything is killed
+TERM_GRACE_S = 2.0
+#: rounds of kill-what-is-left before giving up (each a /proc scan)
+KILL_ROUNDS = 500
 
 
-def _kill_group(*_args) -> None:
+def _descendants(root: int) -> list[int]:
+    """Live (not zombie) descendants of `root`, from /proc."""
+    children: dict[int, list[int]] = {}
+    state: dict[int, str] = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        rest = stat[stat.rfind(b")") + 2:].split()
+        if len(rest) < 2:
+            continue
+        pid = int(name)
+        state[pid] = rest[0].decode()
+        children.setdefault(int(rest[1]), []).append(pid)
+    out: list[int] = []
+    todo = [root]
+    while todo:
+        for c in children.get(todo.pop(), ()):
+            out.append(c)
+            todo.append(c)
+    return [p for p in out if state.get(p) not in ("Z", "X")]
+
+
+def _kill_descendants(reap: bool) -> None:
+    """SIGKILL every descendant until none is left alive (`reap`: and wait
+    for our own dead children; never while the agent's Popen may wait)."""
+    me = os.getpid()
+    for _ in range(KILL_ROUNDS):
+        live = _descendants(me)
+        for pid in live:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if reap:
+            _reap()
+        if not live:
+            return
+        time.sleep(0.005)
+
+
+def _reap() -> None:
+    while True:
+        try:
+            pid, _status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _worker_died(*_args) -> None:
+    _kill_descendants(reap=False)
     os.killpg(0, signal.SIGKILL)
+
+
+def _terminated(*_args) -> None:
+    # the agent got the group's SIGTERM too; it has TERM_GRACE_S to go by itself
+    signal.signal(signal.SIGALRM, _grace_over)
+    signal.setitimer(signal.ITIMER_REAL, TERM_GRACE_S)
+
+
+def _grace_over(*_args) -> None:
+    _kill_descendants(reap=False)
+
+
+_deadline_s: list[float] = []
+
+
+def _deadline(*_args) -> None:
+    _deadline_s.append(1.0)
+    _kill_descendants(reap=False)
 
 
 def main(argv: list[str]) -> int:
     if len(argv) < 3:
-        print("usage: _guard.py <worker pid> <command> [args...]", file=sys.stderr)
+        print("usage: _guard.py <worker pid>[:<deadline s>] <command> [args...]", file=sys.stderr)
         return 2
-    worker = int(argv[1])
-    signal.signal(signal.SIGHUP, _kill_group)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    worker_s, _, deadline_s = argv[1].partition(":")
+    worker = int(worker_s)
+    signal.signal(signal.SIGHUP, _worker_died)
+    signal.signal(signal.SIGTERM, _terminated)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGHUP, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: no parent-death signal, the agent still runs
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: no parent-death signal, no subreaper; the agent still runs
         pass
     if os.getppid() != worker:  # the worker died before the signal was armed
-        _kill_group()
+        _worker_died()
     try:
         # the agent gets the default dispositions back (exec resets handled
         # signals; ignored ones are restored here)
@@ -51,7 +149,16 @@ def main(argv: list[str]) -> int:
     except OSError as exc:
         print(f"courier: agent could not start: {exc.strerror or exc}", file=sys.stderr)
         return CANNOT_START
+    if deadline_s:
+        signal.signal(signal.SIGALRM, _deadline)
+        signal.setitimer(signal.ITIMER_REAL, max(0.001, float(deadline_s)))
     rc = child.wait()
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _kill_descendants(reap=True)  # nothing the agent started outlives it
+    if _deadline_s:
+        print(f"\n[courier: timed out after {float(deadline_s):g}s; the command was killed]", file=sys.stderr)
+        return TIMED_OUT
     if rc < 0:  # die the way the agent died
         try:
             signal.signal(-rc, signal.SIG_DFL)

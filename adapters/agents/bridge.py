@@ -19,9 +19,10 @@ Events (`kind`, or `type` as an alias), normalised by `EventNormaliser`:
 A malformed event line (bad JSON, not an object, unknown kind or status) is
 dropped and logged, never leaked into the reply. A non-zero exit, a crash or
 a timeout ends as one `error` result with a reason; a timeout
-(`runtime_timeout`) kills the whole process group, and so does the death of
-the worker running the turn, even by SIGKILL (the agent runs under
-`_guard.py`, which holds a parent-death signal). Output is decoded as
+(`runtime_timeout`) kills the agent and everything it started, and so does
+the death of the worker running the turn, even by SIGKILL (the agent runs
+under `_guard.py`, a child subreaper holding a parent-death signal: a
+`setsid` daemon the agent double-forked is killed with it). Output is decoded as
 UTF-8 incrementally, so a character split across reads stays whole; the
 reply and every line are bounded.
 """
@@ -47,7 +48,8 @@ from typing import Any
 from adapters.agents.activity import MAX_ACTIVITY_CHARS, activity_for, cut
 
 __all__ = [
-    "ACTIVITY_MAX_CHARS", "DEFAULT_TIMEOUT_S", "EVENT_PREFIX", "NO_REPLY_STATUSES", "BridgeResult",
+    "ACTIVITY_MAX_CHARS", "BASE_ENV", "DEFAULT_TIMEOUT_S", "EVENT_PREFIX", "NO_REPLY_STATUSES", "BridgeResult",
+    "agent_base_env",
     "EventNormaliser", "activity_for", "normalise_activity", "parse_event_line", "run_bridge",
 ]
 
@@ -68,8 +70,10 @@ STDERR_TAIL_CHARS = 4000
 READ_BYTES = 64 * 1024
 #: after the agent exits, how long its leftover children may keep stdout open
 DRAIN_GRACE_S = 2.0
-#: SIGTERM first; the group gets SIGKILL after this
+#: SIGTERM first; the guard kills everything the agent started after this
 KILL_GRACE_S = 2.0
+#: how long the guard may take to kill and reap what is left before the group gets SIGKILL
+GUARD_CLEANUP_S = 3.0
 REPLY_CUT_NOTE = "\n… [reply cut at {n:,} characters]"
 
 
@@ -336,12 +340,18 @@ def run_bridge(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     on_event: Callable[[dict], None] | None = None,
     max_reply_chars: int = MAX_REPLY_CHARS,
+    passthrough: tuple[str, ...] | list[str] = (),
 ) -> BridgeResult:
     """Run one agent turn; `on_event` gets each normalised non-terminal event
-    (in order, from this thread). Never raises for the agent's misbehaviour."""
+    (in order, from this thread). Never raises for the agent's misbehaviour.
+
+    The agent's environment is an allowlist, never the worker's own (which
+    holds tokens, the API key and the Redis URL): the basics of
+    :data:`BASE_ENV` and the names in `passthrough` from this process's
+    environment, then `env`, then ``COURIER_MESSAGE``."""
     if not command:
         return BridgeResult("error", reason="agent has no command")
-    full_env = {**os.environ, **(env or {}), "COURIER_MESSAGE": message}
+    full_env = {**agent_base_env(passthrough), **(env or {}), "COURIER_MESSAGE": message}
     started = time.monotonic()
     missing = _not_runnable(command[0], cwd, full_env.get("PATH"))
     if missing:
@@ -449,6 +459,16 @@ def run_bridge(
     return BridgeResult("completed", reply=out.text(), **common)
 
 
+#: what every agent inherits from the worker's environment (nothing secret)
+BASE_ENV = ("PATH", "HOME", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "LC_MESSAGES", "TZ", "TERM", "USER",
+            "LOGNAME", "SHELL", "TMPDIR")
+
+
+def agent_base_env(passthrough: tuple[str, ...] | list[str] = ()) -> dict[str, str]:
+    """The worker's variables an agent gets: :data:`BASE_ENV` plus `passthrough` (those set)."""
+    return {k: os.environ[k] for k in (*BASE_ENV, *passthrough) if k in os.environ}
+
+
 _GUARD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_guard.py")
 
 
@@ -479,13 +499,15 @@ def _signame(n: int) -> str:
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the agent's whole process group, SIGKILL it after a grace."""
+    """SIGTERM the agent's whole process group; the guard SIGKILLs every
+    descendant (setsid ones too) after its grace (`_guard.TERM_GRACE_S`) and
+    exits; the group gets SIGKILL if the guard has not gone by then."""
     try:
         os.killpg(proc.pid, signal.SIGTERM)
     except (ProcessLookupError, PermissionError):
         pass
     try:
-        proc.wait(timeout=KILL_GRACE_S)
+        proc.wait(timeout=KILL_GRACE_S + GUARD_CLEANUP_S)
     except subprocess.TimeoutExpired:
         pass
     _reap_group(proc)

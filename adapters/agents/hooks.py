@@ -10,7 +10,10 @@ Each gets the turn context, a JSON object::
 ``{"context": "…"}``: that text is added to the prompt after passing through
 :func:`storage.spill.spill_if_needed` (source: the hook's name, session: the
 job id), so a huge context becomes a bounded preview and the full text goes to
-storage.
+storage — once per text and turn (the same output before every model call is
+one file and one preview: the prompt stays stable), and, through the turn's
+``place``, into the turn's workspace at the path the preview names, so the
+agent can read it back with its file tool.
 
 * A **shell hook** is an argv command (no shell): the context JSON on stdin,
   a JSON object on stdout (empty stdout: nothing to add). It runs in its own
@@ -41,7 +44,7 @@ from typing import Any
 
 from storage.spill import SpillConfig, spill_if_needed
 
-__all__ = ["ENTRY_POINT_GROUP", "Hook", "HookRunner", "PluginHook", "ShellHook", "load_plugins"]
+__all__ = ["ENTRY_POINT_GROUP", "Hook", "HookRunner", "PluginHook", "ShellHook", "TurnHooks", "load_plugins"]
 
 log = logging.getLogger(__name__)
 
@@ -140,8 +143,9 @@ class HookRunner:
     def __bool__(self) -> bool:
         return bool(self.hooks)
 
-    def run(self, context: dict) -> list[tuple[str, str]]:
-        """(hook label, spilled context text) for each hook that added something, in order."""
+    def run(self, context: dict, place=None) -> list[tuple[str, str]]:
+        """(hook label, spilled context text) for each hook that added something, in order.
+        `place`: see :func:`storage.spill.spill_if_needed` (where the agent can read a spill)."""
         if not self.hooks:
             return []
         session = str(context.get("job") or "unknown")
@@ -167,14 +171,29 @@ class HookRunner:
                     continue
                 if text:
                     out.append((hook.label, spill_if_needed(text, source=hook.label, session_id=session,
-                                                            store=self.store, config=self.spill)))
+                                                            store=self.store, config=self.spill, place=place)))
             return out
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
 
-    def context_for(self, context: dict) -> str:
+    def context_for(self, context: dict, place=None) -> str:
         """The hooks' contexts joined by blank lines ("" when none)."""
-        return "\n\n".join(text for _, text in self.run(context))
+        return "\n\n".join(text for _, text in self.run(context, place))
+
+
+class TurnHooks:
+    """A runner bound to one turn's `place` (its spills land where that
+    turn's agent can read them); used like the runner."""
+
+    def __init__(self, runner: HookRunner, place) -> None:
+        self.runner = runner
+        self.place = place
+
+    def __bool__(self) -> bool:
+        return bool(self.runner)
+
+    def context_for(self, context: dict) -> str:
+        return self.runner.context_for(context, self.place)
 
 
 def _context_text(value: Any) -> str:

@@ -19,8 +19,12 @@ Bounds and errors, each ending the turn with one short reason:
 * ``max_steps`` LLM calls (``max_steps_exceeded``);
 * ``call_timeout_s`` per request, ``timeout_s`` for the whole turn
   (``runtime_timeout``, as the bridge);
-* HTTP 4xx/5xx, an unreachable endpoint, a body that is not the expected
-  JSON: ``openai endpoint …`` reasons. Response bodies are never logged or
+* HTTP 4xx, an unreachable endpoint, a body that is not the expected
+  JSON: ``openai endpoint …`` reasons. A 429 (honouring ``retry-after``),
+  a 5xx, a connection refused or dropped before the answer are retried
+  (``max_attempts``, capped exponential backoff with jitter, never past the
+  turn's deadline) and the turn goes on where it was; only when retries run
+  out does it end. Response bodies are never logged or
   shown (they can echo credentials); the API key goes only in the
   ``Authorization`` header.
 
@@ -33,6 +37,7 @@ delivered once); ``extra["stored"]`` maps screenshot paths to their blobs and
 from __future__ import annotations
 
 import logging
+import random
 import time
 import uuid
 from collections.abc import Callable
@@ -61,6 +66,13 @@ class OpenAIConfig:
     call_timeout_s: float = 120.0
     #: the whole turn
     timeout_s: float = 900.0
+    #: tries of one model call (429, 5xx, a failed or dropped connection are tried again)
+    max_attempts: int = 6
+    #: backoff between tries: base * 2^n with jitter, at most retry_max_s
+    retry_base_s: float = 1.0
+    retry_max_s: float = 30.0
+    #: a server's retry-after is honoured up to this
+    retry_after_max_s: float = 120.0
 
 
 class _End(Exception):
@@ -111,7 +123,7 @@ def run_openai(
                 body: dict[str, Any] = {"model": config.model, "messages": call_messages}
                 if tools is not None:
                     body["tools"] = tools.schemas
-                reply = _call(client, config, body, deadline)
+                reply = _call(client, config, body, deadline, emit)
                 _add_usage(usage, reply.get("usage"))
                 msg = reply["message"]
                 calls = msg.get("tool_calls") or []
@@ -139,23 +151,88 @@ def _emitter(on_event: Callable[[dict], None] | None) -> Callable[[dict], None]:
     return emit
 
 
-def _call(client: httpx.Client, config: OpenAIConfig, body: dict, deadline: float) -> dict:
-    """POST chat/completions; returns {"message": {...}, "usage": {...}} or raises _End."""
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise _End("runtime_timeout")
-    t = min(config.call_timeout_s, left)
+#: answers worth asking again: rate limited, the server's trouble
+RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504, 520, 522, 524, 529})
+
+
+def _call(client: httpx.Client, config: OpenAIConfig, body: dict, deadline: float,
+          emit: Callable[[dict], None] | None = None) -> dict:
+    """POST chat/completions; returns {"message": {...}, "usage": {...}} or raises _End.
+
+    A 429 (after its ``retry-after-ms`` / ``retry-after``), a 5xx, a
+    connection that fails or drops before the answer are asked again, with
+    capped exponential backoff and jitter, up to ``max_attempts`` and never
+    past the turn's deadline; the same request goes again, so the turn goes
+    on where it was (no tool runs twice)."""
     host = urlparse(config.base_url).hostname or "endpoint"
+    attempt = 0
+    while True:
+        attempt += 1
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise _End("runtime_timeout")
+        t = min(config.call_timeout_s, left)
+        wait: float | None = None
+        try:
+            resp = client.post("chat/completions", json=body, timeout=httpx.Timeout(t, connect=min(t, 10.0)))
+        except httpx.ConnectTimeout:
+            why = f"openai endpoint {host} unreachable (ConnectTimeout)"
+        except httpx.TimeoutException:
+            if t < config.call_timeout_s:
+                raise _End("runtime_timeout") from None
+            raise _End(f"openai endpoint timed out after {t:g}s") from None
+        except httpx.TransportError as exc:  # refused, reset, dropped before the answer
+            why = f"openai endpoint {host} unreachable ({type(exc).__name__})"
+        except httpx.HTTPError as exc:
+            raise _End(f"openai endpoint {host} unreachable ({type(exc).__name__})") from None
+        else:
+            if resp.status_code < 400:
+                return _parse(resp, host)
+            why = f"openai endpoint returned HTTP {resp.status_code}{_HTTP_HINTS.get(resp.status_code, '')}"
+            if resp.status_code not in RETRY_STATUSES:
+                raise _End(why)
+            wait = _retry_after(resp.headers)
+            resp.close()
+        if attempt >= config.max_attempts:
+            raise _End(f"{why}; gave up after {attempt} attempts")
+        backoff = min(config.retry_max_s, config.retry_base_s * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
+        delay = backoff if wait is None else min(wait, config.retry_after_max_s)
+        if time.monotonic() + delay >= deadline:
+            raise _End(f"{why}; no time left in the turn to retry")
+        log.warning("%s; retrying in %.1fs (attempt %d of %d)", why, delay, attempt + 1, config.max_attempts)
+        if emit is not None:
+            emit({"kind": "status", "status": "thinking", "message": f"model endpoint busy, retrying in {delay:.0f}s"})
+        time.sleep(delay)
+
+
+def _retry_after(headers: httpx.Headers) -> float | None:
+    """Seconds the server asks to wait (``retry-after-ms``, ``retry-after``
+    in seconds or as an HTTP date), None when it says nothing usable."""
+    ms = headers.get("retry-after-ms")
+    if ms:
+        try:
+            return max(0.0, float(ms) / 1000)
+        except ValueError:
+            pass
+    ra = headers.get("retry-after")
+    if not ra:
+        return None
     try:
-        resp = client.post("chat/completions", json=body, timeout=httpx.Timeout(t, connect=min(t, 10.0)))
-    except httpx.TimeoutException:
-        if t < config.call_timeout_s:
-            raise _End("runtime_timeout") from None
-        raise _End(f"openai endpoint timed out after {t:g}s") from None
-    except httpx.HTTPError as exc:
-        raise _End(f"openai endpoint {host} unreachable ({type(exc).__name__})") from None
-    if resp.status_code >= 400:
-        raise _End(f"openai endpoint returned HTTP {resp.status_code}{_HTTP_HINTS.get(resp.status_code, '')}")
+        return max(0.0, float(ra))
+    except ValueError:
+        pass
+    try:
+        from email.utils import parsedate_to_datetime
+
+        when = parsedate_to_datetime(ra)
+        import datetime as _dt
+
+        return max(0.0, (when - _dt.datetime.now(_dt.timezone.utc)).total_seconds())
+    except (TypeError, ValueError, IndexError):
+        return None
+
+
+def _parse(resp: httpx.Response, host: str) -> dict:
     try:
         data = resp.json()
         msg = data["choices"][0]["message"]

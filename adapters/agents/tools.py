@@ -3,7 +3,9 @@
 =====================  =====================================================
 ``terminal``           ``sh -c <command>`` through ``Sandbox.exec`` in the
                        turn's working directory (timeout; output bounded
-                       per stream, then spilled when over the spill cap)
+                       per stream, then spilled when over the spill cap);
+                       on a local sandbox under the agents' guard: what
+                       the command starts (``setsid`` too) ends with it
 ``read_file``          a sandbox file as text (first :data:`READ_MAX_BYTES`,
                        spilled when over the cap); allowed roots apply
 ``write_file``         text to a sandbox file (through a temporary blob and
@@ -35,8 +37,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import posixpath
 import re
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -54,6 +58,10 @@ __all__ = ["CHROMIUM_ARGS", "EGRESS_ARGS", "ToolResult", "Toolbox", "media_tag",
 log = logging.getLogger(__name__)
 
 TERMINAL_DEFAULT_TIMEOUT_S = 60.0
+#: the guard of a local terminal command
+GUARD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_guard.py")
+#: the local exec's own timeout, past the guard's deadline (the guard kills first, and cleans up)
+GUARD_BACKSTOP_S = 5.0
 TERMINAL_MAX_TIMEOUT_S = 600.0
 #: bytes kept per output stream of one command (before the spill cap applies)
 TERMINAL_MAX_OUTPUT_BYTES = 1024 * 1024
@@ -100,8 +108,11 @@ SCHEMAS: list[dict] = [
              "timeout_s": {"type": "number", "description": f"seconds before it is killed "
                            f"(default {TERMINAL_DEFAULT_TIMEOUT_S:g}, at most {TERMINAL_MAX_TIMEOUT_S:g})"}},
             ["command"]),
-    _schema("read_file", "Read a text file from your sandbox (absolute, or relative to the working directory).",
-            {"path": {"type": "string"}}, ["path"]),
+    _schema("read_file", "Read a text file from your sandbox (absolute, or relative to the working directory). "
+            "offset and limit read a range of lines (a long output saved to a file is read this way).",
+            {"path": {"type": "string"},
+             "offset": {"type": "integer", "description": "first line to read, from 1 (default 1)"},
+             "limit": {"type": "integer", "description": "how many lines (default: to the end)"}}, ["path"]),
     _schema("write_file", "Write text to a file in your sandbox, replacing it; parent directories are made.",
             {"path": {"type": "string"}, "content": {"type": "string"}}, ["path", "content"]),
     _schema("browser_screenshot", "Take a PNG screenshot of a web page (http or https) in a headless browser. "
@@ -129,6 +140,8 @@ class Toolbox:
     browser_allowed_hosts: tuple[str, ...] = ()
     #: monotonic deadline of the turn (tools never run past it)
     deadline: float | None = None
+    #: puts a spilled output where this turn's agent can read it (storage.spill.spill_if_needed's `place`)
+    place: Callable[[str], str] | None = None
     marked: list[str] = field(default_factory=list)
     stored: dict[str, dict] = field(default_factory=dict)
 
@@ -168,7 +181,8 @@ class Toolbox:
         return check_lexical(posixpath.normpath(p))
 
     def _spilled(self, source: str, text: str) -> str:
-        return spill_if_needed(text, source=source, session_id=self.job_id, store=self.store, config=self.spill)
+        return spill_if_needed(text, source=source, session_id=self.job_id, store=self.store, config=self.spill,
+                               place=self.place)
 
     def _left_s(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
@@ -182,7 +196,13 @@ class Toolbox:
         left = self._left_s()
         if left is not None:
             t = min(t, left)
-        rc, out, err = self.sandbox.exec(["sh", "-c", command], timeout_s=t, cwd=self.workdir,
+        argv, exec_t = ["sh", "-c", command], t
+        if self.sandbox.kind == "local":
+            # on the worker's host the command runs under the agents' guard (a subreaper): whatever it
+            # starts, a setsid daemon included, ends with the command; the guard keeps the deadline
+            argv = [sys.executable, "-I", GUARD, f"{os.getpid()}:{t:g}", *argv]
+            exec_t = t + GUARD_BACKSTOP_S
+        rc, out, err = self.sandbox.exec(argv, timeout_s=exec_t, cwd=self.workdir,
                                          max_output_bytes=TERMINAL_MAX_OUTPUT_BYTES)
         parts = []
         if out:
@@ -192,15 +212,34 @@ class Toolbox:
         parts.append(f"[exit code {rc}]")
         return ToolResult(self._spilled("terminal", "\n".join(parts)), ok=rc == 0)
 
-    def _tool_read_file(self, path: str) -> ToolResult:
+    def _tool_read_file(self, path: str, offset: int | None = None, limit: int | None = None) -> ToolResult:
         p = self._path(path)
+        if offset is not None and (not isinstance(offset, int) or offset < 1):
+            return ToolResult("error: offset is a line number from 1", ok=False)
+        if limit is not None and (not isinstance(limit, int) or limit < 1):
+            return ToolResult("error: limit is a number of lines, at least 1", ok=False)
+        ranged = offset is not None or limit is not None
+        first, last = (offset or 1), ((offset or 1) + limit - 1 if limit else None)
         resolved, size = self.sandbox.resolve(p)
         buf = bytearray()
+        line = 1  # the line number buf starts at (ranged reads skip whole lines before `first`)
+        seen = 0
         stream = self.sandbox.open_stream(resolved)
         try:
             for chunk in stream:
+                seen += len(chunk)
+                if ranged and line < first:
+                    start = 0
+                    while line < first:
+                        i = chunk.find(b"\n", start)
+                        if i < 0:
+                            break
+                        line, start = line + 1, i + 1
+                    if line < first:
+                        continue
+                    chunk = chunk[start:]
                 buf += chunk
-                if len(buf) >= READ_MAX_BYTES:
+                if len(buf) >= READ_MAX_BYTES or (last is not None and buf.count(b"\n") >= last - first + 1):
                     break
         finally:
             close = getattr(stream, "close", None)
@@ -209,6 +248,14 @@ class Toolbox:
         data = bytes(buf[:READ_MAX_BYTES])
         if b"\x00" in data[:8192]:
             return ToolResult(f"error: {p} is a binary file ({size:,} bytes); use terminal to inspect it", ok=False)
+        if ranged:
+            lines = data.split(b"\n")
+            if lines and lines[-1] == b"":
+                lines.pop()
+            if last is not None:
+                lines = lines[: last - first + 1]
+            text = b"\n".join(lines).decode("utf-8", "replace")
+            return ToolResult(self._spilled("read_file", f"[lines {first}-{first + len(lines) - 1} of {p}]\n{text}"))
         text = data.decode("utf-8", "replace")
         if size > len(data):
             text += f"\n[read the first {len(data):,} of {size:,} bytes]"
@@ -292,7 +339,6 @@ def take_screenshot(url: str, *, chromium_path: str, full_page: bool = False,
     redirects and its subresources. A refused page is an error naming the
     reason; a refused subresource just does not load. The proxy's refusals are
     appended to `refused` when given."""
-    import os
 
     try:
         from playwright.sync_api import Error as PlaywrightError

@@ -32,6 +32,8 @@ EXEC_POLL_S = 0.25
 DENYLIST: tuple[str, ...] = (
     "/etc", "/proc", "/sys", "/dev", "/root", "/boot", "/var/log", "/var/lib", "/var/run", "/run",
 )
+#: denied even below a root configured inside them (special files, not data)
+NEVER_WAIVED: tuple[str, ...] = ("/proc", "/sys", "/dev")
 #: relative to the sandbox user's home
 HOME_DENYLIST: tuple[str, ...] = (
     ".ssh", ".aws", ".gnupg", ".kube", ".docker", ".config", ".netrc", ".git-credentials",
@@ -118,7 +120,14 @@ def format_uri(ref: SandboxRef, path: str) -> str:
 
 @dataclass(frozen=True)
 class PathPolicy:
-    """Allowed roots and the denylist, applied to *resolved* paths."""
+    """Allowed roots and the denylist, applied to *resolved* paths.
+
+    A path is allowed when it is under a root and under no denied prefix —
+    except that a root configured strictly inside a denied system prefix
+    (e.g. root's default data dir `/root/.local/share/courier`, or
+    `/var/lib/courier`) allows what is below it: the explicit root is the
+    more specific rule. `/proc`, `/sys`, `/dev` and the home's secrets
+    (`~/.ssh`, `~/.aws`, …) stay denied whatever the roots say."""
 
     roots: tuple[str, ...]
     home: str | None = None
@@ -128,6 +137,13 @@ class PathPolicy:
         # normalised once: a check runs for every file, twice
         object.__setattr__(self, "_denied", tuple((d, _prefix(d)) for d in self.denied()))
         object.__setattr__(self, "_roots", tuple(_prefix(r) for r in self.roots))
+        # a root configured strictly inside a denied system prefix (the default data dir of root,
+        # /root/.local/share/courier; a data dir under /var/lib) is allowed below that root: the
+        # explicit root is the more specific rule. Never for NEVER_WAIVED nor the home's secrets.
+        waivable = tuple(_prefix(d) for d in self.denylist if not _under(d, NEVER_WAIVED))
+        roots = self._roots  # type: ignore[attr-defined]
+        object.__setattr__(self, "_waives", tuple(frozenset(d for d in waivable if r.startswith(d) and r != d)
+                                                  for r in roots))
 
     def denied(self) -> list[str]:
         out = list(self.denylist)
@@ -144,10 +160,11 @@ class PathPolicy:
         if norm != resolved.rstrip("/") and resolved != "/":
             raise UnsafePath(f"{shown}: path is not normalised")
         probe = _dir_form(norm)
+        inside = [w for r, w in zip(self._roots, self._waives) if probe.startswith(r)]  # type: ignore[attr-defined]
         for d, prefix in self._denied:  # type: ignore[attr-defined]
-            if probe.startswith(prefix):
+            if probe.startswith(prefix) and not any(prefix in w for w in inside):
                 raise UnsafePath(f"{shown}: {d} is never readable")
-        if not probe.startswith(self._roots):  # type: ignore[attr-defined]
+        if not inside:
             raise UnsafePath(f"{shown}: outside the allowed roots ({', '.join(self.roots) or 'none'})")
         return norm
 
@@ -162,8 +179,9 @@ def _prefix(root: str) -> str:
     return _dir_form(posixpath.normpath(root))
 
 
-def _under(path: str, root: str) -> bool:
-    return _dir_form(path).startswith(_prefix(root))
+def _under(path: str, root: str | tuple[str, ...]) -> bool:
+    roots = (root,) if isinstance(root, str) else root
+    return _dir_form(path).startswith(tuple(_prefix(r) for r in roots))
 
 
 def check_lexical(path: str) -> str:
