@@ -240,3 +240,50 @@ def test_storage_outage_is_waited_out_then_told_past_its_deadline(tmp_path, redi
         env.stop()
         short.stop()
         r.close()
+
+
+@pytest.fixture
+def small_volume(tmp_path):
+    """A 2 MiB tmpfs for the storage volume (root mounts it; CI runs as root)."""
+    import subprocess
+
+    d = tmp_path / "vol"
+    d.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(d)], check=True)
+    yield d
+    subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+def test_a_full_volume_is_waited_out(tmp_path, redis_server, small_volume):
+    """The storage volume fills up (ENOSPC) while 6 files wait to be
+    extracted: they back off, keep their order, and all go once space is
+    freed; nothing fails."""
+    r = redis_server.client()
+    env = CourierEnv(tmp_path / "full", redis_server.url, COURIER_STORAGE_URL=f"file://{small_volume}")
+    try:
+        env.start_worker(concurrency=2)
+        filler = small_volume / "filler"
+        with open(filler, "wb") as f:  # fill the volume to the last block
+            try:
+                while True:
+                    f.write(b"\0" * 65536)
+            except OSError:
+                pass
+        run = Run(env, r, None, ["outbox:full"], jobs_per_chat=6)
+        local = SandboxRef("local")
+        with env.publishing():
+            for k in range(6):
+                p = env.sandbox / f"full-{k:03d}.txt"
+                p.write_bytes(b"x" * 200_000)
+                run.ids += chains.enqueue(r, chains.Plan(job_id=f"chs_full_{k:03d}", target="outbox:full",
+                                                         text=f"m full {k:03d}",
+                                                         files=[chains.SandboxFile(local, str(p))]), job_kind="send")
+        wait_until(lambda: sum(int(r.hget(f"courier:delivery:{d}", "transient_errors") or 0) for d in run.ids) >= 3,
+                   timeout_s=60, what="extractions to meet the full volume")
+        assert run.delivered() == 1  # the first text; the first file waits, and everything behind it
+        filler.unlink()
+        run.check(max_duplicates=0)
+        assert all(receipts.get_delivery(r, d)["state"] == "delivered" for d in run.ids)
+    finally:
+        env.stop()
+        r.close()
