@@ -410,12 +410,6 @@ def _send_album(ctx: Context, platform: Platform, chat: str, lead: str, album: l
     return out
 
 
-def album_items_open(ctx: Context, group: dict) -> list[dict]:
-    """The group's items not yet delivered or failed (for the task's retry bookkeeping)."""
-    return [_job_of(item) for item, rec in zip(group["items"], _receipts_of(ctx.redis, group["items"]))
-            if rec.get("state") not in receipts.TERMINAL]
-
-
 def _sha256_of(store, key: str) -> str:
     import hashlib
 

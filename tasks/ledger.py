@@ -36,7 +36,6 @@ from tasks import keys
 LEASE_TTL_S = 20
 STAGES = ("lane", "extract", "turn")
 
-_TAKE = "return redis.call('set', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) and 1 or 0"
 _RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('expire', KEYS[1], ARGV[2]) else return 0 end"
 _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
 
@@ -54,6 +53,11 @@ def take(r, key: str, token: str, ttl_s: int = LEASE_TTL_S) -> bool:
 def release(r, key: str, token: str) -> None:
     """Only the holder releases (compare-and-delete). `r` may be a pipeline."""
     r.eval(_RELEASE, 1, key, token)
+
+
+def renew(r, key: str, token: str, ttl_s: int = LEASE_TTL_S) -> bool:
+    """Extend a lease its holder still holds (False: it lapsed, or another holds it)."""
+    return bool(r.eval(_RENEW, 1, key, token, ttl_s))
 
 
 def held(r, key: str) -> float:

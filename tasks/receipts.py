@@ -92,10 +92,6 @@ def update_delivery(r, delivery_id: str, **fields: Any) -> None:
     r.hset(keys.delivery(delivery_id), mapping={k: _s(v) for k, v in fields.items() if v is not None})
 
 
-def attempt(r, delivery_id: str) -> int:
-    return int(r.hincrby(keys.delivery(delivery_id), "attempts", 1))
-
-
 def get_delivery(r, delivery_id: str) -> dict[str, str] | None:
     h = r.hgetall(keys.delivery(delivery_id))
     return _decode(h) if h else None
@@ -162,13 +158,6 @@ def start_attempt(r, delivery_id: str, **fields: Any) -> int:
     return int(pipe.execute()[0])
 
 
-_RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
-
-
-def acquire_send_lock(r, delivery_id: str, owner: str, ttl_s: int = 600) -> bool:
-    return bool(r.set(keys.delivery_lock(delivery_id), owner, nx=True, ex=ttl_s))
-
-
 def renewing(r, delivery_id: str, owner: str):
     """Keep a send lock alive while the block runs (the ledger's lease heartbeat)."""
     from tasks import ledger
@@ -178,4 +167,6 @@ def renewing(r, delivery_id: str, owner: str):
 
 def release_send_lock(r, delivery_id: str, owner: str) -> None:
     """Only the owner releases (compare-and-delete). `r` may be a pipeline."""
-    r.eval(_RELEASE, 1, keys.delivery_lock(delivery_id), owner)
+    from tasks import ledger
+
+    ledger.release(r, keys.delivery_lock(delivery_id), owner)

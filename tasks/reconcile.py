@@ -125,10 +125,7 @@ class Reconciler:
 
     def _holds_lock(self, r) -> bool:
         key = keys.reconciler_lock()
-        if r.set(key, self.token, nx=True, ex=LOCK_TTL_S):
-            return True
-        return bool(r.eval("if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('expire', KEYS[1], "
-                           "ARGV[2]) else return 0 end", 1, key, self.token, LOCK_TTL_S))
+        return ledger.take(r, key, self.token, LOCK_TTL_S) or ledger.renew(r, key, self.token, LOCK_TTL_S)
 
     def _run(self) -> None:
         while not self.stopping.wait(self.interval_s):
