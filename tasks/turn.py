@@ -69,8 +69,8 @@ def make_workspace(ctx: Context, ref: SandboxRef, local_dir: str | None, job_id:
 
     Local: `<agent dir>/turns/<job>`, 0700, made here. Other backends:
     `<workdir>/turns/<job>` inside the sandbox, made through the sandbox
-    (`mkdir -p` by exec; a backend without exec gets it by `put` of an
-    empty marker file)."""
+    (its `make_dirs` where it has one — singularity, which has no exec —
+    else `mkdir -p` by exec)."""
     if ref.kind == "local":
         assert local_dir is not None
         ws = workspace_path(os.path.abspath(local_dir), job_id)
@@ -79,19 +79,13 @@ def make_workspace(ctx: Context, ref: SandboxRef, local_dir: str | None, job_id:
     base = ref.options.get("workdir") or "/workspace"
     ws = workspace_path(base, job_id)
     sandbox = ctx.sandbox(ref)
-    try:
+    make_dirs = getattr(sandbox, "make_dirs", None)
+    if make_dirs is not None:
+        make_dirs(ws)
+    else:
         rc, _out, err = sandbox.exec(["mkdir", "-p", "--", ws], timeout_s=60)
         if rc != 0:
             raise SandboxError(f"mkdir {ws}: exit {rc}: {err.decode('utf-8', 'replace').strip()[:200]}")
-    except SandboxError as exc:
-        if "does not support running commands" not in str(exc.reason):
-            raise
-        key = f"files/{_UNSAFE_NAME.sub('_', job_id)}/workspace-marker"
-        ctx.store.put_bytes(key, b"", private=True)
-        try:
-            sandbox.put(ctx.store, key, posixpath.join(ws, ".courier-turn"))
-        finally:
-            ctx.store.delete(key)
     turn_ref = SandboxRef(ref.kind, ref.target, (ws, *extra_roots), {**ref.options, "workdir": ws})
     return turn_ref, ws
 

@@ -298,3 +298,33 @@ def test_a_docker_sandbox_turn_gets_its_own_workspace_inside_the_container(tmp_p
         assert (env.outbox / "box" / log[1]["file"]).read_text() == f"/workspace/turns/{job}\nmade\n"
     finally:
         env.stop()
+
+
+def test_a_singularity_sandbox_turn_gets_its_workspace_made_without_exec(tmp_path):
+    """Singularity has no exec: the workspace is made through the sandbox's
+    own make_dirs, inside the instance root, never through a link. (The
+    instance root is a directory tree, as in test_sandbox_singularity: no
+    apptainer binary here.)"""
+    import os
+
+    from adapters.errors import UnsafePath
+    from adapters.sandboxes.singularity import SingularitySandbox
+    from tasks.runtime import Context
+    from tasks.turn import _sandbox_for, make_workspace
+
+    root = tmp_path / "instances" / "box" / "rootfs"
+    (root / "workspace").mkdir(parents=True)
+    (root / "etc").mkdir()
+    ctx = Context(redis=None, store=None, platform=None, agent=lambda n: None,
+                  sandbox=lambda ref: SingularitySandbox(ref, None, instances_dir=str(tmp_path / "instances")))
+    ref, local = _sandbox_for(ctx, {"sandbox": "singularity://box/workspace", "agent": "x"}, None)
+    turn_ref, ws = make_workspace(ctx, ref, local, "turn_abc", ("/workspace/shared",))
+    assert ws == "/workspace/turns/turn_abc" and (root / "workspace" / "turns" / "turn_abc").is_dir()
+    assert turn_ref.roots == (ws, "/workspace/shared") and turn_ref.options["workdir"] == ws
+    assert oct((root / "workspace" / "turns" / "turn_abc").stat().st_mode & 0o777) == oct(0o700)
+    # a link on the way (planted by an earlier turn) is refused, nothing is made through it
+    os.symlink("/etc", root / "workspace" / "evil")
+    ref2, _ = _sandbox_for(ctx, {"sandbox": "singularity://box/workspace/evil", "agent": "x"}, None)
+    with pytest.raises(UnsafePath):
+        make_workspace(ctx, ref2, None, "turn_def")
+    assert not (root / "etc" / "turns").exists()

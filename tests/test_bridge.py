@@ -291,8 +291,9 @@ def test_timeout_kills_the_whole_process_group(tmp_path):
 
 def test_a_killed_worker_takes_its_agent_and_the_agents_children_with_it(tmp_path):
     """SIGKILL the process running the bridge (a worker killed mid-turn): the
-    agent and a child it started die too (the guard's parent-death signal),
-    so a redelivered turn never races a leftover agent."""
+    agent, a child it started and a setsid daemon it double-forked die too
+    (the guard's parent-death signal; the daemon was re-parented to the
+    guard, a subreaper), so a redelivered turn never races a leftover agent."""
     import signal
     import subprocess
 
@@ -300,7 +301,17 @@ def test_a_killed_worker_takes_its_agent_and_the_agents_children_with_it(tmp_pat
     agent.write_text(PRELUDE + textwrap.dedent("""
         import subprocess
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-        open("pids", "w").write(f"{os.getpid()} {child.pid}")
+        if os.fork() == 0:  # and a daemon: double fork, its own session
+            os.setsid()
+            if os.fork() == 0:
+                open("daemon.tmp", "w").write(str(os.getpid()))
+                os.rename("daemon.tmp", "daemon")
+                time.sleep(120)
+            os._exit(0)
+        os.wait()
+        while not os.path.exists("daemon"):
+            time.sleep(0.01)
+        open("pids", "w").write(f"{os.getpid()} {child.pid} {open('daemon').read()}")
         ev(kind="status", status="thinking")
         time.sleep(120)
         """))
@@ -310,14 +321,19 @@ def test_a_killed_worker_takes_its_agent_and_the_agents_children_with_it(tmp_pat
         cwd=str(ROOT))
     try:
         pids_file = tmp_path / "pids"
-        wait_until(lambda: pids_file.exists() and len(pids_file.read_text().split()) == 2, timeout_s=30,
+        wait_until(lambda: pids_file.exists() and len(pids_file.read_text().split()) == 3, timeout_s=30,
                    what="the agent to start its child")
         pids = [int(x) for x in pids_file.read_text().split()]
         assert all(pid_alive(p) for p in pids)
         worker.send_signal(signal.SIGKILL)
         worker.wait(timeout=10)
-        for pid in pids:
-            wait_until(lambda: not pid_alive(pid), timeout_s=10, what=f"process {pid} to die with the worker")
+        try:
+            for pid in pids:
+                wait_until(lambda: not pid_alive(pid), timeout_s=10, what=f"process {pid} to die with the worker")
+        finally:
+            for pid in pids:
+                if pid_alive(pid):
+                    os.kill(pid, signal.SIGKILL)  # a leak under test: not left running
     finally:
         worker.kill()
 

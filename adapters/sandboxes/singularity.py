@@ -240,6 +240,28 @@ class SingularitySandbox(Sandbox):
                            limit_bytes=max_bytes)
         return store.put_stream(key, self.open_stream(resolved), max_bytes=max_bytes)
 
+    def make_dirs(self, path: str) -> str:
+        """``mkdir -p`` inside the instance (0700 for what it makes), for a
+        turn's workspace: this backend has no exec. Checked against the roots
+        first; walked down one directory fd at a time, never through a link
+        (a link on the way is refused)."""
+        check_lexical(path)
+        norm = self.policy.check(posixpath.normpath(path), shown=path)
+        with _Walk(self.root) as w:
+            for part in (p for p in norm.split("/") if p):
+                try:
+                    try:
+                        w.down(part)
+                    except FileNotFoundError:
+                        try:
+                            os.mkdir(part, 0o700, dir_fd=w.cur)
+                        except FileExistsError:
+                            pass
+                        w.down(part)
+                except OSError as exc:  # ELOOP / ENOTDIR: a link or a file on the way
+                    raise UnsafePath(f"{path}: cannot make {w.path(part)} ({exc.strerror})") from exc
+        return norm
+
     def put(self, store, key: str, dest_path: str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
         """Write a stored blob into the instance: temp file + rename in the
         resolved destination directory (owned like that directory)."""
