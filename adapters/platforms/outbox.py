@@ -76,7 +76,8 @@ class OutboxPlatform(Platform):
     def send_file(self, chat: str, kind: Kind, file: FileSource, *, caption: str | None, delivery_id: str,
                   file_id: str | None = None) -> Sent:
         d = self._chat_dir(chat)
-        fname = f"{delivery_id[:12]}-{safe_name(file.name)}"
+        # the whole delivery id: same-named files of one job are kept apart
+        fname = f"{_SAFE.sub('_', delivery_id)}-{safe_name(file.name)}"
         tmp = d / f".{uuid.uuid4().hex}.part"
         digest = hashlib.sha256()
         size = 0
