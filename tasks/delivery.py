@@ -161,7 +161,7 @@ def _deliver_item(ctx: Context, platform: Platform, chat: str, job: dict, extrac
         guarded.flush()
         receipts.update_delivery(r, did, final="1")
         return record_failure(ctx, job, exc.reason)
-    except _TooLargeNotice as notice:
+    except _Refused as notice:
         guarded.flush()
         receipts.update_delivery(r, did, final="1")
         return record_failure(ctx, job, notice.reason)
@@ -209,7 +209,9 @@ def _send_text(platform: Platform, chat: str, text: str, did: str) -> Sent:
     return Sent(message_id=",".join(ids))
 
 
-class _TooLargeNotice(Exception):
+class _Refused(Exception):
+    """A file not sent, the chat told why (too large, empty, a type the platform does not take)."""
+
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
@@ -252,9 +254,13 @@ def _send_overflow(platform: Platform, chat: str, overflow: list[str], base_id: 
 def _send_file(ctx: Context, platform: Platform, chat: str, job: dict) -> tuple[Sent, str, int]:
     kind, src, limit = _plan_file(ctx, platform, job)
     key, size = job["key"], src.size_bytes
+    if size == 0:  # one rule for every platform: nothing is uploaded
+        reason = f"empty file: {src.name} is 0 bytes"
+        _notice(ctx, platform, chat, job, f"⚠️ {src.name} was not sent: it is empty (0 bytes).", key=None)
+        raise _Refused(reason)
     if size > limit:
         reason = _notice_too_large(ctx, platform, chat, job, src.name, size, limit, key=key)
-        raise _TooLargeNotice(reason)
+        raise _Refused(reason)
     if size > 8 * 1024 * 1024:  # a long upload: show its kind and size in `courier status` meanwhile
         receipts.update_delivery(ctx.redis, job["id"], kind=kind.value, size_bytes=size, name=src.name)
     caption, overflow = _fit_file_caption(platform, kind, src, job.get("caption"))
@@ -337,7 +343,7 @@ def _deliver_album_locked(ctx: Context, group: dict) -> dict:
                 continue
             job = _with_extraction(job, extracted)
         kind, src, limit = _plan_file(ctx, platform, job)
-        if kind == Kind.PHOTO and src.size_bytes <= limit:
+        if kind == Kind.PHOTO and 0 < src.size_bytes <= limit:
             photos.append((job, src))
         else:
             singles.append(job)
@@ -423,7 +429,14 @@ def _notice_too_large(ctx: Context, platform: Platform, chat: str, job: dict, na
     size_s = human_bytes(int(size)) if size else "unknown size"
     limit_s = human_bytes(int(limit)) if limit else "the limit"
     reason = f"too large: {name} is {size_s}, over the {limit_s} limit for {platform.name}"
-    text = f"⚠️ {name} ({size_s}) was not sent: it is over the {limit_s} limit here."
+    _notice(ctx, platform, chat, job, f"⚠️ {name} ({size_s}) was not sent: it is over the {limit_s} limit here.",
+            key=key)
+    return reason
+
+
+def _notice(ctx: Context, platform: Platform, chat: str, job: dict, text: str, *, key: str | None) -> None:
+    """Tell the chat a file was not sent (`text`), with a download link when
+    `key` is given and the store can sign one; sent once (part `<id>#notice`)."""
     if key is not None:
         try:
             url = ctx.store.signed_url(key, expires_s=7 * 24 * 3600)
@@ -437,4 +450,3 @@ def _notice_too_large(ctx: Context, platform: Platform, chat: str, job: dict, na
         raise  # re-scheduled: the notice goes out once its slot is free
     except CourierError:
         pass  # the failure is recorded either way
-    return reason

@@ -1,0 +1,193 @@
+"""The platform contract: one table of scenarios run against every adapter and
+its local API server (tests/fixtures/fake_*.py), through one real worker and
+real Redis. Each scenario asserts what the platform saw (requests, bytes) and
+what the chat shows.
+
+Adding a platform = adding its server to `_deployment` and a `Row` subclass
+(how to name a fresh chat, what its chat shows, how many uploads it saw).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from adapters.platforms.outbox import read_log
+from tests.fixtures._platforms import write_unique
+from tests.fixtures.fake_discord import FakeDiscord
+from tests.fixtures.fake_slack import FakeSlack
+from tests.fixtures.fake_telegram import FakeTelegram, enqueue, wait_job
+from tests.fixtures.fake_whatsapp import FakeWhatsApp
+from tests.fixtures.workers import CourierEnv
+
+pytestmark = pytest.mark.slow
+
+_n = itertools.count(int.from_bytes(os.urandom(2), "big") * 1000 + 1)
+
+
+class Row:
+    """One platform's capabilities and views of its fake server."""
+
+    name = ""
+
+    def __init__(self, fake, env: CourierEnv) -> None:
+        self.fake, self.env = fake, env
+
+    def chat(self) -> str:
+        raise NotImplementedError
+
+    def texts(self, chat: str) -> list[str]:
+        """The text messages the chat shows, in order."""
+        raise NotImplementedError
+
+    def files(self, chat: str) -> list[str]:
+        """The sha256 of each file the chat shows, in order."""
+        raise NotImplementedError
+
+    def uploads(self) -> int:
+        """Requests that carried file bytes so far (all chats)."""
+        raise NotImplementedError
+
+
+class TelegramRow(Row):
+    name = "telegram"
+
+    def chat(self) -> str:
+        return str(100_000_000 + next(_n))
+
+    def texts(self, chat):
+        return [c.text for c in self.fake.calls_for("sendMessage", chat, ok=True)]
+
+    def files(self, chat):
+        out = []
+        for c in self.fake.calls_for(chat=chat, ok=True):
+            if c.method.startswith("send") and c.method not in ("sendMessage", "sendChatAction"):
+                kind = c.method[4:].lower()
+                media = c.result.get(kind) or c.result.get("document")
+                fid = (media[-1] if isinstance(media, list) else media)["file_id"]
+                out.append(self.fake.files[fid].sha256)
+        return out
+
+    def uploads(self):
+        return len(self.fake.uploads())
+
+
+class DiscordRow(Row):
+    name = "discord"
+
+    def chat(self) -> str:
+        return str(900_000_000_000 + next(_n))
+
+    def texts(self, chat):
+        return [m["content"] for m in self.fake.channel_messages(chat) if not m["attachments"]]
+
+    def files(self, chat):
+        return [sha for m in self.fake.channel_messages(chat) for sha in m["courier_test_sha256"]]
+
+    def uploads(self):
+        return sum(1 for r in self.fake.calls("send") for _ in r.files)
+
+
+class SlackRow(Row):
+    name = "slack"
+
+    def chat(self) -> str:
+        return f"C{next(_n):08d}"
+
+    def texts(self, chat):
+        return [m["text"] for m in self.fake.channel_messages(chat) if not m["files"]]
+
+    def files(self, chat):
+        return [f["sha256"] for m in self.fake.channel_messages(chat) for f in m["files"]]
+
+    def uploads(self):
+        return len(self.fake.calls("upload"))
+
+
+class WhatsAppRow(Row):
+    name = "whatsapp"
+
+    def chat(self) -> str:
+        return f"+1555{next(_n):07d}"
+
+    def _msgs(self, chat):
+        return [(c.fields["type"], json.loads(c.fields[c.fields["type"]]))
+                for c in self.fake.calls_for("messages", chat=chat, ok=True)]
+
+    def texts(self, chat):
+        return [body["body"] for t, body in self._msgs(chat) if t == "text"]
+
+    def files(self, chat):
+        return [self.fake.media[body["id"]].sha256 for t, body in self._msgs(chat) if t != "text"]
+
+    def uploads(self):
+        return len(self.fake.calls_for("media"))
+
+
+class OutboxRow(Row):
+    name = "outbox"
+
+    def chat(self) -> str:
+        return f"contract-{next(_n)}"
+
+    def texts(self, chat):
+        return [e["text"] for e in read_log(self.env.outbox, chat) if e["kind"] == "text"]
+
+    def files(self, chat):
+        return [e["sha256"] for e in read_log(self.env.outbox, chat) if e["kind"] != "text"]
+
+    def uploads(self):
+        return sum(1 for d in Path(self.env.outbox).glob("*/*") if d.name != "deliveries.jsonl")
+
+
+ROWS = [TelegramRow, DiscordRow, SlackRow, WhatsAppRow, OutboxRow]
+
+
+@pytest.fixture(scope="module")
+def _deployment(tmp_path_factory, redis_server):
+    fakes = {"telegram": FakeTelegram().start(), "discord": FakeDiscord().start(), "slack": FakeSlack().start(),
+             "whatsapp": FakeWhatsApp().start()}
+    tg, dc, sl, wa = fakes["telegram"], fakes["discord"], fakes["slack"], fakes["whatsapp"]
+    env = CourierEnv(tmp_path_factory.mktemp("contract"), redis_server.url,
+                     TELEGRAM_BOT_TOKEN=tg.token, COURIER_TELEGRAM_BASE_URL=tg.url,
+                     DISCORD_BOT_TOKEN=dc.token, COURIER_DISCORD_BASE_URL=dc.base_url,
+                     SLACK_BOT_TOKEN=sl.token, COURIER_SLACK_BASE_URL=sl.base_url,
+                     WHATSAPP_ACCESS_TOKEN=wa.token, WHATSAPP_PHONE_NUMBER_ID=wa.phone_number_id,
+                     COURIER_WHATSAPP_BASE_URL=wa.url)
+    try:
+        env.start_worker(concurrency=2)
+        yield env, fakes
+    finally:
+        env.stop()
+        for f in fakes.values():
+            f.stop()
+
+
+@pytest.fixture(params=ROWS, ids=[r.name for r in ROWS])
+def row(request, _deployment) -> Row:
+    env, fakes = _deployment
+    cls = request.param
+    return cls(fakes.get(cls.name), env)
+
+
+@pytest.fixture
+def r(redis_server):
+    c = redis_server.client()
+    yield c
+    c.close()
+
+
+def test_empty_file_is_refused_before_any_upload_with_a_notice(row, r, tmp_path):
+    chat = row.chat()
+    p = tmp_path / "empty.txt"
+    p.write_bytes(b"")
+    before = row.uploads()
+    (d,) = wait_job(r, enqueue(row.env, f"{row.name}:{chat}", files=[p], caption="see this"))
+    assert d["state"] == "failed" and d["reason"] == "empty file: empty.txt is 0 bytes", d
+    assert row.uploads() == before and row.files(chat) == []
+    (notice,) = row.texts(chat)
+    assert "empty.txt" in notice and "empty" in notice.replace("empty.txt", "")
