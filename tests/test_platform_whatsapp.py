@@ -196,3 +196,19 @@ def test_error_map():
         if wait is not None:
             assert mapped.retry_after_s == wait
     assert "boom" in map_error(resp(400, 131026)).reason and "131026" in map_error(resp(400, 131026)).reason
+
+
+def test_audio_caption_paced_by_whatsapp_is_a_part_of_its_own_audio_sent_once(wa, fake_whatsapp, r, tmp_path):
+    # WhatsApp paces messages to one user (131056): the caption right after the audio is refused;
+    # the retry sends only the caption (a recorded part), never the audio again
+    fake_whatsapp.pacing_s = 5.0  # below the adapter's 6 s default wait for 131056
+    to = "+15557770001"
+    p = tmp_path / "song.mp3"
+    sha = write_unique(p, 5000)
+    (row,) = wait_job(r, enqueue(wa, f"whatsapp:{to}", files=[p], caption="listen"), timeout_s=30)
+    assert row["state"] == "delivered" and row["kind"] == "audio", row
+    msgs = fake_whatsapp.calls_for("messages", chat=to)
+    assert [(m.status, m.fields["type"]) for m in msgs] == [(200, "audio"), (400, "text"), (200, "text")]
+    assert "caption" not in _body(msgs[0]) and _body(msgs[2])["body"] == "listen"
+    assert [u.files["file"].sha256 for u in fake_whatsapp.calls_for("media")] == [sha]
+    assert msgs[2].t - msgs[0].t >= 5.0

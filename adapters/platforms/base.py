@@ -18,6 +18,8 @@ from enum import Enum
 from pathlib import Path
 from typing import BinaryIO
 
+from adapters.errors import Permanent
+
 MB = 1000 * 1000
 MiB = 1024 * 1024
 
@@ -70,6 +72,20 @@ class FileSource:
 
     def open(self) -> AbstractContextManager[BinaryIO]:
         return self.opener()  # type: ignore[operator]
+
+
+class FileRefused(Permanent):
+    """This file cannot go to this platform: a type it does not take, a size it
+    refuses (its own answer, e.g. HTTP 413), an empty file. Permanent, and the
+    shared flow tells the chat why (`notice`: short words for a person, e.g.
+    "WhatsApp does not take .csv files"), with a download link when it can.
+    `too_large`: a size refusal (the same "too large" failure courier's own
+    pre-check records)."""
+
+    def __init__(self, reason: str, *, notice: str | None = None, too_large: bool = False) -> None:
+        super().__init__(reason)
+        self.notice = notice
+        self.too_large = too_large
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,9 @@
   uploaded again once).
 - `POST /{phone_number_id}/messages` with `type` image | video | audio |
   document | text. A voice note is `audio` with `"voice": true` (ogg/opus);
-  audio takes no caption, so a caption there follows as a text message.
+  audio takes no caption: `caption_chars_for` answers 0 for it, so the shared
+  flow sends the caption as text parts after it (each recorded, sent once: a
+  retry after a rate-limited caption does not send the audio again).
 - WhatsApp shows few formats natively (images: jpeg/png; video: mp4/3gpp;
   audio: aac/amr/mp3/m4a/ogg): anything else of those kinds goes as a document.
   Media files sent as documents are uploaded as application/octet-stream, so
@@ -175,11 +177,25 @@ class WhatsAppPlatform(Platform):
             raise Transient("whatsapp: the media upload answer held no id")
         return str(media_id)
 
-    def send_file(self, chat: str, kind: Kind, file: FileSource, *, caption: str | None, delivery_id: str,
-                  file_id: str | None = None) -> Sent:
+    @staticmethod
+    def _route(kind: Kind, file: FileSource) -> Kind:
         mime = mime_of(file.name, file.mime)
         if kind in _NATIVE_MIME and mime.split(";")[0] not in _NATIVE_MIME[kind]:
             kind = Kind.DOCUMENT  # a format WhatsApp does not play inline
+        return kind
+
+    def caption_chars_for(self, kind: Kind, file: FileSource) -> int:
+        """The caption limit for this file (asked by `tasks.delivery`): an audio
+        message takes no caption, so 0 (its caption follows as text parts, each
+        sent once by the shared flow); else 1024."""
+        if self._route(kind, file) in (Kind.AUDIO, Kind.VOICE):
+            return 0
+        return self.limits.caption_chars
+
+    def send_file(self, chat: str, kind: Kind, file: FileSource, *, caption: str | None, delivery_id: str,
+                  file_id: str | None = None) -> Sent:
+        mime = mime_of(file.name, file.mime)
+        kind = self._route(kind, file)
         type_ = {Kind.PHOTO: "image", Kind.ANIMATION: "image", Kind.VIDEO: "video", Kind.AUDIO: "audio",
                  Kind.VOICE: "audio"}.get(kind, "document")
 
@@ -207,8 +223,6 @@ class WhatsAppPlatform(Platform):
         if sent is None:
             media_id = self.upload(file, mime)
             sent = Sent(self._message(chat, type_, body(media_id)).message_id, file_id=media_id)
-        if caption and type_ == "audio":  # audio messages carry no caption: it follows as text
-            self.send_text(chat, caption, delivery_id=f"{delivery_id}#caption")
         return sent
 
     def close(self) -> None:
