@@ -20,7 +20,7 @@ from dataclasses import replace
 from typing import Any
 
 from adapters.errors import CourierError, Permanent, RateLimited
-from adapters.platforms.base import FileSource, Kind, Platform, Sent, split_target
+from adapters.platforms.base import FileRefused, FileSource, Kind, Platform, Sent, split_target
 from tasks import events, keys, ratelimit, receipts
 from tasks.runtime import Context
 from tasks.text import fit_caption, human_bytes, split_text
@@ -258,6 +258,13 @@ def _send_file(ctx: Context, platform: Platform, chat: str, job: dict) -> tuple[
         reason = f"empty file: {src.name} is 0 bytes"
         _notice(ctx, platform, chat, job, f"⚠️ {src.name} was not sent: it is empty (0 bytes).", key=None)
         raise _Refused(reason)
+    route = getattr(platform, "route_file", None)
+    if route is not None:  # the platform's own type rules (e.g. WhatsApp's supported types)
+        try:
+            kind = route(kind, src)
+        except FileRefused as exc:
+            raise _Refused(_notice_refused(ctx, platform, chat, job, src, exc, key=key)) from None
+        limit = platform.limits.upload_limit(kind)
     if size > limit:
         reason = _notice_too_large(ctx, platform, chat, job, src.name, size, limit, key=key)
         raise _Refused(reason)
@@ -343,6 +350,11 @@ def _deliver_album_locked(ctx: Context, group: dict) -> dict:
                 continue
             job = _with_extraction(job, extracted)
         kind, src, limit = _plan_file(ctx, platform, job)
+        route = getattr(platform, "route_file", None)
+        try:
+            kind = route(kind, src) if route is not None else kind
+        except FileRefused:
+            kind = Kind.DOCUMENT  # sent alone: refused there, with its notice
         if kind == Kind.PHOTO and 0 < src.size_bytes <= limit:
             photos.append((job, src))
         else:
@@ -431,6 +443,19 @@ def _notice_too_large(ctx: Context, platform: Platform, chat: str, job: dict, na
     reason = f"too large: {name} is {size_s}, over the {limit_s} limit for {platform.name}"
     _notice(ctx, platform, chat, job, f"⚠️ {name} ({size_s}) was not sent: it is over the {limit_s} limit here.",
             key=key)
+    return reason
+
+
+def _notice_refused(ctx: Context, platform: Platform, chat: str, job: dict, src: FileSource, exc: FileRefused,
+                    *, key: str | None) -> str:
+    """The chat told why the platform does not take this file; returns the failure's reason."""
+    size_s = human_bytes(src.size_bytes)
+    if exc.too_large:
+        reason = f"too large: {src.name} is {size_s}, refused by {platform.name} ({exc.reason})"
+        why = exc.notice or f"{platform.name} refused it as too large"
+    else:
+        reason, why = exc.reason, exc.notice or f"{platform.name} refused it"
+    _notice(ctx, platform, chat, job, f"⚠️ {src.name} ({size_s}) was not sent: {why}.", key=key)
     return reason
 
 

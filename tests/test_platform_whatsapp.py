@@ -90,9 +90,9 @@ def test_missing_settings_are_config_errors(redis_server, tmp_path):
 def test_every_kind_limits_and_fallbacks(wa, fake_whatsapp, r, tmp_path):
     cases = {  # name -> (receipt kind, message type, uploaded mime)
         "p.jpg": ("photo", "image", "image/jpeg"), "v.mp4": ("video", "video", "video/mp4"),
-        "s.mp3": ("audio", "audio", "audio/mpeg"), "r.csv": ("document", "document", "text/csv"),
-        "w.webp": ("photo", "document", "application/octet-stream"),  # not an inline image on WhatsApp: a document
-        "k.mkv": ("video", "document", "application/octet-stream"),
+        "s.mp3": ("audio", "audio", "audio/mpeg"), "r.pdf": ("document", "document", "application/pdf"),
+        "w.webp": ("document", "document", "image/webp"),  # not an inline image on WhatsApp: a document
+        "m.3gp": ("video", "video", "video/3gpp"),
     }
     jobs = {}
     for i, name in enumerate(cases):
@@ -124,6 +124,7 @@ def test_every_kind_limits_and_fallbacks(wa, fake_whatsapp, r, tmp_path):
     assert "\n\n".join(_body(m)["body"] for m in msgs[:2]) == long_text
     doc = _body(msgs[2])
     assert "caption" not in doc and fake_whatsapp.media[doc["id"]].sha256 == big_sha
+    assert fake_whatsapp.media[doc["id"]].mime == "image/png"  # its own type: never application/octet-stream
     assert "".join(_body(m)["body"] for m in msgs[3:]) == "y" * 1500
 
 
@@ -212,3 +213,33 @@ def test_audio_caption_paced_by_whatsapp_is_a_part_of_its_own_audio_sent_once(wa
     assert "caption" not in _body(msgs[0]) and _body(msgs[2])["body"] == "listen"
     assert [u.files["file"].sha256 for u in fake_whatsapp.calls_for("media")] == [sha]
     assert msgs[2].t - msgs[0].t >= 5.0
+
+
+def test_document_fallback_keeps_the_real_type_and_types_whatsapp_refuses_get_a_notice(wa, fake_whatsapp, r,
+                                                                                        tmp_path):
+    to = "+15557770002"
+    big = tmp_path / "big.png"  # over the 5 MB image limit: a document, uploaded as image/png
+    big_sha = write_unique(big, 5_200_000)
+    (row,) = wait_job(r, enqueue(wa, f"whatsapp:{to}", files=[big]))
+    assert (row["state"], row["kind"]) == ("delivered", "document"), row
+    memo = tmp_path / "memo.mp3"  # --voice mp3: a voice note must be ogg/opus, so an audio message
+    memo_sha = write_unique(memo, 3000)
+    (row,) = wait_job(r, enqueue(wa, f"whatsapp:{to}", files=[memo], voice=True))
+    assert (row["state"], row["kind"]) == ("delivered", "audio"), row
+    refused = [tmp_path / n for n in ("report.csv", "bundle.zip", "spin.gif", "clip.mkv")]
+    for p in refused:
+        write_unique(p, 1500)
+    rows = wait_job(r, enqueue(wa, f"whatsapp:{to}", files=refused, caption="the report"))
+
+    uploads = fake_whatsapp.calls_for("media")
+    assert [(u.status, u.fields["type"], u.files["file"].sha256) for u in uploads] == [
+        (200, "image/png", big_sha), (200, "audio/mpeg", memo_sha)]  # nothing refused was uploaded
+    msgs = fake_whatsapp.calls_for("messages", chat=to)
+    assert [(m.status, m.fields["type"]) for m in msgs[:2]] == [(200, "document"), (200, "audio")]
+    assert "voice" not in _body(msgs[1])
+    notices = [_body(m)["body"] for m in msgs[2:]]
+    assert len(notices) == len(refused) and all(m.status == 200 for m in msgs[2:])
+    for p, d, notice in zip(refused, rows, notices):
+        ext = p.suffix
+        assert d["state"] == "failed" and ext in d["reason"] and len(d["reason"]) < 120, d
+        assert p.name in notice and f"WhatsApp does not take {ext} files" in notice, notice

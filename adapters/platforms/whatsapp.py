@@ -9,10 +9,16 @@
   audio takes no caption: `caption_chars_for` answers 0 for it, so the shared
   flow sends the caption as text parts after it (each recorded, sent once: a
   retry after a rate-limited caption does not send the audio again).
-- WhatsApp shows few formats natively (images: jpeg/png; video: mp4/3gpp;
-  audio: aac/amr/mp3/m4a/ogg): anything else of those kinds goes as a document.
-  Media files sent as documents are uploaded as application/octet-stream, so
-  the API applies the document limit, not the inline type's.
+- Each file is routed before sending (`route_file`) by the Cloud API's own
+  type rules: it takes only the media types of its supported list
+  (`SUPPORTED_MIME`); anything else (csv, zip, gif, mkv, ...) is refused with
+  a short reason and a notice in the chat, nothing uploaded. Images show
+  inline as jpeg/png, video as mp4/3gpp, audio as aac/amr/mp3/m4a/ogg, a
+  voice note as ogg/opus (another supported audio goes as audio); other
+  supported types, and photos over 5 MB, go as documents. Every upload
+  carries the file's real type (never application/octet-stream, which the
+  API refuses); a document is under the document limit, not the inline
+  type's.
 - Limits: text 4096, caption 1024; uploads: image 5 MB, video/audio 16 MB,
   document 100 MB; ~80 messages/s per business number.
 - Errors mapped in one place, `map_error`: 429 and the rate-limit codes
@@ -35,7 +41,7 @@ from typing import Any
 import httpx
 
 from adapters.errors import ConfigError, DeliveryError, Permanent, RateLimited, Transient
-from adapters.platforms.base import MB, FileSource, Kind, Limits, Platform, Sent
+from adapters.platforms.base import MB, FileRefused, FileSource, Kind, Limits, Platform, Sent
 
 __all__ = ["WhatsAppPlatform", "map_error"]
 
@@ -46,21 +52,34 @@ _TRANSIENT_CODES = {1, 2, 131000, 131016, 133004}
 #: a cached media id the API no longer knows: upload again
 _STALE_MEDIA_CODES = {100, 131052, 131053}
 
-_NATIVE_MIME = {
-    Kind.PHOTO: {"image/jpeg", "image/png"},
-    Kind.VIDEO: {"video/mp4", "video/3gpp"},
-    Kind.AUDIO: {"audio/aac", "audio/amr", "audio/mpeg", "audio/mp4", "audio/ogg", "audio/x-m4a"},
-    Kind.VOICE: {"audio/ogg"},
+#: the media types the Cloud API takes (its supported list), by the message type that shows them
+#: inline; any of them may also go as a document. Anything else is refused before uploading.
+SUPPORTED_MIME = {
+    "image/jpeg": "image", "image/png": "image", "image/webp": "sticker",
+    "video/mp4": "video", "video/3gpp": "video",
+    "audio/aac": "audio", "audio/amr": "audio", "audio/mpeg": "audio", "audio/mp4": "audio", "audio/ogg": "audio",
+    "text/plain": "document", "application/pdf": "document", "application/msword": "document",
+    "application/vnd.ms-excel": "document", "application/vnd.ms-powerpoint": "document",
+    "application/vnd.openxmlformats-officedocument.wordprocessingml.document": "document",
+    "application/vnd.openxmlformats-officedocument.spreadsheetml.sheet": "document",
+    "application/vnd.openxmlformats-officedocument.presentationml.presentation": "document",
 }
-_EXTRA_MIME = {".opus": "audio/ogg", ".ogg": "audio/ogg", ".m4a": "audio/mp4", ".3gp": "video/3gpp",
-               ".amr": "audio/amr", ".aac": "audio/aac", ".webp": "image/webp"}
+_EXTRA_MIME = {".opus": "audio/ogg", ".ogg": "audio/ogg", ".oga": "audio/ogg", ".m4a": "audio/mp4",
+               ".3gp": "video/3gpp", ".amr": "audio/amr", ".aac": "audio/aac", ".webp": "image/webp",
+               ".mp3": "audio/mpeg"}
+#: other names of supported types
+_ALIASES = {"audio/x-m4a": "audio/mp4", "audio/mp3": "audio/mpeg", "audio/x-aac": "audio/aac",
+            "audio/opus": "audio/ogg", "image/jpg": "image/jpeg", "image/pjpeg": "image/jpeg"}
 
 
 def mime_of(name: str, given: str | None = None) -> str:
+    """The file's media type (its own when given, else by name), in the API's spelling."""
     if given:
-        return given
-    ext = os.path.splitext(name)[1].lower()
-    return _EXTRA_MIME.get(ext) or mimetypes.guess_type(name, strict=False)[0] or "application/octet-stream"
+        mime = given.split(";")[0].strip().lower()
+    else:
+        ext = os.path.splitext(name)[1].lower()
+        mime = _EXTRA_MIME.get(ext) or mimetypes.guess_type(name, strict=False)[0] or "application/octet-stream"
+    return _ALIASES.get(mime, mime)
 
 
 def map_error(err: httpx.Response | BaseException) -> DeliveryError:
@@ -177,25 +196,37 @@ class WhatsAppPlatform(Platform):
             raise Transient("whatsapp: the media upload answer held no id")
         return str(media_id)
 
-    @staticmethod
-    def _route(kind: Kind, file: FileSource) -> Kind:
+    def route_file(self, kind: Kind, file: FileSource) -> Kind:
+        """The kind this file goes as on WhatsApp, decided before anything is sent
+        (asked by `tasks.delivery`, which records it): a type off the Cloud API's
+        supported list is refused (`FileRefused`, a short reason and a notice);
+        a format WhatsApp does not show inline goes as a document (webp, a photo
+        over 5 MB); a voice note that is not ogg/opus goes as audio."""
         mime = mime_of(file.name, file.mime)
-        if kind in _NATIVE_MIME and mime.split(";")[0] not in _NATIVE_MIME[kind]:
-            kind = Kind.DOCUMENT  # a format WhatsApp does not play inline
-        return kind
+        cls = SUPPORTED_MIME.get(mime)
+        if cls is None:
+            ext = os.path.splitext(file.name)[1].lower() or f"({mime})"
+            raise FileRefused(f"whatsapp does not take {ext} files ({mime})",
+                              notice=f"WhatsApp does not take {ext} files")
+        if kind == Kind.VOICE:
+            return Kind.VOICE if mime == "audio/ogg" else Kind.AUDIO if cls == "audio" else Kind.DOCUMENT
+        inline = {Kind.PHOTO: "image", Kind.ANIMATION: "image", Kind.VIDEO: "video", Kind.AUDIO: "audio"}.get(kind)
+        if inline is None or inline != cls:
+            return Kind.DOCUMENT
+        return Kind.PHOTO if kind == Kind.ANIMATION else kind
 
     def caption_chars_for(self, kind: Kind, file: FileSource) -> int:
         """The caption limit for this file (asked by `tasks.delivery`): an audio
         message takes no caption, so 0 (its caption follows as text parts, each
         sent once by the shared flow); else 1024."""
-        if self._route(kind, file) in (Kind.AUDIO, Kind.VOICE):
+        if kind in (Kind.AUDIO, Kind.VOICE):
             return 0
         return self.limits.caption_chars
 
     def send_file(self, chat: str, kind: Kind, file: FileSource, *, caption: str | None, delivery_id: str,
                   file_id: str | None = None) -> Sent:
         mime = mime_of(file.name, file.mime)
-        kind = self._route(kind, file)
+        kind = self.route_file(kind, file)  # (the shared flow has routed it already: the same answer)
         type_ = {Kind.PHOTO: "image", Kind.ANIMATION: "image", Kind.VIDEO: "video", Kind.AUDIO: "audio",
                  Kind.VOICE: "audio"}.get(kind, "document")
 
@@ -208,10 +239,6 @@ class WhatsAppPlatform(Platform):
             if caption and type_ != "audio":
                 b["caption"] = caption
             return b
-
-        if type_ == "document" and mime.split("/")[0] in ("image", "video", "audio"):
-            # as a document, not under the inline type's size limit (image 5 MB, video 16 MB)
-            mime = "application/octet-stream"
 
         sent: Sent | None = None
         if file_id:
