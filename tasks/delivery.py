@@ -13,6 +13,7 @@ for the task to re-schedule; `Permanent` is recorded here and not retried.
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from collections.abc import Callable
@@ -276,10 +277,22 @@ def _send_file(ctx: Context, platform: Platform, chat: str, job: dict) -> tuple[
         # extraction by kernel copy hashes nothing; the file-id cache needs it
         src = replace(src, sha256=_sha256_of(ctx.store, key))
     fid_key = _fid_key(platform, src.sha256, kind)
+    did = job["id"]
+    # one round trip: the cached file id, and whether an earlier run of this delivery had the file refused
+    pipe = ctx.redis.pipeline(transaction=False)
     if fid_key:
-        raw = ctx.redis.get(fid_key)
-        cached = raw.decode() if isinstance(raw, bytes) else raw
-    sent = platform.send_file(chat, kind, src, caption=caption, delivery_id=job["id"], file_id=cached)
+        pipe.get(fid_key)
+    pipe.hget(keys.delivery_parts(did), f"{did}#refused")
+    got = [v.decode() if isinstance(v, bytes) else v for v in pipe.execute()]
+    cached, refused = (got[0], got[1]) if fid_key else (None, got[0])
+    if refused:  # refused by the platform before; its notice was re-scheduled (the chat's rate limit)
+        rec = json.loads(refused)
+        _notice(ctx, platform, chat, job, rec["text"], key=key)
+        raise _Refused(rec["reason"])
+    try:
+        sent = platform.send_file(chat, kind, src, caption=caption, delivery_id=did, file_id=cached)
+    except FileRefused as exc:  # the platform's own refusal (e.g. HTTP 413): the chat is told too
+        raise _Refused(_notice_refused(ctx, platform, chat, job, src, exc, key=key, record=True)) from None
     if fid_key and sent.file_id:
         ctx.redis.set(fid_key, sent.file_id, ex=FILE_ID_TTL_S)
     _send_overflow(platform, chat, overflow, job["id"])
@@ -447,15 +460,24 @@ def _notice_too_large(ctx: Context, platform: Platform, chat: str, job: dict, na
 
 
 def _notice_refused(ctx: Context, platform: Platform, chat: str, job: dict, src: FileSource, exc: FileRefused,
-                    *, key: str | None) -> str:
-    """The chat told why the platform does not take this file; returns the failure's reason."""
+                    *, key: str | None, record: bool = False) -> str:
+    """The chat told why the platform does not take this file; returns the failure's reason.
+    `record`: the refusal came from sending, so it is recorded first (a part of the
+    delivery): a retry after the notice was rate-limited sends only the notice."""
     size_s = human_bytes(src.size_bytes)
     if exc.too_large:
         reason = f"too large: {src.name} is {size_s}, refused by {platform.name} ({exc.reason})"
         why = exc.notice or f"{platform.name} refused it as too large"
     else:
         reason, why = exc.reason, exc.notice or f"{platform.name} refused it"
-    _notice(ctx, platform, chat, job, f"⚠️ {src.name} ({size_s}) was not sent: {why}.", key=key)
+    text = f"⚠️ {src.name} ({size_s}) was not sent: {why}."
+    if record:
+        parts = keys.delivery_parts(job["id"])
+        pipe = ctx.redis.pipeline(transaction=False)
+        pipe.hset(parts, f"{job['id']}#refused", json.dumps({"reason": reason, "text": text}))
+        pipe.expire(parts, ratelimit.PARTS_TTL_S)
+        pipe.execute()
+    _notice(ctx, platform, chat, job, text, key=key)
     return reason
 
 

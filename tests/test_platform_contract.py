@@ -52,6 +52,13 @@ class Row:
         """Requests that carried file bytes so far (all chats)."""
         raise NotImplementedError
 
+    #: the platform may refuse a file's size itself (below courier's own limit)
+    refuses_size = True
+
+    def refuse_size_over(self, n: int | None) -> None:
+        """Make the server refuse files over `n` bytes the way the platform does (None: as before)."""
+        raise NotImplementedError
+
 
 class TelegramRow(Row):
     name = "telegram"
@@ -75,6 +82,9 @@ class TelegramRow(Row):
     def uploads(self):
         return len(self.fake.uploads())
 
+    def refuse_size_over(self, n):  # the Bot API server's 413
+        self.fake.max_upload_bytes = n if n is not None else self.fake._max_upload_default
+
 
 class DiscordRow(Row):
     name = "discord"
@@ -91,6 +101,11 @@ class DiscordRow(Row):
     def uploads(self):
         return sum(1 for r in self.fake.calls("send") for _ in r.files)
 
+    def refuse_size_over(self, n):  # a guild cap below the setting: 413, code 40005
+        from tests.fixtures.fake_discord import DEFAULT_UPLOAD_LIMIT
+
+        self.fake.upload_limit_bytes = n if n is not None else DEFAULT_UPLOAD_LIMIT
+
 
 class SlackRow(Row):
     name = "slack"
@@ -106,6 +121,9 @@ class SlackRow(Row):
 
     def uploads(self):
         return len(self.fake.calls("upload"))
+
+    def refuse_size_over(self, n):  # the workspace's own restriction: file_upload_size_restricted
+        self.fake.restricted_bytes = n
 
 
 class WhatsAppRow(Row):
@@ -127,9 +145,13 @@ class WhatsAppRow(Row):
     def uploads(self):
         return len(self.fake.calls_for("media"))
 
+    def refuse_size_over(self, n):  # the media endpoint's 131053
+        self.fake.upload_limit_bytes = n if n is not None else 100 * 1000 * 1000
+
 
 class OutboxRow(Row):
     name = "outbox"
+    refuses_size = False
 
     def chat(self) -> str:
         return f"contract-{next(_n)}"
@@ -167,7 +189,13 @@ def _deployment(tmp_path_factory, redis_server):
             f.stop()
 
 
-@pytest.fixture(params=ROWS, ids=[r.name for r in ROWS])
+def rows(capability: str | None = None):
+    """`row` parametrized over every platform (with `capability` set, if given)."""
+    chosen = [c for c in ROWS if capability is None or getattr(c, capability)]
+    return pytest.mark.parametrize("row", chosen, ids=[c.name for c in chosen], indirect=True)
+
+
+@pytest.fixture
 def row(request, _deployment) -> Row:
     env, fakes = _deployment
     cls = request.param
@@ -181,6 +209,7 @@ def r(redis_server):
     c.close()
 
 
+@rows()
 def test_empty_file_is_refused_before_any_upload_with_a_notice(row, r, tmp_path):
     chat = row.chat()
     p = tmp_path / "empty.txt"
@@ -191,3 +220,21 @@ def test_empty_file_is_refused_before_any_upload_with_a_notice(row, r, tmp_path)
     assert row.uploads() == before and row.files(chat) == []
     (notice,) = row.texts(chat)
     assert "empty.txt" in notice and "empty" in notice.replace("empty.txt", "")
+
+
+@rows("refuses_size")
+def test_a_size_the_platform_itself_refuses_is_too_large_with_a_notice(row, r, tmp_path):
+    # below courier's own limit, over the platform's (a guild cap, a workspace restriction, ...)
+    chat = row.chat()
+    p = tmp_path / "big.pdf"
+    write_unique(p, 60_000)
+    row.refuse_size_over(20_000)
+    try:
+        before = row.uploads()
+        (d,) = wait_job(r, enqueue(row.env, f"{row.name}:{chat}", files=[p], caption="the big one"))
+    finally:
+        row.refuse_size_over(None)
+    assert d["state"] == "failed" and d["reason"].startswith("too large: big.pdf is "), d
+    assert row.files(chat) == [] and row.uploads() - before <= 1  # tried once, not retried
+    (notice,) = row.texts(chat)
+    assert "big.pdf" in notice and "too large" in notice, notice

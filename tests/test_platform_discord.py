@@ -150,7 +150,10 @@ def test_over_the_upload_limit_sends_a_notice_and_nothing_else(denv, fake, tmp_p
         assert code == 1
         row = data["deliveries"][0]
         assert row["state"] == "failed" and "too large" in row["reason"] and "40005" in row["reason"]
-        assert [c.status for c in fake.calls("send", chan2)] == [413]  # not retried
+        # not retried; the chat gets the same notice as for courier's own limit
+        assert [(c.status, bool(c.files)) for c in fake.calls("send", chan2)] == [(413, True), (200, False)]
+        (notice,) = fake.channel_messages(chan2)
+        assert "huge.zip" in notice["content"] and "too large" in notice["content"]
 
         fake.upload_limit_bytes = 25 * MiB
         chan3 = channel()

@@ -156,8 +156,10 @@ def test_server_413_is_permanent(tg, fake_telegram, r, tmp_path):
     p = tmp_path / "big.zip"
     write_unique(p, 200_000)
     rows = wait_job(r, enqueue(tg, "telegram:800500", files=[p]))
-    assert rows[0]["state"] == "failed" and "413" in rows[0]["reason"], rows
-    assert len(fake_telegram.calls_for(chat="800500")) == 1
+    assert rows[0]["state"] == "failed" and "413" in rows[0]["reason"] and "too large" in rows[0]["reason"], rows
+    sent, notice = fake_telegram.calls_for(chat="800500")  # not retried; the chat is told
+    assert (sent.method, sent.status, notice.method) == ("sendDocument", 413, "sendMessage")
+    assert "big.zip" in notice.text and "too large" in notice.text
 
 
 # -- retries ------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from slack_sdk import WebClient
 from slack_sdk.errors import SlackApiError, SlackClientError, SlackRequestError
 
 from adapters.errors import ConfigError, CourierError, DeliveryError, Permanent, RateLimited, Transient
-from adapters.platforms.base import FileSource, Kind, Limits, Platform, Sent, iter_file
+from adapters.platforms.base import FileRefused, FileSource, Kind, Limits, Platform, Sent, iter_file
 
 __all__ = ["SlackPlatform", "DEFAULT_BASE_URL", "DEFAULT_UPLOAD_BYTES"]
 
@@ -50,7 +50,9 @@ UPLOAD_CHUNK_BYTES = 256 * 1024
 _TRANSIENT_ERRORS = frozenset({
     "internal_error", "fatal_error", "service_unavailable", "request_timeout", "team_added_to_org",
 })
-_TOO_LARGE_ERRORS = frozenset({"file_too_large", "msg_too_long", "too_large"})
+_TOO_LARGE_ERRORS = frozenset({"msg_too_long", "too_large"})
+#: a file's size refused by Slack or by the workspace's own restriction
+_FILE_TOO_LARGE_ERRORS = frozenset({"file_too_large", "file_upload_size_restricted"})
 
 
 def escape(text: str) -> str:
@@ -209,6 +211,8 @@ def _translate(exc: BaseException, what: str) -> DeliveryError:
         label = error if len(error) <= 80 else f"HTTP {status}"
         if status >= 500 or error in _TRANSIENT_ERRORS:
             return Transient(f"slack: {what}: server error {label or status}")
+        if error in _FILE_TOO_LARGE_ERRORS:
+            return FileRefused(f"slack: too large: {what}: {error}", too_large=True)
         if error in _TOO_LARGE_ERRORS:
             return Permanent(f"slack: too large: {what}: {error}")
         if status != 200 and not error:
@@ -219,7 +223,7 @@ def _translate(exc: BaseException, what: str) -> DeliveryError:
             ra = _seconds(exc.retry_after)
             return RateLimited(ra, f"slack: upload rate limited, retry after {ra:g}s")
         if exc.status == 413:
-            return Permanent(f"slack: too large: the upload answered 413 {exc.body[:100]}".rstrip())
+            return FileRefused(f"slack: too large: the upload answered 413 {exc.body[:100]}".rstrip(), too_large=True)
         if exc.status >= 500 or exc.status == 408:
             return Transient(f"slack: the upload answered {exc.status}")
         return Permanent(f"slack: the upload answered {exc.status}: {exc.body[:100]}".rstrip())

@@ -45,7 +45,7 @@ from telegram.request import HTTPXRequest
 
 from adapters.errors import ConfigError, DeliveryError, Permanent, RateLimited, Transient
 from adapters.platforms import _aio
-from adapters.platforms.base import MB, FileSource, Kind, Limits, Platform, Sent
+from adapters.platforms.base import MB, FileRefused, FileSource, Kind, Limits, Platform, Sent
 
 __all__ = ["TelegramPlatform", "map_error"]
 
@@ -97,7 +97,7 @@ def map_error(exc: BaseException, secret: str = "") -> DeliveryError:
         s = _seconds(getattr(exc, "_retry_after", None) or exc.retry_after)
         return RateLimited(s, f"telegram: flood control, retry after {s:g}s")
     if isinstance(exc, _HTTPStatus) and exc.status == 413:
-        return Permanent(f"telegram: too large for the Bot API server (413): {msg}")
+        return FileRefused(f"telegram: too large for the Bot API server (413): {msg}", too_large=True)
     if isinstance(exc, _HTTPStatus):
         return (Transient if exc.status >= 500 else Permanent)(f"telegram: HTTP {exc.status}: {msg}")
     if isinstance(exc, ChatMigrated):

@@ -24,7 +24,9 @@
 - Errors mapped in one place, `map_error`: 429 and the rate-limit codes
   (4, 80007, 130429, 131048, 131056) -> RateLimited (Retry-After, else a
   per-code default); 5xx, timeouts, dropped connections, the API's transient
-  codes -> Transient; other 4xx -> Permanent with the API's own message.
+  codes -> Transient; 131053 (media upload error: a size or type it refuses)
+  -> FileRefused (the chat gets a notice; "too large" when it names a size);
+  other 4xx -> Permanent with the API's own message.
 
 The access token only travels in the Authorization header: never in a URL,
 a repr, or an error message.
@@ -49,8 +51,10 @@ __all__ = ["WhatsAppPlatform", "map_error"]
 _RATE_LIMIT_CODES = {4: 60.0, 80007: 60.0, 130429: 1.0, 131048: 60.0, 131056: 6.0}
 #: the API's own "try again later" codes
 _TRANSIENT_CODES = {1, 2, 131000, 131016, 133004}
+#: "Media upload error": a size or type the API refuses
+_MEDIA_ERROR = 131053
 #: a cached media id the API no longer knows: upload again
-_STALE_MEDIA_CODES = {100, 131052, 131053}
+_STALE_MEDIA_CODES = {100, 131052, _MEDIA_ERROR}
 
 #: the media types the Cloud API takes (its supported list), by the message type that shows them
 #: inline; any of them may also go as a document. Anything else is refused before uploading.
@@ -113,6 +117,15 @@ def map_error(err: httpx.Response | BaseException) -> DeliveryError:
         return RateLimited(wait, text)
     if status >= 500 or code in _TRANSIENT_CODES or e.get("is_transient") is True:
         return Transient(text)
+    if code == _MEDIA_ERROR:  # a size (or type) the API refuses: the chat gets a notice
+        said = f"{message} {details or ''}".lower()
+        if any(w in said for w in ("size", "too large", "too big", "limit")):
+            perm: Permanent = FileRefused(text, too_large=True)
+        else:  # the answer lists every supported type (700 characters): keep it short
+            perm = FileRefused(f"whatsapp: {message}: the file's type is not accepted (HTTP {status}, code {code})",
+                               notice="WhatsApp does not take this type of file")
+        perm.api_code = code  # type: ignore[attr-defined]
+        return perm
     perm = Permanent(text)
     perm.api_code = code  # type: ignore[attr-defined]
     return perm
