@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from adapters.errors import CourierError, Permanent, RateLimited
+from adapters.errors import CourierError, DeliveryError, Permanent, RateLimited
 from adapters.platforms.base import FileRefused, FileSource, Kind, Platform, Sent, split_target
 from tasks import events, keys, ratelimit, receipts
 from tasks.runtime import Context
@@ -278,13 +278,17 @@ def _send_file(ctx: Context, platform: Platform, chat: str, job: dict) -> tuple[
         src = replace(src, sha256=_sha256_of(ctx.store, key))
     fid_key = _fid_key(platform, src.sha256, kind)
     did = job["id"]
-    # one round trip: the cached file id, and whether an earlier run of this delivery had the file refused
+    parts_key, upload_part = keys.delivery_parts(did), f"{did}#upload"
+    # one round trip: the cached file id; this delivery's own upload (an earlier run uploaded
+    # the file, then its send failed) and whether an earlier run had the file refused
     pipe = ctx.redis.pipeline(transaction=False)
     if fid_key:
         pipe.get(fid_key)
-    pipe.hget(keys.delivery_parts(did), f"{did}#refused")
-    got = [v.decode() if isinstance(v, bytes) else v for v in pipe.execute()]
-    cached, refused = (got[0], got[1]) if fid_key else (None, got[0])
+    pipe.hmget(parts_key, [upload_part, f"{did}#refused"])
+    got = pipe.execute()
+    uploaded, refused = (v.decode() if isinstance(v, bytes) else v for v in got[-1])
+    cached = (got[0].decode() if isinstance(got[0], bytes) else got[0]) if fid_key else None
+    cached = cached or uploaded
     if refused:  # refused by the platform before; its notice was re-scheduled (the chat's rate limit)
         rec = json.loads(refused)
         _notice(ctx, platform, chat, job, rec["text"], key=key)
@@ -293,6 +297,17 @@ def _send_file(ctx: Context, platform: Platform, chat: str, job: dict) -> tuple[
         sent = platform.send_file(chat, kind, src, caption=caption, delivery_id=did, file_id=cached)
     except FileRefused as exc:  # the platform's own refusal (e.g. HTTP 413): the chat is told too
         raise _Refused(_notice_refused(ctx, platform, chat, job, src, exc, key=key, record=True)) from None
+    except DeliveryError as exc:
+        # uploaded, then the send failed: remember the upload, the retry sends it without uploading again
+        fid = getattr(exc, "file_id", None)
+        if fid:
+            pipe = ctx.redis.pipeline(transaction=False)
+            pipe.hset(parts_key, upload_part, fid)
+            pipe.expire(parts_key, ratelimit.PARTS_TTL_S)
+            if fid_key:  # a reusable id (WhatsApp media): later sends of the same bytes use it too
+                pipe.set(fid_key, fid, ex=FILE_ID_TTL_S)
+            pipe.execute()
+        raise
     if fid_key and sent.file_id:
         ctx.redis.set(fid_key, sent.file_id, ex=FILE_ID_TTL_S)
     _send_overflow(platform, chat, overflow, job["id"])

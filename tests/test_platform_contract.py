@@ -54,6 +54,12 @@ class Row:
 
     #: the platform may refuse a file's size itself (below courier's own limit)
     refuses_size = True
+    #: a file is uploaded by one request and sent by another (a retry of the send needs no upload)
+    uploads_then_sends = False
+
+    def fail_send_after_upload(self, n: int) -> None:
+        """The next `n` sends of an uploaded file answer 429 (retry after 1 s)."""
+        raise NotImplementedError
 
     def refuse_size_over(self, n: int | None) -> None:
         """Make the server refuse files over `n` bytes the way the platform does (None: as before)."""
@@ -125,6 +131,11 @@ class SlackRow(Row):
     def refuse_size_over(self, n):  # the workspace's own restriction: file_upload_size_restricted
         self.fake.restricted_bytes = n
 
+    uploads_then_sends = True
+
+    def fail_send_after_upload(self, n):
+        self.fake.fail_next("files.completeUploadExternal", n, 429, retry_after=1)
+
 
 class WhatsAppRow(Row):
     name = "whatsapp"
@@ -147,6 +158,11 @@ class WhatsAppRow(Row):
 
     def refuse_size_over(self, n):  # the media endpoint's 131053
         self.fake.upload_limit_bytes = n if n is not None else 100 * 1000 * 1000
+
+    uploads_then_sends = True
+
+    def fail_send_after_upload(self, n):
+        self.fake.fail_next(n, 429, code=130429, retry_after=1, method="messages")
 
 
 class OutboxRow(Row):
@@ -238,3 +254,17 @@ def test_a_size_the_platform_itself_refuses_is_too_large_with_a_notice(row, r, t
     assert row.files(chat) == [] and row.uploads() - before <= 1  # tried once, not retried
     (notice,) = row.texts(chat)
     assert "big.pdf" in notice and "too large" in notice, notice
+
+
+@rows("uploads_then_sends")
+def test_a_send_retried_after_its_upload_does_not_upload_again(row, r, tmp_path):
+    # three 429s on the step after the upload: the retries resume at the send, with the same upload
+    chat = row.chat()
+    p = tmp_path / "report.pdf"
+    sha = write_unique(p, 300_000)
+    row.fail_send_after_upload(3)
+    before = row.uploads()
+    (d,) = wait_job(r, enqueue(row.env, f"{row.name}:{chat}", files=[p]), timeout_s=60)
+    assert d["state"] == "delivered" and d["rate_limited"] == "3", d
+    assert row.uploads() - before == 1
+    assert row.files(chat) == [sha]

@@ -6,7 +6,10 @@
   (name + length) -> POST of the bytes to the returned URL (httpx, read from
   storage chunk by chunk with a Content-Length, never whole in memory; the
   bot token is not sent there) -> `files.completeUploadExternal` (shares
-  them in the channel, the caption as `initial_comment`). slack_sdk's own
+  them in the channel, the caption as `initial_comment`). When the completion
+  fails (a 429, a 5xx) the uploaded file's id rides on the error (`file_id`):
+  the shared flow records it for the delivery and the retry only completes
+  it, never uploading the bytes again. slack_sdk's own
   `files_upload_v2` reads every file whole into memory, so it is not used.
   Slack shows every file as a file (images with a preview): photos stay
   photos, everything else is a document.
@@ -140,6 +143,15 @@ class SlackPlatform(Platform):
 
     def send_file(self, chat: str, kind: Kind, file: FileSource, *, caption: str | None, delivery_id: str,
                   file_id: str | None = None) -> Sent:
+        """One file; `file_id`: this delivery's own upload from an earlier run whose
+        completion failed (uploaded, never shared): completed without uploading again."""
+        if file_id:
+            try:
+                return self._complete(chat, [file_id], [file], caption)[0]
+            except Permanent as exc:
+                if "file_not_found" not in exc.reason and "invalid" not in exc.reason:
+                    raise
+                # an upload Slack no longer knows: upload the bytes once more
         return self._share(chat, [file], caption)[0]
 
     def send_album(self, chat: str, files: list[tuple[Kind, FileSource]], *, caption: str | None,
@@ -155,6 +167,14 @@ class SlackPlatform(Platform):
                              lambda f=f: self._api.files_getUploadURLExternal(filename=f.name, length=f.size_bytes))
             self._call("the file upload", lambda f=f, url=got["upload_url"]: self._post(url, f))
             ids.append(str(got["file_id"]))
+        try:
+            return self._complete(chat, ids, files, caption)
+        except DeliveryError as exc:
+            if len(ids) == 1:  # the shared flow keeps it: the retry completes this upload, no second one
+                exc.file_id = ids[0]  # type: ignore[attr-defined]
+            raise
+
+    def _complete(self, chat: str, ids: list[str], files: list[FileSource], caption: str | None) -> list[Sent]:
         done = self._call("files.completeUploadExternal", lambda: self._api.files_completeUploadExternal(
             files=[{"id": fid, "title": f.name} for fid, f in zip(ids, files)], channel_id=chat,
             initial_comment=escape(caption) if caption else None))

@@ -3,7 +3,9 @@
 - `POST /{phone_number_id}/media` (multipart: messaging_product, type, file),
   streamed from `FileSource.open()`; the media id it returns is the
   reusable file id (upload once, send many: ids live 30 days; a stale one is
-  uploaded again once).
+  uploaded again once). A send that fails after its upload carries the media
+  id on its error (`file_id`): the shared flow records it, so the retry sends
+  the same media id instead of uploading again.
 - `POST /{phone_number_id}/messages` with `type` image | video | audio |
   document | text. A voice note is `audio` with `"voice": true` (ogg/opus);
   audio takes no caption: `caption_chars_for` answers 0 for it, so the shared
@@ -262,7 +264,11 @@ class WhatsAppPlatform(Platform):
                     raise
         if sent is None:
             media_id = self.upload(file, mime)
-            sent = Sent(self._message(chat, type_, body(media_id)).message_id, file_id=media_id)
+            try:
+                sent = Sent(self._message(chat, type_, body(media_id)).message_id, file_id=media_id)
+            except DeliveryError as exc:
+                exc.file_id = media_id  # type: ignore[attr-defined] - the shared flow keeps it for the retry
+                raise
         return sent
 
     def close(self) -> None:
