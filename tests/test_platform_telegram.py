@@ -97,7 +97,8 @@ def test_missing_token_is_a_config_error_and_nothing_enqueued(redis_server, r, t
 def test_every_kind_text_split_and_caption_overflow(tg, fake_telegram, r, tmp_path):
     kinds = {"p.jpg": ("sendPhoto", "photo", False), "a.gif": ("sendAnimation", "animation", False),
              "v.mp4": ("sendVideo", "video", False), "s.mp3": ("sendAudio", "audio", False),
-             "n.ogg": ("sendVoice", "voice", True), "m.ogg": ("sendAudio", "audio", False),
+             "n.ogg": ("sendVoice", "voice", True),
+             "m.ogg": ("sendDocument", "document", False),  # Telegram shows audio only as mp3/m4a
              "r.csv": ("sendDocument", "document", False)}
     jobs = {}
     for i, (name, (_, _, voice)) in enumerate(kinds.items()):
@@ -288,3 +289,21 @@ def test_error_map_and_no_token_in_errors(tg, fake_telegram, caplog):
     for exc in (rl.value, bad.value, gone.value):
         assert fake_telegram.token not in str(exc) and "wrong-token" not in str(exc)
     assert fake_telegram.token not in repr(tp) and tp.cache_key not in fake_telegram.token
+
+
+def test_audio_telegram_shows_as_a_document_goes_as_one_and_its_file_id_is_reused(tg, fake_telegram, r, tmp_path):
+    # Telegram shows audio only as mp3/m4a: a .wav goes as a document on purpose, the receipt says so,
+    # and the cached file id (of the kind actually used) works for the next chat
+    p = tmp_path / "take.wav"
+    sha = write_unique(p, 4000)
+    (a,) = wait_job(r, enqueue(tg, "telegram:800601", files=[p]))
+    (b,) = wait_job(r, enqueue(tg, "telegram:800602", files=[p]))
+    assert [(d["state"], d["kind"]) for d in (a, b)] == [("delivered", "document")] * 2, (a, b)
+    calls = fake_telegram.calls_for("sendDocument") + fake_telegram.calls_for("sendAudio")
+    assert [(c.method, c.chat, c.status) for c in calls] == [("sendDocument", "800601", 200),
+                                                            ("sendDocument", "800602", 200)]
+    assert [u.sha256 for u in fake_telegram.uploads()] == [sha]  # the second went by file id
+    mp3 = tmp_path / "song.mp3"
+    write_unique(mp3, 3000)
+    (c,) = wait_job(r, enqueue(tg, "telegram:800603", files=[mp3]))
+    assert (c["kind"], fake_telegram.calls_for("sendAudio", "800603")[0].result["audio"]["file_size"]) == ("audio", 3000)
