@@ -268,3 +268,18 @@ def test_a_send_retried_after_its_upload_does_not_upload_again(row, r, tmp_path)
     assert d["state"] == "delivered" and d["rate_limited"] == "3", d
     assert row.uploads() - before == 1
     assert row.files(chat) == [sha]
+
+
+@pytest.mark.parametrize("target, says", [
+    ("discord:not-a-number", "numeric channel id"), ("whatsapp:hello", "phone number"),
+    ("telegram:chat one", "numeric chat id"), ("slack:Not A Channel!", "channel id"),
+])
+def test_a_malformed_chat_id_is_refused_at_parse_exit_2_nothing_enqueued(_deployment, r, tmp_path, target, says):
+    env, _ = _deployment
+    f = tmp_path / "a.txt"
+    f.write_text("x")
+    jobs_before = set(r.scan_iter("courier:job:*"))
+    res = env.cli("send", target, str(f), "--wait", "--timeout", "20")
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "malformed target" in res.stderr and says in res.stderr, res.stderr
+    assert set(r.scan_iter("courier:job:*")) == jobs_before

@@ -80,10 +80,10 @@ def test_missing_settings_are_config_errors(redis_server, tmp_path):
     f = tmp_path / "a.txt"
     f.write_text("x")
     env = CourierEnv(tmp_path / "e1", redis_server.url, WHATSAPP_ACCESS_TOKEN="")
-    res = env.cli("send", "whatsapp:+1555", str(f))
+    res = env.cli("send", "whatsapp:+15551234567", str(f))
     assert res.returncode == 2 and "WHATSAPP_ACCESS_TOKEN is not set" in res.stderr
     env = CourierEnv(tmp_path / "e2", redis_server.url, WHATSAPP_ACCESS_TOKEN="t", WHATSAPP_PHONE_NUMBER_ID="")
-    res = env.cli("send", "whatsapp:+1555", str(f))
+    res = env.cli("send", "whatsapp:+15551234567", str(f))
     assert res.returncode == 2 and "WHATSAPP_PHONE_NUMBER_ID is not set" in res.stderr
 
 
