@@ -13,6 +13,10 @@
   `files_upload_v2` reads every file whole into memory, so it is not used.
   Slack shows every file as a file (images with a preview): photos stay
   photos, everything else is a document.
+- A chat is a channel id (`C0123ABCD`) or a channel name (`#general`,
+  `general`): a name is resolved to its id through `conversations.list`
+  (cached per process), since file sharing takes only ids; a name the bot
+  cannot see is a clear permanent failure.
 - Progress: a message posted, updated, deleted. Slack has no typing
   indicator for bots over the Web API: `typing` does nothing.
 - No sleeping in a worker: the client has no retry handlers (slack_sdk's
@@ -27,7 +31,10 @@ from __future__ import annotations
 import http.client
 import logging
 import os
+import re
 import socket
+import threading
+import time
 import urllib.error
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -48,6 +55,10 @@ DEFAULT_BASE_URL = "https://slack.com/api/"
 #: Slack's per-file cap (slack_sdk: MAX_V2_FILE_SIZE)
 DEFAULT_UPLOAD_BYTES = 1024 * 1024 * 1024
 UPLOAD_CHUNK_BYTES = 256 * 1024
+#: a channel, group or DM id; anything else is a channel name (resolved by `conversations.list`)
+_CHANNEL_ID = re.compile(r"[CGD][A-Z0-9]{2,}")
+#: how long a resolved channel name is trusted
+NAMES_TTL_S = 600.0
 
 #: `error` codes worth another try later
 _TRANSIENT_ERRORS = frozenset({
@@ -104,6 +115,10 @@ class SlackPlatform(Platform):
         self._api = WebClient(token=token, base_url=self.base_url, timeout=int(timeout_s), retry_handlers=[])
         self._http: httpx.Client | None = None
         self._http_pid: int | None = None
+        #: channel name -> id, and when it was listed (see `channel_id`)
+        self._names: dict[str, str] = {}
+        self._names_at = 0.0
+        self._names_lock = threading.Lock()
         self.limits = Limits(
             text_chars=40000,
             caption_chars=40000,  # initial_comment is a message text
@@ -133,8 +148,40 @@ class SlackPlatform(Platform):
             self._http_pid = os.getpid()
         return self._http
 
+    # -- channels ------------------------------------------------------------------
+    def channel_id(self, chat: str) -> str:
+        """`chat` as a channel id: an id as it is; a name (`#general`, `general`) looked up
+        in `conversations.list` (the channels the bot can see; cached `NAMES_TTL_S` per
+        process). Slack's file sharing takes only ids. An unknown name: Permanent."""
+        if _CHANNEL_ID.fullmatch(chat):
+            return chat
+        name = chat.lstrip("#").lower()
+        with self._names_lock:
+            if name not in self._names or time.monotonic() - self._names_at > NAMES_TTL_S:
+                self._names, self._names_at = self._list_channels(), time.monotonic()
+            cid = self._names.get(name)
+        if cid is None:
+            raise Permanent(f"slack: no channel #{name} that the bot can see (invite the bot to it, "
+                            "or give the channel id, e.g. slack:C0123ABCD)")
+        return cid
+
+    def _list_channels(self) -> dict[str, str]:
+        names: dict[str, str] = {}
+        cursor = None
+        for _ in range(100):  # at most 100 pages of 1000
+            resp = self._call("conversations.list", lambda c=cursor: self._api.conversations_list(
+                types="public_channel,private_channel", exclude_archived=True, limit=1000, cursor=c))
+            for ch in resp.get("channels") or []:
+                if ch.get("name") and ch.get("id"):
+                    names[str(ch["name"]).lower()] = str(ch["id"])
+            cursor = (resp.get("response_metadata") or {}).get("next_cursor")
+            if not cursor:
+                break
+        return names
+
     # -- sending -----------------------------------------------------------------
     def send_text(self, chat: str, text: str, *, delivery_id: str) -> Sent:
+        chat = self.channel_id(chat)
         ts = []
         for piece in fit_escaped(escape(text), self.limits.text_chars):
             resp = self._call("chat.postMessage", lambda p=piece: self._api.chat_postMessage(channel=chat, text=p))
@@ -145,6 +192,7 @@ class SlackPlatform(Platform):
                   file_id: str | None = None) -> Sent:
         """One file; `file_id`: this delivery's own upload from an earlier run whose
         completion failed (uploaded, never shared): completed without uploading again."""
+        chat = self.channel_id(chat)
         if file_id:
             try:
                 return self._complete(chat, [file_id], [file], caption)[0]
@@ -158,7 +206,7 @@ class SlackPlatform(Platform):
                    delivery_id: str) -> list[Sent]:
         if not 0 < len(files) <= self.limits.files_per_message:
             raise Permanent(f"slack: one message shares 1 to {self.limits.files_per_message} files, not {len(files)}")
-        return self._share(chat, [f for _, f in files], caption)
+        return self._share(self.channel_id(chat), [f for _, f in files], caption)
 
     def _share(self, chat: str, files: list[FileSource], caption: str | None) -> list[Sent]:
         ids: list[str] = []
@@ -190,13 +238,16 @@ class SlackPlatform(Platform):
 
     # -- activity ---------------------------------------------------------------------
     def start_progress(self, chat: str, text: str) -> str | None:
+        chat = self.channel_id(chat)
         resp = self._call("chat.postMessage", lambda: self._api.chat_postMessage(channel=chat, text=escape(text)))
         return str(resp["ts"])
 
     def edit_progress(self, chat: str, message_id: str, text: str) -> None:
+        chat = self.channel_id(chat)
         self._call("chat.update", lambda: self._api.chat_update(channel=chat, ts=message_id, text=escape(text)))
 
     def end_progress(self, chat: str, message_id: str) -> None:
+        chat = self.channel_id(chat)
         try:
             self._call("chat.delete", lambda: self._api.chat_delete(channel=chat, ts=message_id))
         except Permanent as exc:
