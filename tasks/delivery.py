@@ -41,12 +41,17 @@ def _event(ctx: Context, job: dict, pipe=None, **ev: Any) -> None:
                    maxlen=ctx.events_maxlen, pipe=pipe)
 
 
-def record_failure(ctx: Context, job: dict, reason: str) -> dict:
+def record_failure(ctx: Context, job: dict, reason: str, kind: str | None = None) -> dict:
+    """A failed delivery's receipt and event; `kind`: what it was sent (or refused) as, when known."""
     pipe = ctx.redis.pipeline(transaction=False)
-    receipts.update_delivery(pipe, job["id"], state="failed", reason=reason)
-    _event(ctx, job, pipe=pipe, state="failed", reason=reason, name=job.get("name"))
+    receipts.update_delivery(pipe, job["id"], state="failed", reason=reason, **({"kind": kind} if kind else {}))
+    _event(ctx, job, pipe=pipe, state="failed", reason=reason, name=job.get("name"),
+           **({"media": kind} if kind else {}))
     pipe.execute()
-    return {"id": job["id"], "state": "failed", "reason": reason}
+    out = {"id": job["id"], "state": "failed", "reason": reason}
+    if kind:
+        out["kind"] = kind
+    return out
 
 
 def choose_kind(platform: Platform, name: str, size_bytes: int, *, voice: bool, as_document: bool) -> Kind:
@@ -161,11 +166,12 @@ def _deliver_item(ctx: Context, platform: Platform, chat: str, job: dict, extrac
     except Permanent as exc:
         guarded.flush()
         receipts.update_delivery(r, did, final="1")
-        return record_failure(ctx, job, exc.reason)
+        kind = Kind.TEXT.value if job.get("type") == "text" else getattr(exc, "kind", None)
+        return record_failure(ctx, job, exc.reason, kind=kind)
     except _Refused as notice:
         guarded.flush()
         receipts.update_delivery(r, did, final="1")
-        return record_failure(ctx, job, notice.reason)
+        return record_failure(ctx, job, notice.reason, kind=notice.kind)
     except BaseException:
         guarded.flush()  # parts already sent stay recorded for the retry
         raise
@@ -213,9 +219,10 @@ def _send_text(platform: Platform, chat: str, text: str, did: str) -> Sent:
 class _Refused(Exception):
     """A file not sent, the chat told why (too large, empty, a type the platform does not take)."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, kind: Kind) -> None:
         super().__init__(reason)
         self.reason = reason
+        self.kind = kind.value
 
 
 def _plan_file(ctx: Context, platform: Platform, job: dict) -> tuple[Kind, FileSource, int]:
@@ -258,17 +265,17 @@ def _send_file(ctx: Context, platform: Platform, chat: str, job: dict) -> tuple[
     if size == 0:  # one rule for every platform: nothing is uploaded
         reason = f"empty file: {src.name} is 0 bytes"
         _notice(ctx, platform, chat, job, f"⚠️ {src.name} was not sent: it is empty (0 bytes).", key=None)
-        raise _Refused(reason)
+        raise _Refused(reason, kind)
     route = getattr(platform, "route_file", None)
     if route is not None:  # the platform's own type rules (e.g. WhatsApp's supported types)
         try:
             kind = route(kind, src)
         except FileRefused as exc:
-            raise _Refused(_notice_refused(ctx, platform, chat, job, src, exc, key=key)) from None
+            raise _Refused(_notice_refused(ctx, platform, chat, job, src, exc, key=key), kind) from None
         limit = platform.limits.upload_limit(kind)
     if size > limit:
         reason = _notice_too_large(ctx, platform, chat, job, src.name, size, limit, key=key)
-        raise _Refused(reason)
+        raise _Refused(reason, kind)
     if size > 8 * 1024 * 1024:  # a long upload: show its kind and size in `courier status` meanwhile
         receipts.update_delivery(ctx.redis, job["id"], kind=kind.value, size_bytes=size, name=src.name)
     caption, overflow = _fit_file_caption(platform, kind, src, job.get("caption"))
@@ -292,12 +299,14 @@ def _send_file(ctx: Context, platform: Platform, chat: str, job: dict) -> tuple[
     if refused:  # refused by the platform before; its notice was re-scheduled (the chat's rate limit)
         rec = json.loads(refused)
         _notice(ctx, platform, chat, job, rec["text"], key=key)
-        raise _Refused(rec["reason"])
+        raise _Refused(rec["reason"], kind)
     try:
         sent = platform.send_file(chat, kind, src, caption=caption, delivery_id=did, file_id=cached)
     except FileRefused as exc:  # the platform's own refusal (e.g. HTTP 413): the chat is told too
-        raise _Refused(_notice_refused(ctx, platform, chat, job, src, exc, key=key, record=True)) from None
+        raise _Refused(_notice_refused(ctx, platform, chat, job, src, exc, key=key, record=True), kind) from None
     except DeliveryError as exc:
+        if isinstance(exc, Permanent):
+            exc.kind = kind.value  # type: ignore[attr-defined] - the failed receipt says what it went as
         # uploaded, then the send failed: remember the upload, the retry sends it without uploading again
         fid = getattr(exc, "file_id", None)
         if fid:
@@ -435,7 +444,7 @@ def _send_album(ctx: Context, platform: Platform, chat: str, lead: str, album: l
         out = {}
         for job, _ in album:
             receipts.update_delivery(r, job["id"], final="1")
-            out[job["id"]] = record_failure(ctx, job, exc.reason)
+            out[job["id"]] = record_failure(ctx, job, exc.reason, kind=Kind.PHOTO.value)
         return out
     out = {}
     pipe = r.pipeline(transaction=False)

@@ -233,6 +233,7 @@ def test_empty_file_is_refused_before_any_upload_with_a_notice(row, r, tmp_path)
     before = row.uploads()
     (d,) = wait_job(r, enqueue(row.env, f"{row.name}:{chat}", files=[p], caption="see this"))
     assert d["state"] == "failed" and d["reason"] == "empty file: empty.txt is 0 bytes", d
+    assert d.get("kind") == "document", d
     assert row.uploads() == before and row.files(chat) == []
     (notice,) = row.texts(chat)
     assert "empty.txt" in notice and "empty" in notice.replace("empty.txt", "")
@@ -251,6 +252,7 @@ def test_a_size_the_platform_itself_refuses_is_too_large_with_a_notice(row, r, t
     finally:
         row.refuse_size_over(None)
     assert d["state"] == "failed" and d["reason"].startswith("too large: big.pdf is "), d
+    assert d.get("kind") == "document", d  # a failed receipt keeps the kind it went as
     assert row.files(chat) == [] and row.uploads() - before <= 1  # tried once, not retried
     (notice,) = row.texts(chat)
     assert "big.pdf" in notice and "too large" in notice, notice

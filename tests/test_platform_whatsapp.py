@@ -242,4 +242,5 @@ def test_document_fallback_keeps_the_real_type_and_types_whatsapp_refuses_get_a_
     for p, d, notice in zip(refused, rows, notices):
         ext = p.suffix
         assert d["state"] == "failed" and ext in d["reason"] and len(d["reason"]) < 120, d
+        assert d.get("kind") == ("photo" if ext == ".gif" else "video" if ext == ".mkv" else "document"), d
         assert p.name in notice and f"WhatsApp does not take {ext} files" in notice, notice
