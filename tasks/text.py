@@ -47,9 +47,10 @@ def fit_caption(caption: str | None, limit_chars: int, text_chars: int = 4096) -
 
 
 def human_bytes(n: int) -> str:
+    """Binary units, everywhere a size is shown (10 MiB is "10.0 MiB", never "10.5 MB")."""
     f = float(n)
-    for unit in ("B", "KB", "MB", "GB"):
-        if f < 1000 or unit == "GB":
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if f < 1024 or unit == "GiB":
             return f"{f:.0f} {unit}" if unit == "B" else f"{f:.1f} {unit}"
-        f /= 1000
+        f /= 1024
     return f"{n} B"

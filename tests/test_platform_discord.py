@@ -138,6 +138,9 @@ def test_over_the_upload_limit_sends_a_notice_and_nothing_else(denv, fake, tmp_p
     msgs = fake.channel_messages(chan)
     assert len(msgs) == 1 and not msgs[0]["attachments"]
     assert "huge.zip" in msgs[0]["content"] and "not sent" in msgs[0]["content"]
+    # binary units, the way the limit is set: 10 MiB is "10.0 MiB", not "10.5 MB"
+    assert "(10.0 MiB)" in msgs[0]["content"] and "10.0 MiB limit" in msgs[0]["content"], msgs[0]["content"]
+    assert "10.0 MiB" in row["reason"] and "MB" not in row["reason"].replace("MiB", "")
     assert not [c for c in fake.calls("send", chan) if c.files]
 
     # a boosted guild: the limit is a setting; past Discord's own cap the 413 is permanent

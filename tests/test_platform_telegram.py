@@ -146,9 +146,9 @@ def test_over_the_upload_limit_sends_a_notice_and_uploads_nothing(tg, fake_teleg
     res = tg.cli("send", "telegram:800400", str(p), "--wait", "--json", "--timeout", "60")
     assert res.returncode == 1, res.stdout + res.stderr
     (row,) = json.loads(res.stdout)["deliveries"]
-    assert row["state"] == "failed" and "too large" in row["reason"] and "50.0 MB" in row["reason"]
+    assert row["state"] == "failed" and "too large" in row["reason"] and "47.7 MiB" in row["reason"]
     (call,) = fake_telegram.calls_for(chat="800400")
-    assert call.method == "sendMessage" and "backup.tar" in call.text and "51.0 MB" in call.text
+    assert call.method == "sendMessage" and "backup.tar" in call.text and "48.6 MiB" in call.text
     assert fake_telegram.uploads() == []
 
 

@@ -133,7 +133,7 @@ def test_video_over_16mb_gets_a_notice_and_nothing_uploaded(wa, fake_whatsapp, r
     with open(p, "wb") as f:
         f.truncate(16_500_000)
     (row,) = wait_job(r, enqueue(wa, f"whatsapp:{TO}", files=[p]))
-    assert row["state"] == "failed" and "16.0 MB" in row["reason"] and "talk.mp4" in row["reason"]
+    assert row["state"] == "failed" and "15.3 MiB" in row["reason"] and "talk.mp4" in row["reason"]
     (notice,) = fake_whatsapp.calls_for("messages", chat=TO)
     assert notice.fields["type"] == "text" and "talk.mp4" in _body(notice)["body"]
     assert fake_whatsapp.calls_for("media") == []
