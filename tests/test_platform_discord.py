@@ -540,3 +540,14 @@ def test_fake_rejects_what_discord_rejects_in_a_voice_message(fake, change, code
     else:
         assert resp.status_code == 400 and resp.json()["code"] == code, resp.text
         assert fake.channel_messages(chan) == []
+
+
+def test_no_voice_library_warning_in_the_worker_log(denv, fake, tmp_path):
+    # courier never joins voice channels: discord.py's "davey / PyNaCl is not installed" warning
+    # at every client start is noise in every worker log
+    chan = channel()
+    code, data, err = send(denv, f"discord:{chan}", str(make(tmp_path, "w.pdf", 1200)))
+    assert code == 0, (data, err)
+    for w in denv.workers:
+        log = w.courier_log.read_text(errors="replace")
+        assert "davey is not installed" not in log and "PyNaCl is not installed" not in log

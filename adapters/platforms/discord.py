@@ -265,6 +265,10 @@ class DiscordPlatform(Platform):
             if self._client is not None:
                 return self._client
             discord.http.Route.BASE = self.base_url
+            # courier never joins voice channels: no "davey / PyNaCl is not installed, voice will
+            # NOT be supported" warning at every client start
+            discord.VoiceClient.warn_dave = False
+            discord.VoiceClient.warn_nacl = False
             # (no gateway connection: intents only quiet the "guilds intent disabled" warning)
             client = discord.Client(intents=discord.Intents(guilds=True), http_trace=_server_errors_raise())
             # the constructor floors this at 30 s; courier never waits in a worker
