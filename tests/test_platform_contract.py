@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from adapters.platforms.outbox import read_log
-from tests.fixtures._platforms import write_unique
+from tests.fixtures._platforms import words, write_unique
 from tests.fixtures.fake_discord import FakeDiscord
 from tests.fixtures.fake_slack import FakeSlack
 from tests.fixtures.fake_telegram import FakeTelegram, enqueue, wait_job
@@ -61,6 +61,19 @@ class Row:
         """The next `n` sends of an uploaded file answer 429 (retry after 1 s)."""
         raise NotImplementedError
 
+    #: an API that can fail: the outbox cannot
+    fails = True
+    #: the caption limit of a document (a longer caption follows as text parts)
+    caption_chars = 1024
+
+    def fail_next_text(self, status: int) -> None:
+        """The next text message answers `status` (429: retry after 1 s)."""
+        raise NotImplementedError
+
+    def fail_next_file(self, status: int) -> None:
+        """The next request carrying a file's bytes answers `status`."""
+        raise NotImplementedError
+
     def refuse_size_over(self, n: int | None) -> None:
         """Make the server refuse files over `n` bytes the way the platform does (None: as before)."""
         raise NotImplementedError
@@ -91,6 +104,12 @@ class TelegramRow(Row):
     def refuse_size_over(self, n):  # the Bot API server's 413
         self.fake.max_upload_bytes = n if n is not None else self.fake._max_upload_default
 
+    def fail_next_text(self, status):
+        self.fake.fail_next(1, status, retry_after=1, method="sendMessage")
+
+    def fail_next_file(self, status):
+        self.fake.fail_next(1, status, method="sendDocument")
+
 
 class DiscordRow(Row):
     name = "discord"
@@ -111,6 +130,14 @@ class DiscordRow(Row):
         from tests.fixtures.fake_discord import DEFAULT_UPLOAD_LIMIT
 
         self.fake.upload_limit_bytes = n if n is not None else DEFAULT_UPLOAD_LIMIT
+
+    caption_chars = 2000
+
+    def fail_next_text(self, status):
+        self.fake.fail_next("send_text", 1, status, retry_after=1)
+
+    def fail_next_file(self, status):
+        self.fake.fail_next("send", 1, status)
 
 
 class SlackRow(Row):
@@ -135,6 +162,14 @@ class SlackRow(Row):
 
     def fail_send_after_upload(self, n):
         self.fake.fail_next("files.completeUploadExternal", n, 429, retry_after=1)
+
+    caption_chars = 40000
+
+    def fail_next_text(self, status):
+        self.fake.fail_next("chat.postMessage", 1, status, retry_after=1)
+
+    def fail_next_file(self, status):
+        self.fake.fail_next("upload", 1, status)
 
 
 class WhatsAppRow(Row):
@@ -164,10 +199,17 @@ class WhatsAppRow(Row):
     def fail_send_after_upload(self, n):
         self.fake.fail_next(n, 429, code=130429, retry_after=1, method="messages")
 
+    def fail_next_text(self, status):
+        self.fake.fail_next(1, status, retry_after=1, method="messages", msg_type="text")
+
+    def fail_next_file(self, status):
+        self.fake.fail_next(1, status, method="media")
+
 
 class OutboxRow(Row):
     name = "outbox"
     refuses_size = False
+    fails = False
 
     def chat(self) -> str:
         return f"contract-{next(_n)}"
@@ -285,3 +327,31 @@ def test_a_malformed_chat_id_is_refused_at_parse_exit_2_nothing_enqueued(_deploy
     assert res.returncode == 2, res.stdout + res.stderr
     assert "malformed target" in res.stderr and says in res.stderr, res.stderr
     assert set(r.scan_iter("courier:job:*")) == jobs_before
+
+
+@rows("fails")
+def test_a_429_on_the_caption_part_resumes_there_and_the_file_goes_once(row, r, tmp_path):
+    # a caption over the caption limit follows the file as text parts; a 429 on the first of them
+    # re-schedules the delivery, which resumes at that part: one upload, the whole caption once
+    chat = row.chat()
+    p = tmp_path / "notes.pdf"
+    sha = write_unique(p, 5000)
+    caption = words(row.caption_chars + 100, seed=7)
+    row.fail_next_text(429)
+    before = row.uploads()
+    (d,) = wait_job(r, enqueue(row.env, f"{row.name}:{chat}", files=[p], caption=caption), timeout_s=60)
+    # (rate_limited also counts courier's own per-chat interval before the caption's retry)
+    assert d["state"] == "delivered" and int(d["rate_limited"]) >= 1, d
+    assert row.files(chat) == [sha] and row.uploads() - before == 1
+    assert " ".join(row.texts(chat)) == caption
+
+
+@rows("fails")
+def test_a_500_on_the_file_is_retried_and_the_file_and_caption_go_once(row, r, tmp_path):
+    chat = row.chat()
+    p = tmp_path / "plot.pdf"
+    sha = write_unique(p, 7000)
+    row.fail_next_file(500)
+    (d,) = wait_job(r, enqueue(row.env, f"{row.name}:{chat}", files=[p], caption="the plot"), timeout_s=60)
+    assert d["state"] == "delivered" and d["transient_errors"] == "1", d
+    assert row.files(chat) == [sha] and row.texts(chat) == []
