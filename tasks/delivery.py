@@ -262,7 +262,8 @@ def _send_overflow(platform: Platform, chat: str, overflow: list[str], base_id: 
 def _send_file(ctx: Context, platform: Platform, chat: str, job: dict) -> tuple[Sent, str, int]:
     kind, src, limit = _plan_file(ctx, platform, job)
     key, size = job["key"], src.size_bytes
-    if size == 0:  # one rule for every platform: nothing is uploaded
+    if size == 0 and not getattr(platform, "takes_empty_files", False):
+        # one rule for every chat platform: nothing is uploaded (the outbox, a directory, keeps it)
         reason = f"empty file: {src.name} is 0 bytes"
         _notice(ctx, platform, chat, job, f"⚠️ {src.name} was not sent: it is empty (0 bytes).", key=None)
         raise _Refused(reason, kind)

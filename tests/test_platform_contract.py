@@ -63,6 +63,8 @@ class Row:
 
     #: an API that can fail: the outbox cannot
     fails = True
+    #: a chat platform refuses a 0-byte file (the outbox, a directory, writes it)
+    refuses_empty = True
     #: the caption limit of a document (a longer caption follows as text parts)
     caption_chars = 1024
 
@@ -210,6 +212,7 @@ class OutboxRow(Row):
     name = "outbox"
     refuses_size = False
     fails = False
+    refuses_empty = False
 
     def chat(self) -> str:
         return f"contract-{next(_n)}"
@@ -267,7 +270,7 @@ def r(redis_server):
     c.close()
 
 
-@rows()
+@rows("refuses_empty")
 def test_empty_file_is_refused_before_any_upload_with_a_notice(row, r, tmp_path):
     chat = row.chat()
     p = tmp_path / "empty.txt"

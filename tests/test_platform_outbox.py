@@ -107,3 +107,13 @@ def test_a_worker_started_in_a_directory_holding_storage_and_tasks_folders(redis
     finally:
         proc.terminate()
         stop_process(proc, timeout_s=20)
+
+
+def test_an_empty_file_is_written_as_it_is(oenv, r, tmp_path):
+    # chat platforms refuse a 0-byte file before any upload; the outbox is a directory and keeps it
+    p = tmp_path / "empty.bin"
+    p.write_bytes(b"")
+    (d,) = wait_job(r, enqueue(oenv, "outbox:empties", files=[p]))
+    assert d["state"] == "delivered", d
+    (e,) = read_log(oenv.outbox, "empties")
+    assert e["size_bytes"] == 0 and (oenv.outbox / "empties" / e["file"]).stat().st_size == 0

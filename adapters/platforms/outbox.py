@@ -36,6 +36,9 @@ class OutboxPlatform(Platform):
         native_kinds=frozenset(Kind),
     )
 
+    #: a 0-byte file is written as it is (chat platforms refuse one before any upload)
+    takes_empty_files = True
+
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
         self._made: set[Path] = set()  # chat dirs known to exist
