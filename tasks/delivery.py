@@ -162,7 +162,8 @@ def _deliver_item(ctx: Context, platform: Platform, chat: str, job: dict, extrac
             sent = _send_text(platform, chat, job.get("text") or "", did)
             kind_name, size = Kind.TEXT.value, len((job.get("text") or "").encode())
         else:
-            sent, kind_name, size = _send_file(ctx, platform, chat, job)
+            sent, kind_name, size = _send_file(ctx, platform, chat, job,
+                                               fresh=session is not None and session.attempts == 1)
     except Permanent as exc:
         guarded.flush()
         receipts.update_delivery(r, did, final="1")
@@ -259,7 +260,10 @@ def _send_overflow(platform: Platform, chat: str, overflow: list[str], base_id: 
         platform.send_text(chat, part, delivery_id=f"{base_id}#c{i}")
 
 
-def _send_file(ctx: Context, platform: Platform, chat: str, job: dict) -> tuple[Sent, str, int]:
+def _send_file(ctx: Context, platform: Platform, chat: str, job: dict, *,
+               fresh: bool = False) -> tuple[Sent, str, int]:
+    """Send one stored file (`fresh`: the delivery's first attempt, so no earlier run
+    left an upload or a refusal to resume from)."""
     kind, src, limit = _plan_file(ctx, platform, job)
     key, size = job["key"], src.size_bytes
     if size == 0 and not getattr(platform, "takes_empty_files", False):
@@ -287,14 +291,15 @@ def _send_file(ctx: Context, platform: Platform, chat: str, job: dict) -> tuple[
     fid_key = _fid_key(platform, src.sha256, kind)
     did = job["id"]
     parts_key, upload_part = keys.delivery_parts(did), f"{did}#upload"
-    # one round trip: the cached file id; this delivery's own upload (an earlier run uploaded
-    # the file, then its send failed) and whether an earlier run had the file refused
+    # one round trip at most: the cached file id; on a retry also this delivery's own upload (an
+    # earlier run uploaded the file, then its send failed) and whether an earlier run had it refused
     pipe = ctx.redis.pipeline(transaction=False)
     if fid_key:
         pipe.get(fid_key)
-    pipe.hmget(parts_key, [upload_part, f"{did}#refused"])
-    got = pipe.execute()
-    uploaded, refused = (v.decode() if isinstance(v, bytes) else v for v in got[-1])
+    if not fresh:
+        pipe.hmget(parts_key, [upload_part, f"{did}#refused"])
+    got = pipe.execute() if (fid_key or not fresh) else []
+    uploaded, refused = (None, None) if fresh else (v.decode() if isinstance(v, bytes) else v for v in got[-1])
     cached = (got[0].decode() if isinstance(got[0], bytes) else got[0]) if fid_key else None
     cached = cached or uploaded
     if refused:  # refused by the platform before; its notice was re-scheduled (the chat's rate limit)
