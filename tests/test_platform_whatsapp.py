@@ -244,3 +244,23 @@ def test_document_fallback_keeps_the_real_type_and_types_whatsapp_refuses_get_a_
         assert d["state"] == "failed" and ext in d["reason"] and len(d["reason"]) < 120, d
         assert d.get("kind") == ("photo" if ext == ".gif" else "video" if ext == ".mkv" else "document"), d
         assert p.name in notice and f"WhatsApp does not take {ext} files" in notice, notice
+
+
+def test_an_expired_media_id_is_checked_before_reuse_and_uploaded_again(wa, fake_whatsapp, r, tmp_path):
+    # a message naming an expired media id is accepted and never delivered: the cached id is
+    # looked up (GET /<media id>) before it is reused, and an unknown one is uploaded again
+    p = tmp_path / "again.pdf"
+    sha = write_unique(p, 2500)
+    (a,) = wait_job(r, enqueue(wa, "whatsapp:+15551120001", files=[p]))
+    (first,) = fake_whatsapp.calls_for("media")
+    (b,) = wait_job(r, enqueue(wa, "whatsapp:+15551120002", files=[p]))  # fresh: reused after a check
+    assert [c.status for c in fake_whatsapp.calls_for("get_media")] == [200]
+    assert len(fake_whatsapp.calls_for("media")) == 1
+    fake_whatsapp.expired.add(first.result["id"])
+    (c,) = wait_job(r, enqueue(wa, "whatsapp:+15551120003", files=[p]))
+    assert a["state"] == b["state"] == c["state"] == "delivered"
+    assert [x.status for x in fake_whatsapp.calls_for("get_media")] == [200, 400]
+    second = fake_whatsapp.calls_for("media")[1]
+    (msg,) = fake_whatsapp.calls_for("messages", chat="+15551120003")
+    assert _body(msg)["id"] == second.result["id"] != first.result["id"] and second.files["file"].sha256 == sha
+    assert fake_whatsapp.undelivered == []

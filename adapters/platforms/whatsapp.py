@@ -2,8 +2,10 @@
 
 - `POST /{phone_number_id}/media` (multipart: messaging_product, type, file),
   streamed from `FileSource.open()`; the media id it returns is the
-  reusable file id (upload once, send many: ids live 30 days; a stale one is
-  uploaded again once). A send that fails after its upload carries the media
+  reusable file id (upload once, send many: ids live 30 days). A cached id is
+  looked up (`GET /{media_id}`) before it is reused, since a message naming an
+  expired id is accepted and then never delivered; an unknown one is uploaded
+  again. A send that fails after its upload carries the media
   id on its error (`file_id`): the shared flow records it, so the retry sends
   the same media id instead of uploading again.
 - `POST /{phone_number_id}/messages` with `type` image | video | audio |
@@ -155,7 +157,8 @@ class WhatsAppPlatform(Platform):
         if not phone_number_id:
             raise ConfigError("whatsapp: WHATSAPP_PHONE_NUMBER_ID is not set")
         self._token = access_token
-        self._root = f"{base_url.rstrip('/')}/{phone_number_id}"
+        self._base = base_url.rstrip("/")
+        self._root = f"{self._base}/{phone_number_id}"
         #: names this sender in shared Redis keys (media ids, rate limits)
         self.cache_key = hashlib.sha256(b"whatsapp:" + phone_number_id.encode()).hexdigest()[:20]
         self._timeout = httpx.Timeout(connect=connect_timeout_s, read=read_timeout_s, write=write_timeout_s,
@@ -201,6 +204,22 @@ class WhatsAppPlatform(Platform):
     # -- sends ---------------------------------------------------------------------------------
     def send_text(self, chat: str, text: str, *, delivery_id: str) -> Sent:
         return self._message(chat, "text", {"body": text, "preview_url": False})
+
+    def media_known(self, media_id: str) -> bool:
+        """Whether the API still has this media id (`GET /<media id>`). A message naming
+        an expired one is accepted and then fails on its way, so a cached id is looked up
+        before it is reused; an id the API answers 4xx for is not known (rate limits and
+        server errors propagate: the send is retried)."""
+        try:
+            resp = self._http().get(f"{self._base}/{media_id}")
+        except httpx.HTTPError as exc:
+            raise map_error(exc) from None
+        if resp.status_code == 200:
+            return True
+        err = map_error(resp)
+        if isinstance(err, (RateLimited, Transient)):
+            raise err
+        return False
 
     def upload(self, file: FileSource, mime: str) -> str:
         with file.open() as f:
@@ -256,6 +275,8 @@ class WhatsAppPlatform(Platform):
             return b
 
         sent: Sent | None = None
+        if file_id and not self.media_known(file_id):
+            file_id = None  # expired (30 days) or deleted: a message naming it would be accepted, never delivered
         if file_id:
             try:
                 sent = Sent(self._message(chat, type_, body(file_id)).message_id, file_id=file_id)
