@@ -13,14 +13,15 @@ for the task to re-schedule; `Permanent` is recorded here and not retried.
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from adapters.errors import CourierError, Permanent, RateLimited
-from adapters.platforms.base import FileSource, Kind, Platform, Sent, split_target
+from adapters.errors import CourierError, DeliveryError, Permanent, RateLimited
+from adapters.platforms.base import FileRefused, FileSource, Kind, Platform, Sent, split_target
 from tasks import events, keys, ratelimit, receipts
 from tasks.runtime import Context
 from tasks.text import fit_caption, human_bytes, split_text
@@ -40,12 +41,17 @@ def _event(ctx: Context, job: dict, pipe=None, **ev: Any) -> None:
                    maxlen=ctx.events_maxlen, pipe=pipe)
 
 
-def record_failure(ctx: Context, job: dict, reason: str) -> dict:
+def record_failure(ctx: Context, job: dict, reason: str, kind: str | None = None) -> dict:
+    """A failed delivery's receipt and event; `kind`: what it was sent (or refused) as, when known."""
     pipe = ctx.redis.pipeline(transaction=False)
-    receipts.update_delivery(pipe, job["id"], state="failed", reason=reason)
-    _event(ctx, job, pipe=pipe, state="failed", reason=reason, name=job.get("name"))
+    receipts.update_delivery(pipe, job["id"], state="failed", reason=reason, **({"kind": kind} if kind else {}))
+    _event(ctx, job, pipe=pipe, state="failed", reason=reason, name=job.get("name"),
+           **({"media": kind} if kind else {}))
     pipe.execute()
-    return {"id": job["id"], "state": "failed", "reason": reason}
+    out = {"id": job["id"], "state": "failed", "reason": reason}
+    if kind:
+        out["kind"] = kind
+    return out
 
 
 def choose_kind(platform: Platform, name: str, size_bytes: int, *, voice: bool, as_document: bool) -> Kind:
@@ -156,15 +162,17 @@ def _deliver_item(ctx: Context, platform: Platform, chat: str, job: dict, extrac
             sent = _send_text(platform, chat, job.get("text") or "", did)
             kind_name, size = Kind.TEXT.value, len((job.get("text") or "").encode())
         else:
-            sent, kind_name, size = _send_file(ctx, platform, chat, job)
+            sent, kind_name, size = _send_file(ctx, platform, chat, job,
+                                               fresh=session is not None and session.attempts == 1)
     except Permanent as exc:
         guarded.flush()
         receipts.update_delivery(r, did, final="1")
-        return record_failure(ctx, job, exc.reason)
-    except _TooLargeNotice as notice:
+        kind = Kind.TEXT.value if job.get("type") == "text" else getattr(exc, "kind", None)
+        return record_failure(ctx, job, exc.reason, kind=kind)
+    except _Refused as notice:
         guarded.flush()
         receipts.update_delivery(r, did, final="1")
-        return record_failure(ctx, job, notice.reason)
+        return record_failure(ctx, job, notice.reason, kind=notice.kind)
     except ratelimit.Paced:
         guarded.flush()  # parts already sent stay recorded for the retry
         r.hincrby(keys.delivery(did), "attempts", -1)  # courier's own pacing: this try never reached the platform
@@ -216,10 +224,13 @@ def _send_text(platform: Platform, chat: str, text: str, did: str) -> Sent:
     return Sent(message_id=",".join(ids))
 
 
-class _TooLargeNotice(Exception):
-    def __init__(self, reason: str) -> None:
+class _Refused(Exception):
+    """A file not sent, the chat told why (too large, empty, a type the platform does not take)."""
+
+    def __init__(self, reason: str, kind: Kind) -> None:
         super().__init__(reason)
         self.reason = reason
+        self.kind = kind.value
 
 
 def _plan_file(ctx: Context, platform: Platform, job: dict) -> tuple[Kind, FileSource, int]:
@@ -256,12 +267,27 @@ def _send_overflow(platform: Platform, chat: str, overflow: list[str], base_id: 
         platform.send_text(chat, part, delivery_id=f"{base_id}#c{i}")
 
 
-def _send_file(ctx: Context, platform: Platform, chat: str, job: dict) -> tuple[Sent, str, int]:
+def _send_file(ctx: Context, platform: Platform, chat: str, job: dict, *,
+               fresh: bool = False) -> tuple[Sent, str, int]:
+    """Send one stored file (`fresh`: the delivery's first attempt, so no earlier run
+    left an upload or a refusal to resume from)."""
     kind, src, limit = _plan_file(ctx, platform, job)
     key, size = job["key"], src.size_bytes
+    if size == 0 and not getattr(platform, "takes_empty_files", False):
+        # one rule for every chat platform: nothing is uploaded (the outbox, a directory, keeps it)
+        reason = f"empty file: {src.name} is 0 bytes"
+        _notice(ctx, platform, chat, job, f"⚠️ {src.name} was not sent: it is empty (0 bytes).", key=None)
+        raise _Refused(reason, kind)
+    route = getattr(platform, "route_file", None)
+    if route is not None:  # the platform's own type rules (e.g. WhatsApp's supported types)
+        try:
+            kind = route(kind, src)
+        except FileRefused as exc:
+            raise _Refused(_notice_refused(ctx, platform, chat, job, src, exc, key=key), kind) from None
+        limit = platform.limits.upload_limit(kind)
     if size > limit:
         reason = _notice_too_large(ctx, platform, chat, job, src.name, size, limit, key=key)
-        raise _TooLargeNotice(reason)
+        raise _Refused(reason, kind)
     if size > 8 * 1024 * 1024:  # a long upload: show its kind and size in `courier status` meanwhile
         receipts.update_delivery(ctx.redis, job["id"], kind=kind.value, size_bytes=size, name=src.name)
     caption, overflow = _fit_file_caption(platform, kind, src, job.get("caption"))
@@ -270,10 +296,40 @@ def _send_file(ctx: Context, platform: Platform, chat: str, job: dict) -> tuple[
         # extraction by kernel copy hashes nothing; the file-id cache needs it
         src = replace(src, sha256=_sha256_of(ctx.store, key))
     fid_key = _fid_key(platform, src.sha256, kind)
+    did = job["id"]
+    parts_key, upload_part = keys.delivery_parts(did), f"{did}#upload"
+    # one round trip at most: the cached file id; on a retry also this delivery's own upload (an
+    # earlier run uploaded the file, then its send failed) and whether an earlier run had it refused
+    pipe = ctx.redis.pipeline(transaction=False)
     if fid_key:
-        raw = ctx.redis.get(fid_key)
-        cached = raw.decode() if isinstance(raw, bytes) else raw
-    sent = platform.send_file(chat, kind, src, caption=caption, delivery_id=job["id"], file_id=cached)
+        pipe.get(fid_key)
+    if not fresh:
+        pipe.hmget(parts_key, [upload_part, f"{did}#refused"])
+    got = pipe.execute() if (fid_key or not fresh) else []
+    uploaded, refused = (None, None) if fresh else (v.decode() if isinstance(v, bytes) else v for v in got[-1])
+    cached = (got[0].decode() if isinstance(got[0], bytes) else got[0]) if fid_key else None
+    cached = cached or uploaded
+    if refused:  # refused by the platform before; its notice was re-scheduled (the chat's rate limit)
+        rec = json.loads(refused)
+        _notice(ctx, platform, chat, job, rec["text"], key=key)
+        raise _Refused(rec["reason"], kind)
+    try:
+        sent = platform.send_file(chat, kind, src, caption=caption, delivery_id=did, file_id=cached)
+    except FileRefused as exc:  # the platform's own refusal (e.g. HTTP 413): the chat is told too
+        raise _Refused(_notice_refused(ctx, platform, chat, job, src, exc, key=key, record=True), kind) from None
+    except DeliveryError as exc:
+        if isinstance(exc, Permanent):
+            exc.kind = kind.value  # type: ignore[attr-defined] - the failed receipt says what it went as
+        # uploaded, then the send failed: remember the upload, the retry sends it without uploading again
+        fid = getattr(exc, "file_id", None)
+        if fid:
+            pipe = ctx.redis.pipeline(transaction=False)
+            pipe.hset(parts_key, upload_part, fid)
+            pipe.expire(parts_key, ratelimit.PARTS_TTL_S)
+            if fid_key:  # a reusable id (WhatsApp media): later sends of the same bytes use it too
+                pipe.set(fid_key, fid, ex=FILE_ID_TTL_S)
+            pipe.execute()
+        raise
     if fid_key and sent.file_id:
         ctx.redis.set(fid_key, sent.file_id, ex=FILE_ID_TTL_S)
     _send_overflow(platform, chat, overflow, job["id"])
@@ -344,7 +400,12 @@ def _deliver_album_locked(ctx: Context, group: dict) -> dict:
                 continue
             job = _with_extraction(job, extracted)
         kind, src, limit = _plan_file(ctx, platform, job)
-        if kind == Kind.PHOTO and src.size_bytes <= limit:
+        route = getattr(platform, "route_file", None)
+        try:
+            kind = route(kind, src) if route is not None else kind
+        except FileRefused:
+            kind = Kind.DOCUMENT  # sent alone: refused there, with its notice
+        if kind == Kind.PHOTO and 0 < src.size_bytes <= limit:
             photos.append((job, src))
         else:
             singles.append(job)
@@ -396,7 +457,7 @@ def _send_album(ctx: Context, platform: Platform, chat: str, lead: str, album: l
         out = {}
         for job, _ in album:
             receipts.update_delivery(r, job["id"], final="1")
-            out[job["id"]] = record_failure(ctx, job, exc.reason)
+            out[job["id"]] = record_failure(ctx, job, exc.reason, kind=Kind.PHOTO.value)
         return out
     out = {}
     pipe = r.pipeline(transaction=False)
@@ -424,7 +485,36 @@ def _notice_too_large(ctx: Context, platform: Platform, chat: str, job: dict, na
     size_s = human_bytes(int(size)) if size else "unknown size"
     limit_s = human_bytes(int(limit)) if limit else "the limit"
     reason = f"too large: {name} is {size_s}, over the {limit_s} limit for {platform.name}"
-    text = f"⚠️ {name} ({size_s}) was not sent: it is over the {limit_s} limit here."
+    _notice(ctx, platform, chat, job, f"⚠️ {name} ({size_s}) was not sent: it is over the {limit_s} limit here.",
+            key=key)
+    return reason
+
+
+def _notice_refused(ctx: Context, platform: Platform, chat: str, job: dict, src: FileSource, exc: FileRefused,
+                    *, key: str | None, record: bool = False) -> str:
+    """The chat told why the platform does not take this file; returns the failure's reason.
+    `record`: the refusal came from sending, so it is recorded first (a part of the
+    delivery): a retry after the notice was rate-limited sends only the notice."""
+    size_s = human_bytes(src.size_bytes)
+    if exc.too_large:
+        reason = f"too large: {src.name} is {size_s}, refused by {platform.name} ({exc.reason})"
+        why = exc.notice or f"{platform.name} refused it as too large"
+    else:
+        reason, why = exc.reason, exc.notice or f"{platform.name} refused it"
+    text = f"⚠️ {src.name} ({size_s}) was not sent: {why}."
+    if record:
+        parts = keys.delivery_parts(job["id"])
+        pipe = ctx.redis.pipeline(transaction=False)
+        pipe.hset(parts, f"{job['id']}#refused", json.dumps({"reason": reason, "text": text}))
+        pipe.expire(parts, ratelimit.PARTS_TTL_S)
+        pipe.execute()
+    _notice(ctx, platform, chat, job, text, key=key)
+    return reason
+
+
+def _notice(ctx: Context, platform: Platform, chat: str, job: dict, text: str, *, key: str | None) -> None:
+    """Tell the chat a file was not sent (`text`), with a download link when
+    `key` is given and the store can sign one; sent once (part `<id>#notice`)."""
     if key is not None:
         try:
             url = ctx.store.signed_url(key, expires_s=7 * 24 * 3600)

@@ -32,10 +32,10 @@ def split_text(text: str, limit_chars: int) -> list[str]:
 def fit_caption(caption: str | None, limit_chars: int, text_chars: int = 4096) -> tuple[str | None, list[str]]:
     """A caption that fits, plus the text messages that carry what did not.
 
-    A caption over the limit goes as text messages after the file (split at
-    the limit, or at `text_chars`, the platform's text limit, when the caption
-    limit is small or 0: a file that takes no caption), so nothing is lost
-    and nothing is cut mid-word."""
+    A caption over the limit goes as text messages after the file, split at
+    `text_chars`, the platform's text limit (a 1500-character caption on
+    Telegram is one message, not two), so nothing is lost and nothing is cut
+    mid-word."""
     if not caption:
         return None, []
     caption = caption.strip()
@@ -43,13 +43,14 @@ def fit_caption(caption: str | None, limit_chars: int, text_chars: int = 4096) -
         return None, split_text(caption, text_chars)
     if len(caption) <= limit_chars:
         return caption, []
-    return None, split_text(caption, limit_chars if limit_chars >= 1000 else text_chars)
+    return None, split_text(caption, text_chars)
 
 
 def human_bytes(n: int) -> str:
+    """Binary units, everywhere a size is shown (10 MiB is "10.0 MiB", never "10.5 MB")."""
     f = float(n)
-    for unit in ("B", "KB", "MB", "GB"):
-        if f < 1000 or unit == "GB":
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if f < 1024 or unit == "GiB":
             return f"{f:.0f} {unit}" if unit == "B" else f"{f:.1f} {unit}"
-        f /= 1000
+        f /= 1024
     return f"{n} B"

@@ -138,6 +138,9 @@ def test_over_the_upload_limit_sends_a_notice_and_nothing_else(denv, fake, tmp_p
     msgs = fake.channel_messages(chan)
     assert len(msgs) == 1 and not msgs[0]["attachments"]
     assert "huge.zip" in msgs[0]["content"] and "not sent" in msgs[0]["content"]
+    # binary units, the way the limit is set: 10 MiB is "10.0 MiB", not "10.5 MB"
+    assert "(10.0 MiB)" in msgs[0]["content"] and "10.0 MiB limit" in msgs[0]["content"], msgs[0]["content"]
+    assert "10.0 MiB" in row["reason"] and "MB" not in row["reason"].replace("MiB", "")
     assert not [c for c in fake.calls("send", chan) if c.files]
 
     # a boosted guild: the limit is a setting; past Discord's own cap the 413 is permanent
@@ -150,7 +153,10 @@ def test_over_the_upload_limit_sends_a_notice_and_nothing_else(denv, fake, tmp_p
         assert code == 1
         row = data["deliveries"][0]
         assert row["state"] == "failed" and "too large" in row["reason"] and "40005" in row["reason"]
-        assert [c.status for c in fake.calls("send", chan2)] == [413]  # not retried
+        # not retried; the chat gets the same notice as for courier's own limit
+        assert [(c.status, bool(c.files)) for c in fake.calls("send", chan2)] == [(413, True), (200, False)]
+        (notice,) = fake.channel_messages(chan2)
+        assert "huge.zip" in notice["content"] and "too large" in notice["content"]
 
         fake.upload_limit_bytes = 25 * MiB
         chan3 = channel()
@@ -534,3 +540,14 @@ def test_fake_rejects_what_discord_rejects_in_a_voice_message(fake, change, code
     else:
         assert resp.status_code == 400 and resp.json()["code"] == code, resp.text
         assert fake.channel_messages(chan) == []
+
+
+def test_no_voice_library_warning_in_the_worker_log(denv, fake, tmp_path):
+    # courier never joins voice channels: discord.py's "davey / PyNaCl is not installed" warning
+    # at every client start is noise in every worker log
+    chan = channel()
+    code, data, err = send(denv, f"discord:{chan}", str(make(tmp_path, "w.pdf", 1200)))
+    assert code == 0, (data, err)
+    for w in denv.workers:
+        log = w.courier_log.read_text(errors="replace")
+        assert "davey is not installed" not in log and "PyNaCl is not installed" not in log

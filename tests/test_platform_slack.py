@@ -145,7 +145,8 @@ def test_over_the_upload_limit_sends_a_notice_and_nothing_else(fake, tmp_path, r
         code, data, err = send(env, f"slack:{chan2}", str(make(tmp_path, "mid.zip", 40 * 1024)))
         assert code == 1
         assert "too large" in data["deliveries"][0]["reason"] and "file_too_large" in data["deliveries"][0]["reason"]
-        assert fake.channel_messages(chan2) == []
+        (notice,) = fake.channel_messages(chan2)  # the chat is told, as for courier's own limit
+        assert not notice["files"] and "mid.zip" in notice["text"] and "too large" in notice["text"]
     finally:
         env.stop()
 
@@ -304,3 +305,20 @@ def test_bad_token_and_missing_token(fake, senv, tmp_path):
     env = CourierEnv(tmp_path / "notoken", senv.env["COURIER_REDIS_URL"], SLACK_BOT_TOKEN="")
     res = env.cli("send", "slack:C0123", str(make(tmp_path, "a.txt", 5)))
     assert res.returncode == 2 and "SLACK_BOT_TOKEN is not set" in res.stderr
+
+
+def test_a_channel_name_is_resolved_to_its_id_for_files_and_text(senv, fake, tmp_path):
+    # files.completeUploadExternal takes only a channel id: `slack:#general` / `slack:general` are
+    # resolved through conversations.list; a name the bot cannot see is a clear failure
+    cid = channel()
+    fake.channel_names.update({f"team-{i:03d}": f"C9{i:07d}" for i in range(250)})  # a few pages
+    fake.channel_names["general"] = cid
+    p, q = make(tmp_path, "a.pdf", 2000), make(tmp_path, "b.png", 1500)
+    for target, f in ((f"slack:#general", p), ("slack:general", q)):
+        code, data, err = send(senv, target, str(f), "--caption", "named")
+        assert code == 0, (target, data, err)
+    assert [m["files"][0]["sha256"] for m in file_messages(fake, cid)] == [sha(p), sha(q)]
+    code, data, err = send(senv, "slack:#nowhere", str(p))
+    assert code == 1
+    reason = data["deliveries"][0]["reason"]
+    assert "#nowhere" in reason and "channel" in reason and len(reason) < 200, reason

@@ -97,7 +97,8 @@ def test_missing_token_is_a_config_error_and_nothing_enqueued(redis_server, r, t
 def test_every_kind_text_split_and_caption_overflow(tg, fake_telegram, r, tmp_path):
     kinds = {"p.jpg": ("sendPhoto", "photo", False), "a.gif": ("sendAnimation", "animation", False),
              "v.mp4": ("sendVideo", "video", False), "s.mp3": ("sendAudio", "audio", False),
-             "n.ogg": ("sendVoice", "voice", True), "m.ogg": ("sendAudio", "audio", False),
+             "n.ogg": ("sendVoice", "voice", True),
+             "m.ogg": ("sendDocument", "document", False),  # Telegram shows audio only as mp3/m4a
              "r.csv": ("sendDocument", "document", False)}
     jobs = {}
     for i, (name, (_, _, voice)) in enumerate(kinds.items()):
@@ -121,11 +122,11 @@ def test_every_kind_text_split_and_caption_overflow(tg, fake_telegram, r, tmp_pa
     rows = wait_job(r, text_job, timeout_s=60)
     assert [d["state"] for d in rows] == ["delivered", "delivered"], rows
     calls = fake_telegram.calls_for(chat="800200")
-    assert [c.method for c in calls] == ["sendMessage"] * 3 + ["sendDocument", "sendMessage", "sendMessage"]
+    assert [c.method for c in calls] == ["sendMessage"] * 3 + ["sendDocument", "sendMessage"]
     texts = [c.text for c in calls[:3]]
     assert all(len(t) <= 4096 for t in texts) and " ".join(texts) == long_text
     assert calls[3].files["document"].sha256 == doc_sha and calls[3].caption is None
-    assert [c.text for c in calls[4:]] == ["c" * 700, "d" * 700]
+    assert [c.text for c in calls[4:]] == [long_caption]  # one message: split at the 4096 text limit, not 1024
     assert all(b.t - a.t >= 0.95 for a, b in zip(calls, calls[1:]))  # one chat, 1 msg/s
 
 
@@ -145,9 +146,9 @@ def test_over_the_upload_limit_sends_a_notice_and_uploads_nothing(tg, fake_teleg
     res = tg.cli("send", "telegram:800400", str(p), "--wait", "--json", "--timeout", "60")
     assert res.returncode == 1, res.stdout + res.stderr
     (row,) = json.loads(res.stdout)["deliveries"]
-    assert row["state"] == "failed" and "too large" in row["reason"] and "50.0 MB" in row["reason"]
+    assert row["state"] == "failed" and "too large" in row["reason"] and "47.7 MiB" in row["reason"]
     (call,) = fake_telegram.calls_for(chat="800400")
-    assert call.method == "sendMessage" and "backup.tar" in call.text and "51.0 MB" in call.text
+    assert call.method == "sendMessage" and "backup.tar" in call.text and "48.6 MiB" in call.text
     assert fake_telegram.uploads() == []
 
 
@@ -156,8 +157,10 @@ def test_server_413_is_permanent(tg, fake_telegram, r, tmp_path):
     p = tmp_path / "big.zip"
     write_unique(p, 200_000)
     rows = wait_job(r, enqueue(tg, "telegram:800500", files=[p]))
-    assert rows[0]["state"] == "failed" and "413" in rows[0]["reason"], rows
-    assert len(fake_telegram.calls_for(chat="800500")) == 1
+    assert rows[0]["state"] == "failed" and "413" in rows[0]["reason"] and "too large" in rows[0]["reason"], rows
+    sent, notice = fake_telegram.calls_for(chat="800500")  # not retried; the chat is told
+    assert (sent.method, sent.status, notice.method) == ("sendDocument", 413, "sendMessage")
+    assert "big.zip" in notice.text and "too large" in notice.text
 
 
 # -- retries ------------------------------------------------------------------------------------
@@ -285,3 +288,21 @@ def test_error_map_and_no_token_in_errors(tg, fake_telegram, caplog):
     for exc in (rl.value, bad.value, gone.value):
         assert fake_telegram.token not in str(exc) and "wrong-token" not in str(exc)
     assert fake_telegram.token not in repr(tp) and tp.cache_key not in fake_telegram.token
+
+
+def test_audio_telegram_shows_as_a_document_goes_as_one_and_its_file_id_is_reused(tg, fake_telegram, r, tmp_path):
+    # Telegram shows audio only as mp3/m4a: a .wav goes as a document on purpose, the receipt says so,
+    # and the cached file id (of the kind actually used) works for the next chat
+    p = tmp_path / "take.wav"
+    sha = write_unique(p, 4000)
+    (a,) = wait_job(r, enqueue(tg, "telegram:800601", files=[p]))
+    (b,) = wait_job(r, enqueue(tg, "telegram:800602", files=[p]))
+    assert [(d["state"], d["kind"]) for d in (a, b)] == [("delivered", "document")] * 2, (a, b)
+    calls = fake_telegram.calls_for("sendDocument") + fake_telegram.calls_for("sendAudio")
+    assert [(c.method, c.chat, c.status) for c in calls] == [("sendDocument", "800601", 200),
+                                                            ("sendDocument", "800602", 200)]
+    assert [u.sha256 for u in fake_telegram.uploads()] == [sha]  # the second went by file id
+    mp3 = tmp_path / "song.mp3"
+    write_unique(mp3, 3000)
+    (c,) = wait_job(r, enqueue(tg, "telegram:800603", files=[mp3]))
+    assert (c["kind"], fake_telegram.calls_for("sendAudio", "800603")[0].result["audio"]["file_size"]) == ("audio", 3000)

@@ -80,19 +80,19 @@ def test_missing_settings_are_config_errors(redis_server, tmp_path):
     f = tmp_path / "a.txt"
     f.write_text("x")
     env = CourierEnv(tmp_path / "e1", redis_server.url, WHATSAPP_ACCESS_TOKEN="")
-    res = env.cli("send", "whatsapp:+1555", str(f))
+    res = env.cli("send", "whatsapp:+15551234567", str(f))
     assert res.returncode == 2 and "WHATSAPP_ACCESS_TOKEN is not set" in res.stderr
     env = CourierEnv(tmp_path / "e2", redis_server.url, WHATSAPP_ACCESS_TOKEN="t", WHATSAPP_PHONE_NUMBER_ID="")
-    res = env.cli("send", "whatsapp:+1555", str(f))
+    res = env.cli("send", "whatsapp:+15551234567", str(f))
     assert res.returncode == 2 and "WHATSAPP_PHONE_NUMBER_ID is not set" in res.stderr
 
 
 def test_every_kind_limits_and_fallbacks(wa, fake_whatsapp, r, tmp_path):
     cases = {  # name -> (receipt kind, message type, uploaded mime)
         "p.jpg": ("photo", "image", "image/jpeg"), "v.mp4": ("video", "video", "video/mp4"),
-        "s.mp3": ("audio", "audio", "audio/mpeg"), "r.csv": ("document", "document", "text/csv"),
-        "w.webp": ("photo", "document", "application/octet-stream"),  # not an inline image on WhatsApp: a document
-        "k.mkv": ("video", "document", "application/octet-stream"),
+        "s.mp3": ("audio", "audio", "audio/mpeg"), "r.pdf": ("document", "document", "application/pdf"),
+        "w.webp": ("document", "document", "image/webp"),  # not an inline image on WhatsApp: a document
+        "m.3gp": ("video", "video", "video/3gpp"),
     }
     jobs = {}
     for i, name in enumerate(cases):
@@ -120,11 +120,12 @@ def test_every_kind_limits_and_fallbacks(wa, fake_whatsapp, r, tmp_path):
     rows = wait_job(r, text_job)
     assert [(d["state"], d["kind"]) for d in rows] == [("delivered", "text"), ("delivered", "document")], rows
     msgs = fake_whatsapp.calls_for("messages", chat="+15559990000")
-    assert [m.fields["type"] for m in msgs] == ["text", "text", "document", "text", "text"]
+    assert [m.fields["type"] for m in msgs] == ["text", "text", "document", "text"]
     assert "\n\n".join(_body(m)["body"] for m in msgs[:2]) == long_text
     doc = _body(msgs[2])
     assert "caption" not in doc and fake_whatsapp.media[doc["id"]].sha256 == big_sha
-    assert "".join(_body(m)["body"] for m in msgs[3:]) == "y" * 1500
+    assert fake_whatsapp.media[doc["id"]].mime == "image/png"  # its own type: never application/octet-stream
+    assert _body(msgs[3])["body"] == "y" * 1500  # one message: split at the 4096 text limit, not 1024
 
 
 def test_video_over_16mb_gets_a_notice_and_nothing_uploaded(wa, fake_whatsapp, r, tmp_path):
@@ -132,7 +133,7 @@ def test_video_over_16mb_gets_a_notice_and_nothing_uploaded(wa, fake_whatsapp, r
     with open(p, "wb") as f:
         f.truncate(16_500_000)
     (row,) = wait_job(r, enqueue(wa, f"whatsapp:{TO}", files=[p]))
-    assert row["state"] == "failed" and "16.0 MB" in row["reason"] and "talk.mp4" in row["reason"]
+    assert row["state"] == "failed" and "15.3 MiB" in row["reason"] and "talk.mp4" in row["reason"]
     (notice,) = fake_whatsapp.calls_for("messages", chat=TO)
     assert notice.fields["type"] == "text" and "talk.mp4" in _body(notice)["body"]
     assert fake_whatsapp.calls_for("media") == []
@@ -196,3 +197,70 @@ def test_error_map():
         if wait is not None:
             assert mapped.retry_after_s == wait
     assert "boom" in map_error(resp(400, 131026)).reason and "131026" in map_error(resp(400, 131026)).reason
+
+
+def test_audio_caption_paced_by_whatsapp_is_a_part_of_its_own_audio_sent_once(wa, fake_whatsapp, r, tmp_path):
+    # WhatsApp paces messages to one user (131056): the caption right after the audio is refused;
+    # the retry sends only the caption (a recorded part), never the audio again
+    fake_whatsapp.pacing_s = 5.0  # below the adapter's 6 s default wait for 131056
+    to = "+15557770001"
+    p = tmp_path / "song.mp3"
+    sha = write_unique(p, 5000)
+    (row,) = wait_job(r, enqueue(wa, f"whatsapp:{to}", files=[p], caption="listen"), timeout_s=30)
+    assert row["state"] == "delivered" and row["kind"] == "audio", row
+    msgs = fake_whatsapp.calls_for("messages", chat=to)
+    assert [(m.status, m.fields["type"]) for m in msgs] == [(200, "audio"), (400, "text"), (200, "text")]
+    assert "caption" not in _body(msgs[0]) and _body(msgs[2])["body"] == "listen"
+    assert [u.files["file"].sha256 for u in fake_whatsapp.calls_for("media")] == [sha]
+    assert msgs[2].t - msgs[0].t >= 5.0
+
+
+def test_document_fallback_keeps_the_real_type_and_types_whatsapp_refuses_get_a_notice(wa, fake_whatsapp, r,
+                                                                                        tmp_path):
+    to = "+15557770002"
+    big = tmp_path / "big.png"  # over the 5 MB image limit: a document, uploaded as image/png
+    big_sha = write_unique(big, 5_200_000)
+    (row,) = wait_job(r, enqueue(wa, f"whatsapp:{to}", files=[big]))
+    assert (row["state"], row["kind"]) == ("delivered", "document"), row
+    memo = tmp_path / "memo.mp3"  # --voice mp3: a voice note must be ogg/opus, so an audio message
+    memo_sha = write_unique(memo, 3000)
+    (row,) = wait_job(r, enqueue(wa, f"whatsapp:{to}", files=[memo], voice=True))
+    assert (row["state"], row["kind"]) == ("delivered", "audio"), row
+    refused = [tmp_path / n for n in ("report.csv", "bundle.zip", "spin.gif", "clip.mkv")]
+    for p in refused:
+        write_unique(p, 1500)
+    rows = wait_job(r, enqueue(wa, f"whatsapp:{to}", files=refused, caption="the report"))
+
+    uploads = fake_whatsapp.calls_for("media")
+    assert [(u.status, u.fields["type"], u.files["file"].sha256) for u in uploads] == [
+        (200, "image/png", big_sha), (200, "audio/mpeg", memo_sha)]  # nothing refused was uploaded
+    msgs = fake_whatsapp.calls_for("messages", chat=to)
+    assert [(m.status, m.fields["type"]) for m in msgs[:2]] == [(200, "document"), (200, "audio")]
+    assert "voice" not in _body(msgs[1])
+    notices = [_body(m)["body"] for m in msgs[2:]]
+    assert len(notices) == len(refused) and all(m.status == 200 for m in msgs[2:])
+    for p, d, notice in zip(refused, rows, notices):
+        ext = p.suffix
+        assert d["state"] == "failed" and ext in d["reason"] and len(d["reason"]) < 120, d
+        assert d.get("kind") == ("photo" if ext == ".gif" else "video" if ext == ".mkv" else "document"), d
+        assert p.name in notice and f"WhatsApp does not take {ext} files" in notice, notice
+
+
+def test_an_expired_media_id_is_checked_before_reuse_and_uploaded_again(wa, fake_whatsapp, r, tmp_path):
+    # a message naming an expired media id is accepted and never delivered: the cached id is
+    # looked up (GET /<media id>) before it is reused, and an unknown one is uploaded again
+    p = tmp_path / "again.pdf"
+    sha = write_unique(p, 2500)
+    (a,) = wait_job(r, enqueue(wa, "whatsapp:+15551120001", files=[p]))
+    (first,) = fake_whatsapp.calls_for("media")
+    (b,) = wait_job(r, enqueue(wa, "whatsapp:+15551120002", files=[p]))  # fresh: reused after a check
+    assert [c.status for c in fake_whatsapp.calls_for("get_media")] == [200]
+    assert len(fake_whatsapp.calls_for("media")) == 1
+    fake_whatsapp.expired.add(first.result["id"])
+    (c,) = wait_job(r, enqueue(wa, "whatsapp:+15551120003", files=[p]))
+    assert a["state"] == b["state"] == c["state"] == "delivered"
+    assert [x.status for x in fake_whatsapp.calls_for("get_media")] == [200, 400]
+    second = fake_whatsapp.calls_for("media")[1]
+    (msg,) = fake_whatsapp.calls_for("messages", chat="+15551120003")
+    assert _body(msg)["id"] == second.result["id"] != first.result["id"] and second.files["file"].sha256 == sha
+    assert fake_whatsapp.undelivered == []

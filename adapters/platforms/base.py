@@ -10,6 +10,7 @@ maps its vendor's errors in one place.
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
@@ -17,6 +18,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import BinaryIO
+
+from adapters.errors import Permanent
 
 MB = 1000 * 1000
 MiB = 1024 * 1024
@@ -70,6 +73,20 @@ class FileSource:
 
     def open(self) -> AbstractContextManager[BinaryIO]:
         return self.opener()  # type: ignore[operator]
+
+
+class FileRefused(Permanent):
+    """This file cannot go to this platform: a type it does not take, a size it
+    refuses (its own answer, e.g. HTTP 413), an empty file. Permanent, and the
+    shared flow tells the chat why (`notice`: short words for a person, e.g.
+    "WhatsApp does not take .csv files"), with a download link when it can.
+    `too_large`: a size refusal (the same "too large" failure courier's own
+    pre-check records)."""
+
+    def __init__(self, reason: str, *, notice: str | None = None, too_large: bool = False) -> None:
+        super().__init__(reason)
+        self.notice = notice
+        self.too_large = too_large
 
 
 @dataclass(frozen=True)
@@ -130,8 +147,21 @@ class Platform(ABC):
         return 0
 
 
+#: what a chat id looks like on each platform (checked when a target is parsed, before
+#: anything is enqueued), and how to say it
+CHAT_IDS: dict[str, tuple[re.Pattern[str], str]] = {
+    "telegram": (re.compile(r"-?\d{1,20}|@[A-Za-z][A-Za-z0-9_]{3,31}"),
+                 "a numeric chat id (e.g. -100123) or a public channel's @username"),
+    "discord": (re.compile(r"\d{1,20}"), "a numeric channel id (e.g. 1234567890123456789)"),
+    "whatsapp": (re.compile(r"\+?\d{6,15}"), "a phone number in international format (e.g. +15551234567)"),
+    "slack": (re.compile(r"[CGD][A-Z0-9]{2,}|#?[a-z0-9][a-z0-9._-]{0,79}"),
+              "a channel id (e.g. C0123ABCD) or a channel name (e.g. #general)"),
+}
+
+
 def split_target(target: str) -> tuple[str, str]:
-    """`<platform>:<chat id>` -> (platform, chat)."""
+    """`<platform>:<chat id>` -> (platform, chat); a chat id that cannot be one on
+    its platform (`discord:not-a-number`, `whatsapp:hello`) is a ConfigError."""
     from adapters.errors import ConfigError
 
     platform, sep, chat = target.partition(":")
@@ -139,7 +169,11 @@ def split_target(target: str) -> tuple[str, str]:
         raise ConfigError(
             f"malformed target {target!r}: write <platform>:<chat id>, e.g. outbox:demo or telegram:-100123"
         )
-    return platform.lower(), chat
+    platform = platform.lower()
+    rule = CHAT_IDS.get(platform)
+    if rule is not None and not rule[0].fullmatch(chat):
+        raise ConfigError(f"malformed target {target!r}: a {platform} chat is {rule[1]}")
+    return platform, chat
 
 
 def iter_file(file: FileSource, chunk_bytes: int = MiB) -> Iterator[bytes]:

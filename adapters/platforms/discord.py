@@ -52,7 +52,7 @@ import discord
 
 from adapters.errors import ConfigError, CourierError, DeliveryError, Permanent, RateLimited, Transient
 from adapters.platforms import _aio, _ogg
-from adapters.platforms.base import FileSource, Kind, Limits, MiB, Platform, Sent
+from adapters.platforms.base import FileRefused, FileSource, Kind, Limits, MiB, Platform, Sent
 
 __all__ = ["DiscordPlatform", "DEFAULT_BASE_URL", "DEFAULT_UPLOAD_BYTES"]
 
@@ -265,6 +265,10 @@ class DiscordPlatform(Platform):
             if self._client is not None:
                 return self._client
             discord.http.Route.BASE = self.base_url
+            # courier never joins voice channels: no "davey / PyNaCl is not installed, voice will
+            # NOT be supported" warning at every client start
+            discord.VoiceClient.warn_dave = False
+            discord.VoiceClient.warn_nacl = False
             # (no gateway connection: intents only quiet the "guilds intent disabled" warning)
             client = discord.Client(intents=discord.Intents(guilds=True), http_trace=_server_errors_raise())
             # the constructor floors this at 30 s; courier never waits in a worker
@@ -484,8 +488,8 @@ def _translate(exc: BaseException, what: str) -> DeliveryError:
             return RateLimited(ra, f"discord: rate limited, retry after {ra:g}s")
         if status >= 500:
             return Transient(f"discord: server error {detail} ({what})")
-        if status == 413 or exc.code == 40005:
-            return Permanent(f"discord: too large: {detail}")
+        if status == 413 or exc.code == 40005:  # a guild's cap below the setting: the chat gets the notice
+            return FileRefused(f"discord: too large: {detail}", too_large=True)
         if status == 401:
             return Permanent(f"discord: the bot token was rejected ({detail})")
         if isinstance(exc, discord.Forbidden):

@@ -36,6 +36,9 @@ class OutboxPlatform(Platform):
         native_kinds=frozenset(Kind),
     )
 
+    #: a 0-byte file is written as it is (chat platforms refuse one before any upload)
+    takes_empty_files = True
+
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
         self._made: set[Path] = set()  # chat dirs known to exist
@@ -91,7 +94,8 @@ class OutboxPlatform(Platform):
     def send_file(self, chat: str, kind: Kind, file: FileSource, *, caption: str | None, delivery_id: str,
                   file_id: str | None = None) -> Sent:
         d = self._chat_dir(chat)
-        fname = f"{delivery_id[:12]}-{safe_name(file.name)}"
+        # the whole delivery id: same-named files of one job are kept apart
+        fname = f"{_SAFE.sub('_', delivery_id)}-{safe_name(file.name)}"
         tmp = d / f".{uuid.uuid4().hex}.part"
         digest = hashlib.sha256()
         size = 0

@@ -6,10 +6,17 @@
   (name + length) -> POST of the bytes to the returned URL (httpx, read from
   storage chunk by chunk with a Content-Length, never whole in memory; the
   bot token is not sent there) -> `files.completeUploadExternal` (shares
-  them in the channel, the caption as `initial_comment`). slack_sdk's own
+  them in the channel, the caption as `initial_comment`). When the completion
+  fails (a 429, a 5xx) the uploaded file's id rides on the error (`file_id`):
+  the shared flow records it for the delivery and the retry only completes
+  it, never uploading the bytes again. slack_sdk's own
   `files_upload_v2` reads every file whole into memory, so it is not used.
   Slack shows every file as a file (images with a preview): photos stay
   photos, everything else is a document.
+- A chat is a channel id (`C0123ABCD`) or a channel name (`#general`,
+  `general`): a name is resolved to its id through `conversations.list`
+  (cached per process), since file sharing takes only ids; a name the bot
+  cannot see is a clear permanent failure.
 - Progress: a message posted, updated, deleted. Slack has no typing
   indicator for bots over the Web API: `typing` does nothing.
 - No sleeping in a worker: the client has no retry handlers (slack_sdk's
@@ -24,7 +31,10 @@ from __future__ import annotations
 import http.client
 import logging
 import os
+import re
 import socket
+import threading
+import time
 import urllib.error
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -34,7 +44,7 @@ from slack_sdk import WebClient
 from slack_sdk.errors import SlackApiError, SlackClientError, SlackRequestError
 
 from adapters.errors import ConfigError, CourierError, DeliveryError, Permanent, RateLimited, Transient
-from adapters.platforms.base import FileSource, Kind, Limits, Platform, Sent, iter_file
+from adapters.platforms.base import FileRefused, FileSource, Kind, Limits, Platform, Sent, iter_file
 
 __all__ = ["SlackPlatform", "DEFAULT_BASE_URL", "DEFAULT_UPLOAD_BYTES"]
 
@@ -45,12 +55,18 @@ DEFAULT_BASE_URL = "https://slack.com/api/"
 #: Slack's per-file cap (slack_sdk: MAX_V2_FILE_SIZE)
 DEFAULT_UPLOAD_BYTES = 1024 * 1024 * 1024
 UPLOAD_CHUNK_BYTES = 256 * 1024
+#: a channel, group or DM id; anything else is a channel name (resolved by `conversations.list`)
+_CHANNEL_ID = re.compile(r"[CGD][A-Z0-9]{2,}")
+#: how long a resolved channel name is trusted
+NAMES_TTL_S = 600.0
 
 #: `error` codes worth another try later
 _TRANSIENT_ERRORS = frozenset({
     "internal_error", "fatal_error", "service_unavailable", "request_timeout", "team_added_to_org",
 })
-_TOO_LARGE_ERRORS = frozenset({"file_too_large", "msg_too_long", "too_large"})
+_TOO_LARGE_ERRORS = frozenset({"msg_too_long", "too_large"})
+#: a file's size refused by Slack or by the workspace's own restriction
+_FILE_TOO_LARGE_ERRORS = frozenset({"file_too_large", "file_upload_size_restricted"})
 
 
 def escape(text: str) -> str:
@@ -99,6 +115,10 @@ class SlackPlatform(Platform):
         self._api = WebClient(token=token, base_url=self.base_url, timeout=int(timeout_s), retry_handlers=[])
         self._http: httpx.Client | None = None
         self._http_pid: int | None = None
+        #: channel name -> id, and when it was listed (see `channel_id`)
+        self._names: dict[str, str] = {}
+        self._names_at = 0.0
+        self._names_lock = threading.Lock()
         self.limits = Limits(
             text_chars=40000,
             caption_chars=40000,  # initial_comment is a message text
@@ -128,8 +148,40 @@ class SlackPlatform(Platform):
             self._http_pid = os.getpid()
         return self._http
 
+    # -- channels ------------------------------------------------------------------
+    def channel_id(self, chat: str) -> str:
+        """`chat` as a channel id: an id as it is; a name (`#general`, `general`) looked up
+        in `conversations.list` (the channels the bot can see; cached `NAMES_TTL_S` per
+        process). Slack's file sharing takes only ids. An unknown name: Permanent."""
+        if _CHANNEL_ID.fullmatch(chat):
+            return chat
+        name = chat.lstrip("#").lower()
+        with self._names_lock:
+            if name not in self._names or time.monotonic() - self._names_at > NAMES_TTL_S:
+                self._names, self._names_at = self._list_channels(), time.monotonic()
+            cid = self._names.get(name)
+        if cid is None:
+            raise Permanent(f"slack: no channel #{name} that the bot can see (invite the bot to it, "
+                            "or give the channel id, e.g. slack:C0123ABCD)")
+        return cid
+
+    def _list_channels(self) -> dict[str, str]:
+        names: dict[str, str] = {}
+        cursor = None
+        for _ in range(100):  # at most 100 pages of 1000
+            resp = self._call("conversations.list", lambda c=cursor: self._api.conversations_list(
+                types="public_channel,private_channel", exclude_archived=True, limit=1000, cursor=c))
+            for ch in resp.get("channels") or []:
+                if ch.get("name") and ch.get("id"):
+                    names[str(ch["name"]).lower()] = str(ch["id"])
+            cursor = (resp.get("response_metadata") or {}).get("next_cursor")
+            if not cursor:
+                break
+        return names
+
     # -- sending -----------------------------------------------------------------
     def send_text(self, chat: str, text: str, *, delivery_id: str) -> Sent:
+        chat = self.channel_id(chat)
         ts = []
         for piece in fit_escaped(escape(text), self.limits.text_chars):
             resp = self._call("chat.postMessage", lambda p=piece: self._api.chat_postMessage(channel=chat, text=p))
@@ -138,13 +190,23 @@ class SlackPlatform(Platform):
 
     def send_file(self, chat: str, kind: Kind, file: FileSource, *, caption: str | None, delivery_id: str,
                   file_id: str | None = None) -> Sent:
+        """One file; `file_id`: this delivery's own upload from an earlier run whose
+        completion failed (uploaded, never shared): completed without uploading again."""
+        chat = self.channel_id(chat)
+        if file_id:
+            try:
+                return self._complete(chat, [file_id], [file], caption)[0]
+            except Permanent as exc:
+                if "file_not_found" not in exc.reason and "invalid" not in exc.reason:
+                    raise
+                # an upload Slack no longer knows: upload the bytes once more
         return self._share(chat, [file], caption)[0]
 
     def send_album(self, chat: str, files: list[tuple[Kind, FileSource]], *, caption: str | None,
                    delivery_id: str) -> list[Sent]:
         if not 0 < len(files) <= self.limits.files_per_message:
             raise Permanent(f"slack: one message shares 1 to {self.limits.files_per_message} files, not {len(files)}")
-        return self._share(chat, [f for _, f in files], caption)
+        return self._share(self.channel_id(chat), [f for _, f in files], caption)
 
     def _share(self, chat: str, files: list[FileSource], caption: str | None) -> list[Sent]:
         ids: list[str] = []
@@ -153,6 +215,14 @@ class SlackPlatform(Platform):
                              lambda f=f: self._api.files_getUploadURLExternal(filename=f.name, length=f.size_bytes))
             self._call("the file upload", lambda f=f, url=got["upload_url"]: self._post(url, f))
             ids.append(str(got["file_id"]))
+        try:
+            return self._complete(chat, ids, files, caption)
+        except DeliveryError as exc:
+            if len(ids) == 1:  # the shared flow keeps it: the retry completes this upload, no second one
+                exc.file_id = ids[0]  # type: ignore[attr-defined]
+            raise
+
+    def _complete(self, chat: str, ids: list[str], files: list[FileSource], caption: str | None) -> list[Sent]:
         done = self._call("files.completeUploadExternal", lambda: self._api.files_completeUploadExternal(
             files=[{"id": fid, "title": f.name} for fid, f in zip(ids, files)], channel_id=chat,
             initial_comment=escape(caption) if caption else None))
@@ -168,13 +238,16 @@ class SlackPlatform(Platform):
 
     # -- activity ---------------------------------------------------------------------
     def start_progress(self, chat: str, text: str) -> str | None:
+        chat = self.channel_id(chat)
         resp = self._call("chat.postMessage", lambda: self._api.chat_postMessage(channel=chat, text=escape(text)))
         return str(resp["ts"])
 
     def edit_progress(self, chat: str, message_id: str, text: str) -> None:
+        chat = self.channel_id(chat)
         self._call("chat.update", lambda: self._api.chat_update(channel=chat, ts=message_id, text=escape(text)))
 
     def end_progress(self, chat: str, message_id: str) -> None:
+        chat = self.channel_id(chat)
         try:
             self._call("chat.delete", lambda: self._api.chat_delete(channel=chat, ts=message_id))
         except Permanent as exc:
@@ -209,6 +282,8 @@ def _translate(exc: BaseException, what: str) -> DeliveryError:
         label = error if len(error) <= 80 else f"HTTP {status}"
         if status >= 500 or error in _TRANSIENT_ERRORS:
             return Transient(f"slack: {what}: server error {label or status}")
+        if error in _FILE_TOO_LARGE_ERRORS:
+            return FileRefused(f"slack: too large: {what}: {error}", too_large=True)
         if error in _TOO_LARGE_ERRORS:
             return Permanent(f"slack: too large: {what}: {error}")
         if status != 200 and not error:
@@ -219,7 +294,7 @@ def _translate(exc: BaseException, what: str) -> DeliveryError:
             ra = _seconds(exc.retry_after)
             return RateLimited(ra, f"slack: upload rate limited, retry after {ra:g}s")
         if exc.status == 413:
-            return Permanent(f"slack: too large: the upload answered 413 {exc.body[:100]}".rstrip())
+            return FileRefused(f"slack: too large: the upload answered 413 {exc.body[:100]}".rstrip(), too_large=True)
         if exc.status >= 500 or exc.status == 408:
             return Transient(f"slack: the upload answered {exc.status}")
         return Permanent(f"slack: the upload answered {exc.status}: {exc.body[:100]}".rstrip())

@@ -7,6 +7,9 @@
   enforced above the adapter, in Redis (`tasks.ratelimit`).
 - Uploads stream: the open file object from `FileSource.open()` is handed to
   httpx (`InputFile(..., read_file_handle=False)`), never read whole.
+- Audio goes as audio only as mp3/m4a and a voice note only as ogg/opus/
+  mp3/m4a (what Telegram shows so); other formats go as documents on purpose
+  (`route_file`), so the receipt and the file-id cache name what the chat shows.
 - A `file_id` Telegram returned for the same bytes is sent instead of
   uploading again (`cache_key` names the bot: a hash of the token, never the
   token itself).
@@ -45,7 +48,7 @@ from telegram.request import HTTPXRequest
 
 from adapters.errors import ConfigError, DeliveryError, Permanent, RateLimited, Transient
 from adapters.platforms import _aio
-from adapters.platforms.base import MB, FileSource, Kind, Limits, Platform, Sent
+from adapters.platforms.base import MB, FileRefused, FileSource, Kind, Limits, Platform, Sent
 
 __all__ = ["TelegramPlatform", "map_error"]
 
@@ -69,6 +72,9 @@ _ALBUM_MEDIA = {
     Kind.DOCUMENT: InputMediaDocument,
 }
 _CHAT_ID = re.compile(r"-?\d+")
+#: the formats Telegram shows as audio (sendAudio) and as a voice note (sendVoice); any other
+#: file sent so shows as a document, so it goes as one on purpose (`route_file`)
+_SHOWN_AS = {Kind.AUDIO: (".mp3", ".m4a"), Kind.VOICE: (".ogg", ".oga", ".opus", ".mp3", ".m4a")}
 
 
 # -- errors -------------------------------------------------------------------------------
@@ -97,7 +103,7 @@ def map_error(exc: BaseException, secret: str = "") -> DeliveryError:
         s = _seconds(getattr(exc, "_retry_after", None) or exc.retry_after)
         return RateLimited(s, f"telegram: flood control, retry after {s:g}s")
     if isinstance(exc, _HTTPStatus) and exc.status == 413:
-        return Permanent(f"telegram: too large for the Bot API server (413): {msg}")
+        return FileRefused(f"telegram: too large for the Bot API server (413): {msg}", too_large=True)
     if isinstance(exc, _HTTPStatus):
         return (Transient if exc.status >= 500 else Permanent)(f"telegram: HTTP {exc.status}: {msg}")
     if isinstance(exc, ChatMigrated):
@@ -246,8 +252,19 @@ class TelegramPlatform(Platform):
         msg = self._call(lambda bot: bot.send_message(self._chat(chat), text))
         return Sent(message_id=str(msg.message_id))
 
+    def route_file(self, kind: Kind, file: FileSource) -> Kind:
+        """The kind Telegram will show (asked by `tasks.delivery` before sending, which
+        records it and keys the file-id cache by it): audio that is not mp3/m4a, and a
+        voice note that is not ogg/opus/mp3/m4a, go as documents, as Telegram would show
+        them anyway."""
+        formats = _SHOWN_AS.get(kind)
+        if formats is not None and not file.name.lower().endswith(formats):
+            return Kind.DOCUMENT
+        return kind
+
     def send_file(self, chat: str, kind: Kind, file: FileSource, *, caption: str | None, delivery_id: str,
                   file_id: str | None = None) -> Sent:
+        kind = self.route_file(kind, file)  # (the shared flow has routed it already: the same answer)
         method, field = _SEND.get(kind, _SEND[Kind.DOCUMENT])
         cid = self._chat(chat)
         if file_id:

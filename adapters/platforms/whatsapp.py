@@ -2,21 +2,35 @@
 
 - `POST /{phone_number_id}/media` (multipart: messaging_product, type, file),
   streamed from `FileSource.open()`; the media id it returns is the
-  reusable file id (upload once, send many: ids live 30 days; a stale one is
-  uploaded again once).
+  reusable file id (upload once, send many: ids live 30 days). A cached id is
+  looked up (`GET /{media_id}`) before it is reused, since a message naming an
+  expired id is accepted and then never delivered; an unknown one is uploaded
+  again. A send that fails after its upload carries the media
+  id on its error (`file_id`): the shared flow records it, so the retry sends
+  the same media id instead of uploading again.
 - `POST /{phone_number_id}/messages` with `type` image | video | audio |
   document | text. A voice note is `audio` with `"voice": true` (ogg/opus);
-  audio takes no caption, so a caption there follows as a text message.
-- WhatsApp shows few formats natively (images: jpeg/png; video: mp4/3gpp;
-  audio: aac/amr/mp3/m4a/ogg): anything else of those kinds goes as a document.
-  Media files sent as documents are uploaded as application/octet-stream, so
-  the API applies the document limit, not the inline type's.
+  audio takes no caption: `caption_chars_for` answers 0 for it, so the shared
+  flow sends the caption as text parts after it (each recorded, sent once: a
+  retry after a rate-limited caption does not send the audio again).
+- Each file is routed before sending (`route_file`) by the Cloud API's own
+  type rules: it takes only the media types of its supported list
+  (`SUPPORTED_MIME`); anything else (csv, zip, gif, mkv, ...) is refused with
+  a short reason and a notice in the chat, nothing uploaded. Images show
+  inline as jpeg/png, video as mp4/3gpp, audio as aac/amr/mp3/m4a/ogg, a
+  voice note as ogg/opus (another supported audio goes as audio); other
+  supported types, and photos over 5 MB, go as documents. Every upload
+  carries the file's real type (never application/octet-stream, which the
+  API refuses); a document is under the document limit, not the inline
+  type's.
 - Limits: text 4096, caption 1024; uploads: image 5 MB, video/audio 16 MB,
   document 100 MB; ~80 messages/s per business number.
 - Errors mapped in one place, `map_error`: 429 and the rate-limit codes
   (4, 80007, 130429, 131048, 131056) -> RateLimited (Retry-After, else a
   per-code default); 5xx, timeouts, dropped connections, the API's transient
-  codes -> Transient; other 4xx -> Permanent with the API's own message.
+  codes -> Transient; 131053 (media upload error: a size or type it refuses)
+  -> FileRefused (the chat gets a notice; "too large" when it names a size);
+  other 4xx -> Permanent with the API's own message.
 
 The access token only travels in the Authorization header: never in a URL,
 a repr, or an error message.
@@ -33,7 +47,7 @@ from typing import Any
 import httpx
 
 from adapters.errors import ConfigError, DeliveryError, Permanent, RateLimited, Transient
-from adapters.platforms.base import MB, FileSource, Kind, Limits, Platform, Sent
+from adapters.platforms.base import MB, FileRefused, FileSource, Kind, Limits, Platform, Sent
 
 __all__ = ["WhatsAppPlatform", "map_error"]
 
@@ -41,24 +55,39 @@ __all__ = ["WhatsAppPlatform", "map_error"]
 _RATE_LIMIT_CODES = {4: 60.0, 80007: 60.0, 130429: 1.0, 131048: 60.0, 131056: 6.0}
 #: the API's own "try again later" codes
 _TRANSIENT_CODES = {1, 2, 131000, 131016, 133004}
+#: "Media upload error": a size or type the API refuses
+_MEDIA_ERROR = 131053
 #: a cached media id the API no longer knows: upload again
-_STALE_MEDIA_CODES = {100, 131052, 131053}
+_STALE_MEDIA_CODES = {100, 131052, _MEDIA_ERROR}
 
-_NATIVE_MIME = {
-    Kind.PHOTO: {"image/jpeg", "image/png"},
-    Kind.VIDEO: {"video/mp4", "video/3gpp"},
-    Kind.AUDIO: {"audio/aac", "audio/amr", "audio/mpeg", "audio/mp4", "audio/ogg", "audio/x-m4a"},
-    Kind.VOICE: {"audio/ogg"},
+#: the media types the Cloud API takes (its supported list), by the message type that shows them
+#: inline; any of them may also go as a document. Anything else is refused before uploading.
+SUPPORTED_MIME = {
+    "image/jpeg": "image", "image/png": "image", "image/webp": "sticker",
+    "video/mp4": "video", "video/3gpp": "video",
+    "audio/aac": "audio", "audio/amr": "audio", "audio/mpeg": "audio", "audio/mp4": "audio", "audio/ogg": "audio",
+    "text/plain": "document", "application/pdf": "document", "application/msword": "document",
+    "application/vnd.ms-excel": "document", "application/vnd.ms-powerpoint": "document",
+    "application/vnd.openxmlformats-officedocument.wordprocessingml.document": "document",
+    "application/vnd.openxmlformats-officedocument.spreadsheetml.sheet": "document",
+    "application/vnd.openxmlformats-officedocument.presentationml.presentation": "document",
 }
-_EXTRA_MIME = {".opus": "audio/ogg", ".ogg": "audio/ogg", ".m4a": "audio/mp4", ".3gp": "video/3gpp",
-               ".amr": "audio/amr", ".aac": "audio/aac", ".webp": "image/webp"}
+_EXTRA_MIME = {".opus": "audio/ogg", ".ogg": "audio/ogg", ".oga": "audio/ogg", ".m4a": "audio/mp4",
+               ".3gp": "video/3gpp", ".amr": "audio/amr", ".aac": "audio/aac", ".webp": "image/webp",
+               ".mp3": "audio/mpeg"}
+#: other names of supported types
+_ALIASES = {"audio/x-m4a": "audio/mp4", "audio/mp3": "audio/mpeg", "audio/x-aac": "audio/aac",
+            "audio/opus": "audio/ogg", "image/jpg": "image/jpeg", "image/pjpeg": "image/jpeg"}
 
 
 def mime_of(name: str, given: str | None = None) -> str:
+    """The file's media type (its own when given, else by name), in the API's spelling."""
     if given:
-        return given
-    ext = os.path.splitext(name)[1].lower()
-    return _EXTRA_MIME.get(ext) or mimetypes.guess_type(name, strict=False)[0] or "application/octet-stream"
+        mime = given.split(";")[0].strip().lower()
+    else:
+        ext = os.path.splitext(name)[1].lower()
+        mime = _EXTRA_MIME.get(ext) or mimetypes.guess_type(name, strict=False)[0] or "application/octet-stream"
+    return _ALIASES.get(mime, mime)
 
 
 def map_error(err: httpx.Response | BaseException) -> DeliveryError:
@@ -92,6 +121,15 @@ def map_error(err: httpx.Response | BaseException) -> DeliveryError:
         return RateLimited(wait, text)
     if status >= 500 or code in _TRANSIENT_CODES or e.get("is_transient") is True:
         return Transient(text)
+    if code == _MEDIA_ERROR:  # a size (or type) the API refuses: the chat gets a notice
+        said = f"{message} {details or ''}".lower()
+        if any(w in said for w in ("size", "too large", "too big", "limit")):
+            perm: Permanent = FileRefused(text, too_large=True)
+        else:  # the answer lists every supported type (700 characters): keep it short
+            perm = FileRefused(f"whatsapp: {message}: the file's type is not accepted (HTTP {status}, code {code})",
+                               notice="WhatsApp does not take this type of file")
+        perm.api_code = code  # type: ignore[attr-defined]
+        return perm
     perm = Permanent(text)
     perm.api_code = code  # type: ignore[attr-defined]
     return perm
@@ -119,7 +157,8 @@ class WhatsAppPlatform(Platform):
         if not phone_number_id:
             raise ConfigError("whatsapp: WHATSAPP_PHONE_NUMBER_ID is not set")
         self._token = access_token
-        self._root = f"{base_url.rstrip('/')}/{phone_number_id}"
+        self._base = base_url.rstrip("/")
+        self._root = f"{self._base}/{phone_number_id}"
         #: names this sender in shared Redis keys (media ids, rate limits)
         self.cache_key = hashlib.sha256(b"whatsapp:" + phone_number_id.encode()).hexdigest()[:20]
         self._timeout = httpx.Timeout(connect=connect_timeout_s, read=read_timeout_s, write=write_timeout_s,
@@ -166,6 +205,22 @@ class WhatsAppPlatform(Platform):
     def send_text(self, chat: str, text: str, *, delivery_id: str) -> Sent:
         return self._message(chat, "text", {"body": text, "preview_url": False})
 
+    def media_known(self, media_id: str) -> bool:
+        """Whether the API still has this media id (`GET /<media id>`). A message naming
+        an expired one is accepted and then fails on its way, so a cached id is looked up
+        before it is reused; an id the API answers 4xx for is not known (rate limits and
+        server errors propagate: the send is retried)."""
+        try:
+            resp = self._http().get(f"{self._base}/{media_id}")
+        except httpx.HTTPError as exc:
+            raise map_error(exc) from None
+        if resp.status_code == 200:
+            return True
+        err = map_error(resp)
+        if isinstance(err, (RateLimited, Transient)):
+            raise err
+        return False
+
     def upload(self, file: FileSource, mime: str) -> str:
         with file.open() as f:
             data = self._post("media", data={"messaging_product": "whatsapp", "type": mime},
@@ -175,11 +230,37 @@ class WhatsAppPlatform(Platform):
             raise Transient("whatsapp: the media upload answer held no id")
         return str(media_id)
 
+    def route_file(self, kind: Kind, file: FileSource) -> Kind:
+        """The kind this file goes as on WhatsApp, decided before anything is sent
+        (asked by `tasks.delivery`, which records it): a type off the Cloud API's
+        supported list is refused (`FileRefused`, a short reason and a notice);
+        a format WhatsApp does not show inline goes as a document (webp, a photo
+        over 5 MB); a voice note that is not ogg/opus goes as audio."""
+        mime = mime_of(file.name, file.mime)
+        cls = SUPPORTED_MIME.get(mime)
+        if cls is None:
+            ext = os.path.splitext(file.name)[1].lower() or f"({mime})"
+            raise FileRefused(f"whatsapp does not take {ext} files ({mime})",
+                              notice=f"WhatsApp does not take {ext} files")
+        if kind == Kind.VOICE:
+            return Kind.VOICE if mime == "audio/ogg" else Kind.AUDIO if cls == "audio" else Kind.DOCUMENT
+        inline = {Kind.PHOTO: "image", Kind.ANIMATION: "image", Kind.VIDEO: "video", Kind.AUDIO: "audio"}.get(kind)
+        if inline is None or inline != cls:
+            return Kind.DOCUMENT
+        return Kind.PHOTO if kind == Kind.ANIMATION else kind
+
+    def caption_chars_for(self, kind: Kind, file: FileSource) -> int:
+        """The caption limit for this file (asked by `tasks.delivery`): an audio
+        message takes no caption, so 0 (its caption follows as text parts, each
+        sent once by the shared flow); else 1024."""
+        if kind in (Kind.AUDIO, Kind.VOICE):
+            return 0
+        return self.limits.caption_chars
+
     def send_file(self, chat: str, kind: Kind, file: FileSource, *, caption: str | None, delivery_id: str,
                   file_id: str | None = None) -> Sent:
         mime = mime_of(file.name, file.mime)
-        if kind in _NATIVE_MIME and mime.split(";")[0] not in _NATIVE_MIME[kind]:
-            kind = Kind.DOCUMENT  # a format WhatsApp does not play inline
+        kind = self.route_file(kind, file)  # (the shared flow has routed it already: the same answer)
         type_ = {Kind.PHOTO: "image", Kind.ANIMATION: "image", Kind.VIDEO: "video", Kind.AUDIO: "audio",
                  Kind.VOICE: "audio"}.get(kind, "document")
 
@@ -193,11 +274,9 @@ class WhatsAppPlatform(Platform):
                 b["caption"] = caption
             return b
 
-        if type_ == "document" and mime.split("/")[0] in ("image", "video", "audio"):
-            # as a document, not under the inline type's size limit (image 5 MB, video 16 MB)
-            mime = "application/octet-stream"
-
         sent: Sent | None = None
+        if file_id and not self.media_known(file_id):
+            file_id = None  # expired (30 days) or deleted: a message naming it would be accepted, never delivered
         if file_id:
             try:
                 sent = Sent(self._message(chat, type_, body(file_id)).message_id, file_id=file_id)
@@ -206,9 +285,11 @@ class WhatsAppPlatform(Platform):
                     raise
         if sent is None:
             media_id = self.upload(file, mime)
-            sent = Sent(self._message(chat, type_, body(media_id)).message_id, file_id=media_id)
-        if caption and type_ == "audio":  # audio messages carry no caption: it follows as text
-            self.send_text(chat, caption, delivery_id=f"{delivery_id}#caption")
+            try:
+                sent = Sent(self._message(chat, type_, body(media_id)).message_id, file_id=media_id)
+            except DeliveryError as exc:
+                exc.file_id = media_id  # type: ignore[attr-defined] - the shared flow keeps it for the retry
+                raise
         return sent
 
     def close(self) -> None:
