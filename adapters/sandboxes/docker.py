@@ -62,7 +62,8 @@ from adapters.sandboxes.base import (
     DEFAULT_MAX_BYTES, BoundedOutput, PathPolicy, Sandbox, SandboxRef, _under, check_lexical,
 )
 from adapters.sandboxes.execstream import (
-    EXIT_CHANGED, ExecStream, ExecStreamMixin, Resolved, exec_resolve, kill_argv, resolve_put_dest,
+    EXIT_CHANGED, ExecStream, ExecStreamMixin, Resolved, exec_iter_file, exec_resolve, kill_argv,
+    resolve_put_dest,
 )
 from adapters.sandboxes.routing import host_of  # noqa: F401 - re-exported for callers
 
@@ -74,6 +75,16 @@ DOCKER_DEFAULT_ROOTS = ("/workspace", "/tmp")
 _GO_MODE_SYMLINK = 1 << 27
 _GO_MODE_DIR = 1 << 31
 _GO_MODE_TYPE = (1 << 31) | (1 << 27) | (1 << 26) | (1 << 25) | (1 << 24) | (1 << 21) | (1 << 19)
+
+#: what Go's filepath.Match treats as pattern syntax: the engine's archive API
+#: (podman's copier) expands it, so such a path never goes to that API
+GLOB_CHARS = frozenset("*?[]\\")
+
+
+def has_glob(path: str) -> bool:
+    """Whether the archive API could read `path` as a pattern instead of a name."""
+    return not GLOB_CHARS.isdisjoint(path)
+
 
 _FINALIZE_SCRIPT = r"""if [ -L "$2" ] || [ -d "$2" ]; then rm -f -- "$1"; exit 97; fi
 mv -f -- "$1" "$2" || { rm -f -- "$1"; exit 3; }
@@ -671,6 +682,8 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
         api = self.client.api
         if not all(hasattr(api, a) for a in ("head", "_url", "_raise_for_status")):
             return None
+        if has_glob(path):  # the engine would expand it: exec resolves it literally
+            return None
         parts = [p for p in path.split("/") if p]
         if not parts:
             return None
@@ -714,6 +727,11 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
                 info = self._extract_bound(bound, path, store, key, max_bytes=max_bytes)
                 self.stats["bind"] += 1
                 return info
+        if has_glob(r.path):  # the archive API would expand it: the literal name through exec
+            info = store.put_stream(key, exec_iter_file(self._exec, r.path, expected_size=r.size, max_bytes=max_bytes),
+                                    max_bytes=max_bytes)
+            self.stats["exec"] += 1
+            return info
         info = store.put_stream(key, self.iter_archive(r.path, r.size, max_bytes=max_bytes), max_bytes=max_bytes)
         self.stats["archive"] += 1
         return info
@@ -734,7 +752,10 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
             return store.put_stream(key, f, max_bytes=max_bytes)
 
     def iter_archive(self, resolved: str, size: int | None, *, max_bytes: int) -> Iterator[bytes]:
-        """The file's bytes through ``get_archive``, member-checked."""
+        """The file's bytes through ``get_archive``, member-checked. A path
+        with glob characters is refused: the engine would expand them."""
+        if has_glob(resolved):
+            raise UnsafePath(f"{resolved}: glob characters cannot go to the archive API")
         with self._errors("get_archive", path=resolved):
             body, st, raw = self._open_archive(resolved)
         try:
@@ -773,6 +794,8 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
         return ForwardReader(res.iter_content(CHUNK, False)), st, res
 
     def open_stream(self, resolved: str) -> Iterator[bytes]:
+        if has_glob(resolved):
+            return exec_iter_file(self._exec, resolved)
         return self.iter_archive(resolved, None, max_bytes=DEFAULT_MAX_BYTES * 1000)
 
     def extract_via_exec(self, path: str, store, key: str, *, max_bytes: int = DEFAULT_MAX_BYTES):
