@@ -190,3 +190,51 @@ def test_put_long_name(sb, area, store):
     dest = area["root"] / ("n" * 250)
     assert sb.put(store, "files/in", str(dest)) == str(dest)
     assert dest.read_bytes() == b"payload"
+
+
+def _run_bounded(fn, unblock, timeout_s=10.0):
+    """Run `fn` in a thread; if it is still running after `timeout_s`, call
+    `unblock` (so the test never hangs) and fail. Returns fn's exception."""
+    box: dict = {}
+
+    def run():
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            box["exc"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        unblock()
+        t.join(10)
+        pytest.fail(f"blocked for more than {timeout_s} s")
+    return box.get("exc")
+
+
+def test_fifo_swapped_in_after_resolve_never_blocks(sb, area, store):
+    """A FIFO put in place of the checked file between resolve and open is
+    refused at once (old code: open() blocked the worker until a writer came)."""
+    victim = area["root"] / "fifo_swap.bin"
+    victim.write_bytes(b"harmless")
+
+    class Racing(LocalSandbox):
+        def resolve(self, path):
+            out = super().resolve(path)
+            victim.unlink()
+            os.mkfifo(victim)  # the agent's swap, right after the check
+            return out
+
+    racing = Racing(sb.ref, sb.policy)
+
+    def unblock():
+        fd = os.open(victim, os.O_WRONLY | os.O_NONBLOCK)
+        os.close(fd)
+
+    try:
+        exc = _run_bounded(lambda: racing.extract(str(victim), store, "files/x"), unblock)
+        assert isinstance(exc, NotAFile), exc
+        assert_store_empty(store)
+    finally:
+        victim.unlink()

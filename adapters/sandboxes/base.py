@@ -8,16 +8,20 @@ before a byte moves, and checked again after transfer where the backend can.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import posixpath
+import queue
+import stat
+import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 from urllib.parse import quote, unquote, urlparse
 
-from adapters.errors import ConfigError, SandboxError, UnsafePath
+from adapters.errors import ConfigError, NotAFile, SandboxError, SandboxGone, UnsafePath
 
 DEFAULT_MAX_BYTES = 50 * 1000 * 1000
 #: Sandbox.exec: bytes kept per output stream, and the exit code of a timeout
@@ -175,6 +179,85 @@ def check_lexical(path: str) -> str:
     if ".." in path.split("/"):
         raise UnsafePath(f"{path}: '..' is not allowed")
     return path
+
+
+#: default read deadline: a sandbox channel that sends nothing for this long is given up
+DEFAULT_IO_TIMEOUT_S = 60.0
+
+
+class ReadTimeout(SandboxGone):
+    """A sandbox channel sent nothing within its read deadline (a stalled
+    shell, a FIFO opened after the check): this attempt fails, the worker
+    goes on."""
+
+
+def with_deadline(chunks: Iterable[bytes], idle_s: float, what: str, on_timeout=None) -> Iterator[bytes]:
+    """`chunks` (a blocking iterator: an SDK stream) read by a helper thread,
+    at most two chunks ahead; when none arrives for `idle_s` seconds,
+    `on_timeout()` runs (end the command) and :class:`ReadTimeout` is raised.
+    A producer still stuck in the SDK is left to its daemon thread."""
+    q: queue.Queue = queue.Queue(maxsize=2)
+    stop = threading.Event()
+    done = object()
+
+    def put(item) -> None:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def run() -> None:
+        try:
+            for chunk in chunks:
+                put(("c", chunk))
+                if stop.is_set():
+                    return
+            put(("d", done))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            put(("e", exc))
+
+    threading.Thread(target=run, name="courier-read-deadline", daemon=True).start()
+    try:
+        while True:
+            try:
+                kind, item = q.get(timeout=idle_s)
+            except queue.Empty:
+                if on_timeout is not None:
+                    with contextlib.suppress(Exception):
+                        on_timeout()
+                raise ReadTimeout(f"{what}: nothing received for {idle_s:g} s; given up") from None
+            if kind == "d":
+                return
+            if kind == "e":
+                raise item
+            yield item
+    finally:
+        stop.set()
+
+
+def open_regular(path: str, *, dir_fd: int | None = None, shown: str | None = None) -> tuple[int, os.stat_result]:
+    """Open `path` (no link followed at its last component) for reading
+    without ever blocking, and return (fd, fstat of that fd).
+
+    O_NONBLOCK makes a FIFO or a device swapped in after the path check
+    open at once instead of hanging the worker; the *opened* descriptor is
+    then checked (a regular file, else NotAFile) and made blocking again
+    for the read. Callers check what else they need on the returned stat
+    (the bytes read are those of the file checked here)."""
+    shown = shown or path
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0)
+    fd = os.open(path, flags, dir_fd=dir_fd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotAFile(f"{shown}: not a regular file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
 
 
 class Sandbox(ABC):

@@ -47,6 +47,7 @@ Use it as a mixin (:class:`ExecStreamMixin`, needs ``self.policy``,
 from __future__ import annotations
 
 import binascii
+import contextlib
 import math
 import posixpath
 import uuid
@@ -56,7 +57,8 @@ from typing import Protocol, runtime_checkable
 
 from adapters.errors import FileMissing, NotAFile, SandboxError, SandboxGone, TooLarge, UnsafePath
 from adapters.sandboxes.base import (
-    DEFAULT_EXEC_OUTPUT_BYTES, DEFAULT_MAX_BYTES, ExecRun, PathPolicy, check_lexical, exec_argv, run_exec,
+    DEFAULT_EXEC_OUTPUT_BYTES, DEFAULT_MAX_BYTES, ExecRun, PathPolicy, ReadTimeout, check_lexical, exec_argv,
+    run_exec,
 )
 
 __all__ = [
@@ -89,12 +91,17 @@ printf '%s\0%s\0%s\0%s' "$HOME" "$r" "$t" "$s"
 """
 
 # $1 = resolved path, $2 = "cat" or "base64". Opens the file once on fd 3,
-# checks what was opened is still the resolved path (the fd's own link in
-# /proc where there is one; kept exactly, as in RESOLVE_SCRIPT), then streams
-# from that fd.
+# checks what was opened is still the resolved path and a regular file (the
+# fd's own link in /proc where there is one; kept exactly, as in
+# RESOLVE_SCRIPT), then streams from that fd. A FIFO swapped in between the
+# test and the open blocks the open: the reader's deadline ends it, and the
+# caller kills the run by its COURIER_EXEC_ID.
 STREAM_SCRIPT = r"""[ -f "$1" ] || { [ -e "$1" ] && exit 4; exit 2; }
 exec 3< "$1" || exit 2
-if [ -e "/proc/$$/fd/3" ]; then r=$(readlink "/proc/$$/fd/3"; echo x); else r=$(readlink -f -- "$1"; echo x); fi
+if [ -e "/proc/$$/fd/3" ]; then
+[ -f "/proc/$$/fd/3" ] || exit 4
+r=$(readlink "/proc/$$/fd/3"; echo x)
+else r=$(readlink -f -- "$1"; echo x); fi
 r=${r%x}
 r=${r%?}
 [ "$r" = "$1" ] || exit 97
@@ -349,7 +356,10 @@ def exec_iter_file(ch: ExecChannel, resolved: str, *, expected_size: int | None 
     differs from `expected_size`), or more than `max_bytes` arrive.
     """
     mode = "cat" if getattr(ch, "binary_safe", True) else "base64"
-    st = ch.exec_stream(["sh", "-c", STREAM_SCRIPT, "sh", resolved, mode])
+    run_id = uuid.uuid4().hex
+    # the run carries its id in its environment: a stalled one (its channel's
+    # read deadline passed) is killed by it, not left blocked in the sandbox
+    st = ch.exec_stream(["env", f"COURIER_EXEC_ID={run_id}", "sh", "-c", STREAM_SCRIPT, "sh", resolved, mode])
     n = 0
     try:
         body = st.chunks if mode == "cat" else _b64_decode(st.chunks)
@@ -362,6 +372,11 @@ def exec_iter_file(ch: ExecChannel, resolved: str, *, expected_size: int | None 
                                limit_bytes=max_bytes)
             yield chunk
         rc = st.exit_code()
+    except ReadTimeout:
+        st.close()
+        with contextlib.suppress(Exception):  # best effort: the sandbox may be the stalled part
+            ch.exec_small(kill_argv(run_id))
+        raise
     finally:
         st.close()
     if rc == EXIT_MISSING:

@@ -22,7 +22,7 @@ from pathlib import Path
 from adapters.errors import FileMissing, NotAFile, TooLarge, UnsafePath
 from adapters.sandboxes.base import (
     DEFAULT_EXEC_OUTPUT_BYTES, DEFAULT_MAX_BYTES, BoundedOutput, PathPolicy, Sandbox, SandboxRef, check_lexical,
-    exec_argv, run_exec,
+    exec_argv, open_regular, run_exec,
 )
 
 CHUNK = 1024 * 1024
@@ -58,12 +58,12 @@ class LocalSandbox(Sandbox):
         return real, st.st_size
 
     def _open_checked(self, resolved: str) -> int:
-        fd = os.open(resolved, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        # non-blocking open, then the opened fd is checked: a FIFO swapped in
+        # after resolve is refused at once instead of hanging the worker
+        fd, _st = open_regular(resolved)
         try:
             real = os.readlink(f"/proc/self/fd/{fd}") if _PROC_FD else resolved
             self.policy.check(real, shown=resolved)
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise NotAFile(f"{resolved}: not a regular file")
         except BaseException:
             os.close(fd)
             raise

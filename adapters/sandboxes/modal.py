@@ -41,7 +41,8 @@ from adapters.errors import (
     ConfigError, CourierError, FileMissing, NotAFile, SandboxError, SandboxGone, TooLarge, UnsafePath,
 )
 from adapters.sandboxes.base import (
-    DEFAULT_MAX_BYTES, BoundedOutput, PathPolicy, Sandbox, SandboxRef, check_lexical,
+    DEFAULT_IO_TIMEOUT_S, DEFAULT_MAX_BYTES, BoundedOutput, PathPolicy, Sandbox, SandboxRef, check_lexical,
+    with_deadline,
 )
 from adapters.sandboxes.execstream import (
     EXIT_CHANGED, ExecStream, ExecStreamMixin, exec_iter_file, exec_resolve, kill_argv,
@@ -92,11 +93,16 @@ class _ModalExec:
         with self.msb._errors(argv[-1] if argv else "exec"):
             return self.msb.handle().exec(*argv, text=False)
 
+    def _timed(self, stream, what: str) -> Iterator[bytes]:
+        """An SDK output stream with the sandbox's read deadline (the SDK's
+        iterators block without one)."""
+        return with_deadline(stream, self.msb.io_timeout_s, f"modal sandbox {self.msb.ref.target}: {what}")
+
     def exec_small(self, argv: Sequence[str]) -> tuple[int, bytes, bytes]:
         p = self._exec(argv)
         with self.msb._errors(argv[-1]):
-            out = _bounded(p.stdout)
-            err = _bounded(p.stderr)
+            out = _bounded(self._timed(p.stdout, "exec output"))
+            err = _bounded(self._timed(p.stderr, "exec output"))
             rc = p.wait()
         return (rc if rc is not None else p.returncode), out, err
 
@@ -106,7 +112,7 @@ class _ModalExec:
 
         def chunks() -> Iterator[bytes]:
             with self.msb._errors(argv[-2] if len(argv) > 1 else "exec"):
-                for chunk in p.stdout:
+                for chunk in self._timed(p.stdout, "exec stream"):
                     yield _as_bytes(chunk)
                 rc = p.wait()
                 state["rc"] = rc if rc is not None else p.returncode
@@ -216,11 +222,14 @@ class ModalSandbox(ExecStreamMixin, Sandbox):
     kind = "modal"
     exec_default_roots = MODAL_DEFAULT_ROOTS
 
-    def __init__(self, ref: SandboxRef, policy: PathPolicy | None = None, *, client: Any = None) -> None:
+    def __init__(self, ref: SandboxRef, policy: PathPolicy | None = None, *, client: Any = None,
+                 io_timeout_s: float = DEFAULT_IO_TIMEOUT_S) -> None:
         super().__init__(ref, policy)  # type: ignore[arg-type]
         if not ref.target:
             raise ConfigError("modal sandbox needs an id: modal://sb-.../abs/path")
         self.client = client
+        #: read deadline of every exec output and file read (a stalled sandbox costs one attempt)
+        self.io_timeout_s = io_timeout_s
         self._handle: Any = None
 
     # -- the SDK object and its errors --------------------------------------------
@@ -331,8 +340,9 @@ class ModalSandbox(ExecStreamMixin, Sandbox):
         if opener is None:
             return None
         me = _modal().exception
-        try:
-            f = opener(resolved, "rb")
+        try:  # the open too has a deadline (a FIFO swapped in after resolve may block it)
+            f = next(with_deadline((opener(resolved, "rb") for _ in (0,)), self.io_timeout_s,
+                                   f"modal sandbox {self.ref.target}: opening {resolved}"))
         except (FileNotFoundError, IsADirectoryError, PermissionError) as exc:
             raise self._map(exc, resolved) from exc  # type: ignore[misc]
         except me.Error as exc:
@@ -343,12 +353,12 @@ class ModalSandbox(ExecStreamMixin, Sandbox):
 
         def chunks() -> Iterator[bytes]:
             try:
-                with self._errors(resolved):
-                    while True:
-                        data = f.read(CHUNK)
-                        if not data:
-                            break
+                def reads() -> Iterator[bytes]:
+                    while data := f.read(CHUNK):
                         yield _as_bytes(data)
+
+                with self._errors(resolved):
+                    yield from with_deadline(reads(), self.io_timeout_s, f"modal sandbox {self.ref.target}: {resolved}")
             finally:
                 with contextlib.suppress(Exception):
                     f.close()

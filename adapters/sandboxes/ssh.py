@@ -65,7 +65,8 @@ from adapters.errors import (
     ConfigError, CourierError, FileMissing, NotAFile, SandboxError, SandboxGone, TooLarge, UnsafePath,
 )
 from adapters.sandboxes.base import (
-    DEFAULT_EXEC_OUTPUT_BYTES, DEFAULT_MAX_BYTES, BoundedOutput, PathPolicy, Sandbox, SandboxRef, check_lexical,
+    DEFAULT_EXEC_OUTPUT_BYTES, DEFAULT_MAX_BYTES, BoundedOutput, PathPolicy, ReadTimeout, Sandbox, SandboxRef,
+    check_lexical,
 )
 from adapters.sandboxes.execstream import (
     ExecStream, Resolved, default_roots, exec_command, exec_iter_file, exec_resolve, kill_argv,
@@ -419,6 +420,13 @@ def _use_fast_pipe(chan) -> None:
 
 
 _FastPipe = None
+
+
+def _readable(fd: int, timeout_s: float) -> bool:
+    """Whether `fd` has data or EOF within `timeout_s` (poll: any fd number)."""
+    p = select.poll()
+    p.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+    return bool(p.poll(max(0.0, timeout_s) * 1000))
 
 
 def _strip_nl(s: bytes) -> bytes:
@@ -1022,15 +1030,32 @@ class _OpenSshChannel:
             raise self.sb._ssh_error(rc, err, what)
         return rc, err
 
+    def _read(self, proc: subprocess.Popen, n: int, what: str) -> bytes:
+        """Up to `n` bytes of the client's stdout (b"" at the end), waiting at
+        most io_timeout_s for them: a stalled remote (a FIFO's open, a stuck
+        shell) ends this client with ReadTimeout instead of holding the worker."""
+        fd = proc.stdout.fileno()
+        if not _readable(fd, self.sb.io_timeout_s):
+            proc.kill()
+            raise ReadTimeout(f"ssh {self.sb.where}: nothing received for {self.sb.io_timeout_s:g} s ({what})")
+        return os.read(fd, n)
+
     def exec_small(self, argv) -> tuple[int, bytes, bytes]:
+        what = argv[-1] if argv else "ssh"
         with tempfile.TemporaryFile() as errf:
             proc = self._popen(argv, subprocess.DEVNULL, errf)
             out = bytearray()
-            with proc.stdout:
-                while data := proc.stdout.read(65536):  # raw pipe: read to EOF
-                    if len(out) < (1 << 20):
-                        out += data
-            rc, err = self._finish(proc, errf, argv[-1] if argv else "ssh")
+            try:
+                with proc.stdout:
+                    while data := self._read(proc, 65536, what):  # raw pipe: read to EOF
+                        if len(out) < (1 << 20):
+                            out += data
+            except BaseException:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+                raise
+            rc, err = self._finish(proc, errf, what)
         return rc, bytes(out), err
 
     def exec_stream(self, argv) -> ExecStream:
@@ -1045,7 +1070,15 @@ class _OpenSshChannel:
             buf = bytearray(CHUNK)
             view = memoryview(buf)
             fill = 0
-            while n := proc.stdout.readinto(view[fill:]):
+            fd = proc.stdout.fileno()
+            idle = self.sb.io_timeout_s
+            while True:
+                if not _readable(fd, idle):  # a read deadline: a stalled remote costs this attempt, not the worker
+                    proc.kill()
+                    raise ReadTimeout(f"ssh {self.sb.where}: nothing received for {idle:g} s ({what})")
+                n = os.readv(fd, [view[fill:]])
+                if not n:
+                    break
                 fill += n
                 if fill == CHUNK:
                     yield bytes(buf)

@@ -1,0 +1,145 @@
+"""SshSandbox against an agent that attacks (real OpenSSH server on 127.0.0.1).
+
+Each test states what must hold. The "remote" host is this machine, so the
+agent's moves (a FIFO swap, ...) are made with local file operations.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+import time
+
+import pytest
+
+from adapters.errors import FileMissing, NotAFile, SandboxGone, UnsafePath
+from adapters.sandboxes.base import ReadTimeout
+from adapters.sandboxes.execstream import exec_iter_file
+from adapters.sandboxes.ssh import close_pool
+from storage.volume import VolumeStore
+from tests.fixtures.services import wait_until
+from tests.test_sandbox_ssh import make
+
+MODES = ["sftp", "openssh"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_connections():
+    yield
+    close_pool()
+
+
+@pytest.fixture
+def root(tmp_path):
+    r = tmp_path / "root"
+    r.mkdir()
+    os.chmod(tmp_path, 0o755)
+    return r
+
+
+@pytest.fixture
+def control_dir():
+    d = tempfile.mkdtemp(prefix="cm", dir="/tmp")  # ControlPath must stay short
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def store(tmp_path):
+    return VolumeStore(tmp_path / "store")
+
+
+def bounded(fn, timeout_s: float, unblock=None):
+    """Run `fn` in a thread; fail (after `unblock()`) if it runs past `timeout_s`.
+    Returns (result, exception, seconds)."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["res"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            box["exc"] = exc
+
+    t0 = time.monotonic()
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    took = time.monotonic() - t0
+    if t.is_alive():
+        if unblock is not None:
+            unblock()
+        t.join(30)
+        pytest.fail(f"blocked for more than {timeout_s} s")
+    return box.get("res"), box.get("exc"), took
+
+
+def _runs_with_env(entry: str) -> list[int]:
+    """Pids of processes on this host whose environment holds `entry` (NAME=value)."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if entry.encode() in f.read().split(b"\0"):
+                    out.append(int(name))
+        except OSError:
+            continue
+    return out
+
+
+# -- 2/3. a stalled remote never holds the worker: every read has a deadline ------------
+def test_openssh_stalled_stream_times_out(sshd_server, root, control_dir):
+    """A remote command that sends nothing ends with ReadTimeout after the
+    read deadline (old code: the read blocked until the command ended)."""
+    s = make(sshd_server, root, "openssh", control_dir, io_timeout_s=2)
+    try:
+        ch = s._openssh()
+
+        def read():
+            st = ch.exec_stream(["sleep", "25"])
+            try:
+                return b"".join(st.chunks)
+            finally:
+                st.close()
+
+        _res, exc, took = bounded(read, 20)
+        assert isinstance(exc, ReadTimeout) and isinstance(exc, SandboxGone), exc
+        assert took < 10
+        _res, exc, took = bounded(lambda: ch.exec_small(["sleep", "25"]), 20)
+        assert isinstance(exc, ReadTimeout), exc
+    finally:
+        s.close()
+
+
+def test_openssh_fifo_open_is_killed_after_the_deadline(sshd_server, root, control_dir):
+    """The stream script blocked opening a FIFO (what a swap after its type
+    test leaves) is ended by the read deadline and killed on the host by its
+    run id: nothing is left blocked behind."""
+    fifo = root / "pipe"
+    os.mkfifo(fifo)
+    s = make(sshd_server, root, "openssh", control_dir, io_timeout_s=2)
+    ch = s._openssh()
+    real = ch.exec_stream
+    seen: list[str] = []
+
+    def stream_without_type_test(argv):
+        # the swap lands between the script's `[ -f ]` and its open: start the
+        # run at the open (same script minus its first line, same run id)
+        argv = list(argv)
+        i = argv.index("-c") + 1
+        argv[i] = argv[i].split("\n", 1)[1]
+        seen.extend(a for a in argv if a.startswith("COURIER_EXEC_ID="))
+        return real(argv)
+
+    ch.exec_stream = stream_without_type_test
+    try:
+        _res, exc, took = bounded(lambda: b"".join(exec_iter_file(ch, str(fifo))), 20,
+                                  unblock=lambda: os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)))
+        assert isinstance(exc, ReadTimeout), exc
+        assert len(seen) == 1
+        wait_until(lambda: not _runs_with_env(seen[0]), timeout_s=10, what="the blocked stream run to be killed")
+    finally:
+        s.close()
