@@ -6,10 +6,13 @@ expected digests come from the container's own `sha256sum`.
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
-from adapters.errors import FileMissing, UnsafePath
-from adapters.sandboxes.base import SandboxRef
+from adapters.errors import FileMissing, SandboxGone, UnsafePath
+from adapters.sandboxes.base import ReadTimeout, SandboxRef
 from adapters.sandboxes.docker import DockerSandbox
 from storage.volume import VolumeStore
 from tests.fixtures._files import sha_in_container, stored
@@ -68,3 +71,60 @@ def test_file_named_with_glob_chars_is_delivered(sb, ctr, store):
     info = sb.extract(path, store, "files/b")
     assert info.sha256 == sha_in_container(ctr, path)
 
+
+
+# -- 3. a container whose shell stalls costs one attempt, never a worker ----------------------
+STALL = r"""set -e
+echo data > /workspace/real.txt
+ln -s real.txt /workspace/via_link.txt
+rm /bin/sh
+printf '#!/bin/busybox sh\nexec sleep 100000\n' > /bin/sh
+/bin/busybox chmod +x /bin/sh
+"""
+
+
+def _bounded(fn, timeout_s: float):
+    """Run `fn` in a thread; fail if it runs past `timeout_s` (the caller's
+    cleanup then removes the container, which ends the stuck call)."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["res"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            box["exc"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t0 = time.monotonic()
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        pytest.fail(f"blocked for more than {timeout_s} s")
+    return box.get("exc"), time.monotonic() - t0
+
+
+@pytest.mark.parametrize("how", ["resolve", "exec_stream", "put"])
+def test_stalled_container_shell_times_out(docker_api, tmp_path, how):
+    """Every exec read has a deadline: with the container's `sh` stalled, a
+    resolve through exec, a stream and a put each end with ReadTimeout
+    (SandboxGone: retried) within the deadline (old code: 828 s observed)."""
+    c = docker_api.run_container()
+    try:
+        res = c.exec_run(["sh", "-c", STALL])
+        assert res.exit_code == 0, res.output
+        client = docker_api.client()
+        s = DockerSandbox(SandboxRef("docker", c.name), None, client=client, io_timeout_s=2)
+        store = VolumeStore(tmp_path / "store")
+        store.put_bytes("in/b", b"payload")
+        call = {
+            "resolve": lambda: s.extract("/workspace/via_link.txt", store, "files/x"),
+            "exec_stream": lambda: b"".join(s._exec.exec_stream(["sh", "-c", "cat /workspace/real.txt"]).chunks),
+            "put": lambda: s.put(store, "in/b", "/workspace/up.txt"),
+        }[how]
+        exc, took = _bounded(call, 30)
+        assert isinstance(exc, ReadTimeout) and isinstance(exc, SandboxGone), exc
+        assert took < 15
+        assert [b.key for b in store.list()] == ["in/b"]
+        client.close()
+    finally:
+        docker_api.remove_container(c.id)

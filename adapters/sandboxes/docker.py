@@ -59,7 +59,8 @@ from adapters.errors import (
     CourierError, FileMissing, NotAFile, SandboxError, SandboxGone, StorageError, TooLarge, UnsafePath,
 )
 from adapters.sandboxes.base import (
-    DEFAULT_MAX_BYTES, BoundedOutput, PathPolicy, Sandbox, SandboxRef, _under, check_lexical,
+    DEFAULT_IO_TIMEOUT_S, DEFAULT_MAX_BYTES, BoundedOutput, PathPolicy, ReadTimeout, Sandbox, SandboxRef, _under,
+    check_lexical,
 )
 from adapters.sandboxes.execstream import (
     EXIT_CHANGED, ExecStream, ExecStreamMixin, Resolved, exec_iter_file, exec_resolve, kill_argv,
@@ -302,14 +303,41 @@ class _DockerExec:
             raise SandboxGone(f"container {self.sb.ref.target} went away during exec")
         return code
 
+    def _start_socket(self, exec_id: str):
+        """(closable, raw socket) of a started exec, the raw socket with the
+        sandbox's read deadline: a stalled container costs one attempt."""
+        with self.sb._errors("exec"):
+            sock = self.sb.client.api.exec_start(exec_id, socket=True)
+        raw = getattr(sock, "_sock", sock)
+        raw.settimeout(self.sb.io_timeout_s)
+        return sock, raw
+
+    def _timed_out(self, what: str) -> ReadTimeout:
+        return ReadTimeout(f"container {self.sb.ref.target}: nothing received for {self.sb.io_timeout_s:g} s ({what})")
+
     def exec_small(self, argv: Sequence[str]) -> tuple[int, bytes, bytes]:
         exec_id = self._create(argv)
-        with self.sb._errors("exec"):
-            out, err = self.sb.client.api.exec_start(exec_id, demux=True)
+        sock, raw = self._start_socket(exec_id)
+        out, err = BoundedOutput(1 << 20), BoundedOutput(1 << 16)
+        frames = _Frames()
+        try:
+            with self.sb._errors("exec"):
+                while True:
+                    try:
+                        data = raw.recv(65536)
+                    except socket.timeout:
+                        raise self._timed_out(argv[-1] if argv else "exec") from None
+                    if not data:
+                        break
+                    for kind, piece in frames.feed(data):
+                        (out if kind == 1 else err).add(piece)
+        finally:
+            with suppress(Exception):
+                sock.close()
         rc = self._exit_code(exec_id)
         if rc is None:
             raise SandboxGone("exec did not finish")
-        return rc, out or b"", err or b""
+        return rc, out.value(), err.value()
 
     def exec_stdin(self, argv: Sequence[str], chunks: Iterable[bytes]) -> tuple[int, bytes, bytes]:
         """Run argv with `chunks` streamed on its stdin (then EOF); for
@@ -318,11 +346,10 @@ class _DockerExec:
         with self.sb._errors("exec"):
             exec_id = api.exec_create(self.sb.container_id, list(argv), stdin=True, stdout=True, stderr=True,
                                       user=self.sb.ref.options.get("user", ""))["Id"]
-            sock = api.exec_start(exec_id, socket=True)
-        raw = getattr(sock, "_sock", sock)
+        sock, raw = self._start_socket(exec_id)
         out, err = bytearray(), bytearray()
         try:
-            with self.sb._errors("exec stdin"):
+            with self.sb._errors("exec stdin"), _deadline(self, argv[-1] if argv else "exec stdin"):
                 for chunk in _store_chunks(chunks, argv[-1] if argv else "exec stdin"):
                     if chunk:
                         raw.sendall(chunk)
@@ -350,14 +377,12 @@ class _DockerExec:
 
     def exec_stream(self, argv: Sequence[str]) -> ExecStream:
         exec_id = self._create(argv)
-        with self.sb._errors("exec"):
-            sock = self.sb.client.api.exec_start(exec_id, socket=True)
-        raw = getattr(sock, "_sock", sock)
+        sock, raw = self._start_socket(exec_id)
         err = bytearray()
         state = {"closed": False}
 
         def chunks() -> Iterator[bytes]:
-            with self.sb._errors("exec stream"):
+            with self.sb._errors("exec stream"), _deadline(self, argv[-2] if len(argv) > 1 else "exec stream"):
                 yield from demux_stdout(raw.recv_into, err)
 
         def close() -> None:
@@ -370,6 +395,15 @@ class _DockerExec:
 
         return ExecStream(chunks=chunks(), exit_code=lambda: self._exit_code(exec_id), stderr=lambda: bytes(err),
                           close=close)
+
+
+@contextmanager
+def _deadline(ch: "_DockerExec", what: str):
+    """A socket read past the sandbox's read deadline is a ReadTimeout."""
+    try:
+        yield
+    except socket.timeout:
+        raise ch._timed_out(what) from None
 
 
 def _store_chunks(chunks: Iterable[bytes], what: str) -> Iterator[bytes]:
@@ -425,7 +459,7 @@ class _DockerRun:
         self.exec_id = ch._create(argv)
         with ch.sb._errors("exec"):
             self.sock = ch.sb.client.api.exec_start(self.exec_id, socket=True)
-        self.raw = getattr(self.sock, "_sock", self.sock)
+        self.raw = getattr(self.sock, "_sock", self.sock)  # read only when select says so: no deadline needed
         self.frames = _Frames()
         self.ended = False
         self.closed = False
@@ -526,11 +560,15 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
     exec_default_roots = DOCKER_DEFAULT_ROOTS
 
     def __init__(self, ref: SandboxRef, policy: PathPolicy | None = None, *, base_url: str | None = None,
-                 client: Any = None, prefer_bind_mounts: bool = True, timeout_s: int = 120) -> None:
+                 client: Any = None, prefer_bind_mounts: bool = True, timeout_s: int = 120,
+                 io_timeout_s: float = DEFAULT_IO_TIMEOUT_S) -> None:
         """`policy` None: roots from the ref, else /workspace, /tmp and the
-        exec user's $HOME (learnt in the first resolve exec), minus the denylist."""
+        exec user's $HOME (learnt in the first resolve exec), minus the denylist.
+        `io_timeout_s`: read deadline of every exec's output (a container
+        whose shell stalls costs one attempt, ReadTimeout)."""
         self.ref = ref
         self.policy = policy
+        self.io_timeout_s = io_timeout_s
         if not ref.target:
             raise UnsafePath("docker sandbox needs a container name or id")
         if client is None:
