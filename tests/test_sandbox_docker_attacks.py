@@ -128,3 +128,52 @@ def test_stalled_container_shell_times_out(docker_api, tmp_path, how):
         client.close()
     finally:
         docker_api.remove_container(c.id)
+
+
+# -- 4. reads happen with the container user's permissions ------------------------------------
+AS_ROOT = r"""set -e
+mkdir -p /workspace/private
+chmod 1777 /workspace
+echo agent-data > /workspace/ok.txt
+chmod 644 /workspace/ok.txt
+echo root-secret-1 > /workspace/rootonly.txt
+chmod 600 /workspace/rootonly.txt
+echo root-secret-2 > /tmp/rootonly.txt
+chmod 600 /tmp/rootonly.txt
+echo root-secret-3 > /workspace/private/f.txt
+chmod 644 /workspace/private/f.txt
+chmod 700 /workspace/private
+"""
+
+
+@pytest.fixture(scope="module")
+def user_ctr(docker_api):
+    c = docker_api.run_container(user="1000:1000")
+    res = c.exec_run(["sh", "-c", AS_ROOT], user="root")
+    assert res.exit_code == 0, res.output
+    yield c
+    docker_api.remove_container(c.id)
+
+
+@pytest.mark.parametrize("path", ["/workspace/rootonly.txt", "/tmp/rootonly.txt", "/workspace/private/f.txt"])
+def test_non_root_container_gets_nothing_its_user_cannot_read(docker_api, user_ctr, store, path):
+    """A container running as uid 1000: a root-only file (or one in a root-only
+    directory) is refused, never read as root by the archive API (old code:
+    3 of 3 delivered)."""
+    client = docker_api.client()
+    s = DockerSandbox(SandboxRef("docker", user_ctr.name), None, client=client)
+    assert user_ctr.exec_run(["cat", path]).exit_code != 0  # the agent itself cannot read it
+    with pytest.raises((UnsafePath, FileMissing)):
+        s.extract(path, store, "files/x")
+    assert stored(store) == []
+    assert s.stats["archive"] == 0
+    client.close()
+
+
+def test_non_root_container_reads_its_own_files_through_exec(docker_api, user_ctr, store):
+    client = docker_api.client()
+    s = DockerSandbox(SandboxRef("docker", user_ctr.name), None, client=client)
+    info = s.extract("/workspace/ok.txt", store, "files/ok")
+    assert info.sha256 == sha_in_container(user_ctr, "/workspace/ok.txt")
+    assert (s.stats["archive"], s.stats["exec"], s.stats["resolve_stat"]) == (0, 1, 0)
+    client.close()

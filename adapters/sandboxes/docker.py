@@ -640,6 +640,17 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
     def exec_channel(self) -> _DockerExec:
         return self._exec
 
+    def runs_as_root(self) -> bool:
+        """Whether execs (and so the agent) run as root: the ref's `user`
+        option, else the container's configured user. The archive API and
+        bind mounts read as root, so only then are they used; any other
+        user's reads go through exec as that user (never more than it can read)."""
+        user = self.ref.options.get("user")
+        if user is None:
+            user = (self._attrs().get("Config") or {}).get("User") or ""
+        name = user.split(":", 1)[0].strip()
+        return name in ("", "0", "root")
+
     def exec_start(self, argv: list[str], run_id: str, *, backstop_s: int | None = None) -> _DockerRun:
         """A ``Sandbox.exec`` command (ExecStreamMixin.exec): one docker exec."""
         return _DockerRun(self._exec, argv, run_id)
@@ -722,6 +733,8 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
             return None
         if has_glob(path):  # the engine would expand it: exec resolves it literally
             return None
+        if not self.runs_as_root():  # the engine stats as root: exec resolves as the container's user
+            return None
         parts = [p for p in path.split("/") if p]
         if not parts:
             return None
@@ -759,13 +772,16 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
         if r.size > max_bytes:
             raise TooLarge(f"{path}: {r.size:,} bytes is over the {max_bytes:,} byte cap", size_bytes=r.size,
                            limit_bytes=max_bytes)
-        if self.prefer_bind_mounts and self._engine_is_local():
+        as_root = self.runs_as_root()
+        if as_root and self.prefer_bind_mounts and self._engine_is_local():
             bound = self.bind_host_path(r.path)
             if bound is not None:
                 info = self._extract_bound(bound, path, store, key, max_bytes=max_bytes)
                 self.stats["bind"] += 1
                 return info
-        if has_glob(r.path):  # the archive API would expand it: the literal name through exec
+        if has_glob(r.path) or not as_root:
+            # the archive API would expand the name / read as root: exec reads the
+            # literal name with the container user's own permissions
             info = store.put_stream(key, exec_iter_file(self._exec, r.path, expected_size=r.size, max_bytes=max_bytes),
                                     max_bytes=max_bytes)
             self.stats["exec"] += 1
@@ -832,7 +848,7 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
         return ForwardReader(res.iter_content(CHUNK, False)), st, res
 
     def open_stream(self, resolved: str) -> Iterator[bytes]:
-        if has_glob(resolved):
+        if has_glob(resolved) or not self.runs_as_root():
             return exec_iter_file(self._exec, resolved)
         return self.iter_archive(resolved, None, max_bytes=DEFAULT_MAX_BYTES * 1000)
 

@@ -66,7 +66,7 @@ __all__ = [
     "RESOLVE_SCRIPT", "STREAM_SCRIPT", "PUT_SCRIPT", "CWD_SCRIPT", "RUN_SCRIPT", "KILL_SCRIPT",
     "exec_resolve", "exec_iter_file", "exec_extract", "exec_put", "default_roots",
     "exec_command", "exec_resolve_cwd", "kill_argv",
-    "EXIT_MISSING", "EXIT_NOT_FILE", "EXIT_CHANGED",
+    "EXIT_MISSING", "EXIT_NOT_FILE", "EXIT_CHANGED", "EXIT_DENIED",
 ]
 
 #: exit codes of the constant scripts below
@@ -75,6 +75,7 @@ EXIT_NOT_FILE = 4
 EXIT_CHANGED = 97
 EXIT_NOT_DIR = 5
 EXIT_SHORT = 6
+EXIT_DENIED = 13
 
 # $1 = path as given. Prints HOME NUL resolved NUL type NUL size
 # (type: f regular file, d directory, o other). readlink's output is kept
@@ -97,6 +98,7 @@ printf '%s\0%s\0%s\0%s' "$HOME" "$r" "$t" "$s"
 # test and the open blocks the open: the reader's deadline ends it, and the
 # caller kills the run by its COURIER_EXEC_ID.
 STREAM_SCRIPT = r"""[ -f "$1" ] || { [ -e "$1" ] && exit 4; exit 2; }
+[ -r "$1" ] || exit 13
 exec 3< "$1" || exit 2
 if [ -e "/proc/$$/fd/3" ]; then
 [ -f "/proc/$$/fd/3" ] || exit 4
@@ -385,6 +387,8 @@ def exec_iter_file(ch: ExecChannel, resolved: str, *, expected_size: int | None 
         raise NotAFile(f"{resolved}: not a regular file")
     if rc == EXIT_CHANGED:
         raise UnsafePath(f"{resolved}: changed while opening")
+    if rc == EXIT_DENIED:
+        raise UnsafePath(f"{resolved}: not readable by the sandbox's user")
     if rc is None:
         raise SandboxGone(f"{resolved}: the transfer ended without an exit status")
     if rc != 0:
