@@ -177,3 +177,42 @@ def test_non_root_container_reads_its_own_files_through_exec(docker_api, user_ct
     assert info.sha256 == sha_in_container(user_ctr, "/workspace/ok.txt")
     assert (s.stats["archive"], s.stats["exec"], s.stats["resolve_stat"]) == (0, 1, 0)
     client.close()
+
+
+# -- 5. TOCTOU: a directory swapped for a link between the check and the read ------------------
+SWAP = r"""set -e
+mkdir -p /workspace/d /workspace/fake
+echo 'same-size-legit' > /workspace/d/secret
+echo 'root-only-etc!!' > /etc/secret
+chmod 600 /etc/secret
+"""
+
+
+def test_dir_swapped_for_link_after_resolve_is_refused(docker_api, store):
+    """The agent swaps /workspace/d for a link to /etc right after the check;
+    the archive GET would read /etc/secret (same name, same size). Refused,
+    nothing stored (old code: delivered /etc/secret). A retry (SandboxGone)
+    checks the path again and finds the link."""
+    c = docker_api.run_container()
+    try:
+        assert c.exec_run(["sh", "-c", SWAP]).exit_code == 0
+        client = docker_api.client()
+
+        class Racing(DockerSandbox):
+            def _resolve(self, path):
+                r = super()._resolve(path)
+                res = c.exec_run(["sh", "-c", "mv /workspace/d /workspace/d.real && ln -s /etc /workspace/d"])
+                assert res.exit_code == 0, res.output
+                return r
+
+        s = Racing(SandboxRef("docker", c.name), None, client=client)
+        with pytest.raises((UnsafePath, SandboxGone)):
+            s.extract("/workspace/d/secret", store, "files/x")
+        assert stored(store) == []
+        plain = DockerSandbox(SandboxRef("docker", c.name), None, client=client)  # the retry
+        with pytest.raises(UnsafePath):
+            plain.extract("/workspace/d/secret", store, "files/x")
+        assert stored(store) == []
+        client.close()
+    finally:
+        docker_api.remove_container(c.id)

@@ -239,6 +239,31 @@ def check_member(member: tarfile.TarInfo, *, expected_name: str | None, expected
         raise SandboxGone(f"{name}: changed ({member.size:,} bytes in the archive, {expected_size:,} at resolve)")
 
 
+def check_archive_stat(st: dict, resolved: str, size: int | None, expect: dict | None = None) -> None:
+    """The engine's stat of what its archive GET reads (its response header)
+    must be the file that was checked: same name and size, where the engine
+    says where the path led (`linkTarget`) that very path, and the same
+    mode and mtime (nanoseconds) as the stat walk saw (`expect`). A directory
+    swapped for a link after the check leads the GET to another file:
+    refused here, before a byte is read."""
+    if not isinstance(st, dict):
+        return
+    name = st.get("name")
+    if name and name != posixpath.basename(resolved):
+        raise UnsafePath(f"{resolved}: the archive reads {name!r} (changed after resolve)")
+    target = st.get("linkTarget") or ""
+    if target and posixpath.normpath(target) != resolved:
+        raise UnsafePath(f"{resolved}: now leads to {target} (changed after resolve)")
+    if size is not None and "size" in st and int(st.get("size") or 0) != size:
+        raise SandboxGone(f"{resolved}: changed ({st.get('size')} bytes now, {size:,} at resolve)")
+    if expect is not None:
+        if "mode" in expect and st.get("mode") != expect["mode"]:
+            raise UnsafePath(f"{resolved}: the archive reads another file than the one checked (mode differs)")
+        if "mtime" in expect and st.get("mtime") != expect["mtime"]:
+            # another file, or this one rewritten meanwhile: never delivered, a retry checks again
+            raise SandboxGone(f"{resolved}: changed after it was checked (mtime differs)")
+
+
 def tar_stream(name: str, size: int, chunks: Iterable[bytes], *, uid: int = 0, gid: int = 0,
                mode: int = 0o644) -> Iterator[bytes]:
     """A one-file tar archive as a generator (no temp file, no whole read).
@@ -589,6 +614,8 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
         #: which channel moved each file (observability and tests)
         self.stats = {"bind": 0, "archive": 0, "exec": 0, "resolve_stat": 0, "resolve_exec": 0}
         self._home_cache: str | None = None
+        #: (path, the engine's stat of it) when the last resolve was a link-free stat walk
+        self._walk_stat: tuple[str, dict] | None = None
 
     # -- errors: the ONE place docker/requests errors become courier errors -------------
     @contextmanager
@@ -688,6 +715,7 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
         """Stat walk through the archive API when the path holds no links
         (a few ms), else ONE exec (`readlink -f` + `stat`, ~100 ms on podman)."""
         check_lexical(path)
+        self._walk_stat = None
         fast = self._resolve_by_stat(path)
         if fast is not None:
             return fast
@@ -763,6 +791,7 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
         if mode & _GO_MODE_TYPE:
             raise NotAFile(f"{path}: not a regular file")
         self.stats["resolve_stat"] += 1
+        self._walk_stat = (norm, st)
         return Resolved(path=norm, size=int(st.get("size", 0)), home=home)
 
     # -- outbound ------------------------------------------------------------------------
@@ -779,14 +808,17 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
                 info = self._extract_bound(bound, path, store, key, max_bytes=max_bytes)
                 self.stats["bind"] += 1
                 return info
-        if has_glob(r.path) or not as_root:
-            # the archive API would expand the name / read as root: exec reads the
-            # literal name with the container user's own permissions
+        walked = self._walk_stat if self._walk_stat and self._walk_stat[0] == r.path else None
+        if has_glob(r.path) or not as_root or walked is None:
+            # the archive API would expand the name / read as root / the path had a
+            # link (the GET would follow a swapped one): exec reads the literal name
+            # with the container user's own permissions, from the fd it checked
             info = store.put_stream(key, exec_iter_file(self._exec, r.path, expected_size=r.size, max_bytes=max_bytes),
                                     max_bytes=max_bytes)
             self.stats["exec"] += 1
             return info
-        info = store.put_stream(key, self.iter_archive(r.path, r.size, max_bytes=max_bytes), max_bytes=max_bytes)
+        info = store.put_stream(key, self.iter_archive(r.path, r.size, max_bytes=max_bytes, expect=walked[1]),
+                                max_bytes=max_bytes)
         self.stats["archive"] += 1
         return info
 
@@ -805,7 +837,8 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
         with f:
             return store.put_stream(key, f, max_bytes=max_bytes)
 
-    def iter_archive(self, resolved: str, size: int | None, *, max_bytes: int) -> Iterator[bytes]:
+    def iter_archive(self, resolved: str, size: int | None, *, max_bytes: int,
+                     expect: dict | None = None) -> Iterator[bytes]:
         """The file's bytes through ``get_archive``, member-checked. A path
         with glob characters is refused: the engine would expand them."""
         if has_glob(resolved):
@@ -818,6 +851,7 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
                 raise UnsafePath(f"{resolved}: is a link (changed after resolve)")
             if mode & _GO_MODE_TYPE:
                 raise NotAFile(f"{resolved}: not a regular file (changed after resolve)")
+            check_archive_stat(st, resolved, size, expect)
             with self._errors("archive stream", path=resolved):
                 yield from iter_single_member(body, expected_name=posixpath.basename(resolved),
                                               expected_size=size, max_bytes=max_bytes)
