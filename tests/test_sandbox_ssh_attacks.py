@@ -143,3 +143,62 @@ def test_openssh_fifo_open_is_killed_after_the_deadline(sshd_server, root, contr
         wait_until(lambda: not _runs_with_env(seen[0]), timeout_s=10, what="the blocked stream run to be killed")
     finally:
         s.close()
+
+
+# -- 5. TOCTOU (paramiko): a link swapped in for the open and out before the re-check ----------
+class _OpenHook:
+    """The real SFTPClient; `after_open()` runs right after each open (the agent's move)."""
+
+    def __init__(self, sftp, after_open) -> None:
+        self._sftp, self._after_open = sftp, after_open
+
+    def __getattr__(self, name):
+        return getattr(self._sftp, name)
+
+    def open(self, *a, **kw):
+        f = self._sftp.open(*a, **kw)
+        self._after_open()
+        return f
+
+
+def test_sftp_link_swapped_for_the_open_only_is_refused(sshd_server, tmp_path, store):
+    """The agent swaps root/d for a link to a directory it cannot otherwise
+    reach right after the resolve, and back right after the open, with the
+    target's size and mtime matched: the bytes would be the other file's
+    (old code: 30 of 400 races delivered /etc/shadow). The open handle's
+    owner / mode differ from the checked file's: refused, nothing stored."""
+    os.chmod(tmp_path, 0o755)
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    (root / "d").mkdir(parents=True)
+    outside.mkdir()
+    legit, secret = root / "d" / "f.txt", outside / "f.txt"
+    legit.write_bytes(b"legit content!!\n")
+    secret.write_bytes(b"SECRET content!\n")
+    os.chown(secret, 0, 65534)   # a file of another group, with another mode
+    os.chmod(secret, 0o640)
+    os.utime(secret, ns=(legit.stat().st_atime_ns, legit.stat().st_mtime_ns))
+    parked = tmp_path / "root" / "d.real"
+
+    def swap_in():
+        os.rename(root / "d", parked)
+        os.symlink(outside, root / "d")
+
+    def swap_back():
+        os.unlink(root / "d")
+        os.rename(parked, root / "d")
+
+    s = make(sshd_server, root, "sftp")
+
+    class Racing(type(s)):
+        def _resolve_sftp(self, sftp, path):
+            out = super()._resolve_sftp(sftp, path)
+            swap_in()
+            return out
+
+        def _stream_sftp(self, sftp, resolved, st0):
+            return super()._stream_sftp(_OpenHook(sftp, swap_back), resolved, st0)
+
+    s.__class__ = Racing
+    with pytest.raises((UnsafePath, SandboxGone)):
+        s.extract(str(legit), store, "files/x")
+    assert [b.key for b in store.list()] == []

@@ -429,6 +429,16 @@ def _readable(fd: int, timeout_s: float) -> bool:
     return bool(p.poll(max(0.0, timeout_s) * 1000))
 
 
+def _check_same(a, b, resolved: str, when: str) -> None:
+    """SFTP attributes `b` must describe the file `a` did: type, owner, group
+    and mode (else it is another file: UnsafePath), size and mtime (else it
+    changed: FileChanged, worth a retry)."""
+    if (b.st_mode, b.st_uid, b.st_gid) != (a.st_mode, a.st_uid, a.st_gid):
+        raise UnsafePath(f"{resolved}: another file was read than the one checked ({when})")
+    if (b.st_size, b.st_mtime) != (a.st_size, a.st_mtime):
+        raise FileChanged(f"{resolved}: changed {when}")
+
+
 def _strip_nl(s: bytes) -> bytes:
     return s[:-1] if s.endswith(b"\n") else s
 
@@ -729,39 +739,50 @@ class SshSandbox(Sandbox):
         return OPENSSH_REQUEST_SIZE if "OpenSSH" in version else 32768
 
     def _stream_sftp(self, sftp, resolved: str, st0) -> Iterator[bytes]:
-        """Pipelined SFTP read of an already resolved file; re-checked at the end."""
+        """Pipelined SFTP read of an already resolved file, checked on the
+        open handle: SFTP has no inode, so the handle's fstat must be the
+        file the resolve saw (type, owner, group, mode: else another file;
+        size, mtime: else it changed), and right after the open the path must
+        still resolve to itself, with the same attributes. After the
+        transfer the handle and the path are checked again."""
         f = sftp.open(resolved, "rb")
-        req = self._request_size(sftp)
-        f.MAX_REQUEST_SIZE = req  # per-file: fewer, larger READ requests
-        fst = f.stat()
-        if not stat.S_ISREG(fst.st_mode or 0):
-            raise NotAFile(f"{resolved}: not a regular file")
-        if (fst.st_size, fst.st_mtime) != (st0.st_size, st0.st_mtime):
-            raise FileChanged(f"{resolved}: changed between resolve and open")
-        total = 0
-        # READ requests pipelined (a window's worth in flight), read by a helper
-        # thread: paramiko's parsing holds the GIL while hashing and writing (in
-        # put_stream) mostly release it, so they overlap
-        depth = max(4, self.window_size // req)
-        for chunk in read_ahead(_sftp_pipeline(sftp, f.handle, fst.st_size, req, depth),
-                                abort=sftp.get_channel().close):
-            total += len(chunk)
-            yield chunk
-        f.close()
-        self._recheck_sftp(sftp, resolved, fst, total)
+        try:
+            req = self._request_size(sftp)
+            f.MAX_REQUEST_SIZE = req  # per-file: fewer, larger READ requests
+            fst = f.stat()
+            if not stat.S_ISREG(fst.st_mode or 0):
+                raise NotAFile(f"{resolved}: not a regular file")
+            _check_same(st0, fst, resolved, "between resolve and open")
+            self._check_path(sftp, resolved, fst)
+            total = 0
+            # READ requests pipelined (a window's worth in flight), read by a helper
+            # thread: paramiko's parsing holds the GIL while hashing and writing (in
+            # put_stream) mostly release it, so they overlap
+            depth = max(4, self.window_size // req)
+            for chunk in read_ahead(_sftp_pipeline(sftp, f.handle, fst.st_size, req, depth),
+                                    abort=sftp.get_channel().close):
+                total += len(chunk)
+                yield chunk
+            if total != fst.st_size:
+                raise FileChanged(f"{resolved}: changed during the transfer ({total:,} of {fst.st_size:,} bytes read)")
+            _check_same(fst, f.stat(), resolved, "during the transfer")
+            self._check_path(sftp, resolved, fst)
+        finally:
+            with contextlib.suppress(Exception):
+                f.close()
+
+    def _check_path(self, sftp, resolved: str, fst) -> None:
+        """`resolved` still leads to itself (no link swapped in) and to a file
+        like the open handle's."""
+        if self._trusts_realpath(sftp) and sftp.normalize(resolved) != resolved:
+            raise UnsafePath(f"{resolved}: a link was swapped in on the way")
+        _check_same(fst, sftp.lstat(resolved), resolved, "while open")
 
     def _guarded(self, chunks: Iterator[bytes], what: str) -> Iterator[bytes]:
         """Translate errors inside the stream: put_stream runs it within the
         store's write, where a raw OSError would pass for a storage failure."""
         with self._errors(what):
             yield from chunks
-
-    def _recheck_sftp(self, sftp, resolved: str, st0, total: int) -> None:
-        st1 = sftp.stat(resolved)
-        if total != st0.st_size or (st1.st_size, st1.st_mtime) != (st0.st_size, st0.st_mtime):
-            raise FileChanged(f"{resolved}: changed during the transfer ({total:,} of {st0.st_size:,} bytes read)")
-        if self._trusts_realpath(sftp) and sftp.normalize(resolved) != resolved:
-            raise FileChanged(f"{resolved}: a link was swapped in during the transfer")
 
     def open_stream(self, resolved: str) -> Iterator[bytes]:
         if self.use_openssh:
