@@ -216,3 +216,39 @@ def test_dir_swapped_for_link_after_resolve_is_refused(docker_api, store):
         client.close()
     finally:
         docker_api.remove_container(c.id)
+
+
+# -- 6. unicode names: podman's stat header is URL-safe base64 ---------------------------------
+UNICODE_NAMES = ["файл.txt", "文件名.bin", "emoji-🎉.png", "Ünïcödé~ñ.txt", "日本語のファイル名.md", "ё~_-.txt"]
+
+
+def test_decode_stat_header_accepts_both_alphabets():
+    import base64
+    import json
+
+    from adapters.sandboxes.docker import decode_stat_header
+
+    st = {"name": "файл?~.txt", "size": 3}
+    raw = json.dumps(st, ensure_ascii=False).encode()
+    for enc in (base64.b64encode(raw), base64.urlsafe_b64encode(raw), base64.urlsafe_b64encode(raw).rstrip(b"=")):
+        assert decode_stat_header(enc.decode()) == st
+
+
+def test_unicode_names_byte_identical_through_the_archive(docker_api, store):
+    """Files with Cyrillic, CJK and emoji names come through the archive
+    channel byte-identical (old code: 'no such file', permanently)."""
+    c = docker_api.run_container()
+    try:
+        for i, name in enumerate(UNICODE_NAMES):
+            res = c.exec_run(["sh", "-c", 'head -c $2 /dev/urandom > "/workspace/$1"', "sh", name, str(1000 + i)])
+            assert res.exit_code == 0, res.output
+        client = docker_api.client()
+        s = DockerSandbox(SandboxRef("docker", c.name), None, client=client)
+        for i, name in enumerate(UNICODE_NAMES):
+            path = f"/workspace/{name}"
+            info = s.extract(path, store, f"files/u{i}")
+            assert info.sha256 == sha_in_container(c, path), name
+        assert s.stats["archive"] == len(UNICODE_NAMES)
+        client.close()
+    finally:
+        docker_api.remove_container(c.id)

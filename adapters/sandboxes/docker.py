@@ -40,6 +40,7 @@ Every docker / requests / urllib3 error is translated in ONE place
 from __future__ import annotations
 
 import base64
+import binascii
 import io
 import json
 import os
@@ -237,6 +238,22 @@ def check_member(member: tarfile.TarInfo, *, expected_name: str | None, expected
                        size_bytes=member.size, limit_bytes=max_bytes)
     if expected_size is not None and member.size != expected_size:
         raise SandboxGone(f"{name}: changed ({member.size:,} bytes in the archive, {expected_size:,} at resolve)")
+
+
+def decode_stat_header(hdr: str) -> dict:
+    """The engine's X-Docker-Container-Path-Stat header: base64 of a JSON
+    object, standard (dockerd) or URL-safe (podman) alphabet, padding
+    optional. Raises ValueError when it is neither."""
+    text = hdr.strip().replace("-", "+").replace("_", "/")
+    text += "=" * (-len(text) % 4)
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except binascii.Error as exc:
+        raise ValueError(f"bad stat header: {exc}") from exc
+    st = json.loads(raw)
+    if not isinstance(st, dict):
+        raise ValueError("bad stat header: not an object")
+    return st
 
 
 def check_archive_stat(st: dict, resolved: str, size: int | None, expect: dict | None = None) -> None:
@@ -747,7 +764,7 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
             finally:
                 res.close()
         try:
-            return json.loads(base64.b64decode(hdr)) if hdr else None
+            return decode_stat_header(hdr) if hdr else None
         except ValueError:
             return None
 
@@ -875,7 +892,7 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
         try:
             api._raise_for_status(res)
             hdr = res.headers.get("x-docker-container-path-stat")
-            st = json.loads(base64.b64decode(hdr)) if hdr else {}
+            st = decode_stat_header(hdr) if hdr else {}
         except BaseException:
             res.close()
             raise
