@@ -360,7 +360,8 @@ def test_put_byte_identical(area, store, tmp_path, variant, size):
     ("{root}/.ssh/authorized_keys", UnsafePath),
     ("{root}/../outside/dropped", UnsafePath),
     ("{root}/dir", UnsafePath),
-    ("{root}/no/such/dir/f", FileMissing),
+    ("{root}/one_kb.bin/f", NotAFile),
+    ("{root}/outdir/sub/dropped", UnsafePath),   # a missing dir under a link out of the roots
 ])
 def test_put_refused(area, store, dest, exc):
     box = make_box("file_api")
@@ -461,3 +462,14 @@ def test_fifo_swapped_in_after_resolve_never_blocks(area, store, tmp_path):
         with contextlib.suppress(OSError):  # the fake's open still waits: release it
             os.close(os.open(victim, os.O_WRONLY | os.O_NONBLOCK))
         victim.unlink()
+
+
+@pytest.mark.parametrize("variant", ["file_api", "exec_only"])
+def test_put_makes_the_missing_inbox(area, store, variant):
+    """An attachment into <workspace>/inbox/ that does not exist yet: the
+    directory is made in the sandbox (old code: FileMissing)."""
+    make_box(variant)
+    store.put_bytes("files/in", b"attachment")
+    dest = area["root"] / f"turn-{variant}" / "inbox" / "photo.jpg"
+    assert make(area).put(store, "files/in", str(dest)) == str(dest)
+    assert dest.read_bytes() == b"attachment"

@@ -123,6 +123,16 @@ if [ -L "$r/$2" ] || [ -d "$r/$2" ]; then exit 97; fi
 printf '%s\0%s\0%s\0%s' "$HOME" "$r" "$(id -u)" "$(id -g)"
 """
 
+# $1 = a directory that does not exist (as given). Prints HOME NUL its deepest
+# existing ancestor (as given) NUL that ancestor resolved.
+ANCESTOR_SCRIPT = r"""d=$1
+while [ ! -e "$d" ] && [ "$d" != / ]; do d=${d%/*}; [ -n "$d" ] || d=/; done
+r=$(readlink -f -- "$d"; echo x)
+r=${r%x}
+r=${r%?}
+printf '%s\0%s\0%s' "$HOME" "$d" "$r"
+"""
+
 # $1 = temp path, $2 = final path, $3 = "cat" or "base64", $4 = expected size.
 # stdin -> temp -> size check -> rename. A cut upload ends `cat` with a plain
 # EOF: the size check refuses the short temp (exit 6) instead of publishing it.
@@ -420,6 +430,9 @@ def resolve_put_dest(ch: ExecChannel, policy_for: Callable[[str | None], PathPol
         raise UnsafePath(f"{dest_path}: needs a file name")
     parent = posixpath.dirname(dest_path) or "/"
     rc, out, err = ch.exec_small(["sh", "-c", PUT_RESOLVE_SCRIPT, "sh", parent, name])
+    if rc == EXIT_MISSING:  # e.g. <workspace>/inbox/ on a turn's first attachment: made, then resolved again
+        _make_parents(ch, policy_for, dest_path, parent)
+        rc, out, err = ch.exec_small(["sh", "-c", PUT_RESOLVE_SCRIPT, "sh", parent, name])
     if rc == EXIT_MISSING:
         raise FileMissing(f"{dest_path}: directory {parent} does not exist")
     if rc == EXIT_NOT_DIR:
@@ -435,6 +448,26 @@ def resolve_put_dest(ch: ExecChannel, policy_for: Callable[[str | None], PathPol
         return final, int(uid), int(gid)
     except ValueError:
         return final, 0, 0
+
+
+def _make_parents(ch: ExecChannel, policy_for: Callable[[str | None], PathPolicy], dest_path: str,
+                  parent: str) -> None:
+    """Create the missing directories of `parent` (as the sandbox's user),
+    after checking where they would lead: its deepest existing ancestor is
+    resolved in the sandbox and the destination under it checked against
+    the policy first (the caller resolves and checks it again afterwards)."""
+    rc, out, err = ch.exec_small(["sh", "-c", ANCESTOR_SCRIPT, "sh", parent])
+    if rc != 0:
+        raise SandboxError(f"{dest_path}: cannot resolve (exit {rc}: {_err_text(err)})")
+    home, anc, real = _fields(out, 3, dest_path)
+    rest = [p for p in parent[len(anc):].split("/") if p not in ("", ".")] if parent.startswith(anc) else None
+    if rest is None or not real.startswith("/"):
+        raise SandboxError(f"{dest_path}: unexpected answer from the sandbox ({out[:200]!r})")
+    target = posixpath.join(real, *rest) if rest else real
+    policy_for(home or None).check(posixpath.join(target, posixpath.basename(dest_path)), shown=dest_path)
+    rc, _out, err = ch.exec_small(["mkdir", "-p", "--", target])
+    if rc != 0:
+        raise SandboxError(f"{dest_path}: cannot create {target} (exit {rc}: {_err_text(err)})")
 
 
 def exec_put(ch, policy_for: Callable[[str | None], PathPolicy], store, key: str, dest_path: str, *,

@@ -20,6 +20,7 @@ any link found now (a swap after resolve) is refused, and streamed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import posixpath
@@ -251,16 +252,39 @@ class SingularitySandbox(Sandbox):
         if info.size_bytes > max_bytes:
             raise TooLarge(f"{key}: {info.size_bytes:,} bytes is over the {max_bytes:,} byte cap",
                            size_bytes=info.size_bytes, limit_bytes=max_bytes)
-        parent, pst = resolve_in_root(self.root, posixpath.dirname(dest_path) or "/")
+        lex_parent = posixpath.dirname(dest_path) or "/"
+        # the deepest existing ancestor, resolved in the instance; the rest is made
+        # (e.g. <workspace>/inbox/ on a turn's first attachment)
+        missing: list[str] = []
+        cur = lex_parent
+        while True:
+            try:
+                parent, pst = resolve_in_root(self.root, cur)
+                break
+            except FileMissing:
+                if cur == "/":
+                    raise
+                missing.insert(0, posixpath.basename(cur))
+                cur = posixpath.dirname(cur) or "/"
+        missing = [m for m in missing if m not in ("", ".")]
+        final = posixpath.join(parent, *missing, name)
+        self.policy.check(final, shown=dest_path)
         if not statmod.S_ISDIR(pst.st_mode):
             raise NotAFile(f"{dest_path}: {parent} is not a directory")
-        final = posixpath.join(parent, name)
-        self.policy.check(final, shown=dest_path)
         parts = [p for p in parent.split("/") if p]
         tmp = f".{name[:64]}.{uuid.uuid4().hex[:8]}.courier-part"
         with _Walk(self.root) as w:
             try:
                 for part in parts:
+                    w.down(part)
+                for part in missing:  # made here, owned like the directory they are made in
+                    try:
+                        os.mkdir(part, 0o755, dir_fd=w.cur)
+                        owner = os.fstat(w.cur)
+                        with contextlib.suppress(PermissionError):
+                            os.chown(part, owner.st_uid, owner.st_gid, dir_fd=w.cur, follow_symlinks=False)
+                    except FileExistsError:
+                        pass  # made meanwhile: entered below only if a real directory (O_NOFOLLOW)
                     w.down(part)
                 dfd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=w.cur)
             except OSError as exc:
