@@ -6,6 +6,7 @@ expected digests come from the container's own `sha256sum`.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -252,3 +253,36 @@ def test_unicode_names_byte_identical_through_the_archive(docker_api, store):
         client.close()
     finally:
         docker_api.remove_container(c.id)
+
+
+# -- 8. hard links --------------------------------------------------------------------------------
+def test_hard_link_in_a_bind_mount_is_refused(docker_api, tmp_path, store):
+    """A hard link in a bind-mounted directory to a host file outside it
+    (same filesystem): the bind channel reads the host file, refused."""
+    bind = tmp_path / "bind"
+    bind.mkdir()
+    os.chmod(bind, 0o755)
+    (tmp_path / "host_secret.txt").write_text("host secret")
+    os.link(tmp_path / "host_secret.txt", bind / "hl.txt")
+    c = docker_api.run_container(binds={str(bind): "/workspace/bind"})
+    try:
+        client = docker_api.client()
+        s = DockerSandbox(SandboxRef("docker", c.name), None, client=client)
+        with pytest.raises(UnsafePath, match="hard links"):
+            s.extract("/workspace/bind/hl.txt", store, "files/x")
+        assert stored(store) == []
+        client.close()
+    finally:
+        docker_api.remove_container(c.id)
+
+
+def test_hard_link_in_a_non_root_container_is_refused(docker_api, user_ctr, store):
+    """Read through exec (the container's user): the opened file's link count is checked."""
+    res = user_ctr.exec_run(["sh", "-c", "echo mine > /workspace/mine.txt && ln /workspace/mine.txt /tmp/hl.txt"])
+    assert res.exit_code == 0, res.output
+    client = docker_api.client()
+    s = DockerSandbox(SandboxRef("docker", user_ctr.name), None, client=client)
+    with pytest.raises(UnsafePath, match="hard links"):
+        s.extract("/tmp/hl.txt", store, "files/x")
+    assert stored(store) == []
+    client.close()

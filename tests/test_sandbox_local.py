@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from adapters.errors import FileMissing, NotAFile, TooLarge, UnsafePath
-from adapters.sandboxes.base import SandboxRef, parse_uri
+from adapters.sandboxes.base import PathPolicy, SandboxRef, parse_uri
 from adapters.sandboxes.local import LocalSandbox
 from storage.volume import VolumeStore
 from tests.fixtures._files import assert_store_empty, make_area, sha256_file, write_random
@@ -238,3 +238,35 @@ def test_fifo_swapped_in_after_resolve_never_blocks(sb, area, store):
         assert_store_empty(store)
     finally:
         victim.unlink()
+
+
+# -- hard links and the credentials denylist ------------------------------------------------
+def test_hard_link_to_a_file_outside_the_roots_is_refused(area, store, tmp_path):
+    """`ln outside/secret.txt root/hl`: the same file under an allowed name.
+    Refused (old code: delivered); allowed only under `links_ok` roots."""
+    hl = area["root"] / "hardlink.txt"
+    os.link(area["outside"] / "secret.txt", hl)
+    try:
+        sb = LocalSandbox.with_roots((str(area["root"]),))
+        with pytest.raises(UnsafePath, match="hard links"):
+            sb.extract(str(hl), store, "files/x")
+        assert_store_empty(store)
+        trusted = LocalSandbox(sb.ref, PathPolicy(roots=sb.policy.roots, links_ok=sb.policy.roots))
+        assert trusted.extract(str(hl), store, "files/ok").size_bytes == len("secret")
+    finally:
+        hl.unlink()
+
+
+@pytest.mark.parametrize("rel", [
+    ".pgpass", ".bash_history", ".zsh_history", ".s3cfg", ".vault-token", ".netrc", ".git-credentials",
+    ".cargo/credentials", ".cargo/credentials.toml", ".terraform.d/credentials.tfrc.json", ".m2/settings.xml",
+    ".local/share/keyrings/login.keyring",
+])
+def test_home_credentials_are_never_readable(store, tmp_path, rel):
+    home = tmp_path / "home"
+    (home / rel).parent.mkdir(parents=True, exist_ok=True)
+    (home / rel).write_text("credential")
+    sb = LocalSandbox.with_roots((str(home),), home=str(home))
+    with pytest.raises(UnsafePath, match="never readable"):
+        sb.extract(str(home / rel), store, "files/x")
+    assert_store_empty(store)

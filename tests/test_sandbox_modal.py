@@ -445,8 +445,8 @@ def test_fifo_swapped_in_after_resolve_never_blocks(area, store, tmp_path):
     victim.write_bytes(b"harmless")
 
     class Racing(ModalSandbox):
-        def resolve(self, path):
-            out = super().resolve(path)
+        def _resolve(self, path):
+            out = super()._resolve(path)
             victim.unlink()
             os.mkfifo(victim)
             return out
@@ -473,3 +473,16 @@ def test_put_makes_the_missing_inbox(area, store, variant):
     dest = area["root"] / f"turn-{variant}" / "inbox" / "photo.jpg"
     assert make(area).put(store, "files/in", str(dest)) == str(dest)
     assert dest.read_bytes() == b"attachment"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_hard_link_to_a_file_outside_the_roots_is_refused(area, store, variant):
+    make_box(variant)
+    hl = area["root"] / f"hl-{variant}.txt"
+    os.link(area["outside"] / "secret.txt", hl)
+    try:
+        with pytest.raises(UnsafePath, match="hard links"):
+            make(area).extract(str(hl), store, "files/x")
+        assert_store_empty(store)
+    finally:
+        hl.unlink()

@@ -201,3 +201,16 @@ def test_put_makes_the_missing_inbox(sb, root, store):
     assert final == "/workspace/turn1/inbox/photo.jpg"
     with open(os.path.join(root, "workspace", "turn1", "inbox", "photo.jpg"), "rb") as f:
         assert f.read() == b"attachment"
+
+
+def test_hard_link_to_a_host_file_is_refused(sb, instances, root, store):
+    """A hard link inside the instance to a host file outside its root
+    (same filesystem): refused, nothing stored (old code: delivered)."""
+    hl = os.path.join(root, "workspace", "hl.txt")
+    os.link(instances / "host_only.txt", hl)
+    try:
+        with pytest.raises(UnsafePath, match="hard links"):
+            sb.extract("/workspace/hl.txt", store, "files/x")
+        assert stored(store) == []
+    finally:
+        os.unlink(hl)

@@ -202,3 +202,20 @@ def test_sftp_link_swapped_for_the_open_only_is_refused(sshd_server, tmp_path, s
     with pytest.raises((UnsafePath, SandboxGone)):
         s.extract(str(legit), store, "files/x")
     assert [b.key for b in store.list()] == []
+
+
+# -- 8. hard links ------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_hard_link_to_a_file_outside_the_roots_is_refused(sshd_server, root, tmp_path, store, control_dir, mode):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("host secret")
+    os.link(secret, root / "hl.txt")
+    (root / "plain.txt").write_text("plain")
+    s = make(sshd_server, root, mode, control_dir)
+    try:
+        with pytest.raises(UnsafePath, match="hard links"):
+            s.extract(str(root / "hl.txt"), store, "files/x")
+        assert [b.key for b in store.list()] == []
+        assert s.extract(str(root / "plain.txt"), store, "files/ok").size_bytes == 5
+    finally:
+        s.close()

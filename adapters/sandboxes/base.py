@@ -9,6 +9,7 @@ before a byte moves, and checked again after transfer where the backend can.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import os
 import posixpath
 import queue
@@ -36,10 +37,16 @@ EXEC_POLL_S = 0.25
 DENYLIST: tuple[str, ...] = (
     "/etc", "/proc", "/sys", "/dev", "/root", "/boot", "/var/log", "/var/lib", "/var/run", "/run",
 )
-#: relative to the sandbox user's home
+#: relative to the sandbox user's home; each entry is a pattern of path
+#: components (fnmatch: `*`, `?`, `[...]`) and covers everything under what it matches
 HOME_DENYLIST: tuple[str, ...] = (
     ".ssh", ".aws", ".gnupg", ".kube", ".docker", ".config", ".netrc", ".git-credentials",
     ".password-store", ".azure", ".gcloud", ".npmrc", ".pypirc",
+    # credentials of other tools, and shell / REPL histories (they hold pasted secrets)
+    ".pgpass", ".my.cnf", ".s3cfg", ".boto", ".vault-token", ".dockercfg", ".terraformrc", ".databrickscfg",
+    ".cargo/credentials*", ".terraform.d/credentials*", ".m2/settings*.xml", ".gem/credentials",
+    ".composer/auth.json", ".local/share/keyrings", ".local/share/*history*", ".oci", ".mc",
+    ".*history", ".env",
 )
 
 KINDS = ("local", "docker", "ssh", "modal", "singularity")
@@ -122,22 +129,48 @@ def format_uri(ref: SandboxRef, path: str) -> str:
 
 @dataclass(frozen=True)
 class PathPolicy:
-    """Allowed roots and the denylist, applied to *resolved* paths."""
+    """Allowed roots and the denylist, applied to *resolved* paths.
+
+    `home_denylist`: patterns under `home` (see HOME_DENYLIST). `links_ok`:
+    roots under which a regular file with more than one hard link is still
+    delivered (a hard link may be another name of a file outside the roots;
+    elsewhere such a file is refused)."""
 
     roots: tuple[str, ...]
     home: str | None = None
     denylist: tuple[str, ...] = DENYLIST
+    home_denylist: tuple[str, ...] = HOME_DENYLIST
+    links_ok: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # normalised once: a check runs for every file, twice
-        object.__setattr__(self, "_denied", tuple((d, _prefix(d)) for d in self.denied()))
+        object.__setattr__(self, "_denied", tuple((d, _prefix(d)) for d in self.denylist))
         object.__setattr__(self, "_roots", tuple(_prefix(r) for r in self.roots))
+        home = posixpath.normpath(self.home) if self.home and self.home.startswith("/") else None
+        object.__setattr__(self, "_home", _prefix(home) if home and home != "/" else None)
+        object.__setattr__(self, "_home_pats", tuple(
+            tuple(c for c in d.split("/") if c) for d in self.home_denylist if d.strip("/")))
+        object.__setattr__(self, "_links_ok", tuple(_prefix(r) for r in self.links_ok))
 
     def denied(self) -> list[str]:
         out = list(self.denylist)
         if self.home:
-            out += [posixpath.join(self.home, d) for d in HOME_DENYLIST]
+            out += [posixpath.join(self.home, d) for d in self.home_denylist]
         return out
+
+    def denied_reason(self, path: str) -> str | None:
+        """The denylist entry that covers `path` (normalised, absolute), else None."""
+        probe = _dir_form(path)
+        for d, prefix in self._denied:  # type: ignore[attr-defined]
+            if probe.startswith(prefix):
+                return d
+        home = self._home  # type: ignore[attr-defined]
+        if home and probe.startswith(home):
+            parts = [c for c in probe[len(home):].split("/") if c]
+            for pat in self._home_pats:  # type: ignore[attr-defined]
+                if len(parts) >= len(pat) and all(fnmatch.fnmatchcase(c, q) for c, q in zip(parts, pat)):
+                    return posixpath.join(home, *pat)
+        return None
 
     def check(self, resolved: str, *, shown: str | None = None) -> str:
         """Raise UnsafePath unless `resolved` (absolute, links resolved) is allowed."""
@@ -147,13 +180,29 @@ class PathPolicy:
         norm = posixpath.normpath(resolved)
         if norm != resolved.rstrip("/") and resolved != "/":
             raise UnsafePath(f"{shown}: path is not normalised")
-        probe = _dir_form(norm)
-        for d, prefix in self._denied:  # type: ignore[attr-defined]
-            if probe.startswith(prefix):
-                raise UnsafePath(f"{shown}: {d} is never readable")
-        if not probe.startswith(self._roots):  # type: ignore[attr-defined]
+        d = self.denied_reason(norm)
+        if d is not None:
+            raise UnsafePath(f"{shown}: {d} is never readable")
+        if not _dir_form(norm).startswith(self._roots):  # type: ignore[attr-defined]
             raise UnsafePath(f"{shown}: outside the allowed roots ({', '.join(self.roots) or 'none'})")
         return norm
+
+    def check_lexical_denied(self, path: str) -> None:
+        """For a path that does not resolve: refuse it if denylisted as written."""
+        d = self.denied_reason(posixpath.normpath(path)) if path.startswith("/") else None
+        if d is not None:
+            raise UnsafePath(f"{path}: {d} is never readable")
+
+    def links_allowed(self, resolved: str) -> bool:
+        """Whether a file with several hard links may be delivered from `resolved`."""
+        return _dir_form(resolved).startswith(self._links_ok or ("\x00",))  # type: ignore[attr-defined]
+
+    def check_links(self, resolved: str, nlink: int, *, shown: str | None = None) -> None:
+        """Refuse a regular file with more than one hard link (another name of
+        the same file may lie outside the roots), unless under `links_ok`."""
+        if nlink > 1 and not self.links_allowed(resolved):
+            raise UnsafePath(f"{shown or resolved}: has {nlink} hard links (another name may be outside the "
+                             "allowed roots); refused")
 
 
 def _dir_form(path: str) -> str:

@@ -47,7 +47,6 @@ import os
 import posixpath
 import select
 import socket
-import stat as statmod
 import struct
 import tarfile
 import time
@@ -61,7 +60,7 @@ from adapters.errors import (
 )
 from adapters.sandboxes.base import (
     DEFAULT_IO_TIMEOUT_S, DEFAULT_MAX_BYTES, BoundedOutput, PathPolicy, ReadTimeout, Sandbox, SandboxRef, _under,
-    check_lexical,
+    check_lexical, open_regular,
 )
 from adapters.sandboxes.execstream import (
     EXIT_CHANGED, ExecStream, ExecStreamMixin, Resolved, exec_iter_file, exec_resolve, kill_argv,
@@ -822,7 +821,7 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
         if as_root and self.prefer_bind_mounts and self._engine_is_local():
             bound = self.bind_host_path(r.path)
             if bound is not None:
-                info = self._extract_bound(bound, path, store, key, max_bytes=max_bytes)
+                info = self._extract_bound(bound, path, store, key, max_bytes=max_bytes, resolved=r.path)
                 self.stats["bind"] += 1
                 return info
         walked = self._walk_stat if self._walk_stat and self._walk_stat[0] == r.path else None
@@ -830,8 +829,8 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
             # the archive API would expand the name / read as root / the path had a
             # link (the GET would follow a swapped one): exec reads the literal name
             # with the container user's own permissions, from the fd it checked
-            info = store.put_stream(key, exec_iter_file(self._exec, r.path, expected_size=r.size, max_bytes=max_bytes),
-                                    max_bytes=max_bytes)
+            info = store.put_stream(key, exec_iter_file(self._exec, r.path, expected_size=r.size, max_bytes=max_bytes,
+                                                        policy=self.policy_for(r.home)), max_bytes=max_bytes)
             self.stats["exec"] += 1
             return info
         info = store.put_stream(key, self.iter_archive(r.path, r.size, max_bytes=max_bytes, expect=walked[1]),
@@ -839,11 +838,14 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
         self.stats["archive"] += 1
         return info
 
-    def _extract_bound(self, bound: tuple[str, str], path: str, store, key: str, *, max_bytes: int):
+    def _extract_bound(self, bound: tuple[str, str], path: str, store, key: str, *, max_bytes: int,
+                       resolved: str):
         host, src = bound
         fd = _open_under(host, src, shown=path)
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            self.policy_for(self._home()).check_links(resolved, st.st_nlink, shown=path)
+            size = st.st_size
             if size > max_bytes:
                 raise TooLarge(f"{path}: {size:,} bytes is over the {max_bytes:,} byte cap",
                                size_bytes=size, limit_bytes=max_bytes)
@@ -900,7 +902,7 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
 
     def open_stream(self, resolved: str) -> Iterator[bytes]:
         if has_glob(resolved) or not self.runs_as_root():
-            return exec_iter_file(self._exec, resolved)
+            return exec_iter_file(self._exec, resolved, policy=self.policy)
         return self.iter_archive(resolved, None, max_bytes=DEFAULT_MAX_BYTES * 1000)
 
     def extract_via_exec(self, path: str, store, key: str, *, max_bytes: int = DEFAULT_MAX_BYTES):
@@ -955,7 +957,7 @@ def _open_under(host: str, src: str, *, shown: str) -> int:
     if not (real == src_real or real.startswith(src_real.rstrip("/") + "/")):
         raise UnsafePath(f"{shown}: leaves its bind mount on the host")
     try:
-        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd, _st = open_regular(real, shown=shown)
     except FileNotFoundError as exc:
         raise FileMissing(f"{shown}: no such file") from exc
     except OSError as exc:
@@ -964,9 +966,6 @@ def _open_under(host: str, src: str, *, shown: str) -> int:
         opened = os.readlink(f"/proc/self/fd/{fd}")
         if not (opened == src_real or opened.startswith(src_real.rstrip("/") + "/")):
             raise UnsafePath(f"{shown}: changed while opening")
-        if not statmod.S_ISREG(os.fstat(fd).st_mode):
-            raise NotAFile(f"{shown}: not a regular file")
-        os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
         raise

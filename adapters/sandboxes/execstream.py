@@ -76,8 +76,9 @@ EXIT_CHANGED = 97
 EXIT_NOT_DIR = 5
 EXIT_SHORT = 6
 EXIT_DENIED = 13
+EXIT_LINKS = 15
 
-# $1 = path as given. Prints HOME NUL resolved NUL type NUL size
+# $1 = path as given. Prints HOME NUL resolved NUL type NUL size and link count
 # (type: f regular file, d directory, o other). readlink's output is kept
 # exactly (the `echo x` guard keeps trailing newlines from being eaten).
 RESOLVE_SCRIPT = r"""r=$(readlink -f -- "$1"; echo x)
@@ -86,13 +87,14 @@ r=${r%x}
 r=${r%?}
 [ -e "$r" ] || exit 2
 if [ -f "$r" ]; then t=f; elif [ -d "$r" ]; then t=d; else t=o; fi
-s=0
-if [ "$t" = f ]; then s=$(stat -c %s -- "$r") || exit 2; fi
+s="0 1"
+if [ "$t" = f ]; then s=$(stat -c '%s %h' -- "$r") || exit 2; fi
 printf '%s\0%s\0%s\0%s' "$HOME" "$r" "$t" "$s"
 """
 
-# $1 = resolved path, $2 = "cat" or "base64". Opens the file once on fd 3,
-# checks what was opened is still the resolved path and a regular file (the
+# $1 = resolved path, $2 = "cat" or "base64", $3 = "1" when a file with several
+# hard links may be read. Opens the file once on fd 3, checks what was opened
+# is still the resolved path, a regular file and (unless $3) has one link (the
 # fd's own link in /proc where there is one; kept exactly, as in
 # RESOLVE_SCRIPT), then streams from that fd. A FIFO swapped in between the
 # test and the open blocks the open: the reader's deadline ends it, and the
@@ -107,6 +109,10 @@ else r=$(readlink -f -- "$1"; echo x); fi
 r=${r%x}
 r=${r%?}
 [ "$r" = "$1" ] || exit 97
+if [ "$3" != 1 ]; then
+if [ -e "/proc/$$/fd/3" ]; then n=$(stat -L -c %h "/proc/$$/fd/3"); else n=$(stat -c %h -- "$1"); fi
+[ "$n" = 1 ] || exit 15
+fi
 if [ "$2" = base64 ]; then exec base64 <&3; fi
 exec cat <&3
 """
@@ -293,6 +299,7 @@ class Resolved:
     path: str          # resolved absolute path inside the sandbox
     size: int
     home: str | None   # $HOME of the exec user (for default roots)
+    nlink: int = 1     # hard links of the file, where the resolve saw them
 
 
 def default_roots(home: str | None, base: Sequence[str] = ("/workspace", "/tmp")) -> tuple[str, ...]:
@@ -337,10 +344,10 @@ def exec_resolve(ch: ExecChannel, path: str) -> Resolved:
     if kind != "f":
         raise NotAFile(f"{path}: not a regular file")
     try:
-        n = int(size.strip())
+        n, *links = (int(x) for x in size.split())
     except ValueError as exc:
         raise SandboxError(f"{path}: bad size {size!r}") from exc
-    return Resolved(path=resolved, size=n, home=home or None)
+    return Resolved(path=resolved, size=n, home=home or None, nlink=links[0] if links else 1)
 
 
 def _b64_decode(chunks: Iterable[bytes]) -> Iterator[bytes]:
@@ -360,18 +367,21 @@ def _b64_decode(chunks: Iterable[bytes]) -> Iterator[bytes]:
 
 
 def exec_iter_file(ch: ExecChannel, resolved: str, *, expected_size: int | None = None,
-                   max_bytes: int | None = None) -> Iterator[bytes]:
+                   max_bytes: int | None = None, policy: PathPolicy | None = None) -> Iterator[bytes]:
     """Stream an already resolved and checked file with ONE exec.
 
     Raises (at the end, so an all-or-nothing store keeps nothing) when the
     command fails, the file changed under us (opened path differs; size
-    differs from `expected_size`), or more than `max_bytes` arrive.
+    differs from `expected_size`), or more than `max_bytes` arrive. A file
+    with several hard links is refused unless `policy` allows them there.
     """
     mode = "cat" if getattr(ch, "binary_safe", True) else "base64"
     run_id = uuid.uuid4().hex
     # the run carries its id in its environment: a stalled one (its channel's
     # read deadline passed) is killed by it, not left blocked in the sandbox
-    st = ch.exec_stream(["env", f"COURIER_EXEC_ID={run_id}", "sh", "-c", STREAM_SCRIPT, "sh", resolved, mode])
+    links_ok = "1" if policy is not None and policy.links_allowed(resolved) else ""
+    st = ch.exec_stream(["env", f"COURIER_EXEC_ID={run_id}", "sh", "-c", STREAM_SCRIPT, "sh", resolved, mode,
+                         links_ok])
     n = 0
     try:
         body = st.chunks if mode == "cat" else _b64_decode(st.chunks)
@@ -399,6 +409,9 @@ def exec_iter_file(ch: ExecChannel, resolved: str, *, expected_size: int | None 
         raise UnsafePath(f"{resolved}: changed while opening")
     if rc == EXIT_DENIED:
         raise UnsafePath(f"{resolved}: not readable by the sandbox's user")
+    if rc == EXIT_LINKS:
+        raise UnsafePath(f"{resolved}: has several hard links (another name may be outside the allowed roots); "
+                         "refused")
     if rc is None:
         raise SandboxGone(f"{resolved}: the transfer ended without an exit status")
     if rc != 0:
@@ -416,8 +429,8 @@ def exec_extract(ch: ExecChannel, policy: PathPolicy, path: str, store, key: str
     if r.size > max_bytes:
         raise TooLarge(f"{path}: {r.size:,} bytes is over the {max_bytes:,} byte cap", size_bytes=r.size,
                        limit_bytes=max_bytes)
-    return store.put_stream(key, exec_iter_file(ch, r.path, expected_size=r.size, max_bytes=max_bytes),
-                            max_bytes=max_bytes)
+    return store.put_stream(key, exec_iter_file(ch, r.path, expected_size=r.size, max_bytes=max_bytes,
+                                                policy=policy), max_bytes=max_bytes)
 
 
 def resolve_put_dest(ch: ExecChannel, policy_for: Callable[[str | None], PathPolicy], dest_path: str
@@ -548,17 +561,18 @@ class ExecStreamMixin:
         return r.path, r.size
 
     def open_stream(self, resolved: str) -> Iterator[bytes]:
-        return exec_iter_file(self.exec_channel(), resolved)
+        return exec_iter_file(self.exec_channel(), resolved, policy=self.policy)
 
     def exec_extract_file(self, path: str, store, key: str, *, max_bytes: int = DEFAULT_MAX_BYTES):
         ch = self.exec_channel()
         r = exec_resolve(ch, path)
-        self.policy_for(r.home).check(r.path, shown=path)
+        policy = self.policy_for(r.home)
+        policy.check(r.path, shown=path)
         if r.size > max_bytes:
             raise TooLarge(f"{path}: {r.size:,} bytes is over the {max_bytes:,} byte cap", size_bytes=r.size,
                            limit_bytes=max_bytes)
-        return store.put_stream(key, exec_iter_file(ch, r.path, expected_size=r.size, max_bytes=max_bytes),
-                                max_bytes=max_bytes)
+        return store.put_stream(key, exec_iter_file(ch, r.path, expected_size=r.size, max_bytes=max_bytes,
+                                                    policy=policy), max_bytes=max_bytes)
 
     def exec_put_file(self, store, key: str, dest_path: str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
         return exec_put(self.exec_channel(), self.policy_for, store, key, dest_path, max_bytes=max_bytes)

@@ -60,10 +60,11 @@ class LocalSandbox(Sandbox):
     def _open_checked(self, resolved: str) -> int:
         # non-blocking open, then the opened fd is checked: a FIFO swapped in
         # after resolve is refused at once instead of hanging the worker
-        fd, _st = open_regular(resolved)
+        fd, st = open_regular(resolved)
         try:
             real = os.readlink(f"/proc/self/fd/{fd}") if _PROC_FD else resolved
             self.policy.check(real, shown=resolved)
+            self.policy.check_links(real, st.st_nlink, shown=resolved)
         except BaseException:
             os.close(fd)
             raise

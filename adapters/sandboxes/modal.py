@@ -45,7 +45,7 @@ from adapters.sandboxes.base import (
     with_deadline,
 )
 from adapters.sandboxes.execstream import (
-    EXIT_CHANGED, ExecStream, ExecStreamMixin, exec_iter_file, exec_resolve, kill_argv,
+    EXIT_CHANGED, ExecStream, ExecStreamMixin, Resolved, exec_iter_file, exec_resolve, kill_argv,
     resolve_put_dest,
 )
 
@@ -315,6 +315,10 @@ class ModalSandbox(ExecStreamMixin, Sandbox):
 
     # -- resolve ------------------------------------------------------------------
     def resolve(self, path: str) -> tuple[str, int]:
+        r = self._resolve(path)
+        return r.path, r.size
+
+    def _resolve(self, path: str) -> Resolved:
         check_lexical(path)
         try:
             r = exec_resolve(self.exec_channel(), path)
@@ -322,15 +326,12 @@ class ModalSandbox(ExecStreamMixin, Sandbox):
             self._deny_lexical(path)
             raise
         self.policy_for(r.home).check(r.path, shown=path)
-        return r.path, r.size
+        return r
 
     def _deny_lexical(self, path: str) -> None:
         """A path that does not resolve is still refused if denylisted as written."""
         policy = self.policy or PathPolicy(roots=MODAL_DEFAULT_ROOTS)
-        norm = posixpath.normpath(path)
-        for d in policy.denied():
-            if norm == d or norm.startswith(d.rstrip("/") + "/"):
-                raise UnsafePath(f"{path}: {d} is never readable")
+        policy.check_lexical_denied(path)
 
     # -- read -------------------------------------------------------------------------
     def _iter_file_api(self, resolved: str) -> Iterator[bytes] | None:
@@ -365,11 +366,14 @@ class ModalSandbox(ExecStreamMixin, Sandbox):
 
         return chunks()
 
-    def _stream(self, resolved: str, size: int | None, max_bytes: int | None) -> Iterator[bytes]:
+    def _stream(self, resolved: str, size: int | None, max_bytes: int | None, nlink: int = 1) -> Iterator[bytes]:
+        policy = self.policy_for(None)
         chunks = self._iter_file_api(resolved)
-        if chunks is None:
-            yield from exec_iter_file(self.exec_channel(), resolved, expected_size=size, max_bytes=max_bytes)
+        if chunks is None:  # exec: the stream script checks the opened file's links itself
+            yield from exec_iter_file(self.exec_channel(), resolved, expected_size=size, max_bytes=max_bytes,
+                                      policy=policy)
             return
+        policy.check_links(resolved, nlink)  # the file API cannot say: the resolve's count
         n = 0
         for chunk in chunks:
             n += len(chunk)
@@ -388,11 +392,11 @@ class ModalSandbox(ExecStreamMixin, Sandbox):
 
     def extract(self, path: str, store, key: str, *, max_bytes: int = DEFAULT_MAX_BYTES):
         check_lexical(path)
-        resolved, size = self.resolve(path)
-        if size > max_bytes:
-            raise TooLarge(f"{path}: {size:,} bytes is over the {max_bytes:,} byte cap", size_bytes=size,
+        r = self._resolve(path)
+        if r.size > max_bytes:
+            raise TooLarge(f"{path}: {r.size:,} bytes is over the {max_bytes:,} byte cap", size_bytes=r.size,
                            limit_bytes=max_bytes)
-        return store.put_stream(key, self._stream(resolved, size, max_bytes), max_bytes=max_bytes)
+        return store.put_stream(key, self._stream(r.path, r.size, max_bytes, r.nlink), max_bytes=max_bytes)
 
     # -- inbound ------------------------------------------------------------------------
     def put(self, store, key: str, dest_path: str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> str:

@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Iterator
 
 from adapters.errors import ConfigError, FileMissing, NotAFile, SandboxGone, TooLarge, UnsafePath
-from adapters.sandboxes.base import DEFAULT_MAX_BYTES, PathPolicy, Sandbox, SandboxRef, check_lexical
+from adapters.sandboxes.base import DEFAULT_MAX_BYTES, PathPolicy, Sandbox, SandboxRef, check_lexical, open_regular
 
 CHUNK = 1024 * 1024
 MAX_LINKS = 40
@@ -177,7 +177,7 @@ def resolve_in_root(root: str, path: str, *, max_links: int = MAX_LINKS) -> tupl
         return w.path(leaf), final
 
 
-def open_in_root(root: str, resolved: str, *, flags: int = os.O_RDONLY) -> int:
+def open_in_root(root: str, resolved: str) -> int:
     """Open a resolved (link-free) path under `root`; any link on the way is
     refused (UnsafePath), the result must be a regular file."""
     parts = [p for p in resolved.split("/") if p]
@@ -187,18 +187,11 @@ def open_in_root(root: str, resolved: str, *, flags: int = os.O_RDONLY) -> int:
         try:
             for part in parts[:-1]:
                 w.down(part)
-            fd = os.open(parts[-1], flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=w.cur)
+            fd, _st = open_regular(parts[-1], dir_fd=w.cur, shown=resolved)
         except FileNotFoundError as exc:
             raise FileMissing(f"{resolved}: no such file") from exc
         except OSError as exc:  # ELOOP / ENOTDIR: a component became a link
             raise UnsafePath(f"{resolved}: changed after it was checked ({exc.strerror})") from exc
-    try:
-        if not statmod.S_ISREG(os.fstat(fd).st_mode):
-            raise NotAFile(f"{resolved}: not a regular file")
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
     return fd
 
 
@@ -230,6 +223,11 @@ class SingularitySandbox(Sandbox):
     def open_stream(self, resolved: str) -> Iterator[bytes]:
         self.policy.check(resolved)
         fd = open_in_root(self.root, resolved)
+        try:
+            self.policy.check_links(resolved, os.fstat(fd).st_nlink)
+        except BaseException:
+            os.close(fd)
+            raise
         with os.fdopen(fd, "rb", buffering=0) as f:
             while chunk := f.read(CHUNK):
                 yield chunk

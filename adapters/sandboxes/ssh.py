@@ -668,7 +668,8 @@ class SshSandbox(Sandbox):
         if self._checked_policy is None:
             roots = self.policy.roots or default_roots(home, DEFAULT_ROOTS)
             self._checked_policy = PathPolicy(roots=tuple(roots), home=self.policy.home or home,
-                                              denylist=self.policy.denylist)
+                                              denylist=self.policy.denylist,
+                                              home_denylist=self.policy.home_denylist, links_ok=self.policy.links_ok)
         return self._checked_policy
 
     def _sftp_policy(self, sftp) -> PathPolicy:
@@ -679,10 +680,7 @@ class SshSandbox(Sandbox):
 
     def _deny_lexical(self, policy: PathPolicy, path: str) -> None:
         """For a path that does not resolve: refuse it if denylisted as written."""
-        norm = posixpath.normpath(path)
-        for d in policy.denied():
-            if norm == d or norm.startswith(d.rstrip("/") + "/"):
-                raise UnsafePath(f"{path}: {d} is never readable")
+        policy.check_lexical_denied(path)
 
     # -- resolve ----------------------------------------------------------------
     def resolve(self, path: str) -> tuple[str, int]:
@@ -754,6 +752,9 @@ class SshSandbox(Sandbox):
                 raise NotAFile(f"{resolved}: not a regular file")
             _check_same(st0, fst, resolved, "between resolve and open")
             self._check_path(sftp, resolved, fst)
+            policy = self._sftp_policy(sftp)
+            if not policy.links_allowed(resolved):  # SFTP attributes carry no link count: ask the host
+                policy.check_links(resolved, self._nlink(resolved))
             total = 0
             # READ requests pipelined (a window's worth in flight), read by a helper
             # thread: paramiko's parsing holds the GIL while hashing and writing (in
@@ -771,6 +772,13 @@ class SshSandbox(Sandbox):
             with contextlib.suppress(Exception):
                 f.close()
 
+    def _nlink(self, resolved: str) -> int:
+        """The file's hard link count, from the host (one small exec)."""
+        rc, out, err = self._exec(shlex.join(["stat", "-L", "-c", "%h", "--", resolved]), limit=4096)
+        if rc == 0 and out.strip().isdigit():
+            return int(out.strip())
+        raise FileChanged(f"{resolved}: cannot count its links ({err.decode(errors='replace').strip()[:200]})")
+
     def _check_path(self, sftp, resolved: str, fst) -> None:
         """`resolved` still leads to itself (no link swapped in) and to a file
         like the open handle's."""
@@ -786,8 +794,9 @@ class SshSandbox(Sandbox):
 
     def open_stream(self, resolved: str) -> Iterator[bytes]:
         if self.use_openssh:
-            self._policy(self._remote_home()).check(resolved)
-            yield from self._guarded(exec_iter_file(self._openssh(), resolved), resolved)
+            policy = self._policy(self._remote_home())
+            policy.check(resolved)
+            yield from self._guarded(exec_iter_file(self._openssh(), resolved, policy=policy), resolved)
             return
         with self._errors(resolved), self._sftp() as sftp:
             policy = self._sftp_policy(sftp)
@@ -800,7 +809,8 @@ class SshSandbox(Sandbox):
         if self.use_openssh:
             r = self._resolve_openssh(path)
             self._cap(path, r.size, max_bytes)
-            chunks = exec_iter_file(self._openssh(), r.path, expected_size=r.size, max_bytes=max_bytes)
+            chunks = exec_iter_file(self._openssh(), r.path, expected_size=r.size, max_bytes=max_bytes,
+                                    policy=self._policy(r.home))
             return store.put_stream(key, self._guarded(chunks, path), max_bytes=max_bytes)
         with self._errors(path), self._sftp() as sftp:
             resolved, st = self._resolve_sftp(sftp, path)
