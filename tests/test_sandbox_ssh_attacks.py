@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import tempfile
 import threading
 import time
@@ -17,7 +18,7 @@ import pytest
 from adapters.errors import FileMissing, NotAFile, SandboxGone, UnsafePath
 from adapters.sandboxes.base import ReadTimeout
 from adapters.sandboxes.execstream import exec_iter_file
-from adapters.sandboxes.ssh import close_pool
+from adapters.sandboxes.ssh import SshAccessDenied, close_pool
 from storage.volume import VolumeStore
 from tests.fixtures.services import wait_until
 from tests.test_sandbox_ssh import make
@@ -219,3 +220,32 @@ def test_hard_link_to_a_file_outside_the_roots_is_refused(sshd_server, root, tmp
         assert s.extract(str(root / "plain.txt"), store, "files/ok").size_bytes == 5
     finally:
         s.close()
+
+
+# -- 9. a ControlMaster never outlives a change of trust ------------------------------------------
+@pytest.mark.parametrize("known", ["empty", "wrong"])
+def test_control_master_not_reused_under_other_trust(sshd_server, root, tmp_path, store, control_dir, known):
+    """A worker restarted with an empty or wrong known_hosts must check the
+    host key again, not extract through the master the previous one left
+    (old code: it did)."""
+    (root / "f.txt").write_text("data")
+    first = make(sshd_server, root, "openssh", control_dir)
+    try:
+        first.extract(str(root / "f.txt"), store, "files/a")  # leaves a master (ControlPersist)
+        kh = tmp_path / f"known_hosts_{known}"
+        if known == "empty":
+            kh.write_text("")
+        else:
+            other = tmp_path / "other_key"
+            subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
+            kind, blob = (other.with_suffix(".pub")).read_text().split()[:2]
+            kh.write_text(f"[{sshd_server.host}]:{sshd_server.port} {kind} {blob}\n")
+        second = make(sshd_server, root, "openssh", control_dir, known_hosts=str(kh))
+        try:
+            with pytest.raises(SshAccessDenied):
+                second.extract(str(root / "f.txt"), store, "files/b")
+        finally:
+            second.close()
+        assert [b.key for b in store.list()] == ["files/a"]
+    finally:
+        first.close()

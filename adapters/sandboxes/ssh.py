@@ -43,6 +43,7 @@ import contextlib
 import errno
 import fcntl
 import getpass
+import hashlib
 import os
 import posixpath
 import queue
@@ -925,7 +926,7 @@ class SshSandbox(Sandbox):
             "ssh", "-T", "-e", "none", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
             "-o", f"ConnectTimeout={max(1, int(self.connect_timeout_s))}",
             "-o", "ServerAliveInterval=15", "-o", "ServerAliveCountMax=3",
-            "-o", f"ControlMaster={'auto' if master else 'no'}", "-o", f"ControlPath={cdir}/cm-%C",
+            "-o", f"ControlMaster={'auto' if master else 'no'}", "-o", f"ControlPath={cdir}/cm-{self._trust_key()}",
             "-o", "ControlPersist=60",
             "-p", str(self.port), "-l", self.user,
         ]
@@ -934,6 +935,25 @@ class SshSandbox(Sandbox):
         if self.key_path:
             argv += ["-i", self.key_path, "-o", "IdentitiesOnly=yes"]
         return [*argv, "--", self.host, command]
+
+    def _trust_key(self) -> str:
+        """The control socket's name: a hash of everything the connection's
+        trust rests on (host, port, user, the known_hosts file's content, the
+        identity file's path and content). A master started under other trust
+        settings (a worker restarted with another known_hosts) is never
+        reused: a new connection checks the host key again."""
+        h = hashlib.sha256()
+        for part in (self.host, str(self.port), self.user, self.known_hosts or "", self.key_path or ""):
+            h.update(part.encode("utf-8", "surrogateescape") + b"\0")
+        for path in (self.known_hosts, self.key_path):
+            if path:
+                try:
+                    with open(path, "rb") as f:
+                        h.update(hashlib.sha256(f.read(1 << 20)).digest())
+                except OSError:
+                    h.update(b"unreadable")
+            h.update(b"\0")
+        return h.hexdigest()[:20]
 
     def _ssh_error(self, rc: int, err: bytes, what: str) -> CourierError:
         text = err.decode("utf-8", "replace").strip()
