@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from adapters.errors import FileMissing, NotAFile, SandboxGone, UnsafePath
+from adapters.errors import SandboxGone, UnsafePath
 from adapters.sandboxes.base import ReadTimeout
 from adapters.sandboxes.execstream import exec_iter_file
 from adapters.sandboxes.ssh import SshAccessDenied, close_pool
@@ -249,3 +249,17 @@ def test_control_master_not_reused_under_other_trust(sshd_server, root, tmp_path
         assert [b.key for b in store.list()] == ["files/a"]
     finally:
         first.close()
+
+
+def test_openssh_remote_that_stops_reading_stdin_times_out(sshd_server, root, control_dir):
+    """An upload to a remote command that never reads: the write has a
+    deadline too (old code: blocked until the command ended)."""
+    s = make(sshd_server, root, "openssh", control_dir, io_timeout_s=2)
+    try:
+        ch = s._openssh()
+        chunks = (b"\0" * (1 << 20) for _ in range(64))
+        _res, exc, took = bounded(lambda: ch.exec_stdin(["sleep", "25"], chunks), 20)
+        assert isinstance(exc, ReadTimeout), exc
+        assert took < 10
+    finally:
+        s.close()

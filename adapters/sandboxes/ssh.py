@@ -423,11 +423,16 @@ def _use_fast_pipe(chan) -> None:
 _FastPipe = None
 
 
-def _readable(fd: int, timeout_s: float) -> bool:
-    """Whether `fd` has data or EOF within `timeout_s` (poll: any fd number)."""
+def _ready(fd: int, events: int, timeout_s: float) -> bool:
+    """Whether `fd` is ready for `events` (or hung up) within `timeout_s` (poll: any fd number)."""
     p = select.poll()
-    p.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+    p.register(fd, events | select.POLLHUP | select.POLLERR)
     return bool(p.poll(max(0.0, timeout_s) * 1000))
+
+
+def _readable(fd: int, timeout_s: float) -> bool:
+    """Whether `fd` has data or EOF within `timeout_s`."""
+    return _ready(fd, select.POLLIN, timeout_s)
 
 
 def _check_same(a, b, resolved: str, when: str) -> None:
@@ -1151,9 +1156,21 @@ class _OpenSshChannel:
         with tempfile.TemporaryFile() as errf:
             proc = subprocess.Popen(self.sb._ssh_argv(shlex.join(argv)), stdin=subprocess.PIPE,
                                     stdout=subprocess.DEVNULL, stderr=errf, bufsize=0)
+            what = argv[-1] if argv else "ssh"
             try:
+                fd = proc.stdin.fileno()
+                os.set_blocking(fd, False)
                 for chunk in chunks:
-                    proc.stdin.write(chunk)
+                    view = memoryview(chunk)
+                    while view:
+                        # a write deadline too: a remote that stops reading costs this attempt
+                        if not _ready(fd, select.POLLOUT, self.sb.io_timeout_s):
+                            raise ReadTimeout(f"ssh {self.sb.where}: nothing taken for "
+                                              f"{self.sb.io_timeout_s:g} s ({what})")
+                        try:
+                            view = view[os.write(fd, view):]
+                        except BlockingIOError:
+                            continue
                 proc.stdin.close()
             except BrokenPipeError:
                 pass  # the remote side ended early: its exit code says why
@@ -1163,7 +1180,7 @@ class _OpenSshChannel:
             finally:
                 with contextlib.suppress(OSError):
                     proc.stdin.close()
-            rc, err = self._finish(proc, errf, argv[-1] if argv else "ssh")
+            rc, err = self._finish(proc, errf, what)
         return rc, b"", err
 
 
