@@ -43,7 +43,10 @@ class LocalSandbox(Sandbox):
 
     def resolve(self, path: str) -> tuple[str, int]:
         check_lexical(path)
-        real = os.path.realpath(path)
+        try:
+            real = os.path.realpath(path)
+        except OSError as exc:  # a link swapped for a file between realpath's lstat and readlink (EINVAL)
+            raise UnsafePath(f"{path}: changed while resolving ({exc.strerror})") from exc
         self.policy.check(real, shown=path)
         try:
             st = os.stat(real)
