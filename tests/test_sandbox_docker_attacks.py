@@ -17,6 +17,7 @@ from adapters.sandboxes.base import ReadTimeout, SandboxRef
 from adapters.sandboxes.docker import DockerSandbox
 from storage.volume import VolumeStore
 from tests.fixtures._files import sha_in_container, stored
+from tests.fixtures.services import wait_until
 
 SETUP = r"""set -e
 mkdir -p /workspace /home/agent/.ssh /home/agent/.aws /home/agent/.config
@@ -286,3 +287,53 @@ def test_hard_link_in_a_non_root_container_is_refused(docker_api, user_ctr, stor
         s.extract("/tmp/hl.txt", store, "files/x")
     assert stored(store) == []
     client.close()
+
+
+
+RACE_SETUP = r"""set -e
+chmod 1777 /workspace
+echo 'root-only-etc!!' > /etc/secret
+chmod 644 /etc/secret
+"""
+RACE = r"""mkdir -p /workspace/r
+echo 'same-size-legit' > /workspace/r/secret
+touch -r /workspace/r/secret /etc/secret 2>/dev/null
+cd /workspace
+while :; do mv r r.real; ln -s /etc r; rm r; mv r.real r; done
+"""
+
+
+def test_link_swap_race_loop_never_leaks(docker_api, store):
+    """60 extractions from a uid-1000 container whose agent swaps
+    /workspace/r for a link to /etc in a loop (/etc/secret: same name and
+    size, readable, denylisted): each delivers the real bytes or is refused;
+    none leaks. (Reads go through exec from the opened, checked fd. A root
+    container's archive channel cannot pin the file it reads: a race there
+    reaches only files its root agent can read and copy out itself.)"""
+    from adapters.errors import SandboxError
+
+    c = docker_api.run_container(user="1000:1000")
+    try:
+        assert c.exec_run(["sh", "-c", RACE_SETUP], user="root").exit_code == 0
+        c.exec_run(["sh", "-c", RACE], detach=True)
+        client = docker_api.client()
+        s = DockerSandbox(SandboxRef("docker", c.name), None, client=client)
+        wait_until(lambda: c.exec_run(["test", "-e", "/workspace/r.real"]).exit_code in (0, 1)
+                   and c.exec_run(["test", "-e", "/workspace/r/secret"]).exit_code in (0, 1),
+                   timeout_s=10, what="the swap loop")
+        outcomes: dict[str, int] = {}
+        deadline = time.monotonic() + 60
+        for i in range(60):
+            assert time.monotonic() < deadline, f"too slow: {i} extractions in 60 s"
+            try:
+                info = s.extract("/workspace/r/secret", store, f"files/r{i}")
+            except SandboxError as exc:
+                outcomes[type(exc).__name__] = outcomes.get(type(exc).__name__, 0) + 1
+                continue
+            data = store.local_path(f"files/r{i}").read_bytes()
+            assert data == b"same-size-legit\n", f"extraction {i} leaked {data!r} ({info})"
+            outcomes["delivered"] = outcomes.get("delivered", 0) + 1
+        assert sum(outcomes.values()) == 60, outcomes
+        client.close()
+    finally:
+        docker_api.remove_container(c.id)
