@@ -263,3 +263,52 @@ def test_openssh_remote_that_stops_reading_stdin_times_out(sshd_server, root, co
         assert took < 10
     finally:
         s.close()
+
+
+def test_sftp_link_swap_race_loop_never_leaks(sshd_server, tmp_path, store):
+    """300 SFTP extractions while the agent swaps root/d for a link to a
+    directory outside the roots in a loop; the file there has the same name,
+    size and mtime but another owner (as /etc/shadow would): each delivers
+    the real bytes or is refused, none leaks (old code: 30 of 400 leaked)."""
+    from adapters.errors import SandboxError
+
+    os.chmod(tmp_path, 0o755)
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    (root / "d").mkdir(parents=True)
+    outside.mkdir()
+    legit, secret = root / "d" / "f.txt", outside / "f.txt"
+    legit.write_bytes(b"legit content!!\n")
+    secret.write_bytes(b"SECRET content!\n")
+    os.chown(secret, 65534, 65534)
+    os.utime(secret, ns=(legit.stat().st_atime_ns, legit.stat().st_mtime_ns))
+    parked = root / "d.real"
+    stop = threading.Event()
+
+    def swapper():
+        while not stop.wait(0.002):              # the attacker's pace: d is mostly the directory
+            os.rename(root / "d", parked)
+            os.symlink(outside, root / "d")      # d is the link for a moment
+            os.unlink(root / "d")
+            os.rename(parked, root / "d")
+
+    t = threading.Thread(target=swapper, daemon=True)
+    s = make(sshd_server, root, "sftp")
+    outcomes: dict[str, int] = {}
+    t.start()
+    try:
+        deadline = time.monotonic() + 60
+        for i in range(300):
+            assert time.monotonic() < deadline, f"too slow: {i} extractions in 60 s"
+            try:
+                s.extract(str(legit), store, f"files/r{i}")
+            except SandboxError as exc:
+                outcomes[type(exc).__name__] = outcomes.get(type(exc).__name__, 0) + 1
+                continue
+            data = store.local_path(f"files/r{i}").read_bytes()
+            assert data == b"legit content!!\n", f"extraction {i} leaked {data!r}"
+            outcomes["delivered"] = outcomes.get("delivered", 0) + 1
+    finally:
+        stop.set()
+        t.join(10)
+    print("race outcomes", outcomes)
+    assert sum(outcomes.values()) == 300, outcomes
