@@ -11,8 +11,17 @@ Channels, fastest first:
    straight into storage; ``tarfile`` parses the headers from a
    forward-only reader and the archive is checked member by member
    (:func:`iter_single_member`).
-3. exec: ``cat`` through exec stdout (:mod:`adapters.sandboxes.execstream`),
-   available as :meth:`DockerSandbox.extract_via_exec`.
+3. exec: ``cat`` through exec stdout (:mod:`adapters.sandboxes.execstream`)
+   from the descriptor the stream script opened and checked (type, path,
+   link count), available as :meth:`DockerSandbox.extract_via_exec`. It is
+   the channel whenever the other two would read what the agent could not:
+   a container not running as root (bind mounts and the archive API read as
+   root), a path with glob characters (podman's archive API expands them),
+   a path resolved through links (the archive GET would follow a link
+   swapped in after the check).
+
+Every exec read has a deadline (``io_timeout_s``): a container whose shell
+stalls costs one attempt (ReadTimeout, a SandboxGone), never the worker.
 
 Commands (``Sandbox.exec``): one docker exec under execstream's run script
 (working directory resolved and checked first, the image's GNU ``timeout``
