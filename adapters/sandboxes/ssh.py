@@ -29,9 +29,13 @@ and kills such a job after the drain time, as the local backend does).
 
 Safety: the path is resolved on the host (SFTP realpath; `readlink -f` over
 exec where the server's realpath is not trusted), checked against the roots
-and the denylist, and re-checked after transfer (same resolved path, size
-and mtime; in OpenSSH mode the opened path and the byte count), else nothing
-is stored. Host keys are checked against a known_hosts file and an unknown
+and the denylist; the SFTP handle is opened first and its fstat must be the
+checked file (type, owner, group, mode, size, mtime), with the path still
+resolving to itself right after the open and after the transfer (OpenSSH
+mode: the stream script checks the descriptor it opened, and the byte
+count); a file with several hard links is refused; else nothing is stored.
+Every read has a deadline (``io_timeout_s``); OpenSSH control sockets are
+named by a hash of the trust settings. Host keys are checked against a known_hosts file and an unknown
 key is refused, never added. Every paramiko / socket / ssh error is
 translated in ONE place (:meth:`SshSandbox._map_error`, and
 :meth:`SshSandbox._ssh_error` for the ssh client's exit status 255).
