@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from adapters.errors import FileMissing, SandboxGone, UnsafePath
+from adapters.errors import FileMissing, SandboxError, SandboxGone, UnsafePath
 from adapters.sandboxes.base import ReadTimeout, SandboxRef
 from adapters.sandboxes.docker import DockerSandbox
 from storage.volume import VolumeStore
@@ -337,3 +337,21 @@ def test_link_swap_race_loop_never_leaks(docker_api, store):
         client.close()
     finally:
         docker_api.remove_container(c.id)
+
+
+def test_non_root_container_put_writes_only_where_its_user_may(docker_api, user_ctr, store):
+    """An attachment for a uid-1000 container is written as that user: not
+    a byte into a root-owned directory (old code: put_archive wrote its temp
+    file there as root and left it), and where the user may write, owned by it."""
+    assert user_ctr.exec_run(["sh", "-c", "mkdir -p /workspace/rootdir && chmod 755 /workspace/rootdir"],
+                             user="root").exit_code == 0
+    client = docker_api.client()
+    s = DockerSandbox(SandboxRef("docker", user_ctr.name), None, client=client)
+    info = store.put_bytes("in/a", b"attachment")
+    with pytest.raises(SandboxError):
+        s.put(store, "in/a", "/workspace/rootdir/evil.txt")
+    assert user_ctr.exec_run(["ls", "-A", "/workspace/rootdir"]).output == b""  # not even a temp file
+    final = s.put(store, "in/a", "/workspace/turn/inbox/a.txt")
+    assert sha_in_container(user_ctr, final) == info.sha256
+    assert user_ctr.exec_run(["stat", "-c", "%u", final]).output.strip() == b"1000"
+    client.close()

@@ -72,8 +72,8 @@ from adapters.sandboxes.base import (
     check_lexical, open_regular,
 )
 from adapters.sandboxes.execstream import (
-    EXIT_CHANGED, ExecStream, ExecStreamMixin, Resolved, exec_iter_file, exec_resolve, kill_argv,
-    resolve_put_dest,
+    EXIT_CHANGED, ExecStream, ExecStreamMixin, Resolved, exec_iter_file, exec_put, exec_resolve,
+    kill_argv, resolve_put_dest,
 )
 from adapters.sandboxes.routing import host_of  # noqa: F401 - re-exported for callers
 
@@ -923,11 +923,17 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
     # -- inbound -------------------------------------------------------------------------
     def put(self, store, key: str, dest_path: str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
         """Stream a stored blob into the container: ``put_archive`` of a tar
-        generated on the fly under a temp name, then one exec renames it."""
+        generated on the fly under a temp name, then one exec renames it; in
+        a container not running as root, exec stdin as its user (``put_archive``
+        writes as root)."""
         info = store.stat(key)
         if info.size_bytes > max_bytes:
             raise TooLarge(f"{key}: {info.size_bytes:,} bytes is over the {max_bytes:,} byte cap",
                            size_bytes=info.size_bytes, limit_bytes=max_bytes)
+        if not self.runs_as_root():
+            # put_archive writes as root: a container's own user writes through exec
+            # stdin, where it may write and nowhere else
+            return exec_put(self._exec, self.policy_for, store, key, dest_path, max_bytes=max_bytes)
         final, uid, gid = resolve_put_dest(self._exec, self.policy_for, dest_path)
         parent, name = posixpath.split(final)
         tmp_name = f".{name[:64]}.{uuid.uuid4().hex[:8]}.courier-part"
