@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -336,3 +337,49 @@ def test_swap_race_loop_never_leaks_never_blocks(sb, area, store):
             if os.path.lexists(p):
                 os.unlink(p)
     assert outcomes.get("delivered", 0) > 0 and sum(outcomes.values()) == 1000, outcomes
+
+
+def test_put_race_loop_never_writes_outside(area, store, tmp_path):
+    """300 attachments into root/inbox while the agent swaps inbox for a link
+    to a directory outside the roots in a loop: each lands in the real inbox
+    or is refused; nothing is ever written outside (the opened directory is
+    the one checked)."""
+    from adapters.errors import SandboxError
+
+    root, outside = tmp_path / "root", tmp_path / "out"
+    (root / "inbox").mkdir(parents=True)
+    outside.mkdir()
+    sb = LocalSandbox.with_roots((str(root),))
+    store.put_bytes("in/a", b"attachment")
+    parked = root / "inbox.real"
+    stop = threading.Event()
+
+    def swapper():
+        while not stop.is_set():
+            try:
+                os.rename(root / "inbox", parked)
+                os.symlink(outside, root / "inbox")
+                os.unlink(root / "inbox")
+                os.rename(parked, root / "inbox")
+            except OSError:  # the put made a new inbox meanwhile: put the real one back
+                if parked.exists():
+                    with contextlib.suppress(OSError):
+                        os.unlink(root / "inbox") if (root / "inbox").is_symlink() else os.rmdir(root / "inbox")
+                    with contextlib.suppress(OSError):
+                        os.rename(parked, root / "inbox")
+
+    t = threading.Thread(target=swapper, daemon=True)
+    t.start()
+    placed = 0
+    try:
+        for i in range(300):
+            try:
+                sb.put(store, "in/a", str(root / "inbox" / f"a{i}.txt"))
+                placed += 1
+            except (SandboxError, FileExistsError, FileNotFoundError):
+                continue
+    finally:
+        stop.set()
+        t.join(10)
+    assert os.listdir(outside) == []
+    assert placed > 0
