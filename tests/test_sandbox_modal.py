@@ -486,3 +486,15 @@ def test_hard_link_to_a_file_outside_the_roots_is_refused(area, store, variant):
         assert_store_empty(store)
     finally:
         hl.unlink()
+
+
+def test_exec_stdin_into_a_sandbox_that_stops_reading_times_out(area):
+    """An upload through exec stdin to a command that never reads: each
+    write has a deadline too (old code: blocked until the command ended)."""
+    from adapters.sandboxes.base import ReadTimeout
+
+    make_box("exec_only")
+    sb = ModalSandbox(SandboxRef("modal", "sb-test", roots=(str(area["root"]),)), None, io_timeout_s=1)
+    chunks = (b"\0" * (1 << 20) for _ in range(16))
+    assert isinstance(_bounded_call(lambda: sb.exec_channel().exec_stdin(["sleep", "20"], chunks), 12),
+                      ReadTimeout)

@@ -286,6 +286,28 @@ def with_deadline(chunks: Iterable[bytes], idle_s: float, what: str, on_timeout=
         stop.set()
 
 
+def call_with_deadline(fn, timeout_s: float, what: str):
+    """`fn()` run by a helper thread; ReadTimeout if it has not returned
+    within `timeout_s` (a blocking SDK write into a stalled sandbox; the
+    thread is left to end on its own). Its result, or its exception."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["res"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            box["exc"] = exc
+
+    t = threading.Thread(target=run, name="courier-call-deadline", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        raise ReadTimeout(f"{what}: no progress for {timeout_s:g} s; given up")
+    if "exc" in box:
+        raise box["exc"]
+    return box.get("res")
+
+
 def open_regular(path: str, *, dir_fd: int | None = None, shown: str | None = None) -> tuple[int, os.stat_result]:
     """Open `path` (no link followed at its last component) for reading
     without ever blocking, and return (fd, fstat of that fd).

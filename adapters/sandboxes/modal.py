@@ -42,7 +42,7 @@ from adapters.errors import (
 )
 from adapters.sandboxes.base import (
     DEFAULT_IO_TIMEOUT_S, DEFAULT_MAX_BYTES, BoundedOutput, PathPolicy, Sandbox, SandboxRef, check_lexical,
-    with_deadline,
+    call_with_deadline, with_deadline,
 )
 from adapters.sandboxes.execstream import (
     EXIT_CHANGED, ExecStream, ExecStreamMixin, Resolved, exec_iter_file, exec_resolve, kill_argv,
@@ -126,13 +126,22 @@ class _ModalExec:
 
     def exec_stdin(self, argv: Sequence[str], chunks: Iterable[bytes]) -> tuple[int, bytes, bytes]:
         p = self._exec(argv)
-        with self.msb._errors(argv[-1]):
-            for chunk in chunks:
-                p.stdin.write(chunk)
-                p.stdin.drain()
+        what = f"modal sandbox {self.msb.ref.target}: exec stdin"
+        idle = self.msb.io_timeout_s
+
+        def send(chunk: bytes) -> None:
+            p.stdin.write(chunk)
+            p.stdin.drain()
+
+        def eof() -> None:
             p.stdin.write_eof()
             p.stdin.drain()
-            err = _bounded(p.stderr)
+
+        with self.msb._errors(argv[-1]):
+            for chunk in chunks:  # each write has a deadline: a sandbox that stops reading costs one attempt
+                call_with_deadline(lambda c=chunk: send(c), idle, what)
+            call_with_deadline(eof, idle, what)
+            err = _bounded(self._timed(p.stderr, "exec stdin"))
             rc = p.wait()
         return (rc if rc is not None else p.returncode), b"", err
 
