@@ -438,12 +438,13 @@ class ModalSandbox(ExecStreamMixin, Sandbox):
                 if isinstance(mapped, (SandboxGone, ConfigError)):
                     raise mapped from exc
             else:
+                what = f"modal sandbox {self.ref.target}: writing {tmp}"
                 try:
                     with self._errors(dest_path):
-                        for chunk in chunks():
-                            f.write(chunk)
-                        f.flush()
-                        f.close()
+                        for chunk in chunks():  # each write has a deadline
+                            call_with_deadline(lambda c=chunk: f.write(c), self.io_timeout_s, what)
+                        call_with_deadline(f.flush, self.io_timeout_s, what)
+                        call_with_deadline(f.close, self.io_timeout_s, what)
                 except BaseException:
                     with contextlib.suppress(Exception):
                         f.close()
