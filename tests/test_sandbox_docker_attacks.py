@@ -355,3 +355,37 @@ def test_non_root_container_put_writes_only_where_its_user_may(docker_api, user_
     assert sha_in_container(user_ctr, final) == info.sha256
     assert user_ctr.exec_run(["stat", "-c", "%u", final]).output.strip() == b"1000"
     client.close()
+
+
+def test_fifo_open_in_the_stream_is_killed_after_the_deadline(docker_api, store):
+    """The stream script blocked opening a FIFO (what a swap right after its
+    type test leaves) ends with ReadTimeout after the read deadline, and the
+    blocked run is killed in the container by its run id."""
+    from adapters.sandboxes.execstream import exec_iter_file
+
+    c = docker_api.run_container(user="1000:1000")
+    try:
+        assert c.exec_run(["mkfifo", "/tmp/pipe"]).exit_code == 0
+        client = docker_api.client()
+        s = DockerSandbox(SandboxRef("docker", c.name), None, client=client, io_timeout_s=2)
+        ch = s.exec_channel()
+        real = ch.exec_stream
+        seen: list[str] = []
+
+        def stream_without_type_test(argv):
+            argv = list(argv)
+            i = argv.index("-c") + 1
+            argv[i] = argv[i].split("\n", 1)[1]  # start the run at the open
+            seen.extend(a for a in argv if a.startswith("COURIER_EXEC_ID="))
+            return real(argv)
+
+        ch.exec_stream = stream_without_type_test
+        exc, took = _bounded(lambda: b"".join(exec_iter_file(ch, "/tmp/pipe")), 30)
+        assert isinstance(exc, ReadTimeout), exc
+        assert len(seen) == 1
+        probe = ["sh", "-c", 'grep -lzxF "$1" /proc/[0-9]*/environ 2>/dev/null | grep -v self || true', "sh", seen[0]]
+        wait_until(lambda: c.exec_run(probe).output.strip() == b"", timeout_s=10,
+                   what="the blocked stream run to be killed")
+        client.close()
+    finally:
+        docker_api.remove_container(c.id)
