@@ -528,16 +528,16 @@ def _notice(ctx: Context, platform: Platform, chat: str, job: dict, text: str, *
         raise  # re-scheduled: the notice goes out once its slot is free
     except CourierError:
         pass  # the failure is recorded either way
-    return reason
 
 
 def notice_failed(ctx: Context, job: dict, reason: str) -> None:
     """Tell the chat that a file it was to get failed for good (an outage past
-    its deadline, errors past their count): one short notice, best effort."""
+    its deadline, errors past their count): one short notice, best effort
+    (the failure itself is final: a notice still rate limited is dropped)."""
     platform_name, chat = split_target(job["target"])
-    name = job.get("name") or "a file"
+    text = f"⚠️ {job.get('name') or 'a file'} could not be sent: {reason[:300]}"
     try:
         platform = ratelimit.guard(ctx.redis, ctx.platform(platform_name), job["id"])
-        platform.send_text(chat, f"⚠️ {name} could not be sent: {reason[:300]}", delivery_id=f"{job['id']}#notice")
+        _notice(ctx, platform, chat, job, text, key=None)
     except CourierError:
-        pass  # the failure is recorded either way
+        pass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import posixpath
 
 from adapters.errors import CourierError, SandboxError, StorageError, TooLarge
@@ -9,6 +10,8 @@ from adapters.sandboxes.base import SandboxRef
 from tasks import events, receipts
 from tasks.runtime import Context
 
+
+log = logging.getLogger(__name__)
 
 #: extractions at least this large publish an `extracted` event as they finish
 RECORD_MIN_BYTES = 1024 * 1024
@@ -116,6 +119,8 @@ def run(ctx: Context, did: str) -> dict:
         try:
             result = extract(ctx, spec)
         except Exception as exc:  # noqa: BLE001 - transient (mapped or not): back off, bounded
+            if not isinstance(exc, CourierError):
+                log.exception("extraction %s: unexpected error", did)
             reason = exc.reason if isinstance(exc, CourierError) else f"{type(exc).__name__}: {exc}"
             n, first_s = ledger.count_transient(r, did)
             if not ledger.gives_up(exc, n, first_s, max_attempts=ctx.max_transient_attempts,

@@ -19,6 +19,7 @@ overtakes it.
 from __future__ import annotations
 
 import json
+import logging
 import random
 import time
 from collections.abc import Callable
@@ -30,6 +31,8 @@ from tasks import keys, ledger, receipts
 from tasks.extract import result_of
 from tasks.ratelimit import Paced
 from tasks.runtime import Context
+
+log = logging.getLogger(__name__)
 
 #: a lane nobody has looked at for this long is driven again by the reconciler
 LANE_GRACE_S = 10.0
@@ -194,6 +197,8 @@ def _run_step(ctx: Context, step: Step) -> float | None:
         if isinstance(exc, CourierError) and not exc.transient:
             _give_up(ctx, step, exc.reason)
             return None
+        if not isinstance(exc, CourierError):
+            log.exception("lane %s: unexpected error sending %s", jobs[0]["target"], step.lead)
         reason = exc.reason if isinstance(exc, CourierError) else f"{type(exc).__name__}: {exc}"
         n, first_s = ledger.count_transient(r, step.lead)
         _mark_open(ctx, step, state="retrying", reason=reason)

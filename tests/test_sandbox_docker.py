@@ -312,7 +312,8 @@ def test_put_byte_identical(sb, ctr, store, size):
     ("/workspace/../etc/evil", UnsafePath),
     ("/workspace/pw", UnsafePath),          # a link (to /etc/passwd)
     ("/workspace/dir", UnsafePath),         # a directory
-    ("/workspace/nodir/x", FileMissing),
+    ("/workspace/f1k/x", NotAFile),
+    ("/workspace/pw/sub/x", UnsafePath),   # a missing dir under a link out of the roots
 ])
 def test_put_refused(sb, ctr, store, dest, exc):
     store.put_bytes("in/b", b"payload")
@@ -418,3 +419,12 @@ def test_host_routing():
     assert host_of(ref) == "gpu-3.lan" and queue_for(ref) == "sandbox.gpu-3.lan"
     with pytest.raises(Exception):
         host_of(SandboxRef("docker", "c1", options={"host": "a b;rm"}))
+
+
+def test_put_makes_the_missing_inbox(sb, ctr, store):
+    """An attachment into <workspace>/inbox/ that does not exist yet: the
+    directory is made as the container's user (old code: FileMissing)."""
+    info = store.put_bytes("in/a", b"attachment")
+    final = sb.put(store, "in/a", "/workspace/turn1/inbox/photo.jpg")
+    assert final == "/workspace/turn1/inbox/photo.jpg"
+    assert sha_in_container(ctr, final) == info.sha256

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
 import pytest
 
 from adapters.errors import FileMissing, NotAFile, TooLarge, UnsafePath
-from adapters.sandboxes.base import SandboxRef, parse_uri
+from adapters.sandboxes.base import PathPolicy, SandboxRef, parse_uri
 from adapters.sandboxes.local import LocalSandbox
 from storage.volume import VolumeStore
 from tests.fixtures._files import assert_store_empty, make_area, sha256_file, write_random
@@ -190,3 +191,195 @@ def test_put_long_name(sb, area, store):
     dest = area["root"] / ("n" * 250)
     assert sb.put(store, "files/in", str(dest)) == str(dest)
     assert dest.read_bytes() == b"payload"
+
+
+def _run_bounded(fn, unblock, timeout_s=10.0):
+    """Run `fn` in a thread; if it is still running after `timeout_s`, call
+    `unblock` (so the test never hangs) and fail. Returns fn's exception."""
+    box: dict = {}
+
+    def run():
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            box["exc"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        unblock()
+        t.join(10)
+        pytest.fail(f"blocked for more than {timeout_s} s")
+    return box.get("exc")
+
+
+def test_fifo_swapped_in_after_resolve_never_blocks(sb, area, store):
+    """A FIFO put in place of the checked file between resolve and open is
+    refused at once (old code: open() blocked the worker until a writer came)."""
+    victim = area["root"] / "fifo_swap.bin"
+    victim.write_bytes(b"harmless")
+
+    class Racing(LocalSandbox):
+        def resolve(self, path):
+            out = super().resolve(path)
+            victim.unlink()
+            os.mkfifo(victim)  # the agent's swap, right after the check
+            return out
+
+    racing = Racing(sb.ref, sb.policy)
+
+    def unblock():
+        fd = os.open(victim, os.O_WRONLY | os.O_NONBLOCK)
+        os.close(fd)
+
+    try:
+        exc = _run_bounded(lambda: racing.extract(str(victim), store, "files/x"), unblock)
+        assert isinstance(exc, NotAFile), exc
+        assert_store_empty(store)
+    finally:
+        victim.unlink()
+
+
+# -- hard links and the credentials denylist ------------------------------------------------
+def test_hard_link_to_a_file_outside_the_roots_is_refused(area, store, tmp_path):
+    """`ln outside/secret.txt root/hl`: the same file under an allowed name.
+    Refused (old code: delivered); allowed only under `links_ok` roots."""
+    hl = area["root"] / "hardlink.txt"
+    os.link(area["outside"] / "secret.txt", hl)
+    try:
+        sb = LocalSandbox.with_roots((str(area["root"]),))
+        with pytest.raises(UnsafePath, match="hard links"):
+            sb.extract(str(hl), store, "files/x")
+        assert_store_empty(store)
+        trusted = LocalSandbox(sb.ref, PathPolicy(roots=sb.policy.roots, links_ok=sb.policy.roots))
+        assert trusted.extract(str(hl), store, "files/ok").size_bytes == len("secret")
+    finally:
+        hl.unlink()
+
+
+@pytest.mark.parametrize("rel", [
+    ".pgpass", ".bash_history", ".zsh_history", ".s3cfg", ".vault-token", ".netrc", ".git-credentials",
+    ".cargo/credentials", ".cargo/credentials.toml", ".terraform.d/credentials.tfrc.json", ".m2/settings.xml",
+    ".local/share/keyrings/login.keyring",
+])
+def test_home_credentials_are_never_readable(store, tmp_path, rel):
+    home = tmp_path / "home"
+    (home / rel).parent.mkdir(parents=True, exist_ok=True)
+    (home / rel).write_text("credential")
+    sb = LocalSandbox.with_roots((str(home),), home=str(home))
+    with pytest.raises(UnsafePath, match="never readable"):
+        sb.extract(str(home / rel), store, "files/x")
+    assert_store_empty(store)
+
+
+def test_swap_race_loop_never_leaks_never_blocks(sb, area, store):
+    """1 000 extractions while the agent keeps swapping the file for a FIFO
+    and for a link to a file outside the roots (atomic renames): each one
+    delivers the real file's bytes or is refused; none blocks, none leaks."""
+    from adapters.errors import SandboxError
+
+    root = area["root"]
+    victim = root / "race.bin"
+    legit, fifo, link = root / ".race_legit", root / ".race_fifo", root / ".race_link"
+    stop = threading.Event()
+
+    def swapper():
+        i = 0
+        while not stop.is_set():
+            src = (legit, fifo, link)[i % 3]
+            try:
+                if src == legit:
+                    legit.write_bytes(b"legit")
+                elif src == fifo:
+                    os.mkfifo(fifo)
+                else:
+                    os.symlink(area["outside"] / "secret.txt", link)
+                os.rename(src, victim)
+            except FileExistsError:
+                pass
+            i += 1
+
+    t = threading.Thread(target=swapper, daemon=True)
+    victim.write_bytes(b"legit")
+    t.start()
+    outcomes: dict[str, int] = {}
+    try:
+        for i in range(1000):
+            key = f"files/r{i}"
+            box: dict = {}
+
+            def one():
+                try:
+                    store.put_stream(key, sb.open_stream(sb.resolve(str(victim))[0]))
+                    box["data"] = store.local_path(key).read_bytes()
+                except SandboxError as exc:
+                    box["exc"] = type(exc).__name__
+
+            w = threading.Thread(target=one, daemon=True)
+            w.start()
+            w.join(10)
+            if w.is_alive():  # unblock a reader stuck on the FIFO, then fail
+                stop.set()
+                with pytest.raises(OSError):
+                    while True:
+                        os.close(os.open(victim, os.O_WRONLY | os.O_NONBLOCK))
+                pytest.fail(f"extraction {i} blocked")
+            if "data" in box:
+                assert box["data"] == b"legit", f"extraction {i} leaked {box['data']!r}"
+                outcomes["delivered"] = outcomes.get("delivered", 0) + 1
+            else:
+                outcomes[box["exc"]] = outcomes.get(box["exc"], 0) + 1
+    finally:
+        stop.set()
+        t.join(10)
+        for p in (victim, legit, fifo, link):
+            if os.path.lexists(p):
+                os.unlink(p)
+    assert outcomes.get("delivered", 0) > 0 and sum(outcomes.values()) == 1000, outcomes
+
+
+def test_put_race_loop_never_writes_outside(area, store, tmp_path):
+    """300 attachments into root/inbox while the agent swaps inbox for a link
+    to a directory outside the roots in a loop: each lands in the real inbox
+    or is refused; nothing is ever written outside (the opened directory is
+    the one checked)."""
+    from adapters.errors import SandboxError
+
+    root, outside = tmp_path / "root", tmp_path / "out"
+    (root / "inbox").mkdir(parents=True)
+    outside.mkdir()
+    sb = LocalSandbox.with_roots((str(root),))
+    store.put_bytes("in/a", b"attachment")
+    parked = root / "inbox.real"
+    stop = threading.Event()
+
+    def swapper():
+        while not stop.is_set():
+            try:
+                os.rename(root / "inbox", parked)
+                os.symlink(outside, root / "inbox")
+                os.unlink(root / "inbox")
+                os.rename(parked, root / "inbox")
+            except OSError:  # the put made a new inbox meanwhile: put the real one back
+                if parked.exists():
+                    with contextlib.suppress(OSError):
+                        os.unlink(root / "inbox") if (root / "inbox").is_symlink() else os.rmdir(root / "inbox")
+                    with contextlib.suppress(OSError):
+                        os.rename(parked, root / "inbox")
+
+    t = threading.Thread(target=swapper, daemon=True)
+    t.start()
+    placed = 0
+    try:
+        for i in range(300):
+            try:
+                sb.put(store, "in/a", str(root / "inbox" / f"a{i}.txt"))
+                placed += 1
+            except (SandboxError, FileExistsError, FileNotFoundError):
+                continue
+    finally:
+        stop.set()
+        t.join(10)
+    assert os.listdir(outside) == []
+    assert placed > 0

@@ -16,6 +16,7 @@ real. Variants: with the file API, without it (modal 1.x has no
 from __future__ import annotations
 
 import builtins
+import contextlib
 import os
 import subprocess
 import sys
@@ -359,7 +360,8 @@ def test_put_byte_identical(area, store, tmp_path, variant, size):
     ("{root}/.ssh/authorized_keys", UnsafePath),
     ("{root}/../outside/dropped", UnsafePath),
     ("{root}/dir", UnsafePath),
-    ("{root}/no/such/dir/f", FileMissing),
+    ("{root}/one_kb.bin/f", NotAFile),
+    ("{root}/outdir/sub/dropped", UnsafePath),   # a missing dir under a link out of the roots
 ])
 def test_put_refused(area, store, dest, exc):
     box = make_box("file_api")
@@ -394,3 +396,105 @@ def test_put_over_cap_and_interrupted(area, store, variant):
     with pytest.raises(SandboxGone):
         make(area).put(store, "files/big", str(inbox / "big.bin"))
     assert not (inbox / "big.bin").exists() and not (inbox / "capped.bin").exists()
+
+
+# -- a stalled sandbox costs one attempt, never the worker ----------------------------------
+def _bounded_call(fn, timeout_s, unblock=None):
+    box: dict = {}
+
+    def run():
+        try:
+            box["res"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            box["exc"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        if unblock is not None:
+            unblock()
+        t.join(30)
+        pytest.fail(f"blocked for more than {timeout_s} s")
+    return box.get("exc")
+
+
+def test_stalled_exec_output_times_out(area):
+    """An exec that sends nothing ends with ReadTimeout after the read
+    deadline (old code: the SDK's iterator held the worker until it ended)."""
+    from adapters.sandboxes.base import ReadTimeout
+
+    make_box("exec_only")
+    sb = ModalSandbox(SandboxRef("modal", "sb-test", roots=(str(area["root"]),)), None, io_timeout_s=1)
+    ch = sb.exec_channel()
+
+    def stream():
+        return b"".join(ch.exec_stream(["sleep", "20"]).chunks)
+
+    assert isinstance(_bounded_call(stream, 12), ReadTimeout)
+    assert isinstance(_bounded_call(lambda: ch.exec_small(["sleep", "20"]), 12), ReadTimeout)
+
+
+def test_fifo_swapped_in_after_resolve_never_blocks(area, store, tmp_path):
+    """The file API opening a FIFO put in place of the checked file blocks
+    in the sandbox: the read deadline ends the attempt, nothing is stored."""
+    from adapters.sandboxes.base import ReadTimeout
+
+    make_box("file_api")
+    victim = area["root"] / "fifo_swap.bin"
+    victim.write_bytes(b"harmless")
+
+    class Racing(ModalSandbox):
+        def _resolve(self, path):
+            out = super()._resolve(path)
+            victim.unlink()
+            os.mkfifo(victim)
+            return out
+
+    sb = Racing(SandboxRef("modal", "sb-test", roots=(str(area["root"]),)),
+                PathPolicy(roots=(str(area["root"]),)), io_timeout_s=1)
+    try:
+        exc = _bounded_call(lambda: sb.extract(str(victim), store, "files/x"), 12,
+                            unblock=lambda: os.close(os.open(victim, os.O_WRONLY | os.O_NONBLOCK)))
+        assert isinstance(exc, ReadTimeout), exc
+        assert_store_empty(store)
+    finally:
+        with contextlib.suppress(OSError):  # the fake's open still waits: release it
+            os.close(os.open(victim, os.O_WRONLY | os.O_NONBLOCK))
+        victim.unlink()
+
+
+@pytest.mark.parametrize("variant", ["file_api", "exec_only"])
+def test_put_makes_the_missing_inbox(area, store, variant):
+    """An attachment into <workspace>/inbox/ that does not exist yet: the
+    directory is made in the sandbox (old code: FileMissing)."""
+    make_box(variant)
+    store.put_bytes("files/in", b"attachment")
+    dest = area["root"] / f"turn-{variant}" / "inbox" / "photo.jpg"
+    assert make(area).put(store, "files/in", str(dest)) == str(dest)
+    assert dest.read_bytes() == b"attachment"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_hard_link_to_a_file_outside_the_roots_is_refused(area, store, variant):
+    make_box(variant)
+    hl = area["root"] / f"hl-{variant}.txt"
+    os.link(area["outside"] / "secret.txt", hl)
+    try:
+        with pytest.raises(UnsafePath, match="hard links"):
+            make(area).extract(str(hl), store, "files/x")
+        assert_store_empty(store)
+    finally:
+        hl.unlink()
+
+
+def test_exec_stdin_into_a_sandbox_that_stops_reading_times_out(area):
+    """An upload through exec stdin to a command that never reads: each
+    write has a deadline too (old code: blocked until the command ended)."""
+    from adapters.sandboxes.base import ReadTimeout
+
+    make_box("exec_only")
+    sb = ModalSandbox(SandboxRef("modal", "sb-test", roots=(str(area["root"]),)), None, io_timeout_s=1)
+    chunks = (b"\0" * (1 << 20) for _ in range(16))
+    assert isinstance(_bounded_call(lambda: sb.exec_channel().exec_stdin(["sleep", "20"], chunks), 12),
+                      ReadTimeout)

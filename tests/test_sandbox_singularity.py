@@ -157,7 +157,8 @@ def test_put_byte_identical(sb, root, store, size):
     ("/workspace/host", UnsafePath),
     ("/home/agent/.ssh/authorized_keys", UnsafePath),
     ("/workspace/../etc/evil", UnsafePath),
-    ("/workspace/nodir/x", FileMissing),
+    ("/workspace/f1k/x", NotAFile),
+    ("/workspace/pw/sub/x", UnsafePath),   # a missing dir under a link out of the roots
 ])
 def test_put_refused(sb, instances, store, dest, exc):
     store.put_bytes("in/b", b"payload")
@@ -190,3 +191,26 @@ def test_wiring_opens_singularity_sandbox(instances, store):
     s = open_sandbox(ref, Settings(singularity_instances_dir=str(instances)))
     assert isinstance(s, SingularitySandbox)
     assert s.extract(path, store, "files/w").size_bytes == 1024
+
+
+def test_put_makes_the_missing_inbox(sb, root, store):
+    """An attachment into <workspace>/inbox/ that does not exist yet: the
+    directory is made (old code: FileMissing, the attachment failed)."""
+    store.put_bytes("in/a", b"attachment")
+    final = sb.put(store, "in/a", "/workspace/turn1/inbox/photo.jpg")
+    assert final == "/workspace/turn1/inbox/photo.jpg"
+    with open(os.path.join(root, "workspace", "turn1", "inbox", "photo.jpg"), "rb") as f:
+        assert f.read() == b"attachment"
+
+
+def test_hard_link_to_a_host_file_is_refused(sb, instances, root, store):
+    """A hard link inside the instance to a host file outside its root
+    (same filesystem): refused, nothing stored (old code: delivered)."""
+    hl = os.path.join(root, "workspace", "hl.txt")
+    os.link(instances / "host_only.txt", hl)
+    try:
+        with pytest.raises(UnsafePath, match="hard links"):
+            sb.extract("/workspace/hl.txt", store, "files/x")
+        assert stored(store) == []
+    finally:
+        os.unlink(hl)

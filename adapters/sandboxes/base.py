@@ -8,16 +8,21 @@ before a byte moves, and checked again after transfer where the backend can.
 
 from __future__ import annotations
 
+import contextlib
+import fnmatch
 import os
 import posixpath
+import queue
+import stat
+import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 from urllib.parse import quote, unquote, urlparse
 
-from adapters.errors import ConfigError, SandboxError, UnsafePath
+from adapters.errors import ConfigError, NotAFile, SandboxError, SandboxGone, UnsafePath
 
 DEFAULT_MAX_BYTES = 50 * 1000 * 1000
 #: Sandbox.exec: bytes kept per output stream, and the exit code of a timeout
@@ -34,10 +39,16 @@ DENYLIST: tuple[str, ...] = (
 )
 #: denied even below a root configured inside them (special files, not data)
 NEVER_WAIVED: tuple[str, ...] = ("/proc", "/sys", "/dev")
-#: relative to the sandbox user's home
+#: relative to the sandbox user's home; each entry is a pattern of path
+#: components (fnmatch: `*`, `?`, `[...]`) and covers everything under what it matches
 HOME_DENYLIST: tuple[str, ...] = (
     ".ssh", ".aws", ".gnupg", ".kube", ".docker", ".config", ".netrc", ".git-credentials",
     ".password-store", ".azure", ".gcloud", ".npmrc", ".pypirc",
+    # credentials of other tools, and shell / REPL histories (they hold pasted secrets)
+    ".pgpass", ".my.cnf", ".s3cfg", ".boto", ".vault-token", ".dockercfg", ".terraformrc", ".databrickscfg",
+    ".cargo/credentials*", ".terraform.d/credentials*", ".m2/settings*.xml", ".gem/credentials",
+    ".composer/auth.json", ".local/share/keyrings", ".local/share/*history*", ".oci", ".mc",
+    ".*history", ".env",
 )
 
 KINDS = ("local", "docker", "ssh", "modal", "singularity")
@@ -127,15 +138,22 @@ class PathPolicy:
     (e.g. root's default data dir `/root/.local/share/courier`, or
     `/var/lib/courier`) allows what is below it: the explicit root is the
     more specific rule. `/proc`, `/sys`, `/dev` and the home's secrets
-    (`~/.ssh`, `~/.aws`, …) stay denied whatever the roots say."""
+    (`~/.ssh`, `~/.aws`, …) stay denied whatever the roots say.
+
+    `home_denylist`: patterns under `home` (see HOME_DENYLIST). `links_ok`:
+    roots under which a regular file with more than one hard link is still
+    delivered (a hard link may be another name of a file outside the roots;
+    elsewhere such a file is refused)."""
 
     roots: tuple[str, ...]
     home: str | None = None
     denylist: tuple[str, ...] = DENYLIST
+    home_denylist: tuple[str, ...] = HOME_DENYLIST
+    links_ok: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # normalised once: a check runs for every file, twice
-        object.__setattr__(self, "_denied", tuple((d, _prefix(d)) for d in self.denied()))
+        object.__setattr__(self, "_denied", tuple((d, _prefix(d)) for d in self.denylist))
         object.__setattr__(self, "_roots", tuple(_prefix(r) for r in self.roots))
         # a root configured strictly inside a denied system prefix (the default data dir of root,
         # /root/.local/share/courier; a data dir under /var/lib) is allowed below that root: the
@@ -144,12 +162,33 @@ class PathPolicy:
         roots = self._roots  # type: ignore[attr-defined]
         object.__setattr__(self, "_waives", tuple(frozenset(d for d in waivable if r.startswith(d) and r != d)
                                                   for r in roots))
+        home = posixpath.normpath(self.home) if self.home and self.home.startswith("/") else None
+        object.__setattr__(self, "_home", _prefix(home) if home and home != "/" else None)
+        object.__setattr__(self, "_home_pats", tuple(
+            tuple(c for c in d.split("/") if c) for d in self.home_denylist if d.strip("/")))
+        object.__setattr__(self, "_links_ok", tuple(_prefix(r) for r in self.links_ok))
 
     def denied(self) -> list[str]:
         out = list(self.denylist)
         if self.home:
-            out += [posixpath.join(self.home, d) for d in HOME_DENYLIST]
+            out += [posixpath.join(self.home, d) for d in self.home_denylist]
         return out
+
+    def denied_reason(self, path: str) -> str | None:
+        """The denylist entry that covers `path` (normalised, absolute), else None."""
+        probe = _dir_form(path)
+        waived = frozenset().union(*(w for r, w in zip(self._roots, self._waives)  # type: ignore[attr-defined]
+                                     if probe.startswith(r)))
+        for d, prefix in self._denied:  # type: ignore[attr-defined]
+            if probe.startswith(prefix) and prefix not in waived:
+                return d
+        home = self._home  # type: ignore[attr-defined]
+        if home and probe.startswith(home):
+            parts = [c for c in probe[len(home):].split("/") if c]
+            for pat in self._home_pats:  # type: ignore[attr-defined]
+                if len(parts) >= len(pat) and all(fnmatch.fnmatchcase(c, q) for c, q in zip(parts, pat)):
+                    return posixpath.join(home, *pat)
+        return None
 
     def check(self, resolved: str, *, shown: str | None = None) -> str:
         """Raise UnsafePath unless `resolved` (absolute, links resolved) is allowed."""
@@ -159,14 +198,29 @@ class PathPolicy:
         norm = posixpath.normpath(resolved)
         if norm != resolved.rstrip("/") and resolved != "/":
             raise UnsafePath(f"{shown}: path is not normalised")
-        probe = _dir_form(norm)
-        inside = [w for r, w in zip(self._roots, self._waives) if probe.startswith(r)]  # type: ignore[attr-defined]
-        for d, prefix in self._denied:  # type: ignore[attr-defined]
-            if probe.startswith(prefix) and not any(prefix in w for w in inside):
-                raise UnsafePath(f"{shown}: {d} is never readable")
-        if not inside:
+        d = self.denied_reason(norm)
+        if d is not None:
+            raise UnsafePath(f"{shown}: {d} is never readable")
+        if not _dir_form(norm).startswith(self._roots):  # type: ignore[attr-defined]
             raise UnsafePath(f"{shown}: outside the allowed roots ({', '.join(self.roots) or 'none'})")
         return norm
+
+    def check_lexical_denied(self, path: str) -> None:
+        """For a path that does not resolve: refuse it if denylisted as written."""
+        d = self.denied_reason(posixpath.normpath(path)) if path.startswith("/") else None
+        if d is not None:
+            raise UnsafePath(f"{path}: {d} is never readable")
+
+    def links_allowed(self, resolved: str) -> bool:
+        """Whether a file with several hard links may be delivered from `resolved`."""
+        return _dir_form(resolved).startswith(self._links_ok or ("\x00",))  # type: ignore[attr-defined]
+
+    def check_links(self, resolved: str, nlink: int, *, shown: str | None = None) -> None:
+        """Refuse a regular file with more than one hard link (another name of
+        the same file may lie outside the roots), unless under `links_ok`."""
+        if nlink > 1 and not self.links_allowed(resolved):
+            raise UnsafePath(f"{shown or resolved}: has {nlink} hard links (another name may be outside the "
+                             "allowed roots); refused")
 
 
 def _dir_form(path: str) -> str:
@@ -193,6 +247,107 @@ def check_lexical(path: str) -> str:
     if ".." in path.split("/"):
         raise UnsafePath(f"{path}: '..' is not allowed")
     return path
+
+
+#: default read deadline: a sandbox channel that sends nothing for this long is given up
+DEFAULT_IO_TIMEOUT_S = 60.0
+
+
+class ReadTimeout(SandboxGone):
+    """A sandbox channel sent nothing within its read deadline (a stalled
+    shell, a FIFO opened after the check): this attempt fails, the worker
+    goes on."""
+
+
+def with_deadline(chunks: Iterable[bytes], idle_s: float, what: str, on_timeout=None) -> Iterator[bytes]:
+    """`chunks` (a blocking iterator: an SDK stream) read by a helper thread,
+    at most two chunks ahead; when none arrives for `idle_s` seconds,
+    `on_timeout()` runs (end the command) and :class:`ReadTimeout` is raised.
+    A producer still stuck in the SDK is left to its daemon thread."""
+    q: queue.Queue = queue.Queue(maxsize=2)
+    stop = threading.Event()
+    done = object()
+
+    def put(item) -> None:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def run() -> None:
+        try:
+            for chunk in chunks:
+                put(("c", chunk))
+                if stop.is_set():
+                    return
+            put(("d", done))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            put(("e", exc))
+
+    threading.Thread(target=run, name="courier-read-deadline", daemon=True).start()
+    try:
+        while True:
+            try:
+                kind, item = q.get(timeout=idle_s)
+            except queue.Empty:
+                if on_timeout is not None:
+                    with contextlib.suppress(Exception):
+                        on_timeout()
+                raise ReadTimeout(f"{what}: nothing received for {idle_s:g} s; given up") from None
+            if kind == "d":
+                return
+            if kind == "e":
+                raise item
+            yield item
+    finally:
+        stop.set()
+
+
+def call_with_deadline(fn, timeout_s: float, what: str):
+    """`fn()` run by a helper thread; ReadTimeout if it has not returned
+    within `timeout_s` (a blocking SDK write into a stalled sandbox; the
+    thread is left to end on its own). Its result, or its exception."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["res"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            box["exc"] = exc
+
+    t = threading.Thread(target=run, name="courier-call-deadline", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        raise ReadTimeout(f"{what}: no progress for {timeout_s:g} s; given up")
+    if "exc" in box:
+        raise box["exc"]
+    return box.get("res")
+
+
+def open_regular(path: str, *, dir_fd: int | None = None, shown: str | None = None) -> tuple[int, os.stat_result]:
+    """Open `path` (no link followed at its last component) for reading
+    without ever blocking, and return (fd, fstat of that fd).
+
+    O_NONBLOCK makes a FIFO or a device swapped in after the path check
+    open at once instead of hanging the worker; the *opened* descriptor is
+    then checked (a regular file, else NotAFile) and made blocking again
+    for the read. Callers check what else they need on the returned stat
+    (the bytes read are those of the file checked here)."""
+    shown = shown or path
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0)
+    fd = os.open(path, flags, dir_fd=dir_fd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotAFile(f"{shown}: not a regular file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
 
 
 class Sandbox(ABC):

@@ -11,8 +11,17 @@ Channels, fastest first:
    straight into storage; ``tarfile`` parses the headers from a
    forward-only reader and the archive is checked member by member
    (:func:`iter_single_member`).
-3. exec: ``cat`` through exec stdout (:mod:`adapters.sandboxes.execstream`),
-   available as :meth:`DockerSandbox.extract_via_exec`.
+3. exec: ``cat`` through exec stdout (:mod:`adapters.sandboxes.execstream`)
+   from the descriptor the stream script opened and checked (type, path,
+   link count), available as :meth:`DockerSandbox.extract_via_exec`. It is
+   the channel whenever the other two would read what the agent could not:
+   a container not running as root (bind mounts and the archive API read as
+   root), a path with glob characters (podman's archive API expands them),
+   a path resolved through links (the archive GET would follow a link
+   swapped in after the check).
+
+Every exec read has a deadline (``io_timeout_s``): a container whose shell
+stalls costs one attempt (ReadTimeout, a SandboxGone), never the worker.
 
 Commands (``Sandbox.exec``): one docker exec under execstream's run script
 (working directory resolved and checked first, the image's GNU ``timeout``
@@ -40,13 +49,13 @@ Every docker / requests / urllib3 error is translated in ONE place
 from __future__ import annotations
 
 import base64
+import binascii
 import io
 import json
 import os
 import posixpath
 import select
 import socket
-import stat as statmod
 import struct
 import tarfile
 import time
@@ -59,10 +68,12 @@ from adapters.errors import (
     CourierError, FileMissing, NotAFile, SandboxError, SandboxGone, StorageError, TooLarge, UnsafePath,
 )
 from adapters.sandboxes.base import (
-    DEFAULT_MAX_BYTES, BoundedOutput, PathPolicy, Sandbox, SandboxRef, _under, check_lexical,
+    DEFAULT_IO_TIMEOUT_S, DEFAULT_MAX_BYTES, BoundedOutput, PathPolicy, ReadTimeout, Sandbox, SandboxRef, _under,
+    check_lexical, open_regular,
 )
 from adapters.sandboxes.execstream import (
-    EXIT_CHANGED, ExecStream, ExecStreamMixin, Resolved, exec_resolve, kill_argv, resolve_put_dest,
+    EXIT_CHANGED, ExecStream, ExecStreamMixin, Resolved, exec_iter_file, exec_put, exec_resolve,
+    kill_argv, resolve_put_dest,
 )
 from adapters.sandboxes.routing import host_of  # noqa: F401 - re-exported for callers
 
@@ -74,6 +85,16 @@ DOCKER_DEFAULT_ROOTS = ("/workspace", "/tmp")
 _GO_MODE_SYMLINK = 1 << 27
 _GO_MODE_DIR = 1 << 31
 _GO_MODE_TYPE = (1 << 31) | (1 << 27) | (1 << 26) | (1 << 25) | (1 << 24) | (1 << 21) | (1 << 19)
+
+#: what Go's filepath.Match treats as pattern syntax: the engine's archive API
+#: (podman's copier) expands it, so such a path never goes to that API
+GLOB_CHARS = frozenset("*?[]\\")
+
+
+def has_glob(path: str) -> bool:
+    """Whether the archive API could read `path` as a pattern instead of a name."""
+    return not GLOB_CHARS.isdisjoint(path)
+
 
 _FINALIZE_SCRIPT = r"""if [ -L "$2" ] || [ -d "$2" ]; then rm -f -- "$1"; exit 97; fi
 mv -f -- "$1" "$2" || { rm -f -- "$1"; exit 3; }
@@ -227,6 +248,47 @@ def check_member(member: tarfile.TarInfo, *, expected_name: str | None, expected
         raise SandboxGone(f"{name}: changed ({member.size:,} bytes in the archive, {expected_size:,} at resolve)")
 
 
+def decode_stat_header(hdr: str) -> dict:
+    """The engine's X-Docker-Container-Path-Stat header: base64 of a JSON
+    object, standard (dockerd) or URL-safe (podman) alphabet, padding
+    optional. Raises ValueError when it is neither."""
+    text = hdr.strip().replace("-", "+").replace("_", "/")
+    text += "=" * (-len(text) % 4)
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except binascii.Error as exc:
+        raise ValueError(f"bad stat header: {exc}") from exc
+    st = json.loads(raw)
+    if not isinstance(st, dict):
+        raise ValueError("bad stat header: not an object")
+    return st
+
+
+def check_archive_stat(st: dict, resolved: str, size: int | None, expect: dict | None = None) -> None:
+    """The engine's stat of what its archive GET reads (its response header)
+    must be the file that was checked: same name and size, where the engine
+    says where the path led (`linkTarget`) that very path, and the same
+    mode and mtime (nanoseconds) as the stat walk saw (`expect`). A directory
+    swapped for a link after the check leads the GET to another file:
+    refused here, before a byte is read."""
+    if not isinstance(st, dict):
+        return
+    name = st.get("name")
+    if name and name != posixpath.basename(resolved):
+        raise UnsafePath(f"{resolved}: the archive reads {name!r} (changed after resolve)")
+    target = st.get("linkTarget") or ""
+    if target and posixpath.normpath(target) != resolved:
+        raise UnsafePath(f"{resolved}: now leads to {target} (changed after resolve)")
+    if size is not None and "size" in st and int(st.get("size") or 0) != size:
+        raise SandboxGone(f"{resolved}: changed ({st.get('size')} bytes now, {size:,} at resolve)")
+    if expect is not None:
+        if "mode" in expect and st.get("mode") != expect["mode"]:
+            raise UnsafePath(f"{resolved}: the archive reads another file than the one checked (mode differs)")
+        if "mtime" in expect and st.get("mtime") != expect["mtime"]:
+            # another file, or this one rewritten meanwhile: never delivered, a retry checks again
+            raise SandboxGone(f"{resolved}: changed after it was checked (mtime differs)")
+
+
 def tar_stream(name: str, size: int, chunks: Iterable[bytes], *, uid: int = 0, gid: int = 0,
                mode: int = 0o644) -> Iterator[bytes]:
     """A one-file tar archive as a generator (no temp file, no whole read).
@@ -291,14 +353,41 @@ class _DockerExec:
             raise SandboxGone(f"container {self.sb.ref.target} went away during exec")
         return code
 
+    def _start_socket(self, exec_id: str):
+        """(closable, raw socket) of a started exec, the raw socket with the
+        sandbox's read deadline: a stalled container costs one attempt."""
+        with self.sb._errors("exec"):
+            sock = self.sb.client.api.exec_start(exec_id, socket=True)
+        raw = getattr(sock, "_sock", sock)
+        raw.settimeout(self.sb.io_timeout_s)
+        return sock, raw
+
+    def _timed_out(self, what: str) -> ReadTimeout:
+        return ReadTimeout(f"container {self.sb.ref.target}: nothing received for {self.sb.io_timeout_s:g} s ({what})")
+
     def exec_small(self, argv: Sequence[str]) -> tuple[int, bytes, bytes]:
         exec_id = self._create(argv)
-        with self.sb._errors("exec"):
-            out, err = self.sb.client.api.exec_start(exec_id, demux=True)
+        sock, raw = self._start_socket(exec_id)
+        out, err = BoundedOutput(1 << 20), BoundedOutput(1 << 16)
+        frames = _Frames()
+        try:
+            with self.sb._errors("exec"):
+                while True:
+                    try:
+                        data = raw.recv(65536)
+                    except socket.timeout:
+                        raise self._timed_out(argv[-1] if argv else "exec") from None
+                    if not data:
+                        break
+                    for kind, piece in frames.feed(data):
+                        (out if kind == 1 else err).add(piece)
+        finally:
+            with suppress(Exception):
+                sock.close()
         rc = self._exit_code(exec_id)
         if rc is None:
             raise SandboxGone("exec did not finish")
-        return rc, out or b"", err or b""
+        return rc, out.value(), err.value()
 
     def exec_stdin(self, argv: Sequence[str], chunks: Iterable[bytes]) -> tuple[int, bytes, bytes]:
         """Run argv with `chunks` streamed on its stdin (then EOF); for
@@ -307,11 +396,10 @@ class _DockerExec:
         with self.sb._errors("exec"):
             exec_id = api.exec_create(self.sb.container_id, list(argv), stdin=True, stdout=True, stderr=True,
                                       user=self.sb.ref.options.get("user", ""))["Id"]
-            sock = api.exec_start(exec_id, socket=True)
-        raw = getattr(sock, "_sock", sock)
+        sock, raw = self._start_socket(exec_id)
         out, err = bytearray(), bytearray()
         try:
-            with self.sb._errors("exec stdin"):
+            with self.sb._errors("exec stdin"), _deadline(self, argv[-1] if argv else "exec stdin"):
                 for chunk in _store_chunks(chunks, argv[-1] if argv else "exec stdin"):
                     if chunk:
                         raw.sendall(chunk)
@@ -339,14 +427,12 @@ class _DockerExec:
 
     def exec_stream(self, argv: Sequence[str]) -> ExecStream:
         exec_id = self._create(argv)
-        with self.sb._errors("exec"):
-            sock = self.sb.client.api.exec_start(exec_id, socket=True)
-        raw = getattr(sock, "_sock", sock)
+        sock, raw = self._start_socket(exec_id)
         err = bytearray()
         state = {"closed": False}
 
         def chunks() -> Iterator[bytes]:
-            with self.sb._errors("exec stream"):
+            with self.sb._errors("exec stream"), _deadline(self, argv[-2] if len(argv) > 1 else "exec stream"):
                 yield from demux_stdout(raw.recv_into, err)
 
         def close() -> None:
@@ -359,6 +445,15 @@ class _DockerExec:
 
         return ExecStream(chunks=chunks(), exit_code=lambda: self._exit_code(exec_id), stderr=lambda: bytes(err),
                           close=close)
+
+
+@contextmanager
+def _deadline(ch: "_DockerExec", what: str):
+    """A socket read past the sandbox's read deadline is a ReadTimeout."""
+    try:
+        yield
+    except socket.timeout:
+        raise ch._timed_out(what) from None
 
 
 def _store_chunks(chunks: Iterable[bytes], what: str) -> Iterator[bytes]:
@@ -414,7 +509,7 @@ class _DockerRun:
         self.exec_id = ch._create(argv)
         with ch.sb._errors("exec"):
             self.sock = ch.sb.client.api.exec_start(self.exec_id, socket=True)
-        self.raw = getattr(self.sock, "_sock", self.sock)
+        self.raw = getattr(self.sock, "_sock", self.sock)  # read only when select says so: no deadline needed
         self.frames = _Frames()
         self.ended = False
         self.closed = False
@@ -515,11 +610,15 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
     exec_default_roots = DOCKER_DEFAULT_ROOTS
 
     def __init__(self, ref: SandboxRef, policy: PathPolicy | None = None, *, base_url: str | None = None,
-                 client: Any = None, prefer_bind_mounts: bool = True, timeout_s: int = 120) -> None:
+                 client: Any = None, prefer_bind_mounts: bool = True, timeout_s: int = 120,
+                 io_timeout_s: float = DEFAULT_IO_TIMEOUT_S) -> None:
         """`policy` None: roots from the ref, else /workspace, /tmp and the
-        exec user's $HOME (learnt in the first resolve exec), minus the denylist."""
+        exec user's $HOME (learnt in the first resolve exec), minus the denylist.
+        `io_timeout_s`: read deadline of every exec's output (a container
+        whose shell stalls costs one attempt, ReadTimeout)."""
         self.ref = ref
         self.policy = policy
+        self.io_timeout_s = io_timeout_s
         if not ref.target:
             raise UnsafePath("docker sandbox needs a container name or id")
         if client is None:
@@ -540,6 +639,8 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
         #: which channel moved each file (observability and tests)
         self.stats = {"bind": 0, "archive": 0, "exec": 0, "resolve_stat": 0, "resolve_exec": 0}
         self._home_cache: str | None = None
+        #: (path, the engine's stat of it) when the last resolve was a link-free stat walk
+        self._walk_stat: tuple[str, dict] | None = None
 
     # -- errors: the ONE place docker/requests errors become courier errors -------------
     @contextmanager
@@ -591,6 +692,17 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
     def exec_channel(self) -> _DockerExec:
         return self._exec
 
+    def runs_as_root(self) -> bool:
+        """Whether execs (and so the agent) run as root: the ref's `user`
+        option, else the container's configured user. The archive API and
+        bind mounts read as root, so only then are they used; any other
+        user's reads go through exec as that user (never more than it can read)."""
+        user = self.ref.options.get("user")
+        if user is None:
+            user = (self._attrs().get("Config") or {}).get("User") or ""
+        name = user.split(":", 1)[0].strip()
+        return name in ("", "0", "root")
+
     def exec_start(self, argv: list[str], run_id: str, *, backstop_s: int | None = None) -> _DockerRun:
         """A ``Sandbox.exec`` command (ExecStreamMixin.exec): one docker exec."""
         return _DockerRun(self._exec, argv, run_id)
@@ -628,6 +740,7 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
         """Stat walk through the archive API when the path holds no links
         (a few ms), else ONE exec (`readlink -f` + `stat`, ~100 ms on podman)."""
         check_lexical(path)
+        self._walk_stat = None
         fast = self._resolve_by_stat(path)
         if fast is not None:
             return fast
@@ -659,7 +772,7 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
             finally:
                 res.close()
         try:
-            return json.loads(base64.b64decode(hdr)) if hdr else None
+            return decode_stat_header(hdr) if hdr else None
         except ValueError:
             return None
 
@@ -670,6 +783,10 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
         still lead somewhere allowed), or an engine without the stat call."""
         api = self.client.api
         if not all(hasattr(api, a) for a in ("head", "_url", "_raise_for_status")):
+            return None
+        if has_glob(path):  # the engine would expand it: exec resolves it literally
+            return None
+        if not self.runs_as_root():  # the engine stats as root: exec resolves as the container's user
             return None
         parts = [p for p in path.split("/") if p]
         if not parts:
@@ -699,6 +816,7 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
         if mode & _GO_MODE_TYPE:
             raise NotAFile(f"{path}: not a regular file")
         self.stats["resolve_stat"] += 1
+        self._walk_stat = (norm, st)
         return Resolved(path=norm, size=int(st.get("size", 0)), home=home)
 
     # -- outbound ------------------------------------------------------------------------
@@ -708,21 +826,35 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
         if r.size > max_bytes:
             raise TooLarge(f"{path}: {r.size:,} bytes is over the {max_bytes:,} byte cap", size_bytes=r.size,
                            limit_bytes=max_bytes)
-        if self.prefer_bind_mounts and self._engine_is_local():
+        as_root = self.runs_as_root()
+        if as_root and self.prefer_bind_mounts and self._engine_is_local():
             bound = self.bind_host_path(r.path)
             if bound is not None:
-                info = self._extract_bound(bound, path, store, key, max_bytes=max_bytes)
+                info = self._extract_bound(bound, path, store, key, max_bytes=max_bytes, resolved=r.path)
                 self.stats["bind"] += 1
                 return info
-        info = store.put_stream(key, self.iter_archive(r.path, r.size, max_bytes=max_bytes), max_bytes=max_bytes)
+        walked = self._walk_stat if self._walk_stat and self._walk_stat[0] == r.path else None
+        if has_glob(r.path) or not as_root or walked is None:
+            # the archive API would expand the name / read as root / the path had a
+            # link (the GET would follow a swapped one): exec reads the literal name
+            # with the container user's own permissions, from the fd it checked
+            info = store.put_stream(key, exec_iter_file(self._exec, r.path, expected_size=r.size, max_bytes=max_bytes,
+                                                        policy=self.policy_for(r.home)), max_bytes=max_bytes)
+            self.stats["exec"] += 1
+            return info
+        info = store.put_stream(key, self.iter_archive(r.path, r.size, max_bytes=max_bytes, expect=walked[1]),
+                                max_bytes=max_bytes)
         self.stats["archive"] += 1
         return info
 
-    def _extract_bound(self, bound: tuple[str, str], path: str, store, key: str, *, max_bytes: int):
+    def _extract_bound(self, bound: tuple[str, str], path: str, store, key: str, *, max_bytes: int,
+                       resolved: str):
         host, src = bound
         fd = _open_under(host, src, shown=path)
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            self.policy_for(self._home()).check_links(resolved, st.st_nlink, shown=path)
+            size = st.st_size
             if size > max_bytes:
                 raise TooLarge(f"{path}: {size:,} bytes is over the {max_bytes:,} byte cap",
                                size_bytes=size, limit_bytes=max_bytes)
@@ -733,8 +865,12 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
         with f:
             return store.put_stream(key, f, max_bytes=max_bytes)
 
-    def iter_archive(self, resolved: str, size: int | None, *, max_bytes: int) -> Iterator[bytes]:
-        """The file's bytes through ``get_archive``, member-checked."""
+    def iter_archive(self, resolved: str, size: int | None, *, max_bytes: int,
+                     expect: dict | None = None) -> Iterator[bytes]:
+        """The file's bytes through ``get_archive``, member-checked. A path
+        with glob characters is refused: the engine would expand them."""
+        if has_glob(resolved):
+            raise UnsafePath(f"{resolved}: glob characters cannot go to the archive API")
         with self._errors("get_archive", path=resolved):
             body, st, raw = self._open_archive(resolved)
         try:
@@ -743,6 +879,7 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
                 raise UnsafePath(f"{resolved}: is a link (changed after resolve)")
             if mode & _GO_MODE_TYPE:
                 raise NotAFile(f"{resolved}: not a regular file (changed after resolve)")
+            check_archive_stat(st, resolved, size, expect)
             with self._errors("archive stream", path=resolved):
                 yield from iter_single_member(body, expected_name=posixpath.basename(resolved),
                                               expected_size=size, max_bytes=max_bytes)
@@ -766,13 +903,15 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
         try:
             api._raise_for_status(res)
             hdr = res.headers.get("x-docker-container-path-stat")
-            st = json.loads(base64.b64decode(hdr)) if hdr else {}
+            st = decode_stat_header(hdr) if hdr else {}
         except BaseException:
             res.close()
             raise
         return ForwardReader(res.iter_content(CHUNK, False)), st, res
 
     def open_stream(self, resolved: str) -> Iterator[bytes]:
+        if has_glob(resolved) or not self.runs_as_root():
+            return exec_iter_file(self._exec, resolved, policy=self.policy)
         return self.iter_archive(resolved, None, max_bytes=DEFAULT_MAX_BYTES * 1000)
 
     def extract_via_exec(self, path: str, store, key: str, *, max_bytes: int = DEFAULT_MAX_BYTES):
@@ -784,11 +923,17 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
     # -- inbound -------------------------------------------------------------------------
     def put(self, store, key: str, dest_path: str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
         """Stream a stored blob into the container: ``put_archive`` of a tar
-        generated on the fly under a temp name, then one exec renames it."""
+        generated on the fly under a temp name, then one exec renames it; in
+        a container not running as root, exec stdin as its user (``put_archive``
+        writes as root)."""
         info = store.stat(key)
         if info.size_bytes > max_bytes:
             raise TooLarge(f"{key}: {info.size_bytes:,} bytes is over the {max_bytes:,} byte cap",
                            size_bytes=info.size_bytes, limit_bytes=max_bytes)
+        if not self.runs_as_root():
+            # put_archive writes as root: a container's own user writes through exec
+            # stdin, where it may write and nowhere else
+            return exec_put(self._exec, self.policy_for, store, key, dest_path, max_bytes=max_bytes)
         final, uid, gid = resolve_put_dest(self._exec, self.policy_for, dest_path)
         parent, name = posixpath.split(final)
         tmp_name = f".{name[:64]}.{uuid.uuid4().hex[:8]}.courier-part"
@@ -827,7 +972,7 @@ def _open_under(host: str, src: str, *, shown: str) -> int:
     if not (real == src_real or real.startswith(src_real.rstrip("/") + "/")):
         raise UnsafePath(f"{shown}: leaves its bind mount on the host")
     try:
-        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd, _st = open_regular(real, shown=shown)
     except FileNotFoundError as exc:
         raise FileMissing(f"{shown}: no such file") from exc
     except OSError as exc:
@@ -836,9 +981,6 @@ def _open_under(host: str, src: str, *, shown: str) -> int:
         opened = os.readlink(f"/proc/self/fd/{fd}")
         if not (opened == src_real or opened.startswith(src_real.rstrip("/") + "/")):
             raise UnsafePath(f"{shown}: changed while opening")
-        if not statmod.S_ISREG(os.fstat(fd).st_mode):
-            raise NotAFile(f"{shown}: not a regular file")
-        os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
         raise

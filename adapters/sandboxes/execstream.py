@@ -47,6 +47,7 @@ Use it as a mixin (:class:`ExecStreamMixin`, needs ``self.policy``,
 from __future__ import annotations
 
 import binascii
+import contextlib
 import math
 import posixpath
 import uuid
@@ -56,7 +57,8 @@ from typing import Protocol, runtime_checkable
 
 from adapters.errors import FileMissing, NotAFile, SandboxError, SandboxGone, TooLarge, UnsafePath
 from adapters.sandboxes.base import (
-    DEFAULT_EXEC_OUTPUT_BYTES, DEFAULT_MAX_BYTES, ExecRun, PathPolicy, check_lexical, exec_argv, run_exec,
+    DEFAULT_EXEC_OUTPUT_BYTES, DEFAULT_MAX_BYTES, ExecRun, PathPolicy, ReadTimeout, check_lexical, exec_argv,
+    run_exec,
 )
 
 __all__ = [
@@ -64,7 +66,7 @@ __all__ = [
     "RESOLVE_SCRIPT", "STREAM_SCRIPT", "PUT_SCRIPT", "CWD_SCRIPT", "RUN_SCRIPT", "KILL_SCRIPT",
     "exec_resolve", "exec_iter_file", "exec_extract", "exec_put", "default_roots",
     "exec_command", "exec_resolve_cwd", "kill_argv",
-    "EXIT_MISSING", "EXIT_NOT_FILE", "EXIT_CHANGED",
+    "EXIT_MISSING", "EXIT_NOT_FILE", "EXIT_CHANGED", "EXIT_DENIED",
 ]
 
 #: exit codes of the constant scripts below
@@ -73,8 +75,10 @@ EXIT_NOT_FILE = 4
 EXIT_CHANGED = 97
 EXIT_NOT_DIR = 5
 EXIT_SHORT = 6
+EXIT_DENIED = 13
+EXIT_LINKS = 15
 
-# $1 = path as given. Prints HOME NUL resolved NUL type NUL size
+# $1 = path as given. Prints HOME NUL resolved NUL type NUL size and link count
 # (type: f regular file, d directory, o other). readlink's output is kept
 # exactly (the `echo x` guard keeps trailing newlines from being eaten).
 RESOLVE_SCRIPT = r"""r=$(readlink -f -- "$1"; echo x)
@@ -83,21 +87,32 @@ r=${r%x}
 r=${r%?}
 [ -e "$r" ] || exit 2
 if [ -f "$r" ]; then t=f; elif [ -d "$r" ]; then t=d; else t=o; fi
-s=0
-if [ "$t" = f ]; then s=$(stat -c %s -- "$r") || exit 2; fi
+s="0 1"
+if [ "$t" = f ]; then s=$(stat -c '%s %h' -- "$r") || exit 2; fi
 printf '%s\0%s\0%s\0%s' "$HOME" "$r" "$t" "$s"
 """
 
-# $1 = resolved path, $2 = "cat" or "base64". Opens the file once on fd 3,
-# checks what was opened is still the resolved path (the fd's own link in
-# /proc where there is one; kept exactly, as in RESOLVE_SCRIPT), then streams
-# from that fd.
+# $1 = resolved path, $2 = "cat" or "base64", $3 = "1" when a file with several
+# hard links may be read. Opens the file once on fd 3, checks what was opened
+# is still the resolved path, a regular file and (unless $3) has one link (the
+# fd's own link in /proc where there is one; kept exactly, as in
+# RESOLVE_SCRIPT), then streams from that fd. A FIFO swapped in between the
+# test and the open blocks the open: the reader's deadline ends it, and the
+# caller kills the run by its COURIER_EXEC_ID.
 STREAM_SCRIPT = r"""[ -f "$1" ] || { [ -e "$1" ] && exit 4; exit 2; }
+[ -r "$1" ] || exit 13
 exec 3< "$1" || exit 2
-if [ -e "/proc/$$/fd/3" ]; then r=$(readlink "/proc/$$/fd/3"; echo x); else r=$(readlink -f -- "$1"; echo x); fi
+if [ -e "/proc/$$/fd/3" ]; then
+[ -f "/proc/$$/fd/3" ] || exit 4
+r=$(readlink "/proc/$$/fd/3"; echo x)
+else r=$(readlink -f -- "$1"; echo x); fi
 r=${r%x}
 r=${r%?}
 [ "$r" = "$1" ] || exit 97
+if [ "$3" != 1 ]; then
+if [ -e "/proc/$$/fd/3" ]; then n=$(stat -L -c %h "/proc/$$/fd/3"); else n=$(stat -c %h -- "$1"); fi
+[ "$n" = 1 ] || exit 15
+fi
 if [ "$2" = base64 ]; then exec base64 <&3; fi
 exec cat <&3
 """
@@ -112,6 +127,16 @@ r=${r%?}
 [ -d "$r" ] || exit 5
 if [ -L "$r/$2" ] || [ -d "$r/$2" ]; then exit 97; fi
 printf '%s\0%s\0%s\0%s' "$HOME" "$r" "$(id -u)" "$(id -g)"
+"""
+
+# $1 = a directory that does not exist (as given). Prints HOME NUL its deepest
+# existing ancestor (as given) NUL that ancestor resolved.
+ANCESTOR_SCRIPT = r"""d=$1
+while [ ! -e "$d" ] && [ "$d" != / ]; do d=${d%/*}; [ -n "$d" ] || d=/; done
+r=$(readlink -f -- "$d"; echo x)
+r=${r%x}
+r=${r%?}
+printf '%s\0%s\0%s' "$HOME" "$d" "$r"
 """
 
 # $1 = temp path, $2 = final path, $3 = "cat" or "base64", $4 = expected size.
@@ -274,6 +299,7 @@ class Resolved:
     path: str          # resolved absolute path inside the sandbox
     size: int
     home: str | None   # $HOME of the exec user (for default roots)
+    nlink: int = 1     # hard links of the file, where the resolve saw them
 
 
 def default_roots(home: str | None, base: Sequence[str] = ("/workspace", "/tmp")) -> tuple[str, ...]:
@@ -318,10 +344,10 @@ def exec_resolve(ch: ExecChannel, path: str) -> Resolved:
     if kind != "f":
         raise NotAFile(f"{path}: not a regular file")
     try:
-        n = int(size.strip())
+        n, *links = (int(x) for x in size.split())
     except ValueError as exc:
         raise SandboxError(f"{path}: bad size {size!r}") from exc
-    return Resolved(path=resolved, size=n, home=home or None)
+    return Resolved(path=resolved, size=n, home=home or None, nlink=links[0] if links else 1)
 
 
 def _b64_decode(chunks: Iterable[bytes]) -> Iterator[bytes]:
@@ -341,15 +367,21 @@ def _b64_decode(chunks: Iterable[bytes]) -> Iterator[bytes]:
 
 
 def exec_iter_file(ch: ExecChannel, resolved: str, *, expected_size: int | None = None,
-                   max_bytes: int | None = None) -> Iterator[bytes]:
+                   max_bytes: int | None = None, policy: PathPolicy | None = None) -> Iterator[bytes]:
     """Stream an already resolved and checked file with ONE exec.
 
     Raises (at the end, so an all-or-nothing store keeps nothing) when the
     command fails, the file changed under us (opened path differs; size
-    differs from `expected_size`), or more than `max_bytes` arrive.
+    differs from `expected_size`), or more than `max_bytes` arrive. A file
+    with several hard links is refused unless `policy` allows them there.
     """
     mode = "cat" if getattr(ch, "binary_safe", True) else "base64"
-    st = ch.exec_stream(["sh", "-c", STREAM_SCRIPT, "sh", resolved, mode])
+    run_id = uuid.uuid4().hex
+    # the run carries its id in its environment: a stalled one (its channel's
+    # read deadline passed) is killed by it, not left blocked in the sandbox
+    links_ok = "1" if policy is not None and policy.links_allowed(resolved) else ""
+    st = ch.exec_stream(["env", f"COURIER_EXEC_ID={run_id}", "sh", "-c", STREAM_SCRIPT, "sh", resolved, mode,
+                         links_ok])
     n = 0
     try:
         body = st.chunks if mode == "cat" else _b64_decode(st.chunks)
@@ -362,6 +394,11 @@ def exec_iter_file(ch: ExecChannel, resolved: str, *, expected_size: int | None 
                                limit_bytes=max_bytes)
             yield chunk
         rc = st.exit_code()
+    except ReadTimeout:
+        st.close()
+        with contextlib.suppress(Exception):  # best effort: the sandbox may be the stalled part
+            ch.exec_small(kill_argv(run_id))
+        raise
     finally:
         st.close()
     if rc == EXIT_MISSING:
@@ -370,6 +407,11 @@ def exec_iter_file(ch: ExecChannel, resolved: str, *, expected_size: int | None 
         raise NotAFile(f"{resolved}: not a regular file")
     if rc == EXIT_CHANGED:
         raise UnsafePath(f"{resolved}: changed while opening")
+    if rc == EXIT_DENIED:
+        raise UnsafePath(f"{resolved}: not readable by the sandbox's user")
+    if rc == EXIT_LINKS:
+        raise UnsafePath(f"{resolved}: has several hard links (another name may be outside the allowed roots); "
+                         "refused")
     if rc is None:
         raise SandboxGone(f"{resolved}: the transfer ended without an exit status")
     if rc != 0:
@@ -387,8 +429,8 @@ def exec_extract(ch: ExecChannel, policy: PathPolicy, path: str, store, key: str
     if r.size > max_bytes:
         raise TooLarge(f"{path}: {r.size:,} bytes is over the {max_bytes:,} byte cap", size_bytes=r.size,
                        limit_bytes=max_bytes)
-    return store.put_stream(key, exec_iter_file(ch, r.path, expected_size=r.size, max_bytes=max_bytes),
-                            max_bytes=max_bytes)
+    return store.put_stream(key, exec_iter_file(ch, r.path, expected_size=r.size, max_bytes=max_bytes,
+                                                policy=policy), max_bytes=max_bytes)
 
 
 def resolve_put_dest(ch: ExecChannel, policy_for: Callable[[str | None], PathPolicy], dest_path: str
@@ -401,6 +443,9 @@ def resolve_put_dest(ch: ExecChannel, policy_for: Callable[[str | None], PathPol
         raise UnsafePath(f"{dest_path}: needs a file name")
     parent = posixpath.dirname(dest_path) or "/"
     rc, out, err = ch.exec_small(["sh", "-c", PUT_RESOLVE_SCRIPT, "sh", parent, name])
+    if rc == EXIT_MISSING:  # e.g. <workspace>/inbox/ on a turn's first attachment: made, then resolved again
+        _make_parents(ch, policy_for, dest_path, parent)
+        rc, out, err = ch.exec_small(["sh", "-c", PUT_RESOLVE_SCRIPT, "sh", parent, name])
     if rc == EXIT_MISSING:
         raise FileMissing(f"{dest_path}: directory {parent} does not exist")
     if rc == EXIT_NOT_DIR:
@@ -416,6 +461,26 @@ def resolve_put_dest(ch: ExecChannel, policy_for: Callable[[str | None], PathPol
         return final, int(uid), int(gid)
     except ValueError:
         return final, 0, 0
+
+
+def _make_parents(ch: ExecChannel, policy_for: Callable[[str | None], PathPolicy], dest_path: str,
+                  parent: str) -> None:
+    """Create the missing directories of `parent` (as the sandbox's user),
+    after checking where they would lead: its deepest existing ancestor is
+    resolved in the sandbox and the destination under it checked against
+    the policy first (the caller resolves and checks it again afterwards)."""
+    rc, out, err = ch.exec_small(["sh", "-c", ANCESTOR_SCRIPT, "sh", parent])
+    if rc != 0:
+        raise SandboxError(f"{dest_path}: cannot resolve (exit {rc}: {_err_text(err)})")
+    home, anc, real = _fields(out, 3, dest_path)
+    rest = [p for p in parent[len(anc):].split("/") if p not in ("", ".")] if parent.startswith(anc) else None
+    if rest is None or not real.startswith("/"):
+        raise SandboxError(f"{dest_path}: unexpected answer from the sandbox ({out[:200]!r})")
+    target = posixpath.join(real, *rest) if rest else real
+    policy_for(home or None).check(posixpath.join(target, posixpath.basename(dest_path)), shown=dest_path)
+    rc, _out, err = ch.exec_small(["mkdir", "-p", "--", target])
+    if rc != 0:
+        raise SandboxError(f"{dest_path}: cannot create {target} (exit {rc}: {_err_text(err)})")
 
 
 def exec_put(ch, policy_for: Callable[[str | None], PathPolicy], store, key: str, dest_path: str, *,
@@ -496,17 +561,18 @@ class ExecStreamMixin:
         return r.path, r.size
 
     def open_stream(self, resolved: str) -> Iterator[bytes]:
-        return exec_iter_file(self.exec_channel(), resolved)
+        return exec_iter_file(self.exec_channel(), resolved, policy=self.policy)
 
     def exec_extract_file(self, path: str, store, key: str, *, max_bytes: int = DEFAULT_MAX_BYTES):
         ch = self.exec_channel()
         r = exec_resolve(ch, path)
-        self.policy_for(r.home).check(r.path, shown=path)
+        policy = self.policy_for(r.home)
+        policy.check(r.path, shown=path)
         if r.size > max_bytes:
             raise TooLarge(f"{path}: {r.size:,} bytes is over the {max_bytes:,} byte cap", size_bytes=r.size,
                            limit_bytes=max_bytes)
-        return store.put_stream(key, exec_iter_file(ch, r.path, expected_size=r.size, max_bytes=max_bytes),
-                                max_bytes=max_bytes)
+        return store.put_stream(key, exec_iter_file(ch, r.path, expected_size=r.size, max_bytes=max_bytes,
+                                                    policy=policy), max_bytes=max_bytes)
 
     def exec_put_file(self, store, key: str, dest_path: str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
         return exec_put(self.exec_channel(), self.policy_for, store, key, dest_path, max_bytes=max_bytes)

@@ -22,7 +22,7 @@ from pathlib import Path
 from adapters.errors import FileMissing, NotAFile, TooLarge, UnsafePath
 from adapters.sandboxes.base import (
     DEFAULT_EXEC_OUTPUT_BYTES, DEFAULT_MAX_BYTES, BoundedOutput, PathPolicy, Sandbox, SandboxRef, check_lexical,
-    exec_argv, run_exec,
+    exec_argv, open_regular, run_exec,
 )
 
 CHUNK = 1024 * 1024
@@ -43,7 +43,10 @@ class LocalSandbox(Sandbox):
 
     def resolve(self, path: str) -> tuple[str, int]:
         check_lexical(path)
-        real = os.path.realpath(path)
+        try:
+            real = os.path.realpath(path)
+        except OSError as exc:  # a link swapped for a file between realpath's lstat and readlink (EINVAL)
+            raise UnsafePath(f"{path}: changed while resolving ({exc.strerror})") from exc
         self.policy.check(real, shown=path)
         try:
             st = os.stat(real)
@@ -58,12 +61,13 @@ class LocalSandbox(Sandbox):
         return real, st.st_size
 
     def _open_checked(self, resolved: str) -> int:
-        fd = os.open(resolved, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        # non-blocking open, then the opened fd is checked: a FIFO swapped in
+        # after resolve is refused at once instead of hanging the worker
+        fd, st = open_regular(resolved)
         try:
             real = os.readlink(f"/proc/self/fd/{fd}") if _PROC_FD else resolved
             self.policy.check(real, shown=resolved)
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise NotAFile(f"{resolved}: not a regular file")
+            self.policy.check_links(real, st.st_nlink, shown=resolved)
         except BaseException:
             os.close(fd)
             raise
@@ -116,23 +120,36 @@ class LocalSandbox(Sandbox):
         if info.size_bytes > max_bytes:
             raise TooLarge(f"{key}: {info.size_bytes:,} bytes is over the {max_bytes:,} byte cap")
         Path(parent).mkdir(parents=True, exist_ok=True)
-        # a temp name of our own (O_EXCL): concurrent puts never share or truncate one
-        tmp = os.path.join(parent, f".{os.path.basename(dest)[:64]}.{uuid.uuid4().hex[:8]}.courier-part")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        # the directory is opened once and what was opened is checked: a parent
+        # swapped for a link after the check above cannot move the write elsewhere
+        name = os.path.basename(dest)
         try:
-            with os.fdopen(fd, "wb") as out:
-                for chunk in store.iter_chunks(key):
-                    out.write(chunk)
+            dfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as exc:
+            raise UnsafePath(f"{dest_path}: {parent} changed while opening ({exc.strerror})") from exc
+        try:
+            real = os.readlink(f"/proc/self/fd/{dfd}") if _PROC_FD else parent
+            dest = self.policy.check(os.path.join(real, name), shown=dest_path)
+            # a temp name of our own (O_EXCL): concurrent puts never share or truncate one
+            tmp = f".{name[:64]}.{uuid.uuid4().hex[:8]}.courier-part"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
+                         0o644, dir_fd=dfd)
             try:
-                os.replace(tmp, dest)
-            except IsADirectoryError as exc:  # a directory appeared there meanwhile
-                raise NotAFile(f"{dest_path}: is a directory") from exc
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
+                with os.fdopen(fd, "wb") as out:
+                    for chunk in store.iter_chunks(key):
+                        out.write(chunk)
+                try:
+                    os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+                except IsADirectoryError as exc:  # a directory appeared there meanwhile
+                    raise NotAFile(f"{dest_path}: is a directory") from exc
+            except BaseException:
+                try:
+                    os.unlink(tmp, dir_fd=dfd)
+                except FileNotFoundError:
+                    pass
+                raise
+        finally:
+            os.close(dfd)
         return dest
 
     # -- exec -------------------------------------------------------------------

@@ -41,10 +41,11 @@ from adapters.errors import (
     ConfigError, CourierError, FileMissing, NotAFile, SandboxError, SandboxGone, TooLarge, UnsafePath,
 )
 from adapters.sandboxes.base import (
-    DEFAULT_MAX_BYTES, BoundedOutput, PathPolicy, Sandbox, SandboxRef, check_lexical,
+    DEFAULT_IO_TIMEOUT_S, DEFAULT_MAX_BYTES, BoundedOutput, PathPolicy, Sandbox, SandboxRef, check_lexical,
+    call_with_deadline, with_deadline,
 )
 from adapters.sandboxes.execstream import (
-    EXIT_CHANGED, ExecStream, ExecStreamMixin, exec_iter_file, exec_resolve, kill_argv,
+    EXIT_CHANGED, ExecStream, ExecStreamMixin, Resolved, exec_iter_file, exec_resolve, kill_argv,
     resolve_put_dest,
 )
 
@@ -92,11 +93,16 @@ class _ModalExec:
         with self.msb._errors(argv[-1] if argv else "exec"):
             return self.msb.handle().exec(*argv, text=False)
 
+    def _timed(self, stream, what: str) -> Iterator[bytes]:
+        """An SDK output stream with the sandbox's read deadline (the SDK's
+        iterators block without one)."""
+        return with_deadline(stream, self.msb.io_timeout_s, f"modal sandbox {self.msb.ref.target}: {what}")
+
     def exec_small(self, argv: Sequence[str]) -> tuple[int, bytes, bytes]:
         p = self._exec(argv)
         with self.msb._errors(argv[-1]):
-            out = _bounded(p.stdout)
-            err = _bounded(p.stderr)
+            out = _bounded(self._timed(p.stdout, "exec output"))
+            err = _bounded(self._timed(p.stderr, "exec output"))
             rc = p.wait()
         return (rc if rc is not None else p.returncode), out, err
 
@@ -106,7 +112,7 @@ class _ModalExec:
 
         def chunks() -> Iterator[bytes]:
             with self.msb._errors(argv[-2] if len(argv) > 1 else "exec"):
-                for chunk in p.stdout:
+                for chunk in self._timed(p.stdout, "exec stream"):
                     yield _as_bytes(chunk)
                 rc = p.wait()
                 state["rc"] = rc if rc is not None else p.returncode
@@ -120,13 +126,22 @@ class _ModalExec:
 
     def exec_stdin(self, argv: Sequence[str], chunks: Iterable[bytes]) -> tuple[int, bytes, bytes]:
         p = self._exec(argv)
-        with self.msb._errors(argv[-1]):
-            for chunk in chunks:
-                p.stdin.write(chunk)
-                p.stdin.drain()
+        what = f"modal sandbox {self.msb.ref.target}: exec stdin"
+        idle = self.msb.io_timeout_s
+
+        def send(chunk: bytes) -> None:
+            p.stdin.write(chunk)
+            p.stdin.drain()
+
+        def eof() -> None:
             p.stdin.write_eof()
             p.stdin.drain()
-            err = _bounded(p.stderr)
+
+        with self.msb._errors(argv[-1]):
+            for chunk in chunks:  # each write has a deadline: a sandbox that stops reading costs one attempt
+                call_with_deadline(lambda c=chunk: send(c), idle, what)
+            call_with_deadline(eof, idle, what)
+            err = _bounded(self._timed(p.stderr, "exec stdin"))
             rc = p.wait()
         return (rc if rc is not None else p.returncode), b"", err
 
@@ -216,11 +231,14 @@ class ModalSandbox(ExecStreamMixin, Sandbox):
     kind = "modal"
     exec_default_roots = MODAL_DEFAULT_ROOTS
 
-    def __init__(self, ref: SandboxRef, policy: PathPolicy | None = None, *, client: Any = None) -> None:
+    def __init__(self, ref: SandboxRef, policy: PathPolicy | None = None, *, client: Any = None,
+                 io_timeout_s: float = DEFAULT_IO_TIMEOUT_S) -> None:
         super().__init__(ref, policy)  # type: ignore[arg-type]
         if not ref.target:
             raise ConfigError("modal sandbox needs an id: modal://sb-.../abs/path")
         self.client = client
+        #: read deadline of every exec output and file read (a stalled sandbox costs one attempt)
+        self.io_timeout_s = io_timeout_s
         self._handle: Any = None
 
     # -- the SDK object and its errors --------------------------------------------
@@ -306,6 +324,10 @@ class ModalSandbox(ExecStreamMixin, Sandbox):
 
     # -- resolve ------------------------------------------------------------------
     def resolve(self, path: str) -> tuple[str, int]:
+        r = self._resolve(path)
+        return r.path, r.size
+
+    def _resolve(self, path: str) -> Resolved:
         check_lexical(path)
         try:
             r = exec_resolve(self.exec_channel(), path)
@@ -313,15 +335,12 @@ class ModalSandbox(ExecStreamMixin, Sandbox):
             self._deny_lexical(path)
             raise
         self.policy_for(r.home).check(r.path, shown=path)
-        return r.path, r.size
+        return r
 
     def _deny_lexical(self, path: str) -> None:
         """A path that does not resolve is still refused if denylisted as written."""
         policy = self.policy or PathPolicy(roots=MODAL_DEFAULT_ROOTS)
-        norm = posixpath.normpath(path)
-        for d in policy.denied():
-            if norm == d or norm.startswith(d.rstrip("/") + "/"):
-                raise UnsafePath(f"{path}: {d} is never readable")
+        policy.check_lexical_denied(path)
 
     # -- read -------------------------------------------------------------------------
     def _iter_file_api(self, resolved: str) -> Iterator[bytes] | None:
@@ -331,8 +350,9 @@ class ModalSandbox(ExecStreamMixin, Sandbox):
         if opener is None:
             return None
         me = _modal().exception
-        try:
-            f = opener(resolved, "rb")
+        try:  # the open too has a deadline (a FIFO swapped in after resolve may block it)
+            f = next(with_deadline((opener(resolved, "rb") for _ in (0,)), self.io_timeout_s,
+                                   f"modal sandbox {self.ref.target}: opening {resolved}"))
         except (FileNotFoundError, IsADirectoryError, PermissionError) as exc:
             raise self._map(exc, resolved) from exc  # type: ignore[misc]
         except me.Error as exc:
@@ -343,23 +363,26 @@ class ModalSandbox(ExecStreamMixin, Sandbox):
 
         def chunks() -> Iterator[bytes]:
             try:
-                with self._errors(resolved):
-                    while True:
-                        data = f.read(CHUNK)
-                        if not data:
-                            break
+                def reads() -> Iterator[bytes]:
+                    while data := f.read(CHUNK):
                         yield _as_bytes(data)
+
+                with self._errors(resolved):
+                    yield from with_deadline(reads(), self.io_timeout_s, f"modal sandbox {self.ref.target}: {resolved}")
             finally:
                 with contextlib.suppress(Exception):
                     f.close()
 
         return chunks()
 
-    def _stream(self, resolved: str, size: int | None, max_bytes: int | None) -> Iterator[bytes]:
+    def _stream(self, resolved: str, size: int | None, max_bytes: int | None, nlink: int = 1) -> Iterator[bytes]:
+        policy = self.policy_for(None)
         chunks = self._iter_file_api(resolved)
-        if chunks is None:
-            yield from exec_iter_file(self.exec_channel(), resolved, expected_size=size, max_bytes=max_bytes)
+        if chunks is None:  # exec: the stream script checks the opened file's links itself
+            yield from exec_iter_file(self.exec_channel(), resolved, expected_size=size, max_bytes=max_bytes,
+                                      policy=policy)
             return
+        policy.check_links(resolved, nlink)  # the file API cannot say: the resolve's count
         n = 0
         for chunk in chunks:
             n += len(chunk)
@@ -378,11 +401,11 @@ class ModalSandbox(ExecStreamMixin, Sandbox):
 
     def extract(self, path: str, store, key: str, *, max_bytes: int = DEFAULT_MAX_BYTES):
         check_lexical(path)
-        resolved, size = self.resolve(path)
-        if size > max_bytes:
-            raise TooLarge(f"{path}: {size:,} bytes is over the {max_bytes:,} byte cap", size_bytes=size,
+        r = self._resolve(path)
+        if r.size > max_bytes:
+            raise TooLarge(f"{path}: {r.size:,} bytes is over the {max_bytes:,} byte cap", size_bytes=r.size,
                            limit_bytes=max_bytes)
-        return store.put_stream(key, self._stream(resolved, size, max_bytes), max_bytes=max_bytes)
+        return store.put_stream(key, self._stream(r.path, r.size, max_bytes, r.nlink), max_bytes=max_bytes)
 
     # -- inbound ------------------------------------------------------------------------
     def put(self, store, key: str, dest_path: str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
@@ -415,12 +438,13 @@ class ModalSandbox(ExecStreamMixin, Sandbox):
                 if isinstance(mapped, (SandboxGone, ConfigError)):
                     raise mapped from exc
             else:
+                what = f"modal sandbox {self.ref.target}: writing {tmp}"
                 try:
                     with self._errors(dest_path):
-                        for chunk in chunks():
-                            f.write(chunk)
-                        f.flush()
-                        f.close()
+                        for chunk in chunks():  # each write has a deadline
+                            call_with_deadline(lambda c=chunk: f.write(c), self.io_timeout_s, what)
+                        call_with_deadline(f.flush, self.io_timeout_s, what)
+                        call_with_deadline(f.close, self.io_timeout_s, what)
                 except BaseException:
                     with contextlib.suppress(Exception):
                         f.close()

@@ -20,6 +20,7 @@ any link found now (a swap after resolve) is refused, and streamed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import posixpath
@@ -31,7 +32,7 @@ from collections import deque
 from collections.abc import Iterator
 
 from adapters.errors import ConfigError, FileMissing, NotAFile, SandboxGone, TooLarge, UnsafePath
-from adapters.sandboxes.base import DEFAULT_MAX_BYTES, PathPolicy, Sandbox, SandboxRef, check_lexical
+from adapters.sandboxes.base import DEFAULT_MAX_BYTES, PathPolicy, Sandbox, SandboxRef, check_lexical, open_regular
 
 CHUNK = 1024 * 1024
 MAX_LINKS = 40
@@ -176,7 +177,7 @@ def resolve_in_root(root: str, path: str, *, max_links: int = MAX_LINKS) -> tupl
         return w.path(leaf), final
 
 
-def open_in_root(root: str, resolved: str, *, flags: int = os.O_RDONLY) -> int:
+def open_in_root(root: str, resolved: str) -> int:
     """Open a resolved (link-free) path under `root`; any link on the way is
     refused (UnsafePath), the result must be a regular file."""
     parts = [p for p in resolved.split("/") if p]
@@ -186,18 +187,11 @@ def open_in_root(root: str, resolved: str, *, flags: int = os.O_RDONLY) -> int:
         try:
             for part in parts[:-1]:
                 w.down(part)
-            fd = os.open(parts[-1], flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=w.cur)
+            fd, _st = open_regular(parts[-1], dir_fd=w.cur, shown=resolved)
         except FileNotFoundError as exc:
             raise FileMissing(f"{resolved}: no such file") from exc
         except OSError as exc:  # ELOOP / ENOTDIR: a component became a link
             raise UnsafePath(f"{resolved}: changed after it was checked ({exc.strerror})") from exc
-    try:
-        if not statmod.S_ISREG(os.fstat(fd).st_mode):
-            raise NotAFile(f"{resolved}: not a regular file")
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
     return fd
 
 
@@ -229,6 +223,11 @@ class SingularitySandbox(Sandbox):
     def open_stream(self, resolved: str) -> Iterator[bytes]:
         self.policy.check(resolved)
         fd = open_in_root(self.root, resolved)
+        try:
+            self.policy.check_links(resolved, os.fstat(fd).st_nlink)
+        except BaseException:
+            os.close(fd)
+            raise
         with os.fdopen(fd, "rb", buffering=0) as f:
             while chunk := f.read(CHUNK):
                 yield chunk
@@ -273,16 +272,39 @@ class SingularitySandbox(Sandbox):
         if info.size_bytes > max_bytes:
             raise TooLarge(f"{key}: {info.size_bytes:,} bytes is over the {max_bytes:,} byte cap",
                            size_bytes=info.size_bytes, limit_bytes=max_bytes)
-        parent, pst = resolve_in_root(self.root, posixpath.dirname(dest_path) or "/")
+        lex_parent = posixpath.dirname(dest_path) or "/"
+        # the deepest existing ancestor, resolved in the instance; the rest is made
+        # (e.g. <workspace>/inbox/ on a turn's first attachment)
+        missing: list[str] = []
+        cur = lex_parent
+        while True:
+            try:
+                parent, pst = resolve_in_root(self.root, cur)
+                break
+            except FileMissing:
+                if cur == "/":
+                    raise
+                missing.insert(0, posixpath.basename(cur))
+                cur = posixpath.dirname(cur) or "/"
+        missing = [m for m in missing if m not in ("", ".")]
+        final = posixpath.join(parent, *missing, name)
+        self.policy.check(final, shown=dest_path)
         if not statmod.S_ISDIR(pst.st_mode):
             raise NotAFile(f"{dest_path}: {parent} is not a directory")
-        final = posixpath.join(parent, name)
-        self.policy.check(final, shown=dest_path)
         parts = [p for p in parent.split("/") if p]
         tmp = f".{name[:64]}.{uuid.uuid4().hex[:8]}.courier-part"
         with _Walk(self.root) as w:
             try:
                 for part in parts:
+                    w.down(part)
+                for part in missing:  # made here, owned like the directory they are made in
+                    try:
+                        os.mkdir(part, 0o755, dir_fd=w.cur)
+                        owner = os.fstat(w.cur)
+                        with contextlib.suppress(PermissionError):
+                            os.chown(part, owner.st_uid, owner.st_gid, dir_fd=w.cur, follow_symlinks=False)
+                    except FileExistsError:
+                        pass  # made meanwhile: entered below only if a real directory (O_NOFOLLOW)
                     w.down(part)
                 dfd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=w.cur)
             except OSError as exc:

@@ -29,9 +29,13 @@ and kills such a job after the drain time, as the local backend does).
 
 Safety: the path is resolved on the host (SFTP realpath; `readlink -f` over
 exec where the server's realpath is not trusted), checked against the roots
-and the denylist, and re-checked after transfer (same resolved path, size
-and mtime; in OpenSSH mode the opened path and the byte count), else nothing
-is stored. Host keys are checked against a known_hosts file and an unknown
+and the denylist; the SFTP handle is opened first and its fstat must be the
+checked file (type, owner, group, mode, size, mtime), with the path still
+resolving to itself right after the open and after the transfer (OpenSSH
+mode: the stream script checks the descriptor it opened, and the byte
+count); a file with several hard links is refused; else nothing is stored.
+Every read has a deadline (``io_timeout_s``); OpenSSH control sockets are
+named by a hash of the trust settings. Host keys are checked against a known_hosts file and an unknown
 key is refused, never added. Every paramiko / socket / ssh error is
 translated in ONE place (:meth:`SshSandbox._map_error`, and
 :meth:`SshSandbox._ssh_error` for the ssh client's exit status 255).
@@ -43,6 +47,7 @@ import contextlib
 import errno
 import fcntl
 import getpass
+import hashlib
 import os
 import posixpath
 import queue
@@ -65,7 +70,8 @@ from adapters.errors import (
     ConfigError, CourierError, FileMissing, NotAFile, SandboxError, SandboxGone, TooLarge, UnsafePath,
 )
 from adapters.sandboxes.base import (
-    DEFAULT_EXEC_OUTPUT_BYTES, DEFAULT_MAX_BYTES, BoundedOutput, PathPolicy, Sandbox, SandboxRef, check_lexical,
+    DEFAULT_EXEC_OUTPUT_BYTES, DEFAULT_MAX_BYTES, BoundedOutput, PathPolicy, ReadTimeout, Sandbox, SandboxRef,
+    check_lexical,
 )
 from adapters.sandboxes.execstream import (
     ExecStream, Resolved, default_roots, exec_command, exec_iter_file, exec_resolve, kill_argv,
@@ -421,6 +427,65 @@ def _use_fast_pipe(chan) -> None:
 _FastPipe = None
 
 
+def _ready(fd: int, events: int, timeout_s: float) -> bool:
+    """Whether `fd` is ready for `events` (or hung up) within `timeout_s` (poll: any fd number)."""
+    p = select.poll()
+    p.register(fd, events | select.POLLHUP | select.POLLERR)
+    return bool(p.poll(max(0.0, timeout_s) * 1000))
+
+
+def _readable(fd: int, timeout_s: float) -> bool:
+    """Whether `fd` has data or EOF within `timeout_s`."""
+    return _ready(fd, select.POLLIN, timeout_s)
+
+
+def _nlink_from_listing(sftp, resolved: str, fst) -> int | None:
+    """The link count of `resolved` from its directory's SFTP listing (the
+    long name, `-rw-r--r--  2 user group ...`), reading entries only until
+    the name is found. None when the long name cannot be parsed."""
+    from paramiko.sftp import CMD_CLOSE, CMD_HANDLE, CMD_NAME, CMD_OPENDIR, CMD_READDIR
+    from paramiko.sftp_attr import SFTPAttributes
+
+    parent, name = posixpath.split(resolved)
+    want = name.encode("utf-8", "surrogateescape")
+    t, msg = sftp._request(CMD_OPENDIR, parent)
+    if t != CMD_HANDLE:
+        return None
+    handle = msg.get_binary()
+    try:
+        while True:
+            try:
+                t, msg = sftp._request(CMD_READDIR, handle)
+            except EOFError:
+                break
+            if t != CMD_NAME:
+                return None
+            for _ in range(msg.get_int()):
+                filename, longname = msg.get_string(), msg.get_string()
+                attr = SFTPAttributes._from_msg(msg)
+                if filename != want:
+                    continue
+                _check_same(fst, attr, resolved, "while counting its links")
+                fields = longname.split()
+                if len(fields) > 1 and longname[:1] == b"-" and fields[1].isdigit():
+                    return int(fields[1])
+                return None
+        raise FileChanged(f"{resolved}: gone from its directory while open")
+    finally:
+        with contextlib.suppress(Exception):
+            sftp._request(CMD_CLOSE, handle)
+
+
+def _check_same(a, b, resolved: str, when: str) -> None:
+    """SFTP attributes `b` must describe the file `a` did: type, owner, group
+    and mode (else it is another file: UnsafePath), size and mtime (else it
+    changed: FileChanged, worth a retry)."""
+    if (b.st_mode, b.st_uid, b.st_gid) != (a.st_mode, a.st_uid, a.st_gid):
+        raise UnsafePath(f"{resolved}: another file was read than the one checked ({when})")
+    if (b.st_size, b.st_mtime) != (a.st_size, a.st_mtime):
+        raise FileChanged(f"{resolved}: changed {when}")
+
+
 def _strip_nl(s: bytes) -> bytes:
     return s[:-1] if s.endswith(b"\n") else s
 
@@ -650,7 +715,8 @@ class SshSandbox(Sandbox):
         if self._checked_policy is None:
             roots = self.policy.roots or default_roots(home, DEFAULT_ROOTS)
             self._checked_policy = PathPolicy(roots=tuple(roots), home=self.policy.home or home,
-                                              denylist=self.policy.denylist)
+                                              denylist=self.policy.denylist,
+                                              home_denylist=self.policy.home_denylist, links_ok=self.policy.links_ok)
         return self._checked_policy
 
     def _sftp_policy(self, sftp) -> PathPolicy:
@@ -661,10 +727,7 @@ class SshSandbox(Sandbox):
 
     def _deny_lexical(self, policy: PathPolicy, path: str) -> None:
         """For a path that does not resolve: refuse it if denylisted as written."""
-        norm = posixpath.normpath(path)
-        for d in policy.denied():
-            if norm == d or norm.startswith(d.rstrip("/") + "/"):
-                raise UnsafePath(f"{path}: {d} is never readable")
+        policy.check_lexical_denied(path)
 
     # -- resolve ----------------------------------------------------------------
     def resolve(self, path: str) -> tuple[str, int]:
@@ -721,26 +784,61 @@ class SshSandbox(Sandbox):
         return OPENSSH_REQUEST_SIZE if "OpenSSH" in version else 32768
 
     def _stream_sftp(self, sftp, resolved: str, st0) -> Iterator[bytes]:
-        """Pipelined SFTP read of an already resolved file; re-checked at the end."""
+        """Pipelined SFTP read of an already resolved file, checked on the
+        open handle: SFTP has no inode, so the handle's fstat must be the
+        file the resolve saw (type, owner, group, mode: else another file;
+        size, mtime: else it changed), and right after the open the path must
+        still resolve to itself, with the same attributes. After the
+        transfer the handle and the path are checked again."""
         f = sftp.open(resolved, "rb")
-        req = self._request_size(sftp)
-        f.MAX_REQUEST_SIZE = req  # per-file: fewer, larger READ requests
-        fst = f.stat()
-        if not stat.S_ISREG(fst.st_mode or 0):
-            raise NotAFile(f"{resolved}: not a regular file")
-        if (fst.st_size, fst.st_mtime) != (st0.st_size, st0.st_mtime):
-            raise FileChanged(f"{resolved}: changed between resolve and open")
-        total = 0
-        # READ requests pipelined (a window's worth in flight), read by a helper
-        # thread: paramiko's parsing holds the GIL while hashing and writing (in
-        # put_stream) mostly release it, so they overlap
-        depth = max(4, self.window_size // req)
-        for chunk in read_ahead(_sftp_pipeline(sftp, f.handle, fst.st_size, req, depth),
-                                abort=sftp.get_channel().close):
-            total += len(chunk)
-            yield chunk
-        f.close()
-        self._recheck_sftp(sftp, resolved, fst, total)
+        try:
+            req = self._request_size(sftp)
+            f.MAX_REQUEST_SIZE = req  # per-file: fewer, larger READ requests
+            fst = f.stat()
+            if not stat.S_ISREG(fst.st_mode or 0):
+                raise NotAFile(f"{resolved}: not a regular file")
+            _check_same(st0, fst, resolved, "between resolve and open")
+            self._check_path(sftp, resolved, fst)
+            policy = self._sftp_policy(sftp)
+            if not policy.links_allowed(resolved):  # SFTP attributes carry no link count
+                policy.check_links(resolved, self._nlink(sftp, resolved, fst))
+            total = 0
+            # READ requests pipelined (a window's worth in flight), read by a helper
+            # thread: paramiko's parsing holds the GIL while hashing and writing (in
+            # put_stream) mostly release it, so they overlap
+            depth = max(4, self.window_size // req)
+            for chunk in read_ahead(_sftp_pipeline(sftp, f.handle, fst.st_size, req, depth),
+                                    abort=sftp.get_channel().close):
+                total += len(chunk)
+                yield chunk
+            if total != fst.st_size:
+                raise FileChanged(f"{resolved}: changed during the transfer ({total:,} of {fst.st_size:,} bytes read)")
+            _check_same(fst, f.stat(), resolved, "during the transfer")
+            self._check_path(sftp, resolved, fst)
+        finally:
+            with contextlib.suppress(Exception):
+                f.close()
+
+    def _nlink(self, sftp, resolved: str, fst) -> int:
+        """The file's hard link count. OpenSSH's SFTP server puts it in the
+        `ls -l` line of each directory entry: the parent is listed until the
+        name is found (an entry that is not the open handle's file is a
+        change); other servers: one `stat` over exec (~100 ms)."""
+        if self._trusts_realpath(sftp):
+            n = _nlink_from_listing(sftp, resolved, fst)
+            if n is not None:
+                return n
+        rc, out, err = self._exec(shlex.join(["stat", "-L", "-c", "%h", "--", resolved]), limit=4096)
+        if rc == 0 and out.strip().isdigit():
+            return int(out.strip())
+        raise FileChanged(f"{resolved}: cannot count its links ({err.decode(errors='replace').strip()[:200]})")
+
+    def _check_path(self, sftp, resolved: str, fst) -> None:
+        """`resolved` still leads to itself (no link swapped in) and to a file
+        like the open handle's."""
+        if self._trusts_realpath(sftp) and sftp.normalize(resolved) != resolved:
+            raise UnsafePath(f"{resolved}: a link was swapped in on the way")
+        _check_same(fst, sftp.lstat(resolved), resolved, "while open")
 
     def _guarded(self, chunks: Iterator[bytes], what: str) -> Iterator[bytes]:
         """Translate errors inside the stream: put_stream runs it within the
@@ -748,17 +846,11 @@ class SshSandbox(Sandbox):
         with self._errors(what):
             yield from chunks
 
-    def _recheck_sftp(self, sftp, resolved: str, st0, total: int) -> None:
-        st1 = sftp.stat(resolved)
-        if total != st0.st_size or (st1.st_size, st1.st_mtime) != (st0.st_size, st0.st_mtime):
-            raise FileChanged(f"{resolved}: changed during the transfer ({total:,} of {st0.st_size:,} bytes read)")
-        if self._trusts_realpath(sftp) and sftp.normalize(resolved) != resolved:
-            raise FileChanged(f"{resolved}: a link was swapped in during the transfer")
-
     def open_stream(self, resolved: str) -> Iterator[bytes]:
         if self.use_openssh:
-            self._policy(self._remote_home()).check(resolved)
-            yield from self._guarded(exec_iter_file(self._openssh(), resolved), resolved)
+            policy = self._policy(self._remote_home())
+            policy.check(resolved)
+            yield from self._guarded(exec_iter_file(self._openssh(), resolved, policy=policy), resolved)
             return
         with self._errors(resolved), self._sftp() as sftp:
             policy = self._sftp_policy(sftp)
@@ -771,7 +863,8 @@ class SshSandbox(Sandbox):
         if self.use_openssh:
             r = self._resolve_openssh(path)
             self._cap(path, r.size, max_bytes)
-            chunks = exec_iter_file(self._openssh(), r.path, expected_size=r.size, max_bytes=max_bytes)
+            chunks = exec_iter_file(self._openssh(), r.path, expected_size=r.size, max_bytes=max_bytes,
+                                    policy=self._policy(r.home))
             return store.put_stream(key, self._guarded(chunks, path), max_bytes=max_bytes)
         with self._errors(path), self._sftp() as sftp:
             resolved, st = self._resolve_sftp(sftp, path)
@@ -886,7 +979,7 @@ class SshSandbox(Sandbox):
             "ssh", "-T", "-e", "none", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
             "-o", f"ConnectTimeout={max(1, int(self.connect_timeout_s))}",
             "-o", "ServerAliveInterval=15", "-o", "ServerAliveCountMax=3",
-            "-o", f"ControlMaster={'auto' if master else 'no'}", "-o", f"ControlPath={cdir}/cm-%C",
+            "-o", f"ControlMaster={'auto' if master else 'no'}", "-o", f"ControlPath={cdir}/cm-{self._trust_key()}",
             "-o", "ControlPersist=60",
             "-p", str(self.port), "-l", self.user,
         ]
@@ -895,6 +988,25 @@ class SshSandbox(Sandbox):
         if self.key_path:
             argv += ["-i", self.key_path, "-o", "IdentitiesOnly=yes"]
         return [*argv, "--", self.host, command]
+
+    def _trust_key(self) -> str:
+        """The control socket's name: a hash of everything the connection's
+        trust rests on (host, port, user, the known_hosts file's content, the
+        identity file's path and content). A master started under other trust
+        settings (a worker restarted with another known_hosts) is never
+        reused: a new connection checks the host key again."""
+        h = hashlib.sha256()
+        for part in (self.host, str(self.port), self.user, self.known_hosts or "", self.key_path or ""):
+            h.update(part.encode("utf-8", "surrogateescape") + b"\0")
+        for path in (self.known_hosts, self.key_path):
+            if path:
+                try:
+                    with open(path, "rb") as f:
+                        h.update(hashlib.sha256(f.read(1 << 20)).digest())
+                except OSError:
+                    h.update(b"unreadable")
+            h.update(b"\0")
+        return h.hexdigest()[:20]
 
     def _ssh_error(self, rc: int, err: bytes, what: str) -> CourierError:
         text = err.decode("utf-8", "replace").strip()
@@ -1022,15 +1134,32 @@ class _OpenSshChannel:
             raise self.sb._ssh_error(rc, err, what)
         return rc, err
 
+    def _read(self, proc: subprocess.Popen, n: int, what: str) -> bytes:
+        """Up to `n` bytes of the client's stdout (b"" at the end), waiting at
+        most io_timeout_s for them: a stalled remote (a FIFO's open, a stuck
+        shell) ends this client with ReadTimeout instead of holding the worker."""
+        fd = proc.stdout.fileno()
+        if not _readable(fd, self.sb.io_timeout_s):
+            proc.kill()
+            raise ReadTimeout(f"ssh {self.sb.where}: nothing received for {self.sb.io_timeout_s:g} s ({what})")
+        return os.read(fd, n)
+
     def exec_small(self, argv) -> tuple[int, bytes, bytes]:
+        what = argv[-1] if argv else "ssh"
         with tempfile.TemporaryFile() as errf:
             proc = self._popen(argv, subprocess.DEVNULL, errf)
             out = bytearray()
-            with proc.stdout:
-                while data := proc.stdout.read(65536):  # raw pipe: read to EOF
-                    if len(out) < (1 << 20):
-                        out += data
-            rc, err = self._finish(proc, errf, argv[-1] if argv else "ssh")
+            try:
+                with proc.stdout:
+                    while data := self._read(proc, 65536, what):  # raw pipe: read to EOF
+                        if len(out) < (1 << 20):
+                            out += data
+            except BaseException:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+                raise
+            rc, err = self._finish(proc, errf, what)
         return rc, bytes(out), err
 
     def exec_stream(self, argv) -> ExecStream:
@@ -1045,7 +1174,15 @@ class _OpenSshChannel:
             buf = bytearray(CHUNK)
             view = memoryview(buf)
             fill = 0
-            while n := proc.stdout.readinto(view[fill:]):
+            fd = proc.stdout.fileno()
+            idle = self.sb.io_timeout_s
+            while True:
+                if not _readable(fd, idle):  # a read deadline: a stalled remote costs this attempt, not the worker
+                    proc.kill()
+                    raise ReadTimeout(f"ssh {self.sb.where}: nothing received for {idle:g} s ({what})")
+                n = os.readv(fd, [view[fill:]])
+                if not n:
+                    break
                 fill += n
                 if fill == CHUNK:
                     yield bytes(buf)
@@ -1067,9 +1204,21 @@ class _OpenSshChannel:
         with tempfile.TemporaryFile() as errf:
             proc = subprocess.Popen(self.sb._ssh_argv(shlex.join(argv)), stdin=subprocess.PIPE,
                                     stdout=subprocess.DEVNULL, stderr=errf, bufsize=0)
+            what = argv[-1] if argv else "ssh"
             try:
+                fd = proc.stdin.fileno()
+                os.set_blocking(fd, False)
                 for chunk in chunks:
-                    proc.stdin.write(chunk)
+                    view = memoryview(chunk)
+                    while view:
+                        # a write deadline too: a remote that stops reading costs this attempt
+                        if not _ready(fd, select.POLLOUT, self.sb.io_timeout_s):
+                            raise ReadTimeout(f"ssh {self.sb.where}: nothing taken for "
+                                              f"{self.sb.io_timeout_s:g} s ({what})")
+                        try:
+                            view = view[os.write(fd, view):]
+                        except BlockingIOError:
+                            continue
                 proc.stdin.close()
             except BrokenPipeError:
                 pass  # the remote side ended early: its exit code says why
@@ -1079,7 +1228,7 @@ class _OpenSshChannel:
             finally:
                 with contextlib.suppress(OSError):
                     proc.stdin.close()
-            rc, err = self._finish(proc, errf, argv[-1] if argv else "ssh")
+            rc, err = self._finish(proc, errf, what)
         return rc, b"", err
 
 

@@ -1,0 +1,314 @@
+"""SshSandbox against an agent that attacks (real OpenSSH server on 127.0.0.1).
+
+Each test states what must hold. The "remote" host is this machine, so the
+agent's moves (a FIFO swap, ...) are made with local file operations.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+
+import pytest
+
+from adapters.errors import SandboxGone, UnsafePath
+from adapters.sandboxes.base import ReadTimeout
+from adapters.sandboxes.execstream import exec_iter_file
+from adapters.sandboxes.ssh import SshAccessDenied, close_pool
+from storage.volume import VolumeStore
+from tests.fixtures.services import wait_until
+from tests.test_sandbox_ssh import make
+
+MODES = ["sftp", "openssh"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_connections():
+    yield
+    close_pool()
+
+
+@pytest.fixture
+def root(tmp_path):
+    r = tmp_path / "root"
+    r.mkdir()
+    os.chmod(tmp_path, 0o755)
+    return r
+
+
+@pytest.fixture
+def control_dir():
+    d = tempfile.mkdtemp(prefix="cm", dir="/tmp")  # ControlPath must stay short
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def store(tmp_path):
+    return VolumeStore(tmp_path / "store")
+
+
+def bounded(fn, timeout_s: float, unblock=None):
+    """Run `fn` in a thread; fail (after `unblock()`) if it runs past `timeout_s`.
+    Returns (result, exception, seconds)."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["res"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            box["exc"] = exc
+
+    t0 = time.monotonic()
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    took = time.monotonic() - t0
+    if t.is_alive():
+        if unblock is not None:
+            unblock()
+        t.join(30)
+        pytest.fail(f"blocked for more than {timeout_s} s")
+    return box.get("res"), box.get("exc"), took
+
+
+def _runs_with_env(entry: str) -> list[int]:
+    """Pids of processes on this host whose environment holds `entry` (NAME=value)."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if entry.encode() in f.read().split(b"\0"):
+                    out.append(int(name))
+        except OSError:
+            continue
+    return out
+
+
+# -- 2/3. a stalled remote never holds the worker: every read has a deadline ------------
+def test_openssh_stalled_stream_times_out(sshd_server, root, control_dir):
+    """A remote command that sends nothing ends with ReadTimeout after the
+    read deadline (old code: the read blocked until the command ended)."""
+    s = make(sshd_server, root, "openssh", control_dir, io_timeout_s=2)
+    try:
+        ch = s._openssh()
+
+        def read():
+            st = ch.exec_stream(["sleep", "25"])
+            try:
+                return b"".join(st.chunks)
+            finally:
+                st.close()
+
+        _res, exc, took = bounded(read, 20)
+        assert isinstance(exc, ReadTimeout) and isinstance(exc, SandboxGone), exc
+        assert took < 10
+        _res, exc, took = bounded(lambda: ch.exec_small(["sleep", "25"]), 20)
+        assert isinstance(exc, ReadTimeout), exc
+    finally:
+        s.close()
+
+
+def test_openssh_fifo_open_is_killed_after_the_deadline(sshd_server, root, control_dir):
+    """The stream script blocked opening a FIFO (what a swap after its type
+    test leaves) is ended by the read deadline and killed on the host by its
+    run id: nothing is left blocked behind."""
+    fifo = root / "pipe"
+    os.mkfifo(fifo)
+    s = make(sshd_server, root, "openssh", control_dir, io_timeout_s=2)
+    ch = s._openssh()
+    real = ch.exec_stream
+    seen: list[str] = []
+
+    def stream_without_type_test(argv):
+        # the swap lands between the script's `[ -f ]` and its open: start the
+        # run at the open (same script minus its first line, same run id)
+        argv = list(argv)
+        i = argv.index("-c") + 1
+        argv[i] = argv[i].split("\n", 1)[1]
+        seen.extend(a for a in argv if a.startswith("COURIER_EXEC_ID="))
+        return real(argv)
+
+    ch.exec_stream = stream_without_type_test
+    try:
+        _res, exc, took = bounded(lambda: b"".join(exec_iter_file(ch, str(fifo))), 20,
+                                  unblock=lambda: os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)))
+        assert isinstance(exc, ReadTimeout), exc
+        assert len(seen) == 1
+        wait_until(lambda: not _runs_with_env(seen[0]), timeout_s=10, what="the blocked stream run to be killed")
+    finally:
+        s.close()
+
+
+# -- 5. TOCTOU (paramiko): a link swapped in for the open and out before the re-check ----------
+class _OpenHook:
+    """The real SFTPClient; `after_open()` runs right after each open (the agent's move)."""
+
+    def __init__(self, sftp, after_open) -> None:
+        self._sftp, self._after_open = sftp, after_open
+
+    def __getattr__(self, name):
+        return getattr(self._sftp, name)
+
+    def open(self, *a, **kw):
+        f = self._sftp.open(*a, **kw)
+        self._after_open()
+        return f
+
+
+def test_sftp_link_swapped_for_the_open_only_is_refused(sshd_server, tmp_path, store):
+    """The agent swaps root/d for a link to a directory it cannot otherwise
+    reach right after the resolve, and back right after the open, with the
+    target's size and mtime matched: the bytes would be the other file's
+    (old code: 30 of 400 races delivered /etc/shadow). The open handle's
+    owner / mode differ from the checked file's: refused, nothing stored."""
+    os.chmod(tmp_path, 0o755)
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    (root / "d").mkdir(parents=True)
+    outside.mkdir()
+    legit, secret = root / "d" / "f.txt", outside / "f.txt"
+    legit.write_bytes(b"legit content!!\n")
+    secret.write_bytes(b"SECRET content!\n")
+    os.chown(secret, 0, 65534)   # a file of another group, with another mode
+    os.chmod(secret, 0o640)
+    os.utime(secret, ns=(legit.stat().st_atime_ns, legit.stat().st_mtime_ns))
+    parked = tmp_path / "root" / "d.real"
+
+    def swap_in():
+        os.rename(root / "d", parked)
+        os.symlink(outside, root / "d")
+
+    def swap_back():
+        os.unlink(root / "d")
+        os.rename(parked, root / "d")
+
+    s = make(sshd_server, root, "sftp")
+
+    class Racing(type(s)):
+        def _resolve_sftp(self, sftp, path):
+            out = super()._resolve_sftp(sftp, path)
+            swap_in()
+            return out
+
+        def _stream_sftp(self, sftp, resolved, st0):
+            return super()._stream_sftp(_OpenHook(sftp, swap_back), resolved, st0)
+
+    s.__class__ = Racing
+    with pytest.raises((UnsafePath, SandboxGone)):
+        s.extract(str(legit), store, "files/x")
+    assert [b.key for b in store.list()] == []
+
+
+# -- 8. hard links ------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_hard_link_to_a_file_outside_the_roots_is_refused(sshd_server, root, tmp_path, store, control_dir, mode):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("host secret")
+    os.link(secret, root / "hl.txt")
+    (root / "plain.txt").write_text("plain")
+    s = make(sshd_server, root, mode, control_dir)
+    try:
+        with pytest.raises(UnsafePath, match="hard links"):
+            s.extract(str(root / "hl.txt"), store, "files/x")
+        assert [b.key for b in store.list()] == []
+        assert s.extract(str(root / "plain.txt"), store, "files/ok").size_bytes == 5
+    finally:
+        s.close()
+
+
+# -- 9. a ControlMaster never outlives a change of trust ------------------------------------------
+@pytest.mark.parametrize("known", ["empty", "wrong"])
+def test_control_master_not_reused_under_other_trust(sshd_server, root, tmp_path, store, control_dir, known):
+    """A worker restarted with an empty or wrong known_hosts must check the
+    host key again, not extract through the master the previous one left
+    (old code: it did)."""
+    (root / "f.txt").write_text("data")
+    first = make(sshd_server, root, "openssh", control_dir)
+    try:
+        first.extract(str(root / "f.txt"), store, "files/a")  # leaves a master (ControlPersist)
+        kh = tmp_path / f"known_hosts_{known}"
+        if known == "empty":
+            kh.write_text("")
+        else:
+            other = tmp_path / "other_key"
+            subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
+            kind, blob = (other.with_suffix(".pub")).read_text().split()[:2]
+            kh.write_text(f"[{sshd_server.host}]:{sshd_server.port} {kind} {blob}\n")
+        second = make(sshd_server, root, "openssh", control_dir, known_hosts=str(kh))
+        try:
+            with pytest.raises(SshAccessDenied):
+                second.extract(str(root / "f.txt"), store, "files/b")
+        finally:
+            second.close()
+        assert [b.key for b in store.list()] == ["files/a"]
+    finally:
+        first.close()
+
+
+def test_openssh_remote_that_stops_reading_stdin_times_out(sshd_server, root, control_dir):
+    """An upload to a remote command that never reads: the write has a
+    deadline too (old code: blocked until the command ended)."""
+    s = make(sshd_server, root, "openssh", control_dir, io_timeout_s=2)
+    try:
+        ch = s._openssh()
+        chunks = (b"\0" * (1 << 20) for _ in range(64))
+        _res, exc, took = bounded(lambda: ch.exec_stdin(["sleep", "25"], chunks), 20)
+        assert isinstance(exc, ReadTimeout), exc
+        assert took < 10
+    finally:
+        s.close()
+
+
+def test_sftp_link_swap_race_loop_never_leaks(sshd_server, tmp_path, store):
+    """300 SFTP extractions while the agent swaps root/d for a link to a
+    directory outside the roots in a loop; the file there has the same name,
+    size and mtime but another owner (as /etc/shadow would): each delivers
+    the real bytes or is refused, none leaks (old code: 30 of 400 leaked)."""
+    from adapters.errors import SandboxError
+
+    os.chmod(tmp_path, 0o755)
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    (root / "d").mkdir(parents=True)
+    outside.mkdir()
+    legit, secret = root / "d" / "f.txt", outside / "f.txt"
+    legit.write_bytes(b"legit content!!\n")
+    secret.write_bytes(b"SECRET content!\n")
+    os.chown(secret, 65534, 65534)
+    os.utime(secret, ns=(legit.stat().st_atime_ns, legit.stat().st_mtime_ns))
+    parked = root / "d.real"
+    stop = threading.Event()
+
+    def swapper():
+        while not stop.wait(0.002):              # the attacker's pace: d is mostly the directory
+            os.rename(root / "d", parked)
+            os.symlink(outside, root / "d")      # d is the link for a moment
+            os.unlink(root / "d")
+            os.rename(parked, root / "d")
+
+    t = threading.Thread(target=swapper, daemon=True)
+    s = make(sshd_server, root, "sftp")
+    outcomes: dict[str, int] = {}
+    t.start()
+    try:
+        deadline = time.monotonic() + 60
+        for i in range(300):
+            assert time.monotonic() < deadline, f"too slow: {i} extractions in 60 s"
+            try:
+                s.extract(str(legit), store, f"files/r{i}")
+            except SandboxError as exc:
+                outcomes[type(exc).__name__] = outcomes.get(type(exc).__name__, 0) + 1
+                continue
+            data = store.local_path(f"files/r{i}").read_bytes()
+            assert data == b"legit content!!\n", f"extraction {i} leaked {data!r}"
+            outcomes["delivered"] = outcomes.get("delivered", 0) + 1
+    finally:
+        stop.set()
+        t.join(10)
+    print("race outcomes", outcomes)
+    assert sum(outcomes.values()) == 300, outcomes
