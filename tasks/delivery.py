@@ -81,8 +81,11 @@ def deliver(ctx: Context, job: dict, extracted: dict | None = None) -> dict:
 class SendSession:
     """What holding a delivery's send lock gives the work done under it."""
 
-    def __init__(self, ctx: Context, did: str, owner: str, attempts: int) -> None:
+    def __init__(self, ctx: Context, did: str, owner: str, attempts: int, *, fresh: bool = False) -> None:
         self.ctx, self.did, self.owner, self.attempts = ctx, did, owner, attempts
+        #: no earlier attempt can have sent a part (the receipt was still queued or just extracted):
+        #: nothing to look up. Not the attempt count: courier's own pacing gives an attempt back.
+        self.fresh = fresh
         self.released = False
 
     def release(self, pipe=None) -> None:
@@ -110,7 +113,7 @@ def _under_send_lock(ctx: Context, did: str, done: Callable[[dict], dict | None]
     # the lock is short and renewed while this process works: a worker that
     # dies frees its deliveries within SEND_LOCK_TTL_S (well inside Discord's
     # nonce memory), while a long upload keeps its lock
-    session = SendSession(ctx, did, owner, attempts)
+    session = SendSession(ctx, did, owner, attempts, fresh=rec.get("state") in ("queued", "extracted"))
     with receipts.renewing(r, did, owner):
         try:
             return work(session)
@@ -143,7 +146,7 @@ def _deliver_item(ctx: Context, platform: Platform, chat: str, job: dict, extrac
     did = job["id"]
     # every send below takes a shared rate-limit slot first, and each part is sent once
     platform = guarded = ratelimit.guard(r, platform, did, defer=True,
-                                         first_attempt=session is not None and session.attempts == 1)
+                                         first_attempt=session is not None and session.fresh)
 
     if extracted is not None and not extracted.get("ok", False):
         try:
@@ -163,7 +166,7 @@ def _deliver_item(ctx: Context, platform: Platform, chat: str, job: dict, extrac
             kind_name, size = Kind.TEXT.value, len((job.get("text") or "").encode())
         else:
             sent, kind_name, size = _send_file(ctx, platform, chat, job,
-                                               fresh=session is not None and session.attempts == 1)
+                                               fresh=session is not None and session.fresh)
     except Permanent as exc:
         guarded.flush()
         receipts.update_delivery(r, did, final="1")
