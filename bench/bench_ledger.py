@@ -54,13 +54,9 @@ def _cpu_s(pids: list[int]) -> float:
 
 
 def _tree(proc) -> list[int]:
-    out = [proc.pid]
-    try:
-        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
-            out += [int(x) for x in f.read().split()]
-    except OSError:
-        pass
-    return out
+    from tests.fixtures.faults import children_of
+
+    return [proc.pid, *children_of(proc.pid)]
 
 
 class Stack:

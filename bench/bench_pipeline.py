@@ -44,11 +44,9 @@ def _vm_rss_mb(pid: int) -> float:
 
 
 def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(x) for x in f.read().split()]
-    except OSError:
-        return []
+    from tests.fixtures.faults import children_of
+
+    return children_of(pid)
 
 
 def main() -> int:

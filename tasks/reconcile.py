@@ -40,6 +40,17 @@ TURN_MAX_RUNS = 3
 MAX_GRACE_S = 300.0
 
 
+def _unleased_overdue(r, stage: str, now: float | None):
+    """The stage's overdue entries nobody holds; one whose lease is held (its
+    holder is alive, or was until the lease lapses) is looked at again then."""
+    for ident in ledger.overdue(r, stage, now=now):
+        left_s = ledger.held(r, keys.lease(stage, ident))
+        if left_s:
+            ledger.set_due(r, stage, ident, left_s + 0.1)
+        else:
+            yield ident
+
+
 def _grace(base_s: float, redrives: int) -> float:
     return min(MAX_GRACE_S, base_s * 2 ** min(redrives, 10))
 
@@ -47,25 +58,18 @@ def _grace(base_s: float, redrives: int) -> float:
 def tick(ctx: Context, *, now: float | None = None) -> dict:
     """One pass over the overdue entries of every stage. Returns what it did."""
     from tasks import chains
+    from tasks.turn import DONE_STATES
 
     r = ctx.redis
     out = {"lanes": 0, "extractions": 0, "turns": 0, "abandoned": 0}
-    for target in ledger.overdue(r, "lane", now=now):
-        left_s = ledger.held(r, keys.lease("lane", target))
-        if left_s:  # its holder is alive, or was until its lease lapses: look again then
-            ledger.set_due(r, "lane", target, left_s + 0.1)
-            continue
+    for target in _unleased_overdue(r, "lane", now):
         if not r.exists(keys.lane(target)):
             ledger.clear_due(r, "lane", target)
             continue
         ledger.set_due(r, "lane", target, chains.LANE_GRACE_S)
         chains.publish_lane(target)
         out["lanes"] += 1
-    for did in ledger.overdue(r, "extract", now=now):
-        left_s = ledger.held(r, keys.lease("extract", did))
-        if left_s:  # its holder is alive, or was until its lease lapses: look again then
-            ledger.set_due(r, "extract", did, left_s + 0.1)
-            continue
+    for did in _unleased_overdue(r, "extract", now):
         rec = receipts.get_delivery(r, did)
         if rec is None or rec.get("extraction") in ("ok", "failed") or rec.get("state") in receipts.TERMINAL \
                 or not rec.get("queue"):
@@ -77,13 +81,9 @@ def tick(ctx: Context, *, now: float | None = None) -> dict:
         ledger.set_due(r, "extract", did, _grace(chains.EXTRACT_GRACE_S, n - 1))
         chains.publish_extract(did, rec["queue"], rec.get("source", ""))
         out["extractions"] += 1
-    for job_id in ledger.overdue(r, "turn", now=now):
-        left_s = ledger.held(r, keys.lease("turn", job_id))
-        if left_s:  # its holder is alive, or was until its lease lapses: look again then
-            ledger.set_due(r, "turn", job_id, left_s + 0.1)
-            continue
+    for job_id in _unleased_overdue(r, "turn", now):
         job = receipts.get_job(r, job_id)
-        if job is None or job.get("state") in ("replied", "no_reply", "error") or not job.get("spec"):
+        if job is None or job.get("state") in DONE_STATES or not job.get("spec"):
             ledger.clear_due(r, "turn", job_id)
             continue
         if int(job.get("attempts") or 0) >= TURN_MAX_RUNS:

@@ -10,6 +10,7 @@ import pytest
 
 from adapters.platforms.outbox import read_log
 from tasks import receipts
+from tests.fixtures.faults import children_of
 from tests.fixtures.services import wait_until
 
 pytestmark = pytest.mark.slow
@@ -28,13 +29,7 @@ print("done: " + msg)
 
 
 def _worker_pids(proc) -> list[int]:
-    out = [proc.pid]
-    try:
-        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
-            out += [int(x) for x in f.read().split()]
-    except OSError:
-        pass
-    return out
+    return [proc.pid, *children_of(proc.pid)]
 
 
 @pytest.mark.parametrize("how", ["pool_child", "whole_worker"])
