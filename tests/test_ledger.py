@@ -1,0 +1,120 @@
+"""The ledger's plain code against a real Redis, without a broker: leases,
+due times, lane steps and the reconciler's decisions. Publishing is the one
+thing replaced (recorded instead of sent to Celery): what is checked here is
+what the reconciler decides to publish."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tasks import chains, keys, ledger, receipts, reconcile
+from tasks.runtime import Context
+
+
+@pytest.fixture
+def published(monkeypatch):
+    out: list[tuple] = []
+    monkeypatch.setattr(chains, "publish_lane", lambda target, countdown=None: out.append(("lane", target)))
+    monkeypatch.setattr(chains, "publish_extract", lambda did, queue, what="": out.append(("extract", did, queue)))
+
+    class _Sig:
+        def __init__(self, spec):
+            self.spec = spec
+
+        def apply_async(self):
+            out.append(("turn", self.spec["job"]))
+
+    monkeypatch.setattr(chains, "spec_sig", _Sig)
+    return out
+
+
+@pytest.fixture
+def ctx(redis_client):
+    return Context(redis=redis_client, store=None, platform=None, sandbox=None, agent=lambda name: None)
+
+
+def test_a_lease_is_held_renewed_and_released_only_by_its_holder(redis_client):
+    r = redis_client
+    key = keys.lease("lane", "outbox:x")
+    assert ledger.take(r, key, "a", ttl_s=5) and not ledger.take(r, key, "b", ttl_s=5)
+    assert 4 < ledger.held(r, key) <= 5
+    assert not ledger.renew(r, key, "b", 50) and ledger.renew(r, key, "a", 50) and ledger.held(r, key) > 40
+    ledger.release(r, key, "b")
+    assert ledger.held(r, key)
+    ledger.release(r, key, "a")
+    assert ledger.held(r, key) == 0.0
+    with ledger.leased(r, "lane", "outbox:x") as token:
+        assert token and token.split(":")[1].isdigit()  # host:pid:random
+        with ledger.leased(r, "lane", "outbox:x") as second:
+            assert second is None  # a live holder keeps it
+    assert ledger.held(r, key) == 0.0
+
+
+def test_registering_a_plan_queues_its_steps_in_the_chats_lane_once(redis_client):
+    r = redis_client
+    plan = chains.Plan(job_id="snd_a", target="outbox:c", text="hi",
+                       files=[chains.StoredFile(key="files/snd_a/1-x.pdf", name="x.pdf", size=3, sha256="00")])
+    chains.register(r, plan, job_kind="send")
+    chains.register(r, plan, job_kind="send")  # a re-enqueue of the same job adds nothing
+    chains.register(r, chains.Plan(job_id="snd_b", target="outbox:c", text="after"))
+    assert [x.decode() for x in r.lrange(keys.lane("outbox:c"), 0, -1)] == ["snd_a.0", "snd_a.1", "snd_b.0"]
+    spec = json.loads(receipts.get_delivery(r, "snd_a.1")["spec"])
+    assert spec == {"id": "snd_a.1", "job": "snd_a", "target": "outbox:c", "type": "file", "voice": False,
+                    "as_document": False, "key": "files/snd_a/1-x.pdf", "name": "x.pdf", "size": 3, "sha256": "00"}
+    assert ledger.pending(r) == {"lane": 1, "extract": 0, "turn": 0}
+
+
+def test_the_reconciler_redrives_only_what_is_overdue_and_unheld(redis_client, ctx, published):
+    r = redis_client
+    past = time.time() - 1
+    for target in ("outbox:a", "outbox:b", "outbox:c", "outbox:d"):
+        r.zadd(keys.due("lane"), {target: past})
+        if target != "outbox:d":
+            r.rpush(keys.lane(target), f"{target}.0")
+    r.zadd(keys.due("lane"), {"outbox:c": time.time() + 60})  # not due yet
+    assert ledger.take(r, keys.lease("lane", "outbox:b"), "alive", ttl_s=15)
+    out = reconcile.tick(ctx)
+    assert published == [("lane", "outbox:a")] and out["lanes"] == 1
+    due = {k.decode(): v - time.time() for k, v in r.zrange(keys.due("lane"), 0, -1, withscores=True)}
+    assert "outbox:d" not in due  # an empty lane is forgotten
+    assert 14 < due["outbox:b"] <= 15.2  # looked at again when the live holder's lease would lapse
+    assert due["outbox:a"] > 5  # published: a grace before the next look
+
+
+def test_a_lost_extraction_is_published_again_with_a_growing_grace(redis_client, ctx, published):
+    r = redis_client
+    plan = chains.Plan(job_id="snd_e", target="outbox:e",
+                       files=[chains.SandboxFile(chains.SandboxRef("local"), "/tmp/e.txt")])
+    chains.register(r, plan)
+    r.zadd(keys.due("extract"), {"snd_e.0": time.time() - 1})
+    reconcile.tick(ctx)
+    assert ("extract", "snd_e.0", "sandbox") in published
+    first = r.zscore(keys.due("extract"), "snd_e.0") - time.time()
+    r.zadd(keys.due("extract"), {"snd_e.0": time.time() - 1})
+    reconcile.tick(ctx)
+    assert r.zscore(keys.due("extract"), "snd_e.0") - time.time() > first * 1.5
+    # once extracted, the reconciler forgets it and drives its lane
+    receipts.update_delivery(r, "snd_e.0", extraction="ok")
+    r.zadd(keys.due("extract"), {"snd_e.0": time.time() - 1})
+    published.clear()
+    reconcile.tick(ctx)
+    assert published == [("lane", "outbox:e")] and r.zscore(keys.due("extract"), "snd_e.0") is None
+
+
+def test_a_turn_that_keeps_killing_its_worker_ends_with_an_error_and_a_message(redis_client, ctx, published):
+    r = redis_client
+    spec = {"job": "turn_k", "target": "outbox:k", "message": "hi", "agent": "demo"}
+    receipts.create_job(r, "turn_k", kind="turn", target="outbox:k", spec=json.dumps(spec))
+    r.zadd(keys.due("turn"), {"turn_k": time.time() - 1})
+    reconcile.tick(ctx)
+    assert published == [("turn", "turn_k")]  # never started: run it again
+    r.hset(keys.job("turn_k"), "attempts", reconcile.TURN_MAX_RUNS)
+    r.zadd(keys.due("turn"), {"turn_k": time.time() - 1})
+    out = reconcile.tick(ctx)
+    assert out["abandoned"] == 1 and receipts.get_job(r, "turn_k")["state"] == "error"
+    (text,) = [json.loads(d["spec"])["text"] for d in receipts.job_deliveries(r, "turn_k")]
+    assert text.startswith("Sorry, that did not work") and "died 3 times" in text
+    assert r.zscore(keys.due("turn"), "turn_k") is None
