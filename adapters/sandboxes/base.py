@@ -327,6 +327,27 @@ def call_with_deadline(fn, timeout_s: float, what: str):
     return box.get("res")
 
 
+def write_blob_at(dfd: int, name: str, tmp: str, store, key: str, *, owner_of_dir: bool = False) -> None:
+    """Stream blob `key` into `name` in the directory open as `dfd`: written
+    under the private temp name `tmp` (O_EXCL, no link followed), renamed over
+    `name` once complete, removed on any failure. `owner_of_dir`: the file
+    takes the directory's owner (where the process may)."""
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd)
+    try:
+        if owner_of_dir:
+            dst = os.fstat(dfd)
+            with contextlib.suppress(PermissionError):
+                os.fchown(fd, dst.st_uid, dst.st_gid)
+        with os.fdopen(fd, "wb") as out:
+            for chunk in store.iter_chunks(key):
+                out.write(chunk)
+        os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=dfd)
+        raise
+
+
 def open_regular(path: str, *, dir_fd: int | None = None, shown: str | None = None) -> tuple[int, os.stat_result]:
     """Open `path` (no link followed at its last component) for reading
     without ever blocking, and return (fd, fstat of that fd).

@@ -22,7 +22,7 @@ from pathlib import Path
 from adapters.errors import FileMissing, NotAFile, TooLarge, UnsafePath
 from adapters.sandboxes.base import (
     DEFAULT_EXEC_OUTPUT_BYTES, DEFAULT_MAX_BYTES, BoundedOutput, PathPolicy, Sandbox, SandboxRef, check_lexical,
-    exec_argv, open_regular, run_exec,
+    exec_argv, open_regular, run_exec, write_blob_at,
 )
 
 CHUNK = 1024 * 1024
@@ -132,22 +132,10 @@ class LocalSandbox(Sandbox):
             dest = self.policy.check(os.path.join(real, name), shown=dest_path)
             # a temp name of our own (O_EXCL): concurrent puts never share or truncate one
             tmp = f".{name[:64]}.{uuid.uuid4().hex[:8]}.courier-part"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
-                         0o644, dir_fd=dfd)
             try:
-                with os.fdopen(fd, "wb") as out:
-                    for chunk in store.iter_chunks(key):
-                        out.write(chunk)
-                try:
-                    os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-                except IsADirectoryError as exc:  # a directory appeared there meanwhile
-                    raise NotAFile(f"{dest_path}: is a directory") from exc
-            except BaseException:
-                try:
-                    os.unlink(tmp, dir_fd=dfd)
-                except FileNotFoundError:
-                    pass
-                raise
+                write_blob_at(dfd, name, tmp, store, key)
+            except IsADirectoryError as exc:  # a directory appeared there meanwhile
+                raise NotAFile(f"{dest_path}: is a directory") from exc
         finally:
             os.close(dfd)
         return dest

@@ -32,7 +32,9 @@ from collections import deque
 from collections.abc import Iterator
 
 from adapters.errors import ConfigError, FileMissing, NotAFile, SandboxGone, TooLarge, UnsafePath
-from adapters.sandboxes.base import DEFAULT_MAX_BYTES, PathPolicy, Sandbox, SandboxRef, check_lexical, open_regular
+from adapters.sandboxes.base import (
+    DEFAULT_MAX_BYTES, PathPolicy, Sandbox, SandboxRef, check_lexical, open_regular, write_blob_at,
+)
 
 CHUNK = 1024 * 1024
 MAX_LINKS = 40
@@ -316,23 +318,7 @@ class SingularitySandbox(Sandbox):
                 old = None
             if old is not None and (statmod.S_ISLNK(old.st_mode) or statmod.S_ISDIR(old.st_mode)):
                 raise UnsafePath(f"{dest_path}: is a link or a directory")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd)
-            try:
-                dst = os.fstat(dfd)
-                try:
-                    os.fchown(fd, dst.st_uid, dst.st_gid)
-                except PermissionError:
-                    pass
-                with os.fdopen(fd, "wb") as out:
-                    for chunk in store.iter_chunks(key):
-                        out.write(chunk)
-                os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-            except BaseException:
-                try:
-                    os.unlink(tmp, dir_fd=dfd)
-                except FileNotFoundError:
-                    pass
-                raise
+            write_blob_at(dfd, name, tmp, store, key, owner_of_dir=True)
         finally:
             os.close(dfd)
         return final
