@@ -21,7 +21,7 @@ from typing import Any
 
 from adapters.errors import CourierError, Permanent, RateLimited
 from adapters.platforms.base import FileSource, Kind, Platform, Sent, split_target
-from tasks import events, keys, ratelimit, receipts
+from tasks import events, keys, metrics, ratelimit, receipts
 from tasks.runtime import Context
 from tasks.text import fit_caption, human_bytes, split_text
 
@@ -45,6 +45,7 @@ def record_failure(ctx: Context, job: dict, reason: str) -> dict:
     receipts.update_delivery(pipe, job["id"], state="failed", reason=reason)
     _event(ctx, job, pipe=pipe, state="failed", reason=reason, name=job.get("name"))
     pipe.execute()
+    metrics.record_delivery(job, "failed")
     return {"id": job["id"], "state": "failed", "reason": reason}
 
 
@@ -204,6 +205,7 @@ def _record_delivered(ctx: Context, job: dict, message_id: str, kind_name: str, 
            name=job.get("name"), size_bytes=size)
     if pipe is None or execute:
         p.execute()
+    metrics.record_delivery(job, "delivered", kind_name)
     return {"id": job["id"], "state": "delivered", "message_id": message_id, "kind": kind_name}
 
 

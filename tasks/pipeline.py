@@ -11,12 +11,13 @@ reject on worker lost); effects are idempotent through delivery ids and leases.
 from __future__ import annotations
 
 import logging
+import time
 
 from celery import shared_task
 
 from adapters.platforms.base import split_target
 from tasks import extract as extract_mod
-from tasks import ledger, runtime
+from tasks import ledger, metrics, runtime
 from tasks import turn as turn_mod
 
 log = logging.getLogger(__name__)
@@ -71,8 +72,12 @@ def agent_turn(self, spec: dict) -> dict:
     with ledger.leased(ctx.redis, "turn", spec["job"]) as token:
         if token is None:  # a live worker runs this turn already
             return {"job": spec["job"], "state": "busy"}
+        t0 = time.monotonic()
         with TurnActivity(ctx, spec["target"], spec["job"]) as native:
-            return turn_mod.run_turn(ctx, spec, on_activity=show)
+            out = turn_mod.run_turn(ctx, spec, on_activity=show)
+        if not out.get("skipped"):
+            metrics.record_turn(spec.get("agent") or "demo", out.get("state", ""), time.monotonic() - t0)
+        return out
 
 
 @shared_task(name="courier.sandbox.extract_file", acks_late=True, reject_on_worker_lost=True)
