@@ -12,7 +12,7 @@ import os
 
 from celery import Celery
 from celery.schedules import crontab
-from celery.signals import before_task_publish, worker_process_shutdown, worker_ready, worker_shutdown
+from celery.signals import beat_init, before_task_publish, worker_process_shutdown, worker_ready, worker_shutdown
 from kombu import Exchange, Queue
 
 from tasks import runtime
@@ -250,3 +250,71 @@ def _pool_process_ended(pid=None, **_kw) -> None:
 
 
 _heartbeat = None
+
+
+# -- beat: one scheduler at a time ---------------------------------------------------------------
+#: the beat lock lives this long unless its holder renews it (every third of it)
+BEAT_LOCK_TTL_S = 30
+#: a standing-by beat tries to take the lock this often
+BEAT_STANDBY_POLL_S = 1.0
+_BEAT_RENEW = ("if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('expire', KEYS[1], ARGV[2]) "
+               "else return 0 end")
+
+
+@beat_init.connect
+def _beat_singleton(sender=None, **_kw) -> None:
+    """Only the beat holding `keys.beat_lock()` schedules: a second beat
+    (a second host, a deploy that overlaps) waits here, before its first
+    tick, until the lock is free (its holder stopped, or died and the lock
+    lapsed after BEAT_LOCK_TTL_S), then takes over. Redis unreachable: it
+    keeps waiting (never schedules without the lock). The holder renews the
+    lock from a thread; if it finds the lock taken by another (it was away
+    longer than the TTL), it stops itself (SIGTERM) rather than schedule twice."""
+    import atexit
+    import signal
+    import threading
+    import time
+
+    from tasks import keys, ledger
+
+    log = logging.getLogger("courier.beat")
+    app_ = getattr(sender, "app", None) or app
+    url = app_.conf.get("courier_redis_url") or get_settings().redis_url
+    key, token = keys.beat_lock(), ledger.new_token()
+    said = False
+    while True:
+        try:
+            r = _ops_redis(url)
+            if ledger.take(r, key, token, BEAT_LOCK_TTL_S):
+                break
+            holder = r.get(key)
+            why = f"another beat holds {key} ({holder.decode() if isinstance(holder, bytes) else holder})"
+        except Exception as exc:  # noqa: BLE001 - never schedule without the lock
+            why = f"Redis is not reachable ({type(exc).__name__})"
+        if not said:
+            log.warning("beat: %s: standing by", why)
+            said = True
+        time.sleep(BEAT_STANDBY_POLL_S)
+    log.warning("beat: holding %s: this beat schedules", key)
+
+    def renew() -> None:
+        while True:
+            time.sleep(BEAT_LOCK_TTL_S / 3)
+            try:
+                kept = r.eval(_BEAT_RENEW, 1, key, token, BEAT_LOCK_TTL_S)
+            except Exception:  # noqa: BLE001 - tried again; the lock outlives a short outage
+                continue
+            if not kept:
+                log.error("beat: lost %s to another beat: stopping, so that only one schedules", key)
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+
+    threading.Thread(target=renew, name="courier-beat-lock", daemon=True).start()
+
+    def release() -> None:
+        try:
+            ledger.release(r, key, token)
+        except Exception:  # noqa: BLE001 - it lapses by itself
+            pass
+
+    atexit.register(release)

@@ -1,4 +1,4 @@
-"""The operator CLI: `courier send | turn | status | watch | web | demo`.
+"""The operator CLI: `courier send | turn | status | watch | web | janitor | demo` (and more below).
 
 Exit codes: 0 done; 1 a delivery or turn failed; 2 bad input (nothing was
 enqueued); 3 a service (Redis, storage) is unavailable (nothing was
@@ -22,8 +22,19 @@ from adapters.errors import ConfigError, CourierError, SandboxError, StorageErro
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="courier: run chat-agent turns and deliver their files to chat platforms.")
-out = Console()
+# piped (not a terminal): tables are as wide as their content, never wrapped at 80 columns
+out = Console() if sys.stdout.isatty() else Console(width=1000, soft_wrap=True)
 err = Console(stderr=True)
+
+
+def new_table(title: str, **kw) -> Table:
+    """A table whose title is data; piped, without vertical rules (one line per row, for grep and awk)."""
+    from rich import box
+    from rich.text import Text
+
+    if not out.is_terminal:
+        kw.setdefault("box", box.SIMPLE)
+    return Table(title=Text(title), title_justify="left", **kw)
 
 EXIT_FAILED, EXIT_INPUT, EXIT_SERVICE, EXIT_TIMEOUT = 1, 2, 3, 4
 #: a turn's job states once it is over (its deliveries, if any, are registered by then)
@@ -214,7 +225,7 @@ def _table(job_id: str, rows: list[dict]) -> Table:
     """Receipts as a table; every cell is data (Text: never read as markup)."""
     from rich.text import Text
 
-    t = Table(title=Text(f"deliveries of {job_id}"), title_justify="left")
+    t = new_table(f"deliveries of {job_id}")
     for col in ("delivery", "platform", "kind", "name", "size", "attempts", "state", "message id / reason"):
         t.add_column(col, overflow="fold")
     for row in rows:
@@ -507,6 +518,75 @@ def status(
         out.print(_table(rec.get("job", ""), [rec]))
     if rec.get("state") == "failed":
         raise typer.Exit(EXIT_FAILED)
+
+
+# -- janitor ----------------------------------------------------------------------
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_duration(raw: str) -> float:
+    """`90`, `90s`, `15m`, `12h`, `7d`, `2w` -> seconds; ValueError otherwise."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", raw or "")
+    if not m:
+        raise ValueError(f"not a duration: {raw!r} (e.g. 3600, 90m, 12h, 7d)")
+    return float(m.group(1)) * _UNITS[m.group(2) or "s"]
+
+
+def human_size(n) -> str:
+    from tasks.text import human_bytes
+
+    return "" if n is None else human_bytes(int(n))
+
+
+@app.command()
+def janitor(
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="count what would go (files and bytes); delete nothing")] = False,
+    older_than: Annotated[str | None, typer.Option(help="instead of each TTL: everything older than this "
+                                                       "(e.g. 12h, 3d; at least 1h)")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
+    """Run one janitor sweep now (old screenshots, files, spills, partial writes, turn workspaces)."""
+    from tasks.janitor import MIN_OLDER_THAN_S, sweep
+    from workers.wiring import build_context
+
+    settings = _settings()
+    older_s = None
+    if older_than is not None:
+        try:
+            older_s = parse_duration(older_than)
+        except ValueError as exc:
+            raise die(f"--older-than: {exc}", EXIT_INPUT) from None
+        if older_s < MIN_OLDER_THAN_S:
+            raise die(f"--older-than must be at least 1h: younger files may still be waiting for their delivery",
+                      EXIT_INPUT)
+    _redis(settings)
+    _store(settings)
+    try:
+        res = sweep(build_context(settings), dry_run=dry_run, older_than_s=older_s)
+    except CourierError as exc:
+        raise die(f"the sweep stopped: {exc}", EXIT_SERVICE) from None
+    if as_json:
+        print(json.dumps(res))
+    elif res.get("skipped"):
+        pass
+    else:
+        from rich.text import Text
+
+        t = new_table("janitor (dry run: nothing deleted)" if dry_run else "janitor")
+        for col in ("what", "would go" if dry_run else "deleted", "bytes"):
+            t.add_column(col, justify="left" if col == "what" else "right")
+        for what, v in res.items():
+            if what in ("dry_run", "took_s"):
+                continue
+            if v is None:
+                t.add_row(Text(what), Text("not counted"), Text(""))
+            else:
+                t.add_row(Text(what), Text(str(v["count"])), Text(human_size(v["bytes"])))
+        out.print(t)
+    if res.get("skipped"):
+        raise die(f"another sweep is running ({res.get('holder')}); nothing was done", EXIT_FAILED)
 
 
 # -- demo --------------------------------------------------------------------------
