@@ -99,6 +99,21 @@ def drive_lane(target: str) -> dict:
     return lanes.drive(runtime.ctx(), target, chains.publish_lane)
 
 
+@shared_task(bind=True, name="courier.delivery.send", acks_late=True)
+def send(self, target: str, text: str | None = None, files: list[str] | None = None, caption: str | None = None,
+         voice: bool = False, as_document: bool = False) -> dict:
+    """An operator's send (Flower's async-apply; JSON args documented in
+    tasks/send.py): registered in the ledger like `courier send`, then
+    extracted and delivered by the usual stages. Bad input fails the task
+    with its reason; nothing is enqueued then. The job id comes from the
+    task id, so a redelivered message registers the same job (sends nothing twice)."""
+    from tasks import send as send_mod
+
+    job_id = f"snd_{self.request.id.replace('-', '')}" if self.request.id else None
+    return send_mod.send(runtime.ctx(), target, text=text, files=files, caption=caption, voice=voice,
+                         as_document=as_document, job_id=job_id)
+
+
 @shared_task(name="courier.janitor.sweep", acks_late=True)
 def janitor_sweep() -> dict:
     from tasks.janitor import sweep

@@ -102,8 +102,11 @@ def _celery():
 @app.command()
 def send(
     target: Annotated[str, typer.Argument(help="<platform>:<chat id>, e.g. outbox:demo or telegram:-100123")],
-    paths: Annotated[list[str], typer.Argument(help="local files (stored as they are) or sandbox URIs "
-                                                    "(local:///abs/path, docker://ctr/path, ssh://host/path, ...)")],
+    paths: Annotated[list[str] | None, typer.Argument(help="local files (stored as they are) or sandbox URIs "
+                                                           "(local:///abs/path, docker://ctr/path, ssh://host/path, "
+                                                           "...)")] = None,
+    text: Annotated[str | None, typer.Option("--text", help="a text message, sent before the files (alone: a "
+                                                           "text-only send)")] = None,
     caption: Annotated[str | None, typer.Option(help="caption for the first file")] = None,
     as_document: Annotated[bool, typer.Option("--as-document", help="send images and video as documents")] = False,
     voice: Annotated[bool, typer.Option("--voice", help="send audio as voice notes")] = False,
@@ -111,13 +114,16 @@ def send(
     timeout: Annotated[float, typer.Option(help="seconds to wait with --wait")] = 300.0,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
-    """Deliver files to a chat."""
+    """Deliver files (and/or a text) to a chat."""
     from adapters.sandboxes.base import parse_uri
     from tasks import chains
     from workers.wiring import platform as wired_platform
 
     settings = _settings()
     album_max = wired_platform(_target(settings, target), settings).limits.album_max  # built by the check
+    paths = paths or []
+    if not paths and not (text and text.strip()):
+        raise die("nothing to send: give files, --text, or both", EXIT_INPUT)
     if len(paths) > settings.max_files_per_job:
         raise die(f"{len(paths)} files: at most {settings.max_files_per_job} go with one send "
                   "(COURIER_MAX_FILES_PER_JOB)", EXIT_INPUT)
@@ -156,7 +162,7 @@ def send(
         except CourierError as exc:
             raise die(f"could not store {p}: {exc}", EXIT_SERVICE) from None
         files.append(chains.StoredFile(key=key, name=p.name, size=info.size_bytes, sha256=info.sha256 or ""))
-    plan = chains.Plan(job_id=job_id, target=target, files=files, caption=caption, voice=voice,
+    plan = chains.Plan(job_id=job_id, target=target, text=text or None, files=files, caption=caption, voice=voice,
                        as_document=as_document, max_bytes=settings.max_file_bytes, album_max=album_max)
     ids = chains.enqueue(r, plan, job_kind="send")
     if not wait:
@@ -520,6 +526,96 @@ def status(
         raise typer.Exit(EXIT_FAILED)
 
 
+# -- deliveries, queues ---------------------------------------------------------------
+@app.command()
+def deliveries(
+    failed: Annotated[bool, typer.Option("--failed", help="only deliveries that failed")] = False,
+    chat: Annotated[str | None, typer.Option("--chat", help="only this target, e.g. telegram:-100123")] = None,
+    since: Annotated[str | None, typer.Option(help="only jobs from the last ... (e.g. 30m, 12h, 7d)")] = None,
+    limit: Annotated[int, typer.Option(help="at most this many rows, newest first", min=1)] = 50,
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
+    """List recent deliveries (newest job first) with their state and reason."""
+    from tasks import listing
+
+    settings = _settings()
+    since_s = None
+    if since is not None:
+        try:
+            since_s = time.time() - parse_duration(since)
+        except ValueError as exc:
+            raise die(f"--since: {exc}", EXIT_INPUT) from None
+    if chat is not None:
+        from adapters.platforms.base import split_target
+
+        try:
+            split_target(chat)
+        except ConfigError as exc:
+            raise die(f"--chat: {exc}", EXIT_INPUT) from None
+    r = _redis(settings)
+    rows = listing.deliveries(r, failed=failed, chat=chat, since_s=since_s, limit=limit)
+    if as_json:
+        print(json.dumps(rows))
+        return
+    from rich.text import Text
+
+    t = new_table(("failed deliveries" if failed else "deliveries") + (f" to {chat}" if chat else ""))
+    for col in ("delivery", "target", "kind", "name", "size", "attempts", "state", "message id / reason", "queued"):
+        t.add_column(col, overflow="fold")
+    for row in rows:
+        state = row.get("state", "")
+        color = {"delivered": "green", "failed": "red"}.get(state, "yellow")
+        queued = row.get("queued_s") or row.get("created_s")
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(float(queued))) if queued else ""
+        t.add_row(*(Text(str(v or "")) for v in (
+            row.get("id"), row.get("target"), row.get("kind"), row.get("name"), row.get("size_bytes"),
+            row.get("attempts"))), Text(str(state), style=color),
+            Text(str((row.get("message_id") if state == "delivered" else row.get("reason")) or "")), Text(when))
+    out.print(t)
+
+
+@app.command()
+def queues(
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
+    """Celery queues (depth, oldest message's age, consumers; sandbox.<host> too) and the ledger's pending stages."""
+    from tasks import ledger
+    from tasks import queues as queues_mod
+
+    settings = _settings()
+    r = _redis(settings)
+    rows = queues_mod.stats(r)
+    pending = ledger.pending(r)
+    if as_json:
+        print(json.dumps({"queues": rows, "ledger_pending": pending}))
+        return
+    from rich.text import Text
+
+    t = new_table("queues")
+    for col in ("queue", "depth", "oldest", "consumers"):
+        t.add_column(col, justify="left" if col == "queue" else "right")
+    for row in rows:
+        age = row["oldest_age_s"]
+        warn = row["depth"] and not row["consumers"]
+        t.add_row(Text(row["queue"]), Text(str(row["depth"])), Text(_age(age) if age is not None else "-"),
+                  Text(str(row["consumers"]), style="bold red" if warn else ""))
+    out.print(t)
+    lt = new_table("ledger: pending per stage")
+    for col in ("stage", "pending"):
+        lt.add_column(col, justify="left" if col == "stage" else "right")
+    for stage, n in pending.items():
+        lt.add_row(Text(stage), Text(str(n)))
+    out.print(lt)
+
+
+def _age(s: float) -> str:
+    if s < 120:
+        return f"{s:.1f}s"
+    if s < 7200:
+        return f"{s / 60:.1f}m"
+    return f"{s / 3600:.1f}h"
+
+
 # -- janitor ----------------------------------------------------------------------
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
@@ -601,6 +697,26 @@ def demo(
 
     code = run_demo(to=to, message=message, timeout_s=timeout, console=out, err=err)
     raise typer.Exit(code)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            v = version("courier")
+        except PackageNotFoundError:
+            v = "unknown"
+        print(f"courier {v}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="print courier's version and exit")] = False,
+) -> None:
+    """courier: run chat-agent turns and deliver their files to chat platforms."""
 
 
 def main() -> None:

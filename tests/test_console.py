@@ -1,0 +1,137 @@
+"""The operator's console: `courier --version`, text-only sends, `deliveries`,
+`queues`, and the `courier.delivery.send` task applied from real Flower
+(async-apply with JSON kwargs), all against a real Redis and worker."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from tests.fixtures.services import free_port, port_open, stop_process, wait_until
+from tests.fixtures.workers import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def _final(env, job: str, timeout_s: float = 60) -> dict:
+    def done():
+        res = env.cli("status", job, "--json")
+        if not res.stdout.strip():
+            return None
+        got = json.loads(res.stdout)
+        rows = got["deliveries"]
+        return got if rows and all(r["state"] in ("delivered", "failed") for r in rows) else None
+
+    return wait_until(done, timeout_s=timeout_s, what=f"{job}'s deliveries to be final")
+
+
+def test_version_and_bad_input_exit_2(courier_env):
+    env = courier_env()
+    res = env.cli("--version")
+    assert res.returncode == 0 and re.fullmatch(r"courier \S+\n", res.stdout)
+    res = env.cli("send", "outbox:me")
+    assert res.returncode == 2 and "nothing to send" in res.stderr
+    res = env.cli("deliveries", "--chat", "nochat")
+    assert res.returncode == 2 and "--chat" in res.stderr
+    res = env.cli("deliveries", "--since", "yesterday")
+    assert res.returncode == 2 and "--since" in res.stderr
+
+
+def test_text_send_deliveries_and_queues(courier_env, tmp_path):
+    env = courier_env(COURIER_MAX_FILE_BYTES="1000")
+    env.start_worker()
+    res = env.cli("send", "outbox:ops", "--text", "hello [bold]operators[/bold]", "--wait", "--json", "--timeout", "60")
+    assert res.returncode == 0, res.stderr
+    text_job = json.loads(res.stdout)["job"]
+    assert [d["kind"] for d in json.loads(res.stdout)["deliveries"]] == ["text"]
+    arrived = [p for p in (env.outbox / "ops").iterdir() if not p.name.startswith(".")]
+    assert any("hello [bold]operators[/bold]" in p.read_text(errors="replace") for p in arrived if p.is_file())
+
+    big = env.sandbox / "big.bin"
+    big.write_bytes(b"b" * 5000)  # over COURIER_MAX_FILE_BYTES: fails for good
+    res = env.cli("send", "outbox:other", f"local://{big}", "--text", "with a file", "--wait", "--json",
+                  "--timeout", "60")
+    assert res.returncode == 1, res.stderr
+    failed_job = json.loads(res.stdout)["job"]
+
+    rows = json.loads(env.cli("deliveries", "--json").stdout)
+    assert [r["job"] for r in rows[:3]] == [failed_job, failed_job, text_job]  # newest job first, in order
+    assert all("spec" not in r for r in rows) and "hello" not in json.dumps(rows)  # no chat text
+    failed = json.loads(env.cli("deliveries", "--failed", "--json").stdout)
+    assert [r["id"] for r in failed] == [f"{failed_job}.1"] and "too large" in failed[0]["reason"]
+    mine = json.loads(env.cli("deliveries", "--chat", "outbox:ops", "--since", "1h", "--json").stdout)
+    assert {r["job"] for r in mine} == {text_job}
+    # piped: a row is one line, ids and reasons whole, whatever the width
+    table = env.cli("deliveries", "--failed")
+    assert table.returncode == 0
+    line = next(ln for ln in table.stdout.splitlines() if f"{failed_job}.1" in ln)
+    assert "outbox:other" in line and "too large" in line
+
+    # a docker file pinned to a host nobody serves waits in sandbox.gpu7: visible, with no consumer
+    res = env.cli("send", "outbox:m", "docker://ctr1/workspace/a.png?host=gpu7")
+    assert res.returncode == 0, res.stderr
+
+    def listed():
+        got = json.loads(env.cli("queues", "--json").stdout)
+        q = {row["queue"]: row for row in got["queues"]}
+        return got if "sandbox.gpu7" in q and q["delivery"]["consumers"] == 1 else None
+
+    got = wait_until(listed, timeout_s=30, what="queues with the worker's heartbeat")
+    q = {row["queue"]: row for row in got["queues"]}
+    assert q["sandbox.gpu7"]["depth"] == 1 and q["sandbox.gpu7"]["consumers"] == 0
+    assert q["sandbox.gpu7"]["oldest_age_s"] is not None
+    assert {q[n]["consumers"] for n in ("turns", "sandbox", "delivery", "janitor")} == {1}
+    assert got["ledger_pending"]["extract"] == 1
+    table = env.cli("queues").stdout
+    assert re.search(r"sandbox\.gpu7\s+1\s+\S+\s+0", table), table
+    assert re.search(r"extract\s+1", table), table
+
+
+def test_send_task_from_flower_goes_through_receipts(courier_env, tmp_path):
+    """Flower's async-apply with the documented JSON kwargs: one task for a
+    text and files (a sandbox URI and a plain absolute path), a job that
+    `courier status` knows, and bad input fails without enqueuing anything."""
+    from adapters.errors import ConfigError
+    from tasks import send as send_mod
+    from workers.wiring import build_context
+
+    env = courier_env()
+    env.start_worker()
+    a = env.sandbox / "a.csv"
+    a.write_text("x,y\n1,2\n")
+    b = env.sandbox / "b.txt"
+    b.write_text("hello")
+    port = free_port()
+    flower = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "workers.celery_app", "flower", "--address=127.0.0.1",
+         f"--port={port}", "--basic_auth=ops:pw"],
+        env=env.env, cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: port_open(port), timeout_s=60, what="flower")
+        kwargs = {"target": "outbox:fl", "text": "nightly", "files": [f"local://{a}", str(b)], "caption": "the csv"}
+        r = httpx.post(f"http://127.0.0.1:{port}/api/task/async-apply/courier.delivery.send",
+                       json={"kwargs": kwargs}, auth=("ops", "pw"), timeout=30)
+        assert r.status_code == 200, r.text
+        job = "snd_" + r.json()["task-id"].replace("-", "")
+        got = _final(env, job)
+        assert got["job"]["kind"] == "send" and got["job"]["target"] == "outbox:fl"
+        assert [(d["kind"], d["state"]) for d in got["deliveries"]] == [
+            ("text", "delivered"), ("document", "delivered"), ("document", "delivered")]
+        names = sorted(p.name for p in (env.outbox / "fl").iterdir() if not p.name.startswith("."))
+        assert any(n.endswith("a.csv") for n in names) and any(n.endswith("b.txt") for n in names)
+    finally:
+        stop_process(flower)
+    ctx = build_context(env.settings())
+    for bad, why in (({"target": "nosuch:1", "text": "x"}, "nosuch"),
+                     ({"target": "outbox:x"}, "nothing to send"),
+                     ({"target": "outbox:x", "files": "local:///tmp/a"}, "files must be a list"),
+                     ({"target": "outbox:x", "files": ["relative/p"]}, "absolute path"),
+                     ({"target": "outbox:x", "files": ["ftp://h/a"]}, "unknown sandbox")):
+        with pytest.raises(ConfigError, match=why):
+            send_mod.send(ctx, **bad)
+    assert json.loads(env.cli("deliveries", "--chat", "outbox:x", "--json").stdout) == []
