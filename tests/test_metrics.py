@@ -100,7 +100,8 @@ def test_worker_exporter_counts_every_pool_process(courier_env, tmp_path):
     assert "courier_queue_depth" not in text  # the deployment-wide gauges come from the web process only
 
 
-def test_web_metrics_need_the_token_and_show_queues_ledger_and_webhooks(courier_env, tmp_path):
+def test_web_metrics_need_the_token_and_show_queues_ledger_and_webhooks(courier_env, tmp_path, redis_client):
+    env_redis = redis_client
     from tests.fixtures.webstack import TELEGRAM_SECRET
 
     env = courier_env(COURIER_METRICS_TOKEN=TOKEN, TELEGRAM_WEBHOOK_SECRET=TELEGRAM_SECRET)
@@ -132,6 +133,16 @@ def test_web_metrics_need_the_token_and_show_queues_ledger_and_webhooks(courier_
         assert _value(text, "courier_ledger_pending", stage="extract") == 1
         assert _value(text, "courier_ledger_pending", stage="lane") == 1
         assert _value(text, "courier_webhook_requests_total", platform="telegram", outcome="rejected") == 1
+        # no worker consumes `turns`: /healthz stays 200 (Redis answers) and says so; asked, it is a 503
+        h = httpx.get(base + "/healthz", timeout=5)
+        assert h.status_code == 200 and h.json()["turns_consumers"] == 0
+        h = httpx.get(base + "/healthz?consumers=turns", timeout=5)
+        assert h.status_code == 503 and h.json()["no_consumer"] == ["turns"]
+        from tasks import queues
+
+        queues.heartbeat(env_redis, "w@h", ["turns"])
+        h = httpx.get(base + "/healthz?consumers=turns", timeout=5)
+        assert h.status_code == 200 and h.json()["turns_consumers"] == 1
     finally:
         stop_process(proc)
         log.close()

@@ -13,7 +13,9 @@ Routes
   terminal status and the final state of every delivery; while waiting, an
   idle connection gets a `: keep-alive` comment every `sse_keepalive_s`. A
   resume of a stream that is already over answers 204 (EventSource stops).
-- `GET /healthz`: 200 when Redis answers, else 503.
+- `GET /healthz`: 200 when Redis answers, else 503; says how many workers
+  consume `turns` (their heartbeats); `?consumers=turns[,delivery...]`: 503
+  also while a named queue has no consumer.
 - `GET /metrics`: Prometheus metrics (workers/metrics.py): this process's
   counters (every process's with PROMETHEUS_MULTIPROC_DIR), queue and ledger
   gauges read from Redis; behind `Authorization: Bearer <COURIER_METRICS_TOKEN>`
@@ -538,11 +540,23 @@ def create_app(settings: Settings | None = None) -> Starlette:
     discord_key: list = []  # the VerifyKey, made once
 
     async def healthz(request: Request) -> Response:
+        from tasks import queues
+
+        need = [q for q in request.query_params.get("consumers", "").split(",") if q]
         try:
             await asyncio.wait_for(web.aredis.ping(), timeout=3)
+            now = time.time()
+            pipe = web.aredis.pipeline(transaction=False)
+            for q in ("turns", *need):
+                pipe.zcount(keys.consumers(q), now - queues.CONSUMER_STALE_S, "+inf")
+            counts = await asyncio.wait_for(pipe.execute(), timeout=3)
         except Exception as exc:  # noqa: BLE001
             return JSONResponse({"ok": False, "redis": type(exc).__name__}, status_code=503)
-        return JSONResponse({"ok": True, "redis": "ok"})
+        body = {"ok": True, "redis": "ok", "turns_consumers": int(counts[0])}
+        missing = [q for q, n in zip(need, counts[1:]) if not n]
+        if missing:  # ?consumers=turns: unhealthy while no worker consumes it (webhook turns would wait)
+            return JSONResponse({**body, "ok": False, "no_consumer": missing}, status_code=503)
+        return JSONResponse(body)
 
     metrics_registry: list = []  # made on the first scrape
 
