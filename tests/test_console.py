@@ -18,6 +18,7 @@ from tests.fixtures.workers import ROOT
 pytestmark = pytest.mark.slow
 
 
+
 def _final(env, job: str, timeout_s: float = 60) -> dict:
     def done():
         res = env.cli("status", job, "--json")
@@ -43,8 +44,15 @@ def test_version_and_bad_input_exit_2(courier_env):
 
 
 def test_text_send_deliveries_and_queues(courier_env, tmp_path):
-    env = courier_env(COURIER_MAX_FILE_BYTES="1000")
+    env = courier_env()
+    gone = env.sandbox / "gone.bin"
+    gone.write_bytes(b"b" * 5000)
+    res = env.cli("send", "outbox:other", f"local://{gone}", "--text", "with a file", "--json")
+    assert res.returncode == 0, res.stderr
+    failed_job = json.loads(res.stdout)["job"]
+    gone.unlink()  # gone before any worker looks at it: its extraction fails for good
     env.start_worker()
+    assert [d["state"] for d in _final(env, failed_job)["deliveries"]] == ["delivered", "failed"]
     res = env.cli("send", "outbox:ops", "--text", "hello [bold]operators[/bold]", "--wait", "--json", "--timeout", "60")
     assert res.returncode == 0, res.stderr
     text_job = json.loads(res.stdout)["job"]
@@ -52,25 +60,18 @@ def test_text_send_deliveries_and_queues(courier_env, tmp_path):
     arrived = [p for p in (env.outbox / "ops").iterdir() if not p.name.startswith(".")]
     assert any("hello [bold]operators[/bold]" in p.read_text(errors="replace") for p in arrived if p.is_file())
 
-    big = env.sandbox / "big.bin"
-    big.write_bytes(b"b" * 5000)  # over COURIER_MAX_FILE_BYTES: fails for good
-    res = env.cli("send", "outbox:other", f"local://{big}", "--text", "with a file", "--wait", "--json",
-                  "--timeout", "60")
-    assert res.returncode == 1, res.stderr
-    failed_job = json.loads(res.stdout)["job"]
-
     rows = json.loads(env.cli("deliveries", "--json").stdout)
-    assert [r["job"] for r in rows[:3]] == [failed_job, failed_job, text_job]  # newest job first, in order
+    assert [r["job"] for r in rows[:3]] == [text_job, failed_job, failed_job]  # newest job first, in order
     assert all("spec" not in r for r in rows) and "hello" not in json.dumps(rows)  # no chat text
     failed = json.loads(env.cli("deliveries", "--failed", "--json").stdout)
-    assert [r["id"] for r in failed] == [f"{failed_job}.1"] and "too large" in failed[0]["reason"]
+    assert [r["id"] for r in failed] == [f"{failed_job}.1"] and "gone.bin" in failed[0]["reason"]
     mine = json.loads(env.cli("deliveries", "--chat", "outbox:ops", "--since", "1h", "--json").stdout)
     assert {r["job"] for r in mine} == {text_job}
     # piped: a row is one line, ids and reasons whole, whatever the width
     table = env.cli("deliveries", "--failed")
     assert table.returncode == 0
     line = next(ln for ln in table.stdout.splitlines() if f"{failed_job}.1" in ln)
-    assert "outbox:other" in line and "too large" in line
+    assert "outbox:other" in line and "gone.bin" in line
 
     # a docker file pinned to a host nobody serves waits in sandbox.gpu7: visible, with no consumer
     res = env.cli("send", "outbox:m", "docker://ctr1/workspace/a.png?host=gpu7")
@@ -135,3 +136,32 @@ def test_send_task_from_flower_goes_through_receipts(courier_env, tmp_path):
         with pytest.raises(ConfigError, match=why):
             send_mod.send(ctx, **bad)
     assert json.loads(env.cli("deliveries", "--chat", "outbox:x", "--json").stdout) == []
+
+
+def test_precheck_refuses_what_would_fail_later_and_bad_json_settings(courier_env, tmp_path):
+    """A denylisted docker://…/etc/shadow was accepted with exit 0 and failed
+    later; bad JSON in COURIER_AGENTS was a raw traceback. Both exit 2 now,
+    nothing enqueued."""
+    env = courier_env()
+    for uri in ("docker://ctr/etc/shadow", "ssh://u@h/proc/self/environ", "docker://ctr/workspace/../etc/passwd"):
+        res = env.cli("send", "outbox:x", uri)
+        assert res.returncode == 2 and ("never readable" in res.stderr or "'..'" in res.stderr), (uri, res.stderr)
+    small = tmp_path / "ok.png"
+    small.write_bytes(b"x" * 100)
+    assert env.cli("send", "outbox:x", str(small), "docker://ctr/workspace/a.png").returncode == 0
+    bad = courier_env(COURIER_AGENTS="{bad")
+    res = bad.cli("send", "outbox:x", str(small))
+    assert res.returncode == 2 and "bad setting COURIER_AGENTS: not valid JSON" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_a_send_jobs_state_follows_its_receipts(courier_env, tmp_path):
+    env = courier_env()
+    f = tmp_path / "a.txt"
+    f.write_text("a")
+    job = json.loads(env.cli("send", "outbox:st", str(f), "--json").stdout)["job"]
+    assert json.loads(env.cli("status", job, "--json").stdout)["job"]["state"] == "queued"  # no worker yet
+    env.start_worker()
+    got = _final(env, job)
+    assert got["job"]["state"] == "delivered"
+    assert f"send {job} → outbox:st: delivered" in env.cli("status", job).stdout

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.slow
 TOKEN = "op-metrics-token"
 
 
+
 def _value(text: str, name: str, **labels: str) -> float | None:
     """The sample `name{labels...}` of an exposition (labels matched as a subset)."""
     for line in text.splitlines():
@@ -71,15 +72,17 @@ def test_worker_exporter_counts_every_pool_process(courier_env, tmp_path):
     mpdir.mkdir()
     port = free_port()
     env = courier_env(PROMETHEUS_MULTIPROC_DIR=str(mpdir), COURIER_METRICS_PORT=str(port),
-                      COURIER_METRICS_TOKEN=TOKEN, COURIER_MAX_FILE_BYTES="4000")
-    env.start_worker(concurrency=2)
+                      COURIER_METRICS_TOKEN=TOKEN)
     plain = tmp_path / "report.txt"
     plain.write_bytes(b"r" * 1000)
-    small, big = env.sandbox / "small.csv", env.sandbox / "big.bin"
+    small, gone = env.sandbox / "small.csv", env.sandbox / "gone.bin"
     small.write_bytes(b"s" * 3000)
-    big.write_bytes(b"b" * 9000)  # over COURIER_MAX_FILE_BYTES: its extraction fails for good
-    for args in ([str(plain)], [f"local://{small}"], [f"local://{big}"], [str(plain), f"local://{small}"]):
-        env.cli("send", "outbox:m", *args, "--json")
+    gone.write_bytes(b"g" * 9000)
+    for args in ([str(plain)], [f"local://{small}"], [f"local://{gone}"], [str(plain), f"local://{small}"]):
+        res = env.cli("send", "outbox:m", *args, "--json")
+        assert res.returncode == 0, res.stderr
+    gone.unlink()  # before any worker looks: its extraction fails for good
+    env.start_worker(concurrency=2)
     url = f"http://127.0.0.1:{port}/metrics"
     assert httpx.get(url, timeout=5).status_code == 401
     auth = {"Authorization": f"Bearer {TOKEN}"}

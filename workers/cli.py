@@ -52,12 +52,33 @@ def _settings():
 
     from workers.settings import get_settings
 
+    from pydantic_settings import SettingsError
+
     try:
         return get_settings()
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = ".".join(str(x) for x in first.get("loc", ()))
         raise die(f"bad setting {loc.upper() or ''}: {first.get('msg')}", EXIT_INPUT) from None
+    except SettingsError as exc:  # a JSON setting that is not JSON (COURIER_AGENTS='{bad')
+        import re
+
+        m = re.search(r'field "([a-z0-9_]+)"', str(exc))
+        name = _env_name(m.group(1)) if m else "a setting"
+        cause = exc.__cause__
+        why = f": {cause}" if isinstance(cause, ValueError) else ""
+        raise die(f"bad setting {name}: not valid JSON{why}", EXIT_INPUT) from None
+
+
+def _env_name(field: str) -> str:
+    """The environment variable of a settings field."""
+    from workers.settings import Settings
+
+    f = Settings.model_fields.get(field)
+    alias = getattr(f, "validation_alias", None) if f is not None else None
+    if alias is not None:
+        return str(getattr(alias, "choices", [alias])[0])
+    return f"COURIER_{field.upper()}"
 
 
 def _redis(settings):
@@ -136,6 +157,8 @@ def send(
                 raise die(str(exc), EXIT_INPUT) from None
             if ref.kind == "local":
                 _precheck_local(settings, ref, path)
+            else:
+                _precheck_lexical(ref, path, raw)
             items.append(("sandbox", chains.SandboxFile(ref=ref, path=path)))
         else:
             p = Path(raw).expanduser()
@@ -175,12 +198,27 @@ def send(
     _finish(job_id, rows, done, as_json)
 
 
-def _precheck_local(settings, ref, path: str) -> None:
-    """A local sandbox path is checked here too, so a bad path enqueues nothing."""
+def _precheck_local(settings, ref, path: str) -> tuple[str, int]:
+    """A local sandbox path is checked here too, so a bad path enqueues nothing; returns (resolved, size)."""
     from workers.wiring import open_sandbox
 
     try:
-        open_sandbox(ref, settings).resolve(path)
+        return open_sandbox(ref, settings).resolve(path)
+    except SandboxError as exc:
+        raise die(str(exc), EXIT_INPUT) from None
+
+
+def _precheck_lexical(ref, path: str, raw: str) -> None:
+    """A remote sandbox's path cannot be resolved here, but what the path
+    policy refuses whatever the links say (relative, `..`, the system
+    denylist: /etc, /proc, ...) is refused before anything is enqueued."""
+    import posixpath
+
+    from adapters.sandboxes.base import PathPolicy, check_lexical
+
+    try:
+        check_lexical(path)
+        PathPolicy(roots=tuple(ref.roots) or ("/",)).check(posixpath.normpath(path), shown=raw)
     except SandboxError as exc:
         raise die(str(exc), EXIT_INPUT) from None
 
@@ -503,6 +541,8 @@ def status(
 
         rows = receipts.job_deliveries(r, ident)
         token = events_token(r, ident)
+        if job.get("kind") == "send":  # a send's job record is not updated as it goes: its receipts say
+            job["state"] = send_state(rows)
         if as_json:
             print(json.dumps({"job": job, "deliveries": rows, "events_token": token}))
         else:
@@ -683,6 +723,19 @@ def janitor(
         out.print(t)
     if res.get("skipped"):
         raise die(f"another sweep is running ({res.get('holder')}); nothing was done", EXIT_FAILED)
+
+
+def send_state(rows: list[dict]) -> str:
+    """A send's state from its receipts: queued, sending (some final or under
+    way), delivered (all), failed (all final, one or more failed)."""
+    from tasks import receipts
+
+    states = [row.get("state") for row in rows]
+    if states and all(st in receipts.TERMINAL for st in states):
+        return "failed" if "failed" in states else "delivered"
+    if any(st not in ("queued", None) for st in states):
+        return "sending"
+    return "queued"
 
 
 # -- demo --------------------------------------------------------------------------
