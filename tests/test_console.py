@@ -35,6 +35,8 @@ def test_version_and_bad_input_exit_2(courier_env):
     env = courier_env()
     res = env.cli("--version")
     assert res.returncode == 0 and re.fullmatch(r"courier \S+\n", res.stdout)
+    res = env.cli("--show-completion", "bash")  # shell completion (courier --install-completion)
+    assert res.returncode == 0 and "complete" in res.stdout
     res = env.cli("send", "outbox:me")
     assert res.returncode == 2 and "nothing to send" in res.stderr
     res = env.cli("deliveries", "--chat", "nochat")

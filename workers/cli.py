@@ -20,7 +20,7 @@ from rich.table import Table
 
 from adapters.errors import ConfigError, CourierError, SandboxError, StorageError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+app = typer.Typer(add_completion=True, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="courier: run chat-agent turns and deliver their files to chat platforms.")
 # piped (not a terminal): tables are as wide as their content, never wrapped at 80 columns
 out = Console() if sys.stdout.isatty() else Console(width=1000, soft_wrap=True)
