@@ -178,3 +178,27 @@ def test_alert_rules_and_dashboard_use_series_courier_exports(redis_client):
     exprs = [r["expr"] for r in rules] + [t["expr"] for p in dash["panels"] for t in p["targets"]]
     used = {n for e in exprs for n in re.findall(r"courier_[a-z_]+", e)}
     assert used and used <= exported, used - exported
+
+
+def test_platform_429s_are_counted_and_courier_pacing_is_not(courier_env, fake_telegram, tmp_path):
+    """A real worker against the local Telegram server: one 429 (retry after
+    1 s) is counted once; the second message to the chat waits for courier's
+    own per-chat pacing, which is no 429."""
+    from tests.fixtures.fake_telegram import enqueue
+
+    port = free_port()
+    env = courier_env(PROMETHEUS_MULTIPROC_DIR=str(tmp_path), COURIER_METRICS_PORT=str(port),
+                      TELEGRAM_BOT_TOKEN=fake_telegram.token, COURIER_TELEGRAM_BASE_URL=fake_telegram.url)
+    env.start_worker(queues="delivery,sandbox")
+    fake_telegram.fail_next(1, 429, retry_after=1, method="sendMessage")
+    enqueue(env, "telegram:-100555", text="first")
+    enqueue(env, "telegram:-100555", text="second")
+
+    def counted():
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        done = _value(text, "courier_deliveries_total", platform="telegram", kind="text", state="delivered")
+        return text if done == 2 else None
+
+    text = wait_until(counted, timeout_s=60, what="two telegram deliveries")
+    assert _value(text, "courier_rate_limited_total", platform="telegram") == 1
+    assert [c.status for c in fake_telegram.calls_for("sendMessage")] == [429, 200, 200]
