@@ -45,7 +45,7 @@ def record_failure(ctx: Context, job: dict, reason: str) -> dict:
     receipts.update_delivery(pipe, job["id"], state="failed", reason=reason)
     _event(ctx, job, pipe=pipe, state="failed", reason=reason, name=job.get("name"))
     pipe.execute()
-    metrics.record_delivery(job, "failed")
+    metrics.record_delivery(job, "failed", reason=reason)
     return {"id": job["id"], "state": "failed", "reason": reason}
 
 

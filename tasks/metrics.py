@@ -21,9 +21,15 @@ kind, agent name (the configured agents), webhook outcome.
 
 from __future__ import annotations
 
+import contextvars
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 log = logging.getLogger(__name__)
+
+#: the failures recorded while a task runs (`failures_noted`), for the task to report
+_noted: contextvars.ContextVar[list | None] = contextvars.ContextVar("courier_failures_noted", default=None)
 
 try:
     from prometheus_client import Counter, Histogram
@@ -55,8 +61,23 @@ def _platform(target: str | None) -> str:
     return (target or "").split(":", 1)[0] or "unknown"
 
 
-def record_delivery(job: dict, state: str, kind: str | None = None) -> None:
+@contextmanager
+def failures_noted() -> Iterator[list[tuple[str, str]]]:
+    """Collect (delivery id, reason) of every delivery recorded failed while
+    the block runs (in this thread): a task reports them as its outcome."""
+    noted: list[tuple[str, str]] = []
+    token = _noted.set(noted)
+    try:
+        yield noted
+    finally:
+        _noted.reset(token)
+
+
+def record_delivery(job: dict, state: str, kind: str | None = None, reason: str | None = None) -> None:
     """A delivery's receipt was recorded final: `delivered` (with the kind sent) or `failed`."""
+    noted = _noted.get()
+    if noted is not None and state == "failed":
+        noted.append((str(job.get("id")), reason or ""))
     if not _ON:
         return
     try:

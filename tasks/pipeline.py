@@ -91,12 +91,26 @@ def extract_file(delivery_id: str) -> dict:
     return out
 
 
-@shared_task(name="courier.delivery.drive_lane", acks_late=True, reject_on_worker_lost=True)
+class DeliveryFailed(Exception):
+    """A drive of a lane recorded deliveries failed for good: the task ends
+    FAILURE (Flower, the result backend), after its lane's work is done and
+    recorded; nothing is retried by Celery (the ledger owns retries)."""
+
+
+@shared_task(name="courier.delivery.drive_lane", acks_late=True, reject_on_worker_lost=True,
+             throws=(DeliveryFailed,))
 def drive_lane(target: str) -> dict:
-    """Send what is ready at the head of one chat's lane (tasks.lanes)."""
+    """Send what is ready at the head of one chat's lane (tasks.lanes). A
+    delivery recorded failed during the drive makes the task a FAILURE
+    naming its id and reason (never chat text)."""
     from tasks import chains, lanes
 
-    return lanes.drive(runtime.ctx(), target, chains.publish_lane)
+    with metrics.failures_noted() as failed:
+        out = lanes.drive(runtime.ctx(), target, chains.publish_lane)
+    if failed:
+        raise DeliveryFailed("; ".join(f"{did}: {reason[:200]}" for did, reason in failed[:10])
+                             + (f"; and {len(failed) - 10} more" if len(failed) > 10 else ""))
+    return out
 
 
 @shared_task(bind=True, name="courier.delivery.send", acks_late=True)
