@@ -192,10 +192,11 @@ _redis: dict = {}
 class _Heartbeat:
     """The worker's main process says which queues it consumes, every HEARTBEAT_S."""
 
-    def __init__(self, name: str, queue_names: list[str], url: str) -> None:
+    def __init__(self, name: str, consumer, url: str) -> None:
         import threading
 
-        self.name, self.queues, self.url = name, queue_names, url
+        self.name, self.consumer, self.url = name, consumer, url
+        self.queues: list[str] = []
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name="courier-heartbeat", daemon=True)
 
@@ -203,6 +204,11 @@ class _Heartbeat:
         from tasks import queues
 
         while not self.stopped.is_set():
+            try:
+                # read each time: `celery control add_consumer` may add a queue to a running worker
+                self.queues = [q.name for q in self.consumer.task_consumer.queues]
+            except AttributeError:
+                pass
             try:
                 queues.heartbeat(_ops_redis(self.url), self.name, self.queues)
             except Exception as exc:  # noqa: BLE001 - the next beat tries again
@@ -222,12 +228,8 @@ class _Heartbeat:
 @worker_ready.connect
 def _start_ops(sender=None, **_kw) -> None:
     global _heartbeat
-    try:
-        names = [q.name for q in sender.task_consumer.queues]
-    except AttributeError:
-        names = []
     url = sender.app.conf.get("courier_redis_url") if sender is not None else None
-    _heartbeat = _Heartbeat(getattr(sender, "hostname", None) or "worker", names, url or get_settings().redis_url)
+    _heartbeat = _Heartbeat(getattr(sender, "hostname", None) or "worker", sender, url or get_settings().redis_url)
     _heartbeat.thread.start()
     s = get_settings()
     if s.metrics_port:
