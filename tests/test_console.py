@@ -167,3 +167,64 @@ def test_a_send_jobs_state_follows_its_receipts(courier_env, tmp_path):
     got = _final(env, job)
     assert got["job"]["state"] == "delivered"
     assert f"send {job} → outbox:st: delivered" in env.cli("status", job).stdout
+
+
+def test_webhook_set_calls_telegram_setwebhook_with_the_secret(courier_env):
+    """`courier webhook set telegram URL` calls setWebhook (a local HTTP server
+    stands in for the Bot API and records the call) with the secret token;
+    the other platforms get the steps their console needs; nothing prints the bot token."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    calls: list[tuple[str, dict]] = []
+    answer = {"ok": True, "result": True, "description": "Webhook was set"}
+
+    class BotApi(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            calls.append((self.path, body))
+            data = json.dumps(answer).encode()
+            self.send_response(200 if answer["ok"] else 400)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), BotApi)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        env = courier_env(TELEGRAM_BOT_TOKEN="999:SECRET-BOT-TOKEN", TELEGRAM_WEBHOOK_SECRET="hook-secret",
+                          COURIER_TELEGRAM_BASE_URL=f"http://127.0.0.1:{srv.server_port}")
+        res = env.cli("webhook", "set", "telegram", "https://bot.example.com/", "--json")
+        assert res.returncode == 0, res.stderr
+        assert json.loads(res.stdout) == {"platform": "telegram", "url": "https://bot.example.com/webhooks/telegram",
+                                          "done": True}
+        (path, body), = calls
+        assert path == "/bot999:SECRET-BOT-TOKEN/setWebhook"
+        assert body["url"] == "https://bot.example.com/webhooks/telegram" and body["secret_token"] == "hook-secret"
+        answer.update(ok=False, description="Bad Request: bad webhook: HTTPS url must be provided for webhook")
+        res = env.cli("webhook", "set", "telegram", "https://bot.example.com")
+        assert res.returncode == 1 and "HTTPS url must be provided" in res.stderr
+        assert "SECRET-BOT-TOKEN" not in res.stdout + res.stderr
+        for bad in ("http://bot.example.com", "https://bot.example.com/?x=1", "bot.example.com"):
+            res = env.cli("webhook", "set", "telegram", bad)
+            assert res.returncode == 2 and "https" in res.stderr, bad
+        res = env.cli("webhook", "set", "whatsapp", "https://bot.example.com", "--json")
+        got = json.loads(res.stdout)
+        assert got["done"] is False and "https://bot.example.com/webhooks/whatsapp" in got["steps"]
+        assert "WHATSAPP_VERIFY_TOKEN" in got["steps"]
+        nosecret = courier_env(TELEGRAM_BOT_TOKEN="999:SECRET-BOT-TOKEN")
+        res = nosecret.cli("webhook", "set", "telegram", "https://bot.example.com")
+        assert res.returncode == 2 and "TELEGRAM_WEBHOOK_SECRET" in res.stderr
+    finally:
+        srv.shutdown()
+    srv2 = ThreadingHTTPServer(("127.0.0.1", 0), BotApi)
+    port = srv2.server_port
+    srv2.server_close()  # nothing listens there now
+    down = courier_env(TELEGRAM_BOT_TOKEN="999:SECRET-BOT-TOKEN", TELEGRAM_WEBHOOK_SECRET="s",
+                       COURIER_TELEGRAM_BASE_URL=f"http://127.0.0.1:{port}")
+    res = down.cli("webhook", "set", "telegram", "https://bot.example.com")
+    assert res.returncode == 3 and "SECRET-BOT-TOKEN" not in res.stdout + res.stderr

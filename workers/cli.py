@@ -656,6 +656,76 @@ def _age(s: float) -> str:
     return f"{s / 3600:.1f}h"
 
 
+# -- webhook set ------------------------------------------------------------------
+webhook_app = typer.Typer(no_args_is_help=True, help="Point a platform's webhook at the web process.")
+app.add_typer(webhook_app, name="webhook")
+
+WEBHOOK_STEPS = {
+    "slack": ("Slack does not take its events URL through the API. In https://api.slack.com/apps → your app → "
+              "Event Subscriptions: enable events, Request URL {url} (courier answers the url_verification "
+              "challenge; SLACK_SIGNING_SECRET must be set), subscribe to the bot events message.channels, "
+              "message.im and app_mention, save, and reinstall the app."),
+    "discord": ("Discord takes its interactions endpoint in the developer portal: https://discord.com/developers"
+                "/applications → your application → General Information → Interactions Endpoint URL {url} "
+                "(Discord checks it with a signed PING: DISCORD_PUBLIC_KEY must be that page's public key). "
+                "Then register a slash command with one string option, e.g. `ask` with option `message`: "
+                "POST https://discord.com/api/v10/applications/<application id>/commands with the bot token."),
+    "whatsapp": ("WhatsApp takes its callback in the Meta app dashboard: WhatsApp → Configuration → Webhook: "
+                 "Callback URL {url}, Verify token the value of WHATSAPP_VERIFY_TOKEN (courier answers the "
+                 "hub.challenge), then subscribe to the `messages` field. WHATSAPP_APP_SECRET must be the app's "
+                 "secret (it checks X-Hub-Signature-256)."),
+}
+
+
+@webhook_app.command("set")
+def webhook_set(
+    platform: Annotated[str, typer.Argument(help="telegram, slack, discord or whatsapp")],
+    url: Annotated[str, typer.Argument(help="the web process's public https base URL (…/webhooks/<platform> "
+                                            "is added unless given)")],
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
+    """Telegram: call setWebhook with the secret token. Others: print the steps their console needs."""
+    from urllib.parse import urlparse
+
+    settings = _settings()
+    name = platform.lower()
+    if name not in ("telegram", *WEBHOOK_STEPS):
+        raise die(f"unknown platform {platform!r}: telegram, slack, discord or whatsapp", EXIT_INPUT)
+    u = urlparse(url)
+    if u.scheme != "https" or not u.hostname or u.query or u.fragment:
+        raise die(f"the webhook URL must be a public https URL without a query, got {url!r}", EXIT_INPUT)
+    full = url.rstrip("/")
+    if not full.endswith(f"/webhooks/{name}"):
+        full += f"/webhooks/{name}"
+    if name != "telegram":
+        steps = WEBHOOK_STEPS[name].format(url=full)
+        if as_json:
+            print(json.dumps({"platform": name, "url": full, "done": False, "steps": steps}))
+        else:
+            out.print(steps, markup=False, highlight=False)
+        return
+    token, secret = settings.telegram_bot_token, settings.telegram_webhook_secret
+    if token is None or secret is None:
+        raise die("telegram webhook set needs TELEGRAM_BOT_TOKEN and TELEGRAM_WEBHOOK_SECRET "
+                  "(the secret Telegram sends back in every update's header)", EXIT_INPUT)
+    import httpx
+
+    api = f"{settings.telegram_base_url.rstrip('/')}/bot{token.get_secret_value()}/setWebhook"
+    body = {"url": full, "secret_token": secret.get_secret_value(), "allowed_updates": ["message", "channel_post"]}
+    try:
+        resp = httpx.post(api, json=body, timeout=30)
+        answer = resp.json()
+    except (httpx.HTTPError, ValueError) as exc:  # never the exception text: it holds the token's URL
+        raise die(f"Telegram did not answer setWebhook ({type(exc).__name__})", EXIT_SERVICE) from None
+    if not answer.get("ok"):
+        raise die(f"Telegram refused the webhook: {answer.get('description') or resp.status_code}", EXIT_FAILED)
+    if as_json:
+        print(json.dumps({"platform": name, "url": full, "done": True}))
+    else:
+        out.print(f"telegram: webhook set to {full} (updates carry TELEGRAM_WEBHOOK_SECRET)", markup=False,
+                  highlight=False)
+
+
 # -- janitor ----------------------------------------------------------------------
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
