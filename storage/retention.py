@@ -36,24 +36,43 @@ def expire(
     Returns how many the store reports deleted. `prefix` must not be empty
     (expiring a whole store is never what a janitor means); `now` is for tests.
     """
+    return expire_stats(store, prefix, older_than_s, now=now, batch=batch)[0]
+
+
+def expire_stats(
+    store: BlobStore,
+    prefix: str,
+    older_than_s: float,
+    *,
+    now: float | None = None,
+    batch: int = DELETE_BATCH,
+    dry_run: bool = False,
+) -> tuple[int, int]:
+    """`expire`, returning (blobs, bytes): deleted, or with `dry_run` the
+    ones that would be (nothing is touched then)."""
     if not prefix or prefix.startswith("/") or ".." in prefix.split("/"):
         raise ConfigError(f"expire needs a non-empty relative prefix, got {prefix!r}")
     if older_than_s < 0:
         raise ConfigError(f"older_than_s must be >= 0, got {older_than_s!r}")
     cutoff = (time.time() if now is None else now) - older_than_s
     batch = max(1, int(batch))
-    deleted = 0
+    deleted = size = 0
     pending: list[str] = []
     for info in store.list(prefix):
         if info.modified_s < cutoff:
+            size += int(info.size_bytes or 0)
+            if dry_run:
+                deleted += 1
+                continue
             pending.append(info.key)
             if len(pending) >= batch:
                 deleted += store.delete_many(pending)
                 pending = []
     if pending:
         deleted += store.delete_many(pending)
-    _prune_empty_dirs(store, prefix, cutoff)
-    return deleted
+    if not dry_run:
+        _prune_empty_dirs(store, prefix, cutoff)
+    return deleted, size
 
 
 def expire_spills(

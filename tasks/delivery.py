@@ -22,7 +22,7 @@ from typing import Any
 
 from adapters.errors import CourierError, DeliveryError, Permanent, RateLimited
 from adapters.platforms.base import FileRefused, FileSource, Kind, Platform, Sent, split_target
-from tasks import events, keys, ratelimit, receipts
+from tasks import events, keys, metrics, ratelimit, receipts
 from tasks.runtime import Context
 from tasks.text import fit_caption, human_bytes, split_text
 
@@ -48,6 +48,7 @@ def record_failure(ctx: Context, job: dict, reason: str, kind: str | None = None
     _event(ctx, job, pipe=pipe, state="failed", reason=reason, name=job.get("name"),
            **({"media": kind} if kind else {}))
     pipe.execute()
+    metrics.record_delivery(job, "failed", reason=reason)
     out = {"id": job["id"], "state": "failed", "reason": reason}
     if kind:
         out["kind"] = kind
@@ -215,6 +216,7 @@ def _record_delivered(ctx: Context, job: dict, message_id: str, kind_name: str, 
            name=job.get("name"), size_bytes=size)
     if pipe is None or execute:
         p.execute()
+    metrics.record_delivery(job, "delivered", kind_name)
     return {"id": job["id"], "state": "delivered", "message_id": message_id, "kind": kind_name}
 
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import logging
 import posixpath
+import time
 
 from adapters.errors import CourierError, SandboxError, StorageError, TooLarge
 from adapters.sandboxes.base import SandboxRef
-from tasks import events, receipts
+from tasks import events, metrics, receipts
 from tasks.runtime import Context
 
 
@@ -36,20 +37,29 @@ def extract(ctx: Context, spec: dict) -> dict:
     # item is rare and harmless (same key, atomic write; its receipt is kept)
     ref = SandboxRef.from_dict(spec["sandbox"])
     cap = int(spec.get("max_bytes") or ctx.max_file_bytes)
+    t0, outcome, info = time.monotonic(), "error", None
     try:
-        sandbox = ctx.sandbox(ref)
-        info = sandbox.extract(spec["path"], ctx.store, spec["key"], max_bytes=cap)
-    except TooLarge as exc:
-        return record_failure(r, did, {"ok": False, "reason": f"too large: {exc}", "too_large": True, "name": name,
-                                       "size": exc.size_bytes, "limit": exc.limit_bytes or cap})
-    except SandboxError as exc:
-        if exc.transient:
-            raise
-        return record_failure(r, did, {"ok": False, "reason": f"{type(exc).__name__}: {exc}", "name": name})
-    except CourierError as exc:
-        if exc.transient:
-            raise
-        return record_failure(r, did, {"ok": False, "reason": exc.reason, "name": name})
+        try:
+            sandbox = ctx.sandbox(ref)
+            info = sandbox.extract(spec["path"], ctx.store, spec["key"], max_bytes=cap)
+        except TooLarge as exc:
+            outcome = "failed"
+            return record_failure(r, did, {"ok": False, "reason": f"too large: {exc}", "too_large": True, "name": name,
+                                           "size": exc.size_bytes, "limit": exc.limit_bytes or cap})
+        except SandboxError as exc:
+            if exc.transient:
+                raise
+            outcome = "failed"
+            return record_failure(r, did, {"ok": False, "reason": f"{type(exc).__name__}: {exc}", "name": name})
+        except CourierError as exc:
+            if exc.transient:
+                raise
+            outcome = "failed"
+            return record_failure(r, did, {"ok": False, "reason": exc.reason, "name": name})
+        outcome = "ok"
+    finally:
+        metrics.record_extraction(ref.kind, time.monotonic() - t0, info.size_bytes if info is not None else None,
+                                  outcome)
     # the lane reads the result from the receipt (the ledger), whoever drives it
     pipe = r.pipeline(transaction=False)
     receipts.update_open_delivery(pipe, did, state="extracted", extraction="ok", reason="",

@@ -1,5 +1,12 @@
 """The janitor: expire screenshots (24 h), delivered files, hook-output spills,
-and old turn workspaces of local sandboxes."""
+partial writes and old turn workspaces of local sandboxes.
+
+One sweep at a time: a sweep holds a Redis lock (`keys.janitor_lock()`,
+renewed while it runs, so a sweep of hours keeps it and a dead sweeper's
+lapses within LOCK_TTL_S); a second beat, an operator's `courier janitor`
+or a redelivered task finds it held and leaves. `dry_run` counts what would
+go (blobs and bytes) and touches nothing.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +16,7 @@ import shutil
 import stat
 import time
 
+from tasks import keys, ledger
 from tasks.runtime import Context
 
 #: storage prefix -> context extra holding its time to live
@@ -20,21 +28,69 @@ RETENTION = {
 }
 DEFAULT_TTL_S = {"screenshot_ttl_s": 24 * 3600, "file_ttl_s": 7 * 24 * 3600, "spill_ttl_s": 7 * 24 * 3600}
 DEFAULT_WORKSPACE_TTL_S = 24 * 3600
+#: partial writes (volume temp files, S3 multipart uploads, outbox `.part` files) this old are a dead writer's
+PARTIAL_AGE_S = 3600
+#: the sweep's lock lives this long unless renewed (every third of it, while the sweep runs)
+LOCK_TTL_S = 60
+#: `older_than_s` may not go below this: younger files may still be waiting for their delivery
+MIN_OLDER_THAN_S = 3600
 
 log = logging.getLogger(__name__)
 
 
-def sweep(ctx: Context) -> dict:
-    from storage.retention import expire
+class Busy(Exception):
+    """Another sweep holds the janitor's lock."""
 
-    out: dict[str, int] = {}
+
+def sweep(ctx: Context, *, dry_run: bool = False, older_than_s: float | None = None) -> dict:
+    """One sweep under the janitor's lock. Returns {"dry_run", "took_s",
+    <what>: {"count", "bytes"}} for every prefix and the workspaces
+    ("partial_writes", "outbox_partial_writes": count only, not counted in a
+    dry run), or {"skipped": ..., "holder": ...} when another sweep runs.
+    `older_than_s` replaces every TTL (at least MIN_OLDER_THAN_S)."""
+    if older_than_s is not None and older_than_s < MIN_OLDER_THAN_S:
+        raise ValueError(f"older_than_s must be at least {MIN_OLDER_THAN_S} s (files younger may still be waiting "
+                         f"for their delivery), got {older_than_s:g}")
+    r = ctx.redis
+    key = keys.janitor_lock()
+    token = ledger.new_token()
+    if not ledger.take(r, key, token, LOCK_TTL_S):
+        holder = r.get(key)
+        holder = holder.decode() if isinstance(holder, bytes) else holder
+        log.info("janitor: another sweep is running (%s): this one is skipped", holder)
+        return {"skipped": "another sweep is running", "holder": holder}
+    try:
+        with ledger.renewing(r, key, token, LOCK_TTL_S):
+            return _sweep(ctx, dry_run=dry_run, older_than_s=older_than_s)
+    finally:
+        try:
+            ledger.release(r, key, token)
+        except Exception:  # noqa: BLE001 - it lapses by itself
+            pass
+
+
+def _sweep(ctx: Context, *, dry_run: bool, older_than_s: float | None) -> dict:
+    from storage.retention import expire_stats
+
+    t0 = time.monotonic()
+    out: dict = {"dry_run": dry_run}
     for prefix, setting in RETENTION.items():
-        ttl = int(ctx.extras.get(setting, DEFAULT_TTL_S[setting]))
-        out[prefix.rstrip("/")] = expire(ctx.store, prefix, ttl)
-    out["partial_writes"] = ctx.store.sweep_tmp()  # temp files, unfinished multipart uploads
-    out["outbox_partial_writes"] = ctx.platform("outbox").sweep_partial()
-    out["workspaces"] = sweep_workspaces(_agent_dirs(ctx), int(ctx.extras.get("workspace_ttl_s",
-                                                                              DEFAULT_WORKSPACE_TTL_S)))
+        ttl = older_than_s if older_than_s is not None else int(ctx.extras.get(setting, DEFAULT_TTL_S[setting]))
+        n, size = expire_stats(ctx.store, prefix, ttl, dry_run=dry_run)
+        what = prefix.rstrip("/")
+        if what in out:  # two prefixes of one kind would add up
+            n, size = n + out[what]["count"], size + out[what]["bytes"]
+        out[what] = {"count": n, "bytes": size}
+    if dry_run:
+        out["partial_writes"] = out["outbox_partial_writes"] = None  # not counted: nothing is touched
+    else:
+        out["partial_writes"] = {"count": ctx.store.sweep_tmp(PARTIAL_AGE_S), "bytes": None}
+        out["outbox_partial_writes"] = {"count": ctx.platform("outbox").sweep_partial(), "bytes": None}
+    ttl = older_than_s if older_than_s is not None else int(ctx.extras.get("workspace_ttl_s",
+                                                                           DEFAULT_WORKSPACE_TTL_S))
+    n, size = workspace_stats(_agent_dirs(ctx), int(ttl), dry_run=dry_run)
+    out["workspaces"] = {"count": n, "bytes": size}
+    out["took_s"] = round(time.monotonic() - t0, 3)
     return out
 
 
@@ -54,10 +110,29 @@ def sweep_workspaces(agent_dirs: list[str], ttl_s: int, now: float | None = None
     """Delete `<agent dir>/turns/<job>` directories last modified more than
     `ttl_s` ago (links are never followed: a link standing there is removed,
     not what it points to). Returns how many went."""
+    return workspace_stats(agent_dirs, ttl_s, now=now)[0]
+
+
+def _du(path: str) -> int:
+    """Bytes under `path` (links not followed)."""
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in filenames:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def workspace_stats(agent_dirs: list[str], ttl_s: int, now: float | None = None, *,
+                    dry_run: bool = False) -> tuple[int, int]:
+    """`sweep_workspaces`, returning (workspaces, bytes): deleted, or with
+    `dry_run` the ones that would be."""
     from tasks.turn import TURNS_DIR
 
     cutoff = (time.time() if now is None else now) - ttl_s
-    n = 0
+    n = size = 0
     for d in dict.fromkeys(agent_dirs):
         turns = os.path.join(d, TURNS_DIR)
         try:
@@ -69,13 +144,17 @@ def sweep_workspaces(agent_dirs: list[str], ttl_s: int, now: float | None = None
                 st = e.stat(follow_symlinks=False)
                 if st.st_mtime > cutoff:
                     continue
-                if stat.S_ISDIR(st.st_mode):
-                    shutil.rmtree(e.path)
-                else:
-                    os.unlink(e.path)
+                is_dir = stat.S_ISDIR(st.st_mode)
+                bytes_ = _du(e.path) if is_dir else st.st_size
+                if not dry_run:
+                    if is_dir:
+                        shutil.rmtree(e.path)
+                    else:
+                        os.unlink(e.path)
                 n += 1
+                size += bytes_
             except FileNotFoundError:
                 continue
             except OSError as exc:
                 log.warning("could not delete the old turn workspace %s: %s", e.path, exc)
-    return n
+    return n, size

@@ -87,3 +87,25 @@ def reconciler_lock() -> str:
 def events_key() -> str:
     """string, no TTL: the random key per-job events tokens are made with (workers/eventauth.py)"""
     return f"{PREFIX}events_key"
+
+
+# -- operations (tasks/queues.py, tasks/janitor.py, workers/celery_app.py) ----------------------
+def queues() -> str:
+    """sorted set: every Celery queue courier published to or consumed from (`sandbox.<host>`
+    included), scored by when that was last seen; TTL 30 days, refreshed while in use"""
+    return f"{PREFIX}queues"
+
+
+def consumers(queue: str) -> str:
+    """sorted set: the workers consuming `queue`, scored by their last heartbeat (every 10 s)"""
+    return f"{PREFIX}consumers:{queue}"
+
+
+def janitor_lock() -> str:
+    """string with TTL: held (value: the holder's token) while a janitor sweep runs"""
+    return f"{PREFIX}lock:janitor"
+
+
+def beat_lock() -> str:
+    """string with TTL: held by the one beat process that schedules (the others stand by)"""
+    return f"{PREFIX}lock:beat"

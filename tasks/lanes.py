@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from adapters.errors import CourierError, RateLimited, StorageError
 from tasks import delivery as delivery_mod
-from tasks import keys, ledger, receipts
+from tasks import keys, ledger, metrics, receipts
 from tasks.extract import result_of
 from tasks.ratelimit import Paced
 from tasks.runtime import Context
@@ -184,6 +184,7 @@ def _run_step(ctx: Context, step: Step) -> float | None:
         return exc.retry_after_s + random.uniform(0.0, 0.05)
     except RateLimited as exc:
         n = int(r.hincrby(keys.delivery(step.lead), "rate_limited", 1))
+        metrics.record_rate_limited(jobs[0]["target"])
         _mark_open(ctx, step, state="rate_limited", reason=f"rate limited, retry after {exc.retry_after_s:g}s")
         if n > MAX_RATE_LIMITS:
             _give_up(ctx, step, f"gave up after {n - 1} rate limits from {jobs[0]['target'].split(':')[0]}")

@@ -11,12 +11,13 @@ reject on worker lost); effects are idempotent through delivery ids and leases.
 from __future__ import annotations
 
 import logging
+import time
 
 from celery import shared_task
 
 from adapters.platforms.base import split_target
 from tasks import extract as extract_mod
-from tasks import ledger, runtime
+from tasks import ledger, metrics, runtime
 from tasks import turn as turn_mod
 
 log = logging.getLogger(__name__)
@@ -71,8 +72,12 @@ def agent_turn(self, spec: dict) -> dict:
     with ledger.leased(ctx.redis, "turn", spec["job"]) as token:
         if token is None:  # a live worker runs this turn already
             return {"job": spec["job"], "state": "busy"}
+        t0 = time.monotonic()
         with TurnActivity(ctx, spec["target"], spec["job"]) as native:
-            return turn_mod.run_turn(ctx, spec, on_activity=show)
+            out = turn_mod.run_turn(ctx, spec, on_activity=show)
+        if not out.get("skipped"):
+            metrics.record_turn(spec.get("agent") or "demo", out.get("state", ""), time.monotonic() - t0)
+        return out
 
 
 @shared_task(name="courier.sandbox.extract_file", acks_late=True, reject_on_worker_lost=True)
@@ -86,12 +91,41 @@ def extract_file(delivery_id: str) -> dict:
     return out
 
 
-@shared_task(name="courier.delivery.drive_lane", acks_late=True, reject_on_worker_lost=True)
+class DeliveryFailed(Exception):
+    """A drive of a lane recorded deliveries failed for good: the task ends
+    FAILURE (Flower, the result backend), after its lane's work is done and
+    recorded; nothing is retried by Celery (the ledger owns retries)."""
+
+
+@shared_task(name="courier.delivery.drive_lane", acks_late=True, reject_on_worker_lost=True,
+             throws=(DeliveryFailed,))
 def drive_lane(target: str) -> dict:
-    """Send what is ready at the head of one chat's lane (tasks.lanes)."""
+    """Send what is ready at the head of one chat's lane (tasks.lanes). A
+    delivery recorded failed during the drive makes the task a FAILURE
+    naming its id and reason (never chat text)."""
     from tasks import chains, lanes
 
-    return lanes.drive(runtime.ctx(), target, chains.publish_lane)
+    with metrics.failures_noted() as failed:
+        out = lanes.drive(runtime.ctx(), target, chains.publish_lane)
+    if failed:
+        raise DeliveryFailed("; ".join(f"{did}: {reason[:200]}" for did, reason in failed[:10])
+                             + (f"; and {len(failed) - 10} more" if len(failed) > 10 else ""))
+    return out
+
+
+@shared_task(bind=True, name="courier.delivery.send", acks_late=True)
+def send(self, target: str, text: str | None = None, files: list[str] | None = None, caption: str | None = None,
+         voice: bool = False, as_document: bool = False) -> dict:
+    """An operator's send (Flower's async-apply; JSON args documented in
+    tasks/send.py): registered in the ledger like `courier send`, then
+    extracted and delivered by the usual stages. Bad input fails the task
+    with its reason; nothing is enqueued then. The job id comes from the
+    task id, so a redelivered message registers the same job (sends nothing twice)."""
+    from tasks import send as send_mod
+
+    job_id = f"snd_{self.request.id.replace('-', '')}" if self.request.id else None
+    return send_mod.send(runtime.ctx(), target, text=text, files=files, caption=caption, voice=voice,
+                         as_document=as_document, job_id=job_id)
 
 
 @shared_task(name="courier.janitor.sweep", acks_late=True)

@@ -1,12 +1,17 @@
-"""compose/docker-compose.yml and the Procfile are valid and say what the
-design says (nothing here can run the containers: podman-compose renders
-and validates the file, the test checks its content)."""
+"""compose/docker-compose.yml, compose/Dockerfile and the Procfile are valid
+and say what the design says. Nothing here builds images or runs the
+containers: podman-compose renders and validates the file (with the
+variables of an `.env` file), the tests check its content; the S3
+service's start script runs here with a stand-in `weed`."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shlex
 import shutil
+import stat
 import subprocess
 from pathlib import Path
 
@@ -19,18 +24,29 @@ from workers.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "compose" / "docker-compose.yml"
+ENV_EXAMPLE = ROOT / "compose" / ".env.example"
+DOCKERFILE = ROOT / "compose" / "Dockerfile"
+REQUIRED = {"S3_SECRET_KEY": "s3cret-Key_1", "FLOWER_BASIC_AUTH": "ops:flower-pw-77"}
+COURIER_SERVICES = ("web", "worker-turns", "worker-sandbox", "worker-delivery", "beat", "flower")
+WORKERS = ("worker-turns", "worker-sandbox", "worker-delivery")
 
 
-def _render(**env: str) -> subprocess.CompletedProcess:
+def _render(tmp_path: Path | None = None, env_file: dict | None = None, **env: str) -> subprocess.CompletedProcess:
     exe = shutil.which("podman-compose")
     need(exe is not None, "podman-compose is not installed (pip install podman-compose)")
-    return subprocess.run([exe, "-f", str(COMPOSE), "config"], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, **env}, cwd=str(ROOT))
+    args = [exe]
+    if env_file is not None:
+        p = tmp_path / "courier.env"
+        p.write_text("".join(f"{k}={v}\n" for k, v in env_file.items()))
+        args += ["--env-file", str(p)]
+    clean = {k: v for k, v in os.environ.items() if k not in REQUIRED and not k.startswith(("COURIER_", "S3_"))}
+    return subprocess.run([*args, "-f", str(COMPOSE), "config"], capture_output=True, text=True, timeout=60,
+                          env={**clean, **env}, cwd=str(ROOT))
 
 
 @pytest.fixture(scope="module")
 def rendered() -> dict:
-    res = _render(S3_SECRET_KEY="s3cret", FLOWER_PASSWORD="pw")
+    res = _render(**REQUIRED)
     assert res.returncode == 0, res.stderr
     return yaml.safe_load(res.stdout)
 
@@ -47,14 +63,154 @@ def _known_env() -> set[str]:
 
 
 def test_compose_renders_and_requires_its_secrets():
-    res = _render()
+    res = _render(FLOWER_BASIC_AUTH="a:b")
     assert res.returncode != 0 and "S3_SECRET_KEY" in res.stderr
+    res = _render(S3_SECRET_KEY="x")
+    assert res.returncode != 0 and "FLOWER_BASIC_AUTH" in res.stderr
+
+
+def test_settings_come_from_an_env_file(tmp_path):
+    """Secrets and agents go from one .env file to every courier process:
+    the web process gets the webhook secrets and agents (all four webhooks
+    answered 404 before), the workers get the agents."""
+    agents = '{"helper": {"runtime": "openai", "model": "m", "sandbox": "local:///data/sandbox/helper"}}'
+    res = _render(tmp_path, env_file={**REQUIRED, "TELEGRAM_WEBHOOK_SECRET": "tg-s", "SLACK_SIGNING_SECRET": "sl-s",
+                                      "DISCORD_PUBLIC_KEY": "ab" * 32, "WHATSAPP_APP_SECRET": "wa-s",
+                                      "WHATSAPP_VERIFY_TOKEN": "wa-v", "COURIER_AGENTS": f"'{agents}'"})
+    assert res.returncode == 0, res.stderr
+    svcs = yaml.safe_load(res.stdout)["services"]
+    web = svcs["web"]["environment"]
+    assert (web["TELEGRAM_WEBHOOK_SECRET"], web["SLACK_SIGNING_SECRET"], web["WHATSAPP_APP_SECRET"],
+            web["WHATSAPP_VERIFY_TOKEN"]) == ("tg-s", "sl-s", "wa-s", "wa-v")
+    for name in ("web", *WORKERS):
+        assert json.loads(svcs[name]["environment"]["COURIER_AGENTS"]) == json.loads(agents), name
+    assert svcs["s3"]["environment"]["S3_SECRET_KEY"] == REQUIRED["S3_SECRET_KEY"]
+    assert svcs["worker-turns"]["environment"]["AWS_SECRET_ACCESS_KEY"] == REQUIRED["S3_SECRET_KEY"]
+
+
+def test_env_example_documents_every_variable_and_env_files_stay_out():
+    compose_vars = set(re.findall(r"\$\{([A-Z0-9_]+)", COMPOSE.read_text()))
+    example = {ln.split("=", 1)[0] for ln in ENV_EXAMPLE.read_text().splitlines()
+               if re.match(r"[A-Z0-9_]+=", ln)}
+    assert compose_vars <= example, compose_vars - example
+    for line in ENV_EXAMPLE.read_text().splitlines():  # no secret in the example
+        if re.match(r"(S3_SECRET_KEY|FLOWER_BASIC_AUTH|.*TOKEN|.*SECRET|.*API_KEY)=", line):
+            assert line.endswith("="), line
+    assert "compose/.env" in (ROOT / ".gitignore").read_text().split()
+    assert {".env", "compose/.env", ".git", "tests"} <= set((ROOT / ".dockerignore").read_text().split())
+
+
+def test_no_s3_secret_in_any_file_and_the_identity_is_made_from_env(rendered, tmp_path):
+    """compose/s3.json hard-coded the secret (S3_SECRET_KEY as documented gave
+    SignatureDoesNotMatch on every send). The S3 service now writes its
+    identity at start from S3_ACCESS_KEY / S3_SECRET_KEY: its start script
+    runs here (a stand-in `weed` records how it is started)."""
+    assert not (ROOT / "compose" / "s3.json").exists()
+    for p in (ROOT / "compose").rglob("*"):
+        if p.is_file():
+            assert "change-me" not in p.read_text(errors="replace"), p
+    script = rendered["services"]["s3"]["command"][0]
+    assert rendered["services"]["s3"]["entrypoint"] == ["/bin/sh", "-c"]
+    cfg = tmp_path / "s3.json"
+    script = script.replace("/tmp/s3.json", str(cfg))
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    weed = bindir / "weed"
+    weed.write_text(f"#!/bin/sh\nprintf '%s\\n' \"$@\" > {tmp_path / 'weed-args'}\n")
+    weed.chmod(0o755)
+    env = {"PATH": f"{bindir}:/usr/bin:/bin", "S3_ACCESS_KEY": "courier", "S3_SECRET_KEY": "Zx9/+=._-secret"}
+    res = subprocess.run(["/bin/sh", "-c", script], env=env, capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0, res.stderr
+    ident = json.loads(cfg.read_text())["identities"][0]
+    assert ident["credentials"] == [{"accessKey": "courier", "secretKey": "Zx9/+=._-secret"}]
+    assert {"Read", "Write", "List"} <= set(ident["actions"])
+    assert stat.S_IMODE(cfg.stat().st_mode) == 0o600
+    assert f"-s3.config={cfg}" in (tmp_path / "weed-args").read_text().split()
+    cfg.unlink()
+    res = subprocess.run(["/bin/sh", "-c", script], env={**env, "S3_SECRET_KEY": 'bad"key'}, capture_output=True,
+                         text=True, timeout=30)
+    assert res.returncode == 2 and "may hold only" in res.stderr and not cfg.exists()
 
 
 def test_redis_keeps_tasks(rendered):
     cmd = rendered["services"]["redis"]["command"]
     assert "--appendonly" in cmd and cmd[cmd.index("--appendonly") + 1] == "yes"
+    assert cmd[cmd.index("--appendfsync") + 1] == "always"
     assert cmd[cmd.index("--maxmemory-policy") + 1] == "noeviction"
+
+
+def test_every_service_that_touches_files_shares_one_volume(rendered):
+    """The turns and sandbox workers shared no volume: every file of a
+    `local://` turn failed FileMissing."""
+    svcs = rendered["services"]
+    for name in COURIER_SERVICES:
+        env = svcs[name]["environment"]
+        assert f"courier-data:{env['COURIER_DATA_DIR']}" in svcs[name]["volumes"], name
+    assert "courier-data" in rendered["volumes"]
+
+
+def test_every_service_has_a_healthcheck_and_a_grace_period(rendered):
+    svcs = rendered["services"]
+    assert set(svcs) == {"redis", "s3", *COURIER_SERVICES}
+    for name, svc in svcs.items():
+        hc = svc.get("healthcheck") or {}
+        assert hc.get("test") and hc["test"][0] in ("CMD", "CMD-SHELL"), name
+        assert re.fullmatch(r"\d+[sm]", str(svc.get("stop_grace_period", ""))), name
+    for name in WORKERS:
+        test = " ".join(svcs[name]["healthcheck"]["test"][1:])
+        node = svcs[name]["command"][svcs[name]["command"].index("-n") + 1].split("@")[0]
+        assert f"inspect ping -d {node}@$HOSTNAME" in test, name
+    assert "/healthz?consumers=turns" in " ".join(svcs["web"]["healthcheck"]["test"])
+    assert "/healthcheck" in " ".join(svcs["flower"]["healthcheck"]["test"])
+    assert "/status" in " ".join(svcs["s3"]["healthcheck"]["test"])
+    # a deploy gives running turns time to finish (Celery's warm shutdown on SIGTERM)
+    assert svcs["worker-turns"]["stop_grace_period"].endswith("m")
+    assert svcs["s3"]["healthcheck"] and svcs["web"]["depends_on"]["s3"]["condition"] == "service_healthy"
+
+
+def test_images_are_pinned(rendered):
+    for name, svc in rendered["services"].items():
+        repo, _, tag = svc["image"].rpartition(":")
+        assert repo and tag and tag != "latest" and re.search(r"\d", tag), (name, svc["image"])
+    base = re.search(r"^FROM (\S+)", DOCKERFILE.read_text(), re.M).group(1)
+    assert re.search(r":\d+\.\d+\.\d+", base), base
+
+
+def test_ports_are_on_loopback_by_default(rendered, tmp_path):
+    published = {n: s["ports"] for n, s in rendered["services"].items() if s.get("ports")}
+    assert set(published) == {"web", "flower"}
+    for ports in published.values():
+        assert all(str(p).startswith("127.0.0.1:") for p in ports), ports
+    res = _render(**REQUIRED, COURIER_BIND="0.0.0.0")
+    assert "0.0.0.0:8000:8000" in yaml.safe_load(res.stdout)["services"]["web"]["ports"]
+
+
+def test_flower_has_auth_but_not_on_its_command_line(rendered):
+    """`--basic_auth=user:password` was visible in `ps`; Flower reads FLOWER_BASIC_AUTH from its environment."""
+    flower = rendered["services"]["flower"]
+    assert not any("basic_auth" in a or REQUIRED["FLOWER_BASIC_AUTH"] in a for a in flower["command"])
+    assert flower["environment"]["FLOWER_BASIC_AUTH"] == REQUIRED["FLOWER_BASIC_AUTH"]
+    assert "FLOWER_BASIC_AUTH" not in rendered["services"]["web"]["environment"]
+
+
+def test_workers_export_metrics_from_a_private_multiprocess_dir(rendered):
+    for name in WORKERS:
+        svc = rendered["services"][name]
+        d = svc["environment"]["PROMETHEUS_MULTIPROC_DIR"]
+        assert d in svc["tmpfs"] and int(svc["environment"]["COURIER_METRICS_PORT"]) > 0
+    assert "PROMETHEUS_MULTIPROC_DIR" not in rendered["services"]["flower"]["environment"]  # Flower's own metrics
+
+
+def test_dockerfile_layers_user_and_healthcheck():
+    lines = [ln.strip() for ln in DOCKERFILE.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+    first_code = next(i for i, ln in enumerate(lines) if ln.startswith("COPY workers"))
+    deps = next(i for i, ln in enumerate(lines) if ln.startswith("RUN") and "pip install -r" in " ".join(lines[i:i + 3]))
+    assert deps < first_code, "dependencies must be installed before the code is copied (a cached layer)"
+    assert any(ln.startswith("COPY pyproject.toml") for ln in lines[:deps])
+    users = [ln.split()[1] for ln in lines if ln.startswith("USER ")]
+    assert users and users[-1] not in ("root", "0")
+    assert any(ln.startswith("HEALTHCHECK") for ln in lines)
+    assert "WITH_BROWSER" in DOCKERFILE.read_text() and "chromium" in DOCKERFILE.read_text()
 
 
 def test_workers_cover_every_queue_and_can_scale(rendered):
@@ -71,17 +227,17 @@ def test_workers_cover_every_queue_and_can_scale(rendered):
     assert "--prefetch-multiplier=1" in workers["worker-turns"]["command"]
 
 
-def test_flower_has_auth_and_every_process_exists(rendered):
+def test_every_process_exists(rendered):
     svcs = rendered["services"]
-    assert any(a.startswith("--basic_auth=admin:pw") for a in svcs["flower"]["command"])
     assert {"web", "beat", "flower", "redis", "s3"} <= set(svcs)
     assert svcs["web"]["command"][1] == "workers.web:app"
 
 
 def test_environment_names_are_settings_courier_reads(rendered):
-    known = _known_env() | {"AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"}
+    known = _known_env() | {"AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION",
+                            "PROMETHEUS_MULTIPROC_DIR", "FLOWER_BASIC_AUTH"}
     for name, svc in rendered["services"].items():
-        if svc.get("image") != "courier:latest":
+        if not svc.get("image", "").startswith("courier:"):
             continue
         unknown = set(svc["environment"]) - known
         assert not unknown, (name, unknown)
@@ -99,3 +255,4 @@ def test_procfile_names_the_four_processes():
     assert set(q.split(",")) == set(QUEUES)
     for name in ("worker", "beat", "flower"):
         assert entries[name][:3] == ["celery", "-A", "workers.celery_app"]
+    assert not any("basic_auth" in a for a in entries["flower"])  # the password is not on the command line

@@ -125,7 +125,8 @@ def test_sse_keepalive_while_waiting_then_ends(stack):
 
 def test_sse_errors_and_healthz(stack):
     with httpx.Client(base_url=stack.base) as c:
-        assert c.get("/healthz").json() == {"ok": True, "redis": "ok"}
+        h = c.get("/healthz").json()
+        assert h["ok"] is True and h["redis"] == "ok" and h["turns_consumers"] >= 1  # the stack's worker
         assert c.get(stack.events("turn_nope")).status_code == 404
         job = stack.turn("outbox:x", "hi", "echo")
         assert c.get(stack.events(job), headers={"Last-Event-ID": "garbage"}).status_code == 400

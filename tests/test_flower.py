@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -41,3 +42,39 @@ def test_flower_lists_courier_tasks_behind_basic_auth(courier_env, tmp_path):
         assert tasks[0]["worker"].startswith("t")
     finally:
         stop_process(flower)
+
+
+def test_a_failed_delivery_is_a_failure_in_flower(courier_env, tmp_path):
+    """A delivery that failed for good was a SUCCESS task in Flower: the lane's
+    task now ends FAILURE, naming the delivery and its reason."""
+    env = courier_env()
+    gone = env.sandbox / "gone.csv"
+    gone.write_text("x")
+    res = env.cli("send", "outbox:ff", f"local://{gone}", "--json")
+    assert res.returncode == 0, res.stderr
+    did = json.loads(res.stdout)["deliveries"][0]
+    gone.unlink()  # gone before any worker looks: fails for good
+    port = free_port()
+    flower = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "workers.celery_app", "flower", "--address=127.0.0.1",
+         f"--port={port}"],
+        env={**env.env, "FLOWER_BASIC_AUTH": "ops:pw"}, cwd=str(ROOT), stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: port_open(port), timeout_s=60, what="flower")
+        base = f"http://127.0.0.1:{port}"
+        assert httpx.get(f"{base}/api/tasks", timeout=10).status_code == 401  # FLOWER_BASIC_AUTH from the env
+        env.start_worker()
+
+        def failed():
+            r = httpx.get(f"{base}/api/tasks", auth=("ops", "pw"), timeout=10)
+            r.raise_for_status()
+            return [t for t in r.json().values()
+                    if t.get("name") == "courier.delivery.drive_lane" and t.get("state") == "FAILURE"]
+
+        (task,) = wait_until(failed, timeout_s=60, what="flower to show the lane's task failed")
+        assert did in task["exception"] and "gone.csv" in task["exception"]
+    finally:
+        stop_process(flower)
+    rows = json.loads(env.cli("status", did, "--json").stdout)
+    assert rows["state"] == "failed"

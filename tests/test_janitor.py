@@ -3,7 +3,9 @@ workspaces go, fresh ones stay."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import time
 
 import pytest
@@ -79,3 +81,147 @@ def test_sweep_aborts_abandoned_multipart_uploads_and_outbox_partials(s3_server,
     os.utime(old, (time.time() - 7200, time.time() - 7200))
     assert outbox.sweep_partial(older_than_s=3600) == 1
     assert not old.exists() and fresh.exists()
+
+
+def _aged(store, ages: dict[str, tuple[float, int]]) -> None:
+    now = time.time()
+    for key, (age, size) in ages.items():
+        store.put_bytes(key, b"x" * size)
+        os.utime(store.local_path(key), (now - age, now - age))
+
+
+def test_two_sweeps_never_run_at_once(courier_env, redis_client):
+    """Two beats (or a beat and an operator) used to run two sweeps at once.
+    With the lock, the second sweep finds the first one running and leaves."""
+    import dataclasses
+    import threading
+
+    from tasks import keys
+    from tasks.janitor import sweep
+    from workers.wiring import build_context
+
+    env = courier_env()
+    ctx = build_context(env.settings())
+    store = ctx.store
+    _aged(store, {"files/j1/0-old.bin": (8 * 24 * 3600, 100)})
+    listing, go_on = threading.Event(), threading.Event()
+
+    class SlowStore:
+        """The real store whose listing waits until the test lets it go on."""
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def list(self, prefix=""):
+            listing.set()
+            assert go_on.wait(30)
+            return self.inner.list(prefix)
+
+    first: list = []
+    t = threading.Thread(target=lambda: first.append(sweep(dataclasses.replace(ctx, store=SlowStore(store)))))
+    t.start()
+    assert listing.wait(30)
+    second = sweep(ctx)  # meanwhile
+    assert second["skipped"] and second["holder"]
+    assert store.exists("files/j1/0-old.bin")  # the second sweep touched nothing
+    assert redis_client.ttl(keys.janitor_lock()) > 0  # a dead sweeper's lock lapses
+    go_on.set()
+    t.join(30)
+    assert first[0]["files"] == {"count": 1, "bytes": 100}
+    assert not store.exists("files/j1/0-old.bin")
+    assert not redis_client.exists(keys.janitor_lock())  # released: the next sweep runs
+    assert sweep(ctx)["files"] == {"count": 0, "bytes": 0}
+
+
+def test_janitor_cli_dry_run_counts_then_sweeps(courier_env):
+    env = courier_env()
+    store = VolumeStore(env.data_dir / "storage")
+    _aged(store, {
+        "screenshots/t/old.png": (25 * 3600, 1000), "screenshots/t/new.png": (3600, 7),
+        "files/j1/0-a.bin": (8 * 24 * 3600, 2000), "files/j1/1-b.bin": (8 * 24 * 3600, 3000),
+        "files/j2/0-c.bin": (3 * 24 * 3600, 500), "files/j3/0-d.bin": (12 * 3600, 40),
+    })
+    res = env.cli("janitor", "--dry-run", "--json")
+    assert res.returncode == 0, res.stderr
+    got = json.loads(res.stdout)
+    assert got["dry_run"] is True
+    assert got["screenshots"] == {"count": 1, "bytes": 1000}
+    assert got["files"] == {"count": 2, "bytes": 5000}
+    assert store.exists("files/j1/0-a.bin") and store.exists("screenshots/t/old.png")  # nothing touched
+    table = env.cli("janitor", "--dry-run")  # piped: one unwrapped line per row
+    assert table.returncode == 0 and re.search(r"files\s+2\s+5\.0 KB", table.stdout), table.stdout
+    assert "nothing deleted" in table.stdout
+
+    for bad in ("10m", "soon", "-3d"):
+        res = env.cli("janitor", "--older-than", bad)
+        assert res.returncode == 2 and "--older-than" in res.stderr, (bad, res.stderr)
+    res = env.cli("janitor", "--json")
+    assert json.loads(res.stdout)["files"] == {"count": 2, "bytes": 5000}
+    assert not store.exists("files/j1/0-a.bin") and store.exists("files/j2/0-c.bin")
+    # --older-than replaces the TTLs: 2 days takes the 3-day-old file, not the 12-hour-old one
+    res = env.cli("janitor", "--older-than", "2d", "--json")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["files"] == {"count": 1, "bytes": 500}
+    assert store.exists("files/j3/0-d.bin") and store.exists("screenshots/t/new.png")
+
+
+def test_janitor_cli_says_when_another_sweep_runs(courier_env, redis_client):
+    from tasks import keys
+
+    env = courier_env()
+    redis_client.set(keys.janitor_lock(), "otherhost:123:abc", ex=60)
+    res = env.cli("janitor")
+    assert res.returncode == 1 and "another sweep is running (otherhost:123:abc)" in res.stderr
+
+
+def test_a_second_beat_stands_by_until_the_first_is_gone(redis_server, redis_client, tmp_path):
+    """Two beat processes: only the one holding the beat lock schedules; the
+    other stands by and takes over once the first is gone (killed: its lock
+    lapses, here deleted instead of waiting out its 30 s TTL)."""
+    import signal
+    import subprocess
+    import sys
+
+    from tasks import keys
+    from tests.fixtures.services import stop_process, wait_until
+    from tests.fixtures.workers import ROOT
+    from workers.celery_app import BEAT_LOCK_TTL_S
+
+    env = {**os.environ, "COURIER_REDIS_URL": redis_server.url, "PYTHONPATH": str(ROOT),
+           "COURIER_DATA_DIR": str(tmp_path / "data"), "PYTHONUNBUFFERED": "1"}
+
+    def beat(name: str) -> subprocess.Popen:
+        log = open(tmp_path / f"{name}.log", "wb")  # noqa: SIM115
+        return subprocess.Popen([sys.executable, "-m", "celery", "-A", "tests.fixtures._beat_app", "beat",
+                                 f"--schedule={tmp_path / name}-schedule", "--max-interval=1", "--loglevel=INFO"],
+                                env=env, cwd=str(ROOT), stdout=log, stderr=subprocess.STDOUT)
+
+    def origins() -> list[int]:
+        out = []
+        for raw in redis_client.lrange("beatprobe", 0, -1):
+            origin = json.loads(raw)["headers"]["origin"]  # gen<pid>@host: the publishing process
+            out.append(int(origin.split("@")[0][3:]))
+        return out
+
+    a = beat("a")
+    b = None
+    try:
+        wait_until(lambda: origins().count(a.pid) >= 2, timeout_s=30, what="beat a to schedule")
+        assert 0 < redis_client.ttl(keys.beat_lock()) <= BEAT_LOCK_TTL_S
+        b = beat("b")
+        wait_until(lambda: "standing by" in (tmp_path / "b.log").read_text(), timeout_s=30, what="beat b to wait")
+        seen = len(origins())
+        wait_until(lambda: len(origins()) >= seen + 5, timeout_s=30, what="five more ticks")
+        assert set(origins()) == {a.pid}  # b scheduled nothing
+        a.send_signal(signal.SIGKILL)
+        a.wait(10)
+        redis_client.delete(keys.beat_lock())  # what its TTL does after 30 s
+        wait_until(lambda: b.pid in origins(), timeout_s=30, what="beat b to take over")
+        assert str(b.pid) in redis_client.get(keys.beat_lock()).decode()
+    finally:
+        for p in (a, b):
+            if p is not None:
+                stop_process(p)

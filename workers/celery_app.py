@@ -7,9 +7,12 @@
 
 from __future__ import annotations
 
+import logging
+import os
+
 from celery import Celery
 from celery.schedules import crontab
-from celery.signals import worker_ready, worker_shutdown
+from celery.signals import beat_init, before_task_publish, worker_process_shutdown, worker_ready, worker_shutdown
 from kombu import Exchange, Queue
 
 from tasks import runtime
@@ -103,6 +106,7 @@ def make_app(settings=None) -> Celery:
         },
         timezone="UTC",
         worker_hijack_root_logger=False,
+        courier_redis_url=s.redis_url,  # courier's own reads and writes (queue registry, beat lock)
     )
     return app
 
@@ -141,3 +145,178 @@ def _stop_reconciler(sender=None, **_kw) -> None:
 
 
 _reconciler = None
+
+
+# -- operations: queue registry, consumer heartbeats, metrics exporter ---------------------------
+@before_task_publish.connect
+def _stamp(sender=None, headers=None, routing_key=None, **_kw) -> None:
+    """Every message carries its publish time (`sent_s`: the oldest message's
+    age per queue), and its queue is noted in the registry (tasks/queues.py)
+    at most once a minute per process: a `sandbox.<host>` queue without a
+    worker is still seen."""
+    import time
+
+    now = time.time()
+    if headers is not None:
+        headers["sent_s"] = round(now, 3)
+    if not routing_key:
+        return
+    from celery import current_app
+
+    url = current_app.conf.get("courier_redis_url") or get_settings().redis_url  # the publishing app's Redis
+    if now - _registered.get((url, routing_key), 0.0) > 60:
+        _registered[(url, routing_key)] = now
+        try:
+            from tasks import queues
+
+            queues.register(_ops_redis(url), routing_key, now=now)
+        except Exception as exc:  # noqa: BLE001 - bookkeeping: never fails a publish
+            _registered.pop((url, routing_key), None)
+            logging.getLogger(__name__).debug("queue registry: %r", exc)
+
+
+def _ops_redis(url: str | None = None):
+    url = url or get_settings().redis_url
+    client = _redis.get(url)
+    if client is None:
+        from workers.wiring import redis_client
+
+        client = _redis[url] = redis_client(url)
+    return client
+
+
+_registered: dict[tuple[str, str], float] = {}
+_redis: dict = {}
+
+
+class _Heartbeat:
+    """The worker's main process says which queues it consumes, every HEARTBEAT_S."""
+
+    def __init__(self, name: str, consumer, url: str) -> None:
+        import threading
+
+        self.name, self.consumer, self.url = name, consumer, url
+        self.queues: list[str] = []
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="courier-heartbeat", daemon=True)
+
+    def _run(self) -> None:
+        from tasks import queues
+
+        while not self.stopped.is_set():
+            try:
+                # read each time: `celery control add_consumer` may add a queue to a running worker
+                self.queues = [q.name for q in self.consumer.task_consumer.queues]
+            except AttributeError:
+                pass
+            try:
+                queues.heartbeat(_ops_redis(self.url), self.name, self.queues)
+            except Exception as exc:  # noqa: BLE001 - the next beat tries again
+                logging.getLogger(__name__).debug("heartbeat: %r", exc)
+            self.stopped.wait(queues.HEARTBEAT_S)
+
+    def stop(self) -> None:
+        from tasks import queues
+
+        self.stopped.set()
+        try:
+            queues.leave(_ops_redis(self.url), self.name, self.queues)
+        except Exception:  # noqa: BLE001 - it goes stale by itself
+            pass
+
+
+@worker_ready.connect
+def _start_ops(sender=None, **_kw) -> None:
+    global _heartbeat
+    url = sender.app.conf.get("courier_redis_url") if sender is not None else None
+    _heartbeat = _Heartbeat(getattr(sender, "hostname", None) or "worker", sender, url or get_settings().redis_url)
+    _heartbeat.thread.start()
+    s = get_settings()
+    if s.metrics_port:
+        from workers.metrics import start_exporter
+
+        start_exporter(s.metrics_port, s.metrics_token, host=s.metrics_host)
+
+
+@worker_shutdown.connect
+def _stop_ops(sender=None, **_kw) -> None:
+    if _heartbeat is not None:
+        _heartbeat.stop()
+
+
+@worker_process_shutdown.connect
+def _pool_process_ended(pid=None, **_kw) -> None:
+    from workers.metrics import mark_dead
+
+    mark_dead(pid or os.getpid())
+
+
+_heartbeat = None
+
+
+# -- beat: one scheduler at a time ---------------------------------------------------------------
+#: the beat lock lives this long unless its holder renews it (every third of it)
+BEAT_LOCK_TTL_S = 30
+#: a standing-by beat tries to take the lock this often
+BEAT_STANDBY_POLL_S = 1.0
+_BEAT_RENEW = ("if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('expire', KEYS[1], ARGV[2]) "
+               "else return 0 end")
+
+
+@beat_init.connect
+def _beat_singleton(sender=None, **_kw) -> None:
+    """Only the beat holding `keys.beat_lock()` schedules: a second beat
+    (a second host, a deploy that overlaps) waits here, before its first
+    tick, until the lock is free (its holder stopped, or died and the lock
+    lapsed after BEAT_LOCK_TTL_S), then takes over. Redis unreachable: it
+    keeps waiting (never schedules without the lock). The holder renews the
+    lock from a thread; if it finds the lock taken by another (it was away
+    longer than the TTL), it stops itself (SIGTERM) rather than schedule twice."""
+    import atexit
+    import signal
+    import threading
+    import time
+
+    from tasks import keys, ledger
+
+    log = logging.getLogger("courier.beat")
+    app_ = getattr(sender, "app", None) or app
+    url = app_.conf.get("courier_redis_url") or get_settings().redis_url
+    key, token = keys.beat_lock(), ledger.new_token()
+    said = False
+    while True:
+        try:
+            r = _ops_redis(url)
+            if ledger.take(r, key, token, BEAT_LOCK_TTL_S):
+                break
+            holder = r.get(key)
+            why = f"another beat holds {key} ({holder.decode() if isinstance(holder, bytes) else holder})"
+        except Exception as exc:  # noqa: BLE001 - never schedule without the lock
+            why = f"Redis is not reachable ({type(exc).__name__})"
+        if not said:
+            log.warning("beat: %s: standing by", why)
+            said = True
+        time.sleep(BEAT_STANDBY_POLL_S)
+    log.warning("beat: holding %s: this beat schedules", key)
+
+    def renew() -> None:
+        while True:
+            time.sleep(BEAT_LOCK_TTL_S / 3)
+            try:
+                kept = r.eval(_BEAT_RENEW, 1, key, token, BEAT_LOCK_TTL_S)
+            except Exception:  # noqa: BLE001 - tried again; the lock outlives a short outage
+                continue
+            if not kept:
+                log.error("beat: lost %s to another beat: stopping, so that only one schedules", key)
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+
+    threading.Thread(target=renew, name="courier-beat-lock", daemon=True).start()
+
+    def release() -> None:
+        try:
+            ledger.release(r, key, token)
+        except Exception:  # noqa: BLE001 - it lapses by itself
+            pass
+
+    atexit.register(release)

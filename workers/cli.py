@@ -1,4 +1,4 @@
-"""The operator CLI: `courier send | turn | status | watch | web | demo`.
+"""The operator CLI: `courier send | turn | status | watch | web | janitor | demo` (and more below).
 
 Exit codes: 0 done; 1 a delivery or turn failed; 2 bad input (nothing was
 enqueued); 3 a service (Redis, storage) is unavailable (nothing was
@@ -20,10 +20,21 @@ from rich.table import Table
 
 from adapters.errors import ConfigError, CourierError, SandboxError, StorageError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+app = typer.Typer(add_completion=True, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="courier: run chat-agent turns and deliver their files to chat platforms.")
-out = Console()
+# piped (not a terminal): tables are as wide as their content, never wrapped at 80 columns
+out = Console() if sys.stdout.isatty() else Console(width=1000, soft_wrap=True)
 err = Console(stderr=True)
+
+
+def new_table(title: str, **kw) -> Table:
+    """A table whose title is data; piped, without vertical rules (one line per row, for grep and awk)."""
+    from rich import box
+    from rich.text import Text
+
+    if not out.is_terminal:
+        kw.setdefault("box", box.SIMPLE)
+    return Table(title=Text(title), title_justify="left", **kw)
 
 EXIT_FAILED, EXIT_INPUT, EXIT_SERVICE, EXIT_TIMEOUT = 1, 2, 3, 4
 #: a turn's job states once it is over (its deliveries, if any, are registered by then)
@@ -41,12 +52,33 @@ def _settings():
 
     from workers.settings import get_settings
 
+    from pydantic_settings import SettingsError
+
     try:
         return get_settings()
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = ".".join(str(x) for x in first.get("loc", ()))
         raise die(f"bad setting {loc.upper() or ''}: {first.get('msg')}", EXIT_INPUT) from None
+    except SettingsError as exc:  # a JSON setting that is not JSON (COURIER_AGENTS='{bad')
+        import re
+
+        m = re.search(r'field "([a-z0-9_]+)"', str(exc))
+        name = _env_name(m.group(1)) if m else "a setting"
+        cause = exc.__cause__
+        why = f": {cause}" if isinstance(cause, ValueError) else ""
+        raise die(f"bad setting {name}: not valid JSON{why}", EXIT_INPUT) from None
+
+
+def _env_name(field: str) -> str:
+    """The environment variable of a settings field."""
+    from workers.settings import Settings
+
+    f = Settings.model_fields.get(field)
+    alias = getattr(f, "validation_alias", None) if f is not None else None
+    if alias is not None:
+        return str(getattr(alias, "choices", [alias])[0])
+    return f"COURIER_{field.upper()}"
 
 
 def _redis(settings):
@@ -91,8 +123,11 @@ def _celery():
 @app.command()
 def send(
     target: Annotated[str, typer.Argument(help="<platform>:<chat id>, e.g. outbox:demo or telegram:-100123")],
-    paths: Annotated[list[str], typer.Argument(help="local files (stored as they are) or sandbox URIs "
-                                                    "(local:///abs/path, docker://ctr/path, ssh://host/path, ...)")],
+    paths: Annotated[list[str] | None, typer.Argument(help="local files (stored as they are) or sandbox URIs "
+                                                           "(local:///abs/path, docker://ctr/path, ssh://host/path, "
+                                                           "...)")] = None,
+    text: Annotated[str | None, typer.Option("--text", help="a text message, sent before the files (alone: a "
+                                                           "text-only send)")] = None,
     caption: Annotated[str | None, typer.Option(help="caption for the first file")] = None,
     as_document: Annotated[bool, typer.Option("--as-document", help="send images and video as documents")] = False,
     voice: Annotated[bool, typer.Option("--voice", help="send audio as voice notes")] = False,
@@ -100,13 +135,16 @@ def send(
     timeout: Annotated[float, typer.Option(help="seconds to wait with --wait")] = 300.0,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
-    """Deliver files to a chat."""
+    """Deliver files (and/or a text) to a chat."""
     from adapters.sandboxes.base import parse_uri
     from tasks import chains
     from workers.wiring import platform as wired_platform
 
     settings = _settings()
     album_max = wired_platform(_target(settings, target), settings).limits.album_max  # built by the check
+    paths = paths or []
+    if not paths and not (text and text.strip()):
+        raise die("nothing to send: give files, --text, or both", EXIT_INPUT)
     if len(paths) > settings.max_files_per_job:
         raise die(f"{len(paths)} files: at most {settings.max_files_per_job} go with one send "
                   "(COURIER_MAX_FILES_PER_JOB)", EXIT_INPUT)
@@ -119,6 +157,8 @@ def send(
                 raise die(str(exc), EXIT_INPUT) from None
             if ref.kind == "local":
                 _precheck_local(settings, ref, path)
+            else:
+                _precheck_lexical(ref, path, raw)
             items.append(("sandbox", chains.SandboxFile(ref=ref, path=path)))
         else:
             p = Path(raw).expanduser()
@@ -145,7 +185,7 @@ def send(
         except CourierError as exc:
             raise die(f"could not store {p}: {exc}", EXIT_SERVICE) from None
         files.append(chains.StoredFile(key=key, name=p.name, size=info.size_bytes, sha256=info.sha256 or ""))
-    plan = chains.Plan(job_id=job_id, target=target, files=files, caption=caption, voice=voice,
+    plan = chains.Plan(job_id=job_id, target=target, text=text or None, files=files, caption=caption, voice=voice,
                        as_document=as_document, max_bytes=settings.max_file_bytes, album_max=album_max)
     ids = chains.enqueue(r, plan, job_kind="send")
     if not wait:
@@ -158,12 +198,27 @@ def send(
     _finish(job_id, rows, done, as_json)
 
 
-def _precheck_local(settings, ref, path: str) -> None:
-    """A local sandbox path is checked here too, so a bad path enqueues nothing."""
+def _precheck_local(settings, ref, path: str) -> tuple[str, int]:
+    """A local sandbox path is checked here too, so a bad path enqueues nothing; returns (resolved, size)."""
     from workers.wiring import open_sandbox
 
     try:
-        open_sandbox(ref, settings).resolve(path)
+        return open_sandbox(ref, settings).resolve(path)
+    except SandboxError as exc:
+        raise die(str(exc), EXIT_INPUT) from None
+
+
+def _precheck_lexical(ref, path: str, raw: str) -> None:
+    """A remote sandbox's path cannot be resolved here, but what the path
+    policy refuses whatever the links say (relative, `..`, the system
+    denylist: /etc, /proc, ...) is refused before anything is enqueued."""
+    import posixpath
+
+    from adapters.sandboxes.base import PathPolicy, check_lexical
+
+    try:
+        check_lexical(path)
+        PathPolicy(roots=tuple(ref.roots) or ("/",)).check(posixpath.normpath(path), shown=raw)
     except SandboxError as exc:
         raise die(str(exc), EXIT_INPUT) from None
 
@@ -214,7 +269,7 @@ def _table(job_id: str, rows: list[dict]) -> Table:
     """Receipts as a table; every cell is data (Text: never read as markup)."""
     from rich.text import Text
 
-    t = Table(title=Text(f"deliveries of {job_id}"), title_justify="left")
+    t = new_table(f"deliveries of {job_id}")
     for col in ("delivery", "platform", "kind", "name", "size", "attempts", "state", "message id / reason"):
         t.add_column(col, overflow="fold")
     for row in rows:
@@ -486,6 +541,8 @@ def status(
 
         rows = receipts.job_deliveries(r, ident)
         token = events_token(r, ident)
+        if job.get("kind") == "send":  # a send's job record is not updated as it goes: its receipts say
+            job["state"] = send_state(rows)
         if as_json:
             print(json.dumps({"job": job, "deliveries": rows, "events_token": token}))
         else:
@@ -509,6 +566,248 @@ def status(
         raise typer.Exit(EXIT_FAILED)
 
 
+# -- deliveries, queues ---------------------------------------------------------------
+@app.command()
+def deliveries(
+    failed: Annotated[bool, typer.Option("--failed", help="only deliveries that failed")] = False,
+    chat: Annotated[str | None, typer.Option("--chat", help="only this target, e.g. telegram:-100123")] = None,
+    since: Annotated[str | None, typer.Option(help="only jobs from the last ... (e.g. 30m, 12h, 7d)")] = None,
+    limit: Annotated[int, typer.Option(help="at most this many rows, newest first", min=1)] = 50,
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
+    """List recent deliveries (newest job first) with their state and reason."""
+    from tasks import listing
+
+    settings = _settings()
+    since_s = None
+    if since is not None:
+        try:
+            since_s = time.time() - parse_duration(since)
+        except ValueError as exc:
+            raise die(f"--since: {exc}", EXIT_INPUT) from None
+    if chat is not None:
+        from adapters.platforms.base import split_target
+
+        try:
+            split_target(chat)
+        except ConfigError as exc:
+            raise die(f"--chat: {exc}", EXIT_INPUT) from None
+    r = _redis(settings)
+    rows = listing.deliveries(r, failed=failed, chat=chat, since_s=since_s, limit=limit)
+    if as_json:
+        print(json.dumps(rows))
+        return
+    from rich.text import Text
+
+    t = new_table(("failed deliveries" if failed else "deliveries") + (f" to {chat}" if chat else ""))
+    for col in ("delivery", "target", "kind", "name", "size", "attempts", "state", "message id / reason", "queued"):
+        t.add_column(col, overflow="fold")
+    for row in rows:
+        state = row.get("state", "")
+        color = {"delivered": "green", "failed": "red"}.get(state, "yellow")
+        queued = row.get("queued_s") or row.get("created_s")
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(float(queued))) if queued else ""
+        t.add_row(*(Text(str(v or "")) for v in (
+            row.get("id"), row.get("target"), row.get("kind"), row.get("name"), row.get("size_bytes"),
+            row.get("attempts"))), Text(str(state), style=color),
+            Text(str((row.get("message_id") if state == "delivered" else row.get("reason")) or "")), Text(when))
+    out.print(t)
+
+
+@app.command()
+def queues(
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
+    """Celery queues (depth, oldest message's age, consumers; sandbox.<host> too) and the ledger's pending stages."""
+    from tasks import ledger
+    from tasks import queues as queues_mod
+
+    settings = _settings()
+    r = _redis(settings)
+    rows = queues_mod.stats(r)
+    pending = ledger.pending(r)
+    if as_json:
+        print(json.dumps({"queues": rows, "ledger_pending": pending}))
+        return
+    from rich.text import Text
+
+    t = new_table("queues")
+    for col in ("queue", "depth", "oldest", "consumers"):
+        t.add_column(col, justify="left" if col == "queue" else "right")
+    for row in rows:
+        age = row["oldest_age_s"]
+        warn = row["depth"] and not row["consumers"]
+        t.add_row(Text(row["queue"]), Text(str(row["depth"])), Text(_age(age) if age is not None else "-"),
+                  Text(str(row["consumers"]), style="bold red" if warn else ""))
+    out.print(t)
+    lt = new_table("ledger: pending per stage")
+    for col in ("stage", "pending"):
+        lt.add_column(col, justify="left" if col == "stage" else "right")
+    for stage, n in pending.items():
+        lt.add_row(Text(stage), Text(str(n)))
+    out.print(lt)
+
+
+def _age(s: float) -> str:
+    if s < 120:
+        return f"{s:.1f}s"
+    if s < 7200:
+        return f"{s / 60:.1f}m"
+    return f"{s / 3600:.1f}h"
+
+
+# -- webhook set ------------------------------------------------------------------
+webhook_app = typer.Typer(no_args_is_help=True, help="Point a platform's webhook at the web process.")
+app.add_typer(webhook_app, name="webhook")
+
+WEBHOOK_STEPS = {
+    "slack": ("Slack does not take its events URL through the API. In https://api.slack.com/apps → your app → "
+              "Event Subscriptions: enable events, Request URL {url} (courier answers the url_verification "
+              "challenge; SLACK_SIGNING_SECRET must be set), subscribe to the bot events message.channels, "
+              "message.im and app_mention, save, and reinstall the app."),
+    "discord": ("Discord takes its interactions endpoint in the developer portal: https://discord.com/developers"
+                "/applications → your application → General Information → Interactions Endpoint URL {url} "
+                "(Discord checks it with a signed PING: DISCORD_PUBLIC_KEY must be that page's public key). "
+                "Then register a slash command with one string option, e.g. `ask` with option `message`: "
+                "POST https://discord.com/api/v10/applications/<application id>/commands with the bot token."),
+    "whatsapp": ("WhatsApp takes its callback in the Meta app dashboard: WhatsApp → Configuration → Webhook: "
+                 "Callback URL {url}, Verify token the value of WHATSAPP_VERIFY_TOKEN (courier answers the "
+                 "hub.challenge), then subscribe to the `messages` field. WHATSAPP_APP_SECRET must be the app's "
+                 "secret (it checks X-Hub-Signature-256)."),
+}
+
+
+@webhook_app.command("set")
+def webhook_set(
+    platform: Annotated[str, typer.Argument(help="telegram, slack, discord or whatsapp")],
+    url: Annotated[str, typer.Argument(help="the web process's public https base URL (…/webhooks/<platform> "
+                                            "is added unless given)")],
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
+    """Telegram: call setWebhook with the secret token. Others: print the steps their console needs."""
+    from urllib.parse import urlparse
+
+    settings = _settings()
+    name = platform.lower()
+    if name not in ("telegram", *WEBHOOK_STEPS):
+        raise die(f"unknown platform {platform!r}: telegram, slack, discord or whatsapp", EXIT_INPUT)
+    u = urlparse(url)
+    if u.scheme != "https" or not u.hostname or u.query or u.fragment:
+        raise die(f"the webhook URL must be a public https URL without a query, got {url!r}", EXIT_INPUT)
+    full = url.rstrip("/")
+    if not full.endswith(f"/webhooks/{name}"):
+        full += f"/webhooks/{name}"
+    if name != "telegram":
+        steps = WEBHOOK_STEPS[name].format(url=full)
+        if as_json:
+            print(json.dumps({"platform": name, "url": full, "done": False, "steps": steps}))
+        else:
+            out.print(steps, markup=False, highlight=False)
+        return
+    token, secret = settings.telegram_bot_token, settings.telegram_webhook_secret
+    if token is None or secret is None:
+        raise die("telegram webhook set needs TELEGRAM_BOT_TOKEN and TELEGRAM_WEBHOOK_SECRET "
+                  "(the secret Telegram sends back in every update's header)", EXIT_INPUT)
+    import httpx
+
+    api = f"{settings.telegram_base_url.rstrip('/')}/bot{token.get_secret_value()}/setWebhook"
+    body = {"url": full, "secret_token": secret.get_secret_value(), "allowed_updates": ["message", "channel_post"]}
+    try:
+        resp = httpx.post(api, json=body, timeout=30)
+        answer = resp.json()
+    except (httpx.HTTPError, ValueError) as exc:  # never the exception text: it holds the token's URL
+        raise die(f"Telegram did not answer setWebhook ({type(exc).__name__})", EXIT_SERVICE) from None
+    if not answer.get("ok"):
+        raise die(f"Telegram refused the webhook: {answer.get('description') or resp.status_code}", EXIT_FAILED)
+    if as_json:
+        print(json.dumps({"platform": name, "url": full, "done": True}))
+    else:
+        out.print(f"telegram: webhook set to {full} (updates carry TELEGRAM_WEBHOOK_SECRET)", markup=False,
+                  highlight=False)
+
+
+# -- janitor ----------------------------------------------------------------------
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_duration(raw: str) -> float:
+    """`90`, `90s`, `15m`, `12h`, `7d`, `2w` -> seconds; ValueError otherwise."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", raw or "")
+    if not m:
+        raise ValueError(f"not a duration: {raw!r} (e.g. 3600, 90m, 12h, 7d)")
+    return float(m.group(1)) * _UNITS[m.group(2) or "s"]
+
+
+def human_size(n) -> str:
+    from tasks.text import human_bytes
+
+    return "" if n is None else human_bytes(int(n))
+
+
+@app.command()
+def janitor(
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="count what would go (files and bytes); delete nothing")] = False,
+    older_than: Annotated[str | None, typer.Option(help="instead of each TTL: everything older than this "
+                                                       "(e.g. 12h, 3d; at least 1h)")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
+    """Run one janitor sweep now (old screenshots, files, spills, partial writes, turn workspaces)."""
+    from tasks.janitor import MIN_OLDER_THAN_S, sweep
+    from workers.wiring import build_context
+
+    settings = _settings()
+    older_s = None
+    if older_than is not None:
+        try:
+            older_s = parse_duration(older_than)
+        except ValueError as exc:
+            raise die(f"--older-than: {exc}", EXIT_INPUT) from None
+        if older_s < MIN_OLDER_THAN_S:
+            raise die(f"--older-than must be at least 1h: younger files may still be waiting for their delivery",
+                      EXIT_INPUT)
+    _redis(settings)
+    _store(settings)
+    try:
+        res = sweep(build_context(settings), dry_run=dry_run, older_than_s=older_s)
+    except CourierError as exc:
+        raise die(f"the sweep stopped: {exc}", EXIT_SERVICE) from None
+    if as_json:
+        print(json.dumps(res))
+    elif res.get("skipped"):
+        pass
+    else:
+        from rich.text import Text
+
+        t = new_table("janitor (dry run: nothing deleted)" if dry_run else "janitor")
+        for col in ("what", "would go" if dry_run else "deleted", "bytes"):
+            t.add_column(col, justify="left" if col == "what" else "right")
+        for what, v in res.items():
+            if what in ("dry_run", "took_s"):
+                continue
+            if v is None:
+                t.add_row(Text(what), Text("not counted"), Text(""))
+            else:
+                t.add_row(Text(what), Text(str(v["count"])), Text(human_size(v["bytes"])))
+        out.print(t)
+    if res.get("skipped"):
+        raise die(f"another sweep is running ({res.get('holder')}); nothing was done", EXIT_FAILED)
+
+
+def send_state(rows: list[dict]) -> str:
+    """A send's state from its receipts: queued, sending (some final or under
+    way), delivered (all), failed (all final, one or more failed)."""
+    from tasks import receipts
+
+    states = [row.get("state") for row in rows]
+    if states and all(st in receipts.TERMINAL for st in states):
+        return "failed" if "failed" in states else "delivered"
+    if any(st not in ("queued", None) for st in states):
+        return "sending"
+    return "queued"
+
+
 # -- demo --------------------------------------------------------------------------
 @app.command()
 def demo(
@@ -521,6 +820,26 @@ def demo(
 
     code = run_demo(to=to, message=message, timeout_s=timeout, console=out, err=err)
     raise typer.Exit(code)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            v = version("courier")
+        except PackageNotFoundError:
+            v = "unknown"
+        print(f"courier {v}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="print courier's version and exit")] = False,
+) -> None:
+    """courier: run chat-agent turns and deliver their files to chat platforms."""
 
 
 def main() -> None:

@@ -249,6 +249,16 @@ class Settings(BaseSettings):
     #: or outbox:{platform}_{chat} (the placeholders name the chat the update came from)
     webhook_reply_target_override: str | None = None
 
+    # -- operations: metrics ------------------------------------------------------
+    #: operator bearer token for `GET /metrics` on the web process and the workers' exporters (unset: open;
+    #: then keep them on loopback or a private network)
+    metrics_token: SecretStr | None = None
+    #: a worker serves its Prometheus metrics on this port (0: off); prefork pools need
+    #: PROMETHEUS_MULTIPROC_DIR (an empty directory per host or container)
+    metrics_port: int = Field(0, ge=0, le=65535)
+    #: address a worker's metrics exporter binds
+    metrics_host: str = "127.0.0.1"
+
     @field_validator("*", mode="before")
     @classmethod
     def _empty_is_unset(cls, v: Any, info: ValidationInfo) -> Any:

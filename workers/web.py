@@ -13,7 +13,13 @@ Routes
   terminal status and the final state of every delivery; while waiting, an
   idle connection gets a `: keep-alive` comment every `sse_keepalive_s`. A
   resume of a stream that is already over answers 204 (EventSource stops).
-- `GET /healthz`: 200 when Redis answers, else 503.
+- `GET /healthz`: 200 when Redis answers, else 503; says how many workers
+  consume `turns` (their heartbeats); `?consumers=turns[,delivery...]`: 503
+  also while a named queue has no consumer.
+- `GET /metrics`: Prometheus metrics (workers/metrics.py): this process's
+  counters (every process's with PROMETHEUS_MULTIPROC_DIR), queue and ledger
+  gauges read from Redis; behind `Authorization: Bearer <COURIER_METRICS_TOKEN>`
+  when that is set (401 without it).
 - `POST /webhooks/telegram | slack | discord | whatsapp` (and `GET
   /webhooks/whatsapp`, the hub.challenge check): each checks its platform's
   secret header, or its signature's headers (Slack and Discord: a timestamp
@@ -49,7 +55,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from tasks import events, keys
+from tasks import events, keys, metrics
 from workers.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
@@ -471,7 +477,9 @@ def _timestamp(raw: str) -> int:
 
 async def _accept(web: _Web, platform: str, update_id: str, chat: str, message: str) -> Response | dict:
     try:
-        return await web.accept(platform, update_id, chat, message)
+        out = await web.accept(platform, update_id, chat, message)
+        metrics.record_webhook_turn(platform, bool(out.get("duplicate")))
+        return out
     except Exception as exc:  # noqa: BLE001 - the platform retries on 5xx
         log.error("%s webhook: could not enqueue a turn: %s", platform, type(exc).__name__)
         return JSONResponse({"ok": False, "error": "could not enqueue the turn"}, status_code=503)
@@ -484,11 +492,13 @@ def _webhook(platform: str):
     def wrap(handler):
         async def route(request: Request) -> Response:
             try:
-                return await handler(request)
+                resp = await handler(request)
             except BadRequest as exc:
-                return _refuse(platform, exc.status, exc.reason)
+                resp = _refuse(platform, exc.status, exc.reason)
             except (TypeError, AttributeError, KeyError, ValueError, IndexError, RecursionError) as exc:
-                return _refuse(platform, 400, f"malformed {platform} payload ({type(exc).__name__})")
+                resp = _refuse(platform, 400, f"malformed {platform} payload ({type(exc).__name__})")
+            metrics.record_webhook(platform, resp.status_code)
+            return resp
 
         return route
 
@@ -530,11 +540,37 @@ def create_app(settings: Settings | None = None) -> Starlette:
     discord_key: list = []  # the VerifyKey, made once
 
     async def healthz(request: Request) -> Response:
+        from tasks import queues
+
+        need = [q for q in request.query_params.get("consumers", "").split(",") if q]
         try:
             await asyncio.wait_for(web.aredis.ping(), timeout=3)
+            now = time.time()
+            pipe = web.aredis.pipeline(transaction=False)
+            for q in ("turns", *need):
+                pipe.zcount(keys.consumers(q), now - queues.CONSUMER_STALE_S, "+inf")
+            counts = await asyncio.wait_for(pipe.execute(), timeout=3)
         except Exception as exc:  # noqa: BLE001
             return JSONResponse({"ok": False, "redis": type(exc).__name__}, status_code=503)
-        return JSONResponse({"ok": True, "redis": "ok"})
+        body = {"ok": True, "redis": "ok", "turns_consumers": int(counts[0])}
+        missing = [q for q, n in zip(need, counts[1:]) if not n]
+        if missing:  # ?consumers=turns: unhealthy while no worker consumes it (webhook turns would wait)
+            return JSONResponse({**body, "ok": False, "no_consumer": missing}, status_code=503)
+        return JSONResponse(body)
+
+    metrics_registry: list = []  # made on the first scrape
+
+    async def metrics_endpoint(request: Request) -> Response:
+        from workers import metrics as exposition
+
+        if not exposition.authorized(request.headers.get("authorization"), web.settings.metrics_token):
+            return JSONResponse({"error": "metrics need the operator token: Authorization: Bearer "
+                                          "(COURIER_METRICS_TOKEN)"}, status_code=401,
+                                headers={"WWW-Authenticate": "Bearer"})
+        if not metrics_registry:
+            metrics_registry.append(exposition.registry(web.redis))
+        body = await run_in_threadpool(exposition.render, metrics_registry[0])
+        return Response(body, media_type=exposition.CONTENT_TYPE)
 
     async def turn_events(request: Request) -> Response:
         job_id = request.path_params["job_id"]
@@ -754,6 +790,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
 
     routes = [
         Route("/healthz", healthz, methods=["GET"]),
+        Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/turns/{job_id}/events", turn_events, methods=["GET"]),
         Route("/webhooks/telegram", telegram, methods=["POST"]),
         Route("/webhooks/slack", slack, methods=["POST"]),

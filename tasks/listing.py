@@ -1,0 +1,61 @@
+"""Deliveries as an operator lists them (`courier deliveries`): plain code.
+
+Jobs are found by scanning `courier:job:*` hashes (SCAN with a type filter,
+1000 keys a step: no index to keep on the hot path; about a second per
+million keys), newest first; their receipts are read in one pipeline per
+job batch. Receipts are shown without their `spec` (it holds chat text).
+"""
+
+from __future__ import annotations
+
+from tasks import keys, receipts
+
+HIDDEN = frozenset({"spec"})
+SCAN_COUNT = 1000
+
+
+def _s(v) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def jobs(r, *, chat: str | None = None, since_s: float | None = None) -> list[dict]:
+    """Every job (send or turn) for target `chat` (when given) created at or
+    after `since_s` (epoch), newest first."""
+    names = [k for k in r.scan_iter(match=f"{keys.PREFIX}job:*", count=SCAN_COUNT, _type="hash")]
+    out = []
+    for i in range(0, len(names), 500):
+        pipe = r.pipeline(transaction=False)
+        for k in names[i:i + 500]:
+            pipe.hmget(k, "id", "kind", "target", "state", "created_s")
+        for vals in pipe.execute():
+            job = dict(zip(("id", "kind", "target", "state", "created_s"), (_s(v) if v is not None else None
+                                                                           for v in vals)))
+            if not job["id"]:
+                continue
+            if chat is not None and job["target"] != chat:
+                continue
+            created = float(job["created_s"] or 0)
+            if since_s is not None and created < since_s:
+                continue
+            out.append(job)
+    out.sort(key=lambda j: float(j["created_s"] or 0), reverse=True)
+    return out
+
+
+def deliveries(r, *, failed: bool = False, chat: str | None = None, since_s: float | None = None,
+               limit: int = 50) -> list[dict]:
+    """The newest `limit` deliveries (of the jobs `jobs` finds, newest job
+    first, each job's deliveries in order), only failed ones with `failed`."""
+    out: list[dict] = []
+    for job in jobs(r, chat=chat, since_s=since_s):
+        for rec in receipts.job_deliveries(r, job["id"]):
+            if failed and rec.get("state") != "failed":
+                continue
+            row = {k: v for k, v in rec.items() if k not in HIDDEN}
+            row.setdefault("target", job["target"])
+            row["job_kind"] = job["kind"]
+            row["created_s"] = job["created_s"]
+            out.append(row)
+            if len(out) >= limit:
+                return out
+    return out

@@ -1,0 +1,98 @@
+"""Celery's queues as an operator sees them: depth, the oldest message's
+age, consumers (plain code, no Celery; for `courier queues` and the metrics).
+
+Celery's Redis transport keeps a queue as a list: messages are LPUSHed and
+consumed from the right, so the oldest message is `LINDEX q -1`. courier
+stamps every message it publishes with its publish time (header `sent_s`,
+workers/celery_app.py), which gives the oldest message's age.
+
+Which queues exist is kept in `keys.queues()` (a sorted set: publishers add
+a queue at most once a minute, workers with their heartbeat), so a
+`sandbox.<host>` queue that has messages but no worker is still listed.
+Workers record a heartbeat per queue they consume (`keys.consumers(q)`,
+every HEARTBEAT_S); a consumer is one whose heartbeat is younger than
+CONSUMER_STALE_S.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from tasks import keys
+
+HEARTBEAT_S = 10.0
+CONSUMER_STALE_S = 3 * HEARTBEAT_S
+#: a queue nobody published to or consumed from for this long, and empty, is forgotten
+FORGET_S = 7 * 24 * 3600
+REGISTRY_TTL_S = 30 * 24 * 3600
+#: the queues every deployment has (workers/celery_app.QUEUES)
+BASE = ("turns", "sandbox", "delivery", "janitor")
+
+
+def _s(v) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def register(r, queue: str, *, now: float | None = None) -> None:
+    """Note that `queue` is in use (`r` may be a pipeline)."""
+    r.zadd(keys.queues(), {queue: time.time() if now is None else now})
+    r.expire(keys.queues(), REGISTRY_TTL_S)
+
+
+def heartbeat(r, worker: str, queues: list[str], *, now: float | None = None) -> None:
+    """A worker says it consumes `queues` (one round trip)."""
+    now = time.time() if now is None else now
+    pipe = r.pipeline(transaction=False)
+    for q in queues:
+        pipe.zadd(keys.consumers(q), {worker: now})
+        pipe.zremrangebyscore(keys.consumers(q), "-inf", now - 10 * CONSUMER_STALE_S)
+        pipe.expire(keys.consumers(q), 24 * 3600)
+        register(pipe, q, now=now)
+    pipe.execute()
+
+
+def leave(r, worker: str, queues: list[str]) -> None:
+    """A worker that stops consuming says so (a dead one's heartbeat just goes stale)."""
+    pipe = r.pipeline(transaction=False)
+    for q in queues:
+        pipe.zrem(keys.consumers(q), worker)
+    pipe.execute()
+
+
+def sent_at(raw) -> float | None:
+    """The publish time courier stamped on a raw Redis queue entry (None: unknown)."""
+    if raw is None:
+        return None
+    try:
+        msg = json.loads(raw)
+        return float(msg["headers"]["sent_s"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def stats(r, *, now: float | None = None) -> list[dict]:
+    """Per queue: {queue, depth, oldest_age_s (None: empty or unstamped), consumers}.
+    Two round trips whatever the number of queues. Registry entries that are
+    old, empty and unconsumed are dropped."""
+    now = time.time() if now is None else now
+    reg = {_s(q): float(s) for q, s in r.zrange(keys.queues(), 0, -1, withscores=True)}
+    qs = sorted(set(BASE) | set(reg))
+    pipe = r.pipeline(transaction=False)
+    for q in qs:
+        pipe.llen(q)
+        pipe.lindex(q, -1)
+        pipe.zcount(keys.consumers(q), now - CONSUMER_STALE_S, "+inf")
+    res = pipe.execute()
+    out, stale = [], []
+    for i, q in enumerate(qs):
+        depth, oldest, consumers = int(res[3 * i] or 0), res[3 * i + 1], int(res[3 * i + 2] or 0)
+        sent = sent_at(oldest) if depth else None
+        if q not in BASE and not depth and not consumers and now - reg.get(q, now) > FORGET_S:
+            stale.append(q)
+            continue
+        out.append({"queue": q, "depth": depth, "oldest_age_s": round(max(0.0, now - sent), 3)
+                    if sent is not None else None, "consumers": consumers})
+    if stale:
+        r.zrem(keys.queues(), *stale)
+    return out

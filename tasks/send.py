@@ -1,0 +1,70 @@
+"""An operator's send from its JSON form (Flower's async-apply, the
+`courier.delivery.send` task): plain code, no Celery.
+
+    {"target": "telegram:-100123",                 # required: <platform>:<chat id>
+     "text": "nightly report",                     # optional: a text message, sent first
+     "files": ["local:///srv/out/report.pdf",      # optional: sandbox URIs (local, docker, ssh,
+               "docker://build-7/workspace/a.png?host=gpu1",  # modal, singularity) or absolute
+               "/srv/out/chart.png"],              # paths (= local:///..., the local sandbox's roots apply)
+     "caption": "for the first file",              # optional
+     "voice": false, "as_document": false}         # optional
+
+At least a text or one file. It goes through the ledger like `courier send`
+(tasks.chains.enqueue with job_kind "send"): a job with receipts that
+`courier status <job>` shows, the chat's lane, an extraction per file on its
+sandbox's queue. Bad input raises `ConfigError` (nothing is enqueued).
+"""
+
+from __future__ import annotations
+
+from adapters.errors import ConfigError
+from adapters.platforms.base import split_target
+from tasks import chains
+from tasks.runtime import Context
+
+FIELDS = ("text", "files", "caption", "voice", "as_document", "job_id")
+
+
+def plan_send(ctx: Context, target: str, *, text: str | None = None, files: list[str] | None = None,
+              caption: str | None = None, voice: bool = False, as_document: bool = False,
+              job_id: str | None = None) -> chains.Plan:
+    """The checked plan of a send (ConfigError on bad input)."""
+    from adapters.sandboxes.base import parse_uri
+
+    if not isinstance(target, str):
+        raise ConfigError("target must be a string: <platform>:<chat id>")
+    platform_name, _chat = split_target(target)
+    platform = ctx.platform(platform_name)  # unknown or unconfigured: ConfigError
+    if text is not None and not isinstance(text, str):
+        raise ConfigError("text must be a string")
+    if caption is not None and not isinstance(caption, str):
+        raise ConfigError("caption must be a string")
+    if files is None:
+        files = []
+    if isinstance(files, str) or not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+        raise ConfigError("files must be a list of sandbox URIs or absolute paths")
+    if not (text and text.strip()) and not files:
+        raise ConfigError("nothing to send: give a text, files, or both")
+    if ctx.max_files_per_job and len(files) > ctx.max_files_per_job:
+        raise ConfigError(f"{len(files)} files: at most {ctx.max_files_per_job} go with one send "
+                          "(COURIER_MAX_FILES_PER_JOB)")
+    refs = []
+    for f in files:
+        uri = f if "://" in f else ("local://" + f if f.startswith("/") else None)
+        if uri is None:
+            raise ConfigError(f"not a sandbox URI or an absolute path: {f!r}")
+        ref, path = parse_uri(uri)
+        refs.append(chains.SandboxFile(ref=ref, path=path))
+    return chains.Plan(job_id=job_id or chains.new_job_id("snd"), target=target, text=text or None, files=refs,
+                       caption=caption, voice=bool(voice), as_document=bool(as_document),
+                       max_bytes=ctx.max_file_bytes, album_max=platform.limits.album_max)
+
+
+def send(ctx: Context, target: str, **kw) -> dict:
+    """Check and enqueue a send; returns {"job", "deliveries"}."""
+    unknown = set(kw) - set(FIELDS)
+    if unknown:
+        raise ConfigError(f"unknown send field(s) {', '.join(sorted(unknown))}: known are {', '.join(FIELDS)}")
+    plan = plan_send(ctx, target, **kw)
+    ids = chains.enqueue(ctx.redis, plan, job_kind="send")
+    return {"job": plan.job_id, "deliveries": ids}
