@@ -15,6 +15,7 @@ from the class alone::
     │   ├── FileMissing        no such file in the sandbox
     │   ├── NotAFile           a directory, device, fifo ...
     │   ├── TooLarge           over the size cap (before or during transfer)
+    │   ├── FileChanging       still being written while it was read (transient: read again later)
     │   └── SandboxGone        the sandbox vanished / connection lost (transient)
     └── StorageError           blob store failures
         └── BlobMissing        no such key
@@ -81,6 +82,13 @@ class TooLarge(SandboxError):
         self.limit_bytes = limit_bytes
 
 
+class FileChanging(SandboxError):
+    """The file changed (size or mtime) while it was read: what was read is
+    not a whole version of it. Transient: the writer may finish; read again later."""
+
+    transient = True
+
+
 class SandboxGone(SandboxError):
     transient = True
 
@@ -95,6 +103,6 @@ class BlobMissing(StorageError):
 
 __all__ = [
     "CourierError", "ConfigError", "DeliveryError", "RateLimited", "Transient", "Permanent",
-    "SandboxError", "UnsafePath", "FileMissing", "NotAFile", "TooLarge", "SandboxGone",
+    "SandboxError", "UnsafePath", "FileMissing", "NotAFile", "TooLarge", "FileChanging", "SandboxGone",
     "StorageError", "BlobMissing",
 ]

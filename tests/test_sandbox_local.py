@@ -383,3 +383,35 @@ def test_put_race_loop_never_writes_outside(area, store, tmp_path):
         t.join(10)
     assert os.listdir(outside) == []
     assert placed > 0
+
+
+class _WriterMidCopy(VolumeStore):
+    """A real volume store whose copy is joined by the agent still writing:
+    the source file grows after the copy has begun (a file still being
+    written when the agent named it)."""
+
+    def __init__(self, root, source) -> None:
+        super().__init__(root)
+        self.source = source
+
+    def put_fd(self, key, fd, *, max_bytes=None):
+        with open(self.source, "ab") as f:
+            f.write(b"more")
+        return super().put_fd(key, fd, max_bytes=max_bytes)
+
+
+def test_a_file_still_being_written_is_not_stored_torn(sb, area, tmp_path):
+    """It was delivered truncated and marked delivered: now the torn copy is
+    deleted and FileChanging (transient: read again later) raised; once the
+    writer is done, it goes whole."""
+    from adapters.errors import FileChanging
+
+    p = area["root"] / "growing.log"
+    p.write_bytes(b"x" * 100_000)
+    store = _WriterMidCopy(tmp_path / "torn", p)
+    with pytest.raises(FileChanging) as got:
+        sb.extract(str(p), store, "files/j/0-growing.log")
+    assert got.value.transient and not store.exists("files/j/0-growing.log")
+    # the writer is done: the next attempt reads it whole
+    done = sb.extract(str(p), VolumeStore(tmp_path / "whole"), "files/j/0-growing.log")
+    assert done.size_bytes == 100_004

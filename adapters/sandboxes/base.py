@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 from urllib.parse import quote, unquote, urlparse
 
-from adapters.errors import ConfigError, NotAFile, SandboxError, SandboxGone, UnsafePath
+from adapters.errors import ConfigError, FileChanging, NotAFile, SandboxError, SandboxGone, UnsafePath
 
 DEFAULT_MAX_BYTES = 50 * 1000 * 1000
 #: Sandbox.exec: bytes kept per output stream, and the exit code of a timeout
@@ -325,6 +325,21 @@ def call_with_deadline(fn, timeout_s: float, what: str):
     if "exc" in box:
         raise box["exc"]
     return box.get("res")
+
+
+def unchanged(before: os.stat_result, after: os.stat_result, copied_bytes: int, store, key: str, *,
+              shown: str) -> None:
+    """A file read through one descriptor must be the same version at the end
+    as at the start (size, mtime, ctime) and give exactly its size: else what
+    was stored is a torn copy of a file still being written. It is deleted and
+    FileChanging raised (transient: the writer may finish)."""
+    same = (before.st_size == after.st_size == copied_bytes and before.st_mtime_ns == after.st_mtime_ns
+            and before.st_ctime_ns == after.st_ctime_ns)
+    if not same:
+        with contextlib.suppress(Exception):
+            store.delete(key)
+        raise FileChanging(f"{shown}: changed while it was read ({before.st_size:,} -> {after.st_size:,} bytes); "
+                           "read again later")
 
 
 def write_blob_at(dfd: int, name: str, tmp: str, store, key: str, *, owner_of_dir: bool = False) -> None:

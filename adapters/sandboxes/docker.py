@@ -69,7 +69,7 @@ from adapters.errors import (
 )
 from adapters.sandboxes.base import (
     DEFAULT_IO_TIMEOUT_S, DEFAULT_MAX_BYTES, BoundedOutput, PathPolicy, ReadTimeout, Sandbox, SandboxRef, _under,
-    check_lexical, open_regular,
+    check_lexical, open_regular, unchanged,
 )
 from adapters.sandboxes.execstream import (
     EXIT_CHANGED, ExecStream, ExecStreamMixin, Resolved, exec_iter_file, exec_put, exec_resolve,
@@ -863,7 +863,9 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
             os.close(fd)
             raise
         with f:
-            return store.put_stream(key, f, max_bytes=max_bytes)
+            info = store.put_stream(key, f, max_bytes=max_bytes)
+            unchanged(st, os.fstat(f.fileno()), info.size_bytes, store, key, shown=path)
+            return info
 
     def iter_archive(self, resolved: str, size: int | None, *, max_bytes: int,
                      expect: dict | None = None) -> Iterator[bytes]:

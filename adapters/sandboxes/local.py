@@ -22,7 +22,7 @@ from pathlib import Path
 from adapters.errors import FileMissing, NotAFile, TooLarge, UnsafePath
 from adapters.sandboxes.base import (
     DEFAULT_EXEC_OUTPUT_BYTES, DEFAULT_MAX_BYTES, BoundedOutput, PathPolicy, Sandbox, SandboxRef, check_lexical,
-    exec_argv, open_regular, run_exec, write_blob_at,
+    exec_argv, open_regular, run_exec, unchanged, write_blob_at,
 )
 
 CHUNK = 1024 * 1024
@@ -98,12 +98,14 @@ class LocalSandbox(Sandbox):
             )
         fd = self._open(resolved)
         try:
+            before = os.fstat(fd)
             info = store.put_fd(key, fd, max_bytes=max_bytes)
-            if info is not None:
-                return info
-            os.lseek(fd, 0, os.SEEK_SET)
-            with os.fdopen(os.dup(fd), "rb", buffering=0) as f:
-                return store.put_stream(key, f, max_bytes=max_bytes)
+            if info is None:
+                os.lseek(fd, 0, os.SEEK_SET)
+                with os.fdopen(os.dup(fd), "rb", buffering=0) as f:
+                    info = store.put_stream(key, f, max_bytes=max_bytes)
+            unchanged(before, os.fstat(fd), info.size_bytes, store, key, shown=path)
+            return info
         finally:
             os.close(fd)
 

@@ -33,7 +33,8 @@ from collections.abc import Iterator
 
 from adapters.errors import ConfigError, FileMissing, NotAFile, SandboxGone, TooLarge, UnsafePath
 from adapters.sandboxes.base import (
-    DEFAULT_MAX_BYTES, PathPolicy, Sandbox, SandboxRef, check_lexical, open_regular, write_blob_at,
+    DEFAULT_MAX_BYTES, PathPolicy, Sandbox, SandboxRef, check_lexical, open_regular, unchanged,
+    write_blob_at,
 )
 
 CHUNK = 1024 * 1024
@@ -222,7 +223,7 @@ class SingularitySandbox(Sandbox):
             raise NotAFile(f"{path}: not a regular file")
         return resolved, st.st_size
 
-    def open_stream(self, resolved: str) -> Iterator[bytes]:
+    def _open_checked(self, resolved: str) -> int:
         self.policy.check(resolved)
         fd = open_in_root(self.root, resolved)
         try:
@@ -230,7 +231,10 @@ class SingularitySandbox(Sandbox):
         except BaseException:
             os.close(fd)
             raise
-        with os.fdopen(fd, "rb", buffering=0) as f:
+        return fd
+
+    def open_stream(self, resolved: str) -> Iterator[bytes]:
+        with os.fdopen(self._open_checked(resolved), "rb", buffering=0) as f:
             while chunk := f.read(CHUNK):
                 yield chunk
 
@@ -239,7 +243,11 @@ class SingularitySandbox(Sandbox):
         if size > max_bytes:
             raise TooLarge(f"{path}: {size:,} bytes is over the {max_bytes:,} byte cap", size_bytes=size,
                            limit_bytes=max_bytes)
-        return store.put_stream(key, self.open_stream(resolved), max_bytes=max_bytes)
+        with os.fdopen(self._open_checked(resolved), "rb", buffering=0) as f:
+            before = os.fstat(f.fileno())
+            info = store.put_stream(key, f, max_bytes=max_bytes)
+            unchanged(before, os.fstat(f.fileno()), info.size_bytes, store, key, shown=path)
+            return info
 
     def make_dirs(self, path: str) -> str:
         """``mkdir -p`` inside the instance (0700 for what it makes), for a
