@@ -67,7 +67,9 @@ def test_files_over_the_cap_are_left_out_with_a_notice():
 
 
 @pytest.mark.parametrize("uri", ["docker://c/x?host=bad/host", "docker://c/x?evil=1", "docker:///x",
-                                 "local://host/x", "local:relative"])
+                                 "local://host/x", "local:relative",
+                                 # urlparse drops a raw tab or newline: the URI would name another file
+                                 "docker://c/x\ny", "docker://c/a\tb", "local:///tmp/x%0Ay", "ssh://h/x\x7f"])
 def test_bad_sandbox_uris_are_config_errors(uri):
     with pytest.raises(ConfigError):
         ref, _ = parse_uri(uri)

@@ -85,6 +85,9 @@ def parse_uri(uri: str) -> tuple[SandboxRef, str]:
 
     `?host=<worker host>` pins a docker container or singularity instance to
     the host it lives on: its extractions go to the queue `sandbox.<host>`."""
+    if any(ord(c) < 32 or ord(c) == 127 for c in uri):
+        # urlparse drops tabs and newlines silently: the URI would name another file
+        raise ConfigError(f"control character in sandbox URI {uri!r}")
     p = urlparse(uri)
     kind = p.scheme.lower()
     if kind not in KINDS:
@@ -92,6 +95,8 @@ def parse_uri(uri: str) -> tuple[SandboxRef, str]:
     path = unquote(p.path)
     if not path.startswith("/"):
         raise ConfigError(f"sandbox URI needs an absolute path: {uri!r}")
+    if any(ord(c) < 32 or ord(c) == 127 for c in path):
+        raise ConfigError(f"control character in the path of sandbox URI {uri!r}")
     if kind == "local":
         if p.netloc not in ("", "localhost"):
             raise ConfigError(f"local sandbox URI is local:///abs/path, got {uri!r}")
@@ -113,7 +118,11 @@ def parse_uri(uri: str) -> tuple[SandboxRef, str]:
             options["user"] = unquote(p.username)
         if p.port:
             options["port"] = str(p.port)
-    return SandboxRef(kind, target, options=options), path
+    ref = SandboxRef(kind, target, options=options)
+    from adapters.sandboxes.routing import host_of
+
+    host_of(ref)  # a `?host=` that cannot name a queue is bad input here, before anything is registered
+    return ref, path
 
 
 def format_uri(ref: SandboxRef, path: str) -> str:
