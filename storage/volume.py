@@ -21,8 +21,12 @@ COPY_CHUNK = 64 * 1024 * 1024
 class VolumeStore(BlobStore):
     can_sign = False
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, links=None) -> None:
+        """`links`: a `storage.links.LinkSigner` (the web process serves the
+        links it signs); without one the volume cannot sign links."""
         self.root = Path(root).absolute()
+        self.links = links
+        self.can_sign = links is not None
         self._tmp_s = str(self.root / _TMP)
         self.url = self.root.as_uri()
         try:
@@ -167,6 +171,10 @@ class VolumeStore(BlobStore):
             except FileNotFoundError:
                 pass
         return n
+
+    def signed_url(self, key: str, expires_s: int = 3600) -> str | None:
+        """A link to `GET /files/<key>` on the web process, when it has a public URL."""
+        return self.links.url(check_key(key), expires_s) if self.links is not None else None
 
     def sweep_tmp(self, older_than_s: float = 3600) -> int:
         """Remove partial writes left by killed processes."""

@@ -109,3 +109,8 @@ def janitor_lock() -> str:
 def beat_lock() -> str:
     """string with TTL: held by the one beat process that schedules (the others stand by)"""
     return f"{PREFIX}lock:beat"
+
+
+def files_key() -> str:
+    """string, no TTL: the random key a volume store's download links are signed with (storage/links.py)"""
+    return f"{PREFIX}files_key"

@@ -19,12 +19,14 @@ import secrets
 from tasks import keys
 
 
-def server_key(r) -> bytes:
-    """The key tokens are made with (created on first use; every process gets the same one)."""
-    key = r.get(keys.events_key())
+def server_key(r, name: str | None = None) -> bytes:
+    """A random server key kept in Redis at `name` (default: the events key),
+    made on first use: every process gets the same one."""
+    name = name or keys.events_key()
+    key = r.get(name)
     if key is None:
-        r.set(keys.events_key(), secrets.token_hex(32), nx=True)
-        key = r.get(keys.events_key())
+        r.set(name, secrets.token_hex(32), nx=True)
+        key = r.get(name)
     return key if isinstance(key, bytes) else str(key).encode()
 
 

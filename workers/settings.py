@@ -101,6 +101,9 @@ class Settings(BaseSettings):
     redis_url: str = "redis://127.0.0.1:6379/0"
     #: `file:///abs/dir` or `s3://bucket/prefix` (endpoint: AWS_ENDPOINT_URL); default file://<data dir>/storage
     storage_url: str | None = None
+    #: the web process's public URL (https://bot.example.com): a volume store's download links (in
+    #: too-large notices) point at its signed, expiring /files/ route; S3 signs its own links
+    public_url: str | None = None
     #: where the `outbox` platform writes; default <data dir>/outbox
     outbox_dir: Path | None = None
 

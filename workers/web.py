@@ -46,6 +46,7 @@ import logging
 import os
 import re
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -539,6 +540,36 @@ def create_app(settings: Settings | None = None) -> Starlette:
     quiet_query_strings()
     discord_key: list = []  # the VerifyKey, made once
 
+    async def files(request: Request) -> Response:
+        """A volume's blob behind a signed, expiring link (storage/links.py), streamed."""
+        import mimetypes
+
+        from starlette.concurrency import iterate_in_threadpool
+
+        from storage.base import check_key
+        from workers.wiring import file_links, store
+
+        key = request.path_params["key"]
+        try:
+            check_key(key)
+        except Exception:  # noqa: BLE001 - a key that cannot be one
+            return JSONResponse({"ok": False, "error": "bad key"}, status_code=400)
+        links = file_links(web.settings)
+        why = await asyncio.to_thread(links.check, key, request.query_params.get("exp", ""),
+                                      request.query_params.get("sig", ""))
+        if why is not None:
+            return JSONResponse({"ok": False, "error": why}, status_code=403)
+        st = store(web.settings)
+        try:
+            info = await asyncio.to_thread(st.stat, key)
+        except Exception:  # noqa: BLE001 - gone (expired by the janitor) or never there
+            return JSONResponse({"ok": False, "error": "no such file"}, status_code=404)
+        name = key.rsplit("/", 1)[-1]
+        headers = {"Content-Length": str(info.size_bytes),
+                   "Content-Disposition": f"attachment; filename*=UTF-8''{urllib.parse.quote(name)}"}
+        return StreamingResponse(iterate_in_threadpool(st.iter_chunks(key)), headers=headers,
+                                 media_type=mimetypes.guess_type(name)[0] or "application/octet-stream")
+
     async def healthz(request: Request) -> Response:
         from tasks import queues
 
@@ -792,6 +823,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
         Route("/healthz", healthz, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/turns/{job_id}/events", turn_events, methods=["GET"]),
+        Route("/files/{key:path}", files, methods=["GET"]),
         Route("/webhooks/telegram", telegram, methods=["POST"]),
         Route("/webhooks/slack", slack, methods=["POST"]),
         Route("/webhooks/discord", discord, methods=["POST"]),

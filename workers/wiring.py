@@ -18,13 +18,32 @@ _lock = threading.Lock()
 
 
 @lru_cache(maxsize=4)
-def _store_for(url: str) -> BlobStore:
-    return open_store(url)
+def _store_for(url: str, public_url: str | None = None, redis_url: str | None = None) -> BlobStore:
+    st = open_store(url)
+    if public_url and not st.can_sign and hasattr(st, "links"):
+        # a volume: its links are served (and checked) by the web process at public_url
+        from storage.links import LinkSigner
+        from tasks import keys
+        from workers.eventauth import server_key
+
+        st.links = LinkSigner(public_url, lambda: server_key(redis_client(redis_url), keys.files_key()))
+        st.can_sign = True
+    return st
 
 
 def store(settings: Settings | None = None) -> BlobStore:
     s = settings or get_settings()
-    return _store_for(s.storage)
+    return _store_for(s.storage, s.public_url, s.redis_url)
+
+
+def file_links(settings: Settings | None = None):
+    """The signer that checks a volume's download links (the web process's /files/ route)."""
+    from storage.links import LinkSigner
+    from tasks import keys
+    from workers.eventauth import server_key
+
+    s = settings or get_settings()
+    return LinkSigner(s.public_url or "", lambda: server_key(redis_client(s.redis_url), keys.files_key()))
 
 
 # -- platforms ----------------------------------------------------------------
