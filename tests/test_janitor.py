@@ -152,7 +152,7 @@ def test_janitor_cli_dry_run_counts_then_sweeps(courier_env):
     assert got["files"] == {"count": 2, "bytes": 5000}
     assert store.exists("files/j1/0-a.bin") and store.exists("screenshots/t/old.png")  # nothing touched
     table = env.cli("janitor", "--dry-run")  # piped: one unwrapped line per row
-    assert table.returncode == 0 and re.search(r"files\s+2\s+5\.0 KB", table.stdout), table.stdout
+    assert table.returncode == 0 and re.search(r"files\s+2\s+4\.9 KiB", table.stdout), table.stdout
     assert "nothing deleted" in table.stdout
 
     for bad in ("10m", "soon", "-3d"):
