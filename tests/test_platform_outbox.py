@@ -71,16 +71,22 @@ sys.meta_path.insert(sys.meta_path.index(importlib.machinery.PathFinder) + 1, Fi
 '''
 
 
-def test_a_worker_started_in_a_directory_holding_storage_and_tasks_folders(redis_server, r, tmp_path):
+def test_a_worker_started_in_a_directory_holding_storage_and_tasks_folders(tmp_path):
     import subprocess
     import sys
     import uuid
 
     from celery import Celery
 
+    from tests.fixtures.redis_server import RedisServer
     from tests.fixtures.services import stop_process
     from tests.fixtures.workers import ROOT, CourierEnv
     from workers.demo import wait_worker
+
+    # a Redis of its own: the module's other worker (`oenv`, another data dir) must not take this job
+    (tmp_path / "redis").mkdir()
+    redis_server = RedisServer(tmp_path / "redis").start()
+    r = redis_server.client()
 
     site = tmp_path / "site"
     site.mkdir()
@@ -107,6 +113,8 @@ def test_a_worker_started_in_a_directory_holding_storage_and_tasks_folders(redis
     finally:
         proc.terminate()
         stop_process(proc, timeout_s=20)
+        r.close()
+        redis_server.stop()
 
 
 def test_an_empty_file_is_written_as_it_is(oenv, r, tmp_path):
