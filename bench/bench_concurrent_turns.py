@@ -18,7 +18,6 @@ cores (the agent's work is CPU: the ceiling is the number of cores).
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys

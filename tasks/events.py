@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from typing import Any
 
 from tasks import keys
@@ -46,17 +45,6 @@ def read(r, job_id: str, after: str = "0-0", *, block_ms: int | None = None, cou
                 continue
     return out
 
-
-def follow(r, job_id: str, after: str = "0-0", *, block_ms: int = 1000, deadline_s: float | None = None
-           ) -> Iterator[tuple[str, dict]]:
-    """Yield events as they come, until `deadline_s` (monotonic) passes."""
-    while deadline_s is None or time.monotonic() < deadline_s:
-        batch = read(r, job_id, after, block_ms=block_ms)
-        for eid, ev in batch:
-            after = eid
-            yield eid, ev
-        if not batch:
-            yield "", {}
 
 
 DELIVERY_FINAL = frozenset({"delivered", "failed"})

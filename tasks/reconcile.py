@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
 
 from tasks import keys, ledger, receipts

@@ -106,10 +106,6 @@ def check_platform(name: str, settings: Settings | None = None) -> None:
 
 
 # -- sandboxes ----------------------------------------------------------------
-def sandbox_policy(ref: SandboxRef, default_roots: tuple[str, ...], home: str | None) -> PathPolicy:
-    roots = ref.roots or default_roots
-    return PathPolicy(roots=tuple(roots), home=home)
-
 
 @lru_cache(maxsize=64)
 def _local_sandbox(roots: tuple[str, ...], home: str):

@@ -61,7 +61,6 @@ ACTIVITY_MAX_CHARS = MAX_ACTIVITY_CHARS
 NO_REPLY_STATUSES = frozenset({"no_reply", "declined", "skipped", "not_responding"})
 PROGRESS_STATUSES = frozenset({"started", "thinking", "processing"})
 TERMINAL_STATUSES = frozenset({"completed", "error"}) | NO_REPLY_STATUSES
-TOOL_STATUSES = frozenset({"tool_call", "tool_complete", "error"})
 
 MAX_REPLY_CHARS = 200_000
 MAX_EVENT_LINE_CHARS = 64 * 1024

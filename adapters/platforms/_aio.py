@@ -39,8 +39,3 @@ def run(coro: Coroutine[Any, Any, T], timeout_s: float | None = 300.0) -> T:
     except TimeoutError:
         fut.cancel()
         raise
-
-
-def pid_generation() -> int:
-    """Changes after a fork: adapters rebuild SDK clients bound to the old loop."""
-    return os.getpid()
