@@ -19,7 +19,7 @@ from adapters.sandboxes.base import SandboxRef, parse_uri
 from adapters.sandboxes.docker import DockerSandbox, _open_under, iter_single_member, tar_stream
 from adapters.sandboxes.routing import host_of, queue_for
 from storage.volume import VolumeStore
-from tests.fixtures._files import MB, random_chunks, sha256_file, sha_in_container, stored
+from tests.fixtures._files import MB, random_chunks, run_in, sha256_file, sha_in_container, stored
 
 SETUP = r"""set -e
 mkdir -p /workspace/dir /home/agent/.ssh
@@ -301,7 +301,7 @@ def test_put_byte_identical(sb, ctr, store, size):
     final = sb.put(store, "in/blob", f"/workspace/up_{size}.bin")
     assert final == f"/workspace/up_{size}.bin"
     assert sha_in_container(ctr, final) == info.sha256
-    ls = ctr.exec_run(["sh", "-c", "ls -a /workspace | grep -c courier-part || true"]).output.strip()
+    ls = run_in(ctr, ["sh", "-c", "ls -a /workspace | grep -c courier-part || true"]).strip()
     assert ls == b"0"
 
 
@@ -319,7 +319,7 @@ def test_put_refused(sb, ctr, store, dest, exc):
     store.put_bytes("in/b", b"payload")
     with pytest.raises(exc):
         sb.put(store, "in/b", dest)
-    assert ctr.exec_run(["sh", "-c", "grep -c payload /etc/passwd || true"]).output.strip() == b"0"
+    assert run_in(ctr, ["sh", "-c", "grep -c payload /etc/passwd || true"]).strip() == b"0"
 
 
 def test_put_over_cap(sb, store):
@@ -348,7 +348,7 @@ def test_put_cut_midway_leaves_nothing(sb, ctr, store):
     store.put_stream("in/big", (os.urandom(MB) for _ in range(3)))
     with pytest.raises(StorageError):
         sb.put(FailingReads(store), "in/big", "/workspace/cut.bin")
-    ls = ctr.exec_run(["ls", "-a", "/workspace"]).output.decode()
+    ls = run_in(ctr, ["ls", "-a", "/workspace"]).decode()
     assert "cut.bin" not in ls
 
 
