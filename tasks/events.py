@@ -54,7 +54,7 @@ def decode(fields: dict) -> dict | None:
     """The event of one stream entry's fields (None if it is not one)."""
     raw = fields.get(b"data") or fields.get("data")
     try:
-        ev = json.loads(raw)
+        ev = json.loads(raw)  # type: ignore[arg-type]  # None: not an event (TypeError below)
     except (TypeError, ValueError):
         return None
     return ev if isinstance(ev, dict) else None

@@ -250,7 +250,7 @@ def test_watch_a_send_job(stack, tmp_path):
 
 
 # -- Celery custom state (result backend and Flower's event stream) --------------------------------
-def test_progress_state_in_result_backend_and_task_events(stack):
+def test_progress_state_in_result_backend_and_task_events(stack, tmp_path):
     """What Flower reads: the custom PROGRESS state with the activity, from the
     result backend (AsyncResult) and from the workers' task events."""
     from celery import Celery
@@ -276,9 +276,12 @@ def test_progress_state_in_result_backend_and_task_events(stack):
     threading.Thread(target=capture, daemon=True).start()
     # the wake-up makes the workers send a heartbeat: once it arrives, events flow to us
     wait_until(lambda: len(state.workers) > 0, timeout_s=20, what="a worker heartbeat")
-    job = stack.turn("outbox:flower", "x", "slow")
+    gate = tmp_path / "seen-running"
+    job = stack.turn("outbox:flower", f"hold {gate}", "slow")
     res = app.AsyncResult(job)
+    # the agent holds its turn open until the gate exists: PROGRESS is read while it runs
     info = wait_until(lambda: res.state == "PROGRESS" and res.info, timeout_s=30, what="PROGRESS in the backend")
+    gate.touch()
     assert info["job"] == job and info["activity"]
     stack.wait_over(job)
     assert res.get(timeout=30)["state"] == "replied"

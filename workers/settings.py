@@ -267,7 +267,7 @@ class Settings(BaseSettings):
     def _empty_is_unset(cls, v: Any, info: ValidationInfo) -> Any:
         """An empty variable (TOKEN= in compose or .env) means "not set": the default."""
         if isinstance(v, str) and v.strip() == "":
-            field = cls.model_fields[info.field_name]
+            field = cls.model_fields[info.field_name or ""]
             return field.get_default(call_default_factory=True)
         return v
 

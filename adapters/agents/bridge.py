@@ -311,7 +311,7 @@ class _Stdout:
 
     def _event_line(self, line: str) -> None:
         raw = parse_event_line(line)
-        if raw is None or raw is False:
+        if not isinstance(raw, dict):
             self.norm.drop(f"malformed event line ({len(line)} chars)")
             return
         ev = self.norm.feed(raw)
@@ -435,13 +435,13 @@ def run_bridge(
 
     tail = err_tail.strip()
     rc = proc.returncode
-    extra = {"duration_s": round(time.monotonic() - started, 3), "dropped_events": out.norm.dropped}
+    extra: dict[str, Any] = {"duration_s": round(time.monotonic() - started, 3), "dropped_events": out.norm.dropped}
     if out.cut:
         extra["reply_cut_chars"] = out.cut
         log.warning("agent reply cut at %d characters (%d more dropped)", max_reply_chars, out.cut)
     if stray_output:
         extra["stray_children"] = True
-    common = {"exit_code": rc, "stderr_tail": tail, "events": out.events, "extra": extra}
+    common: dict[str, Any] = {"exit_code": rc, "stderr_tail": tail, "events": out.events, "extra": extra}
     if timed_out:
         log.warning("agent %s timed out after %gs; process group killed", _argv0(command), timeout_s)
         return BridgeResult("error", reason="runtime_timeout", **common)

@@ -647,15 +647,15 @@ class EgressProxy:
                 if not ready:
                     return
                 for key, _ in ready:
-                    s: socket.socket = key.fileobj  # type: ignore[assignment]
-                    data = s.recv(CHUNK)
+                    src: socket.socket = key.fileobj  # type: ignore[assignment]
+                    data = src.recv(CHUNK)
                     if data:
-                        peer[s].sendall(data)
+                        peer[src].sendall(data)
                         continue
-                    sel.unregister(s)
+                    sel.unregister(src)
                     live -= 1
                     try:
-                        peer[s].shutdown(socket.SHUT_WR)
+                        peer[src].shutdown(socket.SHUT_WR)
                     except OSError:
                         return
 

@@ -254,7 +254,8 @@ _HTTP_HINTS = {
 
 
 def _run_tool(tools: Toolbox | None, call: dict, emit: Callable[[dict], None]) -> dict:
-    fn = call.get("function") if isinstance(call.get("function"), dict) else {}
+    raw_fn = call.get("function")
+    fn: dict = raw_fn if isinstance(raw_fn, dict) else {}
     name = str(fn.get("name") or "unknown")
     args = fn.get("arguments")
     call_id = str(call.get("id") or f"call_{uuid.uuid4().hex[:12]}")
