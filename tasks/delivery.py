@@ -252,18 +252,15 @@ def _plan_file(ctx: Context, platform: Platform, job: dict) -> tuple[Kind, FileS
 
 
 def _fid_key(platform: Platform, sha: str, kind: Kind) -> str | None:
-    bot = getattr(platform, "cache_key", None)
+    bot = platform.cache_key
     return keys.file_id(platform.name, bot, sha, kind.value) if bot and sha else None
 
 
 def _fit_file_caption(platform: Platform, kind: Kind, src: FileSource,
                       caption: str | None) -> tuple[str | None, list[str]]:
-    """`fit_caption` with the caption limit for this file as `kind`: a platform may
-    answer per file (`caption_chars_for(kind, file)`, e.g. Discord's voice message
-    holds no text: 0), else its `caption_chars`."""
-    per_file = getattr(platform, "caption_chars_for", None)
-    limit = per_file(kind, src) if per_file is not None else platform.limits.caption_chars
-    return fit_caption(caption, limit, platform.limits.text_chars)
+    """`fit_caption` with the caption room of this file as `kind` (the platform
+    answers per file: Discord's voice message holds no text)."""
+    return fit_caption(caption, platform.caption_chars_for(kind, src), platform.limits.text_chars)
 
 
 def _send_overflow(platform: Platform, chat: str, overflow: list[str], base_id: str) -> None:
@@ -278,18 +275,16 @@ def _send_file(ctx: Context, platform: Platform, chat: str, job: dict, *,
     left an upload or a refusal to resume from)."""
     kind, src, limit = _plan_file(ctx, platform, job)
     key, size = job["key"], src.size_bytes
-    if size == 0 and not getattr(platform, "takes_empty_files", False):
+    if size == 0 and not platform.takes_empty_files:
         # one rule for every chat platform: nothing is uploaded (the outbox, a directory, keeps it)
         reason = f"empty file: {src.name} is 0 bytes"
         _notice(ctx, platform, chat, job, f"⚠️ {src.name} was not sent: it is empty (0 bytes).", key=None)
         raise _Refused(reason, kind)
-    route = getattr(platform, "route_file", None)
-    if route is not None:  # the platform's own type rules (e.g. WhatsApp's supported types)
-        try:
-            kind = route(kind, src)
-        except FileRefused as exc:
-            raise _Refused(_notice_refused(ctx, platform, chat, job, src, exc, key=key), kind) from None
-        limit = platform.limits.upload_limit(kind)
+    try:  # the platform's own type rules (e.g. WhatsApp's supported types)
+        kind = platform.route_file(kind, src)
+    except FileRefused as exc:
+        raise _Refused(_notice_refused(ctx, platform, chat, job, src, exc, key=key), kind) from None
+    limit = platform.limits.upload_limit(kind)
     if size > limit:
         reason = _notice_too_large(ctx, platform, chat, job, src.name, size, limit, key=key)
         raise _Refused(reason, kind)
@@ -297,7 +292,7 @@ def _send_file(ctx: Context, platform: Platform, chat: str, job: dict, *,
         receipts.update_delivery(ctx.redis, job["id"], kind=kind.value, size_bytes=size, name=src.name)
     caption, overflow = _fit_file_caption(platform, kind, src, job.get("caption"))
     cached = None
-    if getattr(platform, "cache_key", None) and not src.sha256:
+    if platform.cache_key and not src.sha256:
         # extraction by kernel copy hashes nothing; the file-id cache needs it
         src = replace(src, sha256=_sha256_of(ctx.store, key))
     fid_key = _fid_key(platform, src.sha256, kind)
@@ -405,9 +400,8 @@ def _deliver_album_locked(ctx: Context, group: dict) -> dict:
                 continue
             job = _with_extraction(job, extracted)
         kind, src, limit = _plan_file(ctx, platform, job)
-        route = getattr(platform, "route_file", None)
         try:
-            kind = route(kind, src) if route is not None else kind
+            kind = platform.route_file(kind, src)
         except FileRefused:
             kind = Kind.DOCUMENT  # sent alone: refused there, with its notice
         if kind == Kind.PHOTO and 0 < src.size_bytes <= limit:

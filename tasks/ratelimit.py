@@ -93,10 +93,9 @@ def rules(platform: Platform, chat: str) -> list[tuple[RateLimitItem, tuple[str,
     """The moving windows that apply to one send (group, then bot), with their identifiers.
     The per-chat limit is the chat's gate (`gate_of`)."""
     lim = platform.limits
-    bot = str(getattr(platform, "cache_key", None) or "default")
+    bot = str(platform.cache_key or "default")
     out: list[tuple[RateLimitItem, tuple[str, ...]]] = []
-    is_group: Callable[[str], bool] | None = getattr(platform, "is_group", None)
-    if lim.per_group_per_min and is_group is not None and is_group(chat):
+    if lim.per_group_per_min and platform.is_group(chat):
         out.append((RateLimitItemPerMinute(int(round(lim.per_group_per_min)), 1),
                     (platform.name, bot, "group", chat)))
     if lim.per_bot_per_s:
@@ -109,7 +108,7 @@ def gate_of(platform: Platform, chat: str) -> tuple[str | None, float]:
     rate = platform.limits.per_chat_per_s
     if not rate:
         return None, 0.0
-    bot = str(getattr(platform, "cache_key", None) or "default")
+    bot = str(platform.cache_key or "default")
     return f"{keys.rate_limit_prefix()}:gate:{platform.name}:{bot}:{chat}", 1.0 / rate
 
 
@@ -217,8 +216,23 @@ class Guarded(Platform):
         self.name = platform.name
         self.limits = platform.limits
 
-    def __getattr__(self, name: str) -> Any:  # cache_key, is_group, ...
-        return getattr(self._p, name)
+    # -- what the platform declares, as the platform says it --------------
+    @property
+    def cache_key(self) -> str | None:  # type: ignore[override]
+        return self._p.cache_key
+
+    @property
+    def takes_empty_files(self) -> bool:  # type: ignore[override]
+        return self._p.takes_empty_files
+
+    def is_group(self, chat: str) -> bool:
+        return self._p.is_group(chat)
+
+    def caption_chars_for(self, kind: Kind, file: FileSource) -> int:
+        return self._p.caption_chars_for(kind, file)
+
+    def route_file(self, kind: Kind, file: FileSource) -> Kind:
+        return self._p.route_file(kind, file)
 
     def __repr__(self) -> str:
         return f"Guarded({self._p!r})"

@@ -99,8 +99,31 @@ class Sent:
 
 
 class Platform(ABC):
+    """A chat platform. Every capability the delivery flow asks about is declared
+    here with its default, so an adapter states what differs and nothing is
+    looked up by name."""
+
     name: str = ""
     limits: Limits
+    #: the bot account this adapter sends as, as a hash of its token (never the token):
+    #: it keys the shared rate limits and the upload-once file-id cache (None: no cache)
+    cache_key: str | None = None
+    #: whether a 0-byte file can be sent (the outbox, a directory: yes; chat platforms: no)
+    takes_empty_files: bool = False
+
+    def is_group(self, chat: str) -> bool:
+        """Whether `chat` is a group (the platform's per-group limit applies)."""
+        return False
+
+    def caption_chars_for(self, kind: Kind, file: FileSource) -> int:
+        """The caption room of this file sent as `kind` (Discord's voice message: 0)."""
+        return self.limits.caption_chars
+
+    def route_file(self, kind: Kind, file: FileSource) -> Kind:
+        """The kind the file goes as by the platform's own type rules (WhatsApp's
+        supported types, Telegram's audio formats); raises FileRefused when it
+        cannot go at all."""
+        return kind
 
     @abstractmethod
     def send_text(self, chat: str, text: str, *, delivery_id: str) -> Sent: ...
