@@ -24,6 +24,7 @@ from adapters.errors import CourierError, DeliveryError, Permanent, RateLimited
 from adapters.platforms.base import FileRefused, FileSource, Kind, Platform, Sent, split_target
 from tasks import events, keys, metrics, ratelimit, receipts
 from tasks.runtime import Context
+from tasks.states import DELIVERY_UNTRIED
 from tasks.text import fit_caption, human_bytes, split_text
 
 #: how long a platform file id is remembered for the same bytes
@@ -114,7 +115,7 @@ def _under_send_lock(ctx: Context, did: str, done: Callable[[dict], dict | None]
     # the lock is short and renewed while this process works: a worker that
     # dies frees its deliveries within SEND_LOCK_TTL_S (well inside Discord's
     # nonce memory), while a long upload keeps its lock
-    session = SendSession(ctx, did, owner, attempts, fresh=rec.get("state") in ("queued", "extracted"))
+    session = SendSession(ctx, did, owner, attempts, fresh=rec.get("state") in DELIVERY_UNTRIED)
     with receipts.renewing(r, did, owner):
         try:
             return work(session)

@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from tasks import keys
+from tasks.states import DELIVERY_OVER
 
 STREAM_TTL_S = 7 * 24 * 3600
 TERMINAL_STATUSES = frozenset({"completed", "error", "no_reply"})
@@ -47,7 +48,7 @@ def read(r, job_id: str, after: str = "0-0", *, block_ms: int | None = None, cou
 
 
 
-DELIVERY_FINAL = frozenset({"delivered", "failed"})
+DELIVERY_FINAL = DELIVERY_OVER
 
 
 def decode(fields: dict) -> dict | None:

@@ -11,12 +11,13 @@ import time
 from typing import Any
 
 from tasks import keys
+from tasks.states import DELIVERY_OVER
 
 RETENTION_S = 30 * 24 * 3600
 #: a send lock lives this long unless its holder renews it (every third of it): as
 #: long as the lease of the lane that takes it, so both lapse together when a worker dies
 SEND_LOCK_TTL_S = 20
-TERMINAL = frozenset({"delivered", "failed"})
+TERMINAL = DELIVERY_OVER
 
 
 def _s(v: Any) -> str:

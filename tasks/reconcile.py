@@ -57,7 +57,7 @@ def _grace(base_s: float, redrives: int) -> float:
 def tick(ctx: Context, *, now: float | None = None) -> dict:
     """One pass over the overdue entries of every stage. Returns what it did."""
     from tasks import chains
-    from tasks.turn import DONE_STATES
+    from tasks.states import TURN_OVER
 
     r = ctx.redis
     out = {"lanes": 0, "extractions": 0, "turns": 0, "abandoned": 0}
@@ -82,7 +82,7 @@ def tick(ctx: Context, *, now: float | None = None) -> dict:
         out["extractions"] += 1
     for job_id in _unleased_overdue(r, "turn", now):
         job = receipts.get_job(r, job_id)
-        if job is None or job.get("state") in DONE_STATES or not job.get("spec"):
+        if job is None or job.get("state") in TURN_OVER or not job.get("spec"):
             ledger.clear_due(r, "turn", job_id)
             continue
         if int(job.get("attempts") or 0) >= TURN_MAX_RUNS:

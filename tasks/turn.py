@@ -28,8 +28,8 @@ from adapters.sandboxes.base import SandboxRef, parse_uri
 from storage.spill import SpillConfig
 from tasks import chains, events, keys, ledger, receipts
 from tasks.runtime import Context
+from tasks.states import TURN_OVER
 
-DONE_STATES = frozenset({"replied", "no_reply", "error"})
 
 #: the bundled demo agent, always available as --agent demo
 BUILTIN_AGENTS = {"demo": [sys.executable, "-m", "adapters.agents.demo_agent"]}
@@ -95,7 +95,7 @@ def run_turn(ctx: Context, spec: dict, *, on_activity: Callable[[dict], None] | 
     r = ctx.redis
     job_id = spec["job"]
     job = receipts.get_job(r, job_id) or {}
-    if job.get("state") in DONE_STATES:
+    if job.get("state") in TURN_OVER:
         ledger.clear_due(r, "turn", job_id)
         return {"job": job_id, "state": job["state"], "skipped": True}
     r.hincrby(keys.job(job_id), "attempts", 1)  # the reconciler gives up on a turn that kills its worker

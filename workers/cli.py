@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from adapters.errors import ConfigError, CourierError, SandboxError, StorageError
+from tasks.states import TURN_OVER
 
 app = typer.Typer(add_completion=True, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="courier: run chat-agent turns and deliver their files to chat platforms.")
@@ -38,7 +39,6 @@ def new_table(title: str, **kw) -> Table:
 
 EXIT_FAILED, EXIT_INPUT, EXIT_SERVICE, EXIT_TIMEOUT = 1, 2, 3, 4
 #: a turn's job states once it is over (its deliveries, if any, are registered by then)
-TURN_OVER = frozenset({"replied", "no_reply", "error"})
 PROGRESS_MIN_BYTES = 8 * 1024 * 1024
 
 
