@@ -17,7 +17,7 @@ from typing import Any
 from tasks import keys
 
 STREAM_TTL_S = 7 * 24 * 3600
-TERMINAL_STATUSES = frozenset({"completed", "error", "no_reply"})
+TERMINAL_STATUSES = frozenset({"completed", "error", "no_reply", "cancelled"})
 
 
 def publish(r, job_id: str, event: dict[str, Any], *, maxlen: int = 1000, pipe=None) -> str | None:
@@ -59,7 +59,7 @@ def follow(r, job_id: str, after: str = "0-0", *, block_ms: int = 1000, deadline
             yield "", {}
 
 
-DELIVERY_FINAL = frozenset({"delivered", "failed"})
+DELIVERY_FINAL = frozenset({"delivered", "failed", "cancelled"})
 
 
 def decode(fields: dict) -> dict | None:

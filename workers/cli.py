@@ -38,7 +38,7 @@ def new_table(title: str, **kw) -> Table:
 
 EXIT_FAILED, EXIT_INPUT, EXIT_SERVICE, EXIT_TIMEOUT = 1, 2, 3, 4
 #: a turn's job states once it is over (its deliveries, if any, are registered by then)
-TURN_OVER = frozenset({"replied", "no_reply", "error"})
+TURN_OVER = frozenset({"replied", "no_reply", "error", "cancelled"})
 PROGRESS_MIN_BYTES = 8 * 1024 * 1024
 
 
@@ -141,7 +141,8 @@ def send(
     from workers.wiring import platform as wired_platform
 
     settings = _settings()
-    album_max = wired_platform(_target(settings, target), settings).limits.album_max  # built by the check
+    plat = wired_platform(_target(settings, target), settings)  # built by the check
+    album_max = plat.limits.album_max
     paths = paths or []
     if not paths and not (text and text.strip()):
         raise die("nothing to send: give files, --text, or both", EXIT_INPUT)
@@ -156,7 +157,14 @@ def send(
             except ConfigError as exc:
                 raise die(str(exc), EXIT_INPUT) from None
             if ref.kind == "local":
-                _precheck_local(settings, ref, path)
+                resolved, size = _precheck_local(settings, ref, path)
+                _precheck_size(plat, raw, resolved, size, voice=voice, as_document=as_document)
+                if size > settings.max_file_bytes:
+                    from tasks.text import human_bytes
+
+                    raise die(f"{raw}: {human_bytes(size)} is over the extraction cap of "
+                              f"{human_bytes(settings.max_file_bytes)} (COURIER_MAX_FILE_BYTES); nothing was enqueued",
+                              EXIT_INPUT)
             else:
                 _precheck_lexical(ref, path, raw)
             items.append(("sandbox", chains.SandboxFile(ref=ref, path=path)))
@@ -168,6 +176,7 @@ def send(
                 raise die(f"not a regular file: {raw}", EXIT_INPUT)
             if not os.access(p, os.R_OK):
                 raise die(f"cannot read {raw}: permission denied", EXIT_INPUT)
+            _precheck_size(plat, raw, str(p), p.stat().st_size, voice=voice, as_document=as_document)
             items.append(("local", p))
     r = _redis(settings)
     store = _store(settings)
@@ -206,6 +215,32 @@ def _precheck_local(settings, ref, path: str) -> tuple[str, int]:
         return open_sandbox(ref, settings).resolve(path)
     except SandboxError as exc:
         raise die(str(exc), EXIT_INPUT) from None
+
+
+def _precheck_size(platform, raw: str, path: str, size: int, *, voice: bool, as_document: bool) -> None:
+    """A file over the platform's upload limit for what it would be sent as
+    (its kind, after the platform's own routing) exits 2 before anything is
+    stored or enqueued; the worker's too-large notice is for files the CLI
+    cannot see (a remote sandbox's, an agent's)."""
+    from adapters.platforms.base import FileRefused, FileSource
+    from tasks.delivery import choose_kind
+    from tasks.text import human_bytes
+
+    name = os.path.basename(path)
+    kind = choose_kind(platform, name, size, voice=voice, as_document=as_document)
+    route = getattr(platform, "route_file", None)
+    if route is not None:
+        src = FileSource(name=name, size_bytes=size, sha256="", opener=lambda: open(path, "rb"), path=Path(path))
+        try:
+            kind = route(kind, src)
+        except FileRefused:
+            return  # a type the platform does not take: the worker sends its notice
+        except (OSError, CourierError):
+            return
+    limit = platform.limits.upload_limit(kind)
+    if size > limit:
+        raise die(f"{raw}: {human_bytes(size)} is over {platform.name}'s upload limit for a {kind.value} "
+                  f"({human_bytes(limit)}); nothing was enqueued", EXIT_INPUT)
 
 
 def _precheck_lexical(ref, path: str, raw: str) -> None:
@@ -656,6 +691,160 @@ def _age(s: float) -> str:
     return f"{s / 3600:.1f}h"
 
 
+# -- retry, cancel ------------------------------------------------------------------
+def _outcome_table(title: str, rows: list[dict]) -> Table:
+    from rich.text import Text
+
+    t = new_table(title)
+    for col in ("delivery", "outcome", "state", "note"):
+        t.add_column(col, overflow="fold")
+    for row in rows:
+        style = {"requeued": "green", "cancelled": "green", "refused": "red", "in_flight": "yellow"}.get(
+            row.get("outcome", ""), "")
+        t.add_row(Text(str(row.get("id", ""))), Text(str(row.get("outcome", "")), style=style),
+                  Text(str(row.get("state", ""))), Text(str(row.get("reason") or row.get("note") or "")))
+    return t
+
+
+@app.command()
+def retry(
+    ids: Annotated[list[str], typer.Argument(metavar="ID...", help="failed delivery ids, or a job id (all its "
+                                                                   "failed or cancelled deliveries)")],
+    wait: Annotated[bool, typer.Option("--wait", help="wait until the retried deliveries are final; exit 1 if "
+                                                      "one failed again")] = False,
+    timeout: Annotated[float, typer.Option(help="seconds to wait with --wait")] = 300.0,
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
+    """Re-queue failed (or cancelled) deliveries through the ledger: their chat's lane, and a new extraction
+    when that is what failed. A delivered one is refused. Exit 2 (nothing re-queued) when an id is unknown
+    or not failed."""
+    from tasks import chains, operations
+
+    settings = _settings()
+    r = _redis(settings)
+    recs: list[dict] = []
+    problems: list[dict] = []
+    for ident in dict.fromkeys(ids):
+        found = operations.retry_targets(r, ident)
+        if found is None:
+            problems.append({"id": ident, "outcome": "refused", "state": "", "reason": "no such delivery or job"})
+            continue
+        what, rows = found
+        if what == "job" and not rows:
+            problems.append({"id": ident, "outcome": "refused", "state": "",
+                             "reason": "the job has no failed or cancelled delivery"})
+        for rec in rows:
+            if rec.get("state") not in operations.RETRYABLE:
+                st = rec.get("state", "")
+                why = ("already delivered" + (f" (message id {rec['message_id']})" if rec.get("message_id") else "")
+                       if st == "delivered" else f"not failed: it is {st}")
+                problems.append({"id": rec["id"], "outcome": "refused", "state": st, "reason": why})
+            elif rec["id"] not in {x["id"] for x in recs}:
+                recs.append(rec)
+    if problems:
+        if as_json:
+            print(json.dumps({"retried": [], "refused": problems}))
+        else:
+            out.print(_outcome_table("retry: nothing re-queued", problems))
+        raise die("; ".join(f"{p['id']}: {p['reason']}" for p in problems) + " (nothing was re-queued)",
+                  EXIT_INPUT)
+    _celery()
+    results = [operations.retry(r, rec) for rec in recs]
+    for res in results:  # the ledger's due times are set: a lost publish only waits for the reconciler
+        if res.get("extract"):
+            chains.publish_extract(res["id"], res["extract"], f"retry:{res.get('source', '')}")
+    for target in dict.fromkeys(res["target"] for res in results if res["outcome"] == "requeued"):
+        chains.publish_lane(target)
+    refused = [res for res in results if res["outcome"] != "requeued"]
+    if not wait:
+        if as_json:
+            print(json.dumps({"retried": [res for res in results if res["outcome"] == "requeued"],
+                              "refused": refused}))
+        else:
+            out.print(_outcome_table("retry", results))
+        if refused:  # raced: it changed between the check and the reset
+            raise typer.Exit(EXIT_FAILED)
+        return
+    from tasks import receipts
+
+    done_ids = [res["id"] for res in results if res["outcome"] == "requeued"]
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = [receipts.get_delivery(r, d) or {"id": d, "state": "gone"} for d in done_ids]
+        finished = all(row.get("state") in receipts.TERMINAL or row.get("state") == "gone" for row in rows)
+        if finished or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    rows = [{k: v for k, v in row.items() if k != "spec"} for row in rows]
+    if as_json:
+        print(json.dumps({"done": finished, "deliveries": rows, "refused": refused}))
+    else:
+        out.print(_table("retried deliveries", rows))
+    if not finished:
+        raise die("timed out waiting for the retried deliveries; see `courier status ID`", EXIT_TIMEOUT)
+    if refused or any(row.get("state") != "delivered" for row in rows):
+        raise typer.Exit(EXIT_FAILED)
+
+
+@app.command()
+def cancel(
+    job: Annotated[str, typer.Argument(metavar="JOB", help="a send or turn id")],
+    timeout: Annotated[float, typer.Option(help="seconds to wait for sends already in flight to finish")] = 60.0,
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
+    """Cancel a job: its deliveries not sent yet are never sent (state `cancelled`); a send already in
+    flight finishes; a queued turn ends, a running one is marked and delivers nothing."""
+    from tasks import chains, operations, receipts
+
+    settings = _settings()
+    r = _redis(settings)
+    rec = receipts.get_job(r, job)
+    if rec is None:
+        if receipts.get_delivery(r, job) is not None:
+            raise die(f"{job} is a delivery: cancel takes its job ({job.rsplit('.', 1)[0]})", EXIT_INPUT)
+        raise die(f"no send or turn with id {job!r}", EXIT_INPUT)
+    turn_was = operations.mark_turn(r, job) if rec.get("kind") == "turn" else None
+    deadline = time.monotonic() + timeout
+    results: dict[str, dict] = {}
+    while True:
+        rows = receipts.job_deliveries(r, job)
+        flight = []
+        for row in rows:
+            before = results.get(row["id"])
+            if before is not None and before["outcome"] != "in_flight":
+                continue
+            res = operations.cancel_delivery(r, row)
+            if res["outcome"] == "in_flight":
+                res["note"] = "being sent: it finishes"
+                flight.append(row)
+            elif res["outcome"] == "final":
+                res["note"] = "was in flight: it finished" if before is not None else "already final"
+            results[res["id"]] = res
+        if not flight or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    if any(res["outcome"] == "cancelled" for res in results.values()):
+        _celery()
+        chains.publish_lane(rec.get("target", ""))  # the lane drops the cancelled steps now, not at its due time
+    rows_out = list(results.values())
+    timed_out = any(res["outcome"] == "in_flight" for res in rows_out)
+    if as_json:
+        print(json.dumps({"job": job, "kind": rec.get("kind"), "turn": turn_was, "deliveries": rows_out,
+                          "timed_out": timed_out}))
+    else:
+        if turn_was is not None:
+            msg = {"queued": "the turn had not started: it ends now, delivering nothing",
+                   "running": "the turn is running: marked, it delivers nothing when it ends"}.get(
+                turn_was, f"the turn was over ({turn_was})")
+            out.print(f"{job}: {msg}", markup=False, highlight=False)
+        n = sum(1 for res in rows_out if res["outcome"] == "cancelled")
+        out.print(f"{job}: {n} deliver{'y' if n == 1 else 'ies'} cancelled", markup=False, highlight=False)
+        if rows_out:
+            out.print(_outcome_table(f"cancel {job}", rows_out))
+    if timed_out:
+        raise die(f"sends still in flight after {timeout:g}s; see `courier status {job}`", EXIT_TIMEOUT)
+
+
 # -- webhook set ------------------------------------------------------------------
 webhook_app = typer.Typer(no_args_is_help=True, help="Point a platform's webhook at the web process.")
 app.add_typer(webhook_app, name="webhook")
@@ -802,7 +991,9 @@ def send_state(rows: list[dict]) -> str:
 
     states = [row.get("state") for row in rows]
     if states and all(st in receipts.TERMINAL for st in states):
-        return "failed" if "failed" in states else "delivered"
+        if "failed" in states:
+            return "failed"
+        return "delivered" if "delivered" in states else "cancelled"
     if any(st not in ("queued", None) for st in states):
         return "sending"
     return "queued"
