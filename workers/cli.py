@@ -940,6 +940,9 @@ def janitor(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="count what would go (files and bytes); delete nothing")] = False,
     older_than: Annotated[str | None, typer.Option(help="instead of each TTL: everything older than this "
                                                        "(e.g. 12h, 3d; at least 1h)")] = None,
+    install_lifecycle: Annotated[bool, typer.Option("--install-lifecycle", help="S3 storage: put the retention "
+                                                    "rules on the bucket as lifecycle rules (the S3 service then "
+                                                    "expires the files) and exit; see COURIER_S3_LIFECYCLE")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """Run one janitor sweep now (old screenshots, files, spills, partial writes, turn workspaces)."""
@@ -947,6 +950,32 @@ def janitor(
     from workers.wiring import build_context
 
     settings = _settings()
+    if install_lifecycle:
+        from tasks import janitor as janitor_mod
+
+        _redis(settings)
+        _store(settings)
+        try:
+            res = janitor_mod.install_lifecycle(build_context(settings))
+        except ConfigError as exc:
+            raise die(str(exc), EXIT_INPUT) from None
+        except CourierError as exc:
+            raise die(f"could not install the lifecycle rules: {exc}", EXIT_SERVICE) from None
+        if as_json:
+            print(json.dumps(res))
+            return
+        from rich.text import Text
+
+        t = new_table("S3 lifecycle rules " + ("installed" if res["changed"] else "already in place")
+                      + (f" (and {res['kept']} other rules kept)" if res["kept"] else ""))
+        for col in ("rule", "prefix", "after"):
+            t.add_column(col)
+        for rule in res["rules"]:
+            after = (f"expire {rule['Expiration']['Days']} d" if "Expiration" in rule else
+                     f"abort unfinished uploads {rule['AbortIncompleteMultipartUpload']['DaysAfterInitiation']} d")
+            t.add_row(Text(rule["ID"]), Text(rule["Filter"]["Prefix"]), Text(after))
+        out.print(t)
+        return
     older_s = None
     if older_than is not None:
         try:
@@ -975,7 +1004,13 @@ def janitor(
         for what, v in res.items():
             if what in ("dry_run", "took_s"):
                 continue
-            if v is None:
+            if what == "s3_lifecycle":
+                t.add_row(Text("(S3 lifecycle rules)"), Text(f"{v['rules']} rules" + (", updated" if v["changed"]
+                                                                                        else "")), Text(""))
+                continue
+            if v is None and res.get("s3_lifecycle"):
+                t.add_row(Text(what), Text("by the bucket's lifecycle"), Text(""))
+            elif v is None:
                 t.add_row(Text(what), Text("not counted"), Text(""))
             else:
                 t.add_row(Text(what), Text(str(v["count"])), Text(human_size(v["bytes"])))

@@ -202,6 +202,7 @@ def build_context(settings: Settings | None = None):
         max_files_per_job=s.max_files_per_job,
         extras={"screenshot_ttl_s": s.screenshot_ttl_s, "file_ttl_s": s.file_ttl_s, "spill_ttl_s": s.spill_ttl_s,
                 "workspace_ttl_s": s.workspace_ttl_s, "agent_sandbox_dirs": s.agent_sandbox_dirs,
+                "s3_lifecycle": s.s3_lifecycle,
                 **agent_extras(s, store(s))},
     )
 
