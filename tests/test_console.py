@@ -130,7 +130,13 @@ def test_send_task_from_flower_goes_through_receipts(courier_env, tmp_path):
     finally:
         stop_process(flower)
     ctx = build_context(env.settings())
-    for bad, why in (({"target": "nosuch:1", "text": "x"}, "nosuch"),
+    big = env.sandbox / "big.bin"
+    with open(big, "wb") as f:  # sparse: over the 50 MB extraction cap
+        f.truncate(60 * 1000 * 1000)
+    for bad, why in (({"target": "outbox:x", "files": ["docker://c/etc/shadow"]}, "never readable"),
+                     ({"target": "outbox:x", "files": [str(env.sandbox / "nope.txt")]}, "nope.txt"),
+                     ({"target": "outbox:x", "files": [str(big)]}, "COURIER_MAX_FILE_BYTES"),
+                     ({"target": "nosuch:1", "text": "x"}, "nosuch"),
                      ({"target": "outbox:x"}, "nothing to send"),
                      ({"target": "outbox:x", "files": "local:///tmp/a"}, "files must be a list"),
                      ({"target": "outbox:x", "files": ["relative/p"]}, "absolute path"),

@@ -18,7 +18,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from adapters.errors import ConfigError, CourierError, SandboxError, StorageError
+from adapters.errors import ConfigError, CourierError, StorageError
 
 app = typer.Typer(add_completion=True, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="courier: run chat-agent turns and deliver their files to chat platforms.")
@@ -156,17 +156,14 @@ def send(
                 ref, path = parse_uri(raw)
             except ConfigError as exc:
                 raise die(str(exc), EXIT_INPUT) from None
-            if ref.kind == "local":
-                resolved, size = _precheck_local(settings, ref, path)
-                _precheck_size(plat, raw, resolved, size, voice=voice, as_document=as_document)
-                if size > settings.max_file_bytes:
-                    from tasks.text import human_bytes
+            from tasks.send import check_file
+            from workers.wiring import open_sandbox
 
-                    raise die(f"{raw}: {human_bytes(size)} is over the extraction cap of "
-                              f"{human_bytes(settings.max_file_bytes)} (COURIER_MAX_FILE_BYTES); nothing was enqueued",
-                              EXIT_INPUT)
-            else:
-                _precheck_lexical(ref, path, raw)
+            try:  # a remote path the policy refuses as written; a local one resolved, its size checked
+                check_file(lambda ref: open_sandbox(ref, settings), plat, ref, path, raw, voice=voice,
+                           as_document=as_document, max_file_bytes=settings.max_file_bytes)
+            except ConfigError as exc:
+                raise die(str(exc), EXIT_INPUT) from None
             items.append(("sandbox", chains.SandboxFile(ref=ref, path=path)))
         else:
             p = Path(raw).expanduser()
@@ -176,7 +173,12 @@ def send(
                 raise die(f"not a regular file: {raw}", EXIT_INPUT)
             if not os.access(p, os.R_OK):
                 raise die(f"cannot read {raw}: permission denied", EXIT_INPUT)
-            _precheck_size(plat, raw, str(p), p.stat().st_size, voice=voice, as_document=as_document)
+            from tasks.send import check_size
+
+            try:
+                check_size(plat, raw, p.name, p.stat().st_size, voice=voice, as_document=as_document, path=str(p))
+            except ConfigError as exc:
+                raise die(str(exc), EXIT_INPUT) from None
             items.append(("local", p))
     r = _redis(settings)
     store = _store(settings)
@@ -205,57 +207,6 @@ def send(
         return
     rows, done = _wait_deliveries(r, job_id, timeout)
     _finish(job_id, rows, done, as_json)
-
-
-def _precheck_local(settings, ref, path: str) -> tuple[str, int]:
-    """A local sandbox path is checked here too, so a bad path enqueues nothing; returns (resolved, size)."""
-    from workers.wiring import open_sandbox
-
-    try:
-        return open_sandbox(ref, settings).resolve(path)
-    except SandboxError as exc:
-        raise die(str(exc), EXIT_INPUT) from None
-
-
-def _precheck_size(platform, raw: str, path: str, size: int, *, voice: bool, as_document: bool) -> None:
-    """A file over the platform's upload limit for what it would be sent as
-    (its kind, after the platform's own routing) exits 2 before anything is
-    stored or enqueued; the worker's too-large notice is for files the CLI
-    cannot see (a remote sandbox's, an agent's)."""
-    from adapters.platforms.base import FileRefused, FileSource
-    from tasks.delivery import choose_kind
-    from tasks.text import human_bytes
-
-    name = os.path.basename(path)
-    kind = choose_kind(platform, name, size, voice=voice, as_document=as_document)
-    route = getattr(platform, "route_file", None)
-    if route is not None:
-        src = FileSource(name=name, size_bytes=size, sha256="", opener=lambda: open(path, "rb"), path=Path(path))
-        try:
-            kind = route(kind, src)
-        except FileRefused:
-            return  # a type the platform does not take: the worker sends its notice
-        except (OSError, CourierError):
-            return
-    limit = platform.limits.upload_limit(kind)
-    if size > limit:
-        raise die(f"{raw}: {human_bytes(size)} is over {platform.name}'s upload limit for a {kind.value} "
-                  f"({human_bytes(limit)}); nothing was enqueued", EXIT_INPUT)
-
-
-def _precheck_lexical(ref, path: str, raw: str) -> None:
-    """A remote sandbox's path cannot be resolved here, but what the path
-    policy refuses whatever the links say (relative, `..`, the system
-    denylist: /etc, /proc, ...) is refused before anything is enqueued."""
-    import posixpath
-
-    from adapters.sandboxes.base import PathPolicy, check_lexical
-
-    try:
-        check_lexical(path)
-        PathPolicy(roots=tuple(ref.roots) or ("/",)).check(posixpath.normpath(path), shown=raw)
-    except SandboxError as exc:
-        raise die(str(exc), EXIT_INPUT) from None
 
 
 def _upload(store, key: str, p: Path):
