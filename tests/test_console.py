@@ -146,14 +146,17 @@ def test_send_task_from_flower_goes_through_receipts(courier_env, tmp_path):
     assert json.loads(env.cli("deliveries", "--chat", "outbox:x", "--json").stdout) == []
 
 
-def test_precheck_refuses_what_would_fail_later_and_bad_json_settings(courier_env, tmp_path):
+def test_precheck_refuses_what_would_fail_later_and_bad_json_settings(courier_env, tmp_path, redis_client):
     """A denylisted docker://…/etc/shadow was accepted with exit 0 and failed
     later; bad JSON in COURIER_AGENTS was a raw traceback. Both exit 2 now,
     nothing enqueued."""
     env = courier_env()
+    before = set(redis_client.scan_iter("courier:*"))
     for uri in ("docker://ctr/etc/shadow", "ssh://u@h/proc/self/environ", "docker://ctr/workspace/../etc/passwd"):
         res = env.cli("send", "outbox:x", uri)
         assert res.returncode == 2 and ("never readable" in res.stderr or "'..'" in res.stderr), (uri, res.stderr)
+    assert set(redis_client.scan_iter("courier:*")) == before  # nothing registered
+    assert redis_client.llen("sandbox") == 0
     small = tmp_path / "ok.png"
     small.write_bytes(b"x" * 100)
     assert env.cli("send", "outbox:x", str(small), "docker://ctr/workspace/a.png").returncode == 0
