@@ -26,7 +26,10 @@ def open_store(url: str, **s3_options: object) -> BlobStore:
     if parsed.scheme == "s3":
         if not parsed.netloc:
             raise ConfigError(f"storage URL must be s3://bucket[/prefix], got {url!r}")
-        from storage.s3 import S3Store
+        from adapters.extras import needs
+
+        with needs("s3", "S3 storage"):
+            from storage.s3 import S3Store
 
         return S3Store(parsed.netloc, parsed.path.strip("/"), **s3_options)  # type: ignore[arg-type]
     raise ConfigError(f"unsupported storage URL {url!r}: use file:///abs/dir or s3://bucket/prefix")

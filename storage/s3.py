@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import io
+import json
 import logging
 import mimetypes
 import os
@@ -301,6 +302,45 @@ class S3Store(BlobStore):
         if failed:
             raise StorageError(f"S3 delete failed for {len(failed)} key(s) in {self.url} (first: {failed[0]}); {n} deleted")
         return n
+
+    # -- lifecycle (the janitor's expiry, done by the S3 service) -------------
+    def lifecycle_rules(self, expire_days: dict[str, int], abort_multipart_days: int = 1) -> list[dict]:
+        """courier's lifecycle rules for this store: objects under each prefix
+        expire after its days; unfinished multipart uploads under the store's
+        prefix are aborted after `abort_multipart_days`. Rule ids are
+        `courier:<full prefix>`, so other rules of the bucket (and another
+        courier store's, under another prefix) are told apart."""
+        rules = [{"ID": f"courier:{self._key_prefix}{prefix}", "Filter": {"Prefix": self._key_prefix + prefix},
+                  "Status": "Enabled", "Expiration": {"Days": max(1, int(days))}}
+                 for prefix, days in expire_days.items()]
+        rules.append({"ID": f"courier:{self._key_prefix}*multipart", "Filter": {"Prefix": self._key_prefix},
+                      "Status": "Enabled",
+                      "AbortIncompleteMultipartUpload": {"DaysAfterInitiation": max(1, int(abort_multipart_days))}})
+        return rules
+
+    def install_lifecycle(self, expire_days: dict[str, int], abort_multipart_days: int = 1) -> dict:
+        """Make the bucket's lifecycle configuration hold courier's rules
+        (`lifecycle_rules`), keeping every other rule; one GET, and one PUT
+        only when something changed. Returns {"rules": ours, "changed": bool,
+        "kept": how many other rules}."""
+        ours = self.lifecycle_rules(expire_days, abort_multipart_days)
+        mine = f"courier:{self._key_prefix}"
+        with _map_errors("get lifecycle", where=self.url):
+            try:
+                current = self._client.get_bucket_lifecycle_configuration(Bucket=self.bucket).get("Rules", [])
+            except bce.ClientError as exc:
+                if (exc.response.get("Error", {}) or {}).get("Code") != "NoSuchLifecycleConfiguration":
+                    raise
+                current = []
+        others = [r for r in current if not str(r.get("ID", "")).startswith(mine)]
+        had = sorted((json.dumps(r, sort_keys=True, default=str) for r in current
+                      if str(r.get("ID", "")).startswith(mine)))
+        changed = had != sorted(json.dumps(r, sort_keys=True) for r in ours)
+        if changed:
+            with _map_errors("put lifecycle", where=self.url):
+                self._client.put_bucket_lifecycle_configuration(
+                    Bucket=self.bucket, LifecycleConfiguration={"Rules": others + ours})
+        return {"rules": ours, "changed": changed, "kept": len(others)}
 
     # -- links --------------------------------------------------------------
     def signed_url(self, key: str, expires_s: int = 3600) -> str | None:

@@ -126,6 +126,8 @@ def _under_send_lock(ctx: Context, did: str, done: Callable[[dict], dict | None]
 def _already_done(did: str, rec: dict) -> dict | None:
     if rec.get("state") == "delivered":
         return {"id": did, "state": "delivered", "message_id": rec.get("message_id"), "skipped": True}
+    if rec.get("state") == "cancelled":
+        return {"id": did, "state": "cancelled", "reason": rec.get("reason"), "skipped": True}
     if rec.get("state") == "failed" and rec.get("final") == "1":
         return {"id": did, "state": "failed", "reason": rec.get("reason"), "skipped": True}
     return None

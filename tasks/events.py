@@ -17,7 +17,7 @@ from tasks import keys
 from tasks.states import DELIVERY_OVER
 
 STREAM_TTL_S = 7 * 24 * 3600
-TERMINAL_STATUSES = frozenset({"completed", "error", "no_reply"})
+TERMINAL_STATUSES = frozenset({"completed", "error", "no_reply", "cancelled"})
 
 
 def publish(r, job_id: str, event: dict[str, Any], *, maxlen: int = 1000, pipe=None) -> str | None:

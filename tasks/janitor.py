@@ -69,11 +69,36 @@ def sweep(ctx: Context, *, dry_run: bool = False, older_than_s: float | None = N
             pass
 
 
+def lifecycle_days(ctx: Context) -> dict[str, int]:
+    """Each retention prefix's TTL in whole days, rounded up (what an S3 lifecycle rule takes)."""
+    return {prefix: max(1, -(-int(ctx.extras.get(setting, DEFAULT_TTL_S[setting])) // 86400))
+            for prefix, setting in RETENTION.items()}
+
+
+def install_lifecycle(ctx: Context) -> dict:
+    """Put the retention rules on the S3 bucket (ConfigError on another store)."""
+    from adapters.errors import ConfigError
+
+    if not hasattr(ctx.store, "install_lifecycle"):
+        raise ConfigError("lifecycle rules are for S3 storage (COURIER_STORAGE_URL=s3://...); a volume is swept")
+    return ctx.store.install_lifecycle(lifecycle_days(ctx), abort_multipart_days=max(1, -(-PARTIAL_AGE_S // 86400)))
+
+
 def _sweep(ctx: Context, *, dry_run: bool, older_than_s: float | None) -> dict:
     from storage.retention import expire_stats
 
     t0 = time.monotonic()
     out: dict = {"dry_run": dry_run}
+    if ctx.extras.get("s3_lifecycle") and hasattr(ctx.store, "install_lifecycle") and not dry_run \
+            and older_than_s is None:
+        # the S3 service expires the blobs (and stale multipart uploads) itself: the rules are all it takes
+        res = install_lifecycle(ctx)
+        for prefix in RETENTION:
+            out[prefix.rstrip("/")] = None  # not counted: expired by the bucket's lifecycle rules
+        out["partial_writes"] = None
+        out["s3_lifecycle"] = {"rules": len(res["rules"]), "changed": res["changed"]}
+        out["outbox_partial_writes"] = {"count": ctx.platform("outbox").sweep_partial(), "bytes": None}
+        return _workspaces(ctx, out, older_than_s, dry_run, t0)
     for prefix, setting in RETENTION.items():
         ttl = older_than_s if older_than_s is not None else int(ctx.extras.get(setting, DEFAULT_TTL_S[setting]))
         n, size = expire_stats(ctx.store, prefix, ttl, dry_run=dry_run)
@@ -86,6 +111,10 @@ def _sweep(ctx: Context, *, dry_run: bool, older_than_s: float | None) -> dict:
     else:
         out["partial_writes"] = {"count": ctx.store.sweep_tmp(PARTIAL_AGE_S), "bytes": None}
         out["outbox_partial_writes"] = {"count": ctx.platform("outbox").sweep_partial(), "bytes": None}
+    return _workspaces(ctx, out, older_than_s, dry_run, t0)
+
+
+def _workspaces(ctx: Context, out: dict, older_than_s: float | None, dry_run: bool, t0: float) -> dict:
     ttl = older_than_s if older_than_s is not None else int(ctx.extras.get("workspace_ttl_s",
                                                                            DEFAULT_WORKSPACE_TTL_S))
     n, size = workspace_stats(_agent_dirs(ctx), int(ttl), dry_run=dry_run)

@@ -74,15 +74,16 @@ def add_delivery(r, job_id: str, delivery_id: str, *, lane: str | None = None, *
 
 
 _UPDATE_OPEN = """
-if redis.call('hget', KEYS[1], 'state') == 'delivered' then return 0 end
+local st = redis.call('hget', KEYS[1], 'state')
+if st == 'delivered' or st == 'cancelled' then return 0 end
 redis.call('hset', KEYS[1], unpack(ARGV))
 return 1
 """
 
 
 def update_open_delivery(r, delivery_id: str, **fields: Any) -> None:
-    """Set receipt fields unless the delivery is already delivered (a
-    redelivered extraction must not touch a finished receipt). `r` may be a pipeline."""
+    """Set receipt fields unless the delivery is already delivered or
+    cancelled (a redelivered extraction must not touch a finished receipt). `r` may be a pipeline."""
     flat = [x for k, v in fields.items() if v is not None for x in (k, _s(v))]
     if flat:
         r.eval(_UPDATE_OPEN, 1, keys.delivery(delivery_id), *flat)
@@ -114,7 +115,7 @@ local rec = redis.call('hmget', KEYS[2], 'state', 'final', 'message_id', 'reason
 local attempts = 0
 if locked and ARGV[3] == '1' then
   local st, final = rec[1], rec[2]
-  if st ~= 'delivered' and not (st == 'failed' and final == '1') then
+  if st ~= 'delivered' and st ~= 'cancelled' and not (st == 'failed' and final == '1') then
     attempts = redis.call('hincrby', KEYS[2], 'attempts', 1)
     redis.call('hset', KEYS[2], 'state', 'sending')
   end

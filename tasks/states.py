@@ -22,6 +22,7 @@ class DeliveryState(StrEnum):
     RATE_LIMITED = "rate_limited"      # the platform said 429; due after its retry-after
     DELIVERED = "delivered"
     FAILED = "failed"
+    CANCELLED = "cancelled"            # by the operator (`courier cancel`): never sent
 
 
 class JobState(StrEnum):
@@ -32,11 +33,12 @@ class JobState(StrEnum):
     REPLIED = "replied"      # a turn ended with a reply (its deliveries are queued)
     NO_REPLY = "no_reply"    # the agent chose not to answer
     ERROR = "error"          # the turn failed (the chat got a short message)
+    CANCELLED = "cancelled"  # by the operator before it ran (a running one is marked: its reply is dropped)
 
 
 #: a delivery in one of these never changes again
-DELIVERY_OVER = frozenset({DeliveryState.DELIVERED, DeliveryState.FAILED})
+DELIVERY_OVER = frozenset({DeliveryState.DELIVERED, DeliveryState.FAILED, DeliveryState.CANCELLED})
 #: a turn in one of these is over (its deliveries may still be going)
-TURN_OVER = frozenset({JobState.REPLIED, JobState.NO_REPLY, JobState.ERROR})
+TURN_OVER = frozenset({JobState.REPLIED, JobState.NO_REPLY, JobState.ERROR, JobState.CANCELLED})
 #: a delivery that has not been tried yet (no earlier attempt can have sent a part)
 DELIVERY_UNTRIED = frozenset({DeliveryState.QUEUED, DeliveryState.EXTRACTED})

@@ -95,9 +95,12 @@ def run_turn(ctx: Context, spec: dict, *, on_activity: Callable[[dict], None] | 
     r = ctx.redis
     job_id = spec["job"]
     job = receipts.get_job(r, job_id) or {}
-    if job.get("state") in TURN_OVER:
+    if job.get("state") in TURN_OVER or job.get("cancel_requested") == "1":
         ledger.clear_due(r, "turn", job_id)
-        return {"job": job_id, "state": job["state"], "skipped": True}
+        if job.get("state") not in TURN_OVER:  # cancelled while a worker was taking it
+            receipts.set_job(r, job_id, state="cancelled")
+        return {"job": job_id, "state": job.get("state") if job.get("state") in TURN_OVER else "cancelled",
+                "skipped": True}
     r.hincrby(keys.job(job_id), "attempts", 1)  # the reconciler gives up on a turn that kills its worker
 
     def publish(ev: dict) -> None:
@@ -184,6 +187,10 @@ def run_turn(ctx: Context, spec: dict, *, on_activity: Callable[[dict], None] | 
                        voice=parsed.audio_as_voice, as_document=parsed.as_document,
                        max_bytes=ctx.max_file_bytes, album_max=_album_max(ctx, spec["target"]),
                        max_files=ctx.max_files_per_job)
+    from tasks.operations import CANCEL_REASON, cancel_requested
+
+    if cancel_requested(r, job_id):  # `courier cancel` while it ran: its reply is not delivered
+        return finish("cancelled", reason=CANCEL_REASON)
     try:
         ids = chains.enqueue(r, plan)
     except CourierError as exc:

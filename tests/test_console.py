@@ -130,7 +130,13 @@ def test_send_task_from_flower_goes_through_receipts(courier_env, tmp_path):
     finally:
         stop_process(flower)
     ctx = build_context(env.settings())
-    for bad, why in (({"target": "nosuch:1", "text": "x"}, "nosuch"),
+    big = env.sandbox / "big.bin"
+    with open(big, "wb") as f:  # sparse: over the 50 MB extraction cap
+        f.truncate(60 * 1000 * 1000)
+    for bad, why in (({"target": "outbox:x", "files": ["docker://c/etc/shadow"]}, "never readable"),
+                     ({"target": "outbox:x", "files": [str(env.sandbox / "nope.txt")]}, "nope.txt"),
+                     ({"target": "outbox:x", "files": [str(big)]}, "COURIER_MAX_FILE_BYTES"),
+                     ({"target": "nosuch:1", "text": "x"}, "nosuch"),
                      ({"target": "outbox:x"}, "nothing to send"),
                      ({"target": "outbox:x", "files": "local:///tmp/a"}, "files must be a list"),
                      ({"target": "outbox:x", "files": ["relative/p"]}, "absolute path"),
@@ -140,14 +146,17 @@ def test_send_task_from_flower_goes_through_receipts(courier_env, tmp_path):
     assert json.loads(env.cli("deliveries", "--chat", "outbox:x", "--json").stdout) == []
 
 
-def test_precheck_refuses_what_would_fail_later_and_bad_json_settings(courier_env, tmp_path):
+def test_precheck_refuses_what_would_fail_later_and_bad_json_settings(courier_env, tmp_path, redis_client):
     """A denylisted docker://…/etc/shadow was accepted with exit 0 and failed
     later; bad JSON in COURIER_AGENTS was a raw traceback. Both exit 2 now,
     nothing enqueued."""
     env = courier_env()
+    before = set(redis_client.scan_iter("courier:*"))
     for uri in ("docker://ctr/etc/shadow", "ssh://u@h/proc/self/environ", "docker://ctr/workspace/../etc/passwd"):
         res = env.cli("send", "outbox:x", uri)
         assert res.returncode == 2 and ("never readable" in res.stderr or "'..'" in res.stderr), (uri, res.stderr)
+    assert set(redis_client.scan_iter("courier:*")) == before  # nothing registered
+    assert redis_client.llen("sandbox") == 0
     small = tmp_path / "ok.png"
     small.write_bytes(b"x" * 100)
     assert env.cli("send", "outbox:x", str(small), "docker://ctr/workspace/a.png").returncode == 0

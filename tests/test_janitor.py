@@ -225,3 +225,70 @@ def test_a_second_beat_stands_by_until_the_first_is_gone(redis_server, redis_cli
         for p in (a, b):
             if p is not None:
                 stop_process(p)
+
+
+def _s3_env(srv, bucket: str) -> dict:
+    return {"COURIER_STORAGE_URL": f"s3://{bucket}/courier", "AWS_ENDPOINT_URL": srv.endpoint_url,
+            "AWS_ACCESS_KEY_ID": srv.access_key, "AWS_SECRET_ACCESS_KEY": srv.secret_key,
+            "AWS_DEFAULT_REGION": srv.region}
+
+
+def _count_requests(store) -> list[str]:
+    """Every HTTP request the store's boto3 client sends (retries included), by operation."""
+    sent: list[str] = []
+    store._client.meta.events.register("before-send.s3", lambda **kw: sent.append(kw["request"].method))
+    return sent
+
+
+def test_s3_lifecycle_rules_replace_the_listing(courier_env, s3_server, monkeypatch):
+    """On SeaweedFS (tests/fixtures/s3_server.py), which stores and returns
+    lifecycle configurations: `courier janitor --install-lifecycle` puts one
+    rule per retention prefix (TTL in whole days, rounded up) and one that
+    aborts stale multipart uploads, keeping the bucket's other rules; with
+    COURIER_S3_LIFECYCLE a sweep makes one request (the rules are in place)
+    and lists nothing. Whether the server then expires objects is its own
+    business (days, not testable here)."""
+    from tasks.janitor import sweep
+    from workers.wiring import build_context
+
+    bucket = s3_server.make_bucket()
+    c = s3_server.client()
+    other = {"ID": "theirs", "Filter": {"Prefix": "logs/"}, "Status": "Enabled", "Expiration": {"Days": 30}}
+    c.put_bucket_lifecycle_configuration(Bucket=bucket, LifecycleConfiguration={"Rules": [other]})
+    env = courier_env(**_s3_env(s3_server, bucket), COURIER_SCREENSHOT_TTL_S="3600", COURIER_S3_LIFECYCLE="1")
+    res = env.cli("janitor", "--install-lifecycle", "--json")
+    assert res.returncode == 0, res.stderr
+    got = json.loads(res.stdout)
+    assert got["changed"] is True and got["kept"] == 1
+    rules = {r["ID"]: r for r in c.get_bucket_lifecycle_configuration(Bucket=bucket)["Rules"]}
+    assert rules["theirs"]["Expiration"]["Days"] == 30
+    assert rules["courier:courier/files/"]["Filter"]["Prefix"] == "courier/files/"
+    assert rules["courier:courier/files/"]["Expiration"]["Days"] == 7
+    assert rules["courier:courier/screenshots/"]["Expiration"]["Days"] == 1  # 1 h: rounded up to a day
+    assert rules["courier:courier/hook_outputs/"]["Expiration"]["Days"] == 7
+    assert rules["courier:courier/*multipart"]["AbortIncompleteMultipartUpload"]["DaysAfterInitiation"] == 1
+    table = env.cli("janitor", "--install-lifecycle")
+    assert table.returncode == 0 and "already in place" in table.stdout and "courier/files/" in table.stdout
+
+    s3 = s3_server.store(bucket, "courier")
+    for i in range(30):
+        s3.put_bytes(f"files/j/{i}-a.bin", b"x")
+    for k, v in _s3_env(s3_server, bucket).items():
+        if k.startswith("AWS_"):
+            monkeypatch.setenv(k, v)
+    ctx = build_context(env.settings())
+    sent = _count_requests(ctx.store)
+    res = sweep(ctx)
+    assert res["files"] is None and res["s3_lifecycle"] == {"rules": 5, "changed": False}
+    assert sent == ["GET"]  # the rules are read; nothing listed, nothing deleted
+    assert len(list(s3.list("files/"))) == 30
+    # a dry run and --older-than still look at every file (the operator asked)
+    sent.clear()
+    dry = sweep(ctx, dry_run=True)
+    assert dry["files"]["count"] == 0 and "GET" in sent and "s3_lifecycle" not in dry
+
+    # a volume has no lifecycle: exit 2
+    vol = courier_env()
+    res = vol.cli("janitor", "--install-lifecycle")
+    assert res.returncode == 2 and "S3 storage" in res.stderr
+    s3_server.drop_bucket(bucket)

@@ -20,7 +20,7 @@ from adapters.platforms.base import FileSource, Kind, MiB
 from adapters.platforms.discord import DiscordPlatform, nonce_for, waveform_for
 from tasks import keys, receipts
 from tests.fixtures._files import sha256_file as sha
-from tests.fixtures._platforms import agent_env, chain_with_marker, db, make, opener, redelivered_file_job, send, words
+from tests.fixtures._platforms import agent_env, chain_with_marker, db, make, opener, redelivered_file_job, send, send_plain, words
 from tests.fixtures.services import wait_until
 from tests.fixtures.workers import CourierEnv
 from tests.test_ogg import opus_stream, write_opus
@@ -131,7 +131,8 @@ def test_caption_over_the_limit_follows_as_text(denv, fake, tmp_path):
 def test_over_the_upload_limit_sends_a_notice_and_nothing_else(denv, fake, tmp_path, redis_server):
     chan = channel()
     big = make(tmp_path, "huge.zip", 10 * MiB + 1)
-    code, data, err = send(denv, f"discord:{chan}", str(big))
+    # plain code, not the CLI: `courier send` refuses it before enqueueing (exit 2); this is the worker's refusal
+    code, data, err = send_plain(denv, f"discord:{chan}", str(big))
     assert code == 1, (data, err)
     row = data["deliveries"][0]
     assert row["state"] == "failed" and "too large" in row["reason"] and "huge.zip" in row["reason"]

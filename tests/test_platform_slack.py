@@ -16,7 +16,7 @@ from adapters.platforms.base import FileSource, Kind
 from adapters.platforms.slack import DEFAULT_UPLOAD_BYTES, SlackPlatform
 from tasks import receipts
 from tests.fixtures._files import sha256_file as sha
-from tests.fixtures._platforms import agent_env, chain_with_marker, db, make, opener, redelivered_file_job, send, words
+from tests.fixtures._platforms import agent_env, chain_with_marker, db, make, opener, redelivered_file_job, send, send_plain, words
 from tests.fixtures.services import wait_until
 from tests.fixtures.workers import CourierEnv
 
@@ -131,7 +131,8 @@ def test_over_the_upload_limit_sends_a_notice_and_nothing_else(fake, tmp_path, r
         chan = channel()
         big = make(tmp_path, "huge.zip", 64 * 1024 + 1)
         asked, uploaded = len(fake.calls("files.getUploadURLExternal")), len(fake.calls("upload"))
-        code, data, err = send(env, f"slack:{chan}", str(big))
+        # plain code, not the CLI: `courier send` refuses it before enqueueing; this is the worker's refusal
+        code, data, err = send_plain(env, f"slack:{chan}", str(big))
         assert code == 1, (data, err)
         row = data["deliveries"][0]
         assert row["state"] == "failed" and "too large" in row["reason"] and "huge.zip" in row["reason"]

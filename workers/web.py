@@ -57,6 +57,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from tasks import events, keys, metrics
+from workers import turnpage
 from workers.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
@@ -823,6 +824,8 @@ def create_app(settings: Settings | None = None) -> Starlette:
         Route("/healthz", healthz, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/turns/{job_id}/events", turn_events, methods=["GET"]),
+        Route("/turns/{job_id}", turnpage.turn_page, methods=["GET"]),  # the turn's live page
+        Route("/turns/{job_id}/thumbs/{delivery_id}", turnpage.turn_thumb, methods=["GET"]),
         Route("/files/{key:path}", files, methods=["GET"]),
         Route("/webhooks/telegram", telegram, methods=["POST"]),
         Route("/webhooks/slack", slack, methods=["POST"]),

@@ -9,6 +9,7 @@ import threading
 from functools import lru_cache
 
 from adapters.errors import ConfigError
+from adapters.extras import needs
 from adapters.platforms.base import Platform
 from adapters.sandboxes.base import PathPolicy, Sandbox, SandboxRef
 from storage import BlobStore, open_store
@@ -68,7 +69,8 @@ def _build_platform(name: str, s: Settings) -> Platform:
 
         return OutboxPlatform(s.outbox)
     if name == "telegram":
-        from adapters.platforms.telegram import TelegramPlatform
+        with needs("telegram", "the telegram platform"):
+            from adapters.platforms.telegram import TelegramPlatform
 
         if s.telegram_bot_token is None or not s.telegram_bot_token.get_secret_value():
             raise ConfigError("telegram: TELEGRAM_BOT_TOKEN is not set")
@@ -84,14 +86,16 @@ def _build_platform(name: str, s: Settings) -> Platform:
         return WhatsAppPlatform(s.whatsapp_access_token.get_secret_value(), s.whatsapp_phone_number_id,
                                 base_url=s.whatsapp_base_url)
     if name == "discord":
-        from adapters.platforms.discord import DiscordPlatform
+        with needs("discord", "the discord platform"):
+            from adapters.platforms.discord import DiscordPlatform
 
         if s.discord_bot_token is None or not s.discord_bot_token.get_secret_value():
             raise ConfigError("discord: DISCORD_BOT_TOKEN is not set")
         return DiscordPlatform(s.discord_bot_token.get_secret_value(), base_url=s.discord_base_url,
                                upload_bytes=s.discord_upload_bytes)
     if name == "slack":
-        from adapters.platforms.slack import SlackPlatform
+        with needs("slack", "the slack platform"):
+            from adapters.platforms.slack import SlackPlatform
 
         if s.slack_bot_token is None or not s.slack_bot_token.get_secret_value():
             raise ConfigError("slack: SLACK_BOT_TOKEN is not set")
@@ -135,9 +139,10 @@ def open_sandbox(ref: SandboxRef, settings: Settings | None = None) -> Sandbox:
     if ref.kind == "local":
         return _local_sandbox(tuple(ref.roots or s.local_sandbox_roots), os.path.expanduser("~"))
     if ref.kind == "docker":
-        from adapters.sandboxes.docker import DockerSandbox
+        with needs("docker", "docker:// sandboxes"):
+            from adapters.sandboxes.docker import DockerSandbox
 
-        return DockerSandbox(ref, None, client=_docker_client(s.docker_host))
+            return DockerSandbox(ref, None, client=_docker_client(s.docker_host))
     if ref.kind == "ssh":
         from adapters.sandboxes.ssh import SshSandbox
 
@@ -148,9 +153,10 @@ def open_sandbox(ref: SandboxRef, settings: Settings | None = None) -> Sandbox:
             connect_timeout_s=s.ssh_connect_timeout_s,
         )
     if ref.kind == "modal":
-        from adapters.sandboxes.modal import ModalSandbox
+        with needs("modal", "modal:// sandboxes"):
+            from adapters.sandboxes.modal import ModalSandbox
 
-        return ModalSandbox(ref, None)
+            return ModalSandbox(ref, None)
     if ref.kind == "singularity":
         from adapters.sandboxes.singularity import SingularitySandbox
 
@@ -192,6 +198,7 @@ def build_context(settings: Settings | None = None):
         max_files_per_job=s.max_files_per_job,
         extras={"screenshot_ttl_s": s.screenshot_ttl_s, "file_ttl_s": s.file_ttl_s, "spill_ttl_s": s.spill_ttl_s,
                 "workspace_ttl_s": s.workspace_ttl_s, "agent_sandbox_dirs": s.agent_sandbox_dirs,
+                "s3_lifecycle": s.s3_lifecycle,
                 **agent_extras(s, store(s))},
     )
 

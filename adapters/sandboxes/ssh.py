@@ -116,10 +116,10 @@ _connect_locks: dict[tuple, threading.Lock] = {}
 
 
 def _paramiko():
-    try:
+    from adapters.extras import needs
+
+    with needs("ssh", "ssh:// sandboxes (paramiko SFTP; or COURIER_SSH_USE_OPENSSH=1)"):
         import paramiko
-    except ImportError as exc:  # pragma: no cover - a dependency of courier
-        raise ConfigError("the ssh sandbox needs paramiko: pip install paramiko") from exc
     return paramiko
 
 

@@ -1,0 +1,148 @@
+"""The operator's retry and cancel (`courier retry`, `courier cancel`): plain
+code over the ledger (receipts, lanes, due times), no Celery.
+
+Retry: a failed (or cancelled) delivery is reset to `queued` in one Redis
+script (only if it is still failed: a delivered one is never sent again),
+its failure fields cleared, and appended again at the end of its chat's
+lane as a step of its own (an album member goes alone). A file whose
+extraction failed is extracted again first. The caller then publishes the
+extraction and a drive of the lane; the due times set here are the safety
+net if that publish is lost.
+
+Cancel: every delivery of a job that has not started is made final as
+`cancelled` (`final` set, reason "cancelled by the operator") in one script
+that also checks its send lock: a delivery whose send is in flight (its lock
+held; an album's members by the lock of its first id) is left alone, and
+finishes as it would (delivered or failed). The lane drops cancelled steps
+like any final one; an extraction under way keeps its hands off a cancelled
+receipt. A turn is marked: `cancel_requested` on its job, and a turn still
+queued is ended at once (`cancelled`); a running one goes on to its end but
+delivers nothing (tasks/turn.py checks the mark before registering the reply).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from tasks import events, keys, ledger, receipts
+
+CANCEL_REASON = "cancelled by the operator"
+#: a delivery in these states may be retried
+RETRYABLE = frozenset({"failed", "cancelled"})
+
+_RETRY = """
+local st = redis.call('hget', KEYS[1], 'state')
+if not st then return {'gone', ''} end
+if st ~= 'failed' and st ~= 'cancelled' then return {'refused', st} end
+local lead = redis.call('hget', KEYS[1], 'step')
+redis.call('hdel', KEYS[1], 'final', 'reason', 'transient_errors', 'first_error_s', 'rate_limited', 'album',
+           'step', 'cancelled_s')
+local again = 'lane'
+if redis.call('hget', KEYS[1], 'extraction') == 'failed' then
+  redis.call('hdel', KEYS[1], 'extraction', 'too_large', 'notify', 'limit_bytes')
+  again = 'extract'
+end
+redis.call('hset', KEYS[1], 'state', 'queued', 'retried_s', ARGV[1])
+redis.call('hincrby', KEYS[1], 'retries', 1)
+redis.call('expire', KEYS[1], ARGV[2])
+redis.call('rpush', KEYS[2], ARGV[3])
+return {again, st}
+"""
+
+_CANCEL = """
+local st = redis.call('hget', KEYS[1], 'state')
+if not st then return {'gone', ''} end
+if st == 'delivered' or st == 'cancelled' or (st == 'failed') then return {'final', st} end
+if redis.call('exists', KEYS[2]) == 1 or redis.call('exists', KEYS[3]) == 1 then return {'in_flight', st} end
+redis.call('hset', KEYS[1], 'state', 'cancelled', 'final', '1', 'reason', ARGV[1], 'cancelled_s', ARGV[2])
+return {'cancelled', st}
+"""
+
+
+def _s(v) -> str:
+    return v.decode() if isinstance(v, bytes) else ("" if v is None else str(v))
+
+
+def retry_targets(r, ident: str) -> tuple[str, list[dict]] | None:
+    """What `courier retry ID` means: a delivery id -> that receipt; a job id
+    -> its failed or cancelled deliveries. None: no such id."""
+    rec = receipts.get_delivery(r, ident)
+    if rec is not None:
+        return "delivery", [rec]
+    if receipts.get_job(r, ident) is not None:
+        return "job", [row for row in receipts.job_deliveries(r, ident) if row.get("state") in RETRYABLE]
+    return None
+
+
+def retry(r, rec: dict) -> dict:
+    """Re-queue one failed delivery through the ledger. Returns {id, outcome,
+    ...}: outcome `requeued` (with `extract`: its queue, when the file is to
+    be extracted again, and `target`), or `refused` with the state it is in."""
+    did = rec["id"]
+    spec = json.loads(rec["spec"]) if rec.get("spec") else None
+    if spec is None:
+        return {"id": did, "outcome": "refused", "state": rec.get("state", ""),
+                "reason": "its receipt holds no spec to run it again"}
+    target = spec["target"]
+    what, was = (_s(x) for x in r.eval(_RETRY, 2, keys.delivery(did), keys.lane(target), f"{time.time():.3f}",
+                                      receipts.RETENTION_S, did))
+    if what == "gone":
+        return {"id": did, "outcome": "refused", "state": "", "reason": "no such delivery (expired?)"}
+    if what == "refused":
+        why = ("already delivered" + (f" (message id {rec.get('message_id')})" if rec.get("message_id") else "")
+               if was == "delivered" else f"not failed: it is {was}")
+        return {"id": did, "outcome": "refused", "state": was, "reason": why}
+    p = r.pipeline(transaction=False)
+    out = {"id": did, "outcome": "requeued", "was": was, "target": target}
+    if what == "extract":
+        ledger.set_due(p, "extract", did, 60.0)
+        out["extract"] = rec.get("queue") or "sandbox"
+        out["source"] = spec.get("extract", {}).get("path", "")
+    ledger.set_due(p, "lane", target, 10.0)
+    events.publish(r, spec["job"], {"kind": "delivery", "delivery_id": did, "state": "queued", "retry": True},
+                   pipe=p)
+    p.execute()
+    return out
+
+
+def cancel_delivery(r, rec: dict) -> dict:
+    """Cancel one delivery unless it is final or its send is in flight."""
+    did = rec["id"]
+    lead = rec.get("step") or did
+    what, was = (_s(x) for x in r.eval(_CANCEL, 3, keys.delivery(did), keys.delivery_lock(did),
+                                      keys.delivery_lock(lead), CANCEL_REASON, f"{time.time():.3f}"))
+    if what == "cancelled":
+        p = r.pipeline(transaction=False)
+        ledger.clear_due(p, "extract", did)
+        events.publish(r, rec.get("job") or did.rsplit(".", 1)[0],
+                       {"kind": "delivery", "delivery_id": did, "state": "cancelled", "reason": CANCEL_REASON,
+                        "name": rec.get("name")}, pipe=p)
+        p.execute()
+    return {"id": did, "outcome": what, "state": "cancelled" if what == "cancelled" else was}
+
+
+def mark_turn(r, job_id: str) -> str:
+    """Mark a turn cancelled: `cancel_requested` on its job; a turn not
+    started yet ends now (`cancelled`, its terminal event). Returns what it
+    was: queued (ended now), running (marked: it delivers nothing), or its
+    final state (nothing to do)."""
+    from tasks.states import TURN_OVER
+
+    job = receipts.get_job(r, job_id) or {}
+    st = job.get("state", "")
+    if st in TURN_OVER or st == "cancelled":
+        return st
+    r.hset(keys.job(job_id), mapping={"cancel_requested": "1"})
+    if st == "queued":
+        # a worker taking it now sees the mark before it registers anything
+        receipts.set_job(r, job_id, state="cancelled", reason=CANCEL_REASON)
+        ledger.clear_due(r, "turn", job_id)
+        events.publish(r, job_id, {"kind": "status", "status": "cancelled", "reason": CANCEL_REASON,
+                                   "deliveries": 0})
+        return "queued"
+    return "running"
+
+
+def cancel_requested(r, job_id: str) -> bool:
+    return _s(r.hget(keys.job(job_id), "cancel_requested")) == "1"
