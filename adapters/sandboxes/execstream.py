@@ -215,7 +215,7 @@ def exec_resolve_cwd(ch: ExecChannel, policy_for: Callable[[str | None], PathPol
             raise UnsafePath("exec: no allowed roots to run in")
     else:
         cands = [check_lexical(cwd)]
-    rc, out, err = ch.exec_small(["sh", "-c", CWD_SCRIPT, "sh", *cands])
+    rc, out, err = _ask(ch, CWD_SCRIPT, *cands)
     if rc != 0:
         raise SandboxError(f"exec: cannot resolve the working directory (exit {rc}: {_err_text(err)})")
     home, kind, resolved = _fields(out, 3, "exec working directory")
@@ -318,6 +318,18 @@ def default_roots(home: str | None, base: Sequence[str] = ("/workspace", "/tmp")
     return tuple(roots)
 
 
+def _ask(ch: ExecChannel, script: str, *args: str) -> tuple[int, bytes, bytes]:
+    """Run one of the read-only resolve scripts, which always print their
+    reply. podman 4.3's Docker-compatible attach can drop the output of a
+    command that ends at once (exit 0, no bytes; seen under load): such an
+    answer is asked again, up to 3 times, before it is an error."""
+    for _ in range(3):
+        rc, out, err = ch.exec_small(["sh", "-c", script, "sh", *args])
+        if rc != 0 or out:
+            break
+    return rc, out, err
+
+
 def _fields(out: bytes, n: int, what: str) -> list[str]:
     parts = out.split(b"\0")
     if len(parts) != n:
@@ -333,7 +345,7 @@ def exec_resolve(ch: ExecChannel, path: str) -> Resolved:
     """Resolve `path` inside the sandbox with ONE exec. The caller checks the
     returned path against its policy. Raises FileMissing / NotAFile."""
     check_lexical(path)
-    rc, out, err = ch.exec_small(["sh", "-c", RESOLVE_SCRIPT, "sh", path])
+    rc, out, err = _ask(ch, RESOLVE_SCRIPT, path)
     if rc == EXIT_MISSING:
         raise FileMissing(f"{path}: no such file")
     if rc != 0:
@@ -442,10 +454,10 @@ def resolve_put_dest(ch: ExecChannel, policy_for: Callable[[str | None], PathPol
     if not name or name in (".", ".."):
         raise UnsafePath(f"{dest_path}: needs a file name")
     parent = posixpath.dirname(dest_path) or "/"
-    rc, out, err = ch.exec_small(["sh", "-c", PUT_RESOLVE_SCRIPT, "sh", parent, name])
+    rc, out, err = _ask(ch, PUT_RESOLVE_SCRIPT, parent, name)
     if rc == EXIT_MISSING:  # e.g. <workspace>/inbox/ on a turn's first attachment: made, then resolved again
         _make_parents(ch, policy_for, dest_path, parent)
-        rc, out, err = ch.exec_small(["sh", "-c", PUT_RESOLVE_SCRIPT, "sh", parent, name])
+        rc, out, err = _ask(ch, PUT_RESOLVE_SCRIPT, parent, name)
     if rc == EXIT_MISSING:
         raise FileMissing(f"{dest_path}: directory {parent} does not exist")
     if rc == EXIT_NOT_DIR:
@@ -469,7 +481,7 @@ def _make_parents(ch: ExecChannel, policy_for: Callable[[str | None], PathPolicy
     after checking where they would lead: its deepest existing ancestor is
     resolved in the sandbox and the destination under it checked against
     the policy first (the caller resolves and checks it again afterwards)."""
-    rc, out, err = ch.exec_small(["sh", "-c", ANCESTOR_SCRIPT, "sh", parent])
+    rc, out, err = _ask(ch, ANCESTOR_SCRIPT, parent)
     if rc != 0:
         raise SandboxError(f"{dest_path}: cannot resolve (exit {rc}: {_err_text(err)})")
     home, anc, real = _fields(out, 3, dest_path)

@@ -82,7 +82,7 @@ class Run:
         """Every receipt delivered, nothing left in the ledger, each chat's
         messages in enqueue order (first arrivals), duplicates within bounds."""
         wait_until(lambda: self.delivered() == len(self.ids), timeout_s=240, interval_s=0.5,
-                   what=f"all {len(self.ids)} deliveries delivered (now {self.states()})")
+                   what=lambda: f"all {len(self.ids)} deliveries delivered (now {self.states()})")
         wait_until(lambda: not any(ledger.pending(self.r).values()), timeout_s=60, interval_s=0.5,
                    what="nothing pending in the ledger")
         dups: Counter = Counter()
