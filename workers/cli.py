@@ -15,44 +15,35 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from adapters.errors import ConfigError, CourierError, StorageError
-from tasks.states import TURN_OVER
+from workers.console import (
+    EXIT_FAILED,
+    EXIT_INPUT,
+    EXIT_SERVICE,
+    EXIT_TIMEOUT,
+    deliveries_table,
+    die,
+    err,
+    esc,
+    new_table,
+    out,
+    wait_deliveries,
+    watch_job,
+)
 
 app = typer.Typer(add_completion=True, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="courier: run chat-agent turns and deliver their files to chat platforms.")
-# piped (not a terminal): tables are as wide as their content, never wrapped at 80 columns
-out = Console() if sys.stdout.isatty() else Console(width=1000, soft_wrap=True)
-err = Console(stderr=True)
-
-
-def new_table(title: str, **kw) -> Table:
-    """A table whose title is data; piped, without vertical rules (one line per row, for grep and awk)."""
-    from rich import box
-    from rich.text import Text
-
-    if not out.is_terminal:
-        kw.setdefault("box", box.SIMPLE)
-    return Table(title=Text(title), title_justify="left", **kw)
-
-EXIT_FAILED, EXIT_INPUT, EXIT_SERVICE, EXIT_TIMEOUT = 1, 2, 3, 4
 #: a turn's job states once it is over (its deliveries, if any, are registered by then)
 PROGRESS_MIN_BYTES = 8 * 1024 * 1024
 
 
-def die(msg: str, code: int) -> "typer.Exit":
-    err.print(f"[bold red]error:[/] {_esc(msg)}", highlight=False, soft_wrap=True)
-    return typer.Exit(code)
-
-
 def _settings():
     from pydantic import ValidationError
+    from pydantic_settings import SettingsError
 
     from workers.settings import get_settings
-
-    from pydantic_settings import SettingsError
 
     try:
         return get_settings()
@@ -115,8 +106,8 @@ def _target(settings, target: str) -> str:
 
 
 def _celery():
-    import workers.celery_app  # noqa: F401 - binds the tasks to the configured app
     import tasks.pipeline  # noqa: F401
+    import workers.celery_app  # noqa: F401 - binds the tasks to the configured app
 
 
 # -- send ----------------------------------------------------------------------
@@ -189,13 +180,13 @@ def send(
         if kind == "sandbox":
             files.append(item)
             continue
-        p: Path = item  # type: ignore[assignment]
-        key = chains.storage_key(job_id, seq, p.name)
+        local = Path(str(item))
+        key = chains.storage_key(job_id, seq, local.name)
         try:
-            info = _upload(store, key, p)
+            info = _upload(store, key, local)
         except CourierError as exc:
-            raise die(f"could not store {p}: {exc}", EXIT_SERVICE) from None
-        files.append(chains.StoredFile(key=key, name=p.name, size=info.size_bytes, sha256=info.sha256 or ""))
+            raise die(f"could not store {local}: {exc}", EXIT_SERVICE) from None
+        files.append(chains.StoredFile(key=key, name=local.name, size=info.size_bytes, sha256=info.sha256 or ""))
     plan = chains.Plan(job_id=job_id, target=target, text=text or None, files=files, caption=caption, voice=voice,
                        as_document=as_document, max_bytes=settings.max_file_bytes, album_max=album_max)
     ids = chains.enqueue(r, plan, job_kind="send")
@@ -203,9 +194,9 @@ def send(
         if as_json:
             print(json.dumps({"job": job_id, "deliveries": ids}))
         else:
-            out.print(f"queued [bold]{_esc(job_id)}[/]: " + _esc(" ".join(ids)), highlight=False)
+            out.print(f"queued [bold]{esc(job_id)}[/]: " + esc(" ".join(ids)), highlight=False)
         return
-    rows, done = _wait_deliveries(r, job_id, timeout)
+    rows, done = wait_deliveries(r, job_id, timeout)
     _finish(job_id, rows, done, as_json)
 
 
@@ -214,7 +205,12 @@ def _upload(store, key: str, p: Path):
     with open(p, "rb") as f:
         if size < PROGRESS_MIN_BYTES:
             return store.put_stream(key, f)
-        from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TransferSpeedColumn,
+        )
 
         with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
                       TransferSpeedColumn(), console=err, transient=True) as prog:
@@ -222,50 +218,16 @@ def _upload(store, key: str, p: Path):
             return store.put_stream(key, f, progress=lambda n: prog.advance(t, n))
 
 
-def _wait_deliveries(r, job_id: str, timeout_s: float) -> tuple[list[dict], bool]:
-    """The job's deliveries once all are final; done at once for a turn that
-    ended with none (no reply, an empty reply)."""
-    from tasks import receipts
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        rows = receipts.job_deliveries(r, job_id)
-        if rows and all(row.get("state") in receipts.TERMINAL for row in rows):
-            return rows, True
-        if not rows and (receipts.get_job(r, job_id) or {}).get("state") in TURN_OVER:
-            return rows, True
-        if time.monotonic() > deadline:
-            return rows, False
-        time.sleep(0.05)
-
-
 def _finish(job_id: str, rows: list[dict], done: bool, as_json: bool) -> None:
     failed = [row for row in rows if row.get("state") == "failed"]
     if as_json:
         print(json.dumps({"job": job_id, "done": done, "deliveries": rows}))
     else:
-        out.print(_table(job_id, rows))
+        out.print(deliveries_table(job_id, rows))
     if not done:
         raise die(f"timed out waiting for {job_id}; see `courier status {job_id}`", EXIT_TIMEOUT)
     if failed:
         raise typer.Exit(EXIT_FAILED)
-
-
-def _table(job_id: str, rows: list[dict]) -> Table:
-    """Receipts as a table; every cell is data (Text: never read as markup)."""
-    from rich.text import Text
-
-    t = new_table(f"deliveries of {job_id}")
-    for col in ("delivery", "platform", "kind", "name", "size", "attempts", "state", "message id / reason"):
-        t.add_column(col, overflow="fold")
-    for row in rows:
-        state = row.get("state", "")
-        color = {"delivered": "green", "failed": "red"}.get(state, "yellow")
-        t.add_row(*(Text(str(v or "")) for v in (
-            row.get("id"), row.get("platform"), row.get("kind"), row.get("name"), row.get("size_bytes"),
-            row.get("attempts"))), Text(str(state), style=color),
-            Text(str((row.get("message_id") if state == "delivered" else row.get("reason")) or "")))
-    return t
 
 
 # -- turn ------------------------------------------------------------------------
@@ -324,143 +286,14 @@ def turn(
             print(job_id)
         return
     if not as_json:
-        out.print(f"turn [bold]{_esc(job_id)}[/] queued", highlight=False)
+        out.print(f"turn [bold]{esc(job_id)}[/] queued", highlight=False)
     ok = watch_job(r, job_id, timeout, quiet=as_json)
     if ok is None:
         raise die(f"timed out waiting for {job_id}; see `courier status {job_id}`", EXIT_TIMEOUT)
-    rows, done = _wait_deliveries(r, job_id, timeout)
+    rows, done = wait_deliveries(r, job_id, timeout)
     _finish(job_id, rows, done, as_json)
     if not ok:
         raise typer.Exit(EXIT_FAILED)
-
-
-def watch_job(r, job_id: str, timeout_s: float, *, quiet: bool = False, as_json: bool = False) -> bool | None:
-    """Follow a job's phase events until it is over: the terminal status and
-    every delivery's final state. Live (rich): a status line with the phase,
-    the current activity, elapsed time and deliveries, above it a log of
-    status changes, tool events and deliveries. `as_json`: one JSON line per
-    event (`id` is the stream id). True: completed (or ended with no reply:
-    the agent chose so) and all delivered; False: error or a failed
-    delivery; None: timed out."""
-    from rich.live import Live
-
-    from tasks import events
-
-    tracker = events.EndTracker.for_job(r, job_id)
-    view = _WatchView(job_id)
-    deadline = time.monotonic() + timeout_s
-    cursor = "0-0"
-    live = Live(view, console=out, transient=True, refresh_per_second=8) \
-        if not (quiet or as_json) and out.is_terminal else None
-    try:
-        if live is not None:
-            live.start()
-        while not tracker.done:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            for eid, ev in events.read(r, job_id, cursor, block_ms=int(min(left, 0.25) * 1000) or 1, count=200):
-                cursor = eid
-                tracker.feed(ev)
-                line = view.feed(ev)
-                if as_json:
-                    print(json.dumps({"id": eid, **ev}, ensure_ascii=False), flush=True)
-                elif not quiet and line:
-                    out.print(line, highlight=False)
-    finally:
-        if live is not None:
-            live.stop()
-    if not (quiet or as_json):
-        out.print(view.summary(tracker), highlight=False)
-    return _ok(tracker)
-
-
-def _ok(tracker) -> bool:
-    """Over as it should be: completed or no reply, and no delivery failed."""
-    st = (tracker.terminal or {}).get("status")
-    return st in ("completed", "no_reply") and "failed" not in tracker.final.values()
-
-
-class _WatchView:
-    """The live status line of `courier watch` (a rich renderable)."""
-
-    def __init__(self, job_id: str) -> None:
-        from rich.spinner import Spinner
-
-        self.job_id = job_id
-        self.phase = "queued"
-        self.activity = ""
-        self.t0 = time.monotonic()
-        self.deliveries: dict[str, str] = {}
-        self.tools = 0
-        self.spinner = Spinner("dots", style="cyan")
-
-    def feed(self, ev: dict) -> str | None:
-        """Update the status line; returns the log line for the event (or None)."""
-        kind = ev.get("kind")
-        if kind == "status":
-            self.phase = ev.get("status", self.phase)
-            if ev.get("activity") or ev.get("message"):
-                self.activity = ev.get("activity") or ev.get("message")
-        elif kind == "tool_start":
-            self.tools += 1
-            self.activity = ev.get("activity") or ev.get("tool_name", "")
-        elif kind == "delivery" and ev.get("delivery_id"):
-            self.deliveries[ev["delivery_id"]] = ev.get("state", "")
-        return render_event(ev)
-
-    def __rich__(self):
-        from rich.text import Text
-
-        done = sum(1 for s in self.deliveries.values() if s in ("delivered", "failed"))
-        line = Text.assemble((self.job_id, "bold"), " · ", (self.phase, "cyan"))
-        if self.activity:
-            line.append(" · ")
-            line.append(self.activity)
-        line.append(f" · {time.monotonic() - self.t0:.1f}s", style="dim")
-        if self.deliveries:
-            line.append(f" · deliveries {done}/{len(self.deliveries)}", style="dim")
-        self.spinner.update(text=line)
-        return self.spinner
-
-    def summary(self, tracker) -> str:
-        st = (tracker.terminal or {}).get("status") or self.phase
-        color = ("yellow" if st == "no_reply" else "green") if _ok(tracker) else "red"
-        n = len(tracker.final)
-        failed = sum(1 for s in tracker.final.values() if s == "failed")
-        tail = f", {failed} failed" if failed else ""
-        return (f"[{color}]{_esc(self.job_id)}: {_esc(st)}[/] · {self.tools} tool call{'s' * (self.tools != 1)} · "
-                f"{n} deliver{'ies' if n != 1 else 'y'}{tail} · {time.monotonic() - self.t0:.1f}s")
-
-
-def render_event(ev: dict) -> str:
-    kind = ev.get("kind")
-    if kind == "status":
-        st = ev.get("status", "")
-        color = {"completed": "green", "error": "red", "no_reply": "yellow"}.get(st, "cyan")
-        extra = ev.get("reason") or ev.get("activity") or ev.get("message") or ""
-        return f"[{color}]● {_esc(st)}[/] {_esc(extra)}".rstrip()
-    if kind == "tool_start":
-        return f"  [dim]→[/] {_esc(ev.get('activity') or ev.get('tool_name', ''))}"
-    if kind == "tool_result":
-        ok = ev.get("status") != "error"
-        mark = "[green]✓[/]" if ok else "[red]✗[/]"
-        took = f" {ev['duration_ms'] / 1000:.1f}s" if isinstance(ev.get("duration_ms"), (int, float)) else ""
-        err_ = f" {_esc(ev.get('error'))}" if not ok and ev.get("error") else ""
-        return f"  {mark} [dim]{_esc(ev.get('activity') or ev.get('tool_name', ''))}{took}[/]{err_}"
-    if kind == "delivery":
-        st = ev.get("state", "")
-        color = {"delivered": "green", "failed": "red"}.get(st, "yellow")
-        what = ev.get("name") or ev.get("delivery_id", "")
-        tail = ev.get("reason") or ev.get("media") or ""
-        return f"  [{color}]⇢ {_esc(st)}[/] {_esc(what)} {_esc(tail)}".rstrip()
-    return f"  {_esc(json.dumps(ev))}"
-
-
-def _esc(v) -> str:
-    from rich.markup import escape
-
-    return escape(str(v)) if v is not None else ""
 
 
 @app.command()
@@ -537,7 +370,7 @@ def status(
                 line += f" ({job['reason']})"
             out.print(line, highlight=False, markup=False)
             out.print(f"events: /turns/{ident}/events?token={token}", highlight=False, markup=False)
-            out.print(_table(ident, rows))
+            out.print(deliveries_table(ident, rows))
         if any(row.get("state") == "failed" for row in rows) or job.get("state") == "error":
             raise typer.Exit(EXIT_FAILED)
         return
@@ -547,7 +380,7 @@ def status(
     if as_json:
         print(json.dumps(rec))
     else:
-        out.print(_table(rec.get("job", ""), [rec]))
+        out.print(deliveries_table(rec.get("job", ""), [rec]))
     if rec.get("state") == "failed":
         raise typer.Exit(EXIT_FAILED)
 
@@ -730,7 +563,7 @@ def retry(
     if as_json:
         print(json.dumps({"done": finished, "deliveries": rows, "refused": refused}))
     else:
-        out.print(_table("retried deliveries", rows))
+        out.print(deliveries_table("retried deliveries", rows))
     if not finished:
         raise die("timed out waiting for the retried deliveries; see `courier status ID`", EXIT_TIMEOUT)
     if refused or any(row.get("state") != "delivered" for row in rows):
@@ -934,7 +767,7 @@ def janitor(
         except ValueError as exc:
             raise die(f"--older-than: {exc}", EXIT_INPUT) from None
         if older_s < MIN_OLDER_THAN_S:
-            raise die(f"--older-than must be at least 1h: younger files may still be waiting for their delivery",
+            raise die("--older-than must be at least 1h: younger files may still be waiting for their delivery",
                       EXIT_INPUT)
     _redis(settings)
     _store(settings)

@@ -95,7 +95,7 @@ def run_demo(*, to: str | None, message: str, timeout_s: float, console: Console
         celery_app.app.conf.result_backend = settings.redis_url
         import tasks.pipeline  # noqa: F401
         from tasks import chains
-        from workers.cli import _table, watch_job
+        from workers.console import deliveries_table, watch_job
         from workers.wiring import redis_client
 
         name = f"demo-{os.getpid()}@localhost"
@@ -112,12 +112,12 @@ def run_demo(*, to: str | None, message: str, timeout_s: float, console: Console
         if ok is None:
             err.print(f"[bold red]error:[/] timed out after {timeout_s:g}s")
             return 4
-        from workers.cli import _wait_deliveries
+        from workers.console import wait_deliveries
 
-        rows, done = _wait_deliveries(r, job_id, timeout_s)
-        console.print(_table(job_id, rows))
+        rows, done = wait_deliveries(r, job_id, timeout_s)
+        console.print(deliveries_table(job_id, rows))
         if target.startswith("outbox:"):
-            console.print(_arrived_table(settings.outbox, split_target(target)[1]))
+            console.print(_arriveddeliveries_table(settings.outbox, split_target(target)[1]))
             console.print(f"outbox: {escape(str(settings.outbox / split_target(target)[1]))}", highlight=False)
         if not ok or not done or any(row.get("state") == "failed" for row in rows):
             return 1
@@ -131,7 +131,7 @@ def run_demo(*, to: str | None, message: str, timeout_s: float, console: Console
         redis_srv.stop()
 
 
-def _arrived_table(outbox: Path, chat: str) -> Table:
+def _arriveddeliveries_table(outbox: Path, chat: str) -> Table:
     from adapters.platforms.outbox import read_log
 
     t = Table(title=f"arrived in outbox:{chat}", title_justify="left")

@@ -1,0 +1,207 @@
+"""What the console prints and how it waits: shared by the CLI commands and
+`courier demo` (plain functions; the commands themselves are in `cli.py`).
+Every piece of data is escaped or set as Text: never read as markup."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from tasks.states import TURN_OVER
+
+EXIT_FAILED, EXIT_INPUT, EXIT_SERVICE, EXIT_TIMEOUT = 1, 2, 3, 4
+
+# piped (not a terminal): tables are as wide as their content, never wrapped at 80 columns
+out = Console() if sys.stdout.isatty() else Console(width=1000, soft_wrap=True)
+err = Console(stderr=True)
+
+
+def new_table(title: str, **kw) -> Table:
+    """A table whose title is data; piped, without vertical rules (one line per row, for grep and awk)."""
+    from rich import box
+    from rich.text import Text
+
+    if not out.is_terminal:
+        kw.setdefault("box", box.SIMPLE)
+    return Table(title=Text(title), title_justify="left", **kw)
+
+
+
+def die(msg: str, code: int) -> "typer.Exit":
+    err.print(f"[bold red]error:[/] {esc(msg)}", highlight=False, soft_wrap=True)
+    return typer.Exit(code)
+
+
+def wait_deliveries(r, job_id: str, timeout_s: float) -> tuple[list[dict], bool]:
+    """The job's deliveries once all are final; done at once for a turn that
+    ended with none (no reply, an empty reply). Between looks it waits on the
+    job's event stream, so a delivery's final event wakes it at once (at most
+    250 ms between looks when nothing happens)."""
+    from tasks import events, receipts
+
+    deadline = time.monotonic() + timeout_s
+    cursor = "0-0"
+    while True:
+        rows = receipts.job_deliveries(r, job_id)
+        if rows and all(row.get("state") in receipts.TERMINAL for row in rows):
+            return rows, True
+        if not rows and (receipts.get_job(r, job_id) or {}).get("state") in TURN_OVER:
+            return rows, True
+        if time.monotonic() > deadline:
+            return rows, False
+        got = events.read(r, job_id, cursor, block_ms=250, count=200)
+        if got:
+            cursor = got[-1][0]
+
+
+def deliveries_table(job_id: str, rows: list[dict]) -> Table:
+    """Receipts as a table; every cell is data (Text: never read as markup)."""
+    from rich.text import Text
+
+    t = new_table(f"deliveries of {job_id}")
+    for col in ("delivery", "platform", "kind", "name", "size", "attempts", "state", "message id / reason"):
+        t.add_column(col, overflow="fold")
+    for row in rows:
+        state = row.get("state", "")
+        color = {"delivered": "green", "failed": "red"}.get(state, "yellow")
+        t.add_row(*(Text(str(v or "")) for v in (
+            row.get("id"), row.get("platform"), row.get("kind"), row.get("name"), row.get("size_bytes"),
+            row.get("attempts"))), Text(str(state), style=color),
+            Text(str((row.get("message_id") if state == "delivered" else row.get("reason")) or "")))
+    return t
+
+
+def watch_job(r, job_id: str, timeout_s: float, *, quiet: bool = False, as_json: bool = False) -> bool | None:
+    """Follow a job's phase events until it is over: the terminal status and
+    every delivery's final state. Live (rich): a status line with the phase,
+    the current activity, elapsed time and deliveries, above it a log of
+    status changes, tool events and deliveries. `as_json`: one JSON line per
+    event (`id` is the stream id). True: completed (or ended with no reply:
+    the agent chose so) and all delivered; False: error or a failed
+    delivery; None: timed out."""
+    from rich.live import Live
+
+    from tasks import events
+
+    tracker = events.EndTracker.for_job(r, job_id)
+    view = _WatchView(job_id)
+    deadline = time.monotonic() + timeout_s
+    cursor = "0-0"
+    live = Live(view, console=out, transient=True, refresh_per_second=8) \
+        if not (quiet or as_json) and out.is_terminal else None
+    try:
+        if live is not None:
+            live.start()
+        while not tracker.done:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            for eid, ev in events.read(r, job_id, cursor, block_ms=int(min(left, 0.25) * 1000) or 1, count=200):
+                cursor = eid
+                tracker.feed(ev)
+                line = view.feed(ev)
+                if as_json:
+                    print(json.dumps({"id": eid, **ev}, ensure_ascii=False), flush=True)
+                elif not quiet and line:
+                    out.print(line, highlight=False)
+    finally:
+        if live is not None:
+            live.stop()
+    if not (quiet or as_json):
+        out.print(view.summary(tracker), highlight=False)
+    return _ok(tracker)
+
+
+def _ok(tracker) -> bool:
+    """Over as it should be: completed or no reply, and no delivery failed."""
+    st = (tracker.terminal or {}).get("status")
+    return st in ("completed", "no_reply") and "failed" not in tracker.final.values()
+
+
+class _WatchView:
+    """The live status line of `courier watch` (a rich renderable)."""
+
+    def __init__(self, job_id: str) -> None:
+        from rich.spinner import Spinner
+
+        self.job_id = job_id
+        self.phase = "queued"
+        self.activity = ""
+        self.t0 = time.monotonic()
+        self.deliveries: dict[str, str] = {}
+        self.tools = 0
+        self.spinner = Spinner("dots", style="cyan")
+
+    def feed(self, ev: dict) -> str | None:
+        """Update the status line; returns the log line for the event (or None)."""
+        kind = ev.get("kind")
+        if kind == "status":
+            self.phase = ev.get("status", self.phase)
+            if ev.get("activity") or ev.get("message"):
+                self.activity = str(ev.get("activity") or ev.get("message"))
+        elif kind == "tool_start":
+            self.tools += 1
+            self.activity = ev.get("activity") or ev.get("tool_name", "")
+        elif kind == "delivery" and ev.get("delivery_id"):
+            self.deliveries[ev["delivery_id"]] = ev.get("state", "")
+        return render_event(ev)
+
+    def __rich__(self):
+        from rich.text import Text
+
+        done = sum(1 for s in self.deliveries.values() if s in ("delivered", "failed"))
+        line = Text.assemble((self.job_id, "bold"), " · ", (self.phase, "cyan"))
+        if self.activity:
+            line.append(" · ")
+            line.append(self.activity)
+        line.append(f" · {time.monotonic() - self.t0:.1f}s", style="dim")
+        if self.deliveries:
+            line.append(f" · deliveries {done}/{len(self.deliveries)}", style="dim")
+        self.spinner.update(text=line)
+        return self.spinner
+
+    def summary(self, tracker) -> str:
+        st = (tracker.terminal or {}).get("status") or self.phase
+        color = ("yellow" if st == "no_reply" else "green") if _ok(tracker) else "red"
+        n = len(tracker.final)
+        failed = sum(1 for s in tracker.final.values() if s == "failed")
+        tail = f", {failed} failed" if failed else ""
+        return (f"[{color}]{esc(self.job_id)}: {esc(st)}[/] · {self.tools} tool call{'s' * (self.tools != 1)} · "
+                f"{n} deliver{'ies' if n != 1 else 'y'}{tail} · {time.monotonic() - self.t0:.1f}s")
+
+
+def render_event(ev: dict) -> str:
+    kind = ev.get("kind")
+    if kind == "status":
+        st = ev.get("status", "")
+        color = {"completed": "green", "error": "red", "no_reply": "yellow"}.get(st, "cyan")
+        extra = ev.get("reason") or ev.get("activity") or ev.get("message") or ""
+        return f"[{color}]● {esc(st)}[/] {esc(extra)}".rstrip()
+    if kind == "tool_start":
+        return f"  [dim]→[/] {esc(ev.get('activity') or ev.get('tool_name', ''))}"
+    if kind == "tool_result":
+        ok = ev.get("status") != "error"
+        mark = "[green]✓[/]" if ok else "[red]✗[/]"
+        took = f" {ev['duration_ms'] / 1000:.1f}s" if isinstance(ev.get("duration_ms"), (int, float)) else ""
+        err_ = f" {esc(ev.get('error'))}" if not ok and ev.get("error") else ""
+        return f"  {mark} [dim]{esc(ev.get('activity') or ev.get('tool_name', ''))}{took}[/]{err_}"
+    if kind == "delivery":
+        st = ev.get("state", "")
+        color = {"delivered": "green", "failed": "red"}.get(st, "yellow")
+        what = ev.get("name") or ev.get("delivery_id", "")
+        tail = ev.get("reason") or ev.get("media") or ""
+        return f"  [{color}]⇢ {esc(st)}[/] {esc(what)} {esc(tail)}".rstrip()
+    return f"  {esc(json.dumps(ev))}"
+
+
+def esc(v) -> str:
+    from rich.markup import escape
+
+    return escape(str(v)) if v is not None else ""
+
+
