@@ -23,6 +23,7 @@ from typing import Protocol
 from urllib.parse import quote, unquote, urlparse
 
 from adapters.errors import ConfigError, FileChanging, NotAFile, SandboxError, SandboxGone, UnsafePath
+from adapters.sandboxes.routing import host_of
 
 DEFAULT_MAX_BYTES = 50 * 1000 * 1000
 #: Sandbox.exec: bytes kept per output stream, and the exit code of a timeout
@@ -119,8 +120,6 @@ def parse_uri(uri: str) -> tuple[SandboxRef, str]:
         if p.port:
             options["port"] = str(p.port)
     ref = SandboxRef(kind, target, options=options)
-    from adapters.sandboxes.routing import host_of
-
     host_of(ref)  # a `?host=` that cannot name a queue is bad input here, before anything is registered
     return ref, path
 

@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import re
 
+from typing import TYPE_CHECKING
+
 from adapters.errors import ConfigError
-from adapters.sandboxes.base import SandboxRef
+
+if TYPE_CHECKING:  # only a type here: base.parse_uri calls host_of
+    from adapters.sandboxes.base import SandboxRef
 
 _HOST_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
 
