@@ -21,6 +21,7 @@ import re
 import sys
 from collections.abc import Callable
 
+from adapters.defaults import AGENT_TIMEOUT_S, CHROMIUM_PATH
 from adapters.agents.bridge import run_bridge
 from adapters.agents.hooks import TurnHooks
 from adapters.errors import CourierError, SandboxError
@@ -120,7 +121,7 @@ def run_turn(ctx: Context, spec: dict, *, on_activity: Callable[[dict], None] | 
     name = spec.get("agent") or "demo"
     agent = ctx.agent(name)
     if agent is None and name in BUILTIN_AGENTS:
-        command, env, timeout_s = BUILTIN_AGENTS[name], {}, 900.0
+        command, env, timeout_s = BUILTIN_AGENTS[name], {}, AGENT_TIMEOUT_S
     elif agent is None:
         return _fail(ctx, spec, finish, f"unknown agent {name!r}")
     else:
@@ -284,7 +285,7 @@ def _run_openai(ctx: Context, spec: dict, agent, ref: SandboxRef, workdir: str, 
         return BridgeResult("error", reason=exc.reason)
     tools = Toolbox(sandbox=sandbox, workdir=workdir, store=ctx.store,
                     job_id=spec["job"], spill=ctx.extras.get("spill") or SpillConfig(),
-                    chromium_path=ctx.extras.get("chromium_path") or "/usr/bin/chromium",
+                    chromium_path=ctx.extras.get("chromium_path") or CHROMIUM_PATH,
                     browser_allowed_hosts=tuple(ctx.extras.get("browser_allowed_hosts") or ()), place=place)
     return run_openai(config, spec.get("message", ""), tools=tools, hooks=hooks, hook_context=hook_ctx,
                       on_event=publish)

@@ -15,6 +15,8 @@ from typing import Any, Literal
 from pydantic import AliasChoices, ValidationInfo, BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from adapters import defaults
+
 
 def _default_data_dir() -> Path:
     base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
@@ -37,7 +39,7 @@ class AgentSpec(BaseModel):
     env: dict[str, str] = Field(default_factory=dict)
     #: names of the worker's own variables this agent may inherit (e.g. ["HTTPS_PROXY"])
     env_passthrough: list[str] = Field(default_factory=list)
-    timeout_s: float = 900.0
+    timeout_s: float = defaults.AGENT_TIMEOUT_S
     #: sandbox URI of the agent's working directory, e.g. local:///srv/agents/demo
     sandbox: str | None = None
     cwd: str | None = None
@@ -110,32 +112,32 @@ class Settings(BaseSettings):
     # -- platforms -----------------------------------------------------
     telegram_bot_token: SecretStr | None = Field(default=None, validation_alias=_env("TELEGRAM_BOT_TOKEN"))
     #: Bot API server root (a local Bot API server or a test server may stand in); courier adds /bot<token>/<method>
-    telegram_base_url: str = "https://api.telegram.org"
+    telegram_base_url: str = defaults.TELEGRAM_API_URL
     #: a local Bot API server (telegram-bot-api --local): uploads up to 2000 MB
     telegram_local_api: bool = False
     #: shared per-bot send rate (~30/s; paid broadcasts allow up to 1000/s; 0: no per-bot limit)
     telegram_bot_per_s: float = 30.0
     discord_bot_token: SecretStr | None = Field(default=None, validation_alias=_env("DISCORD_BOT_TOKEN"))
     #: Discord REST root
-    discord_base_url: str = "https://discord.com/api/v10"
+    discord_base_url: str = defaults.DISCORD_API_URL
     #: attachment cap: 10 MiB by default; boosted guilds allow more (50 MiB at level 2, 100 MiB at 3)
     discord_upload_bytes: int = Field(default=10 * 1024 * 1024, gt=0)
     slack_bot_token: SecretStr | None = Field(default=None, validation_alias=_env("SLACK_BOT_TOKEN"))
     #: Slack Web API root
-    slack_base_url: str = "https://slack.com/api/"
+    slack_base_url: str = defaults.SLACK_API_URL
     #: per-file cap (Slack's is 1 GB; a workspace may set less)
     slack_upload_bytes: int = Field(default=1024 * 1024 * 1024, gt=0)
     whatsapp_access_token: SecretStr | None = Field(default=None, validation_alias=_env("WHATSAPP_ACCESS_TOKEN"))
     #: the sending phone number's id (Cloud API)
     whatsapp_phone_number_id: str | None = Field(default=None, validation_alias=_env("WHATSAPP_PHONE_NUMBER_ID"))
     #: WhatsApp Cloud API root
-    whatsapp_base_url: str = "https://graph.facebook.com/v21.0"
+    whatsapp_base_url: str = defaults.WHATSAPP_API_URL
 
     # -- sandboxes -----------------------------------------------------
     #: allowed roots of the local sandbox (JSON list); default: <data dir>/sandbox, /tmp, /workspace
     local_roots: list[str] | None = None
     #: size cap for one extracted file
-    max_file_bytes: int = 50 * 1000 * 1000
+    max_file_bytes: int = defaults.MAX_FILE_BYTES
     #: Docker API of docker:// sandboxes (unix:///run/podman/podman.sock, tcp://...); default: DOCKER_HOST
     docker_host: str | None = None
     #: where singularity instance roots live (<dir>/<instance>/rootfs); default: ask apptainer
@@ -180,7 +182,7 @@ class Settings(BaseSettings):
     #: longest backoff between tries of a model call (never past the turn's timeout)
     openai_retry_max_s: float = Field(default=30.0, ge=0)
     #: headless Chromium for the browser_screenshot tool
-    chromium_path: str = "/usr/bin/chromium"
+    chromium_path: str = defaults.CHROMIUM_PATH
     #: JSON list of destinations browser_screenshot may reach although they are not public (loopback, private,
     #: link-local): host names, addresses or CIDR networks, each optionally with :port ([v6]:port), e.g.
     #: ["dash.intranet", "10.1.0.0/16:8080"]; an entry without a port allows every port. Everything else must be a

@@ -45,6 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from adapters.defaults import AGENT_TIMEOUT_S
 from adapters.agents.activity import MAX_ACTIVITY_CHARS, activity_for, cut
 
 __all__ = [
@@ -56,7 +57,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 EVENT_PREFIX = "AX_GATEWAY_EVENT"
-DEFAULT_TIMEOUT_S = 900.0
+DEFAULT_TIMEOUT_S = AGENT_TIMEOUT_S
 ACTIVITY_MAX_CHARS = MAX_ACTIVITY_CHARS
 NO_REPLY_STATUSES = frozenset({"no_reply", "declined", "skipped", "not_responding"})
 PROGRESS_STATUSES = frozenset({"started", "thinking", "processing"})

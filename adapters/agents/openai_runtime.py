@@ -47,6 +47,7 @@ from urllib.parse import urlparse
 
 import httpx
 
+from adapters.defaults import AGENT_TIMEOUT_S
 from adapters.agents.activity import activity_for
 from adapters.agents.bridge import BridgeResult
 from adapters.agents.tools import Toolbox, media_tag
@@ -65,7 +66,7 @@ class OpenAIConfig:
     max_steps: int = 20
     call_timeout_s: float = 120.0
     #: the whole turn
-    timeout_s: float = 900.0
+    timeout_s: float = AGENT_TIMEOUT_S
     #: tries of one model call (429, 5xx, a failed or dropped connection are tried again)
     max_attempts: int = 6
     #: backoff between tries: base * 2^n with jitter, at most retry_max_s

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
 
+from adapters.defaults import CHROMIUM_PATH
 from adapters.agents.egress import ALLOW_SETTING, EgressPolicy, EgressProxy, Refusal
 from adapters.errors import CourierError
 from adapters.sandboxes.base import Sandbox, check_lexical
@@ -135,7 +136,7 @@ class Toolbox:
     store: Any
     job_id: str
     spill: SpillConfig = field(default_factory=SpillConfig)
-    chromium_path: str = "/usr/bin/chromium"
+    chromium_path: str = CHROMIUM_PATH
     #: destinations the browser may reach even though they are not public (COURIER_BROWSER_ALLOWED_HOSTS)
     browser_allowed_hosts: tuple[str, ...] = ()
     #: monotonic deadline of the turn (tools never run past it)

@@ -50,6 +50,7 @@ from typing import Any, TypeVar
 import aiohttp
 import discord
 
+from adapters.defaults import DISCORD_API_URL
 from adapters.errors import ConfigError, CourierError, DeliveryError, Permanent, RateLimited, Transient
 from adapters.platforms import _aio, _ogg
 from adapters.platforms.base import FileRefused, FileSource, Kind, Limits, MiB, Platform, Sent
@@ -59,7 +60,7 @@ __all__ = ["DiscordPlatform", "DEFAULT_BASE_URL", "DEFAULT_UPLOAD_BYTES"]
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-DEFAULT_BASE_URL = "https://discord.com/api/v10"
+DEFAULT_BASE_URL = DISCORD_API_URL
 #: the default attachment cap since 2025 (boosted guilds allow more)
 DEFAULT_UPLOAD_BYTES = 10 * MiB
 #: discord.py raises `RateLimited` for any 429 wait longer than this

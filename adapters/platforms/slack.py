@@ -43,6 +43,7 @@ import httpx
 from slack_sdk import WebClient
 from slack_sdk.errors import SlackApiError, SlackClientError, SlackRequestError
 
+from adapters.defaults import SLACK_API_URL
 from adapters.errors import ConfigError, CourierError, DeliveryError, Permanent, RateLimited, Transient
 from adapters.platforms.base import FileRefused, FileSource, Kind, Limits, Platform, Sent, iter_file
 
@@ -51,7 +52,7 @@ __all__ = ["SlackPlatform", "DEFAULT_BASE_URL", "DEFAULT_UPLOAD_BYTES"]
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-DEFAULT_BASE_URL = "https://slack.com/api/"
+DEFAULT_BASE_URL = SLACK_API_URL
 #: Slack's per-file cap (slack_sdk: MAX_V2_FILE_SIZE)
 DEFAULT_UPLOAD_BYTES = 1024 * 1024 * 1024
 UPLOAD_CHUNK_BYTES = 256 * 1024

@@ -46,6 +46,7 @@ from telegram.error import (
 )
 from telegram.request import HTTPXRequest
 
+from adapters.defaults import TELEGRAM_API_URL
 from adapters.errors import ConfigError, DeliveryError, Permanent, RateLimited, Transient
 from adapters.platforms import _aio
 from adapters.platforms.base import MB, FileRefused, FileSource, Kind, Limits, Platform, Sent
@@ -180,7 +181,7 @@ class _RedactToken(logging.Filter):
 class TelegramPlatform(Platform):
     name = "telegram"
 
-    def __init__(self, token: str, *, base_url: str = "https://api.telegram.org", local_api: bool = False,
+    def __init__(self, token: str, *, base_url: str = TELEGRAM_API_URL, local_api: bool = False,
                  bot_per_s: float | None = 30.0, connect_timeout_s: float = 10.0, read_timeout_s: float = 60.0,
                  media_write_timeout_s: float = 120.0, pool_size: int = 32) -> None:
         if not token:

@@ -46,6 +46,7 @@ from typing import Any
 
 import httpx
 
+from adapters.defaults import WHATSAPP_API_URL
 from adapters.errors import ConfigError, DeliveryError, Permanent, RateLimited, Transient
 from adapters.platforms.base import MB, FileRefused, FileSource, Kind, Limits, Platform, Sent
 
@@ -150,7 +151,7 @@ class WhatsAppPlatform(Platform):
     )
 
     def __init__(self, access_token: str, phone_number_id: str, *,
-                 base_url: str = "https://graph.facebook.com/v21.0", connect_timeout_s: float = 10.0,
+                 base_url: str = WHATSAPP_API_URL, connect_timeout_s: float = 10.0,
                  read_timeout_s: float = 60.0, write_timeout_s: float = 120.0) -> None:
         if not access_token:
             raise ConfigError("whatsapp: WHATSAPP_ACCESS_TOKEN is not set")

@@ -22,10 +22,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 from urllib.parse import quote, unquote, urlparse
 
+from adapters.defaults import MAX_FILE_BYTES
 from adapters.errors import ConfigError, FileChanging, NotAFile, SandboxError, SandboxGone, UnsafePath
 from adapters.sandboxes.routing import host_of
 
-DEFAULT_MAX_BYTES = 50 * 1000 * 1000
+DEFAULT_MAX_BYTES = MAX_FILE_BYTES
 #: Sandbox.exec: bytes kept per output stream, and the exit code of a timeout
 DEFAULT_EXEC_OUTPUT_BYTES = 1024 * 1024
 EXEC_TIMEOUT_EXIT = 124
