@@ -64,7 +64,7 @@ from adapters.sandboxes.base import (
 __all__ = [
     "ExecChannel", "ExecStream", "ExecStreamMixin", "Resolved",
     "RESOLVE_SCRIPT", "STREAM_SCRIPT", "PUT_SCRIPT", "CWD_SCRIPT", "RUN_SCRIPT", "KILL_SCRIPT",
-    "exec_resolve", "exec_iter_file", "exec_extract", "exec_put", "default_roots",
+    "exec_resolve", "exec_iter_file", "exec_store_file", "exec_extract", "exec_put", "default_roots",
     "exec_command", "exec_resolve_cwd", "kill_argv",
     "EXIT_MISSING", "EXIT_NOT_FILE", "EXIT_CHANGED", "EXIT_DENIED",
 ]
@@ -276,6 +276,13 @@ class ExecStream:
     exit_code: Callable[[], int | None]
     stderr: Callable[[], bytes] = field(default=lambda: b"")
     close: Callable[[], None] = field(default=lambda: None)
+    #: where the channel has one: stdout as a raw pipe, for a consumer that
+    #: moves the bytes in the kernel instead of iterating `chunks` (never both);
+    #: `wait()` before each read (raises ReadTimeout past the read deadline),
+    #: `end()` once the pipe is drained (the exit status is then known)
+    pipe_fd: int | None = None
+    wait: Callable[[], None] = field(default=lambda: None)
+    end: Callable[[], None] = field(default=lambda: None)
 
 
 @runtime_checkable
@@ -376,12 +383,13 @@ def exec_iter_file(ch: ExecChannel, resolved: str, *, expected_size: int | None 
     with several hard links is refused unless `policy` allows them there.
     """
     mode = "cat" if getattr(ch, "binary_safe", True) else "base64"
-    run_id = uuid.uuid4().hex
-    # the run carries its id in its environment: a stalled one (its channel's
-    # read deadline passed) is killed by it, not left blocked in the sandbox
-    links_ok = "1" if policy is not None and policy.links_allowed(resolved) else ""
-    st = ch.exec_stream(["env", f"COURIER_EXEC_ID={run_id}", "sh", "-c", STREAM_SCRIPT, "sh", resolved, mode,
-                         links_ok])
+    run_id, st = _start_stream(ch, resolved, mode, policy)
+    yield from _iter_stream(ch, st, run_id, resolved, mode, expected_size=expected_size, max_bytes=max_bytes)
+
+
+def _iter_stream(ch: ExecChannel, st: ExecStream, run_id: str, resolved: str, mode: str, *,
+                 expected_size: int | None, max_bytes: int | None) -> Iterator[bytes]:
+    """exec_iter_file's chunks of a started stream script."""
     n = 0
     try:
         body = st.chunks if mode == "cat" else _b64_decode(st.chunks)
@@ -401,6 +409,21 @@ def exec_iter_file(ch: ExecChannel, resolved: str, *, expected_size: int | None 
         raise
     finally:
         st.close()
+    _check_stream_end(st, rc, n, resolved, expected_size)
+
+
+def _start_stream(ch: ExecChannel, resolved: str, mode: str, policy: PathPolicy | None) -> tuple[str, ExecStream]:
+    run_id = uuid.uuid4().hex
+    # the run carries its id in its environment: a stalled one (its channel's
+    # read deadline passed) is killed by it, not left blocked in the sandbox
+    links_ok = "1" if policy is not None and policy.links_allowed(resolved) else ""
+    return run_id, ch.exec_stream(["env", f"COURIER_EXEC_ID={run_id}", "sh", "-c", STREAM_SCRIPT, "sh", resolved,
+                                   mode, links_ok])
+
+
+def _check_stream_end(st: ExecStream, rc: int | None, n: int, resolved: str, expected_size: int | None) -> None:
+    """The stream script's verdict once its output has ended: raises unless it
+    exited 0 having sent exactly `expected_size` bytes."""
     if rc == EXIT_MISSING:
         raise FileMissing(f"{resolved}: no such file")
     if rc == EXIT_NOT_FILE:
@@ -419,6 +442,46 @@ def exec_iter_file(ch: ExecChannel, resolved: str, *, expected_size: int | None 
     if expected_size is not None and n != expected_size:
         # the agent is probably still writing it: worth a retry
         raise SandboxGone(f"{resolved}: changed during transfer ({n:,} bytes read, {expected_size:,} expected)")
+
+
+def exec_store_file(ch: ExecChannel, resolved: str, store, key: str, *, expected_size: int | None,
+                    max_bytes: int, policy: PathPolicy | None = None,
+                    guard: Callable[[Iterator[bytes]], Iterator[bytes]] | None = None):
+    """An already resolved and checked file into `store` at `key` with ONE
+    exec, all or nothing, with the checks of :func:`exec_iter_file`. Where the
+    channel hands out its stdout as a pipe and the store takes one
+    (``put_pipe``: a volume splices it into the file in the kernel), the bytes
+    never pass through this process (and no sha256 is computed); else they
+    stream through ``store.put_stream``. `guard` wraps the chunks (error mapping)."""
+    mode = "cat" if getattr(ch, "binary_safe", True) else "base64"
+    run_id, st = _start_stream(ch, resolved, mode, policy)
+    put_pipe = getattr(store, "put_pipe", None)
+    info = None
+    if st.pipe_fd is not None and mode == "cat" and put_pipe is not None:
+        def finish(n: int) -> None:  # before the blob is published: the script's verdict, the byte count
+            st.end()
+            _check_stream_end(st, st.exit_code(), n, resolved, expected_size)
+
+        try:
+            info = put_pipe(key, st.pipe_fd, max_bytes=max_bytes, wait=st.wait, finish=finish)
+        except ReadTimeout:
+            st.close()
+            with contextlib.suppress(Exception):  # best effort: the sandbox may be the stalled part
+                ch.exec_small(kill_argv(run_id))
+            raise
+        except TooLarge as exc:
+            st.close()
+            raise TooLarge(f"{resolved}: larger than the {max_bytes:,} byte cap", size_bytes=exc.size_bytes,
+                           limit_bytes=max_bytes) from None
+        except BaseException:
+            st.close()
+            raise
+    if info is not None:
+        st.close()
+        return info
+    # no pipe, or a store (or kernel) that cannot take one: nothing was read yet, stream it
+    body = _iter_stream(ch, st, run_id, resolved, mode, expected_size=expected_size, max_bytes=max_bytes)
+    return store.put_stream(key, guard(body) if guard else body, max_bytes=max_bytes)
 
 
 def exec_extract(ch: ExecChannel, policy: PathPolicy, path: str, store, key: str, *,
