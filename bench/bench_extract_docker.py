@@ -1,6 +1,6 @@
 """Docker extraction through the archive API vs the engine's own `podman cp`.
 
-    python bench/bench_extract_docker.py          # throughput, 200 MB (target ratio >= 0.8)
+    python bench/bench_extract_docker.py          # throughput, 200 MB (target ratio >= 1.0)
     python bench/bench_extract_docker.py --rss    # peak RSS extracting 1 GiB (limit <= 150 MB)
 
 Both start a private rootful podman (tests/fixtures/podman.py), run one
@@ -21,6 +21,9 @@ if str(ROOT) not in sys.path:
 
 from bench._common import MiB, child_peak_rss, extract_vs_copy, make_file_in  # noqa: E402
 from bench._common import out_dir, quick, report, report_limit, rss_child  # noqa: E402
+
+#: issue 14: at least as fast as the engine's own `podman cp` (issue 11 asked 0.8 of it)
+TARGET = 1.0
 
 
 def throughput() -> None:
@@ -50,7 +53,7 @@ def throughput() -> None:
             svc.stop()
     mb = size / 1e6
     report("docker extract 200MB (archive API)" if not quick() else "docker extract 20MB (archive API)",
-           mb / min(ours), "MB/s", "podman cp", mb / min(cp), target=0.8,
+           mb / min(ours), "MB/s", "podman cp", mb / min(cp), target=TARGET,
            extra=f"best of {runs}: {min(ours):.2f}s vs {min(cp):.2f}s")
 
 
