@@ -498,3 +498,29 @@ def test_fast_pipe_keeps_bytes_and_order():
     assert pipe.empty() == b"tail"
     pipe.close()
     assert pipe.read(10) == b""
+
+
+# -- the gated stream script (OpenSSH mode: resolve and stream in one run) -----------------
+def _gated(path: Path, line: bytes | None) -> tuple[int, bytes]:
+    """GATED_STREAM_SCRIPT under a local sh (dash + coreutils, as on ssh hosts),
+    `line` written to its stdin (None: stdin closed at once)."""
+    from adapters.sandboxes.execstream import GATED_STREAM_SCRIPT
+
+    res = subprocess.run(["sh", "-c", GATED_STREAM_SCRIPT, "sh", str(path), "cat"], input=line or b"",
+                         capture_output=True, timeout=30)
+    return res.returncode, res.stdout
+
+
+def test_gated_script_streams_only_after_go(tmp_path):
+    data = os.urandom(300_000)
+    f = tmp_path / "f.bin"
+    f.write_bytes(data)
+    head = f"{os.environ.get('HOME', '')}\0{f}\0f\0{len(data)} 1\0".encode()
+    assert _gated(f, None) == (99, head)  # refused (stdin closed): the answer, not a byte of the file
+    assert _gated(f, b"stop\n") == (99, head)
+    assert _gated(f, b"go\n") == (0, head + data)
+    os.link(f, tmp_path / "other-name")
+    rc, out = _gated(f, b"go\n")  # two names: refused unless the caller allows links there
+    assert (rc, out) == (15, head.replace(b" 1\0", b" 2\0"))
+    assert _gated(f, b"go 1\n") == (0, head.replace(b" 1\0", b" 2\0") + data)
+    assert _gated(tmp_path / "missing", b"go\n") == (2, b"")

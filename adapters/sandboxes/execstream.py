@@ -49,6 +49,7 @@ from __future__ import annotations
 import binascii
 import contextlib
 import math
+import os
 import posixpath
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -63,8 +64,9 @@ from adapters.sandboxes.base import (
 
 __all__ = [
     "ExecChannel", "ExecStream", "ExecStreamMixin", "Resolved",
-    "RESOLVE_SCRIPT", "STREAM_SCRIPT", "PUT_SCRIPT", "CWD_SCRIPT", "RUN_SCRIPT", "KILL_SCRIPT",
-    "exec_resolve", "exec_iter_file", "exec_store_file", "exec_extract", "exec_put", "default_roots",
+    "RESOLVE_SCRIPT", "STREAM_SCRIPT", "GATED_STREAM_SCRIPT", "PUT_SCRIPT", "CWD_SCRIPT", "RUN_SCRIPT",
+    "KILL_SCRIPT", "exec_resolve", "exec_iter_file", "exec_store_file", "exec_gated_extract", "exec_extract",
+    "exec_put", "default_roots",
     "exec_command", "exec_resolve_cwd", "kill_argv",
     "EXIT_MISSING", "EXIT_NOT_FILE", "EXIT_CHANGED", "EXIT_DENIED",
 ]
@@ -116,6 +118,18 @@ fi
 if [ "$2" = base64 ]; then exec base64 <&3; fi
 exec cat <&3
 """
+
+# $1 = path as given, $2 = "cat" or "base64". RESOLVE_SCRIPT's answer and one
+# more NUL, then it waits for ONE line on stdin: "go" (or "go 1": a file with
+# several hard links may be read) streams the resolved path exactly as
+# STREAM_SCRIPT does (the same text, run on it), anything else (stdin closed:
+# the caller refused the path) ends it without reading a byte. Resolve and
+# stream in one exec, the path still checked by the caller before any byte.
+GATED_STREAM_SCRIPT = RESOLVE_SCRIPT + r"""printf '\0'
+IFS=' ' read -r go ok || exit 99
+[ "$go" = go ] || exit 99
+set -- "$r" "$2" "$ok"
+""" + STREAM_SCRIPT
 
 # $1 = destination dir (as given), $2 = base name. Prints HOME NUL resolved dir
 # NUL uid NUL gid; exit 5 if not a directory, 97 if the name is a link or a dir.
@@ -283,6 +297,8 @@ class ExecStream:
     pipe_fd: int | None = None
     wait: Callable[[], None] = field(default=lambda: None)
     end: Callable[[], None] = field(default=lambda: None)
+    #: where the channel streams stdin: write these bytes to the command's stdin and close it
+    gate: Callable[[bytes], None] | None = None
 
 
 @runtime_checkable
@@ -345,6 +361,11 @@ def exec_resolve(ch: ExecChannel, path: str) -> Resolved:
         raise FileMissing(f"{path}: no such file")
     if rc != 0:
         raise SandboxError(f"{path}: cannot resolve (exit {rc}: {_err_text(err)})")
+    return _parse_resolved(out, path)
+
+
+def _parse_resolved(out: bytes, path: str) -> Resolved:
+    """RESOLVE_SCRIPT's answer; NotAFile unless it names a regular file."""
     home, resolved, kind, size = _fields(out, 4, path)
     if kind == "d":
         raise NotAFile(f"{path}: is a directory")
@@ -455,6 +476,14 @@ def exec_store_file(ch: ExecChannel, resolved: str, store, key: str, *, expected
     stream through ``store.put_stream``. `guard` wraps the chunks (error mapping)."""
     mode = "cat" if getattr(ch, "binary_safe", True) else "base64"
     run_id, st = _start_stream(ch, resolved, mode, policy)
+    return _store_stream(ch, st, run_id, resolved, mode, store, key, expected_size=expected_size,
+                         max_bytes=max_bytes, guard=guard)
+
+
+def _store_stream(ch: ExecChannel, st: ExecStream, run_id: str, resolved: str, mode: str, store, key: str, *,
+                  expected_size: int | None, max_bytes: int,
+                  guard: Callable[[Iterator[bytes]], Iterator[bytes]] | None = None):
+    """exec_store_file of a started stream script."""
     put_pipe = getattr(store, "put_pipe", None)
     info = None
     if st.pipe_fd is not None and mode == "cat" and put_pipe is not None:
@@ -482,6 +511,50 @@ def exec_store_file(ch: ExecChannel, resolved: str, store, key: str, *, expected
     # no pipe, or a store (or kernel) that cannot take one: nothing was read yet, stream it
     body = _iter_stream(ch, st, run_id, resolved, mode, expected_size=expected_size, max_bytes=max_bytes)
     return store.put_stream(key, guard(body) if guard else body, max_bytes=max_bytes)
+
+
+def exec_gated_extract(ch: ExecChannel, path: str, store, key: str, *, max_bytes: int,
+                       check: Callable[[Resolved], PathPolicy],
+                       guard: Callable[[Iterator[bytes]], Iterator[bytes]] | None = None):
+    """Resolve and store `path` with ONE exec (:data:`GATED_STREAM_SCRIPT`),
+    for a channel with ``exec_gated(argv)``: an ``exec_stream`` that takes one
+    line of stdin (``ExecStream.gate``) and hands out stdout as a pipe: the resolve's answer
+    is read first, `check(resolved)` checks it (the policy, the size cap;
+    raises to refuse: the script ends without opening the file) and returns
+    the policy (for hard links);
+    only then does the script open and stream the file, as
+    :func:`exec_store_file` does. Saves a round trip (an ssh client, a
+    session) per file over resolve + stream."""
+    check_lexical(path)
+    mode = "cat" if getattr(ch, "binary_safe", True) else "base64"
+    run_id = uuid.uuid4().hex
+    st = ch.exec_gated(["env", f"COURIER_EXEC_ID={run_id}", "sh", "-c", GATED_STREAM_SCRIPT, "sh", path, mode])
+    try:
+        if st.gate is None or st.pipe_fd is None:
+            raise SandboxError("exec_gated_extract needs a channel with a stdin gate and a stdout pipe")
+        head = bytearray()
+        while head.count(b"\0") < 4:
+            st.wait()
+            data = os.read(st.pipe_fd, 65536)
+            if not data:  # the script ended: the path did not resolve
+                st.end()
+                rc = st.exit_code()
+                if rc == EXIT_MISSING:
+                    raise FileMissing(f"{path}: no such file")
+                raise SandboxError(f"{path}: cannot resolve (exit {rc}: {_err_text(st.stderr())})")
+            head += data
+            if len(head) > 3 * 65536:
+                raise SandboxError(f"{path}: unexpected reply from the sandbox ({bytes(head[:200])!r})")
+        if not head.endswith(b"\0") or head.count(b"\0") != 4:  # the script sends nothing more before `go`
+            raise SandboxError(f"{path}: unexpected reply from the sandbox ({bytes(head[:200])!r})")
+        r = _parse_resolved(bytes(head[:-1]), path)
+        policy = check(r)
+        st.gate(b"go 1\n" if policy.links_allowed(r.path) else b"go\n")
+    except BaseException:
+        st.close()
+        raise
+    return _store_stream(ch, st, run_id, r.path, mode, store, key, expected_size=r.size, max_bytes=max_bytes,
+                         guard=guard)
 
 
 def exec_extract(ch: ExecChannel, policy: PathPolicy, path: str, store, key: str, *,

@@ -74,7 +74,8 @@ from adapters.sandboxes.base import (
     check_lexical,
 )
 from adapters.sandboxes.execstream import (
-    ExecStream, Resolved, default_roots, exec_command, exec_iter_file, exec_resolve, exec_store_file, kill_argv,
+    ExecStream, Resolved, default_roots, exec_command, exec_gated_extract, exec_iter_file, exec_resolve,
+    kill_argv,
 )
 
 CHUNK = 1024 * 1024
@@ -865,13 +866,20 @@ class SshSandbox(Sandbox):
         """Resolve, check and stream on one SFTP channel; nothing stored on failure."""
         check_lexical(path)
         if self.use_openssh:
-            r = self._resolve_openssh(path)
-            self._cap(path, r.size, max_bytes)
-            # into a volume, ssh's output is spliced into the file in the kernel (see exec_store_file)
-            with self._errors(path):
-                return exec_store_file(self._openssh(), r.path, store, key, expected_size=r.size,
-                                       max_bytes=max_bytes, policy=self._policy(r.home),
-                                       guard=lambda chunks: self._guarded(chunks, path))
+            # ONE ssh run resolves, waits for our check of the answer, then streams; into a
+            # volume its output is spliced into the file in the kernel (see exec_gated_extract)
+            def check(r: Resolved) -> PathPolicy:
+                policy = self._policy(r.home)
+                policy.check(r.path, shown=path)
+                self._cap(path, r.size, max_bytes)
+                return policy
+
+            try:
+                return exec_gated_extract(self._openssh(), path, store, key, max_bytes=max_bytes, check=check,
+                                          guard=lambda chunks: self._guarded(chunks, path))
+            except (FileMissing, NotAFile):
+                self._deny_lexical(self._policy(self._remote_home()), path)  # denied paths say so, existing or not
+                raise
         with self._errors(path), self._sftp() as sftp:
             resolved, st = self._resolve_sftp(sftp, path)
             self._cap(path, st.st_size, max_bytes)
@@ -1168,9 +1176,13 @@ class _OpenSshChannel:
             rc, err = self._finish(proc, errf, what)
         return rc, bytes(out), err
 
-    def exec_stream(self, argv) -> ExecStream:
+    def exec_gated(self, argv) -> ExecStream:
+        """exec_stream with a stdin pipe for one line (``ExecStream.gate``)."""
+        return self.exec_stream(argv, gated=True)
+
+    def exec_stream(self, argv, *, gated: bool = False) -> ExecStream:
         errf = tempfile.TemporaryFile()  # noqa: SIM115 - closed by close()
-        proc = self._popen(argv, subprocess.DEVNULL, errf)
+        proc = self._popen(argv, subprocess.PIPE if gated else subprocess.DEVNULL, errf)
         with contextlib.suppress(OSError, AttributeError):  # a 1 MiB pipe: fewer stalls of ssh while we hash
             fcntl.fcntl(proc.stdout.fileno(), fcntl.F_SETPIPE_SZ, CHUNK)
         state: dict[str, Any] = {"rc": None, "err": b""}
@@ -1204,15 +1216,27 @@ class _OpenSshChannel:
                 yield bytes(view[:fill])
             end()
 
+        def gate(line: bytes) -> None:
+            try:
+                proc.stdin.write(line)  # a line: far below the pipe's size, never blocks
+            except BrokenPipeError:
+                pass  # the remote script ended: its exit status says why
+            finally:
+                with contextlib.suppress(OSError):
+                    proc.stdin.close()
+
         def close() -> None:
             if proc.poll() is None:  # consumer stopped early: end our client (the master stays)
                 proc.kill()
                 proc.wait()
-            proc.stdout.close()
+            for f in (proc.stdin, proc.stdout):
+                if f is not None:
+                    with contextlib.suppress(OSError):
+                        f.close()
             errf.close()
 
         return ExecStream(chunks=chunks(), exit_code=lambda: state["rc"], stderr=lambda: state["err"], close=close,
-                          pipe_fd=fd, wait=wait, end=end)
+                          pipe_fd=fd, wait=wait, end=end, gate=gate if gated else None)
 
     def exec_stdin(self, argv, chunks) -> tuple[int, bytes, bytes]:
         with tempfile.TemporaryFile() as errf:
