@@ -7,7 +7,10 @@ from here with a constant number of round trips, whatever the file size:
 * resolve: ONE exec (``readlink -f`` + a type test + ``stat -c %s``, and
   ``$HOME`` for default roots), parsed from NUL-separated output;
 * extract: ONE exec streaming the file on stdout (``cat``; ``base64`` only
-  when the channel is not binary-safe), straight into storage;
+  when the channel is not binary-safe), straight into storage (spliced in
+  the kernel where the channel hands out a pipe and the store is a volume);
+  a channel that can also send one line of stdin resolves and streams in
+  ONE exec (:func:`exec_gated_extract`);
 * put: ONE exec that reads stdin into a temp name and renames it (only for
   backends that can stream stdin).
 

@@ -9,8 +9,11 @@ by a helper thread so that hashing and writing overlap the SSH parsing.
 Bytes stream into storage in 1 MiB chunks; nothing is held whole in memory.
 
 Option `use_openssh`: the `ssh` client over a ControlMaster socket
-(`ControlPersist=60`); resolve and stream (`cat`) are execstream's scripts
-(:mod:`adapters.sandboxes.execstream`). ssh joins its arguments into one
+(`ControlPersist=60`, AES-GCM preferred); an extraction is ONE ssh run of
+execstream's gated stream script (:mod:`adapters.sandboxes.execstream`):
+it answers the resolve, waits for this side's check of the answer, then
+streams (`cat` of the descriptor its stream script checked); into a volume
+the client's stdout pipe is spliced into the file in the kernel. ssh joins its arguments into one
 remote shell command line, so the argv is quoted with `shlex.join` (a POSIX
 login shell is assumed on the host).
 
