@@ -527,7 +527,10 @@ def exec_gated_extract(ch: ExecChannel, path: str, store, key: str, *, max_bytes
     the policy (for hard links);
     only then does the script open and stream the file, as
     :func:`exec_store_file` does. Saves a round trip (an ssh client, a
-    session) per file over resolve + stream."""
+    session) per file over resolve + stream. None when the path did not
+    resolve (the script ended before its answer): the caller asks
+    :func:`exec_resolve` why, so a path that does not resolve gets exactly
+    its answer (missing, denied, a loop)."""
     check_lexical(path)
     mode = "cat" if getattr(ch, "binary_safe", True) else "base64"
     run_id = uuid.uuid4().hex
@@ -539,12 +542,10 @@ def exec_gated_extract(ch: ExecChannel, path: str, store, key: str, *, max_bytes
         while head.count(b"\0") < 4:
             st.wait()
             data = os.read(st.pipe_fd, 65536)
-            if not data:  # the script ended: the path did not resolve
+            if not data:  # the script ended before its answer: the path did not resolve
                 st.end()
-                rc = st.exit_code()
-                if rc == EXIT_MISSING:
-                    raise FileMissing(f"{path}: no such file")
-                raise SandboxError(f"{path}: cannot resolve (exit {rc}: {_err_text(st.stderr())})")
+                st.close()
+                return None
             head += data
             if len(head) > 3 * 65536:
                 raise SandboxError(f"{path}: unexpected reply from the sandbox ({bytes(head[:200])!r})")

@@ -878,11 +878,15 @@ class SshSandbox(Sandbox):
                 return policy
 
             try:
-                return exec_gated_extract(self._openssh(), path, store, key, max_bytes=max_bytes, check=check,
+                info = exec_gated_extract(self._openssh(), path, store, key, max_bytes=max_bytes, check=check,
                                           guard=lambda chunks: self._guarded(chunks, path))
             except (FileMissing, NotAFile):
                 self._deny_lexical(self._policy(self._remote_home()), path)  # denied paths say so, existing or not
                 raise
+            if info is None:  # it did not resolve: the resolve's own answer (missing, denied, ...)
+                self._resolve_openssh(path)
+                raise FileChanged(f"{path}: appeared while it was resolved; read again")
+            return info
         with self._errors(path), self._sftp() as sftp:
             resolved, st = self._resolve_sftp(sftp, path)
             self._cap(path, st.st_size, max_bytes)
