@@ -71,23 +71,32 @@ def out_dir() -> str | None:
 
 def extract_vs_copy(runs: int, sb, src: str, store, size: int, out: Path,
                     copy: Callable[[Path], object], *, dest_prefix: str = "cp") -> tuple[list[float], list[float]]:
-    """`runs` alternating rounds: `sb.extract(src)` into `store` (then deleted),
-    then `copy(dest)` to out/<dest_prefix><i> (then unlinked); both must move
-    `size` bytes. Returns (our seconds, the copy's seconds), one per round."""
+    """`runs` rounds of `sb.extract(src)` into `store` (then deleted) and
+    `copy(dest)` to out/<dest_prefix><i> (then unlinked), which goes first
+    alternating round by round (neither side always runs after the other's
+    cleanup, nor first after the file was made); both must move `size`
+    bytes. Returns (our seconds, the copy's seconds), one per round."""
     ours: list[float] = []
     theirs: list[float] = []
-    for i in range(runs):
+
+    def extract(i: int) -> None:
         t = time.perf_counter()
         info = sb.extract(src, store, f"files/big{i}", max_bytes=size)
         ours.append(time.perf_counter() - t)
         assert info.size_bytes == size
         store.delete(f"files/big{i}")
+
+    def baseline(i: int) -> None:
         dest = out / f"{dest_prefix}{i}"
         t = time.perf_counter()
         copy(dest)
         theirs.append(time.perf_counter() - t)
         assert dest.stat().st_size == size
         dest.unlink()
+
+    for i in range(runs):
+        for step in ((extract, baseline) if i % 2 else (baseline, extract)):
+            step(i)
     return ours, theirs
 
 

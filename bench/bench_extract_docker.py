@@ -1,6 +1,8 @@
-"""Docker extraction through the archive API vs the engine's own `podman cp`.
+"""Docker extraction (the channel DockerSandbox picks: a 200 MB file of a
+root container on a local engine is read through the host root, see
+adapters/sandboxes/hostroot.py) vs the engine's own `podman cp`.
 
-    python bench/bench_extract_docker.py          # throughput, 200 MB (target ratio >= 0.8)
+    python bench/bench_extract_docker.py          # throughput, 200 MB (target ratio >= 1.0)
     python bench/bench_extract_docker.py --rss    # peak RSS extracting 1 GiB (limit <= 150 MB)
 
 Both start a private rootful podman (tests/fixtures/podman.py), run one
@@ -21,6 +23,9 @@ if str(ROOT) not in sys.path:
 
 from bench._common import MiB, child_peak_rss, extract_vs_copy, make_file_in  # noqa: E402
 from bench._common import out_dir, quick, report, report_limit, rss_child  # noqa: E402
+
+#: issue 14: at least as fast as the engine's own `podman cp` (issue 11 asked 0.8 of it)
+TARGET = 1.0
 
 
 def throughput() -> None:
@@ -44,13 +49,14 @@ def throughput() -> None:
             sb = DockerSandbox(SandboxRef("docker", ctr.name), None, client=client)
             ours, cp = extract_vs_copy(runs, sb, "/workspace/big", store, size, out,
                                        lambda dest: svc.podman("cp", f"{ctr.id}:/workspace/big", str(dest)))
+            channel = max(("host_root", "archive", "bind", "exec"), key=lambda c: sb.stats[c])
             client.close()
             shutil.rmtree(out, ignore_errors=True)
         finally:
             svc.stop()
     mb = size / 1e6
-    report("docker extract 200MB (archive API)" if not quick() else "docker extract 20MB (archive API)",
-           mb / min(ours), "MB/s", "podman cp", mb / min(cp), target=0.8,
+    how = {"host_root": "host root, in-kernel copy", "archive": "archive API"}.get(channel, channel)
+    report(f"docker extract {size // 1000 // 1000}MB ({how})", mb / min(ours), "MB/s", "podman cp", mb / min(cp), target=TARGET,
            extra=f"best of {runs}: {min(ours):.2f}s vs {min(cp):.2f}s")
 
 

@@ -1,7 +1,7 @@
 """Local extraction (LocalSandbox.extract into a VolumeStore) vs `cp`.
 
-    python bench/bench_extract_local.py            # 500 MB, store on the source's filesystem (target ratio >= 0.8)
-    python bench/bench_extract_local.py --stream   # 500 MB, store on another filesystem (tmpfs when there is one)
+    python bench/bench_extract_local.py            # 500 MB, store on the source's filesystem (target ratio >= 1.0)
+    python bench/bench_extract_local.py --stream   # 500 MB, store on another filesystem (tmpfs when there is one; >= 1.0)
     python bench/bench_extract_local.py --rss      # peak RSS extracting 1 GiB, in a child process (limit <= 150 MB)
 
 Each prints ONE line. BENCH_QUICK=1 shrinks the sizes. The source lives in a
@@ -29,6 +29,9 @@ from bench._common import MiB, child_peak_rss, extract_vs_copy  # noqa: E402
 from bench._common import make_file, quick, report, report_limit, rss_child  # noqa: E402
 from bench._common import out_dir as other_fs_dir  # noqa: E402
 
+#: at least as fast as `cp` of the same file to the same place
+TARGET = 1.0
+
 
 def hash_time(path: Path) -> float:
     t = time.perf_counter()
@@ -44,7 +47,7 @@ def throughput(stream: bool) -> None:
     from storage.volume import VolumeStore
 
     size = (50 if quick() else 500) * 1000 * 1000
-    runs = 2 if quick() else 3
+    runs = 2 if quick() else 5  # a 500 MB copy takes ~0.3 s: five rounds each, best kept
     with tempfile.TemporaryDirectory(prefix="bench-local-", dir="/tmp") as tmp:
         src = Path(tmp) / "src.bin"
         make_file(src, size)
@@ -64,7 +67,7 @@ def throughput(stream: bool) -> None:
     mb = size / 1e6
     where = "same fs" if same_fs else "other fs"
     report(f"local extract {size // 1000 // 1000}MB, {where}", mb / min(ours), "MB/s", "cp", mb / min(cp),
-           target=0.8, extra=f"best of {runs}: {min(ours):.2f}s vs {min(cp):.2f}s; sha256 alone {sha:.2f}s")
+           target=TARGET, extra=f"best of {runs}: {min(ours):.2f}s vs {min(cp):.2f}s; sha256 alone {sha:.2f}s")
 
 
 CHILD = rss_child(r"""

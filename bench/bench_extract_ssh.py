@@ -1,7 +1,7 @@
 """SshSandbox extraction vs OpenSSH `scp` from the same sshd (loopback).
 
-    python bench/bench_extract_ssh.py             # 200 MB over paramiko SFTP (target ratio >= 0.8)
-    python bench/bench_extract_ssh.py --openssh   # 200 MB over the OpenSSH client + ControlMaster
+    python bench/bench_extract_ssh.py             # 200 MB over paramiko SFTP (target ratio >= 1.5)
+    python bench/bench_extract_ssh.py --openssh   # 200 MB over the OpenSSH client + ControlMaster (>= 1.0)
     python bench/bench_extract_ssh.py --rss       # peak RSS extracting 1 GiB over SFTP, in a child (limit <= 150 MB)
 
 Each starts a private sshd on 127.0.0.1 (tests/fixtures/sshd.py) and prints
@@ -26,6 +26,10 @@ if str(ROOT) not in sys.path:
 
 from bench._common import MiB, child_peak_rss, extract_vs_copy, make_file  # noqa: E402
 from bench._common import out_dir, quick, report, report_limit, rss_child  # noqa: E402
+
+#: issue 11: the paramiko SFTP channel at least 1.5x scp; issue 14: the OpenSSH one at least as fast as scp
+TARGET_SFTP = 1.5
+TARGET_OPENSSH = 1.0
 
 
 def sandbox(srv, root: str, openssh: bool, control_dir: str | None = None):
@@ -70,7 +74,7 @@ def throughput(openssh: bool) -> None:
     mb = size / 1e6
     how = "OpenSSH ControlMaster + cat" if openssh else "paramiko SFTP, pipelined reads"
     report(f"ssh extract {size // 1000 // 1000}MB ({how})", mb / min(ours), "MB/s", "scp", mb / min(scp),
-           target=0.8, extra=f"best of {runs}: {min(ours):.2f}s vs {min(scp):.2f}s; our first run {ours[0]:.2f}s")
+           target=TARGET_OPENSSH if openssh else TARGET_SFTP, extra=f"best of {runs}: {min(ours):.2f}s vs {min(scp):.2f}s; our first run {ours[0]:.2f}s")
 
 
 CHILD = rss_child(r"""

@@ -103,6 +103,7 @@ def store(tmp_path):
 # -- outbound: byte-identical through each channel --------------------------------------
 @pytest.mark.parametrize("name", ["f0", "f1k", "f50m"])
 def test_archive_channel_byte_identical(sb, ctr, store, name):
+    sb.prefer_host_root = False  # the archive API itself (test_sandbox_docker_hostroot: the other channel)
     path = f"/workspace/{name}"
     info = sb.extract(path, store, f"files/{name}", max_bytes=60 * MB)
     assert info.sha256 == sha_in_container(ctr, path) == sha256_file(store.local_path(f"files/{name}"))

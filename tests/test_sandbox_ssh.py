@@ -55,6 +55,13 @@ def store(tmp_path):
     return VolumeStore(tmp_path / "store")
 
 
+def stored_sha(store, info) -> str:
+    """The sha256 of an extracted blob: the one computed on the way, else (an
+    OpenSSH transfer spliced into a volume hashes nothing) of the stored file."""
+    assert info.sha256 is None or info.sha256 == sha256_file(store.local_path(info.key))
+    return info.sha256 or sha256_file(store.local_path(info.key))
+
+
 def make(sshd, root: Path | None, mode: str = "sftp", control_dir: str | None = None, home: Path | None = None,
          **kw) -> SshSandbox:
     roots = (str(root),) if root else ()
@@ -76,14 +83,14 @@ def sb(request, sshd_server, area, control_dir):
 @pytest.mark.parametrize("name", ["empty.bin", "one_kb.bin", "big.bin"])
 def test_extract_byte_identical(sb, area, store, name):
     info = sb.extract(str(area["root"] / name), store, f"files/{name}")
-    assert info.sha256 == area["sums"][name]
+    assert stored_sha(store, info) == area["sums"][name]
     assert info.size_bytes == (area["root"] / name).stat().st_size
     assert sha256_file(store.local_path(f"files/{name}")) == area["sums"][name]
 
 
 def test_link_inside_roots_is_followed(sb, area, store):
     info = sb.extract(str(area["root"] / "inside_link.bin"), store, "files/l")
-    assert info.sha256 == area["sums"]["one_kb.bin"]
+    assert stored_sha(store, info) == area["sums"]["one_kb.bin"]
     assert sb.resolve(str(area["root"] / "inside_link.bin"))[0] == str(area["root"] / "one_kb.bin")
 
 
@@ -118,7 +125,7 @@ def test_default_roots_and_denylist(sshd_server, area, control_dir, store, mode)
     """No roots given: /workspace, /tmp and the remote home (root: /root, denylisted)."""
     s = make(sshd_server, None, mode, control_dir)
     info = s.extract(str(area["root"] / "one_kb.bin"), store, "files/ok")  # under /tmp
-    assert info.sha256 == area["sums"]["one_kb.bin"]
+    assert stored_sha(store, info) == area["sums"]["one_kb.bin"]
     for path in ("/etc/passwd", "/root/.ssh/authorized_keys", "/proc/self/environ",
                  f"{os.path.expanduser('~')}/.ssh/nothing-here"):
         with pytest.raises(UnsafePath):
@@ -138,7 +145,7 @@ def test_hostile_names(sshd_server, area, control_dir, store, tmp_path, mode, na
     if mode == "readlink":
         s.trust_sftp_realpath = False  # resolve with `readlink -f` over exec
     info = s.extract(str(src), store, "files/h")
-    assert info.sha256 == want
+    assert stored_sha(store, info) == want
     s.put(store, "files/h", str(d / ("copy " + name)))
     assert sha256_file(d / ("copy " + name)) == want
     assert not list(Path("/").glob("PWNED*")) and not list(Path.home().glob("PWNED*"))
@@ -245,6 +252,24 @@ class InterruptingStore(VolumeStore):
                     t.join()
         return super().put_stream(key, chunks(), **kw)
 
+    def put_pipe(self, key, fd, *, wait=None, **kw):
+        """The OpenSSH channel splices into a volume: `wait` runs before each
+        splice, so its second call comes once the first bytes have arrived."""
+        calls = 0
+
+        def counted():
+            nonlocal calls
+            if wait is not None:
+                wait()
+            calls += 1
+            if calls >= 2:
+                self.chunks += 1
+            if calls == 2:
+                t = threading.Thread(target=self.after_first)
+                t.start()
+                t.join()
+        return super().put_pipe(key, fd, wait=counted, **kw)
+
 
 def test_transport_closed_mid_transfer(sshd_server, area, tmp_path):
     s = make(sshd_server, area["root"])
@@ -282,8 +307,9 @@ def test_sshd_session_killed_mid_transfer(sshd_server, area, tmp_path, mode):
         assert store.chunks >= 1 and killed
         assert_store_empty(store)
         # and it recovers on the next call
-        info = s.extract(str(area["root"] / "one_kb.bin"), VolumeStore(tmp_path / "s2"), "files/ok")
-        assert info.sha256 == area["sums"]["one_kb.bin"]
+        s2 = VolumeStore(tmp_path / "s2")
+        info = s.extract(str(area["root"] / "one_kb.bin"), s2, "files/ok")
+        assert stored_sha(s2, info) == area["sums"]["one_kb.bin"]
     finally:
         s.close()
         shutil.rmtree(cdir, ignore_errors=True)
@@ -397,13 +423,28 @@ def test_store_failure_mid_transfer_leaves_connection_usable(sshd_server, area, 
         return real(key, chunks(), **kw)
 
     store.put_stream = failing_put
+    real_pipe = store.put_pipe
+
+    def failing_pipe(key, fd, *, wait=None, **kw):  # the OpenSSH channel splices into the volume
+        calls = []
+
+        def failing_wait():
+            if wait is not None:
+                wait()
+            calls.append(1)
+            if len(calls) == 2:
+                disk_full()
+        return real_pipe(key, fd, wait=failing_wait, **kw)
+
+    store.put_pipe = failing_pipe
     with pytest.raises(StorageError):
         s.extract(str(area["root"] / "big.bin"), store, "files/big")
     assert_store_empty(store)
     wait_until(lambda: threading.active_count() <= threads, timeout_s=10, what="read-ahead thread exit")
     t = s.transport() if mode == "sftp" else None
-    info = s.extract(str(area["root"] / "one_kb.bin"), VolumeStore(tmp_path / "s2"), "files/ok")
-    assert info.sha256 == area["sums"]["one_kb.bin"]
+    s2 = VolumeStore(tmp_path / "s2")
+    info = s.extract(str(area["root"] / "one_kb.bin"), s2, "files/ok")
+    assert stored_sha(s2, info) == area["sums"]["one_kb.bin"]
     if t is not None:
         assert s.transport() is t
 
@@ -457,3 +498,29 @@ def test_fast_pipe_keeps_bytes_and_order():
     assert pipe.empty() == b"tail"
     pipe.close()
     assert pipe.read(10) == b""
+
+
+# -- the gated stream script (OpenSSH mode: resolve and stream in one run) -----------------
+def _gated(path: Path, line: bytes | None) -> tuple[int, bytes]:
+    """GATED_STREAM_SCRIPT under a local sh (dash + coreutils, as on ssh hosts),
+    `line` written to its stdin (None: stdin closed at once)."""
+    from adapters.sandboxes.execstream import GATED_STREAM_SCRIPT
+
+    res = subprocess.run(["sh", "-c", GATED_STREAM_SCRIPT, "sh", str(path), "cat"], input=line or b"",
+                         capture_output=True, timeout=30)
+    return res.returncode, res.stdout
+
+
+def test_gated_script_streams_only_after_go(tmp_path):
+    data = os.urandom(300_000)
+    f = tmp_path / "f.bin"
+    f.write_bytes(data)
+    head = f"{os.environ.get('HOME', '')}\0{f}\0f\0{len(data)} 1\0".encode()
+    assert _gated(f, None) == (99, head)  # refused (stdin closed): the answer, not a byte of the file
+    assert _gated(f, b"stop\n") == (99, head)
+    assert _gated(f, b"go\n") == (0, head + data)
+    os.link(f, tmp_path / "other-name")
+    rc, out = _gated(f, b"go\n")  # two names: refused unless the caller allows links there
+    assert (rc, out) == (15, head.replace(b" 1\0", b" 2\0"))
+    assert _gated(f, b"go 1\n") == (0, head.replace(b" 1\0", b" 2\0") + data)
+    assert _gated(tmp_path / "missing", b"go\n") == (2, b"")

@@ -7,14 +7,22 @@ Channels, fastest first:
    path directly. The host path is re-checked with ``realpath`` against the
    mount source, opened with O_NOFOLLOW and checked again through
    ``/proc/self/fd``, so a link inside the mount can never reach the host.
-2. archive API: the ``GET .../archive`` body streamed in ~1 MiB pieces
+2. host root: a file of at least ``HOST_ROOT_MIN_BYTES`` that the archive
+   API would read (engine on this host, container running as root, path
+   proved link-free by the engine's stat walk) is opened from the host below
+   the root of the container's process (``/proc/<pid>/root``, ``openat2``
+   with ``RESOLVE_IN_ROOT`` and no link followed, the pid pinned with a
+   pidfd and confirmed by the engine), must be the very file the engine
+   stat'ed (type, size, permissions, mtime in ns), and is copied in the
+   kernel (:mod:`adapters.sandboxes.hostroot`); else the archive API.
+3. archive API: the ``GET .../archive`` body streamed in ~1 MiB pieces
    straight into storage; ``tarfile`` parses the headers from a
    forward-only reader and the archive is checked member by member
    (:func:`iter_single_member`).
-3. exec: ``cat`` through exec stdout (:mod:`adapters.sandboxes.execstream`)
+4. exec: ``cat`` through exec stdout (:mod:`adapters.sandboxes.execstream`)
    from the descriptor the stream script opened and checked (type, path,
    link count), available as :meth:`DockerSandbox.extract_via_exec`. It is
-   the channel whenever the other two would read what the agent could not:
+   the channel whenever the others would read what the agent could not:
    a container not running as root (bind mounts and the archive API read as
    root), a path with glob characters (podman's archive API expands them),
    a path resolved through links (the archive GET would follow a link
@@ -65,7 +73,7 @@ from contextlib import contextmanager, suppress
 from typing import Any
 
 from adapters.errors import (
-    CourierError, FileMissing, NotAFile, SandboxError, SandboxGone, StorageError, TooLarge, UnsafePath,
+    CourierError, FileChanging, FileMissing, NotAFile, SandboxError, SandboxGone, StorageError, TooLarge, UnsafePath,
 )
 from adapters.sandboxes.base import (
     DEFAULT_IO_TIMEOUT_S, DEFAULT_MAX_BYTES, BoundedOutput, PathPolicy, ReadTimeout, Sandbox, SandboxRef, _under,
@@ -75,9 +83,14 @@ from adapters.sandboxes.execstream import (
     EXIT_CHANGED, ExecStream, ExecStreamMixin, Resolved, exec_iter_file, exec_put, exec_resolve,
     kill_argv, resolve_put_dest,
 )
+from adapters.sandboxes.hostroot import open_in_container
 from adapters.sandboxes.routing import host_of  # noqa: F401 - re-exported for callers
 
 CHUNK = 1024 * 1024
+#: files from this size up are read from the host through the container process's root (a
+#: local engine; see hostroot): below it, the archive API's one GET costs less than the two
+#: engine inspects that channel takes
+HOST_ROOT_MIN_BYTES = 8 * 1024 * 1024
 #: default roots inside a container (plus the exec user's $HOME when sane)
 DOCKER_DEFAULT_ROOTS = ("/workspace", "/tmp")
 
@@ -611,7 +624,7 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
 
     def __init__(self, ref: SandboxRef, policy: PathPolicy | None = None, *, base_url: str | None = None,
                  client: Any = None, prefer_bind_mounts: bool = True, timeout_s: int = 120,
-                 io_timeout_s: float = DEFAULT_IO_TIMEOUT_S) -> None:
+                 io_timeout_s: float = DEFAULT_IO_TIMEOUT_S, prefer_host_root: bool = True) -> None:
         """`policy` None: roots from the ref, else /workspace, /tmp and the
         exec user's $HOME (learnt in the first resolve exec), minus the denylist.
         `io_timeout_s`: read deadline of every exec's output (a container
@@ -634,10 +647,12 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
             self._own_client = False
         self.client = client
         self.prefer_bind_mounts = prefer_bind_mounts
+        #: a local engine's container file read from the host (/proc/<pid>/root) instead of the archive API
+        self.prefer_host_root = prefer_host_root
         self._attrs_cache: dict | None = None
         self._exec = _DockerExec(self)
         #: which channel moved each file (observability and tests)
-        self.stats = {"bind": 0, "archive": 0, "exec": 0, "resolve_stat": 0, "resolve_exec": 0}
+        self.stats = {"bind": 0, "archive": 0, "host_root": 0, "exec": 0, "resolve_stat": 0, "resolve_exec": 0}
         self._home_cache: str | None = None
         #: (path, the engine's stat of it) when the last resolve was a link-free stat walk
         self._walk_stat: tuple[str, dict] | None = None
@@ -842,10 +857,73 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
                                                         policy=self.policy_for(r.home)), max_bytes=max_bytes)
             self.stats["exec"] += 1
             return info
+        if self.prefer_host_root and r.size >= HOST_ROOT_MIN_BYTES and self._engine_is_local():
+            # the same read as the archive API's (as root, of a link-free path), from the
+            # host through the container process's root, copied in the kernel (see hostroot)
+            info = self._extract_host_root(r, path, store, key, max_bytes=max_bytes, expect=walked[1])
+            if info is not None:
+                self.stats["host_root"] += 1
+                return info
         info = store.put_stream(key, self.iter_archive(r.path, r.size, max_bytes=max_bytes, expect=walked[1]),
                                 max_bytes=max_bytes)
         self.stats["archive"] += 1
         return info
+
+    def _live_pid(self) -> int | None:
+        """The pid (on this host) of the running container's process, asked of the engine now."""
+        try:
+            info = self.client.api.inspect_container(self.ref.target)
+        except Exception:  # noqa: BLE001 - any failure: this channel is not available
+            return None
+        state = info.get("State") or {}
+        if info.get("Id") != self.container_id or not state.get("Running"):
+            return None
+        pid = state.get("Pid")
+        return pid if isinstance(pid, int) and pid > 0 else None
+
+    def _extract_host_root(self, r: Resolved, path: str, store, key: str, *, max_bytes: int, expect: dict):
+        """The checked file through /proc/<pid>/root into `store` (an in-kernel
+        copy into a volume); None when that channel cannot be used here."""
+        opened = open_in_container(self._live_pid, r.path, size=r.size, expect=expect)
+        if opened is None:
+            return None
+        fd, before = opened
+
+        def verdict(copied: int) -> None:
+            """The same version of the file, whole, from a container still there; else nothing is kept."""
+            after = os.fstat(fd)
+            same = (before.st_size == after.st_size == copied and before.st_mtime_ns == after.st_mtime_ns
+                    and before.st_ctime_ns == after.st_ctime_ns)
+            if not self.alive():  # as on the archive channel: a container gone meanwhile fails the same way
+                raise SandboxGone(f"container {self.ref.target} went away during the transfer")
+            if not same:
+                raise FileChanging(f"{path}: changed while it was read ({before.st_size:,} -> "
+                                   f"{after.st_size:,} bytes); read again later")
+
+        try:
+            self.policy_for(self._home()).check_links(r.path, before.st_nlink, shown=path)
+            put_fd = getattr(store, "put_fd", None)
+            info = put_fd(key, fd, max_bytes=max_bytes) if put_fd is not None else None
+            if info is not None:
+                try:
+                    verdict(info.size_bytes)
+                except BaseException:
+                    with suppress(Exception):
+                        store.delete(key)
+                    raise
+                return info
+
+            def chunks() -> Iterator[bytes]:  # checked before the store publishes the blob
+                n = 0
+                with os.fdopen(os.dup(fd), "rb", buffering=0) as f:
+                    while data := f.read(CHUNK):
+                        n += len(data)
+                        yield data
+                verdict(n)
+
+            return store.put_stream(key, chunks(), max_bytes=max_bytes)
+        finally:
+            os.close(fd)
 
     def _extract_bound(self, bound: tuple[str, str], path: str, store, key: str, *, max_bytes: int,
                        resolved: str):

@@ -7,7 +7,10 @@ from here with a constant number of round trips, whatever the file size:
 * resolve: ONE exec (``readlink -f`` + a type test + ``stat -c %s``, and
   ``$HOME`` for default roots), parsed from NUL-separated output;
 * extract: ONE exec streaming the file on stdout (``cat``; ``base64`` only
-  when the channel is not binary-safe), straight into storage;
+  when the channel is not binary-safe), straight into storage (spliced in
+  the kernel where the channel hands out a pipe and the store is a volume);
+  a channel that can also send one line of stdin resolves and streams in
+  ONE exec (:func:`exec_gated_extract`);
 * put: ONE exec that reads stdin into a temp name and renames it (only for
   backends that can stream stdin).
 
@@ -49,6 +52,7 @@ from __future__ import annotations
 import binascii
 import contextlib
 import math
+import os
 import posixpath
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -63,8 +67,9 @@ from adapters.sandboxes.base import (
 
 __all__ = [
     "ExecChannel", "ExecStream", "ExecStreamMixin", "Resolved",
-    "RESOLVE_SCRIPT", "STREAM_SCRIPT", "PUT_SCRIPT", "CWD_SCRIPT", "RUN_SCRIPT", "KILL_SCRIPT",
-    "exec_resolve", "exec_iter_file", "exec_extract", "exec_put", "default_roots",
+    "RESOLVE_SCRIPT", "STREAM_SCRIPT", "GATED_STREAM_SCRIPT", "PUT_SCRIPT", "CWD_SCRIPT", "RUN_SCRIPT",
+    "KILL_SCRIPT", "exec_resolve", "exec_iter_file", "exec_store_file", "exec_gated_extract", "exec_extract",
+    "exec_put", "default_roots",
     "exec_command", "exec_resolve_cwd", "kill_argv",
     "EXIT_MISSING", "EXIT_NOT_FILE", "EXIT_CHANGED", "EXIT_DENIED",
 ]
@@ -116,6 +121,18 @@ fi
 if [ "$2" = base64 ]; then exec base64 <&3; fi
 exec cat <&3
 """
+
+# $1 = path as given, $2 = "cat" or "base64". RESOLVE_SCRIPT's answer and one
+# more NUL, then it waits for ONE line on stdin: "go" (or "go 1": a file with
+# several hard links may be read) streams the resolved path exactly as
+# STREAM_SCRIPT does (the same text, run on it), anything else (stdin closed:
+# the caller refused the path) ends it without reading a byte. Resolve and
+# stream in one exec, the path still checked by the caller before any byte.
+GATED_STREAM_SCRIPT = RESOLVE_SCRIPT + r"""printf '\0'
+IFS=' ' read -r go ok || exit 99
+[ "$go" = go ] || exit 99
+set -- "$r" "$2" "$ok"
+""" + STREAM_SCRIPT
 
 # $1 = destination dir (as given), $2 = base name. Prints HOME NUL resolved dir
 # NUL uid NUL gid; exit 5 if not a directory, 97 if the name is a link or a dir.
@@ -276,6 +293,15 @@ class ExecStream:
     exit_code: Callable[[], int | None]
     stderr: Callable[[], bytes] = field(default=lambda: b"")
     close: Callable[[], None] = field(default=lambda: None)
+    #: where the channel has one: stdout as a raw pipe, for a consumer that
+    #: moves the bytes in the kernel instead of iterating `chunks` (never both);
+    #: `wait()` before each read (raises ReadTimeout past the read deadline),
+    #: `end()` once the pipe is drained (the exit status is then known)
+    pipe_fd: int | None = None
+    wait: Callable[[], None] = field(default=lambda: None)
+    end: Callable[[], None] = field(default=lambda: None)
+    #: where the channel streams stdin: write these bytes to the command's stdin and close it
+    gate: Callable[[bytes], None] | None = None
 
 
 @runtime_checkable
@@ -350,6 +376,11 @@ def exec_resolve(ch: ExecChannel, path: str) -> Resolved:
         raise FileMissing(f"{path}: no such file")
     if rc != 0:
         raise SandboxError(f"{path}: cannot resolve (exit {rc}: {_err_text(err)})")
+    return _parse_resolved(out, path)
+
+
+def _parse_resolved(out: bytes, path: str) -> Resolved:
+    """RESOLVE_SCRIPT's answer; NotAFile unless it names a regular file."""
     home, resolved, kind, size = _fields(out, 4, path)
     if kind == "d":
         raise NotAFile(f"{path}: is a directory")
@@ -388,12 +419,13 @@ def exec_iter_file(ch: ExecChannel, resolved: str, *, expected_size: int | None 
     with several hard links is refused unless `policy` allows them there.
     """
     mode = "cat" if getattr(ch, "binary_safe", True) else "base64"
-    run_id = uuid.uuid4().hex
-    # the run carries its id in its environment: a stalled one (its channel's
-    # read deadline passed) is killed by it, not left blocked in the sandbox
-    links_ok = "1" if policy is not None and policy.links_allowed(resolved) else ""
-    st = ch.exec_stream(["env", f"COURIER_EXEC_ID={run_id}", "sh", "-c", STREAM_SCRIPT, "sh", resolved, mode,
-                         links_ok])
+    run_id, st = _start_stream(ch, resolved, mode, policy)
+    yield from _iter_stream(ch, st, run_id, resolved, mode, expected_size=expected_size, max_bytes=max_bytes)
+
+
+def _iter_stream(ch: ExecChannel, st: ExecStream, run_id: str, resolved: str, mode: str, *,
+                 expected_size: int | None, max_bytes: int | None) -> Iterator[bytes]:
+    """exec_iter_file's chunks of a started stream script."""
     n = 0
     try:
         body = st.chunks if mode == "cat" else _b64_decode(st.chunks)
@@ -413,6 +445,21 @@ def exec_iter_file(ch: ExecChannel, resolved: str, *, expected_size: int | None 
         raise
     finally:
         st.close()
+    _check_stream_end(st, rc, n, resolved, expected_size)
+
+
+def _start_stream(ch: ExecChannel, resolved: str, mode: str, policy: PathPolicy | None) -> tuple[str, ExecStream]:
+    run_id = uuid.uuid4().hex
+    # the run carries its id in its environment: a stalled one (its channel's
+    # read deadline passed) is killed by it, not left blocked in the sandbox
+    links_ok = "1" if policy is not None and policy.links_allowed(resolved) else ""
+    return run_id, ch.exec_stream(["env", f"COURIER_EXEC_ID={run_id}", "sh", "-c", STREAM_SCRIPT, "sh", resolved,
+                                   mode, links_ok])
+
+
+def _check_stream_end(st: ExecStream, rc: int | None, n: int, resolved: str, expected_size: int | None) -> None:
+    """The stream script's verdict once its output has ended: raises unless it
+    exited 0 having sent exactly `expected_size` bytes."""
     if rc == EXIT_MISSING:
         raise FileMissing(f"{resolved}: no such file")
     if rc == EXIT_NOT_FILE:
@@ -431,6 +478,99 @@ def exec_iter_file(ch: ExecChannel, resolved: str, *, expected_size: int | None 
     if expected_size is not None and n != expected_size:
         # the agent is probably still writing it: worth a retry
         raise SandboxGone(f"{resolved}: changed during transfer ({n:,} bytes read, {expected_size:,} expected)")
+
+
+def exec_store_file(ch: ExecChannel, resolved: str, store, key: str, *, expected_size: int | None,
+                    max_bytes: int, policy: PathPolicy | None = None,
+                    guard: Callable[[Iterator[bytes]], Iterator[bytes]] | None = None):
+    """An already resolved and checked file into `store` at `key` with ONE
+    exec, all or nothing, with the checks of :func:`exec_iter_file`. Where the
+    channel hands out its stdout as a pipe and the store takes one
+    (``put_pipe``: a volume splices it into the file in the kernel), the bytes
+    never pass through this process (and no sha256 is computed); else they
+    stream through ``store.put_stream``. `guard` wraps the chunks (error mapping)."""
+    mode = "cat" if getattr(ch, "binary_safe", True) else "base64"
+    run_id, st = _start_stream(ch, resolved, mode, policy)
+    return _store_stream(ch, st, run_id, resolved, mode, store, key, expected_size=expected_size,
+                         max_bytes=max_bytes, guard=guard)
+
+
+def _store_stream(ch: ExecChannel, st: ExecStream, run_id: str, resolved: str, mode: str, store, key: str, *,
+                  expected_size: int | None, max_bytes: int,
+                  guard: Callable[[Iterator[bytes]], Iterator[bytes]] | None = None):
+    """exec_store_file of a started stream script."""
+    put_pipe = getattr(store, "put_pipe", None)
+    info = None
+    if st.pipe_fd is not None and mode == "cat" and put_pipe is not None:
+        def finish(n: int) -> None:  # before the blob is published: the script's verdict, the byte count
+            st.end()
+            _check_stream_end(st, st.exit_code(), n, resolved, expected_size)
+
+        try:
+            info = put_pipe(key, st.pipe_fd, max_bytes=max_bytes, wait=st.wait, finish=finish)
+        except ReadTimeout:
+            st.close()
+            with contextlib.suppress(Exception):  # best effort: the sandbox may be the stalled part
+                ch.exec_small(kill_argv(run_id))
+            raise
+        except TooLarge as exc:
+            st.close()
+            raise TooLarge(f"{resolved}: larger than the {max_bytes:,} byte cap", size_bytes=exc.size_bytes,
+                           limit_bytes=max_bytes) from None
+        except BaseException:
+            st.close()
+            raise
+    if info is not None:
+        st.close()
+        return info
+    # no pipe, or a store (or kernel) that cannot take one: nothing was read yet, stream it
+    body = _iter_stream(ch, st, run_id, resolved, mode, expected_size=expected_size, max_bytes=max_bytes)
+    return store.put_stream(key, guard(body) if guard else body, max_bytes=max_bytes)
+
+
+def exec_gated_extract(ch: ExecChannel, path: str, store, key: str, *, max_bytes: int,
+                       check: Callable[[Resolved], PathPolicy],
+                       guard: Callable[[Iterator[bytes]], Iterator[bytes]] | None = None):
+    """Resolve and store `path` with ONE exec (:data:`GATED_STREAM_SCRIPT`),
+    for a channel with ``exec_gated(argv)``: an ``exec_stream`` that takes one
+    line of stdin (``ExecStream.gate``) and hands out stdout as a pipe: the resolve's answer
+    is read first, `check(resolved)` checks it (the policy, the size cap;
+    raises to refuse: the script ends without opening the file) and returns
+    the policy (for hard links);
+    only then does the script open and stream the file, as
+    :func:`exec_store_file` does. Saves a round trip (an ssh client, a
+    session) per file over resolve + stream. None when the path did not
+    resolve (the script ended before its answer): the caller asks
+    :func:`exec_resolve` why, so a path that does not resolve gets exactly
+    its answer (missing, denied, a loop)."""
+    check_lexical(path)
+    mode = "cat" if getattr(ch, "binary_safe", True) else "base64"
+    run_id = uuid.uuid4().hex
+    st = ch.exec_gated(["env", f"COURIER_EXEC_ID={run_id}", "sh", "-c", GATED_STREAM_SCRIPT, "sh", path, mode])
+    try:
+        if st.gate is None or st.pipe_fd is None:
+            raise SandboxError("exec_gated_extract needs a channel with a stdin gate and a stdout pipe")
+        head = bytearray()
+        while head.count(b"\0") < 4:
+            st.wait()
+            data = os.read(st.pipe_fd, 65536)
+            if not data:  # the script ended before its answer: the path did not resolve
+                st.end()
+                st.close()
+                return None
+            head += data
+            if len(head) > 3 * 65536:
+                raise SandboxError(f"{path}: unexpected reply from the sandbox ({bytes(head[:200])!r})")
+        if not head.endswith(b"\0") or head.count(b"\0") != 4:  # the script sends nothing more before `go`
+            raise SandboxError(f"{path}: unexpected reply from the sandbox ({bytes(head[:200])!r})")
+        r = _parse_resolved(bytes(head[:-1]), path)
+        policy = check(r)
+        st.gate(b"go 1\n" if policy.links_allowed(r.path) else b"go\n")
+    except BaseException:
+        st.close()
+        raise
+    return _store_stream(ch, st, run_id, r.path, mode, store, key, expected_size=r.size, max_bytes=max_bytes,
+                         guard=guard)
 
 
 def exec_extract(ch: ExecChannel, policy: PathPolicy, path: str, store, key: str, *,

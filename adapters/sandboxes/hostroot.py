@@ -1,0 +1,150 @@
+"""A local container's file opened from the host, through the root of the
+container's own process (``/proc/<pid>/root``): then it is copied into a
+volume inside the kernel, as a local file is, instead of passing through
+the engine's archive API as a tar stream.
+
+Only a file that may be read that way is (the caller's conditions: the
+engine runs on this host, the container's processes run as root, the path
+held no link when the engine stat'ed it). Here:
+
+* the process is the container's: its pid is pinned with a pidfd, the root
+  directory is opened, and then the engine must still name that pid as the
+  running container's, with the pidfd not ended (a pid reused between the
+  engine's answer and the open is caught);
+* the path is opened below that root with ``openat2`` and
+  ``RESOLVE_IN_ROOT | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS``: no link
+  is followed, none can lead out of the container's root; non-blocking and
+  without following its last component (a FIFO or a device swapped in is
+  never waited on);
+* the descriptor opened must be the file the engine stat'ed: a regular file
+  of the same size, permission bits and modification time (nanoseconds).
+
+Anything else (not Linux, no ``openat2``, no access to the process, the
+engine in another pid namespace than this worker, a mismatch) answers None:
+the caller takes the archive API, which checks everything again.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import select
+import stat
+import struct
+import sys
+from collections.abc import Callable
+from datetime import datetime
+
+RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_NO_SYMLINKS = 0x04
+RESOLVE_IN_ROOT = 0x10
+#: openat2's number is the same on every Linux architecture (added after the tables were unified)
+_SYS_OPENAT2 = 437
+
+_syscall = None
+
+
+def _libc_syscall():
+    global _syscall
+    if _syscall is None:
+        fn = ctypes.CDLL(None, use_errno=True).syscall
+        fn.restype = ctypes.c_long
+        _syscall = fn
+    return _syscall
+
+
+def openat2(dirfd: int, path: str, flags: int, resolve: int) -> int:
+    """The openat2(2) system call; raises OSError."""
+    how = ctypes.create_string_buffer(struct.pack("QQQ", flags, 0, resolve), 24)
+    fd = _libc_syscall()(ctypes.c_long(_SYS_OPENAT2), ctypes.c_int(dirfd), ctypes.c_char_p(os.fsencode(path)),
+                         how, ctypes.c_size_t(24))
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), path)
+    return int(fd)
+
+
+def available() -> bool:
+    return sys.platform.startswith("linux") and hasattr(os, "pidfd_open") and os.path.isdir("/proc/self")
+
+
+def engine_mtime_ns(value) -> int | None:
+    """The engine's stat `mtime` (RFC 3339 with nanoseconds, as Go prints
+    it) in nanoseconds since the epoch; None when it is not one."""
+    if not isinstance(value, str) or "T" not in value:
+        return None
+    text = value.strip()
+    frac = 0
+    main, sep, rest = text.partition(".")
+    if sep:  # digits, then the zone (Z, +hh:mm or -hh:mm)
+        digits = len(rest) - len(rest.lstrip("0123456789"))
+        if not digits or digits > 9:
+            return None
+        frac = int(rest[:digits].ljust(9, "0"))
+        text = main + rest[digits:]
+    if text.endswith("Z"):
+        text = text[:-1] + "+00:00"
+    try:
+        dt = datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    if dt.tzinfo is None:
+        return None
+    return int(dt.timestamp()) * 1_000_000_000 + frac
+
+
+def _ended(pidfd: int) -> bool:
+    p = select.poll()
+    p.register(pidfd, select.POLLIN)
+    return bool(p.poll(0))
+
+
+def open_in_container(pid_of: Callable[[], int | None], path: str, *, size: int,
+                      expect: dict) -> tuple[int, os.stat_result] | None:
+    """(fd, its fstat) of absolute `path` inside the container whose running
+    process `pid_of()` names (asked twice: before and after the open of its
+    root), when it is the file `expect` (the engine's stat of it) describes;
+    else None (see the module docstring). The fd is blocking, read-only."""
+    if not available():
+        return None
+    want_mtime = engine_mtime_ns(expect.get("mtime"))
+    want_mode = expect.get("mode")
+    if want_mtime is None or not isinstance(want_mode, int):
+        return None
+    pid = pid_of()
+    if not pid or pid <= 0:
+        return None
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        return None
+    try:
+        try:
+            root = os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            if pid_of() != pid or _ended(pidfd):  # the pid was not (or no longer) the container's
+                return None
+            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+            try:
+                fd = openat2(root, path.lstrip("/"), flags,
+                             RESOLVE_IN_ROOT | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)
+            except OSError:
+                return None
+        finally:
+            os.close(root)
+    finally:
+        os.close(pidfd)
+    try:
+        st = os.fstat(fd)
+        same = (stat.S_ISREG(st.st_mode) and st.st_size == size and st.st_mtime_ns == want_mtime
+                and stat.S_IMODE(st.st_mode) & 0o777 == want_mode & 0o777)
+        if not same:
+            os.close(fd)
+            return None
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
