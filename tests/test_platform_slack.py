@@ -315,7 +315,7 @@ def test_a_channel_name_is_resolved_to_its_id_for_files_and_text(senv, fake, tmp
     fake.channel_names.update({f"team-{i:03d}": f"C9{i:07d}" for i in range(250)})  # a few pages
     fake.channel_names["general"] = cid
     p, q = make(tmp_path, "a.pdf", 2000), make(tmp_path, "b.png", 1500)
-    for target, f in ((f"slack:#general", p), ("slack:general", q)):
+    for target, f in (("slack:#general", p), ("slack:general", q)):
         code, data, err = send(senv, target, str(f), "--caption", "named")
         assert code == 0, (target, data, err)
     assert [m["files"][0]["sha256"] for m in file_messages(fake, cid)] == [sha(p), sha(q)]
