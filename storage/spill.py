@@ -41,6 +41,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from storage import prefixes
 from storage.base import BlobStore, check_key
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ class SpillConfig:
     max_chars: int = 10000
     preview_head: int = 500
     preview_tail: int = 500
-    directory: str = "hook_outputs/"
+    directory: str = prefixes.SPILL
 
 
 def sanitize_session_id(s: str) -> str:

@@ -51,13 +51,14 @@ def _overrides(platform: Platform, name: str) -> bool:
 class TurnActivity:
     def __init__(self, ctx: Any, target: str, job_id: str, *, typing_interval_s: float | None = None,
                  edit_interval_s: float | None = None) -> None:
-        extras = getattr(ctx, "extras", {}) or {}
         self.ctx = ctx
         self.redis = ctx.redis
         self.target = target
         self.job_id = job_id
-        self.typing_interval_s = float(typing_interval_s or extras.get("typing_interval_s") or TYPING_INTERVAL_S)
-        self.edit_interval_s = float(edit_interval_s or extras.get("progress_edit_interval_s") or EDIT_INTERVAL_S)
+        self.typing_interval_s = float(typing_interval_s or getattr(ctx, "typing_interval_s", None)
+                                       or TYPING_INTERVAL_S)
+        self.edit_interval_s = float(edit_interval_s or getattr(ctx, "progress_edit_interval_s", None)
+                                     or EDIT_INTERVAL_S)
         self.platform: Platform | None = None
         self.chat = ""
         self.platform_name = ""

@@ -31,6 +31,7 @@ import secrets
 from dataclasses import dataclass, field, replace
 
 from adapters.sandboxes.base import SandboxRef
+from storage import prefixes
 from tasks import ledger, receipts
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
@@ -44,10 +45,10 @@ def delivery_id(job_id: str, seq: int) -> str:
     return f"{job_id}.{seq}"
 
 
-def storage_key(job_id: str, seq: int, name: str, *, prefix: str = "files") -> str:
+def storage_key(job_id: str, seq: int, name: str, *, prefix: str = prefixes.FILES) -> str:
     """`files/<job>/<seq>-<safe name>` (outbound) or `inbound/...` (attachments)."""
     safe = _SAFE.sub("_", posixpath.basename(name)).lstrip(".")[:100] or "file"
-    return f"{prefix}/{job_id}/{seq}-{safe}"
+    return f"{prefix}{job_id}/{seq}-{safe}"
 
 
 @dataclass

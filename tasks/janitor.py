@@ -19,15 +19,6 @@ import time
 from tasks import keys, ledger
 from tasks.runtime import Context
 
-#: storage prefix -> context extra holding its time to live
-RETENTION = {
-    "screenshots/": "screenshot_ttl_s",
-    "files/": "file_ttl_s",
-    "inbound/": "file_ttl_s",
-    "hook_outputs/": "spill_ttl_s",
-}
-DEFAULT_TTL_S = {"screenshot_ttl_s": 24 * 3600, "file_ttl_s": 7 * 24 * 3600, "spill_ttl_s": 7 * 24 * 3600}
-DEFAULT_WORKSPACE_TTL_S = 24 * 3600
 #: partial writes (volume temp files, S3 multipart uploads, outbox `.part` files) this old are a dead writer's
 PARTIAL_AGE_S = 3600
 #: the sweep's lock lives this long unless renewed (every third of it, while the sweep runs)
@@ -71,8 +62,7 @@ def sweep(ctx: Context, *, dry_run: bool = False, older_than_s: float | None = N
 
 def lifecycle_days(ctx: Context) -> dict[str, int]:
     """Each retention prefix's TTL in whole days, rounded up (what an S3 lifecycle rule takes)."""
-    return {prefix: max(1, -(-int(ctx.extras.get(setting, DEFAULT_TTL_S[setting])) // 86400))
-            for prefix, setting in RETENTION.items()}
+    return {prefix: max(1, -(-int(ttl) // 86400)) for prefix, ttl in ctx.retention.ttls().items()}
 
 
 def install_lifecycle(ctx: Context) -> dict:
@@ -89,18 +79,18 @@ def _sweep(ctx: Context, *, dry_run: bool, older_than_s: float | None) -> dict:
 
     t0 = time.monotonic()
     out: dict = {"dry_run": dry_run}
-    if ctx.extras.get("s3_lifecycle") and hasattr(ctx.store, "install_lifecycle") and not dry_run \
+    if ctx.retention.s3_lifecycle and hasattr(ctx.store, "install_lifecycle") and not dry_run \
             and older_than_s is None:
         # the S3 service expires the blobs (and stale multipart uploads) itself: the rules are all it takes
         res = install_lifecycle(ctx)
-        for prefix in RETENTION:
+        for prefix in ctx.retention.ttls():
             out[prefix.rstrip("/")] = None  # not counted: expired by the bucket's lifecycle rules
         out["partial_writes"] = None
         out["s3_lifecycle"] = {"rules": len(res["rules"]), "changed": res["changed"]}
         out["outbox_partial_writes"] = {"count": ctx.platform("outbox").sweep_partial(), "bytes": None}
         return _workspaces(ctx, out, older_than_s, dry_run, t0)
-    for prefix, setting in RETENTION.items():
-        ttl = older_than_s if older_than_s is not None else int(ctx.extras.get(setting, DEFAULT_TTL_S[setting]))
+    for prefix, prefix_ttl in ctx.retention.ttls().items():
+        ttl = older_than_s if older_than_s is not None else int(prefix_ttl)
         n, size = expire_stats(ctx.store, prefix, ttl, dry_run=dry_run)
         what = prefix.rstrip("/")
         if what in out:  # two prefixes of one kind would add up
@@ -115,8 +105,7 @@ def _sweep(ctx: Context, *, dry_run: bool, older_than_s: float | None) -> dict:
 
 
 def _workspaces(ctx: Context, out: dict, older_than_s: float | None, dry_run: bool, t0: float) -> dict:
-    ttl = older_than_s if older_than_s is not None else int(ctx.extras.get("workspace_ttl_s",
-                                                                           DEFAULT_WORKSPACE_TTL_S))
+    ttl = older_than_s if older_than_s is not None else int(ctx.retention.workspace_ttl_s)
     n, size = workspace_stats(_agent_dirs(ctx), int(ttl), dry_run=dry_run)
     out["workspaces"] = {"count": n, "bytes": size}
     out["took_s"] = round(time.monotonic() - t0, 3)
@@ -125,8 +114,8 @@ def _workspaces(ctx: Context, out: dict, older_than_s: float | None, dry_run: bo
 
 def _agent_dirs(ctx: Context) -> list[str]:
     """Local agent sandbox directories: every one under the default sandbox
-    dir, plus those agents name (`extras["agent_sandbox_dirs"]`)."""
-    dirs = list(ctx.extras.get("agent_sandbox_dirs") or ())
+    dir, plus those agents name (`retention.agent_sandbox_dirs`)."""
+    dirs = list(ctx.retention.agent_sandbox_dirs)
     try:
         with os.scandir(ctx.default_sandbox_dir) as it:
             dirs += [e.path for e in it if e.is_dir(follow_symlinks=False)]

@@ -12,9 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from adapters.defaults import CHROMIUM_PATH, MAX_FILE_BYTES
 from adapters.platforms.base import Platform
 from adapters.sandboxes.base import Sandbox, SandboxRef
-from storage import BlobStore
+from storage import BlobStore, prefixes
 
 
 class AgentConfig(Protocol):
@@ -23,6 +24,44 @@ class AgentConfig(Protocol):
     timeout_s: float
     sandbox: str | None
     cwd: str | None
+
+
+@dataclass(frozen=True)
+class Retention:
+    """How long the janitor keeps what (seconds), and where else it looks."""
+
+    screenshot_ttl_s: int = 24 * 3600
+    file_ttl_s: int = 7 * 24 * 3600
+    spill_ttl_s: int = 7 * 24 * 3600
+    workspace_ttl_s: int = 24 * 3600
+    #: where hook outputs spill (the setting may move them from the default prefix)
+    spill_prefix: str = prefixes.SPILL
+    #: local sandbox directories agents name, beside the default one
+    agent_sandbox_dirs: tuple[str, ...] = ()
+    #: S3: the bucket's lifecycle rules expire the blobs (the sweep only installs them)
+    s3_lifecycle: bool = False
+
+    def ttls(self) -> dict[str, int]:
+        """Each storage prefix the janitor expires, with its time to live."""
+        return {prefixes.SCREENSHOTS: self.screenshot_ttl_s, prefixes.FILES: self.file_ttl_s,
+                prefixes.INBOUND: self.file_ttl_s, self.spill_prefix: self.spill_ttl_s}
+
+
+@dataclass
+class TurnTools:
+    """What agent turns need beyond the rest of the context, built on first use
+    (a delivery worker never builds hooks): the OpenAI-compatible endpoint, the
+    hooks (a HookRunner), the output spill config, the browser."""
+
+    openai: dict[str, Any] = field(default_factory=dict)
+    hooks: Any = None
+    spill: Any = None
+    chromium_path: str = CHROMIUM_PATH
+    browser_allowed_hosts: tuple[str, ...] = ()
+
+
+def _no_turn_tools() -> TurnTools:
+    return TurnTools()
 
 
 @dataclass
@@ -34,14 +73,19 @@ class Context:
     agent: Callable[[str], AgentConfig | None]
     #: the local sandbox directory a turn runs in when its agent names none
     default_sandbox_dir: str = "/tmp/courier-sandbox"
-    max_file_bytes: int = 50 * 1000 * 1000
+    max_file_bytes: int = MAX_FILE_BYTES
     events_maxlen: int = 1000
     max_transient_attempts: int = 8
     #: how long transient storage errors are waited out before a file fails (with a notice)
     outage_deadline_s: float = 1800.0
     #: files one job may send (MEDIA tags of a reply, files of a send); 0: no cap
     max_files_per_job: int = 0
-    extras: dict[str, Any] = field(default_factory=dict)
+    retention: Retention = field(default_factory=Retention)
+    #: the turn's tools, built once on first call (see `TurnTools`)
+    turn_tools: Callable[[], TurnTools] = _no_turn_tools
+    #: how often a turn refreshes the chat's typing indicator and edits its progress message (None: defaults)
+    typing_interval_s: float | None = None
+    progress_edit_interval_s: float | None = None
 
 
 _factory: Callable[[], Context] | None = None

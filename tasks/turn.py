@@ -7,7 +7,7 @@ event per turn. An error gives the chat a short message, never a traceback.
 
 The agent's spec picks the runtime: a bridge command (`run_bridge`), or
 `"runtime": "openai"`, the built-in loop whose tools act in the turn's
-sandbox (`run_openai`). Hooks (`ctx.extras["hooks"]`) run before each LLM
+sandbox (`run_openai`). Hooks (`ctx.turn_tools().hooks`) run before each LLM
 call of the built-in loop, and once before a bridge agent starts: their
 context reaches the agent in env `COURIER_HOOK_CONTEXT`.
 """
@@ -21,7 +21,7 @@ import re
 import sys
 from collections.abc import Callable
 
-from adapters.defaults import AGENT_TIMEOUT_S, CHROMIUM_PATH
+from adapters.defaults import AGENT_TIMEOUT_S
 from adapters.agents.bridge import run_bridge
 from adapters.agents.hooks import TurnHooks
 from adapters.errors import CourierError, SandboxError
@@ -127,7 +127,7 @@ def run_turn(ctx: Context, spec: dict, *, on_activity: Callable[[dict], None] | 
     else:
         command, env, timeout_s = list(agent.command), dict(agent.env), float(agent.timeout_s)
     runtime = getattr(agent, "runtime", "bridge") if agent is not None else "bridge"
-    hooks = ctx.extras.get("hooks")
+    hooks = ctx.turn_tools().hooks
     hook_ctx = {"job": job_id, "target": spec["target"], "message": spec.get("message", ""), "agent": name}
 
     try:
@@ -267,7 +267,8 @@ def _run_openai(ctx: Context, spec: dict, agent, ref: SandboxRef, workdir: str, 
     from adapters.agents.openai_runtime import OpenAIConfig, run_openai
     from adapters.agents.tools import Toolbox
 
-    o = ctx.extras.get("openai") or {}
+    turn_tools = ctx.turn_tools()
+    o = turn_tools.openai
     model = agent.model or o.get("model")
     if not model:
         return BridgeResult("error", reason="no model: set COURIER_OPENAI_MODEL or the agent's model")
@@ -284,9 +285,9 @@ def _run_openai(ctx: Context, spec: dict, agent, ref: SandboxRef, workdir: str, 
     except CourierError as exc:
         return BridgeResult("error", reason=exc.reason)
     tools = Toolbox(sandbox=sandbox, workdir=workdir, store=ctx.store,
-                    job_id=spec["job"], spill=ctx.extras.get("spill") or SpillConfig(),
-                    chromium_path=ctx.extras.get("chromium_path") or CHROMIUM_PATH,
-                    browser_allowed_hosts=tuple(ctx.extras.get("browser_allowed_hosts") or ()), place=place)
+                    job_id=spec["job"], spill=turn_tools.spill or SpillConfig(),
+                    chromium_path=turn_tools.chromium_path, browser_allowed_hosts=turn_tools.browser_allowed_hosts,
+                    place=place)
     return run_openai(config, spec.get("message", ""), tools=tools, hooks=hooks, hook_context=hook_ctx,
                       on_event=publish)
 

@@ -521,11 +521,11 @@ def test_https_port_refusal_maps_to_the_reason(chromium):
 
 
 def test_settings_reach_the_toolbox(tmp_path):
-    """settings -> wiring's agent extras -> tasks/turn.py's Toolbox (the worker
+    """settings -> wiring's agent tools -> tasks/turn.py's Toolbox (the worker
     test in test_openai_runtime.py screenshots an allow-listed 127.0.0.1 page)."""
     from workers.settings import Settings
-    from workers.wiring import agent_extras
+    from workers.wiring import agent_tools
 
     s = Settings(browser_allowed_hosts=["127.0.0.1", "dash.intranet:8080"], hook_plugins=False)
-    extras = agent_extras(s, VolumeStore(tmp_path / "store"))
-    assert extras["browser_allowed_hosts"] == ("127.0.0.1", "dash.intranet:8080")
+    tools = agent_tools(s, VolumeStore(tmp_path / "store"))
+    assert tools.browser_allowed_hosts == ("127.0.0.1", "dash.intranet:8080")

@@ -531,7 +531,7 @@ def _activity_turn(stack, tmp_path, platform, steps: int = 10):
     spec = AgentSpec(command=[sys.executable, str(agent)], timeout_s=30)
     ctx = Context(redis=stack.r, store=None, platform=lambda name: platform, sandbox=None,  # type: ignore[arg-type]
                   agent=lambda name: spec, default_sandbox_dir=str(tmp_path / "sb"),
-                  extras={"typing_interval_s": 0.2, "progress_edit_interval_s": 0.3})
+                  typing_interval_s=0.2, progress_edit_interval_s=0.3)
     job = "turn_act" + str(time.monotonic_ns())
     receipts.create_job(stack.r, job, kind="turn", target="rec:chat1")
     t0 = time.monotonic()

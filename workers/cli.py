@@ -18,6 +18,7 @@ import typer
 from rich.table import Table
 
 from adapters.errors import ConfigError, CourierError, StorageError
+from storage import prefixes
 from workers.console import (
     EXIT_FAILED,
     EXIT_INPUT,
@@ -270,7 +271,7 @@ def turn(
     if attach:
         store = _store(settings)
         for i, p in enumerate(attach):
-            key = chains.storage_key(job_id, i, p.name, prefix="inbound")
+            key = chains.storage_key(job_id, i, p.name, prefix=prefixes.INBOUND)
             try:
                 _upload(store, key, p)
             except CourierError as exc:

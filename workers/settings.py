@@ -16,6 +16,7 @@ from pydantic import AliasChoices, ValidationInfo, BaseModel, Field, SecretStr, 
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from adapters import defaults
+from storage import prefixes
 
 
 def _default_data_dir() -> Path:
@@ -89,7 +90,7 @@ class OutputSpill(BaseModel):
     max_chars: int = 10000
     preview_head: int = 500
     preview_tail: int = 500
-    directory: str = "hook_outputs/"
+    directory: str = prefixes.SPILL
 
 
 class Settings(BaseSettings):

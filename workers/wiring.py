@@ -181,9 +181,19 @@ def redis_client(url: str | None = None):
 
 
 def build_context(settings: Settings | None = None):
-    from tasks.runtime import Context
+    from tasks.runtime import Context, Retention
 
     s = settings or get_settings()
+    built: list = []
+    lock = threading.Lock()
+
+    def turn_tools():
+        """Built on a turn's first call, once per context (a delivery worker never builds hooks)."""
+        with lock:
+            if not built:
+                built.append(agent_tools(s, store(s)))
+            return built[0]
+
     return Context(
         redis=redis_client(s.redis_url),
         store=store(s),
@@ -196,32 +206,33 @@ def build_context(settings: Settings | None = None):
         max_transient_attempts=s.delivery_max_attempts,
         outage_deadline_s=s.storage_outage_deadline_s,
         max_files_per_job=s.max_files_per_job,
-        extras={"screenshot_ttl_s": s.screenshot_ttl_s, "file_ttl_s": s.file_ttl_s, "spill_ttl_s": s.spill_ttl_s,
-                "workspace_ttl_s": s.workspace_ttl_s, "agent_sandbox_dirs": s.agent_sandbox_dirs,
-                "s3_lifecycle": s.s3_lifecycle,
-                **agent_extras(s, store(s))},
+        retention=Retention(
+            screenshot_ttl_s=s.screenshot_ttl_s, file_ttl_s=s.file_ttl_s, spill_ttl_s=s.spill_ttl_s,
+            workspace_ttl_s=s.workspace_ttl_s, spill_prefix=s.hooks_output_spill.directory,
+            agent_sandbox_dirs=tuple(s.agent_sandbox_dirs or ()), s3_lifecycle=s.s3_lifecycle),
+        turn_tools=turn_tools,
     )
 
 
-def agent_extras(s: Settings, blob_store: BlobStore) -> dict:
-    """What agent turns need beyond the Context fields: the OpenAI-compatible
-    endpoint (`openai`), the hooks (`hooks`, a HookRunner: shell hooks, then
-    entry-point plugins), the output spill config (`spill`), `chromium_path`,
-    `browser_allowed_hosts`."""
+def agent_tools(s: Settings, blob_store: BlobStore):
+    """What agent turns need beyond the rest of the context (`tasks.runtime.TurnTools`):
+    the OpenAI-compatible endpoint, the hooks (a HookRunner: shell hooks, then
+    entry-point plugins), the output spill config, the browser."""
     from adapters.agents.hooks import HookRunner, ShellHook, load_plugins
     from storage.spill import SpillConfig
+    from tasks.runtime import TurnTools
 
     spill = SpillConfig(**s.hooks_output_spill.model_dump())
     hooks: list = [ShellHook(tuple(h.command), h.name or "", h.timeout_s or s.hook_timeout_s) for h in s.hooks]
     if s.hook_plugins:
         hooks += load_plugins(timeout_s=s.hook_timeout_s)
-    return {
-        "openai": {"base_url": s.openai_base_url, "model": s.openai_model, "api_key": s.openai_api_key,
-                   "max_steps": s.openai_max_steps, "call_timeout_s": s.openai_call_timeout_s,
-                   "max_attempts": s.openai_max_attempts, "retry_base_s": s.openai_retry_base_s,
-                   "retry_max_s": s.openai_retry_max_s},
-        "hooks": HookRunner(hooks, store=blob_store, spill=spill),
-        "spill": spill,
-        "chromium_path": s.chromium_path,
-        "browser_allowed_hosts": tuple(s.browser_allowed_hosts or ()),
-    }
+    return TurnTools(
+        openai={"base_url": s.openai_base_url, "model": s.openai_model, "api_key": s.openai_api_key,
+                "max_steps": s.openai_max_steps, "call_timeout_s": s.openai_call_timeout_s,
+                "max_attempts": s.openai_max_attempts, "retry_base_s": s.openai_retry_base_s,
+                "retry_max_s": s.openai_retry_max_s},
+        hooks=HookRunner(hooks, store=blob_store, spill=spill),
+        spill=spill,
+        chromium_path=s.chromium_path,
+        browser_allowed_hosts=tuple(s.browser_allowed_hosts or ()),
+    )

@@ -52,6 +52,7 @@ from adapters.defaults import CHROMIUM_PATH
 from adapters.agents.egress import ALLOW_SETTING, EgressPolicy, EgressProxy, Refusal
 from adapters.errors import CourierError
 from adapters.sandboxes.base import Sandbox, check_lexical
+from storage import prefixes
 from storage.spill import SpillConfig, spill_if_needed
 
 __all__ = ["CHROMIUM_ARGS", "EGRESS_ARGS", "ToolResult", "Toolbox", "media_tag", "take_screenshot"]
@@ -269,7 +270,7 @@ class Toolbox:
             return ToolResult(f"error: content is over {WRITE_MAX_CHARS:,} characters", ok=False)
         p = self._path(path)
         data = content.encode("utf-8", "replace")
-        key = f"files/{_SAFE.sub('_', self.job_id)}/write-{uuid.uuid4().hex}"
+        key = f"{prefixes.FILES}{_SAFE.sub('_', self.job_id)}/write-{uuid.uuid4().hex}"
         self.store.put_bytes(key, data, private=True)
         try:
             dest = self.sandbox.put(self.store, key, p, max_bytes=len(data) + 1)
@@ -302,7 +303,7 @@ class Toolbox:
         png = take_screenshot(url, chromium_path=self.chromium_path, full_page=bool(full_page), timeout_s=timeout_s,
                               allowed_hosts=self.browser_allowed_hosts, refused=refused)
         name = f"{uuid.uuid4().hex}.png"
-        key = f"screenshots/{_SAFE.sub('_', self.job_id)}/{name}"
+        key = f"{prefixes.SCREENSHOTS}{_SAFE.sub('_', self.job_id)}/{name}"
         info = self.store.put_stream(key, [png], max_bytes=SCREENSHOT_MAX_BYTES)
         dest = posixpath.join(self.workdir, "screenshots", name)
         try:
