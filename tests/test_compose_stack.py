@@ -46,6 +46,7 @@ import time
 import urllib.request
 import uuid
 from base64 import b64encode
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -261,9 +262,9 @@ class Stack:
         pending = set(ctrs)
 
         def check() -> bool:
-            for c in sorted(pending):
-                if self.healthy(c):
-                    pending.discard(c)
+            with ThreadPoolExecutor(max_workers=len(pending)) as pool:  # each check runs ~1-3 s
+                ok = dict(zip(sorted(pending), pool.map(self.healthy, sorted(pending))))
+            pending.difference_update(c for c, good in ok.items() if good)
             return not pending
 
         try:
