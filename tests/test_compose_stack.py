@@ -333,34 +333,37 @@ def stack(tmp_path_factory):
     fcntl.flock(lock, fcntl.LOCK_EX)
     pm = Podman(CACHE / "podman", _store_driver())
     t = Timings()
-    tmp = tmp_path_factory.mktemp("compose")
-    # an earlier run killed before its teardown: its containers are in this private store only
-    for proj in {ln for ln in pm.lines("ps", "-a", "--format", '{{index .Labels "io.podman.compose.project"}}')}:
-        if proj.startswith("courier-ci-"):
-            _teardown(pm, proj)
-    with t("images"):
-        _build_images(pm, tmp, t)
     project = f"courier-ci-{uuid.uuid4().hex[:8]}"
-    bind = _free_loopback_address()
-    agents = {"slow": {"command": ["/bin/sh", "-c",
-                                   f"sleep {SLOW_S} && exec /opt/courier/bin/python -m adapters.agents.demo_agent"],
-                       "sandbox": "local:///data/sandbox/slow"}}
-    env = {k: v for k, v in pm.env.items() if not k.startswith(("COURIER_", "S3_", "AWS_", "FLOWER_"))}
-    env.update(S3_ACCESS_KEY="courier", S3_SECRET_KEY=uuid.uuid4().hex, FLOWER_BASIC_AUTH=f"ops:{uuid.uuid4().hex}",
-               COURIER_IMAGE_TAG=COURIER_TAG, COURIER_BIND=bind, COURIER_AGENTS=json.dumps(agents))
-    st = Stack(pm, project, env, bind)
+    left: list[str] = []
     try:
+        # an earlier run killed before its teardown: its containers are in this private store only
+        for proj in set(pm.lines("ps", "-a", "--format", '{{index .Labels "io.podman.compose.project"}}')):
+            if proj.startswith("courier-ci-"):
+                _teardown(pm, proj)
+        with t("images"):
+            _build_images(pm, tmp_path_factory.mktemp("compose"), t)
+        bind = _free_loopback_address()
+        agents = {"slow": {"command": ["/bin/sh", "-c", f"sleep {SLOW_S} && exec /opt/courier/bin/python "
+                                                        "-m adapters.agents.demo_agent"],
+                           "sandbox": "local:///data/sandbox/slow"}}
+        env = {k: v for k, v in pm.env.items() if not k.startswith(("COURIER_", "S3_", "AWS_", "FLOWER_"))}
+        env.update(S3_ACCESS_KEY="courier", S3_SECRET_KEY=uuid.uuid4().hex,
+                   FLOWER_BASIC_AUTH=f"ops:{uuid.uuid4().hex}", COURIER_IMAGE_TAG=COURIER_TAG, COURIER_BIND=bind,
+                   COURIER_AGENTS=json.dumps(agents))
+        st = Stack(pm, project, env, bind)
+        st.timings = t
         with t("up"):
             st.compose("up", "-d", "--no-build")
         with t("healthy"):
             st.wait_healthy(st.containers())
-        st.timings = t
         yield st
     finally:
-        left = _teardown(pm, project)
-        lock.close()
-        print(f"\ncompose proof timings (s): {dict(t)}")
-        assert not left, f"left behind: {left}"
+        try:
+            left = _teardown(pm, project)
+        finally:
+            lock.close()
+            print(f"\ncompose proof timings (s): {dict(t)}")
+    assert not left, f"left behind: {left}"
 
 
 def _get(url: str, auth: str | None = None) -> tuple[int, bytes]:
