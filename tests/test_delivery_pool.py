@@ -236,3 +236,56 @@ def test_a_file_sent_again_to_every_chat_goes_by_file_id_on_the_threads_pool(cou
     sha = hashlib.sha256(data).hexdigest()
     assert len([p for p in fake_telegram.uploads() if p.sha256 == sha]) == 1
     assert len([c for c in fake_telegram.calls_for("sendDocument", ok=True) if not c.files]) == len(ids)
+
+
+def test_courier_worker_hands_every_option_to_the_launcher(monkeypatch):
+    from typer.testing import CliRunner
+
+    import workers.worker
+    from workers.cli import app
+
+    got: list[list[str]] = []
+    monkeypatch.setattr(workers.worker, "main", lambda args: got.append(args))
+    res = CliRunner().invoke(app, ["worker", "-Q", "delivery", "-n", "d@%h", "--concurrency=4"])
+    assert res.exit_code == 0, res.output
+    assert got == [["-Q", "delivery", "-n", "d@%h", "--concurrency=4"]]
+
+
+def test_a_platform_call_waiting_on_the_loop_is_interrupted_by_the_soft_limit():
+    """The adapters' calls wait on the shared loop in slices (`_aio.run`), so the
+    watchdog's exception reaches a thread blocked on a slow platform promptly."""
+    import asyncio
+
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    from adapters.platforms import _aio
+    from workers.timelimits import Watchdog
+
+    dog = Watchdog(on_hard=lambda *a: None)
+    cancelled = threading.Event()
+    outcome: list[str] = []
+
+    async def slow() -> None:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    def task() -> None:
+        dog.start_task("t", "courier.test", 0.3, None)
+        try:
+            _aio.run(slow(), 120)
+            outcome.append("finished")
+        except SoftTimeLimitExceeded:
+            outcome.append("soft limit")
+        finally:
+            dog.end_task()
+
+    t = threading.Thread(target=task)
+    started = time.monotonic()
+    t.start()
+    t.join(timeout=30)
+    assert outcome == ["soft limit"] and time.monotonic() - started < 20
+    assert cancelled.wait(10)  # the abandoned call's coroutine is cancelled on the loop
+    assert _aio.run(asyncio.sleep(0, "still serving"), 10) == "still serving"

@@ -87,13 +87,15 @@ class Watchdog:
                     if self.heap and self.heap[0][0] <= self.clock():
                         _, run, ident, which = heapq.heappop(self.heap)
                         _, task_id, name, *_ = self.running[ident]
+                        if which == "soft":
+                            # under the lock: the thread cannot end this task (end_task) and
+                            # start another in between, so only this run is interrupted
+                            log.warning("task %s[%s] passed its soft time limit: interrupted", name, task_id)
+                            raise_in_thread(ident, SoftTimeLimitExceeded)
+                            continue
                         break
                     self.cond.wait(timeout=(self.heap[0][0] - self.clock()) if self.heap else None)
-            if which == "soft":
-                log.warning("task %s[%s] passed its soft time limit: interrupted", name, task_id)
-                raise_in_thread(ident, SoftTimeLimitExceeded)
-            else:
-                self.on_hard(name, task_id)
+            self.on_hard(name, task_id)
 
 
 def _end_process(name: str, task_id: str) -> None:
