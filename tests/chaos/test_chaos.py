@@ -150,6 +150,48 @@ def test_sigkilled_workers_lose_nothing_and_keep_each_chats_order(tmp_path, chao
         r.close()
 
 
+def test_sigkilled_threads_delivery_workers_lose_nothing_and_keep_each_chats_order(tmp_path, chaos_redis, fake):
+    """The delivery queue on its own pool (`courier worker -Q delivery`: threads x 8
+    here, COURIER_DELIVERY_*): 200 deliveries (5 Telegram and 5 outbox chats, 10 jobs
+    each of a text and an extracted file) through 2 threads delivery workers and a
+    prefork worker for the other queues; 5 delivery workers SIGKILLed along the
+    way, each with up to 8 sends in flight (a new one replaces each), then the
+    prefork worker too."""
+    env = _env(tmp_path, chaos_redis, fake)
+    r = chaos_redis.client()
+    others = env.start_worker(queues="turns,sandbox,janitor", concurrency=2)
+
+    def delivery_worker(wait: bool = True):
+        return env.start_worker(queues="delivery", pool="threads", concurrency=8, wait=wait)
+
+    workers = [delivery_worker() for _ in range(2)]
+    fake.latency_s = 0.05  # the threads overlap their waits: several sends in flight at each kill
+    chats = [f"telegram:{7300 + i}" for i in range(5)] + [f"outbox:t{i}" for i in range(5)]
+    run = Run(env, r, fake, chats, jobs_per_chat=10)
+    run.enqueue_all()
+    assert len(run.ids) == 200
+    kills = 0
+    try:
+        for i in range(5):
+            wait_until(lambda: run.delivered() >= (i + 1) * 25, timeout_s=120, interval_s=0.1,
+                       what=f"{(i + 1) * 25} deliveries before kill {i + 1}")
+            live = [w for w in workers if w.poll() is None]
+            victim = live[i % len(live)]
+            kill_whole(victim)
+            workers.remove(victim)
+            workers.append(delivery_worker(wait=False))
+            kills += 1
+        kill_whole(others)  # the extractions' worker too (its children and all)
+        env.start_worker(queues="turns,sandbox,janitor", concurrency=2, wait=False)
+        # a killed delivery worker's in-flight sends (one per chat it held, at most 8) may go twice
+        dups = run.check(max_duplicates=8 * kills)
+        print("kills:", kills, "duplicates:", dups)
+    finally:
+        fake.latency_s = 0.0
+        env.stop()
+        r.close()
+
+
 def test_redis_restarts_lose_nothing(tmp_path, chaos_redis, fake):
     """120 deliveries through 2 workers while Redis (AOF, fsync always) is shut
     down twice and killed with SIGKILL once, each time for a few seconds. A
