@@ -192,13 +192,24 @@ def test_sigkilled_threads_delivery_workers_lose_nothing_and_keep_each_chats_ord
         r.close()
 
 
-def test_redis_restarts_lose_nothing(tmp_path, chaos_redis, fake):
+@pytest.mark.parametrize("delivery_pool", ["prefork", "threads"])
+def test_redis_restarts_lose_nothing(tmp_path, chaos_redis, fake, delivery_pool):
     """120 deliveries through 2 workers while Redis (AOF, fsync always) is shut
     down twice and killed with SIGKILL once, each time for a few seconds. A
-    worker that exits over it is restarted, as a supervisor would."""
+    worker that exits over it is restarted, as a supervisor would. `threads`: the
+    second worker serves the delivery queue alone on the threads pool (x8), the
+    first the other queues (prefork)."""
     env = _env(tmp_path, chaos_redis, fake)
     r = redis.Redis.from_url(chaos_redis.url, socket_timeout=5, socket_connect_timeout=2)
-    workers = [env.start_worker(concurrency=2) for _ in range(2)]
+
+    def start(i: int, wait: bool = True):
+        if delivery_pool == "threads":
+            if i == 1:
+                return env.start_worker(queues="delivery", pool="threads", concurrency=8, wait=wait)
+            return env.start_worker(queues="turns,sandbox,janitor", concurrency=2, wait=wait)
+        return env.start_worker(concurrency=2, wait=wait)
+
+    workers = [start(i) for i in range(2)]
     chats = [f"telegram:{7200 + i}" for i in range(3)] + [f"outbox:r{i}" for i in range(3)]
     run = Run(env, r, fake, chats, jobs_per_chat=10)
     run.enqueue_all()
@@ -219,13 +230,13 @@ def test_redis_restarts_lose_nothing(tmp_path, chaos_redis, fake):
             chaos_redis.start()
             for i, w in enumerate(workers):
                 if w.poll() is not None:
-                    workers[i] = env.start_worker(concurrency=2, wait=False)
+                    workers[i] = start(i, wait=False)
                     restarted += 1
         deadline = time.monotonic() + 240
         while run.delivered() != len(run.ids) and time.monotonic() < deadline:
             for i, w in enumerate(workers):  # the supervisor keeps watching
                 if w.poll() is not None:
-                    workers[i] = env.start_worker(concurrency=2, wait=False)
+                    workers[i] = start(i, wait=False)
                     restarted += 1
             wait_until(lambda: True, timeout_s=1)
         print("workers restarted after exiting:", restarted)
