@@ -289,3 +289,31 @@ def test_a_platform_call_waiting_on_the_loop_is_interrupted_by_the_soft_limit():
     assert outcome == ["soft limit"] and time.monotonic() - started < 20
     assert cancelled.wait(10)  # the abandoned call's coroutine is cancelled on the loop
     assert _aio.run(asyncio.sleep(0, "still serving"), 10) == "still serving"
+
+
+def test_a_hung_send_on_a_threads_worker_is_cut_at_the_soft_limit_and_retried(courier_env, redis_client,
+                                                                            fake_telegram):
+    """COURIER_DELIVERY_TIME_LIMIT_S on the threads pool: a send the Bot API does not
+    answer is interrupted (as prefork's SIGUSR1 does), counted transient, and
+    retried by the ledger; the worker lives on."""
+    env = courier_env(TELEGRAM_BOT_TOKEN=fake_telegram.token, COURIER_TELEGRAM_BASE_URL=fake_telegram.url,
+                      COURIER_DELIVERY_TIME_LIMIT_S="10")
+    from workers.wiring import store
+
+    st = store(env.settings())
+    r = redis_client
+    proc, log = _start_delivery_worker(env, concurrency=4)
+    fake_telegram.latency_s = 25  # the first call hangs (past the 10 s soft limit)
+    started = time.monotonic()
+    _enqueue(env, r, st, "telegram:930000", "hung", "t", "hung.txt", os.urandom(512))
+    rows = wait_until(lambda: [d for d in receipts.job_deliveries(r, "hung") if d.get("transient_errors")] or None,
+                      timeout_s=90, interval_s=0.2, what="the hung send cut")
+    assert "SoftTimeLimitExceeded" in rows[0].get("reason", ""), rows
+    assert time.monotonic() - started < 60
+    fake_telegram.latency_s = 0.0
+    wait_until(lambda: all(d.get("state") == "delivered" for d in receipts.job_deliveries(r, "hung") or [{}]),
+               timeout_s=90, what="the retry delivered")
+    assert proc.poll() is None  # the soft limit ended the task's run, not the worker
+    assert "passed its soft time limit" in log.read_text()
+    # the fake's abandoned handlers finish their wait before it stops
+    wait_until(lambda: fake_telegram.in_flight == 0, timeout_s=60, what="the fake idle")
