@@ -53,9 +53,11 @@ class Watchdog:
         self.thread: threading.Thread | None = None
 
     def start_task(self, task_id: str, name: str, soft_s: float | None, hard_s: float | None) -> None:
-        if not soft_s and not hard_s:
-            return
         ident = threading.get_ident()
+        if not soft_s and not hard_s:
+            with self.cond:
+                self.running.pop(ident, None)  # (an earlier run's deadlines never apply to this one)
+            return
         now = self.clock()
         with self.cond:
             self.runs += 1
