@@ -8,6 +8,7 @@ Tests can build a Context directly and call the plain code without a broker.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -91,6 +92,7 @@ class Context:
 _factory: Callable[[], Context] | None = None
 _ctx: Context | None = None
 _pid: int | None = None
+_lock = threading.Lock()
 
 
 def set_factory(factory: Callable[[], Context]) -> None:
@@ -102,9 +104,13 @@ def set_factory(factory: Callable[[], Context]) -> None:
 def ctx() -> Context:
     """The process's context (rebuilt after a fork: connections are per process)."""
     global _ctx, _pid
-    if _ctx is None or _pid != os.getpid():
-        if _factory is None:
-            raise RuntimeError("no courier context: import workers.celery_app (or call tasks.runtime.set_factory)")
-        _ctx = _factory()
-        _pid = os.getpid()
-    return _ctx
+    c = _ctx
+    if c is not None and _pid == os.getpid():
+        return c
+    with _lock:  # a threads pool's first tasks start together: one context, built once
+        if _ctx is None or _pid != os.getpid():
+            if _factory is None:
+                raise RuntimeError("no courier context: import workers.celery_app (or call tasks.runtime.set_factory)")
+            _ctx = _factory()
+            _pid = os.getpid()
+        return _ctx

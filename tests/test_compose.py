@@ -224,7 +224,9 @@ def test_workers_cover_every_queue_and_can_scale(rendered):
     assert workers
     for name, svc in workers.items():
         cmd = svc["command"]
-        assert cmd[:4] == ["celery", "-A", "workers.celery_app", "worker"]
+        # a delivery worker starts through workers.worker: the pool of its queue (COURIER_DELIVERY_POOL)
+        assert cmd[:4] == ["celery", "-A", "workers.celery_app", "worker"] or \
+            cmd[:3] == ["python", "-m", "workers.worker"], cmd
         served |= set(cmd[cmd.index("-Q") + 1].split(","))
         # --scale needs no fixed names or host ports
         assert "container_name" not in svc and "ports" not in svc, name
@@ -248,16 +250,18 @@ def test_environment_names_are_settings_courier_reads(rendered):
         assert not unknown, (name, unknown)
 
 
-def test_procfile_names_the_four_processes():
+def test_procfile_names_the_five_processes():
     entries = {}
     for line in (ROOT / "Procfile").read_text().splitlines():
         if line.strip() and not line.startswith("#"):
             name, _, cmd = line.partition(":")
             entries[name.strip()] = shlex.split(cmd.replace("${", "{"))
-    assert set(entries) == {"web", "worker", "beat", "flower"}
+    assert set(entries) == {"web", "worker", "delivery", "beat", "flower"}
     assert entries["web"][1] == "workers.web:app"
-    q = entries["worker"][entries["worker"].index("-Q") + 1]
-    assert set(q.split(",")) == set(QUEUES)
+    q = entries["worker"][entries["worker"].index("-Q") + 1] + "," + entries["delivery"][
+        entries["delivery"].index("-Q") + 1]
+    assert sorted(q.split(",")) == sorted(QUEUES)
+    assert entries["delivery"][:3] == ["python", "-m", "workers.worker"]  # the delivery queue's own pool
     for name in ("worker", "beat", "flower"):
         assert entries[name][:3] == ["celery", "-A", "workers.celery_app"]
     assert not any("basic_auth" in a for a in entries["flower"])  # the password is not on the command line

@@ -12,7 +12,16 @@ import os
 
 from celery import Celery
 from celery.schedules import crontab
-from celery.signals import beat_init, before_task_publish, worker_process_shutdown, worker_ready, worker_shutdown
+from celery.signals import (
+    beat_init,
+    before_task_publish,
+    task_postrun,
+    task_prerun,
+    worker_init,
+    worker_process_shutdown,
+    worker_ready,
+    worker_shutdown,
+)
 from kombu import Exchange, Queue
 
 from tasks import runtime
@@ -126,6 +135,45 @@ def _context_factory():
 
 
 runtime.set_factory(_context_factory)
+
+
+# -- the threads pool (a delivery worker's default): time limits kept by a watchdog ----------------
+_watchdog = None
+
+
+@worker_init.connect
+def _time_limits_for_threads(sender=None, **_kw) -> None:
+    """Celery's threads pool ignores `soft_time_limit` / `time_limit`: with
+    it, `workers.timelimits.Watchdog` enforces them (a hung delivery is cut
+    as on prefork)."""
+    global _watchdog
+    from celery import concurrency
+    from celery.concurrency.thread import TaskPool as ThreadPool
+
+    try:
+        pool = concurrency.get_implementation(getattr(sender, "pool_cls", None) or "prefork")
+    except Exception:  # noqa: BLE001 - an unknown pool fails the worker elsewhere
+        return
+    if isinstance(pool, type) and issubclass(pool, ThreadPool):
+        from workers.timelimits import Watchdog
+
+        _watchdog = Watchdog()
+
+
+@task_prerun.connect
+def _task_started(task=None, task_id=None, **_kw) -> None:
+    if _watchdog is None or task is None:
+        return
+    hard, soft = (getattr(task.request, "timelimit", None) or (None, None))[:2]
+    conf = task.app.conf
+    _watchdog.start_task(task_id or "?", task.name, soft or task.soft_time_limit or conf.task_soft_time_limit,
+                         hard or task.time_limit or conf.task_time_limit)
+
+
+@task_postrun.connect
+def _task_ended(**_kw) -> None:
+    if _watchdog is not None:
+        _watchdog.end_task()
 
 
 @worker_ready.connect

@@ -833,6 +833,16 @@ def demo(
     raise typer.Exit(code)
 
 
+# -- worker ------------------------------------------------------------------------
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def worker(ctx: typer.Context) -> None:
+    """Start a Celery worker (any `celery worker` option, e.g. -Q delivery -n d@%h): a delivery-only
+    worker gets COURIER_DELIVERY_POOL x COURIER_DELIVERY_CONCURRENCY (threads x 16), others prefork."""
+    from workers.worker import main as start
+
+    start(list(ctx.args))
+
+
 def _version(value: bool) -> None:
     if value:
         from importlib.metadata import PackageNotFoundError, version

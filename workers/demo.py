@@ -23,9 +23,9 @@ WORKER_READY_TIMEOUT_S = 60
 
 
 def start_worker(env: dict[str, str], name: str, *, queues: str = "turns,sandbox,delivery,janitor",
-                 concurrency: int = 2, log_path: str | None = None) -> subprocess.Popen:
+                 concurrency: int = 2, log_path: str | None = None, pool: str = "prefork") -> subprocess.Popen:
     cmd = [sys.executable, "-m", "celery", "-A", "workers.celery_app", "worker", "-Q", queues,
-           "--pool=prefork", f"--concurrency={concurrency}", "-n", name, "--loglevel=WARNING",
+           f"--pool={pool}", f"--concurrency={concurrency}", "-n", name, "--loglevel=WARNING",
            "--without-mingle", "--without-gossip"]
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT if log_path else subprocess.DEVNULL,

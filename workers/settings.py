@@ -236,6 +236,12 @@ class Settings(BaseSettings):
     turn_time_limit_s: int = Field(3600, ge=10)
     #: events kept per turn stream (approximate)
     events_maxlen: int = 1000
+    #: the pool of a worker that consumes only the delivery queue (`courier worker -Q delivery`):
+    #: `threads` (deliveries wait on the platform's answers, not the CPU: one process sends many at
+    #: once) or `prefork` (a process per concurrent delivery). Workers of other queues use prefork
+    delivery_pool: Literal["threads", "prefork"] = "threads"
+    #: deliveries one such worker sends at once (threads, or prefork processes)
+    delivery_concurrency: int = Field(16, ge=1, le=256)
 
     # -- web process: webhooks and Server-Sent Events -------------------------
     #: address `courier web` binds (behind a TLS-terminating proxy in production)

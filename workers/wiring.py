@@ -166,6 +166,7 @@ def open_sandbox(ref: SandboxRef, settings: Settings | None = None) -> Sandbox:
 
 # -- the task context ------------------------------------------------------------
 _redis_clients: dict[str, object] = {}
+_redis_lock = threading.Lock()
 
 
 def redis_client(url: str | None = None):
@@ -176,7 +177,10 @@ def redis_client(url: str | None = None):
     k = f"{os.getpid()}:{u}"  # a forked pool process makes its own (and its own Sentinel watcher)
     c = _redis_clients.get(k)
     if c is None:
-        c = _redis_clients[k] = redis_url.client(u)
+        with _redis_lock:  # a threads pool's tasks share it (redis-py clients are thread-safe: a connection pool)
+            c = _redis_clients.get(k)
+            if c is None:
+                c = _redis_clients[k] = redis_url.client(u)
     return c
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -31,11 +32,24 @@ def loop() -> asyncio.AbstractEventLoop:
         return _loop
 
 
+#: the caller waits in slices this long: an exception raised in its thread (a threads pool's soft
+#: time limit, `workers.timelimits`) is seen within one slice, not only when the call ends
+WAIT_SLICE_S = 0.5
+
+
 def run(coro: Coroutine[Any, Any, T], timeout_s: float | None = 300.0) -> T:
-    """Run `coro` on the process's loop and wait for its result."""
+    """Run `coro` on the process's loop and wait for its result (any thread may call it:
+    a threads pool's tasks share the one loop, and its SDK sessions)."""
     fut = asyncio.run_coroutine_threadsafe(coro, loop())
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
-        return fut.result(timeout=timeout_s)
-    except TimeoutError:
-        fut.cancel()
+        while True:
+            left = WAIT_SLICE_S if deadline is None else min(WAIT_SLICE_S, deadline - time.monotonic())
+            try:
+                return fut.result(timeout=max(0.0, left))
+            except TimeoutError:
+                if fut.done() or (deadline is not None and time.monotonic() >= deadline):
+                    raise  # the coroutine's own TimeoutError, or the call's deadline
+    except BaseException:
+        fut.cancel()  # (nothing when it is done) the call is abandoned: its coroutine is cancelled
         raise

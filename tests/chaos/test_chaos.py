@@ -150,13 +150,66 @@ def test_sigkilled_workers_lose_nothing_and_keep_each_chats_order(tmp_path, chao
         r.close()
 
 
-def test_redis_restarts_lose_nothing(tmp_path, chaos_redis, fake):
+def test_sigkilled_threads_delivery_workers_lose_nothing_and_keep_each_chats_order(tmp_path, chaos_redis, fake):
+    """The delivery queue on its own pool (`courier worker -Q delivery`: threads x 8
+    here, COURIER_DELIVERY_*): 200 deliveries (5 Telegram and 5 outbox chats, 10 jobs
+    each of a text and an extracted file) through 2 threads delivery workers and a
+    prefork worker for the other queues; 5 delivery workers SIGKILLed along the
+    way, each with up to 8 sends in flight (a new one replaces each), then the
+    prefork worker too."""
+    env = _env(tmp_path, chaos_redis, fake)
+    r = chaos_redis.client()
+    others = env.start_worker(queues="turns,sandbox,janitor", concurrency=2)
+
+    def delivery_worker(wait: bool = True):
+        return env.start_worker(queues="delivery", pool="threads", concurrency=8, wait=wait)
+
+    workers = [delivery_worker() for _ in range(2)]
+    fake.latency_s = 0.05  # the threads overlap their waits: several sends in flight at each kill
+    chats = [f"telegram:{7300 + i}" for i in range(5)] + [f"outbox:t{i}" for i in range(5)]
+    run = Run(env, r, fake, chats, jobs_per_chat=10)
+    run.enqueue_all()
+    assert len(run.ids) == 200
+    kills = 0
+    try:
+        for i in range(5):
+            wait_until(lambda: run.delivered() >= (i + 1) * 25, timeout_s=120, interval_s=0.1,
+                       what=f"{(i + 1) * 25} deliveries before kill {i + 1}")
+            live = [w for w in workers if w.poll() is None]
+            victim = live[i % len(live)]
+            kill_whole(victim)
+            workers.remove(victim)
+            workers.append(delivery_worker(wait=False))
+            kills += 1
+        kill_whole(others)  # the extractions' worker too (its children and all)
+        env.start_worker(queues="turns,sandbox,janitor", concurrency=2, wait=False)
+        # a killed delivery worker's in-flight sends (one per chat it held, at most 8) may go twice
+        dups = run.check(max_duplicates=8 * kills)
+        print("kills:", kills, "duplicates:", dups)
+    finally:
+        fake.latency_s = 0.0
+        env.stop()
+        r.close()
+
+
+@pytest.mark.parametrize("delivery_pool", ["prefork", "threads"])
+def test_redis_restarts_lose_nothing(tmp_path, chaos_redis, fake, delivery_pool):
     """120 deliveries through 2 workers while Redis (AOF, fsync always) is shut
     down twice and killed with SIGKILL once, each time for a few seconds. A
-    worker that exits over it is restarted, as a supervisor would."""
+    worker that exits over it is restarted, as a supervisor would. `threads`: the
+    second worker serves the delivery queue alone on the threads pool (x8), the
+    first the other queues (prefork)."""
     env = _env(tmp_path, chaos_redis, fake)
     r = redis.Redis.from_url(chaos_redis.url, socket_timeout=5, socket_connect_timeout=2)
-    workers = [env.start_worker(concurrency=2) for _ in range(2)]
+
+    def start(i: int, wait: bool = True):
+        if delivery_pool == "threads":
+            if i == 1:
+                return env.start_worker(queues="delivery", pool="threads", concurrency=8, wait=wait)
+            return env.start_worker(queues="turns,sandbox,janitor", concurrency=2, wait=wait)
+        return env.start_worker(concurrency=2, wait=wait)
+
+    workers = [start(i) for i in range(2)]
     chats = [f"telegram:{7200 + i}" for i in range(3)] + [f"outbox:r{i}" for i in range(3)]
     run = Run(env, r, fake, chats, jobs_per_chat=10)
     run.enqueue_all()
@@ -177,13 +230,13 @@ def test_redis_restarts_lose_nothing(tmp_path, chaos_redis, fake):
             chaos_redis.start()
             for i, w in enumerate(workers):
                 if w.poll() is not None:
-                    workers[i] = env.start_worker(concurrency=2, wait=False)
+                    workers[i] = start(i, wait=False)
                     restarted += 1
         deadline = time.monotonic() + 240
         while run.delivered() != len(run.ids) and time.monotonic() < deadline:
             for i, w in enumerate(workers):  # the supervisor keeps watching
                 if w.poll() is not None:
-                    workers[i] = env.start_worker(concurrency=2, wait=False)
+                    workers[i] = start(i, wait=False)
                     restarted += 1
             wait_until(lambda: True, timeout_s=1)
         print("workers restarted after exiting:", restarted)

@@ -1,0 +1,209 @@
+"""Deliveries per second of one delivery worker: the chosen pool vs prefork.
+
+    python -m bench.bench_delivery_pool        # BENCH_QUICK=1: fewer deliveries
+
+A delivery waits on the platform's answer: against a Bot API server that
+answers after 100 ms (BENCH_POOL_LATENCY_MS), a worker of 2 prefork
+processes, one request at a time each, cannot pass ~20 deliveries/s. Here:
+
+- baseline: one worker `-Q delivery --pool=prefork --concurrency=2`
+  (the old default);
+- chosen: one worker started as `courier worker -Q delivery` starts it
+  (`workers.worker.worker_argv`: COURIER_DELIVERY_POOL x
+  COURIER_DELIVERY_CONCURRENCY, default threads x 16);
+- scaling: two deployments at once, each a bot of its own (its own fake Bot
+  API server process and token) with its own Redis database and delivery
+  queue, each served by one worker with the chosen pool: their total over
+  twice the one-deployment figure (1.0 is linear).
+
+Each measure sends 1 KB documents to 100 chats (BENCH_POOL_PER_CHAT each)
+through the whole chain (enqueue, receipts, lanes, the shared rate limits:
+1 message a second per chat, and the per-bot limit left at its default of
+30/s, Telegram's), timed from the first enqueue until every receipt says
+delivered; a warm-up of 20 other chats first, not timed. Targets (issue
+14): the chosen pool >= 25 deliveries/s, scaling >= 0.8.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench._common import quick  # noqa: E402
+
+CHATS = 100
+WARM_CHATS = 20
+DOC_BYTES = 1024
+TARGET_PER_S = 25.0
+TARGET_SCALING = 0.8
+
+
+class Deployment:
+    """A courier deployment: a Redis database, a bot (a fake Bot API process), a data dir."""
+
+    def __init__(self, i: int, tmp: Path, redis_url: str, latency_ms: float) -> None:
+        from tests.fixtures.services import free_port, port_open, wait_until
+        from tests.fixtures.workers import CourierEnv
+
+        self.i = i
+        self.token = f"{4200 + i}:bench-pool-token-{i}"
+        port = free_port()
+        self.fake = subprocess.Popen([sys.executable, "-m", "tests.fixtures.fake_telegram", "--token", self.token,
+                                      "--port", str(port), "--latency-ms", f"{latency_ms:g}"], cwd=str(ROOT),
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_until(lambda: port_open(port), timeout_s=30, what="the Bot API fake")
+        self.env = CourierEnv(tmp / f"dep{i}", f"{redis_url.rsplit('/', 1)[0]}/{i + 1}", TELEGRAM_BOT_TOKEN=self.token,
+                              COURIER_TELEGRAM_BASE_URL=f"http://127.0.0.1:{port}")
+        self.settings = self.env.settings()
+        from workers.wiring import redis_client, store
+
+        self.r = redis_client(self.settings.redis_url)
+        self.store = store(self.settings)
+        self.worker: subprocess.Popen | None = None
+        self.n = 0
+
+    def start_worker(self, argv_tail: list[str]) -> None:
+        from workers.demo import wait_worker
+
+        name = f"bench-pool{self.i}-{self.n}@localhost"
+        log = self.env.tmp / f"worker-{self.n}.log"
+        cmd = [*argv_tail, "-n", name, "--loglevel=WARNING", "--without-mingle", "--without-gossip"]
+        with open(log, "ab") as out:
+            self.worker = subprocess.Popen(cmd, env=self.env.env, stdout=out, stderr=subprocess.STDOUT,
+                                           cwd=str(ROOT))
+        if not wait_worker(self.env.celery_app(), name, self.worker, timeout_s=90):
+            raise SystemExit(f"the worker did not start ({shlex.join(cmd)}):\n{log.read_text()[-2000:]}")
+
+    def stop_worker(self) -> None:
+        from workers.demo import stop_worker
+
+        if self.worker is not None:
+            stop_worker(self.worker, timeout_s=30)
+            self.worker = None
+
+    def prepare(self, chats: list[str], per_chat: int):
+        """Store the documents and create the jobs (not timed); returns the plans."""
+        from tasks import chains, receipts
+
+        self.n += 1
+        plans = []
+        for k in range(per_chat):
+            for chat in chats:
+                job_id = chains.new_job_id("bench")
+                name = f"d{self.n}-{k}-{chat}.txt"
+                key = chains.storage_key(job_id, 0, name)
+                info = _put(self.store, key, os.urandom(DOC_BYTES))
+                receipts.create_job(self.r, job_id, kind="send", target=f"telegram:{chat}")
+                plans.append(chains.Plan(job_id=job_id, target=f"telegram:{chat}", files=[
+                    chains.StoredFile(key=key, name=name, size=info.size_bytes, sha256=info.sha256 or "")]))
+        return plans
+
+    def send(self, plans, out: dict) -> None:
+        """Enqueue `plans` and wait until every delivery is final; `out`: count, failed, seconds."""
+        from tasks import chains, keys
+
+        t0 = time.perf_counter()
+        with self.env.publishing():
+            ids: list[str] = []
+            for plan in plans:
+                ids += chains.enqueue(self.r, plan)
+        left, failed = list(ids), 0
+        deadline = time.monotonic() + 600
+        while left and time.monotonic() < deadline:
+            pipe = self.r.pipeline(transaction=False)
+            for d in left:
+                pipe.hget(keys.delivery(d), "state")
+            states = pipe.execute()
+            failed += sum(1 for s in states if s == b"failed")
+            left = [d for d, s in zip(left, states) if s not in (b"delivered", b"failed")]
+            if left:
+                time.sleep(0.02)
+        out.update(n=len(ids), failed=failed + len(left), s=time.perf_counter() - t0)
+
+    def close(self) -> None:
+        from tests.fixtures.services import stop_process
+
+        self.stop_worker()
+        stop_process(self.fake)
+
+
+def _put(store, key: str, data: bytes):
+    import io
+
+    return store.put_stream(key, io.BytesIO(data))
+
+
+def measure(deps: list[Deployment], per_chat: int) -> float:
+    """Total deliveries/s of `deps` sending at once (each to its own 100 chats)."""
+    warm = [str(800000 + i) for i in range(WARM_CHATS)]
+    chats = [str(700000 + i) for i in range(CHATS)]
+    for dep in deps:  # the worker's connections, the Bot, the lanes' code paths: warm
+        out: dict = {}
+        dep.send(dep.prepare(warm, 1), out)
+        if out["failed"]:
+            raise SystemExit(f"{out['failed']} warm-up deliveries failed (see the worker log in {dep.env.tmp})")
+    plans = [dep.prepare(chats, per_chat) for dep in deps]
+    time.sleep(1.1)  # the per-chat limit: the previous measure's last sends are over a second old
+    outs: list[dict] = [{} for _ in deps]
+    threads = [threading.Thread(target=dep.send, args=(p, o)) for dep, p, o in zip(deps, plans, outs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if any(o["failed"] for o in outs):
+        raise SystemExit(f"deliveries failed: {[o['failed'] for o in outs]}")
+    return sum(o["n"] for o in outs) / max(o["s"] for o in outs)
+
+
+def main() -> None:
+    per_chat = int(os.environ.get("BENCH_POOL_PER_CHAT", "1" if quick() else "3"))
+    latency_ms = float(os.environ.get("BENCH_POOL_LATENCY_MS", "100"))
+    with tempfile.TemporaryDirectory(prefix="bench-pool-") as tmp_s:
+        tmp = Path(tmp_s)
+        from tests.fixtures.redis_server import RedisServer
+
+        (tmp / "redis").mkdir()
+        redis_srv = RedisServer(tmp / "redis").start()
+        deps: list[Deployment] = []
+        try:
+            deps = [Deployment(i, tmp, redis_srv.url, latency_ms) for i in range(2)]
+            from workers.worker import worker_argv
+
+            chosen_argv = worker_argv(["-Q", "delivery"], deps[0].settings)
+            chosen = " ".join(a for a in chosen_argv if a.startswith("--"))
+            prefork_argv = [sys.executable, "-m", "celery", "-A", "workers.celery_app", "worker", "-Q", "delivery",
+                            "--pool=prefork", "--concurrency=2"]
+
+            deps[0].start_worker(prefork_argv)
+            prefork = measure(deps[:1], per_chat)
+            deps[0].stop_worker()
+
+            deps[0].start_worker(chosen_argv)
+            one = measure(deps[:1], per_chat)
+            deps[1].start_worker(worker_argv(["-Q", "delivery"], deps[1].settings))
+            two = measure(deps, per_chat)
+            scaling = two / (2 * one)
+            ok = one >= TARGET_PER_S and scaling >= TARGET_SCALING
+            print(f"BENCH delivery pool: {one:.4g} deliveries/s vs prefork x2 {prefork:.4g} deliveries/s "
+                  f"ratio {one / prefork:.3g} (target >= {TARGET_PER_S:g} deliveries/s, scaling >= "
+                  f"{TARGET_SCALING:g}) {'PASS' if ok else 'MISS'} [one worker {chosen}; server answers after "
+                  f"{latency_ms:g} ms; {CHATS} chats x {per_chat} 1 KB documents; per-bot limit 30/s; "
+                  f"2 bots x 1 worker each: {two:.4g} deliveries/s, scaling {scaling:.2f} of linear]", flush=True)
+        finally:
+            for dep in deps:
+                dep.close()
+            redis_srv.stop()
+
+
+if __name__ == "__main__":
+    main()
