@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import builtins
 import io
 import json
 import logging
@@ -237,7 +238,7 @@ class S3Store(BlobStore):
         raw = _BodyReader(resp["Body"], key, self.url)
         reader = io.BufferedReader(raw, buffer_size=64 * 1024)
         try:
-            yield reader
+            yield reader  # type: ignore[misc]  # a BufferedReader over our raw reader
         finally:
             reader.close()
 
@@ -304,7 +305,7 @@ class S3Store(BlobStore):
         return n
 
     # -- lifecycle (the janitor's expiry, done by the S3 service) -------------
-    def lifecycle_rules(self, expire_days: dict[str, int], abort_multipart_days: int = 1) -> list[dict]:
+    def lifecycle_rules(self, expire_days: dict[str, int], abort_multipart_days: int = 1) -> builtins.list[dict]:
         """courier's lifecycle rules for this store: objects under each prefix
         expire after its days; unfinished multipart uploads under the store's
         prefix are aborted after `abort_multipart_days`. Rule ids are

@@ -55,7 +55,7 @@ def plan_send(ctx: Context, target: str, *, text: str | None = None, files: list
     if ctx.max_files_per_job and len(files) > ctx.max_files_per_job:
         raise ConfigError(f"{len(files)} files: at most {ctx.max_files_per_job} go with one send "
                           "(COURIER_MAX_FILES_PER_JOB)")
-    refs = []
+    refs: list[chains.StoredFile | chains.SandboxFile] = []
     for f in files:
         uri = f if "://" in f else ("local://" + f if f.startswith("/") else None)
         if uri is None:

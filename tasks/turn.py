@@ -175,7 +175,7 @@ def run_turn(ctx: Context, spec: dict, *, on_activity: Callable[[dict], None] | 
     from tasks.reply import parse_reply
 
     parsed = parse_reply(result.reply)
-    files = []
+    files: list[chains.StoredFile | chains.SandboxFile] = []
     stored = result.extra.get("stored") or {}  # screenshots of the OpenAI runtime: already in storage
     for path in parsed.media:
         if path.startswith("~/") and local:  # a local agent's home is its workspace
@@ -275,7 +275,7 @@ def _run_openai(ctx: Context, spec: dict, agent, ref: SandboxRef, workdir: str, 
     key = o.get("api_key")
     config = OpenAIConfig(
         base_url=agent.base_url or o.get("base_url") or "https://api.openai.com/v1", model=model,
-        api_key=key.get_secret_value() if hasattr(key, "get_secret_value") else key,
+        api_key=key.get_secret_value() if key is not None and hasattr(key, "get_secret_value") else key,
         system_prompt=agent.system_prompt, max_steps=agent.max_steps or int(o.get("max_steps") or 20),
         call_timeout_s=float(o.get("call_timeout_s") or 120.0), timeout_s=timeout_s,
         **{k: o[k] for k in ("max_attempts", "retry_base_s", "retry_max_s") if o.get(k) is not None},

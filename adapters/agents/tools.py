@@ -361,7 +361,7 @@ def take_screenshot(url: str, *, chromium_path: str, full_page: bool = False,
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=chromium_path, headless=True, args=args, timeout=ms)
             try:
-                page = browser.new_page(viewport=SCREENSHOT_VIEWPORT)
+                page = browser.new_page(viewport=SCREENSHOT_VIEWPORT)  # type: ignore[arg-type]
                 navigations: list[str] = []
                 page.on("request", lambda req: navigations.append(req.url)
                         if req.is_navigation_request() and req.frame == page.main_frame else None)
