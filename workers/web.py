@@ -39,8 +39,6 @@ Routes
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import json
 import logging
 import os
@@ -56,6 +54,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from adapters.platforms.webhooks import discord as discord_webhook
+from adapters.platforms.webhooks import slack as slack_webhook
+from adapters.platforms.webhooks import telegram as telegram_webhook
+from adapters.platforms.webhooks import whatsapp as whatsapp_webhook
+from adapters.platforms.webhooks.base import MALFORMED, Answer, Refusal
 from tasks import events, keys, metrics
 from workers import turnpage
 from workers.settings import Settings, get_settings
@@ -74,7 +77,6 @@ CLAIM_TTL_S = 60
 SSE_RETRY_MS = 2000
 _JOB_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 _STREAM_ID = re.compile(r"\d{1,20}-\d{1,20}")
-_SLACK_MENTION = re.compile(r"<@[A-Z0-9]+>\s*")
 
 
 def format_sse(eid: str, ev: dict) -> str:
@@ -383,20 +385,6 @@ def courier_celery(settings: Settings):
 #: update, a Slack event and a Discord interaction are a few KiB; a WhatsApp notification
 #: may batch many messages
 BODY_CAPS = {"telegram": 128 * 1024, "slack": 256 * 1024, "discord": 128 * 1024, "whatsapp": 512 * 1024}
-#: how far a signed timestamp (Slack, Discord) may be from now, either way
-MAX_CLOCK_SKEW_S = 300
-#: ids that go into Redis keys (update, event, chat ids): a bounded, plain alphabet
-_ID = re.compile(r"[A-Za-z0-9_.:=+-]{1,256}")
-_HEX = re.compile(r"[0-9a-fA-F]+")
-
-
-class BadRequest(Exception):
-    """A request that is refused: its status and a one-line reason for the caller."""
-
-    def __init__(self, status: int, reason: str) -> None:
-        super().__init__(reason)
-        self.status = status
-        self.reason = reason
 
 
 def _refuse(platform: str, status: int, reason: str) -> Response:
@@ -405,76 +393,36 @@ def _refuse(platform: str, status: int, reason: str) -> Response:
 
 
 async def _body(request: Request, cap: int) -> bytes:
-    """The raw body, read as it streams in; BadRequest 413 as soon as it is over `cap`
+    """The raw body, read as it streams in; Refusal 413 as soon as it is over `cap`
     (at once when Content-Length says so)."""
     declared = request.headers.get("content-length")
     if declared is not None:
         if not (declared.isascii() and declared.isdigit()):
-            raise BadRequest(400, "bad Content-Length")
+            raise Refusal(400, "bad Content-Length")
         if int(declared) > cap:
-            raise BadRequest(413, f"body over {cap} bytes")
+            raise Refusal(413, f"body over {cap} bytes")
     chunks: list[bytes] = []
     n = 0
     async for chunk in request.stream():
         n += len(chunk)
         if n > cap:
-            raise BadRequest(413, f"body over {cap} bytes")
+            raise Refusal(413, f"body over {cap} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
 
 
-def _secret(v) -> bytes:
-    return v.get_secret_value().encode() if v is not None else b""
+def _answer(a: Answer) -> Response:
+    if a.plain:
+        return PlainTextResponse(a.body, headers=a.headers)
+    return JSONResponse(a.body, headers=a.headers)
+
+
+_WEBHOOKS = {"telegram": telegram_webhook, "slack": slack_webhook, "discord": discord_webhook,
+             "whatsapp": whatsapp_webhook}
 
 
 def _not_configured(platform: str, setting: str) -> Response:
     return JSONResponse({"ok": False, "error": f"{platform} webhook is not configured ({setting})"}, status_code=404)
-
-
-def _payload(body: bytes, what: str) -> dict:
-    """The JSON object of a (verified) body; BadRequest 400 when it is not one."""
-    try:
-        payload = json.loads(body)
-    except (ValueError, RecursionError):
-        raise BadRequest(400, f"not {what}: the body is not JSON") from None
-    if not isinstance(payload, dict):
-        raise BadRequest(400, f"not {what}: the body is not a JSON object")
-    return payload
-
-
-def _obj(v) -> dict:
-    return v if isinstance(v, dict) else {}
-
-
-def _arr(v) -> list:
-    return v if isinstance(v, list) else []
-
-
-def _id(v, what: str) -> str:
-    """An id from a payload (int or plain string) as a string; BadRequest 400 otherwise."""
-    if isinstance(v, bool) or not isinstance(v, (int, str)) or not _ID.fullmatch(str(v)):
-        raise BadRequest(400, f"bad {what}")
-    return str(v)
-
-
-def _text(v) -> str | None:
-    """A message text, or None; lone surrogates (invalid JSON escapes) become U+FFFD."""
-    if not isinstance(v, str) or not v.strip():
-        return None
-    try:
-        v.encode("utf-8")
-    except UnicodeEncodeError:
-        v = "".join("\ufffd" if 0xD800 <= ord(c) <= 0xDFFF else c for c in v)
-    return v
-
-
-def _timestamp(raw: str) -> int:
-    """A signed request's timestamp (epoch seconds): within MAX_CLOCK_SKEW_S of now, else BadRequest 401."""
-    if not (raw.isascii() and raw.isdigit()) or len(raw) > 12:
-        raise BadRequest(401, "missing or bad timestamp")
-    if abs(time.time() - int(raw)) > MAX_CLOCK_SKEW_S:
-        raise BadRequest(401, "stale or future timestamp")
-    return int(raw)
 
 
 async def _accept(web: _Web, platform: str, update_id: str, chat: str, message: str) -> Response | dict:
@@ -488,16 +436,16 @@ async def _accept(web: _Web, platform: str, update_id: str, chat: str, message: 
 
 
 def _webhook(platform: str):
-    """A webhook route: a refused request (BadRequest) is its status with a one-line reason;
+    """A webhook route: a refused request (Refusal) is its status with a one-line reason;
     anything a payload's shape makes the handler trip over is a 400, never a 500."""
 
     def wrap(handler):
         async def route(request: Request) -> Response:
             try:
                 resp = await handler(request)
-            except BadRequest as exc:
+            except Refusal as exc:
                 resp = _refuse(platform, exc.status, exc.reason)
-            except (TypeError, AttributeError, KeyError, ValueError, IndexError, RecursionError) as exc:
+            except MALFORMED as exc:
                 resp = _refuse(platform, 400, f"malformed {platform} payload ({type(exc).__name__})")
             metrics.record_webhook(platform, resp.status_code)
             return resp
@@ -539,7 +487,6 @@ def quiet_query_strings() -> None:
 def create_app(settings: Settings | None = None) -> Starlette:
     web = _Web(settings or get_settings())
     quiet_query_strings()
-    discord_key: list = []  # the VerifyKey, made once
 
     async def files(request: Request) -> Response:
         """A volume's blob behind a signed, expiring link (storage/links.py), streamed."""
@@ -670,152 +617,50 @@ def create_app(settings: Settings | None = None) -> Starlette:
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    # -- Telegram: X-Telegram-Bot-Api-Secret-Token, update_id -----------------------------
-    @_webhook("telegram")
-    async def telegram(request: Request) -> Response:
-        secret = web.settings.telegram_webhook_secret
-        if secret is None:
-            return _not_configured("telegram", "TELEGRAM_WEBHOOK_SECRET")
-        got = request.headers.get("x-telegram-bot-api-secret-token", "").encode()
-        if not hmac.compare_digest(got, _secret(secret)):
-            raise BadRequest(401, "bad secret token")
-        update = _payload(await _body(request, BODY_CAPS["telegram"]), "a Telegram update")
-        if isinstance(update.get("update_id"), bool) or not isinstance(update.get("update_id"), int):
-            raise BadRequest(400, "not a Telegram update: no update_id")
-        msg = _obj(update.get("message") or update.get("channel_post"))
-        text = _text(msg.get("text")) or _text(msg.get("caption"))
-        chat = _obj(msg.get("chat")).get("id")
-        if text is None or chat is None:
-            return JSONResponse({"ok": True, "ignored": "no text message"})
-        out = await _accept(web, "telegram", _id(update["update_id"], "update_id"), _id(chat, "chat id"), text)
-        return out if isinstance(out, Response) else JSONResponse(out)
+    # -- platform webhooks: headers, capped body, signature and payload (adapters/platforms/webhooks) --
+    def webhook(platform: str, secret_of):
+        """The route of a platform's webhook: its parser checks the headers before the body
+        is read, then the signature and the payload; each message it finds is enqueued."""
+        parser = _WEBHOOKS[platform]
 
-    # -- Slack: signing secret, url_verification, event_id / X-Slack-Retry-Num ------------------
-    @_webhook("slack")
-    async def slack(request: Request) -> Response:
-        secret = web.settings.slack_signing_secret
-        if secret is None:
-            return _not_configured("slack", "SLACK_SIGNING_SECRET")
-        ts = _timestamp(request.headers.get("x-slack-request-timestamp", ""))
-        sig = request.headers.get("x-slack-signature", "")
-        if not (sig.startswith("v0=") and len(sig) == 67 and _HEX.fullmatch(sig[3:])):
-            raise BadRequest(401, "missing or bad signature")
-        body = await _body(request, BODY_CAPS["slack"])
-        want = "v0=" + hmac.new(_secret(secret), f"v0:{ts}:".encode() + body, hashlib.sha256).hexdigest()
-        if not hmac.compare_digest(sig.lower().encode(), want.encode()):
-            raise BadRequest(401, "signature does not verify")
-        payload = _payload(body, "a Slack event")
-        if payload.get("type") == "url_verification":
-            challenge = payload.get("challenge", "")
-            return JSONResponse({"challenge": challenge if isinstance(challenge, str) else ""})
-        event = payload.get("event")
-        if payload.get("type") != "event_callback" or not isinstance(event, dict):
-            kind = payload.get("type")
-            return JSONResponse({"ok": True, "ignored": kind if isinstance(kind, str) else "not an event"})
-        if event.get("type") not in ("message", "app_mention") or event.get("bot_id") or event.get("subtype"):
-            return JSONResponse({"ok": True, "ignored": "not a user message"})
-        raw = event.get("text")
-        text = _text(_SLACK_MENTION.sub("", raw).strip()) if isinstance(raw, str) else None
-        channel = event.get("channel")
-        # one user message is one turn: a mention comes as both `app_mention` and `message`
-        # (different event ids) when the app subscribes to both; a retry repeats either
-        if not text or not channel or not (event.get("ts") or payload.get("event_id")):
-            return JSONResponse({"ok": True, "ignored": "no text message"})
-        channel = _id(channel, "channel")
-        event_id = f"{channel}:{_id(event['ts'], 'ts')}" if event.get("ts") else _id(payload["event_id"], "event_id")
-        out = await _accept(web, "slack", event_id, channel, text)
-        if isinstance(out, Response):
-            return out
-        headers = {"X-Slack-No-Retry": "1"} if out.get("duplicate") or request.headers.get("x-slack-retry-num") \
-            else None
-        return JSONResponse(out, headers=headers)
+        @_webhook(platform)
+        async def route(request: Request) -> Response:
+            secret = secret_of(web.settings)
+            if secret is None:
+                return _not_configured(platform, parser.SETTING)
+            refused = parser.check_headers(request.headers, secret, time.time())
+            if refused is not None:
+                raise refused
+            body = await _body(request, BODY_CAPS[platform])
+            got = parser.parse_webhook(request.headers, body, secret, time.time())
+            if isinstance(got, Refusal):
+                raise got
+            if isinstance(got, Answer):
+                return _answer(got)
+            outs = []
+            for inbound in got:
+                out = await _accept(web, platform, inbound.update_id, inbound.chat, inbound.text)
+                if isinstance(out, Response):
+                    return out
+                outs.append(out)
+            return _answer(parser.answer(got, outs, request.headers))
 
-    # -- Discord interactions: Ed25519 over timestamp + body; PING -> PONG ----------------------
-    @_webhook("discord")
-    async def discord(request: Request) -> Response:
-        public_key = web.settings.discord_public_key
-        if not public_key:
-            return _not_configured("discord", "DISCORD_PUBLIC_KEY")
-        from nacl.exceptions import BadSignatureError
+        return route
 
-        if not discord_key:
-            discord_key.append(_discord_verify_key(public_key))
-        ts = request.headers.get("x-signature-timestamp", "")
-        _timestamp(ts)
-        sig = request.headers.get("x-signature-ed25519", "")
-        if len(sig) != 128 or not _HEX.fullmatch(sig):
-            raise BadRequest(401, "missing or bad signature")
-        body = await _body(request, BODY_CAPS["discord"])
-        try:
-            discord_key[0].verify(ts.encode() + body, bytes.fromhex(sig))
-        except BadSignatureError:
-            raise BadRequest(401, "signature does not verify") from None
-        payload = _payload(body, "an interaction")
-        if payload.get("type") == 1:
-            return JSONResponse({"type": 1})
-        if payload.get("type") != 2:
-            return JSONResponse({"type": 4, "data": {"content": "This interaction is not supported.", "flags": 64}})
-        data = _obj(payload.get("data"))
-        text = next((_text(o.get("value")) for o in _arr(data.get("options"))
-                     if isinstance(o, dict) and _text(o.get("value"))), None)
-        channel = payload.get("channel_id") or _obj(payload.get("channel")).get("id")
-        if not text or not channel or not payload.get("id"):
-            name = data.get("name") if isinstance(data.get("name"), str) else "ask"
-            return JSONResponse({"type": 4, "data": {"content": f"Ask me something: /{name[:32]} <message>",
-                                                     "flags": 64, "allowed_mentions": {"parse": []}}})
-        out = await _accept(web, "discord", _id(payload["id"], "interaction id"), _id(channel, "channel id"), text)
-        if isinstance(out, Response):
-            return out
-        # the user's own words, quoted back: they never ping anyone (as the adapter's agent text)
-        return JSONResponse({"type": 4, "data": {"content": f"> {text[:1900]}", "allowed_mentions": {"parse": []}}})
+    telegram = webhook("telegram", lambda s: s.telegram_webhook_secret)
+    slack = webhook("slack", lambda s: s.slack_signing_secret)
+    discord = webhook("discord", lambda s: s.discord_public_key or None)
+    whatsapp = webhook("whatsapp", lambda s: s.whatsapp_app_secret)
 
-    # -- WhatsApp Cloud API: hub.challenge; X-Hub-Signature-256 ----------------------------------
     @_webhook("whatsapp")
     async def whatsapp_verify(request: Request) -> Response:
         token = web.settings.whatsapp_verify_token
         if token is None:
-            return _not_configured("whatsapp", "WHATSAPP_VERIFY_TOKEN")
-        q = request.query_params
-        if q.get("hub.mode") == "subscribe" and hmac.compare_digest(q.get("hub.verify_token", "").encode(),
-                                                                     _secret(token)):
-            return PlainTextResponse(q.get("hub.challenge", "")[:256])
-        raise BadRequest(403, "verify token does not match")
-
-    @_webhook("whatsapp")
-    async def whatsapp(request: Request) -> Response:
-        secret = web.settings.whatsapp_app_secret
-        if secret is None:
-            return _not_configured("whatsapp", "WHATSAPP_APP_SECRET")
-        sig = request.headers.get("x-hub-signature-256", "")
-        if not (sig.startswith("sha256=") and len(sig) == 71 and _HEX.fullmatch(sig[7:])):
-            raise BadRequest(401, "missing or bad signature")
-        body = await _body(request, BODY_CAPS["whatsapp"])
-        want = "sha256=" + hmac.new(_secret(secret), body, hashlib.sha256).hexdigest()
-        if not hmac.compare_digest(sig.lower().encode(), want.encode()):
-            raise BadRequest(401, "signature does not verify")
-        payload = _payload(body, "a WhatsApp notification")
-        found: list[tuple[str, str, str]] = []  # (message id, chat, text): all checked before any is enqueued
-        for entry in _arr(payload.get("entry")):
-            for change in _arr(_obj(entry).get("changes")):
-                for m in _arr(_obj(_obj(change).get("value")).get("messages")):
-                    if not isinstance(m, dict) or m.get("type") != "text" or not m.get("id") or not m.get("from"):
-                        continue
-                    text = _text(_obj(m.get("text")).get("body"))
-                    if text is None:
-                        continue
-                    chat = _id(m["from"], "sender")
-                    found.append((_id(m["id"], "message id"), chat if chat.startswith("+") else f"+{chat}", text))
-        jobs: list[str] = []
-        duplicates = 0
-        for mid, chat, text in found:
-            out = await _accept(web, "whatsapp", mid, chat, text)
-            if isinstance(out, Response):
-                return out
-            if out.get("duplicate"):
-                duplicates += 1
-            else:
-                jobs.append(out["job"])
-        return JSONResponse({"ok": True, "jobs": jobs, "duplicates": duplicates})
+            return _not_configured("whatsapp", whatsapp_webhook.VERIFY_SETTING)
+        got = whatsapp_webhook.verify_subscription(request.query_params, token)
+        if isinstance(got, Refusal):
+            raise got
+        return _answer(got)
 
     async def shutdown() -> None:
         await web.close()
@@ -839,7 +684,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
     async def lifespan(_app):
         web.celery  # noqa: B018 - refuse to start when turns would be published anywhere else
         if web.settings.discord_public_key:
-            discord_key[:] = [_discord_verify_key(web.settings.discord_public_key)]  # a bad key: no start
+            discord_webhook.verify_key(web.settings.discord_public_key)  # a bad key: no start
         quiet_query_strings()
         yield
         await shutdown()
@@ -847,15 +692,6 @@ def create_app(settings: Settings | None = None) -> Starlette:
     application = Starlette(routes=routes, lifespan=lifespan)
     application.state.web = web
     return application
-
-
-def _discord_verify_key(public_key: str):
-    from nacl.signing import VerifyKey
-
-    try:
-        return VerifyKey(bytes.fromhex(public_key))
-    except (ValueError, TypeError):
-        raise ValueError("DISCORD_PUBLIC_KEY is not an Ed25519 public key in hex (64 hex digits)") from None
 
 
 app = create_app()

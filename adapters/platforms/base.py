@@ -5,21 +5,22 @@ idempotency) lives once above the adapters, in `tasks.delivery`.
 
 Adapters raise only courier's own errors (`adapters.errors`):
 `RateLimited(retry_after_s)`, `Transient`, `Permanent(reason)`; each adapter
-maps its vendor's errors in one place.
+maps its vendor's errors in one place, its `map_error`: an `ErrorMap`, a
+table from vendor exception types to courier's errors.
 """
 
 from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
-from adapters.errors import Permanent
+from adapters.errors import DeliveryError, Permanent, Transient
 
 MB = 1000 * 1000
 MiB = 1024 * 1024
@@ -87,6 +88,48 @@ class FileRefused(Permanent):
         super().__init__(reason)
         self.notice = notice
         self.too_large = too_large
+
+
+# -- vendor errors: one table per adapter ------------------------------------------------------
+#: a row's rule: the vendor error (and the adapter's context: what it was doing, a secret to
+#: redact) -> courier's error, or None to leave it to the rows below
+ErrorRule = Callable[..., "DeliveryError | None"]
+
+
+class ErrorMap:
+    """The one place an adapter's vendor errors (its SDK's exceptions, its HTTP
+    client's, an error answer) become courier's (`adapters.errors`): a table of
+    rows `(vendor types, rule)`, tried in order; the first row whose types
+    match and whose rule gives an error wins. Courier's own errors pass as
+    they are; what no row takes is `unexpected`'s (a Transient by default).
+    `map_error(exc, *context)` passes the context on to the rules."""
+
+    def __init__(self, platform: str, rows: Sequence[tuple[type | tuple[type, ...], ErrorRule]], *,
+                 unexpected: ErrorRule | None = None) -> None:
+        self.platform = platform
+        self.rows = tuple((t if isinstance(t, tuple) else (t,), rule) for t, rule in rows)
+        self._unexpected = unexpected
+
+    def __call__(self, exc: object, *context: Any) -> DeliveryError:
+        if isinstance(exc, DeliveryError):
+            return exc
+        for types, rule in self.rows:
+            if isinstance(exc, types):
+                out = rule(exc, *context)
+                if out is not None:
+                    return out
+        if self._unexpected is not None:
+            return self._unexpected(exc, *context)
+        return Transient(f"{self.platform}: unexpected {type(exc).__name__}: {exc}")
+
+    def covers(self, cls: type) -> bool:
+        """Whether a row of the table takes errors of type `cls` (not only the fallback)."""
+        return any(issubclass(cls, types) for types, _rule in self.rows)
+
+    @property
+    def types(self) -> tuple[type, ...]:
+        """Every vendor type the table names."""
+        return tuple(t for types, _rule in self.rows for t in types)
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ process's one asyncio loop (`adapters.platforms._aio`).
   so a 429 raises, and its 5xx retry loop is cut short by raising from an
   aiohttp trace hook. The task layer re-schedules instead.
 
-Every vendor error is translated in one place, `_translate`.
+Every vendor error is translated in one place, `map_error` (an `ErrorMap`).
 """
 
 from __future__ import annotations
@@ -53,9 +53,9 @@ import discord
 from adapters.defaults import DISCORD_API_URL
 from adapters.errors import ConfigError, CourierError, DeliveryError, Permanent, RateLimited, Transient
 from adapters.platforms import _aio, _ogg
-from adapters.platforms.base import FileRefused, FileSource, Kind, Limits, MiB, Platform, Sent
+from adapters.platforms.base import ErrorMap, FileRefused, FileSource, Kind, Limits, MiB, Platform, Sent
 
-__all__ = ["DiscordPlatform", "DEFAULT_BASE_URL", "DEFAULT_UPLOAD_BYTES"]
+__all__ = ["DiscordPlatform", "DEFAULT_BASE_URL", "DEFAULT_UPLOAD_BYTES", "map_error"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -292,7 +292,7 @@ class DiscordPlatform(Platform):
         except CourierError:
             raise  # ours already (a bad channel id, a storage error while streaming)
         except Exception as exc:  # noqa: BLE001 - every vendor error is translated here
-            raise _translate(exc, what) from exc
+            raise map_error(exc, what) from exc
 
     @staticmethod
     def _channel(client: discord.Client, chat: str) -> discord.PartialMessageable:
@@ -473,37 +473,43 @@ def _retry_after(exc: discord.HTTPException) -> float:
     return 1.0
 
 
-def _translate(exc: BaseException, what: str) -> DeliveryError:
-    """discord.py / aiohttp / asyncio errors -> courier's tree."""
-    if isinstance(exc, discord.RateLimited):  # a 429 discord.py would have slept on
-        return RateLimited(exc.retry_after, f"discord: rate limited, retry after {exc.retry_after:g}s")
-    if isinstance(exc, discord.LoginFailure):
-        return Permanent("discord: the bot token was rejected (401 Unauthorized)")
-    if isinstance(exc, discord.HTTPException):
-        status = exc.status
-        detail = " ".join(f"{status} {exc.text or getattr(exc.response, 'reason', '')}".split())
-        if exc.code:
-            detail += f" (code {exc.code})"
-        if status == 429:  # e.g. without a Via header discord.py does not treat it as its own
-            ra = _retry_after(exc)
-            return RateLimited(ra, f"discord: rate limited, retry after {ra:g}s")
-        if status >= 500:
-            return Transient(f"discord: server error {detail} ({what})")
-        if status == 413 or exc.code == 40005:  # a guild's cap below the setting: the chat gets the notice
-            return FileRefused(f"discord: too large: {detail}", too_large=True)
-        if status == 401:
-            return Permanent(f"discord: the bot token was rejected ({detail})")
-        if isinstance(exc, discord.Forbidden):
-            return Permanent(f"discord: forbidden: {detail}")
-        if isinstance(exc, discord.NotFound):
-            return Permanent(f"discord: not found: {detail}")
-        return Permanent(f"discord: rejected: {detail}")
-    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
-        return Transient(f"discord: timed out trying to {what}")
-    if isinstance(exc, aiohttp.ClientError):
-        return Transient(f"discord: connection failed trying to {what}: {type(exc).__name__}: {exc}")
-    if isinstance(exc, OSError):
-        return Transient(f"discord: I/O error trying to {what}: {exc.strerror or exc}")
-    if isinstance(exc, discord.ClientException):
-        return Permanent(f"discord: cannot {what}: {exc}")
+def _http(exc: discord.HTTPException, what: str = "") -> DeliveryError:
+    status = exc.status
+    detail = " ".join(f"{status} {exc.text or getattr(exc.response, 'reason', '')}".split())
+    if exc.code:
+        detail += f" (code {exc.code})"
+    if status == 429:  # e.g. without a Via header discord.py does not treat it as its own
+        ra = _retry_after(exc)
+        return RateLimited(ra, f"discord: rate limited, retry after {ra:g}s")
+    if status >= 500:
+        return Transient(f"discord: server error {detail} ({what})")
+    if status == 413 or exc.code == 40005:  # a guild's cap below the setting: the chat gets the notice
+        return FileRefused(f"discord: too large: {detail}", too_large=True)
+    if status == 401:
+        return Permanent(f"discord: the bot token was rejected ({detail})")
+    if isinstance(exc, discord.Forbidden):
+        return Permanent(f"discord: forbidden: {detail}")
+    if isinstance(exc, discord.NotFound):
+        return Permanent(f"discord: not found: {detail}")
+    return Permanent(f"discord: rejected: {detail}")
+
+
+def _unexpected(exc: BaseException, what: str = "") -> DeliveryError:
     return Transient(f"discord: unexpected {type(exc).__name__} trying to {what}: {exc}")
+
+
+#: The one place discord.py / aiohttp / asyncio errors become courier's (`map_error(exc, what)`)
+map_error = ErrorMap("discord", [
+    # a 429 discord.py would have slept on
+    (discord.RateLimited, lambda exc, what="": RateLimited(exc.retry_after, f"discord: rate limited, retry after "
+                                                                            f"{exc.retry_after:g}s")),
+    (discord.LoginFailure, lambda exc, what="": Permanent("discord: the bot token was rejected (401 Unauthorized)")),
+    (discord.HTTPException, _http),
+    ((asyncio.TimeoutError, TimeoutError), lambda exc, what="": Transient(f"discord: timed out trying to {what}")),
+    (aiohttp.ClientError, lambda exc, what="": Transient(f"discord: connection failed trying to {what}: "
+                                                         f"{type(exc).__name__}: {exc}")),
+    (OSError, lambda exc, what="": Transient(f"discord: I/O error trying to {what}: {exc.strerror or exc}")),
+    (discord.ClientException, lambda exc, what="": Permanent(f"discord: cannot {what}: {exc}")),
+    # any other of the SDK's (a gateway, voice or app command error: none is raised sending): retried
+    (discord.DiscordException, _unexpected),
+], unexpected=_unexpected)

@@ -23,7 +23,7 @@
   rate-limit handler sleeps, its connection handler sleeps too); a 429 is
   `RateLimited(Retry-After)` and the task is re-scheduled.
 
-Every vendor error is translated in one place, `_translate`.
+Every vendor error is translated in one place, `map_error` (an `ErrorMap`).
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ from slack_sdk.errors import SlackApiError, SlackClientError, SlackRequestError
 
 from adapters.defaults import SLACK_API_URL
 from adapters.errors import ConfigError, CourierError, DeliveryError, Permanent, RateLimited, Transient
-from adapters.platforms.base import FileRefused, FileSource, Kind, Limits, Platform, Sent, iter_file
+from adapters.platforms.base import ErrorMap, FileRefused, FileSource, Kind, Limits, Platform, Sent, iter_file
 
-__all__ = ["SlackPlatform", "DEFAULT_BASE_URL", "DEFAULT_UPLOAD_BYTES"]
+__all__ = ["SlackPlatform", "DEFAULT_BASE_URL", "DEFAULT_UPLOAD_BYTES", "map_error"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -140,7 +140,7 @@ class SlackPlatform(Platform):
         except CourierError:
             raise  # ours already (e.g. a storage error while streaming)
         except Exception as exc:  # noqa: BLE001 - every vendor error is translated here
-            raise _translate(exc, what) from exc
+            raise map_error(exc, what) from exc
 
     def _uploader(self) -> httpx.Client:
         if self._http is None or self._http_pid != os.getpid():
@@ -269,43 +269,46 @@ def _seconds(value: Any, default: float = 1.0) -> float:
         return default
 
 
-def _translate(exc: BaseException, what: str) -> DeliveryError:
-    """slack_sdk / urllib / httpx errors -> courier's tree."""
-    if isinstance(exc, SlackApiError):
-        resp = exc.response
-        status = int(getattr(resp, "status_code", 0) or 0)
-        headers = {k.lower(): v for k, v in (getattr(resp, "headers", None) or {}).items()}
-        data = getattr(resp, "data", None)
-        error = str(data.get("error") or "") if isinstance(data, dict) else ""
-        if status == 429 or error == "ratelimited":
-            ra = _seconds(headers.get("retry-after"))
-            return RateLimited(ra, f"slack: {what}: rate limited, retry after {ra:g}s")
-        label = error if len(error) <= 80 else f"HTTP {status}"
-        if status >= 500 or error in _TRANSIENT_ERRORS:
-            return Transient(f"slack: {what}: server error {label or status}")
-        if error in _FILE_TOO_LARGE_ERRORS:
-            return FileRefused(f"slack: too large: {what}: {error}", too_large=True)
-        if error in _TOO_LARGE_ERRORS:
-            return Permanent(f"slack: too large: {what}: {error}")
-        if status != 200 and not error:
-            return Transient(f"slack: {what}: unexpected HTTP {status}")
-        return Permanent(f"slack: {what}: {label or f'HTTP {status}'}")
-    if isinstance(exc, _UploadRejected):
-        if exc.status == 429:
-            ra = _seconds(exc.retry_after)
-            return RateLimited(ra, f"slack: upload rate limited, retry after {ra:g}s")
-        if exc.status == 413:
-            return FileRefused(f"slack: too large: the upload answered 413 {exc.body[:100]}".rstrip(), too_large=True)
-        if exc.status >= 500 or exc.status == 408:
-            return Transient(f"slack: the upload answered {exc.status}")
-        return Permanent(f"slack: the upload answered {exc.status}: {exc.body[:100]}".rstrip())
-    if isinstance(exc, SlackRequestError):
-        return Permanent(f"slack: {what}: bad request: {exc}")
-    if isinstance(exc, (httpx.TimeoutException, socket.timeout, TimeoutError)):
-        return Transient(f"slack: timed out on {what}")
-    if isinstance(exc, (httpx.TransportError, urllib.error.URLError, http.client.HTTPException, ConnectionError,
-                        OSError)):
-        return Transient(f"slack: connection failed on {what}: {type(exc).__name__}")
-    if isinstance(exc, SlackClientError):
-        return Transient(f"slack: {what}: {type(exc).__name__}")
-    return Transient(f"slack: unexpected {type(exc).__name__} on {what}: {exc}")
+def _api_error(exc: SlackApiError, what: str = "") -> DeliveryError:
+    resp = exc.response
+    status = int(getattr(resp, "status_code", 0) or 0)
+    headers = {k.lower(): v for k, v in (getattr(resp, "headers", None) or {}).items()}
+    data = getattr(resp, "data", None)
+    error = str(data.get("error") or "") if isinstance(data, dict) else ""
+    if status == 429 or error == "ratelimited":
+        ra = _seconds(headers.get("retry-after"))
+        return RateLimited(ra, f"slack: {what}: rate limited, retry after {ra:g}s")
+    label = error if len(error) <= 80 else f"HTTP {status}"
+    if status >= 500 or error in _TRANSIENT_ERRORS:
+        return Transient(f"slack: {what}: server error {label or status}")
+    if error in _FILE_TOO_LARGE_ERRORS:
+        return FileRefused(f"slack: too large: {what}: {error}", too_large=True)
+    if error in _TOO_LARGE_ERRORS:
+        return Permanent(f"slack: too large: {what}: {error}")
+    if status != 200 and not error:
+        return Transient(f"slack: {what}: unexpected HTTP {status}")
+    return Permanent(f"slack: {what}: {label or f'HTTP {status}'}")
+
+
+def _upload_rejected(exc: _UploadRejected, what: str = "") -> DeliveryError:
+    if exc.status == 429:
+        ra = _seconds(exc.retry_after)
+        return RateLimited(ra, f"slack: upload rate limited, retry after {ra:g}s")
+    if exc.status == 413:
+        return FileRefused(f"slack: too large: the upload answered 413 {exc.body[:100]}".rstrip(), too_large=True)
+    if exc.status >= 500 or exc.status == 408:
+        return Transient(f"slack: the upload answered {exc.status}")
+    return Permanent(f"slack: the upload answered {exc.status}: {exc.body[:100]}".rstrip())
+
+
+#: The one place slack_sdk / urllib / httpx errors become courier's (`map_error(exc, what)`)
+map_error = ErrorMap("slack", [
+    (SlackApiError, _api_error),
+    (_UploadRejected, _upload_rejected),
+    (SlackRequestError, lambda exc, what="": Permanent(f"slack: {what}: bad request: {exc}")),
+    ((httpx.TimeoutException, socket.timeout, TimeoutError),
+     lambda exc, what="": Transient(f"slack: timed out on {what}")),
+    ((httpx.TransportError, urllib.error.URLError, http.client.HTTPException, ConnectionError, OSError),
+     lambda exc, what="": Transient(f"slack: connection failed on {what}: {type(exc).__name__}")),
+    (SlackClientError, lambda exc, what="": Transient(f"slack: {what}: {type(exc).__name__}")),
+], unexpected=lambda exc, what="": Transient(f"slack: unexpected {type(exc).__name__} on {what}: {exc}"))

@@ -49,7 +49,7 @@ from telegram.request import HTTPXRequest
 from adapters.defaults import TELEGRAM_API_URL
 from adapters.errors import ConfigError, DeliveryError, Permanent, RateLimited, Transient
 from adapters.platforms import _aio
-from adapters.platforms.base import MB, FileRefused, FileSource, Kind, Limits, Platform, Sent
+from adapters.platforms.base import MB, ErrorMap, FileRefused, FileSource, Kind, Limits, Platform, Sent
 
 __all__ = ["TelegramPlatform", "map_error"]
 
@@ -95,37 +95,42 @@ def _seconds(v: Any) -> float:
     return v.total_seconds() if hasattr(v, "total_seconds") else float(v)
 
 
-def map_error(exc: BaseException, secret: str = "") -> DeliveryError:
-    """The one place Telegram's errors become courier's (`secret` is redacted)."""
-    msg = _redact(getattr(exc, "message", None) or str(exc) or type(exc).__name__, secret)
-    if isinstance(exc, DeliveryError):
-        return exc
-    if isinstance(exc, RetryAfter):
-        s = _seconds(getattr(exc, "_retry_after", None) or exc.retry_after)
-        return RateLimited(s, f"telegram: flood control, retry after {s:g}s")
-    if isinstance(exc, _HTTPStatus) and exc.status == 413:
-        return FileRefused(f"telegram: too large for the Bot API server (413): {msg}", too_large=True)
-    if isinstance(exc, _HTTPStatus):
-        return (Transient if exc.status >= 500 else Permanent)(f"telegram: HTTP {exc.status}: {msg}")
-    if isinstance(exc, ChatMigrated):
-        return Permanent(f"telegram: the group is now the supergroup {exc.new_chat_id}; "
-                         f"send to telegram:{exc.new_chat_id}")
-    if isinstance(exc, BadRequest):  # chat not found, bad file, text too long, ...
-        return Permanent(f"telegram: {msg}")
-    if isinstance(exc, Forbidden):  # blocked by the user, kicked from the group
-        return Permanent(f"telegram: {msg}")
-    if isinstance(exc, InvalidToken):  # 401 / 404: the token, or the base URL, is wrong
-        return Permanent("telegram: the Bot API rejected the bot token (401/404): check TELEGRAM_BOT_TOKEN "
-                         "and COURIER_TELEGRAM_BASE_URL")
-    if isinstance(exc, Conflict):
-        return Permanent(f"telegram: conflict: {msg}")
-    if isinstance(exc, TimedOut):
-        return Transient(f"telegram: timed out: {msg}")
-    if isinstance(exc, NetworkError):  # 5xx, connection refused/reset
-        return Transient(f"telegram: {msg}")
-    if isinstance(exc, (TimeoutError, OSError)):
-        return Transient(f"telegram: {type(exc).__name__}: {msg}")
-    return Transient(f"telegram: unexpected {type(exc).__name__}: {msg}")
+def _msg(exc: BaseException, secret: str) -> str:
+    return _redact(getattr(exc, "message", None) or str(exc) or type(exc).__name__, secret)
+
+
+def _retry_after(exc: RetryAfter, secret: str = "") -> DeliveryError:
+    s = _seconds(getattr(exc, "_retry_after", None) or exc.retry_after)
+    return RateLimited(s, f"telegram: flood control, retry after {s:g}s")
+
+
+def _http_status(exc: _HTTPStatus, secret: str = "") -> DeliveryError:
+    if exc.status == 413:
+        return FileRefused(f"telegram: too large for the Bot API server (413): {_msg(exc, secret)}", too_large=True)
+    return (Transient if exc.status >= 500 else Permanent)(f"telegram: HTTP {exc.status}: {_msg(exc, secret)}")
+
+
+def _unexpected(exc: BaseException, secret: str = "") -> DeliveryError:
+    return Transient(f"telegram: unexpected {type(exc).__name__}: {_msg(exc, secret)}")
+
+
+#: The one place Telegram's errors become courier's (`map_error(exc, secret)`: `secret` is redacted)
+map_error = ErrorMap("telegram", [
+    (RetryAfter, _retry_after),
+    (_HTTPStatus, _http_status),
+    (ChatMigrated, lambda exc, secret="": Permanent(f"telegram: the group is now the supergroup {exc.new_chat_id}; "
+                                                    f"send to telegram:{exc.new_chat_id}")),
+    # chat not found, bad file, text too long, ...; blocked by the user, kicked from the group
+    ((BadRequest, Forbidden), lambda exc, secret="": Permanent(f"telegram: {_msg(exc, secret)}")),
+    # 401 / 404: the token, or the base URL, is wrong
+    (InvalidToken, lambda exc, secret="": Permanent("telegram: the Bot API rejected the bot token (401/404): check "
+                                                    "TELEGRAM_BOT_TOKEN and COURIER_TELEGRAM_BASE_URL")),
+    (Conflict, lambda exc, secret="": Permanent(f"telegram: conflict: {_msg(exc, secret)}")),
+    (TimedOut, lambda exc, secret="": Transient(f"telegram: timed out: {_msg(exc, secret)}")),
+    (NetworkError, lambda exc, secret="": Transient(f"telegram: {_msg(exc, secret)}")),  # 5xx, refused/reset
+    ((TimeoutError, OSError), lambda exc, secret="": Transient(f"telegram: {type(exc).__name__}: {_msg(exc, secret)}")),
+    (TelegramError, _unexpected),  # any other of the SDK's (EndPointNotFound, PassportDecryptionError): retried
+], unexpected=_unexpected)
 
 
 class _Request(HTTPXRequest):

@@ -48,7 +48,7 @@ import httpx
 
 from adapters.defaults import WHATSAPP_API_URL
 from adapters.errors import ConfigError, DeliveryError, Permanent, RateLimited, Transient
-from adapters.platforms.base import MB, FileRefused, FileSource, Kind, Limits, Platform, Sent
+from adapters.platforms.base import MB, ErrorMap, FileRefused, FileSource, Kind, Limits, Platform, Sent
 
 __all__ = ["WhatsAppPlatform", "map_error"]
 
@@ -91,16 +91,8 @@ def mime_of(name: str, given: str | None = None) -> str:
     return _ALIASES.get(mime, mime)
 
 
-def map_error(err: httpx.Response | BaseException) -> DeliveryError:
-    """The one place WhatsApp's answers and transport failures become courier's errors."""
-    if isinstance(err, DeliveryError):
-        return err
-    if isinstance(err, httpx.TimeoutException):
-        return Transient(f"whatsapp: timed out ({type(err).__name__})")
-    if isinstance(err, (httpx.TransportError, OSError)):
-        return Transient(f"whatsapp: connection failed ({type(err).__name__}: {err})")
-    if not isinstance(err, httpx.Response):
-        return Transient(f"whatsapp: unexpected {type(err).__name__}: {err}")
+def _answer(err: httpx.Response) -> DeliveryError:
+    """An error answer of the Cloud API: its status, code and words."""
     status = err.status_code
     try:
         body = err.json()
@@ -134,6 +126,20 @@ def map_error(err: httpx.Response | BaseException) -> DeliveryError:
     perm = Permanent(text)
     perm.api_code = code  # type: ignore[attr-defined]
     return perm
+
+
+def _unexpected(err: object) -> DeliveryError:
+    return Transient(f"whatsapp: unexpected {type(err).__name__}: {err}")
+
+
+#: The one place WhatsApp's answers (an `httpx.Response`) and transport failures become courier's errors
+map_error = ErrorMap("whatsapp", [
+    (httpx.TimeoutException, lambda err: Transient(f"whatsapp: timed out ({type(err).__name__})")),
+    ((httpx.TransportError, OSError),
+     lambda err: Transient(f"whatsapp: connection failed ({type(err).__name__}: {err})")),
+    (httpx.Response, _answer),
+    (httpx.HTTPError, _unexpected),  # any other of httpx's (DecodingError, TooManyRedirects, ...): retried
+], unexpected=_unexpected)
 
 
 class WhatsAppPlatform(Platform):

@@ -1,0 +1,129 @@
+"""What every platform webhook parser shares: its results (`Inbound`,
+`Answer`, `Refusal`) and the checks on a payload's values."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+#: how far a signed timestamp (Slack, Discord) may be from now, either way
+MAX_CLOCK_SKEW_S = 300
+#: ids that go into Redis keys (update, event, chat ids): a bounded, plain alphabet
+_ID = re.compile(r"[A-Za-z0-9_.:=+-]{1,256}")
+HEX = re.compile(r"[0-9a-fA-F]+")
+#: what a payload's shape can make a parser trip over: a 400, never a 500
+MALFORMED = (TypeError, AttributeError, KeyError, ValueError, IndexError, RecursionError)
+
+
+class Refusal(Exception):
+    """A request that is refused: its status and a one-line reason for the caller."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Refusal) and (self.status, self.reason) == (other.status, other.reason)
+
+    def __hash__(self) -> int:
+        return hash((self.status, self.reason))
+
+    def __repr__(self) -> str:
+        return f"Refusal({self.status}, {self.reason!r})"
+
+
+@dataclass(frozen=True)
+class Inbound:
+    """One user message that becomes a turn: the platform's update (or event,
+    message) id for de-dup, the chat the reply goes to, the text."""
+
+    update_id: str
+    chat: str
+    text: str
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A webhook's reply: a JSON body (or plain text), its headers."""
+
+    body: Any
+    headers: dict[str, str] | None = field(default=None)
+    plain: bool = False
+
+
+#: what `parse_webhook` gives: the turns to enqueue, or an answer that needs none, or a refusal
+Parsed = list[Inbound] | Answer | Refusal
+
+
+def lower(headers: Mapping[str, str]) -> dict[str, str]:
+    """The headers with lower-case names (Starlette's Headers or a plain dict)."""
+    return {k.lower(): v for k, v in headers.items()}
+
+
+def secret_bytes(v) -> bytes:
+    """A secret (SecretStr, str or bytes) as bytes."""
+    if v is None:
+        return b""
+    if hasattr(v, "get_secret_value"):
+        v = v.get_secret_value()
+    return v if isinstance(v, bytes) else str(v).encode()
+
+
+def payload(body: bytes, what: str) -> dict:
+    """The JSON object of a (verified) body; Refusal 400 when it is not one."""
+    try:
+        out = json.loads(body)
+    except (ValueError, RecursionError):
+        raise Refusal(400, f"not {what}: the body is not JSON") from None
+    if not isinstance(out, dict):
+        raise Refusal(400, f"not {what}: the body is not a JSON object")
+    return out
+
+
+def obj(v) -> dict:
+    return v if isinstance(v, dict) else {}
+
+
+def arr(v) -> list:
+    return v if isinstance(v, list) else []
+
+
+def ident(v, what: str) -> str:
+    """An id from a payload (int or plain string) as a string; Refusal 400 otherwise."""
+    if isinstance(v, bool) or not isinstance(v, (int, str)) or not _ID.fullmatch(str(v)):
+        raise Refusal(400, f"bad {what}")
+    return str(v)
+
+
+def text(v) -> str | None:
+    """A message text, or None; lone surrogates (invalid JSON escapes) become U+FFFD."""
+    if not isinstance(v, str) or not v.strip():
+        return None
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        v = "".join("\ufffd" if 0xD800 <= ord(c) <= 0xDFFF else c for c in v)
+    return v
+
+
+def timestamp(raw: str, now: float) -> int:
+    """A signed request's timestamp (epoch seconds): within MAX_CLOCK_SKEW_S of `now`, else Refusal 401."""
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 12:
+        raise Refusal(401, "missing or bad timestamp")
+    if abs(now - int(raw)) > MAX_CLOCK_SKEW_S:
+        raise Refusal(401, "stale or future timestamp")
+    return int(raw)
+
+
+def guarded(platform: str, fn, *args) -> Any:
+    """`fn(*args)`, with a Refusal raised in it, or a malformed payload it trips over (a 400), returned."""
+    try:
+        return fn(*args)
+    except Refusal as exc:
+        return exc
+    except MALFORMED as exc:
+        return Refusal(400, f"malformed {platform} payload ({type(exc).__name__})")
