@@ -281,19 +281,30 @@ def enqueue_turn(r, target: str, message: str, *, agent: str, job_id: str | None
 def turn_sig(job_id: str, target: str, message: str, *, agent: str, sandbox: str | None = None,
              attachments: list[dict] | None = None):
     """The `agent_turn` signature of a turn, labelled."""
+    return spec_sig(turn_spec(job_id, target, message, agent=agent, sandbox=sandbox, attachments=attachments))
+
+
+def turn_spec(job_id: str, target: str, message: str, *, agent: str, sandbox: str | None = None,
+              attachments: list[dict] | None = None) -> dict:
+    """A turn's spec: the one argument of its `agent_turn` (and what its job record keeps)."""
     spec = {"job": job_id, "target": target, "message": message, "agent": agent}
     if sandbox:
         spec["sandbox"] = sandbox
     if attachments:
         spec["attachments"] = attachments
-    return spec_sig(spec)
+    return spec
+
+
+def spec_label(spec: dict) -> str:
+    """The `argsrepr` of a turn's `agent_turn`: the job, agent, target and sizes, never the text."""
+    attachments = spec.get("attachments")
+    label = f"({spec['job']} {spec['agent']} -> {spec['target']}, {len(spec.get('message', ''))} chars"
+    label += f", {len(attachments)} attachments)" if attachments else ")"
+    return label[:200]
 
 
 def spec_sig(spec: dict):
     """The labelled `agent_turn` signature of a turn's spec (also the reconciler's way to run it again)."""
     from tasks.pipeline import agent_turn
 
-    attachments = spec.get("attachments")
-    label = f"({spec['job']} {spec['agent']} -> {spec['target']}, {len(spec.get('message', ''))} chars"
-    label += f", {len(attachments)} attachments)" if attachments else ")"
-    return _label(agent_turn.si(spec), label)
+    return _label(agent_turn.si(spec), spec_label(spec))

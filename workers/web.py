@@ -27,9 +27,10 @@ Routes
   the platform's cap (`BODY_CAPS`: 413 past it, read no further); verifies
   the signature before it parses the body (401, nothing enqueued, when it
   does not verify; 404 when the platform's secret is not configured); then
-  drops a retried update (Redis SET NX with a TTL on the platform's update /
-  event id, `keys.webhook_seen`) and enqueues an `agent_turn` whose reply
-  goes back to the chat (`<platform>:<chat>`). Every refused or malformed
+  drops a retried update (a de-dup key with a TTL on the platform's update /
+  event id, `keys.webhook_seen`) or else enqueues an `agent_turn` whose reply
+  goes back to the chat (`<platform>:<chat>`): the message, the de-dup key,
+  the job record and its due time in one atomic script (`_Enqueuer`). Every refused or malformed
   request is a 4xx with a one-line reason (`{"ok": false, "error": ...}`),
   logged as one line; a turn that cannot be enqueued is a 503.
 - Logs: uvicorn's access log and ASGI trace show no query string (the
@@ -67,9 +68,6 @@ MAX_WEBHOOK_BODY_BYTES = 1024 * 1024
 MAX_MESSAGE_CHARS = 32_000
 ENQUEUE_BATCH = 64
 ENQUEUE_TIMEOUT_S = 10.0
-#: how long a claimed update's de-dup key and job record live until its turn is published:
-#: a web process killed in between loses no update (the platform's retry goes through then)
-CLAIM_TTL_S = 60
 SSE_RETRY_MS = 2000
 _JOB_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 _STREAM_ID = re.compile(r"\d{1,20}-\d{1,20}")
@@ -135,26 +133,64 @@ class _Web:
         turn could not be enqueued (nothing is left behind then)."""
         s = self.settings
         self.celery  # noqa: B018 - checked once: never publish anywhere else
-        from tasks import chains, receipts
+        from tasks import chains, ledger, receipts
 
         origin = f"{platform}:{chat}"
         override = s.webhook_reply_target_override
+        target = override.replace("{platform}", platform).replace("{chat}", chat) if override else origin
+        job_id = chains.new_job_id("turn")
+        spec = chains.turn_spec(job_id, target, message[:MAX_MESSAGE_CHARS], agent=s.webhook_agent or s.default_agent)
         turn = _Turn(platform=platform, update_id=update_id, seen=keys.webhook_seen(platform, update_id),
-                     job_id=chains.new_job_id("turn"), origin=origin,
-                     target=override.replace("{platform}", platform).replace("{chat}", chat) if override else origin,
-                     agent=s.webhook_agent or s.default_agent, message=message[:MAX_MESSAGE_CHARS])
-        spec = chains.turn_sig(turn.job_id, turn.target, turn.message, agent=turn.agent).args[0]
-        receipts.create_job(None, turn.job_id, kind="turn", target=turn.target, agent=turn.agent, origin=origin,
-                            pipe=turn.job, spec=json.dumps(spec, separators=(",", ":")))
+                     job_id=job_id, spec=spec)
+        receipts.create_job(None, job_id, kind="turn", target=target, agent=spec["agent"], origin=origin,
+                            pipe=turn.rec, spec=json.dumps(spec, separators=(",", ":")))
+        ledger.set_due(turn.rec, "turn", job_id, chains.TURN_GRACE_S)  # the ledger watches it from the publish on
         if self._enqueuer is None:
             self._enqueuer = _Enqueuer(self)
-        turn.loop = asyncio.get_running_loop()
-        turn.future = turn.loop.create_future()
+        loop = asyncio.get_running_loop()
+        turn.loop = loop
+        turn.future = fut = loop.create_future()
         self._enqueuer.submit(turn)
         # Redis stalling: answer 503 after a while (platforms give up after a few seconds
         # anyway); the turn goes on: queued after all, the platform's retry is a duplicate;
-        # failed, its keys are cleared and the retry goes through
-        return await asyncio.wait_for(asyncio.shield(turn.future), timeout=ENQUEUE_TIMEOUT_S)
+        # not queued, nothing of it is left and the retry goes through
+        timer = loop.call_later(ENQUEUE_TIMEOUT_S, _time_out, fut)
+        try:
+            return await fut
+        finally:
+            timer.cancel()
+
+
+def _time_out(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_exception(TimeoutError(f"not enqueued within {ENQUEUE_TIMEOUT_S}s"))
+
+
+class _Rec:
+    """Takes what `receipts.create_job` and `ledger.set_due` write on a
+    pipeline (one HSET and EXPIRE, one ZADD), for `_PUBLISH` to write: the
+    job record's fields and the due entry stay defined in one place."""
+
+    def __init__(self) -> None:
+        self.key = ""
+        self.fields: dict = {}
+        self.ttl = 0
+        self.due_key = ""
+        self.due_at = 0.0
+
+    def hset(self, key, mapping):
+        self.key, self.fields = key, dict(mapping)
+
+    def expire(self, key, ttl):
+        assert key == self.key
+        self.ttl = int(ttl)
+
+    def zadd(self, key, mapping):
+        ((_member, self.due_at),) = mapping.items()
+        self.due_key = key
+
+    def flat(self) -> list:
+        return [x for kv in self.fields.items() for x in kv]
 
 
 @dataclass
@@ -163,11 +199,8 @@ class _Turn:
     update_id: str
     seen: str
     job_id: str
-    origin: str
-    target: str
-    agent: str
-    message: str
-    job: _JobFields = field(default_factory=lambda: _JobFields())
+    spec: dict
+    rec: _Rec = field(default_factory=_Rec)
     loop: asyncio.AbstractEventLoop | None = None
     future: asyncio.Future | None = None
     outcome: tuple[dict | None, BaseException | None] | None = None
@@ -187,18 +220,18 @@ def _settle(turns: list[_Turn]) -> None:
 
 class _Enqueuer:
     """One thread that enqueues webhook turns, in batches of what came in
-    meanwhile (at most ENQUEUE_BATCH): one round trip claims them all (per
-    turn `_CLAIM`: the de-dup key, SET NX with the job id as its value, and
-    only when it was new, the job record; both provisional, with a
-    CLAIM_TTL_S TTL), then courier's Celery app publishes the claimed turns
-    as one kombu publish batch (one round trip), then one round trip gives
-    their keys and records their full TTLs. When publishing fails, the
-    claimed turns' keys and job records are deleted again (no orphan
-    "queued" job; the platform's retry goes through) and each of their
-    requests gets the error (a 503); when the process dies before
-    publishing, they expire. One thread
-    and a batch per round trip: the per-turn cost is Celery's message, not
-    thread hand-offs and round trips."""
+    meanwhile (at most ENQUEUE_BATCH), in one round trip: per turn one
+    `_PUBLISH` script, which drops a retried update (its de-dup key is there)
+    or else, in one atomic step, pushes the turn's `agent_turn` message to
+    its queue, sets the de-dup key (the job id, with its TTL), records the
+    job and its due time. The de-dup key is never there without the message:
+    a push that fails (a Redis that refuses it) writes nothing, the request
+    gets a 503 and the platform's retry goes through.
+
+    The message is Celery's own, made once per process (tasks/taskmsg.py:
+    Celery publishes a probe turn, kept at the LPUSH; each turn's id,
+    arguments and label are put into a copy), so no Celery publish runs per
+    turn: the per-turn cost is a JSON encoding and one script call."""
 
     def __init__(self, web: _Web) -> None:
         import queue
@@ -206,7 +239,8 @@ class _Enqueuer:
 
         self.web = web
         self.q: queue.SimpleQueue = queue.SimpleQueue()
-        self.claim = web.redis.register_script(_CLAIM)
+        self.template = None
+        self.sha = ""
         self.thread = threading.Thread(target=self._run, name="courier-enqueue", daemon=True)
         self.thread.start()
 
@@ -220,7 +254,7 @@ class _Enqueuer:
         import queue
 
         app = self.web.celery
-        app.set_current()  # this thread publishes through courier's app, whatever else set its current app
+        app.set_current()  # the template's probe publishes through courier's app, whatever else set its current app
         while True:
             first = self.q.get()
             if first is None:
@@ -249,97 +283,83 @@ class _Enqueuer:
                 except RuntimeError:  # that loop is closed: nobody waits any more
                     pass
 
+    def _template(self, app):
+        """Celery's `agent_turn` message for a webhook turn, made once (tasks/taskmsg.py)."""
+        if self.template is None:
+            from tasks import chains, taskmsg
+
+            a = chains.turn_spec("turn_probe1", "telegram:1", "a probe", agent="echo")
+            b = chains.turn_spec("turn_probe2", "slack:C2", "another probe", agent="other")
+            self.template = taskmsg.Template(app, chains.spec_sig(a), ([a], [b]),
+                                             (chains.spec_label(a), chains.spec_label(b)))
+        return self.template
+
     def _enqueue(self, app, batch: list[_Turn]) -> None:
+        from redis.exceptions import NoScriptError
+
         from tasks import chains
 
         r = self.web.redis
-        pipe = r.pipeline(transaction=False)
-        for t in batch:  # provisional: both keys expire after CLAIM_TTL_S unless the turn is published
-            self.claim(keys=[t.seen, t.job.key], args=[t.job_id, CLAIM_TTL_S, CLAIM_TTL_S, *t.job.flat()], client=pipe)
-        claimed = pipe.execute()
-        new = []
-        for t, ok in zip(batch, claimed):
-            if ok:
-                new.append(t)
-            else:
-                log.info("%s webhook: dropped a retried update %s", t.platform, t.update_id)
-                t.outcome = ({"ok": True, "duplicate": True}, None)
-        if not new:
-            return
-        try:
-            with app.producer_or_acquire() as producer, producer.batch():
-                for t in new:
-                    sig = chains.turn_sig(t.job_id, t.target, t.message, agent=t.agent)
-                    # published through courier's app by name; declare=[]: the message goes
-                    # to the `turns` list itself (the anonymous exchange, see
-                    # workers/celery_app.task_queue): declaring the queue again for every
-                    # message only costs (the workers declare what they consume)
-                    app.send_task(sig.task, args=sig.args, kwargs=sig.kwargs, task_id=t.job_id, producer=producer,
-                                  declare=[], ignore_result=app.tasks[sig.task].ignore_result, **sig.options)
-        except Exception as exc:  # noqa: BLE001 - answered 503: the platform retries
-            self._forget(new)
-            for t in new:
-                t.outcome = (None, exc)
-            return
-        self._keep(new)
-        for t in new:
-            log.info("%s webhook: update %s -> turn %s", t.platform, t.update_id, t.job_id)
-            t.outcome = ({"ok": True, "job": t.job_id}, None)
-
-    def _keep(self, turns: list[_Turn]) -> None:
-        """After the publish: the de-dup keys and job records get their full TTLs."""
+        tpl = self._template(app)
+        if not self.sha:
+            self.sha = r.script_load(_PUBLISH)
         ttl = self.web.settings.webhook_dedupe_ttl_s
-        try:
-            from tasks import chains, ledger
+        calls = []
+        for t in batch:
+            key, msg = tpl.render(t.job_id, [t.spec], chains.spec_label(t.spec))
+            rec = t.rec
+            calls.append((4, t.seen, rec.key, rec.due_key, key, t.job_id, ttl, rec.ttl, rec.due_at, msg,
+                          *rec.flat()))
+        pending = list(range(len(batch)))
+        for attempt in range(2):
+            pipe = r.pipeline(transaction=False)
+            for i in pending:
+                pipe.execute_command("EVALSHA", self.sha, *calls[i])
+            results = pipe.execute(raise_on_error=False)
+            again = []
+            for i, res in zip(pending, results):
+                if isinstance(res, NoScriptError) and attempt == 0:  # a Redis restarted (or flushed): load it again
+                    again.append(i)
+                else:
+                    batch[i].outcome = _outcome(batch[i], res)
+            if not again:
+                break
+            self.sha = r.script_load(_PUBLISH)
+            pending = again
+        done = [t for t in batch if t.outcome and t.outcome[0] and not t.outcome[0].get("duplicate")]
+        if done:
+            log.info("webhook: %d turns queued: %s", len(done),
+                     ", ".join(f"{t.platform} {t.update_id} -> {t.job_id}" for t in done))
 
-            pipe = self.web.redis.pipeline(transaction=False)
-            for t in turns:
-                pipe.expire(t.seen, ttl)
-                pipe.expire(t.job.key, t.job.ttl)
-                ledger.set_due(pipe, "turn", t.job_id, chains.TURN_GRACE_S)  # the ledger watches it from now on
-            pipe.execute()
-        except Exception as exc:  # noqa: BLE001 - queued all the same: answered 200
-            log.error("webhook: %d turns queued, but their de-dup keys could not be kept (%s): a retry within "
-                      "%ds is dropped, a later one queued again", len(turns), type(exc).__name__, CLAIM_TTL_S)
 
-    def _forget(self, turns: list[_Turn]) -> None:
-        """After a failed publish: no de-dup keys (the retries go through), no job records."""
-        try:
-            self.web.redis.delete(*[k for t in turns for k in (t.seen, t.job.key)])
-        except Exception as exc:  # noqa: BLE001 - both expire anyway; the 503 stands
-            log.error("webhook: could not clear %d turns after a failed enqueue: %s", len(turns),
-                      type(exc).__name__)
+def _outcome(t: _Turn, res) -> tuple[dict | None, BaseException | None]:
+    if isinstance(res, BaseException):
+        return None, res
+    if res == 1:
+        return {"ok": True, "job": t.job_id}, None
+    log.info("%s webhook: dropped a retried update %s", t.platform, t.update_id)
+    return {"ok": True, "duplicate": True}, None
 
 
-#: SET NX the de-dup key (KEYS[1]) to the job id with its TTL; only when it was
-#: new, record the job: HSET KEYS[2] with the fields, EXPIRE it. 1 when claimed.
-_CLAIM = """
-if not redis.call('set', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then return 0 end
-redis.call('hset', KEYS[2], unpack(ARGV, 4))
+#: one webhook turn, at once or not at all. KEYS: the de-dup key, the job record, the turn due
+#: ZSET, the queue's list; ARGV: the job id, the de-dup TTL, the job record's TTL, its due time,
+#: the task message, the job record's fields. A de-dup key already there: 0 (a retried update;
+#: 1 when it names this very job, the same batch sent again after a lost connection). Else the
+#: message is pushed first (a push that fails writes nothing), then the de-dup key, the job
+#: record and its due time are written: 1.
+_PUBLISH = """
+local seen = redis.call('get', KEYS[1])
+if seen then
+  if seen == ARGV[1] then return 1 end
+  return 0
+end
+redis.call('lpush', KEYS[4], ARGV[5])
+redis.call('set', KEYS[1], ARGV[1], 'EX', ARGV[2])
+redis.call('hset', KEYS[2], unpack(ARGV, 6))
 redis.call('expire', KEYS[2], ARGV[3])
+redis.call('zadd', KEYS[3], ARGV[4], ARGV[1])
 return 1
 """
-
-
-class _JobFields:
-    """Takes what `receipts.create_job` writes on a pipeline (its one HSET and
-    EXPIRE), for `_CLAIM` to write: the job record's fields stay defined in
-    one place."""
-
-    def __init__(self) -> None:
-        self.key = ""
-        self.fields: dict = {}
-        self.ttl = 0
-
-    def hset(self, key, mapping):
-        self.key, self.fields = key, dict(mapping)
-
-    def expire(self, key, ttl):
-        assert key == self.key
-        self.ttl = int(ttl)
-
-    def flat(self) -> list:
-        return [x for kv in self.fields.items() for x in kv]
 
 
 class BrokerMismatch(RuntimeError):

@@ -1,0 +1,78 @@
+"""Task message templates (tasks/taskmsg.py) against a real Redis: a message
+rendered from the template is the message Celery's own publish pushes for
+the same task (but its delivery tag and publish time), in the same queue;
+the probes that make the template are never pushed."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+
+from tasks import chains, taskmsg
+
+
+@pytest.fixture
+def app(redis_server, redis_client):
+    from celery._state import _set_task_join_will_block
+
+    from workers.celery_app import make_app
+    from workers.settings import Settings
+
+    a = make_app(Settings(redis_url=redis_server.url))
+    a.set_current()
+    _set_task_join_will_block(True)  # as the web process: no result subscription per publish
+    yield a
+    a.close()
+
+
+def _probes():
+    a = chains.turn_spec("turn_p1", "telegram:1", "probe one", agent="echo")
+    b = chains.turn_spec("turn_p2", "slack:C2", "the second probe", agent="other")
+    return chains.spec_sig(a), ([a], [b]), (chains.spec_label(a), chains.spec_label(b))
+
+
+def test_a_rendered_turn_is_celerys_own_message(app, redis_client):
+    r = redis_client
+    tpl = taskmsg.Template(app, *_probes())
+    assert tpl.key == "turns" and r.llen("turns") == 0  # the probes stayed in the process
+    spec = chains.turn_spec("turn_abc", "whatsapp:+100", "secret words ünïcode", agent="echo")
+    label = chains.spec_label(spec)
+    key, ours = tpl.render("turn_abc", [spec], label)
+    sig = chains.spec_sig(spec)
+    with app.producer_or_acquire() as producer:
+        app.send_task(sig.task, args=sig.args, kwargs=sig.kwargs, task_id="turn_abc", producer=producer, declare=[],
+                      ignore_result=app.tasks[sig.task].ignore_result, **sig.options)
+    (theirs,) = [json.loads(m) for m in r.lrange(key, 0, -1)]
+    ours = json.loads(ours)
+    for m in (ours, theirs):
+        assert m["headers"].pop("sent_s") > 0 and m["properties"].pop("delivery_tag")
+        m["body"] = json.loads(base64.b64decode(m["body"]))
+    assert ours == theirs
+    assert ours["headers"]["argsrepr"] == label and "secret" not in json.dumps(ours["headers"])
+    assert ours["body"][0] == [spec] and ours["headers"]["id"] == ours["properties"]["correlation_id"] == "turn_abc"
+
+
+def test_each_message_has_its_own_delivery_tag(app):
+    tpl = taskmsg.Template(app, *_probes())
+    spec = chains.turn_spec("turn_x", "telegram:1", "hi", agent="echo")
+    tags = {json.loads(tpl.render("turn_x", [spec], "(x)")[1])["properties"]["delivery_tag"] for _ in range(50)}
+    assert len(tags) == 50
+
+
+def test_a_message_field_the_template_does_not_fill_in_refuses_it(app, monkeypatch):
+    """A Celery that put another per-message field in its headers: no template (never a stale value)."""
+    from celery.signals import before_task_publish
+
+    n = iter(range(10**6))
+
+    def extra(headers=None, **_kw):
+        headers["trace"] = next(n)
+
+    before_task_publish.connect(extra, weak=False)
+    try:
+        with pytest.raises(taskmsg.TemplateError, match="trace"):
+            taskmsg.Template(app, *_probes())
+    finally:
+        before_task_publish.disconnect(extra)
