@@ -220,8 +220,8 @@ def _settle(turns: list[_Turn]) -> None:
 
 class _Enqueuer:
     """One thread that enqueues webhook turns, in batches of what came in
-    meanwhile (at most ENQUEUE_BATCH), in one round trip: per turn one
-    `_PUBLISH` script, which drops a retried update (its de-dup key is there)
+    meanwhile (at most ENQUEUE_BATCH), in one round trip: one `_PUBLISH`
+    script call, which per turn drops a retried update (its de-dup key is there)
     or else, in one atomic step, pushes the turn's `agent_turn` message to
     its queue, sets the de-dup key (the job id, with its TTL), records the
     job and its due time. The de-dup key is never there without the message:
@@ -231,7 +231,7 @@ class _Enqueuer:
     The message is Celery's own, made once per process (tasks/taskmsg.py:
     Celery publishes a probe turn, kept at the LPUSH; each turn's id,
     arguments and label are put into a copy), so no Celery publish runs per
-    turn: the per-turn cost is a JSON encoding and one script call."""
+    turn: the per-turn cost is a JSON encoding and a script's loop."""
 
     def __init__(self, web: _Web) -> None:
         import queue
@@ -301,64 +301,70 @@ class _Enqueuer:
 
         r = self.web.redis
         tpl = self._template(app)
-        if not self.sha:
-            self.sha = r.script_load(_PUBLISH)
         ttl = self.web.settings.webhook_dedupe_ttl_s
-        calls = []
+        ks: list = []
+        args: list = [ttl]
         for t in batch:
             key, msg = tpl.render(t.job_id, [t.spec], chains.spec_label(t.spec))
             rec = t.rec
-            calls.append((4, t.seen, rec.key, rec.due_key, key, t.job_id, ttl, rec.ttl, rec.due_at, msg,
-                          *rec.flat()))
-        pending = list(range(len(batch)))
+            fields = rec.flat()
+            ks += (t.seen, rec.key, rec.due_key, key)
+            args += (t.job_id, rec.ttl, rec.due_at, msg, len(fields), *fields)
         for attempt in range(2):
-            pipe = r.pipeline(transaction=False)
-            for i in pending:
-                pipe.execute_command("EVALSHA", self.sha, *calls[i])
-            results = pipe.execute(raise_on_error=False)
-            again = []
-            for i, res in zip(pending, results):
-                if isinstance(res, NoScriptError) and attempt == 0:  # a Redis restarted (or flushed): load it again
-                    again.append(i)
-                else:
-                    batch[i].outcome = _outcome(batch[i], res)
-            if not again:
+            if not self.sha:
+                self.sha = r.script_load(_PUBLISH)
+            try:
+                res = r.evalsha(self.sha, len(ks), *ks, *args)
                 break
-            self.sha = r.script_load(_PUBLISH)
-            pending = again
-        done = [t for t in batch if t.outcome and t.outcome[0] and not t.outcome[0].get("duplicate")]
+            except NoScriptError:  # a Redis restarted (or flushed its scripts): load it again
+                self.sha = ""
+                if attempt:
+                    raise
+        done = []
+        for t, got in zip(batch, res):
+            if got == 1:
+                t.outcome = ({"ok": True, "job": t.job_id}, None)
+                done.append(t)
+            elif got == 0:
+                log.info("%s webhook: dropped a retried update %s", t.platform, t.update_id)
+                t.outcome = ({"ok": True, "duplicate": True}, None)
+            else:  # Redis refused the push (nothing of this turn is written)
+                t.outcome = (None, RuntimeError(f"the turn's message was refused: {_s(got)[:200]}"))
         if done:
             log.info("webhook: %d turns queued: %s", len(done),
                      ", ".join(f"{t.platform} {t.update_id} -> {t.job_id}" for t in done))
 
 
-def _outcome(t: _Turn, res) -> tuple[dict | None, BaseException | None]:
-    if isinstance(res, BaseException):
-        return None, res
-    if res == 1:
-        return {"ok": True, "job": t.job_id}, None
-    log.info("%s webhook: dropped a retried update %s", t.platform, t.update_id)
-    return {"ok": True, "duplicate": True}, None
-
-
-#: one webhook turn, at once or not at all. KEYS: the de-dup key, the job record, the turn due
-#: ZSET, the queue's list; ARGV: the job id, the de-dup TTL, the job record's TTL, its due time,
-#: the task message, the job record's fields. A de-dup key already there: 0 (a retried update;
-#: 1 when it names this very job, the same batch sent again after a lost connection). Else the
-#: message is pushed first (a push that fails writes nothing), then the de-dup key, the job
-#: record and its due time are written: 1.
+#: a batch of webhook turns, each at once or not at all, in one call. Per turn KEYS: its de-dup
+#: key, job record, the turn due ZSET, its queue's list; ARGV[1]: the de-dup TTL, then per turn:
+#: the job id, the job record's TTL, its due time, the task message, the number of the job
+#: record's fields and values, those. Per turn the answer is 0 when its de-dup key is there (a
+#: retried update; 1 when the key names this very job: the batch sent again after a lost
+#: connection); else its message is pushed first (a push Redis refuses writes nothing of the
+#: turn: its answer is the error) and then its de-dup key, job record and due time are written: 1.
 _PUBLISH = """
-local seen = redis.call('get', KEYS[1])
-if seen then
-  if seen == ARGV[1] then return 1 end
-  return 0
+local out = {}
+local a = 2
+for i = 1, #KEYS, 4 do
+  local id, n = ARGV[a], tonumber(ARGV[a + 4])
+  local seen = redis.call('get', KEYS[i])
+  if seen then
+    out[#out + 1] = (seen == id) and 1 or 0
+  else
+    local pushed = redis.pcall('lpush', KEYS[i + 3], ARGV[a + 3])
+    if type(pushed) == 'table' and pushed.err then
+      out[#out + 1] = pushed.err
+    else
+      redis.call('set', KEYS[i], id, 'EX', ARGV[1])
+      redis.call('hset', KEYS[i + 1], unpack(ARGV, a + 5, a + 4 + n))
+      redis.call('expire', KEYS[i + 1], ARGV[a + 1])
+      redis.call('zadd', KEYS[i + 2], ARGV[a + 2], id)
+      out[#out + 1] = 1
+    end
+  end
+  a = a + 5 + n
 end
-redis.call('lpush', KEYS[4], ARGV[5])
-redis.call('set', KEYS[1], ARGV[1], 'EX', ARGV[2])
-redis.call('hset', KEYS[2], unpack(ARGV, 6))
-redis.call('expire', KEYS[2], ARGV[3])
-redis.call('zadd', KEYS[3], ARGV[4], ARGV[1])
-return 1
+return out
 """
 
 
