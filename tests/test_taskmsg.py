@@ -76,3 +76,30 @@ def test_a_message_field_the_template_does_not_fill_in_refuses_it(app, monkeypat
             taskmsg.Template(app, *_probes())
     finally:
         before_task_publish.disconnect(extra)
+
+
+def test_the_webhook_script_writes_a_turn_whole_or_not_at_all(redis_client):
+    """workers/web.py `_PUBLISH` on its own: the job record's fields exactly as given (any
+    text), the de-dup key naming the job, the due time; a retried update writes nothing; a
+    refused push is that turn's answer and writes nothing of it."""
+    from workers.web import _PUBLISH
+
+    r = redis_client
+    fields = {"id": "turn_1", "spec": json.dumps({"message": "héllo 🎉 \\u0000 \"q\""}, ensure_ascii=False),
+              "state": "queued", "created_s": "1.500"}
+    args = [3600, 7200, "turn_1", 123.5, "MSG1", json.dumps(fields, ensure_ascii=False),
+            "turn_2", 124.5, "MSG2", json.dumps({"id": "turn_2"})]
+    got = r.eval(_PUBLISH, 6, "due", "turns", "seen:1", "job:1", "seen:1", "job:2", *args)
+    assert got == [1, 0]  # the same update twice in one batch: the second is the retry
+    assert {k.decode(): v.decode() for k, v in r.hgetall("job:1").items()} == fields
+    assert r.get("seen:1") == b"turn_1" and 3500 < r.ttl("seen:1") <= 3600 and 7100 < r.ttl("job:1") <= 7200
+    assert r.lrange("turns", 0, -1) == [b"MSG1"] and r.zrange("due", 0, -1, withscores=True) == [(b"turn_1", 123.5)]
+    assert not r.exists("job:2")
+    # the same batch again (a lost connection's retry): the turn that is there answers 1, nothing is pushed twice
+    assert r.eval(_PUBLISH, 4, "due", "turns", "seen:1", "job:1", *args[:6]) == [1]
+    assert r.llen("turns") == 1
+    # a queue key that is not a list: that turn's push is refused, nothing of it is written
+    r.set("notalist", "x")
+    got = r.eval(_PUBLISH, 4, "due", "notalist", "seen:3", "job:3", 3600, 7200, "turn_3", 1.0, "M", "{}")
+    assert b"WRONGTYPE" in got[0] and not r.exists("seen:3") and not r.exists("job:3")
+    assert r.zscore("due", "turn_3") is None

@@ -92,6 +92,7 @@ class _Web:
         self.settings = settings
         self._redis = None
         self._aredis = None
+        self._aredis_turns = None
         self._celery = None
         self._enqueuer: _Enqueuer | None = None
 
@@ -111,13 +112,24 @@ class _Web:
             self._aredis = async_client(self.settings.redis_url)
         return self._aredis
 
+    @property
+    def aredis_turns(self):
+        """The asyncio client of webhook turns: a stalled Redis is waited for as long as the
+        sync clients do (`redis_url.SOCKET_TIMEOUT_S`): a turn sent is not given up early."""
+        if self._aredis_turns is None:
+            from workers.redis_url import SOCKET_TIMEOUT_S, async_client
+
+            self._aredis_turns = async_client(self.settings.redis_url, socket_timeout=SOCKET_TIMEOUT_S)
+        return self._aredis_turns
+
     async def close(self) -> None:
         if self._enqueuer is not None:
             self._enqueuer.stop()
             self._enqueuer = None
-        if self._aredis is not None:
-            await self._aredis.aclose()
-            self._aredis = None
+        for c in (self._aredis, self._aredis_turns):
+            if c is not None:
+                await c.aclose()
+        self._aredis = self._aredis_turns = None
 
     # -- turns from webhooks ------------------------------------------------------------
     @property
@@ -189,10 +201,6 @@ class _Rec:
         ((_member, self.due_at),) = mapping.items()
         self.due_key = key
 
-    def flat(self) -> list:
-        return [x for kv in self.fields.items() for x in kv]
-
-
 @dataclass
 class _Turn:
     platform: str
@@ -207,7 +215,7 @@ class _Turn:
 
 
 def _settle(turns: list[_Turn]) -> None:
-    """On the event loop: each waiting request gets its turn's outcome."""
+    """Each waiting request gets its turn's outcome."""
     for t in turns:
         if t.future is None or t.future.done():
             continue
@@ -219,9 +227,10 @@ def _settle(turns: list[_Turn]) -> None:
 
 
 class _Enqueuer:
-    """One thread that enqueues webhook turns, in batches of what came in
-    meanwhile (at most ENQUEUE_BATCH), in one round trip: one `_PUBLISH`
-    script call, which per turn drops a retried update (its de-dup key is there)
+    """Enqueues webhook turns on the event loop, in batches of what came in
+    meanwhile (at most ENQUEUE_BATCH): while one batch's round trip is out,
+    the next one gathers. One round trip per batch: one `_PUBLISH` script
+    call, which per turn drops a retried update (its de-dup key is there)
     or else, in one atomic step, pushes the turn's `agent_turn` message to
     its queue, sets the de-dup key (the job id, with its TTL), records the
     job and its due time. The de-dup key is never there without the message:
@@ -231,90 +240,78 @@ class _Enqueuer:
     The message is Celery's own, made once per process (tasks/taskmsg.py:
     Celery publishes a probe turn, kept at the LPUSH; each turn's id,
     arguments and label are put into a copy), so no Celery publish runs per
-    turn: the per-turn cost is a JSON encoding and a script's loop."""
+    turn, and no thread hand-off either: the per-turn cost is a JSON
+    encoding and a script's loop."""
 
     def __init__(self, web: _Web) -> None:
-        import queue
-        import threading
-
         self.web = web
-        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.pending: list[_Turn] = []
+        self.draining = False
         self.template = None
         self.sha = ""
-        self.thread = threading.Thread(target=self._run, name="courier-enqueue", daemon=True)
-        self.thread.start()
 
     def submit(self, turn: _Turn) -> None:
-        self.q.put(turn)
+        self.pending.append(turn)
+        if not self.draining:  # the batch gathers until the loop runs the drain
+            self.draining = True
+            turn.loop.create_task(self._drain())
 
     def stop(self) -> None:
-        self.q.put(None)
+        self.pending.clear()
 
-    def _run(self) -> None:
-        import queue
-
-        app = self.web.celery
-        app.set_current()  # the template's probe publishes through courier's app, whatever else set its current app
-        while True:
-            first = self.q.get()
-            if first is None:
-                return
-            batch = [first]
-            while len(batch) < ENQUEUE_BATCH:
+    async def _drain(self) -> None:
+        try:
+            while self.pending:
+                batch, self.pending = self.pending[:ENQUEUE_BATCH], self.pending[ENQUEUE_BATCH:]
                 try:
-                    t = self.q.get_nowait()
-                except queue.Empty:
-                    break
-                if t is None:
-                    self.q.put(None)
-                    break
-                batch.append(t)
-            try:
-                self._enqueue(app, batch)
-            except BaseException as exc:  # noqa: BLE001 - every request gets an answer; the thread goes on
-                for t in batch:
-                    if t.outcome is None:
-                        t.outcome = (None, exc)
-            # one wake-up of the event loop for the whole batch
-            loops = {t.loop for t in batch}
-            for loop in loops:
-                try:
-                    loop.call_soon_threadsafe(_settle, [t for t in batch if t.loop is loop])
-                except RuntimeError:  # that loop is closed: nobody waits any more
-                    pass
+                    await self._enqueue(batch)
+                except Exception as exc:  # noqa: BLE001 - every request gets an answer; the next batch goes on
+                    for t in batch:
+                        if t.outcome is None:
+                            t.outcome = (None, exc)
+                _settle(batch)
+        finally:
+            self.draining = False
 
-    def _template(self, app):
+    async def _template(self):
         """Celery's `agent_turn` message for a webhook turn, made once (tasks/taskmsg.py)."""
         if self.template is None:
-            from tasks import chains, taskmsg
-
-            a = chains.turn_spec("turn_probe1", "telegram:1", "a probe", agent="echo")
-            b = chains.turn_spec("turn_probe2", "slack:C2", "another probe", agent="other")
-            self.template = taskmsg.Template(app, chains.spec_sig(a), ([a], [b]),
-                                             (chains.spec_label(a), chains.spec_label(b)))
+            self.template = await asyncio.to_thread(self._make_template, self.web.celery)
         return self.template
 
-    def _enqueue(self, app, batch: list[_Turn]) -> None:
+    @staticmethod
+    def _make_template(app):
+        from tasks import chains, taskmsg
+
+        app.set_current()  # the probe publishes through courier's app, whatever else set this thread's
+        a = chains.turn_spec("turn_probe1", "telegram:1", "a probe", agent="echo")
+        b = chains.turn_spec("turn_probe2", "slack:C2", "another probe", agent="other")
+        return taskmsg.Template(app, chains.spec_sig(a), ([a], [b]), (chains.spec_label(a), chains.spec_label(b)))
+
+    async def _enqueue(self, batch: list[_Turn]) -> None:
         from redis.exceptions import NoScriptError
 
         from tasks import chains
 
-        r = self.web.redis
-        tpl = self._template(app)
-        ttl = self.web.settings.webhook_dedupe_ttl_s
-        ks: list = []
-        args: list = [ttl]
+        r = self.web.aredis_turns
+        tpl = await self._template()
+        # the queue and the due ZSET are the same for every turn (KEYS[1], KEYS[2]), as are
+        # the TTLs; per turn: two keys, four arguments (the job record's fields as one JSON)
+        first = batch[0].rec
+        ks: list = [first.due_key, tpl.key]
+        args: list = [self.web.settings.webhook_dedupe_ttl_s, first.ttl]
         for t in batch:
-            key, msg = tpl.render(t.job_id, [t.spec], chains.spec_label(t.spec))
             rec = t.rec
-            fields = rec.flat()
-            ks += (t.seen, rec.key, rec.due_key, key)
-            args += (t.job_id, rec.ttl, rec.due_at, msg, len(fields), *fields)
+            if rec.due_key != first.due_key or rec.ttl != first.ttl:
+                raise RuntimeError("webhook turns with different due ZSETs or TTLs in one batch")
+            _key, msg = tpl.render(t.job_id, [t.spec], chains.spec_label(t.spec))
+            ks += (t.seen, rec.key)
+            args += (t.job_id, rec.due_at, msg, json.dumps(rec.fields, separators=(",", ":"), ensure_ascii=False))
         for attempt in range(2):
             if not self.sha:
-                self.sha = r.script_load(_PUBLISH)
+                self.sha = await r.script_load(_PUBLISH)
             try:
-                res = r.evalsha(self.sha, len(ks), *ks, *args)
+                res = await r.evalsha(self.sha, len(ks), *ks, *args)
                 break
             except NoScriptError:  # a Redis restarted (or flushed its scripts): load it again
                 self.sha = ""
@@ -335,34 +332,40 @@ class _Enqueuer:
                      ", ".join(f"{t.platform} {t.update_id} -> {t.job_id}" for t in done))
 
 
-#: a batch of webhook turns, each at once or not at all, in one call. Per turn KEYS: its de-dup
-#: key, job record, the turn due ZSET, its queue's list; ARGV[1]: the de-dup TTL, then per turn:
-#: the job id, the job record's TTL, its due time, the task message, the number of the job
-#: record's fields and values, those. Per turn the answer is 0 when its de-dup key is there (a
-#: retried update; 1 when the key names this very job: the batch sent again after a lost
-#: connection); else its message is pushed first (a push Redis refuses writes nothing of the
-#: turn: its answer is the error) and then its de-dup key, job record and due time are written: 1.
+#: a batch of webhook turns, each at once or not at all, in one call. KEYS[1]: the turn due
+#: ZSET, KEYS[2]: the queue's list, then per turn its de-dup key and job record; ARGV[1], [2]:
+#: the de-dup and job record TTLs, then per turn: the job id, its due time, the task message,
+#: the job record's fields (a JSON object of strings). Per turn the answer is 0 when its de-dup
+#: key is there (a retried update; 1 when the key names this very job: the batch sent again
+#: after a lost connection); else its message is pushed first (a push Redis refuses writes
+#: nothing of the turn: its answer is the error), then its de-dup key, job record and due time
+#: are written: 1.
 _PUBLISH = """
 local out = {}
-local a = 2
-for i = 1, #KEYS, 4 do
-  local id, n = ARGV[a], tonumber(ARGV[a + 4])
+local a = 3
+for i = 3, #KEYS, 2 do
+  local id = ARGV[a]
   local seen = redis.call('get', KEYS[i])
   if seen then
     out[#out + 1] = (seen == id) and 1 or 0
   else
-    local pushed = redis.pcall('lpush', KEYS[i + 3], ARGV[a + 3])
+    local pushed = redis.pcall('lpush', KEYS[2], ARGV[a + 2])
     if type(pushed) == 'table' and pushed.err then
       out[#out + 1] = pushed.err
     else
       redis.call('set', KEYS[i], id, 'EX', ARGV[1])
-      redis.call('hset', KEYS[i + 1], unpack(ARGV, a + 5, a + 4 + n))
-      redis.call('expire', KEYS[i + 1], ARGV[a + 1])
-      redis.call('zadd', KEYS[i + 2], ARGV[a + 2], id)
+      local fields = {}
+      for k, v in pairs(cjson.decode(ARGV[a + 3])) do
+        fields[#fields + 1] = k
+        fields[#fields + 1] = v
+      end
+      redis.call('hset', KEYS[i + 1], unpack(fields))
+      redis.call('expire', KEYS[i + 1], ARGV[2])
+      redis.call('zadd', KEYS[1], ARGV[a + 1], id)
       out[#out + 1] = 1
     end
   end
-  a = a + 5 + n
+  a = a + 4
 end
 return out
 """
