@@ -28,6 +28,7 @@ import json
 import posixpath
 import re
 import secrets
+import uuid
 from dataclasses import dataclass, field, replace
 
 from adapters.sandboxes.base import SandboxRef
@@ -229,10 +230,14 @@ def extract_sig(did: str, queue: str, what: str = ""):
     return _label(extract_file.si(did).set(queue=queue), f"({did} {what})" if what else f"({did})")
 
 
+def lane_label(target: str) -> str:
+    return f"(lane {target})"[:200]
+
+
 def lane_sig(target: str, countdown: float | None = None):
     from tasks.pipeline import drive_lane
 
-    sig = _label(drive_lane.si(target), f"(lane {target})")
+    sig = _label(drive_lane.si(target), lane_label(target))
     return sig.set(countdown=countdown) if countdown else sig
 
 
@@ -242,6 +247,42 @@ def publish_extract(did: str, queue: str, what: str = "") -> None:
 
 def publish_lane(target: str, countdown: float | None = None) -> None:
     lane_sig(target, countdown).apply_async()
+
+
+_lane_template: list = []
+
+
+def queue_lane(pipe, target: str) -> bool:
+    """Queue a drive of `target`'s lane on a Redis pipeline: the LPUSH of the
+    `drive_lane` message Celery would publish (made once per process from a
+    probe publish, tasks/taskmsg.py), so the drive goes out in the same round
+    trip as what comes before it on `pipe`. False when no template could be
+    made here (the caller publishes through Celery then)."""
+    from tasks import taskmsg
+
+    if not _lane_template:
+        from celery import current_app
+
+        try:
+            tpl = taskmsg.Template(current_app._get_current_object(), lane_sig("probe:a"), (["probe:a"], ["probe:b"]),
+                                   (lane_label("probe:a"), lane_label("probe:b")))
+        except Exception as exc:  # noqa: BLE001 - Celery's own publish still works
+            import logging
+
+            logging.getLogger(__name__).warning("drive_lane messages go through Celery: %s", exc)
+            tpl = None
+        _lane_template.append(tpl)
+    tpl = _lane_template[0]
+    if tpl is None:
+        return False
+    from celery import current_app
+
+    parent = current_app.current_worker_task  # as Celery's publish from a task: its id and root
+    req = parent.request if parent is not None else None
+    key, msg = tpl.render(str(uuid.uuid4()), [target], lane_label(target), parent_id=req.id if req else None,
+                          root_id=(req.root_id or req.id) if req else None)
+    pipe.lpush(key, msg)
+    return True
 
 
 def enqueue(r, plan: Plan, *, job_kind: str | None = None) -> list[str]:

@@ -125,7 +125,7 @@ return {'run', rec}
 """
 
 
-def run(ctx: Context, did: str) -> dict:
+def run(ctx: Context, did: str, queue_drive=None) -> dict:
     """The extraction stage of delivery `did`, from the ledger alone: its
     spec is in the receipt. Holds the stage's lease while it works (a second
     message for it finds the lease and leaves); a transient failure backs
@@ -136,7 +136,9 @@ def run(ctx: Context, did: str) -> dict:
 
     Two round trips besides the extraction's own work: one script reads the
     receipt, takes the lease and sets the due time (`_BEGIN`); one pipeline
-    records the result, clears the due time and releases the lease."""
+    records the result, clears the due time and releases the lease, and
+    with `queue_drive(pipe, target)` (chains.queue_lane) also pushes the
+    drive of the chat's lane after them: `lane_queued` in the answer then."""
     import json
 
     from tasks import keys, ledger
@@ -187,5 +189,7 @@ def run(ctx: Context, did: str) -> dict:
         raise
     # the result (a success's receipt), the due time (cleared, or the backoff's) and the lease released
     ledger.release(end, lease, token)
+    if ret is None and queue_drive is not None and queue_drive(end, job["target"]):
+        out["lane_queued"] = True  # after the result it reads, in the same round trip
     end.execute()
     return ret or {**out, "state": "extracted" if result.get("ok") else "failed"}

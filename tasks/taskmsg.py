@@ -31,7 +31,8 @@ from typing import Any
 __all__ = ["Template", "TemplateError"]
 
 #: the fields that are a task's own (everything else is the same for every message of the template)
-_OWN = {("headers", "id"), ("headers", "root_id"), ("headers", "argsrepr"), ("headers", "sent_s"),
+_OWN = {("headers", "id"), ("headers", "root_id"), ("headers", "parent_id"), ("headers", "argsrepr"),
+        ("headers", "sent_s"),
         ("properties", "correlation_id"), ("properties", "argsrepr"), ("properties", "delivery_tag"), ("body",)}
 
 
@@ -47,8 +48,9 @@ class Template:
         `probe_reprs`: two different argument lists and labels the probes go out with."""
         self.app = app
         self.task = sig.task
-        first = self._capture(sig, "probe-1-" + uuid.uuid4().hex, probe_args[0], probe_reprs[0])
-        second = self._capture(sig, "probe-2-" + uuid.uuid4().hex, probe_args[1], probe_reprs[1])
+        first, second = self._in_a_thread(lambda: [
+            self._capture(sig, "probe-1-" + uuid.uuid4().hex, probe_args[0], probe_reprs[0]),
+            self._capture(sig, "probe-2-" + uuid.uuid4().hex, probe_args[1], probe_reprs[1])])
         if first["key"] != second["key"] or first["route"] != second["route"]:
             raise TemplateError("two probes of one signature went to different queues")
         diff = _diff(first["message"], second["message"])
@@ -72,11 +74,14 @@ class Template:
         if _diff(again, msg) - {("headers", "sent_s"), ("properties", "delivery_tag")}:
             raise TemplateError(f"the template does not give back Celery's message: {sorted(_diff(again, msg))}")
 
-    def render(self, task_id: str, args: list, argsrepr: str) -> tuple[str, str]:
-        """(the queue's Redis key, the message as the Redis transport pushes it) for one task."""
+    def render(self, task_id: str, args: list, argsrepr: str, *, parent_id: str | None = None,
+               root_id: str | None = None) -> tuple[str, str]:
+        """(the queue's Redis key, the message as the Redis transport pushes it) for one task;
+        `parent_id`, `root_id`: the task that sends it and its root (Celery's own, from a task)."""
         from celery.signals import before_task_publish
 
-        headers = {**self._headers, "id": task_id, "root_id": task_id, "argsrepr": argsrepr}
+        headers = {**self._headers, "id": task_id, "root_id": root_id or task_id, "parent_id": parent_id,
+                   "argsrepr": argsrepr}
         props = {**self._props, "correlation_id": task_id, "argsrepr": argsrepr}
         body = [args, self._kwargs, self._embed]
         if before_task_publish.receivers:
@@ -89,6 +94,28 @@ class Template:
         return self.key, json.dumps(msg)
 
     # -- the probe -------------------------------------------------------------------------
+    @staticmethod
+    def _in_a_thread(fn):
+        """`fn()` in a thread of its own: no task runs there (Celery would give the probes
+        the running task as their parent and root)."""
+        import threading
+
+        out: list = []
+
+        def run():
+            try:
+                out.append((True, fn()))
+            except BaseException as exc:  # noqa: BLE001 - raised again in the caller
+                out.append((False, exc))
+
+        t = threading.Thread(target=run, name="courier-task-template")
+        t.start()
+        t.join()
+        ok, value = out[0]
+        if not ok:
+            raise value
+        return value
+
     def _capture(self, sig, task_id: str, args: list, argsrepr: str) -> dict[str, Any]:
         """Celery's publish of `sig` with these values, kept at the transport's LPUSH."""
         from kombu import Producer

@@ -48,6 +48,8 @@ def test_a_rendered_turn_is_celerys_own_message(app, redis_client):
     ours = json.loads(ours)
     for m in (ours, theirs):
         assert m["headers"].pop("sent_s") > 0 and m["properties"].pop("delivery_tag")
+        # the publishing thread's own reply queue (Celery's thread oid: the probe runs in a thread of its own)
+        assert m["properties"].pop("reply_to")
         m["body"] = json.loads(base64.b64decode(m["body"]))
     assert ours == theirs
     assert ours["headers"]["argsrepr"] == label and "secret" not in json.dumps(ours["headers"])
@@ -103,3 +105,14 @@ def test_the_webhook_script_writes_a_turn_whole_or_not_at_all(redis_client):
     got = r.eval(_PUBLISH, 4, "due", "notalist", "seen:3", "job:3", 3600, 7200, "turn_3", 1.0, "M", "{}")
     assert b"WRONGTYPE" in got[0] and not r.exists("seen:3") and not r.exists("job:3")
     assert r.zscore("due", "turn_3") is None
+
+
+def test_a_message_sent_from_a_task_names_it_as_parent_and_root(app):
+    from tasks import chains
+
+    tpl = taskmsg.Template(app, chains.lane_sig("probe:a"), (["probe:a"], ["probe:b"]), ("(a)", "(b)"))
+    assert tpl.key == "delivery"
+    m = json.loads(tpl.render("t-1", ["outbox:x"], "(lane outbox:x)", parent_id="p-1", root_id="r-1")[1])
+    assert (m["headers"]["id"], m["headers"]["parent_id"], m["headers"]["root_id"]) == ("t-1", "p-1", "r-1")
+    m = json.loads(tpl.render("t-2", ["outbox:x"], "(lane outbox:x)")[1])
+    assert (m["headers"]["parent_id"], m["headers"]["root_id"]) == (None, "t-2")
