@@ -102,12 +102,14 @@ class _SwitchWatcher(threading.Thread):
             threading.Event().wait(1.0)
 
 
-def async_client(url: str, *, socket_timeout: float | None = None):
+def async_client(url: str, *, socket_timeout: float | None = None, single_connection: bool = False):
     """The asyncio twin of `client` (the web process's event streams; its webhook turns,
-    with `socket_timeout` as the sync client's)."""
+    with `socket_timeout` as the sync client's, on one connection: one call at a time)."""
     import redis.asyncio
 
-    extra = {} if socket_timeout is None else {"socket_timeout": socket_timeout}
+    extra: dict = {} if socket_timeout is None else {"socket_timeout": socket_timeout}
+    if single_connection:
+        extra["single_connection_client"] = True
     s = parse_sentinel(url)
     if s is None:
         return redis.asyncio.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S, health_check_interval=30,

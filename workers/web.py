@@ -119,7 +119,9 @@ class _Web:
         if self._aredis_turns is None:
             from workers.redis_url import SOCKET_TIMEOUT_S, async_client
 
-            self._aredis_turns = async_client(self.settings.redis_url, socket_timeout=SOCKET_TIMEOUT_S)
+            # one batch is out at a time: one connection, no pool to go through per call
+            self._aredis_turns = async_client(self.settings.redis_url, socket_timeout=SOCKET_TIMEOUT_S,
+                                              single_connection=True)
         return self._aredis_turns
 
     async def close(self) -> None:
