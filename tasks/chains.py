@@ -224,10 +224,14 @@ def _label(sig, text: str):
 
 
 # -- the messages: ids only ----------------------------------------------------------------------
+def extract_label(did: str, what: str = "") -> str:
+    return (f"({did} {what})" if what else f"({did})")[:200]
+
+
 def extract_sig(did: str, queue: str, what: str = ""):
     from tasks.pipeline import extract_file
 
-    return _label(extract_file.si(did).set(queue=queue), f"({did} {what})" if what else f"({did})")
+    return _label(extract_file.si(did).set(queue=queue), extract_label(did, what))
 
 
 def lane_label(target: str) -> str:
@@ -249,7 +253,38 @@ def publish_lane(target: str, countdown: float | None = None) -> None:
     lane_sig(target, countdown).apply_async()
 
 
-_lane_template: list = []
+_templates: dict[str, object] = {}
+
+
+def _template(name: str, make):
+    """The message template `name` of this process (tasks/taskmsg.py), made once by
+    `make()` -> (signature, probe args, probe labels); None when none can be made here
+    (the caller publishes through Celery then)."""
+    if name not in _templates:
+        from celery import current_app
+
+        from tasks import taskmsg
+
+        try:
+            _templates[name] = taskmsg.Template(current_app._get_current_object(), *make())
+        except Exception as exc:  # noqa: BLE001 - Celery's own publish still works
+            import logging
+
+            logging.getLogger(__name__).warning("%s messages go through Celery: %s", name, exc)
+            _templates[name] = None
+    return _templates[name]
+
+
+def _push(pipe, tpl, args: list, label: str) -> None:
+    """LPUSH one rendered message on `pipe`: a new task id; from a running task, that
+    task as its parent and root, as Celery's publish sets them."""
+    from celery import current_app
+
+    parent = current_app.current_worker_task
+    req = parent.request if parent is not None else None
+    key, msg = tpl.render(str(uuid.uuid4()), args, label, parent_id=req.id if req else None,
+                          root_id=(req.root_id or req.id) if req else None)
+    pipe.lpush(key, msg)
 
 
 def queue_lane(pipe, target: str) -> bool:
@@ -258,30 +293,22 @@ def queue_lane(pipe, target: str) -> bool:
     probe publish, tasks/taskmsg.py), so the drive goes out in the same round
     trip as what comes before it on `pipe`. False when no template could be
     made here (the caller publishes through Celery then)."""
-    from tasks import taskmsg
-
-    if not _lane_template:
-        from celery import current_app
-
-        try:
-            tpl = taskmsg.Template(current_app._get_current_object(), lane_sig("probe:a"), (["probe:a"], ["probe:b"]),
-                                   (lane_label("probe:a"), lane_label("probe:b")))
-        except Exception as exc:  # noqa: BLE001 - Celery's own publish still works
-            import logging
-
-            logging.getLogger(__name__).warning("drive_lane messages go through Celery: %s", exc)
-            tpl = None
-        _lane_template.append(tpl)
-    tpl = _lane_template[0]
+    tpl = _template("drive_lane", lambda: (lane_sig("probe:a"), (["probe:a"], ["probe:b"]),
+                                           (lane_label("probe:a"), lane_label("probe:b"))))
     if tpl is None:
         return False
-    from celery import current_app
+    _push(pipe, tpl, [target], lane_label(target))
+    return True
 
-    parent = current_app.current_worker_task  # as Celery's publish from a task: its id and root
-    req = parent.request if parent is not None else None
-    key, msg = tpl.render(str(uuid.uuid4()), [target], lane_label(target), parent_id=req.id if req else None,
-                          root_id=(req.root_id or req.id) if req else None)
-    pipe.lpush(key, msg)
+
+def queue_extract(pipe, did: str, queue: str, what: str = "") -> bool:
+    """As `queue_lane`, for an `extract_file` of delivery `did` on `queue`."""
+    tpl = _template(f"extract_file {queue}", lambda: (
+        extract_sig("probe.1", queue, "a"), (["probe.1"], ["probe.2"]),
+        (extract_label("probe.1", "a"), extract_label("probe.2", "b"))))
+    if tpl is None:
+        return False
+    _push(pipe, tpl, [did], extract_label(did, what))
     return True
 
 
@@ -291,13 +318,24 @@ def enqueue(r, plan: Plan, *, job_kind: str | None = None) -> list[str]:
     delivery ids. A publish that fails after the ledger was written loses
     nothing: the reconciler finds the due times."""
     items = register(r, capped(plan), job_kind=job_kind)
+    # the messages in one round trip (Celery's own, made once per process: queue_extract,
+    # queue_lane); any that cannot be made that way go through Celery after it
+    pipe = r.pipeline(transaction=False)
+    later: list = []
     for e in items:
         if e.queue is not None:
-            publish_extract(e.did, e.queue, f"{e.spec['extract']['sandbox'].get('kind', '')}:{e.spec['extract']['path']}")
+            what = f"{e.spec['extract']['sandbox'].get('kind', '')}:{e.spec['extract']['path']}"
+            if not queue_extract(pipe, e.did, e.queue, what):
+                later.append(lambda e=e, what=what: publish_extract(e.did, e.queue, what))
     if any(e.queue is None for e in items):
         # something is ready to go now; steps that wait for an extraction are
         # driven by the extraction's end (and by the lane's due time)
-        publish_lane(plan.target)
+        if not queue_lane(pipe, plan.target):
+            later.append(lambda: publish_lane(plan.target))
+    if pipe.command_stack:
+        pipe.execute()
+    for publish in later:
+        publish()
     return [e.did for e in items]
 
 
