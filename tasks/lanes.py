@@ -47,10 +47,13 @@ Publish = Callable[[str, float | None], None]
 
 #: a lane's head, in one round trip. KEYS: the lane, the lane due ZSET, the lane's lease, then
 #: the receipts of the step last looked at; ARGV: the target, the receipt key prefix, the lease
-#: token, '1' to take the lease first (with TTL ARGV[5]), the step last looked at ('' none), then
-#: the terminal states. That step is popped when it is still the head and all its receipts are
+#: token, '1' to take the lease first (with TTL ARGV[5]), the step last looked at ('' none), the
+#: lane's due time while its head is extracted, then the terminal states. That step is popped when it is still the head and all its receipts are
 #: terminal (or gone); then {'head', id, its receipt (HGETALL)}, or, for an empty lane, {'empty'} with the
 #: lane forgotten (its due time) and the lease released; {'busy'} when the lease is held.
+#: A head that is one file still being extracted (its receipt names its extraction queue and
+#: has no result yet) is {'extracting', id}: the lane's due time set to ARGV[7] and the lease
+#: released in the same step (an extraction that ends after it finds the lease free).
 #: (The head's receipt key is made here from the prefix: courier's Redis is one node.)
 _HEAD = """
 if ARGV[4] == '1' and not redis.call('set', KEYS[3], ARGV[3], 'NX', 'EX', ARGV[5]) then return {'busy'} end
@@ -70,7 +73,17 @@ if not head then
   if redis.call('get', KEYS[3]) == ARGV[3] then redis.call('del', KEYS[3]) end
   return {'empty'}
 end
-return {'head', head, redis.call('hgetall', ARGV[2] .. head)}
+local rec = redis.call('hgetall', ARGV[2] .. head)
+local f = {}
+for i = 1, #rec, 2 do f[rec[i]] = rec[i + 1] end
+local final = false
+for j = 8, #ARGV do if f['state'] == ARGV[j] then final = true end end
+if f['queue'] and not f['album'] and not final and f['extraction'] ~= 'ok' and f['extraction'] ~= 'failed' then
+  redis.call('zadd', KEYS[2], ARGV[7], ARGV[1])
+  if redis.call('get', KEYS[3]) == ARGV[3] then redis.call('del', KEYS[3]) end
+  return {'extracting', head}
+end
+return {'head', head, rec}
 """
 _TERMINAL = sorted(receipts.TERMINAL)
 
@@ -112,8 +125,11 @@ def _head(r, target: str, token: str, *, take: bool = False, last: Step | str | 
     last_ids = last.ids if isinstance(last, Step) else ([last] if last else [])
     got = receipts._script(r, _HEAD)(
         keys=[keys.lane(target), keys.due("lane"), keys.lease("lane", target), *[keys.delivery(d) for d in last_ids]],
-        args=[target, keys.delivery(""), token, "1" if take else "0", ledger.LEASE_TTL_S, last_id, *_TERMINAL])
+        args=[target, keys.delivery(""), token, "1" if take else "0", ledger.LEASE_TTL_S, last_id,
+              time.time() + EXTRACT_WAIT_S, *_TERMINAL])
     what = receipts._s(got[0])
+    if what == "extracting":
+        return what, receipts._s(got[1]), {}
     if what != "head":
         return what, None, {}
     flat = got[2]
@@ -136,6 +152,8 @@ def drive(ctx: Context, target: str, publish: Publish) -> dict:
         return {"lane": target, "state": "busy"}  # a live worker is on it
     if first[0] == "empty":
         return {"lane": target, "state": "empty", "sent": 0}  # its lease went with the look
+    if first[0] == "extracting":  # due time set, lease released with the look
+        return {"lane": target, "state": "extracting", "head": first[1], "sent": 0}
     try:
         with ledger.renewing(r, lease, token, ledger.LEASE_TTL_S):
             out = _drive_leased(ctx, target, publish, token, first)
@@ -145,7 +163,7 @@ def drive(ctx: Context, target: str, publish: Publish) -> dict:
         except Exception:  # noqa: BLE001 - an unreleased lease expires by itself
             pass
         raise
-    if out["state"] == "empty":
+    if out["state"] == "empty" or out.pop("released", False):
         return out  # its lease went with the last look
     # the lease released, with the due time of a lane waiting for an extraction and
     # its head's receipt read again: one round trip
@@ -181,6 +199,8 @@ def _drive_leased(ctx: Context, target: str, publish: Publish, token: str, first
     while True:
         if what == "empty":
             return {"lane": target, "state": "empty", "sent": sent}
+        if what == "extracting":  # due time set, lease released with the look
+            return {"lane": target, "state": "extracting", "head": head, "sent": sent, "released": True}
         step = load_step(r, head, rec)
         if step is None or step.done:
             what, head, rec = _head(r, target, token, last=step or head)
