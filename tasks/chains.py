@@ -28,6 +28,7 @@ import json
 import posixpath
 import re
 import secrets
+import uuid
 from dataclasses import dataclass, field, replace
 
 from adapters.sandboxes.base import SandboxRef
@@ -224,16 +225,24 @@ def _label(sig, text: str):
 
 
 # -- the messages: ids only ----------------------------------------------------------------------
+def extract_label(did: str, what: str = "") -> str:
+    return (f"({did} {what})" if what else f"({did})")[:200]
+
+
 def extract_sig(did: str, queue: str, what: str = ""):
     from tasks.pipeline import extract_file
 
-    return _label(extract_file.si(did).set(queue=queue), f"({did} {what})" if what else f"({did})")
+    return _label(extract_file.si(did).set(queue=queue), extract_label(did, what))
+
+
+def lane_label(target: str) -> str:
+    return f"(lane {target})"[:200]
 
 
 def lane_sig(target: str, countdown: float | None = None):
     from tasks.pipeline import drive_lane
 
-    sig = _label(drive_lane.si(target), f"(lane {target})")
+    sig = _label(drive_lane.si(target), lane_label(target))
     return sig.set(countdown=countdown) if countdown else sig
 
 
@@ -245,19 +254,89 @@ def publish_lane(target: str, countdown: float | None = None) -> None:
     lane_sig(target, countdown).apply_async()
 
 
+_templates: dict[str, object] = {}
+
+
+def _template(name: str, make):
+    """The message template `name` of this process (tasks/taskmsg.py), made once by
+    `make()` -> (signature, probe args, probe labels); None when none can be made here
+    (the caller publishes through Celery then)."""
+    if name not in _templates:
+        from celery import current_app
+
+        from tasks import taskmsg
+
+        try:
+            _templates[name] = taskmsg.Template(current_app._get_current_object(), *make())
+        except Exception as exc:  # noqa: BLE001 - Celery's own publish still works
+            import logging
+
+            logging.getLogger(__name__).warning("%s messages go through Celery: %s", name, exc)
+            _templates[name] = None
+    return _templates[name]
+
+
+def _push(pipe, tpl, args: list, label: str) -> None:
+    """LPUSH one rendered message on `pipe`: a new task id; from a running task, that
+    task as its parent and root, as Celery's publish sets them."""
+    from celery import current_app
+
+    parent = current_app.current_worker_task
+    req = parent.request if parent is not None else None
+    key, msg = tpl.render(str(uuid.uuid4()), args, label, parent_id=req.id if req else None,
+                          root_id=(req.root_id or req.id) if req else None)
+    pipe.lpush(key, msg)
+
+
+def queue_lane(pipe, target: str) -> bool:
+    """Queue a drive of `target`'s lane on a Redis pipeline: the LPUSH of the
+    `drive_lane` message Celery would publish (made once per process from a
+    probe publish, tasks/taskmsg.py), so the drive goes out in the same round
+    trip as what comes before it on `pipe`. False when no template could be
+    made here (the caller publishes through Celery then)."""
+    tpl = _template("drive_lane", lambda: (lane_sig("probe:a"), (["probe:a"], ["probe:b"]),
+                                           (lane_label("probe:a"), lane_label("probe:b"))))
+    if tpl is None:
+        return False
+    _push(pipe, tpl, [target], lane_label(target))
+    return True
+
+
+def queue_extract(pipe, did: str, queue: str, what: str = "") -> bool:
+    """As `queue_lane`, for an `extract_file` of delivery `did` on `queue`."""
+    tpl = _template(f"extract_file {queue}", lambda: (
+        extract_sig("probe.1", queue, "a"), (["probe.1"], ["probe.2"]),
+        (extract_label("probe.1", "a"), extract_label("probe.2", "b"))))
+    if tpl is None:
+        return False
+    _push(pipe, tpl, [did], extract_label(did, what))
+    return True
+
+
 def enqueue(r, plan: Plan, *, job_kind: str | None = None) -> list[str]:
     """Register the plan in the ledger (and the job, with `job_kind`), then
     publish its extractions and one drive of the chat's lane. Returns the
     delivery ids. A publish that fails after the ledger was written loses
     nothing: the reconciler finds the due times."""
     items = register(r, capped(plan), job_kind=job_kind)
+    # the messages in one round trip (Celery's own, made once per process: queue_extract,
+    # queue_lane); any that cannot be made that way go through Celery after it
+    pipe = r.pipeline(transaction=False)
+    later: list = []
     for e in items:
         if e.queue is not None:
-            publish_extract(e.did, e.queue, f"{e.spec['extract']['sandbox'].get('kind', '')}:{e.spec['extract']['path']}")
+            what = f"{e.spec['extract']['sandbox'].get('kind', '')}:{e.spec['extract']['path']}"
+            if not queue_extract(pipe, e.did, e.queue, what):
+                later.append(lambda e=e, what=what: publish_extract(e.did, e.queue, what))
     if any(e.queue is None for e in items):
         # something is ready to go now; steps that wait for an extraction are
         # driven by the extraction's end (and by the lane's due time)
-        publish_lane(plan.target)
+        if not queue_lane(pipe, plan.target):
+            later.append(lambda: publish_lane(plan.target))
+    if pipe.command_stack:
+        pipe.execute()
+    for publish in later:
+        publish()
     return [e.did for e in items]
 
 
@@ -282,19 +361,30 @@ def enqueue_turn(r, target: str, message: str, *, agent: str, job_id: str | None
 def turn_sig(job_id: str, target: str, message: str, *, agent: str, sandbox: str | None = None,
              attachments: list[dict] | None = None):
     """The `agent_turn` signature of a turn, labelled."""
+    return spec_sig(turn_spec(job_id, target, message, agent=agent, sandbox=sandbox, attachments=attachments))
+
+
+def turn_spec(job_id: str, target: str, message: str, *, agent: str, sandbox: str | None = None,
+              attachments: list[dict] | None = None) -> dict:
+    """A turn's spec: the one argument of its `agent_turn` (and what its job record keeps)."""
     spec = {"job": job_id, "target": target, "message": message, "agent": agent}
     if sandbox:
         spec["sandbox"] = sandbox
     if attachments:
         spec["attachments"] = attachments
-    return spec_sig(spec)
+    return spec
+
+
+def spec_label(spec: dict) -> str:
+    """The `argsrepr` of a turn's `agent_turn`: the job, agent, target and sizes, never the text."""
+    attachments = spec.get("attachments")
+    label = f"({spec['job']} {spec['agent']} -> {spec['target']}, {len(spec.get('message', ''))} chars"
+    label += f", {len(attachments)} attachments)" if attachments else ")"
+    return label[:200]
 
 
 def spec_sig(spec: dict):
     """The labelled `agent_turn` signature of a turn's spec (also the reconciler's way to run it again)."""
     from tasks.pipeline import agent_turn
 
-    attachments = spec.get("attachments")
-    label = f"({spec['job']} {spec['agent']} -> {spec['target']}, {len(spec.get('message', ''))} chars"
-    label += f", {len(attachments)} attachments)" if attachments else ")"
-    return _label(agent_turn.si(spec), label)
+    return _label(agent_turn.si(spec), spec_label(spec))

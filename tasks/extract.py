@@ -18,8 +18,10 @@ log = logging.getLogger(__name__)
 RECORD_MIN_BYTES = 1024 * 1024
 
 
-def extract(ctx: Context, spec: dict) -> dict:
+def extract(ctx: Context, spec: dict, *, pipe=None) -> dict:
     """spec: job, delivery (id), sandbox (ref dict), path, key, max_bytes?
+    `pipe`: the receipt's record of a success is queued there (the caller
+    executes it), else written at once.
 
     Returns {"ok": True, key, name, size, sha256} or, for a permanent
     problem (unsafe path, missing, not a file, too large), {"ok": False,
@@ -61,14 +63,17 @@ def extract(ctx: Context, spec: dict) -> dict:
         metrics.record_extraction(ref.kind, time.monotonic() - t0, info.size_bytes if info is not None else None,
                                   outcome)
     # the lane reads the result from the receipt (the ledger), whoever drives it
-    pipe = r.pipeline(transaction=False)
+    own = pipe is None
+    if own:
+        pipe = r.pipeline(transaction=False)
     receipts.update_open_delivery(pipe, did, state="extracted", extraction="ok", reason="",
                                   size_bytes=info.size_bytes, sha256=info.sha256, name=name)
     if info.size_bytes >= RECORD_MIN_BYTES:  # a large file shows its progress
         events.publish(r, spec["job"], {"kind": "delivery", "delivery_id": did, "state": "extracted",
                                         "name": name, "size_bytes": info.size_bytes}, maxlen=ctx.events_maxlen,
                        pipe=pipe)
-    pipe.execute()
+    if own:
+        pipe.execute()
     return {"ok": True, "key": spec["key"], "name": name, "size": info.size_bytes, "sha256": info.sha256}
 
 
@@ -99,48 +104,92 @@ def result_of(rec: dict, key: str) -> dict | None:
     return None
 
 
-def run(ctx: Context, did: str) -> dict:
+#: the start of an extraction, in one round trip. KEYS: the receipt, the stage's lease, the
+#: extract due ZSET; ARGV: the delivery id, a lease token, the lease TTL, the due time, then
+#: the terminal states. The receipt (HGETALL) and what to do: `gone` (no receipt or no spec),
+#: `done` (extracted, failed or final already; both clear the due time), `busy` (a live
+#: worker holds the lease), or `run`: the lease taken and the due time set to its TTL.
+_BEGIN = """
+local rec = redis.call('hgetall', KEYS[1])
+local f = {}
+for i = 1, #rec, 2 do f[rec[i]] = rec[i + 1] end
+local done = not f['spec'] or f['extraction'] == 'ok' or f['extraction'] == 'failed'
+for i = 5, #ARGV do if f['state'] == ARGV[i] then done = true end end
+if done then
+  redis.call('zrem', KEYS[3], ARGV[1])
+  return {f['spec'] and 'done' or 'gone', rec}
+end
+if not redis.call('set', KEYS[2], ARGV[2], 'NX', 'EX', ARGV[3]) then return {'busy', rec} end
+redis.call('zadd', KEYS[3], ARGV[4], ARGV[1])
+return {'run', rec}
+"""
+
+
+def run(ctx: Context, did: str, queue_drive=None) -> dict:
     """The extraction stage of delivery `did`, from the ledger alone: its
     spec is in the receipt. Holds the stage's lease while it works (a second
     message for it finds the lease and leaves); a transient failure backs
     off through the stage's due time (storage outages until their deadline,
     other errors up to `max_transient_attempts`), then fails the file. Ends
     by recording the result and clearing the due time; the caller drives the
-    chat's lane after it."""
+    chat's lane after it.
+
+    Two round trips besides the extraction's own work: one script reads the
+    receipt, takes the lease and sets the due time (`_BEGIN`); one pipeline
+    records the result, clears the due time and releases the lease, and
+    with `queue_drive(pipe, target)` (chains.queue_lane) also pushes the
+    drive of the chat's lane after them: `lane_queued` in the answer then."""
     import json
 
-    from tasks import ledger
+    from tasks import keys, ledger
 
     r = ctx.redis
-    rec = receipts.get_delivery(r, did)
-    if rec is None or not rec.get("spec"):
-        ledger.clear_due(r, "extract", did)
+    token = ledger.new_token()
+    lease = keys.lease("extract", did)
+    what, flat = receipts._script(r, _BEGIN)(
+        keys=[keys.delivery(did), lease, keys.due("extract")],
+        args=[did, token, ledger.LEASE_TTL_S, time.time() + ledger.LEASE_TTL_S, *sorted(receipts.TERMINAL)])
+    what = receipts._s(what)
+    if what == "gone":
         return {"delivery": did, "state": "gone"}
+    rec = {receipts._s(flat[i]): receipts._s(flat[i + 1]) for i in range(0, len(flat), 2)}
     job = json.loads(rec["spec"])
     out = {"delivery": did, "target": job["target"]}
-    if rec.get("extraction") in ("ok", "failed") or rec.get("state") in receipts.TERMINAL:
-        ledger.clear_due(r, "extract", did)
-        return {**out, "state": "done"}
-    with ledger.leased(r, "extract", did) as token:
-        if token is None:
-            return {**out, "state": "busy"}
-        ledger.set_due(r, "extract", did, ledger.LEASE_TTL_S)
-        spec = {**job["extract"], "job": job["job"], "delivery": did}
-        try:
-            result = extract(ctx, spec)
-        except Exception as exc:  # noqa: BLE001 - transient (mapped or not): back off, bounded
-            if not isinstance(exc, CourierError):
-                log.exception("extraction %s: unexpected error", did)
-            reason = exc.reason if isinstance(exc, CourierError) else f"{type(exc).__name__}: {exc}"
-            n, first_s = ledger.count_transient(r, did)
-            if not ledger.gives_up(exc, n, first_s, max_attempts=ctx.max_transient_attempts,
-                                   outage_deadline_s=ctx.outage_deadline_s):
-                delay = ledger.backoff_s(n, storage=isinstance(exc, StorageError))
-                receipts.update_open_delivery(r, did, state="retrying", reason=reason)
-                ledger.set_due(r, "extract", did, delay)
-                return {**out, "state": "retrying", "wait_s": round(delay, 3)}
-            what = "storage unavailable" if isinstance(exc, StorageError) else f"gave up after {n} attempts"
-            result = record_failure(r, did, {"ok": False, "reason": f"{what}: {reason}", "name": job.get("name"),
-                                             "notify": True})
-        ledger.clear_due(r, "extract", did)
-    return {**out, "state": "extracted" if result.get("ok") else "failed"}
+    if what in ("done", "busy"):
+        return {**out, "state": what}
+    end = r.pipeline(transaction=False)  # what the stage ends with, in one round trip
+    ret = None
+    try:
+        with ledger.renewing(r, lease, token, ledger.LEASE_TTL_S):
+            spec = {**job["extract"], "job": job["job"], "delivery": did}
+            try:
+                result = extract(ctx, spec, pipe=end)
+            except Exception as exc:  # noqa: BLE001 - transient (mapped or not): back off, bounded
+                if not isinstance(exc, CourierError):
+                    log.exception("extraction %s: unexpected error", did)
+                reason = exc.reason if isinstance(exc, CourierError) else f"{type(exc).__name__}: {exc}"
+                n, first_s = ledger.count_transient(r, did)
+                if not ledger.gives_up(exc, n, first_s, max_attempts=ctx.max_transient_attempts,
+                                       outage_deadline_s=ctx.outage_deadline_s):
+                    delay = ledger.backoff_s(n, storage=isinstance(exc, StorageError))
+                    receipts.update_open_delivery(end, did, state="retrying", reason=reason)
+                    ledger.set_due(end, "extract", did, delay)
+                    ret = {**out, "state": "retrying", "wait_s": round(delay, 3)}
+                else:
+                    what = "storage unavailable" if isinstance(exc, StorageError) else f"gave up after {n} attempts"
+                    result = record_failure(r, did, {"ok": False, "reason": f"{what}: {reason}",
+                                                     "name": job.get("name"), "notify": True})
+            if ret is None:
+                ledger.clear_due(end, "extract", did)
+    except BaseException:
+        try:  # the due time stays: the reconciler looks again once the lease is gone
+            ledger.release(r, lease, token)
+        except Exception:  # noqa: BLE001 - an unreleased lease expires by itself
+            pass
+        raise
+    # the result (a success's receipt), the due time (cleared, or the backoff's) and the lease released
+    ledger.release(end, lease, token)
+    if ret is None and queue_drive is not None and queue_drive(end, job["target"]):
+        out["lane_queued"] = True  # after the result it reads, in the same round trip
+    end.execute()
+    return ret or {**out, "state": "extracted" if result.get("ok") else "failed"}

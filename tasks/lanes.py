@@ -45,14 +45,47 @@ MAX_RATE_LIMITS = 60
 
 Publish = Callable[[str, float | None], None]
 
-_POP_HEAD = """
-if redis.call('lindex', KEYS[1], 0) == ARGV[1] then redis.call('lpop', KEYS[1]) return 1 end
-return 0
+#: a lane's head, in one round trip. KEYS: the lane, the lane due ZSET, the lane's lease, then
+#: the receipts of the step last looked at; ARGV: the target, the receipt key prefix, the lease
+#: token, '1' to take the lease first (with TTL ARGV[5]), the step last looked at ('' none), the
+#: lane's due time while its head is extracted, then the terminal states. That step is popped when it is still the head and all its receipts are
+#: terminal (or gone); then {'head', id, its receipt (HGETALL)}, or, for an empty lane, {'empty'} with the
+#: lane forgotten (its due time) and the lease released; {'busy'} when the lease is held.
+#: A head that is one file still being extracted (its receipt names its extraction queue and
+#: has no result yet) is {'extracting', id}: the lane's due time set to ARGV[7] and the lease
+#: released in the same step (an extraction that ends after it finds the lease free).
+#: (The head's receipt key is made here from the prefix: courier's Redis is one node.)
+_HEAD = """
+if ARGV[4] == '1' and not redis.call('set', KEYS[3], ARGV[3], 'NX', 'EX', ARGV[5]) then return {'busy'} end
+if ARGV[6] ~= '' and redis.call('lindex', KEYS[1], 0) == ARGV[6] then
+  local final = true
+  for i = 4, #KEYS do
+    local st = redis.call('hget', KEYS[i], 'state')
+    local t = not st  -- a receipt gone (expired): nothing to send
+    for j = 7, #ARGV do if st == ARGV[j] then t = true end end
+    if not t then final = false end
+  end
+  if final then redis.call('lpop', KEYS[1]) end
+end
+local head = redis.call('lindex', KEYS[1], 0)
+if not head then
+  redis.call('zrem', KEYS[2], ARGV[1])
+  if redis.call('get', KEYS[3]) == ARGV[3] then redis.call('del', KEYS[3]) end
+  return {'empty'}
+end
+local rec = redis.call('hgetall', ARGV[2] .. head)
+local f = {}
+for i = 1, #rec, 2 do f[rec[i]] = rec[i + 1] end
+local final = false
+for j = 8, #ARGV do if f['state'] == ARGV[j] then final = true end end
+if f['queue'] and not f['album'] and not final and f['extraction'] ~= 'ok' and f['extraction'] ~= 'failed' then
+  redis.call('zadd', KEYS[2], ARGV[7], ARGV[1])
+  if redis.call('get', KEYS[3]) == ARGV[3] then redis.call('del', KEYS[3]) end
+  return {'extracting', head}
+end
+return {'head', head, rec}
 """
-_FORGET_IF_EMPTY = """
-if redis.call('llen', KEYS[1]) == 0 then redis.call('zrem', KEYS[2], ARGV[1]) return 1 end
-return 0
-"""
+_TERMINAL = sorted(receipts.TERMINAL)
 
 
 @dataclass
@@ -73,9 +106,10 @@ class Step:
                    or rec.get("state") in receipts.TERMINAL for rec, spec in zip(self.recs, self.specs))
 
 
-def load_step(r, lead: str) -> Step | None:
-    rec = receipts.get_delivery(r, lead)
-    if rec is None:
+def load_step(r, lead: str, rec: dict | None = None) -> Step | None:
+    """The step `lead` leads (`rec`: its receipt when already read)."""
+    rec = rec if rec is not None else receipts.get_delivery(r, lead)
+    if not rec:
         return None  # expired or never there: nothing to send
     ids = json.loads(rec["album"]) if rec.get("album") else [lead]
     recs = [rec] + ([receipts.get_delivery(r, d) or {} for d in ids[1:]])
@@ -83,42 +117,95 @@ def load_step(r, lead: str) -> Step | None:
     return Step(lead, ids, recs, specs)
 
 
+def _head(r, target: str, token: str, *, take: bool = False, last: Step | str | None = None
+          ) -> tuple[str, str | None, dict]:
+    """One round trip (`_HEAD`): pop `last` when it is final, then the head: ('head', id,
+    receipt), ('empty', None, {}) (lane forgotten, lease released) or ('busy', None, {})."""
+    last_id = last.lead if isinstance(last, Step) else (last or "")
+    last_ids = last.ids if isinstance(last, Step) else ([last] if last else [])
+    got = receipts._script(r, _HEAD)(
+        keys=[keys.lane(target), keys.due("lane"), keys.lease("lane", target), *[keys.delivery(d) for d in last_ids]],
+        args=[target, keys.delivery(""), token, "1" if take else "0", ledger.LEASE_TTL_S, last_id,
+              time.time() + EXTRACT_WAIT_S, *_TERMINAL])
+    what = receipts._s(got[0])
+    if what == "extracting":
+        return what, receipts._s(got[1]), {}
+    if what != "head":
+        return what, None, {}
+    flat = got[2]
+    return what, receipts._s(got[1]), {receipts._s(flat[i]): receipts._s(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+
 def drive(ctx: Context, target: str, publish: Publish) -> dict:
     """Send what is ready at the head of `target`'s lane. `publish(target,
-    countdown)` enqueues another drive of the lane. Returns a small summary."""
+    countdown)` enqueues another drive of the lane. Returns a small summary.
+
+    Round trips: one to take the lane's lease and read its head step, then
+    per step one to pop it once final and read the next (`_HEAD`), besides
+    the send's own (its lock, its record); an empty lane is forgotten and
+    its lease released in the same call."""
     r = ctx.redis
-    with ledger.leased(r, "lane", target) as token:
-        if token is None:
-            return {"lane": target, "state": "busy"}  # a live worker is on it
-        out = _drive_leased(ctx, target, publish)
-    if out["state"] == "extracting":
+    token = ledger.new_token()
+    lease = keys.lease("lane", target)
+    first = _head(r, target, token, take=True)
+    if first[0] == "busy":
+        return {"lane": target, "state": "busy"}  # a live worker is on it
+    if first[0] == "empty":
+        return {"lane": target, "state": "empty", "sent": 0}  # its lease went with the look
+    if first[0] == "extracting":  # due time set, lease released with the look
+        return {"lane": target, "state": "extracting", "head": first[1], "sent": 0}
+    try:
+        with ledger.renewing(r, lease, token, ledger.LEASE_TTL_S):
+            out = _drive_leased(ctx, target, publish, token, first)
+    except BaseException:
+        try:
+            ledger.release(r, lease, token)
+        except Exception:  # noqa: BLE001 - an unreleased lease expires by itself
+            pass
+        raise
+    if out["state"] == "empty" or out.pop("released", False):
+        return out  # its lease went with the last look
+    # the lease released, with the due time of a lane waiting for an extraction and
+    # its head's receipt read again: one round trip
+    extracting = out["state"] == "extracting"
+    pipe = r.pipeline(transaction=False)
+    if extracting:
+        ledger.set_due(pipe, "lane", target, EXTRACT_WAIT_S)
+    ledger.release(pipe, lease, token)
+    if extracting:
+        pipe.hgetall(keys.delivery(out["head"]))
+    try:
+        res = pipe.execute()
+    except Exception:  # noqa: BLE001 - an unreleased lease expires by itself; a due time not set raises
+        if extracting:
+            raise
+        return out
+    if extracting:
         # an extraction that ended while this drive held the lease found it
         # busy: look once more now that it is free
-        step = load_step(r, out["head"])
+        rec = {receipts._s(k): receipts._s(v) for k, v in (res[-1] or {}).items()}
+        step = load_step(r, out["head"], rec) if rec else None
         if step is not None and (step.ready or step.done):
             publish(target, None)
     return out
 
 
-def _drive_leased(ctx: Context, target: str, publish: Publish) -> dict:
+def _drive_leased(ctx: Context, target: str, publish: Publish, token: str, first: tuple) -> dict:
     r = ctx.redis
-    lane = keys.lane(target)
     _clear_dead_senders_gate(ctx, target)
     sent = 0
     deadline = time.monotonic() + BUDGET_S
+    what, head, rec = first
     while True:
-        raw = r.lindex(lane, 0)
-        if raw is None:
-            if r.eval(_FORGET_IF_EMPTY, 2, lane, keys.due("lane"), target):
-                return {"lane": target, "state": "empty", "sent": sent}
-            continue
-        head = raw.decode() if isinstance(raw, bytes) else raw
-        step = load_step(r, head)
+        if what == "empty":
+            return {"lane": target, "state": "empty", "sent": sent}
+        if what == "extracting":  # due time set, lease released with the look
+            return {"lane": target, "state": "extracting", "head": head, "sent": sent, "released": True}
+        step = load_step(r, head, rec)
         if step is None or step.done:
-            r.eval(_POP_HEAD, 1, lane, head)
+            what, head, rec = _head(r, target, token, last=step or head)
             continue
-        if not step.ready:
-            ledger.set_due(r, "lane", target, EXTRACT_WAIT_S)
+        if not step.ready:  # the caller sets the lane's due time (EXTRACT_WAIT_S) as it releases the lease
             return {"lane": target, "state": "extracting", "head": head, "sent": sent}
         if time.monotonic() > deadline:
             ledger.set_due(r, "lane", target, LANE_GRACE_S)
@@ -129,6 +216,7 @@ def _drive_leased(ctx: Context, target: str, publish: Publish) -> dict:
             _wait(r, target, wait, publish)
             return {"lane": target, "state": "waiting", "head": head, "wait_s": round(wait, 3), "sent": sent}
         sent += 1
+        what, head, rec = _head(r, target, token, last=step)  # popped once final, and the next
 
 
 def _clear_dead_senders_gate(ctx: Context, target: str) -> None:

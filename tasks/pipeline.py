@@ -85,8 +85,8 @@ def extract_file(delivery_id: str) -> dict:
     """Extract one sandbox file (its spec is in the ledger), then drive its chat's lane."""
     from tasks import chains
 
-    out = extract_mod.run(runtime.ctx(), delivery_id)
-    if out["state"] in ("extracted", "failed", "done"):
+    out = extract_mod.run(runtime.ctx(), delivery_id, queue_drive=chains.queue_lane)
+    if out["state"] in ("extracted", "failed", "done") and not out.pop("lane_queued", False):
         chains.publish_lane(out["target"])
     return out
 

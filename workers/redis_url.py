@@ -102,17 +102,23 @@ class _SwitchWatcher(threading.Thread):
             threading.Event().wait(1.0)
 
 
-def async_client(url: str):
-    """The asyncio twin of `client` (the web process's event streams)."""
+def async_client(url: str, *, socket_timeout: float | None = None, single_connection: bool = False):
+    """The asyncio twin of `client` (the web process's event streams; its webhook turns,
+    with `socket_timeout` as the sync client's, on one connection: one call at a time)."""
     import redis.asyncio
 
+    extra: dict = {} if socket_timeout is None else {"socket_timeout": socket_timeout}
+    if single_connection:
+        extra["single_connection_client"] = True
     s = parse_sentinel(url)
     if s is None:
-        return redis.asyncio.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S, health_check_interval=30)
+        return redis.asyncio.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S, health_check_interval=30,
+                                            **extra)
     from redis.asyncio.sentinel import Sentinel
 
     sentinel = Sentinel(list(s.hosts), socket_timeout=CONNECT_TIMEOUT_S, socket_connect_timeout=CONNECT_TIMEOUT_S)
-    return sentinel.master_for(s.master, db=s.db, password=s.password, socket_connect_timeout=CONNECT_TIMEOUT_S)
+    return sentinel.master_for(s.master, db=s.db, password=s.password, socket_connect_timeout=CONNECT_TIMEOUT_S,
+                               **extra)
 
 
 def celery_url(url: str) -> tuple[str, dict]:

@@ -27,9 +27,10 @@ Routes
   the platform's cap (`BODY_CAPS`: 413 past it, read no further); verifies
   the signature before it parses the body (401, nothing enqueued, when it
   does not verify; 404 when the platform's secret is not configured); then
-  drops a retried update (Redis SET NX with a TTL on the platform's update /
-  event id, `keys.webhook_seen`) and enqueues an `agent_turn` whose reply
-  goes back to the chat (`<platform>:<chat>`). Every refused or malformed
+  drops a retried update (a de-dup key with a TTL on the platform's update /
+  event id, `keys.webhook_seen`) or else enqueues an `agent_turn` whose reply
+  goes back to the chat (`<platform>:<chat>`): the message, the de-dup key,
+  the job record and its due time in one atomic script (`_Enqueuer`). Every refused or malformed
   request is a 4xx with a one-line reason (`{"ok": false, "error": ...}`),
   logged as one line; a turn that cannot be enqueued is a 503.
 - Logs: uvicorn's access log and ASGI trace show no query string (the
@@ -71,9 +72,6 @@ MAX_WEBHOOK_BODY_BYTES = 1024 * 1024
 MAX_MESSAGE_CHARS = 32_000
 ENQUEUE_BATCH = 64
 ENQUEUE_TIMEOUT_S = 10.0
-#: how long a claimed update's de-dup key and job record live until its turn is published:
-#: a web process killed in between loses no update (the platform's retry goes through then)
-CLAIM_TTL_S = 60
 SSE_RETRY_MS = 2000
 _JOB_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 _STREAM_ID = re.compile(r"\d{1,20}-\d{1,20}")
@@ -97,6 +95,7 @@ class _Web:
         self.settings = settings
         self._redis = None
         self._aredis = None
+        self._aredis_turns = None
         self._celery = None
         self._enqueuer: _Enqueuer | None = None
 
@@ -116,13 +115,26 @@ class _Web:
             self._aredis = async_client(self.settings.redis_url)
         return self._aredis
 
+    @property
+    def aredis_turns(self):
+        """The asyncio client of webhook turns: a stalled Redis is waited for as long as the
+        sync clients do (`redis_url.SOCKET_TIMEOUT_S`): a turn sent is not given up early."""
+        if self._aredis_turns is None:
+            from workers.redis_url import SOCKET_TIMEOUT_S, async_client
+
+            # one batch is out at a time: one connection, no pool to go through per call
+            self._aredis_turns = async_client(self.settings.redis_url, socket_timeout=SOCKET_TIMEOUT_S,
+                                              single_connection=True)
+        return self._aredis_turns
+
     async def close(self) -> None:
         if self._enqueuer is not None:
             self._enqueuer.stop()
             self._enqueuer = None
-        if self._aredis is not None:
-            await self._aredis.aclose()
-            self._aredis = None
+        for c in (self._aredis, self._aredis_turns):
+            if c is not None:
+                await c.aclose()
+        self._aredis = self._aredis_turns = None
 
     # -- turns from webhooks ------------------------------------------------------------
     @property
@@ -138,27 +150,61 @@ class _Web:
         turn could not be enqueued (nothing is left behind then)."""
         s = self.settings
         self.celery  # noqa: B018 - checked once: never publish anywhere else
-        from tasks import chains, receipts
+        from tasks import chains, ledger, receipts
 
         origin = f"{platform}:{chat}"
         override = s.webhook_reply_target_override
+        target = override.replace("{platform}", platform).replace("{chat}", chat) if override else origin
+        job_id = chains.new_job_id("turn")
+        spec = chains.turn_spec(job_id, target, message[:MAX_MESSAGE_CHARS], agent=s.webhook_agent or s.default_agent)
         turn = _Turn(platform=platform, update_id=update_id, seen=keys.webhook_seen(platform, update_id),
-                     job_id=chains.new_job_id("turn"), origin=origin,
-                     target=override.replace("{platform}", platform).replace("{chat}", chat) if override else origin,
-                     agent=s.webhook_agent or s.default_agent, message=message[:MAX_MESSAGE_CHARS])
-        spec = chains.turn_sig(turn.job_id, turn.target, turn.message, agent=turn.agent).args[0]
-        receipts.create_job(None, turn.job_id, kind="turn", target=turn.target, agent=turn.agent, origin=origin,
-                            pipe=turn.job, spec=json.dumps(spec, separators=(",", ":")))
+                     job_id=job_id, spec=spec)
+        receipts.create_job(None, job_id, kind="turn", target=target, agent=spec["agent"], origin=origin,
+                            pipe=turn.rec, spec=json.dumps(spec, separators=(",", ":")))
+        ledger.set_due(turn.rec, "turn", job_id, chains.TURN_GRACE_S)  # the ledger watches it from the publish on
         if self._enqueuer is None:
             self._enqueuer = _Enqueuer(self)
-        turn.loop = asyncio.get_running_loop()
-        turn.future = turn.loop.create_future()
+        loop = asyncio.get_running_loop()
+        turn.loop = loop
+        turn.future = fut = loop.create_future()
         self._enqueuer.submit(turn)
         # Redis stalling: answer 503 after a while (platforms give up after a few seconds
         # anyway); the turn goes on: queued after all, the platform's retry is a duplicate;
-        # failed, its keys are cleared and the retry goes through
-        return await asyncio.wait_for(asyncio.shield(turn.future), timeout=ENQUEUE_TIMEOUT_S)
+        # not queued, nothing of it is left and the retry goes through
+        timer = loop.call_later(ENQUEUE_TIMEOUT_S, _time_out, fut)
+        try:
+            return await fut
+        finally:
+            timer.cancel()
 
+
+def _time_out(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_exception(TimeoutError(f"not enqueued within {ENQUEUE_TIMEOUT_S}s"))
+
+
+class _Rec:
+    """Takes what `receipts.create_job` and `ledger.set_due` write on a
+    pipeline (one HSET and EXPIRE, one ZADD), for `_PUBLISH` to write: the
+    job record's fields and the due entry stay defined in one place."""
+
+    def __init__(self) -> None:
+        self.key = ""
+        self.fields: dict = {}
+        self.ttl = 0
+        self.due_key = ""
+        self.due_at = 0.0
+
+    def hset(self, key, mapping):
+        self.key, self.fields = key, dict(mapping)
+
+    def expire(self, key, ttl):
+        assert key == self.key
+        self.ttl = int(ttl)
+
+    def zadd(self, key, mapping):
+        ((_member, self.due_at),) = mapping.items()
+        self.due_key = key
 
 @dataclass
 class _Turn:
@@ -166,18 +212,15 @@ class _Turn:
     update_id: str
     seen: str
     job_id: str
-    origin: str
-    target: str
-    agent: str
-    message: str
-    job: _JobFields = field(default_factory=lambda: _JobFields())
+    spec: dict
+    rec: _Rec = field(default_factory=_Rec)
     loop: asyncio.AbstractEventLoop | None = None
     future: asyncio.Future | None = None
     outcome: tuple[dict | None, BaseException | None] | None = None
 
 
 def _settle(turns: list[_Turn]) -> None:
-    """On the event loop: each waiting request gets its turn's outcome."""
+    """Each waiting request gets its turn's outcome."""
     for t in turns:
         if t.future is None or t.future.done():
             continue
@@ -189,160 +232,148 @@ def _settle(turns: list[_Turn]) -> None:
 
 
 class _Enqueuer:
-    """One thread that enqueues webhook turns, in batches of what came in
-    meanwhile (at most ENQUEUE_BATCH): one round trip claims them all (per
-    turn `_CLAIM`: the de-dup key, SET NX with the job id as its value, and
-    only when it was new, the job record; both provisional, with a
-    CLAIM_TTL_S TTL), then courier's Celery app publishes the claimed turns
-    as one kombu publish batch (one round trip), then one round trip gives
-    their keys and records their full TTLs. When publishing fails, the
-    claimed turns' keys and job records are deleted again (no orphan
-    "queued" job; the platform's retry goes through) and each of their
-    requests gets the error (a 503); when the process dies before
-    publishing, they expire. One thread
-    and a batch per round trip: the per-turn cost is Celery's message, not
-    thread hand-offs and round trips."""
+    """Enqueues webhook turns on the event loop, in batches of what came in
+    meanwhile (at most ENQUEUE_BATCH): while one batch's round trip is out,
+    the next one gathers. One round trip per batch: one `_PUBLISH` script
+    call, which per turn drops a retried update (its de-dup key is there)
+    or else, in one atomic step, pushes the turn's `agent_turn` message to
+    its queue, sets the de-dup key (the job id, with its TTL), records the
+    job and its due time. The de-dup key is never there without the message:
+    a push that fails (a Redis that refuses it) writes nothing, the request
+    gets a 503 and the platform's retry goes through.
+
+    The message is Celery's own, made once per process (tasks/taskmsg.py:
+    Celery publishes a probe turn, kept at the LPUSH; each turn's id,
+    arguments and label are put into a copy), so no Celery publish runs per
+    turn, and no thread hand-off either: the per-turn cost is a JSON
+    encoding and a script's loop."""
 
     def __init__(self, web: _Web) -> None:
-        import queue
-        import threading
-
         self.web = web
-        self.q: queue.SimpleQueue = queue.SimpleQueue()
-        self.claim = web.redis.register_script(_CLAIM)
-        self.thread = threading.Thread(target=self._run, name="courier-enqueue", daemon=True)
-        self.thread.start()
+        self.pending: list[_Turn] = []
+        self.draining = False
+        self.template = None
+        self.sha = ""
 
     def submit(self, turn: _Turn) -> None:
-        self.q.put(turn)
+        self.pending.append(turn)
+        if not self.draining:  # the batch gathers until the loop runs the drain
+            self.draining = True
+            turn.loop.create_task(self._drain())
 
     def stop(self) -> None:
-        self.q.put(None)
+        self.pending.clear()
 
-    def _run(self) -> None:
-        import queue
-
-        app = self.web.celery
-        app.set_current()  # this thread publishes through courier's app, whatever else set its current app
-        while True:
-            first = self.q.get()
-            if first is None:
-                return
-            batch = [first]
-            while len(batch) < ENQUEUE_BATCH:
+    async def _drain(self) -> None:
+        try:
+            while self.pending:
+                batch, self.pending = self.pending[:ENQUEUE_BATCH], self.pending[ENQUEUE_BATCH:]
                 try:
-                    t = self.q.get_nowait()
-                except queue.Empty:
-                    break
-                if t is None:
-                    self.q.put(None)
-                    break
-                batch.append(t)
-            try:
-                self._enqueue(app, batch)
-            except BaseException as exc:  # noqa: BLE001 - every request gets an answer; the thread goes on
-                for t in batch:
-                    if t.outcome is None:
-                        t.outcome = (None, exc)
-            # one wake-up of the event loop for the whole batch
-            loops = {t.loop for t in batch}
-            for loop in loops:
-                try:
-                    loop.call_soon_threadsafe(_settle, [t for t in batch if t.loop is loop])
-                except RuntimeError:  # that loop is closed: nobody waits any more
-                    pass
+                    await self._enqueue(batch)
+                except Exception as exc:  # noqa: BLE001 - every request gets an answer; the next batch goes on
+                    for t in batch:
+                        if t.outcome is None:
+                            t.outcome = (None, exc)
+                _settle(batch)
+        finally:
+            self.draining = False
 
-    def _enqueue(self, app, batch: list[_Turn]) -> None:
+    async def _template(self):
+        """Celery's `agent_turn` message for a webhook turn, made once (tasks/taskmsg.py)."""
+        if self.template is None:
+            self.template = await asyncio.to_thread(self._make_template, self.web.celery)
+        return self.template
+
+    @staticmethod
+    def _make_template(app):
+        from tasks import chains, taskmsg
+
+        app.set_current()  # the probe publishes through courier's app, whatever else set this thread's
+        a = chains.turn_spec("turn_probe1", "telegram:1", "a probe", agent="echo")
+        b = chains.turn_spec("turn_probe2", "slack:C2", "another probe", agent="other")
+        return taskmsg.Template(app, chains.spec_sig(a), ([a], [b]), (chains.spec_label(a), chains.spec_label(b)))
+
+    async def _enqueue(self, batch: list[_Turn]) -> None:
+        from redis.exceptions import NoScriptError
+
         from tasks import chains
 
-        r = self.web.redis
-        pipe = r.pipeline(transaction=False)
-        for t in batch:  # provisional: both keys expire after CLAIM_TTL_S unless the turn is published
-            self.claim(keys=[t.seen, t.job.key], args=[t.job_id, CLAIM_TTL_S, CLAIM_TTL_S, *t.job.flat()], client=pipe)
-        claimed = pipe.execute()
-        new = []
-        for t, ok in zip(batch, claimed):
-            if ok:
-                new.append(t)
-            else:
+        r = self.web.aredis_turns
+        tpl = await self._template()
+        # the queue and the due ZSET are the same for every turn (KEYS[1], KEYS[2]), as are
+        # the TTLs; per turn: two keys, four arguments (the job record's fields as one JSON)
+        first = batch[0].rec
+        ks: list = [first.due_key, tpl.key]
+        args: list = [self.web.settings.webhook_dedupe_ttl_s, first.ttl]
+        for t in batch:
+            rec = t.rec
+            if rec.due_key != first.due_key or rec.ttl != first.ttl:
+                raise RuntimeError("webhook turns with different due ZSETs or TTLs in one batch")
+            _key, msg = tpl.render(t.job_id, [t.spec], chains.spec_label(t.spec))
+            ks += (t.seen, rec.key)
+            args += (t.job_id, rec.due_at, msg, json.dumps(rec.fields, separators=(",", ":"), ensure_ascii=False))
+        for attempt in range(2):
+            if not self.sha:
+                self.sha = await r.script_load(_PUBLISH)
+            try:
+                res = await r.evalsha(self.sha, len(ks), *ks, *args)
+                break
+            except NoScriptError:  # a Redis restarted (or flushed its scripts): load it again
+                self.sha = ""
+                if attempt:
+                    raise
+        done = []
+        for t, got in zip(batch, res):
+            if got == 1:
+                t.outcome = ({"ok": True, "job": t.job_id}, None)
+                done.append(t)
+            elif got == 0:
                 log.info("%s webhook: dropped a retried update %s", t.platform, t.update_id)
                 t.outcome = ({"ok": True, "duplicate": True}, None)
-        if not new:
-            return
-        try:
-            with app.producer_or_acquire() as producer, producer.batch():
-                for t in new:
-                    sig = chains.turn_sig(t.job_id, t.target, t.message, agent=t.agent)
-                    # published through courier's app by name; declare=[]: the message goes
-                    # to the `turns` list itself (the anonymous exchange, see
-                    # workers/celery_app.task_queue): declaring the queue again for every
-                    # message only costs (the workers declare what they consume)
-                    app.send_task(sig.task, args=sig.args, kwargs=sig.kwargs, task_id=t.job_id, producer=producer,
-                                  declare=[], ignore_result=app.tasks[sig.task].ignore_result, **sig.options)
-        except Exception as exc:  # noqa: BLE001 - answered 503: the platform retries
-            self._forget(new)
-            for t in new:
-                t.outcome = (None, exc)
-            return
-        self._keep(new)
-        for t in new:
-            log.info("%s webhook: update %s -> turn %s", t.platform, t.update_id, t.job_id)
-            t.outcome = ({"ok": True, "job": t.job_id}, None)
-
-    def _keep(self, turns: list[_Turn]) -> None:
-        """After the publish: the de-dup keys and job records get their full TTLs."""
-        ttl = self.web.settings.webhook_dedupe_ttl_s
-        try:
-            from tasks import chains, ledger
-
-            pipe = self.web.redis.pipeline(transaction=False)
-            for t in turns:
-                pipe.expire(t.seen, ttl)
-                pipe.expire(t.job.key, t.job.ttl)
-                ledger.set_due(pipe, "turn", t.job_id, chains.TURN_GRACE_S)  # the ledger watches it from now on
-            pipe.execute()
-        except Exception as exc:  # noqa: BLE001 - queued all the same: answered 200
-            log.error("webhook: %d turns queued, but their de-dup keys could not be kept (%s): a retry within "
-                      "%ds is dropped, a later one queued again", len(turns), type(exc).__name__, CLAIM_TTL_S)
-
-    def _forget(self, turns: list[_Turn]) -> None:
-        """After a failed publish: no de-dup keys (the retries go through), no job records."""
-        try:
-            self.web.redis.delete(*[k for t in turns for k in (t.seen, t.job.key)])
-        except Exception as exc:  # noqa: BLE001 - both expire anyway; the 503 stands
-            log.error("webhook: could not clear %d turns after a failed enqueue: %s", len(turns),
-                      type(exc).__name__)
+            else:  # Redis refused the push (nothing of this turn is written)
+                t.outcome = (None, RuntimeError(f"the turn's message was refused: {_s(got)[:200]}"))
+        if done:
+            log.info("webhook: %d turns queued: %s", len(done),
+                     ", ".join(f"{t.platform} {t.update_id} -> {t.job_id}" for t in done))
 
 
-#: SET NX the de-dup key (KEYS[1]) to the job id with its TTL; only when it was
-#: new, record the job: HSET KEYS[2] with the fields, EXPIRE it. 1 when claimed.
-_CLAIM = """
-if not redis.call('set', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then return 0 end
-redis.call('hset', KEYS[2], unpack(ARGV, 4))
-redis.call('expire', KEYS[2], ARGV[3])
-return 1
+#: a batch of webhook turns, each at once or not at all, in one call. KEYS[1]: the turn due
+#: ZSET, KEYS[2]: the queue's list, then per turn its de-dup key and job record; ARGV[1], [2]:
+#: the de-dup and job record TTLs, then per turn: the job id, its due time, the task message,
+#: the job record's fields (a JSON object of strings). Per turn the answer is 0 when its de-dup
+#: key is there (a retried update; 1 when the key names this very job: the batch sent again
+#: after a lost connection); else its message is pushed first (a push Redis refuses writes
+#: nothing of the turn: its answer is the error), then its de-dup key, job record and due time
+#: are written: 1.
+_PUBLISH = """
+local out = {}
+local a = 3
+for i = 3, #KEYS, 2 do
+  local id = ARGV[a]
+  local seen = redis.call('get', KEYS[i])
+  if seen then
+    out[#out + 1] = (seen == id) and 1 or 0
+  else
+    local pushed = redis.pcall('lpush', KEYS[2], ARGV[a + 2])
+    if type(pushed) == 'table' and pushed.err then
+      out[#out + 1] = pushed.err
+    else
+      redis.call('set', KEYS[i], id, 'EX', ARGV[1])
+      local fields = {}
+      for k, v in pairs(cjson.decode(ARGV[a + 3])) do
+        fields[#fields + 1] = k
+        fields[#fields + 1] = v
+      end
+      redis.call('hset', KEYS[i + 1], unpack(fields))
+      redis.call('expire', KEYS[i + 1], ARGV[2])
+      redis.call('zadd', KEYS[1], ARGV[a + 1], id)
+      out[#out + 1] = 1
+    end
+  end
+  a = a + 4
+end
+return out
 """
-
-
-class _JobFields:
-    """Takes what `receipts.create_job` writes on a pipeline (its one HSET and
-    EXPIRE), for `_CLAIM` to write: the job record's fields stay defined in
-    one place."""
-
-    def __init__(self) -> None:
-        self.key = ""
-        self.fields: dict = {}
-        self.ttl = 0
-
-    def hset(self, key, mapping):
-        self.key, self.fields = key, dict(mapping)
-
-    def expire(self, key, ttl):
-        assert key == self.key
-        self.ttl = int(ttl)
-
-    def flat(self) -> list:
-        return [x for kv in self.fields.items() for x in kv]
 
 
 class BrokerMismatch(RuntimeError):
