@@ -31,9 +31,10 @@ import secrets
 import uuid
 from dataclasses import dataclass, field, replace
 
+from adapters.platforms.base import split_target
 from adapters.sandboxes.base import SandboxRef
 from storage import prefixes
-from tasks import ledger, receipts
+from tasks import ledger, receipts, task_names
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 
@@ -127,9 +128,7 @@ class _Entry:
 def entries(plan: Plan) -> list[_Entry]:
     """The plan's deliveries in lane order, each with its spec (the text or
     file job, the extraction of a sandbox file, an album's members)."""
-    from tasks.pipeline import platform_of
-
-    platform = platform_of(plan.target)
+    platform = split_target(plan.target)[0]
     out: list[_Entry] = []
     seq = 0
     if plan.text:
@@ -229,10 +228,16 @@ def extract_label(did: str, what: str = "") -> str:
     return (f"({did} {what})" if what else f"({did})")[:200]
 
 
-def extract_sig(did: str, queue: str, what: str = ""):
-    from tasks.pipeline import extract_file
+def _sig(name: str, *args):
+    """An immutable signature of the task `name` (built by name: chains never
+    imports the task module, whose tasks call back into plain code that uses chains)."""
+    from celery import current_app
 
-    return _label(extract_file.si(did).set(queue=queue), extract_label(did, what))
+    return current_app.signature(name, args=args, immutable=True)
+
+
+def extract_sig(did: str, queue: str, what: str = ""):
+    return _label(_sig(task_names.EXTRACT_FILE, did).set(queue=queue), extract_label(did, what))
 
 
 def lane_label(target: str) -> str:
@@ -240,9 +245,7 @@ def lane_label(target: str) -> str:
 
 
 def lane_sig(target: str, countdown: float | None = None):
-    from tasks.pipeline import drive_lane
-
-    sig = _label(drive_lane.si(target), lane_label(target))
+    sig = _label(_sig(task_names.DRIVE_LANE, target), lane_label(target))
     return sig.set(countdown=countdown) if countdown else sig
 
 
@@ -385,6 +388,4 @@ def spec_label(spec: dict) -> str:
 
 def spec_sig(spec: dict):
     """The labelled `agent_turn` signature of a turn's spec (also the reconciler's way to run it again)."""
-    from tasks.pipeline import agent_turn
-
-    return _label(agent_turn.si(spec), spec_label(spec))
+    return _label(_sig(task_names.AGENT_TURN, spec), spec_label(spec))

@@ -17,7 +17,7 @@ from celery import shared_task
 
 from adapters.platforms.base import split_target
 from tasks import extract as extract_mod
-from tasks import ledger, metrics, runtime
+from tasks import ledger, metrics, runtime, task_names
 from tasks import turn as turn_mod
 
 log = logging.getLogger(__name__)
@@ -44,8 +44,8 @@ def progress_meta(job_id: str, ev: dict) -> dict | None:
     return meta
 
 
-@shared_task(bind=True, name="courier.turns.agent_turn", acks_late=True, reject_on_worker_lost=True,
-             ignore_result=False)
+@shared_task(bind=True, name=task_names.AGENT_TURN, acks_late=True, reject_on_worker_lost=True,
+             ignore_result=task_names.AGENT_TURN not in task_names.KEEPS_RESULT)
 def agent_turn(self, spec: dict) -> dict:
     """One agent turn. While it runs, the task's state is the custom
     `PROGRESS` with meta {job, phase, activity, tool?} in the result backend
@@ -80,7 +80,7 @@ def agent_turn(self, spec: dict) -> dict:
         return out
 
 
-@shared_task(name="courier.sandbox.extract_file", acks_late=True, reject_on_worker_lost=True)
+@shared_task(name=task_names.EXTRACT_FILE, acks_late=True, reject_on_worker_lost=True)
 def extract_file(delivery_id: str) -> dict:
     """Extract one sandbox file (its spec is in the ledger), then drive its chat's lane."""
     from tasks import chains
@@ -97,7 +97,7 @@ class DeliveryFailed(Exception):
     recorded; nothing is retried by Celery (the ledger owns retries)."""
 
 
-@shared_task(name="courier.delivery.drive_lane", acks_late=True, reject_on_worker_lost=True,
+@shared_task(name=task_names.DRIVE_LANE, acks_late=True, reject_on_worker_lost=True,
              throws=(DeliveryFailed,))
 def drive_lane(target: str) -> dict:
     """Send what is ready at the head of one chat's lane (tasks.lanes). A
@@ -113,7 +113,7 @@ def drive_lane(target: str) -> dict:
     return out
 
 
-@shared_task(bind=True, name="courier.delivery.send", acks_late=True)
+@shared_task(bind=True, name=task_names.SEND, acks_late=True)
 def send(self, target: str, text: str | None = None, files: list[str] | None = None, caption: str | None = None,
          voice: bool = False, as_document: bool = False) -> dict:
     """An operator's send (Flower's async-apply; JSON args documented in
@@ -128,14 +128,14 @@ def send(self, target: str, text: str | None = None, files: list[str] | None = N
                          as_document=as_document, job_id=job_id)
 
 
-@shared_task(name="courier.janitor.sweep", acks_late=True)
+@shared_task(name=task_names.JANITOR_SWEEP, acks_late=True)
 def janitor_sweep() -> dict:
     from tasks.janitor import sweep
 
     return sweep(runtime.ctx())
 
 
-@shared_task(name="courier.janitor.reconcile", acks_late=True)
+@shared_task(name=task_names.RECONCILE, acks_late=True)
 def reconcile() -> dict:
     """One reconciler pass (workers run it every second by themselves; this
     task lets an operator or beat run one too)."""

@@ -28,6 +28,9 @@ import json
 import uuid
 from typing import Any
 
+from tasks import task_names
+
+
 __all__ = ["Template", "TemplateError"]
 
 #: the fields that are a task's own (everything else is the same for every message of the template)
@@ -135,7 +138,7 @@ class Template:
                 producer = Producer(channel)
                 options = {**sig.options, "argsrepr": argsrepr}
                 app.send_task(sig.task, args=args, kwargs=sig.kwargs, task_id=task_id, producer=producer,
-                              declare=[], ignore_result=app.tasks[sig.task].ignore_result, retry=False, **options)
+                              declare=[], ignore_result=task_names.ignores_result(app, sig.task), retry=False, **options)
             finally:
                 channel.close()
         if "message" not in got:

@@ -10,7 +10,8 @@ import json
 
 import pytest
 
-from tasks import chains, taskmsg
+import tasks.pipeline  # noqa: F401 - the tasks registered, as in a worker: Celery's own publish reads their options
+from tasks import chains, task_names, taskmsg
 
 
 @pytest.fixture
@@ -116,3 +117,14 @@ def test_a_message_sent_from_a_task_names_it_as_parent_and_root(app):
     assert (m["headers"]["id"], m["headers"]["parent_id"], m["headers"]["root_id"]) == ("t-1", "p-1", "r-1")
     m = json.loads(tpl.render("t-2", ["outbox:x"], "(lane outbox:x)")[1])
     assert (m["headers"]["parent_id"], m["headers"]["root_id"]) == (None, "t-2")
+
+
+def test_a_process_without_the_task_module_says_what_the_tasks_say(app):
+    """chains builds messages by task name (the web process and the CLI do not
+    import the task module): what a message says of its result must match
+    the task's own option."""
+    from types import SimpleNamespace
+
+    bare = SimpleNamespace(tasks={}, conf=app.conf)  # an app in which no courier task is registered
+    for name in (task_names.AGENT_TURN, task_names.EXTRACT_FILE, task_names.DRIVE_LANE, task_names.SEND):
+        assert task_names.ignores_result(bare, name) == bool(app.tasks[name].ignore_result), name

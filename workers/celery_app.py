@@ -24,7 +24,7 @@ from celery.signals import (
 )
 from kombu import Exchange, Queue
 
-from tasks import runtime
+from tasks import runtime, task_names
 from workers.redis_url import celery_url
 from workers.settings import get_settings
 
@@ -61,14 +61,14 @@ def make_app(settings=None) -> Celery:
         # a stage that hangs (an I/O without a deadline) is cut: the soft limit raises inside
         # the task (a transient error: the ledger retries it), the hard one ends the process
         task_annotations={
-            "courier.delivery.drive_lane": {"soft_time_limit": s.delivery_time_limit_s,
+            task_names.DRIVE_LANE: {"soft_time_limit": s.delivery_time_limit_s,
                                             "time_limit": s.delivery_time_limit_s + 30},
-            "courier.sandbox.extract_file": {"soft_time_limit": s.extract_time_limit_s,
+            task_names.EXTRACT_FILE: {"soft_time_limit": s.extract_time_limit_s,
                                              "time_limit": s.extract_time_limit_s + 30},
-            "courier.turns.agent_turn": {"soft_time_limit": s.turn_time_limit_s,
+            task_names.AGENT_TURN: {"soft_time_limit": s.turn_time_limit_s,
                                          "time_limit": s.turn_time_limit_s + 30},
-            "courier.janitor.sweep": {"soft_time_limit": 1800, "time_limit": 1830},
-            "courier.janitor.reconcile": {"soft_time_limit": 60, "time_limit": 90},
+            task_names.JANITOR_SWEEP: {"soft_time_limit": 1800, "time_limit": 1830},
+            task_names.RECONCILE: {"soft_time_limit": 60, "time_limit": 90},
         },
         task_reject_on_worker_lost=True,
         task_acks_on_failure_or_timeout=True,
@@ -108,7 +108,7 @@ def make_app(settings=None) -> Celery:
         task_routes=(task_queue,),
         beat_schedule={
             "janitor-sweep": {
-                "task": "courier.janitor.sweep",
+                "task": task_names.JANITOR_SWEEP,
                 "schedule": crontab(minute="*/15"),
                 "options": {"queue": "janitor", "expires": 14 * 60},
             },
