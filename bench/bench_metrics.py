@@ -78,7 +78,7 @@ def _run(setups: dict, sandbox: Path, n: int, rounds: int, data_where: str, http
     from celery import _state
     from celery.signals import before_task_publish
 
-    import tasks.pipeline  # noqa: F401
+    import tasks.celery_tasks  # noqa: F401
     import workers.celery_app as celery_app
     from adapters.sandboxes.base import SandboxRef
     from tasks import chains

@@ -71,7 +71,7 @@ def main() -> int:
 
         reset_settings()
         import workers.celery_app as celery_app
-        import tasks.pipeline  # noqa: F401
+        import tasks.celery_tasks  # noqa: F401
         from bench import noop_tasks
         from tasks import chains, receipts
         from workers.demo import start_worker, stop_worker, wait_worker

@@ -94,7 +94,7 @@ def main() -> None:
             os.environ.update({k: v for k, v in env.items() if k.startswith(("COURIER_", "TELEGRAM_"))})
 
             import workers.celery_app  # noqa: F401 - binds the tasks to the bench Redis
-            import tasks.pipeline  # noqa: F401
+            import tasks.celery_tasks  # noqa: F401
             from workers.demo import start_worker, stop_worker, wait_worker
             from workers.settings import get_settings, reset_settings
 

@@ -99,7 +99,7 @@ def main() -> int:
         import workers.celery_app as celery_app
         from tasks import events, receipts
         from tasks.chains import new_job_id
-        from tasks.pipeline import agent_turn
+        from tasks.celery_tasks import agent_turn
         from workers.demo import start_worker, stop_worker, wait_worker
         from workers.wiring import redis_client
 

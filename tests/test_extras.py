@@ -23,7 +23,7 @@ CORE_IMPORTS = """
 import sys
 import workers.cli, workers.web, workers.celery_app, workers.wiring, workers.settings, workers.demo
 import workers.embedded, workers.turnpage, workers.metrics, workers.eventauth
-import tasks.pipeline, tasks.chains, tasks.lanes, tasks.delivery, tasks.turn, tasks.janitor, tasks.send
+import tasks.celery_tasks, tasks.chains, tasks.lanes, tasks.delivery, tasks.turn, tasks.janitor, tasks.send
 import tasks.operations, tasks.reconcile, tasks.extract, tasks.listing, tasks.queues, tasks.ratelimit
 import storage, storage.volume, storage.retention, storage.spill
 import adapters.platforms.outbox, adapters.sandboxes.local, adapters.agents.bridge, adapters.agents.tools

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-import tasks.pipeline  # noqa: F401 - the tasks registered, as in a worker: Celery's own publish reads their options
+import tasks.celery_tasks  # noqa: F401 - the tasks registered, as in a worker: Celery's own publish reads their options
 from tasks import chains, task_names, taskmsg
 
 

@@ -49,7 +49,7 @@ def make_app(settings=None) -> Celery:
     """courier's Celery app for `settings` (default: the environment's)."""
     s = settings or get_settings()
     url, sentinel_options = celery_url(s.redis_url)
-    app = Celery("courier", include=["tasks.pipeline"])
+    app = Celery("courier", include=["tasks.celery_tasks"])
     app.conf.update(
         broker_url=url,
         result_backend=url,

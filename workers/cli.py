@@ -107,7 +107,7 @@ def _target(settings, target: str) -> str:
 
 
 def _celery():
-    import tasks.pipeline  # noqa: F401
+    import tasks.celery_tasks  # noqa: F401
     import workers.celery_app  # noqa: F401 - binds the tasks to the configured app
 
 

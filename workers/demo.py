@@ -93,7 +93,7 @@ def run_demo(*, to: str | None, message: str, timeout_s: float, console: Console
         import workers.celery_app as celery_app
         celery_app.app.conf.broker_url = settings.redis_url
         celery_app.app.conf.result_backend = settings.redis_url
-        import tasks.pipeline  # noqa: F401
+        import tasks.celery_tasks  # noqa: F401
         from tasks import chains
         from workers.console import deliveries_table, watch_job
         from workers.wiring import redis_client
