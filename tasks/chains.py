@@ -30,6 +30,7 @@ import re
 import secrets
 import uuid
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from adapters.platforms.base import split_target
 from adapters.sandboxes.base import SandboxRef
@@ -141,9 +142,9 @@ def entries(plan: Plan) -> list[_Entry]:
     groups = {j: g for g in album_groups(plan) for j in g}
     for i, f in enumerate(plan.files):
         d = delivery_id(plan.job_id, first_seq + i)
-        job = {"id": d, "job": plan.job_id, "target": plan.target, "type": "file",
+        job: dict[str, Any] = {"id": d, "job": plan.job_id, "target": plan.target, "type": "file",
                "voice": plan.voice, "as_document": plan.as_document}
-        fields = {"type": "file", "platform": platform, "name": _name(f)}
+        fields: dict[str, Any] = {"type": "file", "platform": platform, "name": _name(f)}
         queue = None
         if isinstance(f, StoredFile):
             job.update(key=f.key, name=f.name, size=f.size, sha256=f.sha256)
@@ -370,7 +371,7 @@ def turn_sig(job_id: str, target: str, message: str, *, agent: str, sandbox: str
 def turn_spec(job_id: str, target: str, message: str, *, agent: str, sandbox: str | None = None,
               attachments: list[dict] | None = None) -> dict:
     """A turn's spec: the one argument of its `agent_turn` (and what its job record keeps)."""
-    spec = {"job": job_id, "target": target, "message": message, "agent": agent}
+    spec: dict[str, Any] = {"job": job_id, "target": target, "message": message, "agent": agent}
     if sandbox:
         spec["sandbox"] = sandbox
     if attachments:

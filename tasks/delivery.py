@@ -322,7 +322,7 @@ def _send_file(ctx: Context, platform: Platform, chat: str, job: dict, *,
         raise _Refused(_notice_refused(ctx, platform, chat, job, src, exc, key=key, record=True), kind) from None
     except DeliveryError as exc:
         if isinstance(exc, Permanent):
-            exc.kind = kind.value  # type: ignore[attr-defined] - the failed receipt says what it went as
+            exc.kind = kind.value  # type: ignore[attr-defined]  # the failed receipt says what it went as
         # uploaded, then the send failed: remember the upload, the retry sends it without uploading again
         fid = getattr(exc, "file_id", None)
         if fid:

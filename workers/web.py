@@ -259,7 +259,7 @@ class _Enqueuer:
         self.pending.append(turn)
         if not self.draining:  # the batch gathers until the loop runs the drain
             self.draining = True
-            turn.loop.create_task(self._drain())
+            turn.loop.create_task(self._drain())  # type: ignore[union-attr]  # set when the turn was made
 
     def stop(self) -> None:
         self.pending.clear()
@@ -605,19 +605,19 @@ def create_app(settings: Settings | None = None) -> Starlette:
             return JSONResponse({"error": "Last-Event-ID must be a stream id like 1700000000000-0"},
                                 status_code=400)
         r = web.aredis
-        key = keys.events(job_id)
+        events_key = keys.events(job_id)
         job = {_s(k): _s(v) for k, v in (await r.hgetall(keys.job(job_id))).items()}
-        if not job and not await r.exists(key):
+        if not job and not await r.exists(events_key):
             return JSONResponse({"error": f"no turn or send {job_id!r}"}, status_code=404)
         tracker = events.EndTracker()
         if job.get("kind") == "send":
             tracker.expect_deliveries(int(await r.llen(keys.job_deliveries(job_id)) or 0))
         if last:  # what was already sent still counts towards the end
-            for _eid, fields in await r.xrange(key, "-", last):
+            for _eid, fields in await r.xrange(events_key, "-", last):
                 ev = events.decode(fields)
                 if ev is not None:
                     tracker.feed(ev)
-            if tracker.done and not await r.xrange(key, f"({last}", "+", count=1):
+            if tracker.done and not await r.xrange(events_key, f"({last}", "+", count=1):
                 return Response(status_code=204)
         keepalive_s = max(0.05, float(web.settings.sse_keepalive_s))
 
@@ -627,7 +627,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
             idle_since = time.monotonic()
             while not tracker.done:
                 block_ms = max(10, int((idle_since + keepalive_s - time.monotonic()) * 1000))
-                res = await r.xread({key: cursor}, count=200, block=block_ms)
+                res = await r.xread({events_key: cursor}, count=200, block=block_ms)
                 got = False
                 for _stream, entries in res or []:
                     for eid, fields in entries:

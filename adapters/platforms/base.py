@@ -119,7 +119,9 @@ class ErrorMap:
                 if out is not None:
                     return out
         if self._unexpected is not None:
-            return self._unexpected(exc, *context)
+            unexpected = self._unexpected(exc, *context)
+            if unexpected is not None:
+                return unexpected
         return Transient(f"{self.platform}: unexpected {type(exc).__name__}: {exc}")
 
     def covers(self, cls: type) -> bool:

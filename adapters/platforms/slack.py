@@ -170,7 +170,7 @@ class SlackPlatform(Platform):
         names: dict[str, str] = {}
         cursor = None
         for _ in range(100):  # at most 100 pages of 1000
-            resp = self._call("conversations.list", lambda c=cursor: self._api.conversations_list(
+            resp = self._call("conversations.list", lambda c=cursor: self._api.conversations_list(  # type: ignore[misc]
                 types="public_channel,private_channel", exclude_archived=True, limit=1000, cursor=c))
             for ch in resp.get("channels") or []:
                 if ch.get("name") and ch.get("id"):
@@ -185,7 +185,7 @@ class SlackPlatform(Platform):
         chat = self.channel_id(chat)
         ts = []
         for piece in fit_escaped(escape(text), self.limits.text_chars):
-            resp = self._call("chat.postMessage", lambda p=piece: self._api.chat_postMessage(channel=chat, text=p))
+            resp = self._call("chat.postMessage", lambda p=piece: self._api.chat_postMessage(channel=chat, text=p))  # type: ignore[misc]
             ts.append(str(resp["ts"]))
         return Sent(message_id=",".join(ts))
 
@@ -213,8 +213,8 @@ class SlackPlatform(Platform):
         ids: list[str] = []
         for f in files:
             got = self._call("files.getUploadURLExternal",
-                             lambda f=f: self._api.files_getUploadURLExternal(filename=f.name, length=f.size_bytes))
-            self._call("the file upload", lambda f=f, url=got["upload_url"]: self._post(url, f))
+                             lambda f=f: self._api.files_getUploadURLExternal(filename=f.name, length=f.size_bytes))  # type: ignore[misc]
+            self._call("the file upload", lambda f=f, url=got["upload_url"]: self._post(url, f))  # type: ignore[misc]
             ids.append(str(got["file_id"]))
         try:
             return self._complete(chat, ids, files, caption)

@@ -108,9 +108,9 @@ def _answer(err: httpx.Response) -> DeliveryError:
     if status == 429 or code in _RATE_LIMIT_CODES:
         retry = err.headers.get("Retry-After")
         try:
-            wait = float(retry) if retry is not None else _RATE_LIMIT_CODES.get(code, 5.0)
+            wait = float(retry) if retry is not None else _RATE_LIMIT_CODES.get(int(code or 0), 5.0)
         except ValueError:
-            wait = _RATE_LIMIT_CODES.get(code, 5.0)
+            wait = _RATE_LIMIT_CODES.get(int(code or 0), 5.0)
         return RateLimited(wait, text)
     if status >= 500 or code in _TRANSIENT_CODES or e.get("is_transient") is True:
         return Transient(text)
@@ -295,7 +295,7 @@ class WhatsAppPlatform(Platform):
             try:
                 sent = Sent(self._message(chat, type_, body(media_id)).message_id, file_id=media_id)
             except DeliveryError as exc:
-                exc.file_id = media_id  # type: ignore[attr-defined] - the shared flow keeps it for the retry
+                exc.file_id = media_id  # type: ignore[attr-defined]  # the shared flow keeps it for the retry
                 raise
         return sent
 

@@ -79,7 +79,8 @@ def _parse(body: bytes) -> Parsed:
                  if isinstance(o, dict) and text(o.get("value"))), None)
     channel = p.get("channel_id") or obj(p.get("channel")).get("id")
     if not said or not channel or not p.get("id"):
-        name = data.get("name") if isinstance(data.get("name"), str) else "ask"
+        raw_name = data.get("name")
+        name = raw_name if isinstance(raw_name, str) else "ask"
         return Answer({"type": 4, "data": {"content": f"Ask me something: /{name[:32]} <message>",
                                            "flags": 64, "allowed_mentions": {"parse": []}}})
     return [Inbound(ident(p["id"], "interaction id"), ident(channel, "channel id"), said)]
