@@ -70,6 +70,15 @@ class VolumeStore(BlobStore):
             _unlink(tmp)
             raise
 
+    def _open_part(self, key: str, dest: str) -> tuple[str, int]:
+        """A new temp file for `key` (its directory made), open for writing: (path, fd)."""
+        tmp = os.path.join(self._tmp_s, f"{uuid.uuid4().hex}.part")
+        try:
+            _make_parent(dest)
+            return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except OSError as exc:
+            raise StorageError(f"cannot write {key}: {exc.strerror or exc}") from exc
+
     def put_fd(self, key: str, fd: int, *, max_bytes: int | None = None) -> BlobInfo | None:
         """Copy an open file into `key` inside the kernel (`copy_file_range`:
         a reflink on filesystems that share extents, else an in-kernel copy;
@@ -79,13 +88,8 @@ class VolumeStore(BlobStore):
         dest = str(self._path(key))
         if not hasattr(os, "copy_file_range"):
             return None
-        tmp = os.path.join(self._tmp_s, f"{uuid.uuid4().hex}.part")
+        tmp, out = self._open_part(key, dest)
         limit = None if max_bytes is None else max_bytes + 1
-        try:
-            _make_parent(dest)
-            out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except OSError as exc:
-            raise StorageError(f"cannot write {key}: {exc.strerror or exc}") from exc
         size = 0
         offset = 0
         use_sendfile = False
@@ -137,13 +141,8 @@ class VolumeStore(BlobStore):
         if not hasattr(os, "splice"):
             return None
         dest = str(self._path(key))
-        tmp = os.path.join(self._tmp_s, f"{uuid.uuid4().hex}.part")
+        tmp, out = self._open_part(key, dest)
         limit = None if max_bytes is None else max_bytes + 1
-        try:
-            _make_parent(dest)
-            out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except OSError as exc:
-            raise StorageError(f"cannot write {key}: {exc.strerror or exc}") from exc
         size = 0
         try:
             try:

@@ -41,3 +41,12 @@ def events_token(r, job_id: str) -> str:
 
 def verify(key: bytes, job_id: str, token: str) -> bool:
     return hmac.compare_digest(token_for(key, job_id).encode(), token.encode("utf-8", "replace"))
+
+
+def request_token(query_params, headers) -> str:
+    """The token a request carries: `Authorization: Bearer <token>`, else `?token=`
+    ("" when neither)."""
+    auth = headers.get("authorization", "")
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip()
+    return query_params.get("token") or ""

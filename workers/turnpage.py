@@ -49,10 +49,7 @@ async def _authorize(request: Request, job_id: str) -> Response | None:
 
     if not _JOB_ID.fullmatch(job_id):
         return JSONResponse({"error": "bad job id"}, status_code=404)
-    token = request.query_params.get("token") or ""
-    auth = request.headers.get("authorization", "")
-    if auth[:7].lower() == "bearer ":
-        token = auth[7:].strip()
+    token = eventauth.request_token(request.query_params, request.headers)
     if not token:
         return JSONResponse({"error": "a turn's page needs its token: ?token= (courier turn --json, "
                                       "courier status ID)"}, status_code=401, headers={"WWW-Authenticate": "Bearer"})

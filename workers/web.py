@@ -588,16 +588,13 @@ def create_app(settings: Settings | None = None) -> Starlette:
         last = last.strip()
         if not _JOB_ID.fullmatch(job_id):
             return JSONResponse({"error": "bad job id"}, status_code=404)
-        token = request.query_params.get("token") or ""
-        auth = request.headers.get("authorization", "")
-        if auth[:7].lower() == "bearer ":
-            token = auth[7:].strip()
+        from workers import eventauth
+
+        token = eventauth.request_token(request.query_params, request.headers)
         if not token:
             return JSONResponse({"error": "the events of a turn need its token: ?token= or Authorization: Bearer "
                                           "(courier turn --json, courier status ID)"}, status_code=401,
                                 headers={"WWW-Authenticate": "Bearer"})
-        from workers import eventauth
-
         key = await run_in_threadpool(eventauth.server_key, web.redis)  # read each time: deleting it revokes
         if not eventauth.verify(key, job_id, token):
             return JSONResponse({"error": "wrong token for this turn"}, status_code=403)
