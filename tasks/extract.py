@@ -41,7 +41,8 @@ def extract(ctx: Context, spec: dict) -> dict:
     try:
         try:
             sandbox = ctx.sandbox(ref)
-            info = sandbox.extract(spec["path"], ctx.store, spec["key"], max_bytes=cap)
+            # `~/x` (MEDIA:~/x) is the sandbox's own home: the backend knows where that is
+            info = sandbox.extract(sandbox.expand_home(spec["path"]), ctx.store, spec["key"], max_bytes=cap)
         except TooLarge as exc:
             outcome = "failed"
             return record_failure(r, did, {"ok": False, "reason": f"too large: {exc}", "too_large": True, "name": name,

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 from urllib.parse import quote, unquote, urlparse
 
-from adapters.errors import ConfigError, FileChanging, NotAFile, SandboxError, SandboxGone, UnsafePath
+from adapters.errors import ConfigError, FileChanging, FileMissing, NotAFile, SandboxError, SandboxGone, UnsafePath
 
 DEFAULT_MAX_BYTES = 50 * 1000 * 1000
 #: Sandbox.exec: bytes kept per output stream, and the exit code of a timeout
@@ -258,6 +258,25 @@ def check_lexical(path: str) -> str:
     return path
 
 
+def os_error(exc: OSError, shown: str) -> SandboxError:
+    """One clear, permanent courier error for what the OS said about `shown`
+    (never a raw OSError as a chat's reason): missing / not a directory /
+    a name too long are FileMissing, a link loop and a denied permission
+    UnsafePath, anything else a SandboxError naming the OS's words."""
+    import errno
+
+    code, why = exc.errno, exc.strerror or str(exc)
+    if code in (errno.ENOENT, errno.ENOTDIR):
+        return FileMissing(f"{shown}: no such file ({why})")
+    if code == errno.ENAMETOOLONG:
+        return FileMissing(f"{shown}: no such file (a name or the path is too long)")
+    if code == errno.ELOOP:
+        return UnsafePath(f"{shown}: a symbolic link loop (too many levels of symbolic links)")
+    if code in (errno.EACCES, errno.EPERM):
+        return UnsafePath(f"{shown}: permission denied")
+    return SandboxError(f"{shown}: cannot be read ({why})")
+
+
 #: default read deadline: a sandbox channel that sends nothing for this long is given up
 DEFAULT_IO_TIMEOUT_S = 60.0
 
@@ -430,6 +449,22 @@ class Sandbox(ABC):
                 f"{path}: {size:,} bytes is over the {max_bytes:,} byte cap", size_bytes=size, limit_bytes=max_bytes
             )
         return store.put_stream(key, self.open_stream(resolved), max_bytes=max_bytes)
+
+    def home_dir(self) -> str | None:
+        """The sandbox user's home (an absolute path inside the sandbox), or
+        None when this backend does not know it. Default: the policy's home."""
+        policy = getattr(self, "policy", None)
+        return policy.home if policy is not None else None
+
+    def expand_home(self, path: str) -> str:
+        """`~/x` (an agent's `MEDIA:~/x`) as a path under the sandbox's own
+        home; any other path as is. The result is checked like any path."""
+        if not path.startswith("~/"):
+            return path
+        home = self.home_dir()
+        if not home or not home.startswith("/") or "\x00" in home:
+            raise UnsafePath(f"{path}: the home of this {self.kind or 'sandbox'} sandbox is not known")
+        return posixpath.join(posixpath.normpath(home), path[2:])
 
     def put(self, store, key: str, dest_path: str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
         """Inbound: copy a stored blob into the sandbox at `dest_path`."""

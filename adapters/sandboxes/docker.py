@@ -759,6 +759,12 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
             self._home_cache = home
         return self._home_cache or None
 
+    def home_dir(self) -> str | None:
+        """The configured home, else the exec user's $HOME in the container."""
+        if self.policy is not None and self.policy.home:
+            return self.policy.home
+        return self._home()
+
     def _stat(self, path: str) -> dict | None:
         """The engine's lstat of `path` (HEAD /containers/{id}/archive); None if absent."""
         api = self.client.api

@@ -1074,6 +1074,22 @@ class SshSandbox(Sandbox):
             raise self._ssh_error(rc, err, dest_path)
         return dest
 
+    def home_dir(self) -> str | None:
+        """The configured home, else the remote user's (SFTP's `.`, or $HOME
+        over the control master), asked once."""
+        if self.policy.home:
+            return self.policy.home
+        if getattr(self, "_home_cache", None) is None:
+            if self.use_openssh:
+                rc, out, err = self._openssh().exec_small(["sh", "-c", 'printf "%s" "$HOME"'])
+                if rc != 0:
+                    raise self._ssh_error(rc, err, "home")
+                self._home_cache = out.decode("utf-8", "surrogateescape")
+            else:
+                with self._errors("home"), self._sftp() as sftp:
+                    self._home_cache = sftp.normalize(".")
+        return self._home_cache or None
+
     def _remote_home(self) -> str | None:
         if self._checked_policy is not None or (self.policy.roots and self.policy.home):
             return None
