@@ -339,7 +339,7 @@ class ModalSandbox(ExecStreamMixin, Sandbox):
     def _resolve(self, path: str) -> Resolved:
         check_lexical(path)
         try:
-            r = exec_resolve(self.exec_channel(), path)
+            r = exec_resolve(self.exec_channel(), path, policy_for=self.policy_for)
         except (FileMissing, NotAFile):
             self._deny_lexical(path)
             raise

@@ -1027,7 +1027,7 @@ class SshSandbox(Sandbox):
     def _resolve_openssh(self, path: str) -> Resolved:
         """ONE exec through the control master (execstream's resolve script)."""
         try:
-            r = exec_resolve(self._openssh(), path)
+            r = exec_resolve(self._openssh(), path, policy_for=self._policy)
         except (FileMissing, NotAFile):
             self._deny_lexical(self._policy(self._remote_home()), path)  # denied paths say so, existing or not
             raise

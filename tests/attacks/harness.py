@@ -93,6 +93,20 @@ class Harness:
     def _ctr_write(self, spath: str, data: bytes, mode: int) -> None:
         raise NotImplementedError
 
+    def write_repeated(self, spath: str, chunk: bytes, n: int) -> str:
+        """`chunk` * `n` at `spath` (made in place: no big argument)."""
+        p = self.hp(spath)
+        if p is not None:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            with open(p, "wb") as f:
+                for _ in range(n):
+                    f.write(chunk)
+            return spath
+        self.write(spath + ".chunk", chunk)
+        self.sh('i=0; : > "$1"; while [ "$i" -lt "$2" ]; do cat "$1.chunk" >> "$1"; i=$((i+1)); done; rm "$1.chunk"',
+                spath, str(n))
+        return spath
+
     def symlink(self, target: str, spath: str) -> str:
         p = self.hp(spath)
         if p is not None:
@@ -287,7 +301,7 @@ class DockerHarness(Harness):
             kw["user"] = "1000:1000"
             self.race_iterations = 100  # ~250 ms an extraction through podman exec
         self.ctr = api.run_container(**kw)
-        self.sh("mkdir -p /workspace /opt/outside /home/agent && chmod 1777 /workspace /tmp && "
+        self.sh("mkdir -p /workspace/w /opt/outside /home/agent && chmod 1777 /workspace /workspace/w /tmp && "
                 "chown 1000:1000 /home/agent && printf %s \"$1\" > /etc/shadow && chmod 600 /etc/shadow",
                 SECRET.decode(), user="root")
         self.setup_common()

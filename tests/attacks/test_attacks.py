@@ -16,6 +16,7 @@ import os
 import pwd
 import threading
 import time
+import traceback
 
 import pytest
 
@@ -205,7 +206,7 @@ def _race(h, sb, store, path: str, release=None) -> dict:
             store.delete(key)
             outcomes["delivered"] = outcomes.get("delivered", 0) + 1
         else:
-            assert isinstance(exc, SandboxError), repr(exc)
+            assert isinstance(exc, SandboxError), "".join(traceback.format_exception(exc))
             outcomes[type(exc).__name__] = outcomes.get(type(exc).__name__, 0) + 1
     assert sum(outcomes.values()) == n and outcomes.get("delivered", 0) > 0, outcomes
     outcomes["slowest_s"] = round(slowest, 2)  # type: ignore[assignment]
@@ -257,7 +258,7 @@ def growing_file(h, store, request):
     the writer stops the whole file is delivered."""
     path = h.ws + "/grow.bin"
     chunk = bytes(range(256)) * 256  # 64 KiB
-    h.write(path, chunk * 64)       # 4 MiB to start with
+    h.write_repeated(path, chunk, 64)  # 4 MiB to start with
     stop = threading.Event()
     runner = None
     if h.hp(path) is not None:
