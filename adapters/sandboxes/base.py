@@ -116,8 +116,12 @@ def parse_uri(uri: str) -> tuple[SandboxRef, str]:
         target = p.hostname or ""
         if p.username:
             options["user"] = unquote(p.username)
-        if p.port:
-            options["port"] = str(p.port)
+        try:
+            port = p.port
+        except ValueError as exc:  # urlparse's "Port out of range" / "invalid literal"
+            raise ConfigError(f"bad port in sandbox URI {uri!r}: {exc}") from None
+        if port:
+            options["port"] = str(port)
     ref = SandboxRef(kind, target, options=options)
     from adapters.sandboxes.routing import host_of
 

@@ -591,7 +591,9 @@ class SshSandbox(Sandbox):
 
     # -- pool -----------------------------------------------------------------
     def _pool_key(self) -> tuple:
-        return (self.user, self.host, self.port, self.key_path, self.known_hosts,
+        # the trust key hashes the known_hosts and identity files' content: a connection
+        # made under other trust (a known_hosts rewritten in place) is never reused
+        return (self.user, self.host, self.port, self.key_path, self.known_hosts, self._trust_key(),
                 self.window_size, self.max_packet_size)
 
     def _alive(self) -> bool:
@@ -753,7 +755,10 @@ class SshSandbox(Sandbox):
             else:
                 real = self._readlink_f(path)
         except FileNotFoundError:
+            # the server says only "no such file" (for a link loop too): ONE exec says what the
+            # path would name (a denied one is refused as if it existed) or that it loops
             self._deny_lexical(policy, path)
+            exec_resolve(_SshSmall(self), path, policy_for=self._policy)
             raise FileMissing(f"{path}: no such file on {self.where}") from None
         policy.check(real, shown=path)
         try:

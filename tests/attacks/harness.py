@@ -170,6 +170,10 @@ class LocalHarness(Harness):
         os.chmod(base, 0o755)
         self.ws, self.home, self.outside = str(base / "ws"), str(base / "home"), str(base / "outside")
         self.setup_common()
+        # the secret outside is another user's, as /etc/shadow would be (SFTP tells files apart
+        # by their attributes only: see the README, ssh)
+        os.chown(self.outside + "/f.txt", 65534, 65534)
+        os.chmod(self.outside + "/f.txt", 0o640)
 
     def hp(self, spath: str) -> Path | None:
         return Path(spath)
@@ -213,7 +217,8 @@ class SshHarness(LocalHarness):
         self.control_dir = tempfile.mkdtemp(prefix="cm", dir="/tmp")  # ControlPath must stay short
         self._opened: list = []
         if mode == "openssh":
-            self.race_iterations = 300  # ~25 ms an extraction (two ssh clients on the master)
+            # two ssh clients on the master an extraction; the reads run as the remote user
+            self.race_iterations = 100
 
     def sandbox(self, *, home: bool = True, known_hosts: str | None = None, **kw):
         from adapters.sandboxes.base import PathPolicy, SandboxRef
@@ -299,7 +304,9 @@ class DockerHarness(Harness):
             self.ws = "/workspace/w"
         if variant == "docker-user":
             kw["user"] = "1000:1000"
-            self.race_iterations = 100  # ~250 ms an extraction through podman exec
+            # ~0.6 s an extraction (podman exec, twice); reads run as the container's own
+            # user, inside it: a swap reaches nothing the agent cannot read and copy itself
+            self.race_iterations = 30
         self.ctr = api.run_container(**kw)
         self.sh("mkdir -p /workspace/w /opt/outside /home/agent && chmod 1777 /workspace /workspace/w /tmp && "
                 "chown 1000:1000 /home/agent && printf %s \"$1\" > /etc/shadow && chmod 600 /etc/shadow",
