@@ -218,7 +218,7 @@ class SshHarness(LocalHarness):
         self._opened: list = []
         if mode == "openssh":
             # two ssh clients on the master an extraction; the reads run as the remote user
-            self.race_iterations = 100
+            self.race_iterations = 50
 
     def sandbox(self, *, home: bool = True, known_hosts: str | None = None, **kw):
         from adapters.sandboxes.base import PathPolicy, SandboxRef
