@@ -178,3 +178,19 @@ def test_fifo_open_in_the_stream_is_killed_after_the_deadline(docker_api, store)
         client.close()
     finally:
         docker_api.remove_container(c.id)
+
+
+def test_archive_channel_in_an_image_without_stat(docker_api, store):
+    """The archive channel counts a file's hard links with one `stat` exec;
+    an image without `stat` (distroless) still gets its files delivered —
+    its root agent can read and copy out any file in it anyway."""
+    c = docker_api.run_container()
+    try:
+        assert c.exec_run(["sh", "-c", "echo data > /workspace/f.txt && rm /bin/stat"]).exit_code == 0
+        client = docker_api.client()
+        s = DockerSandbox(SandboxRef("docker", c.name), None, client=client)
+        assert s.extract("/workspace/f.txt", store, "files/f").size_bytes == 5
+        assert s.stats["archive"] == 1
+        client.close()
+    finally:
+        docker_api.remove_container(c.id)

@@ -891,6 +891,12 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
         if "exc" in box:
             raise box["exc"]
         rc, out, err = box["res"]
+        if rc in (126, 127):
+            # an image without `stat` (distroless): nothing counts the links there, and the agent
+            # of a root container can read (and copy out) any file in it anyway
+            if held is not None:
+                yield held
+            return
         if rc != 0 or not out.strip().isdigit():
             raise SandboxGone(f"{resolved}: cannot count its links (exit {rc}: {err[:200]!r})")
         policy.check_links(resolved, int(out.strip()), shown=resolved)
