@@ -21,6 +21,7 @@ any link found now (a swap after resolve) is refused, and streamed.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import posixpath
@@ -149,6 +150,8 @@ def resolve_in_root(root: str, path: str, *, max_links: int = MAX_LINKS) -> tupl
     except CourierError:
         raise
     except OSError as exc:  # a link or directory swapped mid-walk, a name too long, ...
+        if exc.errno == errno.EINVAL:  # readlink of an entry swapped for a non-link after its lstat
+            raise UnsafePath(f"{path}: changed while resolving") from exc
         raise os_error(exc, path) from exc
 
 
