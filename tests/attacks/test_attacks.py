@@ -145,6 +145,7 @@ def link_swap_race(h, store, request):
     sb = h.sandbox(io_timeout_s=2)
     outcomes = _race(h, sb, store, h.ws + "/r/f.txt")
     _stop(h, stop, runner if h.hp(h.ws) is not None else None)
+    _delivers_once_still(sb, store, h.ws + "/r/f.txt")
     print(f"{h.name} link swap: {outcomes}")
 
 
@@ -182,7 +183,25 @@ def fifo_swap_race(h, store, request):
         outcomes = _race(h, sb, store, h.ws + "/p", release=h.hp(h.ws + "/p"))
     finally:
         _stop(h, stop, runner)
+    if runner is not None:  # the loop may have stopped on its FIFO
+        h.write(h.ws + "/p", LEGIT)
+    _delivers_once_still(sb, store, h.ws + "/p")
     print(f"{h.name} fifo swap: {outcomes}")
+
+
+def _delivers_once_still(sb, store, path: str) -> None:
+    """Once the agent stops, the legit file is delivered (the race rows
+    cannot pass by refusing everything)."""
+    from tests.fixtures.services import wait_until
+
+    def ok() -> bool:
+        try:
+            sb.extract(path, store, "files/still")
+        except SandboxError:
+            return False
+        return blob(store, "files/still") == LEGIT
+
+    wait_until(ok, timeout_s=30, what=f"{path} to be delivered once the swaps stop")
 
 
 def _release(p) -> None:
@@ -209,7 +228,7 @@ def _race(h, sb, store, path: str, release=None) -> dict:
         else:
             assert isinstance(exc, SandboxError), "".join(traceback.format_exception(exc))
             outcomes[type(exc).__name__] = outcomes.get(type(exc).__name__, 0) + 1
-    assert sum(outcomes.values()) == n and outcomes.get("delivered", 0) > 0, outcomes
+    assert sum(outcomes.values()) == n, outcomes
     outcomes["slowest_s"] = round(slowest, 2)  # type: ignore[assignment]
     return outcomes
 
