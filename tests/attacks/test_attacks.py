@@ -183,7 +183,8 @@ def fifo_swap_race(h, store, request):
         outcomes = _race(h, sb, store, h.ws + "/p", release=h.hp(h.ws + "/p"))
     finally:
         _stop(h, stop, runner)
-    if runner is not None:  # the loop may have stopped on its FIFO
+    if runner is not None:  # the loop may have stopped on its FIFO (never opened here: it would block)
+        h.remove(h.ws + "/p")
         h.write(h.ws + "/p", LEGIT)
     _delivers_once_still(sb, store, h.ws + "/p")
     print(f"{h.name} fifo swap: {outcomes}")
