@@ -172,7 +172,8 @@ def _resolve_in_root(root: str, path: str, max_links: int) -> tuple[str, os.stat
                 st = os.stat(part, dir_fd=w.cur, follow_symlinks=False)
             except (FileNotFoundError, NotADirectoryError) as exc:
                 missing = FileMissing(f"{path}: no such file")
-                missing.resolved = posixpath.normpath(posixpath.join(w.path(part), *parts))  # type: ignore[attr-defined]
+                would = posixpath.normpath(posixpath.join(w.path(part), *parts))
+                missing.resolved = would  # type: ignore[attr-defined]
                 raise missing from exc
             except PermissionError as exc:
                 raise UnsafePath(f"{path}: permission denied") from exc

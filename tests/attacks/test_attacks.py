@@ -141,7 +141,7 @@ def link_swap_race(h, store, request):
         runner = _link_swapper(h, stop)
         runner.start()
     else:
-        h.ctr.exec_run(["sh", "-c", CTR_LINK_SWAP, "sh", h.ws, h.outside], detach=True)
+        h.ctr.exec_run(["sh", "-c", CTR_LINK_SWAP, "sh", h.ws, h.outside], detach=True, user="root")
     sb = h.sandbox(io_timeout_s=2)
     outcomes = _race(h, sb, store, h.ws + "/r/f.txt")
     _stop(h, stop, runner if h.hp(h.ws) is not None else None)
@@ -177,7 +177,7 @@ def fifo_swap_race(h, store, request):
         runner = threading.Thread(target=run, daemon=True)
         runner.start()
     else:
-        h.ctr.exec_run(["sh", "-c", CTR_FIFO_SWAP, "sh", h.ws], detach=True)
+        h.ctr.exec_run(["sh", "-c", CTR_FIFO_SWAP, "sh", h.ws], detach=True, user="root")
     sb = h.sandbox(io_timeout_s=2)
     try:
         outcomes = _race(h, sb, store, h.ws + "/p", release=h.hp(h.ws + "/p"))
@@ -297,7 +297,8 @@ def growing_file(h, store, request):
         runner.start()
     else:
         h.ctr.exec_run(["sh", "-c", 'cd "$1"; while [ ! -e stop ]; do head -c 65536 grow.bin >> grow.bin; '
-                        '[ "$(stat -c %s grow.bin)" -gt 67108864 ] && sleep 1; done', "sh", h.ws], detach=True)
+                        '[ "$(stat -c %s grow.bin)" -gt 67108864 ] && sleep 1; done', "sh", h.ws],
+                       detach=True, user="root")
     sb = h.sandbox()
     seen = {"delivered": 0, "transient": 0}
     for i in range(5):
