@@ -21,7 +21,7 @@ import traceback
 import pytest
 
 from adapters.errors import (
-    ConfigError, CourierError, FileMissing, NotAFile, SandboxError, SandboxGone, UnsafePath,
+    ConfigError, CourierError, FileMissing, SandboxError, SandboxGone, UnsafePath,
 )
 from adapters.sandboxes.base import ReadTimeout, parse_uri
 from tests.attacks.harness import ALL, HOST_VISIBLE, LEGIT, SECRET
