@@ -874,7 +874,10 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
 
         def count() -> None:
             try:
-                box["res"] = self._exec.exec_small(["stat", "-c", "%h", "--", resolved])
+                for _ in range(3):  # podman's attach may lose a short exec's output: ask again
+                    box["res"] = self._exec.exec_small(["stat", "-c", "%h", "--", resolved])
+                    if box["res"][0] != 0 or box["res"][1].strip():
+                        break
             except BaseException as exc:  # noqa: BLE001 - handed to the reader
                 box["exc"] = exc
 
