@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import posixpath
 import time
 
 from adapters.errors import CourierError, SandboxError, StorageError, TooLarge
-from adapters.sandboxes.base import SandboxRef
+from adapters.sandboxes.base import SandboxRef, os_error
 from tasks import events, metrics, receipts
 from tasks.runtime import Context
 
 
 log = logging.getLogger(__name__)
+
+#: what the OS may say about a sandbox path (mapped by base.os_error when a backend lets one through)
+_PATH_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ENAMETOOLONG, errno.ELOOP, errno.EACCES, errno.EPERM})
 
 #: extractions at least this large publish an `extracted` event as they finish
 RECORD_MIN_BYTES = 1024 * 1024
@@ -43,7 +47,8 @@ def extract(ctx: Context, spec: dict, *, pipe=None) -> dict:
     try:
         try:
             sandbox = ctx.sandbox(ref)
-            info = sandbox.extract(spec["path"], ctx.store, spec["key"], max_bytes=cap)
+            # `~/x` (MEDIA:~/x) is the sandbox's own home: the backend knows where that is
+            info = sandbox.extract(sandbox.expand_home(spec["path"]), ctx.store, spec["key"], max_bytes=cap)
         except TooLarge as exc:
             outcome = "failed"
             return record_failure(r, did, {"ok": False, "reason": f"too large: {exc}", "too_large": True, "name": name,
@@ -58,6 +63,14 @@ def extract(ctx: Context, spec: dict, *, pipe=None) -> dict:
                 raise
             outcome = "failed"
             return record_failure(r, did, {"ok": False, "reason": exc.reason, "name": name})
+        except OSError as exc:
+            # a backend let the OS's own words through: what they say of the path (missing, a
+            # link loop, a name too long, denied) is one clear permanent reason, never the raw error
+            if exc.errno not in _PATH_ERRNOS:
+                raise
+            mapped = os_error(exc, spec["path"])
+            outcome = "failed"
+            return record_failure(r, did, {"ok": False, "reason": f"{type(mapped).__name__}: {mapped}", "name": name})
         outcome = "ok"
     finally:
         metrics.record_extraction(ref.kind, time.monotonic() - t0, info.size_bytes if info is not None else None,

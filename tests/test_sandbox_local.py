@@ -63,7 +63,7 @@ def test_over_the_cap_stores_nothing(sb, area, store):
     ("missing.bin", FileMissing),
     ("nodir/missing.bin", FileMissing),
     ("one_kb.bin/below", FileMissing),
-    ("loop_a", FileMissing),
+    ("loop_a", UnsafePath),
     ("dir", NotAFile),
     ("fifo", NotAFile),
     ("escape.txt", UnsafePath),
@@ -271,72 +271,6 @@ def test_home_credentials_are_never_readable(store, tmp_path, rel):
     with pytest.raises(UnsafePath, match="never readable"):
         sb.extract(str(home / rel), store, "files/x")
     assert_store_empty(store)
-
-
-def test_swap_race_loop_never_leaks_never_blocks(sb, area, store):
-    """1 000 extractions while the agent keeps swapping the file for a FIFO
-    and for a link to a file outside the roots (atomic renames): each one
-    delivers the real file's bytes or is refused; none blocks, none leaks."""
-    from adapters.errors import SandboxError
-
-    root = area["root"]
-    victim = root / "race.bin"
-    legit, fifo, link = root / ".race_legit", root / ".race_fifo", root / ".race_link"
-    stop = threading.Event()
-
-    def swapper():
-        i = 0
-        while not stop.is_set():
-            src = (legit, fifo, link)[i % 3]
-            try:
-                if src == legit:
-                    legit.write_bytes(b"legit")
-                elif src == fifo:
-                    os.mkfifo(fifo)
-                else:
-                    os.symlink(area["outside"] / "secret.txt", link)
-                os.rename(src, victim)
-            except FileExistsError:
-                pass
-            i += 1
-
-    t = threading.Thread(target=swapper, daemon=True)
-    victim.write_bytes(b"legit")
-    t.start()
-    outcomes: dict[str, int] = {}
-    try:
-        for i in range(1000):
-            key = f"files/r{i}"
-            box: dict = {}
-
-            def one():
-                try:
-                    store.put_stream(key, sb.open_stream(sb.resolve(str(victim))[0]))
-                    box["data"] = store.local_path(key).read_bytes()
-                except SandboxError as exc:
-                    box["exc"] = type(exc).__name__
-
-            w = threading.Thread(target=one, daemon=True)
-            w.start()
-            w.join(10)
-            if w.is_alive():  # unblock a reader stuck on the FIFO, then fail
-                stop.set()
-                with pytest.raises(OSError):
-                    while True:
-                        os.close(os.open(victim, os.O_WRONLY | os.O_NONBLOCK))
-                pytest.fail(f"extraction {i} blocked")
-            if "data" in box:
-                assert box["data"] == b"legit", f"extraction {i} leaked {box['data']!r}"
-                outcomes["delivered"] = outcomes.get("delivered", 0) + 1
-            else:
-                outcomes[box["exc"]] = outcomes.get(box["exc"], 0) + 1
-    finally:
-        stop.set()
-        t.join(10)
-        for p in (victim, legit, fifo, link):
-            if os.path.lexists(p):
-                os.unlink(p)
-    assert outcomes.get("delivered", 0) > 0 and sum(outcomes.values()) == 1000, outcomes
 
 
 def test_put_race_loop_never_writes_outside(area, store, tmp_path):

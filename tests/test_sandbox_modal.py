@@ -419,22 +419,6 @@ def _bounded_call(fn, timeout_s, unblock=None):
     return box.get("exc")
 
 
-def test_stalled_exec_output_times_out(area):
-    """An exec that sends nothing ends with ReadTimeout after the read
-    deadline (old code: the SDK's iterator held the worker until it ended)."""
-    from adapters.sandboxes.base import ReadTimeout
-
-    make_box("exec_only")
-    sb = ModalSandbox(SandboxRef("modal", "sb-test", roots=(str(area["root"]),)), None, io_timeout_s=1)
-    ch = sb.exec_channel()
-
-    def stream():
-        return b"".join(ch.exec_stream(["sleep", "20"]).chunks)
-
-    assert isinstance(_bounded_call(stream, 12), ReadTimeout)
-    assert isinstance(_bounded_call(lambda: ch.exec_small(["sleep", "20"]), 12), ReadTimeout)
-
-
 def test_fifo_swapped_in_after_resolve_never_blocks(area, store, tmp_path):
     """The file API opening a FIFO put in place of the checked file blocks
     in the sandbox: the read deadline ends the attempt, nothing is stored."""

@@ -1,4 +1,7 @@
-"""SshSandbox against an agent that attacks (real OpenSSH server on 127.0.0.1).
+"""SshSandbox against an agent that attacks (real OpenSSH server on 127.0.0.1):
+what the attack table (tests/attacks/) does not cover — deterministic swaps
+between check and open, the kill of a blocked stream run, a remote that
+stops reading stdin.
 
 Each test states what must hold. The "remote" host is this machine, so the
 agent's moves (a FIFO swap, ...) are made with local file operations.
@@ -8,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import tempfile
 import threading
 import time
@@ -18,7 +20,7 @@ import pytest
 from adapters.errors import SandboxGone, UnsafePath
 from adapters.sandboxes.base import ReadTimeout
 from adapters.sandboxes.execstream import exec_iter_file
-from adapters.sandboxes.ssh import SshAccessDenied, close_pool
+from adapters.sandboxes.ssh import close_pool
 from storage.volume import VolumeStore
 from tests.fixtures.services import wait_until
 from tests.test_sandbox_ssh import make
@@ -92,27 +94,6 @@ def _runs_with_env(entry: str) -> list[int]:
 
 
 # -- 2/3. a stalled remote never holds the worker: every read has a deadline ------------
-def test_openssh_stalled_stream_times_out(sshd_server, root, control_dir):
-    """A remote command that sends nothing ends with ReadTimeout after the
-    read deadline (old code: the read blocked until the command ended)."""
-    s = make(sshd_server, root, "openssh", control_dir, io_timeout_s=2)
-    try:
-        ch = s._openssh()
-
-        def read():
-            st = ch.exec_stream(["sleep", "25"])
-            try:
-                return b"".join(st.chunks)
-            finally:
-                st.close()
-
-        _res, exc, took = bounded(read, 20)
-        assert isinstance(exc, ReadTimeout) and isinstance(exc, SandboxGone), exc
-        assert took < 10
-        _res, exc, took = bounded(lambda: ch.exec_small(["sleep", "25"]), 20)
-        assert isinstance(exc, ReadTimeout), exc
-    finally:
-        s.close()
 
 
 def test_openssh_fifo_open_is_killed_after_the_deadline(sshd_server, root, control_dir):
@@ -206,49 +187,9 @@ def test_sftp_link_swapped_for_the_open_only_is_refused(sshd_server, tmp_path, s
 
 
 # -- 8. hard links ------------------------------------------------------------------------------
-@pytest.mark.parametrize("mode", MODES)
-def test_hard_link_to_a_file_outside_the_roots_is_refused(sshd_server, root, tmp_path, store, control_dir, mode):
-    secret = tmp_path / "secret.txt"
-    secret.write_text("host secret")
-    os.link(secret, root / "hl.txt")
-    (root / "plain.txt").write_text("plain")
-    s = make(sshd_server, root, mode, control_dir)
-    try:
-        with pytest.raises(UnsafePath, match="hard links"):
-            s.extract(str(root / "hl.txt"), store, "files/x")
-        assert [b.key for b in store.list()] == []
-        assert s.extract(str(root / "plain.txt"), store, "files/ok").size_bytes == 5
-    finally:
-        s.close()
 
 
 # -- 9. a ControlMaster never outlives a change of trust ------------------------------------------
-@pytest.mark.parametrize("known", ["empty", "wrong"])
-def test_control_master_not_reused_under_other_trust(sshd_server, root, tmp_path, store, control_dir, known):
-    """A worker restarted with an empty or wrong known_hosts must check the
-    host key again, not extract through the master the previous one left
-    (old code: it did)."""
-    (root / "f.txt").write_text("data")
-    first = make(sshd_server, root, "openssh", control_dir)
-    try:
-        first.extract(str(root / "f.txt"), store, "files/a")  # leaves a master (ControlPersist)
-        kh = tmp_path / f"known_hosts_{known}"
-        if known == "empty":
-            kh.write_text("")
-        else:
-            other = tmp_path / "other_key"
-            subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
-            kind, blob = (other.with_suffix(".pub")).read_text().split()[:2]
-            kh.write_text(f"[{sshd_server.host}]:{sshd_server.port} {kind} {blob}\n")
-        second = make(sshd_server, root, "openssh", control_dir, known_hosts=str(kh))
-        try:
-            with pytest.raises(SshAccessDenied):
-                second.extract(str(root / "f.txt"), store, "files/b")
-        finally:
-            second.close()
-        assert [b.key for b in store.list()] == ["files/a"]
-    finally:
-        first.close()
 
 
 def test_openssh_remote_that_stops_reading_stdin_times_out(sshd_server, root, control_dir):
@@ -265,50 +206,3 @@ def test_openssh_remote_that_stops_reading_stdin_times_out(sshd_server, root, co
         s.close()
 
 
-def test_sftp_link_swap_race_loop_never_leaks(sshd_server, tmp_path, store):
-    """300 SFTP extractions while the agent swaps root/d for a link to a
-    directory outside the roots in a loop; the file there has the same name,
-    size and mtime but another owner (as /etc/shadow would): each delivers
-    the real bytes or is refused, none leaks (old code: 30 of 400 leaked)."""
-    from adapters.errors import SandboxError
-
-    os.chmod(tmp_path, 0o755)
-    root, outside = tmp_path / "root", tmp_path / "outside"
-    (root / "d").mkdir(parents=True)
-    outside.mkdir()
-    legit, secret = root / "d" / "f.txt", outside / "f.txt"
-    legit.write_bytes(b"legit content!!\n")
-    secret.write_bytes(b"SECRET content!\n")
-    os.chown(secret, 65534, 65534)
-    os.utime(secret, ns=(legit.stat().st_atime_ns, legit.stat().st_mtime_ns))
-    parked = root / "d.real"
-    stop = threading.Event()
-
-    def swapper():
-        while not stop.wait(0.002):              # the attacker's pace: d is mostly the directory
-            os.rename(root / "d", parked)
-            os.symlink(outside, root / "d")      # d is the link for a moment
-            os.unlink(root / "d")
-            os.rename(parked, root / "d")
-
-    t = threading.Thread(target=swapper, daemon=True)
-    s = make(sshd_server, root, "sftp")
-    outcomes: dict[str, int] = {}
-    t.start()
-    try:
-        deadline = time.monotonic() + 60
-        for i in range(300):
-            assert time.monotonic() < deadline, f"too slow: {i} extractions in 60 s"
-            try:
-                s.extract(str(legit), store, f"files/r{i}")
-            except SandboxError as exc:
-                outcomes[type(exc).__name__] = outcomes.get(type(exc).__name__, 0) + 1
-                continue
-            data = store.local_path(f"files/r{i}").read_bytes()
-            assert data == b"legit content!!\n", f"extraction {i} leaked {data!r}"
-            outcomes["delivered"] = outcomes.get("delivered", 0) + 1
-    finally:
-        stop.set()
-        t.join(10)
-    print("race outcomes", outcomes)
-    assert sum(outcomes.values()) == 300, outcomes

@@ -23,7 +23,7 @@ from typing import Protocol
 from urllib.parse import quote, unquote, urlparse
 
 from adapters.defaults import MAX_FILE_BYTES
-from adapters.errors import ConfigError, FileChanging, NotAFile, SandboxError, SandboxGone, UnsafePath
+from adapters.errors import ConfigError, FileChanging, FileMissing, NotAFile, SandboxError, SandboxGone, UnsafePath
 from adapters.sandboxes.routing import host_of
 
 DEFAULT_MAX_BYTES = MAX_FILE_BYTES
@@ -118,8 +118,12 @@ def parse_uri(uri: str) -> tuple[SandboxRef, str]:
         target = p.hostname or ""
         if p.username:
             options["user"] = unquote(p.username)
-        if p.port:
-            options["port"] = str(p.port)
+        try:
+            port = p.port
+        except ValueError as exc:  # urlparse's "Port out of range" / "invalid literal"
+            raise ConfigError(f"bad port in sandbox URI {uri!r}: {exc}") from None
+        if port:
+            options["port"] = str(port)
     ref = SandboxRef(kind, target, options=options)
     host_of(ref)  # a `?host=` that cannot name a queue is bad input here, before anything is registered
     return ref, path
@@ -256,6 +260,25 @@ def check_lexical(path: str) -> str:
     if ".." in path.split("/"):
         raise UnsafePath(f"{path}: '..' is not allowed")
     return path
+
+
+def os_error(exc: OSError, shown: str) -> SandboxError:
+    """One clear, permanent courier error for what the OS said about `shown`
+    (never a raw OSError as a chat's reason): missing / not a directory /
+    a name too long are FileMissing, a link loop and a denied permission
+    UnsafePath, anything else a SandboxError naming the OS's words."""
+    import errno
+
+    code, why = exc.errno, exc.strerror or str(exc)
+    if code in (errno.ENOENT, errno.ENOTDIR):
+        return FileMissing(f"{shown}: no such file ({why})")
+    if code == errno.ENAMETOOLONG:
+        return FileMissing(f"{shown}: no such file (a name or the path is too long)")
+    if code == errno.ELOOP:
+        return UnsafePath(f"{shown}: a symbolic link loop (too many levels of symbolic links)")
+    if code in (errno.EACCES, errno.EPERM):
+        return UnsafePath(f"{shown}: permission denied")
+    return SandboxError(f"{shown}: cannot be read ({why})")
 
 
 #: default read deadline: a sandbox channel that sends nothing for this long is given up
@@ -430,6 +453,22 @@ class Sandbox(ABC):
                 f"{path}: {size:,} bytes is over the {max_bytes:,} byte cap", size_bytes=size, limit_bytes=max_bytes
             )
         return store.put_stream(key, self.open_stream(resolved), max_bytes=max_bytes)
+
+    def home_dir(self) -> str | None:
+        """The sandbox user's home (an absolute path inside the sandbox), or
+        None when this backend does not know it. Default: the policy's home."""
+        policy = getattr(self, "policy", None)
+        return policy.home if policy is not None else None
+
+    def expand_home(self, path: str) -> str:
+        """`~/x` (an agent's `MEDIA:~/x`) as a path under the sandbox's own
+        home; any other path as is. The result is checked like any path."""
+        if not path.startswith("~/"):
+            return path
+        home = self.home_dir()
+        if not home or not home.startswith("/") or "\x00" in home:
+            raise UnsafePath(f"{path}: the home of this {self.kind or 'sandbox'} sandbox is not known")
+        return posixpath.join(posixpath.normpath(home), path[2:])
 
     def put(self, store, key: str, dest_path: str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
         """Inbound: copy a stored blob into the sandbox at `dest_path`."""

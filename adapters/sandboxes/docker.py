@@ -66,6 +66,7 @@ import select
 import socket
 import struct
 import tarfile
+import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
@@ -91,6 +92,8 @@ CHUNK = 1024 * 1024
 #: local engine; see hostroot): below it, the archive API's one GET costs less than the two
 #: engine inspects that channel takes
 HOST_ROOT_MIN_BYTES = 8 * 1024 * 1024
+#: a path of more components than this is resolved by one exec, not one engine stat per component
+MAX_STAT_WALK = 32
 #: default roots inside a container (plus the exec user's $HOME when sane)
 DOCKER_DEFAULT_ROOTS = ("/workspace", "/tmp")
 
@@ -759,7 +762,7 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
         fast = self._resolve_by_stat(path)
         if fast is not None:
             return fast
-        r = exec_resolve(self._exec, path)
+        r = exec_resolve(self._exec, path, policy_for=self.policy_for)
         self.stats["resolve_exec"] += 1
         return r
 
@@ -773,6 +776,12 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
                 home = out.decode("utf-8", "surrogateescape") if rc == 0 else ""
             self._home_cache = home
         return self._home_cache or None
+
+    def home_dir(self) -> str | None:
+        """The configured home, else the exec user's $HOME in the container."""
+        if self.policy is not None and self.policy.home:
+            return self.policy.home
+        return self._home()
 
     def _stat(self, path: str) -> dict | None:
         """The engine's lstat of `path` (HEAD /containers/{id}/archive); None if absent."""
@@ -803,8 +812,8 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
             return None
         if not self.runs_as_root():  # the engine stats as root: exec resolves as the container's user
             return None
-        parts = [p for p in path.split("/") if p]
-        if not parts:
+        parts = [p for p in path.split("/") if p and p != "."]  # `.` is a no-op lexically (`..` never gets here)
+        if not parts or len(parts) > MAX_STAT_WALK:  # a deep path: ONE exec, not a request per component
             return None
         norm = "/" + "/".join(parts)
         home = self._home()
@@ -814,7 +823,12 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
             return None
         st: dict | None = None
         for i in range(len(parts)):
-            st = self._stat("/" + "/".join(parts[: i + 1]))
+            try:
+                st = self._stat("/" + "/".join(parts[: i + 1]))
+            except SandboxGone:
+                if not self.alive():
+                    raise
+                return None  # the engine failed on this path (a link loop: 500): exec says what it is
             if st is None:
                 if not self.alive():
                     raise SandboxGone(f"container {self.ref.target} is gone")
@@ -864,8 +878,8 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
             if info is not None:
                 self.stats["host_root"] += 1
                 return info
-        info = store.put_stream(key, self.iter_archive(r.path, r.size, max_bytes=max_bytes, expect=walked[1]),
-                                max_bytes=max_bytes)
+        chunks = self.iter_archive(r.path, r.size, max_bytes=max_bytes, expect=walked[1])
+        info = store.put_stream(key, self._links_checked(chunks, r.path, self.policy_for(r.home)), max_bytes=max_bytes)
         self.stats["archive"] += 1
         return info
 
@@ -924,6 +938,51 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
             return store.put_stream(key, chunks(), max_bytes=max_bytes)
         finally:
             os.close(fd)
+
+    def _links_checked(self, chunks: Iterator[bytes], resolved: str, policy: PathPolicy) -> Iterator[bytes]:
+        """`chunks` of the archive channel, whose stat carries no link count:
+        ONE `stat` exec counts the file's hard links beside the transfer (it
+        costs no time on a big file), and the last chunk is held back until
+        it says 1, so a hard link to a file outside the roots fails the
+        put (all-or-nothing: nothing stored)."""
+        if policy.links_allowed(resolved):
+            yield from chunks
+            return
+        box: dict = {}
+
+        def count() -> None:
+            try:
+                for _ in range(3):  # podman's attach may lose a short exec's output: ask again
+                    box["res"] = self._exec.exec_small(["stat", "-c", "%h", "--", resolved])
+                    if box["res"][0] != 0 or box["res"][1].strip():
+                        break
+            except BaseException as exc:  # noqa: BLE001 - handed to the reader
+                box["exc"] = exc
+
+        t = threading.Thread(target=count, name="courier-docker-nlink", daemon=True)
+        t.start()
+        held: bytes | None = None
+        for chunk in chunks:
+            if held is not None:
+                yield held
+            held = chunk
+        t.join(self.io_timeout_s + 5)
+        if t.is_alive():
+            raise ReadTimeout(f"container {self.ref.target}: counting the links of {resolved} took too long")
+        if "exc" in box:
+            raise box["exc"]
+        rc, out, err = box["res"]
+        if rc in (126, 127):
+            # an image without `stat` (distroless): nothing counts the links there, and the agent
+            # of a root container can read (and copy out) any file in it anyway
+            if held is not None:
+                yield held
+            return
+        if rc != 0 or not out.strip().isdigit():
+            raise SandboxGone(f"{resolved}: cannot count its links (exit {rc}: {err[:200]!r})")
+        policy.check_links(resolved, int(out.strip()), shown=resolved)
+        if held is not None:
+            yield held
 
     def _extract_bound(self, bound: tuple[str, str], path: str, store, key: str, *, max_bytes: int,
                        resolved: str):
@@ -1047,8 +1106,11 @@ class DockerSandbox(ExecStreamMixin, Sandbox):
 def _open_under(host: str, src: str, *, shown: str) -> int:
     """Open `host` for reading only if it resolves (and stays, once opened)
     inside the bind mount source `src`. Returns an fd of a regular file."""
-    src_real = os.path.realpath(src)
-    real = os.path.realpath(host)
+    try:
+        src_real = os.path.realpath(src)
+        real = os.path.realpath(host)
+    except OSError as exc:  # a link swapped for a file between realpath's lstat and readlink (EINVAL)
+        raise UnsafePath(f"{shown}: changed while resolving on the host ({exc.strerror})") from exc
     if not (real == src_real or real.startswith(src_real.rstrip("/") + "/")):
         raise UnsafePath(f"{shown}: leaves its bind mount on the host")
     try:

@@ -82,15 +82,21 @@ EXIT_NOT_DIR = 5
 EXIT_SHORT = 6
 EXIT_DENIED = 13
 EXIT_LINKS = 15
+EXIT_LOOP = 40
 
 # $1 = path as given. Prints HOME NUL resolved NUL type NUL size and link count
 # (type: f regular file, d directory, o other). readlink's output is kept
 # exactly (the `echo x` guard keeps trailing newlines from being eaten).
+# A path that does not resolve exits 2 after HOME NUL what it would name
+# (empty when readlink gave up), or 40 for a symbolic link loop (`realpath`
+# names it; it opens nothing, so a FIFO cannot block it).
 RESOLVE_SCRIPT = r"""r=$(readlink -f -- "$1"; echo x)
 r=${r%x}
-[ -n "$r" ] || exit 2
 r=${r%?}
-[ -e "$r" ] || exit 2
+if [ -z "$r" ] || [ ! -e "$r" ]; then
+case $(realpath "$1" 2>&1 >/dev/null) in *"ymbolic link"*|*[Ll]oop*) exit 40;; esac
+printf '%s\0%s' "$HOME" "$r"; exit 2
+fi
 if [ -f "$r" ]; then t=f; elif [ -d "$r" ]; then t=d; else t=o; fi
 s="0 1"
 if [ "$t" = f ]; then s=$(stat -c '%s %h' -- "$r") || exit 2; fi
@@ -367,12 +373,26 @@ def _err_text(err: bytes) -> str:
     return err.decode("utf-8", "replace").strip()[:300]
 
 
-def exec_resolve(ch: ExecChannel, path: str) -> Resolved:
+def exec_resolve(ch: ExecChannel, path: str, *, policy_for: Callable[[str | None], PathPolicy] | None = None
+                 ) -> Resolved:
     """Resolve `path` inside the sandbox with ONE exec. The caller checks the
-    returned path against its policy. Raises FileMissing / NotAFile."""
+    returned path against its policy. Raises FileMissing / NotAFile, and
+    UnsafePath for a link loop. With `policy_for`, a path that does not
+    resolve is first checked as what it would name: a denied one is refused
+    exactly as an existing one is (no existence probe)."""
     check_lexical(path)
     rc, out, err = _ask(ch, RESOLVE_SCRIPT, path)
+    if rc == EXIT_LOOP:
+        raise UnsafePath(f"{path}: a symbolic link loop (too many levels of symbolic links)")
     if rc == EXIT_MISSING:
+        if policy_for is not None:
+            home, _, would = out.partition(b"\0")
+            policy = policy_for(home.decode("utf-8", "surrogateescape") or None)
+            would_s = would.decode("utf-8", "surrogateescape")
+            if would_s.startswith("/"):
+                policy.check(posixpath.normpath(would_s), shown=path)
+            else:
+                policy.check_lexical_denied(path)
         raise FileMissing(f"{path}: no such file")
     if rc != 0:
         raise SandboxError(f"{path}: cannot resolve (exit {rc}: {_err_text(err)})")
@@ -708,7 +728,7 @@ class ExecStreamMixin:
         return self.policy
 
     def resolve(self, path: str) -> tuple[str, int]:
-        r = exec_resolve(self.exec_channel(), path)
+        r = exec_resolve(self.exec_channel(), path, policy_for=self.policy_for)
         self.policy_for(r.home).check(r.path, shown=path)
         return r.path, r.size
 
@@ -717,7 +737,7 @@ class ExecStreamMixin:
 
     def exec_extract_file(self, path: str, store, key: str, *, max_bytes: int = DEFAULT_MAX_BYTES):
         ch = self.exec_channel()
-        r = exec_resolve(ch, path)
+        r = exec_resolve(ch, path, policy_for=self.policy_for)
         policy = self.policy_for(r.home)
         policy.check(r.path, shown=path)
         if r.size > max_bytes:

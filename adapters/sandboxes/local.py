@@ -22,7 +22,7 @@ from pathlib import Path
 from adapters.errors import FileMissing, NotAFile, TooLarge, UnsafePath
 from adapters.sandboxes.base import (
     DEFAULT_EXEC_OUTPUT_BYTES, DEFAULT_MAX_BYTES, BoundedOutput, PathPolicy, Sandbox, SandboxRef, check_lexical,
-    exec_argv, open_regular, run_exec, unchanged, write_blob_at,
+    exec_argv, open_regular, os_error, run_exec, unchanged, write_blob_at,
 )
 
 CHUNK = 1024 * 1024
@@ -52,10 +52,8 @@ class LocalSandbox(Sandbox):
             st = os.stat(real)
         except FileNotFoundError as exc:
             raise FileMissing(f"{path}: no such file") from exc
-        except PermissionError as exc:
-            raise UnsafePath(f"{path}: permission denied") from exc
-        except OSError as exc:  # ENOTDIR (a file as a directory), ELOOP (a link cycle), ...
-            raise FileMissing(f"{path}: no such file ({exc.strerror})") from exc
+        except OSError as exc:  # EACCES, ENOTDIR (a file as a directory), ELOOP (a link cycle), ...
+            raise os_error(exc, path) from exc
         if not stat.S_ISREG(st.st_mode):
             raise NotAFile(f"{path}: not a regular file")
         return real, st.st_size

@@ -322,6 +322,15 @@ class ModalSandbox(ExecStreamMixin, Sandbox):
         which the SDK ends after `backstop_s` should the worker not."""
         return _ModalRun(self.exec_channel(), argv, run_id, backstop_s)
 
+    def home_dir(self) -> str | None:
+        """The configured home, else the sandbox user's $HOME (one exec, once)."""
+        if self.policy is not None and self.policy.home:
+            return self.policy.home
+        if getattr(self, "_home_cache", None) is None:
+            rc, out, _err = self.exec_channel().exec_small(["sh", "-c", 'printf %s "$HOME"'])
+            self._home_cache = out.decode("utf-8", "surrogateescape") if rc == 0 else ""
+        return self._home_cache or None
+
     # -- resolve ------------------------------------------------------------------
     def resolve(self, path: str) -> tuple[str, int]:
         r = self._resolve(path)
@@ -330,7 +339,7 @@ class ModalSandbox(ExecStreamMixin, Sandbox):
     def _resolve(self, path: str) -> Resolved:
         check_lexical(path)
         try:
-            r = exec_resolve(self.exec_channel(), path)
+            r = exec_resolve(self.exec_channel(), path, policy_for=self.policy_for)
         except (FileMissing, NotAFile):
             self._deny_lexical(path)
             raise

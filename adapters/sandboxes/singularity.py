@@ -21,6 +21,7 @@ any link found now (a swap after resolve) is refused, and streamed.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import posixpath
@@ -31,9 +32,9 @@ import uuid
 from collections import deque
 from collections.abc import Iterator
 
-from adapters.errors import ConfigError, FileMissing, NotAFile, SandboxGone, TooLarge, UnsafePath
+from adapters.errors import ConfigError, CourierError, FileMissing, NotAFile, SandboxGone, TooLarge, UnsafePath
 from adapters.sandboxes.base import (
-    DEFAULT_MAX_BYTES, PathPolicy, Sandbox, SandboxRef, check_lexical, open_regular, unchanged,
+    DEFAULT_MAX_BYTES, PathPolicy, Sandbox, SandboxRef, check_lexical, open_regular, os_error, unchanged,
     write_blob_at,
 )
 
@@ -138,7 +139,23 @@ class _Walk:
 
 def resolve_in_root(root: str, path: str, *, max_links: int = MAX_LINKS) -> tuple[str, os.stat_result]:
     """Resolve absolute `path` as the instance sees it, never leaving `root`.
-    Returns (resolved path inside the instance, lstat of the final entry)."""
+    Returns (resolved path inside the instance, lstat of the final entry).
+
+    A path that does not resolve raises FileMissing whose `resolved` is
+    where the walk got to plus the rest as written (what the path would
+    name), so the caller can refuse a denied one as it refuses an existing
+    one; any other OS error is one clear courier error (base.os_error)."""
+    try:
+        return _resolve_in_root(root, path, max_links)
+    except CourierError:
+        raise
+    except OSError as exc:  # a link or directory swapped mid-walk, a name too long, ...
+        if exc.errno == errno.EINVAL:  # readlink of an entry swapped for a non-link after its lstat
+            raise UnsafePath(f"{path}: changed while resolving") from exc
+        raise os_error(exc, path) from exc
+
+
+def _resolve_in_root(root: str, path: str, max_links: int) -> tuple[str, os.stat_result]:
     parts = deque(p for p in path.split("/") if p)
     links = 0
     with _Walk(root) as w:
@@ -154,13 +171,16 @@ def resolve_in_root(root: str, path: str, *, max_links: int = MAX_LINKS) -> tupl
             try:
                 st = os.stat(part, dir_fd=w.cur, follow_symlinks=False)
             except (FileNotFoundError, NotADirectoryError) as exc:
-                raise FileMissing(f"{path}: no such file") from exc
+                missing = FileMissing(f"{path}: no such file")
+                would = posixpath.normpath(posixpath.join(w.path(part), *parts))
+                missing.resolved = would  # type: ignore[attr-defined]
+                raise missing from exc
             except PermissionError as exc:
                 raise UnsafePath(f"{path}: permission denied") from exc
             if statmod.S_ISLNK(st.st_mode):
                 links += 1
                 if links > max_links:
-                    raise UnsafePath(f"{path}: too many levels of symbolic links")
+                    raise UnsafePath(f"{path}: a symbolic link loop (too many levels of symbolic links)")
                 target = os.readlink(part, dir_fd=w.cur)
                 if target.startswith("/"):
                     w.to_root()
@@ -215,7 +235,11 @@ class SingularitySandbox(Sandbox):
 
     def resolve(self, path: str) -> tuple[str, int]:
         check_lexical(path)
-        resolved, st = resolve_in_root(self.root, path)
+        try:
+            resolved, st = resolve_in_root(self.root, path)
+        except FileMissing as exc:  # a denied path is refused the same way, existing or not
+            self.policy.check(getattr(exc, "resolved", None) or posixpath.normpath(path), shown=path)
+            raise
         self.policy.check(resolved, shown=path)
         if statmod.S_ISDIR(st.st_mode):
             raise NotAFile(f"{path}: is a directory")

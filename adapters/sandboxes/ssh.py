@@ -599,7 +599,9 @@ class SshSandbox(Sandbox):
 
     # -- pool -----------------------------------------------------------------
     def _pool_key(self) -> tuple:
-        return (self.user, self.host, self.port, self.key_path, self.known_hosts,
+        # the trust key hashes the known_hosts and identity files' content: a connection
+        # made under other trust (a known_hosts rewritten in place) is never reused
+        return (self.user, self.host, self.port, self.key_path, self.known_hosts, self._trust_key(),
                 self.window_size, self.max_packet_size)
 
     def _alive(self) -> bool:
@@ -761,7 +763,10 @@ class SshSandbox(Sandbox):
             else:
                 real = self._readlink_f(path)
         except FileNotFoundError:
+            # the server says only "no such file" (for a link loop too): ONE exec says what the
+            # path would name (a denied one is refused as if it existed) or that it loops
             self._deny_lexical(policy, path)
+            exec_resolve(_SshSmall(self), path, policy_for=self._policy)
             raise FileMissing(f"{path}: no such file on {self.where}") from None
         policy.check(real, shown=path)
         try:
@@ -1048,7 +1053,7 @@ class SshSandbox(Sandbox):
     def _resolve_openssh(self, path: str) -> Resolved:
         """ONE exec through the control master (execstream's resolve script)."""
         try:
-            r = exec_resolve(self._openssh(), path)
+            r = exec_resolve(self._openssh(), path, policy_for=self._policy)
         except (FileMissing, NotAFile):
             self._deny_lexical(self._policy(self._remote_home()), path)  # denied paths say so, existing or not
             raise
@@ -1094,6 +1099,22 @@ class SshSandbox(Sandbox):
         if rc != 0:
             raise self._ssh_error(rc, err, dest_path)
         return dest
+
+    def home_dir(self) -> str | None:
+        """The configured home, else the remote user's (SFTP's `.`, or $HOME
+        over the control master), asked once."""
+        if self.policy.home:
+            return self.policy.home
+        if getattr(self, "_home_cache", None) is None:
+            if self.use_openssh:
+                rc, out, err = self._openssh().exec_small(["sh", "-c", 'printf "%s" "$HOME"'])
+                if rc != 0:
+                    raise self._ssh_error(rc, err, "home")
+                self._home_cache = out.decode("utf-8", "surrogateescape")
+            else:
+                with self._errors("home"), self._sftp() as sftp:
+                    self._home_cache = sftp.normalize(".")
+        return self._home_cache or None
 
     def _remote_home(self) -> str | None:
         if self._checked_policy is not None or (self.policy.roots and self.policy.home):
