@@ -523,4 +523,7 @@ def test_gated_script_streams_only_after_go(tmp_path):
     rc, out = _gated(f, b"go\n")  # two names: refused unless the caller allows links there
     assert (rc, out) == (15, head.replace(b" 1\0", b" 2\0"))
     assert _gated(f, b"go 1\n") == (0, head.replace(b" 1\0", b" 2\0") + data)
-    assert _gated(tmp_path / "missing", b"go\n") == (2, b"")
+    # missing: the resolve's answer (what the name would be, for the policy's existence-blind
+    # refusal) and nothing streamed
+    home = os.environ.get("HOME", "").encode()
+    assert _gated(tmp_path / "missing", b"go\n") == (2, home + b"\0" + str(tmp_path / "missing").encode())
