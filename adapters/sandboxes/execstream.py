@@ -350,14 +350,14 @@ def default_roots(home: str | None, base: Sequence[str] = ("/workspace", "/tmp")
     return tuple(roots)
 
 
-def _ask(ch: ExecChannel, script: str, *args: str) -> tuple[int, bytes, bytes]:
+def _ask(ch: ExecChannel, script: str, *args: str, answers_missing: bool = False) -> tuple[int, bytes, bytes]:
     """Run one of the read-only resolve scripts, which always print their
     reply. podman 4.3's Docker-compatible attach can drop the output of a
     command that ends at once (exit 0, no bytes; seen under load): such an
     answer is asked again, up to 3 times, before it is an error."""
     for _ in range(3):
         rc, out, err = ch.exec_small(["sh", "-c", script, "sh", *args])
-        if rc != 0 or out:
+        if out or not (rc == 0 or (answers_missing and rc == EXIT_MISSING)):
             break
     return rc, out, err
 
@@ -381,7 +381,7 @@ def exec_resolve(ch: ExecChannel, path: str, *, policy_for: Callable[[str | None
     resolve is first checked as what it would name: a denied one is refused
     exactly as an existing one is (no existence probe)."""
     check_lexical(path)
-    rc, out, err = _ask(ch, RESOLVE_SCRIPT, path)
+    rc, out, err = _ask(ch, RESOLVE_SCRIPT, path, answers_missing=True)  # a missing path: what it would be
     if rc == EXIT_LOOP:
         raise UnsafePath(f"{path}: a symbolic link loop (too many levels of symbolic links)")
     if rc == EXIT_MISSING:
@@ -439,13 +439,23 @@ def exec_iter_file(ch: ExecChannel, resolved: str, *, expected_size: int | None 
     with several hard links is refused unless `policy` allows them there.
     """
     mode = "cat" if getattr(ch, "binary_safe", True) else "base64"
-    run_id, st = _start_stream(ch, resolved, mode, policy)
-    yield from _iter_stream(ch, st, run_id, resolved, mode, expected_size=expected_size, max_bytes=max_bytes)
+    for attempt in range(3):
+        # podman's Docker-compatible attach can drop a stream's output under load (exit 0,
+        # no byte of a non-empty file): nothing was yielded then, so the read runs again
+        lost: list[bool] | None = [] if attempt < 2 else None
+        run_id, st = _start_stream(ch, resolved, mode, policy)
+        yield from _iter_stream(ch, st, run_id, resolved, mode, expected_size=expected_size, max_bytes=max_bytes,
+                                lost=lost)
+        if not lost:
+            return
 
 
 def _iter_stream(ch: ExecChannel, st: ExecStream, run_id: str, resolved: str, mode: str, *,
-                 expected_size: int | None, max_bytes: int | None) -> Iterator[bytes]:
-    """exec_iter_file's chunks of a started stream script."""
+                 expected_size: int | None, max_bytes: int | None, lost: list[bool] | None = None
+                 ) -> Iterator[bytes]:
+    """exec_iter_file's chunks of a started stream script. With `lost`, a
+    stream that exited 0 without a byte of a non-empty file is noted there
+    (its output was lost on the way) instead of raised."""
     n = 0
     try:
         body = st.chunks if mode == "cat" else _b64_decode(st.chunks)
@@ -465,6 +475,9 @@ def _iter_stream(ch: ExecChannel, st: ExecStream, run_id: str, resolved: str, mo
         raise
     finally:
         st.close()
+    if lost is not None and n == 0 and rc == 0 and expected_size:
+        lost.append(True)
+        return
     _check_stream_end(st, rc, n, resolved, expected_size)
 
 
