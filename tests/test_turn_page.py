@@ -13,7 +13,7 @@ import os
 import httpx
 import pytest
 
-from tests.fixtures.services import stop_process, wait_until
+from tests.fixtures.services import need, stop_process, wait_until
 from tests.fixtures.webstack import _web
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -23,10 +23,7 @@ CHROMIUM = os.environ.get("COURIER_CHROMIUM_PATH", "/usr/bin/chromium")
 
 @pytest.fixture
 def browser():
-    if not os.access(CHROMIUM, os.X_OK):
-        if os.environ.get("CI"):
-            pytest.fail(f"no Chromium at {CHROMIUM} (scripts/setup installs it)")
-        pytest.skip(f"no Chromium at {CHROMIUM}")
+    need(os.access(CHROMIUM, os.X_OK), f"no Chromium at {CHROMIUM} (scripts/setup installs it)")
     from playwright.sync_api import sync_playwright
 
     from adapters.agents.tools import CHROMIUM_ARGS
