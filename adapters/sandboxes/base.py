@@ -272,7 +272,7 @@ def check_size(shown: str, size: int, max_bytes: int) -> None:
                        limit_bytes=max_bytes)
 
 
-def grew_over_cap(shown: str, size: int, max_bytes: int) -> TooLarge:
+def grew_over_cap(shown: str, size: int | None, max_bytes: int) -> TooLarge:
     """The size cap, counted during a transfer: what to raise once `size`
     bytes arrived of a file that was within `max_bytes` when it was checked."""
     return TooLarge(f"{shown}: larger than the {max_bytes:,} byte cap", size_bytes=size, limit_bytes=max_bytes)
