@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from adapters.errors import SandboxError
-from adapters.sandboxes.base import DEFAULT_EXEC_OUTPUT_BYTES, DEFAULT_MAX_BYTES, ExecRun, PathPolicy, check_size
+from adapters.sandboxes.base import DEFAULT_EXEC_OUTPUT_BYTES, DEFAULT_MAX_BYTES, ExecRun, PathPolicy
 from adapters.sandboxes.execstream.channel import ExecChannel, default_roots
 from adapters.sandboxes.execstream.run import exec_command
-from adapters.sandboxes.execstream.transfer import exec_iter_file, exec_put, exec_resolve
+from adapters.sandboxes.execstream.transfer import exec_extract, exec_iter_file, exec_put, exec_resolve
 
 
 class ExecStreamMixin:
@@ -44,13 +44,8 @@ class ExecStreamMixin:
         return exec_iter_file(self.exec_channel(), resolved, policy=self.policy)
 
     def exec_extract_file(self, path: str, store, key: str, *, max_bytes: int = DEFAULT_MAX_BYTES):
-        ch = self.exec_channel()
-        r = exec_resolve(ch, path, policy_for=self.policy_for)
-        policy = self.policy_for(r.home)
-        policy.check(r.path, shown=path)
-        check_size(path, r.size, max_bytes)
-        return store.put_stream(key, exec_iter_file(ch, r.path, expected_size=r.size, max_bytes=max_bytes,
-                                                    policy=policy), max_bytes=max_bytes)
+        return exec_extract(self.exec_channel(), None, path, store, key, max_bytes=max_bytes,
+                            policy_for=self.policy_for)
 
     def exec_put_file(self, store, key: str, dest_path: str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
         return exec_put(self.exec_channel(), self.policy_for, store, key, dest_path, max_bytes=max_bytes)

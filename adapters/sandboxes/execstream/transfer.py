@@ -225,20 +225,23 @@ def _start_stream(ch: ExecChannel, resolved: str, mode: str, policy: PathPolicy 
                                    mode, links_ok])
 
 
+#: what the stream script's exit codes say about the file (it read nothing then)
+_STREAM_EXITS: dict[int, tuple[type[SandboxError], str]] = {
+    EXIT_MISSING: (FileMissing, "no such file"),
+    EXIT_NOT_FILE: (NotAFile, "not a regular file"),
+    EXIT_CHANGED: (UnsafePath, "changed while opening"),
+    EXIT_DENIED: (UnsafePath, "not readable by the sandbox's user"),
+    EXIT_LINKS: (UnsafePath, "has several hard links (another name may be outside the allowed roots); refused"),
+}
+
+
 def _check_stream_end(st: ExecStream, rc: int | None, n: int, resolved: str, expected_size: int | None) -> None:
     """The stream script's verdict once its output has ended: raises unless it
     exited 0 having sent exactly `expected_size` bytes."""
-    if rc == EXIT_MISSING:
-        raise FileMissing(f"{resolved}: no such file")
-    if rc == EXIT_NOT_FILE:
-        raise NotAFile(f"{resolved}: not a regular file")
-    if rc == EXIT_CHANGED:
-        raise UnsafePath(f"{resolved}: changed while opening")
-    if rc == EXIT_DENIED:
-        raise UnsafePath(f"{resolved}: not readable by the sandbox's user")
-    if rc == EXIT_LINKS:
-        raise UnsafePath(f"{resolved}: has several hard links (another name may be outside the allowed roots); "
-                         "refused")
+    refused = _STREAM_EXITS.get(rc) if rc is not None else None
+    if refused is not None:
+        error, why = refused
+        raise error(f"{resolved}: {why}")
     if rc is None:
         raise SandboxGone(f"{resolved}: the transfer ended without an exit status")
     if rc != 0:
@@ -340,10 +343,16 @@ def exec_gated_extract(ch: GatedChannel, path: str, store, key: str, *, max_byte
                          guard=guard)
 
 
-def exec_extract(ch: ExecChannel, policy: PathPolicy, path: str, store, key: str, *,
-                 max_bytes: int = DEFAULT_MAX_BYTES):
-    """resolve (1 exec) + policy check + stream (1 exec) into `store`."""
-    r = exec_resolve(ch, path)
+def exec_extract(ch: ExecChannel, policy: PathPolicy | None, path: str, store, key: str, *,
+                 max_bytes: int = DEFAULT_MAX_BYTES, policy_for: Callable[[str | None], PathPolicy] | None = None):
+    """resolve (1 exec) + policy check + stream (1 exec) into `store`. The
+    policy is `policy`, or with `policy_for` the one for the sandbox's $HOME
+    (which also checks a path that does not resolve, see exec_resolve)."""
+    r = exec_resolve(ch, path, policy_for=policy_for)
+    if policy_for is not None:
+        policy = policy_for(r.home)
+    if policy is None:
+        raise SandboxError("exec_extract needs a policy or policy_for")
     policy.check(r.path, shown=path)
     check_size(path, r.size, max_bytes)
     return store.put_stream(key, exec_iter_file(ch, r.path, expected_size=r.size, max_bytes=max_bytes,
