@@ -19,7 +19,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 from urllib.parse import quote, unquote, urlparse
 
 from adapters.defaults import MAX_FILE_BYTES
@@ -29,6 +29,7 @@ from adapters.errors import (
 from adapters.sandboxes.routing import host_of
 
 DEFAULT_MAX_BYTES = MAX_FILE_BYTES
+T = TypeVar("T")
 #: Sandbox.exec: bytes kept per output stream, and the exit code of a timeout
 DEFAULT_EXEC_OUTPUT_BYTES = 1024 * 1024
 EXEC_TIMEOUT_EXIT = 124
@@ -307,7 +308,7 @@ class ReadTimeout(SandboxGone):
     goes on."""
 
 
-def with_deadline(chunks: Iterable[bytes], idle_s: float, what: str, on_timeout=None) -> Iterator[bytes]:
+def with_deadline(chunks: Iterable[T], idle_s: float, what: str, on_timeout=None) -> Iterator[T]:
     """`chunks` (a blocking iterator: an SDK stream) read by a helper thread,
     at most two chunks ahead; when none arrives for `idle_s` seconds,
     `on_timeout()` runs (end the command) and :class:`ReadTimeout` is raised.

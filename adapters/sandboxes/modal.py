@@ -227,7 +227,8 @@ def _bounded(stream, limit: int = 1 << 20) -> bytes:
     return bytes(out[:limit])
 
 
-class ModalSandbox(ExecStreamMixin, Sandbox):
+# the mixin's policy may be None until the first resolve learns $HOME (Sandbox's never is)
+class ModalSandbox(ExecStreamMixin, Sandbox):  # type: ignore[misc]
     kind = "modal"
     exec_default_roots = MODAL_DEFAULT_ROOTS
 
