@@ -1,4 +1,4 @@
-"""The exec-stream fallback (adapters/sandboxes/execstream.py) through real channels:
+"""The exec-stream fallback (adapters/sandboxes/execstream/) through real channels:
 
 * the docker exec channel of a real container (rootful podman, busybox sh);
 * the same channel declared not binary-safe (base64 on the wire);
