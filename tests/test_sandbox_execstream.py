@@ -281,6 +281,21 @@ def test_demux_stdout_any_split(cut):
     assert out == payload and bytes(err) == b"warnxxxx"
 
 
+@pytest.mark.parametrize("cut", [1, 3, 7, 8, 9, 100, 4096])
+def test_whole_output_any_split(cut):
+    """The same demultiplexer (FrameSplitter) behind a short command's whole
+    output and a Sandbox.exec's pump: stdout and stderr apart, any cut."""
+    from adapters.sandboxes.base import BoundedOutput
+    from adapters.sandboxes.docker.demux import read_all
+
+    wire = _frames((1, b"out-1 "), (2, b"err-1 "), (1, b""), (3, b"stdin echo: dropped"), (1, b"out-2"),
+                   (2, b"err-2"))
+    pieces = [wire[i:i + cut] for i in range(0, len(wire), cut)]
+    out, err = BoundedOutput(1024), BoundedOutput(1024)
+    read_all(lambda n: pieces.pop(0) if pieces else b"", out, err)
+    assert (out.value(), err.value()) == (b"out-1 out-2", b"err-1 err-2")
+
+
 # -- podman's dropped answers: asked again in ONE place, the docker channel's probe --------
 class _Dropping:
     """Stands in for podman 4.3 under CPU load, which cannot be made to drop an
