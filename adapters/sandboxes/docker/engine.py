@@ -337,11 +337,12 @@ class DockerExec:
 
     def exec_probe(self, argv: Sequence[str], *, answers: Sequence[int] = (0,)) -> tuple[int, bytes, bytes]:
         """A read-only probe (stat, resolve, readlink) that prints its answer
-        whenever it exits with one of `answers`. podman 4.3's Docker-compatible
-        attach can drop the whole output of a command that ends at once (exit 0,
-        no bytes; seen under CPU load): such an empty answer is asked again,
-        up to :data:`PROBE_ATTEMPTS` times. The one place that is done: agent
-        commands and anything that changes the container never come here."""
+        whenever it exits with one of `answers`. An empty answer (exit 0, no
+        bytes) is asked again, up to :data:`PROBE_ATTEMPTS` times. Its known
+        cause, output read ahead with the exec start's headers (seen under
+        CPU load), is fixed where it arose (:class:`Hijacked`); this stays a
+        belt for read-only probes only: agent commands and anything that
+        changes the container never come here."""
         for _ in range(PROBE_ATTEMPTS):
             rc, out, err = self.exec_small(argv)
             if out or rc not in answers:
