@@ -18,6 +18,7 @@ from celery import shared_task
 from adapters.platforms.base import split_target
 from tasks import extract as extract_mod
 from tasks import ledger, metrics, runtime, task_names
+from tasks.events import Event, describe
 from tasks import turn as turn_mod
 
 log = logging.getLogger(__name__)
@@ -26,21 +27,17 @@ def platform_of(target: str) -> str:
     return split_target(target)[0]
 
 
-def progress_meta(job_id: str, ev: dict) -> dict | None:
+def progress_meta(job_id: str, ev: Event) -> dict[str, str] | None:
     """The custom `PROGRESS` state's meta for a phase event (None: not shown):
-    what the turn is doing now, for the result backend and Flower."""
+    what the turn is doing now (`events.describe`), for the result backend and Flower."""
     kind = ev.get("kind")
-    if kind == "status" and ev.get("status") in ("started", "thinking", "processing"):
-        activity = ev.get("activity") or ev.get("message") or ev["status"]
-    elif kind == "tool_start":
-        activity = ev.get("activity") or f"using {ev.get('tool_name', 'a tool')}"
-    elif kind == "tool_result":
-        activity = f"{ev.get('activity') or ev.get('tool_name', 'tool')} ({ev.get('status', 'tool_complete')})"
-    else:
+    if not (kind in ("tool_start", "tool_result")
+            or (kind == "status" and ev.get("status") in ("started", "thinking", "processing"))):
         return None
-    meta = {"job": job_id, "phase": ev.get("status") if kind == "status" else kind, "activity": str(activity)[:80]}
+    meta = {"job": job_id, "phase": str(ev.get("status") if kind == "status" else kind),
+            "activity": describe(ev)[:80]}
     if ev.get("tool_name"):
-        meta["tool"] = ev["tool_name"]
+        meta["tool"] = str(ev["tool_name"])
     return meta
 
 

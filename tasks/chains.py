@@ -32,6 +32,8 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from redis import Redis
+
 from adapters.platforms.base import split_target
 from adapters.sandboxes.base import SandboxRef
 from storage import prefixes
@@ -171,7 +173,7 @@ def entries(plan: Plan) -> list[_Entry]:
     return out
 
 
-def register(r, plan: Plan, *, job_kind: str | None = None) -> list[_Entry]:
+def register(r: Redis, plan: Plan, *, job_kind: str | None = None) -> list[_Entry]:
     """Record the plan in the ledger in one transaction: the job (with
     `job_kind`), a queued receipt per delivery with its spec, the steps at
     the end of the chat's lane, and due times for the lane and each
@@ -317,7 +319,7 @@ def queue_extract(pipe, did: str, queue: str, what: str = "") -> bool:
     return True
 
 
-def enqueue(r, plan: Plan, *, job_kind: str | None = None) -> list[str]:
+def enqueue(r: Redis, plan: Plan, *, job_kind: str | None = None) -> list[str]:
     """Register the plan in the ledger (and the job, with `job_kind`), then
     publish its extractions and one drive of the chat's lane. Returns the
     delivery ids. A publish that fails after the ledger was written loses
@@ -344,7 +346,7 @@ def enqueue(r, plan: Plan, *, job_kind: str | None = None) -> list[str]:
     return [e.did for e in items]
 
 
-def enqueue_turn(r, target: str, message: str, *, agent: str, job_id: str | None = None,
+def enqueue_turn(r: Redis, target: str, message: str, *, agent: str, job_id: str | None = None,
                  sandbox: str | None = None, attachments: list[dict] | None = None,
                  origin: str | None = None) -> str:
     """Record a turn's job (with its spec: the ledger can run it again), then

@@ -20,6 +20,9 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from redis import Redis
+from redis.client import Pipeline
+
 from adapters.errors import CourierError, DeliveryError, Permanent, RateLimited
 from adapters.platforms.base import FileRefused, FileSource, Kind, Platform, Sent, split_target
 from tasks import events, keys, metrics, ratelimit, receipts
@@ -37,7 +40,7 @@ class Busy(CourierError):
     transient = True
 
 
-def _event(ctx: Context, job: dict, pipe=None, **ev: Any) -> None:
+def _event(ctx: Context, job: dict, pipe: Pipeline | None = None, **ev: Any) -> None:
     events.publish(ctx.redis, job["job"], {"kind": "delivery", "delivery_id": job["id"], **ev},
                    maxlen=ctx.events_maxlen, pipe=pipe)
 
@@ -90,7 +93,7 @@ class SendSession:
         self.fresh = fresh
         self.released = False
 
-    def release(self, pipe=None) -> None:
+    def release(self, pipe: Pipeline | None = None) -> None:
         """Release the lock (queued on `pipe` when given: one round trip less)."""
         if not self.released:
             receipts.release_send_lock(pipe if pipe is not None else self.ctx.redis, self.did, self.owner)
@@ -210,7 +213,7 @@ def _extraction_failed(ctx: Context, platform: Platform, chat: str, job: dict, e
 
 
 def _record_delivered(ctx: Context, job: dict, message_id: str, kind_name: str, size: int, attempts: int,
-                      pipe=None, execute: bool = False) -> dict:
+                      pipe: Pipeline | None = None, execute: bool = False) -> dict:
     """The receipt and the delivery event of a delivered item (queued on `pipe` when given)."""
     p = pipe if pipe is not None else ctx.redis.pipeline(transaction=False)
     receipts.update_delivery(p, job["id"], state="delivered", message_id=message_id, kind=kind_name,
@@ -431,7 +434,7 @@ def _job_of(item: dict) -> dict:
     return {k: v for k, v in item.items() if k != "extracted"}
 
 
-def _receipts_of(r, items: list[dict]) -> list[dict]:
+def _receipts_of(r: Redis, items: list[dict]) -> list[dict]:
     pipe = r.pipeline(transaction=False)
     for item in items:
         pipe.hgetall(keys.delivery(item["id"]))

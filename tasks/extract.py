@@ -7,6 +7,9 @@ import logging
 import posixpath
 import time
 
+from redis import Redis
+from redis.client import Pipeline
+
 from adapters.errors import CourierError, SandboxError, StorageError, TooLarge
 from adapters.sandboxes.base import SandboxRef, os_error
 from tasks import events, metrics, receipts
@@ -22,7 +25,7 @@ _PATH_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ENAMETOOLONG, errno
 RECORD_MIN_BYTES = 1024 * 1024
 
 
-def extract(ctx: Context, spec: dict, *, pipe=None) -> dict:
+def extract(ctx: Context, spec: dict, *, pipe: Pipeline | None = None) -> dict:
     """spec: job, delivery (id), sandbox (ref dict), path, key, max_bytes?
     `pipe`: the receipt's record of a success is queued there (the caller
     executes it), else written at once.
@@ -90,7 +93,7 @@ def extract(ctx: Context, spec: dict, *, pipe=None) -> dict:
     return {"ok": True, "key": spec["key"], "name": name, "size": info.size_bytes, "sha256": info.sha256}
 
 
-def record_failure(r, did: str, result: dict) -> dict:
+def record_failure(r: Redis, did: str, result: dict) -> dict:
     """Record a permanent extraction failure in the receipt (the delivery
     after it makes it final: `failed`, with a notice when too large); returns `result`."""
     receipts.update_open_delivery(r, did, state="extract_failed", extraction="failed", reason=result["reason"],

@@ -25,6 +25,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from redis import Redis
+
 from adapters.errors import CourierError, RateLimited, StorageError
 from tasks import delivery as delivery_mod
 from tasks import keys, ledger, metrics, receipts
@@ -106,7 +108,7 @@ class Step:
                    or rec.get("state") in receipts.TERMINAL for rec, spec in zip(self.recs, self.specs))
 
 
-def load_step(r, lead: str, rec: dict | None = None) -> Step | None:
+def load_step(r: Redis, lead: str, rec: dict | None = None) -> Step | None:
     """The step `lead` leads (`rec`: its receipt when already read)."""
     rec = rec if rec is not None else receipts.get_delivery(r, lead)
     if not rec:
@@ -117,7 +119,7 @@ def load_step(r, lead: str, rec: dict | None = None) -> Step | None:
     return Step(lead, ids, recs, specs)
 
 
-def _head(r, target: str, token: str, *, take: bool = False, last: Step | str | None = None
+def _head(r: Redis, target: str, token: str, *, take: bool = False, last: Step | str | None = None
           ) -> tuple[str, str | None, dict]:
     """One round trip (`_HEAD`): pop `last` when it is final, then the head: ('head', id,
     receipt), ('empty', None, {}) (lane forgotten, lease released) or ('busy', None, {})."""
@@ -236,7 +238,7 @@ def _clear_dead_senders_gate(ctx: Context, target: str) -> None:
         ratelimit.clear_if_sending(ctx.redis, gate)
 
 
-def _wait(r, target: str, wait_s: float, publish: Publish) -> None:
+def _wait(r: Redis, target: str, wait_s: float, publish: Publish) -> None:
     """The lane goes on in `wait_s`: a countdown drive for a short wait (the
     due time after it is the safety net), the reconciler for a long one."""
     if wait_s <= ledger.COUNTDOWN_MAX_S:

@@ -8,6 +8,8 @@ job batch. Receipts are shown without their `spec` (it holds chat text).
 
 from __future__ import annotations
 
+from redis import Redis
+
 from tasks import keys, receipts
 
 HIDDEN = frozenset({"spec"})
@@ -18,7 +20,7 @@ def _s(v) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
-def jobs(r, *, chat: str | None = None, since_s: float | None = None) -> list[dict]:
+def jobs(r: Redis, *, chat: str | None = None, since_s: float | None = None) -> list[dict]:
     """Every job (send or turn) for target `chat` (when given) created at or
     after `since_s` (epoch), newest first."""
     names = [k for k in r.scan_iter(match=f"{keys.PREFIX}job:*", count=SCAN_COUNT, _type="hash")]
@@ -42,7 +44,7 @@ def jobs(r, *, chat: str | None = None, since_s: float | None = None) -> list[di
     return out
 
 
-def deliveries(r, *, failed: bool = False, chat: str | None = None, since_s: float | None = None,
+def deliveries(r: Redis, *, failed: bool = False, chat: str | None = None, since_s: float | None = None,
                limit: int = 50) -> list[dict]:
     """The newest `limit` deliveries (of the jobs `jobs` finds, newest job
     first, each job's deliveries in order), only failed ones with `failed`."""

@@ -19,6 +19,8 @@ from __future__ import annotations
 import json
 import time
 
+from redis import Redis
+
 from tasks import keys
 
 HEARTBEAT_S = 10.0
@@ -34,13 +36,13 @@ def _s(v) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
-def register(r, queue: str, *, now: float | None = None) -> None:
+def register(r: Redis, queue: str, *, now: float | None = None) -> None:
     """Note that `queue` is in use (`r` may be a pipeline)."""
     r.zadd(keys.queues(), {queue: time.time() if now is None else now})
     r.expire(keys.queues(), REGISTRY_TTL_S)
 
 
-def heartbeat(r, worker: str, queues: list[str], *, now: float | None = None) -> None:
+def heartbeat(r: Redis, worker: str, queues: list[str], *, now: float | None = None) -> None:
     """A worker says it consumes `queues` (one round trip)."""
     now = time.time() if now is None else now
     pipe = r.pipeline(transaction=False)
@@ -52,7 +54,7 @@ def heartbeat(r, worker: str, queues: list[str], *, now: float | None = None) ->
     pipe.execute()
 
 
-def leave(r, worker: str, queues: list[str]) -> None:
+def leave(r: Redis, worker: str, queues: list[str]) -> None:
     """A worker that stops consuming says so (a dead one's heartbeat just goes stale)."""
     pipe = r.pipeline(transaction=False)
     for q in queues:
@@ -71,7 +73,7 @@ def sent_at(raw) -> float | None:
         return None
 
 
-def stats(r, *, now: float | None = None) -> list[dict]:
+def stats(r: Redis, *, now: float | None = None) -> list[dict]:
     """Per queue: {queue, depth, oldest_age_s (None: empty or unstamped), consumers}.
     Two round trips whatever the number of queues. Registry entries that are
     old, empty and unconsumed are dropped."""

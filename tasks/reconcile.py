@@ -26,6 +26,8 @@ import os
 import threading
 from collections.abc import Callable
 
+from redis import Redis
+
 from tasks import keys, ledger, receipts
 from tasks.runtime import Context
 
@@ -39,7 +41,7 @@ TURN_MAX_RUNS = 3
 MAX_GRACE_S = 300.0
 
 
-def _unleased_overdue(r, stage: str, now: float | None):
+def _unleased_overdue(r: Redis, stage: str, now: float | None):
     """The stage's overdue entries nobody holds; one whose lease is held (its
     holder is alive, or was until the lease lapses) is looked at again then."""
     for ident in ledger.overdue(r, stage, now=now):
@@ -122,7 +124,7 @@ class Reconciler:
     def stop(self) -> None:
         self.stopping.set()
 
-    def _holds_lock(self, r) -> bool:
+    def _holds_lock(self, r: Redis) -> bool:
         key = keys.reconciler_lock()
         return ledger.take(r, key, self.token, LOCK_TTL_S) or ledger.renew(r, key, self.token, LOCK_TTL_S)
 
