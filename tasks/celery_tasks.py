@@ -12,16 +12,27 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
-from celery import shared_task
+from celery import Task, shared_task
 
 from adapters.platforms.base import split_target
 from tasks import extract as extract_mod
 from tasks import ledger, metrics, runtime, task_names
 from tasks.events import Event, describe
+from tasks.messages import TurnResult, TurnSpec
 from tasks import turn as turn_mod
 
 log = logging.getLogger(__name__)
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _task(**opts: Any) -> Callable[[_F], _F]:
+    """Celery's `shared_task`, typed for mypy (Celery ships no types): the
+    decorated task keeps its function's signature."""
+    return cast("Callable[[_F], _F]", shared_task(**opts))
 
 def platform_of(target: str) -> str:
     return split_target(target)[0]
@@ -41,20 +52,21 @@ def progress_meta(job_id: str, ev: Event) -> dict[str, str] | None:
     return meta
 
 
-@shared_task(bind=True, name=task_names.AGENT_TURN, acks_late=True, reject_on_worker_lost=True,
+@_task(bind=True, name=task_names.AGENT_TURN, acks_late=True, reject_on_worker_lost=True,
              ignore_result=task_names.AGENT_TURN not in task_names.KEEPS_RESULT)
-def agent_turn(self, spec: dict) -> dict:
+def agent_turn(self: Task, spec: TurnSpec) -> TurnResult:
     """One agent turn. While it runs, the task's state is the custom
     `PROGRESS` with meta {job, phase, activity, tool?} in the result backend
     (`AsyncResult(job).info`), and each change is sent as a `task-progress`
     event, so Flower shows the state and the activity live. The chat shows
     typing / a progress message (tasks.activity)."""
+    from tasks import chains
     from tasks.activity import TurnActivity
 
     ctx = runtime.ctx()
     last: list[str] = []
 
-    def show(ev: dict) -> None:
+    def show(ev: Event) -> None:
         native.on_event(ev)
         meta = progress_meta(spec["job"], ev)
         if meta is None or last == [meta["activity"]]:
@@ -71,13 +83,14 @@ def agent_turn(self, spec: dict) -> dict:
             return {"job": spec["job"], "state": "busy"}
         t0 = time.monotonic()
         with TurnActivity(ctx, spec["target"], spec["job"]) as native:
-            out = turn_mod.run_turn(ctx, spec, on_activity=show)
+            outcome = turn_mod.run_turn(ctx, spec, on_activity=show)
+            out = turn_mod.finish(ctx, outcome, chains.enqueue, on_activity=show)
         if not out.get("skipped"):
-            metrics.record_turn(spec.get("agent") or "demo", out.get("state", ""), time.monotonic() - t0)
+            metrics.record_turn(spec.get("agent") or "demo", out["state"], time.monotonic() - t0)
         return out
 
 
-@shared_task(name=task_names.EXTRACT_FILE, acks_late=True, reject_on_worker_lost=True)
+@_task(name=task_names.EXTRACT_FILE, acks_late=True, reject_on_worker_lost=True)
 def extract_file(delivery_id: str) -> dict:
     """Extract one sandbox file (its spec is in the ledger), then drive its chat's lane."""
     from tasks import chains
@@ -94,7 +107,7 @@ class DeliveryFailed(Exception):
     recorded; nothing is retried by Celery (the ledger owns retries)."""
 
 
-@shared_task(name=task_names.DRIVE_LANE, acks_late=True, reject_on_worker_lost=True,
+@_task(name=task_names.DRIVE_LANE, acks_late=True, reject_on_worker_lost=True,
              throws=(DeliveryFailed,))
 def drive_lane(target: str) -> dict:
     """Send what is ready at the head of one chat's lane (tasks.lanes). A
@@ -110,8 +123,8 @@ def drive_lane(target: str) -> dict:
     return out
 
 
-@shared_task(bind=True, name=task_names.SEND, acks_late=True)
-def send(self, target: str, text: str | None = None, files: list[str] | None = None, caption: str | None = None,
+@_task(bind=True, name=task_names.SEND, acks_late=True)
+def send(self: Task, target: str, text: str | None = None, files: list[str] | None = None, caption: str | None = None,
          voice: bool = False, as_document: bool = False) -> dict:
     """An operator's send (Flower's async-apply; JSON args documented in
     tasks/send.py): registered in the ledger like `courier send`, then
@@ -125,14 +138,14 @@ def send(self, target: str, text: str | None = None, files: list[str] | None = N
                          as_document=as_document, job_id=job_id)
 
 
-@shared_task(name=task_names.JANITOR_SWEEP, acks_late=True)
+@_task(name=task_names.JANITOR_SWEEP, acks_late=True)
 def janitor_sweep() -> dict:
     from tasks.janitor import sweep
 
     return sweep(runtime.ctx())
 
 
-@shared_task(name=task_names.RECONCILE, acks_late=True)
+@_task(name=task_names.RECONCILE, acks_late=True)
 def reconcile() -> dict:
     """One reconciler pass (workers run it every second by themselves; this
     task lets an operator or beat run one too)."""

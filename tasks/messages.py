@@ -1,0 +1,38 @@
+"""The typed shapes of what tasks pass around as JSON: a turn's spec (the one
+argument of `agent_turn`, also kept on its job record) and what a turn task
+returns. They stay plain dicts on the wire (Celery's JSON); these say which
+keys they have."""
+
+from __future__ import annotations
+
+from typing import NotRequired, TypedDict
+
+
+class Attachment(TypedDict):
+    """An inbound file of a turn, already in storage (`courier turn --attach`, a chat user's file)."""
+
+    key: str
+    name: str
+
+
+class TurnSpec(TypedDict):
+    """A turn: `chains.turn_spec` makes it, `tasks.turn.run_turn` runs it."""
+
+    job: str
+    target: str
+    message: NotRequired[str]
+    agent: NotRequired[str]
+    #: a sandbox URI overriding the agent's (local:///dir, docker://name/path, ...)
+    sandbox: NotRequired[str]
+    attachments: NotRequired[list[Attachment]]
+
+
+class TurnResult(TypedDict):
+    """What `agent_turn` returns: the job, its final state and, for a turn
+    that ran, how many deliveries it queued (and why it failed, when it did)."""
+
+    job: str
+    state: str
+    skipped: NotRequired[bool]
+    deliveries: NotRequired[int]
+    reason: NotRequired[str]
