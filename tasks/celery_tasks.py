@@ -20,9 +20,9 @@ from celery import Task, shared_task
 from adapters.platforms.base import split_target
 from tasks import extract as extract_mod
 from tasks import ledger, metrics, runtime, task_names
-from tasks.events import Event, describe
-from tasks.messages import TurnResult, TurnSpec
 from tasks import turn as turn_mod
+from tasks.events import Event, describe
+from tasks.messages import JsonObject, SendResult, TurnResult, TurnSpec
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def agent_turn(self: Task, spec: TurnSpec) -> TurnResult:
 
 
 @_task(name=task_names.EXTRACT_FILE, acks_late=True, reject_on_worker_lost=True)
-def extract_file(delivery_id: str) -> dict:
+def extract_file(delivery_id: str) -> JsonObject:
     """Extract one sandbox file (its spec is in the ledger), then drive its chat's lane."""
     from tasks import chains
 
@@ -109,7 +109,7 @@ class DeliveryFailed(Exception):
 
 @_task(name=task_names.DRIVE_LANE, acks_late=True, reject_on_worker_lost=True,
              throws=(DeliveryFailed,))
-def drive_lane(target: str) -> dict:
+def drive_lane(target: str) -> JsonObject:
     """Send what is ready at the head of one chat's lane (tasks.lanes). A
     delivery recorded failed during the drive makes the task a FAILURE
     naming its id and reason (never chat text)."""
@@ -125,7 +125,7 @@ def drive_lane(target: str) -> dict:
 
 @_task(bind=True, name=task_names.SEND, acks_late=True)
 def send(self: Task, target: str, text: str | None = None, files: list[str] | None = None, caption: str | None = None,
-         voice: bool = False, as_document: bool = False) -> dict:
+         voice: bool = False, as_document: bool = False) -> SendResult:
     """An operator's send (Flower's async-apply; JSON args documented in
     tasks/send.py): registered in the ledger like `courier send`, then
     extracted and delivered by the usual stages. Bad input fails the task
@@ -139,14 +139,14 @@ def send(self: Task, target: str, text: str | None = None, files: list[str] | No
 
 
 @_task(name=task_names.JANITOR_SWEEP, acks_late=True)
-def janitor_sweep() -> dict:
+def janitor_sweep() -> JsonObject:
     from tasks.janitor import sweep
 
     return sweep(runtime.ctx())
 
 
 @_task(name=task_names.RECONCILE, acks_late=True)
-def reconcile() -> dict:
+def reconcile() -> dict[str, int]:
     """One reconciler pass (workers run it every second by themselves; this
     task lets an operator or beat run one too)."""
     from tasks import reconcile as reconcile_mod

@@ -28,7 +28,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 from redis import Redis
 
@@ -101,7 +101,7 @@ class _Renewer:
             with self.lock:
                 items = list(self.held.values())
             period = min([ttl for *_, ttl in items] or [LEASE_TTL_S]) / 3
-            by_client: dict[int, list] = {}
+            by_client: dict[int, list[Any]] = {}
             for r, key, token, ttl in items:
                 by_client.setdefault(id(r), [r]).append((key, token, ttl))
             for r, *leases in by_client.values():
@@ -161,7 +161,7 @@ def clear_due(r: Redis, stage: str, ident: str) -> None:
 def overdue(r: Redis, stage: str, *, now: float | None = None, limit: int = 500) -> list[str]:
     """The entries whose due time has passed, oldest first."""
     now = time.time() if now is None else now
-    out = r.zrangebyscore(keys.due(stage), "-inf", now, start=0, num=limit)
+    out = cast("list[bytes | str]", r.zrangebyscore(keys.due(stage), "-inf", now, start=0, num=limit))
     return [x.decode() if isinstance(x, bytes) else x for x in out]
 
 

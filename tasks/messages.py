@@ -5,7 +5,7 @@ keys they have."""
 
 from __future__ import annotations
 
-from typing import NotRequired, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 
 class Attachment(TypedDict):
@@ -36,3 +36,15 @@ class TurnResult(TypedDict):
     skipped: NotRequired[bool]
     deliveries: NotRequired[int]
     reason: NotRequired[str]
+
+
+class SendResult(TypedDict):
+    """What an operator's send returns: its job and delivery ids."""
+
+    job: str
+    deliveries: list[str]
+
+
+#: a JSON object as it goes over the wire or into a receipt's `spec` (a delivery's spec, an
+#: extraction's result, a task's small result dict): its keys are documented where it is made
+JsonObject = dict[str, Any]

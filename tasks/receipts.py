@@ -27,10 +27,18 @@ SEND_LOCK_TTL_S = 20
 TERMINAL = DELIVERY_OVER
 
 
-def _s(v: Any) -> str:
+#: a receipt or a job record as read back: every field a string
+Receipt = dict[str, str]
+
+
+def as_str(v: object) -> str:
+    """A Redis value as text (bytes decoded; None: "")."""
     if isinstance(v, bytes):
         return v.decode()
     return "" if v is None else str(v)
+
+
+_s = as_str
 
 
 def _decode(h: Mapping[Any, Any]) -> dict[str, str]:

@@ -24,7 +24,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from redis import Redis
 
@@ -41,7 +41,7 @@ TURN_MAX_RUNS = 3
 MAX_GRACE_S = 300.0
 
 
-def _unleased_overdue(r: Redis, stage: str, now: float | None):
+def _unleased_overdue(r: Redis, stage: str, now: float | None) -> Iterator[str]:
     """The stage's overdue entries nobody holds; one whose lease is held (its
     holder is alive, or was until the lease lapses) is looked at again then."""
     for ident in ledger.overdue(r, stage, now=now):
@@ -53,10 +53,10 @@ def _unleased_overdue(r: Redis, stage: str, now: float | None):
 
 
 def _grace(base_s: float, redrives: int) -> float:
-    return min(MAX_GRACE_S, base_s * 2 ** min(redrives, 10))
+    return min(MAX_GRACE_S, base_s * 2.0 ** min(redrives, 10))
 
 
-def tick(ctx: Context, *, now: float | None = None) -> dict:
+def tick(ctx: Context, *, now: float | None = None) -> dict[str, int]:
     """One pass over the overdue entries of every stage. Returns what it did."""
     from tasks import chains
     from tasks.states import TURN_OVER
@@ -100,8 +100,8 @@ def tick(ctx: Context, *, now: float | None = None) -> dict:
     return out
 
 
-def _target_of(rec: dict) -> str:
-    return json.loads(rec["spec"])["target"]
+def _target_of(rec: receipts.Receipt) -> str:
+    return str(json.loads(rec["spec"])["target"])
 
 
 class Reconciler:

@@ -423,7 +423,7 @@ def deliveries(
     for col in ("delivery", "target", "kind", "name", "size", "attempts", "state", "message id / reason", "queued"):
         t.add_column(col, overflow="fold")
     for row in rows:
-        state = row.get("state", "")
+        state = row.get("state") or ""
         color = {"delivered": "green", "failed": "red"}.get(state, "yellow")
         queued = row.get("queued_s") or row.get("created_s")
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(float(queued))) if queued else ""
