@@ -43,7 +43,8 @@ def activity_text(ev: Event) -> str | None:
     kind = ev.get("kind")
     if kind == "tool_start":
         return describe(ev)
-    if kind == "status" and ev.get("status") in ("thinking", "processing") and (ev.get("activity") or ev.get("message")):
+    says = ev.get("activity") or ev.get("message")
+    if kind == "status" and ev.get("status") in ("thinking", "processing") and says:
         return describe(ev)
     return None
 

@@ -102,7 +102,8 @@ def check_size(platform: Platform, shown: str, name: str, size: int, *, voice: b
                           f"({human_bytes(limit)}); nothing was enqueued")
 
 
-def check_file(open_sandbox: Callable[[SandboxRef], Sandbox], platform: Platform, ref: SandboxRef, path: str, shown: str, *, voice: bool, as_document: bool,
+def check_file(open_sandbox: Callable[[SandboxRef], Sandbox], platform: Platform, ref: SandboxRef, path: str,
+               shown: str, *, voice: bool, as_document: bool,
                max_file_bytes: int) -> None:
     """The pre-checks of one sandbox file (see the module's doc); ConfigError when refused."""
     import posixpath

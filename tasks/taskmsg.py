@@ -128,7 +128,7 @@ class Template:
 
     def _capture(self, sig: Signature, task_id: str, args: list[Any], argsrepr: str) -> dict[str, Any]:
         """Celery's publish of `sig` with these values, kept at the transport's LPUSH."""
-        from kombu import Producer
+        from kombu.messaging import Producer
 
         got: dict[str, Any] = {}
         app = self.app

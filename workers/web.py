@@ -67,6 +67,8 @@ from workers.settings import Settings, get_settings
 if TYPE_CHECKING:
     from redis.client import Pipeline
 
+    from tasks.messages import TurnSpec
+
 log = logging.getLogger(__name__)
 
 __all__ = ["app", "create_app", "format_sse"]
@@ -216,7 +218,7 @@ class _Turn:
     update_id: str
     seen: str
     job_id: str
-    spec: dict
+    spec: TurnSpec
     rec: _Rec = field(default_factory=_Rec)
     loop: asyncio.AbstractEventLoop | None = None
     future: asyncio.Future | None = None
