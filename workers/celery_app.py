@@ -25,6 +25,7 @@ from celery.signals import (
 from kombu import Exchange, Queue
 
 from tasks import runtime, task_names
+from workers import broker
 from workers.redis_url import celery_url
 from workers.settings import get_settings
 
@@ -48,6 +49,7 @@ def task_queue(name: str, args=None, kwargs=None, options=None, task=None, **kw)
 def make_app(settings=None) -> Celery:
     """courier's Celery app for `settings` (default: the environment's)."""
     s = settings or get_settings()
+    broker.install()
     url, sentinel_options = celery_url(s.redis_url)
     app = Celery("courier", include=["tasks.celery_tasks"])
     app.conf.update(
