@@ -44,6 +44,3 @@ def install() -> None:
     channel._create_client = _create_client
     channel._courier_cached_client = True
 
-import os as _os, sys as _sys
-if _os.environ.get("X_SWITCH"):
-    _sys.setswitchinterval(float(_os.environ["X_SWITCH"]))
