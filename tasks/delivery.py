@@ -20,9 +20,14 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from redis import Redis
+from redis.client import Pipeline
+
 from adapters.errors import CourierError, DeliveryError, Permanent, RateLimited
 from adapters.platforms.base import FileRefused, FileSource, Kind, Platform, Sent, split_target
 from tasks import events, keys, metrics, ratelimit, receipts
+from storage import BlobStore
+from tasks.messages import JsonObject
 from tasks.runtime import Context
 from tasks.states import DELIVERY_UNTRIED
 from tasks.text import fit_caption, human_bytes, split_text
@@ -37,12 +42,12 @@ class Busy(CourierError):
     transient = True
 
 
-def _event(ctx: Context, job: dict, pipe=None, **ev: Any) -> None:
+def _event(ctx: Context, job: JsonObject, pipe: Pipeline | None = None, **ev: Any) -> None:
     events.publish(ctx.redis, job["job"], {"kind": "delivery", "delivery_id": job["id"], **ev},
                    maxlen=ctx.events_maxlen, pipe=pipe)
 
 
-def record_failure(ctx: Context, job: dict, reason: str, kind: str | None = None) -> dict:
+def record_failure(ctx: Context, job: JsonObject, reason: str, kind: str | None = None) -> JsonObject:
     """A failed delivery's receipt and event; `kind`: what it was sent (or refused) as, when known."""
     pipe = ctx.redis.pipeline(transaction=False)
     receipts.update_delivery(pipe, job["id"], state="failed", reason=reason, **({"kind": kind} if kind else {}))
@@ -71,7 +76,7 @@ def choose_kind(platform: Platform, name: str, size_bytes: int, *, voice: bool, 
     return kind
 
 
-def deliver(ctx: Context, job: dict, extracted: dict | None = None) -> dict:
+def deliver(ctx: Context, job: JsonObject, extracted: JsonObject | None = None) -> JsonObject:
     """Deliver one item. `job` holds: id, job, target, type ('text'|'file'),
     and text | (key, name, caption, voice, as_document). `extracted` is the
     result of the extraction before it in the chain (file items from a sandbox)."""
@@ -90,15 +95,15 @@ class SendSession:
         self.fresh = fresh
         self.released = False
 
-    def release(self, pipe=None) -> None:
+    def release(self, pipe: Pipeline | None = None) -> None:
         """Release the lock (queued on `pipe` when given: one round trip less)."""
         if not self.released:
             receipts.release_send_lock(pipe if pipe is not None else self.ctx.redis, self.did, self.owner)
             self.released = True
 
 
-def _under_send_lock(ctx: Context, did: str, done: Callable[[dict], dict | None],
-                     work: Callable[[SendSession], dict], *, count_attempt: bool = False) -> dict:
+def _under_send_lock(ctx: Context, did: str, done: Callable[[JsonObject], JsonObject | None],
+                     work: Callable[[SendSession], JsonObject], *, count_attempt: bool = False) -> JsonObject:
     """Run `work` holding the send lock of `did`, unless `done(receipt)` says
     there is nothing left to do; another worker holding the lock: `Busy`."""
     r = ctx.redis
@@ -123,7 +128,7 @@ def _under_send_lock(ctx: Context, did: str, done: Callable[[dict], dict | None]
             session.release()
 
 
-def _already_done(did: str, rec: dict) -> dict | None:
+def _already_done(did: str, rec: JsonObject) -> JsonObject | None:
     if rec.get("state") == "delivered":
         return {"id": did, "state": "delivered", "message_id": rec.get("message_id"), "skipped": True}
     if rec.get("state") == "cancelled":
@@ -133,7 +138,7 @@ def _already_done(did: str, rec: dict) -> dict | None:
     return None
 
 
-def _deliver_locked(ctx: Context, job: dict, extracted: dict | None, session: SendSession) -> dict:
+def _deliver_locked(ctx: Context, job: JsonObject, extracted: JsonObject | None, session: SendSession) -> JsonObject:
     platform_name, chat = split_target(job["target"])
     try:
         platform = ctx.platform(platform_name)
@@ -142,8 +147,8 @@ def _deliver_locked(ctx: Context, job: dict, extracted: dict | None, session: Se
     return _deliver_item(ctx, platform, chat, job, extracted, session)
 
 
-def _deliver_item(ctx: Context, platform: Platform, chat: str, job: dict, extracted: dict | None,
-                  session: SendSession | None = None) -> dict:
+def _deliver_item(ctx: Context, platform: Platform, chat: str, job: JsonObject, extracted: JsonObject | None,
+                  session: SendSession | None = None) -> JsonObject:
     """One item to `chat` (its send lock held by the caller): a failed
     extraction recorded (with the too-large notice), else sent and recorded."""
     r = ctx.redis
@@ -194,11 +199,12 @@ def _deliver_item(ctx: Context, platform: Platform, chat: str, job: dict, extrac
     return _record_delivered(ctx, job, sent.message_id, kind_name, size, attempts, pipe=pipe, execute=True)
 
 
-def _with_extraction(job: dict, extracted: dict) -> dict:
+def _with_extraction(job: JsonObject, extracted: JsonObject) -> JsonObject:
     return {**job, **{k: extracted[k] for k in ("key", "name", "size", "sha256") if k in extracted}}
 
 
-def _extraction_failed(ctx: Context, platform: Platform, chat: str, job: dict, extracted: dict) -> dict:
+def _extraction_failed(ctx: Context, platform: Platform, chat: str, job: JsonObject, extracted: JsonObject
+                       ) -> JsonObject:
     reason = extracted.get("reason") or "extraction failed"
     if extracted.get("too_large"):
         _notice_too_large(ctx, platform, chat, job, extracted.get("name") or job.get("name") or "file",
@@ -209,8 +215,8 @@ def _extraction_failed(ctx: Context, platform: Platform, chat: str, job: dict, e
     return record_failure(ctx, job, reason)
 
 
-def _record_delivered(ctx: Context, job: dict, message_id: str, kind_name: str, size: int, attempts: int,
-                      pipe=None, execute: bool = False) -> dict:
+def _record_delivered(ctx: Context, job: JsonObject, message_id: str, kind_name: str, size: int, attempts: int,
+                      pipe: Pipeline | None = None, execute: bool = False) -> JsonObject:
     """The receipt and the delivery event of a delivered item (queued on `pipe` when given)."""
     p = pipe if pipe is not None else ctx.redis.pipeline(transaction=False)
     receipts.update_delivery(p, job["id"], state="delivered", message_id=message_id, kind=kind_name,
@@ -241,7 +247,7 @@ class _Refused(Exception):
         self.kind = kind.value
 
 
-def _plan_file(ctx: Context, platform: Platform, job: dict) -> tuple[Kind, FileSource, int]:
+def _plan_file(ctx: Context, platform: Platform, job: JsonObject) -> tuple[Kind, FileSource, int]:
     """A stored file's kind on this platform (routing, photo limit), its
     source, and the upload limit for that kind."""
     store = ctx.store
@@ -272,7 +278,7 @@ def _send_overflow(platform: Platform, chat: str, overflow: list[str], base_id: 
         platform.send_text(chat, part, delivery_id=f"{base_id}#c{i}")
 
 
-def _send_file(ctx: Context, platform: Platform, chat: str, job: dict, *,
+def _send_file(ctx: Context, platform: Platform, chat: str, job: JsonObject, *,
                fresh: bool = False) -> tuple[Sent, str, int]:
     """Send one stored file (`fresh`: the delivery's first attempt, so no earlier run
     left an upload or a refusal to resume from)."""
@@ -340,7 +346,7 @@ def _send_file(ctx: Context, platform: Platform, chat: str, job: dict, *,
 
 
 # -- albums ----------------------------------------------------------------------------------
-def deliver_album(ctx: Context, group: dict) -> dict:
+def deliver_album(ctx: Context, group: JsonObject) -> JsonObject:
     """Deliver a group of photos (built by `tasks.chains`) as one album.
 
     `group` holds job, target, caption? and items: the file jobs as
@@ -357,14 +363,14 @@ def deliver_album(ctx: Context, group: dict) -> dict:
     return _under_send_lock(ctx, lead, lambda rec: None, lambda session: _deliver_album_locked(ctx, group))
 
 
-def _deliver_album_locked(ctx: Context, group: dict) -> dict:
+def _deliver_album_locked(ctx: Context, group: JsonObject) -> JsonObject:
     from tasks.extract import result_of
 
     r = ctx.redis
     items = group["items"]
     lead = items[0]["id"]
-    results: dict[str, dict] = {}
-    pending: list[tuple[dict, dict]] = []
+    results: dict[str, JsonObject] = {}
+    pending: list[tuple[JsonObject, JsonObject]] = []
     recs = _receipts_of(r, items)
     # the caption goes with the group's first send: an earlier run that sent (or finally failed) one used it
     caption = None if any(rec.get("state") == "delivered" or rec.get("final") == "1" for rec in recs) \
@@ -378,7 +384,7 @@ def _deliver_album_locked(ctx: Context, group: dict) -> dict:
         else:
             pending.append((item, rec))
 
-    def summary() -> dict:
+    def summary() -> JsonObject:
         return {"album": lead, "deliveries": [results[i["id"]] for i in items if i["id"] in results]}
 
     if not pending:
@@ -391,8 +397,8 @@ def _deliver_album_locked(ctx: Context, group: dict) -> dict:
             results[item["id"]] = record_failure(ctx, _job_of(item), exc.reason)
         return summary()
 
-    photos: list[tuple[dict, FileSource]] = []
-    singles: list[dict] = []
+    photos: list[tuple[JsonObject, FileSource]] = []
+    singles: list[JsonObject] = []
     for item, rec in pending:
         job = _job_of(item)
         if item.get("extracted"):
@@ -427,11 +433,11 @@ def _deliver_album_locked(ctx: Context, group: dict) -> dict:
     return summary()
 
 
-def _job_of(item: dict) -> dict:
+def _job_of(item: JsonObject) -> JsonObject:
     return {k: v for k, v in item.items() if k != "extracted"}
 
 
-def _receipts_of(r, items: list[dict]) -> list[dict]:
+def _receipts_of(r: Redis, items: list[JsonObject]) -> list[JsonObject]:
     pipe = r.pipeline(transaction=False)
     for item in items:
         pipe.hgetall(keys.delivery(item["id"]))
@@ -442,8 +448,8 @@ def _str(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
-def _send_album(ctx: Context, platform: Platform, chat: str, lead: str, album: list[tuple[dict, FileSource]],
-                caption: str | None) -> dict[str, dict]:
+def _send_album(ctx: Context, platform: Platform, chat: str, lead: str, album: list[tuple[JsonObject, FileSource]],
+                caption: str | None) -> dict[str, JsonObject]:
     """Send photos as one album and record each item with its own message id."""
     r = ctx.redis
     part = f"{lead}#album"  # the album's part id: a re-run after it was sent does not send it again
@@ -473,7 +479,7 @@ def _send_album(ctx: Context, platform: Platform, chat: str, lead: str, album: l
     return out
 
 
-def _sha256_of(store, key: str) -> str:
+def _sha256_of(store: BlobStore, key: str) -> str:
     import hashlib
 
     digest = hashlib.sha256()
@@ -482,7 +488,7 @@ def _sha256_of(store, key: str) -> str:
     return digest.hexdigest()
 
 
-def _notice_too_large(ctx: Context, platform: Platform, chat: str, job: dict, name: str, size: Any, limit: Any,
+def _notice_too_large(ctx: Context, platform: Platform, chat: str, job: JsonObject, name: str, size: Any, limit: Any,
                       *, key: str | None) -> str:
     size_s = human_bytes(int(size)) if size else "unknown size"
     limit_s = human_bytes(int(limit)) if limit else "the limit"
@@ -492,7 +498,7 @@ def _notice_too_large(ctx: Context, platform: Platform, chat: str, job: dict, na
     return reason
 
 
-def _notice_refused(ctx: Context, platform: Platform, chat: str, job: dict, src: FileSource, exc: FileRefused,
+def _notice_refused(ctx: Context, platform: Platform, chat: str, job: JsonObject, src: FileSource, exc: FileRefused,
                     *, key: str | None, record: bool = False) -> str:
     """The chat told why the platform does not take this file; returns the failure's reason.
     `record`: the refusal came from sending, so it is recorded first (a part of the
@@ -514,7 +520,7 @@ def _notice_refused(ctx: Context, platform: Platform, chat: str, job: dict, src:
     return reason
 
 
-def _notice(ctx: Context, platform: Platform, chat: str, job: dict, text: str, *, key: str | None) -> None:
+def _notice(ctx: Context, platform: Platform, chat: str, job: JsonObject, text: str, *, key: str | None) -> None:
     """Tell the chat a file was not sent (`text`), with a download link when
     `key` is given and the store can sign one; sent once (part `<id>#notice`)."""
     if key is not None:
@@ -532,7 +538,7 @@ def _notice(ctx: Context, platform: Platform, chat: str, job: dict, text: str, *
         pass  # the failure is recorded either way
 
 
-def notice_failed(ctx: Context, job: dict, reason: str) -> None:
+def notice_failed(ctx: Context, job: JsonObject, reason: str) -> None:
     """Tell the chat that a file it was to get failed for good (an outage past
     its deadline, errors past their count): one short notice, best effort
     (the failure itself is final: a notice still rate limited is dropped)."""

@@ -69,9 +69,6 @@ from adapters.sandboxes.docker.tar import (
 )
 from adapters.sandboxes.routing import host_of
 
-#: the bind-mount opener under its former name
-_open_under = open_under
-
 __all__ = [
     "CHUNK", "DOCKER_DEFAULT_ROOTS", "GLOB_CHARS", "HOST_ROOT_MIN_BYTES", "MAX_STAT_WALK", "PROBE_ATTEMPTS",
     "DockerExec", "DockerRun", "DockerSandbox", "Engine", "ForwardReader", "FrameSplitter",
