@@ -128,3 +128,34 @@ def test_a_process_without_the_task_module_says_what_the_tasks_say(app):
     bare = SimpleNamespace(tasks={}, conf=app.conf)  # an app in which no courier task is registered
     for name in (task_names.AGENT_TURN, task_names.EXTRACT_FILE, task_names.DRIVE_LANE, task_names.SEND):
         assert task_names.ignores_result(bare, name) == bool(app.tasks[name].ignore_result), name
+
+
+def test_task_events_go_out_with_the_exchange_bound_once_and_arrive(redis_server):
+    """workers.broker: the worker's event dispatcher binds its exchange once (kombu would
+    copy it for every event), and its events still reach a receiver (as Flower's do)."""
+    import threading
+
+    from kombu import Connection
+
+    import workers.celery_app as celery_app
+    from tests.fixtures.services import wait_until
+    from workers.broker import EventDispatcher
+
+    app = celery_app.app
+    assert issubclass(app.events.Dispatcher, EventDispatcher)
+    got: list[dict] = []
+    with Connection(redis_server.url) as conn, Connection(redis_server.url) as pub:
+        recv = app.events.Receiver(conn, handlers={"*": got.append})
+        t = threading.Thread(target=lambda: recv.capture(limit=1, timeout=30, wakeup=False), daemon=True)
+        t.start()
+        d = app.events.Dispatcher(pub, hostname="bound@test", enabled=True)
+        assert d.exchange.is_bound  # bound once, at enable
+
+        def received() -> bool:  # pub/sub: sent again until the receiver listens
+            d.send("task-received", uuid="u1")
+            return len(got) >= 1
+
+        wait_until(received, timeout_s=20, interval_s=0.05, what="an event received")
+        d.close()
+        t.join(timeout=30)
+    assert got[0]["type"] == "task-received" and got[0]["hostname"] == "bound@test" and got[0]["uuid"] == "u1"
