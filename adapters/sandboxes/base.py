@@ -438,20 +438,28 @@ class Sandbox(ABC):
     def open_stream(self, resolved: str) -> Iterable[bytes]:
         """Stream the bytes of an already resolved and checked regular file."""
 
+    def check_size(self, shown: str, size: int, max_bytes: int) -> None:
+        """Refuse a file over the cap before a byte moves (TooLarge)."""
+        from adapters.errors import TooLarge
+
+        if size > max_bytes:
+            raise TooLarge(f"{shown}: {size:,} bytes is over the {max_bytes:,} byte cap",
+                           size_bytes=size, limit_bytes=max_bytes)
+
     def extract(self, path: str, store, key: str, *, max_bytes: int = DEFAULT_MAX_BYTES):
         """Copy one sandbox file into `store` at `key`; returns storage.BlobInfo.
 
         The size cap holds before (stat) and during (counted) the transfer;
         on any failure nothing is left in storage.
         """
-        from adapters.errors import TooLarge
-
         check_lexical(path)
+        return self._copy_out(path, store, key, max_bytes=max_bytes)
+
+    def _copy_out(self, path: str, store, key: str, *, max_bytes: int):
+        """Default: resolve, check the size, stream. Backends with a faster
+        channel override this (and call `check_size`)."""
         resolved, size = self.resolve(path)
-        if size > max_bytes:
-            raise TooLarge(
-                f"{path}: {size:,} bytes is over the {max_bytes:,} byte cap", size_bytes=size, limit_bytes=max_bytes
-            )
+        self.check_size(path, size, max_bytes)
         return store.put_stream(key, self.open_stream(resolved), max_bytes=max_bytes)
 
     def home_dir(self) -> str | None:
@@ -472,6 +480,13 @@ class Sandbox(ABC):
 
     def put(self, store, key: str, dest_path: str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
         """Inbound: copy a stored blob into the sandbox at `dest_path`."""
+        check_lexical(dest_path)
+        size = store.stat(key).size_bytes
+        self.check_size(key, size, max_bytes)
+        return self._copy_in(store, key, dest_path, size=size, max_bytes=max_bytes)
+
+    def _copy_in(self, store, key: str, dest_path: str, *, size: int, max_bytes: int) -> str:
+        """Backends implement this for `put`."""
         raise NotImplementedError(f"{self.kind} sandbox does not take inbound files yet")
 
     def exec(
