@@ -42,6 +42,9 @@ from adapters.sandboxes.ssh.core import (
     CHUNK, FileChanged, SshCore, _readable, _ready, _strip_nl, _temp_beside,
 )
 
+if TYPE_CHECKING:
+    from storage.base import BlobInfo, BlobStore
+
 #: the OpenSSH client's cipher order: its defaults with AES-GCM first (chacha20-poly1305
 #: leads them, and costs ~1.5x the CPU per byte where AES-NI is there, as on x86-64 and arm64)
 OPENSSH_CIPHERS = ("aes128-gcm@openssh.com,aes256-gcm@openssh.com,chacha20-poly1305@openssh.com,"
@@ -49,9 +52,6 @@ OPENSSH_CIPHERS = ("aes128-gcm@openssh.com,aes256-gcm@openssh.com,chacha20-poly1
 
 _control_dir_lock = threading.Lock()
 _default_control_dir: str | None = None
-
-if TYPE_CHECKING:
-    from storage.base import BlobInfo, BlobStore
 
 
 def _control_dir() -> str:

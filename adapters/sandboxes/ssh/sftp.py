@@ -29,7 +29,7 @@ import shlex
 import stat
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from adapters.errors import FileMissing, NotAFile, SandboxError, SandboxGone, TooLarge, UnsafePath
 from adapters.sandboxes.base import BoundedOutput, PathPolicy
@@ -39,12 +39,12 @@ from adapters.sandboxes.ssh.core import (
 )
 from adapters.sandboxes.ssh.paramiko_internals import _nlink_from_listing, _sftp_pipeline, _use_fast_pipe
 
+if TYPE_CHECKING:
+    from storage.base import BlobInfo, BlobStore
+
 #: SFTP read/write request size on OpenSSH servers (its max is 256 KiB - 1 KiB);
 #: other servers keep paramiko's 32 KiB, which every server honours
 OPENSSH_REQUEST_SIZE = 261120
-
-if TYPE_CHECKING:
-    from storage.base import BlobInfo, BlobStore
 
 
 class _Failed:
