@@ -71,9 +71,9 @@ class EventDispatcher(_CeleryDispatcher):
 
     def enable(self) -> None:
         super().enable()
-        producer = self.producer
-        if producer is not None and not self.exchange.is_bound:
-            self.exchange = self.exchange(producer.channel)
+        me: Any = self  # Celery is untyped
+        if me.producer is not None and not me.exchange.is_bound:
+            me.exchange = me.exchange(me.producer.channel)
 
 
 class Events(_CeleryEvents):
