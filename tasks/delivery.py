@@ -57,7 +57,7 @@ def record_failure(ctx: Context, job: dict, reason: str, kind: str | None = None
 
 
 def choose_kind(platform: Platform, name: str, size_bytes: int, *, voice: bool, as_document: bool) -> Kind:
-    from tasks.reply import route
+    from tasks.routing import route
 
     lim = platform.limits
     kind = route(
