@@ -36,8 +36,9 @@ Tags
      a non-ASCII letter (CJK, Cyrillic, ...), or punctuation/symbols, the
      path ends after that extension and the rest stays in the text:
      `/tmp/chart.pngHere` -> `/tmp/chart.png`, `/tmp/a.pngand` ->
-     `/tmp/a.png`, `/tmp/a.png这是图` -> `/tmp/a.png`. A single lower-case letter is kept as part of the name
-     (`/tmp/a.docs`, `/tmp/a.svgz`), and so are digits, `.`, `-`, `_`, `~`.
+     `/tmp/a.png`, `/tmp/a.png这是图` -> `/tmp/a.png`. A single lower-case
+     letter is kept as part of the name (`/tmp/a.docs`, `/tmp/a.svgz`), and
+     so are digits, `.`, `-`, `_`, `~`.
      Only the last component is searched (`/tmp/x.pngdir/f` stays whole).
      Without a known extension nothing is cut (`/tmp/READMEthen` stays).
 - Bracket/quote/emphasis pairs wrapped tightly around a tag go with it:
