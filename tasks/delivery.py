@@ -22,7 +22,7 @@ from typing import Any
 
 from adapters.errors import CourierError, DeliveryError, Permanent, RateLimited
 from adapters.platforms.base import FileRefused, FileSource, Kind, Platform, Sent, split_target
-from tasks import events, keys, metrics, ratelimit, receipts
+from tasks import events, keys, metrics, parts, ratelimit, receipts
 from tasks.runtime import Context
 from tasks.states import DELIVERY_UNTRIED
 from tasks.text import fit_caption, human_bytes, split_text
@@ -149,7 +149,7 @@ def _deliver_item(ctx: Context, platform: Platform, chat: str, job: dict, extrac
     r = ctx.redis
     did = job["id"]
     # every send below takes a shared rate-limit slot first, and each part is sent once
-    platform = guarded = ratelimit.guard(r, platform, did, defer=True,
+    platform = guarded = parts.guard(r, platform, did, defer=True,
                                          first_attempt=session is not None and session.fresh)
 
     if extracted is not None and not extracted.get("ok", False):
@@ -224,10 +224,10 @@ def _record_delivered(ctx: Context, job: dict, message_id: str, kind_name: str, 
 
 
 def _send_text(platform: Platform, chat: str, text: str, did: str) -> Sent:
-    parts = split_text(text, platform.limits.text_chars) or [""]
+    pieces = split_text(text, platform.limits.text_chars) or [""]
     ids = []
-    for i, part in enumerate(parts):
-        sub_id = did if len(parts) == 1 else f"{did}#{i}"
+    for i, part in enumerate(pieces):
+        sub_id = did if len(pieces) == 1 else f"{did}#{i}"
         ids.append(platform.send_text(chat, part, delivery_id=sub_id).message_id)
     return Sent(message_id=",".join(ids))
 
@@ -300,14 +300,14 @@ def _send_file(ctx: Context, platform: Platform, chat: str, job: dict, *,
         src = replace(src, sha256=_sha256_of(ctx.store, key))
     fid_key = _fid_key(platform, src.sha256, kind)
     did = job["id"]
-    parts_key, upload_part = keys.delivery_parts(did), f"{did}#upload"
+    upload_part = f"{did}#upload"
     # one round trip at most: the cached file id; on a retry also this delivery's own upload (an
     # earlier run uploaded the file, then its send failed) and whether an earlier run had it refused
     pipe = ctx.redis.pipeline(transaction=False)
     if fid_key:
         pipe.get(fid_key)
     if not fresh:
-        pipe.hmget(parts_key, [upload_part, f"{did}#refused"])
+        parts.queue_lookup(pipe, did, [upload_part, f"{did}#refused"])
     got = pipe.execute() if (fid_key or not fresh) else []
     uploaded, refused = (None, None) if fresh else (v.decode() if isinstance(v, bytes) else v for v in got[-1])
     cached = (got[0].decode() if isinstance(got[0], bytes) else got[0]) if fid_key else None
@@ -327,8 +327,7 @@ def _send_file(ctx: Context, platform: Platform, chat: str, job: dict, *,
         fid = getattr(exc, "file_id", None)
         if fid:
             pipe = ctx.redis.pipeline(transaction=False)
-            pipe.hset(parts_key, upload_part, fid)
-            pipe.expire(parts_key, ratelimit.PARTS_TTL_S)
+            parts.queue_record(pipe, did, {upload_part: fid})
             if fid_key:  # a reusable id (WhatsApp media): later sends of the same bytes use it too
                 pipe.set(fid_key, fid, ex=FILE_ID_TTL_S)
             pipe.execute()
@@ -447,7 +446,7 @@ def _send_album(ctx: Context, platform: Platform, chat: str, lead: str, album: l
     """Send photos as one album and record each item with its own message id."""
     r = ctx.redis
     part = f"{lead}#album"  # the album's part id: a re-run after it was sent does not send it again
-    guarded = ratelimit.guard(r, platform, lead)
+    guarded = parts.guard(r, platform, lead)
     attempts = [receipts.start_attempt(r, job["id"], state="sending", platform=platform.name,
                                        kind=Kind.PHOTO.value, size_bytes=src.size_bytes, name=src.name)
                 for job, src in album]
@@ -505,10 +504,8 @@ def _notice_refused(ctx: Context, platform: Platform, chat: str, job: dict, src:
         reason, why = exc.reason, exc.notice or f"{platform.name} refused it"
     text = f"⚠️ {src.name} ({size_s}) was not sent: {why}."
     if record:
-        parts = keys.delivery_parts(job["id"])
         pipe = ctx.redis.pipeline(transaction=False)
-        pipe.hset(parts, f"{job['id']}#refused", json.dumps({"reason": reason, "text": text}))
-        pipe.expire(parts, ratelimit.PARTS_TTL_S)
+        parts.queue_record(pipe, job["id"], {f"{job['id']}#refused": json.dumps({"reason": reason, "text": text})})
         pipe.execute()
     _notice(ctx, platform, chat, job, text, key=key)
     return reason
@@ -539,7 +536,7 @@ def notice_failed(ctx: Context, job: dict, reason: str) -> None:
     platform_name, chat = split_target(job["target"])
     text = f"⚠️ {job.get('name') or 'a file'} could not be sent: {reason[:300]}"
     try:
-        platform = ratelimit.guard(ctx.redis, ctx.platform(platform_name), job["id"])
+        platform = parts.guard(ctx.redis, ctx.platform(platform_name), job["id"])
         _notice(ctx, platform, chat, job, text, key=None)
     except CourierError:
         pass
