@@ -9,14 +9,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from redis import Redis
+
 from adapters.errors import CourierError, Permanent
 from adapters.platforms.base import FileRefused, FileSource, Kind, Platform, split_target
 from tasks import delivery, keys, parts, receipts, sendlock
+from tasks.messages import JsonObject
 from tasks.runtime import Context
 from tasks.text import fit_caption
 
 
-def deliver_album(ctx: Context, group: dict) -> dict:
+def deliver_album(ctx: Context, group: JsonObject) -> JsonObject:
     """Deliver a group of photos (built by `tasks.chains`) as one album.
 
     `group` holds job, target, caption? and items: the file jobs as
@@ -34,14 +37,14 @@ def deliver_album(ctx: Context, group: dict) -> dict:
                                     lambda session: _deliver_album_locked(ctx, group))
 
 
-def _deliver_album_locked(ctx: Context, group: dict) -> dict:
+def _deliver_album_locked(ctx: Context, group: JsonObject) -> JsonObject:
     from tasks.extract import result_of
 
     r = ctx.redis
     items = group["items"]
     lead = items[0]["id"]
-    results: dict[str, dict] = {}
-    pending: list[tuple[dict, dict]] = []
+    results: dict[str, JsonObject] = {}
+    pending: list[tuple[JsonObject, JsonObject]] = []
     recs = _receipts_of(r, items)
     # the caption goes with the group's first send: an earlier run that sent (or finally failed) one used it
     caption = None if any(rec.get("state") == "delivered" or rec.get("final") == "1" for rec in recs) \
@@ -55,7 +58,7 @@ def _deliver_album_locked(ctx: Context, group: dict) -> dict:
         else:
             pending.append((item, rec))
 
-    def summary() -> dict:
+    def summary() -> JsonObject:
         return {"album": lead, "deliveries": [results[i["id"]] for i in items if i["id"] in results]}
 
     if not pending:
@@ -68,8 +71,8 @@ def _deliver_album_locked(ctx: Context, group: dict) -> dict:
             results[item["id"]] = delivery.record_failure(ctx, _job_of(item), exc.reason)
         return summary()
 
-    photos: list[tuple[dict, FileSource]] = []
-    singles: list[dict] = []
+    photos: list[tuple[JsonObject, FileSource]] = []
+    singles: list[JsonObject] = []
     for item, rec in pending:
         job = _job_of(item)
         if item.get("extracted"):
@@ -104,11 +107,11 @@ def _deliver_album_locked(ctx: Context, group: dict) -> dict:
     return summary()
 
 
-def _job_of(item: dict) -> dict:
+def _job_of(item: JsonObject) -> JsonObject:
     return {k: v for k, v in item.items() if k != "extracted"}
 
 
-def _receipts_of(r, items: list[dict]) -> list[dict]:
+def _receipts_of(r: Redis, items: list[JsonObject]) -> list[JsonObject]:
     pipe = r.pipeline(transaction=False)
     for item in items:
         pipe.hgetall(keys.delivery(item["id"]))
@@ -119,8 +122,8 @@ def _str(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
-def _send_album(ctx: Context, platform: Platform, chat: str, lead: str, album: list[tuple[dict, FileSource]],
-                caption: str | None) -> dict[str, dict]:
+def _send_album(ctx: Context, platform: Platform, chat: str, lead: str,
+                album: list[tuple[JsonObject, FileSource]], caption: str | None) -> dict[str, JsonObject]:
     """Send photos as one album and record each item with its own message id."""
     r = ctx.redis
     part = f"{lead}#album"  # the album's part id: a re-run after it was sent does not send it again

@@ -21,9 +21,13 @@ import os
 from dataclasses import replace
 from typing import Any
 
+from redis.client import Pipeline
+
 from adapters.errors import CourierError, DeliveryError, Permanent, RateLimited
 from adapters.platforms.base import FileRefused, FileSource, Kind, Platform, Sent, split_target
 from tasks import events, keys, metrics, parts, ratelimit, receipts, sendlock
+from storage import BlobStore
+from tasks.messages import JsonObject
 from tasks.runtime import Context
 from tasks.text import fit_caption, human_bytes, split_text
 
@@ -31,12 +35,12 @@ from tasks.text import fit_caption, human_bytes, split_text
 FILE_ID_TTL_S = 30 * 24 * 3600
 
 
-def _event(ctx: Context, job: dict, pipe=None, **ev: Any) -> None:
+def _event(ctx: Context, job: JsonObject, pipe: Pipeline | None = None, **ev: Any) -> None:
     events.publish(ctx.redis, job["job"], {"kind": "delivery", "delivery_id": job["id"], **ev},
                    maxlen=ctx.events_maxlen, pipe=pipe)
 
 
-def record_failure(ctx: Context, job: dict, reason: str, kind: str | None = None) -> dict:
+def record_failure(ctx: Context, job: JsonObject, reason: str, kind: str | None = None) -> JsonObject:
     """A failed delivery's receipt and event; `kind`: what it was sent (or refused) as, when known."""
     pipe = ctx.redis.pipeline(transaction=False)
     receipts.update_delivery(pipe, job["id"], state="failed", reason=reason, **({"kind": kind} if kind else {}))
@@ -65,7 +69,7 @@ def choose_kind(platform: Platform, name: str, size_bytes: int, *, voice: bool, 
     return kind
 
 
-def deliver(ctx: Context, job: dict, extracted: dict | None = None) -> dict:
+def deliver(ctx: Context, job: JsonObject, extracted: JsonObject | None = None) -> JsonObject:
     """Deliver one item. `job` holds: id, job, target, type ('text'|'file'),
     and text | (key, name, caption, voice, as_document). `extracted` is the
     result of the extraction before it in the chain (file items from a sandbox)."""
@@ -74,7 +78,7 @@ def deliver(ctx: Context, job: dict, extracted: dict | None = None) -> dict:
                             lambda session: _deliver_locked(ctx, job, extracted, session), count_attempt=True)
 
 
-def already_done(did: str, rec: dict) -> dict | None:
+def already_done(did: str, rec: JsonObject) -> JsonObject | None:
     if rec.get("state") == "delivered":
         return {"id": did, "state": "delivered", "message_id": rec.get("message_id"), "skipped": True}
     if rec.get("state") == "cancelled":
@@ -84,7 +88,7 @@ def already_done(did: str, rec: dict) -> dict | None:
     return None
 
 
-def _deliver_locked(ctx: Context, job: dict, extracted: dict | None, session: sendlock.SendSession) -> dict:
+def _deliver_locked(ctx: Context, job: JsonObject, extracted: JsonObject | None, session: sendlock.SendSession) -> JsonObject:
     platform_name, chat = split_target(job["target"])
     try:
         platform = ctx.platform(platform_name)
@@ -93,8 +97,8 @@ def _deliver_locked(ctx: Context, job: dict, extracted: dict | None, session: se
     return deliver_item(ctx, platform, chat, job, extracted, session)
 
 
-def deliver_item(ctx: Context, platform: Platform, chat: str, job: dict, extracted: dict | None,
-                  session: sendlock.SendSession | None = None) -> dict:
+def deliver_item(ctx: Context, platform: Platform, chat: str, job: JsonObject, extracted: JsonObject | None,
+                  session: sendlock.SendSession | None = None) -> JsonObject:
     """One item to `chat` (its send lock held by the caller): a failed
     extraction recorded (with the too-large notice), else sent and recorded."""
     r = ctx.redis
@@ -145,11 +149,12 @@ def deliver_item(ctx: Context, platform: Platform, chat: str, job: dict, extract
     return record_delivered(ctx, job, sent.message_id, kind_name, size, attempts, pipe=pipe, execute=True)
 
 
-def with_extraction(job: dict, extracted: dict) -> dict:
+def with_extraction(job: JsonObject, extracted: JsonObject) -> JsonObject:
     return {**job, **{k: extracted[k] for k in ("key", "name", "size", "sha256") if k in extracted}}
 
 
-def _extraction_failed(ctx: Context, platform: Platform, chat: str, job: dict, extracted: dict) -> dict:
+def _extraction_failed(ctx: Context, platform: Platform, chat: str, job: JsonObject, extracted: JsonObject
+                       ) -> JsonObject:
     reason = extracted.get("reason") or "extraction failed"
     if extracted.get("too_large"):
         _notice_too_large(ctx, platform, chat, job, extracted.get("name") or job.get("name") or "file",
@@ -160,8 +165,8 @@ def _extraction_failed(ctx: Context, platform: Platform, chat: str, job: dict, e
     return record_failure(ctx, job, reason)
 
 
-def record_delivered(ctx: Context, job: dict, message_id: str, kind_name: str, size: int, attempts: int,
-                      pipe=None, execute: bool = False) -> dict:
+def record_delivered(ctx: Context, job: JsonObject, message_id: str, kind_name: str, size: int, attempts: int,
+                      pipe: Pipeline | None = None, execute: bool = False) -> JsonObject:
     """The receipt and the delivery event of a delivered item (queued on `pipe` when given)."""
     p = pipe if pipe is not None else ctx.redis.pipeline(transaction=False)
     receipts.update_delivery(p, job["id"], state="delivered", message_id=message_id, kind=kind_name,
@@ -192,7 +197,7 @@ class _Refused(Exception):
         self.kind = kind.value
 
 
-def plan_file(ctx: Context, platform: Platform, job: dict) -> tuple[Kind, FileSource, int]:
+def plan_file(ctx: Context, platform: Platform, job: JsonObject) -> tuple[Kind, FileSource, int]:
     """A stored file's kind on this platform (routing, photo limit), its
     source, and the upload limit for that kind."""
     store = ctx.store
@@ -223,7 +228,7 @@ def send_overflow(platform: Platform, chat: str, overflow: list[str], base_id: s
         platform.send_text(chat, part, delivery_id=f"{base_id}#c{i}")
 
 
-def _send_file(ctx: Context, platform: Platform, chat: str, job: dict, *,
+def _send_file(ctx: Context, platform: Platform, chat: str, job: JsonObject, *,
                fresh: bool = False) -> tuple[Sent, str, int]:
     """Send one stored file (`fresh`: the delivery's first attempt, so no earlier run
     left an upload or a refusal to resume from)."""
@@ -289,7 +294,7 @@ def _send_file(ctx: Context, platform: Platform, chat: str, job: dict, *,
     return sent, kind.value, size
 
 
-def _sha256_of(store, key: str) -> str:
+def _sha256_of(store: BlobStore, key: str) -> str:
     import hashlib
 
     digest = hashlib.sha256()
@@ -298,7 +303,7 @@ def _sha256_of(store, key: str) -> str:
     return digest.hexdigest()
 
 
-def _notice_too_large(ctx: Context, platform: Platform, chat: str, job: dict, name: str, size: Any, limit: Any,
+def _notice_too_large(ctx: Context, platform: Platform, chat: str, job: JsonObject, name: str, size: Any, limit: Any,
                       *, key: str | None) -> str:
     size_s = human_bytes(int(size)) if size else "unknown size"
     limit_s = human_bytes(int(limit)) if limit else "the limit"
@@ -308,7 +313,7 @@ def _notice_too_large(ctx: Context, platform: Platform, chat: str, job: dict, na
     return reason
 
 
-def _notice_refused(ctx: Context, platform: Platform, chat: str, job: dict, src: FileSource, exc: FileRefused,
+def _notice_refused(ctx: Context, platform: Platform, chat: str, job: JsonObject, src: FileSource, exc: FileRefused,
                     *, key: str | None, record: bool = False) -> str:
     """The chat told why the platform does not take this file; returns the failure's reason.
     `record`: the refusal came from sending, so it is recorded first (a part of the
@@ -328,7 +333,7 @@ def _notice_refused(ctx: Context, platform: Platform, chat: str, job: dict, src:
     return reason
 
 
-def _notice(ctx: Context, platform: Platform, chat: str, job: dict, text: str, *, key: str | None) -> None:
+def _notice(ctx: Context, platform: Platform, chat: str, job: JsonObject, text: str, *, key: str | None) -> None:
     """Tell the chat a file was not sent (`text`), with a download link when
     `key` is given and the store can sign one; sent once (part `<id>#notice`)."""
     if key is not None:
@@ -346,7 +351,7 @@ def _notice(ctx: Context, platform: Platform, chat: str, job: dict, text: str, *
         pass  # the failure is recorded either way
 
 
-def notice_failed(ctx: Context, job: dict, reason: str) -> None:
+def notice_failed(ctx: Context, job: JsonObject, reason: str) -> None:
     """Tell the chat that a file it was to get failed for good (an outage past
     its deadline, errors past their count): one short notice, best effort
     (the failure itself is final: a notice still rate limited is dropped)."""

@@ -13,9 +13,14 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
+from contextlib import AbstractContextManager
+
+from redis import Redis
+from redis.client import Pipeline
 
 from adapters.errors import CourierError
 from tasks import keys, ledger, receipts
+from tasks.messages import JsonObject
 from tasks.runtime import Context
 from tasks.states import DELIVERY_UNTRIED
 
@@ -47,7 +52,7 @@ return {locked and 1 or 0, rec, attempts}
 _BEGIN_FIELDS = ("state", "final", "message_id", "reason")
 
 
-def begin_send(r, delivery_id: str, owner: str, ttl_s: int = 600, *, count_attempt: bool = False
+def begin_send(r: Redis, delivery_id: str, owner: str, ttl_s: int = 600, *, count_attempt: bool = False
                ) -> tuple[bool, dict[str, str], int]:
     """One round trip: take the send lock, read the receipt and, when the lock
     was taken and the delivery is not done yet (and `count_attempt`), count
@@ -57,16 +62,16 @@ def begin_send(r, delivery_id: str, owner: str, ttl_s: int = 600, *, count_attem
     locked, values, attempts = receipts._script(r, _BEGIN)(
         keys=[keys.delivery_lock(delivery_id), keys.delivery(delivery_id)],
         args=[owner, ttl_s, "1" if count_attempt else "0"])
-    rec = {k: receipts._s(v) for k, v in zip(_BEGIN_FIELDS, values) if v is not None}
+    rec = {k: receipts.as_str(v) for k, v in zip(_BEGIN_FIELDS, values) if v is not None}
     return bool(locked), rec, int(attempts)
 
 
-def renewing(r, delivery_id: str, owner: str):
+def renewing(r: Redis, delivery_id: str, owner: str) -> AbstractContextManager[None]:
     """Keep a send lock alive while the block runs (the ledger's lease heartbeat)."""
     return ledger.renewing(r, keys.delivery_lock(delivery_id), owner, SEND_LOCK_TTL_S)
 
 
-def release_send_lock(r, delivery_id: str, owner: str) -> None:
+def release_send_lock(r: Redis, delivery_id: str, owner: str) -> None:
     """Only the owner releases (compare-and-delete). `r` may be a pipeline."""
     ledger.release(r, keys.delivery_lock(delivery_id), owner)
 
@@ -81,15 +86,15 @@ class SendSession:
         self.fresh = fresh
         self.released = False
 
-    def release(self, pipe=None) -> None:
+    def release(self, pipe: Pipeline | None = None) -> None:
         """Release the lock (queued on `pipe` when given: one round trip less)."""
         if not self.released:
             release_send_lock(pipe if pipe is not None else self.ctx.redis, self.did, self.owner)
             self.released = True
 
 
-def under_send_lock(ctx: Context, did: str, done: Callable[[dict], dict | None],
-                    work: Callable[[SendSession], dict], *, count_attempt: bool = False) -> dict:
+def under_send_lock(ctx: Context, did: str, done: Callable[[JsonObject], JsonObject | None],
+                    work: Callable[[SendSession], JsonObject], *, count_attempt: bool = False) -> JsonObject:
     """Run `work` holding the send lock of `did`, unless `done(receipt)` says
     there is nothing left to do; another worker holding the lock: `Busy`."""
     r = ctx.redis

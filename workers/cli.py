@@ -12,7 +12,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
@@ -33,6 +33,9 @@ from workers.console import (
     wait_deliveries,
     watch_job,
 )
+
+if TYPE_CHECKING:
+    from tasks.messages import Attachment
 
 app = typer.Typer(add_completion=True, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="courier: run chat-agent turns and deliver their files to chat platforms.")
@@ -270,7 +273,7 @@ def turn(
     _celery()
 
     job_id = chains.new_job_id("turn")
-    attachments = []
+    attachments: list[Attachment] = []
     if attach:
         store = _store(settings)
         for i, p in enumerate(attach):
@@ -426,7 +429,7 @@ def deliveries(
     for col in ("delivery", "target", "kind", "name", "size", "attempts", "state", "message id / reason", "queued"):
         t.add_column(col, overflow="fold")
     for row in rows:
-        state = row.get("state", "")
+        state = row.get("state") or ""
         color = {"delivered": "green", "failed": "red"}.get(state, "yellow")
         queued = row.get("queued_s") or row.get("created_s")
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(float(queued))) if queued else ""

@@ -67,13 +67,13 @@ class FileSource:
     size_bytes: int
     sha256: str
     #: opens a readable binary stream of the bytes (streamed; never read whole)
-    opener: object
+    opener: Callable[[], AbstractContextManager[BinaryIO]]
     #: a local filesystem path holding the bytes, when the store has one
     path: Path | None = None
     mime: str | None = None
 
     def open(self) -> AbstractContextManager[BinaryIO]:
-        return self.opener()  # type: ignore[operator]
+        return self.opener()
 
 
 class FileRefused(Permanent):
