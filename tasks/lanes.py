@@ -29,8 +29,9 @@ from typing import Any
 from redis import Redis
 
 from adapters.errors import CourierError, RateLimited, StorageError
+from tasks import album
 from tasks import delivery as delivery_mod
-from tasks import keys, ledger, metrics, receipts
+from tasks import keys, ledger, metrics, receipts, sendlock
 from tasks.extract import result_of
 from tasks.messages import JsonObject
 from tasks.ratelimit import Paced
@@ -272,7 +273,7 @@ def _run_step(ctx: Context, step: Step) -> float | None:
             if jobs[0].get("caption"):
                 group["caption"] = jobs[0]["caption"]
                 group["items"][0] = {k: v for k, v in group["items"][0].items() if k != "caption"}
-            delivery_mod.deliver_album(ctx, group)
+            album.deliver_album(ctx, group)
         return None
     except Paced as exc:  # courier's own pacing: no attempt, no give-up
         return exc.retry_after_s + random.uniform(0.0, 0.05)
@@ -284,10 +285,10 @@ def _run_step(ctx: Context, step: Step) -> float | None:
             _give_up(ctx, step, f"gave up after {n - 1} rate limits from {jobs[0]['target'].split(':')[0]}")
             return None
         return min(900.0, exc.retry_after_s) + random.uniform(0.05, 0.5)
-    except delivery_mod.Busy:
+    except sendlock.Busy:
         # a dead worker's send lock: it lapses with the lane's lease; waiting for it is no attempt
         left_s = ledger.held(r, keys.delivery_lock(step.lead))
-        return min(left_s, receipts.SEND_LOCK_TTL_S) + 0.1 if left_s else 0.1
+        return min(left_s, sendlock.SEND_LOCK_TTL_S) + 0.1 if left_s else 0.1
     except Exception as exc:  # noqa: BLE001 - unmapped errors count as transient, bounded
         if isinstance(exc, CourierError) and not exc.transient:
             _give_up(ctx, step, exc.reason)

@@ -134,10 +134,11 @@ def send(
     from adapters.sandboxes.base import parse_uri
     from tasks import chains
     from workers.wiring import platform as wired_platform
+    from workers.wiring import platform_limits
 
     settings = _settings()
-    plat = wired_platform(_target(settings, target), settings)  # built by the check
-    album_max = plat.limits.album_max
+    platform_name = _target(settings, target)
+    album_max = platform_limits(platform_name, settings).album_max
     paths = paths or []
     if not paths and not (text and text.strip()):
         raise die("nothing to send: give files, --text, or both", EXIT_INPUT)
@@ -155,8 +156,9 @@ def send(
             from workers.wiring import open_sandbox
 
             try:  # a remote path the policy refuses as written; a local one resolved, its size checked
-                check_file(lambda ref: open_sandbox(ref, settings), plat, ref, path, raw, voice=voice,
-                           as_document=as_document, max_file_bytes=settings.max_file_bytes)
+                # files to check: the adapter itself, for its own type rules (`route_file`) besides its limits
+                check_file(lambda ref: open_sandbox(ref, settings), wired_platform(platform_name, settings), ref,
+                           path, raw, voice=voice, as_document=as_document, max_file_bytes=settings.max_file_bytes)
             except ConfigError as exc:
                 raise die(str(exc), EXIT_INPUT) from None
             items.append(("sandbox", chains.SandboxFile(ref=ref, path=path)))
@@ -171,7 +173,8 @@ def send(
             from tasks.send import check_size
 
             try:
-                check_size(plat, raw, p.name, p.stat().st_size, voice=voice, as_document=as_document, path=str(p))
+                check_size(wired_platform(platform_name, settings), raw, p.name, p.stat().st_size, voice=voice,
+                           as_document=as_document, path=str(p))
             except ConfigError as exc:
                 raise die(str(exc), EXIT_INPUT) from None
             items.append(("local", p))

@@ -156,6 +156,14 @@ class Platform(ABC):
     #: whether a 0-byte file can be sent (the outbox, a directory: yes; chat platforms: no)
     takes_empty_files: bool = False
 
+    @classmethod
+    def limits_for(cls, **options: Any) -> Limits:
+        """The `limits` an adapter built with these constructor options has,
+        read without building one (no client, no credentials). Default: the
+        class's own `limits`; an adapter whose limits depend on its options
+        (an upload size, a local API server) says how."""
+        return cls.limits
+
     def is_group(self, chat: str) -> bool:
         """Whether `chat` is a group (the platform's per-group limit applies)."""
         return False
