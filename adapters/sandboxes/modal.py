@@ -29,6 +29,7 @@ could read itself. SDK errors are translated in ONE place
 from __future__ import annotations
 
 import contextlib
+import functools
 import posixpath
 import threading
 import time
@@ -139,7 +140,7 @@ class _ModalExec:
 
         with self.msb._errors(argv[-1]):
             for chunk in chunks:  # each write has a deadline: a sandbox that stops reading costs one attempt
-                call_with_deadline(lambda c=chunk: send(c), idle, what)
+                call_with_deadline(functools.partial(send, chunk), idle, what)
             call_with_deadline(eof, idle, what)
             err = _bounded(self._timed(p.stderr, "exec stdin"))
             rc = p.wait()
@@ -443,7 +444,7 @@ class ModalSandbox(ExecStreamMixin, Sandbox):  # type: ignore[misc]
                 try:
                     with self._errors(dest_path):
                         for chunk in chunks():  # each write has a deadline
-                            call_with_deadline(lambda c=chunk: f.write(c), self.io_timeout_s, what)
+                            call_with_deadline(functools.partial(f.write, chunk), self.io_timeout_s, what)
                         call_with_deadline(f.flush, self.io_timeout_s, what)
                         call_with_deadline(f.close, self.io_timeout_s, what)
                 except BaseException:
