@@ -230,16 +230,22 @@ class VolumeStore(BlobStore):
 
     def sweep_tmp(self, older_than_s: float = 3600) -> int:
         """Remove partial writes left by killed processes."""
-        cutoff = time.time() - older_than_s
-        n = 0
-        for p in (self.root / _TMP).iterdir():
-            try:
-                if p.stat().st_mtime < cutoff:
-                    p.unlink()
-                    n += 1
-            except FileNotFoundError:
-                pass
-        return n
+        return sweep_stale((self.root / _TMP).iterdir(), older_than_s)
+
+
+def sweep_stale(paths: Iterable[Path], older_than_s: float) -> int:
+    """Unlink those of `paths` last modified more than `older_than_s` ago (one
+    already gone is skipped); how many were removed."""
+    cutoff = time.time() - older_than_s
+    n = 0
+    for p in paths:
+        try:
+            if p.stat().st_mtime < cutoff:
+                p.unlink()
+                n += 1
+        except FileNotFoundError:
+            pass
+    return n
 
 
 def _mkdirs_private(root: Path, d: Path) -> None:
