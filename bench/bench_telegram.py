@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._common import quick  # noqa: E402
+from bench._common import quick, random_files, start_redis, wait_final  # noqa: E402
 
 TOKEN = "424242:bench-token"
 CHATS = 100
@@ -63,23 +63,16 @@ TARGET_LOCAL = 0.6
 
 
 def _docs(d: Path, n: int, tag: str) -> list[Path]:
-    out = []
-    for i in range(n):
-        p = d / f"{tag}-{i:03d}.txt"
-        p.write_bytes(os.urandom(DOC_BYTES))
-        out.append(p)
-    return out
+    return random_files(d, (f"{tag}-{i:03d}.txt" for i in range(n)), DOC_BYTES)
 
 
 def main() -> None:
     rounds = 2 if quick() else 6
     with tempfile.TemporaryDirectory(prefix="bench-telegram-") as tmp_s:
         tmp = Path(tmp_s)
-        from tests.fixtures.redis_server import RedisServer
         from tests.fixtures.services import free_port, port_open, stop_process, wait_until
 
-        (tmp / "redis").mkdir()
-        redis_srv = RedisServer(tmp / "redis").start()
+        redis_srv = start_redis(tmp)
         port = free_port()
         fake = subprocess.Popen([sys.executable, "-m", "tests.fixtures.fake_telegram", "--token", TOKEN,
                                  "--port", str(port)], cwd=str(ROOT), stdout=subprocess.DEVNULL,
@@ -174,18 +167,8 @@ class _Courier:
             ids += chains.enqueue(self.r, plan)
         if os.environ.get("BENCH_DEBUG"):
             print(f"enqueue {time.perf_counter() - t0:.3f}s", file=sys.stderr)
-        from tasks import keys
-
-        left, failed = list(ids), 0
-        while left:  # poll only what is not done yet, every 10 ms (light on Redis and CPU)
-            pipe = self.r.pipeline(transaction=False)
-            for d in left:
-                pipe.hget(keys.delivery(d), "state")
-            states = pipe.execute()
-            failed += sum(1 for s in states if s == b"failed")
-            left = [d for d, s in zip(left, states) if s not in (b"delivered", b"failed")]
-            if left:
-                time.sleep(0.01)
+        # poll only what is not done yet, every 10 ms (light on Redis and CPU)
+        failed, _ = wait_final(self.r, ids, poll_s=0.01)
         dt = time.perf_counter() - t0
         if failed:
             raise SystemExit(f"{failed} deliveries failed: see `courier status`")
