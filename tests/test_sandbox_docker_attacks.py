@@ -9,8 +9,6 @@ expected digests come from the container's own `sha256sum`.
 
 from __future__ import annotations
 
-import threading
-import time
 
 import pytest
 
@@ -19,31 +17,11 @@ from adapters.sandboxes.base import ReadTimeout, SandboxRef
 from adapters.sandboxes.docker import DockerSandbox
 from storage.volume import VolumeStore
 from tests.fixtures._files import sha_in_container, stored
-from tests.fixtures.services import wait_until
+from tests.fixtures.services import bounded, wait_until
 
 @pytest.fixture
 def store(tmp_path):
     return VolumeStore(tmp_path / "store")
-
-
-def _bounded(fn, timeout_s: float):
-    """Run `fn` in a thread; fail if it runs past `timeout_s` (the caller's
-    cleanup then removes the container, which ends the stuck call)."""
-    box: dict = {}
-
-    def run():
-        try:
-            box["res"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
-            box["exc"] = exc
-
-    t = threading.Thread(target=run, daemon=True)
-    t0 = time.monotonic()
-    t.start()
-    t.join(timeout_s)
-    if t.is_alive():
-        pytest.fail(f"blocked for more than {timeout_s} s")
-    return box.get("exc"), time.monotonic() - t0
 
 
 # -- 4. reads happen with the container user's permissions ------------------------------------
@@ -169,7 +147,7 @@ def test_fifo_open_in_the_stream_is_killed_after_the_deadline(docker_api, store)
             return real(argv)
 
         ch.exec_stream = stream_without_type_test
-        exc, took = _bounded(lambda: b"".join(exec_iter_file(ch, "/tmp/pipe")), 30)
+        _res, exc, took = bounded(lambda: b"".join(exec_iter_file(ch, "/tmp/pipe")), 30)
         assert isinstance(exc, ReadTimeout), exc
         assert len(seen) == 1
         probe = ["sh", "-c", 'grep -lzxF "$1" /proc/[0-9]*/environ 2>/dev/null | grep -v self || true', "sh", seen[0]]

@@ -13,6 +13,7 @@ from adapters.sandboxes.base import PathPolicy, SandboxRef, parse_uri
 from adapters.sandboxes.local import LocalSandbox
 from storage.volume import VolumeStore
 from tests.fixtures._files import assert_store_empty, make_area, sha256_file, write_random
+from tests.fixtures.services import bounded
 
 BIG = 50 * 1000 * 1000
 
@@ -193,27 +194,6 @@ def test_put_long_name(sb, area, store):
     assert dest.read_bytes() == b"payload"
 
 
-def _run_bounded(fn, unblock, timeout_s=10.0):
-    """Run `fn` in a thread; if it is still running after `timeout_s`, call
-    `unblock` (so the test never hangs) and fail. Returns fn's exception."""
-    box: dict = {}
-
-    def run():
-        try:
-            fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
-            box["exc"] = exc
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(timeout_s)
-    if t.is_alive():
-        unblock()
-        t.join(10)
-        pytest.fail(f"blocked for more than {timeout_s} s")
-    return box.get("exc")
-
-
 def test_fifo_swapped_in_after_resolve_never_blocks(sb, area, store):
     """A FIFO put in place of the checked file between resolve and open is
     refused at once (old code: open() blocked the worker until a writer came)."""
@@ -234,7 +214,7 @@ def test_fifo_swapped_in_after_resolve_never_blocks(sb, area, store):
         os.close(fd)
 
     try:
-        exc = _run_bounded(lambda: racing.extract(str(victim), store, "files/x"), unblock)
+        _res, exc, _took = bounded(lambda: racing.extract(str(victim), store, "files/x"), 10.0, unblock)
         assert isinstance(exc, NotAFile), exc
         assert_store_empty(store)
     finally:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures.services import need  # noqa: E402
+from tests.fixtures.services import bounded, need  # noqa: E402
 
 try:
     import modal
@@ -399,26 +399,6 @@ def test_put_over_cap_and_interrupted(area, store, variant):
 
 
 # -- a stalled sandbox costs one attempt, never the worker ----------------------------------
-def _bounded_call(fn, timeout_s, unblock=None):
-    box: dict = {}
-
-    def run():
-        try:
-            box["res"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
-            box["exc"] = exc
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(timeout_s)
-    if t.is_alive():
-        if unblock is not None:
-            unblock()
-        t.join(30)
-        pytest.fail(f"blocked for more than {timeout_s} s")
-    return box.get("exc")
-
-
 def test_fifo_swapped_in_after_resolve_never_blocks(area, store, tmp_path):
     """The file API opening a FIFO put in place of the checked file blocks
     in the sandbox: the read deadline ends the attempt, nothing is stored."""
@@ -438,8 +418,8 @@ def test_fifo_swapped_in_after_resolve_never_blocks(area, store, tmp_path):
     sb = Racing(SandboxRef("modal", "sb-test", roots=(str(area["root"]),)),
                 PathPolicy(roots=(str(area["root"]),)), io_timeout_s=1)
     try:
-        exc = _bounded_call(lambda: sb.extract(str(victim), store, "files/x"), 12,
-                            unblock=lambda: os.close(os.open(victim, os.O_WRONLY | os.O_NONBLOCK)))
+        _res, exc, _took = bounded(lambda: sb.extract(str(victim), store, "files/x"), 12,
+                                   unblock=lambda: os.close(os.open(victim, os.O_WRONLY | os.O_NONBLOCK)))
         assert isinstance(exc, ReadTimeout), exc
         assert_store_empty(store)
     finally:
@@ -480,5 +460,5 @@ def test_exec_stdin_into_a_sandbox_that_stops_reading_times_out(area):
     make_box("exec_only")
     sb = ModalSandbox(SandboxRef("modal", "sb-test", roots=(str(area["root"]),)), None, io_timeout_s=1)
     chunks = (b"\0" * (1 << 20) for _ in range(16))
-    assert isinstance(_bounded_call(lambda: sb.exec_channel().exec_stdin(["sleep", "20"], chunks), 12),
-                      ReadTimeout)
+    _res, exc, _took = bounded(lambda: sb.exec_channel().exec_stdin(["sleep", "20"], chunks), 12)
+    assert isinstance(exc, ReadTimeout)

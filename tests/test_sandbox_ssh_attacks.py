@@ -12,8 +12,6 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import threading
-import time
 
 import pytest
 
@@ -22,7 +20,7 @@ from adapters.sandboxes.base import ReadTimeout
 from adapters.sandboxes.execstream import exec_iter_file
 from adapters.sandboxes.ssh import close_pool
 from storage.volume import VolumeStore
-from tests.fixtures.services import wait_until
+from tests.fixtures.services import bounded, wait_until
 from tests.test_sandbox_ssh import make
 
 MODES = ["sftp", "openssh"]
@@ -52,30 +50,6 @@ def control_dir():
 @pytest.fixture
 def store(tmp_path):
     return VolumeStore(tmp_path / "store")
-
-
-def bounded(fn, timeout_s: float, unblock=None):
-    """Run `fn` in a thread; fail (after `unblock()`) if it runs past `timeout_s`.
-    Returns (result, exception, seconds)."""
-    box: dict = {}
-
-    def run():
-        try:
-            box["res"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
-            box["exc"] = exc
-
-    t0 = time.monotonic()
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(timeout_s)
-    took = time.monotonic() - t0
-    if t.is_alive():
-        if unblock is not None:
-            unblock()
-        t.join(30)
-        pytest.fail(f"blocked for more than {timeout_s} s")
-    return box.get("res"), box.get("exc"), took
 
 
 def _runs_with_env(entry: str) -> list[int]:
