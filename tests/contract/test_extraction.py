@@ -44,12 +44,7 @@ BACKENDS = ("local", *SSH, *MODAL)
 def area(tmp_path_factory):
     """root/ (the allowed root, also the home: ~/.ssh is denied under it) and
     outside/ beside it; root/ also holds a link loop and a FIFO."""
-    area = make_area(tmp_path_factory.mktemp("contract"), BIG)
-    root = area["root"]
-    os.symlink(root / "loop_b", root / "loop_a")
-    os.symlink(root / "loop_a", root / "loop_b")
-    os.mkfifo(root / "fifo")
-    return area
+    return make_area(tmp_path_factory.mktemp("contract"), BIG, odd=True)
 
 
 @pytest.fixture(scope="module")
