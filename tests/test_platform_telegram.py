@@ -50,14 +50,6 @@ def fake_telegram(_deployment):  # noqa: F811 - this module shares one server wi
     return _deployment[1]
 
 
-@pytest.fixture
-def r(redis_server):
-    """A client of the shared Redis that, unlike `r`, does not flush it under the worker."""
-    c = redis_server.client()
-    yield c
-    c.close()
-
-
 def _fields(call, name: str) -> str | None:
     return call.fields.get(name)
 

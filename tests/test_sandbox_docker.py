@@ -18,7 +18,6 @@ from adapters.errors import FileMissing, NotAFile, SandboxError, SandboxGone, St
 from adapters.sandboxes.base import SandboxRef, parse_uri
 from adapters.sandboxes.docker import DockerSandbox, _open_under, iter_single_member, tar_stream
 from adapters.sandboxes.routing import host_of, queue_for
-from storage.volume import VolumeStore
 from tests.fixtures._files import MB, random_chunks, run_in, sha256_file, sha_in_container, stored
 
 SETUP = r"""set -e
@@ -80,24 +79,14 @@ def bind_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ctr(docker_api, bind_dir):
-    c = docker_api.run_container(binds={str(bind_dir): "/workspace/bind"})
-    res = c.exec_run(["sh", "-c", SETUP])
-    assert res.exit_code == 0, res.output
-    yield c
-    docker_api.remove_container(c.id)
+    with docker_api.container(SETUP, binds={str(bind_dir): "/workspace/bind"}) as c:
+        yield c
 
 
 @pytest.fixture
 def sb(docker_api, ctr):
-    client = docker_api.client()
-    s = DockerSandbox(SandboxRef("docker", ctr.name), None, client=client)
-    yield s
-    client.close()
-
-
-@pytest.fixture
-def store(tmp_path):
-    return VolumeStore(tmp_path / "store")
+    with docker_api.sandbox(ctr) as s:
+        yield s
 
 
 # -- outbound: byte-identical through each channel --------------------------------------

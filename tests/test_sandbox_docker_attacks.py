@@ -15,14 +15,8 @@ import pytest
 from adapters.errors import SandboxError, SandboxGone, UnsafePath
 from adapters.sandboxes.base import ReadTimeout, SandboxRef
 from adapters.sandboxes.docker import DockerSandbox
-from storage.volume import VolumeStore
 from tests.fixtures._files import sha_in_container, stored
 from tests.fixtures.services import bounded, wait_until
-
-@pytest.fixture
-def store(tmp_path):
-    return VolumeStore(tmp_path / "store")
-
 
 # -- 4. reads happen with the container user's permissions ------------------------------------
 AS_ROOT = r"""set -e

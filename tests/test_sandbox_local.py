@@ -28,11 +28,6 @@ def sb(area):
     return LocalSandbox.with_roots((str(area["root"]),), home=str(area["root"]))
 
 
-@pytest.fixture
-def store(tmp_path):
-    return VolumeStore(tmp_path / "store")
-
-
 def test_relative_and_nul_paths_refused(sb, store):
     for bad in ("relative/path", "/tmp/a\x00b"):
         with pytest.raises(UnsafePath):

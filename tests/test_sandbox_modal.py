@@ -35,7 +35,6 @@ from adapters.errors import ConfigError, SandboxGone, TooLarge, UnsafePath  # no
 from adapters.sandboxes import modal as modal_backend  # noqa: E402
 from adapters.sandboxes.base import PathPolicy, SandboxRef  # noqa: E402
 from adapters.sandboxes.modal import INSTALL_HINT, ModalSandbox  # noqa: E402
-from storage.volume import VolumeStore  # noqa: E402
 from tests.fixtures._files import InterruptingStore, assert_store_empty, make_area, write_random  # noqa: E402
 
 BIG = 50 * 1000 * 1000
@@ -200,11 +199,6 @@ def make(area, sid: str = "sb-test", home: Path | None = None) -> ModalSandbox:
     ref = SandboxRef("modal", sid, roots=(str(area["root"]),))
     policy = PathPolicy(roots=(str(area["root"]),), home=str(home) if home else None)
     return ModalSandbox(ref, policy)
-
-
-@pytest.fixture
-def store(tmp_path):
-    return VolumeStore(tmp_path / "store")
 
 
 # -- extraction ----------------------------------------------------------------------------

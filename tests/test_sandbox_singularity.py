@@ -18,7 +18,6 @@ from adapters.sandboxes.base import SandboxRef, parse_uri
 from adapters.sandboxes.singularity import (
     SingularitySandbox, find_instance_root, open_in_root, resolve_in_root, root_from_listing,
 )
-from storage.volume import VolumeStore
 from tests.fixtures._files import MB, random_chunks, sha256_file, stored
 
 
@@ -62,11 +61,6 @@ def root(instances):
 def sb(instances):
     ref = SandboxRef("singularity", "agent1", options={"home": "/home/agent"})
     return SingularitySandbox(ref, None, instances_dir=str(instances))
-
-
-@pytest.fixture
-def store(tmp_path):
-    return VolumeStore(tmp_path / "store")
 
 
 @pytest.mark.parametrize("name", ["f0", "f1k", "f50m"])

@@ -50,11 +50,6 @@ def control_dir(sshd_server):
     shutil.rmtree(d, ignore_errors=True)
 
 
-@pytest.fixture
-def store(tmp_path):
-    return VolumeStore(tmp_path / "store")
-
-
 def stored_sha(store, info) -> str:
     """The sha256 of an extracted blob: the one computed on the way, else (an
     OpenSSH transfer spliced into a volume hashes nothing) of the stored file."""

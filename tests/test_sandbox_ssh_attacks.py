@@ -19,7 +19,6 @@ from adapters.errors import SandboxGone, UnsafePath
 from adapters.sandboxes.base import ReadTimeout
 from adapters.sandboxes.execstream import exec_iter_file
 from adapters.sandboxes.ssh import close_pool
-from storage.volume import VolumeStore
 from tests.fixtures.services import bounded, wait_until
 from tests.test_sandbox_ssh import make
 
@@ -45,11 +44,6 @@ def control_dir():
     d = tempfile.mkdtemp(prefix="cm", dir="/tmp")  # ControlPath must stay short
     yield d
     shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def store(tmp_path):
-    return VolumeStore(tmp_path / "store")
 
 
 def _runs_with_env(entry: str) -> list[int]:

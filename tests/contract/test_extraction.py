@@ -30,7 +30,6 @@ import pytest
 
 from adapters.errors import FileMissing, NotAFile, TooLarge, UnsafePath
 from adapters.sandboxes.local import LocalSandbox
-from storage.volume import VolumeStore
 from tests.fixtures._files import assert_store_empty, make_area, sha256_file, write_random
 from tests.fixtures.services import need
 
@@ -157,11 +156,6 @@ def b(request, area, monkeypatch):
         modal_backend.forget_handles()
         yield ModalBackend(name, area)
         modal_backend.forget_handles()
-
-
-@pytest.fixture
-def store(tmp_path):
-    return VolumeStore(tmp_path / "store")
 
 
 class Row(NamedTuple):
