@@ -16,7 +16,8 @@ from adapters.platforms.base import FileSource, Kind
 from adapters.platforms.slack import DEFAULT_UPLOAD_BYTES, SlackPlatform
 from tasks import receipts
 from tests.fixtures._files import sha256_file as sha
-from tests.fixtures._platforms import agent_env, chain_with_marker, db, make, opener, redelivered_file_job, send, send_plain, words
+from tests.fixtures._platforms import agent_env, assert_status_failed, chain_with_marker, db, make, opener
+from tests.fixtures._platforms import redelivered_file_job, send, send_plain, sent, words
 from tests.fixtures.services import wait_until
 from tests.fixtures.workers import CourierEnv
 
@@ -197,11 +198,7 @@ def test_permanent_errors_are_not_retried_and_shown_by_status(senv, fake, tmp_pa
     assert {r: len(fake.calls(r)) - n for r, n in counts.items()} == {
         "files.getUploadURLExternal": 3, "upload": 2, "files.completeUploadExternal": 1}
     assert fake.channel_messages(chan) == []
-    res = senv.cli("status", data["job"], "--json")
-    assert res.returncode == 1
-    assert {r["id"]: r["reason"] for r in json.loads(res.stdout)["deliveries"]} == {r["id"]: r["reason"] for r in rows}
-    res = senv.cli("status", data["job"])
-    assert res.returncode == 1 and "failed" in res.stdout
+    assert_status_failed(senv, data["job"], rows)
 
 
 def test_unknown_channel_is_permanent(senv, fake, tmp_path):
@@ -215,11 +212,9 @@ def test_unknown_channel_is_permanent(senv, fake, tmp_path):
 # -- idempotency ------------------------------------------------------------------------------------
 def test_redelivered_task_after_success_sends_nothing(senv, fake, tmp_path, rclient):
     chan = channel()
-    p = make(tmp_path, "once.png", 1200)
-    code, data, err = send(senv, f"slack:{chan}", str(p))
-    assert code == 0, (data, err)
-    row = data["deliveries"][0]
     target = f"slack:{chan}"
+    p = make(tmp_path, "once.png", 1200)
+    data, row = sent(senv, target, p)
     uploads = len(fake.calls("upload"))
     job = redelivered_file_job(data, target, p, sha(p))
     marker = chain_with_marker(senv, rclient, target, "slack", job)
