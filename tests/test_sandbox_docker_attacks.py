@@ -15,6 +15,7 @@ import pytest
 from adapters.errors import SandboxError, SandboxGone, UnsafePath
 from adapters.sandboxes.base import ReadTimeout, SandboxRef
 from adapters.sandboxes.docker import DockerSandbox
+from tests.fixtures._exec import start_streams_at_the_open
 from tests.fixtures._files import sha_in_container, stored
 from tests.fixtures.services import bounded, wait_until
 
@@ -130,17 +131,7 @@ def test_fifo_open_in_the_stream_is_killed_after_the_deadline(docker_api, store)
         client = docker_api.client()
         s = DockerSandbox(SandboxRef("docker", c.name), None, client=client, io_timeout_s=2)
         ch = s.exec_channel()
-        real = ch.exec_stream
-        seen: list[str] = []
-
-        def stream_without_type_test(argv):
-            argv = list(argv)
-            i = argv.index("-c") + 1
-            argv[i] = argv[i].split("\n", 1)[1]  # start the run at the open
-            seen.extend(a for a in argv if a.startswith("COURIER_EXEC_ID="))
-            return real(argv)
-
-        ch.exec_stream = stream_without_type_test
+        seen = start_streams_at_the_open(ch)
         _res, exc, took = bounded(lambda: b"".join(exec_iter_file(ch, "/tmp/pipe")), 30)
         assert isinstance(exc, ReadTimeout), exc
         assert len(seen) == 1

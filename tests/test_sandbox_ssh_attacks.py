@@ -19,6 +19,7 @@ from adapters.errors import SandboxGone, UnsafePath
 from adapters.sandboxes.base import ReadTimeout
 from adapters.sandboxes.execstream import exec_iter_file
 from adapters.sandboxes.ssh import close_pool
+from tests.fixtures._exec import start_streams_at_the_open
 from tests.fixtures.services import bounded, wait_until
 from tests.test_sandbox_ssh import make
 
@@ -72,19 +73,7 @@ def test_openssh_fifo_open_is_killed_after_the_deadline(sshd_server, root, contr
     os.mkfifo(fifo)
     s = make(sshd_server, root, "openssh", control_dir, io_timeout_s=2)
     ch = s._openssh()
-    real = ch.exec_stream
-    seen: list[str] = []
-
-    def stream_without_type_test(argv):
-        # the swap lands between the script's `[ -f ]` and its open: start the
-        # run at the open (same script minus its first line, same run id)
-        argv = list(argv)
-        i = argv.index("-c") + 1
-        argv[i] = argv[i].split("\n", 1)[1]
-        seen.extend(a for a in argv if a.startswith("COURIER_EXEC_ID="))
-        return real(argv)
-
-    ch.exec_stream = stream_without_type_test
+    seen = start_streams_at_the_open(ch)
     try:
         _res, exc, took = bounded(lambda: b"".join(exec_iter_file(ch, str(fifo))), 20,
                                   unblock=lambda: os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)))

@@ -11,6 +11,12 @@ that reads a host-visible tree (tests/fixtures/_files.py `make_area`):
   whose exec runs the real command on this host) with the file API, without
   it (modal 1.x), and with one that fails (the exec fallback).
 
+and, for the refusals and the cap, the backends whose files are an image's
+own tree (sandbox paths are not host paths there):
+
+* ``docker``: DockerSandbox on a container of real rootful podman;
+* ``singularity``: SingularitySandbox on an instance root directory.
+
 Every backend gets every row, except where a row names its backends (what a
 row checks means something there only); what one backend shows beyond the
 contract (modal: which channel read the file) is checked by its `Backend`.
@@ -30,7 +36,7 @@ import pytest
 
 from adapters.errors import FileMissing, NotAFile, TooLarge, UnsafePath
 from adapters.sandboxes.local import LocalSandbox
-from tests.fixtures._files import assert_store_empty, make_area, sha256_file, write_random
+from tests.fixtures._files import assert_store_empty, make_area, sha256_file, stored, write_random
 from tests.fixtures.services import need
 
 BIG = 50 * 1000 * 1000
@@ -168,12 +174,13 @@ def row(*values, on: tuple[str, ...] = BACKENDS) -> Row:
     return Row(values, on)
 
 
-def cases(*rows) -> list:
-    """Each row (a Row, a tuple of values, or one value) once per backend it
-    runs on (every one unless the row says), the backend first: the `b` fixture's parameter."""
-    rows_ = [r if isinstance(r, Row) else Row(r if isinstance(r, tuple) else (r,), BACKENDS) for r in rows]
+def cases(*rows, backends: tuple[str, ...] = BACKENDS) -> list:
+    """Each row (a Row, a tuple of values, or one value) once per backend of
+    `backends` it runs on (every one unless the row says), the backend first:
+    the backend fixture's parameter."""
+    rows_ = [r if isinstance(r, Row) else Row(r if isinstance(r, tuple) else (r,), backends) for r in rows]
     return [pytest.param(backend, *r.values, id=f"{backend}-{r.values[0]}")
-            for r in rows_ for backend in BACKENDS if backend in r.on]
+            for r in rows_ for backend in backends if backend in r.on]
 
 
 every_backend = pytest.mark.parametrize("b", BACKENDS, indirect=True)
@@ -286,3 +293,66 @@ def test_put_long_name(b, store):
     dest = b.root / f"long-{b.name}" / ("n" * 250)
     assert b.sandbox().put(store, "files/in", str(dest)) == str(dest)
     assert dest.read_bytes() == b"payload"
+
+
+# == the backends whose files are an image's tree: sandbox paths are not host paths ============
+#: docker: a container on real rootful podman made with tests/test_sandbox_docker.py's SETUP;
+#: singularity: the instance root of tests/test_sandbox_singularity.py (no apptainer binary here)
+IMAGES = ("docker", "singularity")
+
+
+@pytest.fixture(scope="module")
+def docker_ctr(docker_api):
+    from tests.test_sandbox_docker import SETUP
+
+    with docker_api.container(SETUP) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def instances(tmp_path_factory):
+    from tests.test_sandbox_singularity import make_instances
+
+    return make_instances(tmp_path_factory.mktemp("instances"))
+
+
+@pytest.fixture
+def image_sb(request):
+    """The sandbox (default roots: /workspace, /tmp, the home) of an image backend."""
+    if request.param == "docker":
+        with request.getfixturevalue("docker_api").sandbox(request.getfixturevalue("docker_ctr")) as s:
+            yield s
+    else:
+        from tests.test_sandbox_singularity import sandbox_of
+
+        yield sandbox_of(request.getfixturevalue("instances"))
+
+
+@pytest.mark.parametrize("image_sb, path, exc", cases(
+    ("/workspace/nope", FileMissing),
+    ("/workspace/dir", NotAFile),
+    ("/workspace/pw", UnsafePath),                 # symlink to /etc/passwd
+    ("/etc/passwd", UnsafePath),                   # denylisted
+    ("/workspace/../etc/passwd", UnsafePath),
+    row("/workspace/nodir/nope", FileMissing, on=("docker",)),
+    row("/bin/busybox", UnsafePath, on=("docker",)),         # outside the roots
+    row("workspace/f1k", UnsafePath, on=("docker",)),
+    row("/workspace/f1k/below", FileMissing, on=("singularity",)),
+    row("/workspace/dirlink", NotAFile, on=("singularity",)),
+    row("/home/agent/.ssh/id_rsa", UnsafePath, on=("singularity",)),   # home denylist
+    row("/bin", UnsafePath, on=("singularity",)),                      # outside the roots
+    row("/workspace/host", FileMissing, on=("singularity",)),          # a host path is not the instance's
+    row("/workspace/loop_a", UnsafePath, on=("singularity",)),
+    backends=IMAGES), indirect=["image_sb"])
+def test_image_refused(image_sb, store, path, exc):
+    with pytest.raises(exc):
+        image_sb.extract(path, store, "files/x")
+    assert stored(store) == []
+
+
+@pytest.mark.parametrize("image_sb", IMAGES, indirect=True)
+def test_image_over_cap_nothing_stored(image_sb, store):
+    with pytest.raises(TooLarge) as ei:
+        image_sb.extract("/workspace/f1k", store, "files/x", max_bytes=1000)
+    assert ei.value.size_bytes == 1024 and ei.value.limit_bytes == 1000
+    assert stored(store) == []
