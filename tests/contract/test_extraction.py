@@ -316,19 +316,37 @@ def instances(tmp_path_factory):
     return make_instances(tmp_path_factory.mktemp("instances"))
 
 
+class Image(NamedTuple):
+    sb: object
+    #: after a refused put: asserts the bytes reached no file outside the roots
+    untouched: object
+
+
 @pytest.fixture
-def image_sb(request):
-    """The sandbox (default roots: /workspace, /tmp, the home) of an image backend."""
+def image(request):
+    """An image backend's sandbox (default roots: /workspace, /tmp, the home)."""
     if request.param == "docker":
-        with request.getfixturevalue("docker_api").sandbox(request.getfixturevalue("docker_ctr")) as s:
-            yield s
+        from tests.fixtures._files import run_in
+
+        ctr = request.getfixturevalue("docker_ctr")
+
+        def passwd_untouched() -> None:
+            assert run_in(ctr, ["sh", "-c", "grep -c payload /etc/passwd || true"]).strip() == b"0"
+
+        with request.getfixturevalue("docker_api").sandbox(ctr) as s:
+            yield Image(s, passwd_untouched)
     else:
         from tests.test_sandbox_singularity import sandbox_of
 
-        yield sandbox_of(request.getfixturevalue("instances"))
+        instances = request.getfixturevalue("instances")
+
+        def host_file_untouched() -> None:
+            assert (instances / "host_only.txt").read_text() == "host file"
+
+        yield Image(sandbox_of(instances), host_file_untouched)
 
 
-@pytest.mark.parametrize("image_sb, path, exc", cases(
+@pytest.mark.parametrize("image, path, exc", cases(
     ("/workspace/nope", FileMissing),
     ("/workspace/dir", NotAFile),
     ("/workspace/pw", UnsafePath),                 # symlink to /etc/passwd
@@ -343,16 +361,34 @@ def image_sb(request):
     row("/bin", UnsafePath, on=("singularity",)),                      # outside the roots
     row("/workspace/host", FileMissing, on=("singularity",)),          # a host path is not the instance's
     row("/workspace/loop_a", UnsafePath, on=("singularity",)),
-    backends=IMAGES), indirect=["image_sb"])
-def test_image_refused(image_sb, store, path, exc):
+    backends=IMAGES), indirect=["image"])
+def test_image_refused(image, store, path, exc):
     with pytest.raises(exc):
-        image_sb.extract(path, store, "files/x")
+        image.sb.extract(path, store, "files/x")
     assert stored(store) == []
 
 
-@pytest.mark.parametrize("image_sb", IMAGES, indirect=True)
-def test_image_over_cap_nothing_stored(image_sb, store):
+@pytest.mark.parametrize("image", IMAGES, indirect=True)
+def test_image_over_cap_nothing_stored(image, store):
     with pytest.raises(TooLarge) as ei:
-        image_sb.extract("/workspace/f1k", store, "files/x", max_bytes=1000)
+        image.sb.extract("/workspace/f1k", store, "files/x", max_bytes=1000)
     assert ei.value.size_bytes == 1024 and ei.value.limit_bytes == 1000
     assert stored(store) == []
+
+
+@pytest.mark.parametrize("image, dest, exc", cases(
+    ("/etc/evil", UnsafePath),
+    ("/bin/evil", UnsafePath),
+    ("/home/agent/.ssh/authorized_keys", UnsafePath),
+    ("/workspace/../etc/evil", UnsafePath),
+    ("/workspace/pw", UnsafePath),          # a link (to /etc/passwd)
+    ("/workspace/dir", UnsafePath),         # a directory
+    ("/workspace/f1k/x", NotAFile),
+    ("/workspace/pw/sub/x", UnsafePath),    # a missing dir under a link out of the roots
+    row("/workspace/host", UnsafePath, on=("singularity",)),
+    backends=IMAGES), indirect=["image"])
+def test_image_put_refused(image, store, dest, exc):
+    store.put_bytes("in/b", b"payload")
+    with pytest.raises(exc):
+        image.sb.put(store, "in/b", dest)
+    image.untouched()
