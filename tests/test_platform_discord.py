@@ -20,8 +20,8 @@ from adapters.platforms.base import FileSource, Kind, MiB
 from adapters.platforms.discord import DiscordPlatform, nonce_for, waveform_for
 from tasks import keys, receipts
 from tests.fixtures._files import sha256_file as sha
-from tests.fixtures._platforms import agent_env, assert_status_failed, chain_with_marker, db, make, opener
-from tests.fixtures._platforms import redelivered_file_job, send, send_plain, sent, words
+from tests.fixtures._platforms import agent_env, assert_status_failed, assert_token_not_logged, chain_with_marker, db
+from tests.fixtures._platforms import long_reply_delivered, make, opener, redelivered_file_job, send, send_plain, sent, words
 from tests.fixtures.services import wait_until
 from tests.fixtures.workers import CourierEnv
 from tests.test_ogg import opus_stream, write_opus
@@ -93,23 +93,13 @@ def test_send_every_kind_as_attachments(denv, fake, tmp_path):
     assert all(c.fields["enforce_nonce"] is True and c.fields["allowed_mentions"]["parse"] == [] for c in sends)
     assert all(c.files and c.files[0]["field"] == "files[0]" for c in sends)
     # the token never shows in what the workers log
-    for w in denv.workers:
-        assert fake.token not in w.courier_log.read_text(errors="replace")
+    assert_token_not_logged(denv, fake.token)
 
 
 def test_text_over_the_limit_is_split(denv, fake, rclient):
     chan = channel()
     text = words(4500, seed=int.from_bytes(os.urandom(4), "big"))
-    denv.reply_file.write_text(text, encoding="utf-8")
-    res = denv.cli("turn", f"discord:{chan}", "write a lot", "--agent", "long", "--json")
-    assert res.returncode == 0, res.stdout + res.stderr
-    job = json.loads(res.stdout)["job"]
-
-    def delivered() -> bool:
-        rows = receipts.job_deliveries(rclient, job)
-        return bool(rows) and all(r.get("state") == "delivered" for r in rows)
-
-    wait_until(delivered, timeout_s=90, what="the reply's delivery")
+    long_reply_delivered(denv, rclient, f"discord:{chan}", text)
     msgs = nonced(fake, chan)
     assert len(msgs) == 3 and all(0 < len(m["content"]) <= 2000 for m in msgs)
     assert " ".join(m["content"] for m in msgs) == text

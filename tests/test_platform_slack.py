@@ -5,7 +5,6 @@ worker processes, against a local server speaking Slack's Web API
 from __future__ import annotations
 
 import itertools
-import json
 import os
 
 import pytest
@@ -14,10 +13,9 @@ import redis
 from adapters.errors import Permanent, RateLimited, Transient
 from adapters.platforms.base import FileSource, Kind
 from adapters.platforms.slack import DEFAULT_UPLOAD_BYTES, SlackPlatform
-from tasks import receipts
 from tests.fixtures._files import sha256_file as sha
-from tests.fixtures._platforms import agent_env, assert_status_failed, chain_with_marker, db, make, opener
-from tests.fixtures._platforms import redelivered_file_job, send, send_plain, sent, words
+from tests.fixtures._platforms import agent_env, assert_status_failed, assert_token_not_logged, chain_with_marker, db
+from tests.fixtures._platforms import long_reply_delivered, make, opener, redelivered_file_job, send, send_plain, sent, words
 from tests.fixtures.services import wait_until
 from tests.fixtures.workers import CourierEnv
 
@@ -88,23 +86,13 @@ def test_send_every_kind_as_files(senv, fake, tmp_path):
                                                                                  for p in files]
     ups = fake.calls("upload")[uploads_before:]
     assert len(ups) == 5 and not any(u.fields["chunked"] for u in ups)  # streamed with a Content-Length
-    for w in senv.workers:
-        assert fake.token not in w.courier_log.read_text(errors="replace")
+    assert_token_not_logged(senv, fake.token)
 
 
 def test_text_over_the_limit_is_split(senv, fake, rclient):
     chan = channel()
     text = words(90000)
-    senv.reply_file.write_text(text, encoding="utf-8")
-    res = senv.cli("turn", f"slack:{chan}", "write a lot", "--agent", "long", "--json")
-    assert res.returncode == 0, res.stdout + res.stderr
-    job = json.loads(res.stdout)["job"]
-
-    def delivered() -> bool:
-        rows = receipts.job_deliveries(rclient, job)
-        return bool(rows) and all(r.get("state") == "delivered" for r in rows)
-
-    wait_until(delivered, timeout_s=90, what="the reply's delivery")
+    long_reply_delivered(senv, rclient, f"slack:{chan}", text)
     msgs = [m for m in fake.channel_messages(chan) if not m["files"]]
     assert len(msgs) == 3 and all(0 < len(m["text"]) <= 40000 for m in msgs)
     assert " ".join(m["text"] for m in msgs) == text
