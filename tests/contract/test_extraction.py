@@ -166,10 +166,11 @@ def b(request, area, monkeypatch):
 
 class Row(NamedTuple):
     values: tuple
-    on: tuple[str, ...]
+    #: the backends the row runs on (None: every backend of its table)
+    on: tuple[str, ...] | None
 
 
-def row(*values, on: tuple[str, ...] = BACKENDS) -> Row:
+def row(*values, on: tuple[str, ...] | None = None) -> Row:
     """A row of a table that runs on the backends `on` only."""
     return Row(values, on)
 
@@ -178,9 +179,10 @@ def cases(*rows, backends: tuple[str, ...] = BACKENDS) -> list:
     """Each row (a Row, a tuple of values, or one value) once per backend of
     `backends` it runs on (every one unless the row says), the backend first:
     the backend fixture's parameter."""
-    rows_ = [r if isinstance(r, Row) else Row(r if isinstance(r, tuple) else (r,), backends) for r in rows]
+    rows_ = [r if isinstance(r, Row) else Row(r if isinstance(r, tuple) else (r,), None) for r in rows]
+    assert all(set(r.on or ()) <= set(backends) for r in rows_), "a row names a backend its table does not run"
     return [pytest.param(backend, *r.values, id=f"{backend}-{r.values[0]}")
-            for r in rows_ for backend in backends if backend in r.on]
+            for r in rows_ for backend in backends if backend in (r.on or backends)]
 
 
 every_backend = pytest.mark.parametrize("b", BACKENDS, indirect=True)
@@ -193,10 +195,10 @@ def test_extract_byte_identical(b, store, name):
     info = b.sandbox().extract(str(src), store, f"files/{name}")
     assert info.sha256 in (None, b.area["sums"][name])  # an in-kernel copy (splice, reflink) hashes nothing
     assert info.size_bytes == src.stat().st_size
-    stored = store.local_path(f"files/{name}")
-    assert sha256_file(stored) == b.area["sums"][name]
+    blob = store.local_path(f"files/{name}")
+    assert sha256_file(blob) == b.area["sums"][name]
     # a copy, never a link: the agent changing its file later cannot change the blob
-    assert stored.stat().st_ino != src.stat().st_ino
+    assert blob.stat().st_ino != src.stat().st_ino
     b.after_extract(info, name)
 
 
