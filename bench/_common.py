@@ -193,10 +193,11 @@ def report_rounds(name: str, ours: list[float], theirs: list[float], baseline_na
            f"median of the paired ratios {pairs:.3f}; {setup}")
 
 
-def send_each(r, ref, files: list[Path]) -> float:
+def send_each(r, ref, files: list[Path], *, window: int = 32) -> float:
     """Each of `files` (in sandbox `ref`) sent as its own job to outbox:c<i % 20>;
     the deliveries a second until the last is delivered. Receipts are polled
-    cheaply, in enqueue order (the work is mostly FIFO): a window of 32 a poll."""
+    cheaply, in enqueue order (the work is mostly FIFO): a window of `window`
+    a poll (1: one read a poll, the oldest receipt not yet delivered)."""
     from tasks import chains
 
     jobs = []
@@ -208,11 +209,14 @@ def send_each(r, ref, files: list[Path]) -> float:
         jobs.append(job)
     at = 0
     while at < len(jobs):
-        pipe = r.pipeline()
-        window = jobs[at:at + 32]
-        for j in window:
-            pipe.hget(f"courier:delivery:{chains.delivery_id(j, 0)}", "state")
-        states = pipe.execute()
+        batch = jobs[at:at + window]
+        if len(batch) == 1:
+            states = [r.hget(f"courier:delivery:{chains.delivery_id(batch[0], 0)}", "state")]
+        else:
+            pipe = r.pipeline()
+            for j in batch:
+                pipe.hget(f"courier:delivery:{chains.delivery_id(j, 0)}", "state")
+            states = pipe.execute()
         if b"failed" in states:
             raise SystemExit("a delivery failed")
         done = 0
@@ -221,7 +225,7 @@ def send_each(r, ref, files: list[Path]) -> float:
                 break
             done += 1
         at += done
-        if done < len(window):
+        if done < len(batch):
             time.sleep(0.005)
     return len(files) / (time.perf_counter() - t0)
 

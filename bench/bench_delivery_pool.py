@@ -9,7 +9,7 @@ processes, one request at a time each, cannot pass ~20 deliveries/s. Here:
 - baseline: one worker `-Q delivery --pool=prefork --concurrency=2`
   (the old default);
 - chosen: one worker started as `courier worker -Q delivery` starts it
-  (`workers.worker.worker_argv`: COURIER_DELIVERY_POOL x
+  (`python -m workers.worker`: COURIER_DELIVERY_POOL x
   COURIER_DELIVERY_CONCURRENCY, default threads x 16);
 - scaling: two deployments at once, each a bot of its own (its own fake Bot
   API server process and token) with its own Redis database and delivery
@@ -166,8 +166,12 @@ def main() -> None:
             deps = [Deployment(i, tmp, redis_srv.url, latency_ms) for i in range(2)]
             from workers.worker import worker_argv
 
-            chosen_argv = worker_argv(["-Q", "delivery"], deps[0].settings)
-            chosen = " ".join(a for a in chosen_argv if a.startswith("--"))
+            from workers.worker import processes_for
+
+            # the worker exactly as `courier worker -Q delivery` starts it (its pool, its processes)
+            chosen_argv = [sys.executable, "-m", "workers.worker", "-Q", "delivery"]
+            chosen = " ".join(a for a in worker_argv(["-Q", "delivery"], deps[0].settings) if a.startswith("--"))
+            chosen += f" x {processes_for(['-Q', 'delivery'], deps[0].settings)} processes"
             prefork_argv = [sys.executable, "-m", "celery", "-A", "workers.celery_app", "worker", "-Q", "delivery",
                             "--pool=prefork", "--concurrency=2"]
 
@@ -177,7 +181,7 @@ def main() -> None:
 
             deps[0].start_worker(chosen_argv)
             one = measure(deps[:1], per_chat)
-            deps[1].start_worker(worker_argv(["-Q", "delivery"], deps[1].settings))
+            deps[1].start_worker(chosen_argv)
             two = measure(deps, per_chat)
             scaling = two / (2 * one)
             ok = one >= TARGET_PER_S and scaling >= TARGET_SCALING

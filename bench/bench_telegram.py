@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._common import quick, random_files, start_redis, wait_final  # noqa: E402
+from bench._common import quick, random_files, start_redis  # noqa: E402
 
 TOKEN = "424242:bench-token"
 CHATS = 100
@@ -88,17 +88,25 @@ def main() -> None:
 
             import workers.celery_app  # noqa: F401 - binds the tasks to the bench Redis
             import tasks.celery_tasks  # noqa: F401
-            from workers.demo import start_worker, stop_worker, wait_worker
+            from workers.demo import stop_worker, wait_worker
             from workers.settings import get_settings, reset_settings
 
             reset_settings()
             from workers.wiring import redis_client, store
 
-            pool = os.environ.get("BENCH_POOL") or get_settings().delivery_pool
-            concurrency = int(os.environ.get("BENCH_CONCURRENCY") or (
-                get_settings().delivery_concurrency if pool != "prefork" else 2))
-            worker = start_worker(env, "bench-tg@localhost", queues="delivery", concurrency=concurrency,
-                                  log_path=str(tmp / "worker.log"), pool=pool)
+            # the worker exactly as `courier worker -Q delivery` starts it (BENCH_POOL / BENCH_CONCURRENCY
+            # override, e.g. BENCH_POOL=prefork BENCH_CONCURRENCY=2, the old default)
+            opts = [f"--pool={os.environ['BENCH_POOL']}"] if os.environ.get("BENCH_POOL") else []
+            opts += [f"--concurrency={os.environ['BENCH_CONCURRENCY']}"] if os.environ.get("BENCH_CONCURRENCY") else []
+            cmd = [sys.executable, "-m", "workers.worker", "-Q", "delivery", "-n", "bench-tg@localhost", *opts,
+                   "--loglevel=WARNING", "--without-mingle", "--without-gossip"]
+            from workers.worker import processes_for, worker_argv
+
+            shown = " ".join(a for a in worker_argv(cmd[3:], get_settings()) if a.startswith("--pool")
+                             or a.startswith("--concurrency"))
+            shown += f" x {processes_for(cmd[3:], get_settings())} processes"
+            with open(tmp / "worker.log", "ab") as log:
+                worker = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT))
             if not wait_worker(workers.celery_app.app, "bench-tg@localhost", worker):
                 raise SystemExit("the worker did not start:\n" + (tmp / "worker.log").read_text()[-2000:])
             r = redis_client(redis_srv.url)
@@ -108,8 +116,10 @@ def main() -> None:
             courier_s = _Courier(r, st, chats, tmp)
             baseline_s = _Baseline(base_url, chats, tmp)
             latency_ms = float(os.environ.get("BENCH_TG_LATENCY_MS", "25"))
-            remote = _measure(base_url, courier_s, baseline_s, rounds, latency_ms)
-            local = _measure(base_url, courier_s, baseline_s, rounds, 0.0)
+            pids = {"worker": worker.pid, "redis": redis_srv.proc.pid, "server": fake.pid}
+            remote = (_measure(base_url, courier_s, baseline_s, rounds, latency_ms, pids)
+                      if not os.environ.get("BENCH_TG_AT_ONCE_ONLY") else (1.0, 1.0))
+            local = _measure(base_url, courier_s, baseline_s, rounds, 0.0, pids)
             baseline_s.close()
             local_ratio = local[0] / local[1]
             ok = remote[0] / remote[1] >= TARGET_REMOTE and local_ratio >= TARGET_LOCAL
@@ -118,7 +128,7 @@ def main() -> None:
                   f"{TARGET_LOCAL:g}) {'PASS' if ok else 'MISS'} [server answers after {latency_ms:g} ms; "
                   f"server answering at once: {local[0]:.4g} vs {local[1]:.4g}/s, ratio {local_ratio:.2f}; "
                   f"medians of {rounds} alternating rounds x {CHATS} chats x 1 KB documents; 1 worker "
-                  f"--pool={pool} x {concurrency}; per-bot limit 1000/s]", flush=True)
+                  f"{shown}; per-bot limit 1000/s]", flush=True)
         finally:
             if worker is not None:
                 stop_worker(worker)
@@ -126,19 +136,48 @@ def main() -> None:
             redis_srv.stop()
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` and its live descendants so far (Linux /proc)."""
+    stats = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            stats[int(d.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        total += stats.get(p, (0, 0.0))[1]
+        todo += [c for c, (ppid, _) in stats.items() if ppid == p]
+    return total
+
+
 def _measure(base_url: str, courier_s: "_Courier", baseline_s: "_Baseline", rounds: int,
-             latency_ms: float) -> tuple[float, float]:
+             latency_ms: float, pids: dict[str, int] | None = None) -> tuple[float, float]:
     """Deliveries per second of (courier, baseline) with the server answering after `latency_ms`."""
     import httpx
 
     httpx.post(f"{base_url}/_control/latency_ms/{latency_ms:g}").raise_for_status()
     rates: dict[str, list[float]] = {"courier": [], "baseline": []}
+    cpu: dict[str, float] = {}
+    sent: dict[str, int] = {"courier": 0, "baseline": 0}
     for rnd in range(rounds + 1):
         for name, side in (("courier", courier_s), ("baseline", baseline_s)):
+            before = {k: _cpu_s(pid) for k, pid in (pids or {}).items()}
+            own = time.process_time()
             n, dt = side.round(rnd)
             if rnd > 0:  # round 0 warms both sides up
                 rates[name].append(n / dt)
+                sent[name] += n
+                for k, pid in (pids or {}).items():
+                    cpu[f"{name}/{k}"] = cpu.get(f"{name}/{k}", 0.0) + _cpu_s(pid) - before[k]
+                cpu[f"{name}/bench"] = cpu.get(f"{name}/bench", 0.0) + time.process_time() - own
             time.sleep(PAUSE_S)  # the per-chat limit, for both sides (not timed)
+    if os.environ.get("BENCH_DEBUG"):  # CPU per delivery of each process, whatever the machine's load
+        print(f"[{latency_ms:g} ms] CPU ms per delivery: " + ", ".join(
+            f"{k} {1000 * v / max(1, sent[k.split('/')[0]]):.2f}" for k, v in sorted(cpu.items())), file=sys.stderr)
     return statistics.median(rates["courier"]), statistics.median(rates["baseline"])
 
 
@@ -161,15 +200,31 @@ class _Courier:
             receipts.create_job(self.r, job_id, kind="send", target=f"telegram:{chat}")
             plans.append(chains.Plan(job_id=job_id, target=f"telegram:{chat}", files=[
                 chains.StoredFile(key=key, name=p.name, size=info.size_bytes, sha256=info.sha256 or "")]))
+        mon = None
+        if os.environ.get("BENCH_MONITOR") and rnd == 1:  # every Redis command of one round, for counting
+            url = self.r.connection_pool.connection_kwargs
+            mon = subprocess.Popen(["redis-cli", "-p", str(url["port"]), "monitor"],
+                                   stdout=open(os.environ["BENCH_MONITOR"], "w"))
+            time.sleep(0.5)
         t0 = time.perf_counter()
         ids: list[str] = []
         for plan in plans:
             ids += chains.enqueue(self.r, plan)
         if os.environ.get("BENCH_DEBUG"):
             print(f"enqueue {time.perf_counter() - t0:.3f}s", file=sys.stderr)
-        # poll only what is not done yet, every 10 ms (light on Redis and CPU)
-        failed, _ = wait_final(self.r, ids, poll_s=0.01)
+        from tasks import keys
+
+        left, failed = list(ids), 0
+        while left:  # the oldest not-done receipt every 10 ms: one read per poll, light on Redis and CPU
+            state = self.r.hget(keys.delivery(left[0]), "state")
+            if state in (b"delivered", b"failed"):
+                failed += state == b"failed"
+                left.pop(0)
+            else:
+                time.sleep(0.01)
         dt = time.perf_counter() - t0
+        if mon is not None:
+            mon.terminate()
         if failed:
             raise SystemExit(f"{failed} deliveries failed: see `courier status`")
         return len(ids), dt

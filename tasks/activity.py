@@ -25,6 +25,8 @@ from typing import Any
 from adapters.errors import CourierError, RateLimited
 from adapters.platforms.base import Platform, split_target
 from tasks import keys
+from tasks.events import Event, describe
+from tasks.runtime import Context
 
 log = logging.getLogger(__name__)
 
@@ -34,13 +36,16 @@ STOP_JOIN_S = 5.0
 PROGRESS_TTL_S = 24 * 3600
 
 
-def activity_text(ev: dict[str, Any]) -> str | None:
-    """What a progress message shows for an event (None: keep the current text)."""
+def activity_text(ev: Event) -> str | None:
+    """What a progress message shows for an event (None: keep the current
+    text): a tool starting, or a thinking/processing status that says what
+    (`events.describe`'s words)."""
     kind = ev.get("kind")
     if kind == "tool_start":
-        return ev.get("activity") or ev.get("tool_name") or None
-    if kind == "status" and ev.get("status") in ("thinking", "processing"):
-        return ev.get("activity") or ev.get("message") or None
+        return describe(ev)
+    says = ev.get("activity") or ev.get("message")
+    if kind == "status" and ev.get("status") in ("thinking", "processing") and says:
+        return describe(ev)
     return None
 
 
@@ -49,7 +54,7 @@ def _overrides(platform: Platform, name: str) -> bool:
 
 
 class TurnActivity:
-    def __init__(self, ctx: Any, target: str, job_id: str, *, typing_interval_s: float | None = None,
+    def __init__(self, ctx: Context, target: str, job_id: str, *, typing_interval_s: float | None = None,
                  edit_interval_s: float | None = None) -> None:
         self.ctx = ctx
         self.redis = ctx.redis
@@ -102,7 +107,7 @@ class TurnActivity:
         self._thread = threading.Thread(target=self._run, name=f"activity-{self.job_id}", daemon=True)
         self._thread.start()
 
-    def on_event(self, ev: dict[str, Any]) -> None:
+    def on_event(self, ev: Event) -> None:
         """Follow a turn's phase events: start once the agent is on its way
         (after `started`), show its activity, stop at the terminal status or
         the first delivery (the reply is on its way)."""
@@ -118,7 +123,7 @@ class TurnActivity:
         self.start()
         self.update(ev)
 
-    def update(self, ev: dict[str, Any]) -> None:
+    def update(self, ev: Event) -> None:
         """Feed a phase event (cheap; never blocks on the platform)."""
         if not self.progress:
             return
@@ -182,7 +187,7 @@ class TurnActivity:
             self._call("edit_progress", self.chat, self._msg_id, text)
         self._shown = text
 
-    def _call(self, name: str, *args: Any, force: bool = False) -> Any:
+    def _call(self, name: str, *args: Any, force: bool = False) -> object:
         if self.platform is None:
             return None
         if not force and time.monotonic() < self._paused_until.get(name, 0.0):

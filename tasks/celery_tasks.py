@@ -12,52 +12,61 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
-from celery import shared_task
+from celery import Task, shared_task
 
 from adapters.platforms.base import split_target
 from tasks import extract as extract_mod
 from tasks import ledger, metrics, runtime, task_names
 from tasks import turn as turn_mod
+from tasks.events import Event, describe
+from tasks.messages import JsonObject, SendResult, TurnResult, TurnSpec
 
 log = logging.getLogger(__name__)
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _task(**opts: Any) -> Callable[[_F], _F]:
+    """Celery's `shared_task`, typed for mypy (Celery ships no types): the
+    decorated task keeps its function's signature."""
+    return cast("Callable[[_F], _F]", shared_task(**opts))
 
 def platform_of(target: str) -> str:
     return split_target(target)[0]
 
 
-def progress_meta(job_id: str, ev: dict) -> dict | None:
+def progress_meta(job_id: str, ev: Event) -> dict[str, str] | None:
     """The custom `PROGRESS` state's meta for a phase event (None: not shown):
-    what the turn is doing now, for the result backend and Flower."""
+    what the turn is doing now (`events.describe`), for the result backend and Flower."""
     kind = ev.get("kind")
-    if kind == "status" and ev.get("status") in ("started", "thinking", "processing"):
-        activity = ev.get("activity") or ev.get("message") or ev["status"]
-    elif kind == "tool_start":
-        activity = ev.get("activity") or f"using {ev.get('tool_name', 'a tool')}"
-    elif kind == "tool_result":
-        activity = f"{ev.get('activity') or ev.get('tool_name', 'tool')} ({ev.get('status', 'tool_complete')})"
-    else:
+    if not (kind in ("tool_start", "tool_result")
+            or (kind == "status" and ev.get("status") in ("started", "thinking", "processing"))):
         return None
-    meta = {"job": job_id, "phase": ev.get("status") if kind == "status" else kind, "activity": str(activity)[:80]}
+    meta = {"job": job_id, "phase": str(ev.get("status") if kind == "status" else kind),
+            "activity": describe(ev)[:80]}
     if ev.get("tool_name"):
-        meta["tool"] = ev["tool_name"]
+        meta["tool"] = str(ev["tool_name"])
     return meta
 
 
-@shared_task(bind=True, name=task_names.AGENT_TURN, acks_late=True, reject_on_worker_lost=True,
+@_task(bind=True, name=task_names.AGENT_TURN, acks_late=True, reject_on_worker_lost=True,
              ignore_result=task_names.AGENT_TURN not in task_names.KEEPS_RESULT)
-def agent_turn(self, spec: dict) -> dict:
+def agent_turn(self: Task, spec: TurnSpec) -> TurnResult:
     """One agent turn. While it runs, the task's state is the custom
     `PROGRESS` with meta {job, phase, activity, tool?} in the result backend
     (`AsyncResult(job).info`), and each change is sent as a `task-progress`
     event, so Flower shows the state and the activity live. The chat shows
     typing / a progress message (tasks.activity)."""
+    from tasks import chains
     from tasks.activity import TurnActivity
 
     ctx = runtime.ctx()
     last: list[str] = []
 
-    def show(ev: dict) -> None:
+    def show(ev: Event) -> None:
         native.on_event(ev)
         meta = progress_meta(spec["job"], ev)
         if meta is None or last == [meta["activity"]]:
@@ -74,14 +83,15 @@ def agent_turn(self, spec: dict) -> dict:
             return {"job": spec["job"], "state": "busy"}
         t0 = time.monotonic()
         with TurnActivity(ctx, spec["target"], spec["job"]) as native:
-            out = turn_mod.run_turn(ctx, spec, on_activity=show)
+            outcome = turn_mod.run_turn(ctx, spec, on_activity=show)
+            out = turn_mod.finish(ctx, outcome, chains.enqueue, on_activity=show)
         if not out.get("skipped"):
-            metrics.record_turn(spec.get("agent") or "demo", out.get("state", ""), time.monotonic() - t0)
+            metrics.record_turn(spec.get("agent") or "demo", out["state"], time.monotonic() - t0)
         return out
 
 
-@shared_task(name=task_names.EXTRACT_FILE, acks_late=True, reject_on_worker_lost=True)
-def extract_file(delivery_id: str) -> dict:
+@_task(name=task_names.EXTRACT_FILE, acks_late=True, reject_on_worker_lost=True)
+def extract_file(delivery_id: str) -> JsonObject:
     """Extract one sandbox file (its spec is in the ledger), then drive its chat's lane."""
     from tasks import chains
 
@@ -97,9 +107,9 @@ class DeliveryFailed(Exception):
     recorded; nothing is retried by Celery (the ledger owns retries)."""
 
 
-@shared_task(name=task_names.DRIVE_LANE, acks_late=True, reject_on_worker_lost=True,
+@_task(name=task_names.DRIVE_LANE, acks_late=True, reject_on_worker_lost=True,
              throws=(DeliveryFailed,))
-def drive_lane(target: str) -> dict:
+def drive_lane(target: str) -> JsonObject:
     """Send what is ready at the head of one chat's lane (tasks.lanes). A
     delivery recorded failed during the drive makes the task a FAILURE
     naming its id and reason (never chat text)."""
@@ -113,9 +123,9 @@ def drive_lane(target: str) -> dict:
     return out
 
 
-@shared_task(bind=True, name=task_names.SEND, acks_late=True)
-def send(self, target: str, text: str | None = None, files: list[str] | None = None, caption: str | None = None,
-         voice: bool = False, as_document: bool = False) -> dict:
+@_task(bind=True, name=task_names.SEND, acks_late=True)
+def send(self: Task, target: str, text: str | None = None, files: list[str] | None = None, caption: str | None = None,
+         voice: bool = False, as_document: bool = False) -> SendResult:
     """An operator's send (Flower's async-apply; JSON args documented in
     tasks/send.py): registered in the ledger like `courier send`, then
     extracted and delivered by the usual stages. Bad input fails the task
@@ -128,15 +138,15 @@ def send(self, target: str, text: str | None = None, files: list[str] | None = N
                          as_document=as_document, job_id=job_id)
 
 
-@shared_task(name=task_names.JANITOR_SWEEP, acks_late=True)
-def janitor_sweep() -> dict:
+@_task(name=task_names.JANITOR_SWEEP, acks_late=True)
+def janitor_sweep() -> JsonObject:
     from tasks.janitor import sweep
 
     return sweep(runtime.ctx())
 
 
-@shared_task(name=task_names.RECONCILE, acks_late=True)
-def reconcile() -> dict:
+@_task(name=task_names.RECONCILE, acks_late=True)
+def reconcile() -> dict[str, int]:
     """One reconciler pass (workers run it every second by themselves; this
     task lets an operator or beat run one too)."""
     from tasks import reconcile as reconcile_mod

@@ -24,18 +24,29 @@ and receipt.
 
 from __future__ import annotations
 
+import functools
 import json
 import posixpath
 import re
 import secrets
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from redis import Redis
+from redis.client import Pipeline
 
 from adapters.platforms.base import split_target
 from adapters.sandboxes.base import SandboxRef
 from storage import prefixes
 from tasks import ledger, receipts, task_names
+from tasks.messages import Attachment, JsonObject, TurnSpec
+
+if TYPE_CHECKING:
+    from celery import Signature
+
+    from tasks.taskmsg import Template
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 
@@ -120,8 +131,8 @@ class _Entry:
     """One delivery as the ledger keeps it: its receipt fields and what it takes to run it."""
 
     did: str
-    fields: dict
-    spec: dict
+    fields: JsonObject
+    spec: JsonObject
     lane: bool = True  # a step of its own in the lane (album members after the first: no)
     queue: str | None = None  # extraction queue of a sandbox file
 
@@ -171,7 +182,7 @@ def entries(plan: Plan) -> list[_Entry]:
     return out
 
 
-def register(r, plan: Plan, *, job_kind: str | None = None) -> list[_Entry]:
+def register(r: Redis, plan: Plan, *, job_kind: str | None = None) -> list[_Entry]:
     """Record the plan in the ledger in one transaction: the job (with
     `job_kind`), a queued receipt per delivery with its spec, the steps at
     the end of the chat's lane, and due times for the lane and each
@@ -202,7 +213,7 @@ def album_groups(plan: Plan) -> list[list[int]]:
     consecutive files that route to photos, cut into groups of <= album_max
     (a group of one left over goes alone)."""
     from adapters.platforms.base import Kind
-    from tasks.reply import route
+    from tasks.routing import route
 
     size = plan.album_max
     if size < 2 or plan.as_document:
@@ -217,7 +228,7 @@ def album_groups(plan: Plan) -> list[list[int]]:
     return [g for g in groups if len(g) >= 2]
 
 
-def _label(sig, text: str):
+def _label(sig: Signature, text: str) -> Signature:
     """A short `argsrepr` for a signature: what Flower and the worker's log
     show for the task instead of Celery's repr of its arguments (never chat
     text or captions)."""
@@ -229,7 +240,7 @@ def extract_label(did: str, what: str = "") -> str:
     return (f"({did} {what})" if what else f"({did})")[:200]
 
 
-def _sig(name: str, *args):
+def _sig(name: str, *args: Any) -> Signature:
     """An immutable signature of the task `name` (built by name: chains never
     imports the task module, whose tasks call back into plain code that uses chains)."""
     from celery import current_app
@@ -237,7 +248,7 @@ def _sig(name: str, *args):
     return current_app.signature(name, args=args, immutable=True)
 
 
-def extract_sig(did: str, queue: str, what: str = ""):
+def extract_sig(did: str, queue: str, what: str = "") -> Signature:
     return _label(_sig(task_names.EXTRACT_FILE, did).set(queue=queue), extract_label(did, what))
 
 
@@ -245,7 +256,7 @@ def lane_label(target: str) -> str:
     return f"(lane {target})"[:200]
 
 
-def lane_sig(target: str, countdown: float | None = None):
+def lane_sig(target: str, countdown: float | None = None) -> Signature:
     sig = _label(_sig(task_names.DRIVE_LANE, target), lane_label(target))
     return sig.set(countdown=countdown) if countdown else sig
 
@@ -258,10 +269,11 @@ def publish_lane(target: str, countdown: float | None = None) -> None:
     lane_sig(target, countdown).apply_async()
 
 
-_templates: dict[str, object] = {}
+_templates: dict[str, Template | None] = {}
 
 
-def _template(name: str, make):
+def _template(name: str, make: Callable[[], tuple[Signature, tuple[list[Any], list[Any]], tuple[str, str]]]
+              ) -> Template | None:
     """The message template `name` of this process (tasks/taskmsg.py), made once by
     `make()` -> (signature, probe args, probe labels); None when none can be made here
     (the caller publishes through Celery then)."""
@@ -280,7 +292,7 @@ def _template(name: str, make):
     return _templates[name]
 
 
-def _push(pipe, tpl, args: list, label: str) -> None:
+def _push(pipe: Pipeline, tpl: Template, args: list[Any], label: str) -> None:
     """LPUSH one rendered message on `pipe`: a new task id; from a running task, that
     task as its parent and root, as Celery's publish sets them."""
     from celery import current_app
@@ -292,7 +304,7 @@ def _push(pipe, tpl, args: list, label: str) -> None:
     pipe.lpush(key, msg)
 
 
-def queue_lane(pipe, target: str) -> bool:
+def queue_lane(pipe: Pipeline, target: str) -> bool:
     """Queue a drive of `target`'s lane on a Redis pipeline: the LPUSH of the
     `drive_lane` message Celery would publish (made once per process from a
     probe publish, tasks/taskmsg.py), so the drive goes out in the same round
@@ -306,7 +318,7 @@ def queue_lane(pipe, target: str) -> bool:
     return True
 
 
-def queue_extract(pipe, did: str, queue: str, what: str = "") -> bool:
+def queue_extract(pipe: Pipeline, did: str, queue: str, what: str = "") -> bool:
     """As `queue_lane`, for an `extract_file` of delivery `did` on `queue`."""
     tpl = _template(f"extract_file {queue}", lambda: (
         extract_sig("probe.1", queue, "a"), (["probe.1"], ["probe.2"]),
@@ -317,7 +329,7 @@ def queue_extract(pipe, did: str, queue: str, what: str = "") -> bool:
     return True
 
 
-def enqueue(r, plan: Plan, *, job_kind: str | None = None) -> list[str]:
+def enqueue(r: Redis, plan: Plan, *, job_kind: str | None = None) -> list[str]:
     """Register the plan in the ledger (and the job, with `job_kind`), then
     publish its extractions and one drive of the chat's lane. Returns the
     delivery ids. A publish that fails after the ledger was written loses
@@ -326,12 +338,12 @@ def enqueue(r, plan: Plan, *, job_kind: str | None = None) -> list[str]:
     # the messages in one round trip (Celery's own, made once per process: queue_extract,
     # queue_lane); any that cannot be made that way go through Celery after it
     pipe = r.pipeline(transaction=False)
-    later: list = []
+    later: list[Callable[[], None]] = []
     for e in items:
         if e.queue is not None:
             what = f"{e.spec['extract']['sandbox'].get('kind', '')}:{e.spec['extract']['path']}"
             if not queue_extract(pipe, e.did, e.queue, what):
-                later.append(lambda e=e, what=what: publish_extract(e.did, e.queue, what))
+                later.append(functools.partial(publish_extract, e.did, e.queue, what))
     if any(e.queue is None for e in items):
         # something is ready to go now; steps that wait for an extraction are
         # driven by the extraction's end (and by the lane's due time)
@@ -344,8 +356,8 @@ def enqueue(r, plan: Plan, *, job_kind: str | None = None) -> list[str]:
     return [e.did for e in items]
 
 
-def enqueue_turn(r, target: str, message: str, *, agent: str, job_id: str | None = None,
-                 sandbox: str | None = None, attachments: list[dict] | None = None,
+def enqueue_turn(r: Redis, target: str, message: str, *, agent: str, job_id: str | None = None,
+                 sandbox: str | None = None, attachments: list[Attachment] | None = None,
                  origin: str | None = None) -> str:
     """Record a turn's job (with its spec: the ledger can run it again), then
     enqueue `agent_turn` with the job id as its task id (the CLI, the web
@@ -363,15 +375,15 @@ def enqueue_turn(r, target: str, message: str, *, agent: str, job_id: str | None
 
 
 def turn_sig(job_id: str, target: str, message: str, *, agent: str, sandbox: str | None = None,
-             attachments: list[dict] | None = None):
+             attachments: list[Attachment] | None = None) -> Signature:
     """The `agent_turn` signature of a turn, labelled."""
     return spec_sig(turn_spec(job_id, target, message, agent=agent, sandbox=sandbox, attachments=attachments))
 
 
 def turn_spec(job_id: str, target: str, message: str, *, agent: str, sandbox: str | None = None,
-              attachments: list[dict] | None = None) -> dict:
+              attachments: list[Attachment] | None = None) -> TurnSpec:
     """A turn's spec: the one argument of its `agent_turn` (and what its job record keeps)."""
-    spec: dict[str, Any] = {"job": job_id, "target": target, "message": message, "agent": agent}
+    spec: TurnSpec = {"job": job_id, "target": target, "message": message, "agent": agent}
     if sandbox:
         spec["sandbox"] = sandbox
     if attachments:
@@ -379,7 +391,7 @@ def turn_spec(job_id: str, target: str, message: str, *, agent: str, sandbox: st
     return spec
 
 
-def spec_label(spec: dict) -> str:
+def spec_label(spec: TurnSpec) -> str:
     """The `argsrepr` of a turn's `agent_turn`: the job, agent, target and sizes, never the text."""
     attachments = spec.get("attachments")
     label = f"({spec['job']} {spec['agent']} -> {spec['target']}, {len(spec.get('message', ''))} chars"
@@ -387,6 +399,6 @@ def spec_label(spec: dict) -> str:
     return label[:200]
 
 
-def spec_sig(spec: dict):
+def spec_sig(spec: TurnSpec) -> Signature:
     """The labelled `agent_turn` signature of a turn's spec (also the reconciler's way to run it again)."""
     return _label(_sig(task_names.AGENT_TURN, spec), spec_label(spec))

@@ -11,16 +11,24 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, cast
+
+from redis import Redis
+from redis.client import Pipeline
 
 from tasks import keys
 from tasks.states import DELIVERY_OVER
+
+#: one event: a flat JSON object (`kind`, `ts` and the kind's fields; agents add their own)
+Event = dict[str, Any]
 
 STREAM_TTL_S = 7 * 24 * 3600
 TERMINAL_STATUSES = frozenset({"completed", "error", "no_reply", "cancelled"})
 
 
-def publish(r, job_id: str, event: dict[str, Any], *, maxlen: int = 1000, pipe=None) -> str | None:
+def publish(r: Redis, job_id: str, event: Event, *, maxlen: int = 1000, pipe: Pipeline | None = None
+            ) -> str | None:
     """Append an event (one round trip). With `pipe`, queue it on that pipeline
     instead and return None."""
     event = {"ts": round(time.time(), 3), **event}
@@ -33,46 +41,88 @@ def publish(r, job_id: str, event: dict[str, Any], *, maxlen: int = 1000, pipe=N
     return eid.decode() if isinstance(eid, bytes) else eid
 
 
-def read(r, job_id: str, after: str = "0-0", *, block_ms: int | None = None, count: int = 100) -> list[tuple[str, dict]]:
-    res = r.xread({keys.events(job_id): after}, count=count, block=block_ms)
-    out: list[tuple[str, dict]] = []
+def read(r: Redis, job_id: str, after: str = "0-0", *, block_ms: int | None = None, count: int = 100
+         ) -> list[tuple[str, Event]]:
+    # courier's clients speak RESP2: [[stream, [(id, fields), ...]]] (None: nothing before the timeout)
+    res = cast("list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]] | None",
+               r.xread({keys.events(job_id): after}, count=count, block=block_ms))
+    out: list[tuple[str, Event]] = []
     for _stream, entries in res or []:
         for eid, fields in entries:
-            eid = eid.decode() if isinstance(eid, bytes) else eid
-            raw = fields.get(b"data") or fields.get("data")
-            try:
-                out.append((eid, json.loads(raw)))
-            except (TypeError, ValueError):
-                continue
+            ev = decode(fields) if fields else None
+            if eid is not None and ev is not None:
+                out.append((_str(eid), ev))
     return out
 
+
+def _str(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else v
 
 
 DELIVERY_FINAL = DELIVERY_OVER
 
 
-def decode(fields: dict) -> dict | None:
+def decode(fields: Mapping[Any, Any]) -> Event | None:
     """The event of one stream entry's fields (None if it is not one)."""
     raw = fields.get(b"data") or fields.get("data")
+    if not isinstance(raw, (bytes, str)):
+        return None
     try:
-        ev = json.loads(raw)  # type: ignore[arg-type]  # None: not an event (TypeError below)
-    except (TypeError, ValueError):
+        ev = json.loads(raw)
+    except ValueError:
         return None
     return ev if isinstance(ev, dict) else None
 
 
-def read_range(r, job_id: str, start: str = "-", end: str = "+", *, count: int | None = None
-               ) -> list[tuple[str, dict]]:
+def read_range(r: Redis, job_id: str, start: str = "-", end: str = "+", *, count: int | None = None
+               ) -> list[tuple[str, Event]]:
     """Events between two stream ids, inclusive (`-`/`+`: the ends)."""
-    out: list[tuple[str, dict]] = []
-    for eid, fields in r.xrange(keys.events(job_id), start, end, count=count):
-        ev = decode(fields)
-        if ev is not None:
-            out.append((eid.decode() if isinstance(eid, bytes) else eid, ev))
+    out: list[tuple[str, Event]] = []
+    for eid, fields in r.xrange(keys.events(job_id), start, end, count=count) or []:
+        ev = decode(fields) if fields else None
+        if eid is not None and ev is not None:
+            out.append((_str(eid), ev))
     return out
 
 
-def is_terminal(ev: dict) -> bool:
+def describe(ev: Event) -> str:
+    """The human text of one event, one line, no markup. Every place that
+    says an event in words says it with this: `courier watch`/`--wait`
+    (workers/console.py), the chat's progress message (tasks/activity.py),
+    the turn's PROGRESS state for Flower (tasks/celery_tasks.py). Only the
+    turn page renders events itself, in the browser (workers/turnpage.py's
+    JavaScript, a list per kind).
+
+    status       its reason, activity or message, else the status itself:
+                 `planning`, `agent exited with code 2`, `thinking`
+    tool_start   its activity, else `using <tool>`
+    tool_result  `<activity or tool> (<status>)`, with the error when it
+                 failed: `$ pytest -q (tool_complete)`, `$ make (error: exit 2)`
+    delivery     `<state> <file name or id>`, then its reason or media:
+                 `delivered chart.png photo`, `failed a.pdf too large`
+    anything else: its JSON
+    """
+    kind = ev.get("kind")
+    if kind == "status":
+        return _text(ev.get("reason") or ev.get("activity") or ev.get("message") or ev.get("status"))
+    if kind == "tool_start":
+        return _text(ev.get("activity") or f"using {ev.get('tool_name') or 'a tool'}")
+    if kind == "tool_result":
+        status = ev.get("status") or "tool_complete"
+        error = f": {ev['error']}" if status == "error" and ev.get("error") else ""
+        return _text(f"{ev.get('activity') or ev.get('tool_name') or 'tool'} ({status}{error})")
+    if kind == "delivery":
+        tail = ev.get("reason") or ev.get("media") or ""
+        return _text(f"{ev.get('state', '')} {ev.get('name') or ev.get('delivery_id', '')} {tail}".strip())
+    return json.dumps(ev, ensure_ascii=False)
+
+
+def _text(v: object) -> str:
+    """One line of text."""
+    return " ".join(str(v if v is not None else "").split())
+
+
+def is_terminal(ev: Event) -> bool:
     return ev.get("kind") == "status" and ev.get("status") in TERMINAL_STATUSES
 
 
@@ -83,7 +133,7 @@ class EndTracker:
     marks it started with `n` deliveries to wait for."""
 
     def __init__(self) -> None:
-        self.terminal: dict | None = None
+        self.terminal: Event | None = None
         self.expected = 0
         self.seen: set[str] = set()
         self.final: dict[str, str] = {}
@@ -93,7 +143,7 @@ class EndTracker:
                                           "synthetic": True}
         self.expected = max(self.expected, n)
 
-    def feed(self, ev: dict) -> None:
+    def feed(self, ev: Event) -> None:
         if is_terminal(ev):
             if self.terminal is None or self.terminal.get("synthetic"):
                 self.terminal = ev
@@ -119,7 +169,7 @@ class EndTracker:
         return st == "completed" and "failed" not in self.final.values()
 
     @classmethod
-    def for_job(cls, r, job_id: str) -> "EndTracker":
+    def for_job(cls, r: Redis, job_id: str) -> "EndTracker":
         """A tracker primed for the job's kind (a send: its registered deliveries)."""
         from tasks import receipts
 

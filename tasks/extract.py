@@ -6,10 +6,15 @@ import errno
 import logging
 import posixpath
 import time
+from collections.abc import Callable
+
+from redis import Redis
+from redis.client import Pipeline
 
 from adapters.errors import CourierError, SandboxError, StorageError, TooLarge
 from adapters.sandboxes.base import SandboxRef, os_error
 from tasks import events, metrics, receipts
+from tasks.messages import JsonObject
 from tasks.runtime import Context
 
 
@@ -22,7 +27,7 @@ _PATH_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ENAMETOOLONG, errno
 RECORD_MIN_BYTES = 1024 * 1024
 
 
-def extract(ctx: Context, spec: dict, *, pipe=None) -> dict:
+def extract(ctx: Context, spec: JsonObject, *, pipe: Pipeline | None = None) -> JsonObject:
     """spec: job, delivery (id), sandbox (ref dict), path, key, max_bytes?
     `pipe`: the receipt's record of a success is queued there (the caller
     executes it), else written at once.
@@ -77,20 +82,19 @@ def extract(ctx: Context, spec: dict, *, pipe=None) -> dict:
                                   outcome)
     # the lane reads the result from the receipt (the ledger), whoever drives it
     own = pipe is None
-    if own:
-        pipe = r.pipeline(transaction=False)
-    receipts.update_open_delivery(pipe, did, state="extracted", extraction="ok", reason="",
+    p = r.pipeline(transaction=False) if pipe is None else pipe
+    receipts.update_open_delivery(p, did, state="extracted", extraction="ok", reason="",
                                   size_bytes=info.size_bytes, sha256=info.sha256, name=name)
     if info.size_bytes >= RECORD_MIN_BYTES:  # a large file shows its progress
         events.publish(r, spec["job"], {"kind": "delivery", "delivery_id": did, "state": "extracted",
                                         "name": name, "size_bytes": info.size_bytes}, maxlen=ctx.events_maxlen,
-                       pipe=pipe)
+                       pipe=p)
     if own:
-        pipe.execute()
+        p.execute()
     return {"ok": True, "key": spec["key"], "name": name, "size": info.size_bytes, "sha256": info.sha256}
 
 
-def record_failure(r, did: str, result: dict) -> dict:
+def record_failure(r: Redis, did: str, result: JsonObject) -> JsonObject:
     """Record a permanent extraction failure in the receipt (the delivery
     after it makes it final: `failed`, with a notice when too large); returns `result`."""
     receipts.update_open_delivery(r, did, state="extract_failed", extraction="failed", reason=result["reason"],
@@ -100,7 +104,7 @@ def record_failure(r, did: str, result: dict) -> dict:
     return result
 
 
-def result_of(rec: dict, key: str) -> dict | None:
+def result_of(rec: receipts.Receipt, key: str) -> JsonObject | None:
     """An extraction's result as `extract` returned it, read back from the
     receipt (None: not recorded)."""
     name = rec.get("name") or posixpath.basename(key)
@@ -108,7 +112,7 @@ def result_of(rec: dict, key: str) -> dict | None:
         return {"ok": True, "key": key, "name": name, "size": int(rec.get("size_bytes") or 0),
                 "sha256": rec.get("sha256") or ""}
     if rec.get("extraction") == "failed":
-        out = {"ok": False, "reason": rec.get("reason") or "extraction failed", "name": name}
+        out: JsonObject = {"ok": False, "reason": rec.get("reason") or "extraction failed", "name": name}
         if rec.get("notify") == "1":
             out["notify"] = True
         if rec.get("too_large") == "1":
@@ -138,7 +142,7 @@ return {'run', rec}
 """
 
 
-def run(ctx: Context, did: str, queue_drive=None) -> dict:
+def run(ctx: Context, did: str, queue_drive: Callable[[Pipeline, str], bool] | None = None) -> JsonObject:
     """The extraction stage of delivery `did`, from the ledger alone: its
     spec is in the receipt. Holds the stage's lease while it works (a second
     message for it finds the lease and leaves); a transient failure backs
@@ -162,10 +166,10 @@ def run(ctx: Context, did: str, queue_drive=None) -> dict:
     what, flat = receipts._script(r, _BEGIN)(
         keys=[keys.delivery(did), lease, keys.due("extract")],
         args=[did, token, ledger.LEASE_TTL_S, time.time() + ledger.LEASE_TTL_S, *sorted(receipts.TERMINAL)])
-    what = receipts._s(what)
+    what = receipts.as_str(what)
     if what == "gone":
         return {"delivery": did, "state": "gone"}
-    rec = {receipts._s(flat[i]): receipts._s(flat[i + 1]) for i in range(0, len(flat), 2)}
+    rec = {receipts.as_str(flat[i]): receipts.as_str(flat[i + 1]) for i in range(0, len(flat), 2)}
     job = json.loads(rec["spec"])
     out = {"delivery": did, "target": job["target"]}
     if what in ("done", "busy"):

@@ -17,6 +17,7 @@ import stat
 import time
 
 from tasks import keys, ledger
+from tasks.messages import JsonObject
 from tasks.runtime import Context
 
 #: partial writes (volume temp files, S3 multipart uploads, outbox `.part` files) this old are a dead writer's
@@ -33,7 +34,7 @@ class Busy(Exception):
     """Another sweep holds the janitor's lock."""
 
 
-def sweep(ctx: Context, *, dry_run: bool = False, older_than_s: float | None = None) -> dict:
+def sweep(ctx: Context, *, dry_run: bool = False, older_than_s: float | None = None) -> JsonObject:
     """One sweep under the janitor's lock. Returns {"dry_run", "took_s",
     <what>: {"count", "bytes"}} for every prefix and the workspaces
     ("partial_writes", "outbox_partial_writes": count only, not counted in a
@@ -65,20 +66,22 @@ def lifecycle_days(ctx: Context) -> dict[str, int]:
     return {prefix: max(1, -(-int(ttl) // 86400)) for prefix, ttl in ctx.retention.ttls().items()}
 
 
-def install_lifecycle(ctx: Context) -> dict:
+def install_lifecycle(ctx: Context) -> JsonObject:
     """Put the retention rules on the S3 bucket (ConfigError on another store)."""
     from adapters.errors import ConfigError
 
     if not hasattr(ctx.store, "install_lifecycle"):
         raise ConfigError("lifecycle rules are for S3 storage (COURIER_STORAGE_URL=s3://...); a volume is swept")
-    return ctx.store.install_lifecycle(lifecycle_days(ctx), abort_multipart_days=max(1, -(-PARTIAL_AGE_S // 86400)))
+    rules: JsonObject = ctx.store.install_lifecycle(lifecycle_days(ctx),  # S3Store's (checked above)
+                                                    abort_multipart_days=max(1, -(-PARTIAL_AGE_S // 86400)))
+    return rules
 
 
-def _sweep(ctx: Context, *, dry_run: bool, older_than_s: float | None) -> dict:
+def _sweep(ctx: Context, *, dry_run: bool, older_than_s: float | None) -> JsonObject:
     from storage.retention import expire_stats
 
     t0 = time.monotonic()
-    out: dict = {"dry_run": dry_run}
+    out: JsonObject = {"dry_run": dry_run}
     if ctx.retention.s3_lifecycle and hasattr(ctx.store, "install_lifecycle") and not dry_run \
             and older_than_s is None:
         # the S3 service expires the blobs (and stale multipart uploads) itself: the rules are all it takes
@@ -104,7 +107,7 @@ def _sweep(ctx: Context, *, dry_run: bool, older_than_s: float | None) -> dict:
     return _workspaces(ctx, out, older_than_s, dry_run, t0)
 
 
-def _workspaces(ctx: Context, out: dict, older_than_s: float | None, dry_run: bool, t0: float) -> dict:
+def _workspaces(ctx: Context, out: JsonObject, older_than_s: float | None, dry_run: bool, t0: float) -> JsonObject:
     ttl = older_than_s if older_than_s is not None else int(ctx.retention.workspace_ttl_s)
     n, size = workspace_stats(_agent_dirs(ctx), int(ttl), dry_run=dry_run)
     out["workspaces"] = {"count": n, "bytes": size}

@@ -24,11 +24,16 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
+
+from redis import Redis
 
 from adapters.errors import CourierError, RateLimited, StorageError
+from tasks import album
 from tasks import delivery as delivery_mod
-from tasks import keys, ledger, metrics, receipts
+from tasks import keys, ledger, metrics, receipts, sendlock
 from tasks.extract import result_of
+from tasks.messages import JsonObject
 from tasks.ratelimit import Paced
 from tasks.runtime import Context
 
@@ -92,8 +97,8 @@ _TERMINAL = sorted(receipts.TERMINAL)
 class Step:
     lead: str
     ids: list[str]
-    recs: list[dict]
-    specs: list[dict]
+    recs: list[JsonObject]
+    specs: list[JsonObject]
 
     @property
     def done(self) -> bool:
@@ -106,7 +111,7 @@ class Step:
                    or rec.get("state") in receipts.TERMINAL for rec, spec in zip(self.recs, self.specs))
 
 
-def load_step(r, lead: str, rec: dict | None = None) -> Step | None:
+def load_step(r: Redis, lead: str, rec: JsonObject | None = None) -> Step | None:
     """The step `lead` leads (`rec`: its receipt when already read)."""
     rec = rec if rec is not None else receipts.get_delivery(r, lead)
     if not rec:
@@ -117,8 +122,8 @@ def load_step(r, lead: str, rec: dict | None = None) -> Step | None:
     return Step(lead, ids, recs, specs)
 
 
-def _head(r, target: str, token: str, *, take: bool = False, last: Step | str | None = None
-          ) -> tuple[str, str | None, dict]:
+def _head(r: Redis, target: str, token: str, *, take: bool = False, last: Step | str | None = None
+          ) -> tuple[str, str | None, JsonObject]:
     """One round trip (`_HEAD`): pop `last` when it is final, then the head: ('head', id,
     receipt), ('empty', None, {}) (lane forgotten, lease released) or ('busy', None, {})."""
     last_id = last.lead if isinstance(last, Step) else (last or "")
@@ -136,7 +141,7 @@ def _head(r, target: str, token: str, *, take: bool = False, last: Step | str | 
     return what, receipts._s(got[1]), {receipts._s(flat[i]): receipts._s(flat[i + 1]) for i in range(0, len(flat), 2)}
 
 
-def drive(ctx: Context, target: str, publish: Publish) -> dict:
+def drive(ctx: Context, target: str, publish: Publish) -> JsonObject:
     """Send what is ready at the head of `target`'s lane. `publish(target,
     countdown)` enqueues another drive of the lane. Returns a small summary.
 
@@ -190,7 +195,8 @@ def drive(ctx: Context, target: str, publish: Publish) -> dict:
     return out
 
 
-def _drive_leased(ctx: Context, target: str, publish: Publish, token: str, first: tuple) -> dict:
+def _drive_leased(ctx: Context, target: str, publish: Publish, token: str,
+                  first: tuple[str, str | None, JsonObject]) -> JsonObject:
     r = ctx.redis
     _clear_dead_senders_gate(ctx, target)
     sent = 0
@@ -201,6 +207,7 @@ def _drive_leased(ctx: Context, target: str, publish: Publish, token: str, first
             return {"lane": target, "state": "empty", "sent": sent}
         if what == "extracting":  # due time set, lease released with the look
             return {"lane": target, "state": "extracting", "head": head, "sent": sent, "released": True}
+        assert head is not None  # a `head` answer names it
         step = load_step(r, head, rec)
         if step is None or step.done:
             what, head, rec = _head(r, target, token, last=step or head)
@@ -236,7 +243,7 @@ def _clear_dead_senders_gate(ctx: Context, target: str) -> None:
         ratelimit.clear_if_sending(ctx.redis, gate)
 
 
-def _wait(r, target: str, wait_s: float, publish: Publish) -> None:
+def _wait(r: Redis, target: str, wait_s: float, publish: Publish) -> None:
     """The lane goes on in `wait_s`: a countdown drive for a short wait (the
     due time after it is the safety net), the reconciler for a long one."""
     if wait_s <= ledger.COUNTDOWN_MAX_S:
@@ -246,7 +253,7 @@ def _wait(r, target: str, wait_s: float, publish: Publish) -> None:
         ledger.set_due(r, "lane", target, wait_s)
 
 
-def _jobs(step: Step) -> list[dict]:
+def _jobs(step: Step) -> list[JsonObject]:
     return [{k: v for k, v in spec.items() if k != "extract"} for spec in step.specs]
 
 
@@ -266,7 +273,7 @@ def _run_step(ctx: Context, step: Step) -> float | None:
             if jobs[0].get("caption"):
                 group["caption"] = jobs[0]["caption"]
                 group["items"][0] = {k: v for k, v in group["items"][0].items() if k != "caption"}
-            delivery_mod.deliver_album(ctx, group)
+            album.deliver_album(ctx, group)
         return None
     except Paced as exc:  # courier's own pacing: no attempt, no give-up
         return exc.retry_after_s + random.uniform(0.0, 0.05)
@@ -278,10 +285,10 @@ def _run_step(ctx: Context, step: Step) -> float | None:
             _give_up(ctx, step, f"gave up after {n - 1} rate limits from {jobs[0]['target'].split(':')[0]}")
             return None
         return min(900.0, exc.retry_after_s) + random.uniform(0.05, 0.5)
-    except delivery_mod.Busy:
+    except sendlock.Busy:
         # a dead worker's send lock: it lapses with the lane's lease; waiting for it is no attempt
         left_s = ledger.held(r, keys.delivery_lock(step.lead))
-        return min(left_s, receipts.SEND_LOCK_TTL_S) + 0.1 if left_s else 0.1
+        return min(left_s, sendlock.SEND_LOCK_TTL_S) + 0.1 if left_s else 0.1
     except Exception as exc:  # noqa: BLE001 - unmapped errors count as transient, bounded
         if isinstance(exc, CourierError) and not exc.transient:
             _give_up(ctx, step, exc.reason)
@@ -299,12 +306,12 @@ def _run_step(ctx: Context, step: Step) -> float | None:
         return ledger.backoff_s(n, storage=isinstance(exc, StorageError))
 
 
-def _open(ctx: Context, step: Step) -> list[dict]:
+def _open(ctx: Context, step: Step) -> list[JsonObject]:
     recs = [receipts.get_delivery(ctx.redis, d) or {} for d in step.ids]
     return [job for job, rec in zip(_jobs(step), recs) if rec.get("state") not in receipts.TERMINAL]
 
 
-def _mark_open(ctx: Context, step: Step, **fields) -> None:
+def _mark_open(ctx: Context, step: Step, **fields: Any) -> None:
     for job in _open(ctx, step):
         receipts.update_delivery(ctx.redis, job["id"], **fields)
 

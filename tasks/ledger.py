@@ -28,7 +28,9 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
+
+from redis import Redis
 
 from tasks import keys
 
@@ -45,22 +47,22 @@ def new_token() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
 
 
-def take(r, key: str, token: str, ttl_s: int = LEASE_TTL_S) -> bool:
+def take(r: Redis, key: str, token: str, ttl_s: int = LEASE_TTL_S) -> bool:
     """Take a lease (or a lock) if nobody holds it."""
     return bool(r.set(key, token, nx=True, ex=ttl_s))
 
 
-def release(r, key: str, token: str) -> None:
+def release(r: Redis, key: str, token: str) -> None:
     """Only the holder releases (compare-and-delete). `r` may be a pipeline."""
     r.eval(_RELEASE, 1, key, token)
 
 
-def renew(r, key: str, token: str, ttl_s: int = LEASE_TTL_S) -> bool:
+def renew(r: Redis, key: str, token: str, ttl_s: int = LEASE_TTL_S) -> bool:
     """Extend a lease its holder still holds (False: it lapsed, or another holds it)."""
     return bool(r.eval(_RENEW, 1, key, token, ttl_s))
 
 
-def held(r, key: str) -> float:
+def held(r: Redis, key: str) -> float:
     """Seconds the lease has left (0.0: not held)."""
     ms = r.pttl(key)
     return max(0.001, ms / 1000) if ms and ms > 0 else 0.0
@@ -79,7 +81,7 @@ class _Renewer:
         self.pid = 0
         self.next = 0
 
-    def add(self, r, key: str, token: str, ttl_s: int) -> int:
+    def add(self, r: Redis, key: str, token: str, ttl_s: int) -> int:
         with self.lock:
             self.next += 1
             ident = self.next
@@ -99,7 +101,7 @@ class _Renewer:
             with self.lock:
                 items = list(self.held.values())
             period = min([ttl for *_, ttl in items] or [LEASE_TTL_S]) / 3
-            by_client: dict[int, list] = {}
+            by_client: dict[int, list[Any]] = {}
             for r, key, token, ttl in items:
                 by_client.setdefault(id(r), [r]).append((key, token, ttl))
             for r, *leases in by_client.values():
@@ -117,7 +119,7 @@ _renewer = _Renewer()
 
 
 @contextmanager
-def renewing(r, key: str, token: str, ttl_s: int = LEASE_TTL_S) -> Iterator[None]:
+def renewing(r: Redis, key: str, token: str, ttl_s: int = LEASE_TTL_S) -> Iterator[None]:
     """Keep a lease (or a send lock) alive while the block runs."""
     ident = _renewer.add(r, key, token, ttl_s)
     try:
@@ -127,7 +129,7 @@ def renewing(r, key: str, token: str, ttl_s: int = LEASE_TTL_S) -> Iterator[None
 
 
 @contextmanager
-def leased(r, stage: str, ident: str, ttl_s: int = LEASE_TTL_S) -> Iterator[str | None]:
+def leased(r: Redis, stage: str, ident: str, ttl_s: int = LEASE_TTL_S) -> Iterator[str | None]:
     """Hold the stage's lease while the block runs: yields the token, or None
     when another live worker holds it (the block must then leave the stage alone)."""
     key = keys.lease(stage, ident)
@@ -145,25 +147,25 @@ def leased(r, stage: str, ident: str, ttl_s: int = LEASE_TTL_S) -> Iterator[str 
             pass
 
 
-def set_due(r, stage: str, ident: str, in_s: float) -> None:
+def set_due(r: Redis, stage: str, ident: str, in_s: float) -> None:
     """The reconciler looks at this entry again in `in_s` seconds unless it is
     final by then. `r` may be a pipeline."""
     r.zadd(keys.due(stage), {ident: time.time() + max(0.0, in_s)})
 
 
-def clear_due(r, stage: str, ident: str) -> None:
+def clear_due(r: Redis, stage: str, ident: str) -> None:
     """The entry is final: the reconciler forgets it. `r` may be a pipeline."""
     r.zrem(keys.due(stage), ident)
 
 
-def overdue(r, stage: str, *, now: float | None = None, limit: int = 500) -> list[str]:
+def overdue(r: Redis, stage: str, *, now: float | None = None, limit: int = 500) -> list[str]:
     """The entries whose due time has passed, oldest first."""
     now = time.time() if now is None else now
-    out = r.zrangebyscore(keys.due(stage), "-inf", now, start=0, num=limit)
+    out = cast("list[bytes | str]", r.zrangebyscore(keys.due(stage), "-inf", now, start=0, num=limit))
     return [x.decode() if isinstance(x, bytes) else x for x in out]
 
 
-def pending(r) -> dict[str, int]:
+def pending(r: Redis) -> dict[str, int]:
     """How many entries each stage has waiting or running (for status and metrics)."""
     pipe = r.pipeline(transaction=False)
     for stage in STAGES:
@@ -185,7 +187,7 @@ def backoff_s(n: int, *, storage: bool = False) -> float:
     return min(cap, 2.0 ** max(0, n - 1)) * random.uniform(0.5, 1.0)
 
 
-def count_transient(r, delivery_id: str) -> tuple[int, float]:
+def count_transient(r: Redis, delivery_id: str) -> tuple[int, float]:
     """Count one transient failure on a receipt; returns (failures so far,
     when the first of this run of failures happened)."""
     now = time.time()

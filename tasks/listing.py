@@ -8,28 +8,26 @@ job batch. Receipts are shown without their `spec` (it holds chat text).
 
 from __future__ import annotations
 
+from redis import Redis
+
 from tasks import keys, receipts
 
 HIDDEN = frozenset({"spec"})
 SCAN_COUNT = 1000
 
 
-def _s(v) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
-
-
-def jobs(r, *, chat: str | None = None, since_s: float | None = None) -> list[dict]:
+def jobs(r: Redis, *, chat: str | None = None, since_s: float | None = None) -> list[dict[str, str | None]]:
     """Every job (send or turn) for target `chat` (when given) created at or
     after `since_s` (epoch), newest first."""
     names = [k for k in r.scan_iter(match=f"{keys.PREFIX}job:*", count=SCAN_COUNT, _type="hash")]
-    out = []
+    out: list[dict[str, str | None]] = []
     for i in range(0, len(names), 500):
         pipe = r.pipeline(transaction=False)
         for k in names[i:i + 500]:
             pipe.hmget(k, "id", "kind", "target", "state", "created_s")
         for vals in pipe.execute():
-            job = dict(zip(("id", "kind", "target", "state", "created_s"), (_s(v) if v is not None else None
-                                                                           for v in vals)))
+            job = dict(zip(("id", "kind", "target", "state", "created_s"),
+                           (receipts.as_str(v) if v is not None else None for v in vals)))
             if not job["id"]:
                 continue
             if chat is not None and job["target"] != chat:
@@ -42,16 +40,16 @@ def jobs(r, *, chat: str | None = None, since_s: float | None = None) -> list[di
     return out
 
 
-def deliveries(r, *, failed: bool = False, chat: str | None = None, since_s: float | None = None,
-               limit: int = 50) -> list[dict]:
+def deliveries(r: Redis, *, failed: bool = False, chat: str | None = None, since_s: float | None = None,
+               limit: int = 50) -> list[dict[str, str | None]]:
     """The newest `limit` deliveries (of the jobs `jobs` finds, newest job
     first, each job's deliveries in order), only failed ones with `failed`."""
-    out: list[dict] = []
+    out: list[dict[str, str | None]] = []
     for job in jobs(r, chat=chat, since_s=since_s):
-        for rec in receipts.job_deliveries(r, job["id"]):
+        for rec in receipts.job_deliveries(r, str(job["id"])):  # `jobs` gives only those with an id
             if failed and rec.get("state") != "failed":
                 continue
-            row = {k: v for k, v in rec.items() if k not in HIDDEN}
+            row: dict[str, str | None] = {k: v for k, v in rec.items() if k not in HIDDEN}
             row.setdefault("target", job["target"])
             row["job_kind"] = job["kind"]
             row["created_s"] = job["created_s"]

@@ -25,11 +25,16 @@ import contextvars
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tasks.messages import JsonObject
 
 log = logging.getLogger(__name__)
 
 #: the failures recorded while a task runs (`failures_noted`), for the task to report
-_noted: contextvars.ContextVar[list | None] = contextvars.ContextVar("courier_failures_noted", default=None)
+_noted: contextvars.ContextVar[list[tuple[str, str]] | None] = contextvars.ContextVar("courier_failures_noted",
+                                                                                    default=None)
 
 try:
     from prometheus_client import Counter, Histogram
@@ -73,7 +78,7 @@ def failures_noted() -> Iterator[list[tuple[str, str]]]:
         _noted.reset(token)
 
 
-def record_delivery(job: dict, state: str, kind: str | None = None, reason: str | None = None) -> None:
+def record_delivery(job: JsonObject, state: str, kind: str | None = None, reason: str | None = None) -> None:
     """A delivery's receipt was recorded final: `delivered` (with the kind sent) or `failed`."""
     noted = _noted.get()
     if noted is not None and state == "failed":

@@ -25,6 +25,8 @@ from __future__ import annotations
 import json
 import time
 
+from redis import Redis
+
 from tasks import events, keys, ledger, receipts
 
 CANCEL_REASON = "cancelled by the operator"
@@ -60,11 +62,7 @@ return {'cancelled', st}
 """
 
 
-def _s(v) -> str:
-    return v.decode() if isinstance(v, bytes) else ("" if v is None else str(v))
-
-
-def retry_targets(r, ident: str) -> tuple[str, list[dict]] | None:
+def retry_targets(r: Redis, ident: str) -> tuple[str, list[receipts.Receipt]] | None:
     """What `courier retry ID` means: a delivery id -> that receipt; a job id
     -> its failed or cancelled deliveries. None: no such id."""
     rec = receipts.get_delivery(r, ident)
@@ -75,7 +73,7 @@ def retry_targets(r, ident: str) -> tuple[str, list[dict]] | None:
     return None
 
 
-def retry(r, rec: dict) -> dict:
+def retry(r: Redis, rec: receipts.Receipt) -> dict[str, str]:
     """Re-queue one failed delivery through the ledger. Returns {id, outcome,
     ...}: outcome `requeued` (with `extract`: its queue, when the file is to
     be extracted again, and `target`), or `refused` with the state it is in."""
@@ -85,7 +83,7 @@ def retry(r, rec: dict) -> dict:
         return {"id": did, "outcome": "refused", "state": rec.get("state", ""),
                 "reason": "its receipt holds no spec to run it again"}
     target = spec["target"]
-    what, was = (_s(x) for x in r.eval(_RETRY, 2, keys.delivery(did), keys.lane(target), f"{time.time():.3f}",
+    what, was = (receipts.as_str(x) for x in r.eval(_RETRY, 2, keys.delivery(did), keys.lane(target), f"{time.time():.3f}",
                                       receipts.RETENTION_S, did))
     if what == "gone":
         return {"id": did, "outcome": "refused", "state": "", "reason": "no such delivery (expired?)"}
@@ -106,11 +104,11 @@ def retry(r, rec: dict) -> dict:
     return out
 
 
-def cancel_delivery(r, rec: dict) -> dict:
+def cancel_delivery(r: Redis, rec: receipts.Receipt) -> dict[str, str]:
     """Cancel one delivery unless it is final or its send is in flight."""
     did = rec["id"]
     lead = rec.get("step") or did
-    what, was = (_s(x) for x in r.eval(_CANCEL, 3, keys.delivery(did), keys.delivery_lock(did),
+    what, was = (receipts.as_str(x) for x in r.eval(_CANCEL, 3, keys.delivery(did), keys.delivery_lock(did),
                                       keys.delivery_lock(lead), CANCEL_REASON, f"{time.time():.3f}"))
     if what == "cancelled":
         p = r.pipeline(transaction=False)
@@ -122,7 +120,7 @@ def cancel_delivery(r, rec: dict) -> dict:
     return {"id": did, "outcome": what, "state": "cancelled" if what == "cancelled" else was}
 
 
-def mark_turn(r, job_id: str) -> str:
+def mark_turn(r: Redis, job_id: str) -> str:
     """Mark a turn cancelled: `cancel_requested` on its job; a turn not
     started yet ends now (`cancelled`, its terminal event). Returns what it
     was: queued (ended now), running (marked: it delivers nothing), or its
@@ -144,5 +142,5 @@ def mark_turn(r, job_id: str) -> str:
     return "running"
 
 
-def cancel_requested(r, job_id: str) -> bool:
-    return _s(r.hget(keys.job(job_id), "cancel_requested")) == "1"
+def cancel_requested(r: Redis, job_id: str) -> bool:
+    return receipts.as_str(r.hget(keys.job(job_id), "cancel_requested")) == "1"

@@ -18,8 +18,12 @@ from __future__ import annotations
 
 import json
 import time
+from typing import TypedDict, cast
+
+from redis import Redis
 
 from tasks import keys
+from tasks.receipts import as_str
 
 HEARTBEAT_S = 10.0
 CONSUMER_STALE_S = 3 * HEARTBEAT_S
@@ -30,17 +34,21 @@ REGISTRY_TTL_S = 30 * 24 * 3600
 BASE = ("turns", "sandbox", "delivery", "janitor")
 
 
-def _s(v) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
+class QueueStats(TypedDict):
+    queue: str
+    depth: int
+    #: None: empty, or its oldest message carries no publish time
+    oldest_age_s: float | None
+    consumers: int
 
 
-def register(r, queue: str, *, now: float | None = None) -> None:
+def register(r: Redis, queue: str, *, now: float | None = None) -> None:
     """Note that `queue` is in use (`r` may be a pipeline)."""
     r.zadd(keys.queues(), {queue: time.time() if now is None else now})
     r.expire(keys.queues(), REGISTRY_TTL_S)
 
 
-def heartbeat(r, worker: str, queues: list[str], *, now: float | None = None) -> None:
+def heartbeat(r: Redis, worker: str, queues: list[str], *, now: float | None = None) -> None:
     """A worker says it consumes `queues` (one round trip)."""
     now = time.time() if now is None else now
     pipe = r.pipeline(transaction=False)
@@ -52,7 +60,7 @@ def heartbeat(r, worker: str, queues: list[str], *, now: float | None = None) ->
     pipe.execute()
 
 
-def leave(r, worker: str, queues: list[str]) -> None:
+def leave(r: Redis, worker: str, queues: list[str]) -> None:
     """A worker that stops consuming says so (a dead one's heartbeat just goes stale)."""
     pipe = r.pipeline(transaction=False)
     for q in queues:
@@ -60,7 +68,7 @@ def leave(r, worker: str, queues: list[str]) -> None:
     pipe.execute()
 
 
-def sent_at(raw) -> float | None:
+def sent_at(raw: bytes | str | None) -> float | None:
     """The publish time courier stamped on a raw Redis queue entry (None: unknown)."""
     if raw is None:
         return None
@@ -71,12 +79,13 @@ def sent_at(raw) -> float | None:
         return None
 
 
-def stats(r, *, now: float | None = None) -> list[dict]:
+def stats(r: Redis, *, now: float | None = None) -> list[QueueStats]:
     """Per queue: {queue, depth, oldest_age_s (None: empty or unstamped), consumers}.
     Two round trips whatever the number of queues. Registry entries that are
     old, empty and unconsumed are dropped."""
     now = time.time() if now is None else now
-    reg = {_s(q): float(s) for q, s in r.zrange(keys.queues(), 0, -1, withscores=True)}
+    scored = cast("list[tuple[bytes, float]]", r.zrange(keys.queues(), 0, -1, withscores=True))
+    reg = {as_str(q): float(s) for q, s in scored}
     qs = sorted(set(BASE) | set(reg))
     pipe = r.pipeline(transaction=False)
     for q in qs:
@@ -84,7 +93,8 @@ def stats(r, *, now: float | None = None) -> list[dict]:
         pipe.lindex(q, -1)
         pipe.zcount(keys.consumers(q), now - CONSUMER_STALE_S, "+inf")
     res = pipe.execute()
-    out, stale = [], []
+    out: list[QueueStats] = []
+    stale: list[str] = []
     for i, q in enumerate(qs):
         depth, oldest, consumers = int(res[3 * i] or 0), res[3 * i + 1], int(res[3 * i + 2] or 0)
         sent = sent_at(oldest) if depth else None

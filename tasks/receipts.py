@@ -8,44 +8,61 @@ platform's message id or the failure reason.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
+
+from redis import Redis
+from redis.commands.core import Script
+from redis.typing import EncodableT
+from redis.client import Pipeline
 
 from tasks import keys
 from tasks.states import DELIVERY_OVER
 
 RETENTION_S = 30 * 24 * 3600
-#: a send lock lives this long unless its holder renews it (every third of it): as
-#: long as the lease of the lane that takes it, so both lapse together when a worker dies
-SEND_LOCK_TTL_S = 20
 TERMINAL = DELIVERY_OVER
 
 
-def _s(v: Any) -> str:
+#: a receipt or a job record as read back: every field a string
+Receipt = dict[str, str]
+
+
+def as_str(v: object) -> str:
+    """A Redis value as text (bytes decoded; None: "")."""
     if isinstance(v, bytes):
         return v.decode()
     return "" if v is None else str(v)
 
 
-def _decode(h: dict) -> dict[str, str]:
+_s = as_str
+
+
+def _decode(h: Mapping[Any, Any]) -> dict[str, str]:
     return {_s(k): _s(v) for k, v in h.items()}
 
 
-def create_job(r, job_id: str, *, kind: str, target: str, pipe=None, **meta: Any) -> None:
+def create_job(r: Redis | None, job_id: str, *, kind: str, target: str, pipe: Pipeline | None = None,
+               **meta: Any) -> None:
     """Record a job (a send or a turn); queued on `pipe` when given."""
-    fields = {"id": job_id, "kind": kind, "target": target, "state": "queued", "created_s": f"{time.time():.3f}"}
+    fields: dict[EncodableT, EncodableT] = {"id": job_id, "kind": kind, "target": target, "state": "queued",
+                                      "created_s": f"{time.time():.3f}"}
     fields.update({k: _s(v) for k, v in meta.items() if v is not None})
-    p = pipe if pipe is not None else r.pipeline()
+    if pipe is not None:
+        p = pipe
+    else:
+        assert r is not None, "create_job needs a client or a pipeline"
+        p = r.pipeline()
     p.hset(keys.job(job_id), mapping=fields)
     p.expire(keys.job(job_id), RETENTION_S)
     if pipe is None:
         p.execute()
 
 
-def set_job(r, job_id: str, **fields: Any) -> None:
+def set_job(r: Redis, job_id: str, **fields: Any) -> None:
     r.hset(keys.job(job_id), mapping={k: _s(v) for k, v in fields.items()})
 
 
-def get_job(r, job_id: str) -> dict[str, str] | None:
+def get_job(r: Redis, job_id: str) -> dict[str, str] | None:
     h = r.hgetall(keys.job(job_id))
     return _decode(h) if h else None
 
@@ -62,7 +79,7 @@ return 1
 """
 
 
-def add_delivery(r, job_id: str, delivery_id: str, *, lane: str | None = None, **meta: Any) -> None:
+def add_delivery(r: Redis, job_id: str, delivery_id: str, *, lane: str | None = None, **meta: Any) -> None:
     """Register a delivery as queued (idempotent: an existing receipt is kept),
     appending it to the chat lane `lane` (a target) when given. `r` may be a
     pipeline (one round trip for a whole plan)."""
@@ -81,7 +98,7 @@ return 1
 """
 
 
-def update_open_delivery(r, delivery_id: str, **fields: Any) -> None:
+def update_open_delivery(r: Redis, delivery_id: str, **fields: Any) -> None:
     """Set receipt fields unless the delivery is already delivered or
     cancelled (a redelivered extraction must not touch a finished receipt). `r` may be a pipeline."""
     flat = [x for k, v in fields.items() if v is not None for x in (k, _s(v))]
@@ -89,17 +106,17 @@ def update_open_delivery(r, delivery_id: str, **fields: Any) -> None:
         r.eval(_UPDATE_OPEN, 1, keys.delivery(delivery_id), *flat)
 
 
-def update_delivery(r, delivery_id: str, **fields: Any) -> None:
+def update_delivery(r: Redis, delivery_id: str, **fields: Any) -> None:
     """Set receipt fields (None values are skipped). `r` may be a pipeline."""
     r.hset(keys.delivery(delivery_id), mapping={k: _s(v) for k, v in fields.items() if v is not None})
 
 
-def get_delivery(r, delivery_id: str) -> dict[str, str] | None:
+def get_delivery(r: Redis, delivery_id: str) -> dict[str, str] | None:
     h = r.hgetall(keys.delivery(delivery_id))
     return _decode(h) if h else None
 
 
-def job_deliveries(r, job_id: str) -> list[dict[str, str]]:
+def job_deliveries(r: Redis, job_id: str) -> list[dict[str, str]]:
     ids = [_s(x) for x in r.lrange(keys.job_deliveries(job_id), 0, -1)]
     if not ids:
         return []
@@ -109,27 +126,10 @@ def job_deliveries(r, job_id: str) -> list[dict[str, str]]:
     return [_decode(h) for h in pipe.execute() if h]
 
 
-_BEGIN = """
-local locked = redis.call('set', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2])
-local rec = redis.call('hmget', KEYS[2], 'state', 'final', 'message_id', 'reason')
-local attempts = 0
-if locked and ARGV[3] == '1' then
-  local st, final = rec[1], rec[2]
-  if st ~= 'delivered' and st ~= 'cancelled' and not (st == 'failed' and final == '1') then
-    attempts = redis.call('hincrby', KEYS[2], 'attempts', 1)
-    redis.call('hset', KEYS[2], 'state', 'sending')
-  end
-end
-return {locked and 1 or 0, rec, attempts}
-"""
+_scripts: dict[tuple[int, str], Script] = {}
 
 
-_BEGIN_FIELDS = ("state", "final", "message_id", "reason")
-
-_scripts: dict[tuple[int, str], Any] = {}
-
-
-def _script(r, text: str):
+def _script(r: Redis, text: str) -> Script:
     """A registered script (EVALSHA; loaded again by redis-py if Redis lost it)."""
     k = (id(r), text)
     sc = _scripts.get(k)
@@ -138,37 +138,9 @@ def _script(r, text: str):
     return sc
 
 
-def begin_send(r, delivery_id: str, owner: str, ttl_s: int = 600, *, count_attempt: bool = False
-               ) -> tuple[bool, dict[str, str], int]:
-    """One round trip: take the send lock, read the receipt and, when the lock
-    was taken and the delivery is not done yet (and `count_attempt`), count
-    an attempt and mark it sending. Returns (locked, receipt as it was, attempt
-    number or 0). The receipt holds the fields that say whether the delivery
-    is done: state, final, message_id, reason (those set)."""
-    locked, values, attempts = _script(r, _BEGIN)(
-        keys=[keys.delivery_lock(delivery_id), keys.delivery(delivery_id)],
-        args=[owner, ttl_s, "1" if count_attempt else "0"])
-    rec = {k: _s(v) for k, v in zip(_BEGIN_FIELDS, values) if v is not None}
-    return bool(locked), rec, int(attempts)
-
-
-def start_attempt(r, delivery_id: str, **fields: Any) -> int:
+def start_attempt(r: Redis, delivery_id: str, **fields: Any) -> int:
     """Count an attempt and set fields in one round trip; returns the attempt number."""
     pipe = r.pipeline(transaction=False)
     pipe.hincrby(keys.delivery(delivery_id), "attempts", 1)
     pipe.hset(keys.delivery(delivery_id), mapping={k: _s(v) for k, v in fields.items()})
     return int(pipe.execute()[0])
-
-
-def renewing(r, delivery_id: str, owner: str):
-    """Keep a send lock alive while the block runs (the ledger's lease heartbeat)."""
-    from tasks import ledger
-
-    return ledger.renewing(r, keys.delivery_lock(delivery_id), owner, SEND_LOCK_TTL_S)
-
-
-def release_send_lock(r, delivery_id: str, owner: str) -> None:
-    """Only the owner releases (compare-and-delete). `r` may be a pipeline."""
-    from tasks import ledger
-
-    ledger.release(r, keys.delivery_lock(delivery_id), owner)

@@ -24,7 +24,9 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+
+from redis import Redis
 
 from tasks import keys, ledger, receipts
 from tasks.runtime import Context
@@ -39,7 +41,7 @@ TURN_MAX_RUNS = 3
 MAX_GRACE_S = 300.0
 
 
-def _unleased_overdue(r, stage: str, now: float | None):
+def _unleased_overdue(r: Redis, stage: str, now: float | None) -> Iterator[str]:
     """The stage's overdue entries nobody holds; one whose lease is held (its
     holder is alive, or was until the lease lapses) is looked at again then."""
     for ident in ledger.overdue(r, stage, now=now):
@@ -51,10 +53,10 @@ def _unleased_overdue(r, stage: str, now: float | None):
 
 
 def _grace(base_s: float, redrives: int) -> float:
-    return min(MAX_GRACE_S, base_s * 2 ** min(redrives, 10))
+    return min(MAX_GRACE_S, base_s * 2.0 ** min(redrives, 10))
 
 
-def tick(ctx: Context, *, now: float | None = None) -> dict:
+def tick(ctx: Context, *, now: float | None = None) -> dict[str, int]:
     """One pass over the overdue entries of every stage. Returns what it did."""
     from tasks import chains
     from tasks.states import TURN_OVER
@@ -98,8 +100,8 @@ def tick(ctx: Context, *, now: float | None = None) -> dict:
     return out
 
 
-def _target_of(rec: dict) -> str:
-    return json.loads(rec["spec"])["target"]
+def _target_of(rec: receipts.Receipt) -> str:
+    return str(json.loads(rec["spec"])["target"])
 
 
 class Reconciler:
@@ -122,7 +124,7 @@ class Reconciler:
     def stop(self) -> None:
         self.stopping.set()
 
-    def _holds_lock(self, r) -> bool:
+    def _holds_lock(self, r: Redis) -> bool:
         key = keys.reconciler_lock()
         return ledger.take(r, key, self.token, LOCK_TTL_S) or ledger.renew(r, key, self.token, LOCK_TTL_S)
 

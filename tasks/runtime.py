@@ -11,20 +11,48 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from adapters.defaults import CHROMIUM_PATH, MAX_FILE_BYTES
 from adapters.platforms.base import Platform
 from adapters.sandboxes.base import Sandbox, SandboxRef
 from storage import BlobStore, prefixes
 
+if TYPE_CHECKING:  # types only: a delivery worker never loads the hooks
+    from redis import Redis
+
+    from adapters.agents.hooks import HookRunner
+    from storage.spill import SpillConfig
+
 
 class AgentConfig(Protocol):
-    command: list[str]
-    env: dict[str, str]
-    timeout_s: float
-    sandbox: str | None
-    cwd: str | None
+    """An agent as turns read it (workers.settings.AgentSpec)."""
+
+    @property
+    def runtime(self) -> str: ...  # bridge | openai
+    @property
+    def command(self) -> list[str]: ...
+    @property
+    def env(self) -> dict[str, str]: ...
+    @property
+    def env_passthrough(self) -> list[str]: ...
+    @property
+    def timeout_s(self) -> float: ...
+    @property
+    def sandbox(self) -> str | None: ...
+    @property
+    def cwd(self) -> str | None: ...
+    @property
+    def roots(self) -> list[str]: ...
+    # runtime "openai"
+    @property
+    def model(self) -> str | None: ...
+    @property
+    def system_prompt(self) -> str | None: ...
+    @property
+    def base_url(self) -> str | None: ...
+    @property
+    def max_steps(self) -> int | None: ...
 
 
 @dataclass(frozen=True)
@@ -55,8 +83,8 @@ class TurnTools:
     hooks (a HookRunner), the output spill config, the browser."""
 
     openai: dict[str, Any] = field(default_factory=dict)
-    hooks: Any = None
-    spill: Any = None
+    hooks: HookRunner | None = None
+    spill: SpillConfig | None = None
     chromium_path: str = CHROMIUM_PATH
     browser_allowed_hosts: tuple[str, ...] = ()
 
@@ -67,7 +95,7 @@ def _no_turn_tools() -> TurnTools:
 
 @dataclass
 class Context:
-    redis: Any
+    redis: Redis
     store: BlobStore
     platform: Callable[[str], Platform]
     sandbox: Callable[[SandboxRef], Sandbox]

@@ -24,9 +24,14 @@ extraction cap and the platform's upload limit for what it would go as.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from adapters.errors import ConfigError
-from adapters.platforms.base import split_target
+from adapters.platforms.base import Platform, split_target
+from adapters.sandboxes.base import Sandbox, SandboxRef
 from tasks import chains
+from tasks.messages import SendResult
 from tasks.runtime import Context
 
 FIELDS = ("text", "files", "caption", "voice", "as_document", "job_id")
@@ -69,7 +74,7 @@ def plan_send(ctx: Context, target: str, *, text: str | None = None, files: list
                        max_bytes=ctx.max_file_bytes, album_max=platform.limits.album_max)
 
 
-def check_size(platform, shown: str, name: str, size: int, *, voice: bool, as_document: bool,
+def check_size(platform: Platform, shown: str, name: str, size: int, *, voice: bool, as_document: bool,
                path: str | None = None) -> None:
     """ConfigError when a file of `size` bytes is over the platform's upload
     limit for what it would be sent as (its kind after routing, and the
@@ -97,7 +102,8 @@ def check_size(platform, shown: str, name: str, size: int, *, voice: bool, as_do
                           f"({human_bytes(limit)}); nothing was enqueued")
 
 
-def check_file(open_sandbox, platform, ref, path: str, shown: str, *, voice: bool, as_document: bool,
+def check_file(open_sandbox: Callable[[SandboxRef], Sandbox], platform: Platform, ref: SandboxRef, path: str,
+               shown: str, *, voice: bool, as_document: bool,
                max_file_bytes: int) -> None:
     """The pre-checks of one sandbox file (see the module's doc); ConfigError when refused."""
     import posixpath
@@ -124,7 +130,7 @@ def check_file(open_sandbox, platform, ref, path: str, shown: str, *, voice: boo
                           "(COURIER_MAX_FILE_BYTES); nothing was enqueued")
 
 
-def send(ctx: Context, target: str, **kw) -> dict:
+def send(ctx: Context, target: str, **kw: Any) -> SendResult:
     """Check and enqueue a send; returns {"job", "deliveries"}."""
     unknown = set(kw) - set(FIELDS)
     if unknown:

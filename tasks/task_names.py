@@ -7,6 +7,11 @@ does not depend on the Celery task module."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from celery import Celery
+
 AGENT_TURN = "courier.turns.agent_turn"
 EXTRACT_FILE = "courier.sandbox.extract_file"
 DRIVE_LANE = "courier.delivery.drive_lane"
@@ -19,7 +24,7 @@ RECONCILE = "courier.janitor.reconcile"
 KEEPS_RESULT = frozenset({AGENT_TURN})
 
 
-def ignores_result(app, name: str) -> bool:
+def ignores_result(app: Celery, name: str) -> bool:
     """Whether a message of task `name` says to ignore its result: the task's own
     option where the task is registered in this process, else by `KEEPS_RESULT`."""
     task = app.tasks.get(name)

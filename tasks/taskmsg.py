@@ -26,9 +26,15 @@ import base64
 import copy
 import json
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from tasks import task_names
+
+if TYPE_CHECKING:
+    from celery import Celery, Signature
+
+_T = TypeVar("_T")
 
 
 __all__ = ["Template", "TemplateError"]
@@ -46,7 +52,8 @@ class TemplateError(RuntimeError):
 class Template:
     """The messages of one task signature's publish (its task, queue and options)."""
 
-    def __init__(self, app, sig, probe_args: tuple[list, list], probe_reprs: tuple[str, str]) -> None:
+    def __init__(self, app: Celery, sig: Signature, probe_args: tuple[list[Any], list[Any]],
+                 probe_reprs: tuple[str, str]) -> None:
         """`sig`: the signature (its task and options; its args are replaced); `probe_args`,
         `probe_reprs`: two different argument lists and labels the probes go out with."""
         self.app = app
@@ -77,7 +84,7 @@ class Template:
         if _diff(again, msg) - {("headers", "sent_s"), ("properties", "delivery_tag")}:
             raise TemplateError(f"the template does not give back Celery's message: {sorted(_diff(again, msg))}")
 
-    def render(self, task_id: str, args: list, argsrepr: str, *, parent_id: str | None = None,
+    def render(self, task_id: str, args: list[Any], argsrepr: str, *, parent_id: str | None = None,
                root_id: str | None = None) -> tuple[str, str]:
         """(the queue's Redis key, the message as the Redis transport pushes it) for one task;
         `parent_id`, `root_id`: the task that sends it and its root (Celery's own, from a task)."""
@@ -98,14 +105,14 @@ class Template:
 
     # -- the probe -------------------------------------------------------------------------
     @staticmethod
-    def _in_a_thread(fn):
+    def _in_a_thread(fn: Callable[[], _T]) -> _T:
         """`fn()` in a thread of its own: no task runs there (Celery would give the probes
         the running task as their parent and root)."""
         import threading
 
-        out: list = []
+        out: list[tuple[bool, Any]] = []
 
-        def run():
+        def run() -> None:
             try:
                 out.append((True, fn()))
             except BaseException as exc:  # noqa: BLE001 - raised again in the caller
@@ -117,25 +124,25 @@ class Template:
         ok, value = out[0]
         if not ok:
             raise value
-        return value
+        return cast(_T, value)
 
-    def _capture(self, sig, task_id: str, args: list, argsrepr: str) -> dict[str, Any]:
+    def _capture(self, sig: Signature, task_id: str, args: list[Any], argsrepr: str) -> dict[str, Any]:
         """Celery's publish of `sig` with these values, kept at the transport's LPUSH."""
-        from kombu import Producer
+        from kombu.messaging import Producer
 
         got: dict[str, Any] = {}
         app = self.app
         with app.connection_for_write() as conn:
             channel = conn.channel()
             try:
-                def keep(queue, message, **_kw):
+                def keep(queue: str, message: dict[str, Any], **_kw: Any) -> None:
                     if channel._expires.get(queue):
                         raise TemplateError(f"queue {queue!r} has an expiry: its publish is more than one LPUSH")
                     pri = channel._get_message_priority(message, reverse=False)
                     got.update(key=channel._q_for_pri(queue, pri), message=copy.deepcopy(message))
 
                 channel._put = keep  # this private channel only: the probe is never pushed
-                producer = Producer(channel)
+                producer = Producer(channel)  # type: ignore[no-untyped-call]  # kombu is not typed through
                 options = {**sig.options, "argsrepr": argsrepr}
                 app.send_task(sig.task, args=args, kwargs=sig.kwargs, task_id=task_id, producer=producer,
                               declare=[], ignore_result=task_names.ignores_result(app, sig.task), retry=False, **options)
@@ -148,7 +155,7 @@ class Template:
         return got
 
 
-def _diff(a: dict, b: dict) -> set[tuple[str, ...]]:
+def _diff(a: dict[str, Any], b: dict[str, Any]) -> set[tuple[str, ...]]:
     """The paths (top-level key, or (section, key) in headers / properties) where a and b differ."""
     out: set[tuple[str, ...]] = set()
     for k in set(a) | set(b):

@@ -20,15 +20,21 @@ import posixpath
 import re
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from redis import Redis
 
 from adapters.defaults import AGENT_TIMEOUT_S
-from adapters.agents.bridge import run_bridge
+from adapters.agents.bridge import BridgeResult, run_bridge
 from adapters.agents.hooks import TurnHooks
 from adapters.errors import CourierError, SandboxError
 from adapters.sandboxes.base import SandboxRef, parse_uri
 from storage.spill import SpillConfig
 from tasks import chains, events, keys, ledger, receipts
-from tasks.runtime import Context
+from tasks.events import Event
+from tasks.messages import TurnResult, TurnSpec
+from tasks.runtime import AgentConfig, Context
 from tasks.states import TURN_OVER
 
 
@@ -41,7 +47,7 @@ TURNS_DIR = "turns"
 _UNSAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")
 
 
-def _sandbox_for(ctx: Context, spec: dict, agent) -> tuple[SandboxRef, str | None]:
+def _sandbox_for(ctx: Context, spec: TurnSpec, agent: AgentConfig | None) -> tuple[SandboxRef, str | None]:
     """The agent's sandbox ref and, for a local sandbox, its directory (the
     parent of the turn workspaces)."""
     uri = spec.get("sandbox") or (agent.sandbox if agent is not None else None)
@@ -91,30 +97,56 @@ def make_workspace(ctx: Context, ref: SandboxRef, local_dir: str | None, job_id:
     return turn_ref, ws
 
 
-def run_turn(ctx: Context, spec: dict, *, on_activity: Callable[[dict], None] | None = None) -> dict:
-    """spec: job, target, message, agent?, sandbox? (URI)."""
+@dataclass(frozen=True)
+class TurnOutcome:
+    """How a turn ended, before anything of it is enqueued: `run_turn`
+    returns it, `finish` enqueues its plan and records it.
+
+    replied    `plan` is the reply (its text and files)
+    error      `plan` is the chat's short message saying so; `reason` why
+    no_reply   nothing to send (`reason` when the agent gave one)
+    cancelled  `courier cancel` while it ran: its reply is not delivered
+    `skipped`: the turn was over (or cancelled) before this run took it:
+    nothing is recorded again."""
+
+    job_id: str
+    target: str
+    state: str
+    plan: chains.Plan | None = None
+    reason: str | None = None
+    skipped: bool = False
+
+
+#: enqueues a plan (chains.enqueue), returning its delivery ids
+Enqueue = Callable[[Redis, chains.Plan], list[str]]
+
+
+def failed(job_id: str, target: str, reason: str) -> TurnOutcome:
+    """An error outcome: its plan is a short message to the chat, never a traceback."""
+    plan = chains.Plan(job_id=job_id, target=target, text=f"Sorry, that did not work ({reason[:200]}).")
+    return TurnOutcome(job_id, target, "error", plan=plan, reason=reason)
+
+
+def run_turn(ctx: Context, spec: TurnSpec, *, on_activity: Callable[[Event], None] | None = None) -> TurnOutcome:
+    """Run the turn's agent and make its reply a plan; nothing is enqueued
+    (`finish` does that). The job is marked running, `started` and the
+    agent's phase events are published; the terminal event is `finish`'s."""
     r = ctx.redis
     job_id = spec["job"]
+    target = spec["target"]
     job = receipts.get_job(r, job_id) or {}
     if job.get("state") in TURN_OVER or job.get("cancel_requested") == "1":
         ledger.clear_due(r, "turn", job_id)
         if job.get("state") not in TURN_OVER:  # cancelled while a worker was taking it
             receipts.set_job(r, job_id, state="cancelled")
-        return {"job": job_id, "state": job.get("state") if job.get("state") in TURN_OVER else "cancelled",
-                "skipped": True}
+        return TurnOutcome(job_id, target, job["state"] if job.get("state") in TURN_OVER else "cancelled",
+                           skipped=True)
     r.hincrby(keys.job(job_id), "attempts", 1)  # the reconciler gives up on a turn that kills its worker
 
-    def publish(ev: dict) -> None:
+    def publish(ev: Event) -> None:
         events.publish(r, job_id, ev, maxlen=ctx.events_maxlen)
         if on_activity is not None:
             on_activity(ev)
-
-    def finish(state: str, **ev) -> dict:
-        ev.setdefault("deliveries", 0)  # readers wait for this many deliveries' final states
-        receipts.set_job(r, job_id, state=state, **{k: v for k, v in ev.items() if k == "reason"})
-        ledger.clear_due(r, "turn", job_id)
-        publish({"kind": "status", "status": "completed" if state == "replied" else state, **ev})
-        return {"job": job_id, "state": state, **ev}
 
     receipts.set_job(r, job_id, state="running")
     publish({"kind": "status", "status": "started"})
@@ -123,39 +155,38 @@ def run_turn(ctx: Context, spec: dict, *, on_activity: Callable[[dict], None] | 
     if agent is None and name in BUILTIN_AGENTS:
         command, env, timeout_s = BUILTIN_AGENTS[name], {}, AGENT_TIMEOUT_S
     elif agent is None:
-        return _fail(ctx, spec, finish, f"unknown agent {name!r}")
+        return failed(job_id, target, f"unknown agent {name!r}")
     else:
         command, env, timeout_s = list(agent.command), dict(agent.env), float(agent.timeout_s)
-    runtime = getattr(agent, "runtime", "bridge") if agent is not None else "bridge"
-    hooks = ctx.turn_tools().hooks
-    hook_ctx = {"job": job_id, "target": spec["target"], "message": spec.get("message", ""), "agent": name}
+    runner = ctx.turn_tools().hooks
+    hook_ctx = {"job": job_id, "target": target, "message": spec.get("message", ""), "agent": name}
 
     try:
-        ref, workdir = _sandbox_for(ctx, spec, agent)
-        ref, workdir = make_workspace(ctx, ref, workdir, job_id, tuple(getattr(agent, "roots", None) or ()))
+        ref, local_dir = _sandbox_for(ctx, spec, agent)
+        ref, workdir = make_workspace(ctx, ref, local_dir, job_id, tuple(agent.roots if agent is not None else ()))
     except CourierError as exc:
-        return _fail(ctx, spec, finish, f"could not make the turn's workspace: {exc.reason}")
+        return failed(job_id, target, f"could not make the turn's workspace: {exc.reason}")
     except OSError as exc:
-        return _fail(ctx, spec, finish, f"could not make the turn's workspace: {exc.strerror or exc}")
+        return failed(job_id, target, f"could not make the turn's workspace: {exc.strerror or exc}")
     local = ref.kind == "local"
     place = spill_placer(ctx, ref, workdir)
-    if hooks:
-        hooks = TurnHooks(hooks, place)
+    hooks = TurnHooks(runner, place) if runner else None
     try:
         attached = put_attachments(ctx, spec, ref, workdir)
     except CourierError as exc:
-        return _fail(ctx, spec, finish, f"could not hand the attached files to the agent: {exc.reason}")
+        return failed(job_id, target, f"could not hand the attached files to the agent: {exc.reason}")
+    message = spec.get("message", "")
     if attached:
         publish({"kind": "status", "status": "processing",
                  "message": f"received {len(attached)} file{'s' if len(attached) != 1 else ''}"})
-        spec = {**spec, "message": spec.get("message", "") + "\n\n[attached files: " + ", ".join(attached) + "]"}
+        message += "\n\n[attached files: " + ", ".join(attached) + "]"
         env = {**env, "COURIER_ATTACHMENTS": json.dumps(attached)}
     publish({"kind": "status", "status": "thinking"})
-    if runtime == "openai":
-        result = _run_openai(ctx, spec, agent, ref, workdir, hooks, hook_ctx, timeout_s, publish, place)
+    if agent is not None and agent.runtime == "openai":
+        result = _run_openai(ctx, job_id, message, agent, ref, workdir, hooks, hook_ctx, timeout_s, publish, place)
     else:
         # the agent's environment is an allowlist (run_bridge): basics, its env_passthrough, its config's env
-        turn_env = {"COURIER_TURN_ID": job_id, "COURIER_TARGET": spec["target"], "COURIER_WORKSPACE": workdir,
+        turn_env = {"COURIER_TURN_ID": job_id, "COURIER_TARGET": target, "COURIER_WORKSPACE": workdir,
                     "PYTHONPATH": os.pathsep.join(p for p in [_project_root(), os.environ.get("PYTHONPATH", "")]
                                                   if p)}
         home = {"HOME": workdir} if local else {}  # ~ is the workspace, as for its MEDIA paths
@@ -164,13 +195,13 @@ def run_turn(ctx: Context, spec: dict, *, on_activity: Callable[[dict], None] | 
         hook_text = hooks.context_for({**hook_ctx, "step": 0}) if hooks else ""
         if hook_text:
             env["COURIER_HOOK_CONTEXT"] = hook_text
-        result = run_bridge(command, spec.get("message", ""), cwd=workdir if local else (agent.cwd if agent else None),
+        result = run_bridge(command, message, cwd=workdir if local else (agent.cwd if agent else None),
                             env=env, timeout_s=timeout_s, on_event=publish,
-                            passthrough=tuple(getattr(agent, "env_passthrough", None) or ()))
+                            passthrough=tuple(agent.env_passthrough if agent is not None else ()))
     if result.status == "error":
-        return _fail(ctx, spec, finish, result.reason)
+        return failed(job_id, target, result.reason)
     if result.status == "no_reply":
-        return finish("no_reply", **({"reason": result.reason} if result.reason else {}))
+        return TurnOutcome(job_id, target, "no_reply", reason=result.reason or None)
 
     from tasks.reply import parse_reply
 
@@ -184,21 +215,57 @@ def run_turn(ctx: Context, spec: dict, *, on_activity: Callable[[dict], None] | 
             files.append(chains.StoredFile(**stored[path]))
         else:
             files.append(chains.SandboxFile(ref=ref, path=path))
-    plan = chains.Plan(job_id=job_id, target=spec["target"], text=parsed.text or None, files=files,
+    plan = chains.Plan(job_id=job_id, target=target, text=parsed.text or None, files=files,
                        voice=parsed.audio_as_voice, as_document=parsed.as_document,
-                       max_bytes=ctx.max_file_bytes, album_max=_album_max(ctx, spec["target"]),
+                       max_bytes=ctx.max_file_bytes, album_max=_album_max(ctx, target),
                        max_files=ctx.max_files_per_job)
     from tasks.operations import CANCEL_REASON, cancel_requested
 
     if cancel_requested(r, job_id):  # `courier cancel` while it ran: its reply is not delivered
-        return finish("cancelled", reason=CANCEL_REASON)
-    try:
-        ids = chains.enqueue(r, plan)
-    except CourierError as exc:
-        return _fail(ctx, spec, finish, exc.reason)
+        return TurnOutcome(job_id, target, "cancelled", reason=CANCEL_REASON)
+    return TurnOutcome(job_id, target, "replied", plan=plan)
+
+
+def finish(ctx: Context, outcome: TurnOutcome, enqueue: Enqueue, *,
+           on_activity: Callable[[Event], None] | None = None) -> TurnResult:
+    """Enqueue the outcome's plan (through `enqueue`: `chains.enqueue` in a
+    worker) and record how the turn ended: the job's state, its `delivery
+    queued` events, then exactly one terminal status event, which counts the
+    deliveries readers wait for. A reply that cannot be enqueued ends the
+    turn as an error (with the chat's short message, if that goes)."""
+    r = ctx.redis
+    job_id = outcome.job_id
+    if outcome.skipped:  # run_turn left it as it was
+        return {"job": job_id, "state": outcome.state, "skipped": True}
+
+    def publish(ev: Event) -> None:
+        events.publish(r, job_id, ev, maxlen=ctx.events_maxlen)
+        if on_activity is not None:
+            on_activity(ev)
+
+    ids: list[str] = []
+    if outcome.state == "replied" and outcome.plan is not None:
+        try:
+            ids = enqueue(r, outcome.plan)
+        except CourierError as exc:
+            outcome = failed(job_id, outcome.target, exc.reason)
+    if outcome.state == "error" and outcome.plan is not None:
+        try:
+            ids = enqueue(r, outcome.plan)
+        except CourierError:
+            ids = []
     for d in ids:
         publish({"kind": "delivery", "delivery_id": d, "state": "queued"})
-    return finish("replied", deliveries=len(ids))
+    state = outcome.state
+    receipts.set_job(r, job_id, state=state, **({"reason": outcome.reason} if outcome.reason else {}))
+    ledger.clear_due(r, "turn", job_id)
+    tail: dict[str, str | int] = {"reason": outcome.reason} if outcome.reason else {}
+    tail["deliveries"] = len(ids)  # readers wait for this many deliveries' final states
+    publish({"kind": "status", "status": "completed" if state == "replied" else state, **tail})
+    out: TurnResult = {"job": job_id, "state": state, "deliveries": len(ids)}
+    if outcome.reason:
+        out["reason"] = outcome.reason
+    return out
 
 
 def _album_max(ctx: Context, target: str) -> int:
@@ -231,7 +298,7 @@ def spill_placer(ctx: Context, ref: SandboxRef, workdir: str) -> Callable[[str],
     return place
 
 
-def put_attachments(ctx: Context, spec: dict, ref: SandboxRef, workdir: str) -> list[str]:
+def put_attachments(ctx: Context, spec: TurnSpec, ref: SandboxRef, workdir: str) -> list[str]:
     """Inbound files (a chat user's attachments, `courier turn --attach`):
     storage -> the turn's workspace, under `<workspace>/inbox/`, with the
     sandbox's own path checks. Two attachments with one name keep both
@@ -260,10 +327,10 @@ def _distinct(name: str, taken: set[str]) -> str:
     return out
 
 
-def _run_openai(ctx: Context, spec: dict, agent, ref: SandboxRef, workdir: str, hooks, hook_ctx: dict,
-                timeout_s: float, publish: Callable[[dict], None], place: Callable[[str], str] | None = None):
+def _run_openai(ctx: Context, job_id: str, message: str, agent: AgentConfig, ref: SandboxRef, workdir: str,
+                hooks: TurnHooks | None, hook_ctx: dict[str, Any], timeout_s: float,
+                publish: Callable[[Event], None], place: Callable[[str], str] | None = None) -> BridgeResult:
     """The built-in OpenAI-compatible loop, its tools acting in the turn's sandbox."""
-    from adapters.agents.bridge import BridgeResult
     from adapters.agents.openai_runtime import OpenAIConfig, run_openai
     from adapters.agents.tools import Toolbox
 
@@ -285,43 +352,18 @@ def _run_openai(ctx: Context, spec: dict, agent, ref: SandboxRef, workdir: str, 
     except CourierError as exc:
         return BridgeResult("error", reason=exc.reason)
     tools = Toolbox(sandbox=sandbox, workdir=workdir, store=ctx.store,
-                    job_id=spec["job"], spill=turn_tools.spill or SpillConfig(),
+                    job_id=job_id, spill=turn_tools.spill or SpillConfig(),
                     chromium_path=turn_tools.chromium_path, browser_allowed_hosts=turn_tools.browser_allowed_hosts,
                     place=place)
-    return run_openai(config, spec.get("message", ""), tools=tools, hooks=hooks, hook_context=hook_ctx,
-                      on_event=publish)
+    return run_openai(config, message, tools=tools, hooks=hooks, hook_context=hook_ctx, on_event=publish)
 
 
-def _fail(ctx: Context, spec: dict, finish, reason: str) -> dict:
-    """A short message to the chat, then one clean error event (which counts
-    that message among the turn's deliveries)."""
-    plan = chains.Plan(job_id=spec["job"], target=spec["target"],
-                       text=f"Sorry, that did not work ({reason[:200]}).")
-    ids: list[str] = []
-    try:
-        ids = chains.enqueue(ctx.redis, plan)
-    except CourierError:
-        pass
-    for d in ids:
-        events.publish(ctx.redis, spec["job"], {"kind": "delivery", "delivery_id": d, "state": "queued"},
-                       maxlen=ctx.events_maxlen)
-    return finish("error", reason=reason, deliveries=len(ids))
-
-
-def abandon(ctx: Context, job_id: str, reason: str) -> dict:
+def abandon(ctx: Context, job_id: str, reason: str, enqueue: Enqueue = chains.enqueue) -> TurnResult:
     """End a turn that cannot run (its runs kept dying with their workers):
-    the chat's short message and the one terminal error event, as `_fail`."""
-    r = ctx.redis
-    job = receipts.get_job(r, job_id) or {}
-    spec = json.loads(job["spec"]) if job.get("spec") else {"job": job_id, "target": job.get("target", "")}
-
-    def finish(state: str, **ev) -> dict:
-        receipts.set_job(r, job_id, state=state, reason=ev.get("reason"))
-        ledger.clear_due(r, "turn", job_id)
-        events.publish(r, job_id, {"kind": "status", "status": state, **ev}, maxlen=ctx.events_maxlen)
-        return {"job": job_id, "state": state, **ev}
-
-    return _fail(ctx, spec, finish, reason)
+    the chat's short message and the one terminal error event."""
+    job = receipts.get_job(ctx.redis, job_id) or {}
+    spec = json.loads(job["spec"]) if job.get("spec") else {}
+    return finish(ctx, failed(job_id, spec.get("target") or job.get("target", ""), reason), enqueue)
 
 
 def _project_root() -> str:

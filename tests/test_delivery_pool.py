@@ -125,13 +125,15 @@ JOBS_PER_CHAT = 3
 LATENCY_S = 0.1
 
 
-def _start_delivery_worker(env, concurrency: int):
-    """`courier worker -Q delivery` (workers.worker), COURIER_DELIVERY_* from the environment."""
+def _start_delivery_worker(env, concurrency: int, processes: int = 0):
+    """`courier worker -Q delivery` (workers.worker), COURIER_DELIVERY_* from the environment
+    (processes 0: one per CPU, the default)."""
     from workers.demo import wait_worker
 
     name = f"pool{uuid.uuid4().hex[:6]}@localhost"
     log = env.tmp / f"worker-{name.split('@')[0]}.log"
-    env.env.update(COURIER_DELIVERY_POOL="threads", COURIER_DELIVERY_CONCURRENCY=str(concurrency))
+    env.env.update(COURIER_DELIVERY_POOL="threads", COURIER_DELIVERY_CONCURRENCY=str(concurrency),
+                   COURIER_DELIVERY_PROCESSES=str(processes))
     argv = [os.sys.executable, "-m", "workers.worker", "-Q", "delivery", "-n", name, "--loglevel=WARNING",
             "--without-mingle", "--without-gossip"]
     with open(log, "ab") as out:
@@ -142,6 +144,70 @@ def _start_delivery_worker(env, concurrency: int):
     pool = stats.get(name, {}).get("pool", {})
     assert pool.get("max-concurrency") == concurrency and "threads" in pool, pool  # the threads pool
     return proc, log
+
+
+# -- several processes: one GIL each ---------------------------------------------------------
+def test_a_threads_delivery_worker_runs_a_process_per_cpu_each_its_own_node(monkeypatch):
+    from workers.worker import node_argv, processes_for
+
+    monkeypatch.setenv("COURIER_DELIVERY_POOL", "threads")
+    monkeypatch.setenv("COURIER_DELIVERY_PROCESSES", "0")
+    s = Settings()
+    assert processes_for(["-Q", "delivery"], s) == max(1, min(8, len(os.sched_getaffinity(0))))
+    monkeypatch.setenv("COURIER_DELIVERY_PROCESSES", "3")
+    s = Settings()
+    assert processes_for(["-Q", "delivery"], s) == 3
+    # prefork is many processes already; other queues are prefork; a pool given wins
+    assert processes_for(["-Q", "turns"], s) == 1
+    assert processes_for(["-Q", "delivery", "-P", "prefork"], s) == 1
+    assert processes_for(["-Q", "delivery", "--pool=threads"], s) == 1
+    monkeypatch.setenv("COURIER_DELIVERY_POOL", "prefork")
+    assert processes_for(["-Q", "delivery"], Settings()) == 1
+    # every process is its own node; the first keeps the name healthchecks ping
+    argv = ["celery", "worker", "-Q", "delivery", "-n", "delivery@%h", "--pool=threads"]
+    assert node_argv(argv, 0) == argv
+    assert node_argv(argv, 1) == ["celery", "worker", "-Q", "delivery", "-n", "delivery-2@%h", "--pool=threads"]
+    assert node_argv(["w", "--hostname=d@h"], 2) == ["w", "--hostname=d-3@h"]
+    assert node_argv(["w", "-Q", "delivery"], 1) == ["w", "-Q", "delivery", "-n", "celery-2@%h"]
+
+
+def _pids_of(node: str, supervisor: subprocess.Popen) -> list[int]:
+    """Live worker processes of node `node` (not the supervisor, whose command names the first)."""
+    out = subprocess.run(["pgrep", "-f", "--", f"celery.* -n {node} "], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split() if int(p) != supervisor.pid]
+
+
+def test_the_delivery_processes_stop_together_warm_on_sigterm_and_when_one_dies(courier_env, redis_client,
+                                                                               fake_telegram):
+    """SIGTERM to `courier worker` reaches each process once (warm shutdown, exit 0).
+    A process that dies (SIGKILL) takes the worker down with a non-zero code, the other
+    stopped warm, so the orchestrator restarts a whole worker (what the dead one held
+    is re-driven as after any worker loss: tests/chaos)."""
+    import signal
+
+    from workers.demo import wait_worker
+
+    env = courier_env(TELEGRAM_BOT_TOKEN=fake_telegram.token, COURIER_TELEGRAM_BASE_URL=fake_telegram.url)
+    proc, log = _start_delivery_worker(env, concurrency=4, processes=2)
+    name = next(a for a in proc.args if "@localhost" in a)
+    second = name.replace("@", "-2@")
+    assert wait_worker(env.celery_app(), second, proc, timeout_s=90), log.read_text()[-3000:]
+    assert len(_pids_of(name, proc)) == 1 and len(_pids_of(second, proc)) == 1
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
+    wait_until(lambda: not _pids_of(name, proc) and not _pids_of(second, proc), timeout_s=30, what="both processes gone")
+    assert "Traceback" not in log.read_text()
+
+    # one process killed: the worker ends non-zero, the other process stops (warm) with it
+    proc, log = _start_delivery_worker(env, concurrency=4, processes=2)
+    name = next(a for a in proc.args if "@localhost" in a)
+    second = name.replace("@", "-2@")
+    assert wait_worker(env.celery_app(), second, proc, timeout_s=90), log.read_text()[-3000:]
+    (victim,) = _pids_of(second, proc)
+    os.kill(victim, signal.SIGKILL)
+    assert proc.wait(timeout=60) == 128 + signal.SIGKILL
+    wait_until(lambda: not _pids_of(name, proc), timeout_s=30, what="the first process stopped with it")
+    assert "stopping the others" in log.read_text()
 
 
 def _enqueue(env, r, st, target: str, job_id: str, text: str, name: str, data: bytes) -> None:

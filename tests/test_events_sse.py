@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from adapters.platforms.outbox import read_log
-from tasks import events, keys, receipts
+from tasks import chains, events, keys, receipts
 from tests.fixtures.services import wait_until
 from tests.fixtures.webstack import AGENT_PRELUDE, TELEGRAM_SECRET, WA_SECRET, WA_VERIFY
 from tests.fixtures.webstack import slack_headers as _slack_headers
@@ -517,7 +517,7 @@ def _activity_turn(stack, tmp_path, platform, steps: int = 10):
     """run_turn (plain code, real Redis, a real bridge agent) with the task's activity glue."""
     from tasks.activity import TurnActivity
     from tasks.runtime import Context
-    from tasks.turn import run_turn
+    from tasks.turn import finish, run_turn
     from workers.settings import AgentSpec
 
     agent = tmp_path / "agent.py"
@@ -536,8 +536,9 @@ def _activity_turn(stack, tmp_path, platform, steps: int = 10):
     receipts.create_job(stack.r, job, kind="turn", target="rec:chat1")
     t0 = time.monotonic()
     with TurnActivity(ctx, "rec:chat1", job) as act:
-        out = run_turn(ctx, {"job": job, "target": "rec:chat1", "message": "x", "agent": "a"},
-                       on_activity=act.on_event)
+        outcome = run_turn(ctx, {"job": job, "target": "rec:chat1", "message": "x", "agent": "a"},
+                           on_activity=act.on_event)
+        out = finish(ctx, outcome, chains.enqueue, on_activity=act.on_event)  # as agent_turn does
     return out, t0, time.monotonic(), job
 
 

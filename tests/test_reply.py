@@ -1,4 +1,4 @@
-"""tasks.reply: MEDIA tag parsing, directives, text tidying and routing."""
+"""tasks.reply: MEDIA tag parsing, directives, text tidying; tasks.routing: routing by extension."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from adapters.platforms.base import Kind
-from tasks.reply import (
+from tasks.reply import ParsedReply, parse_reply
+from tasks.routing import (
     ANIMATION_EXT,
     AUDIO_EXT,
     DOCUMENT_EXT,
@@ -21,8 +22,6 @@ from tasks.reply import (
     PHOTO_EXT,
     VIDEO_EXT,
     VOICE_EXT,
-    ParsedReply,
-    parse_reply,
     route,
 )
 

@@ -112,20 +112,20 @@ def test_cancel_pending_deliveries_are_never_sent_and_the_lane_goes_on(courier_e
 def test_cancel_leaves_a_send_in_flight_to_finish(courier_env, redis_client):
     """The send lock held (as a worker holds it while it uploads): cancel
     leaves that delivery alone and waits, up to --timeout, for it to end."""
-    from tasks import operations, receipts
+    from tasks import operations, receipts, sendlock
 
     env = courier_env()
     res = env.cli("send", "outbox:fl", "--text", "one", "--json")
     job = json.loads(res.stdout)["job"]
     did = f"{job}.0"
-    locked, _rec, n = receipts.begin_send(redis_client, did, "test-owner", ttl_s=60, count_attempt=True)
+    locked, _rec, n = sendlock.begin_send(redis_client, did, "test-owner", ttl_s=60, count_attempt=True)
     assert locked and n == 1
     res = env.cli("cancel", job, "--timeout", "1", "--json")
     assert res.returncode == 4 and "in flight" in res.stderr
     assert json.loads(res.stdout)["deliveries"][0]["outcome"] == "in_flight"
     assert _status(env, did)["state"] == "sending"
     receipts.update_delivery(redis_client, did, state="delivered", message_id="m1")
-    receipts.release_send_lock(redis_client, did, "test-owner")
+    sendlock.release_send_lock(redis_client, did, "test-owner")
     assert operations.cancel_delivery(redis_client, receipts.get_delivery(redis_client, did))["outcome"] == "final"
     res = env.cli("cancel", job, "--json")
     assert res.returncode == 0 and json.loads(res.stdout)["deliveries"][0]["state"] == "delivered"
@@ -133,9 +133,9 @@ def test_cancel_leaves_a_send_in_flight_to_finish(courier_env, redis_client):
     res = env.cli("send", "outbox:fl", "--text", "two", "--json")
     job2 = json.loads(res.stdout)["job"]
     assert env.cli("cancel", job2).returncode == 0
-    locked, rec, n = receipts.begin_send(redis_client, f"{job2}.0", "w", ttl_s=60, count_attempt=True)
+    locked, rec, n = sendlock.begin_send(redis_client, f"{job2}.0", "w", ttl_s=60, count_attempt=True)
     assert rec["state"] == "cancelled" and n == 0
-    receipts.release_send_lock(redis_client, f"{job2}.0", "w")
+    sendlock.release_send_lock(redis_client, f"{job2}.0", "w")
 
 
 AGENT = """

@@ -16,7 +16,7 @@ import pytest
 
 from adapters.errors import FileMissing, NotAFile, SandboxError, SandboxGone, StorageError, TooLarge, UnsafePath
 from adapters.sandboxes.base import SandboxRef, parse_uri
-from adapters.sandboxes.docker import DockerSandbox, _open_under, iter_single_member, tar_stream
+from adapters.sandboxes.docker import DockerSandbox, open_under, iter_single_member, tar_stream
 from adapters.sandboxes.routing import host_of, queue_for
 from tests.fixtures._files import MB, random_chunks, run_in, sha256_file, sha_in_container, stored
 
@@ -130,12 +130,12 @@ def test_bind_host_side_link_escape_refused(tmp_path):
     (src / "esc").symlink_to(outside)
     (src / "ok").write_text("fine")
     with pytest.raises(UnsafePath):
-        _open_under(str(src / "esc"), str(src), shown="/workspace/bind/esc")
-    fd = _open_under(str(src / "ok"), str(src), shown="/workspace/bind/ok")
+        open_under(str(src / "esc"), str(src), shown="/workspace/bind/esc")
+    fd = open_under(str(src / "ok"), str(src), shown="/workspace/bind/ok")
     os.close(fd)
     (src / "d").mkdir()
     with pytest.raises(NotAFile):
-        _open_under(str(src / "d"), str(src), shown="/workspace/bind/d")
+        open_under(str(src / "d"), str(src), shown="/workspace/bind/d")
 
 
 @pytest.mark.parametrize("name", ["f0", "f1k", "f50m"])

@@ -89,7 +89,7 @@ def test_link_swapped_in_after_the_walk_is_never_followed(sb, ctr, store, monkey
         assert got is None  # not followed
         return got
 
-    monkeypatch.setattr("adapters.sandboxes.docker.open_in_container", swapped)
+    monkeypatch.setattr("adapters.sandboxes.docker.hostfs.open_in_container", swapped)
     try:
         with pytest.raises((UnsafePath, SandboxGone)):
             sb.extract("/workspace/d/swap", store, "files/swap", max_bytes=2 * BIG)

@@ -329,3 +329,14 @@ def test_terminal_tool_in_docker(docker_box, tmp_path):
     res = tools.call("terminal", {"command": "true"})
     assert (res.text, res.ok) == ("[exit code 0]", True)
     wait_until(lambda: not procs_with("777"), timeout_s=5, what="sleep 777 to be gone")
+
+
+def test_a_silent_command_runs_once(docker_box):
+    """An agent's command that prints nothing and exits 0 looks like an answer
+    podman dropped, which the channel's read-only probes ask again: a command
+    never is (it could do anything twice)."""
+    d = f"/workspace/once-{uuid.uuid4().hex[:8]}"
+    docker_box.sh('mkdir -p "$1"', d)
+    rc, out, err = docker_box.sb.exec(["sh", "-c", 'echo ran >> "$1/count"', "sh", d], timeout_s=30)
+    assert (rc, out, err) == (0, b"", b"")
+    assert docker_box.sh('cat "$1/count"', d) == b"ran\n"

@@ -318,9 +318,9 @@ def test_store_failure_mid_transfer_leaves_connection_usable(sshd_server, area, 
 def test_socket_error_mid_stream_is_gone_not_storage(sshd_server, area, tmp_path, monkeypatch):
     """An OSError from the sandbox side raised inside put_stream (within the
     store's write) must still read as SandboxGone, never as a StorageError."""
-    from adapters.sandboxes import ssh as ssh_mod
+    from adapters.sandboxes.ssh import sftp as sftp_mod  # where _stream_sftp looks the pipeline up
 
-    real = ssh_mod._sftp_pipeline
+    real = sftp_mod._sftp_pipeline
     s = make(sshd_server, area["root"])
 
     def dying(sftp, *a, **kw):
@@ -329,7 +329,7 @@ def test_socket_error_mid_stream_is_gone_not_storage(sshd_server, area, tmp_path
         s.transport().close()
         raise OSError("Socket is closed")
 
-    monkeypatch.setattr(ssh_mod, "_sftp_pipeline", dying)
+    monkeypatch.setattr(sftp_mod, "_sftp_pipeline", dying)
     store = VolumeStore(tmp_path / "store")
     with pytest.raises(SandboxGone):
         s.extract(str(area["root"] / "big.bin"), store, "files/big")

@@ -25,6 +25,7 @@ from celery.signals import (
 from kombu import Exchange, Queue
 
 from tasks import runtime, task_names
+from workers import broker
 from workers.redis_url import celery_url
 from workers.settings import get_settings
 
@@ -48,8 +49,9 @@ def task_queue(name: str, args=None, kwargs=None, options=None, task=None, **kw)
 def make_app(settings=None) -> Celery:
     """courier's Celery app for `settings` (default: the environment's)."""
     s = settings or get_settings()
+    broker.install()
     url, sentinel_options = celery_url(s.redis_url)
-    app = Celery("courier", include=["tasks.celery_tasks"])
+    app = Celery("courier", include=["tasks.celery_tasks"], events="workers.broker:Events")
     app.conf.update(
         broker_url=url,
         result_backend=url,
@@ -141,12 +143,24 @@ runtime.set_factory(_context_factory)
 _watchdog = None
 
 
+#: the GIL's switch interval in a threads-pool worker (Python's default: 5 ms)
+THREADS_SWITCH_INTERVAL_S = 0.001
+
+
 @worker_init.connect
 def _time_limits_for_threads(sender=None, **_kw) -> None:
     """Celery's threads pool ignores `soft_time_limit` / `time_limit`: with
     it, `workers.timelimits.Watchdog` enforces them (a hung delivery is cut
-    as on prefork)."""
+    as on prefork).
+
+    And a shorter GIL switch interval: a delivery thread whose Redis or HTTP
+    answer has arrived waits for the GIL until the thread holding it is made
+    to let go, up to the switch interval (5 ms by default) each time; a
+    delivery makes a dozen such round trips, so with busy neighbours the
+    waits, not the work, set the pace (the "convoy effect")."""
     global _watchdog
+    import sys
+
     from celery import concurrency
     from celery.concurrency.thread import TaskPool as ThreadPool
 
@@ -158,6 +172,7 @@ def _time_limits_for_threads(sender=None, **_kw) -> None:
         from workers.timelimits import Watchdog
 
         _watchdog = Watchdog()
+        sys.setswitchinterval(THREADS_SWITCH_INTERVAL_S)
 
 
 @task_prerun.connect

@@ -12,7 +12,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
@@ -33,6 +33,9 @@ from workers.console import (
     wait_deliveries,
     watch_job,
 )
+
+if TYPE_CHECKING:
+    from tasks.messages import Attachment
 
 app = typer.Typer(add_completion=True, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="courier: run chat-agent turns and deliver their files to chat platforms.")
@@ -131,10 +134,11 @@ def send(
     from adapters.sandboxes.base import parse_uri
     from tasks import chains
     from workers.wiring import platform as wired_platform
+    from workers.wiring import platform_limits
 
     settings = _settings()
-    plat = wired_platform(_target(settings, target), settings)  # built by the check
-    album_max = plat.limits.album_max
+    platform_name = _target(settings, target)
+    album_max = platform_limits(platform_name, settings).album_max
     paths = paths or []
     if not paths and not (text and text.strip()):
         raise die("nothing to send: give files, --text, or both", EXIT_INPUT)
@@ -152,8 +156,9 @@ def send(
             from workers.wiring import open_sandbox
 
             try:  # a remote path the policy refuses as written; a local one resolved, its size checked
-                check_file(lambda ref: open_sandbox(ref, settings), plat, ref, path, raw, voice=voice,
-                           as_document=as_document, max_file_bytes=settings.max_file_bytes)
+                # files to check: the adapter itself, for its own type rules (`route_file`) besides its limits
+                check_file(lambda ref: open_sandbox(ref, settings), wired_platform(platform_name, settings), ref,
+                           path, raw, voice=voice, as_document=as_document, max_file_bytes=settings.max_file_bytes)
             except ConfigError as exc:
                 raise die(str(exc), EXIT_INPUT) from None
             items.append(("sandbox", chains.SandboxFile(ref=ref, path=path)))
@@ -168,7 +173,8 @@ def send(
             from tasks.send import check_size
 
             try:
-                check_size(plat, raw, p.name, p.stat().st_size, voice=voice, as_document=as_document, path=str(p))
+                check_size(wired_platform(platform_name, settings), raw, p.name, p.stat().st_size, voice=voice,
+                           as_document=as_document, path=str(p))
             except ConfigError as exc:
                 raise die(str(exc), EXIT_INPUT) from None
             items.append(("local", p))
@@ -267,7 +273,7 @@ def turn(
     _celery()
 
     job_id = chains.new_job_id("turn")
-    attachments = []
+    attachments: list[Attachment] = []
     if attach:
         store = _store(settings)
         for i, p in enumerate(attach):
@@ -423,7 +429,7 @@ def deliveries(
     for col in ("delivery", "target", "kind", "name", "size", "attempts", "state", "message id / reason", "queued"):
         t.add_column(col, overflow="fold")
     for row in rows:
-        state = row.get("state", "")
+        state = row.get("state") or ""
         color = {"delivered": "green", "failed": "red"}.get(state, "yellow")
         queued = row.get("queued_s") or row.get("created_s")
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(float(queued))) if queued else ""

@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from tasks.events import describe
 from tasks.states import TURN_OVER
 
 EXIT_FAILED, EXIT_INPUT, EXIT_SERVICE, EXIT_TIMEOUT = 1, 2, 3, 4
@@ -143,10 +144,10 @@ class _WatchView:
         if kind == "status":
             self.phase = ev.get("status", self.phase)
             if ev.get("activity") or ev.get("message"):
-                self.activity = str(ev.get("activity") or ev.get("message"))
+                self.activity = describe(ev)
         elif kind == "tool_start":
             self.tools += 1
-            self.activity = ev.get("activity") or ev.get("tool_name", "")
+            self.activity = describe(ev)
         elif kind == "delivery" and ev.get("delivery_id"):
             self.deliveries[ev["delivery_id"]] = ev.get("state", "")
         return render_event(ev)
@@ -176,27 +177,23 @@ class _WatchView:
 
 
 def render_event(ev: dict) -> str:
+    """One console line for an event: `events.describe`'s words, with a mark and colour."""
+    text = describe(ev)
     kind = ev.get("kind")
     if kind == "status":
         st = ev.get("status", "")
         color = {"completed": "green", "error": "red", "no_reply": "yellow"}.get(st, "cyan")
-        extra = ev.get("reason") or ev.get("activity") or ev.get("message") or ""
-        return f"[{color}]● {esc(st)}[/] {esc(extra)}".rstrip()
+        return f"[{color}]● {esc(st)}[/] {esc(text) if text != st else ''}".rstrip()
     if kind == "tool_start":
-        return f"  [dim]→[/] {esc(ev.get('activity') or ev.get('tool_name', ''))}"
+        return f"  [dim]→[/] {esc(text)}"
     if kind == "tool_result":
-        ok = ev.get("status") != "error"
-        mark = "[green]✓[/]" if ok else "[red]✗[/]"
+        mark = "[green]✓[/]" if ev.get("status") != "error" else "[red]✗[/]"
         took = f" {ev['duration_ms'] / 1000:.1f}s" if isinstance(ev.get("duration_ms"), (int, float)) else ""
-        err_ = f" {esc(ev.get('error'))}" if not ok and ev.get("error") else ""
-        return f"  {mark} [dim]{esc(ev.get('activity') or ev.get('tool_name', ''))}{took}[/]{err_}"
+        return f"  {mark} [dim]{esc(text)}{took}[/]"
     if kind == "delivery":
-        st = ev.get("state", "")
-        color = {"delivered": "green", "failed": "red"}.get(st, "yellow")
-        what = ev.get("name") or ev.get("delivery_id", "")
-        tail = ev.get("reason") or ev.get("media") or ""
-        return f"  [{color}]⇢ {esc(st)}[/] {esc(what)} {esc(tail)}".rstrip()
-    return f"  {esc(json.dumps(ev))}"
+        color = {"delivered": "green", "failed": "red"}.get(ev.get("state", ""), "yellow")
+        return f"  [{color}]⇢[/] {esc(text)}"
+    return f"  {esc(text)}"
 
 
 def esc(v) -> str:

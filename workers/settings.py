@@ -240,8 +240,12 @@ class Settings(BaseSettings):
     #: `threads` (deliveries wait on the platform's answers, not the CPU: one process sends many at
     #: once) or `prefork` (a process per concurrent delivery). Workers of other queues use prefork
     delivery_pool: Literal["threads", "prefork"] = "threads"
-    #: deliveries one such worker sends at once (threads, or prefork processes)
+    #: deliveries one such worker sends at once (threads, or prefork processes); with threads,
+    #: per process (below)
     delivery_concurrency: int = Field(16, ge=1, le=256)
+    #: processes of a threads-pool delivery worker, each a Celery worker with its own threads
+    #: (one process uses one core: the GIL); 0: one per CPU, at most 8
+    delivery_processes: int = Field(0, ge=0, le=64)
 
     # -- web process: webhooks and Server-Sent Events -------------------------
     #: address `courier web` binds (behind a TLS-terminating proxy in production)

@@ -165,6 +165,8 @@ function when(ts) { return ts ? new Date(ts * 1000).toLocaleTimeString() : ""; }
 function size(n) { n = Number(n); if (!isFinite(n) || n <= 0) return "";
   const u = ["B", "KiB", "MiB", "GiB"]; let i = 0; while (n >= 1024 && i < 3) { n /= 1024; i++; }
   return (i ? n.toFixed(1) : n) + " " + u[i]; }
+// the page renders events itself, in the browser (phases, tools and deliveries in their own lists);
+// everywhere in Python an event's words are tasks/events.py describe()'s: keep the two saying the same
 function phase(ev) {
   const st = String(ev.status || ""); if (!st) return;
   $("phase").textContent = st;

@@ -47,7 +47,7 @@ import re
 import time
 import urllib.parse
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -63,6 +63,11 @@ from adapters.platforms.webhooks.base import MALFORMED, Answer, Refusal
 from tasks import events, keys, metrics
 from workers import turnpage
 from workers.settings import Settings, get_settings
+
+if TYPE_CHECKING:
+    from redis.client import Pipeline
+
+    from tasks.messages import TurnSpec
 
 log = logging.getLogger(__name__)
 
@@ -159,9 +164,10 @@ class _Web:
         spec = chains.turn_spec(job_id, target, message[:MAX_MESSAGE_CHARS], agent=s.webhook_agent or s.default_agent)
         turn = _Turn(platform=platform, update_id=update_id, seen=keys.webhook_seen(platform, update_id),
                      job_id=job_id, spec=spec)
+        rec = cast("Pipeline", turn.rec)  # it takes the pipeline calls these two make
         receipts.create_job(None, job_id, kind="turn", target=target, agent=spec["agent"], origin=origin,
-                            pipe=turn.rec, spec=json.dumps(spec, separators=(",", ":")))
-        ledger.set_due(turn.rec, "turn", job_id, chains.TURN_GRACE_S)  # the ledger watches it from the publish on
+                            pipe=rec, spec=json.dumps(spec, separators=(",", ":")))
+        ledger.set_due(rec, "turn", job_id, chains.TURN_GRACE_S)  # the ledger watches it from the publish on
         if self._enqueuer is None:
             self._enqueuer = _Enqueuer(self)
         loop = asyncio.get_running_loop()
@@ -212,7 +218,7 @@ class _Turn:
     update_id: str
     seen: str
     job_id: str
-    spec: dict
+    spec: TurnSpec
     rec: _Rec = field(default_factory=_Rec)
     loop: asyncio.AbstractEventLoop | None = None
     future: asyncio.Future | None = None

@@ -67,13 +67,13 @@ class FileSource:
     size_bytes: int
     sha256: str
     #: opens a readable binary stream of the bytes (streamed; never read whole)
-    opener: object
+    opener: Callable[[], AbstractContextManager[BinaryIO]]
     #: a local filesystem path holding the bytes, when the store has one
     path: Path | None = None
     mime: str | None = None
 
     def open(self) -> AbstractContextManager[BinaryIO]:
-        return self.opener()  # type: ignore[operator]
+        return self.opener()
 
 
 class FileRefused(Permanent):
@@ -155,6 +155,14 @@ class Platform(ABC):
     cache_key: str | None = None
     #: whether a 0-byte file can be sent (the outbox, a directory: yes; chat platforms: no)
     takes_empty_files: bool = False
+
+    @classmethod
+    def limits_for(cls, **options: Any) -> Limits:
+        """The `limits` an adapter built with these constructor options has,
+        read without building one (no client, no credentials). Default: the
+        class's own `limits`; an adapter whose limits depend on its options
+        (an upload size, a local API server) says how."""
+        return cls.limits
 
     def is_group(self, chat: str) -> bool:
         """Whether `chat` is a group (the platform's per-group limit applies)."""

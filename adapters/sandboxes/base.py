@@ -19,14 +19,17 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 from urllib.parse import quote, unquote, urlparse
 
 from adapters.defaults import MAX_FILE_BYTES
-from adapters.errors import ConfigError, FileChanging, FileMissing, NotAFile, SandboxError, SandboxGone, UnsafePath
+from adapters.errors import (
+    ConfigError, FileChanging, FileMissing, NotAFile, SandboxError, SandboxGone, TooLarge, UnsafePath,
+)
 from adapters.sandboxes.routing import host_of
 
 DEFAULT_MAX_BYTES = MAX_FILE_BYTES
+T = TypeVar("T")
 #: Sandbox.exec: bytes kept per output stream, and the exit code of a timeout
 DEFAULT_EXEC_OUTPUT_BYTES = 1024 * 1024
 EXEC_TIMEOUT_EXIT = 124
@@ -262,6 +265,20 @@ def check_lexical(path: str) -> str:
     return path
 
 
+def check_size(shown: str, size: int, max_bytes: int) -> None:
+    """The size cap, checked before a transfer: TooLarge when `size` is over
+    `max_bytes` (the one place its words are written)."""
+    if size > max_bytes:
+        raise TooLarge(f"{shown}: {size:,} bytes is over the {max_bytes:,} byte cap", size_bytes=size,
+                       limit_bytes=max_bytes)
+
+
+def grew_over_cap(shown: str, size: int | None, max_bytes: int) -> TooLarge:
+    """The size cap, counted during a transfer: what to raise once `size`
+    bytes arrived of a file that was within `max_bytes` when it was checked."""
+    return TooLarge(f"{shown}: larger than the {max_bytes:,} byte cap", size_bytes=size, limit_bytes=max_bytes)
+
+
 def os_error(exc: OSError, shown: str) -> SandboxError:
     """One clear, permanent courier error for what the OS said about `shown`
     (never a raw OSError as a chat's reason): missing / not a directory /
@@ -291,7 +308,7 @@ class ReadTimeout(SandboxGone):
     goes on."""
 
 
-def with_deadline(chunks: Iterable[bytes], idle_s: float, what: str, on_timeout=None) -> Iterator[bytes]:
+def with_deadline(chunks: Iterable[T], idle_s: float, what: str, on_timeout=None) -> Iterator[T]:
     """`chunks` (a blocking iterator: an SDK stream) read by a helper thread,
     at most two chunks ahead; when none arrives for `idle_s` seconds,
     `on_timeout()` runs (end the command) and :class:`ReadTimeout` is raised.
@@ -418,9 +435,16 @@ def open_regular(path: str, *, dir_fd: int | None = None, shown: str | None = No
     return fd, st
 
 
+class NoInbound(SandboxError, NotImplementedError):
+    """A backend that does not take inbound files (:meth:`Sandbox.put`): a
+    SandboxError, and a NotImplementedError for callers that ask for that."""
+
+
 class Sandbox(ABC):
-    """An opened sandbox. Backends implement `resolve`, `open_stream` (or
-    override `extract` with a faster channel) and `put`."""
+    """An opened sandbox. Backends implement `resolve` and `open_stream`
+    (or override `_copy_out` with a faster channel) and `_copy_in`;
+    `extract` and `put` are templates that hold the checks every backend
+    shares (lexical check, size cap), and are never overridden."""
 
     kind: str = ""
 
@@ -438,20 +462,26 @@ class Sandbox(ABC):
     def open_stream(self, resolved: str) -> Iterable[bytes]:
         """Stream the bytes of an already resolved and checked regular file."""
 
+    # -- the flow of a transfer: templates, the same for every backend ------------------
+    def check_size(self, shown: str, size: int, max_bytes: int) -> None:
+        """TooLarge when `size` is over `max_bytes` (see :func:`check_size`)."""
+        check_size(shown, size, max_bytes)
+
     def extract(self, path: str, store, key: str, *, max_bytes: int = DEFAULT_MAX_BYTES):
         """Copy one sandbox file into `store` at `key`; returns storage.BlobInfo.
 
         The size cap holds before (stat) and during (counted) the transfer;
-        on any failure nothing is left in storage.
-        """
-        from adapters.errors import TooLarge
-
+        on any failure nothing is left in storage. A template: backends
+        provide :meth:`_copy_out`, never override this."""
         check_lexical(path)
+        return self._copy_out(path, store, key, max_bytes=max_bytes)
+
+    def _copy_out(self, path: str, store, key: str, *, max_bytes: int):
+        """`path` (lexically checked) resolved, checked, size-capped and
+        streamed into `store`. A backend with a faster channel overrides
+        this, and calls :meth:`check_size` itself."""
         resolved, size = self.resolve(path)
-        if size > max_bytes:
-            raise TooLarge(
-                f"{path}: {size:,} bytes is over the {max_bytes:,} byte cap", size_bytes=size, limit_bytes=max_bytes
-            )
+        self.check_size(path, size, max_bytes)
         return store.put_stream(key, self.open_stream(resolved), max_bytes=max_bytes)
 
     def home_dir(self) -> str | None:
@@ -471,8 +501,18 @@ class Sandbox(ABC):
         return posixpath.join(posixpath.normpath(home), path[2:])
 
     def put(self, store, key: str, dest_path: str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
-        """Inbound: copy a stored blob into the sandbox at `dest_path`."""
-        raise NotImplementedError(f"{self.kind} sandbox does not take inbound files yet")
+        """Inbound: copy a stored blob into the sandbox at `dest_path`; returns
+        the path written (resolved). A template: backends provide
+        :meth:`_copy_in`, never override this."""
+        check_lexical(dest_path)
+        size = store.stat(key).size_bytes
+        self.check_size(key, size, max_bytes)
+        return self._copy_in(store, key, dest_path, size=size, max_bytes=max_bytes)
+
+    def _copy_in(self, store, key: str, dest_path: str, *, size: int, max_bytes: int) -> str:
+        """The blob `key` (`size` bytes, within the cap) written at
+        `dest_path` (lexically checked), all or nothing."""
+        raise NoInbound(f"{self.kind or type(self).__name__} sandbox does not take inbound files yet")
 
     def exec(
         self, argv: Sequence[str], *, timeout_s: float, cwd: str | None = None,

@@ -19,9 +19,9 @@ import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from adapters.errors import FileMissing, NotAFile, TooLarge, UnsafePath
+from adapters.errors import FileMissing, NotAFile, UnsafePath
 from adapters.sandboxes.base import (
-    DEFAULT_EXEC_OUTPUT_BYTES, DEFAULT_MAX_BYTES, BoundedOutput, PathPolicy, Sandbox, SandboxRef, check_lexical,
+    DEFAULT_EXEC_OUTPUT_BYTES, BoundedOutput, PathPolicy, Sandbox, SandboxRef, check_lexical,
     exec_argv, open_regular, os_error, run_exec, unchanged, write_blob_at,
 )
 
@@ -84,16 +84,12 @@ class LocalSandbox(Sandbox):
             while chunk := f.read(CHUNK):
                 yield chunk
 
-    def extract(self, path: str, store, key: str, *, max_bytes: int = DEFAULT_MAX_BYTES):
+    def _copy_out(self, path: str, store, key: str, *, max_bytes: int):
         """The checked file goes to the store by its fastest channel: an
         in-kernel copy into a volume (the descriptor that was checked is the
         one copied), else a stream."""
-        check_lexical(path)
         resolved, size = self.resolve(path)
-        if size > max_bytes:
-            raise TooLarge(
-                f"{path}: {size:,} bytes is over the {max_bytes:,} byte cap", size_bytes=size, limit_bytes=max_bytes
-            )
+        self.check_size(path, size, max_bytes)
         fd = self._open(resolved)
         try:
             before = os.fstat(fd)
@@ -107,8 +103,7 @@ class LocalSandbox(Sandbox):
         finally:
             os.close(fd)
 
-    def put(self, store, key: str, dest_path: str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
-        check_lexical(dest_path)
+    def _copy_in(self, store, key: str, dest_path: str, *, size: int, max_bytes: int) -> str:
         parent = os.path.realpath(os.path.dirname(dest_path))
         dest = os.path.join(parent, os.path.basename(dest_path))
         self.policy.check(dest, shown=dest_path)
@@ -116,9 +111,6 @@ class LocalSandbox(Sandbox):
             raise UnsafePath(f"{dest_path}: is a symbolic link")
         if os.path.isdir(dest):
             raise NotAFile(f"{dest_path}: is a directory")
-        info = store.stat(key)
-        if info.size_bytes > max_bytes:
-            raise TooLarge(f"{key}: {info.size_bytes:,} bytes is over the {max_bytes:,} byte cap")
         Path(parent).mkdir(parents=True, exist_ok=True)
         # the directory is opened once and what was opened is checked: a parent
         # swapped for a link after the check above cannot move the write elsewhere

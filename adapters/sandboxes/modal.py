@@ -38,11 +38,11 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from adapters.errors import (
-    ConfigError, CourierError, FileMissing, NotAFile, SandboxError, SandboxGone, TooLarge, UnsafePath,
+    ConfigError, CourierError, FileMissing, NotAFile, SandboxError, SandboxGone, UnsafePath,
 )
 from adapters.sandboxes.base import (
-    DEFAULT_IO_TIMEOUT_S, DEFAULT_MAX_BYTES, BoundedOutput, PathPolicy, Sandbox, SandboxRef, check_lexical,
-    call_with_deadline, with_deadline,
+    DEFAULT_IO_TIMEOUT_S, BoundedOutput, PathPolicy, Sandbox, SandboxRef, check_lexical,
+    call_with_deadline, grew_over_cap, with_deadline,
 )
 from adapters.sandboxes.execstream import (
     EXIT_CHANGED, ExecStream, ExecStreamMixin, Resolved, exec_iter_file, exec_resolve, kill_argv,
@@ -227,7 +227,8 @@ def _bounded(stream, limit: int = 1 << 20) -> bytes:
     return bytes(out[:limit])
 
 
-class ModalSandbox(ExecStreamMixin, Sandbox):
+# the mixin's policy may be None until the first resolve learns $HOME (Sandbox's never is)
+class ModalSandbox(ExecStreamMixin, Sandbox):  # type: ignore[misc]
     kind = "modal"
     exec_default_roots = MODAL_DEFAULT_ROOTS
 
@@ -396,8 +397,7 @@ class ModalSandbox(ExecStreamMixin, Sandbox):
         for chunk in chunks:
             n += len(chunk)
             if max_bytes is not None and n > max_bytes:
-                raise TooLarge(f"{resolved}: larger than the {max_bytes:,} byte cap", size_bytes=n,
-                               limit_bytes=max_bytes)
+                raise grew_over_cap(resolved, n, max_bytes)
             yield chunk
         if size is not None and n != size:
             raise SandboxGone(f"{resolved}: changed during transfer ({n:,} bytes read, {size:,} expected)")
@@ -408,21 +408,13 @@ class ModalSandbox(ExecStreamMixin, Sandbox):
             raise UnsafePath(f"{resolved}: resolves to {again}")
         return self._stream(resolved, None, None)
 
-    def extract(self, path: str, store, key: str, *, max_bytes: int = DEFAULT_MAX_BYTES):
-        check_lexical(path)
+    def _copy_out(self, path: str, store, key: str, *, max_bytes: int):
         r = self._resolve(path)
-        if r.size > max_bytes:
-            raise TooLarge(f"{path}: {r.size:,} bytes is over the {max_bytes:,} byte cap", size_bytes=r.size,
-                           limit_bytes=max_bytes)
+        self.check_size(path, r.size, max_bytes)
         return store.put_stream(key, self._stream(r.path, r.size, max_bytes, r.nlink), max_bytes=max_bytes)
 
     # -- inbound ------------------------------------------------------------------------
-    def put(self, store, key: str, dest_path: str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
-        check_lexical(dest_path)
-        size = store.stat(key).size_bytes
-        if size > max_bytes:
-            raise TooLarge(f"{key}: {size:,} bytes is over the {max_bytes:,} byte cap", size_bytes=size,
-                           limit_bytes=max_bytes)
+    def _copy_in(self, store, key: str, dest_path: str, *, size: int, max_bytes: int) -> str:
         ch = self.exec_channel()
         self._deny_lexical(dest_path)
         final, _uid, _gid = resolve_put_dest(ch, self.policy_for, dest_path)
@@ -433,7 +425,7 @@ class ModalSandbox(ExecStreamMixin, Sandbox):
             for chunk in store.iter_chunks(key):
                 sent += len(chunk)
                 if sent > max_bytes:
-                    raise TooLarge(f"{key}: over the {max_bytes:,} byte cap", limit_bytes=max_bytes)
+                    raise grew_over_cap(key, sent, max_bytes)
                 yield chunk
 
         opener = getattr(self.handle(), "open", None)

@@ -32,9 +32,9 @@ import uuid
 from collections import deque
 from collections.abc import Iterator
 
-from adapters.errors import ConfigError, CourierError, FileMissing, NotAFile, SandboxGone, TooLarge, UnsafePath
+from adapters.errors import ConfigError, CourierError, FileMissing, NotAFile, SandboxGone, UnsafePath
 from adapters.sandboxes.base import (
-    DEFAULT_MAX_BYTES, PathPolicy, Sandbox, SandboxRef, check_lexical, open_regular, os_error, unchanged,
+    PathPolicy, Sandbox, SandboxRef, check_lexical, open_regular, os_error, unchanged,
     write_blob_at,
 )
 
@@ -262,11 +262,9 @@ class SingularitySandbox(Sandbox):
             while chunk := f.read(CHUNK):
                 yield chunk
 
-    def extract(self, path: str, store, key: str, *, max_bytes: int = DEFAULT_MAX_BYTES):
+    def _copy_out(self, path: str, store, key: str, *, max_bytes: int):
         resolved, size = self.resolve(path)
-        if size > max_bytes:
-            raise TooLarge(f"{path}: {size:,} bytes is over the {max_bytes:,} byte cap", size_bytes=size,
-                           limit_bytes=max_bytes)
+        self.check_size(path, size, max_bytes)
         with os.fdopen(self._open_checked(resolved), "rb", buffering=0) as f:
             before = os.fstat(f.fileno())
             info = store.put_stream(key, f, max_bytes=max_bytes)
@@ -295,17 +293,12 @@ class SingularitySandbox(Sandbox):
                     raise UnsafePath(f"{path}: cannot make {w.path(part)} ({exc.strerror})") from exc
         return norm
 
-    def put(self, store, key: str, dest_path: str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
+    def _copy_in(self, store, key: str, dest_path: str, *, size: int, max_bytes: int) -> str:
         """Write a stored blob into the instance: temp file + rename in the
         resolved destination directory (owned like that directory)."""
-        check_lexical(dest_path)
         name = posixpath.basename(dest_path)
         if not name:
             raise UnsafePath(f"{dest_path}: needs a file name")
-        info = store.stat(key)
-        if info.size_bytes > max_bytes:
-            raise TooLarge(f"{key}: {info.size_bytes:,} bytes is over the {max_bytes:,} byte cap",
-                           size_bytes=info.size_bytes, limit_bytes=max_bytes)
         lex_parent = posixpath.dirname(dest_path) or "/"
         # the deepest existing ancestor, resolved in the instance; the rest is made
         # (e.g. <workspace>/inbox/ on a turn's first attachment)

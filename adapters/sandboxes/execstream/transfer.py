@@ -1,88 +1,23 @@
-"""The universal fallback: move files through a sandbox's *exec* channel.
-
-Any backend that can run a command in the sandbox (docker exec, ssh, modal
-``Sandbox.exec``) gets path resolution, outbound extraction and inbound put
-from here with a constant number of round trips, whatever the file size:
-
-* resolve: ONE exec (``readlink -f`` + a type test + ``stat -c %s``, and
-  ``$HOME`` for default roots), parsed from NUL-separated output;
-* extract: ONE exec streaming the file on stdout (``cat``; ``base64`` only
-  when the channel is not binary-safe), straight into storage (spliced in
-  the kernel where the channel hands out a pipe and the store is a volume);
-  a channel that can also send one line of stdin resolves and streams in
-  ONE exec (:func:`exec_gated_extract`);
-* put: ONE exec that reads stdin into a temp name and renames it (only for
-  backends that can stream stdin).
-
-It also runs agent commands (``Sandbox.exec``) the same way on every
-backend: :func:`exec_command` resolves the working directory (ONE exec,
-cached per directory) and checks it, then runs the argv under
-:data:`RUN_SCRIPT`, which enters that directory, proves it is still the
-checked one, marks the command's environment with a per-run id and, where
-the sandbox has GNU `timeout`, bounds it there too (should the worker vanish);
-the backend's :class:`~adapters.sandboxes.base.ExecRun` is driven by
-:func:`~adapters.sandboxes.base.run_exec`, and a timeout kills every process
-carrying the id (:data:`KILL_SCRIPT`, one more exec).
-
-Never many small round trips (a 60 KB base64 chunk per exec moves
-~0.3 MiB/s through podman; one streaming ``cat`` moves >150 MiB/s).
-
-No shell string is ever built from input: every command is an argv list;
-where a shell is needed its script is a constant and paths travel as
-positional parameters (``sh -c SCRIPT sh "$path"``).
-
-The interface a backend provides (:class:`ExecChannel`)::
-
-    binary_safe: bool                                   # stdout carries raw bytes
-    exec_small(argv) -> (rc, stdout, stderr)            # short output, whole
-    exec_stream(argv) -> ExecStream                     # stdout as chunks
-    exec_stdin(argv, chunks) -> (rc, stdout, stderr)    # optional: stream stdin
-
-Backends raise :class:`~adapters.errors.SandboxGone` from these when the
-sandbox vanishes or the connection drops (their own error mapping); this
-module maps exit codes to FileMissing / NotAFile / UnsafePath / TooLarge.
-
-Use it as a mixin (:class:`ExecStreamMixin`, needs ``self.policy``,
-``self.ref`` and ``self.exec_channel()``) or call the plain functions
-:func:`exec_resolve`, :func:`exec_iter_file`, :func:`exec_put` with a channel.
-"""
+"""Files moved through a backend's exec channel: resolve (ONE exec), extract
+(ONE streaming exec, or resolve and stream in one gated exec), put (ONE
+exec through stdin, after ONE resolving the destination)."""
 
 from __future__ import annotations
 
 import binascii
 import contextlib
-import math
 import os
 import posixpath
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Iterable, Iterator
 
 from adapters.errors import FileMissing, NotAFile, SandboxError, SandboxGone, TooLarge, UnsafePath
-from adapters.sandboxes.base import (
-    DEFAULT_EXEC_OUTPUT_BYTES, DEFAULT_MAX_BYTES, ExecRun, PathPolicy, ReadTimeout, check_lexical, exec_argv,
-    run_exec,
+from adapters.sandboxes.base import DEFAULT_MAX_BYTES, PathPolicy, ReadTimeout, check_lexical, check_size, grew_over_cap
+from adapters.sandboxes.execstream.channel import (
+    EXIT_CHANGED, EXIT_DENIED, EXIT_LINKS, EXIT_LOOP, EXIT_MISSING, EXIT_NOT_DIR, EXIT_NOT_FILE, EXIT_SHORT,
+    ExecChannel, ExecStream, GatedChannel, Resolved, _ask, _err_text, _fields,
 )
-
-__all__ = [
-    "ExecChannel", "ExecStream", "ExecStreamMixin", "Resolved",
-    "RESOLVE_SCRIPT", "STREAM_SCRIPT", "GATED_STREAM_SCRIPT", "PUT_SCRIPT", "CWD_SCRIPT", "RUN_SCRIPT",
-    "KILL_SCRIPT", "exec_resolve", "exec_iter_file", "exec_store_file", "exec_gated_extract", "exec_extract",
-    "exec_put", "default_roots",
-    "exec_command", "exec_resolve_cwd", "kill_argv",
-    "EXIT_MISSING", "EXIT_NOT_FILE", "EXIT_CHANGED", "EXIT_DENIED",
-]
-
-#: exit codes of the constant scripts below
-EXIT_MISSING = 2
-EXIT_NOT_FILE = 4
-EXIT_CHANGED = 97
-EXIT_NOT_DIR = 5
-EXIT_SHORT = 6
-EXIT_DENIED = 13
-EXIT_LINKS = 15
-EXIT_LOOP = 40
+from adapters.sandboxes.execstream.run import kill_argv
 
 # $1 = path as given. Prints HOME NUL resolved NUL type NUL size and link count
 # (type: f regular file, d directory, o other). readlink's output is kept
@@ -174,205 +109,6 @@ mv -f -- "$1" "$2" || { rm -f -- "$1"; exit 3; }
 """
 
 
-# -- running commands (Sandbox.exec) ----------------------------------------------------
-# $1.. = candidate directories; the first that resolves to a directory wins.
-# Prints HOME NUL status NUL resolved: d directory, n not a directory, m missing
-# (for the last candidate, resolved as far as it goes).
-CWD_SCRIPT = r"""for c in "$@"; do
-r=$(readlink -f -- "$c"; echo x)
-r=${r%x}
-r=${r%?}
-if [ -n "$r" ] && [ -d "$r" ]; then printf '%s\0d\0%s' "$HOME" "$r"; exit 0; fi
-done
-if [ -n "$r" ] && [ -e "$r" ]; then t=n; else t=m; fi
-printf '%s\0%s\0%s' "$HOME" "$t" "$r"
-"""
-
-# $1 = run id, $2 = checked working directory, $3 = backstop seconds ('' none),
-# $4.. = the argv. Enters $2 and proves it is still that directory (else exit 97
-# with a line naming the id), exports COURIER_EXEC_ID (KILL_SCRIPT finds every
-# process of the run by it), runs the argv under the sandbox's `timeout` when
-# that is GNU's (busybox's leaves a watcher holding the output for up to a
-# second after the command ends), else as is. The argv is not exec'd, so a
-# signal death is an exit status (128 + N) here too.
-RUN_SCRIPT = r"""n=$1 d=$2 t=$3
-shift 3
-if cd -P "$d" 2>/dev/null; then p=$(pwd -P; echo x); p=${p%x}; p=${p%?}; else p=; fi
-if [ "$p" != "$d" ]; then printf 'courier-exec-%s: cwd\n' "$n" >&2; exit 97; fi
-COURIER_EXEC_ID=$n
-export COURIER_EXEC_ID
-if [ -n "$t" ] && timeout --version >/dev/null 2>&1; then timeout -s KILL -- "$t" "$@"; exit $?; fi
-"$@"
-exit $?
-"""
-
-# $1 = run id. SIGKILL every process whose environment holds COURIER_EXEC_ID=$1
-# (one grep over /proc per round; rounds until none is left, for forks racing it).
-KILL_SCRIPT = r"""i=0
-while [ "$i" -lt 20 ]; do
-l=$(grep -lzxF "COURIER_EXEC_ID=$1" /proc/[0-9]*/environ 2>/dev/null)
-[ -n "$l" ] || exit 0
-for f in $l; do p=${f#/proc/}; kill -9 "${p%/environ}" 2>/dev/null; done
-i=$((i+1))
-done
-"""
-
-#: seconds past an exec's timeout after which the sandbox's own `timeout`
-#: kills the command (only matters when the worker could not)
-EXEC_BACKSTOP_S = 10
-
-
-def kill_argv(run_id: str) -> list[str]:
-    """The argv that kills every process of the run `run_id` (see KILL_SCRIPT)."""
-    return ["sh", "-c", KILL_SCRIPT, "sh", run_id]
-
-
-def exec_resolve_cwd(ch: ExecChannel, policy_for: Callable[[str | None], PathPolicy], cwd: str | None,
-                     defaults: Sequence[str]) -> str:
-    """ONE exec: the working directory resolved in the sandbox and checked
-    against the policy (None: the first of `defaults` that is a directory).
-    Raises UnsafePath (outside the roots, also when missing) or FileMissing."""
-    if cwd is None:
-        cands = [d for d in defaults if d]
-        if not cands:
-            raise UnsafePath("exec: no allowed roots to run in")
-    else:
-        cands = [check_lexical(cwd)]
-    rc, out, err = _ask(ch, CWD_SCRIPT, *cands)
-    if rc != 0:
-        raise SandboxError(f"exec: cannot resolve the working directory (exit {rc}: {_err_text(err)})")
-    home, kind, resolved = _fields(out, 3, "exec working directory")
-    policy = policy_for(home or None)
-    if kind == "d":
-        return policy.check(resolved, shown=cwd or resolved)
-    if cwd is None:
-        raise FileMissing(f"exec: none of the allowed roots is a directory ({', '.join(cands)})")
-    policy.check(posixpath.normpath(resolved or cwd), shown=cwd)
-    raise FileMissing(f"{cwd}: no such directory")
-
-
-def exec_command(ch: ExecChannel, policy_for: Callable[[str | None], PathPolicy],
-                 start: Callable[..., ExecRun], argv: Sequence[str], *, timeout_s: float,
-                 cwd: str | None, max_output_bytes: int, defaults: Sequence[str],
-                 cwd_cache: dict) -> tuple[int, bytes, bytes]:
-    """``Sandbox.exec`` for a backend with an exec channel.
-
-    `start(wrapped_argv, run_id, backstop_s=...)` starts the argv on the
-    backend's channel and returns its ExecRun (whose `kill` runs
-    :func:`kill_argv`); `backstop_s` (past the timeout) is for a channel
-    with a deadline of its own (modal's exec timeout). The
-    resolved working directory is cached in `cwd_cache`; RUN_SCRIPT proves it
-    unchanged on every run, and a changed one is resolved and checked again
-    (once) before anything runs."""
-    args = exec_argv(argv)
-    for attempt in (0, 1):
-        workdir = cwd_cache.get(cwd) if attempt == 0 else None
-        if workdir is None:
-            workdir = exec_resolve_cwd(ch, policy_for, cwd, defaults)
-            if len(cwd_cache) >= 64:
-                cwd_cache.clear()
-            cwd_cache[cwd] = workdir
-        run_id = uuid.uuid4().hex
-        backstop = math.ceil(max(0.0, float(timeout_s))) + EXEC_BACKSTOP_S
-        run = start(["sh", "-c", RUN_SCRIPT, "sh", run_id, workdir, str(backstop), *args], run_id,
-                    backstop_s=backstop)
-        rc, out, err = run_exec(run, timeout_s=timeout_s, max_output_bytes=max_output_bytes)
-        if rc == EXIT_CHANGED and err == f"courier-exec-{run_id}: cwd\n".encode():
-            cwd_cache.pop(cwd, None)  # nothing ran: resolve and check it again
-            if attempt == 0:
-                continue
-            raise UnsafePath(f"{cwd or workdir}: changed while the command was starting")
-        return rc, out, err
-    raise AssertionError("unreachable")
-
-
-@dataclass
-class ExecStream:
-    """A running command's stdout as raw byte chunks.
-
-    `exit_code()` is valid once `chunks` is exhausted (None if unknown);
-    `stderr()` returns what the command wrote on stderr (bounded);
-    `close()` ends the command early (consumer stopped) and is idempotent.
-    """
-
-    chunks: Iterable[bytes]
-    exit_code: Callable[[], int | None]
-    stderr: Callable[[], bytes] = field(default=lambda: b"")
-    close: Callable[[], None] = field(default=lambda: None)
-    #: where the channel has one: stdout as a raw pipe, for a consumer that
-    #: moves the bytes in the kernel instead of iterating `chunks` (never both);
-    #: `wait()` before each read (raises ReadTimeout past the read deadline),
-    #: `end()` once the pipe is drained (the exit status is then known)
-    pipe_fd: int | None = None
-    wait: Callable[[], None] = field(default=lambda: None)
-    end: Callable[[], None] = field(default=lambda: None)
-    #: where the channel streams stdin: write these bytes to the command's stdin and close it
-    gate: Callable[[bytes], None] | None = None
-
-
-@runtime_checkable
-class ExecChannel(Protocol):
-    """What a backend provides to reuse this module."""
-
-    #: True when stdout of exec_stream carries arbitrary bytes unchanged
-    binary_safe: bool
-
-    def exec_small(self, argv: Sequence[str]) -> tuple[int, bytes, bytes]:
-        """Run argv, return (exit code, stdout, stderr); for short outputs."""
-        ...
-
-    def exec_stream(self, argv: Sequence[str]) -> ExecStream:
-        """Run argv and stream its stdout (raw bytes, or text if not binary_safe)."""
-        ...
-
-
-@dataclass(frozen=True)
-class Resolved:
-    path: str          # resolved absolute path inside the sandbox
-    size: int
-    home: str | None   # $HOME of the exec user (for default roots)
-    nlink: int = 1     # hard links of the file, where the resolve saw them
-
-
-def default_roots(home: str | None, base: Sequence[str] = ("/workspace", "/tmp")) -> tuple[str, ...]:
-    """`base` plus the user's home when that is a sane, specific directory
-    (never `/`, never a denylisted tree such as /root)."""
-    roots = list(base)
-    if home and home.startswith("/") and "\x00" not in home:
-        h = posixpath.normpath(home)
-        if h != "/" and h not in roots:
-            try:
-                PathPolicy(roots=(h,)).check(h)
-            except UnsafePath:
-                pass
-            else:
-                roots.append(h)
-    return tuple(roots)
-
-
-def _ask(ch: ExecChannel, script: str, *args: str, answers_missing: bool = False) -> tuple[int, bytes, bytes]:
-    """Run one of the read-only resolve scripts, which always print their
-    reply. podman 4.3's Docker-compatible attach can drop the output of a
-    command that ends at once (exit 0, no bytes; seen under load): such an
-    answer is asked again, up to 3 times, before it is an error."""
-    for _ in range(3):
-        rc, out, err = ch.exec_small(["sh", "-c", script, "sh", *args])
-        if out or not (rc == 0 or (answers_missing and rc == EXIT_MISSING)):
-            break
-    return rc, out, err
-
-
-def _fields(out: bytes, n: int, what: str) -> list[str]:
-    parts = out.split(b"\0")
-    if len(parts) != n:
-        raise SandboxError(f"{what}: unexpected reply from the sandbox ({out[:200]!r})")
-    return [p.decode("utf-8", "surrogateescape") for p in parts]
-
-
-def _err_text(err: bytes) -> str:
-    return err.decode("utf-8", "replace").strip()[:300]
-
-
 def exec_resolve(ch: ExecChannel, path: str, *, policy_for: Callable[[str | None], PathPolicy] | None = None
                  ) -> Resolved:
     """Resolve `path` inside the sandbox with ONE exec. The caller checks the
@@ -381,7 +117,7 @@ def exec_resolve(ch: ExecChannel, path: str, *, policy_for: Callable[[str | None
     resolve is first checked as what it would name: a denied one is refused
     exactly as an existing one is (no existence probe)."""
     check_lexical(path)
-    rc, out, err = _ask(ch, RESOLVE_SCRIPT, path, answers_missing=True)  # a missing path: what it would be
+    rc, out, err = _ask(ch, RESOLVE_SCRIPT, path, answers=(0, EXIT_MISSING))  # a missing path: what it would be
     if rc == EXIT_LOOP:
         raise UnsafePath(f"{path}: a symbolic link loop (too many levels of symbolic links)")
     if rc == EXIT_MISSING:
@@ -464,8 +200,7 @@ def _iter_stream(ch: ExecChannel, st: ExecStream, run_id: str, resolved: str, mo
                 continue
             n += len(chunk)
             if max_bytes is not None and n > max_bytes:
-                raise TooLarge(f"{resolved}: larger than the {max_bytes:,} byte cap", size_bytes=n,
-                               limit_bytes=max_bytes)
+                raise grew_over_cap(resolved, n, max_bytes)
             yield chunk
         rc = st.exit_code()
     except ReadTimeout:
@@ -490,20 +225,23 @@ def _start_stream(ch: ExecChannel, resolved: str, mode: str, policy: PathPolicy 
                                    mode, links_ok])
 
 
+#: what the stream script's exit codes say about the file (it read nothing then)
+_STREAM_EXITS: dict[int, tuple[type[SandboxError], str]] = {
+    EXIT_MISSING: (FileMissing, "no such file"),
+    EXIT_NOT_FILE: (NotAFile, "not a regular file"),
+    EXIT_CHANGED: (UnsafePath, "changed while opening"),
+    EXIT_DENIED: (UnsafePath, "not readable by the sandbox's user"),
+    EXIT_LINKS: (UnsafePath, "has several hard links (another name may be outside the allowed roots); refused"),
+}
+
+
 def _check_stream_end(st: ExecStream, rc: int | None, n: int, resolved: str, expected_size: int | None) -> None:
     """The stream script's verdict once its output has ended: raises unless it
     exited 0 having sent exactly `expected_size` bytes."""
-    if rc == EXIT_MISSING:
-        raise FileMissing(f"{resolved}: no such file")
-    if rc == EXIT_NOT_FILE:
-        raise NotAFile(f"{resolved}: not a regular file")
-    if rc == EXIT_CHANGED:
-        raise UnsafePath(f"{resolved}: changed while opening")
-    if rc == EXIT_DENIED:
-        raise UnsafePath(f"{resolved}: not readable by the sandbox's user")
-    if rc == EXIT_LINKS:
-        raise UnsafePath(f"{resolved}: has several hard links (another name may be outside the allowed roots); "
-                         "refused")
+    refused = _STREAM_EXITS.get(rc) if rc is not None else None
+    if refused is not None:
+        error, why = refused
+        raise error(f"{resolved}: {why}")
     if rc is None:
         raise SandboxGone(f"{resolved}: the transfer ended without an exit status")
     if rc != 0:
@@ -548,8 +286,7 @@ def _store_stream(ch: ExecChannel, st: ExecStream, run_id: str, resolved: str, m
             raise
         except TooLarge as exc:
             st.close()
-            raise TooLarge(f"{resolved}: larger than the {max_bytes:,} byte cap", size_bytes=exc.size_bytes,
-                           limit_bytes=max_bytes) from None
+            raise grew_over_cap(resolved, exc.size_bytes, max_bytes) from None
         except BaseException:
             st.close()
             raise
@@ -561,7 +298,7 @@ def _store_stream(ch: ExecChannel, st: ExecStream, run_id: str, resolved: str, m
     return store.put_stream(key, guard(body) if guard else body, max_bytes=max_bytes)
 
 
-def exec_gated_extract(ch: ExecChannel, path: str, store, key: str, *, max_bytes: int,
+def exec_gated_extract(ch: GatedChannel, path: str, store, key: str, *, max_bytes: int,
                        check: Callable[[Resolved], PathPolicy],
                        guard: Callable[[Iterator[bytes]], Iterator[bytes]] | None = None):
     """Resolve and store `path` with ONE exec (:data:`GATED_STREAM_SCRIPT`),
@@ -606,14 +343,18 @@ def exec_gated_extract(ch: ExecChannel, path: str, store, key: str, *, max_bytes
                          guard=guard)
 
 
-def exec_extract(ch: ExecChannel, policy: PathPolicy, path: str, store, key: str, *,
-                 max_bytes: int = DEFAULT_MAX_BYTES):
-    """resolve (1 exec) + policy check + stream (1 exec) into `store`."""
-    r = exec_resolve(ch, path)
+def exec_extract(ch: ExecChannel, policy: PathPolicy | None, path: str, store, key: str, *,
+                 max_bytes: int = DEFAULT_MAX_BYTES, policy_for: Callable[[str | None], PathPolicy] | None = None):
+    """resolve (1 exec) + policy check + stream (1 exec) into `store`. The
+    policy is `policy`, or with `policy_for` the one for the sandbox's $HOME
+    (which also checks a path that does not resolve, see exec_resolve)."""
+    r = exec_resolve(ch, path, policy_for=policy_for)
+    if policy_for is not None:
+        policy = policy_for(r.home)
+    if policy is None:
+        raise SandboxError("exec_extract needs a policy or policy_for")
     policy.check(r.path, shown=path)
-    if r.size > max_bytes:
-        raise TooLarge(f"{path}: {r.size:,} bytes is over the {max_bytes:,} byte cap", size_bytes=r.size,
-                       limit_bytes=max_bytes)
+    check_size(path, r.size, max_bytes)
     return store.put_stream(key, exec_iter_file(ch, r.path, expected_size=r.size, max_bytes=max_bytes,
                                                 policy=policy), max_bytes=max_bytes)
 
@@ -674,9 +415,7 @@ def exec_put(ch, policy_for: Callable[[str | None], PathPolicy], store, key: str
     2 execs whatever the size; the file appears atomically (temp + rename),
     and only whole: the temp's size is checked against the blob's first."""
     info = store.stat(key)
-    if info.size_bytes > max_bytes:
-        raise TooLarge(f"{key}: {info.size_bytes:,} bytes is over the {max_bytes:,} byte cap",
-                       size_bytes=info.size_bytes, limit_bytes=max_bytes)
+    check_size(key, info.size_bytes, max_bytes)
     final, _uid, _gid = resolve_put_dest(ch, policy_for, dest_path)
     tmp = posixpath.join(posixpath.dirname(final), f".{posixpath.basename(final)}.{uuid.uuid4().hex[:8]}.courier-part")
     binary = getattr(ch, "binary_safe", True)
@@ -715,66 +454,3 @@ def _b64_encode(chunks: Iterable[bytes], line: int = 57 * 1024) -> Iterator[byte
     if pending:
         yield binascii.b2a_base64(pending)
 
-
-class ExecStreamMixin:
-    """Sandbox methods on top of an :class:`ExecChannel`.
-
-    The class using it provides ``self.policy`` (a PathPolicy, or None to
-    build defaults from the sandbox's $HOME on first use), ``self.ref`` and
-    ``exec_channel() -> ExecChannel``. It gets ``resolve``, ``open_stream``,
-    ``exec_extract_file`` and ``exec_put_file``, and ``exec`` when the
-    backend provides ``exec_start``.
-    """
-
-    policy: PathPolicy | None
-    #: roots used when neither the ref nor the constructor gave any
-    exec_default_roots: tuple[str, ...] = ("/workspace", "/tmp")
-
-    def exec_channel(self) -> ExecChannel:  # pragma: no cover - provided by the backend
-        raise NotImplementedError
-
-    def policy_for(self, home: str | None) -> PathPolicy:
-        if self.policy is None:
-            ref = getattr(self, "ref", None)
-            roots = tuple(ref.roots) if ref is not None and ref.roots else default_roots(home, self.exec_default_roots)
-            self.policy = PathPolicy(roots=roots, home=home)
-        return self.policy
-
-    def resolve(self, path: str) -> tuple[str, int]:
-        r = exec_resolve(self.exec_channel(), path, policy_for=self.policy_for)
-        self.policy_for(r.home).check(r.path, shown=path)
-        return r.path, r.size
-
-    def open_stream(self, resolved: str) -> Iterator[bytes]:
-        return exec_iter_file(self.exec_channel(), resolved, policy=self.policy)
-
-    def exec_extract_file(self, path: str, store, key: str, *, max_bytes: int = DEFAULT_MAX_BYTES):
-        ch = self.exec_channel()
-        r = exec_resolve(ch, path, policy_for=self.policy_for)
-        policy = self.policy_for(r.home)
-        policy.check(r.path, shown=path)
-        if r.size > max_bytes:
-            raise TooLarge(f"{path}: {r.size:,} bytes is over the {max_bytes:,} byte cap", size_bytes=r.size,
-                           limit_bytes=max_bytes)
-        return store.put_stream(key, exec_iter_file(ch, r.path, expected_size=r.size, max_bytes=max_bytes,
-                                                    policy=policy), max_bytes=max_bytes)
-
-    def exec_put_file(self, store, key: str, dest_path: str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
-        return exec_put(self.exec_channel(), self.policy_for, store, key, dest_path, max_bytes=max_bytes)
-
-    def exec_start(self, argv: list[str], run_id: str, *, backstop_s: int | None = None) -> ExecRun:
-        """Start `argv` on the channel (stdin empty) as an ExecRun whose
-        `kill` runs ``kill_argv(run_id)``; backends that run commands provide it."""
-        raise SandboxError(f"{type(self).__name__} does not support running commands (exec)")
-
-    def exec(self, argv: Sequence[str], *, timeout_s: float, cwd: str | None = None,
-             max_output_bytes: int = DEFAULT_EXEC_OUTPUT_BYTES) -> tuple[int, bytes, bytes]:
-        """Sandbox.exec through the channel (:func:`exec_command`); `cwd`
-        None: the first allowed root that is a directory."""
-        policy = self.policy
-        ref = getattr(self, "ref", None)
-        defaults = policy.roots if policy is not None else (
-            tuple(ref.roots) if ref is not None and ref.roots else self.exec_default_roots)
-        cache = self.__dict__.setdefault("_exec_cwds", {})
-        return exec_command(self.exec_channel(), self.policy_for, self.exec_start, argv, timeout_s=timeout_s,
-                            cwd=cwd, max_output_bytes=max_output_bytes, defaults=defaults, cwd_cache=cache)

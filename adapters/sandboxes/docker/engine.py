@@ -1,0 +1,360 @@
+"""Engine calls of one container: the docker SDK / API client, the
+container's facts (inspect, user, mounts, pid, the engine's stat of a
+path), every engine error translated in ONE place (:meth:`Engine._errors`),
+and the exec channel (:class:`DockerExec`: exec create / start / inspect)
+that execstream and ``Sandbox.exec`` run on."""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import select
+import socket
+import tarfile
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from typing import Any
+
+from adapters.errors import (
+    CourierError, FileMissing, SandboxError, SandboxGone, StorageError, TooLarge,
+)
+from adapters.sandboxes.base import DEFAULT_IO_TIMEOUT_S, BoundedOutput, ReadTimeout, SandboxRef, _under
+from adapters.sandboxes.docker.demux import CHUNK, FrameSplitter, demux_stdout, read_all, route
+from adapters.sandboxes.docker.tar import decode_stat_header
+from adapters.sandboxes.execstream import ExecStream, kill_argv
+
+#: how many times a read-only probe whose answer came back empty is asked (see DockerExec.exec_probe)
+PROBE_ATTEMPTS = 3
+
+
+class Engine:
+    """The engine side of a docker sandbox: its client and the container's facts."""
+
+    ref: SandboxRef
+    io_timeout_s: float
+
+    def __init__(self, ref: SandboxRef, *, base_url: str | None = None, client: Any = None, timeout_s: int = 120,
+                 io_timeout_s: float = DEFAULT_IO_TIMEOUT_S) -> None:
+        self.ref = ref
+        self.io_timeout_s = io_timeout_s
+        if client is None:
+            import docker
+
+            try:
+                client = (docker.DockerClient(base_url=base_url, timeout=timeout_s) if base_url
+                          else docker.from_env(timeout=timeout_s))
+            except docker.errors.DockerException as exc:
+                raise SandboxGone(f"cannot reach the docker engine: {exc}") from exc
+            self._own_client = True
+        else:
+            self._own_client = False
+        self.client = client
+        self._attrs_cache: dict | None = None
+
+    # -- errors: the ONE place docker/requests errors become courier errors -------------
+    @contextmanager
+    def _errors(self, what: str, path: str | None = None) -> Iterator[None]:
+        import docker.errors
+        import requests.exceptions
+        import urllib3.exceptions
+
+        try:
+            yield
+        except (SandboxError, TooLarge):
+            raise
+        except docker.errors.NotFound as exc:
+            if path is not None and self.alive():
+                raise FileMissing(f"{path}: no such file") from exc
+            raise SandboxGone(f"container {self.ref.target} is gone ({what})") from exc
+        except docker.errors.APIError as exc:
+            status = exc.status_code or 0
+            if status in (409,) or status >= 500 or not self.alive():
+                raise SandboxGone(f"container {self.ref.target}: {what} failed: {exc.explanation or exc}") from exc
+            raise SandboxError(f"container {self.ref.target}: {what} failed: {exc.explanation or exc}") from exc
+        except (requests.exceptions.RequestException, urllib3.exceptions.HTTPError, docker.errors.DockerException,
+                ConnectionError, TimeoutError) as exc:
+            raise SandboxGone(f"container {self.ref.target}: {what} interrupted: {exc}") from exc
+        except tarfile.ReadError as exc:
+            raise SandboxGone(f"container {self.ref.target}: {what}: archive cut short: {exc}") from exc
+        except OSError as exc:
+            raise SandboxGone(f"container {self.ref.target}: {what}: {exc}") from exc
+
+    def alive(self) -> bool:
+        """Whether the container still exists and runs (never raises)."""
+        try:
+            info = self.client.api.inspect_container(self.ref.target)
+        except Exception:  # noqa: BLE001 - any failure means: not usable
+            return False
+        return bool(info.get("State", {}).get("Running"))
+
+    # -- container facts -----------------------------------------------------------------
+    def _attrs(self) -> dict:
+        if self._attrs_cache is None:
+            with self._errors("inspect"):
+                self._attrs_cache = self.client.api.inspect_container(self.ref.target)
+        assert self._attrs_cache is not None
+        return self._attrs_cache
+
+    @property
+    def container_id(self) -> str:
+        return str(self._attrs()["Id"])
+
+    def runs_as_root(self) -> bool:
+        """Whether execs (and so the agent) run as root: the ref's `user`
+        option, else the container's configured user. The archive API and
+        bind mounts read as root, so only then are they used; any other
+        user's reads go through exec as that user (never more than it can read)."""
+        user = self.ref.options.get("user")
+        if user is None:
+            user = (self._attrs().get("Config") or {}).get("User") or ""
+        name = user.split(":", 1)[0].strip()
+        return name in ("", "0", "root")
+
+    def _engine_is_local(self) -> bool:
+        base = getattr(self.client.api, "base_url", "")
+        return base.startswith("http+docker://") and not base.startswith("http+docker://ssh")
+
+    def bind_host_path(self, resolved: str) -> tuple[str, str] | None:
+        """(host path, mount source) when `resolved` lies in a bind mount
+        whose source exists on this host; the innermost mount wins."""
+        best = None
+        for m in self._attrs().get("Mounts") or []:
+            dest = m.get("Destination") or ""
+            if dest.startswith("/") and _under(resolved, dest):
+                if best is None or len(dest) > len(best["Destination"]):
+                    best = m
+        if best is None or best.get("Type") != "bind" or not best.get("Source"):
+            return None
+        src = best["Source"]
+        rel = posixpath.relpath(resolved, best["Destination"])
+        host = src if rel == "." else os.path.join(src, rel)
+        if not os.path.exists(src):
+            return None
+        return host, src
+
+    def _live_pid(self) -> int | None:
+        """The pid (on this host) of the running container's process, asked of the engine now."""
+        try:
+            info = self.client.api.inspect_container(self.ref.target)
+        except Exception:  # noqa: BLE001 - any failure: this channel is not available
+            return None
+        state = info.get("State") or {}
+        if info.get("Id") != self.container_id or not state.get("Running"):
+            return None
+        pid = state.get("Pid")
+        return pid if isinstance(pid, int) and pid > 0 else None
+
+    def _stat(self, path: str) -> dict | None:
+        """The engine's lstat of `path` (HEAD /containers/{id}/archive); None if absent."""
+        api = self.client.api
+        with self._errors("stat", path=path):
+            res = api.head(api._url("/containers/{0}/archive", self.container_id), params={"path": path})
+            try:
+                if res.status_code == 404:
+                    return None
+                api._raise_for_status(res)
+                hdr = res.headers.get("x-docker-container-path-stat")
+            finally:
+                res.close()
+        try:
+            return decode_stat_header(hdr) if hdr else None
+        except ValueError:
+            return None
+
+    def close_client(self) -> None:
+        if self._own_client:
+            with suppress(Exception):
+                self.client.close()
+
+
+class DockerExec:
+    """The :class:`~adapters.sandboxes.execstream.ExecChannel` of one container."""
+
+    binary_safe = True
+
+    def __init__(self, engine: Engine) -> None:
+        self.sb = engine
+
+    def _create(self, argv: Sequence[str], *, stdin: bool = False) -> str:
+        api = self.sb.client.api
+        with self.sb._errors("exec"):
+            return str(api.exec_create(self.sb.container_id, list(argv), stdin=stdin, stdout=True, stderr=True,
+                                       user=self.sb.ref.options.get("user", ""))["Id"])
+
+    def _inspect(self, exec_id: str) -> int | None:
+        """The exit code of a finished exec (None while it runs); a code of a
+        signal death from a container gone meanwhile is SandboxGone."""
+        with self.sb._errors("exec"):
+            info = self.sb.client.api.exec_inspect(exec_id)
+        if info.get("Running"):
+            return None
+        code = info.get("ExitCode")
+        if code is not None and code >= 128 and not self.sb.alive():
+            raise SandboxGone(f"container {self.sb.ref.target} went away during exec")
+        return code
+
+    def _exit_code(self, exec_id: str) -> int | None:
+        """The exit code once the output ended: the engine may report the end
+        of output a moment before the exit status (waited up to 5 s)."""
+        start = time.monotonic()
+        while (rc := self._inspect(exec_id)) is None and time.monotonic() < start + 5.0:
+            if time.monotonic() > start + 0.2 and not self.sb.alive():
+                raise SandboxGone(f"container {self.sb.ref.target} went away during exec")
+            time.sleep(0.01)
+        return rc
+
+    def _start_socket(self, exec_id: str) -> tuple[Any, Any]:
+        """(closable, raw socket) of a started exec, the raw socket with the
+        sandbox's read deadline: a stalled container costs one attempt."""
+        with self.sb._errors("exec"):
+            sock = self.sb.client.api.exec_start(exec_id, socket=True)
+        raw = getattr(sock, "_sock", sock)
+        raw.settimeout(self.sb.io_timeout_s)
+        return sock, raw
+
+    def _timed_out(self, what: str) -> ReadTimeout:
+        return ReadTimeout(f"container {self.sb.ref.target}: nothing received for {self.sb.io_timeout_s:g} s ({what})")
+
+    @contextmanager
+    def _deadline(self, what: str) -> Iterator[None]:
+        """A socket read past the sandbox's read deadline is a ReadTimeout."""
+        try:
+            yield
+        except socket.timeout:
+            raise self._timed_out(what) from None
+
+    def _run_whole(self, argv: Sequence[str], stdin: Iterable[bytes] | None, out: BoundedOutput,
+                   err: BoundedOutput) -> int:
+        """Run argv to its end (with `stdin` sent first, then EOF) and read
+        its whole output into `out` / `err`; the exit code."""
+        what = argv[-1] if argv else "exec"
+        exec_id = self._create(argv, stdin=stdin is not None)
+        sock, raw = self._start_socket(exec_id)
+        try:
+            with self.sb._errors("exec" if stdin is None else "exec stdin"), self._deadline(what):
+                if stdin is not None:
+                    for chunk in _store_chunks(stdin, what):
+                        if chunk:
+                            raw.sendall(chunk)
+                    raw.shutdown(socket.SHUT_WR)
+                read_all(raw.recv, out, err)
+        finally:
+            with suppress(Exception):  # best effort on a dying socket
+                sock.close()
+        rc = self._exit_code(exec_id)
+        if rc is None:
+            raise SandboxGone("exec did not finish")
+        return rc
+
+    def exec_small(self, argv: Sequence[str]) -> tuple[int, bytes, bytes]:
+        out, err = BoundedOutput(1 << 20), BoundedOutput(1 << 16)
+        rc = self._run_whole(argv, None, out, err)
+        return rc, out.value(), err.value()
+
+    def exec_probe(self, argv: Sequence[str], *, answers: Sequence[int] = (0,)) -> tuple[int, bytes, bytes]:
+        """A read-only probe (stat, resolve, readlink) that prints its answer
+        whenever it exits with one of `answers`. podman 4.3's Docker-compatible
+        attach can drop the whole output of a command that ends at once (exit 0,
+        no bytes; seen under CPU load): such an empty answer is asked again,
+        up to :data:`PROBE_ATTEMPTS` times. The one place that is done: agent
+        commands and anything that changes the container never come here."""
+        for _ in range(PROBE_ATTEMPTS):
+            rc, out, err = self.exec_small(argv)
+            if out or rc not in answers:
+                break
+        return rc, out, err
+
+    def exec_stdin(self, argv: Sequence[str], chunks: Iterable[bytes]) -> tuple[int, bytes, bytes]:
+        """Run argv with `chunks` streamed on its stdin (then EOF); for
+        commands with short output (it is read after stdin is sent)."""
+        out, err = BoundedOutput(65536), BoundedOutput(65536)
+        rc = self._run_whole(argv, chunks, out, err)
+        return rc, out.value(), err.value()
+
+    def exec_stream(self, argv: Sequence[str]) -> ExecStream:
+        exec_id = self._create(argv)
+        sock, raw = self._start_socket(exec_id)
+        err = bytearray()
+        state = {"closed": False}
+
+        def chunks() -> Iterator[bytes]:
+            with self.sb._errors("exec stream"), self._deadline(argv[-2] if len(argv) > 1 else "exec stream"):
+                yield from demux_stdout(raw.recv_into, err)
+
+        def close() -> None:
+            if not state["closed"]:
+                state["closed"] = True
+                with suppress(Exception):  # best effort on a dying socket
+                    sock.close()
+
+        return ExecStream(chunks=chunks(), exit_code=lambda: self._exit_code(exec_id), stderr=lambda: bytes(err),
+                          close=close)
+
+
+def _store_chunks(chunks: Iterable[bytes], what: str) -> Iterator[bytes]:
+    """`chunks` with a failure of their source (the blob store) said as such
+    (StorageError), not taken for the container going away."""
+    it = iter(chunks)
+    while True:
+        try:
+            chunk = next(it)
+        except StopIteration:
+            return
+        except CourierError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - re-raised, named
+            raise StorageError(f"{what}: reading the stored blob failed: {exc}") from exc
+        yield chunk
+
+
+class DockerRun:
+    """One ``Sandbox.exec`` command in a container (an ExecRun for run_exec):
+    stdout and stderr demultiplexed from the attach socket as they come, the
+    exit code from the engine's exec inspect, killed by run id. Never run twice."""
+
+    def __init__(self, ch: DockerExec, argv: Sequence[str], run_id: str) -> None:
+        self.ch, self.run_id = ch, run_id
+        self.exec_id = ch._create(argv)
+        with ch.sb._errors("exec"):
+            self.sock = ch.sb.client.api.exec_start(self.exec_id, socket=True)
+        self.raw = getattr(self.sock, "_sock", self.sock)  # read only when select says so: no deadline needed
+        self.frames = FrameSplitter()
+        self.ended = False
+        self.closed = False
+
+    def pump(self, wait_s: float, out: BoundedOutput, err: BoundedOutput) -> bool:
+        if self.ended:
+            return False
+        pending = getattr(self.raw, "pending", None)  # TLS: bytes already decrypted
+        if not (pending and pending()):
+            ready, _, _ = select.select([self.raw], [], [], wait_s)
+            if not ready:
+                return True
+        with self.ch.sb._errors("exec output"):
+            data = self.raw.recv(CHUNK)
+        if not data:
+            self.ended = True
+            return False
+        route(self.frames, data, out, err)
+        return True
+
+    def poll(self) -> int | None:
+        return self.ch._inspect(self.exec_id)
+
+    def wait(self, timeout_s: float) -> int | None:
+        end = time.monotonic() + timeout_s
+        while (rc := self.poll()) is None and time.monotonic() < end:
+            time.sleep(0.01)  # the engine may report the end of output a moment before the exit
+        return rc
+
+    def kill(self) -> None:
+        with suppress(Exception):  # best effort; the container's `timeout` is the backstop
+            self.ch.exec_small(kill_argv(self.run_id))
+        self.close()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            with suppress(Exception):  # best effort on a dying socket
+                self.sock.close()

@@ -1,0 +1,117 @@
+"""The host-side fast paths of a local engine's container: a file in a bind
+mount read from its host path, and a big file read from the host below the
+root of the container's process (:mod:`adapters.sandboxes.hostroot`), both
+copied from the very descriptor that was checked."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import suppress
+from typing import TYPE_CHECKING
+
+from adapters.errors import FileChanging, FileMissing, SandboxGone, UnsafePath
+from adapters.sandboxes.base import open_regular, unchanged
+from adapters.sandboxes.docker.demux import CHUNK
+from adapters.sandboxes.execstream import Resolved
+from adapters.sandboxes.hostroot import open_in_container
+
+if TYPE_CHECKING:
+    from adapters.sandboxes.docker.sandbox import DockerSandbox
+
+#: files from this size up are read from the host through the container process's root (a
+#: local engine; see hostroot): below it, the archive API's one GET costs less than the two
+#: engine inspects that channel takes
+HOST_ROOT_MIN_BYTES = 8 * 1024 * 1024
+
+
+def extract_host_root(sb: DockerSandbox, r: Resolved, path: str, store, key: str, *, max_bytes: int,
+                      expect: dict):
+    """The checked file through /proc/<pid>/root into `store` (an in-kernel
+    copy into a volume); None when that channel cannot be used here."""
+    opened = open_in_container(sb._live_pid, r.path, size=r.size, expect=expect)
+    if opened is None:
+        return None
+    fd, before = opened
+
+    def verdict(copied: int) -> None:
+        """The same version of the file, whole, from a container still there; else nothing is kept."""
+        after = os.fstat(fd)
+        same = (before.st_size == after.st_size == copied and before.st_mtime_ns == after.st_mtime_ns
+                and before.st_ctime_ns == after.st_ctime_ns)
+        if not sb.alive():  # as on the archive channel: a container gone meanwhile fails the same way
+            raise SandboxGone(f"container {sb.ref.target} went away during the transfer")
+        if not same:
+            raise FileChanging(f"{path}: changed while it was read ({before.st_size:,} -> "
+                               f"{after.st_size:,} bytes); read again later")
+
+    try:
+        sb.policy_for(sb._home()).check_links(r.path, before.st_nlink, shown=path)
+        put_fd = getattr(store, "put_fd", None)
+        info = put_fd(key, fd, max_bytes=max_bytes) if put_fd is not None else None
+        if info is not None:
+            try:
+                verdict(info.size_bytes)
+            except BaseException:
+                with suppress(Exception):
+                    store.delete(key)
+                raise
+            return info
+
+        def chunks() -> Iterator[bytes]:  # checked before the store publishes the blob
+            n = 0
+            with os.fdopen(os.dup(fd), "rb", buffering=0) as f:
+                while data := f.read(CHUNK):
+                    n += len(data)
+                    yield data
+            verdict(n)
+
+        return store.put_stream(key, chunks(), max_bytes=max_bytes)
+    finally:
+        os.close(fd)
+
+
+def extract_bound(sb: DockerSandbox, bound: tuple[str, str], path: str, store, key: str, *, max_bytes: int,
+                  resolved: str):
+    """The file at host path `bound[0]`, inside the bind mount source
+    `bound[1]`, into `store` (the same version from start to end)."""
+    host, src = bound
+    fd = open_under(host, src, shown=path)
+    try:
+        st = os.fstat(fd)
+        sb.policy_for(sb._home()).check_links(resolved, st.st_nlink, shown=path)
+        sb.check_size(path, st.st_size, max_bytes)
+        f = os.fdopen(fd, "rb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
+    with f:
+        info = store.put_stream(key, f, max_bytes=max_bytes)
+        unchanged(st, os.fstat(f.fileno()), info.size_bytes, store, key, shown=path)
+        return info
+
+
+def open_under(host: str, src: str, *, shown: str) -> int:
+    """Open `host` for reading only if it resolves (and stays, once opened)
+    inside the bind mount source `src`. Returns an fd of a regular file."""
+    try:
+        src_real = os.path.realpath(src)
+        real = os.path.realpath(host)
+    except OSError as exc:  # a link swapped for a file between realpath's lstat and readlink (EINVAL)
+        raise UnsafePath(f"{shown}: changed while resolving on the host ({exc.strerror})") from exc
+    if not (real == src_real or real.startswith(src_real.rstrip("/") + "/")):
+        raise UnsafePath(f"{shown}: leaves its bind mount on the host")
+    try:
+        fd, _st = open_regular(real, shown=shown)
+    except FileNotFoundError as exc:
+        raise FileMissing(f"{shown}: no such file") from exc
+    except OSError as exc:
+        raise UnsafePath(f"{shown}: cannot open on the host ({exc.strerror})") from exc
+    try:
+        opened = os.readlink(f"/proc/self/fd/{fd}")
+        if not (opened == src_real or opened.startswith(src_real.rstrip("/") + "/")):
+            raise UnsafePath(f"{shown}: changed while opening")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

@@ -1,0 +1,276 @@
+"""The docker sandbox: the flow of a file through the channels (see the
+package's docstring), on top of the engine calls (:mod:`.engine`), the
+archive channel (:mod:`.tar`) and the host fast paths (:mod:`.hostfs`)."""
+
+from __future__ import annotations
+
+import posixpath
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+from adapters.errors import FileMissing, NotAFile, SandboxError, SandboxGone, UnsafePath
+from adapters.sandboxes.base import (
+    DEFAULT_IO_TIMEOUT_S, DEFAULT_MAX_BYTES, PathPolicy, ReadTimeout, Sandbox, SandboxRef, check_lexical,
+)
+from adapters.sandboxes.docker.engine import DockerExec, DockerRun, Engine
+from adapters.sandboxes.docker.hostfs import HOST_ROOT_MIN_BYTES, extract_bound, extract_host_root
+from adapters.sandboxes.docker.tar import (
+    _GO_MODE_DIR, _GO_MODE_SYMLINK, _GO_MODE_TYPE, has_glob, iter_archive, tar_stream,
+)
+from adapters.sandboxes.execstream import (
+    EXIT_CHANGED, ExecStreamMixin, Resolved, exec_iter_file, exec_put, exec_resolve, resolve_put_dest,
+)
+
+#: a path of more components than this is resolved by one exec, not one engine stat per component
+MAX_STAT_WALK = 32
+#: default roots inside a container (plus the exec user's $HOME when sane)
+DOCKER_DEFAULT_ROOTS = ("/workspace", "/tmp")
+
+_FINALIZE_SCRIPT = r"""if [ -L "$2" ] || [ -d "$2" ]; then rm -f -- "$1"; exit 97; fi
+mv -f -- "$1" "$2" || { rm -f -- "$1"; exit 3; }
+"""
+
+
+# the mixin's policy may be None until the first resolve learns $HOME (Sandbox's never is)
+class DockerSandbox(ExecStreamMixin, Engine, Sandbox):  # type: ignore[misc]
+    kind = "docker"
+    exec_default_roots = DOCKER_DEFAULT_ROOTS
+
+    def __init__(self, ref: SandboxRef, policy: PathPolicy | None = None, *, base_url: str | None = None,
+                 client: Any = None, prefer_bind_mounts: bool = True, timeout_s: int = 120,
+                 io_timeout_s: float = DEFAULT_IO_TIMEOUT_S, prefer_host_root: bool = True) -> None:
+        """`policy` None: roots from the ref, else /workspace, /tmp and the
+        exec user's $HOME (learnt in the first resolve exec), minus the denylist.
+        `io_timeout_s`: read deadline of every exec's output (a container
+        whose shell stalls costs one attempt, ReadTimeout)."""
+        self.policy = policy  # type: ignore[assignment]
+        if not ref.target:
+            raise UnsafePath("docker sandbox needs a container name or id")
+        Engine.__init__(self, ref, base_url=base_url, client=client, timeout_s=timeout_s, io_timeout_s=io_timeout_s)
+        self.prefer_bind_mounts = prefer_bind_mounts
+        #: a local engine's container file read from the host (/proc/<pid>/root) instead of the archive API
+        self.prefer_host_root = prefer_host_root
+        self._exec = DockerExec(self)
+        #: which channel moved each file (observability and tests)
+        self.stats = {"bind": 0, "archive": 0, "host_root": 0, "exec": 0, "resolve_stat": 0, "resolve_exec": 0}
+        self._home_cache: str | None = None
+        #: (path, the engine's stat of it) when the last resolve was a link-free stat walk
+        self._walk_stat: tuple[str, dict] | None = None
+
+    def exec_channel(self) -> DockerExec:
+        return self._exec
+
+    def exec_start(self, argv: list[str], run_id: str, *, backstop_s: int | None = None) -> DockerRun:
+        """A ``Sandbox.exec`` command (ExecStreamMixin.exec): one docker exec."""
+        return DockerRun(self._exec, argv, run_id)
+
+    # -- resolving ----------------------------------------------------------------------
+    def resolve(self, path: str) -> tuple[str, int]:
+        r = self._resolve(path)
+        self.policy_for(r.home).check(r.path, shown=path)
+        return r.path, r.size
+
+    def _resolve(self, path: str) -> Resolved:
+        """Stat walk through the archive API when the path holds no links
+        (a few ms), else ONE exec (`readlink -f` + `stat`, ~100 ms on podman)."""
+        check_lexical(path)
+        self._walk_stat = None
+        fast = self._resolve_by_stat(path)
+        if fast is not None:
+            return fast
+        r = exec_resolve(self._exec, path, policy_for=self.policy_for)
+        self.stats["resolve_exec"] += 1
+        return r
+
+    def _home(self) -> str | None:
+        """$HOME of the exec user: the container's env, else one exec, once."""
+        if self._home_cache is None:
+            env = (self._attrs().get("Config") or {}).get("Env") or []
+            home = next((e[5:] for e in env if e.startswith("HOME=")), "")
+            if not home:
+                rc, out, _err = self._exec.exec_small(["sh", "-c", 'printf %s "$HOME"'])
+                home = out.decode("utf-8", "surrogateescape") if rc == 0 else ""
+            self._home_cache = home
+        return self._home_cache or None
+
+    def home_dir(self) -> str | None:
+        """The configured home, else the exec user's $HOME in the container."""
+        if self.policy is not None and self.policy.home:
+            return self.policy.home
+        return self._home()
+
+    def _resolve_by_stat(self, path: str) -> Resolved | None:
+        """Resolved without an exec when every component is a plain directory
+        and the last a regular file (then the path *is* its resolution).
+        None: a link on the way, a path the lexical policy refuses (a link may
+        still lead somewhere allowed), or an engine without the stat call."""
+        api = self.client.api
+        if not all(hasattr(api, a) for a in ("head", "_url", "_raise_for_status")):
+            return None
+        if has_glob(path):  # the engine would expand it: exec resolves it literally
+            return None
+        if not self.runs_as_root():  # the engine stats as root: exec resolves as the container's user
+            return None
+        parts = [p for p in path.split("/") if p and p != "."]  # `.` is a no-op lexically (`..` never gets here)
+        if not parts or len(parts) > MAX_STAT_WALK:  # a deep path: ONE exec, not a request per component
+            return None
+        norm = "/" + "/".join(parts)
+        home = self._home()
+        try:
+            self.policy_for(home).check(norm, shown=path)
+        except UnsafePath:
+            return None
+        st: dict | None = None
+        for i in range(len(parts)):
+            try:
+                st = self._stat("/" + "/".join(parts[: i + 1]))
+            except SandboxGone:
+                if not self.alive():
+                    raise
+                return None  # the engine failed on this path (a link loop: 500): exec says what it is
+            if st is None:
+                if not self.alive():
+                    raise SandboxGone(f"container {self.ref.target} is gone")
+                raise FileMissing(f"{path}: no such file")
+            mode = int(st.get("mode", 0))
+            if mode & _GO_MODE_SYMLINK:
+                return None
+            if i < len(parts) - 1 and not mode & _GO_MODE_DIR:
+                raise FileMissing(f"{path}: {'/'.join(parts[: i + 1])} is not a directory")
+        assert st is not None
+        mode = int(st.get("mode", 0))
+        if mode & _GO_MODE_DIR:
+            raise NotAFile(f"{path}: is a directory")
+        if mode & _GO_MODE_TYPE:
+            raise NotAFile(f"{path}: not a regular file")
+        self.stats["resolve_stat"] += 1
+        self._walk_stat = (norm, st)
+        return Resolved(path=norm, size=int(st.get("size", 0)), home=home)
+
+    # -- outbound ------------------------------------------------------------------------
+    def _copy_out(self, path: str, store, key: str, *, max_bytes: int):
+        r = self._resolve(path)
+        self.policy_for(r.home).check(r.path, shown=path)
+        self.check_size(path, r.size, max_bytes)
+        as_root = self.runs_as_root()
+        if as_root and self.prefer_bind_mounts and self._engine_is_local():
+            bound = self.bind_host_path(r.path)
+            if bound is not None:
+                info = extract_bound(self, bound, path, store, key, max_bytes=max_bytes, resolved=r.path)
+                self.stats["bind"] += 1
+                return info
+        walked = self._walk_stat if self._walk_stat and self._walk_stat[0] == r.path else None
+        if has_glob(r.path) or not as_root or walked is None:
+            # the archive API would expand the name / read as root / the path had a
+            # link (the GET would follow a swapped one): exec reads the literal name
+            # with the container user's own permissions, from the fd it checked
+            info = store.put_stream(key, exec_iter_file(self._exec, r.path, expected_size=r.size, max_bytes=max_bytes,
+                                                        policy=self.policy_for(r.home)), max_bytes=max_bytes)
+            self.stats["exec"] += 1
+            return info
+        if self.prefer_host_root and r.size >= HOST_ROOT_MIN_BYTES and self._engine_is_local():
+            # the same read as the archive API's (as root, of a link-free path), from the
+            # host through the container process's root, copied in the kernel (see hostroot)
+            info = extract_host_root(self, r, path, store, key, max_bytes=max_bytes, expect=walked[1])
+            if info is not None:
+                self.stats["host_root"] += 1
+                return info
+        chunks = self.iter_archive(r.path, r.size, max_bytes=max_bytes, expect=walked[1])
+        info = store.put_stream(key, self._links_checked(chunks, r.path, self.policy_for(r.home)), max_bytes=max_bytes)
+        self.stats["archive"] += 1
+        return info
+
+    def _links_checked(self, chunks: Iterator[bytes], resolved: str, policy: PathPolicy) -> Iterator[bytes]:
+        """`chunks` of the archive channel, whose stat carries no link count:
+        ONE `stat` exec counts the file's hard links beside the transfer (it
+        costs no time on a big file), and the last chunk is held back until
+        it says 1, so a hard link to a file outside the roots fails the
+        put (all-or-nothing: nothing stored)."""
+        if policy.links_allowed(resolved):
+            yield from chunks
+            return
+        box: dict = {}
+
+        def count() -> None:
+            try:
+                box["res"] = self._exec.exec_probe(["stat", "-c", "%h", "--", resolved])
+            except BaseException as exc:  # noqa: BLE001 - handed to the reader
+                box["exc"] = exc
+
+        t = threading.Thread(target=count, name="courier-docker-nlink", daemon=True)
+        t.start()
+        held: bytes | None = None
+        for chunk in chunks:
+            if held is not None:
+                yield held
+            held = chunk
+        t.join(self.io_timeout_s + 5)
+        if t.is_alive():
+            raise ReadTimeout(f"container {self.ref.target}: counting the links of {resolved} took too long")
+        if "exc" in box:
+            raise box["exc"]
+        rc, out, err = box["res"]
+        if rc in (126, 127):
+            # an image without `stat` (distroless): nothing counts the links there, and the agent
+            # of a root container can read (and copy out) any file in it anyway
+            if held is not None:
+                yield held
+            return
+        if rc != 0 or not out.strip().isdigit():
+            raise SandboxGone(f"{resolved}: cannot count its links (exit {rc}: {err[:200]!r})")
+        policy.check_links(resolved, int(out.strip()), shown=resolved)
+        if held is not None:
+            yield held
+
+    def iter_archive(self, resolved: str, size: int | None, *, max_bytes: int,
+                     expect: dict | None = None) -> Iterator[bytes]:
+        """The file's bytes through ``get_archive``, member-checked (:func:`.tar.iter_archive`)."""
+        return iter_archive(self, resolved, size, max_bytes=max_bytes, expect=expect)
+
+    def open_stream(self, resolved: str) -> Iterator[bytes]:
+        if has_glob(resolved) or not self.runs_as_root():
+            return exec_iter_file(self._exec, resolved, policy=self.policy)
+        return self.iter_archive(resolved, None, max_bytes=DEFAULT_MAX_BYTES * 1000)
+
+    def extract_via_exec(self, path: str, store, key: str, *, max_bytes: int = DEFAULT_MAX_BYTES):
+        """The universal fallback (one exec to resolve, one to stream)."""
+        info = self.exec_extract_file(path, store, key, max_bytes=max_bytes)
+        self.stats["exec"] += 1
+        return info
+
+    # -- inbound -------------------------------------------------------------------------
+    def _copy_in(self, store, key: str, dest_path: str, *, size: int, max_bytes: int) -> str:
+        """Stream a stored blob into the container: ``put_archive`` of a tar
+        generated on the fly under a temp name, then one exec renames it; in
+        a container not running as root, exec stdin as its user (``put_archive``
+        writes as root)."""
+        if not self.runs_as_root():
+            # put_archive writes as root: a container's own user writes through exec
+            # stdin, where it may write and nowhere else
+            return exec_put(self._exec, self.policy_for, store, key, dest_path, max_bytes=max_bytes)
+        final, uid, gid = resolve_put_dest(self._exec, self.policy_for, dest_path)
+        parent, name = posixpath.split(final)
+        tmp_name = f".{name[:64]}.{uuid.uuid4().hex[:8]}.courier-part"
+        body = tar_stream(tmp_name, size, store.iter_chunks(key), uid=uid, gid=gid)
+        try:
+            with self._errors("put_archive", path=parent):
+                self.client.api.put_archive(self.container_id, parent, body)
+        except BaseException:
+            # a cut upload may leave a partial temp file: best-effort removal
+            try:
+                self._exec.exec_small(["rm", "-f", "--", posixpath.join(parent, tmp_name)])
+            except Exception:  # noqa: BLE001 - the original error matters
+                pass
+            raise
+        rc, _out, err = self._exec.exec_small(
+            ["sh", "-c", _FINALIZE_SCRIPT, "sh", posixpath.join(parent, tmp_name), final])
+        if rc == EXIT_CHANGED:
+            raise UnsafePath(f"{dest_path}: is a link or a directory")
+        if rc != 0:
+            raise SandboxError(f"{dest_path}: rename failed (exit {rc}: {err[:300]!r})")
+        return final
+
+    def close(self) -> None:
+        self.close_client()
