@@ -24,7 +24,6 @@ from adapters.sandboxes.docker import DockerSandbox
 from adapters.sandboxes.execstream import (
     ExecChannel, ExecStream, default_roots, exec_extract, exec_iter_file, exec_put, exec_resolve, probe,
 )
-from storage.volume import VolumeStore
 from tests.fixtures._files import MB, random_chunks, sha_in_container, stored
 
 SETUP = r"""set -e
@@ -122,28 +121,19 @@ class LocalShell:
 
 @pytest.fixture(scope="module")
 def ctr(docker_api):
-    c = docker_api.run_container()
-    res = c.exec_run(["sh", "-c", SETUP])
-    assert res.exit_code == 0, res.output
-    yield c
-    docker_api.remove_container(c.id)
+    with docker_api.container(SETUP) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
 def sandbox(docker_api, ctr):
-    client = docker_api.client()
-    yield DockerSandbox(SandboxRef("docker", ctr.name), None, client=client)
-    client.close()
+    with docker_api.sandbox(ctr) as s:
+        yield s
 
 
 @pytest.fixture(params=["binary", "base64"])
 def ch(request, sandbox):
     return Counting(sandbox.exec_channel(), binary_safe=(request.param == "binary"))
-
-
-@pytest.fixture
-def store(tmp_path):
-    return VolumeStore(tmp_path / "store")
 
 
 POLICY = PathPolicy(roots=default_roots("/home/agent"), home="/home/agent")

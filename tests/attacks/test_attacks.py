@@ -25,32 +25,15 @@ from adapters.errors import (
 )
 from adapters.sandboxes.base import ReadTimeout, parse_uri
 from tests.attacks.harness import ALL, HOST_VISIBLE, LEGIT, SECRET
+from tests.fixtures.services import bounded as run_bounded
 
 #: what every bounded call may take at most (the read deadlines in the rows are 2-3 s)
 BOUND_S = 30.0
 
 
 def bounded(fn, timeout_s: float = BOUND_S, unblock=None):
-    """(result, exception, seconds) of `fn()` run in a thread; the row fails
-    if it runs past `timeout_s`: a hang."""
-    box: dict = {}
-
-    def run():
-        try:
-            box["res"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the row
-            box["exc"] = exc
-
-    t0 = time.monotonic()
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(timeout_s)
-    took = time.monotonic() - t0
-    if t.is_alive():
-        if unblock is not None:
-            unblock()
-        pytest.fail(f"blocked for more than {timeout_s} s: a hang")
-    return box.get("res"), box.get("exc"), took
+    """(result, exception, seconds) of `fn()`; the row fails if it runs past `timeout_s`: a hang."""
+    return run_bounded(fn, timeout_s, unblock)
 
 
 def blob(store, key: str) -> bytes:
