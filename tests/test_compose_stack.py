@@ -156,20 +156,28 @@ def _base_image(pm: Podman, t: Timings) -> str:
 def _build_images(pm: Podman, tmp: Path, t: Timings) -> None:
     base = _base_image(pm, t)
     common = ["build", "--format", "docker", "--layers", "--build-arg", f"BASE_IMAGE={base}"]
-    with t("build redis+s3"):
-        ctx = tmp / "ctx-redis"
-        ctx.mkdir()
-        shutil.copy(ROOT / "compose" / "ci" / "Dockerfile.redis", ctx / "Dockerfile")
-        pm.run(*common, "--network=none", "-t", REDIS_IMAGE, str(ctx), timeout=600)
-        ctx = tmp / "ctx-s3"
-        ctx.mkdir()
-        shutil.copy(ROOT / "compose" / "ci" / "Dockerfile.seaweedfs", ctx / "Dockerfile")
-        shutil.copy(os.path.realpath(_weed_binary()), ctx / "weed")
-        pm.run(*common, "--network=none", "-t", S3_IMAGE, str(ctx), timeout=600)
-    with t("build courier"):
-        # pip reaches PyPI from the build (host network), with the machine's CA bundle
-        pm.run(*common, "--network=host", "-v", f"{CA_BUNDLE}:{CA_BUNDLE}:ro", "-f", str(COMPOSE.parent / "Dockerfile"),
-               "-t", f"localhost/courier:{COURIER_TAG}", str(ROOT), timeout=1200)
+
+    def redis_and_s3() -> None:
+        with t("build redis+s3"):
+            ctx = tmp / "ctx-redis"
+            ctx.mkdir()
+            shutil.copy(ROOT / "compose" / "ci" / "Dockerfile.redis", ctx / "Dockerfile")
+            pm.run(*common, "--network=none", "-t", REDIS_IMAGE, str(ctx), timeout=600)
+            ctx = tmp / "ctx-s3"
+            ctx.mkdir()
+            shutil.copy(ROOT / "compose" / "ci" / "Dockerfile.seaweedfs", ctx / "Dockerfile")
+            shutil.copy(os.path.realpath(_weed_binary()), ctx / "weed")
+            pm.run(*common, "--network=none", "-t", S3_IMAGE, str(ctx), timeout=600)
+
+    # the small images build while courier's waits on PyPI (they share only the base)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        small = pool.submit(redis_and_s3)
+        with t("build courier"):
+            # pip reaches PyPI from the build (host network), with the machine's CA bundle
+            pm.run(*common, "--network=host", "-v", f"{CA_BUNDLE}:{CA_BUNDLE}:ro", "-f",
+                   str(COMPOSE.parent / "Dockerfile"), "-t", f"localhost/courier:{COURIER_TAG}", str(ROOT),
+                   timeout=1200)
+        small.result()
     pm.run("image", "prune", "-f", check=False, timeout=300)  # superseded layers of earlier runs
 
 
