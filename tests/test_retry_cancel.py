@@ -210,20 +210,13 @@ def _finish(redis_client, job: str, did: str) -> float:
     return time.monotonic()
 
 
-def test_cancel_and_retry_waits_wake_on_the_delivery_event(courier_env, redis_client):
-    """`cancel` waiting for a send in flight and `retry --wait` block on the
-    job's event stream: the delivery's final event ends the wait at once."""
+def _woken(env, redis_client, job: str, did: str, *args: str) -> tuple[str, float]:
+    """Run the CLI (`args`), see it block on XREAD, end the delivery as a
+    worker does: its stdout, and how long it took to exit after the event."""
     import subprocess
     import time
 
-    from tasks import sendlock
-
-    env = courier_env()
-    job = json.loads(env.cli("send", "outbox:ev", "--text", "one", "--json").stdout)["job"]
-    did = f"{job}.0"
-    assert sendlock.begin_send(redis_client, did, "test-owner", ttl_s=60, count_attempt=True)[0]
-    cmd = [sys.executable, "-m", "workers.cli"]
-    proc = subprocess.Popen([*cmd, "cancel", job, "--timeout", "120", "--json"], env=env.env, text=True,
+    proc = subprocess.Popen([sys.executable, "-m", "workers.cli", *args], env=env.env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
     try:
         _mostly_blocked(redis_client, _blocked_on_xread(redis_client, proc))
@@ -233,6 +226,19 @@ def test_cancel_and_retry_waits_wake_on_the_delivery_event(courier_env, redis_cl
     finally:
         proc.kill()
     assert proc.returncode == 0, stderr
+    return stdout, took
+
+
+def test_cancel_and_retry_waits_wake_on_the_delivery_event(courier_env, redis_client):
+    """`cancel` waiting for a send in flight and `retry --wait` block on the
+    job's event stream: the delivery's final event ends the wait at once."""
+    from tasks import sendlock
+
+    env = courier_env()
+    job = json.loads(env.cli("send", "outbox:ev", "--text", "one", "--json").stdout)["job"]
+    did = f"{job}.0"
+    assert sendlock.begin_send(redis_client, did, "test-owner", ttl_s=60, count_attempt=True)[0]
+    stdout, took = _woken(env, redis_client, job, did, "cancel", job, "--timeout", "120", "--json")
     row = json.loads(stdout)["deliveries"][0]
     assert (row["outcome"], row["state"], row["note"]) == ("final", "delivered", "was in flight: it finished")
     assert took < 3, took
@@ -242,16 +248,7 @@ def test_cancel_and_retry_waits_wake_on_the_delivery_event(courier_env, redis_cl
     job = json.loads(env.cli("send", "outbox:ev", "--text", "two", "--json").stdout)["job"]
     did = f"{job}.0"
     assert env.cli("cancel", job).returncode == 0
-    proc = subprocess.Popen([*cmd, "retry", did, "--wait", "--timeout", "120", "--json"], env=env.env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
-    try:
-        _mostly_blocked(redis_client, _blocked_on_xread(redis_client, proc))
-        t0 = _finish(redis_client, job, did)
-        stdout, stderr = proc.communicate(timeout=60)
-        took = time.monotonic() - t0
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, stderr
+    stdout, took = _woken(env, redis_client, job, did, "retry", did, "--wait", "--timeout", "120", "--json")
     got = json.loads(stdout)
     assert got["done"] and [(d["id"], d["state"]) for d in got["deliveries"]] == [(did, "delivered")]
     assert took < 3, took
