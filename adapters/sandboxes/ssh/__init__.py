@@ -14,7 +14,7 @@ Modules:
   ControlMaster socket; an extraction is ONE ssh run of execstream's gated
   stream script.
 - :mod:`.core`: what both share (settings, policy, the ONE place every
-  paramiko / socket / ssh error is translated: ``SshCore._map_error`` and
+  paramiko / socket / ssh error is translated: the table ``core._ssh_errors`` and
   ``SshCore._ssh_error``); :mod:`.sandbox`: :class:`SshSandbox`, both
   transports behind Sandbox's `extract` / `put` templates.
 

@@ -1,6 +1,6 @@
 """What both ssh transports share: the settings of a host, the path policy,
 the ONE place every paramiko / socket / ssh error is translated
-(:meth:`SshCore._map_error`, and :meth:`SshCore._ssh_error` for the ssh
+(its table `_ssh_errors`, and :meth:`SshCore._ssh_error` for the ssh
 client's exit status 255), and small helpers.
 
 The transports are mixins over :class:`SshCore`
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import getpass
 import os
 import posixpath
@@ -22,7 +23,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from adapters.errors import (
-    ConfigError, CourierError, FileMissing, SandboxError, SandboxGone, UnsafePath,
+    ConfigError, CourierError, ErrorTable, FileMissing, SandboxError, SandboxGone, UnsafePath, translating,
 )
 from adapters.sandboxes.base import PathPolicy, Sandbox, SandboxRef
 from adapters.sandboxes.execstream import default_roots
@@ -141,50 +142,9 @@ class SshCore(Sandbox):
     def where(self) -> str:
         return f"{self.user}@{self.host}:{self.port}"
 
-    # -- errors: every paramiko / socket / ssh failure is translated here ------
-    @contextlib.contextmanager
-    def _errors(self, what: str) -> Iterator[None]:
-        try:
-            yield
-        except CourierError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - translated or re-raised
-            mapped = self._map_error(exc, what)
-            if mapped is None:
-                raise
-            raise mapped from exc
-
-    def _map_error(self, exc: BaseException, what: str) -> CourierError | None:
-        paramiko = _paramiko()
-        if isinstance(exc, paramiko.AuthenticationException):
-            return SshAccessDenied(
-                f"ssh {self.where}: authentication failed for user {self.user!r}"
-                f"{f' with key {self.key_path}' if self.key_path else ''}: {exc}"
-            )
-        if isinstance(exc, paramiko.BadHostKeyException):
-            return SshAccessDenied(
-                f"ssh {self.where}: host key does not match {self.known_hosts or 'known_hosts'} "
-                "(possible man-in-the-middle; refusing)"
-            )
-        if isinstance(exc, paramiko.SSHException) and "known_hosts" in str(exc):
-            return SshAccessDenied(
-                f"ssh {self.where}: unknown host key; add it to {self.known_hosts or '~/.ssh/known_hosts'} "
-                f"(e.g. ssh-keyscan -p {self.port} {self.host}) - host keys are never trusted automatically"
-            )
-        code = getattr(exc, "errno", None)
-        if isinstance(exc, OSError) and code == errno.ENOENT:
-            return FileMissing(f"{what}: no such file on {self.where}")
-        if isinstance(exc, OSError) and code in (errno.EACCES, errno.EPERM):
-            return UnsafePath(f"{what}: permission denied on {self.where}")
-        if isinstance(exc, (socket.timeout, TimeoutError)):
-            self._evict()
-            return SandboxGone(f"ssh {self.where}: timed out ({what})")
-        if isinstance(exc, (EOFError, paramiko.SSHException, ConnectionError, OSError)):
-            if isinstance(exc, (ConnectionError, EOFError, paramiko.SSHException)) or not self._alive():
-                self._evict()
-                return SandboxGone(f"ssh {self.where}: connection lost ({what}): {exc or type(exc).__name__}")
-            return SandboxError(f"{what}: {exc} on {self.where}")
-        return None
+    # -- errors: every paramiko / socket / ssh failure is translated here (_ssh_errors) ------
+    def _errors(self, what: str) -> contextlib.AbstractContextManager[None]:
+        return translating(_ssh_errors, self, what)
 
     # -- the pooled paramiko connection (adapters.sandboxes.ssh.pool) ----------
     def _pool_key(self) -> PoolKey:
@@ -248,3 +208,43 @@ class SshCore(Sandbox):
             return FileMissing(f"{what}: no such file on {self.where}")
         return SandboxError(f"{what}: remote command failed with exit {rc} on {self.where}: {text[-300:]}")
 
+
+# -- the ONE table of paramiko / socket / OS errors (rules take the SshCore and what it was doing) --
+def _oserror(exc: OSError, sb: SshCore, what: str) -> CourierError | None:
+    if exc.errno == errno.ENOENT:
+        return FileMissing(f"{what}: no such file on {sb.where}")
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return UnsafePath(f"{what}: permission denied on {sb.where}")
+    return None
+
+
+def _timed_out(exc: BaseException, sb: SshCore, what: str) -> CourierError:
+    sb._evict()
+    return SandboxGone(f"ssh {sb.where}: timed out ({what})")
+
+
+def _lost(exc: BaseException, sb: SshCore, what: str) -> CourierError:
+    if isinstance(exc, (ConnectionError, EOFError, _paramiko().SSHException)) or not sb._alive():
+        sb._evict()
+        return SandboxGone(f"ssh {sb.where}: connection lost ({what}): {exc or type(exc).__name__}")
+    return SandboxError(f"{what}: {exc} on {sb.where}")
+
+
+@functools.cache
+def _ssh_errors() -> ErrorTable[CourierError]:
+    paramiko = _paramiko()
+    return ErrorTable([
+        (paramiko.AuthenticationException, lambda exc, sb, what: SshAccessDenied(
+            f"ssh {sb.where}: authentication failed for user {sb.user!r}"
+            f"{f' with key {sb.key_path}' if sb.key_path else ''}: {exc}")),
+        (paramiko.BadHostKeyException, lambda exc, sb, what: SshAccessDenied(
+            f"ssh {sb.where}: host key does not match {sb.known_hosts or 'known_hosts'} "
+            "(possible man-in-the-middle; refusing)")),
+        (paramiko.SSHException, lambda exc, sb, what: SshAccessDenied(
+            f"ssh {sb.where}: unknown host key; add it to {sb.known_hosts or '~/.ssh/known_hosts'} "
+            f"(e.g. ssh-keyscan -p {sb.port} {sb.host}) - host keys are never trusted automatically"
+        ) if "known_hosts" in str(exc) else None),
+        (OSError, _oserror),
+        ((socket.timeout, TimeoutError), _timed_out),
+        ((EOFError, paramiko.SSHException, ConnectionError, OSError), _lost),
+    ])
