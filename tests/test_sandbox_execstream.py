@@ -295,6 +295,9 @@ class _Dropping:
     def __init__(self, drops: int) -> None:
         self.drops = drops
         self.calls = 0
+        #: answers the real podman dropped by itself (the bug this stands in for, under load):
+        #: each is asked again too, so the counts below add them
+        self.real_drops = 0
 
     def __call__(self, real):
         def exec_small(argv):
@@ -303,6 +306,8 @@ class _Dropping:
             if self.drops:
                 self.drops -= 1
                 return rc, b"", err
+            if rc in (0, 2) and not out:  # the resolve script answers with both
+                self.real_drops += 1
             return rc, out, err
         return exec_small
 
@@ -317,16 +322,16 @@ def test_a_dropped_probe_answer_is_asked_again(sandbox, monkeypatch, drops, answ
     if answered:
         r = exec_resolve(ch, "/workspace/f1k")
         assert (r.path, r.size) == ("/workspace/f1k", 1024)
-        assert drop.calls == drops + 1
+        assert drop.calls == drops + 1 + drop.real_drops
     else:
         with pytest.raises(Exception, match="unexpected reply"):
             exec_resolve(ch, "/workspace/f1k")
         assert drop.calls == PROBE_ATTEMPTS
     # a missing path answers (exit 2) with what it would name: an empty one is asked again too
-    drop.drops, drop.calls = 1, 0
+    drop.drops, drop.calls, drop.real_drops = 1, 0, 0
     with pytest.raises(FileMissing):
         exec_resolve(ch, "/workspace/nope", policy_for=lambda home: POLICY)
-    assert drop.calls == 2
+    assert drop.calls == 2 + drop.real_drops
     # a probe that answered in its exit code alone (a missing file for `stat`) is not asked again
     drop.drops, drop.calls = 0, 0
     rc, out, _err = ch.exec_probe(["stat", "-c", "%h", "--", "/workspace/nope"])
