@@ -58,8 +58,8 @@ Publish = Callable[[str, float | None], None]
 #: token, '1' to take the lease first (with TTL ARGV[5]), the step last looked at ('' none), the
 #: lane's due time while its head is extracted, the send lock's owner ('' none: no lock), its TTL,
 #: the send lock key prefix, the chat's gate ('' none), then the terminal states.
-#: Taking the lease clears the chat's gate when it says a send is on its way (its sender died
-#: mid-send: a live one would still hold the lease). The step last looked at is popped when it
+#: A lease taken with a head to send clears the chat's gate when it says a send is on its way
+#: (its sender died mid-send: a live one would still hold the lease). The step last looked at is popped when it
 #: is still the head and all its receipts are terminal (or gone); then {'head', id, its receipt
 #: (HGETALL)}, or, for an empty lane, {'empty'} with the lane forgotten (its due time) and the
 #: lease released; {'busy'} when the lease is held.
@@ -71,13 +71,7 @@ Publish = Callable[[str, float | None], None]
 #: `sendlock.begin_send` does), {'head', id, receipt as it was, 1|0 locked, attempt number}.
 #: (The head's receipt and lock keys are made here from the prefixes: courier's Redis is one node.)
 _HEAD = """
-if ARGV[4] == '1' then
-  if not redis.call('set', KEYS[3], ARGV[3], 'NX', 'EX', ARGV[5]) then return {'busy'} end
-  if ARGV[11] ~= '' then
-    local g = redis.call('get', ARGV[11])
-    if g and string.sub(g, 1, 8) == 'sending:' then redis.call('del', ARGV[11]) end
-  end
-end
+if ARGV[4] == '1' and not redis.call('set', KEYS[3], ARGV[3], 'NX', 'EX', ARGV[5]) then return {'busy'} end
 if ARGV[6] ~= '' and redis.call('lindex', KEYS[1], 0) == ARGV[6] then
   local final = true
   for i = 4, #KEYS do
@@ -103,6 +97,10 @@ if f['queue'] and not f['album'] and not final and f['extraction'] ~= 'ok' and f
   redis.call('zadd', KEYS[2], ARGV[7], ARGV[1])
   if redis.call('get', KEYS[3]) == ARGV[3] then redis.call('del', KEYS[3]) end
   return {'extracting', head}
+end
+if ARGV[4] == '1' and ARGV[11] ~= '' then
+  local g = redis.call('get', ARGV[11])
+  if g and string.sub(g, 1, 8) == 'sending:' then redis.call('del', ARGV[11]) end
 end
 if ARGV[8] ~= '' and #rec > 0 and not f['album'] and not final then
   if not redis.call('set', ARGV[10] .. head, ARGV[8], 'NX', 'EX', ARGV[9]) then return {'head', head, rec, 0, 0} end
@@ -282,7 +280,10 @@ def _drive_leased(ctx: Context, target: str, publish: Publish, token: str, first
             held = None  # under_send_lock released it
         finally:
             if held is not None:  # taken by the look, not used: free it for the next drive
-                sendlock.release_send_lock(r, held_id or "", held.owner)
+                try:
+                    sendlock.release_send_lock(r, held_id or "", held.owner)
+                except Exception:  # noqa: BLE001 - an unreleased send lock expires by itself
+                    pass
         if wait is not None:
             _wait(r, target, wait, publish)
             return {"lane": target, "state": "waiting", "head": head, "wait_s": round(wait, 3), "sent": sent}
