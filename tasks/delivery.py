@@ -176,14 +176,14 @@ def _extraction_failed(ctx: Context, platform: Platform, chat: str, job: JsonObj
 
 
 def record_delivered(ctx: Context, job: JsonObject, message_id: str, kind_name: str, size: int, attempts: int,
-                      pipe: Pipeline | None = None, execute: bool = False) -> JsonObject:
+                      pipe: Pipeline | None = None) -> JsonObject:
     """The receipt and the delivery event of a delivered item (queued on `pipe` when given)."""
     p = pipe if pipe is not None else ctx.redis.pipeline(transaction=False)
     receipts.update_delivery(p, job["id"], state="delivered", message_id=message_id, kind=kind_name,
                              size_bytes=size, attempts=attempts, reason="", sha256=job.get("sha256") or None)
     _event(ctx, job, pipe=p, state="delivered", message_id=message_id, media=kind_name,
            name=job.get("name"), size_bytes=size)
-    if pipe is None or execute:
+    if pipe is None:
         p.execute()
     metrics.record_delivery(job, "delivered", kind_name)
     return {"id": job["id"], "state": "delivered", "message_id": message_id, "kind": kind_name}
