@@ -69,13 +69,18 @@ def choose_kind(platform: Platform, name: str, size_bytes: int, *, voice: bool, 
     return kind
 
 
-def deliver(ctx: Context, job: JsonObject, extracted: JsonObject | None = None) -> JsonObject:
+def deliver(ctx: Context, job: JsonObject, extracted: JsonObject | None = None, *,
+            held: sendlock.Held | None = None, end: Pipeline | None = None) -> JsonObject:
     """Deliver one item. `job` holds: id, job, target, type ('text'|'file'),
     and text | (key, name, caption, voice, as_document). `extracted` is the
-    result of the extraction before it in the chain (file items from a sandbox)."""
+    result of the extraction before it in the chain (file items from a sandbox).
+    `held`: its send lock already taken by the caller (`sendlock.Held`); `end`:
+    a pipeline the delivered record (and the lock's release) is queued on, for
+    the caller to execute with what it does next (one round trip)."""
     did = job["id"]
     return sendlock.under_send_lock(ctx, did, lambda rec: already_done(did, rec),
-                            lambda session: _deliver_locked(ctx, job, extracted, session), count_attempt=True)
+                                    lambda session: _deliver_locked(ctx, job, extracted, session, end),
+                                    count_attempt=True, held=held)
 
 
 def already_done(did: str, rec: JsonObject) -> JsonObject | None:
@@ -88,19 +93,21 @@ def already_done(did: str, rec: JsonObject) -> JsonObject | None:
     return None
 
 
-def _deliver_locked(ctx: Context, job: JsonObject, extracted: JsonObject | None, session: sendlock.SendSession) -> JsonObject:
+def _deliver_locked(ctx: Context, job: JsonObject, extracted: JsonObject | None, session: sendlock.SendSession,
+                    end: Pipeline | None = None) -> JsonObject:
     platform_name, chat = split_target(job["target"])
     try:
         platform = ctx.platform(platform_name)
     except CourierError as exc:
         return record_failure(ctx, job, exc.reason)
-    return deliver_item(ctx, platform, chat, job, extracted, session)
+    return deliver_item(ctx, platform, chat, job, extracted, session, end=end)
 
 
 def deliver_item(ctx: Context, platform: Platform, chat: str, job: JsonObject, extracted: JsonObject | None,
-                  session: sendlock.SendSession | None = None) -> JsonObject:
+                  session: sendlock.SendSession | None = None, *, end: Pipeline | None = None) -> JsonObject:
     """One item to `chat` (its send lock held by the caller): a failed
-    extraction recorded (with the too-large notice), else sent and recorded."""
+    extraction recorded (with the too-large notice), else sent and recorded
+    (on `end`, not executed, when given)."""
     r = ctx.redis
     did = job["id"]
     # every send below takes a shared rate-limit slot first, and each part is sent once
@@ -142,11 +149,14 @@ def deliver_item(ctx: Context, platform: Platform, chat: str, job: JsonObject, e
     except BaseException:
         guarded.flush()  # parts already sent stay recorded for the retry
         raise
-    pipe = r.pipeline(transaction=False)
+    pipe = end if end is not None else r.pipeline(transaction=False)
     guarded.flush(pipe, covered=did)  # the receipt below says it was sent
+    out = record_delivered(ctx, job, sent.message_id, kind_name, size, attempts, pipe=pipe)
     if session is not None:
-        session.release(pipe)
-    return record_delivered(ctx, job, sent.message_id, kind_name, size, attempts, pipe=pipe, execute=True)
+        session.release(pipe)  # after the record: the lock never frees before the receipt says delivered
+    if end is None:
+        pipe.execute()
+    return out
 
 
 def with_extraction(job: JsonObject, extracted: JsonObject) -> JsonObject:
@@ -166,14 +176,14 @@ def _extraction_failed(ctx: Context, platform: Platform, chat: str, job: JsonObj
 
 
 def record_delivered(ctx: Context, job: JsonObject, message_id: str, kind_name: str, size: int, attempts: int,
-                      pipe: Pipeline | None = None, execute: bool = False) -> JsonObject:
+                      pipe: Pipeline | None = None) -> JsonObject:
     """The receipt and the delivery event of a delivered item (queued on `pipe` when given)."""
     p = pipe if pipe is not None else ctx.redis.pipeline(transaction=False)
     receipts.update_delivery(p, job["id"], state="delivered", message_id=message_id, kind=kind_name,
                              size_bytes=size, attempts=attempts, reason="", sha256=job.get("sha256") or None)
     _event(ctx, job, pipe=p, state="delivered", message_id=message_id, media=kind_name,
            name=job.get("name"), size_bytes=size)
-    if pipe is None or execute:
+    if pipe is None:
         p.execute()
     metrics.record_delivery(job, "delivered", kind_name)
     return {"id": job["id"], "state": "delivered", "message_id": message_id, "kind": kind_name}

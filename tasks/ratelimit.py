@@ -107,18 +107,6 @@ def gate_of(platform: Platform, chat: str) -> tuple[str | None, float]:
     return f"{keys.rate_limit_prefix()}:gate:{platform.name}:{bot}:{chat}", 1.0 / rate
 
 
-_CLEAR_SENDING = """
-local v = redis.call('get', KEYS[1])
-if v and string.sub(v, 1, 8) == 'sending:' then return redis.call('del', KEYS[1]) end
-return 0
-"""
-
-
-def clear_if_sending(redis: Any, gate: str) -> bool:
-    """Drop a chat gate that says a send is on its way (its sender is known dead)."""
-    return bool(redis.eval(_CLEAR_SENDING, 1, gate))
-
-
 def _sending() -> str:
     return f"sending:{time.time():.3f}"
 
