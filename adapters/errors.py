@@ -23,6 +23,10 @@ from the class alone::
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Generic, TypeVar
+
 
 class CourierError(Exception):
     """Root of every error courier raises on purpose."""
@@ -101,7 +105,64 @@ class BlobMissing(StorageError):
     transient = False
 
 
+# -- vendor errors: one table per adapter ------------------------------------------------------
+#: a row's rule: the vendor error (and the adapter's context: itself, what it was doing ...) ->
+#: courier's error (an E), or None to leave it to the rows below
+E = TypeVar("E", bound=CourierError)
+
+
+class ErrorTable(Generic[E]):
+    """An adapter's vendor errors (its SDK's exceptions, its HTTP client's,
+    the OS's) and the courier error each becomes: rows `(vendor types,
+    rule)`, tried in order; the first row whose types match and whose rule
+    gives an error wins. `map(exc, *context)` passes the context on to the
+    rules; None: no row takes it. Platforms use it as their `ErrorMap`
+    (adapters/platforms/base.py), sandbox backends through `translating`."""
+
+    def __init__(self, rows: Sequence[tuple[type | tuple[type, ...], Callable[..., E | None]]]) -> None:
+        self.rows = tuple((t if isinstance(t, tuple) else (t,), rule) for t, rule in rows)
+
+    def map(self, exc: object, *context: Any) -> E | None:
+        for types, rule in self.rows:
+            if isinstance(exc, types):
+                out = rule(exc, *context)
+                if out is not None:
+                    return out
+        return None
+
+    def covers(self, cls: type) -> bool:
+        """Whether a row of the table takes errors of type `cls` (not only a fallback)."""
+        return any(issubclass(cls, types) for types, _rule in self.rows)
+
+    @property
+    def types(self) -> tuple[type, ...]:
+        """Every vendor type the table names."""
+        return tuple(t for types, _rule in self.rows for t in types)
+
+
+@contextlib.contextmanager
+def translating(table: Callable[[], ErrorTable[Any]], *context: Any,
+                then: Callable[[CourierError], None] | None = None) -> Iterator[None]:
+    """Run the block with its vendor errors translated by `table()` (built
+    only when an error comes: the vendor's module is imported then) and the
+    context: courier's own errors pass as they are, one no row takes is
+    raised as it is, a translated one is raised from the vendor's (after
+    `then(error)`, e.g. to drop a broken connection)."""
+    try:
+        yield
+    except CourierError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - translated or re-raised
+        mapped = table().map(exc, *context)
+        if mapped is None:
+            raise
+        if then is not None:
+            then(mapped)
+        raise mapped from exc
+
+
 __all__ = [
+    "ErrorTable", "translating",
     "CourierError", "ConfigError", "DeliveryError", "RateLimited", "Transient", "Permanent",
     "SandboxError", "UnsafePath", "FileMissing", "NotAFile", "TooLarge", "FileChanging", "SandboxGone",
     "StorageError", "BlobMissing",

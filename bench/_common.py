@@ -8,10 +8,11 @@ from __future__ import annotations
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 MiB = 1024 * 1024
@@ -124,10 +125,6 @@ def child_peak_rss(child: str, *args: str, timeout: float) -> float:
     return json.loads(out.stdout.strip().splitlines()[-1])["peak_rss_mb"]
 
 
-if __name__ == "__main__":
-    sys.exit("import me")
-
-
 def data_dir(prefix: str, need_bytes: int):
     """A temporary directory for the files a benchmark's pipeline writes
     (storage, outbox): `BENCH_DATA_DIR` when set, else on a tmpfs
@@ -144,3 +141,121 @@ def data_dir(prefix: str, need_bytes: int):
             root = "/dev/shm"
     tmp = tempfile.TemporaryDirectory(prefix=prefix, dir=root, ignore_cleanup_errors=True)
     return tmp, ("tmpfs" if root == "/dev/shm" else root or tempfile.gettempdir())
+
+
+def start_redis(tmp: Path):
+    """A redis-server of the bench's own, its files in `tmp`/redis (made here), started."""
+    from tests.fixtures.redis_server import RedisServer
+
+    (tmp / "redis").mkdir()
+    return RedisServer(tmp / "redis").start()
+
+
+# -- the delivery benches: receipts polled until every delivery is final -------------------------
+def wait_final(r, delivery_ids: list[str], *, poll_s: float, timeout_s: float | None = None) -> tuple[int, int]:
+    """Poll the deliveries' states (only those not final yet, one pipeline a
+    poll, every `poll_s`) until each is delivered or failed, or `timeout_s`
+    has passed. Returns (failed, still not final)."""
+    from tasks import keys
+
+    left, failed = list(delivery_ids), 0
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while left and (deadline is None or time.monotonic() < deadline):
+        pipe = r.pipeline(transaction=False)
+        for d in left:
+            pipe.hget(keys.delivery(d), "state")
+        states = pipe.execute()
+        failed += sum(1 for s in states if s == b"failed")
+        left = [d for d, s in zip(left, states) if s not in (b"delivered", b"failed")]
+        if left:
+            time.sleep(poll_s)
+    return failed, len(left)
+
+
+def random_files(d: Path, names: Iterable[str], size: int = 1000) -> list[Path]:
+    """A file of `size` random bytes in `d` for each of `names`."""
+    files = []
+    for name in names:
+        p = d / name
+        p.write_bytes(os.urandom(size))
+        files.append(p)
+    return files
+
+
+def report_rounds(name: str, ours: list[float], theirs: list[float], baseline_name: str, *, target: float, n: int,
+                  setup: str, sides: tuple[str, str] = ("all: ", "")) -> None:
+    """Deliveries a second, the medians of alternating rounds against the baseline's (one lucky
+    or unlucky round, a noisy neighbour on a VM, moves neither side), with every round's figure."""
+    pairs = statistics.median(a / b for a, b in zip(ours, theirs))
+    report(name, statistics.median(ours), "deliveries/s", baseline_name, statistics.median(theirs), target=target,
+           extra=f"medians of {len(ours)} alternating rounds of n={n} after a warm-up; "
+           f"{sides[0]}{', '.join(f'{x:.0f}' for x in ours)} vs {sides[1]}{', '.join(f'{x:.0f}' for x in theirs)}; "
+           f"median of the paired ratios {pairs:.3f}; {setup}")
+
+
+def send_each(r, ref, files: list[Path], *, window: int = 32) -> float:
+    """Each of `files` (in sandbox `ref`) sent as its own job to outbox:c<i % 20>;
+    the deliveries a second until the last is delivered. Receipts are polled
+    cheaply, in enqueue order (the work is mostly FIFO): a window of `window`
+    a poll (1: one read a poll, the oldest receipt not yet delivered)."""
+    from tasks import chains
+
+    jobs = []
+    t0 = time.perf_counter()
+    for i, p in enumerate(files):
+        job = chains.new_job_id("bench")
+        chains.enqueue(r, chains.Plan(job_id=job, target=f"outbox:c{i % 20}",
+                                      files=[chains.SandboxFile(ref=ref, path=str(p))]), job_kind="send")
+        jobs.append(job)
+    at = 0
+    while at < len(jobs):
+        batch = jobs[at:at + window]
+        if len(batch) == 1:
+            states = [r.hget(f"courier:delivery:{chains.delivery_id(batch[0], 0)}", "state")]
+        else:
+            pipe = r.pipeline()
+            for j in batch:
+                pipe.hget(f"courier:delivery:{chains.delivery_id(j, 0)}", "state")
+            states = pipe.execute()
+        if b"failed" in states:
+            raise SystemExit("a delivery failed")
+        done = 0
+        for st in states:
+            if st != b"delivered":
+                break
+            done += 1
+        at += done
+        if done < len(batch):
+            time.sleep(0.005)
+    return len(files) / (time.perf_counter() - t0)
+
+
+def proc_status_mb(pid: int, field: str) -> float:
+    """A /proc/<pid>/status memory figure (VmRSS, VmHWM) in MB; 0 when the process is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(f"{field}:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+# -- the extraction benches' command line -------------------------------------------------------
+def report_rss(name: str, peak: float, idle: float, idle_name: str = "same process idle") -> None:
+    """The peak RSS of an extraction child against the 150 MB limit, with its idle figure."""
+    report_limit(name, peak, "MB", limit=150, baseline_name=idle_name, baseline=idle)
+
+
+def extract_main(rss: Callable[[], object], throughput: Callable[..., object], *flags: str) -> None:
+    """`--rss`: rss(); else throughput(), each of `flags` (--stream, --openssh) a keyword: given or not."""
+    argv = sys.argv[1:]
+    if "--rss" in argv:
+        rss()
+    else:
+        throughput(**{f: f"--{f}" in argv for f in flags})
+
+
+if __name__ == "__main__":
+    sys.exit("import me")

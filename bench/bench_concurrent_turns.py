@@ -29,22 +29,19 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._common import quick, report  # noqa: E402
+from bench._common import quick, report, start_redis  # noqa: E402
 
 TARGET_RATIO = 1.5
 TURNS = 10
 
 
 def main() -> int:
-    from tests.fixtures.redis_server import RedisServer
-
     rounds = 1 if quick() else 3
     # the data dir (agent sandboxes included) on the disk: /dev/shm is under /dev, never a sandbox root
     with tempfile.TemporaryDirectory(prefix="courier-bench-conc-") as tmp, \
             tempfile.TemporaryDirectory(prefix="courier-bench-conc-data-") as data:
         tmpd = Path(tmp)
-        (tmpd / "redis").mkdir()
-        srv = RedisServer(tmpd / "redis").start()
+        srv = start_redis(tmpd)
         env = {**os.environ, "COURIER_REDIS_URL": srv.url, "COURIER_DATA_DIR": str(Path(data) / "data"),
                "PYTHONPATH": str(ROOT)}
         os.environ.update({k: v for k, v in env.items() if k.startswith("COURIER_")})

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._common import quick  # noqa: E402
+from bench._common import quick, start_redis, wait_final  # noqa: E402
 
 CHATS = 100
 WARM_CHATS = 20
@@ -110,25 +110,15 @@ class Deployment:
 
     def send(self, plans, out: dict) -> None:
         """Enqueue `plans` and wait until every delivery is final; `out`: count, failed, seconds."""
-        from tasks import chains, keys
+        from tasks import chains
 
         t0 = time.perf_counter()
         with self.env.publishing():
             ids: list[str] = []
             for plan in plans:
                 ids += chains.enqueue(self.r, plan)
-        left, failed = list(ids), 0
-        deadline = time.monotonic() + 600
-        while left and time.monotonic() < deadline:
-            pipe = self.r.pipeline(transaction=False)
-            for d in left:
-                pipe.hget(keys.delivery(d), "state")
-            states = pipe.execute()
-            failed += sum(1 for s in states if s == b"failed")
-            left = [d for d, s in zip(left, states) if s not in (b"delivered", b"failed")]
-            if left:
-                time.sleep(0.02)
-        out.update(n=len(ids), failed=failed + len(left), s=time.perf_counter() - t0)
+        failed, left = wait_final(self.r, ids, poll_s=0.02, timeout_s=600)
+        out.update(n=len(ids), failed=failed + left, s=time.perf_counter() - t0)
 
     def close(self) -> None:
         from tests.fixtures.services import stop_process
@@ -170,10 +160,7 @@ def main() -> None:
     latency_ms = float(os.environ.get("BENCH_POOL_LATENCY_MS", "100"))
     with tempfile.TemporaryDirectory(prefix="bench-pool-") as tmp_s:
         tmp = Path(tmp_s)
-        from tests.fixtures.redis_server import RedisServer
-
-        (tmp / "redis").mkdir()
-        redis_srv = RedisServer(tmp / "redis").start()
+        redis_srv = start_redis(tmp)
         deps: list[Deployment] = []
         try:
             deps = [Deployment(i, tmp, redis_srv.url, latency_ms) for i in range(2)]

@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._common import MiB, child_peak_rss, extract_vs_copy, make_file_in  # noqa: E402
-from bench._common import out_dir, quick, report, report_limit, rss_child  # noqa: E402
+from bench._common import MiB, child_peak_rss, extract_main, extract_vs_copy, make_file_in  # noqa: E402
+from bench._common import out_dir, quick, report, report_rss, rss_child  # noqa: E402
 
 #: issue 14: at least as fast as the engine's own `podman cp` (issue 11 asked 0.8 of it)
 TARGET = 1.0
@@ -90,12 +90,8 @@ def rss() -> None:
             peak = child("/workspace/huge")
         finally:
             svc.stop()
-    report_limit(f"docker extract {size // MiB} MiB peak RSS", peak, "MB", limit=150,
-                 baseline_name="same process idle", baseline=idle)
+    report_rss(f"docker extract {size // MiB} MiB peak RSS", peak, idle)
 
 
 if __name__ == "__main__":
-    if "--rss" in sys.argv[1:]:
-        rss()
-    else:
-        throughput()
+    extract_main(rss, throughput)

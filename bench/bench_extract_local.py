@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._common import MiB, child_peak_rss, extract_vs_copy  # noqa: E402
-from bench._common import make_file, quick, report, report_limit, rss_child  # noqa: E402
+from bench._common import MiB, child_peak_rss, extract_main, extract_vs_copy  # noqa: E402
+from bench._common import make_file, quick, report, report_rss, rss_child  # noqa: E402
 from bench._common import out_dir as other_fs_dir  # noqa: E402
 
 #: at least as fast as `cp` of the same file to the same place
@@ -90,12 +90,8 @@ def rss() -> None:
 
         idle = child("-")
         peak = child(str(src))
-    report_limit(f"local extract {size // MiB} MiB peak RSS", peak, "MB", limit=150,
-                 baseline_name="same process idle", baseline=idle)
+    report_rss(f"local extract {size // MiB} MiB peak RSS", peak, idle)
 
 
 if __name__ == "__main__":
-    if "--rss" in sys.argv[1:]:
-        rss()
-    else:
-        throughput(stream="--stream" in sys.argv[1:])
+    extract_main(rss, throughput, "stream")

@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._common import MiB, child_peak_rss, extract_vs_copy, make_file  # noqa: E402
-from bench._common import out_dir, quick, report, report_limit, rss_child  # noqa: E402
+from bench._common import MiB, child_peak_rss, extract_main, extract_vs_copy, make_file  # noqa: E402
+from bench._common import out_dir, quick, report, report_rss, rss_child  # noqa: E402
 
 #: issue 11: the paramiko SFTP channel at least 1.5x scp; issue 14: the OpenSSH one at least as fast as scp
 TARGET_SFTP = 1.5
@@ -111,12 +111,8 @@ def rss() -> None:
                 shutil.rmtree(store_dir, ignore_errors=True)
         finally:
             srv.stop()
-    report_limit(f"ssh extract {size // MiB} MiB peak RSS (SFTP)", peak, "MB", limit=150,
-                 baseline_name="same process connected, idle", baseline=idle)
+    report_rss(f"ssh extract {size // MiB} MiB peak RSS (SFTP)", peak, idle, "same process connected, idle")
 
 
 if __name__ == "__main__":
-    if "--rss" in sys.argv[1:]:
-        rss()
-    else:
-        throughput(openssh="--openssh" in sys.argv[1:])
+    extract_main(rss, throughput, "openssh")

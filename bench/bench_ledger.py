@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._common import quick, report, report_limit  # noqa: E402
+from bench._common import quick, report, report_limit, start_redis  # noqa: E402
 
 TOKEN = "424242:bench-token"
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -61,12 +61,10 @@ def _tree(proc) -> list[int]:
 
 class Stack:
     def __init__(self, tmp: Path, latency_ms: float = 0.0) -> None:
-        from tests.fixtures.redis_server import RedisServer
         from tests.fixtures.services import free_port, port_open, wait_until
 
-        (tmp / "redis").mkdir()
         self.tmp = tmp
-        self.redis_srv = RedisServer(tmp / "redis").start()
+        self.redis_srv = start_redis(tmp)
         port = free_port()
         self.fake = subprocess.Popen([sys.executable, "-m", "tests.fixtures.fake_telegram", "--token", TOKEN,
                                       "--port", str(port), "--latency-ms", str(latency_ms)], cwd=str(ROOT),

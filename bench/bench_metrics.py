@@ -12,19 +12,17 @@ own redis-server. Target: ratio >= 0.95 (metrics cost at most 5%).
 from __future__ import annotations
 
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import data_dir, quick, report  # noqa: E402
+from bench._common import data_dir, quick, random_files, report_rounds, send_each  # noqa: E402
 
 
 def main() -> int:
@@ -81,7 +79,6 @@ def _run(setups: dict, sandbox: Path, n: int, rounds: int, data_where: str, http
     import tasks.celery_tasks  # noqa: F401
     import workers.celery_app as celery_app
     from adapters.sandboxes.base import SandboxRef
-    from tasks import chains
     from workers.celery_app import make_app
     from workers.demo import wait_worker
     from workers.metrics import registry, render
@@ -124,38 +121,9 @@ def _run(setups: dict, sandbox: Path, n: int, rounds: int, data_where: str, http
             _state._tls.current_app = prev
 
     def run(s, count: int) -> float:
-        r = s["r"]
-        files = []
-        for _ in range(count):
-            p = sandbox / f"f{next(counter)}.bin"
-            p.write_bytes(os.urandom(1000))
-            files.append(p)
-        jobs = []
+        files = random_files(sandbox, (f"f{next(counter)}.bin" for _ in range(count)))
         with publishing(s):
-            t0 = time.perf_counter()
-            for i, p in enumerate(files):
-                job = chains.new_job_id("bench")
-                chains.enqueue(r, chains.Plan(job_id=job, target=f"outbox:c{i % 20}",
-                                              files=[chains.SandboxFile(ref=ref, path=str(p))]), job_kind="send")
-                jobs.append(job)
-            at = 0
-            while at < len(jobs):
-                pipe = r.pipeline()
-                window = jobs[at:at + 32]
-                for j in window:
-                    pipe.hget(f"courier:delivery:{chains.delivery_id(j, 0)}", "state")
-                states = pipe.execute()
-                if b"failed" in states:
-                    raise SystemExit("a delivery failed")
-                done = 0
-                for st in states:
-                    if st != b"delivered":
-                        break
-                    done += 1
-                at += done
-                if done < len(window):
-                    time.sleep(0.005)
-            return count / (time.perf_counter() - t0)
+            return send_each(s["r"], ref, files)
 
     t = threading.Thread(target=scraper, daemon=True)
     t.start()
@@ -176,14 +144,10 @@ def _run(setups: dict, sandbox: Path, n: int, rounds: int, data_where: str, http
     if counted != expected:
         print(f"the worker's metrics counted {counted:g} deliveries, not {expected}", file=sys.stderr)
         return 1
-    pairs = statistics.median(a / b for a, b in zip(on_rates, off_rates))
-    report("metrics_cost_1kb_deliveries", statistics.median(on_rates), "deliveries/s", "metrics off",
-           statistics.median(off_rates), target=0.95,
-           extra=f"medians of {rounds} alternating rounds of n={n} after a warm-up; "
-           f"on: {', '.join(f'{x:.0f}' for x in on_rates)} vs off: {', '.join(f'{x:.0f}' for x in off_rates)}; "
-           f"median of the paired ratios {pairs:.3f}; 1 worker x2 processes each, own redis-server each, "
-           f"both endpoints scraped every second; storage and outbox on {data_where}; "
-           f"counted {counted:g} deliveries")
+    report_rounds("metrics_cost_1kb_deliveries", on_rates, off_rates, "metrics off", target=0.95, n=n,
+                  sides=("on: ", "off: "),
+                  setup="1 worker x2 processes each, own redis-server each, both endpoints scraped every second; "
+                  f"storage and outbox on {data_where}; counted {counted:g} deliveries")
     return 0
 
 

@@ -9,7 +9,6 @@ Then peak worker RSS while one 1 GiB file goes through the pipeline.
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -18,29 +17,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import data_dir, quick, report, report_limit  # noqa: E402
-
-
-def _vm_hwm_mb(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
-
-
-def _vm_rss_mb(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
+from bench._common import data_dir, proc_status_mb, quick, random_files, report_limit  # noqa: E402
+from bench._common import report_rounds, send_each  # noqa: E402
 
 
 def _children(pid: int) -> list[int]:
@@ -112,32 +90,11 @@ def main() -> int:
                 return count / (time.perf_counter() - t0)
 
             def courier(count: int) -> float:
-                files = []
-                for i in range(count):
-                    p = sandbox / f"f{next(counter)}.bin"
-                    p.write_bytes(os.urandom(1000))
-                    files.append(p)
+                files = random_files(sandbox, (f"f{next(counter)}.bin" for _ in range(count)))
                 os.sync()
-                jobs = []
-                t0 = time.perf_counter()
-                for i, p in enumerate(files):
-                    job = chains.new_job_id("bench")
-                    chains.enqueue(r, chains.Plan(job_id=job, target=f"outbox:c{i % 20}",
-                                                  files=[chains.SandboxFile(ref=ref, path=str(p))]),
-                                   job_kind="send")
-                    jobs.append(job)
                 # poll as the baseline does: one read per poll, the oldest receipt not yet delivered
                 # (the work is mostly FIFO), so neither side's waiting loads the machine more
-                at = 0
-                while at < len(jobs):
-                    st = r.hget(f"courier:delivery:{chains.delivery_id(jobs[at], 0)}", "state")
-                    if st == b"failed":
-                        raise SystemExit("a delivery failed")
-                    if st == b"delivered":
-                        at += 1
-                    else:
-                        time.sleep(0.005)
-                return count / (time.perf_counter() - t0)
+                return send_each(r, ref, files, window=1)
 
             baseline(30), courier(30)  # warm both paths up (imports, connections, first files)
             base_rates, rates = [], []
@@ -146,17 +103,12 @@ def main() -> int:
                 base_rates.append(baseline(n))
                 os.sync()
                 rates.append(courier(n))
-            # medians: one lucky or unlucky round (a noisy neighbour on a VM) moves neither side
-            pairs = statistics.median(c / b for c, b in zip(rates, base_rates))
-            report("pipeline_1kb_deliveries", statistics.median(rates), "deliveries/s", "bare 2-task chain",
-                   statistics.median(base_rates), target=0.85,
-                   extra=f"medians of {rounds} alternating rounds of n={n} after a warm-up; "
-                   f"all: {', '.join(f'{x:.0f}' for x in rates)} vs {', '.join(f'{x:.0f}' for x in base_rates)}; "
-                   f"median of the paired ratios {pairs:.3f}; 1 worker x2 processes, outbox; storage and "
-                   f"outbox on {data_where}, sandbox files on {tempfile.gettempdir()}")
+            report_rounds("pipeline_1kb_deliveries", rates, base_rates, "bare 2-task chain", target=0.85, n=n,
+                          setup=f"1 worker x2 processes, outbox; storage and outbox on {data_where}, "
+                          f"sandbox files on {tempfile.gettempdir()}")
 
             # -- peak RSS with one big file
-            idle = max([_vm_rss_mb(c) for c in _children(proc.pid)] + [0.0])
+            idle = max([proc_status_mb(c, "VmRSS") for c in _children(proc.pid)] + [0.0])
             bigf = sandbox / "big.bin"
             with open(bigf, "wb") as f:
                 chunk = os.urandom(1 << 20)
@@ -176,7 +128,7 @@ def main() -> int:
             if st != b"delivered":
                 print(f"big delivery ended {st!r}", file=sys.stderr)
                 return 1
-            peak = max([_vm_hwm_mb(c) for c in _children(proc.pid)] + [_vm_hwm_mb(proc.pid)])
+            peak = max([proc_status_mb(c, "VmHWM") for c in _children(proc.pid)] + [proc_status_mb(proc.pid, "VmHWM")])
             report_limit(f"pipeline_peak_worker_rss_{big >> 20}MiB_file", peak, "MB", limit=150,
                          baseline_name="idle worker process", baseline=idle)
         finally:

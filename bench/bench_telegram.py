@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._common import quick  # noqa: E402
+from bench._common import quick, random_files, start_redis  # noqa: E402
 
 TOKEN = "424242:bench-token"
 CHATS = 100
@@ -63,23 +63,16 @@ TARGET_LOCAL = 0.6
 
 
 def _docs(d: Path, n: int, tag: str) -> list[Path]:
-    out = []
-    for i in range(n):
-        p = d / f"{tag}-{i:03d}.txt"
-        p.write_bytes(os.urandom(DOC_BYTES))
-        out.append(p)
-    return out
+    return random_files(d, (f"{tag}-{i:03d}.txt" for i in range(n)), DOC_BYTES)
 
 
 def main() -> None:
     rounds = 2 if quick() else 6
     with tempfile.TemporaryDirectory(prefix="bench-telegram-") as tmp_s:
         tmp = Path(tmp_s)
-        from tests.fixtures.redis_server import RedisServer
         from tests.fixtures.services import free_port, port_open, stop_process, wait_until
 
-        (tmp / "redis").mkdir()
-        redis_srv = RedisServer(tmp / "redis").start()
+        redis_srv = start_redis(tmp)
         port = free_port()
         fake = subprocess.Popen([sys.executable, "-m", "tests.fixtures.fake_telegram", "--token", TOKEN,
                                  "--port", str(port)], cwd=str(ROOT), stdout=subprocess.DEVNULL,

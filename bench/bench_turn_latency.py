@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._common import quick, report  # noqa: E402
+from bench._common import quick, report, start_redis  # noqa: E402
 
 TARGET_RATIO = 3.0
 WARMUP = 5
@@ -82,13 +82,10 @@ class TaskEvents:
 
 
 def main() -> int:
-    from tests.fixtures.redis_server import RedisServer
-
     n = 30 if quick() else 200
     with tempfile.TemporaryDirectory(prefix="courier-bench-turn-") as tmp:
         tmpd = Path(tmp)
-        (tmpd / "redis").mkdir()
-        srv = RedisServer(tmpd / "redis").start()
+        srv = start_redis(tmpd)
         agents = {"trivial": {"command": ["/bin/echo", "ok"], "timeout_s": 30}}
         env = {**os.environ, "COURIER_REDIS_URL": srv.url, "COURIER_DATA_DIR": str(tmpd / "data"),
                "COURIER_AGENTS": json.dumps(agents), "PYTHONPATH": str(ROOT)}

@@ -44,15 +44,7 @@ def main() -> None:
 
     from tests.fixtures.redis_server import RedisServer
     from tests.fixtures.services import free_port, stop_process, wait_until
-    from tests.fixtures.webstack import (
-        PLATFORMS,
-        SLACK_SECRET,
-        TELEGRAM_SECRET,
-        WA_SECRET,
-        WA_VERIFY,
-        fire,
-        signed_update,
-    )
+    from tests.fixtures.webstack import PLATFORMS, fire, signed_update, webhook_settings
 
     n = 200 if quick() else 2000
     rounds = 2 if quick() else 3
@@ -60,9 +52,7 @@ def main() -> None:
     srv = RedisServer(tmp).start()
     key = SigningKey.generate()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "COURIER_REDIS_URL": srv.url, "COURIER_DATA_DIR": str(tmp / "data"),
-           "TELEGRAM_WEBHOOK_SECRET": TELEGRAM_SECRET, "SLACK_SIGNING_SECRET": SLACK_SECRET,
-           "DISCORD_PUBLIC_KEY": key.verify_key.encode().hex(), "WHATSAPP_APP_SECRET": WA_SECRET,
-           "WHATSAPP_VERIFY_TOKEN": WA_VERIFY, "COURIER_WEBHOOK_AGENT": "echo"}
+           **webhook_settings(key)}
     env.pop("CELERY_BROKER_URL", None)
     procs = []
     try:

@@ -23,14 +23,8 @@ log = logging.getLogger(__name__)
 DELETE_BATCH = 1000
 
 
-def expire(
-    store: BlobStore,
-    prefix: str,
-    older_than_s: float,
-    *,
-    now: float | None = None,
-    batch: int = DELETE_BATCH,
-) -> int:
+def expire(store: BlobStore, prefix: str, older_than_s: float, *, now: float | None = None,
+           batch: int = DELETE_BATCH) -> int:
     """Delete every blob under `prefix` last modified more than `older_than_s` ago.
 
     Returns how many the store reports deleted. `prefix` must not be empty

@@ -6,7 +6,7 @@ import errno
 import os
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
@@ -85,51 +85,30 @@ class VolumeStore(BlobStore):
         `sendfile` across filesystems; no bytes pass through this process). The cap holds during the copy.
         No sha256 is computed (None in the result). Returns None when the
         kernel cannot copy between these files; callers then stream."""
-        dest = str(self._path(key))
+        self._path(key)
         if not hasattr(os, "copy_file_range"):
             return None
-        tmp, out = self._open_part(key, dest)
-        limit = None if max_bytes is None else max_bytes + 1
-        size = 0
-        offset = 0
         use_sendfile = False
-        try:
+
+        def move(out: int, want: int, done: int) -> int:
+            nonlocal use_sendfile
             try:
-                while True:
-                    want = COPY_CHUNK if limit is None else min(COPY_CHUNK, limit - size)
-                    if want <= 0:
-                        break
-                    if use_sendfile:
-                        n = os.sendfile(out, fd, offset, want)
-                    else:
-                        try:
-                            n = os.copy_file_range(fd, out, want, offset, None)
-                        except OSError as exc:
-                            # across filesystems: sendfile, still in the kernel
-                            if size == 0 and exc.errno in (errno.EXDEV, errno.EINVAL, errno.EOPNOTSUPP):
-                                use_sendfile = True
-                                continue
+                if not use_sendfile:
+                    try:
+                        return os.copy_file_range(fd, out, want, done, None)
+                    except OSError as exc:
+                        # across filesystems: sendfile, still in the kernel
+                        if done != 0 or exc.errno not in (errno.EXDEV, errno.EINVAL, errno.EOPNOTSUPP):
                             raise
-                    if n == 0:
-                        break
-                    size += n
-                    offset += n
+                        use_sendfile = True
+                return os.sendfile(out, fd, done, want)
             except OSError as exc:
-                if size == 0 and exc.errno in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP,
-                                                errno.EBADF):
-                    _unlink(tmp)
-                    return None  # not supported here: the caller streams
-                raise StorageError(f"cannot write {key}: {exc.strerror or exc}") from exc
-            finally:
-                os.close(out)
-            if max_bytes is not None and size > max_bytes:
-                raise TooLarge(f"file is larger than the {max_bytes:,} byte cap", size_bytes=size,
-                               limit_bytes=max_bytes)
-            os.replace(tmp, dest)
-        except BaseException:
-            _unlink(tmp)
-            raise
-        return BlobInfo(key=key, size_bytes=size, modified_s=time.time())
+                if done == 0 and exc.errno in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP,
+                                               errno.EBADF):
+                    raise _NoKernelMove from exc  # not supported here: the caller streams
+                raise
+
+        return self._kernel_move(key, move, COPY_CHUNK, max_bytes)
 
     def put_pipe(self, key: str, fd: int, *, max_bytes: int | None = None, wait=None,
                  finish=None) -> BlobInfo | None:
@@ -140,6 +119,27 @@ class VolumeStore(BlobStore):
         was read)."""
         if not hasattr(os, "splice"):
             return None
+
+        def move(out: int, want: int, done: int) -> int:
+            if wait is not None:
+                wait()
+            try:
+                return os.splice(fd, out, want)
+            except OSError as exc:
+                if done == 0 and exc.errno in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                    # not a pipe, or a filesystem without splice: the caller streams
+                    raise _NoKernelMove from exc
+                raise
+
+        return self._kernel_move(key, move, SPLICE_CHUNK, max_bytes, finish)
+
+    def _kernel_move(self, key: str, move: Callable[[int, int, int], int], chunk: int, max_bytes: int | None,
+                     finish: Callable[[int], object] | None = None) -> BlobInfo | None:
+        """Fill `key` through a temp file by `move(out_fd, want, done)` calls,
+        each moving up to `want` bytes inside the kernel and saying how many (0:
+        the end), until the end or `max_bytes` + 1 bytes (one more than the cap
+        is TooLarge); `finish(size)` before the file is published. None when
+        `move` finds the kernel cannot (_NoKernelMove, before any byte moved)."""
         dest = str(self._path(key))
         tmp, out = self._open_part(key, dest)
         limit = None if max_bytes is None else max_bytes + 1
@@ -147,21 +147,16 @@ class VolumeStore(BlobStore):
         try:
             try:
                 while True:
-                    want = SPLICE_CHUNK if limit is None else min(SPLICE_CHUNK, limit - size)
+                    want = chunk if limit is None else min(chunk, limit - size)
                     if want <= 0:
                         break
-                    if wait is not None:
-                        wait()
-                    try:
-                        n = os.splice(fd, out, want)
-                    except OSError as exc:
-                        if size == 0 and exc.errno in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-                            _unlink(tmp)
-                            return None  # not a pipe, or a filesystem without splice: the caller streams
-                        raise
+                    n = move(out, want, size)
                     if n == 0:
                         break
                     size += n
+            except _NoKernelMove:
+                _unlink(tmp)
+                return None
             except OSError as exc:
                 raise StorageError(f"cannot write {key}: {exc.strerror or exc}") from exc
             finally:
@@ -230,16 +225,22 @@ class VolumeStore(BlobStore):
 
     def sweep_tmp(self, older_than_s: float = 3600) -> int:
         """Remove partial writes left by killed processes."""
-        cutoff = time.time() - older_than_s
-        n = 0
-        for p in (self.root / _TMP).iterdir():
-            try:
-                if p.stat().st_mtime < cutoff:
-                    p.unlink()
-                    n += 1
-            except FileNotFoundError:
-                pass
-        return n
+        return sweep_stale((self.root / _TMP).iterdir(), older_than_s)
+
+
+def sweep_stale(paths: Iterable[Path], older_than_s: float) -> int:
+    """Unlink those of `paths` last modified more than `older_than_s` ago (one
+    already gone is skipped); how many were removed."""
+    cutoff = time.time() - older_than_s
+    n = 0
+    for p in paths:
+        try:
+            if p.stat().st_mtime < cutoff:
+                p.unlink()
+                n += 1
+        except FileNotFoundError:
+            pass
+    return n
 
 
 def _mkdirs_private(root: Path, d: Path) -> None:
@@ -264,6 +265,10 @@ def _make_parent(path: str) -> None:
             raise NotADirectoryError(errno.ENOTDIR, "a file stands where the key's directory goes", parent) from None
     except FileNotFoundError:
         os.makedirs(parent, exist_ok=True)
+
+
+class _NoKernelMove(Exception):
+    """The kernel cannot move these bytes here (found before any was moved): the caller streams."""
 
 
 def _unlink(p: str | Path) -> None:

@@ -213,7 +213,7 @@ def album_groups(plan: Plan) -> list[list[int]]:
     consecutive files that route to photos, cut into groups of <= album_max
     (a group of one left over goes alone)."""
     from adapters.platforms.base import Kind
-    from tasks.reply import route
+    from tasks.routing import route
 
     size = plan.album_max
     if size < 2 or plan.as_document:

@@ -1,11 +1,14 @@
-"""Delivering one stored file (or a text), or a group of photos as one album
-(`deliver_album`), to one chat: plain code, no Celery.
+"""Delivering one stored file (or a text) to one chat: plain code, no Celery.
+(A group of photos as one album is `tasks.album`'s, sending what does not
+fit in the album through `deliver_item` here.)
 
 The shared flow above every adapter: idempotency (a delivery id recorded on
 success and checked before sending, a send lock against two workers at
 once), routing by extension, the photo and upload limits (a notice instead
 of a too-large file), fitting text and captions, upload-once-send-many file
-ids, receipts and delivery events. Adapters only send.
+ids, receipts and delivery events. Adapters only send. The send lock is
+`tasks.sendlock`'s, the record of each part sent `tasks.parts`'s, routing
+`tasks.routing`'s.
 
 Rate limits and transient errors propagate as `RateLimited` / `Transient`
 for the task to re-schedule; `Permanent` is recorded here and not retried.
@@ -15,31 +18,21 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from redis import Redis
 from redis.client import Pipeline
 
 from adapters.errors import CourierError, DeliveryError, Permanent, RateLimited
 from adapters.platforms.base import FileRefused, FileSource, Kind, Platform, Sent, split_target
-from tasks import events, keys, metrics, ratelimit, receipts
+from tasks import events, keys, metrics, parts, ratelimit, receipts, sendlock
 from storage import BlobStore
 from tasks.messages import JsonObject
 from tasks.runtime import Context
-from tasks.states import DELIVERY_UNTRIED
 from tasks.text import fit_caption, human_bytes, split_text
 
 #: how long a platform file id is remembered for the same bytes
 FILE_ID_TTL_S = 30 * 24 * 3600
-
-
-class Busy(CourierError):
-    """Another worker holds this delivery's send lock: try again shortly."""
-
-    transient = True
 
 
 def _event(ctx: Context, job: JsonObject, pipe: Pipeline | None = None, **ev: Any) -> None:
@@ -62,7 +55,7 @@ def record_failure(ctx: Context, job: JsonObject, reason: str, kind: str | None 
 
 
 def choose_kind(platform: Platform, name: str, size_bytes: int, *, voice: bool, as_document: bool) -> Kind:
-    from tasks.reply import route
+    from tasks.routing import route
 
     lim = platform.limits
     kind = route(
@@ -76,59 +69,21 @@ def choose_kind(platform: Platform, name: str, size_bytes: int, *, voice: bool, 
     return kind
 
 
-def deliver(ctx: Context, job: JsonObject, extracted: JsonObject | None = None) -> JsonObject:
+def deliver(ctx: Context, job: JsonObject, extracted: JsonObject | None = None, *,
+            held: sendlock.Held | None = None, end: Pipeline | None = None) -> JsonObject:
     """Deliver one item. `job` holds: id, job, target, type ('text'|'file'),
     and text | (key, name, caption, voice, as_document). `extracted` is the
-    result of the extraction before it in the chain (file items from a sandbox)."""
+    result of the extraction before it in the chain (file items from a sandbox).
+    `held`: its send lock already taken by the caller (`sendlock.Held`); `end`:
+    a pipeline the delivered record (and the lock's release) is queued on, for
+    the caller to execute with what it does next (one round trip)."""
     did = job["id"]
-    return _under_send_lock(ctx, did, lambda rec: _already_done(did, rec),
-                            lambda session: _deliver_locked(ctx, job, extracted, session), count_attempt=True)
+    return sendlock.under_send_lock(ctx, did, lambda rec: already_done(did, rec),
+                                    lambda session: _deliver_locked(ctx, job, extracted, session, end),
+                                    count_attempt=True, held=held)
 
 
-class SendSession:
-    """What holding a delivery's send lock gives the work done under it."""
-
-    def __init__(self, ctx: Context, did: str, owner: str, attempts: int, *, fresh: bool = False) -> None:
-        self.ctx, self.did, self.owner, self.attempts = ctx, did, owner, attempts
-        #: no earlier attempt can have sent a part (the receipt was still queued or just extracted):
-        #: nothing to look up. Not the attempt count: courier's own pacing gives an attempt back.
-        self.fresh = fresh
-        self.released = False
-
-    def release(self, pipe: Pipeline | None = None) -> None:
-        """Release the lock (queued on `pipe` when given: one round trip less)."""
-        if not self.released:
-            receipts.release_send_lock(pipe if pipe is not None else self.ctx.redis, self.did, self.owner)
-            self.released = True
-
-
-def _under_send_lock(ctx: Context, did: str, done: Callable[[JsonObject], JsonObject | None],
-                     work: Callable[[SendSession], JsonObject], *, count_attempt: bool = False) -> JsonObject:
-    """Run `work` holding the send lock of `did`, unless `done(receipt)` says
-    there is nothing left to do; another worker holding the lock: `Busy`."""
-    r = ctx.redis
-    owner = uuid.uuid4().hex
-    locked, rec, attempts = receipts.begin_send(r, did, owner, ttl_s=receipts.SEND_LOCK_TTL_S,
-                                                count_attempt=count_attempt)
-    result = done(rec)
-    if result is not None or not locked:
-        if locked:
-            receipts.release_send_lock(r, did, owner)
-        if result is not None:
-            return result
-        raise Busy(f"delivery {did} is being sent by another worker")
-    # the lock is short and renewed while this process works: a worker that
-    # dies frees its deliveries within SEND_LOCK_TTL_S (well inside Discord's
-    # nonce memory), while a long upload keeps its lock
-    session = SendSession(ctx, did, owner, attempts, fresh=rec.get("state") in DELIVERY_UNTRIED)
-    with receipts.renewing(r, did, owner):
-        try:
-            return work(session)
-        finally:
-            session.release()
-
-
-def _already_done(did: str, rec: JsonObject) -> JsonObject | None:
+def already_done(did: str, rec: JsonObject) -> JsonObject | None:
     if rec.get("state") == "delivered":
         return {"id": did, "state": "delivered", "message_id": rec.get("message_id"), "skipped": True}
     if rec.get("state") == "cancelled":
@@ -138,23 +93,25 @@ def _already_done(did: str, rec: JsonObject) -> JsonObject | None:
     return None
 
 
-def _deliver_locked(ctx: Context, job: JsonObject, extracted: JsonObject | None, session: SendSession) -> JsonObject:
+def _deliver_locked(ctx: Context, job: JsonObject, extracted: JsonObject | None, session: sendlock.SendSession,
+                    end: Pipeline | None = None) -> JsonObject:
     platform_name, chat = split_target(job["target"])
     try:
         platform = ctx.platform(platform_name)
     except CourierError as exc:
         return record_failure(ctx, job, exc.reason)
-    return _deliver_item(ctx, platform, chat, job, extracted, session)
+    return deliver_item(ctx, platform, chat, job, extracted, session, end=end)
 
 
-def _deliver_item(ctx: Context, platform: Platform, chat: str, job: JsonObject, extracted: JsonObject | None,
-                  session: SendSession | None = None) -> JsonObject:
+def deliver_item(ctx: Context, platform: Platform, chat: str, job: JsonObject, extracted: JsonObject | None,
+                  session: sendlock.SendSession | None = None, *, end: Pipeline | None = None) -> JsonObject:
     """One item to `chat` (its send lock held by the caller): a failed
-    extraction recorded (with the too-large notice), else sent and recorded."""
+    extraction recorded (with the too-large notice), else sent and recorded
+    (on `end`, not executed, when given)."""
     r = ctx.redis
     did = job["id"]
     # every send below takes a shared rate-limit slot first, and each part is sent once
-    platform = guarded = ratelimit.guard(r, platform, did, defer=True,
+    platform = guarded = parts.guard(r, platform, did, defer=True,
                                          first_attempt=session is not None and session.fresh)
 
     if extracted is not None and not extracted.get("ok", False):
@@ -163,7 +120,7 @@ def _deliver_item(ctx: Context, platform: Platform, chat: str, job: JsonObject, 
         finally:
             guarded.flush()
     if extracted:
-        job = _with_extraction(job, extracted)
+        job = with_extraction(job, extracted)
 
     if session is not None and session.attempts:
         attempts = session.attempts  # counted when the lock was taken
@@ -192,14 +149,17 @@ def _deliver_item(ctx: Context, platform: Platform, chat: str, job: JsonObject, 
     except BaseException:
         guarded.flush()  # parts already sent stay recorded for the retry
         raise
-    pipe = r.pipeline(transaction=False)
+    pipe = end if end is not None else r.pipeline(transaction=False)
     guarded.flush(pipe, covered=did)  # the receipt below says it was sent
+    out = record_delivered(ctx, job, sent.message_id, kind_name, size, attempts, pipe=pipe)
     if session is not None:
-        session.release(pipe)
-    return _record_delivered(ctx, job, sent.message_id, kind_name, size, attempts, pipe=pipe, execute=True)
+        session.release(pipe)  # after the record: the lock never frees before the receipt says delivered
+    if end is None:
+        pipe.execute()
+    return out
 
 
-def _with_extraction(job: JsonObject, extracted: JsonObject) -> JsonObject:
+def with_extraction(job: JsonObject, extracted: JsonObject) -> JsonObject:
     return {**job, **{k: extracted[k] for k in ("key", "name", "size", "sha256") if k in extracted}}
 
 
@@ -215,25 +175,25 @@ def _extraction_failed(ctx: Context, platform: Platform, chat: str, job: JsonObj
     return record_failure(ctx, job, reason)
 
 
-def _record_delivered(ctx: Context, job: JsonObject, message_id: str, kind_name: str, size: int, attempts: int,
-                      pipe: Pipeline | None = None, execute: bool = False) -> JsonObject:
+def record_delivered(ctx: Context, job: JsonObject, message_id: str, kind_name: str, size: int, attempts: int,
+                      pipe: Pipeline | None = None) -> JsonObject:
     """The receipt and the delivery event of a delivered item (queued on `pipe` when given)."""
     p = pipe if pipe is not None else ctx.redis.pipeline(transaction=False)
     receipts.update_delivery(p, job["id"], state="delivered", message_id=message_id, kind=kind_name,
                              size_bytes=size, attempts=attempts, reason="", sha256=job.get("sha256") or None)
     _event(ctx, job, pipe=p, state="delivered", message_id=message_id, media=kind_name,
            name=job.get("name"), size_bytes=size)
-    if pipe is None or execute:
+    if pipe is None:
         p.execute()
     metrics.record_delivery(job, "delivered", kind_name)
     return {"id": job["id"], "state": "delivered", "message_id": message_id, "kind": kind_name}
 
 
 def _send_text(platform: Platform, chat: str, text: str, did: str) -> Sent:
-    parts = split_text(text, platform.limits.text_chars) or [""]
+    pieces = split_text(text, platform.limits.text_chars) or [""]
     ids = []
-    for i, part in enumerate(parts):
-        sub_id = did if len(parts) == 1 else f"{did}#{i}"
+    for i, part in enumerate(pieces):
+        sub_id = did if len(pieces) == 1 else f"{did}#{i}"
         ids.append(platform.send_text(chat, part, delivery_id=sub_id).message_id)
     return Sent(message_id=",".join(ids))
 
@@ -247,7 +207,7 @@ class _Refused(Exception):
         self.kind = kind.value
 
 
-def _plan_file(ctx: Context, platform: Platform, job: JsonObject) -> tuple[Kind, FileSource, int]:
+def plan_file(ctx: Context, platform: Platform, job: JsonObject) -> tuple[Kind, FileSource, int]:
     """A stored file's kind on this platform (routing, photo limit), its
     source, and the upload limit for that kind."""
     store = ctx.store
@@ -260,7 +220,7 @@ def _plan_file(ctx: Context, platform: Platform, job: JsonObject) -> tuple[Kind,
     return kind, src, platform.limits.upload_limit(kind)
 
 
-def _fid_key(platform: Platform, sha: str, kind: Kind) -> str | None:
+def file_id_key(platform: Platform, sha: str, kind: Kind) -> str | None:
     bot = platform.cache_key
     return keys.file_id(platform.name, bot, sha, kind.value) if bot and sha else None
 
@@ -272,7 +232,7 @@ def _fit_file_caption(platform: Platform, kind: Kind, src: FileSource,
     return fit_caption(caption, platform.caption_chars_for(kind, src), platform.limits.text_chars)
 
 
-def _send_overflow(platform: Platform, chat: str, overflow: list[str], base_id: str) -> None:
+def send_overflow(platform: Platform, chat: str, overflow: list[str], base_id: str) -> None:
     """What did not fit in a caption, as text messages after the file(s)."""
     for i, part in enumerate(overflow):
         platform.send_text(chat, part, delivery_id=f"{base_id}#c{i}")
@@ -282,7 +242,7 @@ def _send_file(ctx: Context, platform: Platform, chat: str, job: JsonObject, *,
                fresh: bool = False) -> tuple[Sent, str, int]:
     """Send one stored file (`fresh`: the delivery's first attempt, so no earlier run
     left an upload or a refusal to resume from)."""
-    kind, src, limit = _plan_file(ctx, platform, job)
+    kind, src, limit = plan_file(ctx, platform, job)
     key, size = job["key"], src.size_bytes
     if size == 0 and not platform.takes_empty_files:
         # one rule for every chat platform: nothing is uploaded (the outbox, a directory, keeps it)
@@ -304,16 +264,16 @@ def _send_file(ctx: Context, platform: Platform, chat: str, job: JsonObject, *,
     if platform.cache_key and not src.sha256:
         # extraction by kernel copy hashes nothing; the file-id cache needs it
         src = replace(src, sha256=_sha256_of(ctx.store, key))
-    fid_key = _fid_key(platform, src.sha256, kind)
+    fid_key = file_id_key(platform, src.sha256, kind)
     did = job["id"]
-    parts_key, upload_part = keys.delivery_parts(did), f"{did}#upload"
+    upload_part = f"{did}#upload"
     # one round trip at most: the cached file id; on a retry also this delivery's own upload (an
     # earlier run uploaded the file, then its send failed) and whether an earlier run had it refused
     pipe = ctx.redis.pipeline(transaction=False)
     if fid_key:
         pipe.get(fid_key)
     if not fresh:
-        pipe.hmget(parts_key, [upload_part, f"{did}#refused"])
+        parts.queue_lookup(pipe, did, [upload_part, f"{did}#refused"])
     got = pipe.execute() if (fid_key or not fresh) else []
     uploaded, refused = (None, None) if fresh else (v.decode() if isinstance(v, bytes) else v for v in got[-1])
     cached = (got[0].decode() if isinstance(got[0], bytes) else got[0]) if fid_key else None
@@ -333,150 +293,15 @@ def _send_file(ctx: Context, platform: Platform, chat: str, job: JsonObject, *,
         fid = getattr(exc, "file_id", None)
         if fid:
             pipe = ctx.redis.pipeline(transaction=False)
-            pipe.hset(parts_key, upload_part, fid)
-            pipe.expire(parts_key, ratelimit.PARTS_TTL_S)
+            parts.queue_record(pipe, did, {upload_part: fid})
             if fid_key:  # a reusable id (WhatsApp media): later sends of the same bytes use it too
                 pipe.set(fid_key, fid, ex=FILE_ID_TTL_S)
             pipe.execute()
         raise
     if fid_key and sent.file_id:
         ctx.redis.set(fid_key, sent.file_id, ex=FILE_ID_TTL_S)
-    _send_overflow(platform, chat, overflow, job["id"])
+    send_overflow(platform, chat, overflow, job["id"])
     return sent, kind.value, size
-
-
-# -- albums ----------------------------------------------------------------------------------
-def deliver_album(ctx: Context, group: JsonObject) -> JsonObject:
-    """Deliver a group of photos (built by `tasks.chains`) as one album.
-
-    `group` holds job, target, caption? and items: the file jobs as
-    `deliver` takes them, each with its own delivery id and receipt; a
-    sandbox file's item has `extracted` set, its extraction's result being in
-    its receipt. Items already done are skipped; a failed extraction is
-    recorded failed (with the too-large notice); photos that fit the photo
-    and upload limits go as one album when two or more remain, the rest
-    (a photo over the photo limit, a file over the upload limit, a lone
-    photo) go after it one by one, as `deliver` sends them. The caption goes
-    on the album, else on the first item sent. One send lock, on the first
-    item's id, covers the group."""
-    lead = group["items"][0]["id"]
-    return _under_send_lock(ctx, lead, lambda rec: None, lambda session: _deliver_album_locked(ctx, group))
-
-
-def _deliver_album_locked(ctx: Context, group: JsonObject) -> JsonObject:
-    from tasks.extract import result_of
-
-    r = ctx.redis
-    items = group["items"]
-    lead = items[0]["id"]
-    results: dict[str, JsonObject] = {}
-    pending: list[tuple[JsonObject, JsonObject]] = []
-    recs = _receipts_of(r, items)
-    # the caption goes with the group's first send: an earlier run that sent (or finally failed) one used it
-    caption = None if any(rec.get("state") == "delivered" or rec.get("final") == "1" for rec in recs) \
-        else group.get("caption")
-    for item, rec in zip(items, recs):
-        done = _already_done(item["id"], rec)
-        if done is None and rec.get("state") == "failed" and rec.get("extraction") == "failed":
-            done = {"id": item["id"], "state": "failed", "reason": rec.get("reason"), "skipped": True}
-        if done is not None:
-            results[item["id"]] = done
-        else:
-            pending.append((item, rec))
-
-    def summary() -> JsonObject:
-        return {"album": lead, "deliveries": [results[i["id"]] for i in items if i["id"] in results]}
-
-    if not pending:
-        return summary()
-    platform_name, chat = split_target(group["target"])
-    try:
-        platform = ctx.platform(platform_name)
-    except CourierError as exc:
-        for item, _ in pending:
-            results[item["id"]] = record_failure(ctx, _job_of(item), exc.reason)
-        return summary()
-
-    photos: list[tuple[JsonObject, FileSource]] = []
-    singles: list[JsonObject] = []
-    for item, rec in pending:
-        job = _job_of(item)
-        if item.get("extracted"):
-            extracted = result_of(rec, item["key"]) or {"ok": False, "name": item.get("name"),
-                                                        "reason": "the extraction recorded no result"}
-            if not extracted["ok"]:
-                results[job["id"]] = _deliver_item(ctx, platform, chat, job, extracted)
-                continue
-            job = _with_extraction(job, extracted)
-        kind, src, limit = _plan_file(ctx, platform, job)
-        try:
-            kind = platform.route_file(kind, src)
-        except FileRefused:
-            kind = Kind.DOCUMENT  # sent alone: refused there, with its notice
-        if kind == Kind.PHOTO and 0 < src.size_bytes <= limit:
-            photos.append((job, src))
-        else:
-            singles.append(job)
-
-    size = platform.limits.album_max
-    if len(photos) >= 2 and size >= 2:
-        album, rest = photos[:size], [job for job, _ in photos[size:]]
-        results.update(_send_album(ctx, platform, chat, lead, album, caption))
-        caption = None
-    else:
-        rest = [job for job, _ in photos]
-    order = {item["id"]: i for i, item in enumerate(items)}
-    for job in sorted(rest + singles, key=lambda j: order[j["id"]]):
-        if caption:
-            job, caption = {**job, "caption": caption}, None
-        results[job["id"]] = _deliver_item(ctx, platform, chat, job, None)
-    return summary()
-
-
-def _job_of(item: JsonObject) -> JsonObject:
-    return {k: v for k, v in item.items() if k != "extracted"}
-
-
-def _receipts_of(r: Redis, items: list[JsonObject]) -> list[JsonObject]:
-    pipe = r.pipeline(transaction=False)
-    for item in items:
-        pipe.hgetall(keys.delivery(item["id"]))
-    return [{_str(k): _str(v) for k, v in (h or {}).items()} for h in pipe.execute()]
-
-
-def _str(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
-
-
-def _send_album(ctx: Context, platform: Platform, chat: str, lead: str, album: list[tuple[JsonObject, FileSource]],
-                caption: str | None) -> dict[str, JsonObject]:
-    """Send photos as one album and record each item with its own message id."""
-    r = ctx.redis
-    part = f"{lead}#album"  # the album's part id: a re-run after it was sent does not send it again
-    guarded = ratelimit.guard(r, platform, lead)
-    attempts = [receipts.start_attempt(r, job["id"], state="sending", platform=platform.name,
-                                       kind=Kind.PHOTO.value, size_bytes=src.size_bytes, name=src.name)
-                for job, src in album]
-    text, overflow = fit_caption(caption, platform.limits.caption_chars, platform.limits.text_chars)
-    try:
-        sents = guarded.send_album(chat, [(Kind.PHOTO, src) for _, src in album], caption=text, delivery_id=part)
-        _send_overflow(guarded, chat, overflow, part)
-    except Permanent as exc:
-        out = {}
-        for job, _ in album:
-            receipts.update_delivery(r, job["id"], final="1")
-            out[job["id"]] = record_failure(ctx, job, exc.reason, kind=Kind.PHOTO.value)
-        return out
-    out = {}
-    pipe = r.pipeline(transaction=False)
-    for i, ((job, src), n) in enumerate(zip(album, attempts)):
-        sent = sents[min(i, len(sents) - 1)]
-        fid_key = _fid_key(platform, src.sha256, Kind.PHOTO)
-        if fid_key and sent.file_id:
-            pipe.set(fid_key, sent.file_id, ex=FILE_ID_TTL_S)
-        out[job["id"]] = _record_delivered(ctx, job, sent.message_id, Kind.PHOTO.value, src.size_bytes, n, pipe=pipe)
-    pipe.execute()
-    return out
 
 
 def _sha256_of(store: BlobStore, key: str) -> str:
@@ -511,10 +336,8 @@ def _notice_refused(ctx: Context, platform: Platform, chat: str, job: JsonObject
         reason, why = exc.reason, exc.notice or f"{platform.name} refused it"
     text = f"⚠️ {src.name} ({size_s}) was not sent: {why}."
     if record:
-        parts = keys.delivery_parts(job["id"])
         pipe = ctx.redis.pipeline(transaction=False)
-        pipe.hset(parts, f"{job['id']}#refused", json.dumps({"reason": reason, "text": text}))
-        pipe.expire(parts, ratelimit.PARTS_TTL_S)
+        parts.queue_record(pipe, job["id"], {f"{job['id']}#refused": json.dumps({"reason": reason, "text": text})})
         pipe.execute()
     _notice(ctx, platform, chat, job, text, key=key)
     return reason
@@ -545,7 +368,7 @@ def notice_failed(ctx: Context, job: JsonObject, reason: str) -> None:
     platform_name, chat = split_target(job["target"])
     text = f"⚠️ {job.get('name') or 'a file'} could not be sent: {reason[:300]}"
     try:
-        platform = ratelimit.guard(ctx.redis, ctx.platform(platform_name), job["id"])
+        platform = parts.guard(ctx.redis, ctx.platform(platform_name), job["id"])
         _notice(ctx, platform, chat, job, text, key=None)
     except CourierError:
         pass

@@ -43,15 +43,28 @@ def publish(r: Redis, job_id: str, event: Event, *, maxlen: int = 1000, pipe: Pi
 
 def read(r: Redis, job_id: str, after: str = "0-0", *, block_ms: int | None = None, count: int = 100
          ) -> list[tuple[str, Event]]:
+    """The job's events after stream id `after` (blocking up to `block_ms` for the first)."""
+    return [(eid, ev) for _job, eid, ev in read_many(r, {job_id: after}, block_ms=block_ms, count=count)]
+
+
+def read_many(r: Redis, after: Mapping[str, str], *, block_ms: int | None = None, count: int = 100
+              ) -> list[tuple[str, str, Event]]:
+    """Several jobs' events in one XREAD, each after its own stream id
+    (`after`: job id -> stream id): (job id, stream id, event)."""
+    if not after:
+        return []
+    job_of = {keys.events(job_id): job_id for job_id in after}
     # courier's clients speak RESP2: [[stream, [(id, fields), ...]]] (None: nothing before the timeout)
     res = cast("list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]] | None",
-               r.xread({keys.events(job_id): after}, count=count, block=block_ms))
-    out: list[tuple[str, Event]] = []
-    for _stream, entries in res or []:
+               r.xread({keys.events(job_id): cursor for job_id, cursor in after.items()}, count=count,
+                       block=block_ms))
+    out: list[tuple[str, str, Event]] = []
+    for stream, entries in res or []:
+        job_id = job_of.get(_str(stream), _str(stream))
         for eid, fields in entries:
             ev = decode(fields) if fields else None
             if eid is not None and ev is not None:
-                out.append((_str(eid), ev))
+                out.append((job_id, _str(eid), ev))
     return out
 
 

@@ -22,15 +22,19 @@ import json
 import logging
 import random
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from redis import Redis
+from redis.client import Pipeline
+from redis.exceptions import NoScriptError
 
 from adapters.errors import CourierError, RateLimited, StorageError
+from tasks import album
 from tasks import delivery as delivery_mod
-from tasks import keys, ledger, metrics, receipts
+from tasks import keys, ledger, metrics, receipts, sendlock
 from tasks.extract import result_of
 from tasks.messages import JsonObject
 from tasks.ratelimit import Paced
@@ -52,13 +56,20 @@ Publish = Callable[[str, float | None], None]
 #: a lane's head, in one round trip. KEYS: the lane, the lane due ZSET, the lane's lease, then
 #: the receipts of the step last looked at; ARGV: the target, the receipt key prefix, the lease
 #: token, '1' to take the lease first (with TTL ARGV[5]), the step last looked at ('' none), the
-#: lane's due time while its head is extracted, then the terminal states. That step is popped when it is still the head and all its receipts are
-#: terminal (or gone); then {'head', id, its receipt (HGETALL)}, or, for an empty lane, {'empty'} with the
-#: lane forgotten (its due time) and the lease released; {'busy'} when the lease is held.
+#: lane's due time while its head is extracted, the send lock's owner ('' none: no lock), its TTL,
+#: the send lock key prefix, the chat's gate ('' none), then the terminal states.
+#: A lease taken with a head to send clears the chat's gate when it says a send is on its way
+#: (its sender died mid-send: a live one would still hold the lease). The step last looked at is popped when it
+#: is still the head and all its receipts are terminal (or gone); then {'head', id, its receipt
+#: (HGETALL)}, or, for an empty lane, {'empty'} with the lane forgotten (its due time) and the
+#: lease released; {'busy'} when the lease is held.
 #: A head that is one file still being extracted (its receipt names its extraction queue and
 #: has no result yet) is {'extracting', id}: the lane's due time set to ARGV[7] and the lease
 #: released in the same step (an extraction that ends after it finds the lease free).
-#: (The head's receipt key is made here from the prefix: courier's Redis is one node.)
+#: A head that is one delivery ready to send (not an album, not terminal) with an owner given:
+#: its send lock taken, and when taken its attempt counted and its state 'sending' (as
+#: `sendlock.begin_send` does), {'head', id, receipt as it was, 1|0 locked, attempt number}.
+#: (The head's receipt and lock keys are made here from the prefixes: courier's Redis is one node.)
 _HEAD = """
 if ARGV[4] == '1' and not redis.call('set', KEYS[3], ARGV[3], 'NX', 'EX', ARGV[5]) then return {'busy'} end
 if ARGV[6] ~= '' and redis.call('lindex', KEYS[1], 0) == ARGV[6] then
@@ -66,7 +77,7 @@ if ARGV[6] ~= '' and redis.call('lindex', KEYS[1], 0) == ARGV[6] then
   for i = 4, #KEYS do
     local st = redis.call('hget', KEYS[i], 'state')
     local t = not st  -- a receipt gone (expired): nothing to send
-    for j = 7, #ARGV do if st == ARGV[j] then t = true end end
+    for j = 12, #ARGV do if st == ARGV[j] then t = true end end
     if not t then final = false end
   end
   if final then redis.call('lpop', KEYS[1]) end
@@ -81,15 +92,36 @@ local rec = redis.call('hgetall', ARGV[2] .. head)
 local f = {}
 for i = 1, #rec, 2 do f[rec[i]] = rec[i + 1] end
 local final = false
-for j = 8, #ARGV do if f['state'] == ARGV[j] then final = true end end
+for j = 12, #ARGV do if f['state'] == ARGV[j] then final = true end end
 if f['queue'] and not f['album'] and not final and f['extraction'] ~= 'ok' and f['extraction'] ~= 'failed' then
   redis.call('zadd', KEYS[2], ARGV[7], ARGV[1])
   if redis.call('get', KEYS[3]) == ARGV[3] then redis.call('del', KEYS[3]) end
   return {'extracting', head}
 end
+if ARGV[4] == '1' and ARGV[11] ~= '' then
+  local g = redis.call('get', ARGV[11])
+  if g and string.sub(g, 1, 8) == 'sending:' then redis.call('del', ARGV[11]) end
+end
+if ARGV[8] ~= '' and #rec > 0 and not f['album'] and not final then
+  if not redis.call('set', ARGV[10] .. head, ARGV[8], 'NX', 'EX', ARGV[9]) then return {'head', head, rec, 0, 0} end
+  local n = redis.call('hincrby', ARGV[2] .. head, 'attempts', 1)
+  redis.call('hset', ARGV[2] .. head, 'state', 'sending')
+  return {'head', head, rec, 1, n}
+end
 return {'head', head, rec}
 """
 _TERMINAL = sorted(receipts.TERMINAL)
+
+
+@dataclass
+class Head:
+    """What `_HEAD` answered: 'head' (with `id`, its receipt, and `held`: its send lock when
+    taken), 'extracting' (with `id`), 'empty' or 'busy'."""
+
+    what: str
+    id: str | None = None
+    rec: JsonObject | None = None
+    held: sendlock.Held | None = None
 
 
 @dataclass
@@ -121,43 +153,68 @@ def load_step(r: Redis, lead: str, rec: JsonObject | None = None) -> Step | None
     return Step(lead, ids, recs, specs)
 
 
-def _head(r: Redis, target: str, token: str, *, take: bool = False, last: Step | str | None = None
-          ) -> tuple[str, str | None, JsonObject]:
-    """One round trip (`_HEAD`): pop `last` when it is final, then the head: ('head', id,
-    receipt), ('empty', None, {}) (lane forgotten, lease released) or ('busy', None, {})."""
+def _head(r: Redis, target: str, token: str, *, take: bool = False, last: Step | str | None = None,
+          lock: bool = False, gate: str | None = None, pipe: Pipeline | None = None) -> Head:
+    """One round trip (`_HEAD`): pop `last` when it is final, then the head (see `Head`);
+    'empty': lane forgotten, lease released. `take`: the lease first (clearing `gate`, the
+    chat's gate, when it says a send is on its way); `lock`: a single ready head's send lock
+    taken and its attempt counted with it. `pipe`: what is queued on it goes in the same round
+    trip, before the look (the record of the step just sent: the look reads it)."""
     last_id = last.lead if isinstance(last, Step) else (last or "")
     last_ids = last.ids if isinstance(last, Step) else ([last] if last else [])
-    got = receipts._script(r, _HEAD)(
-        keys=[keys.lane(target), keys.due("lane"), keys.lease("lane", target), *[keys.delivery(d) for d in last_ids]],
-        args=[target, keys.delivery(""), token, "1" if take else "0", ledger.LEASE_TTL_S, last_id,
-              time.time() + EXTRACT_WAIT_S, *_TERMINAL])
+    owner = uuid.uuid4().hex if lock else ""
+    script = receipts._script(r, _HEAD)
+    ks = [keys.lane(target), keys.due("lane"), keys.lease("lane", target), *[keys.delivery(d) for d in last_ids]]
+    args = [target, keys.delivery(""), token, "1" if take else "0", ledger.LEASE_TTL_S, last_id,
+            time.time() + EXTRACT_WAIT_S, owner, sendlock.SEND_LOCK_TTL_S, keys.delivery_lock(""), gate or "",
+            *_TERMINAL]
+    if pipe is None:
+        got = script(keys=ks, args=args)
+    else:
+        # EVALSHA queued by hand: redis-py's Script on a pipeline asks SCRIPT EXISTS first (a round trip)
+        pipe.evalsha(script.sha, len(ks), *ks, *args)
+        res = pipe.execute(raise_on_error=False)
+        for x in res[:-1]:
+            if isinstance(x, Exception):
+                raise x
+        got = res[-1]
+        if isinstance(got, NoScriptError):  # Redis lost its scripts: what was queued is done, look again
+            got = script(keys=ks, args=args)
+        elif isinstance(got, Exception):
+            raise got
     what = receipts._s(got[0])
     if what == "extracting":
-        return what, receipts._s(got[1]), {}
+        return Head(what, receipts._s(got[1]))
     if what != "head":
-        return what, None, {}
+        return Head(what)
     flat = got[2]
-    return what, receipts._s(got[1]), {receipts._s(flat[i]): receipts._s(flat[i + 1]) for i in range(0, len(flat), 2)}
+    rec = {receipts._s(flat[i]): receipts._s(flat[i + 1]) for i in range(0, len(flat), 2)}
+    head = receipts._s(got[1])
+    if len(got) > 3 and int(got[3]):
+        return Head(what, head, rec, sendlock.Held(owner, rec, int(got[4])))
+    return Head(what, head, rec)
 
 
 def drive(ctx: Context, target: str, publish: Publish) -> JsonObject:
     """Send what is ready at the head of `target`'s lane. `publish(target,
     countdown)` enqueues another drive of the lane. Returns a small summary.
 
-    Round trips: one to take the lane's lease and read its head step, then
-    per step one to pop it once final and read the next (`_HEAD`), besides
-    the send's own (its lock, its record); an empty lane is forgotten and
-    its lease released in the same call."""
+    Round trips: one to take the lane's lease (clearing a dead sender's
+    chat gate), read its head step and, when it is one delivery ready to
+    send, take its send lock and count the attempt; then per step sent one
+    that records it (its receipt, event, lock released), pops it and looks at
+    the next the same way (`_HEAD`); an empty lane is forgotten and its
+    lease released in that same call."""
     r = ctx.redis
     token = ledger.new_token()
     lease = keys.lease("lane", target)
-    first = _head(r, target, token, take=True)
-    if first[0] == "busy":
+    first = _head(r, target, token, take=True, lock=True, gate=_gate(ctx, target))
+    if first.what == "busy":
         return {"lane": target, "state": "busy"}  # a live worker is on it
-    if first[0] == "empty":
+    if first.what == "empty":
         return {"lane": target, "state": "empty", "sent": 0}  # its lease went with the look
-    if first[0] == "extracting":  # due time set, lease released with the look
-        return {"lane": target, "state": "extracting", "head": first[1], "sent": 0}
+    if first.what == "extracting":  # due time set, lease released with the look
+        return {"lane": target, "state": "extracting", "head": first.id, "sent": 0}
     try:
         with ledger.renewing(r, lease, token, ledger.LEASE_TTL_S):
             out = _drive_leased(ctx, target, publish, token, first)
@@ -194,42 +251,53 @@ def drive(ctx: Context, target: str, publish: Publish) -> JsonObject:
     return out
 
 
-def _drive_leased(ctx: Context, target: str, publish: Publish, token: str,
-                  first: tuple[str, str | None, JsonObject]) -> JsonObject:
+def _drive_leased(ctx: Context, target: str, publish: Publish, token: str, first: Head) -> JsonObject:
     r = ctx.redis
-    _clear_dead_senders_gate(ctx, target)
     sent = 0
     deadline = time.monotonic() + BUDGET_S
-    what, head, rec = first
+    look = first
     while True:
-        if what == "empty":
-            return {"lane": target, "state": "empty", "sent": sent}
-        if what == "extracting":  # due time set, lease released with the look
-            return {"lane": target, "state": "extracting", "head": head, "sent": sent, "released": True}
-        assert head is not None  # a `head` answer names it
-        step = load_step(r, head, rec)
-        if step is None or step.done:
-            what, head, rec = _head(r, target, token, last=step or head)
-            continue
-        if not step.ready:  # the caller sets the lane's due time (EXTRACT_WAIT_S) as it releases the lease
-            return {"lane": target, "state": "extracting", "head": head, "sent": sent}
-        if time.monotonic() > deadline:
-            ledger.set_due(r, "lane", target, LANE_GRACE_S)
-            publish(target, None)
-            return {"lane": target, "state": "continued", "sent": sent}
-        wait = _run_step(ctx, step)
+        held, held_id = look.held, look.id
+        try:
+            if look.what == "empty":
+                return {"lane": target, "state": "empty", "sent": sent}
+            if look.what == "extracting":  # due time set, lease released with the look
+                return {"lane": target, "state": "extracting", "head": look.id, "sent": sent, "released": True}
+            head = look.id
+            assert head is not None  # a `head` answer names it
+            step = load_step(r, head, look.rec)
+            if step is None or step.done:
+                look = _head(r, target, token, last=step or head, lock=time.monotonic() <= deadline)
+                continue
+            if not step.ready:  # the caller sets the lane's due time (EXTRACT_WAIT_S) as it releases the lease
+                return {"lane": target, "state": "extracting", "head": head, "sent": sent}
+            if held is None and time.monotonic() > deadline:  # (a lock taken by the look is used)
+                ledger.set_due(r, "lane", target, LANE_GRACE_S)
+                publish(target, None)
+                return {"lane": target, "state": "continued", "sent": sent}
+            end = r.pipeline(transaction=False)
+            wait = _run_step(ctx, step, held, end)
+            held = None  # under_send_lock released it
+        finally:
+            if held is not None:  # taken by the look, not used: free it for the next drive
+                try:
+                    sendlock.release_send_lock(r, held_id or "", held.owner)
+                except Exception:  # noqa: BLE001 - an unreleased send lock expires by itself
+                    pass
         if wait is not None:
             _wait(r, target, wait, publish)
             return {"lane": target, "state": "waiting", "head": head, "wait_s": round(wait, 3), "sent": sent}
         sent += 1
-        what, head, rec = _head(r, target, token, last=step)  # popped once final, and the next
+        # the step's record (on `end`), popped once final, and the next: one round trip
+        look = _head(r, target, token, last=step, lock=time.monotonic() <= deadline, pipe=end)
 
 
-def _clear_dead_senders_gate(ctx: Context, target: str) -> None:
-    """The lane's lease is the chat's only sender: a chat gate still saying
-    "a send is on its way" when a drive takes the lease was left by a holder
-    that died mid-send (a live one would still hold the lease). It goes, so
-    the chat does not wait out the gate's own 60 s TTL."""
+def _gate(ctx: Context, target: str) -> str | None:
+    """The chat's gate: the lane's lease is the chat's only sender, so a gate
+    still saying "a send is on its way" when a drive takes the lease was left
+    by a holder that died mid-send (a live one would still hold the lease).
+    `_HEAD` clears it as it takes the lease, so the chat does not wait out the
+    gate's own 60 s TTL."""
     from adapters.platforms.base import split_target
     from tasks import ratelimit
 
@@ -237,9 +305,8 @@ def _clear_dead_senders_gate(ctx: Context, target: str) -> None:
         name, chat = split_target(target)
         gate, _ = ratelimit.gate_of(ctx.platform(name), chat)
     except CourierError:
-        return  # the step itself reports an unusable target
-    if gate is not None:
-        ratelimit.clear_if_sending(ctx.redis, gate)
+        return None  # the step itself reports an unusable target
+    return gate
 
 
 def _wait(r: Redis, target: str, wait_s: float, publish: Publish) -> None:
@@ -256,15 +323,18 @@ def _jobs(step: Step) -> list[JsonObject]:
     return [{k: v for k, v in spec.items() if k != "extract"} for spec in step.specs]
 
 
-def _run_step(ctx: Context, step: Step) -> float | None:
-    """Send one step. Returns None when it is final, else how long to wait before trying again."""
+def _run_step(ctx: Context, step: Step, held: sendlock.Held | None = None, end: Pipeline | None = None
+              ) -> float | None:
+    """Send one step. Returns None when it is final, else how long to wait before trying again.
+    `held`: a single delivery's send lock, taken by the look; `end`: where a delivered record is
+    queued (the caller executes it with its next look)."""
     r = ctx.redis
     jobs = _jobs(step)
     try:
         if len(step.ids) == 1:
             job, spec = jobs[0], step.specs[0]
             extracted = result_of(step.recs[0], spec["key"]) if "extract" in spec else None
-            delivery_mod.deliver(ctx, job, extracted)
+            delivery_mod.deliver(ctx, job, extracted, held=held, end=end)
         else:
             group = {"job": jobs[0]["job"], "target": jobs[0]["target"],
                      "items": [{**job, "extracted": True} if "extract" in spec else job
@@ -272,7 +342,7 @@ def _run_step(ctx: Context, step: Step) -> float | None:
             if jobs[0].get("caption"):
                 group["caption"] = jobs[0]["caption"]
                 group["items"][0] = {k: v for k, v in group["items"][0].items() if k != "caption"}
-            delivery_mod.deliver_album(ctx, group)
+            album.deliver_album(ctx, group)
         return None
     except Paced as exc:  # courier's own pacing: no attempt, no give-up
         return exc.retry_after_s + random.uniform(0.0, 0.05)
@@ -284,10 +354,10 @@ def _run_step(ctx: Context, step: Step) -> float | None:
             _give_up(ctx, step, f"gave up after {n - 1} rate limits from {jobs[0]['target'].split(':')[0]}")
             return None
         return min(900.0, exc.retry_after_s) + random.uniform(0.05, 0.5)
-    except delivery_mod.Busy:
+    except sendlock.Busy:
         # a dead worker's send lock: it lapses with the lane's lease; waiting for it is no attempt
         left_s = ledger.held(r, keys.delivery_lock(step.lead))
-        return min(left_s, receipts.SEND_LOCK_TTL_S) + 0.1 if left_s else 0.1
+        return min(left_s, sendlock.SEND_LOCK_TTL_S) + 0.1 if left_s else 0.1
     except Exception as exc:  # noqa: BLE001 - unmapped errors count as transient, bounded
         if isinstance(exc, CourierError) and not exc.transient:
             _give_up(ctx, step, exc.reason)

@@ -27,13 +27,10 @@ gives back what it took, so a send waiting for its chat uses none of the
 bot's slots; a send that fails after taking its slots keeps them taken (the
 limit errs on the safe side).
 
-`guard(redis, platform, delivery_id)` wraps a platform for one delivery:
-every send takes its slots first, and each message sent is recorded under
-its part's id (the `delivery_id` each send call gets: `<id>`, `<id>#0`,
-`<id>#c0`, ...), so a delivery of several messages (long text, caption
-overflow) re-scheduled midway resumes after the parts already sent instead
-of sending them again. Its Redis round trips per send: one (part check +
-gate), one per window, one (gate release + part record).
+A send takes its slots with `acquire`, or in two steps when the chat's gate
+goes in a pipeline with other commands (`tasks.parts`, which looks up a
+part's record in the same round trip): `ask_gate` on the pipeline, then
+`take` with its answer.
 """
 
 from __future__ import annotations
@@ -41,7 +38,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 from limits import RateLimitItem, RateLimitItemPerMinute, RateLimitItemPerSecond
@@ -49,10 +45,10 @@ from limits.storage import RedisStorage
 from limits.strategies import MovingWindowRateLimiter
 
 from adapters.errors import RateLimited
-from adapters.platforms.base import FileSource, Kind, Platform, Sent
+from adapters.platforms.base import Platform
 from tasks import keys
 
-__all__ = ["acquire", "guard", "rules", "Guarded", "Paced", "Slot"]
+__all__ = ["acquire", "ask_gate", "open_gate", "rules", "take", "Paced", "Slot"]
 
 
 class Paced(RateLimited):
@@ -62,7 +58,6 @@ class Paced(RateLimited):
 
 #: never re-schedule sooner than this (Celery timer granularity, Redis round trips)
 MIN_RETRY_S = 0.02
-PARTS_TTL_S = 30 * 24 * 3600
 #: a chat's gate while a send is on its way: after this a worker that died mid-send no longer blocks it
 GATE_TTL_MS = 60_000
 
@@ -110,18 +105,6 @@ def gate_of(platform: Platform, chat: str) -> tuple[str | None, float]:
         return None, 0.0
     bot = str(platform.cache_key or "default")
     return f"{keys.rate_limit_prefix()}:gate:{platform.name}:{bot}:{chat}", 1.0 / rate
-
-
-_CLEAR_SENDING = """
-local v = redis.call('get', KEYS[1])
-if v and string.sub(v, 1, 8) == 'sending:' then return redis.call('del', KEYS[1]) end
-return 0
-"""
-
-
-def clear_if_sending(redis: Any, gate: str) -> bool:
-    """Drop a chat gate that says a send is on its way (its sender is known dead)."""
-    return bool(redis.eval(_CLEAR_SENDING, 1, gate))
 
 
 def _sending() -> str:
@@ -195,143 +178,26 @@ def acquire(redis: Any, platform: Platform, chat: str) -> Slot:
     """Take the send slots for `chat` on `platform`, or raise RateLimited.
     Release the returned slot when the send is over."""
     gate, interval_s = gate_of(platform, chat)
-    if gate is not None and not redis.set(gate, _sending(), nx=True, px=GATE_TTL_MS):
+    got_gate = gate is None or bool(redis.set(gate, _sending(), nx=True, px=GATE_TTL_MS))
+    return take(redis, platform, chat, gate, interval_s, got_gate=got_gate)
+
+
+def ask_gate(pipe: Any, gate: str) -> None:
+    """Queue taking the chat's gate (`gate_of`) on `pipe`; its answer says
+    whether it was taken (`take`'s `got_gate`)."""
+    pipe.set(gate, _sending(), nx=True, px=GATE_TTL_MS)
+
+
+def take(redis: Any, platform: Platform, chat: str, gate: str | None, interval_s: float, *,
+         got_gate: bool) -> Slot:
+    """The rest of a send's slots once its chat gate was asked for: Paced
+    when the gate was not free, else the windows (a denial opens the gate
+    again). Release the returned slot when the send is over."""
+    if gate is not None and not got_gate:
         raise _gate_wait(redis, platform, gate, interval_s)
     return _windows(redis, platform, chat, gate, interval_s)
 
 
-class Guarded(Platform):
-    """A platform seen through one delivery: rate-limited sends, each part sent once."""
-
-    def __init__(self, redis: Any, platform: Platform, delivery_id: str, *, first_attempt: bool = False,
-                 defer: bool = False) -> None:
-        self._redis = redis
-        self._p = platform
-        #: with `defer`, a part sent without a chat gate is recorded later (`flush`)
-        self._defer = defer
-        self._pending: list[tuple[str, str]] = []
-        #: on a delivery's first attempt no part can have been sent before: no need to look
-        self._fresh = first_attempt
-        self._parts_key = keys.delivery_parts(delivery_id)
-        self.name = platform.name
-        self.limits = platform.limits
-
-    # -- what the platform declares, as the platform says it --------------
-    @property
-    def cache_key(self) -> str | None:  # type: ignore[override]
-        return self._p.cache_key
-
-    @property
-    def takes_empty_files(self) -> bool:  # type: ignore[override]
-        return self._p.takes_empty_files
-
-    def is_group(self, chat: str) -> bool:
-        return self._p.is_group(chat)
-
-    def caption_chars_for(self, kind: Kind, file: FileSource) -> int:
-        return self._p.caption_chars_for(kind, file)
-
-    def route_file(self, kind: Kind, file: FileSource) -> Kind:
-        return self._p.route_file(kind, file)
-
-    def __repr__(self) -> str:
-        return f"Guarded({self._p!r})"
-
-    def _once(self, chat: str, part: str, send: Callable[[], Sent]) -> Sent:
-        r = self._redis
-        gate, interval_s = gate_of(self._p, chat)
-        if self._pending:
-            self.flush()  # an earlier part's record goes before the next part is sent
-        if self._fresh and gate is None:
-            done, got_gate = None, True
-        else:
-            pipe = r.pipeline(transaction=False)
-            pipe.hget(self._parts_key, part)
-            if gate is not None:
-                pipe.set(gate, _sending(), nx=True, px=GATE_TTL_MS)
-            res = pipe.execute()
-            done, got_gate = res[0], (res[1] if gate is not None else True)
-        if done is not None:  # sent by an earlier run of this delivery
-            if gate is not None and got_gate:
-                r.delete(gate)
-            return Sent(message_id=done.decode() if isinstance(done, bytes) else str(done))
-        if not got_gate:
-            raise _gate_wait(r, self._p, gate, interval_s)  # type: ignore[arg-type]
-        slot = _windows(r, self._p, chat, gate, interval_s)
-        try:
-            sent = send()
-        except BaseException:
-            slot.release()
-            raise
-        if self._defer and gate is None:
-            # recorded with the next part's send or the delivery's own receipt
-            # (`flush`): the same crash window, one round trip less
-            self._pending.append((part, sent.message_id))
-            return sent
-        pipe = r.pipeline(transaction=False)
-        slot.release(pipe)
-        self._queue_record(pipe, part, sent.message_id)
-        pipe.execute()
-        return sent
-
-    def _queue_record(self, pipe: Any, part: str, message_id: str) -> None:
-        for p, m in self._pending:
-            pipe.hset(self._parts_key, p, m)
-        self._pending.clear()
-        pipe.hset(self._parts_key, part, message_id)
-        pipe.expire(self._parts_key, PARTS_TTL_S)
-
-    def flush(self, pipe: Any = None, *, covered: str | None = None) -> None:
-        """Queue the record of parts sent but not yet recorded on `pipe`
-        (the caller's receipt pipeline), or write it now. `covered`: the
-        delivery id whose receipt the same pipeline marks delivered: a part
-        that is the whole delivery needs no record of its own."""
-        pending = [(part, m) for part, m in self._pending if part != covered]
-        self._pending.clear()
-        if not pending:
-            return
-        p = pipe if pipe is not None else self._redis.pipeline(transaction=False)
-        for part, m in pending:
-            p.hset(self._parts_key, part, m)
-        p.expire(self._parts_key, PARTS_TTL_S)
-        if pipe is None:
-            p.execute()
-
-    def send_text(self, chat: str, text: str, *, delivery_id: str) -> Sent:
-        return self._once(chat, delivery_id, lambda: self._p.send_text(chat, text, delivery_id=delivery_id))
-
-    def send_file(self, chat: str, kind: Kind, file: FileSource, *, caption: str | None, delivery_id: str,
-                  file_id: str | None = None) -> Sent:
-        return self._once(chat, delivery_id, lambda: self._p.send_file(
-            chat, kind, file, caption=caption, delivery_id=delivery_id, file_id=file_id))
-
-    def send_album(self, chat: str, files: list[tuple[Kind, FileSource]], *, caption: str | None,
-                   delivery_id: str) -> list[Sent]:
-        out: list[Sent] = []
-
-        def send() -> Sent:
-            out.extend(self._p.send_album(chat, files, caption=caption, delivery_id=delivery_id))
-            return Sent(message_id=",".join(s.message_id for s in out))
-
-        sent = self._once(chat, delivery_id, send)
-        return out or [Sent(message_id=m) for m in sent.message_id.split(",")]
-
-    def typing(self, chat: str) -> None:
-        return self._p.typing(chat)
-
-    def start_progress(self, chat: str, text: str) -> str | None:
-        return self._p.start_progress(chat, text)
-
-    def edit_progress(self, chat: str, message_id: str, text: str) -> None:
-        return self._p.edit_progress(chat, message_id, text)
-
-    def end_progress(self, chat: str, message_id: str) -> None:
-        return self._p.end_progress(chat, message_id)
-
-    def close(self) -> None:
-        return None  # the wrapped platform is shared by the process
-
-
-def guard(redis: Any, platform: Platform, delivery_id: str, *, first_attempt: bool = False,
-          defer: bool = False) -> Guarded:
-    return Guarded(redis, platform, delivery_id, first_attempt=first_attempt, defer=defer)
+def open_gate(redis: Any, gate: str) -> None:
+    """Give back a gate taken for a send that does not happen."""
+    redis.delete(gate)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from contextlib import AbstractContextManager
 from typing import Any
 
 from redis import Redis
@@ -21,9 +20,6 @@ from tasks import keys
 from tasks.states import DELIVERY_OVER
 
 RETENTION_S = 30 * 24 * 3600
-#: a send lock lives this long unless its holder renews it (every third of it): as
-#: long as the lease of the lane that takes it, so both lapse together when a worker dies
-SEND_LOCK_TTL_S = 20
 TERMINAL = DELIVERY_OVER
 
 
@@ -130,23 +126,6 @@ def job_deliveries(r: Redis, job_id: str) -> list[dict[str, str]]:
     return [_decode(h) for h in pipe.execute() if h]
 
 
-_BEGIN = """
-local locked = redis.call('set', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2])
-local rec = redis.call('hmget', KEYS[2], 'state', 'final', 'message_id', 'reason')
-local attempts = 0
-if locked and ARGV[3] == '1' then
-  local st, final = rec[1], rec[2]
-  if st ~= 'delivered' and st ~= 'cancelled' and not (st == 'failed' and final == '1') then
-    attempts = redis.call('hincrby', KEYS[2], 'attempts', 1)
-    redis.call('hset', KEYS[2], 'state', 'sending')
-  end
-end
-return {locked and 1 or 0, rec, attempts}
-"""
-
-
-_BEGIN_FIELDS = ("state", "final", "message_id", "reason")
-
 _scripts: dict[tuple[int, str], Script] = {}
 
 
@@ -159,37 +138,9 @@ def _script(r: Redis, text: str) -> Script:
     return sc
 
 
-def begin_send(r: Redis, delivery_id: str, owner: str, ttl_s: int = 600, *, count_attempt: bool = False
-               ) -> tuple[bool, dict[str, str], int]:
-    """One round trip: take the send lock, read the receipt and, when the lock
-    was taken and the delivery is not done yet (and `count_attempt`), count
-    an attempt and mark it sending. Returns (locked, receipt as it was, attempt
-    number or 0). The receipt holds the fields that say whether the delivery
-    is done: state, final, message_id, reason (those set)."""
-    locked, values, attempts = _script(r, _BEGIN)(
-        keys=[keys.delivery_lock(delivery_id), keys.delivery(delivery_id)],
-        args=[owner, ttl_s, "1" if count_attempt else "0"])
-    rec = {k: _s(v) for k, v in zip(_BEGIN_FIELDS, values) if v is not None}
-    return bool(locked), rec, int(attempts)
-
-
 def start_attempt(r: Redis, delivery_id: str, **fields: Any) -> int:
     """Count an attempt and set fields in one round trip; returns the attempt number."""
     pipe = r.pipeline(transaction=False)
     pipe.hincrby(keys.delivery(delivery_id), "attempts", 1)
     pipe.hset(keys.delivery(delivery_id), mapping={k: _s(v) for k, v in fields.items()})
     return int(pipe.execute()[0])
-
-
-def renewing(r: Redis, delivery_id: str, owner: str) -> AbstractContextManager[None]:
-    """Keep a send lock alive while the block runs (the ledger's lease heartbeat)."""
-    from tasks import ledger
-
-    return ledger.renewing(r, keys.delivery_lock(delivery_id), owner, SEND_LOCK_TTL_S)
-
-
-def release_send_lock(r: Redis, delivery_id: str, owner: str) -> None:
-    """Only the owner releases (compare-and-delete). `r` may be a pipeline."""
-    from tasks import ledger
-
-    ledger.release(r, keys.delivery_lock(delivery_id), owner)

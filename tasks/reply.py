@@ -1,10 +1,9 @@
-"""Reply parsing and routing: plain Python, no Celery, no I/O.
+"""Reply parsing: plain Python, no Celery, no I/O.
 
 `parse_reply(text)` finds the `MEDIA:<path>` tags and the `[[...]]` directives
 in an agent's reply (DESIGN.md, "MEDIA tags in a reply") and returns the text
-to show in the chat with them removed. `route(filename, ...)` picks the
-platform `Kind` for a file by its extension (DESIGN.md, "Routing by
-extension").
+to show in the chat with them removed. Which kind a file goes as is
+`tasks.routing`'s (routing by extension).
 
 Tags
 ----
@@ -32,13 +31,14 @@ Tags
      (`/tmp/file_(1)` stays whole), and the extension's own dot stays
      (`/tmp/a.png.` gives `/tmp/a.png`);
   2. glued text: when the last path component does not end in a known
-     extension (`KNOWN_EXT`) but contains `.<known ext>` directly followed by
-     an upper-case letter, two or more ASCII letters, a non-ASCII letter
-     (CJK, Cyrillic, ...), or punctuation/symbols, the path ends after that
-     extension and the rest stays in the text: `/tmp/chart.pngHere` ->
-     `/tmp/chart.png`, `/tmp/a.pngand` -> `/tmp/a.png`, `/tmp/a.png这是图` ->
-     `/tmp/a.png`. A single lower-case letter is kept as part of the name
-     (`/tmp/a.docs`, `/tmp/a.svgz`), and so are digits, `.`, `-`, `_`, `~`.
+     extension (`tasks.routing.KNOWN_EXT`) but contains `.<known ext>`
+     directly followed by an upper-case letter, two or more ASCII letters,
+     a non-ASCII letter (CJK, Cyrillic, ...), or punctuation/symbols, the
+     path ends after that extension and the rest stays in the text:
+     `/tmp/chart.pngHere` -> `/tmp/chart.png`, `/tmp/a.pngand` ->
+     `/tmp/a.png`, `/tmp/a.png这是图` -> `/tmp/a.png`. A single lower-case
+     letter is kept as part of the name (`/tmp/a.docs`, `/tmp/a.svgz`), and
+     so are digits, `.`, `-`, `_`, `~`.
      Only the last component is searched (`/tmp/x.pngdir/f` stays whole).
      Without a known extension nothing is cut (`/tmp/READMEthen` stays).
 - Bracket/quote/emphasis pairs wrapped tightly around a tag go with it:
@@ -88,63 +88,20 @@ Text
   (and DEL) are removed from the returned text, except `\n`, `\t` and `\r`
   (a tag that removal glues together is defused as above).
 - `parse_reply` never raises for a `str`; anything else is a `TypeError`.
-
-Routing
--------
-See `route`. `PHOTO_EXT`, `ANIMATION_EXT`, `VIDEO_EXT`, `VOICE_EXT`,
-`AUDIO_EXT` (and their union `MEDIA_EXTENSIONS`) are DESIGN.md's table, with
-dots, lower case. `DOCUMENT_EXT` lists common document types: they route as
-documents like any other extension and only help the glued-text rule.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import unicodedata
 from bisect import bisect_right
 from dataclasses import dataclass
 
-from adapters.platforms.base import Kind
+from tasks.routing import KNOWN_EXT
 
-__all__ = [
-    "ANIMATION_EXT",
-    "AUDIO_EXT",
-    "DOCUMENT_EXT",
-    "KNOWN_EXT",
-    "MEDIA_EXTENSIONS",
-    "PHOTO_EXT",
-    "VIDEO_EXT",
-    "VOICE_EXT",
-    "ParsedReply",
-    "parse_reply",
-    "route",
-]
+__all__ = ["ParsedReply", "parse_reply"]
 
-# --------------------------------------------------------------------------
-# extension tables (DESIGN.md "Routing by extension")
-
-PHOTO_EXT: frozenset[str] = frozenset({".jpg", ".jpeg", ".png", ".webp"})
-ANIMATION_EXT: frozenset[str] = frozenset({".gif"})
-VIDEO_EXT: frozenset[str] = frozenset({".mp4", ".mov", ".avi", ".mkv", ".3gp", ".webm"})
-VOICE_EXT: frozenset[str] = frozenset({".ogg", ".opus"})
-AUDIO_EXT: frozenset[str] = frozenset({".mp3", ".wav", ".m4a", ".flac"})
-MEDIA_EXTENSIONS: frozenset[str] = PHOTO_EXT | ANIMATION_EXT | VIDEO_EXT | VOICE_EXT | AUDIO_EXT
-
-#: common document types; routed as DOCUMENT like any unknown extension
-DOCUMENT_EXT: frozenset[str] = frozenset(
-    {
-        ".pdf", ".txt", ".md", ".csv", ".tsv", ".json", ".jsonl", ".xml", ".yaml", ".yml",
-        ".html", ".htm", ".zip", ".gz", ".tgz", ".tar", ".bz2", ".xz", ".7z", ".rar",
-        ".doc", ".docx", ".xls", ".xlsx", ".ppt", ".pptx", ".odt", ".ods", ".odp", ".rtf",
-        ".epub", ".svg", ".bmp", ".tif", ".tiff", ".heic", ".heif", ".log", ".ipynb",
-        ".parquet", ".mpeg", ".mpg", ".m4v", ".aac",
-    }
-)  # fmt: skip
-
-#: every extension the glued-text rule knows
-KNOWN_EXT: frozenset[str] = MEDIA_EXTENSIONS | DOCUMENT_EXT
-
+#: the extensions the glued-text rule knows
 _EXT_NAMES = frozenset(e[1:] for e in KNOWN_EXT)
 _EXT_BY_LEN = sorted(_EXT_NAMES, key=lambda e: (-len(e), e))
 
@@ -572,39 +529,3 @@ def parse_reply(text: str) -> ParsedReply:
         audio_as_voice=sc.audio_as_voice,
         as_document=sc.as_document,
     )
-
-
-def route(
-    filename: str | os.PathLike[str],
-    *,
-    voice: bool = False,
-    as_document: bool = False,
-    animation: bool = True,
-    voice_notes: bool = True,
-) -> Kind:
-    """Kind for a file by extension (case-insensitive), per DESIGN.md's table.
-
-    animation: the platform has a native animation kind (Telegram) — else .gif is PHOTO.
-    voice_notes: the platform takes voice notes — else voice requests give AUDIO.
-    as_document: images, gifs and video go as DOCUMENT (audio is unaffected).
-    .ogg/.opus: VOICE when voice asked (and voice_notes), else AUDIO.
-    .mp3 .wav .m4a .flac: AUDIO, or VOICE when voice asked and voice_notes.
-    anything else (no extension, a dot-file such as `.png`): DOCUMENT.
-    """
-    if isinstance(filename, os.PathLike):
-        filename = os.fspath(filename)
-    if not isinstance(filename, str):
-        raise TypeError(f"route() wants a str file name, not {type(filename).__name__}")
-    name = filename.replace("\\", "/").rsplit("/", 1)[-1]
-    ext = os.path.splitext(name)[1].lower()
-    if ext in PHOTO_EXT:
-        return Kind.DOCUMENT if as_document else Kind.PHOTO
-    if ext in ANIMATION_EXT:
-        if as_document:
-            return Kind.DOCUMENT
-        return Kind.ANIMATION if animation else Kind.PHOTO
-    if ext in VIDEO_EXT:
-        return Kind.DOCUMENT if as_document else Kind.VIDEO
-    if ext in VOICE_EXT or ext in AUDIO_EXT:
-        return Kind.VOICE if voice and voice_notes else Kind.AUDIO
-    return Kind.DOCUMENT

@@ -2,8 +2,21 @@
 
 from pathlib import Path
 
+import pytest
+
 pytest_plugins = sorted(
     f"tests.fixtures.{p.stem}"
     for p in (Path(__file__).parent / "fixtures").glob("*.py")
     if not p.stem.startswith("_")
 )
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` (scripts/test): files costliest first, the attack table
+    one unit per backend (tests/fixtures/_schedule.py)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from tests.fixtures._schedule import make_scheduler
+
+    return make_scheduler(config, log)

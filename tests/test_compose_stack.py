@@ -51,6 +51,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.fixtures.podman import podman_env, write_podman_conf
 from tests.fixtures.services import need, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -70,27 +71,10 @@ S3_IMAGE = "localhost/courier-ci-seaweedfs:bookworm"
 SERVICES = ("redis", "s3", "web", "worker-turns", "worker-sandbox", "worker-delivery", "beat", "flower")
 SLOW_S = 20  # the slow agent's sleep: the window in which its worker is stopped
 
-CONTAINERS_CONF = """\
-[containers]
-default_ulimits = ["nofile=20000:20000", "nproc=32768:32768"]
-log_driver = "k8s-file"
-
-[engine]
-runtime = "runc"
-cgroup_manager = "cgroupfs"
-events_logger = "file"
-events_logfile_path = "{dir}/events.log"
-tmp_dir = "{dir}/tmp"
-
+#: compose's networks live in the private store too
+NETWORK_CONF = """
 [network]
 network_config_dir = "{dir}/networks"
-"""
-
-STORAGE_CONF = """\
-[storage]
-driver = "{driver}"
-runroot = "{dir}/runroot"
-graphroot = "{dir}/graphroot"
 """
 
 
@@ -100,10 +84,8 @@ class Podman:
     def __init__(self, d: Path, driver: str):
         self.dir = d
         d.mkdir(parents=True, exist_ok=True)
-        (d / "containers.conf").write_text(CONTAINERS_CONF.format(dir=d))
-        (d / "storage.conf").write_text(STORAGE_CONF.format(dir=d, driver=driver))
-        self.env = {**os.environ, "CONTAINERS_CONF": str(d / "containers.conf"),
-                    "CONTAINERS_STORAGE_CONF": str(d / "storage.conf")}
+        write_podman_conf(d, driver=driver, more=NETWORK_CONF.format(dir=d))
+        self.env = podman_env(d)
 
     def run(self, *args: str, check: bool = True, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
         res = subprocess.run(["podman", *args], env=kw.pop("env", self.env), capture_output=True, text=True,
@@ -174,20 +156,28 @@ def _base_image(pm: Podman, t: Timings) -> str:
 def _build_images(pm: Podman, tmp: Path, t: Timings) -> None:
     base = _base_image(pm, t)
     common = ["build", "--format", "docker", "--layers", "--build-arg", f"BASE_IMAGE={base}"]
-    with t("build redis+s3"):
-        ctx = tmp / "ctx-redis"
-        ctx.mkdir()
-        shutil.copy(ROOT / "compose" / "ci" / "Dockerfile.redis", ctx / "Dockerfile")
-        pm.run(*common, "--network=none", "-t", REDIS_IMAGE, str(ctx), timeout=600)
-        ctx = tmp / "ctx-s3"
-        ctx.mkdir()
-        shutil.copy(ROOT / "compose" / "ci" / "Dockerfile.seaweedfs", ctx / "Dockerfile")
-        shutil.copy(os.path.realpath(_weed_binary()), ctx / "weed")
-        pm.run(*common, "--network=none", "-t", S3_IMAGE, str(ctx), timeout=600)
-    with t("build courier"):
-        # pip reaches PyPI from the build (host network), with the machine's CA bundle
-        pm.run(*common, "--network=host", "-v", f"{CA_BUNDLE}:{CA_BUNDLE}:ro", "-f", str(COMPOSE.parent / "Dockerfile"),
-               "-t", f"localhost/courier:{COURIER_TAG}", str(ROOT), timeout=1200)
+
+    def redis_and_s3() -> None:
+        with t("build redis+s3"):
+            ctx = tmp / "ctx-redis"
+            ctx.mkdir()
+            shutil.copy(ROOT / "compose" / "ci" / "Dockerfile.redis", ctx / "Dockerfile")
+            pm.run(*common, "--network=none", "-t", REDIS_IMAGE, str(ctx), timeout=600)
+            ctx = tmp / "ctx-s3"
+            ctx.mkdir()
+            shutil.copy(ROOT / "compose" / "ci" / "Dockerfile.seaweedfs", ctx / "Dockerfile")
+            shutil.copy(os.path.realpath(_weed_binary()), ctx / "weed")
+            pm.run(*common, "--network=none", "-t", S3_IMAGE, str(ctx), timeout=600)
+
+    # the small images build while courier's waits on PyPI (they share only the base)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        small = pool.submit(redis_and_s3)
+        with t("build courier"):
+            # pip reaches PyPI from the build (host network), with the machine's CA bundle
+            pm.run(*common, "--network=host", "-v", f"{CA_BUNDLE}:{CA_BUNDLE}:ro", "-f",
+                   str(COMPOSE.parent / "Dockerfile"), "-t", f"localhost/courier:{COURIER_TAG}", str(ROOT),
+                   timeout=1200)
+        small.result()
     pm.run("image", "prune", "-f", check=False, timeout=300)  # superseded layers of earlier runs
 
 

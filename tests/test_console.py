@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 
 import httpx
 import pytest
 
-from tests.fixtures.services import free_port, port_open, stop_process, wait_until
-from tests.fixtures.workers import ROOT
+from tests.fixtures.services import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -113,15 +110,9 @@ def test_send_task_from_flower_goes_through_receipts(courier_env, tmp_path):
     a.write_text("x,y\n1,2\n")
     b = env.sandbox / "b.txt"
     b.write_text("hello")
-    port = free_port()
-    flower = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "workers.celery_app", "flower", "--address=127.0.0.1",
-         f"--port={port}", "--basic_auth=ops:pw"],
-        env=env.env, cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_until(lambda: port_open(port), timeout_s=60, what="flower")
+    with env.flower("--basic_auth=ops:pw") as base:
         kwargs = {"target": "outbox:fl", "text": "nightly", "files": [f"local://{a}", str(b)], "caption": "the csv"}
-        r = httpx.post(f"http://127.0.0.1:{port}/api/task/async-apply/courier.delivery.send",
+        r = httpx.post(f"{base}/api/task/async-apply/courier.delivery.send",
                        json={"kwargs": kwargs}, auth=("ops", "pw"), timeout=30)
         assert r.status_code == 200, r.text
         job = "snd_" + r.json()["task-id"].replace("-", "")
@@ -131,8 +122,6 @@ def test_send_task_from_flower_goes_through_receipts(courier_env, tmp_path):
             ("text", "delivered"), ("document", "delivered"), ("document", "delivered")]
         names = sorted(p.name for p in (env.outbox / "fl").iterdir() if not p.name.startswith("."))
         assert any(n.endswith("a.csv") for n in names) and any(n.endswith("b.txt") for n in names)
-    finally:
-        stop_process(flower)
     ctx = build_context(env.settings())
     big = env.sandbox / "big.bin"
     with open(big, "wb") as f:  # sparse: over the 50 MB extraction cap

@@ -327,13 +327,19 @@ def test_telegram_webhook(stack):
 def test_telegram_webhook_turn_shows_native_activity_and_replies_in_the_chat(stack):
     """No override: a real worker, the real Telegram adapter against a local Bot API server."""
     tg = stack.telegram
+    # the agent stays in its tool until the chat shows that activity (however slow the machine)
+    gate = stack.env.tmp / "gate-activity-seen"
+    text = f"gated {gate}"
     update = {"update_id": 77001, "message": {"message_id": 5, "chat": {"id": 5151, "type": "private"},
-                                               "text": "hi bot"}}
+                                               "text": text}}
     r1 = httpx.post(stack.direct + "/webhooks/telegram", json=update,
                     headers={"X-Telegram-Bot-Api-Secret-Token": TELEGRAM_SECRET})
     job = r1.json()["job"]
     rec = receipts.get_job(stack.r, job)
     assert rec["target"] == rec["origin"] == "telegram:5151"
+    wait_until(lambda: any(c.method == "sendMessage" and c.text == "reading message.txt"
+                           for c in tg.calls_for(chat="5151", ok=True)), timeout_s=60, what="the activity shown")
+    gate.touch()
     stack.wait_over(job)
     calls = tg.calls_for(chat="5151", ok=True)
     assert any(c.method == "sendChatAction" and c.fields.get("action") == "typing" for c in calls)
@@ -342,7 +348,7 @@ def test_telegram_webhook_turn_shows_native_activity_and_replies_in_the_chat(sta
     pid = str(progress[0].result["message_id"])
     wait_until(lambda: [c.fields.get("message_id") for c in tg.calls_for("deleteMessage", chat="5151")] == [pid],
                timeout_s=10, what="the progress message removed")
-    replies = [c for c in tg.calls_for("sendMessage", chat="5151") if c.text == "echo: hi bot"]
+    replies = [c for c in tg.calls_for("sendMessage", chat="5151") if c.text == f"echo: {text}"]
     assert len(replies) == 1 and replies[0].t > progress[0].t
     # the outbox records nothing for activity (nor for this chat)
     assert read_log(stack.env.outbox, "5151") == []

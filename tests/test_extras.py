@@ -25,6 +25,7 @@ import workers.cli, workers.web, workers.celery_app, workers.wiring, workers.set
 import workers.embedded, workers.turnpage, workers.metrics, workers.eventauth
 import tasks.celery_tasks, tasks.chains, tasks.lanes, tasks.delivery, tasks.turn, tasks.janitor, tasks.send
 import tasks.operations, tasks.reconcile, tasks.extract, tasks.listing, tasks.queues, tasks.ratelimit
+import tasks.parts, tasks.sendlock, tasks.album, tasks.routing, tasks.reply
 import storage, storage.volume, storage.retention, storage.spill
 import adapters.platforms.outbox, adapters.sandboxes.local, adapters.agents.bridge, adapters.agents.tools
 from workers.settings import Settings

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import httpx
 import pytest
 
-from tests.fixtures.services import free_port, port_open, stop_process, wait_until
-from tests.fixtures.workers import ROOT
+from tests.fixtures.services import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -18,14 +15,7 @@ pytestmark = pytest.mark.slow
 def test_flower_lists_courier_tasks_behind_basic_auth(courier_env, tmp_path):
     env = courier_env()
     env.start_worker()
-    port = free_port()
-    flower = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "workers.celery_app", "flower", "--address=127.0.0.1",
-         f"--port={port}", "--basic_auth=ops:pw"],
-        env=env.env, cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_until(lambda: port_open(port), timeout_s=60, what="flower")
-        base = f"http://127.0.0.1:{port}"
+    with env.flower("--basic_auth=ops:pw") as base:
         assert httpx.get(f"{base}/api/tasks", timeout=10).status_code == 401
         f = tmp_path / "x.txt"
         f.write_text("hi")
@@ -40,8 +30,6 @@ def test_flower_lists_courier_tasks_behind_basic_auth(courier_env, tmp_path):
 
         tasks = wait_until(seen, timeout_s=60, what="flower to show the delivery task")
         assert tasks[0]["worker"].startswith("t")
-    finally:
-        stop_process(flower)
 
 
 def test_a_failed_delivery_is_a_failure_in_flower(courier_env, tmp_path):
@@ -54,15 +42,7 @@ def test_a_failed_delivery_is_a_failure_in_flower(courier_env, tmp_path):
     assert res.returncode == 0, res.stderr
     did = json.loads(res.stdout)["deliveries"][0]
     gone.unlink()  # gone before any worker looks: fails for good
-    port = free_port()
-    flower = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "workers.celery_app", "flower", "--address=127.0.0.1",
-         f"--port={port}"],
-        env={**env.env, "FLOWER_BASIC_AUTH": "ops:pw"}, cwd=str(ROOT), stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL)
-    try:
-        wait_until(lambda: port_open(port), timeout_s=60, what="flower")
-        base = f"http://127.0.0.1:{port}"
+    with env.flower(env={"FLOWER_BASIC_AUTH": "ops:pw"}) as base:
         assert httpx.get(f"{base}/api/tasks", timeout=10).status_code == 401  # FLOWER_BASIC_AUTH from the env
         env.start_worker()
 
@@ -74,7 +54,5 @@ def test_a_failed_delivery_is_a_failure_in_flower(courier_env, tmp_path):
 
         (task,) = wait_until(failed, timeout_s=60, what="flower to show the lane's task failed")
         assert did in task["exception"] and "gone.csv" in task["exception"]
-    finally:
-        stop_process(flower)
     rows = json.loads(env.cli("status", did, "--json").stdout)
     assert rows["state"] == "failed"

@@ -380,7 +380,7 @@ def test_terminal_on_a_local_sandbox_leaves_nothing_running(tmp_path):
     tools = _toolbox(tmp_path)
     work = tmp_path / "work"
     daemon = ("setsid sh -c 'while :; do echo $$ > beat.tmp; mv beat.tmp beat; sleep 0.05; done' "
-              "</dev/null >/dev/null 2>&1 & sleep 0.3; echo started")
+              "</dev/null >/dev/null 2>&1 & while [ ! -e beat ]; do sleep 0.01; done; echo started")
     res = tools.call("terminal", {"command": daemon})
     assert res.ok and res.text.startswith("started"), res.text
     pid = int((work / "beat").read_text())

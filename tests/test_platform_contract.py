@@ -263,13 +263,6 @@ def row(request, _deployment) -> Row:
     return cls(fakes.get(cls.name), env)
 
 
-@pytest.fixture
-def r(redis_server):
-    c = redis_server.client()
-    yield c
-    c.close()
-
-
 @rows("refuses_empty")
 def test_empty_file_is_refused_before_any_upload_with_a_notice(row, r, tmp_path):
     chat = row.chat()

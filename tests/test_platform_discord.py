@@ -20,7 +20,8 @@ from adapters.platforms.base import FileSource, Kind, MiB
 from adapters.platforms.discord import DiscordPlatform, nonce_for, waveform_for
 from tasks import keys, receipts
 from tests.fixtures._files import sha256_file as sha
-from tests.fixtures._platforms import agent_env, chain_with_marker, db, make, opener, redelivered_file_job, send, send_plain, words
+from tests.fixtures._platforms import agent_env, assert_status_failed, assert_token_not_logged, chain_with_marker, db
+from tests.fixtures._platforms import long_reply_delivered, make, opener, redelivered_file_job, send, send_plain, sent, words
 from tests.fixtures.services import wait_until
 from tests.fixtures.workers import CourierEnv
 from tests.test_ogg import opus_stream, write_opus
@@ -92,23 +93,13 @@ def test_send_every_kind_as_attachments(denv, fake, tmp_path):
     assert all(c.fields["enforce_nonce"] is True and c.fields["allowed_mentions"]["parse"] == [] for c in sends)
     assert all(c.files and c.files[0]["field"] == "files[0]" for c in sends)
     # the token never shows in what the workers log
-    for w in denv.workers:
-        assert fake.token not in w.courier_log.read_text(errors="replace")
+    assert_token_not_logged(denv, fake.token)
 
 
 def test_text_over_the_limit_is_split(denv, fake, rclient):
     chan = channel()
     text = words(4500, seed=int.from_bytes(os.urandom(4), "big"))
-    denv.reply_file.write_text(text, encoding="utf-8")
-    res = denv.cli("turn", f"discord:{chan}", "write a lot", "--agent", "long", "--json")
-    assert res.returncode == 0, res.stdout + res.stderr
-    job = json.loads(res.stdout)["job"]
-
-    def delivered() -> bool:
-        rows = receipts.job_deliveries(rclient, job)
-        return bool(rows) and all(r.get("state") == "delivered" for r in rows)
-
-    wait_until(delivered, timeout_s=90, what="the reply's delivery")
+    long_reply_delivered(denv, rclient, f"discord:{chan}", text)
     msgs = nonced(fake, chan)
     assert len(msgs) == 3 and all(0 < len(m["content"]) <= 2000 for m in msgs)
     assert " ".join(m["content"] for m in msgs) == text
@@ -263,9 +254,7 @@ def test_redelivered_voice_note_task_sends_nothing_twice(denv, fake, tmp_path, r
     chan = channel()
     target = f"discord:{chan}"
     p = write_opus(tmp_path / "once.ogg", 2.5)
-    code, data, err = send(denv, target, str(p), "--voice", "--caption", "only once")
-    assert code == 0, (data, err)
-    row = data["deliveries"][0]
+    data, row = sent(denv, target, p, "--voice", "--caption", "only once")
     job = {**redelivered_file_job(data, target, p, sha(p)), "voice": True, "caption": "only once"}
     marker = chain_with_marker(denv, rclient, target, "discord", job)
     wait_until(lambda: any(m["content"] == marker["text"] for m in fake.channel_messages(chan)), timeout_s=60,
@@ -316,12 +305,7 @@ def test_permanent_400_and_403_are_not_retried_and_shown_by_status(denv, fake, t
     assert "forbidden" in rows[1]["reason"] and "Missing Permissions" in rows[1]["reason"]
     assert [c.status for c in fake.calls("send", chan)] == [400, 403]
     assert nonced(fake, chan) == []
-    res = denv.cli("status", data["job"], "--json")
-    assert res.returncode == 1
-    shown = {r["id"]: r["reason"] for r in json.loads(res.stdout)["deliveries"]}
-    assert shown == {r["id"]: r["reason"] for r in rows}
-    res = denv.cli("status", data["job"])
-    assert res.returncode == 1 and "failed" in res.stdout
+    assert_status_failed(denv, data["job"], rows)
 
 
 def test_unknown_channel_is_permanent(denv, fake, tmp_path):
@@ -335,11 +319,9 @@ def test_unknown_channel_is_permanent(denv, fake, tmp_path):
 # -- idempotency ------------------------------------------------------------------------------------
 def test_redelivered_task_after_success_sends_nothing(denv, fake, tmp_path, rclient):
     chan = channel()
-    p = make(tmp_path, "once.png", 1200)
-    code, data, err = send(denv, f"discord:{chan}", str(p))
-    assert code == 0, (data, err)
-    row = data["deliveries"][0]
     target = f"discord:{chan}"
+    p = make(tmp_path, "once.png", 1200)
+    data, row = sent(denv, target, p)
     job = redelivered_file_job(data, target, p, sha(p))
     # the same task again, then a marker after it in one chain: when the marker
     # arrives, the redelivered task has run

@@ -24,13 +24,6 @@ def oenv(tmp_path_factory, redis_server):
     env.stop()
 
 
-@pytest.fixture
-def r(redis_server):
-    c = redis_server.client()
-    yield c
-    c.close()
-
-
 def _sha(p) -> str:
     return hashlib.sha256(p.read_bytes()).hexdigest()
 

@@ -5,7 +5,6 @@ worker processes, against a local server speaking Slack's Web API
 from __future__ import annotations
 
 import itertools
-import json
 import os
 
 import pytest
@@ -14,9 +13,9 @@ import redis
 from adapters.errors import Permanent, RateLimited, Transient
 from adapters.platforms.base import FileSource, Kind
 from adapters.platforms.slack import DEFAULT_UPLOAD_BYTES, SlackPlatform
-from tasks import receipts
 from tests.fixtures._files import sha256_file as sha
-from tests.fixtures._platforms import agent_env, chain_with_marker, db, make, opener, redelivered_file_job, send, send_plain, words
+from tests.fixtures._platforms import agent_env, assert_status_failed, assert_token_not_logged, chain_with_marker, db
+from tests.fixtures._platforms import long_reply_delivered, make, opener, redelivered_file_job, send, send_plain, sent, words
 from tests.fixtures.services import wait_until
 from tests.fixtures.workers import CourierEnv
 
@@ -87,23 +86,13 @@ def test_send_every_kind_as_files(senv, fake, tmp_path):
                                                                                  for p in files]
     ups = fake.calls("upload")[uploads_before:]
     assert len(ups) == 5 and not any(u.fields["chunked"] for u in ups)  # streamed with a Content-Length
-    for w in senv.workers:
-        assert fake.token not in w.courier_log.read_text(errors="replace")
+    assert_token_not_logged(senv, fake.token)
 
 
 def test_text_over_the_limit_is_split(senv, fake, rclient):
     chan = channel()
     text = words(90000)
-    senv.reply_file.write_text(text, encoding="utf-8")
-    res = senv.cli("turn", f"slack:{chan}", "write a lot", "--agent", "long", "--json")
-    assert res.returncode == 0, res.stdout + res.stderr
-    job = json.loads(res.stdout)["job"]
-
-    def delivered() -> bool:
-        rows = receipts.job_deliveries(rclient, job)
-        return bool(rows) and all(r.get("state") == "delivered" for r in rows)
-
-    wait_until(delivered, timeout_s=90, what="the reply's delivery")
+    long_reply_delivered(senv, rclient, f"slack:{chan}", text)
     msgs = [m for m in fake.channel_messages(chan) if not m["files"]]
     assert len(msgs) == 3 and all(0 < len(m["text"]) <= 40000 for m in msgs)
     assert " ".join(m["text"] for m in msgs) == text
@@ -197,11 +186,7 @@ def test_permanent_errors_are_not_retried_and_shown_by_status(senv, fake, tmp_pa
     assert {r: len(fake.calls(r)) - n for r, n in counts.items()} == {
         "files.getUploadURLExternal": 3, "upload": 2, "files.completeUploadExternal": 1}
     assert fake.channel_messages(chan) == []
-    res = senv.cli("status", data["job"], "--json")
-    assert res.returncode == 1
-    assert {r["id"]: r["reason"] for r in json.loads(res.stdout)["deliveries"]} == {r["id"]: r["reason"] for r in rows}
-    res = senv.cli("status", data["job"])
-    assert res.returncode == 1 and "failed" in res.stdout
+    assert_status_failed(senv, data["job"], rows)
 
 
 def test_unknown_channel_is_permanent(senv, fake, tmp_path):
@@ -215,11 +200,9 @@ def test_unknown_channel_is_permanent(senv, fake, tmp_path):
 # -- idempotency ------------------------------------------------------------------------------------
 def test_redelivered_task_after_success_sends_nothing(senv, fake, tmp_path, rclient):
     chan = channel()
-    p = make(tmp_path, "once.png", 1200)
-    code, data, err = send(senv, f"slack:{chan}", str(p))
-    assert code == 0, (data, err)
-    row = data["deliveries"][0]
     target = f"slack:{chan}"
+    p = make(tmp_path, "once.png", 1200)
+    data, row = sent(senv, target, p)
     uploads = len(fake.calls("upload"))
     job = redelivered_file_job(data, target, p, sha(p))
     marker = chain_with_marker(senv, rclient, target, "slack", job)

@@ -17,7 +17,7 @@ from adapters.errors import Permanent, RateLimited, Transient
 from adapters.platforms.base import FileSource, Kind
 from adapters.platforms.telegram import TelegramPlatform
 from tasks import receipts
-from tests.fixtures._platforms import running, write_unique
+from tests.fixtures._platforms import deployment_fixtures, write_unique
 from tests.fixtures.fake_telegram import FakeTelegram, enqueue, wait_job
 from tests.fixtures.services import wait_until
 from tests.fixtures.workers import CourierEnv
@@ -27,35 +27,8 @@ pytestmark = pytest.mark.slow
 CHAT = "777001"
 
 
-@pytest.fixture(scope="module")
-def _deployment(redis_server, tmp_path_factory):
-    """One courier deployment for the module: its Telegram is the local fake, one worker.
-    Tests use their own chats and fresh file contents, and reset the fake."""
-    fake = FakeTelegram().start()
-    env = CourierEnv(tmp_path_factory.mktemp("tg"), redis_server.url, TELEGRAM_BOT_TOKEN=fake.token,
-                     COURIER_TELEGRAM_BASE_URL=fake.url)
-    with running(env, fake) as deployment:
-        yield deployment
-
-
-@pytest.fixture
-def tg(_deployment):
-    env, fake = _deployment
-    fake.reset()
-    return env
-
-
-@pytest.fixture
-def fake_telegram(_deployment):  # noqa: F811 - this module shares one server with its worker
-    return _deployment[1]
-
-
-@pytest.fixture
-def r(redis_server):
-    """A client of the shared Redis that, unlike `r`, does not flush it under the worker."""
-    c = redis_server.client()
-    yield c
-    c.close()
+#: one courier deployment for the module (`tg`): its Telegram is the local fake (`fake_telegram`), one worker
+_deployment, tg, fake_telegram = deployment_fixtures(FakeTelegram, "tg", "fake_telegram")
 
 
 def _fields(call, name: str) -> str | None:

@@ -11,7 +11,7 @@ import pytest
 
 from adapters.errors import Permanent, RateLimited, Transient
 from adapters.platforms.whatsapp import map_error
-from tests.fixtures._platforms import running, write_unique
+from tests.fixtures._platforms import deployment_fixtures, write_unique
 from tests.fixtures.fake_telegram import enqueue, wait_job
 from tests.fixtures.fake_whatsapp import FakeWhatsApp
 from tests.fixtures.workers import CourierEnv
@@ -21,35 +21,8 @@ pytestmark = pytest.mark.slow
 TO = "+15551234567"
 
 
-@pytest.fixture(scope="module")
-def _deployment(redis_server, tmp_path_factory):
-    """One courier deployment for the module: its WhatsApp is the local fake, one worker.
-    Tests use their own recipients and fresh file contents, and reset the fake."""
-    fake = FakeWhatsApp().start()
-    env = CourierEnv(tmp_path_factory.mktemp("wa"), redis_server.url, WHATSAPP_ACCESS_TOKEN=fake.token,
-                     WHATSAPP_PHONE_NUMBER_ID=fake.phone_number_id, COURIER_WHATSAPP_BASE_URL=fake.url)
-    with running(env, fake) as deployment:
-        yield deployment
-
-
-@pytest.fixture
-def wa(_deployment):
-    env, fake = _deployment
-    fake.reset()
-    return env
-
-
-@pytest.fixture
-def fake_whatsapp(_deployment):  # noqa: F811 - this module shares one server with its worker
-    return _deployment[1]
-
-
-@pytest.fixture
-def r(redis_server):
-    """A client of the shared Redis that, unlike `r`, does not flush it under the worker."""
-    c = redis_server.client()
-    yield c
-    c.close()
+#: one courier deployment for the module (`wa`): its WhatsApp is the local fake (`fake_whatsapp`), one worker
+_deployment, wa, fake_whatsapp = deployment_fixtures(FakeWhatsApp, "wa", "fake_whatsapp")
 
 
 def _body(call) -> dict:

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from tests.fixtures.services import wait_until
+from tests.fixtures.workers import ROOT
 
 pytestmark = pytest.mark.slow
 
@@ -112,20 +113,20 @@ def test_cancel_pending_deliveries_are_never_sent_and_the_lane_goes_on(courier_e
 def test_cancel_leaves_a_send_in_flight_to_finish(courier_env, redis_client):
     """The send lock held (as a worker holds it while it uploads): cancel
     leaves that delivery alone and waits, up to --timeout, for it to end."""
-    from tasks import operations, receipts
+    from tasks import operations, receipts, sendlock
 
     env = courier_env()
     res = env.cli("send", "outbox:fl", "--text", "one", "--json")
     job = json.loads(res.stdout)["job"]
     did = f"{job}.0"
-    locked, _rec, n = receipts.begin_send(redis_client, did, "test-owner", ttl_s=60, count_attempt=True)
+    locked, _rec, n = sendlock.begin_send(redis_client, did, "test-owner", ttl_s=60, count_attempt=True)
     assert locked and n == 1
     res = env.cli("cancel", job, "--timeout", "1", "--json")
     assert res.returncode == 4 and "in flight" in res.stderr
     assert json.loads(res.stdout)["deliveries"][0]["outcome"] == "in_flight"
     assert _status(env, did)["state"] == "sending"
     receipts.update_delivery(redis_client, did, state="delivered", message_id="m1")
-    receipts.release_send_lock(redis_client, did, "test-owner")
+    sendlock.release_send_lock(redis_client, did, "test-owner")
     assert operations.cancel_delivery(redis_client, receipts.get_delivery(redis_client, did))["outcome"] == "final"
     res = env.cli("cancel", job, "--json")
     assert res.returncode == 0 and json.loads(res.stdout)["deliveries"][0]["state"] == "delivered"
@@ -133,9 +134,9 @@ def test_cancel_leaves_a_send_in_flight_to_finish(courier_env, redis_client):
     res = env.cli("send", "outbox:fl", "--text", "two", "--json")
     job2 = json.loads(res.stdout)["job"]
     assert env.cli("cancel", job2).returncode == 0
-    locked, rec, n = receipts.begin_send(redis_client, f"{job2}.0", "w", ttl_s=60, count_attempt=True)
+    locked, rec, n = sendlock.begin_send(redis_client, f"{job2}.0", "w", ttl_s=60, count_attempt=True)
     assert rec["state"] == "cancelled" and n == 0
-    receipts.release_send_lock(redis_client, f"{job2}.0", "w")
+    sendlock.release_send_lock(redis_client, f"{job2}.0", "w")
 
 
 AGENT = """
@@ -171,3 +172,83 @@ def test_cancel_a_running_turn_and_a_queued_one(courier_env, tmp_path):
     _final(env, later)
     assert _status(env, running)["deliveries"] == [] and _status(env, queued)["deliveries"] == []
     assert _texts(env, "tc") == ["after"]  # the later text only: neither turn's reply
+
+
+def _blocked_on_xread(redis_client, proc) -> str:
+    """The id of the CLI's connection once it blocks on XREAD (its wait on the job's event stream)."""
+    def blocked():
+        assert proc.poll() is None, proc.communicate()
+        return next((c["id"] for c in redis_client.client_list()
+                     if c.get("cmd") == "xread" and "b" in c.get("flags", "")), None)
+
+    return wait_until(blocked, timeout_s=60, what="the CLI to block on XREAD")
+
+
+def _mostly_blocked(redis_client, cid: str) -> None:
+    """Sampled for a second, the connection is almost always blocked on XREAD: between looks it
+    waits for an event, it does not poll (a poll would be seen running, or idle in a sleep)."""
+    import time
+
+    seen = []
+    for _ in range(20):
+        c = next(c for c in redis_client.client_list() if c["id"] == cid)
+        seen.append(c.get("cmd") == "xread" and "b" in c.get("flags", ""))
+        time.sleep(0.05)  # the sampling interval: not a wait for a condition
+    assert sum(seen) >= 14, seen
+
+
+def _finish(redis_client, job: str, did: str) -> float:
+    """What a worker does when its send ends: the receipt and its event in one round trip."""
+    import time
+
+    from tasks import events, receipts
+
+    p = redis_client.pipeline(transaction=False)
+    receipts.update_delivery(p, did, state="delivered", message_id="m1")
+    events.publish(redis_client, job, {"kind": "delivery", "delivery_id": did, "state": "delivered"}, pipe=p)
+    p.execute()
+    return time.monotonic()
+
+
+def _woken(env, redis_client, job: str, did: str, *args: str) -> tuple[str, float]:
+    """Run the CLI (`args`), see it block on XREAD, end the delivery as a
+    worker does: its stdout, and how long it took to exit after the event."""
+    import subprocess
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "workers.cli", *args], env=env.env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    try:
+        _mostly_blocked(redis_client, _blocked_on_xread(redis_client, proc))
+        t0 = _finish(redis_client, job, did)
+        stdout, stderr = proc.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    return stdout, took
+
+
+def test_cancel_and_retry_waits_wake_on_the_delivery_event(courier_env, redis_client):
+    """`cancel` waiting for a send in flight and `retry --wait` block on the
+    job's event stream: the delivery's final event ends the wait at once."""
+    from tasks import sendlock
+
+    env = courier_env()
+    job = json.loads(env.cli("send", "outbox:ev", "--text", "one", "--json").stdout)["job"]
+    did = f"{job}.0"
+    assert sendlock.begin_send(redis_client, did, "test-owner", ttl_s=60, count_attempt=True)[0]
+    stdout, took = _woken(env, redis_client, job, did, "cancel", job, "--timeout", "120", "--json")
+    row = json.loads(stdout)["deliveries"][0]
+    assert (row["outcome"], row["state"], row["note"]) == ("final", "delivered", "was in flight: it finished")
+    assert took < 3, took
+    sendlock.release_send_lock(redis_client, did, "test-owner")
+
+    # retry --wait: no worker runs; the test plays the worker's final event
+    job = json.loads(env.cli("send", "outbox:ev", "--text", "two", "--json").stdout)["job"]
+    did = f"{job}.0"
+    assert env.cli("cancel", job).returncode == 0
+    stdout, took = _woken(env, redis_client, job, did, "retry", did, "--wait", "--timeout", "120", "--json")
+    got = json.loads(stdout)
+    assert got["done"] and [(d["id"], d["state"]) for d in got["deliveries"]] == [(did, "delivered")]
+    assert took < 3, took

@@ -18,7 +18,6 @@ from adapters.errors import FileMissing, NotAFile, SandboxError, SandboxGone, St
 from adapters.sandboxes.base import SandboxRef, parse_uri
 from adapters.sandboxes.docker import DockerSandbox, open_under, iter_single_member, tar_stream
 from adapters.sandboxes.routing import host_of, queue_for
-from storage.volume import VolumeStore
 from tests.fixtures._files import MB, random_chunks, run_in, sha256_file, sha_in_container, stored
 
 SETUP = r"""set -e
@@ -80,24 +79,14 @@ def bind_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ctr(docker_api, bind_dir):
-    c = docker_api.run_container(binds={str(bind_dir): "/workspace/bind"})
-    res = c.exec_run(["sh", "-c", SETUP])
-    assert res.exit_code == 0, res.output
-    yield c
-    docker_api.remove_container(c.id)
+    with docker_api.container(SETUP, binds={str(bind_dir): "/workspace/bind"}) as c:
+        yield c
 
 
 @pytest.fixture
 def sb(docker_api, ctr):
-    client = docker_api.client()
-    s = DockerSandbox(SandboxRef("docker", ctr.name), None, client=client)
-    yield s
-    client.close()
-
-
-@pytest.fixture
-def store(tmp_path):
-    return VolumeStore(tmp_path / "store")
+    with docker_api.sandbox(ctr) as s:
+        yield s
 
 
 # -- outbound: byte-identical through each channel --------------------------------------
@@ -191,27 +180,8 @@ def test_default_roots_include_home_but_not_its_secrets(sb, store):
     assert [b.key for b in store.list()] == ["files/n"]
 
 
-# -- refusals: nothing stored --------------------------------------------------------------
-@pytest.mark.parametrize("path, exc", [
-    ("/workspace/nope", FileMissing),
-    ("/workspace/nodir/nope", FileMissing),
-    ("/workspace/dir", NotAFile),
-    ("/workspace/pw", UnsafePath),            # symlink to /etc/passwd
-    ("/etc/passwd", UnsafePath),              # denylisted
-    ("/bin/busybox", UnsafePath),             # outside the roots
-    ("/workspace/../etc/passwd", UnsafePath),
-    ("workspace/f1k", UnsafePath),
-])
-def test_refused(sb, store, path, exc):
-    with pytest.raises(exc):
-        sb.extract(path, store, "files/x")
-    assert stored(store) == []
-
-
-def test_over_cap_nothing_stored(sb, store):
-    with pytest.raises(TooLarge) as ei:
-        sb.extract("/workspace/f1k", store, "files/x", max_bytes=1000)
-    assert ei.value.size_bytes == 1024 and ei.value.limit_bytes == 1000
+# -- refusals: nothing stored (the refusal table and the archive channel's cap: tests/contract) -------
+def test_over_cap_nothing_stored_by_the_other_channels(sb, store):
     with pytest.raises(TooLarge):
         sb.extract("/workspace/bind/b1k", store, "files/x", max_bytes=1000)
     with pytest.raises(TooLarge):
@@ -306,23 +276,6 @@ def test_put_byte_identical(sb, ctr, store, size):
     assert sha_in_container(ctr, final) == info.sha256
     ls = run_in(ctr, ["sh", "-c", "ls -a /workspace | grep -c courier-part || true"]).strip()
     assert ls == b"0"
-
-
-@pytest.mark.parametrize("dest, exc", [
-    ("/etc/evil", UnsafePath),
-    ("/bin/evil", UnsafePath),
-    ("/home/agent/.ssh/authorized_keys", UnsafePath),
-    ("/workspace/../etc/evil", UnsafePath),
-    ("/workspace/pw", UnsafePath),          # a link (to /etc/passwd)
-    ("/workspace/dir", UnsafePath),         # a directory
-    ("/workspace/f1k/x", NotAFile),
-    ("/workspace/pw/sub/x", UnsafePath),   # a missing dir under a link out of the roots
-])
-def test_put_refused(sb, ctr, store, dest, exc):
-    store.put_bytes("in/b", b"payload")
-    with pytest.raises(exc):
-        sb.put(store, "in/b", dest)
-    assert run_in(ctr, ["sh", "-c", "grep -c payload /etc/passwd || true"]).strip() == b"0"
 
 
 def test_put_over_cap(sb, store):

@@ -9,42 +9,15 @@ expected digests come from the container's own `sha256sum`.
 
 from __future__ import annotations
 
-import threading
-import time
 
 import pytest
 
 from adapters.errors import SandboxError, SandboxGone, UnsafePath
 from adapters.sandboxes.base import ReadTimeout, SandboxRef
 from adapters.sandboxes.docker import DockerSandbox
-from storage.volume import VolumeStore
+from tests.fixtures._exec import start_streams_at_the_open
 from tests.fixtures._files import sha_in_container, stored
-from tests.fixtures.services import wait_until
-
-@pytest.fixture
-def store(tmp_path):
-    return VolumeStore(tmp_path / "store")
-
-
-def _bounded(fn, timeout_s: float):
-    """Run `fn` in a thread; fail if it runs past `timeout_s` (the caller's
-    cleanup then removes the container, which ends the stuck call)."""
-    box: dict = {}
-
-    def run():
-        try:
-            box["res"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
-            box["exc"] = exc
-
-    t = threading.Thread(target=run, daemon=True)
-    t0 = time.monotonic()
-    t.start()
-    t.join(timeout_s)
-    if t.is_alive():
-        pytest.fail(f"blocked for more than {timeout_s} s")
-    return box.get("exc"), time.monotonic() - t0
-
+from tests.fixtures.services import bounded, wait_until
 
 # -- 4. reads happen with the container user's permissions ------------------------------------
 AS_ROOT = r"""set -e
@@ -158,18 +131,8 @@ def test_fifo_open_in_the_stream_is_killed_after_the_deadline(docker_api, store)
         client = docker_api.client()
         s = DockerSandbox(SandboxRef("docker", c.name), None, client=client, io_timeout_s=2)
         ch = s.exec_channel()
-        real = ch.exec_stream
-        seen: list[str] = []
-
-        def stream_without_type_test(argv):
-            argv = list(argv)
-            i = argv.index("-c") + 1
-            argv[i] = argv[i].split("\n", 1)[1]  # start the run at the open
-            seen.extend(a for a in argv if a.startswith("COURIER_EXEC_ID="))
-            return real(argv)
-
-        ch.exec_stream = stream_without_type_test
-        exc, took = _bounded(lambda: b"".join(exec_iter_file(ch, "/tmp/pipe")), 30)
+        seen = start_streams_at_the_open(ch)
+        _res, exc, took = bounded(lambda: b"".join(exec_iter_file(ch, "/tmp/pipe")), 30)
         assert isinstance(exc, ReadTimeout), exc
         assert len(seen) == 1
         probe = ["sh", "-c", 'grep -lzxF "$1" /proc/[0-9]*/environ 2>/dev/null | grep -v self || true', "sh", seen[0]]

@@ -31,24 +31,14 @@ head -c 1024 /dev/urandom > /workspace/small
 @pytest.fixture(scope="module")
 def ctr(docker_api):
     need(hostroot.available(), "no pidfd_open / openat2 here")
-    c = docker_api.run_container()
-    res = c.exec_run(["sh", "-c", SETUP, "sh", str(BIG)])
-    assert res.exit_code == 0, res.output
-    yield c
-    docker_api.remove_container(c.id)
+    with docker_api.container(SETUP, str(BIG)) as c:
+        yield c
 
 
 @pytest.fixture
 def sb(docker_api, ctr):
-    client = docker_api.client()
-    s = DockerSandbox(SandboxRef("docker", ctr.name), None, client=client)
-    yield s
-    client.close()
-
-
-@pytest.fixture
-def store(tmp_path):
-    return VolumeStore(tmp_path / "store")
+    with docker_api.sandbox(ctr) as s:
+        yield s
 
 
 def test_big_file_read_through_the_host_root(sb, ctr, store):

@@ -24,7 +24,6 @@ from adapters.sandboxes.docker import DockerSandbox
 from adapters.sandboxes.execstream import (
     ExecChannel, ExecStream, default_roots, exec_extract, exec_iter_file, exec_put, exec_resolve, probe,
 )
-from storage.volume import VolumeStore
 from tests.fixtures._files import MB, random_chunks, sha_in_container, stored
 
 SETUP = r"""set -e
@@ -122,28 +121,19 @@ class LocalShell:
 
 @pytest.fixture(scope="module")
 def ctr(docker_api):
-    c = docker_api.run_container()
-    res = c.exec_run(["sh", "-c", SETUP])
-    assert res.exit_code == 0, res.output
-    yield c
-    docker_api.remove_container(c.id)
+    with docker_api.container(SETUP) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
 def sandbox(docker_api, ctr):
-    client = docker_api.client()
-    yield DockerSandbox(SandboxRef("docker", ctr.name), None, client=client)
-    client.close()
+    with docker_api.sandbox(ctr) as s:
+        yield s
 
 
 @pytest.fixture(params=["binary", "base64"])
 def ch(request, sandbox):
     return Counting(sandbox.exec_channel(), binary_safe=(request.param == "binary"))
-
-
-@pytest.fixture
-def store(tmp_path):
-    return VolumeStore(tmp_path / "store")
 
 
 POLICY = PathPolicy(roots=default_roots("/home/agent"), home="/home/agent")
@@ -305,6 +295,9 @@ class _Dropping:
     def __init__(self, drops: int) -> None:
         self.drops = drops
         self.calls = 0
+        #: answers the real podman dropped by itself (the bug this stands in for, under load):
+        #: each is asked again too, so the counts below add them
+        self.real_drops = 0
 
     def __call__(self, real):
         def exec_small(argv):
@@ -313,6 +306,8 @@ class _Dropping:
             if self.drops:
                 self.drops -= 1
                 return rc, b"", err
+            if rc in (0, 2) and not out:  # the resolve script answers with both
+                self.real_drops += 1
             return rc, out, err
         return exec_small
 
@@ -327,16 +322,16 @@ def test_a_dropped_probe_answer_is_asked_again(sandbox, monkeypatch, drops, answ
     if answered:
         r = exec_resolve(ch, "/workspace/f1k")
         assert (r.path, r.size) == ("/workspace/f1k", 1024)
-        assert drop.calls == drops + 1
+        assert drop.calls == drops + 1 + drop.real_drops
     else:
         with pytest.raises(Exception, match="unexpected reply"):
             exec_resolve(ch, "/workspace/f1k")
         assert drop.calls == PROBE_ATTEMPTS
     # a missing path answers (exit 2) with what it would name: an empty one is asked again too
-    drop.drops, drop.calls = 1, 0
+    drop.drops, drop.calls, drop.real_drops = 1, 0, 0
     with pytest.raises(FileMissing):
         exec_resolve(ch, "/workspace/nope", policy_for=lambda home: POLICY)
-    assert drop.calls == 2
+    assert drop.calls == 2 + drop.real_drops
     # a probe that answered in its exit code alone (a missing file for `stat`) is not asked again
     drop.drops, drop.calls = 0, 0
     rc, out, _err = ch.exec_probe(["stat", "-c", "%h", "--", "/workspace/nope"])

@@ -10,22 +10,20 @@ that reads a live instance's root. Instance discovery from
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
-from adapters.errors import ConfigError, FileMissing, NotAFile, SandboxGone, TooLarge, UnsafePath
+from adapters.errors import ConfigError, SandboxGone, UnsafePath
 from adapters.sandboxes.base import SandboxRef, parse_uri
 from adapters.sandboxes.singularity import (
     SingularitySandbox, find_instance_root, open_in_root, resolve_in_root, root_from_listing,
 )
-from storage.volume import VolumeStore
 from tests.fixtures._files import MB, random_chunks, sha256_file, stored
 
 
-@pytest.fixture(scope="module")
-def instances(tmp_path_factory):
-    """<instances_dir>/agent1/rootfs with files, links and decoys."""
-    base = tmp_path_factory.mktemp("instances")
+def make_instances(base: Path) -> Path:
+    """<instances_dir> = `base`: agent1/rootfs with files, links and decoys."""
     root = base / "agent1" / "rootfs"
     for d in ("workspace/dir", "tmp", "etc", "home/agent/.ssh", "bin"):
         (root / d).mkdir(parents=True)
@@ -53,6 +51,17 @@ def instances(tmp_path_factory):
     return base
 
 
+@pytest.fixture(scope="module")
+def instances(tmp_path_factory):
+    return make_instances(tmp_path_factory.mktemp("instances"))
+
+
+def sandbox_of(instances: Path) -> SingularitySandbox:
+    """The sandbox of instance agent1 (home /home/agent) under `instances`."""
+    return SingularitySandbox(SandboxRef("singularity", "agent1", options={"home": "/home/agent"}), None,
+                              instances_dir=str(instances))
+
+
 @pytest.fixture
 def root(instances):
     return str(instances / "agent1" / "rootfs")
@@ -60,13 +69,7 @@ def root(instances):
 
 @pytest.fixture
 def sb(instances):
-    ref = SandboxRef("singularity", "agent1", options={"home": "/home/agent"})
-    return SingularitySandbox(ref, None, instances_dir=str(instances))
-
-
-@pytest.fixture
-def store(tmp_path):
-    return VolumeStore(tmp_path / "store")
+    return sandbox_of(instances)
 
 
 @pytest.mark.parametrize("name", ["f0", "f1k", "f50m"])
@@ -85,31 +88,6 @@ def test_links_resolved_inside_the_instance(sb, root, store, path):
 def test_home_and_tmp_roots(sb, store):
     assert sb.extract("/home/agent/notes.txt", store, "files/n").size_bytes == 2
     assert sb.extract("/tmp/t.txt", store, "files/t").size_bytes == 8
-
-
-@pytest.mark.parametrize("path, exc", [
-    ("/workspace/nope", FileMissing),
-    ("/workspace/f1k/below", FileMissing),
-    ("/workspace/dir", NotAFile),
-    ("/workspace/dirlink", NotAFile),
-    ("/workspace/pw", UnsafePath),                 # symlink to /etc/passwd
-    ("/etc/passwd", UnsafePath),                   # denylisted
-    ("/home/agent/.ssh/id_rsa", UnsafePath),       # home denylist
-    ("/bin", UnsafePath),                          # outside the roots
-    ("/workspace/../etc/passwd", UnsafePath),
-    ("/workspace/host", FileMissing),              # a host path is not the instance's
-    ("/workspace/loop_a", UnsafePath),
-])
-def test_refused(sb, store, path, exc):
-    with pytest.raises(exc):
-        sb.extract(path, store, "files/x")
-    assert stored(store) == []
-
-
-def test_over_cap_nothing_stored(sb, store):
-    with pytest.raises(TooLarge):
-        sb.extract("/workspace/f1k", store, "files/x", max_bytes=1000)
-    assert stored(store) == []
 
 
 def test_resolution_never_leaves_the_root(root):
@@ -147,24 +125,6 @@ def test_put_byte_identical(sb, root, store, size):
     assert final == f"/workspace/up_{size}"
     assert sha256_file(os.path.join(root, "workspace", f"up_{size}")) == info.sha256
     assert not [n for n in os.listdir(os.path.join(root, "workspace")) if "courier-part" in n]
-
-
-@pytest.mark.parametrize("dest, exc", [
-    ("/etc/evil", UnsafePath),
-    ("/bin/evil", UnsafePath),
-    ("/workspace/pw", UnsafePath),
-    ("/workspace/dir", UnsafePath),
-    ("/workspace/host", UnsafePath),
-    ("/home/agent/.ssh/authorized_keys", UnsafePath),
-    ("/workspace/../etc/evil", UnsafePath),
-    ("/workspace/f1k/x", NotAFile),
-    ("/workspace/pw/sub/x", UnsafePath),   # a missing dir under a link out of the roots
-])
-def test_put_refused(sb, instances, store, dest, exc):
-    store.put_bytes("in/b", b"payload")
-    with pytest.raises(exc):
-        sb.put(store, "in/b", dest)
-    assert (instances / "host_only.txt").read_text() == "host file"
 
 
 def test_instance_discovery(instances, tmp_path):

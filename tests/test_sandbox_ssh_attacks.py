@@ -12,8 +12,6 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import threading
-import time
 
 import pytest
 
@@ -21,8 +19,8 @@ from adapters.errors import SandboxGone, UnsafePath
 from adapters.sandboxes.base import ReadTimeout
 from adapters.sandboxes.execstream import exec_iter_file
 from adapters.sandboxes.ssh import close_pool
-from storage.volume import VolumeStore
-from tests.fixtures.services import wait_until
+from tests.fixtures._exec import start_streams_at_the_open
+from tests.fixtures.services import bounded, wait_until
 from tests.test_sandbox_ssh import make
 
 MODES = ["sftp", "openssh"]
@@ -47,35 +45,6 @@ def control_dir():
     d = tempfile.mkdtemp(prefix="cm", dir="/tmp")  # ControlPath must stay short
     yield d
     shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def store(tmp_path):
-    return VolumeStore(tmp_path / "store")
-
-
-def bounded(fn, timeout_s: float, unblock=None):
-    """Run `fn` in a thread; fail (after `unblock()`) if it runs past `timeout_s`.
-    Returns (result, exception, seconds)."""
-    box: dict = {}
-
-    def run():
-        try:
-            box["res"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
-            box["exc"] = exc
-
-    t0 = time.monotonic()
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(timeout_s)
-    took = time.monotonic() - t0
-    if t.is_alive():
-        if unblock is not None:
-            unblock()
-        t.join(30)
-        pytest.fail(f"blocked for more than {timeout_s} s")
-    return box.get("res"), box.get("exc"), took
 
 
 def _runs_with_env(entry: str) -> list[int]:
@@ -104,19 +73,7 @@ def test_openssh_fifo_open_is_killed_after_the_deadline(sshd_server, root, contr
     os.mkfifo(fifo)
     s = make(sshd_server, root, "openssh", control_dir, io_timeout_s=2)
     ch = s._openssh()
-    real = ch.exec_stream
-    seen: list[str] = []
-
-    def stream_without_type_test(argv):
-        # the swap lands between the script's `[ -f ]` and its open: start the
-        # run at the open (same script minus its first line, same run id)
-        argv = list(argv)
-        i = argv.index("-c") + 1
-        argv[i] = argv[i].split("\n", 1)[1]
-        seen.extend(a for a in argv if a.startswith("COURIER_EXEC_ID="))
-        return real(argv)
-
-    ch.exec_stream = stream_without_type_test
+    seen = start_streams_at_the_open(ch)
     try:
         _res, exc, took = bounded(lambda: b"".join(exec_iter_file(ch, str(fifo))), 20,
                                   unblock=lambda: os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)))

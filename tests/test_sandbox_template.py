@@ -34,10 +34,7 @@ def test_every_backend_module_is_seen():
     assert {"local", "docker", "ssh", "modal", "singularity"} <= set(_backend_modules())
 
 
-@pytest.mark.parametrize("module", [
-    pytest.param(m, marks=pytest.mark.xfail(reason="ssh helper converts it", strict=False)) if m == "ssh" else m
-    for m in _backend_modules()
-])
+@pytest.mark.parametrize("module", _backend_modules())
 def test_no_backend_overrides_the_templates(module):
     classes = _backends(module)
     assert classes, f"no Sandbox class in adapters.sandboxes.{module}"
@@ -50,7 +47,6 @@ def test_the_size_cap_words_are_written_once():
     """'byte cap' is written in base.py (check_size, grew_over_cap) and in no backend."""
     hits = [p.relative_to(ROOT) for p in (ROOT / "adapters" / "sandboxes").rglob("*.py")
             if p.name != "base.py" and "byte cap" in p.read_text(encoding="utf-8")]
-    hits = [h for h in hits if h.stem != "ssh" and "ssh" not in h.parts]  # the ssh helper converts it
     assert hits == []
 
 

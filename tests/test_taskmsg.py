@@ -128,3 +128,37 @@ def test_a_process_without_the_task_module_says_what_the_tasks_say(app):
     bare = SimpleNamespace(tasks={}, conf=app.conf)  # an app in which no courier task is registered
     for name in (task_names.AGENT_TURN, task_names.EXTRACT_FILE, task_names.DRIVE_LANE, task_names.SEND):
         assert task_names.ignores_result(bare, name) == bool(app.tasks[name].ignore_result), name
+
+
+def test_task_events_go_out_with_the_exchange_bound_once(redis_server):
+    """workers.broker: the worker's event dispatcher binds its exchange once (kombu would
+    copy it for every event), and each event is still published on the events channel
+    Flower listens to (tests/test_flower.py sees the tasks end to end)."""
+    import json
+
+    import redis as redis_lib
+    from kombu import Connection
+
+    import workers.celery_app as celery_app
+    from tests.fixtures.services import wait_until
+    from workers.broker import EventDispatcher
+
+    app = celery_app.app
+    assert issubclass(app.events.Dispatcher, EventDispatcher)
+    sub = redis_lib.Redis.from_url(redis_server.url).pubsub()
+    sub.psubscribe("*celeryev*")
+    wait_until(lambda: sub.get_message(timeout=0.1) is not None, timeout_s=10, what="subscribed")
+    with Connection(redis_server.url) as pub:
+        d = app.events.Dispatcher(pub, hostname="bound@test", enabled=True)
+        assert d.exchange.is_bound  # bound once, at enable
+        bound = d.exchange
+        got = []
+        for i in range(3):
+            d.send("task-received", uuid=f"u{i}")
+            got.append(wait_until(lambda: sub.get_message(timeout=0.5), timeout_s=10, what="the event published"))
+        assert d.exchange is bound  # not rebound per event
+        d.close()
+    sub.close()
+    bodies = [json.loads(m["data"]) for m in got]
+    assert [m["channel"] for m in got] == [b"/0.celeryev/task.received"] * 3, got
+    assert all(b["body"] for b in bodies)

@@ -51,7 +51,7 @@ def make_app(settings=None) -> Celery:
     s = settings or get_settings()
     broker.install()
     url, sentinel_options = celery_url(s.redis_url)
-    app = Celery("courier", include=["tasks.celery_tasks"])
+    app = Celery("courier", include=["tasks.celery_tasks"], events="workers.broker:Events")
     app.conf.update(
         broker_url=url,
         result_backend=url,

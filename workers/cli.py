@@ -28,6 +28,7 @@ from workers.console import (
     die,
     err,
     esc,
+    follow,
     new_table,
     out,
     wait_deliveries,
@@ -134,10 +135,11 @@ def send(
     from adapters.sandboxes.base import parse_uri
     from tasks import chains
     from workers.wiring import platform as wired_platform
+    from workers.wiring import platform_limits
 
     settings = _settings()
-    plat = wired_platform(_target(settings, target), settings)  # built by the check
-    album_max = plat.limits.album_max
+    platform_name = _target(settings, target)
+    album_max = platform_limits(platform_name, settings).album_max
     paths = paths or []
     if not paths and not (text and text.strip()):
         raise die("nothing to send: give files, --text, or both", EXIT_INPUT)
@@ -155,8 +157,9 @@ def send(
             from workers.wiring import open_sandbox
 
             try:  # a remote path the policy refuses as written; a local one resolved, its size checked
-                check_file(lambda ref: open_sandbox(ref, settings), plat, ref, path, raw, voice=voice,
-                           as_document=as_document, max_file_bytes=settings.max_file_bytes)
+                # files to check: the adapter itself, for its own type rules (`route_file`) besides its limits
+                check_file(lambda ref: open_sandbox(ref, settings), wired_platform(platform_name, settings), ref,
+                           path, raw, voice=voice, as_document=as_document, max_file_bytes=settings.max_file_bytes)
             except ConfigError as exc:
                 raise die(str(exc), EXIT_INPUT) from None
             items.append(("sandbox", chains.SandboxFile(ref=ref, path=path)))
@@ -171,7 +174,8 @@ def send(
             from tasks.send import check_size
 
             try:
-                check_size(plat, raw, p.name, p.stat().st_size, voice=voice, as_document=as_document, path=str(p))
+                check_size(wired_platform(platform_name, settings), raw, p.name, p.stat().st_size, voice=voice,
+                           as_document=as_document, path=str(p))
             except ConfigError as exc:
                 raise die(str(exc), EXIT_INPUT) from None
             items.append(("local", p))
@@ -556,13 +560,13 @@ def retry(
     from tasks import receipts
 
     done_ids = [res["id"] for res in results if res["outcome"] == "requeued"]
-    deadline = time.monotonic() + timeout
-    while True:
+    jobs = {rec["id"]: rec.get("job") or rec["id"].rsplit(".", 1)[0] for rec in recs}
+
+    def look() -> tuple[list[dict], bool]:
         rows = [receipts.get_delivery(r, d) or {"id": d, "state": "gone"} for d in done_ids]
-        finished = all(row.get("state") in receipts.TERMINAL or row.get("state") == "gone" for row in rows)
-        if finished or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
+        return rows, all(row.get("state") in receipts.TERMINAL or row.get("state") == "gone" for row in rows)
+
+    rows, finished = follow(r, dict.fromkeys(jobs[d] for d in done_ids), look, timeout)
     rows = [{k: v for k, v in row.items() if k != "spec"} for row in rows]
     if as_json:
         print(json.dumps({"done": finished, "deliveries": rows, "refused": refused}))
@@ -592,25 +596,24 @@ def cancel(
             raise die(f"{job} is a delivery: cancel takes its job ({job.rsplit('.', 1)[0]})", EXIT_INPUT)
         raise die(f"no send or turn with id {job!r}", EXIT_INPUT)
     turn_was = operations.mark_turn(r, job) if rec.get("kind") == "turn" else None
-    deadline = time.monotonic() + timeout
     results: dict[str, dict] = {}
-    while True:
-        rows = receipts.job_deliveries(r, job)
-        flight = []
-        for row in rows:
+
+    def look() -> tuple[None, bool]:  # cancel what has not started; done when no send is in flight
+        flight = False
+        for row in receipts.job_deliveries(r, job):
             before = results.get(row["id"])
             if before is not None and before["outcome"] != "in_flight":
                 continue
             res = operations.cancel_delivery(r, row)
             if res["outcome"] == "in_flight":
                 res["note"] = "being sent: it finishes"
-                flight.append(row)
+                flight = True
             elif res["outcome"] == "final":
                 res["note"] = "was in flight: it finished" if before is not None else "already final"
             results[res["id"]] = res
-        if not flight or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
+        return None, not flight
+
+    follow(r, [job], look, timeout)  # a send in flight: its final event wakes the next look
     if any(res["outcome"] == "cancelled" for res in results.values()):
         _celery()
         chains.publish_lane(rec.get("target", ""))  # the lane drops the cancelled steps now, not at its due time

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 import typer
 from rich.console import Console
@@ -16,6 +18,7 @@ from tasks.events import describe
 from tasks.states import TURN_OVER
 
 EXIT_FAILED, EXIT_INPUT, EXIT_SERVICE, EXIT_TIMEOUT = 1, 2, 3, 4
+T = TypeVar("T")
 
 # piped (not a terminal): tables are as wide as their content, never wrapped at 80 columns
 out = Console() if sys.stdout.isatty() else Console(width=1000, soft_wrap=True)
@@ -38,26 +41,44 @@ def die(msg: str, code: int) -> "typer.Exit":
     return typer.Exit(code)
 
 
+#: at most this long between two looks when no event comes (a state set without its event is still seen)
+LOOK_MS = 250
+
+
+def follow(r, job_ids: Iterable[str], look: Callable[[], tuple[T, bool]], timeout_s: float) -> tuple[T, bool]:
+    """Look (`look()` -> its value, and whether it is done) until done or
+    `timeout_s` is up; between looks, block on the jobs' event streams, so
+    an event (a delivery's final state, a turn's end) wakes it at once. Each
+    stream is read from its start, then after the last event seen: an event
+    that lands between a look and the next read still wakes it. Returns the
+    last look's value and whether it was done."""
+    from tasks import events
+
+    deadline = time.monotonic() + timeout_s
+    cursors = dict.fromkeys(job_ids, "0-0")
+    while True:
+        value, done = look()
+        left = deadline - time.monotonic()
+        if done or left <= 0 or not cursors:
+            return value, done
+        for job_id, eid, _ev in events.read_many(r, cursors, block_ms=int(min(left * 1000, LOOK_MS)) or 1,
+                                                 count=200):
+            cursors[job_id] = eid
+
+
 def wait_deliveries(r, job_id: str, timeout_s: float) -> tuple[list[dict], bool]:
     """The job's deliveries once all are final; done at once for a turn that
     ended with none (no reply, an empty reply). Between looks it waits on the
-    job's event stream, so a delivery's final event wakes it at once (at most
-    250 ms between looks when nothing happens)."""
-    from tasks import events, receipts
+    job's event stream (`follow`), so a delivery's final event wakes it at once."""
+    from tasks import receipts
 
-    deadline = time.monotonic() + timeout_s
-    cursor = "0-0"
-    while True:
+    def look() -> tuple[list[dict], bool]:
         rows = receipts.job_deliveries(r, job_id)
-        if rows and all(row.get("state") in receipts.TERMINAL for row in rows):
-            return rows, True
-        if not rows and (receipts.get_job(r, job_id) or {}).get("state") in TURN_OVER:
-            return rows, True
-        if time.monotonic() > deadline:
-            return rows, False
-        got = events.read(r, job_id, cursor, block_ms=250, count=200)
-        if got:
-            cursor = got[-1][0]
+        if rows:
+            return rows, all(row.get("state") in receipts.TERMINAL for row in rows)
+        return rows, (receipts.get_job(r, job_id) or {}).get("state") in TURN_OVER
+
+    return follow(r, [job_id], look, timeout_s)
 
 
 def deliveries_table(job_id: str, rows: list[dict]) -> Table:

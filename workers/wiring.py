@@ -7,10 +7,13 @@ from __future__ import annotations
 import os
 import threading
 from functools import lru_cache
+from typing import Any
+
+from pydantic import SecretStr
 
 from adapters.errors import ConfigError
 from adapters.extras import needs
-from adapters.platforms.base import Platform
+from adapters.platforms.base import Limits, Platform
 from adapters.sandboxes.base import PathPolicy, Sandbox, SandboxRef
 from storage import BlobStore, open_store
 from workers.settings import Settings, get_settings
@@ -64,49 +67,65 @@ def platform(name: str, settings: Settings | None = None) -> Platform:
 
 
 def _build_platform(name: str, s: Settings) -> Platform:
+    cls, credentials, options = _adapter(name, s)
+    return cls(*credentials, **options)
+
+
+def _secret(value: SecretStr | None, missing: str) -> str:
+    if value is None or not value.get_secret_value():
+        raise ConfigError(missing)
+    return value.get_secret_value()
+
+
+def _adapter(name: str, s: Settings) -> tuple[type[Platform], tuple[Any, ...], dict[str, Any]]:
+    """A platform's adapter class, its constructor's positional arguments (what
+    it sends as: a token, a directory) and its options, from the settings.
+    Builds nothing; ConfigError when the platform is unknown, its SDK is not
+    installed or a credential is not set."""
     if name == "outbox":
         from adapters.platforms.outbox import OutboxPlatform
 
-        return OutboxPlatform(s.outbox)
+        return OutboxPlatform, (s.outbox,), {}
     if name == "telegram":
         with needs("telegram", "the telegram platform"):
             from adapters.platforms.telegram import TelegramPlatform
 
-        if s.telegram_bot_token is None or not s.telegram_bot_token.get_secret_value():
-            raise ConfigError("telegram: TELEGRAM_BOT_TOKEN is not set")
-        return TelegramPlatform(s.telegram_bot_token.get_secret_value(), base_url=s.telegram_base_url,
-                                local_api=s.telegram_local_api, bot_per_s=s.telegram_bot_per_s)
+        return TelegramPlatform, (_secret(s.telegram_bot_token, "telegram: TELEGRAM_BOT_TOKEN is not set"),), \
+            {"base_url": s.telegram_base_url, "local_api": s.telegram_local_api, "bot_per_s": s.telegram_bot_per_s}
     if name == "whatsapp":
         from adapters.platforms.whatsapp import WhatsAppPlatform
 
-        if s.whatsapp_access_token is None or not s.whatsapp_access_token.get_secret_value():
-            raise ConfigError("whatsapp: WHATSAPP_ACCESS_TOKEN is not set")
+        token = _secret(s.whatsapp_access_token, "whatsapp: WHATSAPP_ACCESS_TOKEN is not set")
         if not s.whatsapp_phone_number_id:
             raise ConfigError("whatsapp: WHATSAPP_PHONE_NUMBER_ID is not set")
-        return WhatsAppPlatform(s.whatsapp_access_token.get_secret_value(), s.whatsapp_phone_number_id,
-                                base_url=s.whatsapp_base_url)
+        return WhatsAppPlatform, (token, s.whatsapp_phone_number_id), {"base_url": s.whatsapp_base_url}
     if name == "discord":
         with needs("discord", "the discord platform"):
             from adapters.platforms.discord import DiscordPlatform
 
-        if s.discord_bot_token is None or not s.discord_bot_token.get_secret_value():
-            raise ConfigError("discord: DISCORD_BOT_TOKEN is not set")
-        return DiscordPlatform(s.discord_bot_token.get_secret_value(), base_url=s.discord_base_url,
-                               upload_bytes=s.discord_upload_bytes)
+        return DiscordPlatform, (_secret(s.discord_bot_token, "discord: DISCORD_BOT_TOKEN is not set"),), \
+            {"base_url": s.discord_base_url, "upload_bytes": s.discord_upload_bytes}
     if name == "slack":
         with needs("slack", "the slack platform"):
             from adapters.platforms.slack import SlackPlatform
 
-        if s.slack_bot_token is None or not s.slack_bot_token.get_secret_value():
-            raise ConfigError("slack: SLACK_BOT_TOKEN is not set")
-        return SlackPlatform(s.slack_bot_token.get_secret_value(), base_url=s.slack_base_url,
-                             upload_bytes=s.slack_upload_bytes)
+        return SlackPlatform, (_secret(s.slack_bot_token, "slack: SLACK_BOT_TOKEN is not set"),), \
+            {"base_url": s.slack_base_url, "upload_bytes": s.slack_upload_bytes}
     raise ConfigError(f"unknown platform {name!r}: use one of {', '.join(PLATFORMS)}")
 
 
 def check_platform(name: str, settings: Settings | None = None) -> None:
-    """Raise ConfigError when a target's platform is unknown or lacks its token."""
-    platform(name, settings)
+    """Raise ConfigError when a target's platform is unknown or lacks its token
+    (or its SDK); builds no adapter."""
+    _adapter(name, settings or get_settings())
+
+
+def platform_limits(name: str, settings: Settings | None = None) -> Limits:
+    """A configured platform's limits (upload sizes, album size, rate limits),
+    read from its adapter class: no adapter and no SDK client is built.
+    ConfigError as `check_platform`."""
+    cls, _credentials, options = _adapter(name, settings or get_settings())
+    return cls.limits_for(**options)
 
 
 # -- sandboxes ----------------------------------------------------------------

@@ -20,7 +20,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from adapters.errors import DeliveryError, Permanent, Transient
+from adapters.errors import DeliveryError, ErrorTable, Permanent, Transient
 
 MB = 1000 * 1000
 MiB = 1024 * 1024
@@ -96,42 +96,31 @@ class FileRefused(Permanent):
 ErrorRule = Callable[..., "DeliveryError | None"]
 
 
-class ErrorMap:
+class ErrorMap(ErrorTable[DeliveryError]):
     """The one place an adapter's vendor errors (its SDK's exceptions, its HTTP
     client's, an error answer) become courier's (`adapters.errors`): a table of
-    rows `(vendor types, rule)`, tried in order; the first row whose types
-    match and whose rule gives an error wins. Courier's own errors pass as
-    they are; what no row takes is `unexpected`'s (a Transient by default).
-    `map_error(exc, *context)` passes the context on to the rules."""
+    rows `(vendor types, rule)`, tried in order (an `ErrorTable`); the first row
+    whose types match and whose rule gives an error wins. Courier's own errors
+    pass as they are; what no row takes is `unexpected`'s (a Transient by
+    default). `map_error(exc, *context)` passes the context on to the rules."""
 
     def __init__(self, platform: str, rows: Sequence[tuple[type | tuple[type, ...], ErrorRule]], *,
                  unexpected: ErrorRule | None = None) -> None:
+        super().__init__(rows)
         self.platform = platform
-        self.rows = tuple((t if isinstance(t, tuple) else (t,), rule) for t, rule in rows)
         self._unexpected = unexpected
 
     def __call__(self, exc: object, *context: Any) -> DeliveryError:
         if isinstance(exc, DeliveryError):
             return exc
-        for types, rule in self.rows:
-            if isinstance(exc, types):
-                out = rule(exc, *context)
-                if out is not None:
-                    return out
+        out = self.map(exc, *context)
+        if out is not None:
+            return out
         if self._unexpected is not None:
             unexpected = self._unexpected(exc, *context)
             if unexpected is not None:
                 return unexpected
         return Transient(f"{self.platform}: unexpected {type(exc).__name__}: {exc}")
-
-    def covers(self, cls: type) -> bool:
-        """Whether a row of the table takes errors of type `cls` (not only the fallback)."""
-        return any(issubclass(cls, types) for types, _rule in self.rows)
-
-    @property
-    def types(self) -> tuple[type, ...]:
-        """Every vendor type the table names."""
-        return tuple(t for types, _rule in self.rows for t in types)
 
 
 @dataclass(frozen=True)
@@ -155,6 +144,14 @@ class Platform(ABC):
     cache_key: str | None = None
     #: whether a 0-byte file can be sent (the outbox, a directory: yes; chat platforms: no)
     takes_empty_files: bool = False
+
+    @classmethod
+    def limits_for(cls, **options: Any) -> Limits:
+        """The `limits` an adapter built with these constructor options has,
+        read without building one (no client, no credentials). Default: the
+        class's own `limits`; an adapter whose limits depend on its options
+        (an upload size, a local API server) says how."""
+        return cls.limits
 
     def is_group(self, chat: str) -> bool:
         """Whether `chat` is a group (the platform's per-group limit applies)."""

@@ -232,7 +232,17 @@ class DiscordPlatform(Platform):
         self.__token = token
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
-        self.limits = Limits(
+        self.limits = self.limits_for(upload_bytes=upload_bytes)
+        self._client: discord.Client | None = None
+        self._pid: int | None = None
+        self._login_lock: asyncio.Lock | None = None
+        #: the last file probed as a voice note and what was found (the shared flow asks
+        #: `caption_chars_for` and then `send_file` about the same FileSource)
+        self._voice_memo: tuple[FileSource, _ogg.OpusInfo | None] | None = None
+
+    @classmethod
+    def limits_for(cls, *, upload_bytes: int = DEFAULT_UPLOAD_BYTES, **options: Any) -> Limits:
+        return Limits(
             text_chars=2000,
             caption_chars=2000,  # a file's caption is its message content
             upload_bytes=upload_bytes,
@@ -244,12 +254,6 @@ class DiscordPlatform(Platform):
             native_kinds=frozenset({Kind.TEXT, Kind.PHOTO, Kind.VIDEO, Kind.AUDIO, Kind.VOICE, Kind.DOCUMENT}),
             album_max=10,
         )
-        self._client: discord.Client | None = None
-        self._pid: int | None = None
-        self._login_lock: asyncio.Lock | None = None
-        #: the last file probed as a voice note and what was found (the shared flow asks
-        #: `caption_chars_for` and then `send_file` about the same FileSource)
-        self._voice_memo: tuple[FileSource, _ogg.OpusInfo | None] | None = None
 
     def __repr__(self) -> str:
         return f"DiscordPlatform(base_url={self.base_url!r})"

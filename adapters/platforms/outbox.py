@@ -16,6 +16,7 @@ from pathlib import Path
 
 from adapters.errors import Permanent, Transient
 from adapters.platforms.base import FileSource, Kind, Limits, Platform, Sent
+from storage.volume import sweep_stale
 
 _SAFE = re.compile(r"[^A-Za-z0-9._@+-]")
 LOG_NAME = "deliveries.jsonl"
@@ -73,18 +74,9 @@ class OutboxPlatform(Platform):
 
     def sweep_partial(self, older_than_s: float = 3600) -> int:
         """`.part` files of sends killed mid-write, older than `older_than_s`."""
-        cutoff = time.time() - older_than_s
-        n = 0
         if not self.root.is_dir():
             return 0
-        for p in self.root.glob("*/.*.part"):
-            try:
-                if p.stat().st_mtime < cutoff:
-                    p.unlink()
-                    n += 1
-            except FileNotFoundError:
-                pass
-        return n
+        return sweep_stale(self.root.glob("*/.*.part"), older_than_s)
 
     def send_text(self, chat: str, text: str, *, delivery_id: str) -> Sent:
         d = self._chat_dir(chat)

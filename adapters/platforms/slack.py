@@ -120,7 +120,11 @@ class SlackPlatform(Platform):
         self._names: dict[str, str] = {}
         self._names_at = 0.0
         self._names_lock = threading.Lock()
-        self.limits = Limits(
+        self.limits = self.limits_for(upload_bytes=upload_bytes)
+
+    @classmethod
+    def limits_for(cls, *, upload_bytes: int = DEFAULT_UPLOAD_BYTES, **options: Any) -> Limits:
+        return Limits(
             text_chars=40000,
             caption_chars=40000,  # initial_comment is a message text
             upload_bytes=upload_bytes,

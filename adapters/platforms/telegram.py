@@ -195,7 +195,18 @@ class TelegramPlatform(Platform):
         self._base = base_url.rstrip("/")
         #: names this bot in shared Redis keys (file ids, rate limits): a hash, never the token
         self.cache_key = hashlib.sha256(b"telegram-bot:" + token.encode()).hexdigest()[:20]
-        self.limits = Limits(
+        self.limits = self.limits_for(local_api=local_api, bot_per_s=bot_per_s)
+        self._timeouts = (connect_timeout_s, read_timeout_s, media_write_timeout_s)
+        self._pool_size = pool_size
+        self._bot: Bot | None = None
+        self._bot_pid: int | None = None
+        redactor = _RedactToken(token)
+        for logger in ("httpx", "httpcore", "telegram"):
+            logging.getLogger(logger).addFilter(redactor)
+
+    @classmethod
+    def limits_for(cls, *, local_api: bool = False, bot_per_s: float | None = 30.0, **options: Any) -> Limits:
+        return Limits(
             text_chars=4096,
             caption_chars=1024,
             upload_bytes=(2000 if local_api else 50) * MB,
@@ -207,13 +218,6 @@ class TelegramPlatform(Platform):
             native_kinds=frozenset(Kind),
             album_max=10,
         )
-        self._timeouts = (connect_timeout_s, read_timeout_s, media_write_timeout_s)
-        self._pool_size = pool_size
-        self._bot: Bot | None = None
-        self._bot_pid: int | None = None
-        redactor = _RedactToken(token)
-        for logger in ("httpx", "httpcore", "telegram"):
-            logging.getLogger(logger).addFilter(redactor)
 
     def __repr__(self) -> str:
         return f"TelegramPlatform(base_url={self._base!r}, bot={self.cache_key})"

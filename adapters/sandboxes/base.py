@@ -19,7 +19,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeVar
 from urllib.parse import quote, unquote, urlparse
 
 from adapters.defaults import MAX_FILE_BYTES
@@ -28,8 +28,12 @@ from adapters.errors import (
 )
 from adapters.sandboxes.routing import host_of
 
+if TYPE_CHECKING:
+    from storage.base import BlobInfo, BlobStore
+
 DEFAULT_MAX_BYTES = MAX_FILE_BYTES
 T = TypeVar("T")
+R = TypeVar("R")
 #: Sandbox.exec: bytes kept per output stream, and the exit code of a timeout
 DEFAULT_EXEC_OUTPUT_BYTES = 1024 * 1024
 EXEC_TIMEOUT_EXIT = 124
@@ -71,11 +75,11 @@ class SandboxRef:
     #: extra backend options (user, port, host of a container, ...)
     options: dict[str, str] = field(default_factory=dict)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "target": self.target, "roots": list(self.roots), "options": dict(self.options)}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "SandboxRef":
+    def from_dict(cls, d: dict[str, Any]) -> "SandboxRef":
         return cls(
             kind=d["kind"],
             target=d.get("target", ""),
@@ -197,13 +201,13 @@ class PathPolicy:
                                      if probe.startswith(r)))
         for d, prefix in self._denied:  # type: ignore[attr-defined]
             if probe.startswith(prefix) and prefix not in waived:
-                return d
+                return str(d)
         home = self._home  # type: ignore[attr-defined]
         if home and probe.startswith(home):
             parts = [c for c in probe[len(home):].split("/") if c]
             for pat in self._home_pats:  # type: ignore[attr-defined]
                 if len(parts) >= len(pat) and all(fnmatch.fnmatchcase(c, q) for c, q in zip(parts, pat)):
-                    return posixpath.join(home, *pat)
+                    return str(posixpath.join(home, *pat))
         return None
 
     def check(self, resolved: str, *, shown: str | None = None) -> str:
@@ -308,16 +312,17 @@ class ReadTimeout(SandboxGone):
     goes on."""
 
 
-def with_deadline(chunks: Iterable[T], idle_s: float, what: str, on_timeout=None) -> Iterator[T]:
+def with_deadline(chunks: Iterable[T], idle_s: float, what: str,
+                  on_timeout: Callable[[], object] | None = None) -> Iterator[T]:
     """`chunks` (a blocking iterator: an SDK stream) read by a helper thread,
     at most two chunks ahead; when none arrives for `idle_s` seconds,
     `on_timeout()` runs (end the command) and :class:`ReadTimeout` is raised.
     A producer still stuck in the SDK is left to its daemon thread."""
-    q: queue.Queue = queue.Queue(maxsize=2)
+    q: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=2)
     stop = threading.Event()
     done = object()
 
-    def put(item) -> None:
+    def put(item: tuple[str, Any]) -> None:
         while not stop.is_set():
             try:
                 q.put(item, timeout=0.1)
@@ -354,11 +359,11 @@ def with_deadline(chunks: Iterable[T], idle_s: float, what: str, on_timeout=None
         stop.set()
 
 
-def call_with_deadline(fn, timeout_s: float, what: str):
+def call_with_deadline(fn: Callable[[], R], timeout_s: float, what: str) -> R | None:
     """`fn()` run by a helper thread; ReadTimeout if it has not returned
     within `timeout_s` (a blocking SDK write into a stalled sandbox; the
     thread is left to end on its own). Its result, or its exception."""
-    box: dict = {}
+    box: dict[str, Any] = {}
 
     def run() -> None:
         try:
@@ -376,7 +381,7 @@ def call_with_deadline(fn, timeout_s: float, what: str):
     return box.get("res")
 
 
-def unchanged(before: os.stat_result, after: os.stat_result, copied_bytes: int, store, key: str, *,
+def unchanged(before: os.stat_result, after: os.stat_result, copied_bytes: int, store: BlobStore, key: str, *,
               shown: str) -> None:
     """A file read through one descriptor must be the same version at the end
     as at the start (size, mtime, ctime) and give exactly its size: else what
@@ -391,7 +396,7 @@ def unchanged(before: os.stat_result, after: os.stat_result, copied_bytes: int, 
                            "read again later")
 
 
-def write_blob_at(dfd: int, name: str, tmp: str, store, key: str, *, owner_of_dir: bool = False) -> None:
+def write_blob_at(dfd: int, name: str, tmp: str, store: BlobStore, key: str, *, owner_of_dir: bool = False) -> None:
     """Stream blob `key` into `name` in the directory open as `dfd`: written
     under the private temp name `tmp` (O_EXCL, no link followed), renamed over
     `name` once complete, removed on any failure. `owner_of_dir`: the file
@@ -467,7 +472,7 @@ class Sandbox(ABC):
         """TooLarge when `size` is over `max_bytes` (see :func:`check_size`)."""
         check_size(shown, size, max_bytes)
 
-    def extract(self, path: str, store, key: str, *, max_bytes: int = DEFAULT_MAX_BYTES):
+    def extract(self, path: str, store: BlobStore, key: str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> BlobInfo:
         """Copy one sandbox file into `store` at `key`; returns storage.BlobInfo.
 
         The size cap holds before (stat) and during (counted) the transfer;
@@ -476,7 +481,7 @@ class Sandbox(ABC):
         check_lexical(path)
         return self._copy_out(path, store, key, max_bytes=max_bytes)
 
-    def _copy_out(self, path: str, store, key: str, *, max_bytes: int):
+    def _copy_out(self, path: str, store: BlobStore, key: str, *, max_bytes: int) -> BlobInfo:
         """`path` (lexically checked) resolved, checked, size-capped and
         streamed into `store`. A backend with a faster channel overrides
         this, and calls :meth:`check_size` itself."""
@@ -500,7 +505,7 @@ class Sandbox(ABC):
             raise UnsafePath(f"{path}: the home of this {self.kind or 'sandbox'} sandbox is not known")
         return posixpath.join(posixpath.normpath(home), path[2:])
 
-    def put(self, store, key: str, dest_path: str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
+    def put(self, store: BlobStore, key: str, dest_path: str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
         """Inbound: copy a stored blob into the sandbox at `dest_path`; returns
         the path written (resolved). A template: backends provide
         :meth:`_copy_in`, never override this."""
@@ -509,7 +514,7 @@ class Sandbox(ABC):
         self.check_size(key, size, max_bytes)
         return self._copy_in(store, key, dest_path, size=size, max_bytes=max_bytes)
 
-    def _copy_in(self, store, key: str, dest_path: str, *, size: int, max_bytes: int) -> str:
+    def _copy_in(self, store: BlobStore, key: str, dest_path: str, *, size: int, max_bytes: int) -> str:
         """The blob `key` (`size` bytes, within the cap) written at
         `dest_path` (lexically checked), all or nothing."""
         raise NoInbound(f"{self.kind or type(self).__name__} sandbox does not take inbound files yet")

@@ -23,22 +23,24 @@ the run.
 Reads happen inside the sandbox, scoped to its own filesystem; a process in
 the sandbox racing a link swap after the resolve can only reach what it
 could read itself. SDK errors are translated in ONE place
-(:meth:`ModalSandbox._errors`).
+(`_modal_errors`, through :meth:`ModalSandbox._errors`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import posixpath
 import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from adapters.errors import (
-    ConfigError, CourierError, FileMissing, NotAFile, SandboxError, SandboxGone, UnsafePath,
+    ConfigError, CourierError, ErrorTable, FileMissing, NotAFile, SandboxError, SandboxGone, UnsafePath,
+    translating,
 )
 from adapters.sandboxes.base import (
     DEFAULT_IO_TIMEOUT_S, BoundedOutput, PathPolicy, Sandbox, SandboxRef, check_lexical,
@@ -139,7 +141,7 @@ class _ModalExec:
 
         with self.msb._errors(argv[-1]):
             for chunk in chunks:  # each write has a deadline: a sandbox that stops reading costs one attempt
-                call_with_deadline(lambda c=chunk: send(c), idle, what)
+                call_with_deadline(functools.partial(send, chunk), idle, what)
             call_with_deadline(eof, idle, what)
             err = _bounded(self._timed(p.stderr, "exec stdin"))
             rc = p.wait()
@@ -260,54 +262,13 @@ class ModalSandbox(ExecStreamMixin, Sandbox):  # type: ignore[misc]
             self._handle = h
         return self._handle
 
-    @contextlib.contextmanager
-    def _errors(self, what: str):
-        try:
-            yield
-        except CourierError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - translated or re-raised
-            mapped = self._map(exc, what)
-            if mapped is None:
-                raise
-            if isinstance(mapped, SandboxGone):
-                self._drop_handle()
-            raise mapped from exc
+    def _errors(self, what: str) -> contextlib.AbstractContextManager[None]:
+        """SDK errors translated by `_modal_errors`; a sandbox gone drops its cached handle."""
+        return translating(_modal_errors, self, what,
+                           then=lambda err: self._drop_handle() if isinstance(err, SandboxGone) else None)
 
     def _map(self, exc: Exception, what: str) -> CourierError | None:
-        sid = self.ref.target
-        try:
-            me = _modal().exception
-        except ConfigError:
-            me = None
-        if me is not None:
-            gone = tuple(getattr(me, n) for n in (
-                "NotFoundError", "SandboxTerminatedError", "SandboxTimeoutError", "ConnectionError", "ClientClosed",
-                "TimeoutError", "ExecTimeoutError", "InternalFailure", "ServiceError",
-            ) if hasattr(me, n))
-            if isinstance(exc, getattr(me, "AuthError", ())):
-                return ConfigError(f"modal sandbox {sid}: authentication failed (MODAL_TOKEN_ID / MODAL_TOKEN_SECRET): {exc}")
-            if isinstance(exc, getattr(me, "PermissionDeniedError", ())):
-                return ConfigError(f"modal sandbox {sid}: permission denied by Modal: {exc}")
-            if isinstance(exc, getattr(me, "SandboxFilesystemNotFoundError", ())):
-                return FileMissing(f"{what}: no such file in modal sandbox {sid}")
-            if isinstance(exc, getattr(me, "SandboxFilesystemIsADirectoryError", ())):
-                return NotAFile(f"{what}: is a directory")
-            if isinstance(exc, getattr(me, "SandboxFilesystemPermissionError", ())):
-                return UnsafePath(f"{what}: permission denied in modal sandbox {sid}")
-            if gone and isinstance(exc, gone):
-                return SandboxGone(f"modal sandbox {sid} is gone or unreachable ({what}): {exc}")
-            if isinstance(exc, me.Error):
-                return SandboxError(f"{what}: modal sandbox {sid}: {exc}")
-        if isinstance(exc, FileNotFoundError):
-            return FileMissing(f"{what}: no such file in modal sandbox {sid}")
-        if isinstance(exc, IsADirectoryError):
-            return NotAFile(f"{what}: is a directory")
-        if isinstance(exc, PermissionError):
-            return UnsafePath(f"{what}: permission denied in modal sandbox {sid}")
-        if isinstance(exc, (ConnectionError, TimeoutError)):
-            return SandboxGone(f"modal sandbox {sid}: connection lost ({what}): {exc}")
-        return None
+        return _modal_errors().map(exc, self, what)
 
     def _drop_handle(self) -> None:
         with _handles_lock:
@@ -443,7 +404,7 @@ class ModalSandbox(ExecStreamMixin, Sandbox):  # type: ignore[misc]
                 try:
                     with self._errors(dest_path):
                         for chunk in chunks():  # each write has a deadline
-                            call_with_deadline(lambda c=chunk: f.write(c), self.io_timeout_s, what)
+                            call_with_deadline(functools.partial(f.write, chunk), self.io_timeout_s, what)
                         call_with_deadline(f.flush, self.io_timeout_s, what)
                         call_with_deadline(f.close, self.io_timeout_s, what)
                 except BaseException:
@@ -464,3 +425,51 @@ class ModalSandbox(ExecStreamMixin, Sandbox):  # type: ignore[misc]
         if rc != 0:
             raise SandboxError(f"{dest_path}: writing failed (exit {rc}: {err.decode('utf-8', 'replace')[:300]})")
         return final
+
+
+# -- the ONE table of modal SDK / OS errors (rules take the ModalSandbox and what it was doing) --
+def _modal_errors() -> ErrorTable[CourierError]:
+    """Built per error, not cached: without the SDK (or another SDK loaded) only its OS rows."""
+    def gone(exc: BaseException, sb: ModalSandbox, what: str) -> CourierError:
+        return SandboxGone(f"modal sandbox {sb.ref.target} is gone or unreachable ({what}): {exc}")
+
+    rows: list[tuple[type | tuple[type, ...], Callable[..., CourierError | None]]] = []
+    try:
+        me = _modal().exception
+    except ConfigError:
+        me = None
+    if me is not None:
+        rows += [
+            (getattr(me, "AuthError", ()), lambda exc, sb, what: ConfigError(
+                f"modal sandbox {sb.ref.target}: authentication failed (MODAL_TOKEN_ID / MODAL_TOKEN_SECRET): {exc}")),
+            (getattr(me, "PermissionDeniedError", ()), lambda exc, sb, what: ConfigError(
+                f"modal sandbox {sb.ref.target}: permission denied by Modal: {exc}")),
+            (getattr(me, "SandboxFilesystemNotFoundError", ()), _missing),
+            (getattr(me, "SandboxFilesystemIsADirectoryError", ()), _a_directory),
+            (getattr(me, "SandboxFilesystemPermissionError", ()), _denied),
+            (tuple(getattr(me, n) for n in (
+                "NotFoundError", "SandboxTerminatedError", "SandboxTimeoutError", "ConnectionError", "ClientClosed",
+                "TimeoutError", "ExecTimeoutError", "InternalFailure", "ServiceError",
+            ) if hasattr(me, n)), gone),
+            (me.Error, lambda exc, sb, what: SandboxError(f"{what}: modal sandbox {sb.ref.target}: {exc}")),
+        ]
+    return ErrorTable([
+        *rows,
+        (FileNotFoundError, _missing),
+        (IsADirectoryError, _a_directory),
+        (PermissionError, _denied),
+        ((ConnectionError, TimeoutError), lambda exc, sb, what: SandboxGone(
+            f"modal sandbox {sb.ref.target}: connection lost ({what}): {exc}")),
+    ])
+
+
+def _missing(exc: BaseException, sb: ModalSandbox, what: str) -> CourierError:
+    return FileMissing(f"{what}: no such file in modal sandbox {sb.ref.target}")
+
+
+def _a_directory(exc: BaseException, sb: ModalSandbox, what: str) -> CourierError:
+    return NotAFile(f"{what}: is a directory")
+
+
+def _denied(exc: BaseException, sb: ModalSandbox, what: str) -> CourierError:
+    return UnsafePath(f"{what}: permission denied in modal sandbox {sb.ref.target}")

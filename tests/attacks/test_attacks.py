@@ -25,32 +25,15 @@ from adapters.errors import (
 )
 from adapters.sandboxes.base import ReadTimeout, parse_uri
 from tests.attacks.harness import ALL, HOST_VISIBLE, LEGIT, SECRET
+from tests.fixtures.services import bounded as run_bounded
 
 #: what every bounded call may take at most (the read deadlines in the rows are 2-3 s)
 BOUND_S = 30.0
 
 
 def bounded(fn, timeout_s: float = BOUND_S, unblock=None):
-    """(result, exception, seconds) of `fn()` run in a thread; the row fails
-    if it runs past `timeout_s`: a hang."""
-    box: dict = {}
-
-    def run():
-        try:
-            box["res"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the row
-            box["exc"] = exc
-
-    t0 = time.monotonic()
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(timeout_s)
-    took = time.monotonic() - t0
-    if t.is_alive():
-        if unblock is not None:
-            unblock()
-        pytest.fail(f"blocked for more than {timeout_s} s: a hang")
-    return box.get("res"), box.get("exc"), took
+    """(result, exception, seconds) of `fn()`; the row fails if it runs past `timeout_s`: a hang."""
+    return run_bounded(fn, timeout_s, unblock)
 
 
 def blob(store, key: str) -> bytes:
@@ -123,9 +106,11 @@ def _link_swapper(h, stop: threading.Event):
 
 CTR_LINK_SWAP = r"""cd "$1"
 while [ ! -e stop ]; do mv r r.real; ln -s "$2" r; rm r; mv r.real r; done
+touch stopped
 """
 CTR_FIFO_SWAP = r"""cd "$1"
 while [ ! -e stop ]; do mkfifo p.new; mv p.new p; printf 'legit content!!\n' > p.new; mv p.new p; done
+touch stopped
 """
 
 
@@ -235,11 +220,19 @@ def _race(h, sb, store, path: str, release=None) -> dict:
 
 
 def _stop(h, stop: threading.Event, runner) -> None:
+    """Stop the agent's loop: the host thread, or the in-container loop (a
+    `stop` file, acknowledged by the loop's `stopped` marker once it is
+    over; both removed then, so the next row's loop runs)."""
+    from tests.fixtures.services import wait_until
+
     stop.set()
     if runner is not None:
         runner.join(10)
-    else:
-        h.sh('touch "$1/stop"', h.ws)
+        return
+    h.sh('touch "$1/stop"', h.ws)
+    wait_until(lambda: h.sh('[ -e "$1/stopped" ] && echo y || true', h.ws).strip() == b"y", timeout_s=30,
+               what="the in-container loop to stop")
+    h.sh('rm -f "$1/stop" "$1/stopped"', h.ws)
 
 
 def hard_link(h, store, request):
@@ -297,7 +290,7 @@ def growing_file(h, store, request):
         runner.start()
     else:
         h.ctr.exec_run(["sh", "-c", 'cd "$1"; while [ ! -e stop ]; do head -c 65536 grow.bin >> grow.bin; '
-                        '[ "$(stat -c %s grow.bin)" -gt 67108864 ] && sleep 1; done', "sh", h.ws],
+                        '[ "$(stat -c %s grow.bin)" -gt 67108864 ] && sleep 1; done; touch stopped', "sh", h.ws],
                        detach=True, user="root")
     sb = h.sandbox()
     seen = {"delivered": 0, "transient": 0}
@@ -311,8 +304,6 @@ def growing_file(h, store, request):
             assert isinstance(exc, SandboxError) and exc.transient, repr(exc)
             seen["transient"] += 1
     _stop(h, stop, runner)
-    if runner is None:
-        time.sleep(0.5)  # noqa: the in-container writer sees the stop file within one append
     final_size = int(h.sh('stat -c %s "$1"', path)) if h.hp(path) is None else h.hp(path).stat().st_size
     sb.extract(path, store, "files/whole", max_bytes=1 << 30)
     data = blob(store, "files/whole")

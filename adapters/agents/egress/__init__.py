@@ -7,21 +7,10 @@ public internet — neither for the page itself, nor for what the page
 redirects to or loads. Chromium is started with ``--proxy-server`` pointing
 at an :class:`EgressProxy` on 127.0.0.1 (and ``--proxy-bypass-list=<-loopback>``
 so that even loopback URLs go through it); every connection it opens then
-passes :class:`EgressPolicy`:
-
-- ``CONNECT host:port`` (https, wss): the host is resolved, *every* address
-  is checked, and the proxy connects to a checked address (the IP, never the
-  name again: a second DNS answer cannot rebind it), answers ``200`` and
-  pipes bytes both ways.
-- absolute-form plain http (``GET http://host/path HTTP/1.1``): the same
-  check; the request goes upstream in origin-form with ``Connection: close``
-  and no hop-by-hop or ``Proxy-*`` headers; its body and the response are
-  streamed; the client connection is closed after that one request.
-
-A refused destination gets ``403`` with a one-line reason, a host that does
-not resolve or answer ``502``; each is kept in :attr:`EgressProxy.refusals`
-(and logged at INFO with the host, never a URL). Only ports 80 and 443 are
-open, plus what the allow-list names.
+passes :class:`EgressPolicy`. What the relay does with a CONNECT (https, wss) or an absolute-form plain
+http request, and what a refused or unreachable destination gets (403,
+502), is told in :mod:`adapters.agents.egress.proxy`. Only ports 80 and
+443 are open, plus what the allow-list names.
 
 The allow-list (``COURIER_BROWSER_ALLOWED_HOSTS``) holds host names and
 addresses or CIDR networks, each optionally with ``:port`` (``[v6]:port`` for

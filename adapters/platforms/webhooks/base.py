@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import re
 from collections.abc import Mapping
@@ -71,6 +73,23 @@ def secret_bytes(v) -> bytes:
     if hasattr(v, "get_secret_value"):
         v = v.get_secret_value()
     return v if isinstance(v, bytes) else str(v).encode()
+
+
+def same_secret(got: str, secret) -> bool:
+    """`got` (a header or query value) equals the secret, compared in constant time."""
+    return hmac.compare_digest(got.encode(), secret_bytes(secret))
+
+
+def signature_shape(sig: str, prefix: str, digits: int) -> None:
+    """A signature header is `prefix` and `digits` hex digits; Refusal 401 otherwise."""
+    if not (sig.startswith(prefix) and len(sig) == len(prefix) + digits and HEX.fullmatch(sig[len(prefix):])):
+        raise Refusal(401, "missing or bad signature")
+
+
+def hmac_verifies(sig: str, prefix: str, secret, message: bytes) -> bool:
+    """`sig` is `prefix` and the hex HMAC-SHA256 of `message` with the secret (any case), in constant time."""
+    want = prefix + hmac.new(secret_bytes(secret), message, hashlib.sha256).hexdigest()
+    return hmac.compare_digest(sig.lower().encode(), want.encode())
 
 
 def payload(body: bytes, what: str) -> dict:

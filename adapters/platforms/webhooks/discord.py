@@ -8,21 +8,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 
-from adapters.platforms.webhooks.base import (
-    HEX,
-    Answer,
-    Inbound,
-    Parsed,
-    Refusal,
-    arr,
-    guarded,
-    ident,
-    lower,
-    obj,
-    payload,
-    text,
-    timestamp,
-)
+from adapters.platforms.webhooks.base import Answer, Inbound, Parsed, Refusal
+from adapters.platforms.webhooks.base import arr, guarded, ident, lower, obj, payload, signature_shape, text, timestamp
 
 PLATFORM = "discord"
 SETTING = "DISCORD_PUBLIC_KEY"
@@ -46,9 +33,7 @@ def check_headers(headers: Mapping[str, str], public_key: str, now: float) -> Re
 
 def _check_headers(h: dict, now: float) -> None:
     timestamp(h.get("x-signature-timestamp", ""), now)
-    sig = h.get("x-signature-ed25519", "")
-    if len(sig) != 128 or not HEX.fullmatch(sig):
-        raise Refusal(401, "missing or bad signature")
+    signature_shape(h.get("x-signature-ed25519", ""), "", 128)
 
 
 def parse_webhook(headers: Mapping[str, str], body: bytes, public_key: str, now: float) -> Parsed:

@@ -4,25 +4,12 @@ user messages and app mentions (one turn per message `ts`)."""
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import re
 from collections.abc import Mapping
 
-from adapters.platforms.webhooks.base import (
-    HEX,
-    Answer,
-    Inbound,
-    Parsed,
-    Refusal,
-    guarded,
-    ident,
-    lower,
-    payload,
-    secret_bytes,
-    text,
-    timestamp,
-)
+from adapters.platforms.webhooks.base import Answer, Inbound, Parsed, Refusal
+from adapters.platforms.webhooks.base import guarded, hmac_verifies, ident, lower, payload, signature_shape
+from adapters.platforms.webhooks.base import text, timestamp
 
 PLATFORM = "slack"
 SETTING = "SLACK_SIGNING_SECRET"
@@ -36,9 +23,7 @@ def check_headers(headers: Mapping[str, str], secret, now: float) -> Refusal | N
 
 def _check_headers(h: dict, now: float) -> None:
     timestamp(h.get("x-slack-request-timestamp", ""), now)
-    sig = h.get("x-slack-signature", "")
-    if not (sig.startswith("v0=") and len(sig) == 67 and HEX.fullmatch(sig[3:])):
-        raise Refusal(401, "missing or bad signature")
+    signature_shape(h.get("x-slack-signature", ""), "v0=", 64)
 
 
 def parse_webhook(headers: Mapping[str, str], body: bytes, secret, now: float) -> Parsed:
@@ -49,8 +34,7 @@ def parse_webhook(headers: Mapping[str, str], body: bytes, secret, now: float) -
     if refused is not None:
         return refused
     ts, sig = h["x-slack-request-timestamp"], h["x-slack-signature"]
-    want = "v0=" + hmac.new(secret_bytes(secret), f"v0:{ts}:".encode() + body, hashlib.sha256).hexdigest()
-    if not hmac.compare_digest(sig.lower().encode(), want.encode()):
+    if not hmac_verifies(sig, "v0=", secret, f"v0:{ts}:".encode() + body):
         return Refusal(401, "signature does not verify")
     return guarded(PLATFORM, _parse, body)
 

@@ -3,22 +3,10 @@ update (`update_id`) with a text message or a channel post."""
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Mapping
 
-from adapters.platforms.webhooks.base import (
-    Answer,
-    Inbound,
-    Parsed,
-    Refusal,
-    guarded,
-    ident,
-    lower,
-    obj,
-    payload,
-    secret_bytes,
-    text,
-)
+from adapters.platforms.webhooks.base import Answer, Inbound, Parsed, Refusal
+from adapters.platforms.webhooks.base import guarded, ident, lower, obj, payload, same_secret, text
 
 PLATFORM = "telegram"
 SETTING = "TELEGRAM_WEBHOOK_SECRET"
@@ -26,8 +14,7 @@ SETTING = "TELEGRAM_WEBHOOK_SECRET"
 
 def check_headers(headers: Mapping[str, str], secret, now: float) -> Refusal | None:
     """Before the body is read: the secret token header."""
-    got = lower(headers).get("x-telegram-bot-api-secret-token", "").encode()
-    if not hmac.compare_digest(got, secret_bytes(secret)):
+    if not same_secret(lower(headers).get("x-telegram-bot-api-secret-token", ""), secret):
         return Refusal(401, "bad secret token")
     return None
 

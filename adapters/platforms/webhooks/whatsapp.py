@@ -4,25 +4,11 @@ app secret); every text message of a notification is a turn."""
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 from collections.abc import Mapping
 
-from adapters.platforms.webhooks.base import (
-    HEX,
-    Answer,
-    Inbound,
-    Parsed,
-    Refusal,
-    arr,
-    guarded,
-    ident,
-    lower,
-    obj,
-    payload,
-    secret_bytes,
-    text,
-)
+from adapters.platforms.webhooks.base import Answer, Inbound, Parsed, Refusal
+from adapters.platforms.webhooks.base import arr, guarded, hmac_verifies, ident, lower, obj, payload, same_secret
+from adapters.platforms.webhooks.base import signature_shape, text
 
 PLATFORM = "whatsapp"
 SETTING = "WHATSAPP_APP_SECRET"
@@ -31,18 +17,14 @@ VERIFY_SETTING = "WHATSAPP_VERIFY_TOKEN"
 
 def verify_subscription(query: Mapping[str, str], token) -> Answer | Refusal:
     """GET's subscription check: the challenge back when the verify token matches."""
-    if query.get("hub.mode") == "subscribe" and hmac.compare_digest(query.get("hub.verify_token", "").encode(),
-                                                                    secret_bytes(token)):
+    if query.get("hub.mode") == "subscribe" and same_secret(query.get("hub.verify_token", ""), token):
         return Answer(query.get("hub.challenge", "")[:256], plain=True)
     return Refusal(403, "verify token does not match")
 
 
 def check_headers(headers: Mapping[str, str], secret, now: float) -> Refusal | None:
     """Before the body is read: a signature of the right shape."""
-    sig = lower(headers).get("x-hub-signature-256", "")
-    if not (sig.startswith("sha256=") and len(sig) == 71 and HEX.fullmatch(sig[7:])):
-        return Refusal(401, "missing or bad signature")
-    return None
+    return guarded(PLATFORM, signature_shape, lower(headers).get("x-hub-signature-256", ""), "sha256=", 64)
 
 
 def parse_webhook(headers: Mapping[str, str], body: bytes, secret, now: float) -> Parsed:
@@ -52,8 +34,7 @@ def parse_webhook(headers: Mapping[str, str], body: bytes, secret, now: float) -
     refused = check_headers(h, secret, now)
     if refused is not None:
         return refused
-    want = "sha256=" + hmac.new(secret_bytes(secret), body, hashlib.sha256).hexdigest()
-    if not hmac.compare_digest(h["x-hub-signature-256"].lower().encode(), want.encode()):
+    if not hmac_verifies(h["x-hub-signature-256"], "sha256=", secret, body):
         return Refusal(401, "signature does not verify")
     return guarded(PLATFORM, _parse, body)
 

@@ -51,7 +51,7 @@ could read (and copy into /workspace) anyway. The host is reachable only
 through bind mounts, which is why that channel is checked on the host side.
 
 Every docker / requests / urllib3 error is translated in ONE place
-(:meth:`Engine._errors`).
+(the table ``engine._engine_errors``, through :meth:`Engine._errors`).
 
 The package: :mod:`.engine` (the SDK client, the container's facts, the exec
 channel), :mod:`.demux` (the exec stream demultiplexer), :mod:`.tar` (the

@@ -1,12 +1,14 @@
 """Engine calls of one container: the docker SDK / API client, the
 container's facts (inspect, user, mounts, pid, the engine's stat of a
-path), every engine error translated in ONE place (:meth:`Engine._errors`),
+path), every engine error translated in ONE place (its table `_engine_errors`,
+through :meth:`Engine._errors`),
 and the exec channel (:class:`DockerExec`: exec create / start / inspect)
 that execstream and ``Sandbox.exec`` run on, every exec's output read
 through :class:`Hijacked` (nothing the SDK read ahead is lost)."""
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import posixpath
@@ -15,11 +17,11 @@ import socket
 import tarfile
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import AbstractContextManager, contextmanager, suppress
 from typing import Any
 
 from adapters.errors import (
-    CourierError, FileMissing, SandboxError, SandboxGone, StorageError, TooLarge,
+    CourierError, ErrorTable, FileMissing, SandboxError, SandboxGone, StorageError, translating,
 )
 from adapters.sandboxes.base import DEFAULT_IO_TIMEOUT_S, BoundedOutput, ReadTimeout, SandboxRef, _under
 from adapters.sandboxes.docker.demux import CHUNK, FrameSplitter, demux_stdout, read_all, route
@@ -54,33 +56,9 @@ class Engine:
         self.client = client
         self._attrs_cache: dict | None = None
 
-    # -- errors: the ONE place docker/requests errors become courier errors -------------
-    @contextmanager
-    def _errors(self, what: str, path: str | None = None) -> Iterator[None]:
-        import docker.errors
-        import requests.exceptions
-        import urllib3.exceptions
-
-        try:
-            yield
-        except (SandboxError, TooLarge):
-            raise
-        except docker.errors.NotFound as exc:
-            if path is not None and self.alive():
-                raise FileMissing(f"{path}: no such file") from exc
-            raise SandboxGone(f"container {self.ref.target} is gone ({what})") from exc
-        except docker.errors.APIError as exc:
-            status = exc.status_code or 0
-            if status in (409,) or status >= 500 or not self.alive():
-                raise SandboxGone(f"container {self.ref.target}: {what} failed: {exc.explanation or exc}") from exc
-            raise SandboxError(f"container {self.ref.target}: {what} failed: {exc.explanation or exc}") from exc
-        except (requests.exceptions.RequestException, urllib3.exceptions.HTTPError, docker.errors.DockerException,
-                ConnectionError, TimeoutError) as exc:
-            raise SandboxGone(f"container {self.ref.target}: {what} interrupted: {exc}") from exc
-        except tarfile.ReadError as exc:
-            raise SandboxGone(f"container {self.ref.target}: {what}: archive cut short: {exc}") from exc
-        except OSError as exc:
-            raise SandboxGone(f"container {self.ref.target}: {what}: {exc}") from exc
+    # -- errors: the ONE place docker/requests errors become courier errors (_engine_errors) ------
+    def _errors(self, what: str, path: str | None = None) -> AbstractContextManager[None]:
+        return translating(_engine_errors, self, what, path)
 
     def alive(self) -> bool:
         """Whether the container still exists and runs (never raises)."""
@@ -441,3 +419,35 @@ class DockerRun:
         if not self.closed:
             self.closed = True
             self.sock.close()
+
+
+# -- the ONE table of docker / requests / OS errors (rules take the Engine, what it was doing, the path) --
+def _not_found(exc: BaseException, eng: Engine, what: str, path: str | None) -> SandboxError:
+    if path is not None and eng.alive():
+        return FileMissing(f"{path}: no such file")
+    return SandboxGone(f"container {eng.ref.target} is gone ({what})")
+
+
+def _api_error(exc: Any, eng: Engine, what: str, path: str | None) -> SandboxError:
+    status = exc.status_code or 0
+    if status in (409,) or status >= 500 or not eng.alive():
+        return SandboxGone(f"container {eng.ref.target}: {what} failed: {exc.explanation or exc}")
+    return SandboxError(f"container {eng.ref.target}: {what} failed: {exc.explanation or exc}")
+
+
+@functools.cache
+def _engine_errors() -> ErrorTable[SandboxError]:
+    import docker.errors
+    import requests.exceptions
+    import urllib3.exceptions
+
+    return ErrorTable([
+        (docker.errors.NotFound, _not_found),
+        (docker.errors.APIError, _api_error),
+        ((requests.exceptions.RequestException, urllib3.exceptions.HTTPError, docker.errors.DockerException,
+          ConnectionError, TimeoutError), lambda exc, eng, what, path: SandboxGone(
+            f"container {eng.ref.target}: {what} interrupted: {exc}")),
+        (tarfile.ReadError, lambda exc, eng, what, path: SandboxGone(
+            f"container {eng.ref.target}: {what}: archive cut short: {exc}")),
+        (OSError, lambda exc, eng, what, path: SandboxGone(f"container {eng.ref.target}: {what}: {exc}")),
+    ])

@@ -1,0 +1,146 @@
+"""Courier's own Redis round trips per delivery, pinned (issue 14: the
+pipeline's speed is mostly them). A sandbox file's delivery runs as a
+worker runs it, as plain code: `extract.run` (local sandbox -> volume) then
+`lanes.drive` (-> an in-memory platform), against the session's real
+redis-server through a connection class that counts what is written to
+Redis: one write is one round trip (a pipeline is one)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from adapters.platforms.base import Limits
+from adapters.sandboxes.local import LocalSandbox
+from adapters.sandboxes.base import SandboxRef
+from storage.volume import VolumeStore
+from tasks import chains, extract, keys, lanes, ratelimit, receipts
+from tasks.runtime import Context
+from tests.test_delivery_flow import MemoryPlatform
+
+pytestmark = pytest.mark.timeout(60)
+
+#: worker-side round trips of one sandbox file's delivery: the extraction's lease and
+#: receipt (1), its result with the lane's drive queued (1); the lane's lease, head and send
+#: lock (1), the delivered record with the lane popped and released (1)
+EXTRACT_ROUND_TRIPS = 2
+DRIVE_ROUND_TRIPS = 2
+
+
+class CountingConnection(redis.Connection):
+    """Counts the writes this test's thread makes (the lease renewer's thread is not counted)."""
+
+    writes: list[Any] = []
+    thread: int | None = None
+
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        if threading.get_ident() == CountingConnection.thread:
+            CountingConnection.writes.append(command)
+        super().send_packed_command(command, check_health)
+
+
+@pytest.fixture
+def counted(redis_server, redis_client, tmp_path) -> Iterator[Any]:
+    pool = redis.ConnectionPool.from_url(redis_server.url, connection_class=CountingConnection)
+    r = redis.Redis(connection_pool=pool)
+    r.ping()  # connected (its handshake not counted)
+    sandbox = tmp_path / "sandbox"
+    sandbox.mkdir()
+    box = LocalSandbox.with_roots((str(sandbox),))
+    platform = MemoryPlatform()
+    ctx = Context(redis=r, store=VolumeStore(tmp_path / "store"), platform=lambda name: platform,
+                  sandbox=lambda ref: box, agent=lambda name: None)  # type: ignore[arg-type,return-value]
+
+    class Counted:
+        def __init__(self) -> None:
+            self.r, self.ctx, self.platform, self.sandbox = r, ctx, platform, sandbox
+            self.published: list[str] = []
+
+        def plan(self, target: str, n: int) -> list[str]:
+            files = []
+            for i in range(n):
+                p = sandbox / f"f{i}.bin"
+                p.write_bytes(bytes([i]) * 1000)
+                files.append(chains.SandboxFile(ref=SandboxRef("local"), path=str(p)))
+            job = chains.new_job_id("rtt")
+            return [e.did for e in chains.register(r, chains.Plan(job_id=job, target=target, files=files),
+                                                  job_kind="send")]
+
+        def trips(self, fn: Any) -> tuple[Any, int]:
+            CountingConnection.writes, CountingConnection.thread = [], threading.get_ident()
+            try:
+                out = fn()
+            finally:
+                CountingConnection.thread = None
+            return out, len(CountingConnection.writes)
+
+        def extract(self, did: str) -> tuple[Any, int]:
+            def queue_drive(pipe: Any, target: str) -> bool:
+                pipe.lpush("rtt:drives", target)  # where chains.queue_lane queues the drive's message
+                return True
+            return self.trips(lambda: extract.run(ctx, did, queue_drive=queue_drive))
+
+        def drive(self, target: str) -> tuple[Any, int]:
+            return self.trips(lambda: lanes.drive(ctx, target, lambda t, countdown=None: self.published.append(t)))
+
+    c = Counted()
+    # one delivery first: Redis then has courier's scripts (a first EVALSHA of each loads it)
+    (warm,) = c.plan("memory:warm", 1)
+    c.extract(warm)
+    c.drive("memory:warm")
+    c.platform.sent.clear()
+    yield c
+    r.close()
+    pool.disconnect()
+
+
+def test_a_sandbox_files_delivery_takes_four_round_trips(counted):
+    (did,) = counted.plan("memory:rt1", 1)
+    out, extract_trips = counted.extract(did)
+    assert out["state"] == "extracted" and out.get("lane_queued")
+    out, drive_trips = counted.drive("memory:rt1")
+    assert out == {"lane": "memory:rt1", "state": "empty", "sent": 1}
+    assert counted.platform.sent == [("rt1", "document", "f0.bin", None)]
+    rec = receipts.get_delivery(counted.r, did) or {}
+    assert rec["state"] == "delivered" and rec["attempts"] == "1"
+    assert not counted.r.exists(keys.delivery_lock(did), keys.lease("lane", "memory:rt1"))
+    assert (extract_trips, drive_trips) == (EXTRACT_ROUND_TRIPS, DRIVE_ROUND_TRIPS), CountingConnection.writes
+
+
+def test_each_further_delivery_in_a_drive_takes_one_round_trip(counted):
+    ids = counted.plan("memory:rt2", 3)
+    for did in ids:
+        assert counted.extract(did)[0]["state"] == "extracted"
+    out, trips = counted.drive("memory:rt2")
+    assert out["state"] == "empty" and out["sent"] == 3
+    assert [s[2] for s in counted.platform.sent] == ["f0.bin", "f1.bin", "f2.bin"]
+    assert [(receipts.get_delivery(counted.r, d) or {}).get("attempts") for d in ids] == ["1", "1", "1"]
+    assert trips == 1 + 3  # the first look, then one per delivery sent (its record and the next look)
+
+
+def test_a_dead_senders_chat_gate_goes_with_the_drives_first_look(counted):
+    counted.platform.limits = Limits(text_chars=200, caption_chars=50, upload_bytes=10_000, per_chat_per_s=1.0)
+    (did,) = counted.plan("memory:rt3", 1)
+    counted.extract(did)
+    gate, _ = ratelimit.gate_of(counted.platform, "rt3")
+    assert gate is not None
+    counted.r.set(gate, "sending:1", ex=60)  # left by a worker that died mid-send
+    out, _ = counted.drive("memory:rt3")
+    assert out["state"] == "empty" and out["sent"] == 1  # not paced behind the stale gate
+    assert counted.platform.sent == [("rt3", "document", "f0.bin", None)]
+
+
+def test_a_send_lock_held_elsewhere_is_waited_for_and_nothing_is_sent(counted):
+    (did,) = counted.plan("memory:rt4", 1)
+    counted.extract(did)
+    counted.r.set(keys.delivery_lock(did), "another-worker", ex=60)
+    out, _ = counted.drive("memory:rt4")
+    assert out["state"] == "waiting"
+    assert counted.platform.sent == []
+    rec = receipts.get_delivery(counted.r, did) or {}
+    assert rec["state"] == "extracted" and rec.get("attempts", "0") == "0"  # no attempt counted without the lock
+    assert counted.r.get(keys.delivery_lock(did)) == b"another-worker"
