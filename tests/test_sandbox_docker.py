@@ -384,3 +384,66 @@ def test_put_makes_the_missing_inbox(sb, ctr, store):
     final = sb.put(store, "in/a", "/workspace/turn1/inbox/photo.jpg")
     assert final == "/workspace/turn1/inbox/photo.jpg"
     assert sha_in_container(ctr, final) == info.sha256
+
+
+# -- the attach socket: bytes read ahead with the start response's headers ------------------
+def _frame(kind: int, data: bytes) -> bytes:
+    import struct
+
+    return struct.pack(">BxxxL", kind, len(data)) + data
+
+
+def test_exec_output_sent_with_the_headers_is_not_lost(tmp_path):
+    """The exec start's answer and the first output frames in ONE write, as
+    podman sends them when a quick command has ended before the client reads
+    the headers (under CPU load: the command exited 0 and not a byte of its
+    output came back). A local socket server stands in for the engine: that
+    timing cannot be forced on a real one; the client is the real docker SDK."""
+    import socket
+
+    import docker
+
+    from adapters.sandboxes.docker.engine import Hijacked
+
+    body = _frame(1, b"hello\n") + _frame(2, b"oops\n")
+    path = str(tmp_path / "engine.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(4)
+
+    def serve() -> None:
+        for _ in range(2):
+            conn, _addr = srv.accept()
+            with conn:
+                req = b""
+                while b"\r\n\r\n" not in req:
+                    req += conn.recv(65536)
+                head, _, rest = req.partition(b"\r\n\r\n")
+                length = next((int(h.split(b":")[1]) for h in head.split(b"\r\n")
+                               if h.lower().startswith(b"content-length:")), 0)
+                while len(rest) < length:
+                    rest += conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/vnd.docker.raw-stream\r\n\r\n" + body)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    api = docker.APIClient(base_url=f"unix://{path}", version="1.41", timeout=10)
+    try:
+        # what the SDK hands over: the socket under http.client's reader, which holds the frames
+        bare = api.exec_start("x", socket=True)
+        raw = getattr(bare, "_sock", bare)
+        raw.settimeout(10)
+        assert raw.recv(65536) == b""  # the bug: read from the socket alone, the output is gone
+        bare.close()
+        sock = Hijacked(api.exec_start("x", socket=True))
+        sock.settimeout(10)
+        assert sock.pending() == len(body)  # readable without waiting (select would not say so)
+        got = b""
+        while chunk := sock.recv(7):
+            got += chunk
+        assert got == body
+        sock.close()
+    finally:
+        api.close()
+        t.join(10)
+        srv.close()

@@ -3,11 +3,13 @@ container's facts (inspect, user, mounts, pid, the engine's stat of a
 path), every engine error translated in ONE place (its table `_engine_errors`,
 through :meth:`Engine._errors`),
 and the exec channel (:class:`DockerExec`: exec create / start / inspect)
-that execstream and ``Sandbox.exec`` run on."""
+that execstream and ``Sandbox.exec`` run on, every exec's output read
+through :class:`Hijacked` (nothing the SDK read ahead is lost)."""
 
 from __future__ import annotations
 
 import functools
+import io
 import os
 import posixpath
 import select
@@ -146,6 +148,91 @@ class Engine:
                 self.client.close()
 
 
+
+class Hijacked:
+    """The attach socket of a started exec, the bytes that already arrived
+    served first.
+
+    The SDK's ``exec_start(socket=True)`` hands over the socket *under*
+    http.client's buffered reader, which read the response headers in
+    blocks: whatever the engine sent right behind them sits in that
+    reader's buffer and never comes out of the socket. A client slowed by
+    CPU load reads the headers late, when the whole output of a quick
+    command is already there: the exec exits 0 and none of its output
+    arrives (podman 4.3 under two CPU burners: 8 of 400 `echo`s). Those
+    bytes are taken out of the buffer here, once, before anything reads
+    the socket."""
+
+    def __init__(self, sock: Any) -> None:
+        #: what the SDK returned (closing it closes the connection)
+        self.sock = sock
+        self.raw = getattr(sock, "_sock", sock)
+        try:
+            self.early = bytearray(_read_ahead(sock, self.raw))
+        except BaseException:
+            self.close()
+            raise
+
+    def fileno(self) -> int:
+        return int(self.raw.fileno())
+
+    def settimeout(self, timeout_s: float | None) -> None:
+        self.raw.settimeout(timeout_s)
+
+    def pending(self) -> int:
+        """Bytes readable without waiting (the early ones, TLS's decrypted ones): select would not see them."""
+        if self.early:
+            return len(self.early)
+        tls = getattr(self.raw, "pending", None)
+        return int(tls()) if tls else 0
+
+    def recv(self, size: int) -> bytes:
+        if self.early:
+            data = bytes(self.early[:size])
+            del self.early[:size]
+            return data
+        return bytes(self.raw.recv(size))
+
+    def recv_into(self, buf: memoryview) -> int:
+        if self.early:
+            n = min(len(buf), len(self.early))
+            buf[:n] = self.early[:n]
+            del self.early[:n]
+            return n
+        return int(self.raw.recv_into(buf))
+
+    def sendall(self, data: bytes) -> None:
+        self.raw.sendall(data)
+
+    def shutdown(self, how: int) -> None:
+        self.raw.shutdown(how)
+
+    def close(self) -> None:
+        with suppress(Exception):  # best effort on a dying socket
+            self.sock.close()
+
+
+def _read_ahead(sock: Any, raw: Any) -> bytes:
+    """The bytes http.client's reader holds past the response headers of the
+    hijacked `sock` (b"" when it holds none, or the SDK's socket is not one
+    over such a reader). Never waits: the socket is non-blocking meanwhile,
+    so the reader makes at most one read that returns at once."""
+    response = getattr(sock, "_response", None)
+    fp = getattr(getattr(getattr(response, "raw", None), "_fp", None), "fp", None)
+    if not isinstance(fp, io.BufferedReader):
+        return b""
+    before = raw.gettimeout()
+    raw.settimeout(0)
+    try:
+        try:
+            held = fp.peek(CHUNK)
+        except OSError:  # nothing buffered and nothing on the socket yet (a TLS want-read)
+            held = b""
+        return fp.read(len(held)) if held else b""
+    finally:
+        raw.settimeout(before)
+
+
 class DockerExec:
     """The :class:`~adapters.sandboxes.execstream.ExecChannel` of one container."""
 
@@ -182,14 +269,13 @@ class DockerExec:
             time.sleep(0.01)
         return rc
 
-    def _start_socket(self, exec_id: str) -> tuple[Any, Any]:
-        """(closable, raw socket) of a started exec, the raw socket with the
-        sandbox's read deadline: a stalled container costs one attempt."""
+    def _start_socket(self, exec_id: str) -> Hijacked:
+        """The socket of a started exec, with the sandbox's read deadline: a
+        stalled container costs one attempt."""
         with self.sb._errors("exec"):
-            sock = self.sb.client.api.exec_start(exec_id, socket=True)
-        raw = getattr(sock, "_sock", sock)
-        raw.settimeout(self.sb.io_timeout_s)
-        return sock, raw
+            sock = Hijacked(self.sb.client.api.exec_start(exec_id, socket=True))
+        sock.settimeout(self.sb.io_timeout_s)
+        return sock
 
     def _timed_out(self, what: str) -> ReadTimeout:
         return ReadTimeout(f"container {self.sb.ref.target}: nothing received for {self.sb.io_timeout_s:g} s ({what})")
@@ -208,18 +294,17 @@ class DockerExec:
         its whole output into `out` / `err`; the exit code."""
         what = argv[-1] if argv else "exec"
         exec_id = self._create(argv, stdin=stdin is not None)
-        sock, raw = self._start_socket(exec_id)
+        sock = self._start_socket(exec_id)
         try:
             with self.sb._errors("exec" if stdin is None else "exec stdin"), self._deadline(what):
                 if stdin is not None:
                     for chunk in _store_chunks(stdin, what):
                         if chunk:
-                            raw.sendall(chunk)
-                    raw.shutdown(socket.SHUT_WR)
-                read_all(raw.recv, out, err)
+                            sock.sendall(chunk)
+                    sock.shutdown(socket.SHUT_WR)
+                read_all(sock.recv, out, err)
         finally:
-            with suppress(Exception):  # best effort on a dying socket
-                sock.close()
+            sock.close()
         rc = self._exit_code(exec_id)
         if rc is None:
             raise SandboxGone("exec did not finish")
@@ -232,11 +317,12 @@ class DockerExec:
 
     def exec_probe(self, argv: Sequence[str], *, answers: Sequence[int] = (0,)) -> tuple[int, bytes, bytes]:
         """A read-only probe (stat, resolve, readlink) that prints its answer
-        whenever it exits with one of `answers`. podman 4.3's Docker-compatible
-        attach can drop the whole output of a command that ends at once (exit 0,
-        no bytes; seen under CPU load): such an empty answer is asked again,
-        up to :data:`PROBE_ATTEMPTS` times. The one place that is done: agent
-        commands and anything that changes the container never come here."""
+        whenever it exits with one of `answers`. An empty answer (exit 0, no
+        bytes) is asked again, up to :data:`PROBE_ATTEMPTS` times. Its known
+        cause, output read ahead with the exec start's headers (seen under
+        CPU load), is fixed where it arose (:class:`Hijacked`); this stays a
+        belt for read-only probes only: agent commands and anything that
+        changes the container never come here."""
         for _ in range(PROBE_ATTEMPTS):
             rc, out, err = self.exec_small(argv)
             if out or rc not in answers:
@@ -252,19 +338,18 @@ class DockerExec:
 
     def exec_stream(self, argv: Sequence[str]) -> ExecStream:
         exec_id = self._create(argv)
-        sock, raw = self._start_socket(exec_id)
+        sock = self._start_socket(exec_id)
         err = bytearray()
         state = {"closed": False}
 
         def chunks() -> Iterator[bytes]:
             with self.sb._errors("exec stream"), self._deadline(argv[-2] if len(argv) > 1 else "exec stream"):
-                yield from demux_stdout(raw.recv_into, err)
+                yield from demux_stdout(sock.recv_into, err)
 
         def close() -> None:
             if not state["closed"]:
                 state["closed"] = True
-                with suppress(Exception):  # best effort on a dying socket
-                    sock.close()
+                sock.close()
 
         return ExecStream(chunks=chunks(), exit_code=lambda: self._exit_code(exec_id), stderr=lambda: bytes(err),
                           close=close)
@@ -295,8 +380,8 @@ class DockerRun:
         self.ch, self.run_id = ch, run_id
         self.exec_id = ch._create(argv)
         with ch.sb._errors("exec"):
-            self.sock = ch.sb.client.api.exec_start(self.exec_id, socket=True)
-        self.raw = getattr(self.sock, "_sock", self.sock)  # read only when select says so: no deadline needed
+            # read only when select (or pending) says so: no deadline needed
+            self.sock = Hijacked(ch.sb.client.api.exec_start(self.exec_id, socket=True))
         self.frames = FrameSplitter()
         self.ended = False
         self.closed = False
@@ -304,13 +389,12 @@ class DockerRun:
     def pump(self, wait_s: float, out: BoundedOutput, err: BoundedOutput) -> bool:
         if self.ended:
             return False
-        pending = getattr(self.raw, "pending", None)  # TLS: bytes already decrypted
-        if not (pending and pending()):
-            ready, _, _ = select.select([self.raw], [], [], wait_s)
+        if not self.sock.pending():  # bytes already here (early, or decrypted by TLS): select would not see them
+            ready, _, _ = select.select([self.sock], [], [], wait_s)
             if not ready:
                 return True
         with self.ch.sb._errors("exec output"):
-            data = self.raw.recv(CHUNK)
+            data = self.sock.recv(CHUNK)
         if not data:
             self.ended = True
             return False
@@ -334,8 +418,7 @@ class DockerRun:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            with suppress(Exception):  # best effort on a dying socket
-                self.sock.close()
+            self.sock.close()
 
 
 # -- the ONE table of docker / requests / OS errors (rules take the Engine, what it was doing, the path) --
