@@ -143,24 +143,12 @@ runtime.set_factory(_context_factory)
 _watchdog = None
 
 
-#: the GIL's switch interval in a threads-pool worker (Python's default: 5 ms)
-THREADS_SWITCH_INTERVAL_S = 0.001
-
-
 @worker_init.connect
 def _time_limits_for_threads(sender=None, **_kw) -> None:
     """Celery's threads pool ignores `soft_time_limit` / `time_limit`: with
     it, `workers.timelimits.Watchdog` enforces them (a hung delivery is cut
-    as on prefork).
-
-    And a shorter GIL switch interval: a delivery thread whose Redis or HTTP
-    answer has arrived waits for the GIL until the thread holding it is made
-    to let go, up to the switch interval (5 ms by default) each time; a
-    delivery makes a dozen such round trips, so with busy neighbours the
-    waits, not the work, set the pace (the "convoy effect")."""
+    as on prefork)."""
     global _watchdog
-    import sys
-
     from celery import concurrency
     from celery.concurrency.thread import TaskPool as ThreadPool
 
@@ -172,7 +160,6 @@ def _time_limits_for_threads(sender=None, **_kw) -> None:
         from workers.timelimits import Watchdog
 
         _watchdog = Watchdog()
-        sys.setswitchinterval(THREADS_SWITCH_INTERVAL_S)
 
 
 @task_prerun.connect
