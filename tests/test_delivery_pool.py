@@ -372,7 +372,9 @@ def test_a_hung_send_on_a_threads_worker_is_cut_at_the_soft_limit_and_retried(co
     fake_telegram.latency_s = 25  # the first call hangs (past the 10 s soft limit)
     started = time.monotonic()
     _enqueue(env, r, st, "telegram:930000", "hung", "t", "hung.txt", os.urandom(512))
-    rows = wait_until(lambda: [d for d in receipts.job_deliveries(r, "hung") if d.get("transient_errors")] or None,
+    # the count and the reason are two writes: wait for the reason the assertion reads
+    rows = wait_until(lambda: [d for d in receipts.job_deliveries(r, "hung")
+                               if d.get("transient_errors") and d.get("reason")] or None,
                       timeout_s=90, interval_s=0.2, what="the hung send cut")
     assert "SoftTimeLimitExceeded" in rows[0].get("reason", ""), rows
     assert time.monotonic() - started < 60
