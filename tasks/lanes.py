@@ -365,8 +365,9 @@ def _run_step(ctx: Context, step: Step, held: sendlock.Held | None = None, end: 
         if not isinstance(exc, CourierError):
             log.exception("lane %s: unexpected error sending %s", jobs[0]["target"], step.lead)
         reason = exc.reason if isinstance(exc, CourierError) else f"{type(exc).__name__}: {exc}"
-        n, first_s = ledger.count_transient(r, step.lead)
+        # the reason first: a receipt that counts a transient failure already says why
         _mark_open(ctx, step, state="retrying", reason=reason)
+        n, first_s = ledger.count_transient(r, step.lead)
         if ledger.gives_up(exc, n, first_s, max_attempts=ctx.max_transient_attempts,
                            outage_deadline_s=ctx.outage_deadline_s):
             what = "storage unavailable" if isinstance(exc, StorageError) else f"gave up after {n} attempts"
