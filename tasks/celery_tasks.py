@@ -107,16 +107,18 @@ class DeliveryFailed(Exception):
     recorded; nothing is retried by Celery (the ledger owns retries)."""
 
 
-@_task(name=task_names.DRIVE_LANE, acks_late=True, reject_on_worker_lost=True,
+@_task(bind=True, name=task_names.DRIVE_LANE, acks_late=True, reject_on_worker_lost=True,
              throws=(DeliveryFailed,))
-def drive_lane(target: str) -> JsonObject:
-    """Send what is ready at the head of one chat's lane (tasks.lanes). A
-    delivery recorded failed during the drive makes the task a FAILURE
-    naming its id and reason (never chat text)."""
+def drive_lane(self: Task, target: str) -> JsonObject:
+    """Send what is ready at the head of one chat's lane ('': none), then of the lanes
+    whose wake-ups joined the ready set (tasks.lanes.drive_ready). A delivery recorded
+    failed during the drive makes the task a FAILURE naming its id and reason (never chat text)."""
     from tasks import chains, lanes
 
+    ctx = runtime.ctx()
     with metrics.failures_noted() as failed:
-        out = lanes.drive(runtime.ctx(), target, chains.publish_lane)
+        out = lanes.drive_ready(ctx, target, chains.publish_lane, lambda: chains.publish_drain(ctx.redis),
+                                started=self.request.id)
     if failed:
         raise DeliveryFailed("; ".join(f"{did}: {reason[:200]}" for did, reason in failed[:10])
                              + (f"; and {len(failed) - 10} more" if len(failed) > 10 else ""))

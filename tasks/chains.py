@@ -29,6 +29,7 @@ import json
 import posixpath
 import re
 import secrets
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -40,7 +41,7 @@ from redis.client import Pipeline
 from adapters.platforms.base import split_target
 from adapters.sandboxes.base import SandboxRef
 from storage import prefixes
-from tasks import ledger, receipts, task_names
+from tasks import keys, ledger, receipts, task_names
 from tasks.messages import Attachment, JsonObject, TurnSpec
 
 if TYPE_CHECKING:
@@ -112,6 +113,18 @@ def sandbox_queue(ref: SandboxRef) -> str:
 LANE_GRACE_S = 10.0
 EXTRACT_GRACE_S = 60.0
 TURN_GRACE_S = 60.0
+
+#: lane drives waiting to start (published, not yet at their first look) beyond which a lane's
+#: wake-up joins `keys.lanes_ready()` instead of being a message of its own. Each drive drains
+#: that set when its own lane is done (tasks.lanes.drive_ready): under a backlog one Celery
+#: message sends to several chats; with workers idle every wake-up is its own message, so no
+#: chat waits behind another's send.
+WAKE_BACKLOG = 2
+#: a drive published this long ago and not started yet no longer counts as waiting (a lost
+#: message, or a long queue: wake-ups are messages again); the reconciler publishes a drain
+#: for lanes ready longer than `READY_STALE_S`
+WAKE_STALE_S = 5.0
+READY_STALE_S = 2.0
 
 
 def capped(plan: Plan) -> Plan:
@@ -253,7 +266,7 @@ def extract_sig(did: str, queue: str, what: str = "") -> Signature:
 
 
 def lane_label(target: str) -> str:
-    return f"(lane {target})"[:200]
+    return f"(lane {target})"[:200] if target else "(ready lanes)"
 
 
 def lane_sig(target: str, countdown: float | None = None) -> Signature:
@@ -292,30 +305,66 @@ def _template(name: str, make: Callable[[], tuple[Signature, tuple[list[Any], li
     return _templates[name]
 
 
-def _push(pipe: Pipeline, tpl: Template, args: list[Any], label: str) -> None:
-    """LPUSH one rendered message on `pipe`: a new task id; from a running task, that
-    task as its parent and root, as Celery's publish sets them."""
+def _render(tpl: Template, args: list[Any], label: str) -> tuple[str, str, str]:
+    """(task id, queue key, message) of one rendered message: a new task id; from a running
+    task, that task as its parent and root, as Celery's publish sets them."""
     from celery import current_app
 
     parent = current_app.current_worker_task
     req = parent.request if parent is not None else None
-    key, msg = tpl.render(str(uuid.uuid4()), args, label, parent_id=req.id if req else None,
+    task_id = str(uuid.uuid4())
+    key, msg = tpl.render(task_id, args, label, parent_id=req.id if req else None,
                           root_id=(req.root_id or req.id) if req else None)
+    return task_id, key, msg
+
+
+def _push(pipe: Pipeline, tpl: Template, args: list[Any], label: str) -> None:
+    """LPUSH one rendered message on `pipe`."""
+    _, key, msg = _render(tpl, args, label)
     pipe.lpush(key, msg)
 
 
+#: a lane's wake-up. KEYS: the delivery queue, `keys.drives_waiting()`, `keys.lanes_ready()`;
+#: ARGV: the lane's target ('' : a drain, always published), the drive's message, its task id,
+#: now, WAKE_BACKLOG, WAKE_STALE_S. Publishes the message (and counts it waiting) unless
+#: WAKE_BACKLOG drives are waiting already: then the lane joins the ready set (0).
+_WAKE = """
+redis.call('zremrangebyscore', KEYS[2], '-inf', tonumber(ARGV[4]) - tonumber(ARGV[6]))
+if ARGV[1] ~= '' and redis.call('zcard', KEYS[2]) >= tonumber(ARGV[5]) then
+  redis.call('zadd', KEYS[3], 'NX', ARGV[4], ARGV[1])
+  return 0
+end
+redis.call('lpush', KEYS[1], ARGV[2])
+redis.call('zadd', KEYS[2], ARGV[4], ARGV[3])
+return 1
+"""
+
+
 def queue_lane(pipe: Pipeline, target: str) -> bool:
-    """Queue a drive of `target`'s lane on a Redis pipeline: the LPUSH of the
-    `drive_lane` message Celery would publish (made once per process from a
-    probe publish, tasks/taskmsg.py), so the drive goes out in the same round
-    trip as what comes before it on `pipe`. False when no template could be
-    made here (the caller publishes through Celery then)."""
+    """Queue a wake-up of `target`'s lane on a Redis pipeline (`_WAKE`): the `drive_lane`
+    message Celery would publish (made once per process from a probe publish,
+    tasks/taskmsg.py), pushed in the same round trip as what comes before it on `pipe`;
+    or, when `WAKE_BACKLOG` drives are waiting to start already, the lane joins the ready
+    set they drain. `target` '': a drain of the ready set, always pushed. False when no
+    template could be made here (the caller publishes through Celery then)."""
     tpl = _template("drive_lane", lambda: (lane_sig("probe:a"), (["probe:a"], ["probe:b"]),
                                            (lane_label("probe:a"), lane_label("probe:b"))))
     if tpl is None:
         return False
-    _push(pipe, tpl, [target], lane_label(target))
+    task_id, key, msg = _render(tpl, [target], lane_label(target))
+    pipe.eval(_WAKE, 3, key, keys.drives_waiting(), keys.lanes_ready(), target, msg, task_id, time.time(),
+              WAKE_BACKLOG, WAKE_STALE_S)
     return True
+
+
+def publish_drain(r: Redis) -> None:
+    """Publish a drive of the lanes in the ready set (a drive that ran out of time with some
+    left; the reconciler, for lanes there longer than READY_STALE_S)."""
+    pipe = r.pipeline(transaction=False)
+    if queue_lane(pipe, ""):
+        pipe.execute()
+    else:
+        publish_lane("")
 
 
 def queue_extract(pipe: Pipeline, did: str, queue: str, what: str = "") -> bool:

@@ -73,6 +73,20 @@ def lane(target: str) -> str:
     return f"{PREFIX}lane:{target}"
 
 
+def lanes_ready() -> str:
+    """sorted set: lanes with something to send whose wake-up was not published as a message of
+    its own (enough drives were waiting to start: each drains this set when its own lane is done),
+    scored by when they joined (tasks/chains.py `queue_lane`)"""
+    return f"{PREFIX}lanes:ready"
+
+
+def drives_waiting() -> str:
+    """sorted set: the task ids of lane drives published and not started yet, scored by when they
+    were published (a drive's first look removes its own; older than `chains.WAKE_STALE_S` they
+    no longer count)"""
+    return f"{PREFIX}lanes:waiting"
+
+
 def due(stage: str) -> str:
     """sorted set: the stage's entries (lane targets, extraction delivery ids, turn job ids)
     scored by when the reconciler must look at them again if nothing else has"""

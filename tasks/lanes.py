@@ -195,9 +195,50 @@ def _head(r: Redis, target: str, token: str, *, take: bool = False, last: Step |
     return Head(what, head, rec)
 
 
-def drive(ctx: Context, target: str, publish: Publish) -> JsonObject:
+def drive_ready(ctx: Context, target: str, publish: Publish, drain: Callable[[], None], *,
+                started: str | None = None) -> JsonObject:
+    """A drive task's work: `target`'s lane ('': none), then the lanes of the ready set
+    (`keys.lanes_ready()`: wake-ups that found enough drives waiting to start, tasks.chains
+    `queue_lane`), one after the other, until the set is empty or `BUDGET_S` is spent; then
+    `drain()` publishes a drive for what is left. `started`: this drive's task id, no longer
+    waiting from its first look on. Returns the first lane's summary, with `drained` (lanes
+    driven from the set) and `drained_sent` when there were any."""
+    r = ctx.redis
+    deadline = time.monotonic() + BUDGET_S
+    ready = keys.lanes_ready()
+    if target:
+        out = drive(ctx, target, publish, started=started)
+        started = None
+    else:
+        out = {"lane": "", "state": "drained", "sent": 0}
+    lanes = sent = 0
+    while True:
+        if time.monotonic() >= deadline:
+            if r.exists(ready):
+                drain()
+            break
+        pipe = r.pipeline(transaction=False)
+        if started:  # a drain's own first look: it no longer waits
+            pipe.zrem(keys.drives_waiting(), started)
+            started = None
+        pipe.zpopmin(ready)
+        popped = pipe.execute()[-1]
+        if not popped:
+            break
+        got = drive(ctx, receipts._s(popped[0][0]), publish, budget_s=max(0.05, deadline - time.monotonic()))
+        lanes += 1
+        sent += int(got.get("sent") or 0)
+    if lanes:
+        out = {**out, "drained": lanes, "drained_sent": sent}
+    return out
+
+
+def drive(ctx: Context, target: str, publish: Publish, *, started: str | None = None,
+          budget_s: float = BUDGET_S) -> JsonObject:
     """Send what is ready at the head of `target`'s lane. `publish(target,
     countdown)` enqueues another drive of the lane. Returns a small summary.
+    `started`: the drive task's id, removed from `keys.drives_waiting()` with the
+    first look; `budget_s`: how long it may keep sending before handing the lane on.
 
     Round trips: one to take the lane's lease (clearing a dead sender's
     chat gate), read its head step and, when it is one delivery ready to
@@ -208,7 +249,11 @@ def drive(ctx: Context, target: str, publish: Publish) -> JsonObject:
     r = ctx.redis
     token = ledger.new_token()
     lease = keys.lease("lane", target)
-    first = _head(r, target, token, take=True, lock=True, gate=_gate(ctx, target))
+    pipe = None
+    if started:
+        pipe = r.pipeline(transaction=False)
+        pipe.zrem(keys.drives_waiting(), started)
+    first = _head(r, target, token, take=True, lock=True, gate=_gate(ctx, target), pipe=pipe)
     if first.what == "busy":
         return {"lane": target, "state": "busy"}  # a live worker is on it
     if first.what == "empty":
@@ -217,7 +262,7 @@ def drive(ctx: Context, target: str, publish: Publish) -> JsonObject:
         return {"lane": target, "state": "extracting", "head": first.id, "sent": 0}
     try:
         with ledger.renewing(r, lease, token, ledger.LEASE_TTL_S):
-            out = _drive_leased(ctx, target, publish, token, first)
+            out = _drive_leased(ctx, target, publish, token, first, budget_s)
     except BaseException:
         try:
             ledger.release(r, lease, token)
@@ -251,10 +296,11 @@ def drive(ctx: Context, target: str, publish: Publish) -> JsonObject:
     return out
 
 
-def _drive_leased(ctx: Context, target: str, publish: Publish, token: str, first: Head) -> JsonObject:
+def _drive_leased(ctx: Context, target: str, publish: Publish, token: str, first: Head,
+                  budget_s: float = BUDGET_S) -> JsonObject:
     r = ctx.redis
     sent = 0
-    deadline = time.monotonic() + BUDGET_S
+    deadline = time.monotonic() + budget_s
     look = first
     while True:
         held, held_id = look.held, look.id

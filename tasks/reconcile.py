@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 from redis import Redis
@@ -62,7 +63,12 @@ def tick(ctx: Context, *, now: float | None = None) -> dict[str, int]:
     from tasks.states import TURN_OVER
 
     r = ctx.redis
-    out = {"lanes": 0, "extractions": 0, "turns": 0, "abandoned": 0}
+    out = {"lanes": 0, "extractions": 0, "turns": 0, "abandoned": 0, "ready": 0}
+    # lanes whose wake-up joined the ready set and no drive has taken for a while
+    # (the drives it counted on were lost or are slow): one drain for them
+    if r.zrangebyscore(keys.lanes_ready(), "-inf", (now or time.time()) - chains.READY_STALE_S, start=0, num=1):
+        chains.publish_drain(r)
+        out["ready"] = 1
     for target in _unleased_overdue(r, "lane", now):
         if not r.exists(keys.lane(target)):
             ledger.clear_due(r, "lane", target)
