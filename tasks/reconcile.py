@@ -3,7 +3,8 @@
 Each worker process runs `Reconciler` (a thread, one pass a second); a
 Redis lock lets one of them work at a time, so adding workers adds no load.
 A pass reads only the due entries of each stage (`ZRANGEBYSCORE` to now):
-idle, it costs three small reads a second.
+idle, it costs four small reads a second (the fourth: lanes in the ready
+set for longer than `chains.READY_STALE_S`, which get one drain).
 
 For each overdue entry:
 - its lease is held: the holder is alive (it renews) - look again later;

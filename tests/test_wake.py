@@ -1,0 +1,169 @@
+"""Lane wake-ups under a backlog (issue 12: courier's own cost per delivery).
+
+A lane's wake-up is a `drive_lane` message of its own while workers keep up;
+once `chains.WAKE_BACKLOG` drives are waiting to start, further wake-ups join
+the ready set (`keys.lanes_ready()`), and each drive drains that set after its
+own lane: one Celery message then sends to several chats. Nothing may be
+lost on the way: a drive that was lost (never starts) or dies mid-drain is
+covered by the reconciler (stale ready lanes get a drain; popped lanes keep
+their due times).
+
+Real parts: the test's redis-server; the plain-code tests drive lanes
+against an in-memory platform (tests/test_delivery_flow.py); the worker
+tests run real worker processes against the Telegram fake through
+python-telegram-bot.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from storage.volume import VolumeStore
+from tasks import chains, keys, lanes, receipts, reconcile
+from tasks.runtime import Context
+from tests.fixtures.services import wait_until
+from tests.test_delivery_flow import MemoryPlatform
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _ctx(r, tmp_path, platform):
+    return Context(redis=r, store=VolumeStore(tmp_path / "store"), platform=lambda name: platform,
+                   sandbox=lambda ref: None, agent=lambda name: None)  # type: ignore[arg-type,return-value]
+
+
+def _texts(env, r, targets: list[str], tag: str = "hi") -> list[str]:
+    jobs = []
+    with env.publishing():
+        for i, target in enumerate(targets):
+            job = chains.new_job_id("wake")
+            chains.enqueue(r, chains.Plan(job_id=job, target=target, text=f"{tag} {i}"), job_kind="send")
+            jobs.append(job)
+    return jobs
+
+
+def _queued(r) -> list[tuple[str, str]]:
+    """(task id, lane target) of each drive message in the delivery queue, oldest first."""
+    out = []
+    for raw in reversed(r.lrange("delivery", 0, -1)):
+        msg = json.loads(raw)
+        args = json.loads(base64.b64decode(msg["body"]))[0]
+        out.append((msg["headers"]["id"], args[0]))
+    return out
+
+
+def test_under_a_backlog_wake_ups_join_the_ready_set_and_one_drive_sends_to_every_chat(
+        courier_env, redis_client, tmp_path):
+    env, r = courier_env(), redis_client
+    targets = [f"memory:c{i}" for i in range(12)]
+    _texts(env, r, targets)
+    # nothing consumes the queue: the first wake-ups are messages, the rest wait in the ready set
+    queued = _queued(r)
+    assert len(queued) == chains.WAKE_BACKLOG, queued  # (one message per wake-up before)
+    assert [t for _, t in queued] == targets[:chains.WAKE_BACKLOG]
+    assert [receipts.as_str(t) for t in r.zrange(keys.lanes_ready(), 0, -1)] == targets[chains.WAKE_BACKLOG:]
+    assert r.zcard(keys.drives_waiting()) == chains.WAKE_BACKLOG
+
+    platform = MemoryPlatform()
+    task_id, target = queued[0]
+    drains: list[int] = []
+    out = lanes.drive_ready(_ctx(r, tmp_path, platform), target, lambda t, countdown=None: None,
+                            lambda: drains.append(1), started=task_id)
+    assert out["state"] == "empty" and out["sent"] == 1
+    assert out["drained"] == len(targets) - chains.WAKE_BACKLOG and out["drained_sent"] == out["drained"]
+    # its own chat first, then the ready set in the order the wake-ups came; the other message's chat waits for it
+    assert [s[0] for s in platform.sent] == ["c0"] + [f"c{i}" for i in range(chains.WAKE_BACKLOG, 12)]
+    assert not r.exists(keys.lanes_ready()) and drains == []
+    assert [receipts.as_str(t) for t in r.zrange(keys.drives_waiting(), 0, -1)] == [queued[1][0]]
+
+
+def test_a_drive_out_of_time_publishes_a_drain_for_the_lanes_left(courier_env, redis_client, tmp_path,
+                                                                   monkeypatch):
+    env, r = courier_env(), redis_client
+    _texts(env, r, [f"memory:b{i}" for i in range(5)])
+    (task_id, target), _ = _queued(r)
+    monkeypatch.setattr(lanes, "BUDGET_S", 0.0)
+    drains: list[int] = []
+    platform = MemoryPlatform()
+    out = lanes.drive_ready(_ctx(r, tmp_path, platform), target, lambda t, countdown=None: None,
+                            lambda: drains.append(1), started=task_id)
+    assert out["sent"] == 1 and "drained" not in out
+    assert drains == [1] and r.zcard(keys.lanes_ready()) == 3  # left for the drain it published
+
+
+def test_a_drive_that_never_starts_stops_counting_after_a_while(courier_env, redis_client):
+    env, r = courier_env(), redis_client
+    old = time.time() - chains.WAKE_STALE_S - 1
+    r.zadd(keys.drives_waiting(), {"lost-1": old, "lost-2": old})
+    _texts(env, r, ["memory:s1"])
+    assert [t for _, t in _queued(r)] == ["memory:s1"] and not r.exists(keys.lanes_ready())
+    assert r.zcard(keys.drives_waiting()) == 1
+
+
+def test_the_reconciler_publishes_a_drain_for_lanes_ready_too_long(courier_env, redis_client, tmp_path):
+    env, r = courier_env(), redis_client
+    r.zadd(keys.lanes_ready(), {"memory:r1": time.time()})
+    ctx = _ctx(r, tmp_path, MemoryPlatform())
+    with env.publishing():
+        assert reconcile.tick(ctx)["ready"] == 0  # just joined: its drives may start any moment
+        assert reconcile.tick(ctx, now=time.time() + chains.READY_STALE_S + 1)["ready"] == 1
+    assert [t for _, t in _queued(r)] == [""]  # a drain: it names no lane
+
+
+# -- real workers --------------------------------------------------------------------------
+def _sent_once(fake, chats: list[str]) -> None:
+    for chat in chats:
+        got = [c.text for c in fake.calls_for(chat=chat, ok=True)]
+        assert len(got) == 1, (chat, got)
+
+
+def test_lanes_whose_drives_were_lost_are_delivered_by_the_reconcilers_drain(courier_env, redis_client,
+                                                                             fake_telegram):
+    env = courier_env(TELEGRAM_BOT_TOKEN=fake_telegram.token, COURIER_TELEGRAM_BASE_URL=fake_telegram.url)
+    r = redis_client
+    # WAKE_BACKLOG drives "waiting" whose messages are gone (a broker that lost them)
+    r.zadd(keys.drives_waiting(), {f"lost-{i}": time.time() for i in range(chains.WAKE_BACKLOG)})
+    chats = [str(930000 + i) for i in range(8)]
+    jobs = _texts(env, r, [f"telegram:{c}" for c in chats], tag="lost")
+    assert _queued(r) == [] and r.zcard(keys.lanes_ready()) == len(chats)
+    env.start_worker(queues="delivery", pool="threads", concurrency=4)
+    wait_until(lambda: all(d.get("state") == "delivered" for j in jobs for d in receipts.job_deliveries(r, j) or [{}]),
+               timeout_s=60, interval_s=0.1, what="every chat's text delivered")
+    _sent_once(fake_telegram, chats)
+    assert not r.exists(keys.lanes_ready())
+
+
+def test_lanes_a_killed_drive_had_taken_from_the_ready_set_are_still_delivered_once(courier_env, redis_client,
+                                                                                     fake_telegram):
+    fake_telegram.latency_s = 0.4  # one chat after the other, slowly: the kill lands mid-drain
+    env = courier_env(TELEGRAM_BOT_TOKEN=fake_telegram.token, COURIER_TELEGRAM_BASE_URL=fake_telegram.url)
+    r = redis_client
+    chats = [str(940000 + i) for i in range(8)]
+    jobs = _texts(env, r, [f"telegram:{c}" for c in chats], tag="kill")
+    first = _queued(r)
+    assert len(first) == chains.WAKE_BACKLOG
+    r.delete("delivery")  # one drive will do it all: a single drain, as after a long backlog
+    r.delete(keys.drives_waiting())
+    r.zadd(keys.lanes_ready(), {f"telegram:{c}": time.time() + i * 1e-3 for i, c in enumerate(chats)})
+    with env.publishing():
+        chains.publish_drain(r)
+    w = env.start_worker(queues="delivery", pool="threads", concurrency=1)
+    wait_until(lambda: len(fake_telegram.calls_for(ok=True)) >= 3, timeout_s=60, interval_s=0.02,
+               what="the drain under way")
+    os.kill(w.pid, signal.SIGKILL)
+    w.wait(timeout=30)
+    assert r.zcard(keys.lanes_ready()) < len(chats) - 1  # the drain had taken lanes from the set
+    env.start_worker(queues="delivery", pool="threads", concurrency=4)
+    wait_until(lambda: all(d.get("state") == "delivered" for j in jobs for d in receipts.job_deliveries(r, j) or [{}]),
+               timeout_s=90, interval_s=0.1, what="every chat's text delivered after the kill")
+    for chat in chats:
+        got = [c.text for c in fake_telegram.calls_for(chat=chat, ok=True)]
+        # Telegram has no idempotency key: only a send in flight at the kill may show twice
+        assert 1 <= len(got) <= 2 and set(got) == {f"kill {chats.index(chat)}"}, (chat, got)
+    assert sum(len(fake_telegram.calls_for(chat=c, ok=True)) for c in chats) <= len(chats) + 1
