@@ -195,14 +195,15 @@ def entries(plan: Plan) -> list[_Entry]:
     return out
 
 
-def register(r: Redis, plan: Plan, *, job_kind: str | None = None) -> list[_Entry]:
+def register(r: Redis, plan: Plan, *, job_kind: str | None = None, pipe: Pipeline | None = None) -> list[_Entry]:
     """Record the plan in the ledger in one transaction: the job (with
     `job_kind`), a queued receipt per delivery with its spec, the steps at
     the end of the chat's lane, and due times for the lane and each
     extraction. Idempotent: a delivery already registered is left as it is
-    (and not queued again). Returns the plan's entries."""
+    (and not queued again). Returns the plan's entries. `pipe`: a
+    transaction the caller executes (with its messages after the entries)."""
     items = entries(plan)
-    p = r.pipeline(transaction=True)  # one round trip, and no other job's steps in between
+    p = pipe if pipe is not None else r.pipeline(transaction=True)  # one round trip, no other job's steps in between
     if job_kind is not None:
         receipts.create_job(r, plan.job_id, kind=job_kind, target=plan.target, pipe=p)
     for e in items:
@@ -213,7 +214,8 @@ def register(r: Redis, plan: Plan, *, job_kind: str | None = None) -> list[_Entr
     for e in items:
         if e.queue is not None:
             ledger.set_due(p, "extract", e.did, EXTRACT_GRACE_S)
-    p.execute()
+    if pipe is None:
+        p.execute()
     return items
 
 
@@ -383,10 +385,11 @@ def enqueue(r: Redis, plan: Plan, *, job_kind: str | None = None) -> list[str]:
     publish its extractions and one drive of the chat's lane. Returns the
     delivery ids. A publish that fails after the ledger was written loses
     nothing: the reconciler finds the due times."""
-    items = register(r, capped(plan), job_kind=job_kind)
-    # the messages in one round trip (Celery's own, made once per process: queue_extract,
-    # queue_lane); any that cannot be made that way go through Celery after it
-    pipe = r.pipeline(transaction=False)
+    # the ledger entries, then the messages (Celery's own, made once per process: queue_extract,
+    # queue_lane), in one transaction and one round trip; any that cannot be made that way go
+    # through Celery after it
+    pipe = r.pipeline(transaction=True)
+    items = register(r, capped(plan), job_kind=job_kind, pipe=pipe)
     later: list[Callable[[], None]] = []
     for e in items:
         if e.queue is not None:
