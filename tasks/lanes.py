@@ -57,12 +57,14 @@ Publish = Callable[[str, float | None], None]
 #: the receipts of the step last looked at; ARGV: the target, the receipt key prefix, the lease
 #: token, '1' to take the lease first (with TTL ARGV[5]), the step last looked at ('' none), the
 #: lane's due time while its head is extracted, the send lock's owner ('' none: no lock), its TTL,
-#: the send lock key prefix, the chat's gate ('' none), then the terminal states.
+#: the send lock key prefix, the chat's gate ('' none), the ready set ('' none: see below), then the
+#: terminal states.
 #: A lease taken with a head to send clears the chat's gate when it says a send is on its way
 #: (its sender died mid-send: a live one would still hold the lease). The step last looked at is popped when it
 #: is still the head and all its receipts are terminal (or gone); then {'head', id, its receipt
 #: (HGETALL)}, or, for an empty lane, {'empty'} with the lane forgotten (its due time) and the
-#: lease released; {'busy'} when the lease is held.
+#: lease released (and, with a ready set given, {'empty', the next lane} popped from it, '' when
+#: it is empty: the drive goes on without a round trip of its own); {'busy'} when the lease is held.
 #: A head that is one file still being extracted (its receipt names its extraction queue and
 #: has no result yet) is {'extracting', id}: the lane's due time set to ARGV[7] and the lease
 #: released in the same step (an extraction that ends after it finds the lease free).
@@ -77,7 +79,7 @@ if ARGV[6] ~= '' and redis.call('lindex', KEYS[1], 0) == ARGV[6] then
   for i = 4, #KEYS do
     local st = redis.call('hget', KEYS[i], 'state')
     local t = not st  -- a receipt gone (expired): nothing to send
-    for j = 12, #ARGV do if st == ARGV[j] then t = true end end
+    for j = 13, #ARGV do if st == ARGV[j] then t = true end end
     if not t then final = false end
   end
   if final then redis.call('lpop', KEYS[1]) end
@@ -86,13 +88,17 @@ local head = redis.call('lindex', KEYS[1], 0)
 if not head then
   redis.call('zrem', KEYS[2], ARGV[1])
   if redis.call('get', KEYS[3]) == ARGV[3] then redis.call('del', KEYS[3]) end
+  if ARGV[12] ~= '' then
+    local nxt = redis.call('zpopmin', ARGV[12])
+    return {'empty', nxt[1] or ''}
+  end
   return {'empty'}
 end
 local rec = redis.call('hgetall', ARGV[2] .. head)
 local f = {}
 for i = 1, #rec, 2 do f[rec[i]] = rec[i + 1] end
 local final = false
-for j = 12, #ARGV do if f['state'] == ARGV[j] then final = true end end
+for j = 13, #ARGV do if f['state'] == ARGV[j] then final = true end end
 if f['queue'] and not f['album'] and not final and f['extraction'] ~= 'ok' and f['extraction'] ~= 'failed' then
   redis.call('zadd', KEYS[2], ARGV[7], ARGV[1])
   if redis.call('get', KEYS[3]) == ARGV[3] then redis.call('del', KEYS[3]) end
@@ -116,7 +122,8 @@ _TERMINAL = sorted(receipts.TERMINAL)
 @dataclass
 class Head:
     """What `_HEAD` answered: 'head' (with `id`, its receipt, and `held`: its send lock when
-    taken), 'extracting' (with `id`), 'empty' or 'busy'."""
+    taken), 'extracting' (with `id`), 'empty' (with `id`, when asked: the next lane popped from
+    the ready set, '' when it was empty) or 'busy'."""
 
     what: str
     id: str | None = None
@@ -154,12 +161,13 @@ def load_step(r: Redis, lead: str, rec: JsonObject | None = None) -> Step | None
 
 
 def _head(r: Redis, target: str, token: str, *, take: bool = False, last: Step | str | None = None,
-          lock: bool = False, gate: str | None = None, pipe: Pipeline | None = None) -> Head:
+          lock: bool = False, gate: str | None = None, pipe: Pipeline | None = None, pop: bool = False) -> Head:
     """One round trip (`_HEAD`): pop `last` when it is final, then the head (see `Head`);
     'empty': lane forgotten, lease released. `take`: the lease first (clearing `gate`, the
     chat's gate, when it says a send is on its way); `lock`: a single ready head's send lock
     taken and its attempt counted with it. `pipe`: what is queued on it goes in the same round
-    trip, before the look (the record of the step just sent: the look reads it)."""
+    trip, before the look (the record of the step just sent: the look reads it). `pop`: an
+    empty lane's answer pops the next lane of the ready set too."""
     last_id = last.lead if isinstance(last, Step) else (last or "")
     last_ids = last.ids if isinstance(last, Step) else ([last] if last else [])
     owner = uuid.uuid4().hex if lock else ""
@@ -167,7 +175,7 @@ def _head(r: Redis, target: str, token: str, *, take: bool = False, last: Step |
     ks = [keys.lane(target), keys.due("lane"), keys.lease("lane", target), *[keys.delivery(d) for d in last_ids]]
     args = [target, keys.delivery(""), token, "1" if take else "0", ledger.LEASE_TTL_S, last_id,
             time.time() + EXTRACT_WAIT_S, owner, sendlock.SEND_LOCK_TTL_S, keys.delivery_lock(""), gate or "",
-            *_TERMINAL]
+            keys.lanes_ready() if pop else "", *_TERMINAL]
     if pipe is None:
         got = script(keys=ks, args=args)
     else:
@@ -183,7 +191,7 @@ def _head(r: Redis, target: str, token: str, *, take: bool = False, last: Step |
         elif isinstance(got, Exception):
             raise got
     what = receipts._s(got[0])
-    if what == "extracting":
+    if what == "extracting" or (what == "empty" and len(got) > 1):
         return Head(what, receipts._s(got[1]))
     if what != "head":
         return Head(what)
@@ -207,25 +215,29 @@ def drive_ready(ctx: Context, target: str, publish: Publish, drain: Callable[[],
     deadline = time.monotonic() + BUDGET_S
     ready = keys.lanes_ready()
     if target:
-        out = drive(ctx, target, publish, started=started)
+        out = drive(ctx, target, publish, started=started, pop=True)
         started = None
     else:
         out = {"lane": "", "state": "drained", "sent": 0}
+    nxt = out.pop("next", None)  # popped by the lane's last look ('': the set was empty then)
     lanes = sent = 0
-    while True:
-        if time.monotonic() >= deadline:
-            if r.exists(ready):
-                drain()
-            break
-        pipe = r.pipeline(transaction=False)
-        if started:  # a drain's own first look: it no longer waits
-            pipe.zrem(keys.drives_waiting(), started)
-            started = None
-        pipe.zpopmin(ready)
-        popped = pipe.execute()[-1]
-        if not popped:
-            break
-        got = drive(ctx, receipts._s(popped[0][0]), publish, budget_s=max(0.05, deadline - time.monotonic()))
+    while nxt != "":
+        if nxt is None:
+            if time.monotonic() >= deadline:
+                if r.exists(ready):
+                    drain()
+                break
+            pipe = r.pipeline(transaction=False)
+            if started:  # a drain's own first look: it no longer waits
+                pipe.zrem(keys.drives_waiting(), started)
+                started = None
+            pipe.zpopmin(ready)
+            popped = pipe.execute()[-1]
+            if not popped:
+                break
+            nxt = receipts._s(popped[0][0])
+        got = drive(ctx, nxt, publish, budget_s=max(0.05, deadline - time.monotonic()), pop=True)
+        nxt = got.pop("next", None)
         lanes += 1
         sent += int(got.get("sent") or 0)
     if lanes:
@@ -234,11 +246,13 @@ def drive_ready(ctx: Context, target: str, publish: Publish, drain: Callable[[],
 
 
 def drive(ctx: Context, target: str, publish: Publish, *, started: str | None = None,
-          budget_s: float = BUDGET_S) -> JsonObject:
+          budget_s: float | None = None, pop: bool = False) -> JsonObject:
     """Send what is ready at the head of `target`'s lane. `publish(target,
     countdown)` enqueues another drive of the lane. Returns a small summary.
     `started`: the drive task's id, removed from `keys.drives_waiting()` with the
-    first look; `budget_s`: how long it may keep sending before handing the lane on.
+    first look; `budget_s`: how long it may keep sending before handing the lane on;
+    `pop`: the look that finds the lane empty (within the budget) pops the next lane of
+    the ready set too, given back as `next` ('': the set was empty).
 
     Round trips: one to take the lane's lease (clearing a dead sender's
     chat gate), read its head step and, when it is one delivery ready to
@@ -253,16 +267,16 @@ def drive(ctx: Context, target: str, publish: Publish, *, started: str | None = 
     if started:
         pipe = r.pipeline(transaction=False)
         pipe.zrem(keys.drives_waiting(), started)
-    first = _head(r, target, token, take=True, lock=True, gate=_gate(ctx, target), pipe=pipe)
+    first = _head(r, target, token, take=True, lock=True, gate=_gate(ctx, target), pipe=pipe, pop=pop)
     if first.what == "busy":
         return {"lane": target, "state": "busy"}  # a live worker is on it
-    if first.what == "empty":
-        return {"lane": target, "state": "empty", "sent": 0}  # its lease went with the look
+    if first.what == "empty":  # its lease went with the look
+        return _empty(target, 0, first)
     if first.what == "extracting":  # due time set, lease released with the look
         return {"lane": target, "state": "extracting", "head": first.id, "sent": 0}
     try:
         with ledger.renewing(r, lease, token, ledger.LEASE_TTL_S):
-            out = _drive_leased(ctx, target, publish, token, first, budget_s)
+            out = _drive_leased(ctx, target, publish, token, first, BUDGET_S if budget_s is None else budget_s, pop)
     except BaseException:
         try:
             ledger.release(r, lease, token)
@@ -296,8 +310,15 @@ def drive(ctx: Context, target: str, publish: Publish, *, started: str | None = 
     return out
 
 
+def _empty(target: str, sent: int, look: Head) -> JsonObject:
+    out: JsonObject = {"lane": target, "state": "empty", "sent": sent}
+    if look.id is not None:
+        out["next"] = look.id
+    return out
+
+
 def _drive_leased(ctx: Context, target: str, publish: Publish, token: str, first: Head,
-                  budget_s: float = BUDGET_S) -> JsonObject:
+                  budget_s: float, pop: bool = False) -> JsonObject:
     r = ctx.redis
     sent = 0
     deadline = time.monotonic() + budget_s
@@ -306,14 +327,15 @@ def _drive_leased(ctx: Context, target: str, publish: Publish, token: str, first
         held, held_id = look.held, look.id
         try:
             if look.what == "empty":
-                return {"lane": target, "state": "empty", "sent": sent}
+                return _empty(target, sent, look)
             if look.what == "extracting":  # due time set, lease released with the look
                 return {"lane": target, "state": "extracting", "head": look.id, "sent": sent, "released": True}
             head = look.id
             assert head is not None  # a `head` answer names it
             step = load_step(r, head, look.rec)
             if step is None or step.done:
-                look = _head(r, target, token, last=step or head, lock=time.monotonic() <= deadline)
+                within = time.monotonic() <= deadline
+                look = _head(r, target, token, last=step or head, lock=within, pop=pop and within)
                 continue
             if not step.ready:  # the caller sets the lane's due time (EXTRACT_WAIT_S) as it releases the lease
                 return {"lane": target, "state": "extracting", "head": head, "sent": sent}
@@ -335,7 +357,8 @@ def _drive_leased(ctx: Context, target: str, publish: Publish, token: str, first
             return {"lane": target, "state": "waiting", "head": head, "wait_s": round(wait, 3), "sent": sent}
         sent += 1
         # the step's record (on `end`), popped once final, and the next: one round trip
-        look = _head(r, target, token, last=step, lock=time.monotonic() <= deadline, pipe=end)
+        within = time.monotonic() <= deadline
+        look = _head(r, target, token, last=step, lock=within, pipe=end, pop=pop and within)
 
 
 def _gate(ctx: Context, target: str) -> str | None:

@@ -144,3 +144,21 @@ def test_a_send_lock_held_elsewhere_is_waited_for_and_nothing_is_sent(counted):
     rec = receipts.get_delivery(counted.r, did) or {}
     assert rec["state"] == "extracted" and rec.get("attempts", "0") == "0"  # no attempt counted without the lock
     assert counted.r.get(keys.delivery_lock(did)) == b"another-worker"
+
+
+def test_each_lane_a_drive_takes_from_the_ready_set_costs_two_round_trips(counted):
+    """A drive goes on from its own lane to the lanes of the ready set (tests/test_wake.py):
+    the look that finds a lane empty pops the next one, so each costs its first look and its
+    delivered record (with that look), like the first lane."""
+    targets = [f"memory:rd{i}" for i in range(4)]
+    for target in targets:
+        (did,) = counted.plan(target, 1)
+        counted.extract(did)
+    counted.r.zadd(keys.lanes_ready(), {t: i for i, t in enumerate(targets[1:])})
+    drains: list[int] = []
+    out, trips = counted.trips(lambda: lanes.drive_ready(
+        counted.ctx, targets[0], lambda t, countdown=None: None, lambda: drains.append(1)))
+    assert out == {"lane": targets[0], "state": "empty", "sent": 1, "drained": 3, "drained_sent": 3}
+    assert [s[0] for s in counted.platform.sent] == ["rd0", "rd1", "rd2", "rd3"] and drains == []
+    assert not counted.r.exists(keys.lanes_ready())
+    assert trips == DRIVE_ROUND_TRIPS * len(targets), CountingConnection.writes
