@@ -12,6 +12,11 @@ a queue at most once a minute, workers with their heartbeat), so a
 Workers record a heartbeat per queue they consume (`keys.consumers(q)`,
 every HEARTBEAT_S); a consumer is one whose heartbeat is younger than
 CONSUMER_STALE_S.
+
+The `delivery` queue's depth and age include the lanes waiting in the ready
+set (`keys.lanes_ready()`: wake-ups that were not published as messages of
+their own because enough drives were waiting, tasks/chains.py): work waiting
+for a delivery worker either way.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ FORGET_S = 7 * 24 * 3600
 REGISTRY_TTL_S = 30 * 24 * 3600
 #: the queues every deployment has (workers/celery_app.QUEUES)
 BASE = ("turns", "sandbox", "delivery", "janitor")
+#: the queue whose work includes the lanes of the ready set
+LANES_QUEUE = "delivery"
 
 
 class QueueStats(TypedDict):
@@ -92,12 +99,19 @@ def stats(r: Redis, *, now: float | None = None) -> list[QueueStats]:
         pipe.llen(q)
         pipe.lindex(q, -1)
         pipe.zcount(keys.consumers(q), now - CONSUMER_STALE_S, "+inf")
+    pipe.zcard(keys.lanes_ready())
+    pipe.zrange(keys.lanes_ready(), 0, 0, withscores=True)
     res = pipe.execute()
+    ready, first_ready = int(res[-2] or 0), res[-1]
     out: list[QueueStats] = []
     stale: list[str] = []
     for i, q in enumerate(qs):
         depth, oldest, consumers = int(res[3 * i] or 0), res[3 * i + 1], int(res[3 * i + 2] or 0)
         sent = sent_at(oldest) if depth else None
+        if q == LANES_QUEUE and ready:
+            depth += ready
+            joined = float(first_ready[0][1]) if first_ready else None
+            sent = joined if sent is None or (joined is not None and joined < sent) else sent
         if q not in BASE and not depth and not consumers and now - reg.get(q, now) > FORGET_S:
             stale.append(q)
             continue

@@ -65,6 +65,23 @@ def test_queue_stats_see_depth_age_and_consumers(redis_client):
     assert "sandbox.gone" not in names and {"turns", "sandbox", "delivery", "janitor"} <= names
 
 
+def test_the_delivery_queue_counts_the_lanes_waiting_in_the_ready_set(redis_client):
+    """Lanes whose wake-up joined the ready set (tasks/chains.py) are delivery work waiting
+    like messages: the delivery queue's depth and age show them."""
+    import json
+
+    from tasks import keys, queues
+
+    now = time.time()
+    redis_client.lpush("delivery", json.dumps({"headers": {"sent_s": now - 3.0}, "body": ""}))
+    redis_client.zadd(keys.lanes_ready(), {"telegram:1": now - 12.0, "telegram:2": now - 1.0})
+    row = {r["queue"]: r for r in queues.stats(redis_client, now=now)}["delivery"]
+    assert row["depth"] == 3 and row["oldest_age_s"] == pytest.approx(12.0, abs=0.01)
+    redis_client.delete("delivery")
+    row = {r["queue"]: r for r in queues.stats(redis_client, now=now)}["delivery"]
+    assert row["depth"] == 2 and row["oldest_age_s"] == pytest.approx(12.0, abs=0.01)
+
+
 def test_worker_exporter_counts_every_pool_process(courier_env, tmp_path):
     """Deliveries (delivered and failed), extractions (bytes, outcome) run in
     two prefork children; the worker's one exporter shows them all."""
