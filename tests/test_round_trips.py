@@ -144,3 +144,31 @@ def test_a_send_lock_held_elsewhere_is_waited_for_and_nothing_is_sent(counted):
     rec = receipts.get_delivery(counted.r, did) or {}
     assert rec["state"] == "extracted" and rec.get("attempts", "0") == "0"  # no attempt counted without the lock
     assert counted.r.get(keys.delivery_lock(did)) == b"another-worker"
+
+
+def test_the_outbox_adds_no_round_trip(counted, tmp_path):
+    """The same delivery to the outbox platform (the pipeline bench's): its files and its log
+    line are all it writes, the round trips are the four above."""
+    from dataclasses import replace
+
+    from adapters.platforms.outbox import OutboxPlatform, read_log
+
+    outbox = OutboxPlatform(tmp_path / "outbox")
+    ctx = replace(counted.ctx, platform=lambda name: outbox)
+    (warm,) = counted.plan("outbox:warm", 1)  # the outbox's chat directory made once per process
+    counted.trips(lambda: extract.run(ctx, warm, queue_drive=lambda pipe, target: True))
+    counted.trips(lambda: lanes.drive(ctx, "outbox:warm", lambda t, countdown=None: None))
+    (did,) = counted.plan("outbox:rt5", 1)
+
+    def queue_drive(pipe: Any, target: str) -> bool:
+        pipe.lpush("rtt:drives", target)
+        return True
+
+    out, extract_trips = counted.trips(lambda: extract.run(ctx, did, queue_drive=queue_drive))
+    assert out["state"] == "extracted" and out.get("lane_queued")
+    out, drive_trips = counted.trips(lambda: lanes.drive(ctx, "outbox:rt5", lambda t, countdown=None: None))
+    assert out == {"lane": "outbox:rt5", "state": "empty", "sent": 1}
+    assert [(row["delivery_id"], row["name"], row["size_bytes"]) for row in read_log(tmp_path / "outbox", "rt5")] \
+        == [(did, "f0.bin", 1000)]
+    assert (receipts.get_delivery(counted.r, did) or {})["state"] == "delivered"
+    assert (extract_trips, drive_trips) == (EXTRACT_ROUND_TRIPS, DRIVE_ROUND_TRIPS), CountingConnection.writes
