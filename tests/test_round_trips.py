@@ -31,6 +31,31 @@ EXTRACT_ROUND_TRIPS = 2
 DRIVE_ROUND_TRIPS = 2
 
 
+#: the commands of an extraction: its first script; then its result (the receipt's update, a
+#: script), the due time cleared, the lease released (a script) and the lane's drive queued (this
+#: test's stand-in for chains.queue_lane: one LPUSH)
+EXTRACT_COMMANDS = ["EVALSHA", "EVAL", "ZREM", "EVAL", "LPUSH"]
+
+
+def command_names(writes: list[Any]) -> list[str]:
+    """The names of the Redis commands in what was written (RESP arrays of bulk strings)."""
+    names = []
+    for packed in writes:
+        data = b"".join(bytes(p) for p in packed) if isinstance(packed, (list, tuple)) else bytes(packed)
+        at = 0
+        while at < len(data):
+            end = data.index(b"\r\n", at)
+            assert data[at:at + 1] == b"*", data[at:at + 40]
+            n, at = int(data[at + 1:end]), end + 2
+            for i in range(n):
+                end = data.index(b"\r\n", at)
+                size, at = int(data[at + 1:end]), end + 2
+                if i == 0:
+                    names.append(data[at:at + size].decode().upper())
+                at += size + 2
+    return names
+
+
 class CountingConnection(redis.Connection):
     """Counts the writes this test's thread makes (the lease renewer's thread is not counted)."""
 
@@ -109,6 +134,15 @@ def test_a_sandbox_files_delivery_takes_four_round_trips(counted):
     assert rec["state"] == "delivered" and rec["attempts"] == "1"
     assert not counted.r.exists(keys.delivery_lock(did), keys.lease("lane", "memory:rt1"))
     assert (extract_trips, drive_trips) == (EXTRACT_ROUND_TRIPS, DRIVE_ROUND_TRIPS), CountingConnection.writes
+
+
+def test_an_extraction_makes_five_commands(counted):
+    """Not only its round trips: the commands in them (a command more in a pipeline costs
+    Redis and the worker's client on every delivery too)."""
+    (did,) = counted.plan("memory:rt6", 1)
+    out, _ = counted.extract(did)
+    assert out["state"] == "extracted"
+    assert command_names(CountingConnection.writes) == EXTRACT_COMMANDS
 
 
 def test_each_further_delivery_in_a_drive_takes_one_round_trip(counted):
