@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import errno
+import io
+import itertools
 import os
 import time
-import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,6 +30,7 @@ class VolumeStore(BlobStore):
         self.root = Path(root).absolute()
         self.links = links
         self.can_sign = links is not None
+        self._root_s = str(self.root)
         self._tmp_s = str(self.root / _TMP)
         self.url = self.root.as_uri()
         try:
@@ -37,20 +39,25 @@ class VolumeStore(BlobStore):
         except OSError as exc:
             raise StorageError(f"storage volume {self.root} is not writable: {exc.strerror}") from exc
 
-    def _path(self, key: str) -> Path:
+    def _file(self, key: str) -> str:
+        """The path of `key`'s file, as a string (a checked key joined to the root: the
+        same path `root / key` names, without a Path object per call)."""
         check_key(key)
         if key.split("/", 1)[0] == _TMP:  # the store's own scratch directory
             raise ConfigError(f"invalid storage key: {key!r} ({_TMP}/ is reserved)")
-        return self.root / key
+        return f"{self._root_s}/{key}"
+
+    def _path(self, key: str) -> Path:
+        return Path(self._file(key))
 
     def local_path(self, key: str) -> Path | None:
-        p = self._path(key)
-        return p if p.is_file() else None
+        p = self._file(key)
+        return Path(p) if os.path.isfile(p) else None
 
     @contextmanager
     def open_write(self, key: str, *, private: bool = False):
         dest = self._path(key)
-        tmp = self.root / _TMP / f"{uuid.uuid4().hex}.part"
+        tmp = f"{self._tmp_s}/{unique_name()}.part"
         try:
             if private:
                 _mkdirs_private(self.root, dest.parent)
@@ -72,7 +79,7 @@ class VolumeStore(BlobStore):
 
     def _open_part(self, key: str, dest: str) -> tuple[str, int]:
         """A new temp file for `key` (its directory made), open for writing: (path, fd)."""
-        tmp = os.path.join(self._tmp_s, f"{uuid.uuid4().hex}.part")
+        tmp = f"{self._tmp_s}/{unique_name()}.part"
         try:
             _make_parent(dest)
             return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -85,7 +92,7 @@ class VolumeStore(BlobStore):
         `sendfile` across filesystems; no bytes pass through this process). The cap holds during the copy.
         No sha256 is computed (None in the result). Returns None when the
         kernel cannot copy between these files; callers then stream."""
-        self._path(key)
+        dest = self._file(key)
         if not hasattr(os, "copy_file_range"):
             return None
         use_sendfile = False
@@ -108,7 +115,7 @@ class VolumeStore(BlobStore):
                     raise _NoKernelMove from exc  # not supported here: the caller streams
                 raise
 
-        return self._kernel_move(key, move, COPY_CHUNK, max_bytes)
+        return self._kernel_move(key, move, COPY_CHUNK, max_bytes, dest=dest)
 
     def put_pipe(self, key: str, fd: int, *, max_bytes: int | None = None, wait=None,
                  finish=None) -> BlobInfo | None:
@@ -134,13 +141,14 @@ class VolumeStore(BlobStore):
         return self._kernel_move(key, move, SPLICE_CHUNK, max_bytes, finish)
 
     def _kernel_move(self, key: str, move: Callable[[int, int, int], int], chunk: int, max_bytes: int | None,
-                     finish: Callable[[int], object] | None = None) -> BlobInfo | None:
+                     finish: Callable[[int], object] | None = None, *, dest: str | None = None) -> BlobInfo | None:
         """Fill `key` through a temp file by `move(out_fd, want, done)` calls,
         each moving up to `want` bytes inside the kernel and saying how many (0:
         the end), until the end or `max_bytes` + 1 bytes (one more than the cap
         is TooLarge); `finish(size)` before the file is published. None when
-        `move` finds the kernel cannot (_NoKernelMove, before any byte moved)."""
-        dest = str(self._path(key))
+        `move` finds the kernel cannot (_NoKernelMove, before any byte moved).
+        `dest`: `key`'s file when the caller has it already."""
+        dest = dest or self._file(key)
         tmp, out = self._open_part(key, dest)
         limit = None if max_bytes is None else max_bytes + 1
         size = 0
@@ -175,7 +183,8 @@ class VolumeStore(BlobStore):
     @contextmanager
     def open_read(self, key: str):
         try:
-            f: BinaryIO = open(self._path(key), "rb")  # noqa: SIM115
+            # a buffer size given: no isatty() probe (an ioctl) of a file that is never a terminal
+            f: BinaryIO = open(self._file(key), "rb", buffering=io.DEFAULT_BUFFER_SIZE)  # noqa: SIM115
         except FileNotFoundError as exc:
             raise BlobMissing(f"no blob {key!r} in {self.url}") from exc
         except OSError as exc:
@@ -185,7 +194,7 @@ class VolumeStore(BlobStore):
 
     def stat(self, key: str) -> BlobInfo:
         try:
-            st = self._path(key).stat()
+            st = os.stat(self._file(key))
         except FileNotFoundError as exc:
             raise BlobMissing(f"no blob {key!r} in {self.url}") from exc
         return BlobInfo(key=key, size_bytes=st.st_size, modified_s=st.st_mtime)
@@ -226,6 +235,27 @@ class VolumeStore(BlobStore):
     def sweep_tmp(self, older_than_s: float = 3600) -> int:
         """Remove partial writes left by killed processes."""
         return sweep_stale((self.root / _TMP).iterdir(), older_than_s)
+
+
+#: temp names: this process's prefix (its pid and a random part, made again in a forked
+#: child) and a counter; no syscall per name (a uuid4 reads the kernel's random source)
+_seq = itertools.count()
+_prefix = ""
+
+
+def _new_prefix() -> None:
+    global _prefix
+    _prefix = f"{os.getpid():x}-{os.urandom(6).hex()}-"
+
+
+_new_prefix()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_prefix)
+
+
+def unique_name() -> str:
+    """A file name no other process or thread makes (temp files: each is opened with O_EXCL anyway)."""
+    return f"{_prefix}{next(_seq):x}"
 
 
 def sweep_stale(paths: Iterable[Path], older_than_s: float) -> int:

@@ -25,6 +25,8 @@ _PATH_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ENAMETOOLONG, errno
 
 #: extractions at least this large publish an `extracted` event as they finish
 RECORD_MIN_BYTES = 1024 * 1024
+#: the states after which an extraction has nothing to do (`_BEGIN`'s last arguments)
+_TERMINAL = tuple(sorted(receipts.TERMINAL))
 
 
 def extract(ctx: Context, spec: JsonObject, *, pipe: Pipeline | None = None) -> JsonObject:
@@ -123,22 +125,22 @@ def result_of(rec: receipts.Receipt, key: str) -> JsonObject | None:
 
 #: the start of an extraction, in one round trip. KEYS: the receipt, the stage's lease, the
 #: extract due ZSET; ARGV: the delivery id, a lease token, the lease TTL, the due time, then
-#: the terminal states. The receipt (HGETALL) and what to do: `gone` (no receipt or no spec),
-#: `done` (extracted, failed or final already; both clear the due time), `busy` (a live
-#: worker holds the lease), or `run`: the lease taken and the due time set to its TTL.
+#: the terminal states. What to do and the receipt's spec (the three fields it looks at, not
+#: the whole receipt: the spec is all the stage reads): `gone` (no receipt or no spec), `done`
+#: (extracted, failed or final already; both clear the due time), `busy` (a live worker holds
+#: the lease), or `run`: the lease taken and the due time set to its TTL.
 _BEGIN = """
-local rec = redis.call('hgetall', KEYS[1])
-local f = {}
-for i = 1, #rec, 2 do f[rec[i]] = rec[i + 1] end
-local done = not f['spec'] or f['extraction'] == 'ok' or f['extraction'] == 'failed'
-for i = 5, #ARGV do if f['state'] == ARGV[i] then done = true end end
+local f = redis.call('hmget', KEYS[1], 'spec', 'extraction', 'state')
+local spec, extraction, state = f[1], f[2], f[3]
+local done = not spec or extraction == 'ok' or extraction == 'failed'
+for i = 5, #ARGV do if state == ARGV[i] then done = true end end
 if done then
   redis.call('zrem', KEYS[3], ARGV[1])
-  return {f['spec'] and 'done' or 'gone', rec}
+  return {spec and 'done' or 'gone', spec}
 end
-if not redis.call('set', KEYS[2], ARGV[2], 'NX', 'EX', ARGV[3]) then return {'busy', rec} end
+if not redis.call('set', KEYS[2], ARGV[2], 'NX', 'EX', ARGV[3]) then return {'busy', spec} end
 redis.call('zadd', KEYS[3], ARGV[4], ARGV[1])
-return {'run', rec}
+return {'run', spec}
 """
 
 
@@ -163,14 +165,13 @@ def run(ctx: Context, did: str, queue_drive: Callable[[Pipeline, str], bool] | N
     r = ctx.redis
     token = ledger.new_token()
     lease = keys.lease("extract", did)
-    what, flat = receipts._script(r, _BEGIN)(
+    what, spec = receipts._script(r, _BEGIN)(
         keys=[keys.delivery(did), lease, keys.due("extract")],
-        args=[did, token, ledger.LEASE_TTL_S, time.time() + ledger.LEASE_TTL_S, *sorted(receipts.TERMINAL)])
+        args=[did, token, ledger.LEASE_TTL_S, time.time() + ledger.LEASE_TTL_S, *_TERMINAL])
     what = receipts.as_str(what)
     if what == "gone":
         return {"delivery": did, "state": "gone"}
-    rec = {receipts.as_str(flat[i]): receipts.as_str(flat[i + 1]) for i in range(0, len(flat), 2)}
-    job = json.loads(rec["spec"])
+    job = json.loads(spec)
     out = {"delivery": did, "target": job["target"]}
     if what in ("done", "busy"):
         return {**out, "state": what}

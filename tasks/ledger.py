@@ -42,9 +42,22 @@ _RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('expir
 _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
 
 
+#: `<host>:<pid>:` of this process, made once (again in a forked child): no uname and getpid per token
+_holder = ""
+
+
+def _new_holder() -> None:
+    global _holder
+    _holder = f"{socket.gethostname()}:{os.getpid()}:"
+
+
+_new_holder()
+os.register_at_fork(after_in_child=_new_holder)
+
+
 def new_token() -> str:
     """A lease holder's token: `<host>:<pid>:<random>` (who holds it, for operators)."""
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
+    return f"{_holder}{uuid.uuid4().hex[:12]}"
 
 
 def take(r: Redis, key: str, token: str, ttl_s: int = LEASE_TTL_S) -> bool:

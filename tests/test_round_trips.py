@@ -31,6 +31,31 @@ EXTRACT_ROUND_TRIPS = 2
 DRIVE_ROUND_TRIPS = 2
 
 
+#: the commands of an extraction: its first script; then its result (the receipt's update, a
+#: script), the due time cleared, the lease released (a script) and the lane's drive queued (this
+#: test's stand-in for chains.queue_lane: one LPUSH)
+EXTRACT_COMMANDS = ["EVALSHA", "EVAL", "ZREM", "EVAL", "LPUSH"]
+
+
+def command_names(writes: list[Any]) -> list[str]:
+    """The names of the Redis commands in what was written (RESP arrays of bulk strings)."""
+    names = []
+    for packed in writes:
+        data = b"".join(bytes(p) for p in packed) if isinstance(packed, (list, tuple)) else bytes(packed)
+        at = 0
+        while at < len(data):
+            end = data.index(b"\r\n", at)
+            assert data[at:at + 1] == b"*", data[at:at + 40]
+            n, at = int(data[at + 1:end]), end + 2
+            for i in range(n):
+                end = data.index(b"\r\n", at)
+                size, at = int(data[at + 1:end]), end + 2
+                if i == 0:
+                    names.append(data[at:at + size].decode().upper())
+                at += size + 2
+    return names
+
+
 class CountingConnection(redis.Connection):
     """Counts the writes this test's thread makes (the lease renewer's thread is not counted)."""
 
@@ -111,6 +136,15 @@ def test_a_sandbox_files_delivery_takes_four_round_trips(counted):
     assert (extract_trips, drive_trips) == (EXTRACT_ROUND_TRIPS, DRIVE_ROUND_TRIPS), CountingConnection.writes
 
 
+def test_an_extraction_makes_five_commands(counted):
+    """Not only its round trips: the commands in them (a command more in a pipeline costs
+    Redis and the worker's client on every delivery too)."""
+    (did,) = counted.plan("memory:rt6", 1)
+    out, _ = counted.extract(did)
+    assert out["state"] == "extracted"
+    assert command_names(CountingConnection.writes) == EXTRACT_COMMANDS
+
+
 def test_each_further_delivery_in_a_drive_takes_one_round_trip(counted):
     ids = counted.plan("memory:rt2", 3)
     for did in ids:
@@ -162,3 +196,31 @@ def test_each_lane_a_drive_takes_from_the_ready_set_costs_two_round_trips(counte
     assert [s[0] for s in counted.platform.sent] == ["rd0", "rd1", "rd2", "rd3"] and drains == []
     assert not counted.r.exists(keys.lanes_ready())
     assert trips == DRIVE_ROUND_TRIPS * len(targets), CountingConnection.writes
+
+
+def test_the_outbox_adds_no_round_trip(counted, tmp_path):
+    """The same delivery to the outbox platform (the pipeline bench's): its files and its log
+    line are all it writes, the round trips are the four above."""
+    from dataclasses import replace
+
+    from adapters.platforms.outbox import OutboxPlatform, read_log
+
+    outbox = OutboxPlatform(tmp_path / "outbox")
+    ctx = replace(counted.ctx, platform=lambda name: outbox)
+    (warm,) = counted.plan("outbox:warm", 1)  # the outbox's chat directory made once per process
+    counted.trips(lambda: extract.run(ctx, warm, queue_drive=lambda pipe, target: True))
+    counted.trips(lambda: lanes.drive(ctx, "outbox:warm", lambda t, countdown=None: None))
+    (did,) = counted.plan("outbox:rt5", 1)
+
+    def queue_drive(pipe: Any, target: str) -> bool:
+        pipe.lpush("rtt:drives", target)
+        return True
+
+    out, extract_trips = counted.trips(lambda: extract.run(ctx, did, queue_drive=queue_drive))
+    assert out["state"] == "extracted" and out.get("lane_queued")
+    out, drive_trips = counted.trips(lambda: lanes.drive(ctx, "outbox:rt5", lambda t, countdown=None: None))
+    assert out == {"lane": "outbox:rt5", "state": "empty", "sent": 1}
+    assert [(row["delivery_id"], row["name"], row["size_bytes"]) for row in read_log(tmp_path / "outbox", "rt5")] \
+        == [(did, "f0.bin", 1000)]
+    assert (receipts.get_delivery(counted.r, did) or {})["state"] == "delivered"
+    assert (extract_trips, drive_trips) == (EXTRACT_ROUND_TRIPS, DRIVE_ROUND_TRIPS), CountingConnection.writes

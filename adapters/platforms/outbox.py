@@ -11,12 +11,11 @@ import json
 import os
 import re
 import time
-import uuid
 from pathlib import Path
 
 from adapters.errors import Permanent, Transient
 from adapters.platforms.base import FileSource, Kind, Limits, Platform, Sent
-from storage.volume import sweep_stale
+from storage.volume import sweep_stale, unique_name
 
 _SAFE = re.compile(r"[^A-Za-z0-9._@+-]")
 LOG_NAME = "deliveries.jsonl"
@@ -42,30 +41,31 @@ class OutboxPlatform(Platform):
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
-        self._made: set[Path] = set()  # chat dirs known to exist
+        self._made: dict[str, str] = {}  # chat -> its directory (a string), known to exist
 
-    def _chat_dir(self, chat: str) -> Path:
+    def _chat_dir(self, chat: str) -> str:
+        d = self._made.get(chat)
+        if d is not None:
+            return d
         safe = _SAFE.sub("_", chat).strip(".")
         if not safe:
             raise Permanent(f"invalid outbox chat {chat!r}")
-        d = self.root / safe
-        if d in self._made:
-            return d
+        path = self.root / safe
         try:
-            d.mkdir(parents=True, exist_ok=True)
+            path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise Transient(f"outbox {d} is not writable: {exc.strerror}") from exc
+            raise Transient(f"outbox {path} is not writable: {exc.strerror}") from exc
         if len(self._made) > 10_000:
             self._made.clear()
-        self._made.add(d)
+        d = self._made[chat] = str(path)
         return d
 
-    def _log(self, d: Path, record: dict) -> None:
+    def _log(self, chat: str, d: str, record: dict) -> None:
         line = (json.dumps(record, ensure_ascii=False, sort_keys=True) + "\n").encode()
         try:
-            fd = os.open(d / LOG_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            fd = os.open(f"{d}/{LOG_NAME}", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
         except OSError as exc:
-            self._made.discard(d)
+            self._made.pop(chat, None)
             raise Transient(f"outbox log write failed: {exc.strerror or exc}") from exc
         try:
             os.write(fd, line)
@@ -80,7 +80,7 @@ class OutboxPlatform(Platform):
 
     def send_text(self, chat: str, text: str, *, delivery_id: str) -> Sent:
         d = self._chat_dir(chat)
-        self._log(d, {"delivery_id": delivery_id, "kind": Kind.TEXT.value, "text": text, "ts": time.time()})
+        self._log(chat, d, {"delivery_id": delivery_id, "kind": Kind.TEXT.value, "text": text, "ts": time.time()})
         return Sent(message_id=delivery_id)
 
     def send_file(self, chat: str, kind: Kind, file: FileSource, *, caption: str | None, delivery_id: str,
@@ -88,25 +88,39 @@ class OutboxPlatform(Platform):
         d = self._chat_dir(chat)
         # the whole delivery id: same-named files of one job are kept apart
         fname = f"{_SAFE.sub('_', delivery_id)}-{safe_name(file.name)}"
-        tmp = d / f".{uuid.uuid4().hex}.part"
+        tmp = f"{d}/.{unique_name()}.part"
         digest = hashlib.sha256()
         size = 0
         try:
-            with file.open() as src, open(tmp, "wb") as out:
-                while chunk := src.read(1024 * 1024):
-                    digest.update(chunk)
-                    size += len(chunk)
-                    out.write(chunk)
-            os.replace(tmp, d / fname)
+            with file.open() as src:
+                # a plain descriptor (a name of our own, O_EXCL): no buffered file object around it
+                out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+                try:
+                    while chunk := src.read(1024 * 1024):
+                        digest.update(chunk)
+                        size += len(chunk)
+                        _write_all(out, chunk)
+                finally:
+                    os.close(out)
+            os.replace(tmp, f"{d}/{fname}")
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            self._made.discard(d)  # made again on the retry
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            self._made.pop(chat, None)  # made again on the retry
             raise Transient(f"outbox write failed: {exc.strerror or exc}") from exc
-        self._log(d, {
+        self._log(chat, d, {
             "delivery_id": delivery_id, "kind": kind.value, "name": file.name, "file": fname,
             "caption": caption, "size_bytes": size, "sha256": digest.hexdigest(), "ts": time.time(),
         })
         return Sent(message_id=delivery_id)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def read_log(outbox_dir: str | os.PathLike[str], chat: str) -> list[dict]:

@@ -58,7 +58,7 @@ class LocalSandbox(Sandbox):
             raise NotAFile(f"{path}: not a regular file")
         return real, st.st_size
 
-    def _open_checked(self, resolved: str) -> int:
+    def _open_checked(self, resolved: str) -> tuple[int, os.stat_result]:
         # non-blocking open, then the opened fd is checked: a FIFO swapped in
         # after resolve is refused at once instead of hanging the worker
         fd, st = open_regular(resolved)
@@ -69,9 +69,11 @@ class LocalSandbox(Sandbox):
         except BaseException:
             os.close(fd)
             raise
-        return fd
+        return fd, st
 
-    def _open(self, resolved: str) -> int:
+    def _open(self, resolved: str) -> tuple[int, os.stat_result]:
+        """The checked file open for reading, and its fstat taken at the open
+        (before any byte is read: the version the copy must still be at its end)."""
         try:
             return self._open_checked(resolved)
         except FileNotFoundError as exc:
@@ -80,7 +82,7 @@ class LocalSandbox(Sandbox):
             raise UnsafePath(f"{resolved}: changed while opening ({exc.strerror})") from exc
 
     def open_stream(self, resolved: str) -> Iterator[bytes]:
-        with os.fdopen(self._open(resolved), "rb", buffering=0) as f:
+        with os.fdopen(self._open(resolved)[0], "rb", buffering=0) as f:
             while chunk := f.read(CHUNK):
                 yield chunk
 
@@ -90,9 +92,8 @@ class LocalSandbox(Sandbox):
         one copied), else a stream."""
         resolved, size = self.resolve(path)
         self.check_size(path, size, max_bytes)
-        fd = self._open(resolved)
+        fd, before = self._open(resolved)  # `before`: its fstat at the open, no byte read yet
         try:
-            before = os.fstat(fd)
             info = store.put_fd(key, fd, max_bytes=max_bytes)
             if info is None:
                 os.lseek(fd, 0, os.SEEK_SET)
