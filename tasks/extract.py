@@ -166,10 +166,9 @@ def run(ctx: Context, did: str, queue_drive: Callable[[Pipeline, str], bool] | N
     what, flat = receipts._script(r, _BEGIN)(
         keys=[keys.delivery(did), lease, keys.due("extract")],
         args=[did, token, ledger.LEASE_TTL_S, time.time() + ledger.LEASE_TTL_S, *sorted(receipts.TERMINAL)])
-    what = receipts.as_str(what)
     if what == "gone":
         return {"delivery": did, "state": "gone"}
-    rec = {receipts.as_str(flat[i]): receipts.as_str(flat[i + 1]) for i in range(0, len(flat), 2)}
+    rec = {flat[i]: flat[i + 1] for i in range(0, len(flat), 2)}
     job = json.loads(rec["spec"])
     out = {"delivery": did, "target": job["target"]}
     if what in ("done", "busy"):

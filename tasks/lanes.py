@@ -182,14 +182,14 @@ def _head(r: Redis, target: str, token: str, *, take: bool = False, last: Step |
             got = script(keys=ks, args=args)
         elif isinstance(got, Exception):
             raise got
-    what = receipts._s(got[0])
+    what = got[0]
     if what == "extracting":
-        return Head(what, receipts._s(got[1]))
+        return Head(what, got[1])
     if what != "head":
         return Head(what)
     flat = got[2]
-    rec = {receipts._s(flat[i]): receipts._s(flat[i + 1]) for i in range(0, len(flat), 2)}
-    head = receipts._s(got[1])
+    rec = {flat[i]: flat[i + 1] for i in range(0, len(flat), 2)}
+    head = got[1]
     if len(got) > 3 and int(got[3]):
         return Head(what, head, rec, sendlock.Held(owner, rec, int(got[4])))
     return Head(what, head, rec)
@@ -244,7 +244,7 @@ def drive(ctx: Context, target: str, publish: Publish) -> JsonObject:
     if extracting:
         # an extraction that ended while this drive held the lease found it
         # busy: look once more now that it is free
-        rec = {receipts._s(k): receipts._s(v) for k, v in (res[-1] or {}).items()}
+        rec = res[-1] or {}
         step = load_step(r, out["head"], rec) if rec else None
         if step is not None and (step.ready or step.done):
             publish(target, None)

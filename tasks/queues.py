@@ -23,7 +23,6 @@ from typing import TypedDict, cast
 from redis import Redis
 
 from tasks import keys
-from tasks.receipts import as_str
 
 HEARTBEAT_S = 10.0
 CONSUMER_STALE_S = 3 * HEARTBEAT_S
@@ -68,7 +67,7 @@ def leave(r: Redis, worker: str, queues: list[str]) -> None:
     pipe.execute()
 
 
-def sent_at(raw: bytes | str | None) -> float | None:
+def sent_at(raw: str | None) -> float | None:
     """The publish time courier stamped on a raw Redis queue entry (None: unknown)."""
     if raw is None:
         return None
@@ -84,8 +83,8 @@ def stats(r: Redis, *, now: float | None = None) -> list[QueueStats]:
     Two round trips whatever the number of queues. Registry entries that are
     old, empty and unconsumed are dropped."""
     now = time.time() if now is None else now
-    scored = cast("list[tuple[bytes, float]]", r.zrange(keys.queues(), 0, -1, withscores=True))
-    reg = {as_str(q): float(s) for q, s in scored}
+    scored = cast("list[tuple[str, float]]", r.zrange(keys.queues(), 0, -1, withscores=True))
+    reg = {q: float(s) for q, s in scored}
     qs = sorted(set(BASE) | set(reg))
     pipe = r.pipeline(transaction=False)
     for q in qs:
