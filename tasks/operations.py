@@ -83,7 +83,8 @@ def retry(r: Redis, rec: receipts.Receipt) -> dict[str, str]:
         return {"id": did, "outcome": "refused", "state": rec.get("state", ""),
                 "reason": "its receipt holds no spec to run it again"}
     target = spec["target"]
-    what, was = r.eval(_RETRY, 2, keys.delivery(did), keys.lane(target), f"{time.time():.3f}", receipts.RETENTION_S, did)
+    what, was = r.eval(_RETRY, 2, keys.delivery(did), keys.lane(target), f"{time.time():.3f}", receipts.RETENTION_S,
+                       did)
     if what == "gone":
         return {"id": did, "outcome": "refused", "state": "", "reason": "no such delivery (expired?)"}
     if what == "refused":

@@ -89,7 +89,7 @@ def stats(r: Redis, *, now: float | None = None) -> list[QueueStats]:
     pipe = r.pipeline(transaction=False)
     for q in qs:
         pipe.llen(q)
-        pipe.lindex(q, -1)
+        pipe.lindex(q, -1)  # Celery's message: kombu's JSON envelope (body base64), text for a decoding client
         pipe.zcount(keys.consumers(q), now - CONSUMER_STALE_S, "+inf")
     res = pipe.execute()
     out: list[QueueStats] = []

@@ -10,10 +10,14 @@ asks again after a failover: the task context's client (redis-py's
 `Sentinel.master_for`), the web process's async client, and Celery's broker
 and result backend (kombu's `sentinel://` transport with `master_name`).
 
-courier's own clients (`client`, `async_client`) decode replies: every value
-courier stores is text (ids, states, JSON, stream ids, decimal times, hex
-keys), so what they read is `str`, never `bytes`. Celery's clients are
-kombu's (`celery_url`) and stay as kombu makes them.
+courier's own clients (`client`, `async_client`) decode replies (UTF-8): what
+they read is `str`, never `bytes`. Every value courier stores is text: ids,
+states, JSON (receipts' specs, events, job records), stream ids, decimal
+times (due times, leases, the rate-limit windows of the `limits` library,
+which shares the client's pool), hex keys (eventauth); and what it reads of
+Celery's keys is text too (a queue's messages: kombu's JSON envelope, the
+body base64). No binary value, so no second, undecoded client. Celery's
+own clients are kombu's (`celery_url`) and stay as kombu makes them.
 """
 
 from __future__ import annotations
