@@ -165,8 +165,8 @@ def wait_final(r, delivery_ids: list[str], *, poll_s: float, timeout_s: float | 
         for d in left:
             pipe.hget(keys.delivery(d), "state")
         states = pipe.execute()
-        failed += sum(1 for s in states if s == b"failed")
-        left = [d for d, s in zip(left, states) if s not in (b"delivered", b"failed")]
+        failed += sum(1 for s in states if s == "failed")
+        left = [d for d, s in zip(left, states) if s not in ("delivered", "failed")]
         if left:
             time.sleep(poll_s)
     return failed, len(left)
@@ -217,11 +217,11 @@ def send_each(r, ref, files: list[Path], *, window: int = 32) -> float:
             for j in batch:
                 pipe.hget(f"courier:delivery:{chains.delivery_id(j, 0)}", "state")
             states = pipe.execute()
-        if b"failed" in states:
+        if "failed" in states:
             raise SystemExit("a delivery failed")
         done = 0
         for st in states:
-            if st != b"delivered":
+            if st != "delivered":
                 break
             done += 1
         at += done

@@ -107,13 +107,13 @@ class Stack:
         pipe = self.r.pipeline(transaction=False)
         for d in ids:
             pipe.hget(f"courier:delivery:{d}", "state")
-        return sum(1 for s in pipe.execute() if s in (b"delivered", b"failed"))
+        return sum(1 for s in pipe.execute() if s in ("delivered", "failed"))
 
     def delivered(self, ids: list[str]) -> int:
         pipe = self.r.pipeline(transaction=False)
         for d in ids:
             pipe.hget(f"courier:delivery:{d}", "state")
-        return sum(1 for s in pipe.execute() if s == b"delivered")
+        return sum(1 for s in pipe.execute() if s == "delivered")
 
     def close(self) -> None:
         from tests.fixtures.services import stop_process
@@ -176,7 +176,7 @@ def recovery() -> None:
 
             def victim():
                 """A worker whose processes hold at least two lanes' leases (sends in flight)."""
-                holders = [(st.r.get("courier:lease:lane:" + c + "0") or b"").decode() for c in chats]
+                holders = [st.r.get("courier:lease:lane:" + c + "0") or "" for c in chats]
                 for w in st.workers:
                     tree = {str(p) for p in _tree(w)}
                     if sum(1 for h in holders if h.split(":")[1:2] and h.split(":")[1] in tree) >= 2:

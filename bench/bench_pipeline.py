@@ -122,10 +122,10 @@ def main() -> int:
             deadline = time.monotonic() + 600
             while time.monotonic() < deadline:
                 st = r.hget(f"courier:delivery:{chains.delivery_id(job, 0)}", "state")
-                if st in (b"delivered", b"failed"):
+                if st in ("delivered", "failed"):
                     break
                 time.sleep(0.05)
-            if st != b"delivered":
+            if st != "delivered":
                 print(f"big delivery ended {st!r}", file=sys.stderr)
                 return 1
             peak = max([proc_status_mb(c, "VmHWM") for c in _children(proc.pid)] + [proc_status_mb(proc.pid, "VmHWM")])

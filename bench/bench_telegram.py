@@ -217,8 +217,8 @@ class _Courier:
         left, failed = list(ids), 0
         while left:  # the oldest not-done receipt every 10 ms: one read per poll, light on Redis and CPU
             state = self.r.hget(keys.delivery(left[0]), "state")
-            if state in (b"delivered", b"failed"):
-                failed += state == b"failed"
+            if state in ("delivered", "failed"):
+                failed += state == "failed"
                 left.pop(0)
             else:
                 time.sleep(0.01)

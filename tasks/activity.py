@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, cast
 
 from adapters.errors import CourierError, RateLimited
 from adapters.platforms.base import Platform, split_target
@@ -229,8 +229,7 @@ class TurnActivity:
             return
         if not h:
             return
-        rec = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
-               for k, v in h.items()}
+        rec = cast("dict[str, str]", h)
         if rec.get("platform") == self.platform_name and rec.get("message_id"):
             self._call("end_progress", rec.get("chat") or self.chat, rec["message_id"], force=True)
         self._forget()

@@ -7,8 +7,6 @@ receipt; what does not go in the album goes one by one through
 
 from __future__ import annotations
 
-from typing import Any
-
 from redis import Redis
 
 from adapters.errors import CourierError, Permanent
@@ -115,11 +113,7 @@ def _receipts_of(r: Redis, items: list[JsonObject]) -> list[JsonObject]:
     pipe = r.pipeline(transaction=False)
     for item in items:
         pipe.hgetall(keys.delivery(item["id"]))
-    return [{_str(k): _str(v) for k, v in (h or {}).items()} for h in pipe.execute()]
-
-
-def _str(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
+    return [h or {} for h in pipe.execute()]
 
 
 def _send_album(ctx: Context, platform: Platform, chat: str, lead: str,

@@ -275,8 +275,8 @@ def _send_file(ctx: Context, platform: Platform, chat: str, job: JsonObject, *,
     if not fresh:
         parts.queue_lookup(pipe, did, [upload_part, f"{did}#refused"])
     got = pipe.execute() if (fid_key or not fresh) else []
-    uploaded, refused = (None, None) if fresh else (v.decode() if isinstance(v, bytes) else v for v in got[-1])
-    cached = (got[0].decode() if isinstance(got[0], bytes) else got[0]) if fid_key else None
+    uploaded, refused = (None, None) if fresh else got[-1]
+    cached = got[0] if fid_key else None
     cached = cached or uploaded
     if refused:  # refused by the platform before; its notice was re-scheduled (the chat's rate limit)
         rec = json.loads(refused)

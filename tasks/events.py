@@ -37,8 +37,7 @@ def publish(r: Redis, job_id: str, event: Event, *, maxlen: int = 1000, pipe: Pi
     p.expire(keys.events(job_id), STREAM_TTL_S)
     if pipe is not None:
         return None
-    eid = p.execute()[0]
-    return eid.decode() if isinstance(eid, bytes) else eid
+    return cast(str, p.execute()[0])
 
 
 def read(r: Redis, job_id: str, after: str = "0-0", *, block_ms: int | None = None, count: int = 100
@@ -55,21 +54,17 @@ def read_many(r: Redis, after: Mapping[str, str], *, block_ms: int | None = None
         return []
     job_of = {keys.events(job_id): job_id for job_id in after}
     # courier's clients speak RESP2: [[stream, [(id, fields), ...]]] (None: nothing before the timeout)
-    res = cast("list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]] | None",
+    res = cast("list[tuple[str, list[tuple[str, dict[str, str]]]]] | None",
                r.xread({keys.events(job_id): cursor for job_id, cursor in after.items()}, count=count,
                        block=block_ms))
     out: list[tuple[str, str, Event]] = []
     for stream, entries in res or []:
-        job_id = job_of.get(_str(stream), _str(stream))
+        job_id = job_of.get(stream, stream)
         for eid, fields in entries:
             ev = decode(fields) if fields else None
             if eid is not None and ev is not None:
-                out.append((job_id, _str(eid), ev))
+                out.append((job_id, eid, ev))
     return out
-
-
-def _str(v: bytes | str) -> str:
-    return v.decode() if isinstance(v, bytes) else v
 
 
 DELIVERY_FINAL = DELIVERY_OVER
@@ -77,8 +72,8 @@ DELIVERY_FINAL = DELIVERY_OVER
 
 def decode(fields: Mapping[Any, Any]) -> Event | None:
     """The event of one stream entry's fields (None if it is not one)."""
-    raw = fields.get(b"data") or fields.get("data")
-    if not isinstance(raw, (bytes, str)):
+    raw = fields.get("data")
+    if not isinstance(raw, str):
         return None
     try:
         ev = json.loads(raw)
@@ -91,10 +86,11 @@ def read_range(r: Redis, job_id: str, start: str = "-", end: str = "+", *, count
                ) -> list[tuple[str, Event]]:
     """Events between two stream ids, inclusive (`-`/`+`: the ends)."""
     out: list[tuple[str, Event]] = []
-    for eid, fields in r.xrange(keys.events(job_id), start, end, count=count) or []:
+    for eid, fields in cast("list[tuple[str, dict[str, str]]]", r.xrange(keys.events(job_id), start, end, count=count)
+                            or []):
         ev = decode(fields) if fields else None
         if eid is not None and ev is not None:
-            out.append((_str(eid), ev))
+            out.append((eid, ev))
     return out
 
 

@@ -168,7 +168,6 @@ def run(ctx: Context, did: str, queue_drive: Callable[[Pipeline, str], bool] | N
     what, spec = receipts._script(r, _BEGIN)(
         keys=[keys.delivery(did), lease, keys.due("extract")],
         args=[did, token, ledger.LEASE_TTL_S, time.time() + ledger.LEASE_TTL_S, *_TERMINAL])
-    what = receipts.as_str(what)
     if what == "gone":
         return {"delivery": did, "state": "gone"}
     job = json.loads(spec)

@@ -48,7 +48,6 @@ def sweep(ctx: Context, *, dry_run: bool = False, older_than_s: float | None = N
     token = ledger.new_token()
     if not ledger.take(r, key, token, LOCK_TTL_S):
         holder = r.get(key)
-        holder = holder.decode() if isinstance(holder, bytes) else holder
         log.info("janitor: another sweep is running (%s): this one is skipped", holder)
         return {"skipped": "another sweep is running", "holder": holder}
     try:

@@ -190,14 +190,14 @@ def _head(r: Redis, target: str, token: str, *, take: bool = False, last: Step |
             got = script(keys=ks, args=args)
         elif isinstance(got, Exception):
             raise got
-    what = receipts._s(got[0])
+    what = got[0]
     if what == "extracting" or (what == "empty" and len(got) > 1):
-        return Head(what, receipts._s(got[1]))
+        return Head(what, got[1])
     if what != "head":
         return Head(what)
     flat = got[2]
-    rec = {receipts._s(flat[i]): receipts._s(flat[i + 1]) for i in range(0, len(flat), 2)}
-    head = receipts._s(got[1])
+    rec = {flat[i]: flat[i + 1] for i in range(0, len(flat), 2)}
+    head = got[1]
     if len(got) > 3 and int(got[3]):
         return Head(what, head, rec, sendlock.Held(owner, rec, int(got[4])))
     return Head(what, head, rec)
@@ -235,7 +235,7 @@ def drive_ready(ctx: Context, target: str, publish: Publish, drain: Callable[[],
             popped = pipe.execute()[-1]
             if not popped:
                 break
-            nxt = receipts._s(popped[0][0])
+            nxt = popped[0][0]
         got = drive(ctx, nxt, publish, budget_s=max(0.05, deadline - time.monotonic()), pop=True)
         nxt = got.pop("next", None)
         lanes += 1
@@ -303,7 +303,7 @@ def drive(ctx: Context, target: str, publish: Publish, *, started: str | None = 
     if extracting:
         # an extraction that ended while this drive held the lease found it
         # busy: look once more now that it is free
-        rec = {receipts._s(k): receipts._s(v) for k, v in (res[-1] or {}).items()}
+        rec = res[-1] or {}
         step = load_step(r, out["head"], rec) if rec else None
         if step is not None and (step.ready or step.done):
             publish(target, None)

@@ -174,8 +174,7 @@ def clear_due(r: Redis, stage: str, ident: str) -> None:
 def overdue(r: Redis, stage: str, *, now: float | None = None, limit: int = 500) -> list[str]:
     """The entries whose due time has passed, oldest first."""
     now = time.time() if now is None else now
-    out = cast("list[bytes | str]", r.zrangebyscore(keys.due(stage), "-inf", now, start=0, num=limit))
-    return [x.decode() if isinstance(x, bytes) else x for x in out]
+    return cast("list[str]", r.zrangebyscore(keys.due(stage), "-inf", now, start=0, num=limit))
 
 
 def pending(r: Redis) -> dict[str, int]:

@@ -8,6 +8,8 @@ job batch. Receipts are shown without their `spec` (it holds chat text).
 
 from __future__ import annotations
 
+from typing import cast
+
 from redis import Redis
 
 from tasks import keys, receipts
@@ -26,8 +28,7 @@ def jobs(r: Redis, *, chat: str | None = None, since_s: float | None = None) -> 
         for k in names[i:i + 500]:
             pipe.hmget(k, "id", "kind", "target", "state", "created_s")
         for vals in pipe.execute():
-            job = dict(zip(("id", "kind", "target", "state", "created_s"),
-                           (receipts.as_str(v) if v is not None else None for v in vals)))
+            job = dict(zip(("id", "kind", "target", "state", "created_s"), cast("list[str | None]", vals)))
             if not job["id"]:
                 continue
             if chat is not None and job["target"] != chat:

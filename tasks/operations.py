@@ -83,8 +83,8 @@ def retry(r: Redis, rec: receipts.Receipt) -> dict[str, str]:
         return {"id": did, "outcome": "refused", "state": rec.get("state", ""),
                 "reason": "its receipt holds no spec to run it again"}
     target = spec["target"]
-    what, was = (receipts.as_str(x) for x in r.eval(_RETRY, 2, keys.delivery(did), keys.lane(target), f"{time.time():.3f}",
-                                      receipts.RETENTION_S, did))
+    what, was = r.eval(_RETRY, 2, keys.delivery(did), keys.lane(target), f"{time.time():.3f}", receipts.RETENTION_S,
+                       did)
     if what == "gone":
         return {"id": did, "outcome": "refused", "state": "", "reason": "no such delivery (expired?)"}
     if what == "refused":
@@ -108,8 +108,8 @@ def cancel_delivery(r: Redis, rec: receipts.Receipt) -> dict[str, str]:
     """Cancel one delivery unless it is final or its send is in flight."""
     did = rec["id"]
     lead = rec.get("step") or did
-    what, was = (receipts.as_str(x) for x in r.eval(_CANCEL, 3, keys.delivery(did), keys.delivery_lock(did),
-                                      keys.delivery_lock(lead), CANCEL_REASON, f"{time.time():.3f}"))
+    what, was = r.eval(_CANCEL, 3, keys.delivery(did), keys.delivery_lock(did), keys.delivery_lock(lead), CANCEL_REASON,
+                       f"{time.time():.3f}")
     if what == "cancelled":
         p = r.pipeline(transaction=False)
         ledger.clear_due(p, "extract", did)
@@ -143,4 +143,4 @@ def mark_turn(r: Redis, job_id: str) -> str:
 
 
 def cancel_requested(r: Redis, job_id: str) -> bool:
-    return receipts.as_str(r.hget(keys.job(job_id), "cancel_requested")) == "1"
+    return r.hget(keys.job(job_id), "cancel_requested") == "1"

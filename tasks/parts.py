@@ -102,7 +102,7 @@ class Guarded(Platform):
         if done is not None:  # sent by an earlier run of this delivery
             if gate is not None and got_gate:
                 ratelimit.open_gate(r, gate)
-            return Sent(message_id=done.decode() if isinstance(done, bytes) else str(done))
+            return Sent(message_id=str(done))
         slot = ratelimit.take(r, self._p, chat, gate, interval_s, got_gate=got_gate)
         try:
             sent = send()

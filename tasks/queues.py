@@ -28,7 +28,6 @@ from typing import TypedDict, cast
 from redis import Redis
 
 from tasks import keys
-from tasks.receipts import as_str
 
 HEARTBEAT_S = 10.0
 CONSUMER_STALE_S = 3 * HEARTBEAT_S
@@ -75,7 +74,7 @@ def leave(r: Redis, worker: str, queues: list[str]) -> None:
     pipe.execute()
 
 
-def sent_at(raw: bytes | str | None) -> float | None:
+def sent_at(raw: str | None) -> float | None:
     """The publish time courier stamped on a raw Redis queue entry (None: unknown)."""
     if raw is None:
         return None
@@ -91,13 +90,13 @@ def stats(r: Redis, *, now: float | None = None) -> list[QueueStats]:
     Two round trips whatever the number of queues. Registry entries that are
     old, empty and unconsumed are dropped."""
     now = time.time() if now is None else now
-    scored = cast("list[tuple[bytes, float]]", r.zrange(keys.queues(), 0, -1, withscores=True))
-    reg = {as_str(q): float(s) for q, s in scored}
+    scored = cast("list[tuple[str, float]]", r.zrange(keys.queues(), 0, -1, withscores=True))
+    reg = {q: float(s) for q, s in scored}
     qs = sorted(set(BASE) | set(reg))
     pipe = r.pipeline(transaction=False)
     for q in qs:
         pipe.llen(q)
-        pipe.lindex(q, -1)
+        pipe.lindex(q, -1)  # Celery's message: kombu's JSON envelope (body base64), text for a decoding client
         pipe.zcount(keys.consumers(q), now - CONSUMER_STALE_S, "+inf")
     pipe.zcard(keys.lanes_ready())
     pipe.zrange(keys.lanes_ready(), 0, 0, withscores=True)

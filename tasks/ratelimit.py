@@ -123,7 +123,7 @@ def _gate_wait(redis: Any, platform: Platform, gate: str, interval_s: float) -> 
     pipe.get(gate)
     pipe.pttl(gate)
     value, pttl = pipe.execute()
-    value = value.decode() if isinstance(value, bytes) else (value or "")
+    value = value or ""
     if value.startswith("sending:"):  # a send to this chat is on its way: check back later
         try:
             in_flight_s = max(0.0, time.time() - float(value.split(":", 1)[1]))

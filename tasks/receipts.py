@@ -8,8 +8,7 @@ platform's message id or the failure reason.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 from redis import Redis
 from redis.commands.core import Script
@@ -23,22 +22,14 @@ RETENTION_S = 30 * 24 * 3600
 TERMINAL = DELIVERY_OVER
 
 
-#: a receipt or a job record as read back: every field a string
+#: a receipt or a job record as read back: every field a string (courier's clients decode
+#: replies: workers/redis_url.py)
 Receipt = dict[str, str]
 
 
-def as_str(v: object) -> str:
-    """A Redis value as text (bytes decoded; None: "")."""
-    if isinstance(v, bytes):
-        return v.decode()
+def _text(v: object) -> str:
+    """A field's value as written: its text (None: "")."""
     return "" if v is None else str(v)
-
-
-_s = as_str
-
-
-def _decode(h: Mapping[Any, Any]) -> dict[str, str]:
-    return {_s(k): _s(v) for k, v in h.items()}
 
 
 def create_job(r: Redis | None, job_id: str, *, kind: str, target: str, pipe: Pipeline | None = None,
@@ -46,7 +37,7 @@ def create_job(r: Redis | None, job_id: str, *, kind: str, target: str, pipe: Pi
     """Record a job (a send or a turn); queued on `pipe` when given."""
     fields: dict[EncodableT, EncodableT] = {"id": job_id, "kind": kind, "target": target, "state": "queued",
                                       "created_s": f"{time.time():.3f}"}
-    fields.update({k: _s(v) for k, v in meta.items() if v is not None})
+    fields.update({k: _text(v) for k, v in meta.items() if v is not None})
     if pipe is not None:
         p = pipe
     else:
@@ -59,12 +50,12 @@ def create_job(r: Redis | None, job_id: str, *, kind: str, target: str, pipe: Pi
 
 
 def set_job(r: Redis, job_id: str, **fields: Any) -> None:
-    r.hset(keys.job(job_id), mapping={k: _s(v) for k, v in fields.items()})
+    r.hset(keys.job(job_id), mapping={k: _text(v) for k, v in fields.items()})
 
 
 def get_job(r: Redis, job_id: str) -> dict[str, str] | None:
-    h = r.hgetall(keys.job(job_id))
-    return _decode(h) if h else None
+    h = cast(Receipt, r.hgetall(keys.job(job_id)))
+    return h or None
 
 
 _ADD = """
@@ -84,7 +75,7 @@ def add_delivery(r: Redis, job_id: str, delivery_id: str, *, lane: str | None = 
     appending it to the chat lane `lane` (a target) when given. `r` may be a
     pipeline (one round trip for a whole plan)."""
     fields = {"id": delivery_id, "job": job_id, "state": "queued", "attempts": "0", "queued_s": f"{time.time():.3f}"}
-    fields.update({kk: _s(v) for kk, v in meta.items() if v is not None})
+    fields.update({kk: _text(v) for kk, v in meta.items() if v is not None})
     flat = [x for kv in fields.items() for x in kv]
     r.eval(_ADD, 3, keys.delivery(delivery_id), keys.job_deliveries(job_id), keys.lane(lane or ""), RETENTION_S,
            "1" if lane else "0", *flat)
@@ -101,29 +92,29 @@ return 1
 def update_open_delivery(r: Redis, delivery_id: str, **fields: Any) -> None:
     """Set receipt fields unless the delivery is already delivered or
     cancelled (a redelivered extraction must not touch a finished receipt). `r` may be a pipeline."""
-    flat = [x for k, v in fields.items() if v is not None for x in (k, _s(v))]
+    flat = [x for k, v in fields.items() if v is not None for x in (k, _text(v))]
     if flat:
         r.eval(_UPDATE_OPEN, 1, keys.delivery(delivery_id), *flat)
 
 
 def update_delivery(r: Redis, delivery_id: str, **fields: Any) -> None:
     """Set receipt fields (None values are skipped). `r` may be a pipeline."""
-    r.hset(keys.delivery(delivery_id), mapping={k: _s(v) for k, v in fields.items() if v is not None})
+    r.hset(keys.delivery(delivery_id), mapping={k: _text(v) for k, v in fields.items() if v is not None})
 
 
 def get_delivery(r: Redis, delivery_id: str) -> dict[str, str] | None:
-    h = r.hgetall(keys.delivery(delivery_id))
-    return _decode(h) if h else None
+    h = cast(Receipt, r.hgetall(keys.delivery(delivery_id)))
+    return h or None
 
 
 def job_deliveries(r: Redis, job_id: str) -> list[dict[str, str]]:
-    ids = [_s(x) for x in r.lrange(keys.job_deliveries(job_id), 0, -1)]
+    ids = cast("list[str]", r.lrange(keys.job_deliveries(job_id), 0, -1))
     if not ids:
         return []
     pipe = r.pipeline()
     for d in ids:
         pipe.hgetall(keys.delivery(d))
-    return [_decode(h) for h in pipe.execute() if h]
+    return [h for h in cast("list[Receipt]", pipe.execute()) if h]
 
 
 _scripts: dict[tuple[int, str], Script] = {}
@@ -142,5 +133,5 @@ def start_attempt(r: Redis, delivery_id: str, **fields: Any) -> int:
     """Count an attempt and set fields in one round trip; returns the attempt number."""
     pipe = r.pipeline(transaction=False)
     pipe.hincrby(keys.delivery(delivery_id), "attempts", 1)
-    pipe.hset(keys.delivery(delivery_id), mapping={k: _s(v) for k, v in fields.items()})
+    pipe.hset(keys.delivery(delivery_id), mapping={k: _text(v) for k, v in fields.items()})
     return int(pipe.execute()[0])

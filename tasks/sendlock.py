@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import cast
 
 from redis import Redis
 from redis.client import Pipeline
@@ -63,7 +64,7 @@ def begin_send(r: Redis, delivery_id: str, owner: str, ttl_s: int = 600, *, coun
     locked, values, attempts = receipts._script(r, _BEGIN)(
         keys=[keys.delivery_lock(delivery_id), keys.delivery(delivery_id)],
         args=[owner, ttl_s, "1" if count_attempt else "0"])
-    rec = {k: receipts.as_str(v) for k, v in zip(_BEGIN_FIELDS, values) if v is not None}
+    rec = {k: v for k, v in zip(_BEGIN_FIELDS, cast("list[str | None]", values)) if v is not None}
     return bool(locked), rec, int(attempts)
 
 

@@ -48,7 +48,7 @@ def fake(deployment):
 
 @pytest.fixture
 def r(env):
-    c = redis.Redis.from_url(env.env["COURIER_REDIS_URL"])
+    c = redis.Redis.from_url(env.env["COURIER_REDIS_URL"], decode_responses=True)
     yield c
     c.close()
 

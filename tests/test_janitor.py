@@ -220,7 +220,7 @@ def test_a_second_beat_stands_by_until_the_first_is_gone(redis_server, redis_cli
         a.wait(10)
         redis_client.delete(keys.beat_lock())  # what its TTL does after 30 s
         wait_until(lambda: b.pid in origins(), timeout_s=30, what="beat b to take over")
-        assert str(b.pid) in redis_client.get(keys.beat_lock()).decode()
+        assert str(b.pid) in redis_client.get(keys.beat_lock())
     finally:
         for p in (a, b):
             if p is not None:

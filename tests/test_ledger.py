@@ -60,7 +60,7 @@ def test_registering_a_plan_queues_its_steps_in_the_chats_lane_once(redis_client
     chains.register(r, plan, job_kind="send")
     chains.register(r, plan, job_kind="send")  # a re-enqueue of the same job adds nothing
     chains.register(r, chains.Plan(job_id="snd_b", target="outbox:c", text="after"))
-    assert [x.decode() for x in r.lrange(keys.lane("outbox:c"), 0, -1)] == ["snd_a.0", "snd_a.1", "snd_b.0"]
+    assert r.lrange(keys.lane("outbox:c"), 0, -1) == ["snd_a.0", "snd_a.1", "snd_b.0"]
     spec = json.loads(receipts.get_delivery(r, "snd_a.1")["spec"])
     assert spec == {"id": "snd_a.1", "job": "snd_a", "target": "outbox:c", "type": "file", "voice": False,
                     "as_document": False, "key": "files/snd_a/1-x.pdf", "name": "x.pdf", "size": 3, "sha256": "00"}
@@ -78,7 +78,7 @@ def test_the_reconciler_redrives_only_what_is_overdue_and_unheld(redis_client, c
     assert ledger.take(r, keys.lease("lane", "outbox:b"), "alive", ttl_s=15)
     out = reconcile.tick(ctx)
     assert published == [("lane", "outbox:a")] and out["lanes"] == 1
-    due = {k.decode(): v - time.time() for k, v in r.zrange(keys.due("lane"), 0, -1, withscores=True)}
+    due = {k: v - time.time() for k, v in r.zrange(keys.due("lane"), 0, -1, withscores=True)}
     assert "outbox:d" not in due  # an empty lane is forgotten
     assert 14 < due["outbox:b"] <= 15.2  # looked at again when the live holder's lease would lapse
     assert due["outbox:a"] > 5  # published: a grace before the next look

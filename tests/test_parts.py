@@ -55,7 +55,7 @@ def test_deferred_part_records_skip_the_part_the_receipt_covers(redis_client):
     g = parts.guard(redis_client, p, "job.6", first_attempt=True, defer=True)
     g.send_text("c", "one", delivery_id="job.6#0")
     g.send_text("c", "two", delivery_id="job.6#1")  # the first part is recorded before this one goes
-    assert redis_client.hget(keys.delivery_parts("job.6"), "job.6#0") == b"m2"
+    assert redis_client.hget(keys.delivery_parts("job.6"), "job.6#0") == "m2"
     g.flush(covered="job.6")
-    assert redis_client.hgetall(keys.delivery_parts("job.6")) == {b"job.6#0": b"m2", b"job.6#1": b"m3"}
+    assert redis_client.hgetall(keys.delivery_parts("job.6")) == {"job.6#0": "m2", "job.6#1": "m3"}
     assert 0 < redis_client.ttl(keys.delivery_parts("job.6"))

@@ -56,7 +56,7 @@ def denv(tmp_path_factory, redis_server, fake_discord):
 
 @pytest.fixture
 def rclient(redis_server):
-    c = redis.Redis.from_url(db(redis_server, MODULE_DB))
+    c = redis.Redis.from_url(db(redis_server, MODULE_DB), decode_responses=True)
     yield c
     c.close()
 
@@ -340,7 +340,7 @@ def test_crash_between_send_and_record_still_one_message(fake, tmp_path, redis_s
     the original message back."""
     env = CourierEnv(tmp_path / "crash", db(redis_server, CRASH_DB), DISCORD_BOT_TOKEN=fake.token,
                      COURIER_DISCORD_BASE_URL=fake.base_url)
-    rclient = redis.Redis.from_url(db(redis_server, CRASH_DB))
+    rclient = redis.Redis.from_url(db(redis_server, CRASH_DB), decode_responses=True)
     try:
         worker = env.start_worker(concurrency=1)
         chan = channel()

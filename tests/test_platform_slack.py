@@ -49,7 +49,7 @@ def senv(tmp_path_factory, redis_server, fake_slack):
 
 @pytest.fixture
 def rclient(redis_server):
-    c = redis.Redis.from_url(db(redis_server, MODULE_DB))
+    c = redis.Redis.from_url(db(redis_server, MODULE_DB), decode_responses=True)
     yield c
     c.close()
 

@@ -66,7 +66,7 @@ def test_turn_survives_a_killed_worker(courier_env, tmp_path, redis_client, how)
                    what="the turn to be redelivered and finish")
     except AssertionError as exc:
         logs = "\n".join(f"--- {p.courier_log}\n{p.courier_log.read_text()[-2000:]}" for p in env.workers)
-        keys = {k.decode(): redis_client.type(k).decode() for k in redis_client.scan_iter("*")}
+        keys = {k: redis_client.type(k) for k in redis_client.scan_iter("*")}
         raise AssertionError(f"{exc}\njob: {receipts.get_job(redis_client, job)}\nkeys: {keys}\n{logs}") from None
     wait_until(lambda: [d for d in receipts.job_deliveries(redis_client, job) if d.get("state") == "delivered"],
                timeout_s=60, what="the reply delivered")

@@ -70,7 +70,8 @@ class CountingConnection(redis.Connection):
 
 @pytest.fixture
 def counted(redis_server, redis_client, tmp_path) -> Iterator[Any]:
-    pool = redis.ConnectionPool.from_url(redis_server.url, connection_class=CountingConnection)
+    pool = redis.ConnectionPool.from_url(redis_server.url, connection_class=CountingConnection,
+                                         decode_responses=True)  # as courier's clients (workers/redis_url.py)
     r = redis.Redis(connection_pool=pool)
     r.ping()  # connected (its handshake not counted)
     sandbox = tmp_path / "sandbox"
@@ -177,7 +178,7 @@ def test_a_send_lock_held_elsewhere_is_waited_for_and_nothing_is_sent(counted):
     assert counted.platform.sent == []
     rec = receipts.get_delivery(counted.r, did) or {}
     assert rec["state"] == "extracted" and rec.get("attempts", "0") == "0"  # no attempt counted without the lock
-    assert counted.r.get(keys.delivery_lock(did)) == b"another-worker"
+    assert counted.r.get(keys.delivery_lock(did)) == "another-worker"
 
 
 def test_each_lane_a_drive_takes_from_the_ready_set_costs_two_round_trips(counted):

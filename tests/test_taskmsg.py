@@ -94,9 +94,9 @@ def test_the_webhook_script_writes_a_turn_whole_or_not_at_all(redis_client):
             "turn_2", 124.5, "MSG2", json.dumps({"id": "turn_2"})]
     got = r.eval(_PUBLISH, 6, "due", "turns", "seen:1", "job:1", "seen:1", "job:2", *args)
     assert got == [1, 0]  # the same update twice in one batch: the second is the retry
-    assert {k.decode(): v.decode() for k, v in r.hgetall("job:1").items()} == fields
-    assert r.get("seen:1") == b"turn_1" and 3500 < r.ttl("seen:1") <= 3600 and 7100 < r.ttl("job:1") <= 7200
-    assert r.lrange("turns", 0, -1) == [b"MSG1"] and r.zrange("due", 0, -1, withscores=True) == [(b"turn_1", 123.5)]
+    assert r.hgetall("job:1") == fields
+    assert r.get("seen:1") == "turn_1" and 3500 < r.ttl("seen:1") <= 3600 and 7100 < r.ttl("job:1") <= 7200
+    assert r.lrange("turns", 0, -1) == ["MSG1"] and r.zrange("due", 0, -1, withscores=True) == [("turn_1", 123.5)]
     assert not r.exists("job:2")
     # the same batch again (a lost connection's retry): the turn that is there answers 1, nothing is pushed twice
     assert r.eval(_PUBLISH, 4, "due", "turns", "seen:1", "job:1", *args[:6]) == [1]
@@ -104,7 +104,7 @@ def test_the_webhook_script_writes_a_turn_whole_or_not_at_all(redis_client):
     # a queue key that is not a list: that turn's push is refused, nothing of it is written
     r.set("notalist", "x")
     got = r.eval(_PUBLISH, 4, "due", "notalist", "seen:3", "job:3", 3600, 7200, "turn_3", 1.0, "M", "{}")
-    assert b"WRONGTYPE" in got[0] and not r.exists("seen:3") and not r.exists("job:3")
+    assert "WRONGTYPE" in got[0] and not r.exists("seen:3") and not r.exists("job:3")
     assert r.zscore("due", "turn_3") is None
 
 

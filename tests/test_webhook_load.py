@@ -63,8 +63,8 @@ def test_concurrent_signed_updates_are_each_enqueued_exactly_once(loadweb):
     job_of = {}
     for _path, _body, _h, seen, text in updates:
         v = r.get(seen)
-        assert v is not None and v != b"pending", (seen, v)
-        job_of[v.decode()] = text
+        assert v is not None and v != "pending", (seen, v)
+        job_of[v] = text
     assert len(job_of) == len(updates)
     # kept for the full de-dup TTL once queued (the claim alone expires within a minute)
     pipe = r.pipeline()
@@ -161,7 +161,7 @@ def test_a_stalled_redis_answers_503_in_bounded_time_and_the_retry_is_not_lost(l
     took = time.monotonic() - t0
     assert got.status_code == 503 and ENQUEUE_TIMEOUT_S - 1 < took < ENQUEUE_TIMEOUT_S + 3, (got.status_code, took)
     r.execute_command("CLIENT", "UNPAUSE")
-    job = wait_until(lambda: r.get(seen), timeout_s=10, what="the turn queued after the pause").decode()
+    job = wait_until(lambda: r.get(seen), timeout_s=10, what="the turn queued after the pause")
     retry = httpx.post(loadweb.base + path, content=body, headers={**headers, "X-Slack-Retry-Num": "1"}, timeout=30)
     assert retry.json() == {"ok": True, "duplicate": True}
     wait_until(lambda: len(loadweb.queued()) == 1, timeout_s=10, what="the turn's message")

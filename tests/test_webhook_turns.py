@@ -115,7 +115,7 @@ def test_discord_interaction_turn_replies_with_text_and_file_in_the_channel(stac
     assert r.status_code == 200 and acked_in < 3.0, (r.status_code, acked_in)
     assert r.json() == {"type": 4, "data": {"content": f"> attach {name}", "allowed_mentions": {"parse": []}}}
     seen = keys.webhook_seen("discord", interaction["id"])  # the update id -> its turn
-    job = wait_until(lambda: (v := stack.r.get(seen)) and v != b"pending" and v.decode(), what="the turn's id")
+    job = wait_until(lambda: (v := stack.r.get(seen)) and v != "pending" and v, what="the turn's id")
     rows = settle(stack, job, f"discord:{chan}")
     assert_delivered(rows, kind, name)
 

@@ -340,7 +340,7 @@ def _beat_singleton(sender=None, **_kw) -> None:
             if ledger.take(r, key, token, BEAT_LOCK_TTL_S):
                 break
             holder = r.get(key)
-            why = f"another beat holds {key} ({holder.decode() if isinstance(holder, bytes) else holder})"
+            why = f"another beat holds {key} ({holder})"
         except Exception as exc:  # noqa: BLE001 - never schedule without the lock
             why = f"Redis is not reachable ({type(exc).__name__})"
         if not said:

@@ -26,7 +26,7 @@ def redact_url(url: str) -> str:
 
 def redis_answers(url: str, timeout_s: float = 1.5) -> bool:
     try:
-        c = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+        c = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s, decode_responses=True)
         try:
             return bool(c.ping())
         finally:

@@ -27,7 +27,7 @@ def server_key(r, name: str | None = None) -> bytes:
     if key is None:
         r.set(name, secrets.token_hex(32), nx=True)
         key = r.get(name)
-    return key if isinstance(key, bytes) else str(key).encode()
+    return key.encode()  # hex text: courier's clients decode replies
 
 
 def token_for(key: bytes, job_id: str) -> str:

@@ -9,6 +9,15 @@ With Sentinel, every client asks the sentinels for the current master and
 asks again after a failover: the task context's client (redis-py's
 `Sentinel.master_for`), the web process's async client, and Celery's broker
 and result backend (kombu's `sentinel://` transport with `master_name`).
+
+courier's own clients (`client`, `async_client`) decode replies (UTF-8): what
+they read is `str`, never `bytes`. Every value courier stores is text: ids,
+states, JSON (receipts' specs, events, job records), stream ids, decimal
+times (due times, leases, the rate-limit windows of the `limits` library,
+which shares the client's pool), hex keys (eventauth); and what it reads of
+Celery's keys is text too (a queue's messages: kombu's JSON envelope, the
+body base64). No binary value, so no second, undecoded client. Celery's
+own clients are kombu's (`celery_url`) and stay as kombu makes them.
 """
 
 from __future__ import annotations
@@ -61,12 +70,12 @@ def client(url: str):
     s = parse_sentinel(url)
     if s is None:
         return redis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=SOCKET_TIMEOUT_S,
-                                    health_check_interval=30)
+                                    health_check_interval=30, decode_responses=True)
     from redis.sentinel import Sentinel
 
     sentinel = Sentinel(list(s.hosts), socket_timeout=CONNECT_TIMEOUT_S, socket_connect_timeout=CONNECT_TIMEOUT_S)
     c = sentinel.master_for(s.master, db=s.db, password=s.password, socket_connect_timeout=CONNECT_TIMEOUT_S,
-                            socket_timeout=SOCKET_TIMEOUT_S, health_check_interval=30)
+                            socket_timeout=SOCKET_TIMEOUT_S, health_check_interval=30, decode_responses=True)
     _SwitchWatcher(s, c.connection_pool).start()
     return c
 
@@ -89,12 +98,12 @@ class _SwitchWatcher(threading.Thread):
             for host, port in self.s.hosts:
                 try:
                     conn = redis.Redis(host=host, port=port, socket_connect_timeout=CONNECT_TIMEOUT_S,
-                                       socket_timeout=None)
+                                       socket_timeout=None, decode_responses=True)
                     sub = conn.pubsub(ignore_subscribe_messages=True)
                     sub.subscribe("+switch-master")
                     for msg in sub.listen():
                         data = msg.get("data")
-                        name = (data.decode() if isinstance(data, bytes) else str(data)).split(" ", 1)[0]
+                        name = str(data).split(" ", 1)[0]
                         if name == self.s.master:
                             self.pool.disconnect(inuse_connections=True)
                 except Exception:  # noqa: BLE001 - that sentinel is away: try the next one
@@ -107,7 +116,9 @@ def async_client(url: str, *, socket_timeout: float | None = None, single_connec
     with `socket_timeout` as the sync client's, on one connection: one call at a time)."""
     import redis.asyncio
 
-    extra: dict = {} if socket_timeout is None else {"socket_timeout": socket_timeout}
+    extra: dict = {"decode_responses": True}
+    if socket_timeout is not None:
+        extra["socket_timeout"] = socket_timeout
     if single_connection:
         extra["single_connection_client"] = True
     s = parse_sentinel(url)

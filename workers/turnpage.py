@@ -39,10 +39,6 @@ IMAGE_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg",
 THUMB_MAX_BYTES = 20 * 1024 * 1024
 
 
-def _s(v) -> str:
-    return v.decode() if isinstance(v, bytes) else ("" if v is None else str(v))
-
-
 async def _authorize(request: Request, job_id: str) -> Response | None:
     """None when the request carries the job's token (?token= or Bearer), else the refusal."""
     from workers import eventauth
@@ -68,7 +64,7 @@ async def turn_page(request: Request) -> Response:
     if refused is not None:
         return refused
     r = request.app.state.web.aredis
-    job = {_s(k): _s(v) for k, v in (await r.hgetall(keys.job(job_id))).items()}
+    job = await r.hgetall(keys.job(job_id))
     if not job and not await r.exists(keys.events(job_id)):
         return JSONResponse({"error": f"no turn or send {job_id!r}"}, status_code=404)
     nonce = secrets.token_urlsafe(16)
@@ -98,7 +94,7 @@ async def turn_thumb(request: Request) -> Response:
     web = request.app.state.web
     raw = await web.aredis.hget(keys.delivery(did), "spec")
     try:
-        spec = json.loads(_s(raw)) if raw else None
+        spec = json.loads(raw) if raw else None
     except ValueError:
         spec = None
     if not spec or spec.get("job") != job_id or not spec.get("key"):

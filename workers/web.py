@@ -47,7 +47,7 @@ import re
 import time
 import urllib.parse
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -87,10 +87,6 @@ def format_sse(eid: str, ev: dict) -> str:
     data = json.dumps(ev, ensure_ascii=False, separators=(",", ":"))
     kind = re.sub(r"[\r\n]", "", str(ev.get("kind") or "message"))
     return f"id: {eid}\nevent: {kind}\ndata: {data}\n\n"
-
-
-def _s(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 class _Web:
@@ -337,7 +333,7 @@ class _Enqueuer:
                 log.info("%s webhook: dropped a retried update %s", t.platform, t.update_id)
                 t.outcome = ({"ok": True, "duplicate": True}, None)
             else:  # Redis refused the push (nothing of this turn is written)
-                t.outcome = (None, RuntimeError(f"the turn's message was refused: {_s(got)[:200]}"))
+                t.outcome = (None, RuntimeError(f"the turn's message was refused: {str(got)[:200]}"))
         if done:
             log.info("webhook: %d turns queued: %s", len(done),
                      ", ".join(f"{t.platform} {t.update_id} -> {t.job_id}" for t in done))
@@ -609,7 +605,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
                                 status_code=400)
         r = web.aredis
         events_key = keys.events(job_id)
-        job = {_s(k): _s(v) for k, v in (await r.hgetall(keys.job(job_id))).items()}
+        job = await r.hgetall(keys.job(job_id))
         if not job and not await r.exists(events_key):
             return JSONResponse({"error": f"no turn or send {job_id!r}"}, status_code=404)
         tracker = events.EndTracker()
@@ -634,7 +630,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
                 got = False
                 for _stream, entries in res or []:
                     for eid, fields in entries:
-                        cursor = _s(eid)
+                        cursor = eid
                         ev = events.decode(fields)
                         if ev is None:
                             continue

@@ -58,7 +58,7 @@ class Run:
         pipe = self.r.pipeline(transaction=False)
         for d in self.ids:
             pipe.hget(f"courier:delivery:{d}", "state")
-        return Counter((s or b"missing").decode() for s in pipe.execute())
+        return Counter(s or "missing" for s in pipe.execute())
 
     def delivered(self) -> int:
         try:
@@ -200,7 +200,7 @@ def test_redis_restarts_lose_nothing(tmp_path, chaos_redis, fake, delivery_pool)
     second worker serves the delivery queue alone on the threads pool (x8), the
     first the other queues (prefork)."""
     env = _env(tmp_path, chaos_redis, fake)
-    r = redis.Redis.from_url(chaos_redis.url, socket_timeout=5, socket_connect_timeout=2)
+    r = redis.Redis.from_url(chaos_redis.url, socket_timeout=5, socket_connect_timeout=2, decode_responses=True)
 
     def start(i: int, wait: bool = True):
         if delivery_pool == "threads":
