@@ -118,7 +118,7 @@ def drive_lane(self: Task, target: str) -> JsonObject:
     ctx = runtime.ctx()
     with metrics.failures_noted() as failed:
         out = lanes.drive_ready(ctx, target, chains.publish_lane, lambda: chains.publish_drain(ctx.redis),
-                                started=self.request.id)
+                                started=self.request.id, backlog=chains.WAKE_BACKLOG)
     if failed:
         raise DeliveryFailed("; ".join(f"{did}: {reason[:200]}" for did, reason in failed[:10])
                              + (f"; and {len(failed) - 10} more" if len(failed) > 10 else ""))

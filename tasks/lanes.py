@@ -48,6 +48,11 @@ LANE_GRACE_S = 10.0
 BUDGET_S = 2.0
 #: a lane waiting for an extraction is looked at again after this (the extraction's end drives it sooner)
 EXTRACT_WAIT_S = 30.0
+#: a lane that took this long to drive (a slow platform: its sends wait on I/O, not the CPU) makes
+#: its drive publish a drain while lanes are left in the ready set and fewer than the backlog of
+#: drives wait to start: idle threads then take the ready lanes in parallel instead of this drive
+#: sending to them one after the other
+FAN_OUT_S = 0.2
 #: platform 429s one step takes before it fails
 MAX_RATE_LIMITS = 60
 
@@ -204,19 +209,34 @@ def _head(r: Redis, target: str, token: str, *, take: bool = False, last: Step |
 
 
 def drive_ready(ctx: Context, target: str, publish: Publish, drain: Callable[[], None], *,
-                started: str | None = None) -> JsonObject:
+                started: str | None = None, backlog: int = 2) -> JsonObject:
     """A drive task's work: `target`'s lane ('': none), then the lanes of the ready set
     (`keys.lanes_ready()`: wake-ups that found enough drives waiting to start, tasks.chains
     `queue_lane`), one after the other, until the set is empty or `BUDGET_S` is spent; then
     `drain()` publishes a drive for what is left. `started`: this drive's task id, no longer
-    waiting from its first look on. Returns the first lane's summary, with `drained` (lanes
+    waiting from its first look on. A lane that took `FAN_OUT_S` or more fans out: with
+    lanes left in the set and fewer than `backlog` drives waiting to start (chains.WAKE_BACKLOG),
+    `drain()` publishes another drive. Returns the first lane's summary, with `drained` (lanes
     driven from the set) and `drained_sent` when there were any."""
     r = ctx.redis
     deadline = time.monotonic() + BUDGET_S
     ready = keys.lanes_ready()
+
+    def fan_out(since: float) -> None:
+        if time.monotonic() - since < FAN_OUT_S:
+            return
+        pipe = r.pipeline(transaction=False)
+        pipe.zcard(ready)
+        pipe.zcard(keys.drives_waiting())
+        left, waiting = pipe.execute()
+        if left and waiting < backlog:
+            drain()
+
     if target:
+        t0 = time.monotonic()
         out = drive(ctx, target, publish, started=started, pop=True)
         started = None
+        fan_out(t0)
     else:
         out = {"lane": "", "state": "drained", "sent": 0}
     nxt = out.pop("next", None)  # popped by the lane's last look ('': the set was empty then)
@@ -236,8 +256,10 @@ def drive_ready(ctx: Context, target: str, publish: Publish, drain: Callable[[],
             if not popped:
                 break
             nxt = popped[0][0]
+        t0 = time.monotonic()
         got = drive(ctx, nxt, publish, budget_s=max(0.05, deadline - time.monotonic()), pop=True)
         nxt = got.pop("next", None)
+        fan_out(t0)
         lanes += 1
         sent += int(got.get("sent") or 0)
     if lanes:

@@ -97,6 +97,25 @@ def test_a_drive_out_of_time_publishes_a_drain_for_the_lanes_left(courier_env, r
     assert drains == [1] and r.zcard(keys.lanes_ready()) == 3  # left for the drain it published
 
 
+def test_a_drive_whose_lanes_are_slow_fans_out_to_idle_threads(courier_env, redis_client, tmp_path,
+                                                                 monkeypatch):
+    """A lane that takes FAN_OUT_S (a slow platform: I/O, not CPU) makes its drive publish a
+    drain for the lanes left, while fewer than WAKE_BACKLOG drives wait to start."""
+    env, r = courier_env(), redis_client
+    _texts(env, r, [f"memory:f{i}" for i in range(6)])
+    (task_id, target), (other, _) = _queued(r)  # two waiting; four lanes in the ready set
+    monkeypatch.setattr(lanes, "FAN_OUT_S", 0.0)  # every lane counts as slow
+    r.delete("delivery")
+    platform = MemoryPlatform()
+    with env.publishing():
+        out = lanes.drive_ready(_ctx(r, tmp_path, platform), target, lambda t, countdown=None: None,
+                                lambda: chains.publish_drain(r), started=task_id, backlog=chains.WAKE_BACKLOG)
+    assert out["drained"] == 4 and len(platform.sent) == 5
+    # its own lane left three in the set with one drive waiting: one drain (then two were waiting)
+    assert [t for _, t in _queued(r)] == [""]
+    assert set(r.zrange(keys.drives_waiting(), 0, -1)) == {other, _queued(r)[0][0]}
+
+
 def test_a_drive_that_never_starts_stops_counting_after_a_while(courier_env, redis_client):
     env, r = courier_env(), redis_client
     old = time.time() - chains.WAKE_STALE_S - 1
