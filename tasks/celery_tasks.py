@@ -90,21 +90,45 @@ def agent_turn(self: Task, spec: TurnSpec) -> TurnResult:
         return out
 
 
-@_task(name=task_names.EXTRACT_FILE, acks_late=True, reject_on_worker_lost=True)
-def extract_file(delivery_id: str) -> JsonObject:
-    """Extract one sandbox file (its spec is in the ledger), then drive its chat's lane."""
-    from tasks import chains
-
-    out = extract_mod.run(runtime.ctx(), delivery_id, queue_drive=chains.queue_lane)
-    if out["state"] in ("extracted", "failed", "done") and not out.pop("lane_queued", False):
-        chains.publish_lane(out["target"])
-    return out
-
-
 class DeliveryFailed(Exception):
     """A drive of a lane recorded deliveries failed for good: the task ends
     FAILURE (Flower, the result backend), after its lane's work is done and
     recorded; nothing is retried by Celery (the ledger owns retries)."""
+
+
+def serves_delivery() -> bool:
+    """Whether this worker consumes the delivery queue too (an all-queues worker: the
+    default `courier worker`, the demo): its extractions then drive their chat's lane
+    themselves, without a drive message of their own (the drive would come back to this
+    worker's pool anyway; one Celery message less per sandbox file)."""
+    from celery import current_app
+
+    try:
+        return "delivery" in (current_app.amqp.queues.consume_from or {})
+    except Exception:  # noqa: BLE001 - not in a worker: publish
+        return False
+
+
+@_task(name=task_names.EXTRACT_FILE, acks_late=True, reject_on_worker_lost=True, throws=(DeliveryFailed,))
+def extract_file(delivery_id: str) -> JsonObject:
+    """Extract one sandbox file (its spec is in the ledger), then drive its chat's lane:
+    here, when this worker serves the delivery queue too (`serves_delivery`), else by a
+    `drive_lane` message pushed with the extraction's result."""
+    from tasks import chains, lanes
+
+    ctx = runtime.ctx()
+    inline = serves_delivery()
+    out = extract_mod.run(ctx, delivery_id, queue_drive=None if inline else chains.queue_lane)
+    if out["state"] in ("extracted", "failed", "done") and not out.pop("lane_queued", False):
+        if not inline:
+            chains.publish_lane(out["target"])
+            return out
+        with metrics.failures_noted() as failed:
+            drove = lanes.drive_ready(ctx, out["target"], chains.publish_lane, lambda: chains.publish_drain(ctx.redis),
+                                      backlog=chains.WAKE_BACKLOG)
+        out["lane"] = {k: v for k, v in drove.items() if k != "lane"}
+        _raise_failed(failed)
+    return out
 
 
 @_task(bind=True, name=task_names.DRIVE_LANE, acks_late=True, reject_on_worker_lost=True,
@@ -119,10 +143,14 @@ def drive_lane(self: Task, target: str) -> JsonObject:
     with metrics.failures_noted() as failed:
         out = lanes.drive_ready(ctx, target, chains.publish_lane, lambda: chains.publish_drain(ctx.redis),
                                 started=self.request.id, backlog=chains.WAKE_BACKLOG)
+    _raise_failed(failed)
+    return out
+
+
+def _raise_failed(failed: list[tuple[str, str]]) -> None:
     if failed:
         raise DeliveryFailed("; ".join(f"{did}: {reason[:200]}" for did, reason in failed[:10])
                              + (f"; and {len(failed) - 10} more" if len(failed) > 10 else ""))
-    return out
 
 
 @_task(bind=True, name=task_names.SEND, acks_late=True)

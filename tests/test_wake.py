@@ -186,3 +186,43 @@ def test_lanes_a_killed_drive_had_taken_from_the_ready_set_are_still_delivered_o
         # Telegram has no idempotency key: only a send in flight at the kill may show twice
         assert 1 <= len(got) <= 2 and set(got) == {f"kill {chats.index(chat)}"}, (chat, got)
     assert sum(len(fake_telegram.calls_for(chat=c, ok=True)) for c in chats) <= len(chats) + 1
+
+
+# -- an extraction in a worker that serves the delivery queue drives its lane itself ------------
+def _lpushes(r) -> int:
+    """LPUSHes Redis has run (those of scripts included): each is a task message."""
+    return int(r.info("commandstats").get("cmdstat_lpush", {}).get("calls", 0))
+
+
+def _sandbox_send(env, r, name: str) -> str:
+    from adapters.sandboxes.base import SandboxRef
+
+    p = env.sandbox / name
+    p.write_bytes(os.urandom(1500))
+    job = chains.new_job_id("inl")
+    with env.publishing():
+        chains.enqueue(r, chains.Plan(job_id=job, target="outbox:inl",
+                                      files=[chains.SandboxFile(ref=SandboxRef("local"), path=str(p))]),
+                       job_kind="send")
+    return chains.delivery_id(job, 0)
+
+
+def test_an_all_queues_workers_extraction_drives_the_lane_itself(courier_env, redis_client):
+    env, r = courier_env(), redis_client
+    env.start_worker(queues="sandbox,delivery", concurrency=1)
+    before = _lpushes(r)
+    did = _sandbox_send(env, r, "a.bin")
+    wait_until(lambda: (receipts.get_delivery(r, did) or {}).get("state") == "delivered", timeout_s=60,
+               interval_s=0.05, what="the file delivered")
+    # one message: the extraction's; its end sent the file without a drive_lane message
+    assert _lpushes(r) - before == 1
+
+
+def test_a_sandbox_only_workers_extraction_wakes_the_lane_by_message(courier_env, redis_client):
+    env, r = courier_env(), redis_client
+    env.start_worker(queues="sandbox", concurrency=1)
+    did = _sandbox_send(env, r, "b.bin")
+    wait_until(lambda: _queued(r) != [], timeout_s=60, interval_s=0.05, what="the lane's drive message")
+    assert [t for _, t in _queued(r)] == ["outbox:inl"]
+    rec = receipts.get_delivery(r, did) or {}
+    assert rec.get("extraction") == "ok" and rec.get("state") != "delivered"  # for a delivery worker to send
