@@ -356,9 +356,11 @@ def test_crash_between_send_and_record_still_one_message(fake, tmp_path, redis_s
         for pid in children:
             os.kill(int(pid), signal.SIGKILL)
         release.set()
-        # what the dead process held (the delivery's send lock, the chat's rate-limit
-        # slot) would expire after its TTL; expire it now
-        held = [keys.delivery_lock(did), *rclient.scan_iter(f"{keys.rate_limit_prefix()}*{chan}*")]
+        # what the dead process held (the delivery's send lock, its chat's lane lease, the
+        # chat's rate-limit slot) would expire after its TTL (a dead worker's recovery:
+        # test_reliability, tests/chaos); expire it now
+        held = [keys.delivery_lock(did), keys.lease("lane", f"discord:{chan}"),
+                *rclient.scan_iter(f"{keys.rate_limit_prefix()}*{chan}*")]
         rclient.delete(*held)
         wait_until(lambda: (receipts.get_delivery(rclient, did) or {}).get("state") == "delivered", timeout_s=90,
                    what="the delivery after the crash")
