@@ -79,8 +79,14 @@ def agent_turn(self: Task, spec: TurnSpec) -> TurnResult:
             log.debug("progress state of %s not recorded: %r", spec["job"], exc)
 
     with ledger.leased(ctx.redis, "turn", spec["job"]) as token:
-        if token is None:  # a live worker runs this turn already
+        if token is None:  # a live worker runs this turn already, or one that died holds its lease:
+            # the reconciler looks again when the lease lapses (a dead holder's turn runs again
+            # then, ~LEASE_TTL_S, not after the turn's 60 s grace)
+            ledger.due_when_free(ctx.redis, "turn", spec["job"])
             return {"job": spec["job"], "state": "busy"}
+        # while it runs, its due time follows its lease: if this worker dies, the reconciler
+        # runs the turn again once the lease lapses (~LEASE_TTL_S), not at the 60 s grace
+        ledger.set_due(ctx.redis, "turn", spec["job"], ledger.LEASE_TTL_S + 1.0)
         t0 = time.monotonic()
         with TurnActivity(ctx, spec["target"], spec["job"]) as native:
             outcome = turn_mod.run_turn(ctx, spec, on_activity=show)

@@ -166,6 +166,17 @@ def set_due(r: Redis, stage: str, ident: str, in_s: float) -> None:
     r.zadd(keys.due(stage), {ident: time.time() + max(0.0, in_s)})
 
 
+def due_when_free(r: Redis, stage: str, ident: str) -> float:
+    """A stage found its lease held (a redelivered message while the holder runs, or
+    the holder died): the reconciler looks again as soon as the lease lapses (its
+    due time brought in, never pushed out), not at the stage's grace. Returns the
+    seconds until then (0.0: the lease is free already)."""
+    left_s = held(r, keys.lease(stage, ident))
+    if left_s:
+        r.zadd(keys.due(stage), {ident: time.time() + left_s + 0.1}, lt=True)
+    return left_s
+
+
 def clear_due(r: Redis, stage: str, ident: str) -> None:
     """The entry is final: the reconciler forgets it. `r` may be a pipeline."""
     r.zrem(keys.due(stage), ident)

@@ -118,3 +118,25 @@ def test_a_turn_that_keeps_killing_its_worker_ends_with_an_error_and_a_message(r
     (text,) = [json.loads(d["spec"])["text"] for d in receipts.job_deliveries(r, "turn_k")]
     assert text.startswith("Sorry, that did not work") and "died 3 times" in text
     assert r.zscore(keys.due("turn"), "turn_k") is None
+
+
+def test_a_stage_that_finds_its_lease_held_is_looked_at_again_when_the_lease_lapses(redis_client):
+    """A turn redelivered while a dead worker's lease still runs (a killed pool child: its
+    message comes back at once) returns busy; its due time comes in to the lease's end,
+    so it runs again ~LEASE_TTL_S after the crash, not at its 60 s grace."""
+    import time
+
+    from tasks import chains, keys, ledger
+
+    r = redis_client
+    ledger.set_due(r, "turn", "turn_busy", chains.TURN_GRACE_S)
+    r.set(keys.lease("turn", "turn_busy"), "dead-worker", px=3000)
+    left_s = ledger.due_when_free(r, "turn", "turn_busy")
+    assert 2.0 < left_s <= 3.0
+    due = r.zscore(keys.due("turn"), "turn_busy")
+    assert due == pytest.approx(time.time() + left_s + 0.1, abs=0.5)
+    r.set(keys.lease("turn", "turn_busy"), "dead-worker", px=30_000)
+    ledger.due_when_free(r, "turn", "turn_busy")  # a later due time never pushes it out
+    assert r.zscore(keys.due("turn"), "turn_busy") == due
+    r.delete(keys.lease("turn", "turn_busy"))
+    assert ledger.due_when_free(r, "turn", "turn_busy") == 0.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 
 import pytest
 
@@ -44,6 +45,11 @@ def test_turn_survives_a_killed_worker(courier_env, tmp_path, redis_client, how)
     assert res.returncode == 0, res.stderr
     job = json.loads(res.stdout)["job"]
     wait_until(lambda: marker.exists(), timeout_s=60, what="the agent to start")
+    # while the turn runs its due time follows its lease: a dead worker's turn runs again when
+    # the lease lapses (~LEASE_TTL_S), not at the turn's 60 s grace
+    from tasks import keys, ledger
+
+    assert (redis_client.zscore(keys.due("turn"), job) or 1e18) <= time.time() + ledger.LEASE_TTL_S + 2
 
     if how == "pool_child":
         # the pool process dies mid-task: the task is rejected and requeued at once
