@@ -49,7 +49,7 @@ def test_per_chat_window_and_gate(redis_client):
         with pytest.raises(RateLimited) as in_flight:  # the first send is still on its way
             ratelimit.acquire(redis_client, p, "a")
         ratelimit.acquire(redis_client, p, "b").release()  # other chats are not held
-    t_end = time.time()
+        t_end = time.time()  # just before the release (the gate's second starts at it, not before)
     with pytest.raises(RateLimited) as after:
         ratelimit.acquire(redis_client, p, "a")
     assert 0.5 < after.value.retry_after_s <= 1.0 and in_flight.value.retry_after_s >= 1.0
