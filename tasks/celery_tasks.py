@@ -120,7 +120,7 @@ def extract_file(delivery_id: str) -> JsonObject:
     """Extract one sandbox file (its spec is in the ledger), then drive its chat's lane:
     here, when this worker serves the delivery queue too (`serves_delivery`), else by a
     `drive_lane` message pushed with the extraction's result."""
-    from tasks import chains, lanes
+    from tasks import chains
 
     ctx = runtime.ctx()
     inline = serves_delivery()
@@ -129,11 +129,8 @@ def extract_file(delivery_id: str) -> JsonObject:
         if not inline:
             chains.publish_lane(out["target"])
             return out
-        with metrics.failures_noted() as failed:
-            drove = lanes.drive_ready(ctx, out["target"], chains.publish_lane, lambda: chains.publish_drain(ctx.redis),
-                                      backlog=chains.WAKE_BACKLOG)
+        drove = _drive_lanes(ctx, out["target"])
         out["lane"] = {k: v for k, v in drove.items() if k != "lane"}
-        _raise_failed(failed)
     return out
 
 
@@ -143,20 +140,21 @@ def drive_lane(self: Task, target: str) -> JsonObject:
     """Send what is ready at the head of one chat's lane ('': none), then of the lanes
     whose wake-ups joined the ready set (tasks.lanes.drive_ready). A delivery recorded
     failed during the drive makes the task a FAILURE naming its id and reason (never chat text)."""
+    return _drive_lanes(runtime.ctx(), target, started=self.request.id)
+
+
+def _drive_lanes(ctx: runtime.Context, target: str, *, started: str | None = None) -> JsonObject:
+    """`target`'s lane, then the ready set's (lanes.drive_ready); DeliveryFailed after, naming
+    every delivery the drive recorded failed for good."""
     from tasks import chains, lanes
 
-    ctx = runtime.ctx()
     with metrics.failures_noted() as failed:
         out = lanes.drive_ready(ctx, target, chains.publish_lane, lambda: chains.publish_drain(ctx.redis),
-                                started=self.request.id, backlog=chains.WAKE_BACKLOG)
-    _raise_failed(failed)
-    return out
-
-
-def _raise_failed(failed: list[tuple[str, str]]) -> None:
+                                started=started, backlog=chains.WAKE_BACKLOG)
     if failed:
         raise DeliveryFailed("; ".join(f"{did}: {reason[:200]}" for did, reason in failed[:10])
                              + (f"; and {len(failed) - 10} more" if len(failed) > 10 else ""))
+    return out
 
 
 @_task(bind=True, name=task_names.SEND, acks_late=True)
