@@ -317,8 +317,10 @@ def test_courier_worker_hands_every_option_to_the_launcher(monkeypatch):
     assert got == [["-Q", "delivery", "-n", "d@%h", "--concurrency=4"]]
 
 
-def test_a_platform_call_waiting_on_the_loop_is_interrupted_by_the_soft_limit():
-    """The adapters' calls wait on the shared loop in slices (`_aio.run`), so the
+@pytest.mark.parametrize("shared", [False, True], ids=["own loop", "shared loop"])
+def test_a_platform_call_waiting_on_the_loop_is_interrupted_by_the_soft_limit(shared):
+    """The adapters' calls wait in slices (`_aio.run`: the thread's own loop wakes at least
+    every WAIT_SLICE_S; a caller of the shared loop waits on it in slices), so the
     watchdog's exception reaches a thread blocked on a slow platform promptly."""
     import asyncio
 
@@ -341,7 +343,7 @@ def test_a_platform_call_waiting_on_the_loop_is_interrupted_by_the_soft_limit():
     def task() -> None:
         dog.start_task("t", "courier.test", 0.3, None)
         try:
-            _aio.run(slow(), 120)
+            _aio.run(slow(), 120, shared=shared)
             outcome.append("finished")
         except SoftTimeLimitExceeded:
             outcome.append("soft limit")

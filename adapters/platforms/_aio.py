@@ -1,27 +1,125 @@
 """Run async SDK calls (python-telegram-bot, discord.py) from sync code.
 
-One event loop per process, in a daemon thread, created lazily and again
-after a fork (Celery's prefork children each get their own). Adapters call
-`run(coro, timeout_s)`; the SDK's sessions stay bound to that one loop.
+Two ways, chosen by the adapter:
+
+- `run(coro)`: on the calling thread's own event loop (made lazily, and again after a
+  fork or after an exception from outside the call broke it). No hand-off between
+  threads: a threads pool's 16 threads each run their own loop, and an SDK client is
+  bound to the loop it was made on (`PerLoop`). While the loop blocks on its sockets
+  it gives up the process's run slot (`adapters.runslot`), so the other drives run.
+- `run(coro, shared=True)`: on the process's one loop, in a daemon thread (for an SDK
+  client made once per process, Discord's: one login). The caller gives up the run slot
+  while it waits.
+
+Either way the caller sees an exception raised in its thread (a threads pool's soft
+time limit, `workers.timelimits`) within `WAIT_SLICE_S`, and the abandoned call's
+coroutine is cancelled. A thread that runs a loop of its own already (an async web
+handler) is served by the shared loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import selectors
 import threading
 import time
-from collections.abc import Coroutine
-from typing import Any, TypeVar
+import weakref
+from collections.abc import Callable, Coroutine
+from typing import Any, Generic, TypeVar
+
+from adapters import runslot
+
+__all__ = ["PerLoop", "WAIT_SLICE_S", "run", "thread_loop"]
 
 T = TypeVar("T")
 
+#: the caller waits in slices this long: an exception raised in its thread (a threads pool's soft
+#: time limit, `workers.timelimits`) is seen within one slice, not only when the call ends
+WAIT_SLICE_S = 0.5
+#: how long an abandoned call's coroutine gets to finish its cancellation
+CANCEL_GRACE_S = 5.0
+
+
+# -- the calling thread's own loop -----------------------------------------------------------
+class _Selector(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
+    """The thread loop's selector: it wakes at least every `WAIT_SLICE_S` (an exception
+    raised in the thread is seen at its next bytecode), and gives up the run slot while
+    it blocks."""
+
+    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        wait = WAIT_SLICE_S if timeout is None else min(timeout, WAIT_SLICE_S)
+        if wait > 0 and runslot.held():
+            ready = super().select(0)
+            if ready:
+                return ready  # type: ignore[no-any-return]
+            with runslot.waiting():
+                return super().select(wait)  # type: ignore[no-any-return]
+        return super().select(wait)  # type: ignore[no-any-return]
+
+
+_local = threading.local()
+
+
+def thread_loop(*, make: bool = True) -> asyncio.AbstractEventLoop | None:
+    """This thread's loop (made on first use and again after a fork; None with `make` False
+    when there is none)."""
+    got = getattr(_local, "loop", None)
+    if got is not None and got[0] == os.getpid() and not got[1].is_closed():
+        return got[1]  # type: ignore[no-any-return]
+    if not make:
+        return None
+    loop = asyncio.SelectorEventLoop(_Selector())
+    _local.loop = (os.getpid(), loop)
+    return loop
+
+
+def _drop_thread_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """After an exception from outside the call (it may have hit the loop mid-step): this
+    loop is not used again; the next call makes a new one (and new SDK clients)."""
+    if getattr(_local, "loop", (None, None))[1] is loop:
+        _local.loop = None
+    try:
+        loop.close()
+    except Exception:  # noqa: BLE001 - a loop that cannot close is dropped anyway
+        pass
+
+
+async def _bounded(coro: Coroutine[Any, Any, T], timeout_s: float | None) -> T:
+    if timeout_s is None:
+        return await coro
+    async with asyncio.timeout(timeout_s):
+        return await coro
+
+
+def _run_here(coro: Coroutine[Any, Any, T], timeout_s: float | None) -> T:
+    loop = thread_loop()
+    assert loop is not None
+    task = loop.create_task(_bounded(coro, timeout_s))
+    try:
+        return loop.run_until_complete(task)
+    except BaseException:
+        if task.done():
+            raise  # the call's own exception (its timeout included): the loop is fine
+        # from outside the call (a soft time limit raised in this thread): cancel the call,
+        # give its coroutine a moment to unwind, and never use this loop again
+        task.cancel()
+        try:
+            loop.run_until_complete(asyncio.wait([task], timeout=CANCEL_GRACE_S))
+        except BaseException:  # noqa: BLE001 - the exception that stopped the call is the one to raise
+            pass
+        _drop_thread_loop(loop)
+        raise
+
+
+# -- the process's shared loop ------------------------------------------------------------------
 _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
 _pid: int | None = None
 
 
 def loop() -> asyncio.AbstractEventLoop:
+    """The process's shared loop, in its daemon thread (made lazily, and again after a fork)."""
     global _loop, _pid
     with _lock:
         if _loop is None or _pid != os.getpid() or _loop.is_closed():
@@ -32,24 +130,56 @@ def loop() -> asyncio.AbstractEventLoop:
         return _loop
 
 
-#: the caller waits in slices this long: an exception raised in its thread (a threads pool's soft
-#: time limit, `workers.timelimits`) is seen within one slice, not only when the call ends
-WAIT_SLICE_S = 0.5
-
-
-def run(coro: Coroutine[Any, Any, T], timeout_s: float | None = 300.0) -> T:
-    """Run `coro` on the process's loop and wait for its result (any thread may call it:
-    a threads pool's tasks share the one loop, and its SDK sessions)."""
+def _run_shared(coro: Coroutine[Any, Any, T], timeout_s: float | None) -> T:
     fut = asyncio.run_coroutine_threadsafe(coro, loop())
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
-        while True:
-            left = WAIT_SLICE_S if deadline is None else min(WAIT_SLICE_S, deadline - time.monotonic())
-            try:
-                return fut.result(timeout=max(0.0, left))
-            except TimeoutError:
-                if fut.done() or (deadline is not None and time.monotonic() >= deadline):
-                    raise  # the coroutine's own TimeoutError, or the call's deadline
+        with runslot.waiting():
+            while True:
+                left = WAIT_SLICE_S if deadline is None else min(WAIT_SLICE_S, deadline - time.monotonic())
+                try:
+                    return fut.result(timeout=max(0.0, left))
+                except TimeoutError:
+                    if fut.done() or (deadline is not None and time.monotonic() >= deadline):
+                        raise  # the coroutine's own TimeoutError, or the call's deadline
     except BaseException:
         fut.cancel()  # (nothing when it is done) the call is abandoned: its coroutine is cancelled
         raise
+
+
+def run(coro: Coroutine[Any, Any, T], timeout_s: float | None = 300.0, *, shared: bool = False) -> T:
+    """Run `coro` and wait for its result: on this thread's loop, or with `shared` on the
+    process's one loop. A `TimeoutError` past `timeout_s`."""
+    if shared or asyncio._get_running_loop() is not None:
+        return _run_shared(coro, timeout_s)
+    return _run_here(coro, timeout_s)
+
+
+class PerLoop(Generic[T]):
+    """One object per event loop, made on first use on it: an SDK client (its connection
+    pool, its locks) belongs to the loop it was made on."""
+
+    def __init__(self, make: Callable[[], T]) -> None:
+        self._make = make
+        self._lock = threading.Lock()
+        self._objs: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, T] = weakref.WeakKeyDictionary()
+
+    def get(self) -> T:
+        """The running loop's object (call it on the loop)."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            obj = self._objs.get(loop)
+            if obj is None:
+                obj = self._objs[loop] = self._make()
+            return obj
+
+    def pop(self, loop: asyncio.AbstractEventLoop | None) -> T | None:
+        """Forget `loop`'s object, and give it back (None: there was none)."""
+        if loop is None:
+            return None
+        with self._lock:
+            return self._objs.pop(loop, None)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._objs.clear()

@@ -1,7 +1,9 @@
 """Telegram over python-telegram-bot (Bot API over HTTP; no polling, no updater).
 
-- One `telegram.Bot` per process, on the process's asyncio loop thread
-  (`adapters.platforms._aio`), built lazily and again after a fork.
+- One `telegram.Bot` per event loop: each calling thread runs its calls on its
+  own loop (`adapters.platforms._aio`: no hand-off between threads, and the
+  process's run slot is given up while the loop waits on the Bot API), and a
+  Bot's httpx client belongs to the loop it was made on (`_aio.PerLoop`).
 - No rate limiter that waits: a 429 becomes `RateLimited(retry_after)` and the
   task is re-scheduled; the shared per-chat / per-group / per-bot limits are
   enforced above the adapter, in Redis (`tasks.ratelimit`).
@@ -25,7 +27,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import re
 from collections.abc import Awaitable, Callable
 from contextlib import ExitStack
@@ -198,8 +199,7 @@ class TelegramPlatform(Platform):
         self.limits = self.limits_for(local_api=local_api, bot_per_s=bot_per_s)
         self._timeouts = (connect_timeout_s, read_timeout_s, media_write_timeout_s)
         self._pool_size = pool_size
-        self._bot: Bot | None = None
-        self._bot_pid: int | None = None
+        self._bots: _aio.PerLoop[Bot] = _aio.PerLoop(self._new_bot)
         redactor = _RedactToken(token)
         for logger in ("httpx", "httpcore", "telegram"):
             logging.getLogger(logger).addFilter(redactor)
@@ -227,20 +227,16 @@ class TelegramPlatform(Platform):
         """Groups, supergroups and channels have negative ids (20 messages a minute)."""
         return chat.startswith("-")
 
-    def _get_bot(self) -> Bot:
-        """Called on the loop thread: the Bot's httpx client belongs to this process's loop."""
-        if self._bot is None or self._bot_pid != os.getpid():
-            connect, read, media_write = self._timeouts
-            request = _Request(connection_pool_size=self._pool_size, connect_timeout=connect, read_timeout=read,
-                               write_timeout=30.0, pool_timeout=30.0, media_write_timeout=media_write)
-            self._bot = Bot(self._token, base_url=f"{self._base}/bot", base_file_url=f"{self._base}/file/bot",
-                            request=request, get_updates_request=_Request(connection_pool_size=1))
-            self._bot_pid = os.getpid()
-        return self._bot
+    def _new_bot(self) -> Bot:
+        connect, read, media_write = self._timeouts
+        request = _Request(connection_pool_size=self._pool_size, connect_timeout=connect, read_timeout=read,
+                           write_timeout=30.0, pool_timeout=30.0, media_write_timeout=media_write)
+        return Bot(self._token, base_url=f"{self._base}/bot", base_file_url=f"{self._base}/file/bot",
+                   request=request, get_updates_request=_Request(connection_pool_size=1))
 
     def _call(self, fn: Callable[[Bot], Awaitable[T]], *, timeout_s: float = 300.0) -> T:
         async def go() -> T:
-            return await fn(self._get_bot())
+            return await fn(self._bots.get())  # this loop's Bot
 
         try:
             return _aio.run(go(), timeout_s)
@@ -335,8 +331,11 @@ class TelegramPlatform(Platform):
                 raise
 
     def close(self) -> None:
-        bot, self._bot = self._bot, None
-        if bot is not None and self._bot_pid == os.getpid():
+        """Close this thread's Bot (the others' loops are not running here: their
+        connections close with their threads)."""
+        bot = self._bots.pop(_aio.thread_loop(make=False))
+        self._bots.clear()
+        if bot is not None:
             try:
                 _aio.run(bot.shutdown(), 10)
             except Exception:  # noqa: BLE001 - closing is best effort

@@ -1,0 +1,204 @@
+"""The run slot (adapters/runslot.py) and the adapters' event loops (adapters/platforms/_aio.py):
+one drive at a time runs Python in a process, the slot changes hands where a drive waits on a
+platform, a holder stuck elsewhere never stalls the others, and an async SDK call runs on the
+calling thread's own loop (no hand-off between threads), its client bound to that loop."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import threading
+
+import pytest
+
+from adapters import runslot
+from adapters.platforms import _aio
+
+#: a generous wait for something that must happen (never reached when it works)
+SOON_S = 20.0
+
+
+@pytest.fixture
+def patient(monkeypatch):
+    """A waiter never gives up on the slot within a test (the valve has its own test)."""
+    monkeypatch.setattr(runslot, "HANDOVER_WAIT_S", 60.0)
+
+
+def _thread(fn) -> threading.Thread:
+    t = threading.Thread(target=fn, daemon=True)
+    t.start()
+    return t
+
+
+def test_one_holder_at_a_time_and_the_slot_changes_hands_where_the_holder_waits(patient):
+    order: list[str] = []
+    a_in, a_wait, b_in, b_out = threading.Event(), threading.Event(), threading.Event(), threading.Event()
+
+    def a() -> None:
+        with runslot.holding():
+            order.append("a holds")
+            a_in.set()
+            a_wait.wait(SOON_S)
+            with runslot.waiting():  # a platform call: b may run
+                order.append("a waits")
+                assert b_in.wait(SOON_S)
+                assert not runslot.held()
+                b_out.wait(SOON_S)
+            order.append("a holds again")
+            assert runslot.held()
+
+    def b() -> None:
+        a_in.wait(SOON_S)
+        with runslot.holding():
+            order.append("b holds")
+            b_in.set()
+            assert runslot.held()
+        order.append("b done")
+        b_out.set()
+
+    ta, tb = _thread(a), _thread(b)
+    a_in.wait(SOON_S)
+    assert not b_in.wait(0.3), "b ran while a held the slot and did not wait"
+    a_wait.set()
+    ta.join(SOON_S), tb.join(SOON_S)
+    assert order == ["a holds", "a waits", "b holds", "b done", "a holds again"]
+
+
+def test_nested_holding_and_waiting_without_the_slot_do_nothing(patient):
+    assert not runslot.held()
+    with runslot.waiting():  # not held: nothing to give up
+        assert not runslot.held()
+    with runslot.holding():
+        with runslot.holding():  # the outer one holds it
+            assert runslot.held()
+        assert runslot.held()
+    assert not runslot.held()
+    with runslot.holding():  # and it was given back
+        assert runslot.held()
+
+
+def test_a_holder_stuck_elsewhere_does_not_stall_the_others(monkeypatch):
+    """A drive stuck in a slow call that is not a platform wait (Redis timing out) keeps the
+    slot; another thread runs without it after HANDOVER_WAIT_S instead of waiting it out."""
+    monkeypatch.setattr(runslot, "HANDOVER_WAIT_S", 0.2)
+    stuck, release = threading.Event(), threading.Event()
+    got: list[bool] = []
+
+    def holder() -> None:
+        with runslot.holding():
+            stuck.set()
+            release.wait(SOON_S)
+
+    t = _thread(holder)
+    stuck.wait(SOON_S)
+    done = threading.Event()
+
+    def other() -> None:
+        with runslot.holding():
+            got.append(runslot.held())
+        done.set()
+
+    _thread(other)
+    assert done.wait(SOON_S), "the other thread waited for the stuck holder"
+    assert got == [False]  # it ran without the slot
+    release.set()
+    t.join(SOON_S)
+    with runslot.holding():  # and the slot is free again
+        assert runslot.held()
+
+
+def _child_takes_the_slot(q) -> None:
+    with runslot.holding():
+        q.put(runslot.held())
+
+
+def test_a_forked_child_has_a_slot_of_its_own(patient):
+    """A child forked while a parent thread held the slot must not wait for that thread
+    (it does not exist in the child)."""
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    with runslot.holding():
+        p = ctx.Process(target=_child_takes_the_slot, args=(q,))
+        p.start()
+        assert q.get(timeout=SOON_S) is True
+        p.join(SOON_S)
+    assert p.exitcode == 0
+
+
+def test_an_async_call_runs_on_the_calling_threads_own_loop():
+    seen: dict[str, list] = {"a": [], "b": []}
+    clients = _aio.PerLoop(object)
+
+    async def where() -> tuple[int, asyncio.AbstractEventLoop, object]:
+        return threading.get_ident(), asyncio.get_running_loop(), clients.get()
+
+    def calls(name: str) -> None:
+        for _ in range(2):
+            seen[name].append((threading.get_ident(), *_aio.run(where(), 10)))
+
+    for t in (_thread(lambda: calls("a")), _thread(lambda: calls("b"))):
+        t.join(SOON_S)
+    for rows in seen.values():
+        assert len(rows) == 2
+        (caller, ran_on, loop, client), again = rows
+        assert caller == ran_on  # no other thread ran it
+        assert again[2] is loop and again[3] is client  # one loop per thread, one client per loop
+    assert seen["a"][0][2] is not seen["b"][0][2]
+    assert seen["a"][0][3] is not seen["b"][0][3]
+
+
+def test_the_loop_gives_the_slot_up_while_it_waits_on_the_network(patient):
+    """A drive's platform call (an SDK awaiting its answer) lets the other drives run."""
+    order: list[str] = []
+    a_in, b_in = threading.Event(), threading.Event()
+
+    async def answer_later() -> str:
+        a_in.set()
+        await asyncio.get_running_loop().run_in_executor(None, b_in.wait, SOON_S)  # until b ran
+        return "answered"
+
+    def a() -> None:
+        with runslot.holding():
+            order.append(_aio.run(answer_later(), SOON_S))
+            assert runslot.held()  # taken back before the call returned
+
+    def b() -> None:
+        a_in.wait(SOON_S)
+        with runslot.holding():
+            order.append("b ran")
+        b_in.set()
+
+    ta, tb = _thread(a), _thread(b)
+    ta.join(SOON_S), tb.join(SOON_S)
+    assert order == ["b ran", "answered"]
+
+
+def test_the_shared_loop_gives_the_slot_up_too(patient):
+    order: list[str] = []
+    a_in, b_in = threading.Event(), threading.Event()
+
+    async def answer_later() -> str:
+        a_in.set()
+        await asyncio.get_running_loop().run_in_executor(None, b_in.wait, SOON_S)
+        return "answered"
+
+    def a() -> None:
+        with runslot.holding():
+            order.append(_aio.run(answer_later(), SOON_S, shared=True))
+            assert runslot.held()
+
+    def b() -> None:
+        a_in.wait(SOON_S)
+        with runslot.holding():
+            order.append("b ran")
+        b_in.set()
+
+    ta, tb = _thread(a), _thread(b)
+    ta.join(SOON_S), tb.join(SOON_S)
+    assert order == ["b ran", "answered"]
+
+
+def test_a_call_past_its_timeout_raises_and_the_loop_serves_the_next_call():
+    with pytest.raises(TimeoutError):
+        _aio.run(asyncio.sleep(30), 0.2)
+    assert _aio.run(asyncio.sleep(0, "next"), 10) == "next"
