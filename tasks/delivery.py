@@ -131,7 +131,7 @@ def deliver_item(ctx: Context, platform: Platform, chat: str, job: JsonObject, e
             sent = _send_text(platform, chat, job.get("text") or "", did)
             kind_name, size = Kind.TEXT.value, len((job.get("text") or "").encode())
         else:
-            sent, kind_name, size = _send_file(ctx, platform, chat, job,
+            sent, kind_name, size = _send_file(ctx, guarded, chat, job,
                                                fresh=session is not None and session.fresh)
     except Permanent as exc:
         guarded.flush()
@@ -238,7 +238,7 @@ def send_overflow(platform: Platform, chat: str, overflow: list[str], base_id: s
         platform.send_text(chat, part, delivery_id=f"{base_id}#c{i}")
 
 
-def _send_file(ctx: Context, platform: Platform, chat: str, job: JsonObject, *,
+def _send_file(ctx: Context, platform: parts.Guarded, chat: str, job: JsonObject, *,
                fresh: bool = False) -> tuple[Sent, str, int]:
     """Send one stored file (`fresh`: the delivery's first attempt, so no earlier run
     left an upload or a refusal to resume from)."""
@@ -268,14 +268,18 @@ def _send_file(ctx: Context, platform: Platform, chat: str, job: JsonObject, *,
     did = job["id"]
     upload_part = f"{did}#upload"
     # one round trip at most: the cached file id; on a retry also this delivery's own upload (an
-    # earlier run uploaded the file, then its send failed) and whether an earlier run had it refused
+    # earlier run uploaded the file, then its send failed) and whether an earlier run had it refused;
+    # and the send's own first round trip (its part's record, the chat's gate: `look_ahead`)
     pipe = ctx.redis.pipeline(transaction=False)
     if fid_key:
         pipe.get(fid_key)
     if not fresh:
         parts.queue_lookup(pipe, did, [upload_part, f"{did}#refused"])
-    got = pipe.execute() if (fid_key or not fresh) else []
-    uploaded, refused = (None, None) if fresh else got[-1]
+    own = len(pipe)
+    answer = platform.look_ahead(pipe, chat, did)
+    got = pipe.execute() if len(pipe) else []
+    answer(got)
+    uploaded, refused = (None, None) if fresh else got[own - 1]
     cached = got[0] if fid_key else None
     cached = cached or uploaded
     if refused:  # refused by the platform before; its notice was re-scheduled (the chat's rate limit)
@@ -298,8 +302,9 @@ def _send_file(ctx: Context, platform: Platform, chat: str, job: JsonObject, *,
                 pipe.set(fid_key, fid, ex=FILE_ID_TTL_S)
             pipe.execute()
         raise
-    if fid_key and sent.file_id:
-        ctx.redis.set(fid_key, sent.file_id, ex=FILE_ID_TTL_S)
+    if fid_key and sent.file_id:  # with the receipt (or before the overflow's first part)
+        file_id = sent.file_id
+        platform.after_sent(lambda pipe: pipe.set(fid_key, file_id, ex=FILE_ID_TTL_S))
     send_overflow(platform, chat, overflow, job["id"])
     return sent, kind.value, size
 

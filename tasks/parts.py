@@ -17,7 +17,10 @@ gate, `tasks.ratelimit`, in the same round trip); a part already recorded is
 not sent again; else the send takes its rate-limit slots, and once sent its
 record is written (with the gate's release). Its Redis round trips per
 send: one (part check + gate), one per window, one (gate release + part
-record).
+record). The shared delivery flow saves two of them: `look_ahead` queues the
+first with the flow's own reads (the file-id cache), and with `defer` the
+last rides with the delivery's receipt (`flush`), as the upload's file id
+does (`after_sent`).
 """
 
 from __future__ import annotations
@@ -55,9 +58,14 @@ class Guarded(Platform):
                  defer: bool = False) -> None:
         self._redis = redis
         self._p = platform
-        #: with `defer`, a part sent without a chat gate is recorded later (`flush`)
+        #: with `defer`, what follows a send (its record, the chat's gate released, `after_sent`
+        #: writes) is written with the next part's send or the caller's receipt (`flush`)
         self._defer = defer
         self._pending: list[tuple[str, str]] = []
+        self._slots: list[ratelimit.Slot] = []
+        self._writes: list[Callable[[Any], Any]] = []
+        #: a look-ahead's answers: (part, its record, whether the gate was taken, the gate)
+        self._looked: tuple[str, Any, bool, str | None] | None = None
         #: on a delivery's first attempt no part can have been sent before: no need to look
         self._fresh = first_attempt
         self._delivery_id = delivery_id
@@ -85,20 +93,61 @@ class Guarded(Platform):
     def __repr__(self) -> str:
         return f"Guarded({self._p!r})"
 
+    # -- the first round trip of a send: its part's record, the chat's gate ------------------------
+    def _ask(self, pipe: Any, part: str, gate: str | None) -> int:
+        """Queue on `pipe` what a send of `part` asks first; returns how many replies that is."""
+        n = 0
+        if not self._fresh:
+            pipe.hget(keys.delivery_parts(self._delivery_id), part)
+            n += 1
+        if gate is not None:
+            ratelimit.ask_gate(pipe, gate)
+            n += 1
+        return n
+
+    def _answers(self, replies: list[Any], gate: str | None) -> tuple[Any, bool]:
+        """(the part's record, whether the gate was taken) from `_ask`'s replies."""
+        done = None if self._fresh else replies[0]
+        return done, (bool(replies[-1]) if gate is not None else True)
+
+    def look_ahead(self, pipe: Any, chat: str, part: str) -> Callable[[list[Any]], None]:
+        """Queue on `pipe` the first round trip of the coming send of `part` to `chat`, for the
+        caller to execute with reads of its own; call the returned function with all of
+        `pipe`'s replies. That send then makes no round trip before it goes (a send of another
+        part first gives the gate back)."""
+        if self._pending or self._slots or self._looked is not None:
+            return lambda replies: None  # (earlier parts' records go first: no look-ahead then)
+        gate, _ = ratelimit.gate_of(self._p, chat)
+        start = len(pipe)
+        n = self._ask(pipe, part, gate)
+
+        def answer(replies: list[Any]) -> None:
+            self._looked = (part, *self._answers(replies[start:start + n], gate), gate)
+
+        return answer
+
+    def _drop_looked(self, pipe: Any = None) -> None:
+        """A look-ahead whose send did not come: give its gate back."""
+        looked, self._looked = self._looked, None
+        if looked is not None and looked[2] and looked[3] is not None:
+            (pipe if pipe is not None else self._redis).delete(looked[3])
+
     def _once(self, chat: str, part: str, send: Callable[[], Sent]) -> Sent:
         r = self._redis
         gate, interval_s = ratelimit.gate_of(self._p, chat)
-        if self._pending:
-            self.flush()  # an earlier part's record goes before the next part is sent
-        if self._fresh and gate is None:
-            done, got_gate = None, True
+        if self._pending or self._slots:
+            self.flush()  # an earlier part's record (and the gate's release) go before the next part is sent
+        if self._looked is not None and self._looked[0] == part:
+            _, done, got_gate, _ = self._looked
+            self._looked = None
         else:
-            pipe = r.pipeline(transaction=False)
-            pipe.hget(keys.delivery_parts(self._delivery_id), part)
-            if gate is not None:
-                ratelimit.ask_gate(pipe, gate)
-            res = pipe.execute()
-            done, got_gate = res[0], (res[1] if gate is not None else True)
+            self._drop_looked()
+            if self._fresh and gate is None:
+                done, got_gate = None, True
+            else:
+                pipe = r.pipeline(transaction=False)
+                self._ask(pipe, part, gate)
+                done, got_gate = self._answers(pipe.execute(), gate)
         if done is not None:  # sent by an earlier run of this delivery
             if gate is not None and got_gate:
                 ratelimit.open_gate(r, gate)
@@ -109,29 +158,49 @@ class Guarded(Platform):
         except BaseException:
             slot.release()
             raise
-        if self._defer and gate is None:
-            # recorded with the next part's send or the delivery's own receipt
-            # (`flush`): the same crash window, one round trip less
+        if self._defer:
+            # recorded, and the chat's interval started, with the next part's send or the
+            # delivery's own receipt (`flush`): the same crash window, one round trip less
             self._pending.append((part, sent.message_id))
+            self._slots.append(slot)
             return sent
         pipe = r.pipeline(transaction=False)
         slot.release(pipe)
-        queue_record(pipe, self._delivery_id, {**dict(self._pending), part: sent.message_id})
-        self._pending.clear()
+        queue_record(pipe, self._delivery_id, {part: sent.message_id})
         pipe.execute()
         return sent
 
+    def after_sent(self, write: Callable[[Any], Any]) -> None:
+        """Queue `write(pipe)` for the flush (with `defer`; else it runs now): a write that
+        follows a send (an upload's file id) rides with the delivery's receipt."""
+        if self._defer:
+            self._writes.append(write)
+        else:
+            pipe = self._redis.pipeline(transaction=False)
+            write(pipe)
+            pipe.execute()
+
     def flush(self, pipe: Any = None, *, covered: str | None = None) -> None:
-        """Queue the record of parts sent but not yet recorded on `pipe`
-        (the caller's receipt pipeline), or write it now. `covered`: the
-        delivery id whose receipt the same pipeline marks delivered: a part
+        """Queue what follows the parts sent so far on `pipe` (the caller's receipt pipeline),
+        or write it now: their records, the chat's interval started (the gate released),
+        `after_sent` writes, the gate of a look-ahead whose send did not come given back.
+        `covered`: the delivery id whose receipt the same pipeline marks delivered: a part
         that is the whole delivery needs no record of its own."""
         pending = [(part, m) for part, m in self._pending if part != covered]
-        self._pending.clear()
-        if not pending:
+        slots, writes = self._slots, self._writes
+        self._pending, self._slots, self._writes = [], [], []
+        looked = self._looked is not None and self._looked[2] and self._looked[3] is not None
+        if not (pending or slots or writes or looked):
+            self._looked = None
             return
         p = pipe if pipe is not None else self._redis.pipeline(transaction=False)
-        queue_record(p, self._delivery_id, dict(pending))
+        for slot in slots:
+            slot.release(p)
+        if pending:
+            queue_record(p, self._delivery_id, dict(pending))
+        for write in writes:
+            write(p)
+        self._drop_looked(p)
         if pipe is None:
             p.execute()
 

@@ -162,3 +162,29 @@ def test_transient_errors_give_up_after_the_attempts_with_a_notice(flow):
     assert rec["state"] == "failed" and "gave up after 3 attempts" in rec["reason"]
     assert [s[1] for s in flow.platform.sent] == ["text"]  # the chat is told; the file never went
     assert "f.bin" in flow.platform.sent[0][2]
+
+
+def test_a_refusal_whose_notice_was_paced_sends_only_the_notice_and_frees_the_chats_gate(flow):
+    """The platform refuses a file; its notice waits for the chat's next second (courier's own
+    pacing). The retry reads the recorded refusal in the round trip that also took the chat's
+    gate for the file (`Guarded.look_ahead`); the file is not sent again, so that gate is given
+    back before the notice asks for it: the notice goes, and the chat's interval starts after it."""
+    from adapters.platforms.base import FileRefused
+    from tasks import ratelimit
+
+    gated = MemoryPlatform()
+    gated.limits = Limits(text_chars=200, caption_chars=50, upload_bytes=10_000, per_chat_per_s=1.0)
+    flow.ctx.platform = lambda name: gated
+    (did,) = flow.plan("memory:c9", files={"huge.bin": b"h" * 100})
+    gated.fail[1] = FileRefused("memory: too large (413)", too_large=True)  # the platform's own refusal
+    first = flow.drive("memory:c9")
+    assert first["state"] == "waiting" and gated.sent == [], first  # the notice waits for the chat's second
+    assert flow.state(did)["state"] != "failed"  # not final: its notice is owed
+    gate, _ = ratelimit.gate_of(gated, "c9")
+    flow.r.delete(keys.lease("lane", "memory:c9"), gate)  # (the chat's second has passed)
+    second = flow.drive("memory:c9")
+    assert second["state"] == "empty", (second, gated.sent)
+    assert flow.state(did)["state"] == "failed" and flow.state(did)["reason"].startswith("too large")
+    (notice,) = gated.sent
+    assert notice[1] == "text" and "huge.bin" in notice[2]  # the notice, and the file never again
+    assert flow.r.get(gate) == "done"  # the notice's send started the chat's interval; nothing holds the gate
