@@ -304,3 +304,29 @@ def test_audio_telegram_shows_as_a_document_goes_as_one_and_its_file_id_is_reuse
     write_unique(mp3, 3000)
     (c,) = wait_job(r, enqueue(tg, "telegram:800603", files=[mp3]))
     assert (c["kind"], fake_telegram.calls_for("sendAudio", "800603")[0].result["audio"]["file_size"]) == ("audio", 3000)
+
+
+def test_a_small_upload_goes_in_one_write_and_a_large_one_streams(tg, fake_telegram, monkeypatch):
+    """A multipart upload of up to ONE_WRITE_BYTES is one body (one socket write, not ~10);
+    a larger one streams chunk by chunk as before. Both arrive byte-identical."""
+    import httpx
+
+    from adapters.platforms import telegram as tg_mod
+
+    bodies: list[str] = []
+    plain = httpx.AsyncHTTPTransport.handle_async_request
+
+    async def seen(self, request):  # what httpx's own transport is handed, after `_OneWrite`
+        if request.url.path.endswith("/sendDocument"):
+            bodies.append(type(request.stream).__name__)
+        return await plain(self, request)
+
+    monkeypatch.setattr(httpx.AsyncHTTPTransport, "handle_async_request", seen)
+    tp = TelegramPlatform(fake_telegram.token, base_url=fake_telegram.url)
+    small, large = os.urandom(1024), os.urandom(tg_mod.ONE_WRITE_BYTES + 1)
+    for name, data in (("small.txt", small), ("large.bin", large)):
+        tp.send_file("880100", Kind.DOCUMENT, _src(name, data), caption=None, delivery_id=name)
+    tp.close()
+    assert bodies[0] == "ByteStream" and bodies[1] != "ByteStream", bodies
+    assert [c.files["document"].sha256 for c in fake_telegram.calls_for(chat="880100")] \
+        == [hashlib.sha256(small).hexdigest(), hashlib.sha256(large).hexdigest()]
