@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -34,12 +35,47 @@ __all__ = ["HANDOVER_WAIT_S", "held", "holding", "waiting"]
 #: how long a thread waits for the slot before it runs without it
 HANDOVER_WAIT_S = 0.25
 
+class _Slot:
+    """A lock handed over in turn: a release gives the slot to the thread that has waited
+    longest (a semaphore lets the releasing thread take it straight back, and at once a
+    platform answers before a woken waiter runs: the others starved past HANDOVER_WAIT_S)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._busy = False
+        self._waiters: deque[threading.Lock] = deque()
+
+    def acquire(self, timeout: float) -> bool:
+        with self._lock:
+            if not self._busy:
+                self._busy = True
+                return True
+            turn = threading.Lock()
+            turn.acquire()
+            self._waiters.append(turn)
+        if turn.acquire(timeout=timeout):
+            return True  # handed over
+        with self._lock:
+            try:
+                self._waiters.remove(turn)
+            except ValueError:
+                return True  # handed over as the wait ended
+        return False
+
+    def release(self) -> None:
+        with self._lock:
+            if self._waiters:
+                self._waiters.popleft().release()  # the slot stays busy: it is that thread's now
+            else:
+                self._busy = False
+
+
 _lock = threading.Lock()
-_slot: tuple[int, threading.Semaphore] | None = None
+_slot: tuple[int, _Slot] | None = None
 _local = threading.local()
 
 
-def _process_slot() -> threading.Semaphore:
+def _process_slot() -> _Slot:
     """This process's slot (a forked child makes its own: a thread of the parent may have held it)."""
     global _slot
     got = _slot
@@ -47,7 +83,7 @@ def _process_slot() -> threading.Semaphore:
     if got is None or got[0] != pid:
         with _lock:
             if _slot is None or _slot[0] != pid:
-                _slot = (pid, threading.Semaphore(1))
+                _slot = (pid, _Slot())
             got = _slot
     return got[1]
 
@@ -57,7 +93,14 @@ def held() -> bool:
     return getattr(_local, "slot", None) is not None
 
 
-def _take(slot: threading.Semaphore) -> None:
+def wanted() -> bool:
+    """Whether this thread runs a block that holds the slot (`holding`), held now or not
+    (it ran on without it past `HANDOVER_WAIT_S`: it asks again after its next wait)."""
+    return getattr(_local, "depth", 0) > 0
+
+
+def _take() -> None:
+    slot = _process_slot()
     _local.slot = slot if slot.acquire(timeout=HANDOVER_WAIT_S) else None
 
 
@@ -69,25 +112,33 @@ def _give() -> None:
 
 @contextmanager
 def holding() -> Iterator[None]:
-    """Run the block with the slot (within `HANDOVER_WAIT_S`, else without it). Nested: the outer one holds it."""
-    if held():
-        yield
+    """Run the block with the slot (within `HANDOVER_WAIT_S`, else without it until its next
+    wait). Nested: the outer one holds it."""
+    depth = getattr(_local, "depth", 0)
+    _local.depth = depth + 1
+    if depth:
+        try:
+            yield
+        finally:
+            _local.depth = depth
         return
-    _take(_process_slot())
+    _take()
     try:
         yield
     finally:
+        _local.depth = 0
         _give()
 
 
 @contextmanager
 def waiting() -> Iterator[None]:
-    """Give the slot up while the block waits (on a platform's answer), then take it back."""
-    if not held():
+    """Give the slot up while the block waits (on a platform's answer), then take it back
+    (or, when this thread ran on without it, ask for it again)."""
+    if not wanted():
         yield
         return
     _give()
     try:
         yield
     finally:
-        _take(_process_slot())
+        _take()

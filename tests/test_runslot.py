@@ -202,3 +202,56 @@ def test_a_call_past_its_timeout_raises_and_the_loop_serves_the_next_call():
     with pytest.raises(TimeoutError):
         _aio.run(asyncio.sleep(30), 0.2)
     assert _aio.run(asyncio.sleep(0, "next"), 10) == "next"
+
+
+def test_a_thread_that_ran_on_without_the_slot_asks_for_it_again_after_its_next_wait(monkeypatch):
+    monkeypatch.setattr(runslot, "HANDOVER_WAIT_S", 0.2)
+    stuck, release, ran_on = threading.Event(), threading.Event(), threading.Event()
+    seen: list[tuple[bool, bool]] = []
+
+    def holder() -> None:
+        with runslot.holding():
+            stuck.set()
+            release.wait(SOON_S)
+
+    t = _thread(holder)
+    stuck.wait(SOON_S)
+
+    def other() -> None:
+        with runslot.holding():
+            seen.append((runslot.held(), runslot.wanted()))  # on without it
+            ran_on.set()
+            t.join(SOON_S)  # the stuck holder is done
+            with runslot.waiting():
+                pass
+            seen.append((runslot.held(), runslot.wanted()))  # and has it again
+
+    o = _thread(other)
+    assert ran_on.wait(SOON_S)
+    release.set()
+    o.join(SOON_S)
+    assert seen == [(False, True), (True, True)]
+
+
+def test_the_slot_goes_to_the_thread_that_waited_longest(patient):
+    """A release hands the slot over in turn: the releasing thread cannot take it straight back."""
+    from tests.fixtures.services import wait_until
+
+    order: list[str] = []
+    queued = []
+
+    def waiter(name: str) -> None:
+        with runslot.holding():
+            order.append(name)
+
+    with runslot.holding():
+        for name in ("first", "second", "third"):
+            queued.append(_thread(lambda n=name: waiter(n)))
+            slot = runslot._process_slot()
+            wait_until(lambda n=len(queued): len(slot._waiters) == n, timeout_s=SOON_S, what="the waiter queued")
+        with runslot.waiting():  # the holder waits, then wants it back: it queues behind the three
+            for t in queued:
+                t.join(SOON_S)
+            order.append("holder waited")
+        order.append("holder again")
+    assert order == ["first", "second", "third", "holder waited", "holder again"]

@@ -49,7 +49,7 @@ class _Selector(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
 
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
         wait = WAIT_SLICE_S if timeout is None else min(timeout, WAIT_SLICE_S)
-        if wait > 0 and runslot.held():
+        if wait > 0 and runslot.wanted():
             ready = super().select(0)
             if ready:
                 return ready  # type: ignore[no-any-return]
