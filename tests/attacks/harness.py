@@ -216,9 +216,11 @@ class SshHarness(LocalHarness):
         self.sshd, self.mode = sshd, mode
         self.control_dir = tempfile.mkdtemp(prefix="cm", dir="/tmp")  # ControlPath must stay short
         self._opened: list = []
+        # the reads run as the remote user (who can read and send on whatever the agent can):
+        # the race is not a boundary here, as for modal
+        self.race_iterations = 300
         if mode == "openssh":
-            # two ssh clients on the master an extraction; the reads run as the remote user
-            self.race_iterations = 50
+            self.race_iterations = 50  # two ssh clients on the master an extraction
 
     def sandbox(self, *, home: bool = True, known_hosts: str | None = None, **kw):
         from adapters.sandboxes.base import PathPolicy, SandboxRef
