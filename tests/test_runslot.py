@@ -255,3 +255,25 @@ def test_the_slot_goes_to_the_thread_that_waited_longest(patient):
             order.append("holder waited")
         order.append("holder again")
     assert order == ["first", "second", "third", "holder waited", "holder again"]
+
+
+def test_a_wait_shorter_than_the_hold_keeps_the_slot(patient):
+    """A platform answering within HOLD_S (a local Bot API server) is waited for in place:
+    handing the slot over and back would cost more than the wait."""
+    from tests.fixtures.services import wait_until
+
+    order: list[str] = []
+
+    def other() -> None:
+        with runslot.holding():
+            order.append("other ran")
+
+    with runslot.holding():
+        t = _thread(other)
+        slot = runslot._process_slot()
+        wait_until(lambda: len(slot._waiters) == 1, timeout_s=SOON_S, what="the other thread queued")
+        _aio.run(asyncio.sleep(_aio.HOLD_S / 4), SOON_S)
+        order.append("short wait over")
+        assert runslot.held()
+    t.join(SOON_S)
+    assert order == ["short wait over", "other ran"]

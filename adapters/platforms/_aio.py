@@ -37,6 +37,8 @@ T = TypeVar("T")
 #: the caller waits in slices this long: an exception raised in its thread (a threads pool's soft
 #: time limit, `workers.timelimits`) is seen within one slice, not only when the call ends
 WAIT_SLICE_S = 0.5
+#: a wait on the network this short keeps the run slot (`_Selector`)
+HOLD_S = 0.002
 #: how long an abandoned call's coroutine gets to finish its cancellation
 CANCEL_GRACE_S = 5.0
 
@@ -50,11 +52,14 @@ class _Selector(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
         wait = WAIT_SLICE_S if timeout is None else min(timeout, WAIT_SLICE_S)
         if wait > 0 and runslot.wanted():
-            ready = super().select(0)
-            if ready:
+            # a short wait keeps the slot: a platform answering at once (a local Bot API
+            # server) is waited for in place, which costs less than handing the slot over
+            # and back (four context switches)
+            ready = super().select(min(wait, HOLD_S))
+            if ready or wait <= HOLD_S:
                 return ready  # type: ignore[no-any-return]
             with runslot.waiting():
-                return super().select(wait)  # type: ignore[no-any-return]
+                return super().select(wait - HOLD_S)  # type: ignore[no-any-return]
         return super().select(wait)  # type: ignore[no-any-return]
 
 
