@@ -13,11 +13,13 @@ the process runs like one thread, yet sends as many requests at once as it has t
 - A lane's drive holds the slot (`holding`, tasks/celery_tasks.py), Redis round trips
   included: they are short, and a waiting thread would only take the GIL from it.
 - It gives the slot up while it waits on a platform (`waiting`): the adapters' event
-  loop while it blocks on its sockets (`adapters.platforms._aio`), a sync adapter's HTTP
-  call (Slack, WhatsApp).
+  loop while it blocks on its sockets for longer than `_aio.HOLD_S` (2 ms: a platform
+  answering sooner is waited for in place, cheaper than two hand-overs), a sync
+  adapter's HTTP call (Slack, WhatsApp). Hand-overs go in turn (`_Slot`).
 - A thread that cannot get the slot within `HANDOVER_WAIT_S` runs without it: a holder
   stuck in a slow call (Redis timing out, a slow storage read) must never stall the
-  process; it only costs the GIL contention the slot saves.
+  process; it only costs the GIL contention the slot saves, and the thread asks for
+  the slot again after its next wait.
 
 A process with one thread (prefork's children, solo) takes a slot nobody else wants.
 """

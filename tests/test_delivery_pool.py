@@ -326,6 +326,7 @@ def test_a_platform_call_waiting_on_the_loop_is_interrupted_by_the_soft_limit(sh
 
     from celery.exceptions import SoftTimeLimitExceeded
 
+    from adapters import runslot
     from adapters.platforms import _aio
     from workers.timelimits import Watchdog
 
@@ -340,10 +341,11 @@ def test_a_platform_call_waiting_on_the_loop_is_interrupted_by_the_soft_limit(sh
             cancelled.set()
             raise
 
-    def task() -> None:
+    def task() -> None:  # a drive (it holds the run slot): its own thread's loop, unless `shared`
         dog.start_task("t", "courier.test", 0.3, None)
         try:
-            _aio.run(slow(), 120, shared=shared)
+            with runslot.holding():
+                _aio.run(slow(), 120, shared=shared)
             outcome.append("finished")
         except SoftTimeLimitExceeded:
             outcome.append("soft limit")

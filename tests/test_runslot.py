@@ -6,6 +6,7 @@ calling thread's own loop (no hand-off between threads), its client bound to tha
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import threading
 
@@ -133,7 +134,9 @@ def test_a_forked_child_has_a_slot_of_its_own(patient):
     assert p.exitcode == 0
 
 
-def test_an_async_call_runs_on_the_calling_threads_own_loop():
+def test_a_drives_async_call_runs_on_its_own_threads_loop(patient):
+    """In a drive (a thread holding the run slot): the call runs in the calling thread, on
+    its own loop, kept for its next call, with an SDK client of that loop's own."""
     seen: dict[str, list] = {"a": [], "b": []}
     clients = _aio.PerLoop(object)
 
@@ -142,7 +145,8 @@ def test_an_async_call_runs_on_the_calling_threads_own_loop():
 
     def calls(name: str) -> None:
         for _ in range(2):
-            seen[name].append((threading.get_ident(), *_aio.run(where(), 10)))
+            with runslot.holding():
+                seen[name].append((threading.get_ident(), *_aio.run(where(), 10)))
 
     for t in (_thread(lambda: calls("a")), _thread(lambda: calls("b"))):
         t.join(SOON_S)
@@ -153,6 +157,26 @@ def test_an_async_call_runs_on_the_calling_threads_own_loop():
         assert again[2] is loop and again[3] is client  # one loop per thread, one client per loop
     assert seen["a"][0][2] is not seen["b"][0][2]
     assert seen["a"][0][3] is not seen["b"][0][3]
+
+
+def test_any_other_callers_async_call_runs_on_the_shared_loop():
+    """A turn's activity thread (one per turn), the CLI, a test: the process's shared loop,
+    so a short-lived thread leaves no loop, client or connection of its own behind."""
+    clients = _aio.PerLoop(object)
+    seen: list[tuple[int, int, asyncio.AbstractEventLoop, object]] = []
+
+    async def where() -> tuple[int, asyncio.AbstractEventLoop, object]:
+        return threading.get_ident(), asyncio.get_running_loop(), clients.get()
+
+    def call() -> None:
+        seen.append((threading.get_ident(), *_aio.run(where(), 10)))
+        assert _aio.thread_loop(make=False) is None
+
+    for _ in range(2):
+        _thread(call).join(SOON_S)
+    (c1, r1, loop1, client1), (c2, r2, loop2, client2) = seen
+    assert r1 == r2 and r1 not in (c1, c2)  # the shared loop's thread ran both
+    assert loop1 is loop2 is _aio.loop() and client1 is client2
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["own loop", "shared loop"])
@@ -183,10 +207,12 @@ def test_the_loop_gives_the_slot_up_while_it_waits_on_the_network(patient, share
     assert order == ["b ran", "answered"]
 
 
-def test_a_call_past_its_timeout_raises_and_the_loop_serves_the_next_call():
-    with pytest.raises(TimeoutError):
-        _aio.run(asyncio.sleep(30), 0.2)
-    assert _aio.run(asyncio.sleep(0, "next"), 10) == "next"
+@pytest.mark.parametrize("drive", [True, False], ids=["own loop", "shared loop"])
+def test_a_call_past_its_timeout_raises_and_the_loop_serves_the_next_call(patient, drive):
+    with runslot.holding() if drive else contextlib.nullcontext():
+        with pytest.raises(TimeoutError):
+            _aio.run(asyncio.sleep(30), 0.2)
+        assert _aio.run(asyncio.sleep(0, "next"), 10) == "next"
 
 
 def test_a_thread_that_ran_on_without_the_slot_asks_for_it_again_after_its_next_wait(monkeypatch):

@@ -1,15 +1,16 @@
 """Run async SDK calls (python-telegram-bot, discord.py) from sync code.
 
-Two ways, chosen by the adapter:
+Two loops:
 
-- `run(coro)`: on the calling thread's own event loop (made lazily, and again after a
-  fork or after an exception from outside the call broke it). No hand-off between
-  threads: a threads pool's 16 threads each run their own loop, and an SDK client is
-  bound to the loop it was made on (`PerLoop`). While the loop blocks on its sockets
-  it gives up the process's run slot (`adapters.runslot`), so the other drives run.
-- `run(coro, shared=True)`: on the process's one loop, in a daemon thread (for an SDK
-  client made once per process, Discord's: one login). The caller gives up the run slot
-  while it waits.
+- A lane's drive (a thread that holds the process's run slot, `adapters.runslot`) runs
+  its calls on its own thread's event loop (made lazily, and again after a fork or after
+  an exception from outside the call broke it): no hand-off between threads, and while
+  the loop waits on its sockets for more than `HOLD_S` it gives the run slot up, so the
+  other drives run. A threads pool's threads live as long as the worker, and each keeps
+  its loop and the SDK clients bound to it (`PerLoop`).
+- Every other caller (a turn's activity thread, the CLI, an adapter that logs in once per
+  process: `shared=True`, Discord) runs on the process's one shared loop, in a daemon
+  thread, giving up the run slot while it waits (when it holds it).
 
 Either way the caller sees an exception raised in its thread (a threads pool's soft
 time limit, `workers.timelimits`) within `WAIT_SLICE_S`, and the abandoned call's
@@ -30,7 +31,7 @@ from typing import Any, Generic, TypeVar
 
 from adapters import runslot
 
-__all__ = ["PerLoop", "WAIT_SLICE_S", "run", "thread_loop"]
+__all__ = ["HOLD_S", "PerLoop", "WAIT_SLICE_S", "close_all", "run", "thread_loop"]
 
 T = TypeVar("T")
 
@@ -153,11 +154,27 @@ def _run_shared(coro: Coroutine[Any, Any, T], timeout_s: float | None) -> T:
 
 
 def run(coro: Coroutine[Any, Any, T], timeout_s: float | None = 300.0, *, shared: bool = False) -> T:
-    """Run `coro` and wait for its result: on this thread's loop, or with `shared` on the
-    process's one loop. A `TimeoutError` past `timeout_s`."""
-    if shared or asyncio._get_running_loop() is not None:
+    """Run `coro` and wait for its result: in a drive, on its thread's own loop; else (or
+    with `shared`) on the process's shared loop. A `TimeoutError` past `timeout_s`."""
+    if shared or not runslot.wanted() or asyncio._get_running_loop() is not None:
         return _run_shared(coro, timeout_s)
     return _run_here(coro, timeout_s)
+
+
+def close_all(objs: PerLoop[T], close: Callable[[T], Coroutine[Any, Any, Any]], timeout_s: float = 10.0) -> None:
+    """Close `objs`' objects on the loops that run here: this thread's own and the shared
+    one (best effort). The others' loops run in other threads: their objects are dropped
+    (their connections close with them)."""
+    with _lock:
+        shared = _loop if _loop is not None and _pid == os.getpid() and not _loop.is_closed() else None
+    own, on_shared = objs.pop(thread_loop(make=False)), objs.pop(shared)
+    objs.clear()
+    for obj, here in ((own, True), (on_shared, False)):
+        if obj is not None:
+            try:
+                (_run_here if here else _run_shared)(close(obj), timeout_s)
+            except Exception:  # noqa: BLE001 - closing is best effort
+                pass
 
 
 class PerLoop(Generic[T]):

@@ -1,9 +1,10 @@
 """Telegram over python-telegram-bot (Bot API over HTTP; no polling, no updater).
 
-- One `telegram.Bot` per event loop: each calling thread runs its calls on its
-  own loop (`adapters.platforms._aio`: no hand-off between threads, and the
-  process's run slot is given up while the loop waits on the Bot API), and a
-  Bot's httpx client belongs to the loop it was made on (`_aio.PerLoop`).
+- One `telegram.Bot` per event loop: a lane's drive runs its calls on its own
+  thread's loop (`adapters.platforms._aio`: no hand-off between threads, and
+  the process's run slot is given up while the loop waits on the Bot API),
+  every other caller on the process's shared loop; a Bot's httpx client
+  belongs to the loop it was made on (`_aio.PerLoop`).
 - No rate limiter that waits: a 429 becomes `RateLimited(retry_after)` and the
   task is re-scheduled; the shared per-chat / per-group / per-bot limits are
   enforced above the adapter, in Redis (`tasks.ratelimit`).
@@ -353,15 +354,8 @@ class TelegramPlatform(Platform):
                 raise
 
     def close(self) -> None:
-        """Close this thread's Bot (the others' loops are not running here: their
-        connections close with their threads)."""
-        bot = self._bots.pop(_aio.thread_loop(make=False))
-        self._bots.clear()
-        if bot is not None:
-            try:
-                _aio.run(bot.shutdown(), 10)
-            except Exception:  # noqa: BLE001 - closing is best effort
-                pass
+        """Close the Bots of the loops that run here (this thread's, the shared one)."""
+        _aio.close_all(self._bots, lambda bot: bot.shutdown())
 
 
 def _file_id(msg: Message, kind: Kind) -> str | None:
