@@ -62,7 +62,7 @@ class Guarded(Platform):
         #: writes) is written with the next part's send or the caller's receipt (`flush`)
         self._defer = defer
         self._pending: list[tuple[str, str]] = []
-        self._slots: list[ratelimit.Slot] = []
+        #: what else follows sends so far: their chat intervals started, `after_sent` writes
         self._writes: list[Callable[[Any], Any]] = []
         #: a look-ahead's answers: (part, its record, whether the gate was taken, the gate)
         self._looked: tuple[str, Any, bool, str | None] | None = None
@@ -115,7 +115,7 @@ class Guarded(Platform):
         caller to execute with reads of its own; call the returned function with all of
         `pipe`'s replies. That send then makes no round trip before it goes (a send of another
         part first gives the gate back)."""
-        if self._pending or self._slots or self._looked is not None:
+        if self._pending or self._writes or self._looked is not None:
             return lambda replies: None  # (earlier parts' records go first: no look-ahead then)
         gate, _ = ratelimit.gate_of(self._p, chat)
         start = len(pipe)
@@ -135,7 +135,7 @@ class Guarded(Platform):
     def _once(self, chat: str, part: str, send: Callable[[], Sent]) -> Sent:
         r = self._redis
         gate, interval_s = ratelimit.gate_of(self._p, chat)
-        if self._pending or self._slots:
+        if self._pending or self._writes:
             self.flush()  # an earlier part's record (and the gate's release) go before the next part is sent
         if self._looked is not None and self._looked[0] == part:
             _, done, got_gate, _ = self._looked
@@ -162,7 +162,7 @@ class Guarded(Platform):
             # recorded, and the chat's interval started, with the next part's send or the
             # delivery's own receipt (`flush`): the same crash window, one round trip less
             self._pending.append((part, sent.message_id))
-            self._slots.append(slot)
+            self._writes.append(slot.release)
             return sent
         pipe = r.pipeline(transaction=False)
         slot.release(pipe)
@@ -187,15 +187,11 @@ class Guarded(Platform):
         `covered`: the delivery id whose receipt the same pipeline marks delivered: a part
         that is the whole delivery needs no record of its own."""
         pending = [(part, m) for part, m in self._pending if part != covered]
-        slots, writes = self._slots, self._writes
-        self._pending, self._slots, self._writes = [], [], []
-        looked = self._looked is not None and self._looked[2] and self._looked[3] is not None
-        if not (pending or slots or writes or looked):
-            self._looked = None
+        writes = self._writes
+        self._pending, self._writes = [], []
+        if not (pending or writes or self._looked is not None):
             return
         p = pipe if pipe is not None else self._redis.pipeline(transaction=False)
-        for slot in slots:
-            slot.release(p)
         if pending:
             queue_record(p, self._delivery_id, dict(pending))
         for write in writes:

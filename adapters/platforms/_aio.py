@@ -189,6 +189,9 @@ class PerLoop(Generic[T]):
     def get(self) -> T:
         """The running loop's object (call it on the loop)."""
         loop = asyncio.get_running_loop()
+        obj = self._objs.get(loop)  # (a send's path: the lock only for the first on a loop)
+        if obj is not None:
+            return obj
         with self._lock:
             obj = self._objs.get(loop)
             if obj is None:
