@@ -53,17 +53,19 @@ def file_links(settings: Settings | None = None):
 # -- platforms ----------------------------------------------------------------
 PLATFORMS = ("outbox", "telegram", "discord", "slack", "whatsapp")
 
-_platforms: dict[tuple[str, int], Platform] = {}
+#: (name, id(settings)) -> (the settings, their adapter): the entry keeps its settings alive, so
+#: their id is never reused by another Settings object (that would hand it this adapter)
+_platforms: dict[tuple[str, int], tuple[Settings, Platform]] = {}
 
 
 def platform(name: str, settings: Settings | None = None) -> Platform:
     s = settings or get_settings()
     key = (name, id(s))
     with _lock:
-        p = _platforms.get(key)
-        if p is None:
-            p = _platforms[key] = _build_platform(name, s)
-        return p
+        got = _platforms.get(key)
+        if got is None or got[0] is not s:
+            got = _platforms[key] = (s, _build_platform(name, s))
+        return got[1]
 
 
 def _build_platform(name: str, s: Settings) -> Platform:
