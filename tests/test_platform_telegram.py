@@ -330,3 +330,26 @@ def test_a_small_upload_goes_in_one_write_and_a_large_one_streams(tg, fake_teleg
     assert bodies[0] == "ByteStream" and bodies[1] != "ByteStream", bodies
     assert [c.files["document"].sha256 for c in fake_telegram.calls_for(chat="880100")] \
         == [hashlib.sha256(small).hexdigest(), hashlib.sha256(large).hexdigest()]
+
+
+def test_bots_share_the_process_tls_context(monkeypatch):
+    """A drive's first send on each thread makes a Bot (one per loop): building a TLS
+    context for each (the CA bundle parsed again, ~20 ms of CPU, twice per Bot) was the
+    largest cost of a worker's first sends. Every Bot uses the process's one context."""
+    import ssl
+
+    from adapters.platforms import _aio
+
+    _aio.tls()  # the process's, made once
+    made: list[int] = []
+    real = ssl.create_default_context
+
+    def counted(*a, **kw):
+        made.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(ssl, "create_default_context", counted)
+    tp = TelegramPlatform("123:abc", base_url="http://127.0.0.1:9")
+    bots = [tp._new_bot() for _ in range(3)]
+    assert made == [] and len(bots) == 3
+    assert _aio.tls() is _aio.tls()

@@ -7,7 +7,8 @@ Two loops:
   an exception from outside the call broke it): no hand-off between threads, and while
   the loop waits on its sockets for more than `HOLD_S` it gives the run slot up, so the
   other drives run. A threads pool's threads live as long as the worker, and each keeps
-  its loop and the SDK clients bound to it (`PerLoop`).
+  its loop and the SDK clients bound to it (`PerLoop`). The clients share the process's
+  one TLS context (`tls`): building one loads the CA bundle, tens of ms of CPU.
 - Every other caller (a turn's activity thread, the CLI, an adapter that logs in once per
   process: `shared=True`, Discord) runs on the process's one shared loop, in a daemon
   thread, giving up the run slot while it waits (when it holds it).
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import ssl
 import selectors
 import threading
 import time
@@ -31,7 +33,7 @@ from typing import Any, Generic, TypeVar
 
 from adapters import runslot
 
-__all__ = ["HOLD_S", "PerLoop", "WAIT_SLICE_S", "close_all", "run", "thread_loop"]
+__all__ = ["HOLD_S", "PerLoop", "WAIT_SLICE_S", "close_all", "run", "thread_loop", "tls"]
 
 T = TypeVar("T")
 
@@ -175,6 +177,26 @@ def close_all(objs: PerLoop[T], close: Callable[[T], Coroutine[Any, Any, Any]], 
                 (_run_here if here else _run_shared)(close(obj), timeout_s)
             except Exception:  # noqa: BLE001 - closing is best effort
                 pass
+
+
+_tls: tuple[int, ssl.SSLContext] | None = None
+
+
+def tls() -> ssl.SSLContext:
+    """The process's TLS context for its SDK clients, as httpx would make it (certifi's CA
+    bundle, or SSL_CERT_FILE / SSL_CERT_DIR): made once, and again after a fork. Each
+    client made with its own costs ~20 ms of CPU (the CA bundle is parsed again), and a
+    drive's first send on a thread makes a client (`PerLoop`)."""
+    global _tls
+    got = _tls
+    if got is None or got[0] != os.getpid():
+        import httpx
+
+        with _lock:
+            got = _tls
+            if got is None or got[0] != os.getpid():
+                got = _tls = (os.getpid(), httpx.create_ssl_context())
+    return got[1]
 
 
 class PerLoop(Generic[T]):

@@ -250,12 +250,14 @@ class TelegramPlatform(Platform):
     def _new_bot(self) -> Bot:
         connect, read, media_write = self._timeouts
         # (with a transport of its own, httpx takes the pool's limits from it)
-        transport = _OneWrite(limits=httpx.Limits(max_connections=self._pool_size))
+        tls = _aio.tls()  # (one per process: a context of its own per Bot costs ~20 ms of CPU each)
+        transport = _OneWrite(limits=httpx.Limits(max_connections=self._pool_size), verify=tls)
         request = _Request(connection_pool_size=self._pool_size, connect_timeout=connect, read_timeout=read,
                            write_timeout=30.0, pool_timeout=30.0, media_write_timeout=media_write,
-                           httpx_kwargs={"transport": transport})
+                           httpx_kwargs={"transport": transport, "verify": tls})
         return Bot(self._token, base_url=f"{self._base}/bot", base_file_url=f"{self._base}/file/bot",
-                   request=request, get_updates_request=_Request(connection_pool_size=1))
+                   request=request, get_updates_request=_Request(connection_pool_size=1,
+                                                                 httpx_kwargs={"verify": tls}))
 
     def _call(self, fn: Callable[[Bot], Awaitable[T]], *, timeout_s: float = 300.0) -> T:
         async def go() -> T:
