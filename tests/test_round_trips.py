@@ -181,14 +181,16 @@ def test_a_send_lock_held_elsewhere_is_waited_for_and_nothing_is_sent(counted):
     assert counted.r.get(keys.delivery_lock(did)) == "another-worker"
 
 
-def test_each_lane_a_drive_takes_from_the_ready_set_costs_two_round_trips(counted):
+def test_each_further_lane_a_drive_takes_from_the_ready_set_costs_one_round_trip(counted):
     """A drive goes on from its own lane to the lanes of the ready set (tests/test_wake.py):
-    the look that finds a lane empty pops the next one, so each costs its first look and its
-    delivered record (with that look), like the first lane."""
+    the look that finds a lane empty pops the next one and, on the same platform, takes that
+    lane's first look too (its lease, head and send lock), so each further lane costs only its
+    delivered record (with the look after it). Before, each took its own first look: two."""
     targets = [f"memory:rd{i}" for i in range(4)]
+    dids = []
     for target in targets:
-        (did,) = counted.plan(target, 1)
-        counted.extract(did)
+        dids += counted.plan(target, 1)
+        counted.extract(dids[-1])
     counted.r.zadd(keys.lanes_ready(), {t: i for i, t in enumerate(targets[1:])})
     drains: list[int] = []
     out, trips = counted.trips(lambda: lanes.drive_ready(
@@ -196,7 +198,46 @@ def test_each_lane_a_drive_takes_from_the_ready_set_costs_two_round_trips(counte
     assert out == {"lane": targets[0], "state": "empty", "sent": 1, "drained": 3, "drained_sent": 3}
     assert [s[0] for s in counted.platform.sent] == ["rd0", "rd1", "rd2", "rd3"] and drains == []
     assert not counted.r.exists(keys.lanes_ready())
-    assert trips == DRIVE_ROUND_TRIPS * len(targets), CountingConnection.writes
+    assert not any(counted.r.exists(keys.lease("lane", t), keys.delivery_lock(d)) for t, d in zip(targets, dids))
+    assert [((receipts.get_delivery(counted.r, d) or {}).get("state"), (receipts.get_delivery(counted.r, d) or {})
+             .get("attempts")) for d in dids] == [("delivered", "1")] * 4
+    assert trips == DRIVE_ROUND_TRIPS + (len(targets) - 1), CountingConnection.writes
+
+
+def test_a_next_lane_taken_with_the_look_clears_its_dead_senders_gate(counted):
+    """The next lane's lease taken in the look that emptied the lane before it clears that
+    chat's gate left by a worker that died mid-send, as its own first look would."""
+    counted.platform.limits = Limits(text_chars=200, caption_chars=50, upload_bytes=10_000, per_chat_per_s=1.0)
+    for chat in ("nx0", "nx1"):
+        (did,) = counted.plan(f"memory:{chat}", 1)
+        counted.extract(did)
+    gate, _ = ratelimit.gate_of(counted.platform, "nx1")
+    counted.r.set(gate, "sending:1", ex=60)  # left by a worker that died mid-send
+    counted.r.zadd(keys.lanes_ready(), {"memory:nx1": 1})
+    out, trips = counted.trips(lambda: lanes.drive_ready(
+        counted.ctx, "memory:nx0", lambda t, countdown=None: None, lambda: None))
+    assert out["drained_sent"] == 1 and [s[0] for s in counted.platform.sent] == ["nx0", "nx1"]
+    assert counted.r.get(gate) == "done"  # nx1's own send started its interval: not paced behind the stale gate
+    # nx0: its first look, its gate, its record (with the look taking nx1); nx1: its gate, its record
+    assert trips == 3 + 2, [command_names([w]) for w in CountingConnection.writes]
+
+
+def test_a_next_lane_held_elsewhere_or_on_another_platform_is_left_or_looked_at_on_its_own(counted):
+    """A next lane whose lease another worker holds is left to it (nothing sent, its lease
+    untouched); one on another platform gets a first look of its own, as before."""
+    for target in ("memory:ho0", "memory:ho1", "other:ho2"):
+        (did,) = counted.plan(target, 1)
+        counted.extract(did)
+    counted.r.set(keys.lease("lane", "memory:ho1"), "another-worker", ex=60)
+    counted.r.zadd(keys.lanes_ready(), {"memory:ho1": 1, "other:ho2": 2})
+    out, trips = counted.trips(lambda: lanes.drive_ready(
+        counted.ctx, "memory:ho0", lambda t, countdown=None: None, lambda: None))
+    assert [s[0] for s in counted.platform.sent] == ["ho0", "ho2"]
+    assert counted.r.get(keys.lease("lane", "memory:ho1")) == "another-worker"
+    assert not counted.r.exists(keys.lanes_ready(), keys.lease("lane", "other:ho2"))
+    # ho0: its look (which pops ho1 and finds it busy) and its record; the set popped again
+    # (ho2); ho2 on its own: its first look and its record
+    assert trips == DRIVE_ROUND_TRIPS + 1 + DRIVE_ROUND_TRIPS, [command_names([w]) for w in CountingConnection.writes]
 
 
 def test_the_outbox_adds_no_round_trip(counted, tmp_path):
