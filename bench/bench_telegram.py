@@ -175,7 +175,9 @@ def _measure(base_url: str, courier_s: "_Courier", baseline_s: "_Baseline", roun
                     cpu[f"{name}/{k}"] = cpu.get(f"{name}/{k}", 0.0) + _cpu_s(pid) - before[k]
                 cpu[f"{name}/bench"] = cpu.get(f"{name}/bench", 0.0) + time.process_time() - own
             time.sleep(PAUSE_S)  # the per-chat limit, for both sides (not timed)
-    if os.environ.get("BENCH_DEBUG"):  # CPU per delivery of each process, whatever the machine's load
+    if os.environ.get("BENCH_DEBUG"):  # each round's rate, and CPU per delivery of each process
+        print(f"[{latency_ms:g} ms] rounds/s: " + "; ".join(
+            f"{k} " + " ".join(f"{x:.0f}" for x in v) for k, v in rates.items()), file=sys.stderr)
         print(f"[{latency_ms:g} ms] CPU ms per delivery: " + ", ".join(
             f"{k} {1000 * v / max(1, sent[k.split('/')[0]]):.2f}" for k, v in sorted(cpu.items())), file=sys.stderr)
     return statistics.median(rates["courier"]), statistics.median(rates["baseline"])
