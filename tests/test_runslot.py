@@ -262,9 +262,9 @@ def test_the_slot_goes_to_the_thread_that_waited_longest(patient):
     assert order == ["first", "second", "third", "holder waited", "holder again"]
 
 
-def test_a_wait_shorter_than_the_hold_keeps_the_slot(patient):
-    """A platform answering within HOLD_S (a local Bot API server) is waited for in place:
-    handing the slot over and back would cost more than the wait."""
+def _short_wait_with_another_thread_queued(before=None) -> list[str]:
+    """In a drive on a new thread loop: `before()`, then a wait shorter than HOLD_S while
+    another thread waits for the slot; what ran in which order."""
     from tests.fixtures.services import wait_until
 
     order: list[str] = []
@@ -273,12 +273,54 @@ def test_a_wait_shorter_than_the_hold_keeps_the_slot(patient):
         with runslot.holding():
             order.append("other ran")
 
+    loop = _aio.thread_loop()
+    assert loop is not None
+    _aio._drop_thread_loop(loop)  # (a loop of its own: no earlier test's waits count)
     with runslot.holding():
+        if before is not None:
+            before()
         t = _thread(other)
         slot = runslot._process_slot()
         wait_until(lambda: len(slot._waiters) == 1, timeout_s=SOON_S, what="the other thread queued")
         _aio.run(asyncio.sleep(_aio.HOLD_S / 4), SOON_S)
         order.append("short wait over")
-        assert runslot.held()
     t.join(SOON_S)
-    assert order == ["short wait over", "other ran"]
+    return order
+
+
+def test_a_wait_shorter_than_the_hold_keeps_the_slot(patient):
+    """A platform answering within HOLD_S (a local Bot API server) is waited for in place:
+    handing the slot over and back would cost more than the wait."""
+    assert _short_wait_with_another_thread_queued() == ["short wait over", "other ran"]
+
+
+def test_after_a_wait_longer_than_the_hold_the_next_gives_the_slot_up_at_once(patient):
+    """Once a wait outlasts HOLD_S (a remote API), the loop's next waits give the slot up at
+    once instead of holding it idle for the first HOLD_S of each; a wait that ends within
+    HOLD_S again brings the hold back."""
+
+    def long_wait() -> None:
+        _aio.run(asyncio.sleep(_aio.HOLD_S * 5), SOON_S)
+
+    assert _short_wait_with_another_thread_queued(long_wait) == ["other ran", "short wait over"]
+
+    async def answered_at_once() -> None:  # a socket ready within HOLD_S: the hold is back
+        a, b = await asyncio.open_connection(*_listening())
+        b.close()
+
+    def long_then_quick() -> None:
+        long_wait()
+        _aio.run(answered_at_once(), SOON_S)
+
+    assert _short_wait_with_another_thread_queued(long_then_quick) == ["short wait over", "other ran"]
+
+
+def _listening() -> tuple[str, int]:
+    """A loopback port that accepts connections (the kernel completes the handshake at once)."""
+    import socket
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    _listening.keep = getattr(_listening, "keep", []) + [srv]  # type: ignore[attr-defined]
+    return srv.getsockname()
