@@ -13,8 +13,8 @@ the process runs like one thread, yet sends as many requests at once as it has t
 - A lane's drive holds the slot (`holding`, tasks/celery_tasks.py), Redis round trips
   included: they are short, and a waiting thread would only take the GIL from it.
 - It gives the slot up while it waits on a platform (`waiting`): the adapters' event
-  loop while it blocks on its sockets for longer than `_aio.HOLD_S` (2 ms: a platform
-  answering sooner is waited for in place, cheaper than two hand-overs), a sync
+  loop while it blocks on its sockets (while its waits end within `_aio.HOLD_S`, 2 ms, a
+  platform answering that soon is waited for in place, cheaper than two hand-overs), a sync
   adapter's HTTP call (Slack, WhatsApp). Hand-overs go in turn (`_Slot`).
 - A thread that cannot get the slot within `HANDOVER_WAIT_S` runs without it: a holder
   stuck in a slow call (Redis timing out, a slow storage read) must never stall the
