@@ -26,6 +26,7 @@ import time
 from typing import TypedDict, cast
 
 from redis import Redis
+from redis.client import NEVER_DECODE
 
 from tasks import keys
 
@@ -74,8 +75,9 @@ def leave(r: Redis, worker: str, queues: list[str]) -> None:
     pipe.execute()
 
 
-def sent_at(raw: str | None) -> float | None:
-    """The publish time courier stamped on a raw Redis queue entry (None: unknown)."""
+def sent_at(raw: str | bytes | None) -> float | None:
+    """The publish time courier stamped on a raw Redis queue entry (None: unknown, or not
+    a JSON message in UTF-8)."""
     if raw is None:
         return None
     try:
@@ -96,7 +98,9 @@ def stats(r: Redis, *, now: float | None = None) -> list[QueueStats]:
     pipe = r.pipeline(transaction=False)
     for q in qs:
         pipe.llen(q)
-        pipe.lindex(q, -1)  # Celery's message: kombu's JSON envelope (body base64), text for a decoding client
+        # Celery's message: kombu's JSON envelope (body base64); read as bytes, so a foreign
+        # entry that is not UTF-8 shows as an unknown age, not a decoding error
+        pipe.execute_command("LINDEX", q, -1, **{NEVER_DECODE: True})
         pipe.zcount(keys.consumers(q), now - CONSUMER_STALE_S, "+inf")
     pipe.zcard(keys.lanes_ready())
     pipe.zrange(keys.lanes_ready(), 0, 0, withscores=True)

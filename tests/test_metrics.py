@@ -82,6 +82,24 @@ def test_the_delivery_queue_counts_the_lanes_waiting_in_the_ready_set(redis_clie
     assert row["depth"] == 2 and row["oldest_age_s"] == pytest.approx(12.0, abs=0.01)
 
 
+def test_a_queue_entry_that_is_not_utf8_is_counted_without_an_age(redis_client):
+    """A foreign client's entry that is not UTF-8 text (the oldest one, which `courier
+    queues` reads) is counted; its age is unknown: the command shows '-', never a
+    UnicodeDecodeError."""
+    import json
+
+    from tasks import queues
+
+    now = time.time()
+    redis_client.rpush("delivery", b"\xff\xfe\x00 not utf-8")  # the right end: the oldest
+    redis_client.lpush("delivery", json.dumps({"headers": {"sent_s": now - 3.0}, "body": ""}))
+    try:
+        row = {r["queue"]: r for r in queues.stats(redis_client, now=now)}["delivery"]
+        assert row["depth"] == 2 and row["oldest_age_s"] is None
+    finally:
+        redis_client.delete("delivery")
+
+
 def test_worker_exporter_counts_every_pool_process(courier_env, tmp_path):
     """Deliveries (delivered and failed), extractions (bytes, outcome) run in
     two prefork children; the worker's one exporter shows them all."""
