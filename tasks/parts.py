@@ -64,8 +64,9 @@ class Guarded(Platform):
         self._pending: list[tuple[str, str]] = []
         #: what else follows sends so far: their chat intervals started, `after_sent` writes
         self._writes: list[Callable[[Any], Any]] = []
-        #: a look-ahead's answers: (part, its record, whether the gate was taken, the gate)
-        self._looked: tuple[str, Any, bool, str | None] | None = None
+        #: a look-ahead's answers: (part, its record, whether the gate was taken, the gate, the
+        #: window slot's answer: None when not asked)
+        self._looked: tuple[str, Any, bool, str | None, bool | None] | None = None
         #: on a delivery's first attempt no part can have been sent before: no need to look
         self._fresh = first_attempt
         self._delivery_id = delivery_id
@@ -120,9 +121,14 @@ class Guarded(Platform):
         gate, _ = ratelimit.gate_of(self._p, chat)
         start = len(pipe)
         n = self._ask(pipe, part, gate)
+        # the window's slot too, unless the gate is known not to be free yet (its interval, started
+        # here, still runs: the slot would be spent for nothing)
+        window = None if gate is not None and ratelimit.released_lately(gate) else \
+            ratelimit.ask_window(pipe, self._redis, self._p, chat)
 
         def answer(replies: list[Any]) -> None:
-            self._looked = (part, *self._answers(replies[start:start + n], gate), gate)
+            took = window(replies[start + n]) if window is not None else None
+            self._looked = (part, *self._answers(replies[start:start + n], gate), gate, took)
 
         return answer
 
@@ -137,8 +143,9 @@ class Guarded(Platform):
         gate, interval_s = ratelimit.gate_of(self._p, chat)
         if self._pending or self._writes:
             self.flush()  # an earlier part's record (and the gate's release) go before the next part is sent
+        window = None
         if self._looked is not None and self._looked[0] == part:
-            _, done, got_gate, _ = self._looked
+            _, done, got_gate, _, window = self._looked
             self._looked = None
         else:
             self._drop_looked()
@@ -152,7 +159,7 @@ class Guarded(Platform):
             if gate is not None and got_gate:
                 ratelimit.open_gate(r, gate)
             return Sent(message_id=str(done))
-        slot = ratelimit.take(r, self._p, chat, gate, interval_s, got_gate=got_gate)
+        slot = ratelimit.take(r, self._p, chat, gate, interval_s, got_gate=got_gate, window=window)
         try:
             sent = send()
         except BaseException:

@@ -30,7 +30,13 @@ limit errs on the safe side).
 A send takes its slots with `acquire`, or in two steps when the chat's gate
 goes in a pipeline with other commands (`tasks.parts`, which looks up a
 part's record in the same round trip): `ask_gate` on the pipeline, then
-`take` with its answer.
+`take` with its answer. When the bot's window is the only window that
+applies, its slot can be asked on that pipeline too (`ask_window`: the
+library's own script, EVALSHA): then the send makes no round trip of its
+own for its slots. A window slot taken with a gate that turns out not free
+is spent (the safe side); a process does not ask for it with a gate it
+released itself less than an interval ago (`released_lately`): that gate is
+not free yet.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from limits import RateLimitItem, RateLimitItemPerMinute, RateLimitItemPerSecond
@@ -48,7 +55,7 @@ from adapters.errors import RateLimited
 from adapters.platforms.base import Platform
 from tasks import keys
 
-__all__ = ["acquire", "ask_gate", "open_gate", "rules", "take", "Paced", "Slot"]
+__all__ = ["acquire", "ask_gate", "ask_window", "open_gate", "rules", "take", "Paced", "Slot"]
 
 
 class Paced(RateLimited):
@@ -63,6 +70,10 @@ GATE_TTL_MS = 60_000
 
 _lock = threading.Lock()
 _limiters: dict[tuple[int, int], MovingWindowRateLimiter] = {}
+#: gates this process released (a chat's interval started), by when (monotonic): `released_lately`
+_released: dict[str, float] = {}
+#: past this many, released gates older than the longest interval are forgotten
+_RELEASED_MAX = 10_000
 
 
 def _limiter(redis: Any) -> MovingWindowRateLimiter:
@@ -146,6 +157,7 @@ class Slot:
         """Start the chat's interval from now (queued on `pipe` when given)."""
         if self._gate is not None:
             (pipe or self._redis).set(self._gate, "done", px=max(1, int(self._interval_s * 1000)))
+            _note_released(self._gate, self._interval_s)
             self._gate = None
 
     def __enter__(self) -> "Slot":
@@ -189,13 +201,53 @@ def ask_gate(pipe: Any, gate: str) -> None:
 
 
 def take(redis: Any, platform: Platform, chat: str, gate: str | None, interval_s: float, *,
-         got_gate: bool) -> Slot:
+         got_gate: bool, window: bool | None = None) -> Slot:
     """The rest of a send's slots once its chat gate was asked for: Paced
     when the gate was not free, else the windows (a denial opens the gate
-    again). Release the returned slot when the send is over."""
+    again). `window`: the window slot's answer when it was asked with the
+    gate (`ask_window`; None: not asked). Release the returned slot when the
+    send is over."""
     if gate is not None and not got_gate:
         raise _gate_wait(redis, platform, gate, interval_s)
-    return _windows(redis, platform, chat, gate, interval_s)
+    if window is None:
+        return _windows(redis, platform, chat, gate, interval_s)
+    if not window:
+        if gate is not None:
+            redis.delete(gate)  # nothing was sent: open the gate again
+        item, ids = rules(platform, chat)[0]
+        raise _retry_after(_limiter(redis), item, ids)
+    return Slot(redis, gate, interval_s)
+
+
+def _note_released(gate: str, interval_s: float) -> None:
+    now = time.monotonic()
+    with _lock:
+        _released[gate] = now + interval_s
+        if len(_released) > _RELEASED_MAX:
+            for k in [k for k, until in _released.items() if until < now]:
+                del _released[k]
+
+
+def released_lately(gate: str) -> bool:
+    """This process started `gate`'s interval and it has not passed yet: the gate is not free."""
+    until = _released.get(gate)
+    return until is not None and time.monotonic() < until
+
+
+def ask_window(pipe: Any, redis: Any, platform: Platform, chat: str) -> Callable[[Any], bool | None] | None:
+    """Queue on `pipe` taking the send's window slot when the bot's window is the only one that
+    applies (a group's narrower window is tested before any is taken: `_windows`); None when it
+    was not queued. Else call the returned function with its reply: True taken, False full,
+    None not asked after all (Redis did not have the script: `take` takes the slot itself)."""
+    rs = rules(platform, chat)
+    if len(rs) != 1:
+        return None
+    item, ids = rs[0]
+    storage = _limiter(redis).storage
+    script = storage.lua_acquire_moving_window  # (what `MovingWindowRateLimiter.hit` runs)
+    pipe.evalsha(script.sha, 1, storage.prefixed_key(item.key_for(*ids)), time.time(), item.amount,
+                 item.get_expiry(), 1)
+    return lambda reply: None if isinstance(reply, Exception) else bool(reply)
 
 
 def open_gate(redis: Any, gate: str) -> None:
