@@ -100,7 +100,7 @@ def stats(r: Redis, *, now: float | None = None) -> list[QueueStats]:
         pipe.llen(q)
         # Celery's message: kombu's JSON envelope (body base64); read as bytes, so a foreign
         # entry that is not UTF-8 shows as an unknown age, not a decoding error
-        pipe.execute_command("LINDEX", q, -1, **{NEVER_DECODE: True})
+        pipe.execute_command("LINDEX", q, -1, **{NEVER_DECODE: True})  # type: ignore[no-untyped-call]
         pipe.zcount(keys.consumers(q), now - CONSUMER_STALE_S, "+inf")
     pipe.zcard(keys.lanes_ready())
     pipe.zrange(keys.lanes_ready(), 0, 0, withscores=True)

@@ -45,7 +45,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from limits import RateLimitItem, RateLimitItemPerMinute, RateLimitItemPerSecond
 from limits.storage import RedisStorage
@@ -243,7 +243,7 @@ def ask_window(pipe: Any, redis: Any, platform: Platform, chat: str) -> Callable
     if len(rs) != 1:
         return None
     item, ids = rs[0]
-    storage = _limiter(redis).storage
+    storage = cast(RedisStorage, _limiter(redis).storage)
     script = storage.lua_acquire_moving_window  # (what `MovingWindowRateLimiter.hit` runs)
     pipe.evalsha(script.sha, 1, storage.prefixed_key(item.key_for(*ids)), time.time(), item.amount,
                  item.get_expiry(), 1)
