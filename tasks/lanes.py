@@ -139,15 +139,14 @@ return {'empty', nxt, look(ARGV[15] .. nxt, ARGV[16] .. nxt, nxt, ARGV[13], true
 class Head:
     """What `_HEAD` answered: 'head' (with `id`, its receipt, and `held`: its send lock when
     taken), 'extracting' (with `id`), 'empty' (with `id`, when asked: the next lane popped from
-    the ready set, '' when it was empty; and `next`: that lane's own first look, taken with
-    `next_token`, when it was made in the same step) or 'busy'."""
+    the ready set, '' when it was empty; and `next`: that lane's lease token and its own first
+    look, when it was made in the same step) or 'busy'."""
 
     what: str
     id: str | None = None
     rec: JsonObject | None = None
     held: sendlock.Held | None = None
-    next: "Head | None" = None
-    next_token: str | None = None
+    next: "tuple[str, Head] | None" = None
 
 
 @dataclass
@@ -203,7 +202,7 @@ def _head(r: Redis, target: str, token: str, *, take: bool = False, last: Step |
         next_token, next_owner = ledger.new_token(), uuid.uuid4().hex
         args += [next_token, next_owner, keys.lane(""), keys.lease("lane", ""), *gates]
     else:
-        args += ["", "", "", "", "", ""]
+        args += [""] * 6
     if pipe is None:
         got = script(keys=ks, args=args)
     else:
@@ -220,7 +219,7 @@ def _head(r: Redis, target: str, token: str, *, take: bool = False, last: Step |
             raise got
     look = _answer(got, owner)
     if look.what == "empty" and len(got) > 2:
-        look.next, look.next_token = _answer(got[2], next_owner), next_token
+        look.next = (next_token, _answer(got[2], next_owner))
     return look
 
 
@@ -330,21 +329,15 @@ def drive(ctx: Context, target: str, publish: Publish, *, started: str | None = 
             pipe = r.pipeline(transaction=False)
             pipe.zrem(keys.drives_waiting(), started)
         look = _head(r, target, token, take=True, lock=True, gate=gate, pipe=pipe, pop=pop, gates=gates)
-    return _drive_from(ctx, target, publish, token, look, lease, budget_s, pop, gates)
-
-
-def _drive_from(ctx: Context, target: str, publish: Publish, token: str, first: Head, lease: str,
-                budget_s: float | None, pop: bool, gates: tuple[str, str] | None) -> JsonObject:
-    r = ctx.redis
-    if first.what == "busy":
+    if look.what == "busy":
         return {"lane": target, "state": "busy"}  # a live worker is on it
-    if first.what == "empty":  # its lease went with the look
-        return _empty(target, 0, first)
-    if first.what == "extracting":  # due time set, lease released with the look
-        return {"lane": target, "state": "extracting", "head": first.id, "sent": 0}
+    if look.what == "empty":  # its lease went with the look
+        return _empty(target, 0, look)
+    if look.what == "extracting":  # due time set, lease released with the look
+        return {"lane": target, "state": "extracting", "head": look.id, "sent": 0}
     try:
         with ledger.renewing(r, lease, token, ledger.LEASE_TTL_S):
-            out = _drive_leased(ctx, target, publish, token, first, BUDGET_S if budget_s is None else budget_s,
+            out = _drive_leased(ctx, target, publish, token, look, BUDGET_S if budget_s is None else budget_s,
                                 pop, gates)
     except BaseException:
         try:
@@ -384,7 +377,7 @@ def _empty(target: str, sent: int, look: Head) -> JsonObject:
     if look.id is not None:
         out["next"] = look.id
         if look.next is not None:
-            out["next_look"] = (look.next_token, look.next)  # (drive_ready's own: never in a task's result)
+            out["next_look"] = look.next  # (drive_ready's own: never in a task's result)
     return out
 
 

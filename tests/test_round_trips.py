@@ -7,6 +7,7 @@ Redis: one write is one round trip (a pipeline is one)."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -344,7 +345,7 @@ def test_a_full_window_asked_with_the_gate_gives_the_gate_back_and_sends_nothing
     """The window's slot asked in the look-ahead's round trip and refused: nothing is sent,
     the chat's gate is open again, the lane waits for the window (courier's own pacing)."""
     bot = _BotLike()
-    bot.limits = replace_limits(bot.limits, per_bot_per_s=1.0)
+    bot.limits = dataclasses.replace(bot.limits, per_bot_per_s=1.0)
     _drive_bot(counted, bot, "wf0", 1)  # the window's one slot a second, taken
     out, (did,) = _drive_bot(counted, bot, "wf1", 1)
     assert out["state"] == "waiting" and 0 < out["wait_s"] <= 1.1
@@ -376,8 +377,3 @@ def test_a_window_script_redis_lost_is_taken_the_usual_way(counted):
     assert (receipts.get_delivery(counted.r, did) or {})["state"] == "delivered"
     assert _window_hits(counted.r, bot) == 2
 
-
-def replace_limits(limits: Limits, **changes: Any) -> Limits:
-    from dataclasses import replace
-
-    return replace(limits, **changes)
