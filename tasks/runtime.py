@@ -22,7 +22,21 @@ if TYPE_CHECKING:  # types only: a delivery worker never loads the hooks
     from redis import Redis
 
     from adapters.agents.hooks import HookRunner
+    from adapters.agents.jail import JailConfig
     from storage.spill import SpillConfig
+
+
+class AgentLimitsConfig(Protocol):
+    """A sandboxed agent's limits (workers.settings.AgentLimits; 0: none)."""
+
+    @property
+    def processes(self) -> int: ...
+    @property
+    def open_files(self) -> int: ...
+    @property
+    def memory_bytes(self) -> int: ...
+    @property
+    def workspace_bytes(self) -> int: ...
 
 
 class AgentConfig(Protocol):
@@ -44,6 +58,14 @@ class AgentConfig(Protocol):
     def cwd(self) -> str | None: ...
     @property
     def roots(self) -> list[str]: ...
+    @property
+    def isolation(self) -> str: ...  # bwrap | host
+    @property
+    def network(self) -> str | None: ...  # none | proxy | None (the runtime's default)
+    @property
+    def allowed_hosts(self) -> list[str]: ...
+    @property
+    def limits(self) -> AgentLimitsConfig: ...
     # runtime "openai"
     @property
     def model(self) -> str | None: ...
@@ -87,6 +109,16 @@ class TurnTools:
     spill: SpillConfig | None = None
     chromium_path: str = CHROMIUM_PATH
     browser_allowed_hosts: tuple[str, ...] = ()
+    #: the agents' namespace sandbox on this host (adapters.agents.jail)
+    jail: JailConfig = field(default_factory=lambda: _jail_config())
+    #: network of the built-in loop's terminal commands and of hooks in a sandbox
+    tool_network: str = "none"
+
+
+def _jail_config() -> JailConfig:
+    from adapters.agents.jail import JailConfig
+
+    return JailConfig()
 
 
 def _no_turn_tools() -> TurnTools:

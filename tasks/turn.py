@@ -15,6 +15,7 @@ context reaches the agent in env `COURIER_HOOK_CONTEXT`.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import posixpath
 import re
@@ -28,7 +29,8 @@ from redis import Redis
 from adapters.defaults import AGENT_TIMEOUT_S
 from adapters.agents.bridge import BridgeResult, run_bridge
 from adapters.agents.hooks import TurnHooks
-from adapters.errors import CourierError, SandboxError
+from adapters.agents.jail import Jail, Limits, bind_paths, maybe, unavailable
+from adapters.errors import ConfigError, CourierError, SandboxError
 from adapters.sandboxes.base import SandboxRef, parse_uri
 from storage.spill import SpillConfig
 from tasks import chains, events, keys, ledger, receipts
@@ -37,9 +39,13 @@ from tasks.messages import TurnResult, TurnSpec
 from tasks.runtime import AgentConfig, Context
 from tasks.states import TURN_OVER
 
+log = logging.getLogger(__name__)
 
-#: the bundled demo agent, always available as --agent demo
-BUILTIN_AGENTS = {"demo": [sys.executable, "-m", "adapters.agents.demo_agent"]}
+
+#: the bundled demo agent, always available as --agent demo (a script of the standard library only: in its
+#: sandbox it sees that one file, not courier's code)
+BUILTIN_AGENTS = {"demo": [sys.executable, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                        "adapters", "agents", "demo_agent.py")]}
 
 
 #: where a turn's own workspace lives inside its agent's sandbox directory: <dir>/turns/<job>
@@ -121,9 +127,10 @@ class TurnOutcome:
 Enqueue = Callable[[Redis, chains.Plan], list[str]]
 
 
-def failed(job_id: str, target: str, reason: str) -> TurnOutcome:
-    """An error outcome: its plan is a short message to the chat, never a traceback."""
-    plan = chains.Plan(job_id=job_id, target=target, text=f"Sorry, that did not work ({reason[:200]}).")
+def failed(job_id: str, target: str, reason: str, chat: str | None = None) -> TurnOutcome:
+    """An error outcome: its plan is a short message to the chat (`chat`, or
+    the reason), never a traceback; the reason stays on the job."""
+    plan = chains.Plan(job_id=job_id, target=target, text=f"Sorry, that did not work ({(chat or reason)[:200]}).")
     return TurnOutcome(job_id, target, "error", plan=plan, reason=reason)
 
 
@@ -158,9 +165,6 @@ def run_turn(ctx: Context, spec: TurnSpec, *, on_activity: Callable[[Event], Non
         return failed(job_id, target, f"unknown agent {name!r}")
     else:
         command, env, timeout_s = list(agent.command), dict(agent.env), float(agent.timeout_s)
-    runner = ctx.turn_tools().hooks
-    hook_ctx = {"job": job_id, "target": target, "message": spec.get("message", ""), "agent": name}
-
     try:
         ref, local_dir = _sandbox_for(ctx, spec, agent)
         ref, workdir = make_workspace(ctx, ref, local_dir, job_id, tuple(agent.roots if agent is not None else ()))
@@ -169,12 +173,53 @@ def run_turn(ctx: Context, spec: TurnSpec, *, on_activity: Callable[[Event], Non
     except OSError as exc:
         return failed(job_id, target, f"could not make the turn's workspace: {exc.strerror or exc}")
     local = ref.kind == "local"
-    place = spill_placer(ctx, ref, workdir)
-    hooks = TurnHooks(runner, place) if runner else None
+    try:
+        jail = turn_jail(ctx, name, agent, command, workdir, job_id) if local else None
+    except CourierError as exc:
+        log.error("turn %s: %s", job_id, exc.reason)
+        return failed(job_id, target, exc.reason, chat="this agent cannot run safely on this host; "
+                                                       "the operator was told")
+    with maybe(jail):
+        return _run_agent(ctx, spec, agent, name, ref, workdir, jail, command, env, timeout_s, publish)
+
+
+def turn_jail(ctx: Context, name: str, agent: AgentConfig | None, command: list[str], workdir: str,
+              job_id: str) -> Jail | None:
+    """The turn's namespace sandbox on this host (None: the agent opted out,
+    ``"isolation": "host"``). Raises ConfigError, naming the opt-in, where
+    bwrap cannot isolate it: an agent never runs unconfined by surprise."""
+    if agent is not None and agent.isolation == "host":
+        return None
+    config = ctx.turn_tools().jail
+    why = unavailable(config)
+    if why:
+        raise ConfigError(f"the local sandbox cannot isolate agent {name!r} here: {why}; to run it unconfined, "
+                          f"as the worker's own user, set \"isolation\": \"host\" in its config")
+    limits = Limits(**({k: int(getattr(agent.limits, k)) for k in
+                        ("processes", "open_files", "memory_bytes", "workspace_bytes")} if agent is not None else {}))
+    return Jail(config, workdir, job_id, ro_paths=(*(agent.roots if agent is not None else ()), *bind_paths(command)),
+                limits=limits, extra_allowed_hosts=tuple(agent.allowed_hosts) if agent is not None else ())
+
+
+def _run_agent(ctx: Context, spec: TurnSpec, agent: AgentConfig | None, name: str, ref: SandboxRef, workdir: str,
+               jail: Jail | None, command: list[str], env: dict[str, str], timeout_s: float,
+               publish: Callable[[Event], None]) -> TurnOutcome:
+    """The agent's run in its workspace (and sandbox), to the outcome."""
+    r = ctx.redis
+    job_id, target = spec["job"], spec["target"]
+    local = ref.kind == "local"
+    runner = ctx.turn_tools().hooks
+    hook_ctx = {"job": job_id, "target": target, "message": spec.get("message", ""), "agent": name}
+    place = spill_placer(ctx, ref, workdir, jail)
+    tool_network = ctx.turn_tools().tool_network
+    hooks = TurnHooks(runner, place, jail, "proxy" if tool_network == "proxy" else "none") if runner else None
     try:
         attached = put_attachments(ctx, spec, ref, workdir)
     except CourierError as exc:
         return failed(job_id, target, f"could not hand the attached files to the agent: {exc.reason}")
+    if jail is not None:
+        for p in attached:
+            jail.own(p)
     message = spec.get("message", "")
     if attached:
         publish({"kind": "status", "status": "processing",
@@ -183,21 +228,25 @@ def run_turn(ctx: Context, spec: TurnSpec, *, on_activity: Callable[[Event], Non
         env = {**env, "COURIER_ATTACHMENTS": json.dumps(attached)}
     publish({"kind": "status", "status": "thinking"})
     if agent is not None and agent.runtime == "openai":
-        result = _run_openai(ctx, job_id, message, agent, ref, workdir, hooks, hook_ctx, timeout_s, publish, place)
+        result = _run_openai(ctx, job_id, message, agent, ref, workdir, hooks, hook_ctx, timeout_s, publish, place,
+                             jail)
     else:
         # the agent's environment is an allowlist (run_bridge): basics, its env_passthrough, its config's env
-        turn_env = {"COURIER_TURN_ID": job_id, "COURIER_TARGET": target, "COURIER_WORKSPACE": workdir,
-                    "PYTHONPATH": os.pathsep.join(p for p in [_project_root(), os.environ.get("PYTHONPATH", "")]
-                                                  if p)}
+        turn_env = {"COURIER_TURN_ID": job_id, "COURIER_TARGET": target, "COURIER_WORKSPACE": workdir}
+        if jail is None:  # unconfined, it may import courier's own helpers (a sandbox does not see them)
+            turn_env["PYTHONPATH"] = os.pathsep.join(p for p in [_project_root(), os.environ.get("PYTHONPATH", "")]
+                                                     if p)
         home = {"HOME": workdir} if local else {}  # ~ is the workspace, as for its MEDIA paths
         env = {**home, **env, **turn_env}
         # hooks run once before a bridge agent starts; their context goes in its environment
         hook_text = hooks.context_for({**hook_ctx, "step": 0}) if hooks else ""
         if hook_text:
             env["COURIER_HOOK_CONTEXT"] = hook_text
+        network = (agent.network if agent is not None else None) or "proxy"
         result = run_bridge(command, message, cwd=workdir if local else (agent.cwd if agent else None),
                             env=env, timeout_s=timeout_s, on_event=publish,
-                            passthrough=tuple(agent.env_passthrough if agent is not None else ()))
+                            passthrough=tuple(agent.env_passthrough if agent is not None else ()),
+                            jail=jail, network="none" if network == "none" else "proxy")
     if result.status == "error":
         return failed(job_id, target, result.reason)
     if result.status == "no_reply":
@@ -282,7 +331,7 @@ def _album_max(ctx: Context, target: str) -> int:
 SPILL_DIR = ".courier/spills"
 
 
-def spill_placer(ctx: Context, ref: SandboxRef, workdir: str) -> Callable[[str], str]:
+def spill_placer(ctx: Context, ref: SandboxRef, workdir: str, jail: Jail | None = None) -> Callable[[str], str]:
     """`place` for the turn's spills: the spilled blob is copied once into
     `<workspace>/.courier/spills/<name>` (through the sandbox's `put`, so
     every backend that takes inbound files works) and that path is what the
@@ -293,6 +342,8 @@ def spill_placer(ctx: Context, ref: SandboxRef, workdir: str) -> Callable[[str],
         if key not in placed:
             dest = posixpath.join(workdir, SPILL_DIR, posixpath.basename(key))
             placed[key] = ctx.sandbox(ref).put(ctx.store, key, dest, max_bytes=ctx.max_file_bytes * 4)
+            if jail is not None:
+                jail.own(placed[key])
         return placed[key]
 
     return place
@@ -329,7 +380,8 @@ def _distinct(name: str, taken: set[str]) -> str:
 
 def _run_openai(ctx: Context, job_id: str, message: str, agent: AgentConfig, ref: SandboxRef, workdir: str,
                 hooks: TurnHooks | None, hook_ctx: dict[str, Any], timeout_s: float,
-                publish: Callable[[Event], None], place: Callable[[str], str] | None = None) -> BridgeResult:
+                publish: Callable[[Event], None], place: Callable[[str], str] | None = None,
+                jail: Jail | None = None) -> BridgeResult:
     """The built-in OpenAI-compatible loop, its tools acting in the turn's sandbox."""
     from adapters.agents.openai_runtime import OpenAIConfig, run_openai
     from adapters.agents.tools import Toolbox
@@ -354,7 +406,7 @@ def _run_openai(ctx: Context, job_id: str, message: str, agent: AgentConfig, ref
     tools = Toolbox(sandbox=sandbox, workdir=workdir, store=ctx.store,
                     job_id=job_id, spill=turn_tools.spill or SpillConfig(),
                     chromium_path=turn_tools.chromium_path, browser_allowed_hosts=turn_tools.browser_allowed_hosts,
-                    place=place)
+                    place=place, jail=jail, tool_network="proxy" if turn_tools.tool_network == "proxy" else "none")
     return run_openai(config, message, tools=tools, hooks=hooks, hook_context=hook_ctx, on_event=publish)
 
 

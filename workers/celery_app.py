@@ -188,6 +188,16 @@ def _start_reconciler(sender=None, **_kw) -> None:
     _reconciler = Reconciler(runtime.ctx).start()
 
 
+@worker_ready.connect
+def _check_agent_sandbox(sender=None, **_kw) -> None:
+    """Say at start which local agents run unconfined (an explicit opt-in) and,
+    where bwrap cannot isolate agents on this host, that their turns will be refused."""
+    from workers.wiring import agent_sandbox_report
+
+    for level, text in agent_sandbox_report():
+        logging.getLogger(__name__).log(level, text)
+
+
 @worker_shutdown.connect
 def _stop_reconciler(sender=None, **_kw) -> None:
     if _reconciler is not None:

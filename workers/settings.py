@@ -28,6 +28,17 @@ def _env(name: str) -> Any:
     return AliasChoices(name)
 
 
+class AgentLimits(BaseModel):
+    """A sandboxed agent's limits per turn (0: none); hitting one ends the turn with a message naming it."""
+
+    processes: int = Field(default=256, ge=0)
+    open_files: int = Field(default=1024, ge=0)
+    #: address space of each process (RLIMIT_AS)
+    memory_bytes: int = Field(default=4 * 1024 ** 3, ge=0)
+    #: the workspace as a whole and each file in it; also the size of the private /tmp
+    workspace_bytes: int = Field(default=2 * 1024 ** 3, ge=0)
+
+
 class AgentSpec(BaseModel):
     """An agent declared by name: a bridge command (argv list, no shell), or
     ``"runtime": "openai"``: the built-in loop against an OpenAI-compatible
@@ -47,6 +58,18 @@ class AgentSpec(BaseModel):
     #: paths beyond the turn's own workspace that this agent's MEDIA tags and file tools may reach
     #: (absolute; inside its sandbox); nothing else is reachable, /tmp included
     roots: list[str] = Field(default_factory=list)
+    #: "bwrap" (the default): a local agent runs in a namespace sandbox of its own (own uid, PID and network
+    #: namespaces, read-only system, its workspace writable; adapters/agents/jail.py); "host": unconfined, as
+    #: the worker's own user (an explicit opt-in, warned about at worker start). Other sandboxes ignore it.
+    isolation: Literal["bwrap", "host"] = "bwrap"
+    #: a sandboxed agent's network: "proxy" (only through courier's egress proxy, its allowlist and private-range
+    #: refusal: the agent can call its model's API) or "none"; default: "proxy" for a bridge agent, none for the
+    #: built-in loop's terminal commands (COURIER_SANDBOX_TOOL_NETWORK)
+    network: Literal["none", "proxy"] | None = None
+    #: more hosts the egress proxy lets this agent reach (as COURIER_BROWSER_ALLOWED_HOSTS: host[:port], CIDR)
+    allowed_hosts: list[str] = Field(default_factory=list)
+    #: a sandboxed agent's limits per turn (0: none)
+    limits: AgentLimits = Field(default_factory=lambda: AgentLimits())
     # -- runtime "openai" only ---------------------------------------------
     model: str | None = None
     system_prompt: str | None = None
@@ -59,6 +82,14 @@ class AgentSpec(BaseModel):
         bad = [r for r in v if not r.startswith("/") or ".." in r.split("/") or "\x00" in r]
         if bad:
             raise ValueError(f"roots must be absolute paths without '..': {bad}")
+        return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _host_sandbox(cls, v: Any) -> Any:
+        # "sandbox": "host" is the opt-in written the short way: the default directory, unconfined
+        if isinstance(v, dict) and v.get("sandbox") == "host":
+            v = {**v, "sandbox": None, "isolation": "host"}
         return v
 
     @model_validator(mode="after")
@@ -191,6 +222,16 @@ class Settings(BaseSettings):
     browser_allowed_hosts: list[str] | None = None
 
     # -- hooks -------------------------------------------------------------
+    # -- the agents' namespace sandbox (local agents; adapters/agents/jail.py) -------------------
+    #: the bubblewrap program
+    sandbox_bwrap: str = "bwrap"
+    #: a root worker runs each turn's agent as uid (and gid) base + a hash of the turn id (span 65536)
+    sandbox_uid_base: int = Field(default=720_000, ge=1000)
+    #: JSON list of more paths every sandboxed agent sees read-only (tools installed outside /usr)
+    sandbox_ro_paths: list[str] = Field(default_factory=list)
+    #: network of the built-in loop's terminal commands and of hooks: "none" or "proxy"
+    sandbox_tool_network: Literal["none", "proxy"] = "none"
+
     #: JSON list of shell hooks: [["cmd", "arg"], {"command": [...], "name": "x", "timeout_s": 5}]
     hooks: list[HookSpec] = Field(default_factory=list)
     #: a hook (shell or plugin) running longer is skipped (a shell hook's process group is killed)

@@ -260,4 +260,36 @@ def agent_tools(s: Settings, blob_store: BlobStore):
         spill=spill,
         chromium_path=s.chromium_path,
         browser_allowed_hosts=tuple(s.browser_allowed_hosts or ()),
+        jail=jail_config(s),
+        tool_network=s.sandbox_tool_network,
     )
+
+
+def jail_config(s: Settings):
+    """The agents' namespace sandbox settings (adapters.agents.jail.JailConfig)."""
+    from adapters.agents.jail import JailConfig
+
+    return JailConfig(bwrap=s.sandbox_bwrap, uid_base=s.sandbox_uid_base, ro_paths=tuple(s.sandbox_ro_paths),
+                      allowed_hosts=tuple(s.browser_allowed_hosts or ()))
+
+
+def agent_sandbox_report(settings: Settings | None = None) -> list[tuple[int, str]]:
+    """(log level, line) about the agents' sandbox on this host, for a worker's start: every local agent
+    configured to run unconfined (a warning), and, where bwrap cannot make namespaces here, that the others'
+    turns will be refused (an error)."""
+    import logging
+
+    from adapters.agents.jail import unavailable
+
+    s = settings or get_settings()
+    local = {n: a for n, a in s.agents.items() if not a.sandbox or a.sandbox.startswith("local:")}
+    out = [(logging.WARNING, f"agent {n!r} runs UNCONFINED on this host, as the worker's own user "
+                             f"(\"isolation\": \"host\"): it can read what the worker can")
+           for n, a in sorted(local.items()) if a.isolation == "host"]
+    confined = sorted(n for n, a in local.items() if a.isolation != "host") or ["demo"]
+    why = unavailable(jail_config(s))
+    if why:
+        out.append((logging.ERROR, f"the local sandbox cannot isolate agents here: {why}; turns of "
+                                   f"{', '.join(repr(n) for n in confined)} will be refused (set \"isolation\": "
+                                   f"\"host\" on an agent to run it unconfined)"))
+    return out

@@ -47,6 +47,7 @@ from typing import Any
 
 from adapters.defaults import AGENT_TIMEOUT_S
 from adapters.agents.activity import MAX_ACTIVITY_CHARS, activity_for, cut
+from adapters.agents.jail import Jail, Network
 
 __all__ = [
     "ACTIVITY_MAX_CHARS", "BASE_ENV", "DEFAULT_TIMEOUT_S", "EVENT_PREFIX", "NO_REPLY_STATUSES", "BridgeResult",
@@ -74,6 +75,8 @@ DRAIN_GRACE_S = 2.0
 KILL_GRACE_S = 2.0
 #: how long the guard may take to kill and reap what is left before the group gets SIGKILL
 GUARD_CLEANUP_S = 3.0
+#: how often a sandboxed agent's workspace is measured against its limit
+WORKSPACE_CHECK_S = 1.0
 REPLY_CUT_NOTE = "\n… [reply cut at {n:,} characters]"
 
 
@@ -341,6 +344,8 @@ def run_bridge(
     on_event: Callable[[dict], None] | None = None,
     max_reply_chars: int = MAX_REPLY_CHARS,
     passthrough: tuple[str, ...] | list[str] = (),
+    jail: Jail | None = None,
+    network: Network = "proxy",
 ) -> BridgeResult:
     """Run one agent turn; `on_event` gets each normalised non-terminal event
     (in order, from this thread). Never raises for the agent's misbehaviour.
@@ -348,20 +353,30 @@ def run_bridge(
     The agent's environment is an allowlist, never the worker's own (which
     holds tokens, the API key and the Redis URL): the basics of
     :data:`BASE_ENV` and the names in `passthrough` from this process's
-    environment, then `env`, then ``COURIER_MESSAGE``."""
+    environment, then `env`, then ``COURIER_MESSAGE``.
+
+    With `jail` the agent runs in that namespace sandbox (adapters.agents.jail)
+    with `network`; its workspace is measured while it runs, and a limit it
+    hits ends the turn with a reason naming it."""
     if not command:
         return BridgeResult("error", reason="agent has no command")
     full_env = {**agent_base_env(passthrough), **(env or {}), "COURIER_MESSAGE": message}
     started = time.monotonic()
-    missing = _not_runnable(command[0], cwd, full_env.get("PATH"))
+    if jail is not None:
+        missing = jail.runnable(command[0], full_env.get("PATH"))
+        argv = jail.argv(command, full_env, network=network, cwd=cwd)
+        popen_env = {"PATH": os.environ.get("PATH") or os.defpath}  # bwrap's own; the agent's is in argv
+    else:
+        missing = _not_runnable(command[0], cwd, full_env.get("PATH"))
+        argv, popen_env = list(command), full_env
     if missing:
         return BridgeResult("error", reason=f"agent could not start: {missing}")
     try:
         # the guard leads the agent's new session and takes the group down if this worker dies
         proc = subprocess.Popen(
-            [sys.executable, "-I", _GUARD, str(os.getpid()), *command],
+            [sys.executable, "-I", _GUARD, str(os.getpid()), *argv],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            cwd=cwd, env=full_env, start_new_session=True,
+            cwd=cwd, env=popen_env, start_new_session=True,
         )
     except OSError as exc:
         return BridgeResult("error", reason=f"agent could not start: {exc.strerror or exc}")
@@ -391,12 +406,19 @@ def run_bridge(
     exited_at: float | None = None
     timed_out = False
     stray_output = False
+    over_limit: str | None = None
+    next_measure = started + WORKSPACE_CHECK_S
     try:
         while sel.get_map():
             now = time.monotonic()
             if now >= deadline:
                 timed_out = True
                 break
+            if jail is not None and now >= next_measure:
+                if jail.over_workspace():
+                    over_limit = jail.workspace_message()
+                    break
+                next_measure = time.monotonic() + WORKSPACE_CHECK_S
             if exited_at is None and proc.poll() is not None:
                 exited_at = now
             if exited_at is not None and now - exited_at > DRAIN_GRACE_S:
@@ -415,7 +437,7 @@ def run_bridge(
                 else:
                     for piece, _c in err_lines.feed(data):
                         err_tail = (err_tail + piece + "\n")[-STDERR_TAIL_CHARS:]
-        if timed_out:
+        if timed_out or over_limit:
             _kill_group(proc)
         else:
             try:
@@ -446,8 +468,15 @@ def run_bridge(
     if timed_out:
         log.warning("agent %s timed out after %gs; process group killed", _argv0(command), timeout_s)
         return BridgeResult("error", reason="runtime_timeout", **common)
+    if over_limit:
+        log.warning("agent %s: %s; process group killed", _argv0(command), over_limit)
+        return BridgeResult("error", reason=over_limit, **common)
     if rc != 0:
         why = f"agent exited with code {rc}" if rc > 0 else f"agent was killed by signal {_signame(-rc)}"
+        hit = jail.limit_hit(rc, tail) if jail is not None else None
+        if hit:
+            log.warning("%s (%s); stderr tail: %s", hit, why, tail[-500:])
+            return BridgeResult("error", reason=hit, **common)
         log.warning("%s; stderr tail: %s", why, tail[-500:])
         return BridgeResult("error", reason=why, **common)
     term = out.norm.terminal

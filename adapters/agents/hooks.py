@@ -42,6 +42,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from adapters.agents.jail import Jail, Network, bind_paths
 from storage.spill import SpillConfig, spill_if_needed
 
 __all__ = ["ENTRY_POINT_GROUP", "Hook", "HookRunner", "PluginHook", "ShellHook", "TurnHooks", "load_plugins"]
@@ -66,10 +67,17 @@ class ShellHook:
     def label(self) -> str:
         return self.name or (os.path.basename(self.command[0]) if self.command else "hook")
 
-    def call(self, context: dict) -> Any:
+    def call(self, context: dict, jail: Jail | None = None, network: Network = "none") -> Any:
+        """Run the hook (in the turn's namespace sandbox when `jail` is given:
+        the workspace read-only, `network`, an allowlisted environment)."""
+        argv, env = list(self.command), None
+        if jail is not None:
+            base = {k: os.environ[k] for k in ("PATH", "LANG", "LC_ALL", "TZ") if k in os.environ}
+            argv = jail.argv(argv, base, network=network, writable=False, also_ro=bind_paths(argv))
+            env = {"PATH": os.environ.get("PATH") or os.defpath}
         try:
-            proc = subprocess.Popen(list(self.command), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, start_new_session=True)
+            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, start_new_session=True, env=env)
         except OSError as exc:
             raise HookSkipped(f"could not start: {exc.strerror or exc}") from None
         payload = json.dumps(context, ensure_ascii=False).encode()
@@ -101,7 +109,8 @@ class PluginHook:
     def label(self) -> str:
         return self.name
 
-    def call(self, context: dict) -> Any:
+    def call(self, context: dict, jail: Jail | None = None, network: Network = "none") -> Any:
+        # a plugin is the operator's own Python, in the worker's process: no sandbox applies
         return self.func(dict(context))
 
 
@@ -143,16 +152,18 @@ class HookRunner:
     def __bool__(self) -> bool:
         return bool(self.hooks)
 
-    def run(self, context: dict, place=None) -> list[tuple[str, str]]:
+    def run(self, context: dict, place=None, jail: Jail | None = None,
+            network: Network = "none") -> list[tuple[str, str]]:
         """(hook label, spilled context text) for each hook that added something, in order.
-        `place`: see :func:`storage.spill.spill_if_needed` (where the agent can read a spill)."""
+        `place`: see :func:`storage.spill.spill_if_needed` (where the agent can read a spill);
+        `jail`: the turn's namespace sandbox, where shell hooks run (with `network`)."""
         if not self.hooks:
             return []
         session = str(context.get("job") or "unknown")
         pool = ThreadPoolExecutor(max_workers=len(self.hooks), thread_name_prefix="courier-hook")
         started = time.monotonic()
         try:
-            futures: list[Future] = [pool.submit(h.call, context) for h in self.hooks]
+            futures: list[Future] = [pool.submit(h.call, context, jail, network) for h in self.hooks]
             out: list[tuple[str, str]] = []
             for hook, fut in zip(self.hooks, futures):
                 # shell hooks enforce their own timeout; this bounds plugins (and leaves a stuck one behind)
@@ -176,24 +187,27 @@ class HookRunner:
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
 
-    def context_for(self, context: dict, place=None) -> str:
+    def context_for(self, context: dict, place=None, jail: Jail | None = None, network: Network = "none") -> str:
         """The hooks' contexts joined by blank lines ("" when none)."""
-        return "\n\n".join(text for _, text in self.run(context, place))
+        return "\n\n".join(text for _, text in self.run(context, place, jail, network))
 
 
 class TurnHooks:
     """A runner bound to one turn's `place` (its spills land where that
-    turn's agent can read them); used like the runner."""
+    turn's agent can read them) and its sandbox (`jail`, where its shell
+    hooks run); used like the runner."""
 
-    def __init__(self, runner: HookRunner, place) -> None:
+    def __init__(self, runner: HookRunner, place, jail: Jail | None = None, network: Network = "none") -> None:
         self.runner = runner
         self.place = place
+        self.jail = jail
+        self.network = network
 
     def __bool__(self) -> bool:
         return bool(self.runner)
 
     def context_for(self, context: dict) -> str:
-        return self.runner.context_for(context, self.place)
+        return self.runner.context_for(context, self.place, self.jail, self.network)
 
 
 def _context_text(value: Any) -> str:

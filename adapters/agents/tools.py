@@ -50,6 +50,7 @@ from urllib.parse import urlparse
 
 from adapters.defaults import CHROMIUM_PATH
 from adapters.agents.egress import ALLOW_SETTING, EgressPolicy, EgressProxy, Refusal
+from adapters.agents.jail import Jail, Network
 from adapters.errors import CourierError
 from adapters.sandboxes.base import Sandbox, check_lexical
 from storage import prefixes
@@ -144,6 +145,10 @@ class Toolbox:
     deadline: float | None = None
     #: puts a spilled output where this turn's agent can read it (storage.spill.spill_if_needed's `place`)
     place: Callable[[str], str] | None = None
+    #: the turn's namespace sandbox on this host (a local sandbox): terminal commands run in it
+    jail: Jail | None = None
+    #: the network of a terminal command in the sandbox: "none" or "proxy"
+    tool_network: Network = "none"
     marked: list[str] = field(default_factory=list)
     stored: dict[str, dict] = field(default_factory=dict)
 
@@ -199,6 +204,9 @@ class Toolbox:
         if left is not None:
             t = min(t, left)
         argv, exec_t = ["sh", "-c", command], t
+        if self.jail is not None and self.sandbox.kind == "local":
+            base = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "TERM": "dumb"}
+            argv = self.jail.argv(argv, base, network=self.tool_network, cwd=self.workdir)
         if self.sandbox.kind == "local":
             # on the worker's host the command runs under the agents' guard (a subreaper): whatever it
             # starts, a setsid daemon included, ends with the command; the guard keeps the deadline
@@ -274,6 +282,8 @@ class Toolbox:
         self.store.put_bytes(key, data, private=True)
         try:
             dest = self.sandbox.put(self.store, key, p, max_bytes=len(data) + 1)
+            if self.jail is not None:
+                self.jail.own(dest)
         except NotImplementedError as exc:
             return ToolResult(f"error: {exc}", ok=False)
         finally:
@@ -308,6 +318,8 @@ class Toolbox:
         dest = posixpath.join(self.workdir, "screenshots", name)
         try:
             dest = self.sandbox.put(self.store, key, dest, max_bytes=SCREENSHOT_MAX_BYTES)
+            if self.jail is not None:
+                self.jail.own(dest)
         except Exception as exc:  # noqa: BLE001 - delivery comes from storage anyway
             log.info("screenshot %s not copied into the sandbox: %s", key, exc)
         self.stored[dest] = {"key": key, "name": name, "size": info.size_bytes, "sha256": info.sha256}

@@ -19,6 +19,7 @@ not resolve or answer ``502``; each is kept in :attr:`EgressProxy.refusals`
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import selectors
 import socket
@@ -159,14 +160,26 @@ class EgressProxy:
         self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self.port = 0
+        self.unix_path: str | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
-    def start(self) -> "EgressProxy":
-        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        s.bind(("127.0.0.1", 0))
+    def start(self, unix_path: str | None = None) -> "EgressProxy":
+        """Listen on 127.0.0.1 and a free port, or on the unix socket
+        `unix_path` (made connectable by anyone who can reach the path: an
+        agent's sandbox sees it bound in, nothing else)."""
+        if unix_path is not None:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.bind(unix_path)
+            os.chmod(unix_path, 0o666)
+            self.unix_path = unix_path
+        else:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
         s.listen(128)
-        self._listener, self.port = s, s.getsockname()[1]
-        self._thread = threading.Thread(target=self._accept_loop, name=f"egress-proxy-{self.port}", daemon=True)
+        self._listener = s
+        self.port = s.getsockname()[1] if unix_path is None else 0
+        self._thread = threading.Thread(target=self._accept_loop, name=f"egress-proxy-{self.port or 'unix'}",
+                                        daemon=True)
         self._thread.start()
         return self
 

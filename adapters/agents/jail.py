@@ -1,0 +1,403 @@
+"""The local sandbox's isolation boundary: every agent command courier starts
+on its own host runs in a bubblewrap (``bwrap``) namespace sandbox.
+
+An agent is untrusted code on a host courier's operator owns. On the worker's
+host it would otherwise run as the worker's uid, read the worker's secrets from
+its ancestors' ``/proc/<pid>/environ``, reach Redis on loopback and send as the
+bot. Inside a :class:`Jail` it has:
+
+* **its own identity**: when the worker runs as root, bwrap runs privileged and
+  the sandbox's first process (``_jail_init.py``) drops to the turn's own
+  unprivileged uid and gid (``uid_base`` + a hash of the turn id), with no
+  groups, no capabilities and ``no_new_privs``; a worker that is not root
+  cannot switch uids, so the agent gets a user namespace of its own (its uid
+  is the worker's outside it: the namespaces below are then the boundary);
+* **its own namespaces**: PID (it sees only its own processes; ``/proc`` is
+  the sandbox's), IPC, UTS, cgroup and **network** (an empty one: loopback
+  only, so no Redis, no metadata service, no web process); ``--die-with-parent``
+  and a new session;
+* **its own filesystem**: read-only system directories (``/usr``, the
+  ``/bin``/``/lib`` links, a few files of ``/etc``, the Python courier runs
+  on), the turn's workspace read-write at its own path, read-only the roots its
+  agent config names and the files its command names by absolute path; no
+  worker home, no data dir, no courier configuration, a private ``/tmp``;
+* **an allowlisted environment** (``--clearenv``, then what the runtime allows);
+* **network** ``none`` or ``proxy``: through courier's egress proxy only
+  (:class:`~adapters.agents.egress.proxy.EgressProxy`, its allowlist and its
+  private-range refusal), reached over a unix socket bound into the sandbox,
+  where a forwarder listens on ``127.0.0.1:3128`` and ``HTTP(S)_PROXY`` point
+  at it; an agent can still call its model's API, and nothing private;
+* **limits** per turn: processes, open files, memory (address space), the
+  size of a file and of the whole workspace; hitting one ends the turn with a
+  message that names it (:meth:`Jail.limit_hit`).
+
+``"isolation": "host"`` in an agent's config runs it as before (the worker's
+uid, no namespaces): an explicit opt-in, warned about at worker start. Where
+bwrap is missing or cannot make namespaces, a local agent is refused with a
+message saying why and naming that opt-in (:func:`unavailable`), never run
+unconfined by surprise.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import zlib
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Literal
+
+from adapters.agents.egress.policy import EgressPolicy
+from adapters.agents.egress.proxy import EgressProxy
+
+__all__ = ["Jail", "JailConfig", "Limits", "Network", "bind_paths", "unavailable"]
+
+log = logging.getLogger(__name__)
+
+Network = Literal["none", "proxy"]
+
+#: where the forwarder listens inside the sandbox (its own network namespace: no port is shared)
+PROXY_PORT = 3128
+INIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_jail_init.py")
+#: system directories bound read-only (or re-made as the links they are on this host)
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/opt/conda")
+#: the parts of /etc a program needs to run (certificates, time zone, the loader, name service config)
+ETC = ("ssl", "ca-certificates", "ca-certificates.conf", "alternatives", "localtime", "timezone", "nsswitch.conf",
+       "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "mime.types", "protocols", "services", "host.conf",
+       "gai.conf", "fonts", "python3", f"python3.{sys.version_info.minor}", "magic", "papersize")
+#: never bound from a command's arguments: the kernel's views and the host's root
+_NEVER = ("/proc", "/sys", "/dev", "/run")
+#: inner uid of a user-namespace sandbox (a worker that is not root)
+INNER_UID = 1000
+GIB = 1024 ** 3
+
+
+@dataclass(frozen=True)
+class Limits:
+    """A turn's limits (0: none). `memory_bytes` is the address space of each
+    process (RLIMIT_AS); `workspace_bytes` caps each file (RLIMIT_FSIZE) and
+    the workspace as a whole (measured while the agent runs), and sizes the
+    private /tmp."""
+
+    processes: int = 256
+    open_files: int = 1024
+    memory_bytes: int = 4 * GIB
+    workspace_bytes: int = 2 * GIB
+
+
+@dataclass(frozen=True)
+class JailConfig:
+    """The process's sandbox settings (workers/settings.py builds it)."""
+
+    bwrap: str = "bwrap"
+    uid_base: int = 720_000
+    uid_span: int = 65_536
+    #: more read-only paths every sandbox sees (tools installed outside /usr)
+    ro_paths: tuple[str, ...] = ()
+    #: the egress proxy's allowlist (as the browser's: host[:port], address or CIDR)
+    allowed_hosts: tuple[str, ...] = ()
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, size in (("GiB", GIB), ("MiB", 1024 ** 2), ("KiB", 1024)):
+        if n >= size:
+            return f"{n / size:g} {unit}"
+    return f"{n} bytes"
+
+
+@lru_cache(maxsize=8)
+def _probe(bwrap: str, euid: int) -> str | None:
+    path = shutil.which(bwrap)
+    if path is None:
+        return f"{bwrap!r} is not installed (apt-get install bubblewrap)"
+    argv = [path, *_namespace_flags(euid), "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev", "--", "true"]
+    try:
+        res = subprocess.run(argv, capture_output=True, timeout=30, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"bwrap could not run: {exc}"
+    if res.returncode != 0:
+        why = res.stderr.decode("utf-8", "replace").strip().splitlines()
+        return f"bwrap cannot create namespaces here ({why[-1] if why else f'exit {res.returncode}'})"
+    return None
+
+
+def unavailable(config: JailConfig) -> str | None:
+    """Why agents cannot be sandboxed on this host (None: they can). Tried
+    once per process."""
+    return _probe(config.bwrap, os.geteuid())
+
+
+def _namespace_flags(euid: int) -> list[str]:
+    flags = ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+             "--die-with-parent", "--new-session"]
+    if euid != 0:  # no uid switch without root: a user namespace of its own instead
+        flags += ["--unshare-user", "--uid", str(INNER_UID), "--gid", str(INNER_UID), "--disable-userns"]
+    return flags
+
+
+def bind_paths(command: Sequence[str]) -> tuple[str, ...]:
+    """The absolute paths a command names (its program, its script, its
+    config files) that exist here: the sandbox sees them read-only."""
+    out: list[str] = []
+    for arg in command:
+        if not arg.startswith("/") or arg == "/" or "\x00" in arg:
+            continue
+        p = os.path.normpath(arg)
+        if any(p == n or p.startswith(n + "/") for n in _NEVER) or not os.path.exists(p):
+            continue
+        out.append(p)
+    return tuple(out)
+
+
+def _python_paths() -> tuple[str, ...]:
+    """The interpreter courier runs on (the sandbox's init and Python agents use it)."""
+    out = {os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix),
+           os.path.dirname(os.path.realpath(sys.executable))}
+    keep = sorted(p for p in out if not p.startswith("/usr/"))
+    return tuple(p for p in keep if not any(p != q and p.startswith(q + "/") for q in keep))
+
+
+@dataclass
+class Jail:
+    """One turn's sandbox: its workspace, identity, network and limits.
+    `argv` wraps a command; `start`/`close` (or ``with``) own the turn's
+    egress proxy and the small files the sandbox sees (passwd, group)."""
+
+    config: JailConfig
+    workspace: str
+    turn: str
+    ro_paths: tuple[str, ...] = ()
+    limits: Limits = field(default_factory=Limits)
+    extra_allowed_hosts: tuple[str, ...] = ()
+    _dir: str | None = field(default=None, init=False, repr=False)
+    _proxy: EgressProxy | None = field(default=None, init=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+
+    # -- identity ---------------------------------------------------------------------------------------------
+    @property
+    def privileged(self) -> bool:
+        return os.geteuid() == 0
+
+    @property
+    def uid(self) -> int:
+        """The agent's uid on the host (root workers) or inside its user namespace."""
+        if not self.privileged:
+            return INNER_UID
+        return self.config.uid_base + zlib.crc32(self.turn.encode()) % self.config.uid_span
+
+    def own(self, path: str) -> None:
+        """Give a file the worker put in the workspace (an attachment, a spill,
+        a tool's write), and the directories above it up to the workspace, to
+        the agent's uid: the agent can read and change what it was given."""
+        if not self.privileged:
+            return
+        ws = os.path.realpath(self.workspace)
+        p = os.path.realpath(path)
+        if p != ws and not p.startswith(ws + "/"):
+            return
+        while True:
+            try:
+                os.chown(p, self.uid, self.uid, follow_symlinks=False)
+            except FileNotFoundError:
+                pass
+            if p == ws:
+                return
+            p = os.path.dirname(p)
+
+    # -- lifecycle --------------------------------------------------------------------------------------------
+    def start(self) -> "Jail":
+        if self._dir is None:
+            d = tempfile.mkdtemp(prefix="courier-jail-")
+            os.chmod(d, 0o711)
+            home = self.workspace
+            with open(os.path.join(d, "passwd"), "w") as f:
+                f.write(f"root:x:0:0:root:/root:/bin/sh\nagent:x:{self.uid}:{self.uid}:agent:{home}:/bin/sh\n"
+                        "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
+            with open(os.path.join(d, "group"), "w") as f:
+                f.write(f"root:x:0:\nagent:x:{self.uid}:\nnogroup:x:65534:\n")
+            for n in ("passwd", "group"):
+                os.chmod(os.path.join(d, n), 0o644)
+            self._dir = d
+            self.own(self.workspace)
+        return self
+
+    def close(self) -> None:
+        with self._lock:
+            proxy, self._proxy = self._proxy, None
+        if proxy is not None:
+            proxy.stop()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    def __enter__(self) -> "Jail":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _proxy_socket(self) -> str:
+        """The turn's egress proxy (started on first use), listening on a unix socket."""
+        with self._lock:
+            if self._proxy is None:
+                assert self._dir is not None
+                policy = EgressPolicy((*self.config.allowed_hosts, *self.extra_allowed_hosts))
+                self._proxy = EgressProxy(policy).start(unix_path=os.path.join(self._dir, "proxy.sock"))
+            return os.path.join(self._dir, "proxy.sock")
+
+    @property
+    def refusals(self) -> list:
+        """What the turn's egress proxy refused (host, port, reason)."""
+        return list(self._proxy.refusals) if self._proxy is not None else []
+
+    # -- the command ------------------------------------------------------------------------------------------
+    def argv(self, command: Sequence[str], env: dict[str, str], *, network: Network = "none",
+             writable: bool = True, cwd: str | None = None, also_ro: Sequence[str] = ()) -> list[str]:
+        """`command` wrapped in bwrap: run this list instead (its own
+        environment is `env`, nothing of the caller's). `writable`: the
+        workspace (else read-only, as for hooks); `also_ro`: more paths this
+        command sees read-only."""
+        self.start()
+        assert self._dir is not None
+        bwrap = shutil.which(self.config.bwrap) or self.config.bwrap
+        a = [bwrap, *_namespace_flags(os.geteuid()), "--hostname", "sandbox"]
+        for d in SYSTEM_DIRS:
+            if os.path.islink(d):
+                a += ["--symlink", os.readlink(d), d]
+            elif os.path.isdir(d):
+                a += ["--ro-bind", d, d]
+        for name in ETC:
+            if os.path.lexists(os.path.join("/etc", name)):
+                a += ["--ro-bind-try", os.path.join("/etc", name), os.path.join("/etc", name)]
+        a += ["--ro-bind", os.path.join(self._dir, "passwd"), "/etc/passwd",
+              "--ro-bind", os.path.join(self._dir, "group"), "/etc/group",
+              "--proc", "/proc", "--dev", "/dev"]
+        tmp_bytes = self.limits.workspace_bytes
+        for t in ("/tmp", "/var/tmp"):
+            a += (["--size", str(tmp_bytes)] if tmp_bytes else []) + ["--perms", "1777", "--tmpfs", t]
+        ro = []
+        for p in (*_python_paths(), *self.config.ro_paths, *self.ro_paths, *also_ro):
+            rp = os.path.normpath(p)
+            if rp not in ro and not rp.startswith("/usr/") and os.path.exists(rp):
+                ro.append(rp)
+        ws = os.path.normpath(self.workspace)
+        # the directories above each bound path are made traversable (bwrap would make them 0700 as root)
+        made = {"/", "/tmp", "/var/tmp", "/etc", "/run", "/proc", "/dev", *SYSTEM_DIRS}
+        for target in (*ro, ws):
+            for anc in _ancestors(target):
+                if anc not in made:
+                    made.add(anc)
+                    a += ["--perms", "0755", "--dir", anc]
+        for rp in ro:
+            a += ["--ro-bind", rp, rp]
+        a += ["--bind" if writable else "--ro-bind", ws, ws]
+        a += ["--perms", "0755", "--dir", "/run/courier", "--ro-bind", INIT, "/run/courier/init.py"]
+        init: dict[str, object] = {"limits": {"nproc": self.limits.processes, "nofile": self.limits.open_files,
+                                              "as": self.limits.memory_bytes, "fsize": self.limits.workspace_bytes}}
+        if self.privileged:
+            init.update(uid=self.uid, gid=self.uid)
+        full_env = {"HOME": self.workspace, "TMPDIR": "/tmp", "USER": "agent", "LOGNAME": "agent", **env}
+        for k in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy",
+                  "NO_PROXY", "no_proxy"):
+            full_env.pop(k, None)
+        if network == "proxy":
+            a += ["--bind", self._proxy_socket(), "/run/courier/proxy.sock"]
+            init["proxy_port"] = PROXY_PORT
+            url = f"http://127.0.0.1:{PROXY_PORT}"
+            full_env.update(HTTP_PROXY=url, HTTPS_PROXY=url, http_proxy=url, https_proxy=url)
+        a += ["--chdir", cwd or self.workspace, "--clearenv"]
+        for k, v in full_env.items():
+            a += ["--setenv", k, v]
+        a += ["--", sys.executable, "-I", "/run/courier/init.py", json.dumps(init), *command]
+        return a
+
+    def runnable(self, program: str, path: str | None) -> str | None:
+        """Why `program` cannot start in the sandbox (None: it can): a bare
+        name must be on PATH inside (the system directories), a path must be
+        a file the sandbox sees."""
+        if "/" in program:
+            return None if os.path.isfile(program) and os.access(program, os.X_OK) else f"{program}: no such program"
+        if shutil.which(program, path=path or "/usr/local/bin:/usr/bin:/bin") is None:
+            return f"{program}: not found on PATH"
+        return None
+
+    # -- limits -----------------------------------------------------------------------------------------------
+    def workspace_bytes(self, stop_at: int | None = None) -> int:
+        """Bytes the workspace takes on disk (blocks, so a sparse file counts
+        what it uses); the walk stops once past `stop_at`."""
+        total = 0
+        for st in _walk(self.workspace):
+            total += st.st_blocks * 512
+            if stop_at is not None and total > stop_at:
+                break
+        return total
+
+    def over_workspace(self) -> bool:
+        cap = self.limits.workspace_bytes
+        return bool(cap) and self.workspace_bytes(stop_at=cap) > cap
+
+    def workspace_message(self) -> str:
+        return f"the agent's workspace passed its limit of {_fmt_bytes(self.limits.workspace_bytes)}"
+
+    def limit_hit(self, returncode: int | None, stderr_tail: str) -> str | None:
+        """The limit an agent that failed ran into, in the chat's words (None: none that shows)."""
+        lim = self.limits
+        if returncode is not None and returncode in (-signal.SIGXFSZ, 128 + signal.SIGXFSZ) and lim.workspace_bytes:
+            return f"a file in the agent's workspace passed the limit of {_fmt_bytes(lim.workspace_bytes)}"
+        t = stderr_tail.lower()
+        if lim.open_files and "too many open files" in t:
+            return f"the agent hit its limit of {lim.open_files:,} open files"
+        if lim.processes and ("fork" in t or "thread" in t) and ("resource temporarily unavailable" in t
+                                                                 or "errno 11]" in t):
+            return f"the agent hit its limit of {lim.processes:,} processes"
+        if lim.memory_bytes and ("memoryerror" in t or "cannot allocate memory" in t or "out of memory" in t
+                                 or "bad_alloc" in t):
+            return f"the agent ran out of memory (its limit is {_fmt_bytes(lim.memory_bytes)})"
+        if lim.workspace_bytes and ("file too large" in t or "no space left on device" in t):
+            return f"a file in the agent's workspace passed the limit of {_fmt_bytes(lim.workspace_bytes)}"
+        return None
+
+
+def _ancestors(path: str) -> list[str]:
+    """/a/b/c -> [/a, /a/b] (outermost first)."""
+    parts = path.strip("/").split("/")[:-1]
+    return ["/" + "/".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+def _walk(top: str) -> Iterator[os.stat_result]:
+    stack = [top]
+    while stack:
+        d = stack.pop()
+        try:
+            it = os.scandir(d)
+        except OSError:
+            continue
+        with it:
+            for e in it:
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                yield st
+                if stat.S_ISDIR(st.st_mode):
+                    stack.append(e.path)
+
+
+@contextmanager
+def maybe(jail: Jail | None) -> Iterator[Jail | None]:
+    """``with maybe(jail):`` starts and closes a jail when there is one."""
+    if jail is None:
+        yield None
+        return
+    with jail:
+        yield jail
