@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import os
 import sys
 
 import pytest
@@ -18,7 +19,8 @@ from tests.fixtures.workers import CourierEnv
 
 pytestmark = pytest.mark.slow
 
-HOSTILE = [sys.executable, "-m", "tests.fixtures.hostile_agent"]
+#: a script the agent's sandbox sees (a path its command names), the standard library only
+HOSTILE = [sys.executable, str(__import__("pathlib").Path(__file__).parent / "fixtures" / "hostile_agent.py")]
 
 
 def _sha(path) -> str:
@@ -33,8 +35,10 @@ def _enqueue(env: CourierEnv, chat: str, agent: str, message: str = "go") -> str
 
 
 def test_ten_concurrent_turns_of_one_agent_get_only_their_own_files(tmp_path, redis_server):
-    go = tmp_path / "go"
-    agents = {"same": {"command": [*HOSTILE, "same-names", str(go)], "timeout_s": 120}}
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    go = gate / "go"
+    agents = {"same": {"command": [*HOSTILE, "same-names", str(gate)], "timeout_s": 120}}
     env = CourierEnv(tmp_path / "env", redis_server.url, COURIER_AGENTS=json.dumps(agents))
     try:
         env.start_worker(concurrency=10)
@@ -144,11 +148,12 @@ def test_an_agent_reaches_only_its_workspace_and_its_configured_roots(tmp_path, 
 
 
 def test_an_agent_gets_an_environment_allowlist_not_the_workers_secrets(tmp_path, redis_server):
-    agents = {"dump": {"command": [*HOSTILE, "env"], "env": {"MODEL": "m-1"}, "env_passthrough": ["HTTPS_PROXY"]}}
+    agents = {"dump": {"command": [*HOSTILE, "env"], "env": {"MODEL": "m-1"},
+                       "env_passthrough": ["AGENT_FLAVOUR", "HTTPS_PROXY"]}}
     secrets = {"TELEGRAM_BOT_TOKEN": "123:tg-secret", "COURIER_OPENAI_API_KEY": "sk-secret-key",
                "AWS_SECRET_ACCESS_KEY": "aws-secret", "SLACK_SIGNING_SECRET": "slack-secret"}
     env = CourierEnv(tmp_path / "env", redis_server.url, COURIER_AGENTS=json.dumps(agents),
-                     HTTPS_PROXY="http://proxy.example:3128", **secrets)
+                     HTTPS_PROXY="http://proxy.example:3128", AGENT_FLAVOUR="mild", **secrets)
     try:
         env.start_worker()
         job = _enqueue(env, "dump", "dump")
@@ -159,7 +164,9 @@ def test_an_agent_gets_an_environment_allowlist_not_the_workers_secrets(tmp_path
                                                    "COURIER_OPENAI", "TELEGRAM", "AWS_", "SLACK_"))]
         assert not leaked, leaked
         assert not any(v in text for v in [*secrets.values(), redis_server.url])
-        assert got["MODEL"] == "m-1" and got["HTTPS_PROXY"] == "http://proxy.example:3128"
+        assert got["MODEL"] == "m-1" and got["AGENT_FLAVOUR"] == "mild"
+        # in its sandbox the only way out is courier's egress proxy: a passed-through proxy is replaced by it
+        assert got["HTTPS_PROXY"] == got["HTTP_PROXY"] == "http://127.0.0.1:3128"
         assert got["COURIER_TURN_ID"] == job and got["PATH"]
         assert got["HOME"] == got["COURIER_WORKSPACE"] == str(env.data_dir / "sandbox" / "dump" / "turns" / job)
     finally:
@@ -191,9 +198,43 @@ def _assert_daemon_ends(beat) -> None:
             os.kill(pid, signal.SIGKILL)  # the old code's leak: do not leave it running
 
 
-def test_a_setsid_daemon_the_agent_started_ends_with_its_turn(tmp_path, redis_server):
+def test_a_setsid_daemon_a_sandboxed_agent_started_ends_with_its_turn(tmp_path, redis_server):
+    """In its namespace sandbox the agent's processes run as the turn's own
+    uid: when the turn ends none of them is left on the host (the PID
+    namespace dies with it)."""
+    from adapters.agents.jail import Jail, JailConfig
+
+    agents = {"d": {"command": [*HOSTILE, "daemon", "heartbeat"]}}  # in its workspace
+    env = CourierEnv(tmp_path / "env", redis_server.url, COURIER_AGENTS=json.dumps(agents))
+    try:
+        env.start_worker()
+        job = _enqueue(env, "d", "d")
+        wait_until(lambda: read_log(env.outbox, "d"), 60, what="the turn's reply")
+        assert read_log(env.outbox, "d")[0]["text"] == "daemon started"
+        ws = env.data_dir / "sandbox" / "d" / "turns" / job
+        assert (ws / "heartbeat").read_text().split()[1] != "0"  # the daemon ran, in the workspace
+        uid = Jail(JailConfig(), str(ws), job).uid
+        assert uid != os.geteuid()
+
+        def agent_processes() -> list[int]:
+            out = []
+            for name in os.listdir("/proc"):
+                try:
+                    if name.isdigit() and os.stat(f"/proc/{name}").st_uid == uid and not _gone(int(name)):
+                        out.append(int(name))
+                except FileNotFoundError:
+                    pass
+            return out
+
+        wait_until(lambda: not agent_processes(), 10, what=lambda: f"the agent's processes to end: {agent_processes()}")
+    finally:
+        env.stop()
+
+
+def test_a_setsid_daemon_an_unconfined_agent_started_ends_with_its_turn(tmp_path, redis_server):
+    """`"isolation": "host"`: the guard (a subreaper) still ends everything the agent started."""
     beat = tmp_path / "heartbeat"
-    agents = {"d": {"command": [*HOSTILE, "daemon", str(beat)]}}
+    agents = {"d": {"command": [*HOSTILE, "daemon", str(beat)], "isolation": "host"}}
     env = CourierEnv(tmp_path / "env", redis_server.url, COURIER_AGENTS=json.dumps(agents))
     try:
         env.start_worker()
@@ -207,11 +248,9 @@ def test_a_setsid_daemon_the_agent_started_ends_with_its_turn(tmp_path, redis_se
 
 def test_a_setsid_daemon_ends_with_a_turn_that_times_out(tmp_path):
     from adapters.agents.bridge import run_bridge
-    from tests.fixtures.workers import ROOT
 
     beat = tmp_path / "heartbeat"
-    res = run_bridge([*HOSTILE, "daemon-sleep", str(beat)], "go", cwd=str(tmp_path), timeout_s=2,
-                     env={"PYTHONPATH": str(ROOT)})
+    res = run_bridge([*HOSTILE, "daemon-sleep", str(beat)], "go", cwd=str(tmp_path), timeout_s=2)
     assert res.status == "error" and res.reason == "runtime_timeout"
     _assert_daemon_ends(beat)
 
