@@ -276,7 +276,7 @@ def test_progress_state_in_result_backend_and_task_events(stack, tmp_path):
     threading.Thread(target=capture, daemon=True).start()
     # the wake-up makes the workers send a heartbeat: once it arrives, events flow to us
     wait_until(lambda: len(state.workers) > 0, timeout_s=20, what="a worker heartbeat")
-    gate = tmp_path / "seen-running"
+    gate = stack.env.tmp / "gates" / "seen-running"
     job = stack.turn("outbox:flower", f"hold {gate}", "slow")
     res = app.AsyncResult(job)
     # the agent holds its turn open until the gate exists: PROGRESS is read while it runs
@@ -328,7 +328,7 @@ def test_telegram_webhook_turn_shows_native_activity_and_replies_in_the_chat(sta
     """No override: a real worker, the real Telegram adapter against a local Bot API server."""
     tg = stack.telegram
     # the agent stays in its tool until the chat shows that activity (however slow the machine)
-    gate = stack.env.tmp / "gate-activity-seen"
+    gate = stack.env.tmp / "gates" / "gate-activity-seen"
     text = f"gated {gate}"
     update = {"update_id": 77001, "message": {"message_id": 5, "chat": {"id": 5151, "type": "private"},
                                                "text": text}}

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 AGENT = """
 import os, sys, time, json
-marker = {marker!r}
+marker = os.path.join(os.getcwd(), "agent-runs")  # its workspace: the same one when the turn runs again
 msg = sys.stdin.read()
 first = not os.path.exists(marker)
 with open(marker, "a") as f:
@@ -35,15 +35,15 @@ def _worker_pids(proc) -> list[int]:
 
 @pytest.mark.parametrize("how", ["pool_child", "whole_worker"])
 def test_turn_survives_a_killed_worker(courier_env, tmp_path, redis_client, how):
-    marker = tmp_path / f"agent-runs-{how}"
     agent = tmp_path / "slow_agent.py"
-    agent.write_text(AGENT.format(marker=str(marker)))
+    agent.write_text(AGENT)
     agents = json.dumps({"slow": {"command": [os.sys.executable, str(agent)], "timeout_s": 300}})
     env = courier_env(COURIER_AGENTS=agents)  # the default visibility timeout (1 h): the ledger recovers
     w1 = env.start_worker(queues="turns", concurrency=1)
     res = env.cli("turn", "outbox:rel", "hello", "--agent", "slow", "--json")
     assert res.returncode == 0, res.stderr
     job = json.loads(res.stdout)["job"]
+    marker = env.data_dir / "sandbox" / "slow" / "turns" / job / "agent-runs"
     wait_until(lambda: marker.exists(), timeout_s=60, what="the agent to start")
     # while the turn runs its due time follows its lease: a dead worker's turn runs again when
     # the lease lapses (~LEASE_TTL_S), not at the turn's 60 s grace
