@@ -141,7 +141,7 @@ def test_cancel_leaves_a_send_in_flight_to_finish(courier_env, redis_client):
 
 AGENT = """
 import pathlib, sys, time
-go = pathlib.Path(sys.argv[1])
+go = pathlib.Path(sys.argv[1]) / "go"
 deadline = time.monotonic() + 120
 while not go.exists() and time.monotonic() < deadline:
     time.sleep(0.05)
@@ -152,8 +152,10 @@ print("the answer")
 def test_cancel_a_running_turn_and_a_queued_one(courier_env, tmp_path):
     script = tmp_path / "slow_agent.py"
     script.write_text(AGENT)
-    go = tmp_path / "go"
-    agents = {"slow": {"command": [sys.executable, str(script), str(go)], "timeout_s": 300}}
+    gate = tmp_path / "gate"  # named on the agent's command: its sandbox sees it
+    gate.mkdir()
+    go = gate / "go"
+    agents = {"slow": {"command": [sys.executable, str(script), str(gate)], "timeout_s": 300}}
     env = courier_env(COURIER_AGENTS=json.dumps(agents))
     queued = env.cli("turn", "outbox:tc", "hello", "--agent", "slow").stdout.strip()
     res = env.cli("cancel", queued, "--json")
