@@ -41,7 +41,7 @@ from redis.client import Pipeline
 from adapters.platforms.base import split_target
 from adapters.sandboxes.base import SandboxRef
 from storage import prefixes
-from tasks import keys, ledger, receipts, task_names
+from tasks import keys, ledger, receipts, signing, task_names
 from tasks.messages import Attachment, JsonObject, TurnSpec
 
 if TYPE_CHECKING:
@@ -207,7 +207,7 @@ def register(r: Redis, plan: Plan, *, job_kind: str | None = None, pipe: Pipelin
     if job_kind is not None:
         receipts.create_job(r, plan.job_id, kind=job_kind, target=plan.target, pipe=p)
     for e in items:
-        receipts.add_delivery(p, plan.job_id, e.did, spec=json.dumps(e.spec, separators=(",", ":")),
+        receipts.add_delivery(p, plan.job_id, e.did, spec=signing.seal_json("delivery", e.did, e.spec),
                               queue=e.queue, lane=plan.target if e.lane else None, **e.fields)
     if items:
         ledger.set_due(p, "lane", plan.target, LANE_GRACE_S)
@@ -419,7 +419,7 @@ def enqueue_turn(r: Redis, target: str, message: str, *, agent: str, job_id: str
     sig = turn_sig(job_id, target, message, agent=agent, sandbox=sandbox, attachments=attachments)
     p = r.pipeline(transaction=True)
     receipts.create_job(r, job_id, kind="turn", target=target, agent=agent, origin=origin, pipe=p,
-                        spec=json.dumps(sig.args[0], separators=(",", ":")))
+                        spec=signing.seal_json("turn", job_id, sig.args[0]))
     ledger.set_due(p, "turn", job_id, TURN_GRACE_S)
     p.execute()
     sig.apply_async(task_id=job_id)

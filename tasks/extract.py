@@ -11,9 +11,9 @@ from collections.abc import Callable
 from redis import Redis
 from redis.client import Pipeline
 
-from adapters.errors import CourierError, SandboxError, StorageError, TooLarge
+from adapters.errors import CourierError, SandboxError, StorageError, TooLarge, UnsafePath
 from adapters.sandboxes.base import SandboxRef, os_error
-from tasks import events, metrics, receipts
+from tasks import events, metrics, receipts, signing
 from tasks.messages import JsonObject
 from tasks.runtime import Context
 
@@ -49,10 +49,12 @@ def extract(ctx: Context, spec: JsonObject, *, pipe: Pipeline | None = None) -> 
     # no look at the receipt first: a redelivered extraction of a delivered
     # item is rare and harmless (same key, atomic write; its receipt is kept)
     ref = SandboxRef.from_dict(spec["sandbox"])
-    cap = int(spec.get("max_bytes") or ctx.max_file_bytes)
+    # the size cap and the roots are this worker's: a spec may only lower or narrow them
+    cap = min(int(spec.get("max_bytes") or ctx.max_file_bytes), ctx.max_file_bytes)
     t0, outcome, info = time.monotonic(), "error", None
     try:
         try:
+            ref = worker_ref(ctx, ref)
             sandbox = ctx.sandbox(ref)
             # `~/x` (MEDIA:~/x) is the sandbox's own home: the backend knows where that is
             info = sandbox.extract(sandbox.expand_home(spec["path"]), ctx.store, spec["key"], max_bytes=cap)
@@ -94,6 +96,22 @@ def extract(ctx: Context, spec: JsonObject, *, pipe: Pipeline | None = None) -> 
     if own:
         p.execute()
     return {"ok": True, "key": spec["key"], "name": name, "size": info.size_bytes, "sha256": info.sha256}
+
+
+def worker_ref(ctx: Context, ref: SandboxRef) -> SandboxRef:
+    """`ref` as this worker's configuration allows it: the roots a spec names
+    must each lie inside a root the worker allows for that sandbox kind
+    (`ctx.allowed_roots`), else the extraction is refused (UnsafePath) and
+    nothing is read; a spec with no roots gets the backend's defaults."""
+    if ctx.allowed_roots is None or not ref.roots:
+        return ref
+    allowed = [posixpath.normpath(a) for a in ctx.allowed_roots(ref)]
+    wider = [r for r in ref.roots if ".." in r.split("/") or not r.startswith("/") or not any(
+        posixpath.normpath(r) == a or posixpath.normpath(r).startswith(a.rstrip("/") + "/") for a in allowed)]
+    if wider:
+        raise UnsafePath(f"the spec names roots this worker does not allow for {ref.kind} sandboxes: "
+                         f"{', '.join(wider[:3])}")
+    return ref
 
 
 def record_failure(r: Redis, did: str, result: JsonObject) -> JsonObject:
@@ -170,7 +188,15 @@ def run(ctx: Context, did: str, queue_drive: Callable[[Pipeline, str], bool] | N
         args=[did, token, ledger.LEASE_TTL_S, time.time() + ledger.LEASE_TTL_S, *_TERMINAL])
     if what == "gone":
         return {"delivery": did, "state": "gone"}
-    job = json.loads(spec)
+    try:
+        job = signing.open_json("delivery", did, spec)  # logged and counted when forged
+    except signing.Forged as exc:  # nothing of it is read: the stage ends, its lane finds the receipt failed
+        record_failure(r, did, {"ok": False, "reason": f"refused: {exc.reason}"})
+        end = r.pipeline(transaction=False)
+        ledger.clear_due(end, "extract", did)
+        ledger.release(end, lease, token)
+        end.execute()
+        return {"delivery": did, "state": "refused"}
     out = {"delivery": did, "target": job["target"]}
     if what in ("done", "busy"):
         return {**out, "state": what}

@@ -34,7 +34,7 @@ from redis.exceptions import NoScriptError
 from adapters.errors import CourierError, RateLimited, StorageError
 from tasks import album
 from tasks import delivery as delivery_mod
-from tasks import keys, ledger, metrics, receipts, sendlock
+from tasks import keys, ledger, metrics, receipts, sendlock, signing
 from tasks.extract import result_of
 from tasks.messages import JsonObject
 from tasks.ratelimit import Paced
@@ -167,15 +167,44 @@ class Step:
                    or rec.get("state") in receipts.TERMINAL for rec, spec in zip(self.recs, self.specs))
 
 
-def load_step(r: Redis, lead: str, rec: JsonObject | None = None) -> Step | None:
-    """The step `lead` leads (`rec`: its receipt when already read)."""
+def load_step(r: Redis, lead: str, rec: JsonObject | None = None, target: str | None = None) -> Step | None:
+    """The step `lead` leads (`rec`: its receipt when already read) in the lane of `target`.
+    Each spec is verified (tasks/signing.py): one that does not, or that names another chat
+    than the lane's, is never sent: its receipt is made final `failed` here."""
     rec = rec if rec is not None else receipts.get_delivery(r, lead)
     if not rec:
         return None  # expired or never there: nothing to send
     ids = json.loads(rec["album"]) if rec.get("album") else [lead]
     recs = [rec] + ([receipts.get_delivery(r, d) or {} for d in ids[1:]])
-    specs = [json.loads(x["spec"]) if x.get("spec") else {} for x in recs]
+    specs = [_verified(r, did, x, target) for did, x in zip(ids, recs)]
+    if len(ids) > 1 and any(x.get("spec") and not spec for x, spec in zip(recs, specs)):
+        # an album with a member that did not verify goes nowhere: none of it is sent
+        for did, x in zip(ids, recs):
+            if x.get("state") not in receipts.TERMINAL:
+                reason = "refused: another photo of its album did not verify"
+                receipts.update_open_delivery(r, did, state="failed", reason=reason)
+                x["state"], x["reason"] = "failed", reason
     return Step(lead, ids, recs, specs)
+
+
+def _verified(r: Redis, did: str, rec: JsonObject, target: str | None) -> JsonObject:
+    """The receipt's spec, verified as delivery `did`'s (and of `target`'s lane); a forgery
+    makes the receipt final `failed` (in `rec` too) and gives {}."""
+    raw = rec.get("spec")
+    if not raw:
+        return {}
+    try:
+        spec: JsonObject = signing.open_json("delivery", did, raw)  # logged and counted when forged
+        if target is not None and spec.get("target") != target:
+            exc = signing.Forged(f"delivery {did} names another chat than its lane's")
+            signing.refused("delivery", exc)
+            raise exc
+    except signing.Forged as exc:
+        reason = f"refused: {exc.reason}"
+        receipts.update_open_delivery(r, did, state="failed", reason=reason)
+        rec["state"], rec["reason"] = "failed", reason
+        return {}
+    return spec
 
 
 def _head(r: Redis, target: str, token: str, *, take: bool = False, last: Step | str | None = None,
@@ -366,7 +395,7 @@ def drive(ctx: Context, target: str, publish: Publish, *, started: str | None = 
         # an extraction that ended while this drive held the lease found it
         # busy: look once more now that it is free
         rec = res[-1] or {}
-        step = load_step(r, out["head"], rec) if rec else None
+        step = load_step(r, out["head"], rec, target) if rec else None
         if step is not None and (step.ready or step.done):
             publish(target, None)
     return out
@@ -396,7 +425,7 @@ def _drive_leased(ctx: Context, target: str, publish: Publish, token: str, first
                 return {"lane": target, "state": "extracting", "head": look.id, "sent": sent, "released": True}
             head = look.id
             assert head is not None  # a `head` answer names it
-            step = load_step(r, head, look.rec)
+            step = load_step(r, head, look.rec, target)
             if step is None or step.done:
                 within = time.monotonic() <= deadline
                 look = _head(r, target, token, last=step or head, lock=within, pop=pop and within, gates=gates)

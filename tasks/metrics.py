@@ -58,6 +58,8 @@ if _ON:
                                "(ok: 2xx, rejected: 4xx, unavailable: 5xx)", ["platform", "outcome"])
     WEBHOOK_TURNS = Counter("courier_webhook_turns", "Webhook updates that were enqueued as a turn or dropped as "
                             "a platform's retry", ["platform", "result"])
+    FORGED = Counter("courier_forged", "Specs and task messages refused: unsigned, tampered, bound to another id "
+                     "or too old (tasks/signing.py)", ["what"])
     TURNS = Histogram("courier_turn_seconds", "Time of one agent turn run, by agent and end state",
                       ["agent", "state"], buckets=TURN_BUCKETS)
 
@@ -134,5 +136,14 @@ def record_turn(agent: str, state: str, seconds: float) -> None:
     if _ON:
         try:
             TURNS.labels(agent or "unknown", state or "unknown").observe(max(0.0, seconds))
+        except Exception as exc:  # noqa: BLE001
+            log.debug("metrics: %r", exc)
+
+
+def record_forged(what: str) -> None:
+    """A spec (`delivery`, `turn`) or a task `message` was refused: it did not verify."""
+    if _ON:
+        try:
+            FORGED.labels(what or "unknown").inc()
         except Exception as exc:  # noqa: BLE001
             log.debug("metrics: %r", exc)

@@ -27,7 +27,7 @@ import time
 
 from redis import Redis
 
-from tasks import events, keys, ledger, receipts
+from tasks import events, keys, ledger, receipts, signing
 
 CANCEL_REASON = "cancelled by the operator"
 #: a delivery in these states may be retried
@@ -78,7 +78,10 @@ def retry(r: Redis, rec: receipts.Receipt) -> dict[str, str]:
     ...}: outcome `requeued` (with `extract`: its queue, when the file is to
     be extracted again, and `target`), or `refused` with the state it is in."""
     did = rec["id"]
-    spec = json.loads(rec["spec"]) if rec.get("spec") else None
+    try:
+        spec = signing.open_json("delivery", did, rec["spec"]) if rec.get("spec") else None
+    except signing.Forged as exc:
+        return {"id": did, "outcome": "refused", "state": rec.get("state", ""), "reason": f"refused: {exc.reason}"}
     if spec is None:
         return {"id": did, "outcome": "refused", "state": rec.get("state", ""),
                 "reason": "its receipt holds no spec to run it again"}

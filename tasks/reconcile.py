@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 
 from redis import Redis
 
-from tasks import keys, ledger, receipts
+from tasks import keys, ledger, receipts, signing
 from tasks.runtime import Context
 
 log = logging.getLogger(__name__)
@@ -82,8 +82,9 @@ def tick(ctx: Context, *, now: float | None = None) -> dict[str, int]:
         if rec is None or rec.get("extraction") in ("ok", "failed") or rec.get("state") in receipts.TERMINAL \
                 or not rec.get("queue"):
             ledger.clear_due(r, "extract", did)
-            if rec is not None and rec.get("spec"):
-                chains.publish_lane(_target_of(rec))  # the lane may be waiting for it
+            target = _target_of(rec) if rec is not None and rec.get("spec") else ""
+            if target:
+                chains.publish_lane(target)  # the lane may be waiting for it
             continue
         n = int(r.hincrby(keys.delivery(did), "redrives", 1))
         ledger.set_due(r, "extract", did, _grace(chains.EXTRACT_GRACE_S, n - 1))
@@ -102,13 +103,23 @@ def tick(ctx: Context, *, now: float | None = None) -> dict[str, int]:
             continue
         n = int(r.hincrby(keys.job(job_id), "redrives", 1))
         ledger.set_due(r, "turn", job_id, _grace(chains.TURN_GRACE_S, n - 1))
-        chains.spec_sig(json.loads(job["spec"])).apply_async()
+        try:
+            spec = signing.open_json("turn", job_id, job["spec"])  # logged and counted when forged
+        except signing.Forged as exc:
+            ledger.clear_due(r, "turn", job_id)
+            receipts.set_job(r, job_id, state="error", reason=f"refused: {exc.reason}")
+            continue
+        chains.spec_sig(spec).apply_async()
         out["turns"] += 1
     return out
 
 
 def _target_of(rec: receipts.Receipt) -> str:
-    return str(json.loads(rec["spec"])["target"])
+    """The lane a receipt's delivery belongs to, from its verified spec ('' when it does not verify)."""
+    try:
+        return str(signing.open_json("delivery", rec.get("id", ""), rec["spec"])["target"])
+    except signing.Forged:
+        return ""
 
 
 class Reconciler:

@@ -144,6 +144,9 @@ class Context:
     retention: Retention = field(default_factory=Retention)
     #: the turn's tools, built once on first call (see `TurnTools`)
     turn_tools: Callable[[], TurnTools] = _no_turn_tools
+    #: the roots this worker's own configuration allows for a sandbox ref (tasks.extract.worker_ref): a spec's
+    #: roots may narrow them, never widen them; None: no configuration (plain code in tests)
+    allowed_roots: Callable[[SandboxRef], tuple[str, ...]] | None = None
     #: how often a turn refreshes the chat's typing indicator and edits its progress message (None: defaults)
     typing_interval_s: float | None = None
     progress_edit_interval_s: float | None = None

@@ -67,11 +67,10 @@ class Template:
         if not diff <= _OWN:
             raise TemplateError(f"Celery's message has per-message fields courier does not fill in: {sorted(diff - _OWN)}")
         msg = first["message"]
-        body = json.loads(base64.b64decode(msg["body"])) if msg["properties"].get("body_encoding") == "base64" \
-            else None
-        if (msg.get("content-type") != "application/json" or not isinstance(body, list) or len(body) != 3
-                or body[0] != probe_args[0]):
-            raise TemplateError("Celery's message is not a base64 JSON protocol-2 body")
+        self._serializer = app.conf.task_serializer
+        body = _loads(msg) if msg["properties"].get("body_encoding") == "base64" else None
+        if not isinstance(body, list) or len(body) != 3 or body[0] != probe_args[0]:
+            raise TemplateError("Celery's message is not a base64 protocol-2 body")
         self.key = first["key"]
         self.exchange, self.routing_key = first["route"]
         self._kwargs, self._embed = body[1], body[2]
@@ -81,7 +80,9 @@ class Template:
         self._stamped = "sent_s" in msg["headers"]
         # the template must give back what Celery made (but the delivery tag and the stamp time)
         again = json.loads(self.render(first["id"], probe_args[0], probe_reprs[0])[1])
-        if _diff(again, msg) - {("headers", "sent_s"), ("properties", "delivery_tag")}:
+        # (a signed body carries its signing time: the bodies are compared decoded)
+        if _diff(again, msg) - {("headers", "sent_s"), ("properties", "delivery_tag"), ("body",)} or \
+                _loads(again) != _loads(msg):
             raise TemplateError(f"the template does not give back Celery's message: {sorted(_diff(again, msg))}")
 
     def render(self, task_id: str, args: list[Any], argsrepr: str, *, parent_id: str | None = None,
@@ -99,7 +100,8 @@ class Template:
                                      routing_key=self.routing_key, declare=[], headers=headers,
                                      properties=props, retry_policy=None)
         props["delivery_tag"] = str(uuid.uuid4())
-        raw = json.dumps(body).encode("utf-8")
+        # the body as Celery's serializer makes it (courier's signs it: workers/signed_messages.py)
+        raw = _dumps(body, self._serializer)
         msg = {**self._env, "body": base64.b64encode(raw).decode("ascii"), "headers": headers, "properties": props}
         return self.key, json.dumps(msg)
 
@@ -153,6 +155,21 @@ class Template:
         info = got["message"]["properties"]["delivery_info"]
         got.update(id=task_id, route=(info.get("exchange"), info.get("routing_key")))
         return got
+
+
+def _loads(msg: dict[str, Any]) -> Any:
+    """A captured message's body, through kombu's serializer registry (its content type's)."""
+    from kombu.serialization import loads
+
+    return loads(base64.b64decode(msg["body"]), msg.get("content-type"), msg.get("content-encoding") or "utf-8",
+                 accept=[msg.get("content-type")])
+
+
+def _dumps(body: Any, serializer: str) -> bytes:
+    from kombu.serialization import dumps
+
+    _ctype, _enc, data = dumps(body, serializer=serializer)
+    return data if isinstance(data, bytes) else data.encode("utf-8")
 
 
 def _diff(a: dict[str, Any], b: dict[str, Any]) -> set[tuple[str, ...]]:

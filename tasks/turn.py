@@ -33,7 +33,7 @@ from adapters.agents.jail import Jail, Limits, bind_paths, maybe, unavailable
 from adapters.errors import ConfigError, CourierError, SandboxError
 from adapters.sandboxes.base import SandboxRef, parse_uri
 from storage.spill import SpillConfig
-from tasks import chains, events, keys, ledger, receipts
+from tasks import chains, events, keys, ledger, receipts, signing
 from tasks.events import Event
 from tasks.messages import TurnResult, TurnSpec
 from tasks.runtime import AgentConfig, Context
@@ -414,7 +414,10 @@ def abandon(ctx: Context, job_id: str, reason: str, enqueue: Enqueue = chains.en
     """End a turn that cannot run (its runs kept dying with their workers):
     the chat's short message and the one terminal error event."""
     job = receipts.get_job(ctx.redis, job_id) or {}
-    spec = json.loads(job["spec"]) if job.get("spec") else {}
+    try:
+        spec = signing.open_json("turn", job_id, job["spec"]) if job.get("spec") else {}
+    except signing.Forged as exc:  # its chat is not known for sure: the job ends, no message to anyone
+        return finish(ctx, TurnOutcome(job_id, "", "error", reason=f"refused: {exc.reason}"), enqueue)
     return finish(ctx, failed(job_id, spec.get("target") or job.get("target", ""), reason), enqueue)
 
 

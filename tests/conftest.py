@@ -20,3 +20,17 @@ def pytest_xdist_make_scheduler(config, log):
     from tests.fixtures._schedule import make_scheduler
 
     return make_scheduler(config, log)
+
+
+#: the signing key of the whole test session (tasks/signing.py): set in the environment before anything
+#: reads the settings, so the test process and every worker, web and CLI process it starts share it
+TEST_SIGNING_KEY = "courier-test-signing-key-0123456789abcdef"
+
+
+def pytest_configure(config):
+    import os
+
+    os.environ.setdefault("COURIER_SIGNING_KEY", TEST_SIGNING_KEY)
+    from tasks import signing
+
+    signing.install(signing.Signer([os.environ["COURIER_SIGNING_KEY"].encode()]))

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tasks import chains, keys, ledger, receipts, reconcile
+from tasks import chains, keys, ledger, receipts, reconcile, signing
 from tasks.runtime import Context
 
 
@@ -61,7 +61,7 @@ def test_registering_a_plan_queues_its_steps_in_the_chats_lane_once(redis_client
     chains.register(r, plan, job_kind="send")  # a re-enqueue of the same job adds nothing
     chains.register(r, chains.Plan(job_id="snd_b", target="outbox:c", text="after"))
     assert r.lrange(keys.lane("outbox:c"), 0, -1) == ["snd_a.0", "snd_a.1", "snd_b.0"]
-    spec = json.loads(receipts.get_delivery(r, "snd_a.1")["spec"])
+    spec = signing.open_json("delivery", "snd_a.1", receipts.get_delivery(r, "snd_a.1")["spec"])
     assert spec == {"id": "snd_a.1", "job": "snd_a", "target": "outbox:c", "type": "file", "voice": False,
                     "as_document": False, "key": "files/snd_a/1-x.pdf", "name": "x.pdf", "size": 3, "sha256": "00"}
     assert ledger.pending(r) == {"lane": 1, "extract": 0, "turn": 0}
@@ -107,7 +107,7 @@ def test_a_lost_extraction_is_published_again_with_a_growing_grace(redis_client,
 def test_a_turn_that_keeps_killing_its_worker_ends_with_an_error_and_a_message(redis_client, ctx, published):
     r = redis_client
     spec = {"job": "turn_k", "target": "outbox:k", "message": "hi", "agent": "demo"}
-    receipts.create_job(r, "turn_k", kind="turn", target="outbox:k", spec=json.dumps(spec))
+    receipts.create_job(r, "turn_k", kind="turn", target="outbox:k", spec=signing.seal_json("turn", "turn_k", spec))
     r.zadd(keys.due("turn"), {"turn_k": time.time() - 1})
     reconcile.tick(ctx)
     assert published == [("turn", "turn_k")]  # never started: run it again
@@ -115,7 +115,7 @@ def test_a_turn_that_keeps_killing_its_worker_ends_with_an_error_and_a_message(r
     r.zadd(keys.due("turn"), {"turn_k": time.time() - 1})
     out = reconcile.tick(ctx)
     assert out["abandoned"] == 1 and receipts.get_job(r, "turn_k")["state"] == "error"
-    (text,) = [json.loads(d["spec"])["text"] for d in receipts.job_deliveries(r, "turn_k")]
+    (text,) = [signing.open_json("delivery", d["id"], d["spec"])["text"] for d in receipts.job_deliveries(r, "turn_k")]
     assert text.startswith("Sorry, that did not work") and "died 3 times" in text
     assert r.zscore(keys.due("turn"), "turn_k") is None
 

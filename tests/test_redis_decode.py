@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks import chains, events, keys, receipts
+from tasks import chains, events, keys, receipts, signing
 from tests.fixtures.redis_server import RedisServer, _redis_binary
 from tests.fixtures.services import free_port, stop_process, wait_until
 from workers import redis_url, wiring
@@ -34,7 +34,7 @@ def test_courier_client_reads_a_receipts_state_as_str(redis_client, redis_server
     assert state == "queued" and type(state) is str
     rec = receipts.get_delivery(r, did)
     assert rec is not None and all(type(k) is str and type(v) is str for k, v in rec.items())
-    assert json.loads(rec["spec"])["text"] == "héllo 🎉"  # non-ASCII text round-trips
+    assert signing.open_json("delivery", rec["id"], rec["spec"])["text"] == "héllo 🎉"  # non-ASCII text round-trips
     assert r.lrange(keys.job_deliveries("snd_dec1"), 0, -1) == [did]
     eid = events.publish(r, "snd_dec1", {"kind": "status", "status": "queued"})
     assert type(eid) is str and events.read(r, "snd_dec1")[0][0] == eid

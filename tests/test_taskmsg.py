@@ -12,6 +12,7 @@ import pytest
 
 import tasks.celery_tasks  # noqa: F401 - the tasks registered, as in a worker: Celery's own publish reads their options
 from tasks import chains, task_names, taskmsg
+from tests.fixtures._messages import body_of
 
 
 @pytest.fixture
@@ -51,7 +52,7 @@ def test_a_rendered_turn_is_celerys_own_message(app, redis_client):
         assert m["headers"].pop("sent_s") > 0 and m["properties"].pop("delivery_tag")
         # the publishing thread's own reply queue (Celery's thread oid: the probe runs in a thread of its own)
         assert m["properties"].pop("reply_to")
-        m["body"] = json.loads(base64.b64decode(m["body"]))
+        m["body"] = body_of(m)
     assert ours == theirs
     assert ours["headers"]["argsrepr"] == label and "secret" not in json.dumps(ours["headers"])
     assert ours["body"][0] == [spec] and ours["headers"]["id"] == ours["properties"]["correlation_id"] == "turn_abc"

@@ -29,6 +29,7 @@ from tasks import chains, keys, lanes, receipts, reconcile
 from tasks.runtime import Context
 from tests.fixtures.services import wait_until
 from tests.test_delivery_flow import MemoryPlatform
+from tests.fixtures._messages import body_of
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -53,7 +54,7 @@ def _queued(r) -> list[tuple[str, str]]:
     out = []
     for raw in reversed(r.lrange("delivery", 0, -1)):
         msg = json.loads(raw)
-        args = json.loads(base64.b64decode(msg["body"]))[0]
+        args = body_of(msg)[0]
         out.append((msg["headers"]["id"], args[0]))
     return out
 

@@ -13,6 +13,7 @@ import os
 from celery import Celery
 from celery.schedules import crontab
 from celery.signals import (
+    task_rejected,
     beat_init,
     before_task_publish,
     task_postrun,
@@ -25,7 +26,7 @@ from celery.signals import (
 from kombu import Exchange, Queue
 
 from tasks import runtime, task_names
-from workers import broker
+from workers import broker, signed_messages
 from workers.redis_url import celery_url
 from workers.settings import get_settings
 
@@ -47,6 +48,7 @@ def task_queue(name: str, args=None, kwargs=None, options=None, task=None, **kw)
 
 
 def make_app(settings=None) -> Celery:
+    signed_messages.install()
     """courier's Celery app for `settings` (default: the environment's)."""
     s = settings or get_settings()
     broker.install()
@@ -55,9 +57,11 @@ def make_app(settings=None) -> Celery:
     app.conf.update(
         broker_url=url,
         result_backend=url,
-        task_serializer="json",
+        # task messages are signed (workers/signed_messages.py): only those are run
+        task_serializer=signed_messages.NAME,
+        accept_content=[signed_messages.NAME],
         result_serializer="json",
-        accept_content=["json"],
+        result_accept_content=["json"],
         event_serializer="json",
         task_acks_late=True,
         # a stage that hangs (an I/O without a deadline) is cut: the soft limit raises inside
@@ -123,6 +127,7 @@ def make_app(settings=None) -> Celery:
 
 
 app = make_app()
+task_rejected.connect(signed_messages.count_unsigned)
 # courier's app is every thread's app (Celery's default): a `shared_task` is found through
 # the calling thread's current app, set only in the thread that made this one; from any
 # other thread (Starlette's thread pool, a worker's reconciler thread) it would otherwise

@@ -222,6 +222,16 @@ class Settings(BaseSettings):
     browser_allowed_hosts: list[str] | None = None
 
     # -- hooks -------------------------------------------------------------
+    # -- what crosses Redis is signed (tasks/signing.py) ---------------------------------------
+    #: the HMAC key every spec and task message is signed with (16+ bytes; `openssl rand -hex 32`); every
+    #: process of a deployment needs the same one. Unset: a key generated into <data dir>/signing.key on
+    #: first start (one host, or hosts sharing the data volume)
+    signing_key: SecretStr | None = None
+    #: the key before a rotation, still accepted (never used to sign) until everything it signed is gone
+    signing_key_previous: SecretStr | None = None
+    #: how old a signed spec or message may be (seconds)
+    signature_max_age_s: int = Field(default=30 * 24 * 3600, gt=0)
+
     # -- the agents' namespace sandbox (local agents; adapters/agents/jail.py) -------------------
     #: the bubblewrap program
     sandbox_bwrap: str = "bwrap"

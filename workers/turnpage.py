@@ -82,7 +82,7 @@ async def turn_page(request: Request) -> Response:
 
 async def turn_thumb(request: Request) -> Response:
     from adapters.errors import CourierError
-    from tasks import keys
+    from tasks import keys, signing
     from workers.wiring import store
 
     job_id, did = request.path_params["job_id"], request.path_params["delivery_id"]
@@ -94,8 +94,8 @@ async def turn_thumb(request: Request) -> Response:
     web = request.app.state.web
     raw = await web.aredis.hget(keys.delivery(did), "spec")
     try:
-        spec = json.loads(raw) if raw else None
-    except ValueError:
+        spec = signing.open_json("delivery", did, raw) if raw else None
+    except (signing.Forged, ValueError):
         spec = None
     if not spec or spec.get("job") != job_id or not spec.get("key"):
         return JSONResponse({"error": "no such file"}, status_code=404)

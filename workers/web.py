@@ -151,7 +151,7 @@ class _Web:
         turn could not be enqueued (nothing is left behind then)."""
         s = self.settings
         self.celery  # noqa: B018 - checked once: never publish anywhere else
-        from tasks import chains, ledger, receipts
+        from tasks import chains, ledger, receipts, signing
 
         origin = f"{platform}:{chat}"
         override = s.webhook_reply_target_override
@@ -162,7 +162,7 @@ class _Web:
                      job_id=job_id, spec=spec)
         rec = cast("Pipeline", turn.rec)  # it takes the pipeline calls these two make
         receipts.create_job(None, job_id, kind="turn", target=target, agent=spec["agent"], origin=origin,
-                            pipe=rec, spec=json.dumps(spec, separators=(",", ":")))
+                            pipe=rec, spec=signing.seal_json("turn", job_id, spec))
         ledger.set_due(rec, "turn", job_id, chains.TURN_GRACE_S)  # the ledger watches it from the publish on
         if self._enqueuer is None:
             self._enqueuer = _Enqueuer(self)

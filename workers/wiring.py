@@ -236,7 +236,87 @@ def build_context(settings: Settings | None = None):
             workspace_ttl_s=s.workspace_ttl_s, spill_prefix=s.hooks_output_spill.directory,
             agent_sandbox_dirs=tuple(s.agent_sandbox_dirs or ()), s3_lifecycle=s.s3_lifecycle),
         turn_tools=turn_tools,
+        allowed_roots=lambda ref: allowed_roots(ref, s),
     )
+
+
+#: roots every remote sandbox kind allows without configuration (the backends' defaults; the home is
+#: resolved by the backend, and only a ref that names no roots gets it)
+REMOTE_DEFAULT_ROOTS = ("/workspace", "/tmp")
+
+
+def allowed_roots(ref: SandboxRef, settings: Settings | None = None) -> tuple[str, ...]:
+    """The roots this worker's own configuration allows for `ref`'s sandbox kind: a spec's roots
+    may only lie inside them (tasks.extract.worker_ref). Local: COURIER_LOCAL_ROOTS (or its
+    default), the sandbox dir and the local agents' directories and roots; any other kind: its
+    defaults and the directories and roots of the agents configured on that kind."""
+    from adapters.sandboxes.base import parse_uri
+
+    s = settings or get_settings()
+    out: list[str] = list(s.local_sandbox_roots) + [str(s.sandbox_dir)] if ref.kind == "local" else list(
+        REMOTE_DEFAULT_ROOTS)
+    for a in s.agents.values():
+        kind, path = "local", None
+        if a.sandbox:
+            try:
+                r, path = parse_uri(a.sandbox)
+            except ConfigError:
+                continue
+            kind = r.kind
+        if kind == ref.kind:
+            out += ([path] if path else []) + list(a.roots)
+    return tuple(dict.fromkeys(os.path.realpath(p) if ref.kind == "local" else p for p in out))
+
+
+# -- signing (tasks/signing.py) ------------------------------------------------------------
+SIGNING_KEY_FILE = "signing.key"
+
+
+def _data_dir_key(data_dir) -> bytes:
+    """The key generated into the data dir on first start (0600), or the one there already.
+    Made with a link from a complete temporary file, so no process reads a half-written key."""
+    import secrets
+
+    path = os.path.join(str(data_dir), SIGNING_KEY_FILE)
+    try:
+        with open(path, "rb") as f:
+            key = f.read().strip()
+        if key:
+            return key
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise ConfigError(f"cannot read the signing key {path} ({exc.strerror}): run as the deployment's user, or "
+                          f"set COURIER_SIGNING_KEY (or COURIER_SIGNING_KEY_FILE)") from None
+    os.makedirs(str(data_dir), mode=0o700, exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, secrets.token_hex(32).encode() + b"\n")
+    finally:
+        os.close(fd)
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        pass  # another process made it first: that one is the key
+    finally:
+        os.unlink(tmp)
+    with open(path, "rb") as f:
+        return f.read().strip()
+
+
+def make_signer(settings: Settings | None = None):
+    """The process's signer (tasks.signing.Signer) from the settings: COURIER_SIGNING_KEY, else the data
+    dir's key; COURIER_SIGNING_KEY_PREVIOUS accepted too."""
+    from tasks.signing import Signer
+
+    s = settings or get_settings()
+    current = s.signing_key.get_secret_value().encode() if s.signing_key else _data_dir_key(s.data_dir)
+    keys = [current] + ([s.signing_key_previous.get_secret_value().encode()] if s.signing_key_previous else [])
+    try:
+        return Signer(keys, max_age_s=s.signature_max_age_s)
+    except ValueError as exc:
+        raise ConfigError(f"COURIER_SIGNING_KEY: {exc}") from None
 
 
 def agent_tools(s: Settings, blob_store: BlobStore):
@@ -293,3 +373,12 @@ def agent_sandbox_report(settings: Settings | None = None) -> list[tuple[int, st
                                    f"{', '.join(repr(n) for n in confined)} will be refused (set \"isolation\": "
                                    f"\"host\" on an agent to run it unconfined)"))
     return out
+
+
+def _install_signing_loader() -> None:
+    from tasks import signing
+
+    signing.set_loader(make_signer)
+
+
+_install_signing_loader()
