@@ -48,10 +48,12 @@ def _settings():
     from pydantic import ValidationError
     from pydantic_settings import SettingsError
 
-    from workers.settings import get_settings
+    from workers.settings import SecretFileError, get_settings
 
     try:
         return get_settings()
+    except SecretFileError as exc:  # a <NAME>_FILE: the message names it, never the content
+        raise die(f"bad setting {exc}", EXIT_INPUT) from None
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = ".".join(str(x) for x in first.get("loc", ()))
