@@ -13,6 +13,7 @@ import hashlib
 import json
 import subprocess
 import sys
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -32,8 +33,8 @@ def test_the_server_refuses_plaintext_no_certificate_and_no_password(tls_redis):
     no_cert = f"rediss://:{tls_redis.PASSWORD}@127.0.0.1:{tls_redis.port}/0?ssl_ca_certs={tls_redis.pki.ca}"
     with pytest.raises(redis.ConnectionError):
         redis.Redis.from_url(no_cert, socket_timeout=3).ping()
-    anonymous = tls_redis.url.replace(f":{tls_redis.PASSWORD.replace('@', '%40').replace('/', '%2F')}@", "")
-    assert "word@" not in anonymous
+    anonymous = tls_redis.url.replace(f":{quote(tls_redis.PASSWORD, safe='')}@", "")
+    assert "@" not in anonymous
     with pytest.raises(redis.AuthenticationError):
         redis.Redis.from_url(anonymous, socket_timeout=3).ping()
 
@@ -99,3 +100,14 @@ def test_worker_cli_web_beat_and_flower_over_tls(tls_redis, tmp_path):
             stop_process(p)
         env.stop()
         r.close()
+
+
+def test_the_cli_says_redis_wants_a_password_not_that_it_is_away(tls_redis, tmp_path):
+    """A Redis that requires a password was reported "not answering"."""
+    userinfo = f":{quote(tls_redis.PASSWORD, safe='')}@"
+    anonymous, wrong = tls_redis.url.replace(userinfo, ""), tls_redis.url.replace(userinfo, ":wrong-p%40ss@")
+    for url, says in ((anonymous, "requires a password"), (wrong, "refused the password")):
+        env = CourierEnv(tmp_path / says.split()[0], url)
+        res = env.cli("queues", timeout_s=60)
+        assert res.returncode == 3 and says in res.stderr, res.stderr
+        assert "p@ss" not in res.stderr and "p%40ss" not in res.stderr  # no password printed

@@ -80,12 +80,15 @@ def _env_name(field: str) -> str:
 
 
 def _redis(settings):
-    from workers.embedded import redact_url, redis_answers
+    from workers.embedded import redact_url, redis_refusal
     from workers.wiring import redis_client
 
-    if not redis_answers(settings.redis_url, 2.0):
+    why = redis_refusal(settings.redis_url, 2.0)
+    if why == "is not answering":
         raise die(f"Redis at {redact_url(settings.redis_url)} is not answering; nothing was enqueued "
                   "(start Redis or set COURIER_REDIS_URL)", EXIT_SERVICE)
+    if why is not None:
+        raise die(f"Redis at {redact_url(settings.redis_url)} {why}; nothing was enqueued", EXIT_SERVICE)
     return redis_client(settings.redis_url)
 
 

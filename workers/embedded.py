@@ -31,15 +31,26 @@ def redact_url(url: str) -> str:
     return url
 
 
-def redis_answers(url: str, timeout_s: float = 1.5) -> bool:
+def redis_refusal(url: str, timeout_s: float = 1.5) -> str | None:
+    """None when Redis at `url` answers a PING; else why not, in words (never the password):
+    a Redis that wants a password is not one that is away."""
     try:
         c = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s, decode_responses=True)
         try:
-            return bool(c.ping())
+            c.ping()
+            return None
         finally:
             c.close()
+    except redis.AuthenticationError:
+        if urlparse(url).password:
+            return "refused the password"
+        return "requires a password (set COURIER_REDIS_PASSWORD_FILE, or put it in COURIER_REDIS_URL)"
     except (redis.RedisError, OSError, ValueError):
-        return False
+        return "is not answering"
+
+
+def redis_answers(url: str, timeout_s: float = 1.5) -> bool:
+    return redis_refusal(url, timeout_s) is None
 
 
 def redis_binary() -> str | None:
