@@ -15,7 +15,9 @@ mirror, then `podman import`):
 Then: the stack comes up (`podman-compose up -d --no-build`, its own
 network, web and Flower published on a loopback address), every service's
 own healthcheck passes (podman runs healthchecks from systemd timers, which
-this machine has not: the test runs `podman healthcheck run` itself), a
+this machine has not: the test runs `podman healthcheck run` itself), Redis
+refuses an unauthenticated PING (its password is the deployment's secret
+file, made by scripts/redis-secret, and in no container's environment), a
 `courier send` and a demo-agent turn go end to end through S3 and the three
 worker pools to the outbox (bytes checked on the shared volume), the turns
 pool is scaled to 2, the worker running a turn gets SIGTERM (Celery's warm

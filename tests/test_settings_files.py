@@ -159,3 +159,14 @@ def test_the_cli_says_which_file_and_stops(tmp_path):
     assert res.returncode == 2, res.stderr
     assert f"COURIER_REDIS_URL_FILE: cannot read {tmp_path / 'nope'}" in res.stderr, res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_a_bad_redis_url_is_refused_without_showing_its_password(monkeypatch):
+    """The error quoted the URL it refused, password and all, into the worker's log."""
+    from pydantic import ValidationError
+
+    for bad in ("http://:hunter2-pw@redis:6379/0", "rediss://:hunter2-pw@redis:6380/0?ssl_ca_cert=/ca.pem"):
+        monkeypatch.setenv("COURIER_REDIS_URL", bad)
+        with pytest.raises(ValidationError) as e:
+            Settings()
+        assert "COURIER_REDIS_URL" in str(e.value) and "hunter2" not in str(e.value), str(e.value)

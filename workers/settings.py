@@ -197,8 +197,9 @@ class OutputSpill(BaseModel):
 
 
 class Settings(BaseSettings):
+    # hide_input_in_errors: a refused value is not quoted in the error (a Redis URL carries its password)
     model_config = SettingsConfigDict(env_prefix="COURIER_", extra="ignore", populate_by_name=True,
-                                      env_ignore_empty=True)
+                                      env_ignore_empty=True, hide_input_in_errors=True)
 
     #: where courier keeps its files by default (storage, outbox, local sandboxes)
     data_dir: Path = Field(default_factory=_default_data_dir)
