@@ -52,7 +52,8 @@ _MISSING_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
 _LOADER = None
 
 
-def _session(access_key: str | None, secret_key: str | None, region: str | None) -> boto3.session.Session:
+def _session(access_key: str | None, secret_key: str | None, region: str | None,
+             session_token: str | None = None) -> boto3.session.Session:
     """A boto3 session of its own (credentials, env) sharing one model loader:
     botocore's service models are parsed once per process, not once per store."""
     global _LOADER
@@ -61,7 +62,7 @@ def _session(access_key: str | None, secret_key: str | None, region: str | None)
     core = botocore.session.get_session()
     core.register_component("data_loader", _LOADER)
     return boto3.session.Session(
-        aws_access_key_id=access_key, aws_secret_access_key=secret_key,
+        aws_access_key_id=access_key, aws_secret_access_key=secret_key, aws_session_token=session_token,
         region_name=region, botocore_session=core,
     )
 
@@ -116,6 +117,7 @@ class S3Store(BlobStore):
         region: str | None = None,
         access_key: str | None = None,
         secret_key: str | None = None,
+        session_token: str | None = None,
         create_bucket: bool = False,
         part_bytes: int = 8 * 1024 * 1024,
         connect_timeout_s: float = 3.0,
@@ -136,7 +138,7 @@ class S3Store(BlobStore):
         self._key_prefix = f"{prefix}/" if prefix else ""
 
         with _map_errors("configure", where=self.url):
-            session = _session(access_key, secret_key, region)
+            session = _session(access_key, secret_key, region, session_token)
         endpoint = endpoint_url or None
         custom_endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         self._client_kwargs: dict[str, Any] = {

@@ -132,11 +132,101 @@ def test_no_s3_secret_in_any_file_and_the_identity_is_made_from_env(rendered, tm
     assert res.returncode == 2 and "may hold only" in res.stderr and not cfg.exists()
 
 
-def test_redis_keeps_tasks(rendered):
+def _redis_script(rendered: dict) -> str:
     cmd = rendered["services"]["redis"]["command"]
+    assert cmd[:2] == ["/bin/sh", "-c"], cmd
+    return cmd[2]
+
+
+def test_redis_keeps_tasks(rendered):
+    script = _redis_script(rendered)
+    exec_line = next(ln for ln in script.splitlines() if ln.startswith("exec "))
+    cmd = shlex.split(exec_line.split("<<")[0])
+    assert cmd[1:3] == ["docker-entrypoint.sh", "redis-server"], cmd  # the image's own entrypoint: drops root
     assert "--appendonly" in cmd and cmd[cmd.index("--appendonly") + 1] == "yes"
     assert cmd[cmd.index("--appendfsync") + 1] == "always"
     assert cmd[cmd.index("--maxmemory-policy") + 1] == "noeviction"
+
+
+def test_redis_and_every_courier_service_share_a_password_from_a_secret_file(rendered, tmp_path):
+    """Redis ran without a password: anything on the compose network, or
+    anything that read a worker's environment, could use it. Now a random
+    password per deployment sits in a secret file (scripts/redis-secret makes
+    it) that Redis and every courier process read; it is in no environment
+    and no file of the repo."""
+    svcs = rendered["services"]
+    secret = rendered["secrets"]["redis_password"]["file"]
+    assert secret.endswith("secrets/redis_password")
+    assert "redis_password" in svcs["redis"]["secrets"]
+    for name in COURIER_SERVICES:
+        env = svcs[name]["environment"]
+        assert "redis_password" in svcs[name]["secrets"], name
+        assert env["COURIER_REDIS_PASSWORD_FILE"] == "/run/secrets/redis_password", name
+        assert "@" not in env["COURIER_REDIS_URL"] and "COURIER_REDIS_PASSWORD" not in env, name
+    assert "REDISCLI_AUTH" in " ".join(svcs["redis"]["healthcheck"]["test"])  # the healthcheck authenticates
+    assert "secrets" in (ROOT / ".dockerignore").read_text() and "compose/secrets/" in (ROOT / ".gitignore").read_text()
+    res = _render(**REQUIRED, REDIS_PASSWORD_SECRET="/etc/courier/redis_password")
+    assert yaml.safe_load(res.stdout)["secrets"]["redis_password"]["file"] == "/etc/courier/redis_password"
+
+
+def _start_redis_script(rendered: dict, tmp_path: Path, secret: Path) -> tuple[subprocess.Popen, int]:
+    """The compose Redis service's start script, run here: the real redis-server behind a
+    stand-in `docker-entrypoint.sh` that adds a free port and a private dir."""
+    from tests.fixtures.services import free_port
+
+    port = free_port()
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    entry = bindir / "docker-entrypoint.sh"
+    exe = shutil.which("redis-server", path="/usr/bin:/bin") or shutil.which("redis-server")
+    need(exe is not None, "no redis-server")
+    entry.write_text(f'#!/bin/sh\nshift\nexec {exe} --port {port} --bind 127.0.0.1 --dir {tmp_path} '
+                     f'--logfile {tmp_path / "redis.log"} "$@"\n')
+    entry.chmod(0o755)
+    script = _redis_script(rendered).replace("/run/secrets/redis_password", str(secret))
+    proc = subprocess.Popen(["/bin/sh", "-c", script], env={"PATH": f"{bindir}:/usr/bin:/bin"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return proc, port
+
+
+def test_the_redis_service_requires_its_password(rendered, tmp_path):
+    """The start script runs for real (redis-server, the secret made by
+    scripts/redis-secret): an unauthenticated PING is refused, the password
+    opens it, and it is not on the server's command line; AOF is on."""
+    import redis
+
+    from tests.fixtures.services import stop_process, wait_until
+
+    secret = tmp_path / "secrets" / "redis_password"
+    res = subprocess.run([str(ROOT / "scripts" / "redis-secret"), str(secret)], capture_output=True, text=True,
+                         timeout=30)
+    assert res.returncode == 0, res.stderr
+    password = secret.read_text().strip()
+    assert re.fullmatch(r"[0-9a-f]{64}", password), password
+    assert stat.S_IMODE(secret.parent.stat().st_mode) == 0o700  # the operator's only
+    again = subprocess.run([str(ROOT / "scripts" / "redis-secret"), str(secret)], capture_output=True, text=True,
+                           timeout=30)
+    assert again.returncode == 0 and secret.read_text().strip() == password  # never replaced
+    proc, port = _start_redis_script(rendered, tmp_path, secret)
+    try:
+        good = redis.Redis(port=port, password=password, socket_timeout=5)
+        wait_until(lambda: proc.poll() is None and good.ping(), timeout_s=15,
+                   what=lambda: f"redis from the compose script: {proc.poll()} {proc.stderr}")
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port, socket_timeout=5).ping()
+        assert password.encode() not in Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+        assert good.config_get("appendonly") == {"appendonly": "yes"}
+    finally:
+        stop_process(proc)
+    for bad in ("", "has space", "quote\"d"):
+        secret.write_text(bad + "\n")
+        proc, _ = _start_redis_script(rendered, tmp_path, secret)
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 2 and b"redis_password" in err, (bad, err)
+    secret.unlink()
+    proc, _ = _start_redis_script(rendered, tmp_path, secret)
+    proc.communicate(timeout=30)
+    assert proc.returncode != 0
 
 
 def test_every_service_that_touches_files_shares_one_volume(rendered):
@@ -241,7 +331,9 @@ def test_every_process_exists(rendered):
 
 
 def test_environment_names_are_settings_courier_reads(rendered):
-    known = _known_env() | {"AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION",
+    from workers.settings import file_variables
+
+    known = _known_env() | set(file_variables()) | {"AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION",
                             "PROMETHEUS_MULTIPROC_DIR", "FLOWER_BASIC_AUTH"}
     for name, svc in rendered["services"].items():
         if not svc.get("image", "").startswith("courier:"):

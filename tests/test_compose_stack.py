@@ -15,7 +15,9 @@ mirror, then `podman import`):
 Then: the stack comes up (`podman-compose up -d --no-build`, its own
 network, web and Flower published on a loopback address), every service's
 own healthcheck passes (podman runs healthchecks from systemd timers, which
-this machine has not: the test runs `podman healthcheck run` itself), a
+this machine has not: the test runs `podman healthcheck run` itself), Redis
+refuses an unauthenticated PING (its password is the deployment's secret
+file, made by scripts/redis-secret, and in no container's environment), a
 `courier send` and a demo-agent turn go end to end through S3 and the three
 worker pools to the outbox (bytes checked on the shared volume), the turns
 pool is scaled to 2, the worker running a turn gets SIGTERM (Celery's warm
@@ -343,11 +345,17 @@ def stack(tmp_path_factory):
         agents = {"slow": {"command": ["/bin/sh", "-c", f"sleep {SLOW_S} && exec /opt/courier/bin/python "
                                                         "-m adapters.agents.demo_agent"],
                            "sandbox": "local:///data/sandbox/slow"}}
-        env = {k: v for k, v in pm.env.items() if not k.startswith(("COURIER_", "S3_", "AWS_", "FLOWER_"))}
+        env = {k: v for k, v in pm.env.items() if not k.startswith(("COURIER_", "S3_", "AWS_", "FLOWER_", "REDIS_"))}
+        # Redis's password as an operator makes it (README: compose), outside the repo
+        secret = tmp_path_factory.mktemp("secrets") / "redis_password"
+        res = subprocess.run([str(ROOT / "scripts" / "redis-secret"), str(secret)], capture_output=True, text=True,
+                             timeout=30)
+        assert res.returncode == 0, res.stderr
         env.update(S3_ACCESS_KEY="courier", S3_SECRET_KEY=uuid.uuid4().hex,
                    FLOWER_BASIC_AUTH=f"ops:{uuid.uuid4().hex}", COURIER_IMAGE_TAG=COURIER_TAG, COURIER_BIND=bind,
-                   COURIER_AGENTS=json.dumps(agents))
+                   COURIER_AGENTS=json.dumps(agents), REDIS_PASSWORD_SECRET=str(secret))
         st = Stack(pm, project, env, bind)
+        st.redis_password = secret.read_text().strip()
         st.timings = t
         with t("up"):
             st.compose("up", "-d", "--no-build")
@@ -422,6 +430,24 @@ def test_every_service_is_up_healthy_and_published_on_loopback(stack):
     assert stack.exec(stack.web, "id", "-u").stdout.strip() == b"10001"
     hc = json.loads(stack.pm.run("image", "inspect", f"localhost/courier:{COURIER_TAG}").stdout)[0]
     assert "healthz" in " ".join(hc["Healthcheck"]["Test"])  # the image's own HEALTHCHECK was kept
+
+
+def test_redis_refuses_a_client_without_its_password(stack):
+    """Redis runs with the deployment's password (the compose secret): an
+    unauthenticated PING is refused, from Redis's own container and from a
+    courier container on the network; the password opens it; it is in no
+    container's environment (courier reads COURIER_REDIS_PASSWORD_FILE)."""
+    (redis_ctr,) = stack.containers("redis")
+    res = stack.exec(redis_ctr, "redis-cli", "ping", check=False)
+    assert b"NOAUTH" in res.stdout + res.stderr, res
+    res = stack.exec(redis_ctr, "sh", "-c", 'REDISCLI_AUTH="$(cat /run/secrets/redis_password)" redis-cli ping')
+    assert res.stdout.strip() == b"PONG"
+    res = stack.exec(stack.web, "python", "-c", "import redis; redis.Redis(host='redis', socket_timeout=5).ping()",
+                     check=False)
+    assert res.returncode != 0 and b"AuthenticationError" in res.stderr, res
+    for ctr in stack.containers():
+        env = json.loads(stack.pm.run("inspect", "--format", "{{json .Config.Env}}", ctr).stdout)
+        assert not any(stack.redis_password in e for e in env), ctr
 
 
 def test_send_and_turn_end_to_end(stack):

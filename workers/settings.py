@@ -3,19 +3,29 @@
 Only `workers/` reads the environment; it builds adapters and stores from
 these values and hands them over as constructor arguments. Tokens are
 `SecretStr`: they never show in repr, logs or `--help`.
+
+Every secret (each `SecretStr` field, and COURIER_REDIS_URL, which may carry
+a password) can come from a file instead: `<NAME>_FILE=/run/secrets/x` (the
+Docker / Kubernetes secrets convention), so that it sits in no process's
+environment, where anything that can read `/proc/<pid>/environ` finds it.
 """
 
 from __future__ import annotations
 
 import os
+import stat
+import typing
+from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import AliasChoices, ValidationInfo, BaseModel, Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from adapters import defaults
+from adapters.errors import ConfigError
 from storage import prefixes
 
 
@@ -26,6 +36,99 @@ def _default_data_dir() -> Path:
 
 def _env(name: str) -> Any:
     return AliasChoices(name)
+
+
+# -- secrets from files --------------------------------------------------------------------------
+#: settings that take `<NAME>_FILE` besides the SecretStr ones (the Redis URL may carry a password)
+ALSO_FROM_FILES = frozenset({"redis_url"})
+#: a secret file larger than this is refused: a secret is a line, this is something else
+SECRET_FILE_MAX_BYTES = 64 * 1024
+
+
+class SecretFileError(ConfigError):
+    """A `<NAME>_FILE` that cannot be used (unreadable, not a file, set with its variable).
+    The message names the variable and the path, never the content."""
+
+
+def takes_file(name: str, field: FieldInfo) -> bool:
+    """Whether a setting may come from `<NAME>_FILE`: every secret (a SecretStr field, whatever
+    its name: a field added later needs no list kept in sync) and ALSO_FROM_FILES."""
+    ann = field.annotation
+    return name in ALSO_FROM_FILES or ann is SecretStr or SecretStr in typing.get_args(ann)
+
+
+def env_names(name: str, field: FieldInfo, prefix: str = "COURIER_") -> list[str]:
+    """The environment variables a field is read from (its aliases, else <prefix><NAME>)."""
+    alias = field.validation_alias
+    if alias is None:
+        return [f"{prefix}{name}".upper()]
+    return [str(a).upper() for a in getattr(alias, "choices", [alias])]
+
+
+def read_secret_file(var: str, path: str) -> str:
+    """The content of the secret file `path` named by variable `var`, without its trailing
+    newline. It must be a regular file (a FIFO or a device would block or never end) of at
+    most SECRET_FILE_MAX_BYTES, UTF-8."""
+    try:
+        # O_NONBLOCK: opening a FIFO does not wait for a writer (it is refused just below)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise SecretFileError(f"{var}: cannot read {path}: {exc.strerror}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise SecretFileError(f"{var}: {path} is not a regular file")
+        data = b""
+        while len(data) <= SECRET_FILE_MAX_BYTES:
+            chunk = os.read(fd, SECRET_FILE_MAX_BYTES + 1 - len(data))
+            if not chunk:
+                break
+            data += chunk
+    except OSError as exc:
+        raise SecretFileError(f"{var}: cannot read {path}: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+    if len(data) > SECRET_FILE_MAX_BYTES:
+        raise SecretFileError(f"{var}: {path} is larger than {SECRET_FILE_MAX_BYTES} bytes: not a secret file")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise SecretFileError(f"{var}: {path} is not UTF-8 text") from None
+    return text.rstrip("\r\n")
+
+
+class FileSecretsSource(PydanticBaseSettingsSource):
+    """`<NAME>_FILE` for every setting `takes_file` accepts: the value is read from that file.
+    Ranked just above the environment (below values passed in code). The variable and its
+    `_FILE` both set is an error (which one is meant?); an empty one counts as unset, as for
+    every setting. Names match case-insensitively, as pydantic-settings matches the others."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # unused: __call__ reads every field at once
+
+    def _files(self) -> Iterator[tuple[str, str, str]]:
+        """(field, variable, path) of every `_FILE` set."""
+        environ = {k.lower(): v for k, v in os.environ.items()}
+        prefix = self.config.get("env_prefix") or ""
+        for name, field in self.settings_cls.model_fields.items():
+            if not takes_file(name, field):
+                continue
+            for var in env_names(name, field, prefix):
+                path = environ.get(f"{var}_FILE".lower(), "")
+                if not path.strip():
+                    continue
+                if environ.get(var.lower(), "").strip():
+                    raise SecretFileError(f"{var} and {var}_FILE are both set: set one of them")
+                yield name, f"{var}_FILE", path
+
+    def __call__(self) -> dict[str, Any]:
+        return {name: read_secret_file(var, path) for name, var, path in self._files()}
+
+
+def file_variables(settings_cls: type[BaseSettings] | None = None) -> list[str]:
+    """Every `<NAME>_FILE` variable courier reads (compose's environment is checked against them)."""
+    cls = settings_cls or Settings
+    return [f"{var}_FILE" for name, field in cls.model_fields.items() if takes_file(name, field)
+            for var in env_names(name, field, cls.model_config.get("env_prefix") or "")]
 
 
 class AgentLimits(BaseModel):
@@ -125,16 +228,27 @@ class OutputSpill(BaseModel):
 
 
 class Settings(BaseSettings):
+    # hide_input_in_errors: a refused value is not quoted in the error (a Redis URL carries its password)
     model_config = SettingsConfigDict(env_prefix="COURIER_", extra="ignore", populate_by_name=True,
-                                      env_ignore_empty=True)
+                                      env_ignore_empty=True, hide_input_in_errors=True)
 
     #: where courier keeps its files by default (storage, outbox, local sandboxes)
     data_dir: Path = Field(default_factory=_default_data_dir)
-    #: broker, results, ledger, events, rate limits: `redis://host:port/db`, or
-    #: `sentinel://h1:26379,h2:26379/<master name>/<db>` for a Sentinel-managed master
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    #: broker, results, ledger, events, rate limits: `redis://host:port/db`, `rediss://` (TLS: the
+    #: query may say `ssl_ca_certs=/ca.pem`, `ssl_certfile`, `ssl_keyfile`, `ssl_cert_reqs=required`
+    #: (the default), `ssl_check_hostname`), or `sentinel://h1:26379,h2:26379/<master name>/<db>`
+    #: for a Sentinel-managed master; from a file: COURIER_REDIS_URL_FILE
+    redis_url: str = Field("redis://127.0.0.1:6379/0", repr=False)
+    #: Redis's password (`requirepass`) when COURIER_REDIS_URL carries none: the URL stays plain
+    #: configuration and the password comes from a secret file (COURIER_REDIS_PASSWORD_FILE)
+    redis_password: SecretStr | None = None
     #: `file:///abs/dir` or `s3://bucket/prefix` (endpoint: AWS_ENDPOINT_URL); default file://<data dir>/storage
     storage_url: str | None = None
+    #: S3 credentials (boto3's own variables, read here too so that they may come from files:
+    #: AWS_SECRET_ACCESS_KEY_FILE, ...); unset: boto3's usual chain (profile, instance role)
+    aws_access_key_id: SecretStr | None = Field(default=None, validation_alias=_env("AWS_ACCESS_KEY_ID"))
+    aws_secret_access_key: SecretStr | None = Field(default=None, validation_alias=_env("AWS_SECRET_ACCESS_KEY"))
+    aws_session_token: SecretStr | None = Field(default=None, validation_alias=_env("AWS_SESSION_TOKEN"))
     #: the web process's public URL (https://bot.example.com): a volume store's download links (in
     #: too-large notices) point at its signed, expiring /files/ route; S3 signs its own links
     public_url: str | None = None
@@ -331,6 +445,14 @@ class Settings(BaseSettings):
     #: address a worker's metrics exporter binds
     metrics_host: str = "127.0.0.1"
 
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                                   env_settings: PydanticBaseSettingsSource,
+                                   dotenv_settings: PydanticBaseSettingsSource,
+                                   file_secret_settings: PydanticBaseSettingsSource,
+                                   ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, FileSecretsSource(settings_cls), env_settings, dotenv_settings, file_secret_settings
+
     @field_validator("*", mode="before")
     @classmethod
     def _empty_is_unset(cls, v: Any, info: ValidationInfo) -> Any:
@@ -343,12 +465,22 @@ class Settings(BaseSettings):
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, v: str) -> str:
-        from workers.redis_url import SCHEMES, parse_sentinel
+        from workers.redis_url import SCHEMES, celery_ssl, parse_sentinel
 
         if not v.startswith(SCHEMES):
             raise ValueError("COURIER_REDIS_URL must start with redis://, rediss://, unix:// or sentinel://")
         parse_sentinel(v)  # a malformed sentinel URL says what is wrong
+        celery_ssl(v)  # so does an unknown TLS option
         return v
+
+    @model_validator(mode="after")
+    def _redis_password_in_url(self) -> "Settings":
+        """COURIER_REDIS_PASSWORD goes into the URL every client is made from."""
+        from workers.redis_url import with_password
+
+        if self.redis_password is not None and self.redis_password.get_secret_value():
+            self.redis_url = with_password(self.redis_url, self.redis_password.get_secret_value())
+        return self
 
     @field_validator("browser_allowed_hosts")
     @classmethod
