@@ -357,8 +357,8 @@ class Jail:
         t = stderr_tail.lower()
         if lim.open_files and "too many open files" in t:
             return f"the agent hit its limit of {lim.open_files:,} open files"
-        if lim.processes and ("fork" in t or "thread" in t) and ("resource temporarily unavailable" in t
-                                                                 or "errno 11]" in t):
+        if lim.processes and ("resource temporarily unavailable" in t or "errno 11]" in t) and (
+                "fork" in t or "thread" in t or "blockingioerror" in t):
             return f"the agent hit its limit of {lim.processes:,} processes"
         if lim.memory_bytes and ("memoryerror" in t or "cannot allocate memory" in t or "out of memory" in t
                                  or "bad_alloc" in t):
