@@ -13,6 +13,8 @@ import os
 from celery import Celery
 from celery.schedules import crontab
 from celery.signals import (
+    after_setup_logger,
+    after_setup_task_logger,
     beat_init,
     before_task_publish,
     task_postrun,
@@ -25,7 +27,7 @@ from celery.signals import (
 from kombu import Exchange, Queue
 
 from tasks import runtime, task_names
-from workers import broker
+from workers import broker, logsafe
 from workers.redis_url import celery_url
 from workers.settings import get_settings
 
@@ -49,6 +51,7 @@ def task_queue(name: str, args=None, kwargs=None, options=None, task=None, **kw)
 def make_app(settings=None) -> Celery:
     """courier's Celery app for `settings` (default: the environment's)."""
     s = settings or get_settings()
+    logsafe.install(s)  # every process that loads the app (worker, beat, Flower) logs no secret
     broker.install()
     url, sentinel_options = celery_url(s.redis_url)
     app = Celery("courier", include=["tasks.celery_tasks"], events="workers.broker:Events")
@@ -137,6 +140,15 @@ def _context_factory():
 
 
 runtime.set_factory(_context_factory)
+
+
+# -- logging: no secret and no chat text in any line, at any level (workers/logsafe.py) ----------
+@after_setup_logger.connect
+@after_setup_task_logger.connect
+def _redact_logs(logger=None, **_kw) -> None:
+    """Celery has just given the root logger (or its task logger) its handlers:
+    the redaction filter goes on them."""
+    logsafe.install()  # the secrets: the app's settings' (make_app)
 
 
 # -- the threads pool (a delivery worker's default): time limits kept by a watchdog ----------------

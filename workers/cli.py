@@ -51,7 +51,7 @@ def _settings():
     from workers.settings import get_settings
 
     try:
-        return get_settings()
+        settings = get_settings()
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = ".".join(str(x) for x in first.get("loc", ()))
@@ -64,6 +64,10 @@ def _settings():
         cause = exc.__cause__
         why = f": {cause}" if isinstance(cause, ValueError) else ""
         raise die(f"bad setting {name}: not valid JSON{why}", EXIT_INPUT) from None
+    from workers import logsafe
+
+    logsafe.install(settings)  # whatever a command (or a library under it) logs: no secret
+    return settings
 
 
 def _env_name(field: str) -> str:
@@ -347,6 +351,9 @@ def web(
     # courier's own lines (and its libraries') at the same level, on stderr like uvicorn's
     logging.basicConfig(level="DEBUG" if log_level.lower() == "trace" else log_level.upper(),
                         format="%(levelname)s:     %(name)s: %(message)s")
+    from workers import logsafe
+
+    logsafe.install(settings)
     uvicorn.run("workers.web:app", host=host or settings.web_host, port=port or settings.web_port,
                 log_level=log_level.lower(), timeout_graceful_shutdown=5)
 
