@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import posixpath
-import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,7 +27,8 @@ from redis import Redis
 from adapters.defaults import AGENT_TIMEOUT_S
 from adapters.agents.bridge import BridgeResult, run_bridge
 from adapters.agents.hooks import TurnHooks
-from adapters.errors import CourierError, SandboxError
+from adapters.display import visible
+from adapters.errors import CourierError, SandboxError, in_chat_words
 from adapters.sandboxes.base import SandboxRef, parse_uri
 from storage.spill import SpillConfig
 from tasks import chains, events, keys, ledger, receipts
@@ -36,15 +36,13 @@ from tasks.events import Event
 from tasks.messages import TurnResult, TurnSpec
 from tasks.runtime import AgentConfig, Context
 from tasks.states import TURN_OVER
+from tasks.workspaces import relative, workspace_path
 
 
 #: the bundled demo agent, always available as --agent demo
 BUILTIN_AGENTS = {"demo": [sys.executable, "-m", "adapters.agents.demo_agent"]}
 
 
-#: where a turn's own workspace lives inside its agent's sandbox directory: <dir>/turns/<job>
-TURNS_DIR = "turns"
-_UNSAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")
 
 
 def _sandbox_for(ctx: Context, spec: TurnSpec, agent: AgentConfig | None) -> tuple[SandboxRef, str | None]:
@@ -58,12 +56,6 @@ def _sandbox_for(ctx: Context, spec: TurnSpec, agent: AgentConfig | None) -> tup
         return SandboxRef(ref.kind, ref.target, ref.roots, {**ref.options, "workdir": path}), None
     d = os.path.join(ctx.default_sandbox_dir, spec.get("agent") or "default")
     return SandboxRef("local"), d
-
-
-def workspace_path(base: str, job_id: str) -> str:
-    """The turn's own directory inside its agent's sandbox directory `base`."""
-    name = _UNSAFE_NAME.sub("_", job_id).lstrip(".") or "turn"
-    return posixpath.join(base, TURNS_DIR, name[:128])
 
 
 def make_workspace(ctx: Context, ref: SandboxRef, local_dir: str | None, job_id: str,
@@ -121,9 +113,17 @@ class TurnOutcome:
 Enqueue = Callable[[Redis, chains.Plan], list[str]]
 
 
-def failed(job_id: str, target: str, reason: str) -> TurnOutcome:
-    """An error outcome: its plan is a short message to the chat, never a traceback."""
-    plan = chains.Plan(job_id=job_id, target=target, text=f"Sorry, that did not work ({reason[:200]}).")
+#: what a chat is told when its turn's workspace could not be made (the reason stays in the job's record)
+NO_WORKSPACE = "could not make the turn's workspace; the operator was told"
+
+
+def failed(job_id: str, target: str, reason: str, *, said: str | None = None) -> TurnOutcome:
+    """An error outcome: its plan is a short message to the chat, never a traceback:
+    `said` (courier's own failure in the chat's words, `in_chat_words`: the `reason`
+    names buckets, keys, endpoints and paths, and stays in the job's record), else
+    the reason (the agent's), its paths relative to the turn's workspace."""
+    shown = said or visible(relative(reason, job_id))
+    plan = chains.Plan(job_id=job_id, target=target, text=f"Sorry, that did not work ({shown[:200]}).")
     return TurnOutcome(job_id, target, "error", plan=plan, reason=reason)
 
 
@@ -144,6 +144,7 @@ def run_turn(ctx: Context, spec: TurnSpec, *, on_activity: Callable[[Event], Non
     r.hincrby(keys.job(job_id), "attempts", 1)  # the reconciler gives up on a turn that kills its worker
 
     def publish(ev: Event) -> None:
+        ev = events.shown(ev, job_id)  # the chat's progress message shows it too
         events.publish(r, job_id, ev, maxlen=ctx.events_maxlen)
         if on_activity is not None:
             on_activity(ev)
@@ -165,16 +166,18 @@ def run_turn(ctx: Context, spec: TurnSpec, *, on_activity: Callable[[Event], Non
         ref, local_dir = _sandbox_for(ctx, spec, agent)
         ref, workdir = make_workspace(ctx, ref, local_dir, job_id, tuple(agent.roots if agent is not None else ()))
     except CourierError as exc:
-        return failed(job_id, target, f"could not make the turn's workspace: {exc.reason}")
+        return failed(job_id, target, f"could not make the turn's workspace: {exc.reason}", said=NO_WORKSPACE)
     except OSError as exc:
-        return failed(job_id, target, f"could not make the turn's workspace: {exc.strerror or exc}")
+        return failed(job_id, target, f"could not make the turn's workspace: {exc.strerror or exc}",
+                      said=NO_WORKSPACE)
     local = ref.kind == "local"
     place = spill_placer(ctx, ref, workdir)
     hooks = TurnHooks(runner, place) if runner else None
     try:
         attached = put_attachments(ctx, spec, ref, workdir)
     except CourierError as exc:
-        return failed(job_id, target, f"could not hand the attached files to the agent: {exc.reason}")
+        return failed(job_id, target, f"could not hand the attached files to the agent: {exc.reason}",
+                      said=f"could not hand the attached files to the agent: {in_chat_words(exc)}")
     message = spec.get("message", "")
     if attached:
         publish({"kind": "status", "status": "processing",
@@ -239,6 +242,7 @@ def finish(ctx: Context, outcome: TurnOutcome, enqueue: Enqueue, *,
         return {"job": job_id, "state": outcome.state, "skipped": True}
 
     def publish(ev: Event) -> None:
+        ev = events.shown(ev, job_id)  # the chat's progress message shows it too
         events.publish(r, job_id, ev, maxlen=ctx.events_maxlen)
         if on_activity is not None:
             on_activity(ev)
@@ -248,7 +252,8 @@ def finish(ctx: Context, outcome: TurnOutcome, enqueue: Enqueue, *,
         try:
             ids = enqueue(r, outcome.plan)
         except CourierError as exc:
-            outcome = failed(job_id, outcome.target, exc.reason)
+            outcome = failed(job_id, outcome.target, exc.reason,
+                             said=f"the reply could not be sent: {in_chat_words(exc)}")
     if outcome.state == "error" and outcome.plan is not None:
         try:
             ids = enqueue(r, outcome.plan)

@@ -179,7 +179,10 @@ def test_a_reply_that_cannot_be_enqueued_ends_as_an_error_with_the_chats_message
     out = turns.run(spec)
     enqueue = Recorder(fail=1)
     res = turn.finish(turns.ctx, out, enqueue)
-    assert [p.text for p in enqueue.plans] == ["here you go", "Sorry, that did not work (the ledger is away)."]
+    # the chat is told in its words; the reason (courier's detail) is the job's record's
+    assert [p.text for p in enqueue.plans] == [
+        "here you go", "Sorry, that did not work (the reply could not be sent: something went wrong on courier's "
+                       "side; the operator was told)."]
     assert res == {"job": spec["job"], "state": "error", "deliveries": 1, "reason": "the ledger is away"}
     assert receipts.get_job(turns.r, spec["job"])["state"] == "error"
 

@@ -24,6 +24,7 @@ from workers.console import (
     EXIT_INPUT,
     EXIT_SERVICE,
     EXIT_TIMEOUT,
+    cell,
     deliveries_table,
     die,
     err,
@@ -431,8 +432,6 @@ def deliveries(
     if as_json:
         print(json.dumps(rows))
         return
-    from rich.text import Text
-
     t = new_table(("failed deliveries" if failed else "deliveries") + (f" to {chat}" if chat else ""))
     for col in ("delivery", "target", "kind", "name", "size", "attempts", "state", "message id / reason", "queued"):
         t.add_column(col, overflow="fold")
@@ -441,10 +440,10 @@ def deliveries(
         color = {"delivered": "green", "failed": "red"}.get(state, "yellow")
         queued = row.get("queued_s") or row.get("created_s")
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(float(queued))) if queued else ""
-        t.add_row(*(Text(str(v or "")) for v in (
+        t.add_row(*(cell(v or "") for v in (
             row.get("id"), row.get("target"), row.get("kind"), row.get("name"), row.get("size_bytes"),
-            row.get("attempts"))), Text(str(state), style=color),
-            Text(str((row.get("message_id") if state == "delivered" else row.get("reason")) or "")), Text(when))
+            row.get("attempts"))), cell(state, color),
+            cell((row.get("message_id") if state == "delivered" else row.get("reason")) or ""), cell(when))
     out.print(t)
 
 
@@ -492,16 +491,14 @@ def _age(s: float) -> str:
 
 # -- retry, cancel ------------------------------------------------------------------
 def _outcome_table(title: str, rows: list[dict]) -> Table:
-    from rich.text import Text
-
     t = new_table(title)
     for col in ("delivery", "outcome", "state", "note"):
         t.add_column(col, overflow="fold")
     for row in rows:
         style = {"requeued": "green", "cancelled": "green", "refused": "red", "in_flight": "yellow"}.get(
             row.get("outcome", ""), "")
-        t.add_row(Text(str(row.get("id", ""))), Text(str(row.get("outcome", "")), style=style),
-                  Text(str(row.get("state", ""))), Text(str(row.get("reason") or row.get("note") or "")))
+        t.add_row(cell(row.get("id", "")), cell(row.get("outcome", ""), style),
+                  cell(row.get("state", "")), cell(row.get("reason") or row.get("note") or ""))
     return t
 
 

@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from adapters.display import visible
 from tasks.events import describe
 from tasks.states import TURN_OVER
 
@@ -32,8 +33,15 @@ def new_table(title: str, **kw) -> Table:
 
     if not out.is_terminal:
         kw.setdefault("box", box.SIMPLE)
-    return Table(title=Text(title), title_justify="left", **kw)
+    return Table(title=Text(visible(title)), title_justify="left", **kw)
 
+
+def cell(value: object, style: str = "") -> "Text":
+    """A table cell: data as Text (never markup), with every invisible or reordering
+    character escaped (`adapters.display.visible`: a name's right-to-left override)."""
+    from rich.text import Text
+
+    return Text(visible(str(value if value is not None else "")), style=style)
 
 
 def die(msg: str, code: int) -> "typer.Exit":
@@ -91,10 +99,10 @@ def deliveries_table(job_id: str, rows: list[dict]) -> Table:
     for row in rows:
         state = row.get("state", "")
         color = {"delivered": "green", "failed": "red"}.get(state, "yellow")
-        t.add_row(*(Text(str(v or "")) for v in (
+        t.add_row(*(cell(v or "") for v in (
             row.get("id"), row.get("platform"), row.get("kind"), row.get("name"), row.get("size_bytes"),
-            row.get("attempts"))), Text(str(state), style=color),
-            Text(str((row.get("message_id") if state == "delivered" else row.get("reason")) or "")))
+            row.get("attempts"))), cell(state, color),
+            cell((row.get("message_id") if state == "delivered" else row.get("reason")) or ""))
     return t
 
 
