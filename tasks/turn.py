@@ -200,7 +200,8 @@ def run_turn(ctx: Context, spec: TurnSpec, *, on_activity: Callable[[Event], Non
             env["COURIER_HOOK_CONTEXT"] = hook_text
         result = run_bridge(command, message, cwd=workdir if local else (agent.cwd if agent else None),
                             env=env, timeout_s=timeout_s, on_event=publish,
-                            passthrough=tuple(agent.env_passthrough if agent is not None else ()))
+                            passthrough=tuple(agent.env_passthrough if agent is not None else ()),
+                            shown=lambda text: relative(text, job_id))
     if result.status == "error":
         return failed(job_id, target, result.reason)
     if result.status == "no_reply":
@@ -360,7 +361,8 @@ def _run_openai(ctx: Context, job_id: str, message: str, agent: AgentConfig, ref
                     job_id=job_id, spill=turn_tools.spill or SpillConfig(),
                     chromium_path=turn_tools.chromium_path, browser_allowed_hosts=turn_tools.browser_allowed_hosts,
                     place=place)
-    return run_openai(config, message, tools=tools, hooks=hooks, hook_context=hook_ctx, on_event=publish)
+    return run_openai(config, message, tools=tools, hooks=hooks, hook_context=hook_ctx, on_event=publish,
+                      shown=lambda text: relative(text, job_id))
 
 
 def abandon(ctx: Context, job_id: str, reason: str, enqueue: Enqueue = chains.enqueue) -> TurnResult:
