@@ -48,9 +48,9 @@ MIN_SECRET_CHARS = 4
 PAYLOAD_LOGGERS = ("telegram", "discord", "slack_sdk", "slack_bolt", "botocore.endpoint", "botocore.parsers",
                    "openai")
 #: a variable of the process named like this holds a secret (its value is redacted)
-_SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIALS?)$", re.I)
-#: ... unless it names where the secret is, not the secret
-_NOT_SECRET = re.compile(r"_(FILE|PATH|DIR|ID)$", re.I)
+_SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|(^|_)(KEY|PASS)$", re.I)
+#: ... unless it names where the secret is, or what is not one
+_NOT_SECRET = re.compile(r"_(FILE|PATH|DIR|ID|URL|TTL_S)$", re.I)
 #: a %-style placeholder of a log format string
 _PLACEHOLDER = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(?:\*|\d+)?(?:\.(?:\*|\d+))?[hlL]?[diouxXeEfFgGcrsa]")
 
