@@ -19,6 +19,12 @@ from the class alone::
     │   └── SandboxGone        the sandbox vanished / connection lost (transient)
     └── StorageError           blob store failures
         └── BlobMissing        no such key
+
+Each class also says, in `chat_words`, what a chat is told when such a
+failure ends its file or its turn: short words for a person ("storage
+unavailable; the operator was told"), never the reason, which names
+buckets, keys, endpoints and paths and stays in the receipt and the log
+(`in_chat_words`).
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ class CourierError(Exception):
 
     #: whether retrying the same operation later may succeed
     transient: bool = False
+    #: what a chat is told when this failure ends its file or its turn (no detail: that is the reason's)
+    chat_words: str = "something went wrong on courier's side; the operator was told"
 
     @property
     def reason(self) -> str:
@@ -42,13 +50,16 @@ class CourierError(Exception):
 class ConfigError(CourierError):
     """Bad configuration or bad user input (target, URL, path)."""
 
+    chat_words = "courier's configuration does not allow it; the operator was told"
+
 
 class DeliveryError(CourierError):
-    pass
+    chat_words = "the chat platform did not take it"
 
 
 class RateLimited(DeliveryError):
     transient = True
+    chat_words = "the chat platform kept asking to slow down"
 
     def __init__(self, retry_after_s: float, message: str = "") -> None:
         self.retry_after_s = max(0.0, float(retry_after_s))
@@ -57,29 +68,32 @@ class RateLimited(DeliveryError):
 
 class Transient(DeliveryError):
     transient = True
+    chat_words = "the chat platform did not answer"
 
 
 class Permanent(DeliveryError):
-    pass
+    chat_words = "the chat platform refused it"
 
 
 class SandboxError(CourierError):
-    pass
+    chat_words = "the file could not be read from the agent's workspace"
 
 
 class UnsafePath(SandboxError):
-    pass
+    chat_words = "the agent named a file it may not share"
 
 
 class FileMissing(SandboxError):
-    pass
+    chat_words = "the agent named a file that is not in its workspace"
 
 
 class NotAFile(SandboxError):
-    pass
+    chat_words = "what the agent named is not a regular file"
 
 
 class TooLarge(SandboxError):
+    chat_words = "the file is too large"
+
     def __init__(self, message: str, *, size_bytes: int | None = None, limit_bytes: int | None = None) -> None:
         super().__init__(message)
         self.size_bytes = size_bytes
@@ -91,18 +105,27 @@ class FileChanging(SandboxError):
     not a whole version of it. Transient: the writer may finish; read again later."""
 
     transient = True
+    chat_words = "the file kept changing while it was read"
 
 
 class SandboxGone(SandboxError):
     transient = True
+    chat_words = "the agent's workspace could not be reached"
 
 
 class StorageError(CourierError):
     transient = True
+    chat_words = "storage unavailable; the operator was told"
 
 
 class BlobMissing(StorageError):
     transient = False
+    chat_words = "the file is no longer in storage"
+
+
+def in_chat_words(exc: BaseException) -> str:
+    """What a chat is told of `exc` (any exception: one not courier's is its root's words)."""
+    return exc.chat_words if isinstance(exc, CourierError) else CourierError.chat_words
 
 
 # -- vendor errors: one table per adapter ------------------------------------------------------
@@ -165,5 +188,5 @@ __all__ = [
     "ErrorTable", "translating",
     "CourierError", "ConfigError", "DeliveryError", "RateLimited", "Transient", "Permanent",
     "SandboxError", "UnsafePath", "FileMissing", "NotAFile", "TooLarge", "FileChanging", "SandboxGone",
-    "StorageError", "BlobMissing",
+    "StorageError", "BlobMissing", "in_chat_words",
 ]

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from redis import Redis
 from redis.client import Pipeline
 
+from adapters.display import visible
 from adapters.platforms.base import split_target
 from adapters.sandboxes.base import SandboxRef
 from storage import prefixes
@@ -252,7 +253,8 @@ def _label(sig: Signature, text: str) -> Signature:
 
 # -- the messages: ids only ----------------------------------------------------------------------
 def extract_label(did: str, what: str = "") -> str:
-    return (f"({did} {what})" if what else f"({did})")[:200]
+    """`(<delivery id> <sandbox>:<path>)`, Flower's view of an extraction: the path's name as shown (`visible`)."""
+    return (f"({did} {visible(what)})" if what else f"({did})")[:200]
 
 
 def _sig(name: str, *args: Any) -> Signature:

@@ -17,6 +17,7 @@ for the task to re-schedule; `Permanent` is recorded here and not retried.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import replace
 from typing import Any
@@ -24,6 +25,7 @@ from typing import Any
 from redis.client import Pipeline
 from redis.exceptions import NoScriptError
 
+from adapters.display import visible
 from adapters.errors import CourierError, DeliveryError, Permanent, RateLimited
 from adapters.platforms.base import FileRefused, FileSource, Kind, Platform, Sent, split_target
 from tasks import events, keys, metrics, parts, ratelimit, receipts, sendlock
@@ -31,6 +33,8 @@ from storage import BlobStore
 from tasks.messages import JsonObject
 from tasks.runtime import Context
 from tasks.text import fit_caption, human_bytes, split_text
+
+log = logging.getLogger(__name__)
 
 #: how long a platform file id is remembered for the same bytes
 FILE_ID_TTL_S = 30 * 24 * 3600
@@ -171,7 +175,8 @@ def _extraction_failed(ctx: Context, platform: Platform, chat: str, job: JsonObj
         _notice_too_large(ctx, platform, chat, job, extracted.get("name") or job.get("name") or "file",
                           extracted.get("size"), extracted.get("limit"), key=None)
     elif extracted.get("notify"):
-        notice_failed(ctx, job, reason)
+        words = extracted["notify"]
+        notice_failed(ctx, job, words if isinstance(words, str) else CourierError.chat_words, reason=reason)
     receipts.update_delivery(ctx.redis, job["id"], final="1")
     return record_failure(ctx, job, reason)
 
@@ -214,7 +219,8 @@ def plan_file(ctx: Context, platform: Platform, job: JsonObject) -> tuple[Kind, 
     store = ctx.store
     key = job["key"]
     size = job["size"] if isinstance(job.get("size"), int) else store.stat(key).size_bytes
-    name = job.get("name") or os.path.basename(key)
+    # the name the chat shows: an agent's right-to-left override or zero-width space escaped
+    name = visible(job.get("name") or os.path.basename(key))
     kind = choose_kind(platform, name, size, voice=bool(job.get("voice")), as_document=bool(job.get("as_document")))
     src = FileSource(name=name, size_bytes=size, sha256=job.get("sha256") or "", opener=lambda: store.open_read(key),
                      path=store.local_path(key))
@@ -324,6 +330,7 @@ def _sha256_of(store: BlobStore, key: str) -> str:
 
 def _notice_too_large(ctx: Context, platform: Platform, chat: str, job: JsonObject, name: str, size: Any, limit: Any,
                       *, key: str | None) -> str:
+    name = visible(name)
     size_s = human_bytes(int(size)) if size else "unknown size"
     limit_s = human_bytes(int(limit)) if limit else "the limit"
     reason = f"too large: {name} is {size_s}, over the {limit_s} limit for {platform.name}"
@@ -370,12 +377,16 @@ def _notice(ctx: Context, platform: Platform, chat: str, job: JsonObject, text: 
         pass  # the failure is recorded either way
 
 
-def notice_failed(ctx: Context, job: JsonObject, reason: str) -> None:
+def notice_failed(ctx: Context, job: JsonObject, words: str, *, reason: str) -> None:
     """Tell the chat that a file it was to get failed for good (an outage past
-    its deadline, errors past their count): one short notice, best effort
-    (the failure itself is final: a notice still rate limited is dropped)."""
+    its deadline, errors past their count): one short notice in the chat's
+    `words` (`in_chat_words`: "storage unavailable; the operator was told"),
+    best effort (the failure itself is final: a notice still rate limited is
+    dropped). The `reason`, with the bucket, key, endpoint or path it names,
+    goes to the receipt (the caller's) and the worker's log: never the chat."""
     platform_name, chat = split_target(job["target"])
-    text = f"⚠️ {job.get('name') or 'a file'} could not be sent: {reason[:300]}"
+    log.warning("delivery %s to %s failed for good: %s", job["id"], job["target"], reason)
+    text = f"⚠️ {visible(job.get('name') or 'a file')} could not be sent: {words}."
     try:
         platform = parts.guard(ctx.redis, ctx.platform(platform_name), job["id"])
         _notice(ctx, platform, chat, job, text, key=None)

@@ -10,6 +10,7 @@ were queued) and then every delivery's final state (delivered | failed).
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Mapping
 from typing import Any, cast
@@ -17,8 +18,10 @@ from typing import Any, cast
 from redis import Redis
 from redis.client import Pipeline
 
+from adapters.display import visible
 from tasks import keys
 from tasks.states import DELIVERY_OVER
+from tasks.workspaces import relative
 
 #: one event: a flat JSON object (`kind`, `ts` and the kind's fields; agents add their own)
 Event = dict[str, Any]
@@ -31,13 +34,24 @@ def publish(r: Redis, job_id: str, event: Event, *, maxlen: int = 1000, pipe: Pi
             ) -> str | None:
     """Append an event (one round trip). With `pipe`, queue it on that pipeline
     instead and return None."""
-    event = {"ts": round(time.time(), 3), **event}
+    event = {"ts": round(time.time(), 3), **shown(event, job_id)}
     p = pipe if pipe is not None else r.pipeline(transaction=False)
     p.xadd(keys.events(job_id), {"data": json.dumps(event, ensure_ascii=False)}, maxlen=maxlen, approximate=True)
     p.expire(keys.events(job_id), STREAM_TTL_S)
     if pipe is not None:
         return None
     return cast(str, p.execute()[0])
+
+
+def shown(event: Event, job_id: str) -> Event:
+    """The event as its readers show it (the turn page, `courier watch`, the chat's progress
+    message): in every text, paths into the turn's workspace relative to it (never the
+    worker host's absolute path) and nothing invisible or reordering (`visible`: an agent's
+    file names and activity, a right-to-left override); line breaks as spaces."""
+    return {k: visible(_BREAKS.sub(" ", relative(v, job_id))) if isinstance(v, str) else v for k, v in event.items()}
+
+
+_BREAKS = re.compile(r"[\t\n\r\x0b\x0c]")
 
 
 def read(r: Redis, job_id: str, after: str = "0-0", *, block_ms: int | None = None, count: int = 100
@@ -127,8 +141,8 @@ def describe(ev: Event) -> str:
 
 
 def _text(v: object) -> str:
-    """One line of text."""
-    return " ".join(str(v if v is not None else "").split())
+    """One line of text, nothing in it invisible or reordering (`visible`: an agent's names)."""
+    return visible(" ".join(str(v if v is not None else "").split()))
 
 
 def is_terminal(ev: Event) -> bool:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from redis import Redis
 from redis.client import Pipeline
 
-from adapters.errors import CourierError, SandboxError, StorageError, TooLarge, UnsafePath
+from adapters.errors import CourierError, SandboxError, StorageError, TooLarge, UnsafePath, in_chat_words
 from adapters.sandboxes.base import SandboxRef, os_error
 from tasks import events, metrics, receipts, signing
 from tasks.messages import JsonObject
@@ -116,10 +116,11 @@ def worker_ref(ctx: Context, ref: SandboxRef) -> SandboxRef:
 
 def record_failure(r: Redis, did: str, result: JsonObject) -> JsonObject:
     """Record a permanent extraction failure in the receipt (the delivery
-    after it makes it final: `failed`, with a notice when too large); returns `result`."""
+    after it makes it final: `failed`, with a notice when too large, or
+    when `notify` holds the words the chat is told: `in_chat_words`); returns `result`."""
     receipts.update_open_delivery(r, did, state="extract_failed", extraction="failed", reason=result["reason"],
                                   too_large="1" if result.get("too_large") else None,
-                                  notify="1" if result.get("notify") else None, size_bytes=result.get("size"),
+                                  notify=result.get("notify") or None, size_bytes=result.get("size"),
                                   limit_bytes=result.get("limit"))
     return result
 
@@ -133,8 +134,8 @@ def result_of(rec: receipts.Receipt, key: str) -> JsonObject | None:
                 "sha256": rec.get("sha256") or ""}
     if rec.get("extraction") == "failed":
         out: JsonObject = {"ok": False, "reason": rec.get("reason") or "extraction failed", "name": name}
-        if rec.get("notify") == "1":
-            out["notify"] = True
+        if rec.get("notify"):  # the chat's words ("1": a receipt from before they were kept)
+            out["notify"] = rec["notify"] if rec["notify"] != "1" else CourierError.chat_words
         if rec.get("too_large") == "1":
             out.update(too_large=True, size=rec.get("size_bytes") or None, limit=rec.get("limit_bytes") or None)
         return out
@@ -221,7 +222,7 @@ def run(ctx: Context, did: str, queue_drive: Callable[[Pipeline, str], bool] | N
                 else:
                     what = "storage unavailable" if isinstance(exc, StorageError) else f"gave up after {n} attempts"
                     result = record_failure(r, did, {"ok": False, "reason": f"{what}: {reason}",
-                                                     "name": job.get("name"), "notify": True})
+                                                     "name": job.get("name"), "notify": in_chat_words(exc)})
             if ret is None:
                 ledger.clear_due(end, "extract", did)
     except BaseException:

@@ -149,7 +149,7 @@ def workspace_stats(agent_dirs: list[str], ttl_s: int, now: float | None = None,
                     dry_run: bool = False) -> tuple[int, int]:
     """`sweep_workspaces`, returning (workspaces, bytes): deleted, or with
     `dry_run` the ones that would be."""
-    from tasks.turn import TURNS_DIR
+    from tasks.workspaces import TURNS_DIR
 
     cutoff = (time.time() if now is None else now) - ttl_s
     n = size = 0

@@ -31,7 +31,7 @@ from redis import Redis
 from redis.client import Pipeline
 from redis.exceptions import NoScriptError
 
-from adapters.errors import CourierError, RateLimited, StorageError
+from adapters.errors import CourierError, RateLimited, StorageError, in_chat_words
 from tasks import album
 from tasks import delivery as delivery_mod
 from tasks import keys, ledger, metrics, receipts, sendlock, signing
@@ -533,7 +533,7 @@ def _run_step(ctx: Context, step: Step, held: sendlock.Held | None = None, end: 
         if ledger.gives_up(exc, n, first_s, max_attempts=ctx.max_transient_attempts,
                            outage_deadline_s=ctx.outage_deadline_s):
             what = "storage unavailable" if isinstance(exc, StorageError) else f"gave up after {n} attempts"
-            _give_up(ctx, step, f"{what}: {reason}", notify=True)
+            _give_up(ctx, step, f"{what}: {reason}", notice=in_chat_words(exc))
             return None
         return ledger.backoff_s(n, storage=isinstance(exc, StorageError))
 
@@ -548,9 +548,11 @@ def _mark_open(ctx: Context, step: Step, **fields: Any) -> None:
         receipts.update_delivery(ctx.redis, job["id"], **fields)
 
 
-def _give_up(ctx: Context, step: Step, reason: str, *, notify: bool = False) -> None:
+def _give_up(ctx: Context, step: Step, reason: str, *, notice: str | None = None) -> None:
+    """Fail the step's open deliveries for good with `reason` (the receipt's); a file's
+    chat is told `notice` (the failure in its words, `in_chat_words`) when given."""
     for job in _open(ctx, step):
         receipts.update_delivery(ctx.redis, job["id"], final="1")
         delivery_mod.record_failure(ctx, job, reason)
-        if notify and job.get("type") == "file":
-            delivery_mod.notice_failed(ctx, job, reason)
+        if notice and job.get("type") == "file":
+            delivery_mod.notice_failed(ctx, job, notice, reason=reason)

@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import posixpath
-import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,7 +29,8 @@ from adapters.defaults import AGENT_TIMEOUT_S
 from adapters.agents.bridge import BridgeResult, run_bridge
 from adapters.agents.hooks import TurnHooks
 from adapters.agents.jail import Jail, Limits, bind_paths, maybe, unavailable
-from adapters.errors import ConfigError, CourierError, SandboxError
+from adapters.display import visible
+from adapters.errors import ConfigError, CourierError, SandboxError, in_chat_words
 from adapters.sandboxes.base import SandboxRef, parse_uri
 from storage.spill import SpillConfig
 from tasks import chains, events, keys, ledger, receipts, signing
@@ -38,6 +38,7 @@ from tasks.events import Event
 from tasks.messages import TurnResult, TurnSpec
 from tasks.runtime import AgentConfig, Context
 from tasks.states import TURN_OVER
+from tasks.workspaces import relative, workspace_path
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +49,6 @@ BUILTIN_AGENTS = {"demo": [sys.executable, os.path.join(os.path.dirname(os.path.
                                                         "adapters", "agents", "demo_agent.py")]}
 
 
-#: where a turn's own workspace lives inside its agent's sandbox directory: <dir>/turns/<job>
-TURNS_DIR = "turns"
-_UNSAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")
 
 
 def _sandbox_for(ctx: Context, spec: TurnSpec, agent: AgentConfig | None) -> tuple[SandboxRef, str | None]:
@@ -64,12 +62,6 @@ def _sandbox_for(ctx: Context, spec: TurnSpec, agent: AgentConfig | None) -> tup
         return SandboxRef(ref.kind, ref.target, ref.roots, {**ref.options, "workdir": path}), None
     d = os.path.join(ctx.default_sandbox_dir, spec.get("agent") or "default")
     return SandboxRef("local"), d
-
-
-def workspace_path(base: str, job_id: str) -> str:
-    """The turn's own directory inside its agent's sandbox directory `base`."""
-    name = _UNSAFE_NAME.sub("_", job_id).lstrip(".") or "turn"
-    return posixpath.join(base, TURNS_DIR, name[:128])
 
 
 def make_workspace(ctx: Context, ref: SandboxRef, local_dir: str | None, job_id: str,
@@ -127,10 +119,17 @@ class TurnOutcome:
 Enqueue = Callable[[Redis, chains.Plan], list[str]]
 
 
-def failed(job_id: str, target: str, reason: str, chat: str | None = None) -> TurnOutcome:
-    """An error outcome: its plan is a short message to the chat (`chat`, or
-    the reason), never a traceback; the reason stays on the job."""
-    plan = chains.Plan(job_id=job_id, target=target, text=f"Sorry, that did not work ({(chat or reason)[:200]}).")
+#: what a chat is told when its turn's workspace could not be made (the reason stays in the job's record)
+NO_WORKSPACE = "could not make the turn's workspace; the operator was told"
+
+
+def failed(job_id: str, target: str, reason: str, *, said: str | None = None) -> TurnOutcome:
+    """An error outcome: its plan is a short message to the chat, never a traceback:
+    `said` (courier's own failure in the chat's words, `in_chat_words`: the `reason`
+    names buckets, keys, endpoints and paths, and stays in the job's record), else
+    the reason (the agent's), its paths relative to the turn's workspace."""
+    shown = said or visible(relative(reason, job_id))
+    plan = chains.Plan(job_id=job_id, target=target, text=f"Sorry, that did not work ({shown[:200]}).")
     return TurnOutcome(job_id, target, "error", plan=plan, reason=reason)
 
 
@@ -151,6 +150,7 @@ def run_turn(ctx: Context, spec: TurnSpec, *, on_activity: Callable[[Event], Non
     r.hincrby(keys.job(job_id), "attempts", 1)  # the reconciler gives up on a turn that kills its worker
 
     def publish(ev: Event) -> None:
+        ev = events.shown(ev, job_id)  # the chat's progress message shows it too
         events.publish(r, job_id, ev, maxlen=ctx.events_maxlen)
         if on_activity is not None:
             on_activity(ev)
@@ -169,15 +169,16 @@ def run_turn(ctx: Context, spec: TurnSpec, *, on_activity: Callable[[Event], Non
         ref, local_dir = _sandbox_for(ctx, spec, agent)
         ref, workdir = make_workspace(ctx, ref, local_dir, job_id, tuple(agent.roots if agent is not None else ()))
     except CourierError as exc:
-        return failed(job_id, target, f"could not make the turn's workspace: {exc.reason}")
+        return failed(job_id, target, f"could not make the turn's workspace: {exc.reason}", said=NO_WORKSPACE)
     except OSError as exc:
-        return failed(job_id, target, f"could not make the turn's workspace: {exc.strerror or exc}")
+        return failed(job_id, target, f"could not make the turn's workspace: {exc.strerror or exc}",
+                      said=NO_WORKSPACE)
     local = ref.kind == "local"
     try:
         jail = turn_jail(ctx, name, agent, command, workdir, job_id) if local else None
     except CourierError as exc:
         log.error("turn %s: %s", job_id, exc.reason)
-        return failed(job_id, target, exc.reason, chat="this agent cannot run safely on this host; "
+        return failed(job_id, target, exc.reason, said="this agent cannot run safely on this host; "
                                                        "the operator was told")
     with maybe(jail):
         return _run_agent(ctx, spec, agent, name, ref, workdir, jail, command, env, timeout_s, publish)
@@ -216,7 +217,8 @@ def _run_agent(ctx: Context, spec: TurnSpec, agent: AgentConfig | None, name: st
     try:
         attached = put_attachments(ctx, spec, ref, workdir)
     except CourierError as exc:
-        return failed(job_id, target, f"could not hand the attached files to the agent: {exc.reason}")
+        return failed(job_id, target, f"could not hand the attached files to the agent: {exc.reason}",
+                      said=f"could not hand the attached files to the agent: {in_chat_words(exc)}")
     if jail is not None:
         for p in attached:
             jail.own(p)
@@ -246,7 +248,8 @@ def _run_agent(ctx: Context, spec: TurnSpec, agent: AgentConfig | None, name: st
         result = run_bridge(command, message, cwd=workdir if local else (agent.cwd if agent else None),
                             env=env, timeout_s=timeout_s, on_event=publish,
                             passthrough=tuple(agent.env_passthrough if agent is not None else ()),
-                            jail=jail, network="none" if network == "none" else "proxy")
+                            jail=jail, network="none" if network == "none" else "proxy",
+                            shown=lambda text: relative(text, job_id))
     if result.status == "error":
         return failed(job_id, target, result.reason)
     if result.status == "no_reply":
@@ -288,6 +291,7 @@ def finish(ctx: Context, outcome: TurnOutcome, enqueue: Enqueue, *,
         return {"job": job_id, "state": outcome.state, "skipped": True}
 
     def publish(ev: Event) -> None:
+        ev = events.shown(ev, job_id)  # the chat's progress message shows it too
         events.publish(r, job_id, ev, maxlen=ctx.events_maxlen)
         if on_activity is not None:
             on_activity(ev)
@@ -297,7 +301,8 @@ def finish(ctx: Context, outcome: TurnOutcome, enqueue: Enqueue, *,
         try:
             ids = enqueue(r, outcome.plan)
         except CourierError as exc:
-            outcome = failed(job_id, outcome.target, exc.reason)
+            outcome = failed(job_id, outcome.target, exc.reason,
+                             said=f"the reply could not be sent: {in_chat_words(exc)}")
     if outcome.state == "error" and outcome.plan is not None:
         try:
             ids = enqueue(r, outcome.plan)
@@ -407,7 +412,8 @@ def _run_openai(ctx: Context, job_id: str, message: str, agent: AgentConfig, ref
                     job_id=job_id, spill=turn_tools.spill or SpillConfig(),
                     chromium_path=turn_tools.chromium_path, browser_allowed_hosts=turn_tools.browser_allowed_hosts,
                     place=place, jail=jail, tool_network="proxy" if turn_tools.tool_network == "proxy" else "none")
-    return run_openai(config, message, tools=tools, hooks=hooks, hook_context=hook_ctx, on_event=publish)
+    return run_openai(config, message, tools=tools, hooks=hooks, hook_context=hook_ctx, on_event=publish,
+                      shown=lambda text: relative(text, job_id))
 
 
 def abandon(ctx: Context, job_id: str, reason: str, enqueue: Enqueue = chains.enqueue) -> TurnResult:

@@ -69,11 +69,30 @@ def test_files_over_the_cap_are_left_out_with_a_notice():
 @pytest.mark.parametrize("uri", ["docker://c/x?host=bad/host", "docker://c/x?evil=1", "docker:///x",
                                  "local://host/x", "local:relative",
                                  # urlparse drops a raw tab or newline: the URI would name another file
-                                 "docker://c/x\ny", "docker://c/a\tb", "local:///tmp/x%0Ay", "ssh://h/x\x7f"])
+                                 "docker://c/x\ny", "docker://c/a\tb", "local:///tmp/x%0Ay", "ssh://h/x\x7f",
+                                 # %-escapes that are not UTF-8: decoded to U+FFFD they would name another file
+                                 "docker://c%FF/x", "ssh://us%FFer@h/x", "docker://c/x?host=a%FF",
+                                 "local:///tmp/\udcff.txt"])
 def test_bad_sandbox_uris_are_config_errors(uri):
     with pytest.raises(ConfigError):
         ref, _ = parse_uri(uri)
         chains.sandbox_queue(ref)
+
+
+def test_a_uri_path_that_is_not_utf8_is_refused_never_read_as_another_file(tmp_path):
+    # `%FF` decoded to U+FFFD named `\ufffd.txt`, a different file that exists (and was delivered)
+    import os
+
+    (tmp_path / "\ufffd.txt").write_text("another file")
+    with open(os.path.join(os.fsencode(tmp_path), b"\xff.txt"), "wb") as f:
+        f.write(b"the file meant")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        parse_uri(f"local://{tmp_path}/%FF.txt")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        parse_uri(f"docker://c{tmp_path}/%C3%28.txt")  # a broken two-byte sequence
+    # UTF-8 escapes decode as before, and a path round-trips through format_uri
+    ref, path = parse_uri(f"local://{tmp_path}/caf%C3%A9%20menu.txt")
+    assert path == f"{tmp_path}/café menu.txt" and parse_uri(format_uri(ref, path)) == (ref, path)
 
 
 def test_storage_keys_are_safe():

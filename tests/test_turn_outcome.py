@@ -8,6 +8,7 @@ the enqueue is a recorder, or `chains.register` (the ledger half of
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import textwrap
@@ -17,7 +18,7 @@ import pytest
 from adapters.errors import CourierError
 from adapters.sandboxes.local import LocalSandbox
 from storage.volume import VolumeStore
-from tasks import chains, events, keys, operations, receipts, turn
+from tasks import chains, events, extract, keys, lanes, operations, receipts, turn
 from tasks.runtime import Context
 from tests.fixtures.webstack import AGENT_PRELUDE
 from tests.test_delivery_flow import MemoryPlatform
@@ -41,6 +42,17 @@ AGENTS = {
         """,
     "quiet": """
         ev(kind="status", status="declined", reason="not for me")
+        """,
+    # the worker host's absolute paths in its events and in a MEDIA tag of a file it never made
+    "paths": """
+        ws = os.getcwd()
+        os.makedirs("out", exist_ok=True)
+        ev(kind="tool_start", tool_name="write_file", tool_call_id="c1", activity="writing " + ws + "/out/report.csv")
+        ev(kind="tool_result", tool_name="write_file", tool_call_id="c1", status="error",
+           error="cannot write " + os.path.join(ws, "out") + ": busy")
+        ev(kind="status", status="thinking", message="in " + ws)
+        print("done")
+        print("MEDIA:" + ws + "/out/missing.png")
         """,
     # what the turn handed it: its message and the attachments' paths
     "inbox": """
@@ -179,7 +191,10 @@ def test_a_reply_that_cannot_be_enqueued_ends_as_an_error_with_the_chats_message
     out = turns.run(spec)
     enqueue = Recorder(fail=1)
     res = turn.finish(turns.ctx, out, enqueue)
-    assert [p.text for p in enqueue.plans] == ["here you go", "Sorry, that did not work (the ledger is away)."]
+    # the chat is told in its words; the reason (courier's detail) is the job's record's
+    assert [p.text for p in enqueue.plans] == [
+        "here you go", "Sorry, that did not work (the reply could not be sent: something went wrong on courier's "
+                       "side; the operator was told)."]
     assert res == {"job": spec["job"], "state": "error", "deliveries": 1, "reason": "the ledger is away"}
     assert receipts.get_job(turns.r, spec["job"])["state"] == "error"
 
@@ -239,3 +254,24 @@ def test_abandon_ends_a_turn_with_the_chats_message(turns):
     assert res["state"] == "error" and res["deliveries"] == 1
     assert enqueue.plans[0].target == "memory:chat" and "worker died" in (enqueue.plans[0].text or "")
     assert turns.events(spec["job"])[-1]["status"] == "error"
+
+
+def test_a_turns_events_show_workspace_relative_paths_never_the_hosts(turns):
+    # what the turn page (and `courier watch`, the chat's progress message) shows: the turn's events
+    spec = turns.new("paths")
+    out = turns.run(spec)
+    ws = turn.workspace_path(os.path.join(turns.ctx.default_sandbox_dir, "paths"), spec["job"])
+    (did,) = turn.finish(turns.ctx, out, lambda r, plan: [e.did for e in chains.register(r, plan)]) and \
+        [d["id"] for d in receipts.job_deliveries(turns.r, spec["job"]) if d.get("type") == "file"]
+    assert extract.run(turns.ctx, did)["state"] == "failed"  # the file it named does not exist
+    lanes.drive(turns.ctx, "memory:chat", lambda t, countdown=None: None)
+    evs = turns.events(spec["job"])
+    shown = [events.describe(ev) for ev in evs]
+    assert "writing out/report.csv" in shown, shown
+    assert "writing out/report.csv (error: cannot write out: busy)" in shown and "in ." in shown, shown
+    (failed,) = [ev for ev in evs if ev.get("kind") == "delivery" and ev.get("state") == "failed"]
+    assert "out/missing.png" in failed["reason"] and failed["name"] == "missing.png", failed
+    for ev in evs:
+        assert ws not in json.dumps(ev) and turns.ctx.default_sandbox_dir not in json.dumps(ev), ev
+    # the receipt keeps the detail
+    assert f"{ws}/out/missing.png" in (receipts.get_delivery(turns.r, did) or {})["reason"]

@@ -100,6 +100,9 @@ def test_the_page_shows_a_real_turns_phases_and_thumbnail_as_they_happen(web, br
     assert list(dict.fromkeys(p for p in seen if p in ("started", "thinking", "completed"))) == [
         "started", "thinking", "completed"], seen
     assert len(now["tools"]) == 2 and all("✓" in t and "writing" in t for t in now["tools"]), now["tools"]
+    # workspace-relative paths, never the worker host's (the demo agent writes into <data dir>/sandbox/...)
+    assert [t.split(" ✓")[0] for t in now["tools"]] == ["writing chart.png", "writing report.csv"], now["tools"]
+    assert str(env.data_dir) not in page.inner_text("body")
     rows = {r["name"]: r for r in now["rows"] if r["name"]}
     chart = rows["chart.png"]
     assert chart["kind"] == "photo" and chart["thumb"]["w"] > 50 and chart["thumb"]["h"] > 50

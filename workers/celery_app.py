@@ -13,6 +13,8 @@ import os
 from celery import Celery
 from celery.schedules import crontab
 from celery.signals import (
+    after_setup_logger,
+    after_setup_task_logger,
     task_rejected,
     beat_init,
     before_task_publish,
@@ -26,7 +28,7 @@ from celery.signals import (
 from kombu import Exchange, Queue
 
 from tasks import runtime, task_names
-from workers import broker, signed_messages
+from workers import broker, logsafe, signed_messages
 from workers.redis_url import celery_ssl, celery_url
 from workers.settings import get_settings
 
@@ -51,6 +53,7 @@ def make_app(settings=None) -> Celery:
     signed_messages.install()
     """courier's Celery app for `settings` (default: the environment's)."""
     s = settings or get_settings()
+    logsafe.install(s)  # every process that loads the app (worker, beat, Flower) logs no secret
     broker.install()
     url, sentinel_options = celery_url(s.redis_url)
     tls = celery_ssl(s.redis_url)
@@ -145,6 +148,15 @@ def _context_factory():
 
 
 runtime.set_factory(_context_factory)
+
+
+# -- logging: no secret and no chat text in any line, at any level (workers/logsafe.py) ----------
+@after_setup_logger.connect
+@after_setup_task_logger.connect
+def _redact_logs(logger=None, **_kw) -> None:
+    """Celery has just given the root logger (or its task logger) its handlers:
+    the redaction filter goes on them."""
+    logsafe.install()  # the secrets: the app's settings' (make_app)
 
 
 # -- the threads pool (a delivery worker's default): time limits kept by a watchdog ----------------

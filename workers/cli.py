@@ -24,6 +24,7 @@ from workers.console import (
     EXIT_INPUT,
     EXIT_SERVICE,
     EXIT_TIMEOUT,
+    cell,
     deliveries_table,
     die,
     err,
@@ -51,7 +52,7 @@ def _settings():
     from workers.settings import SecretFileError, get_settings
 
     try:
-        return get_settings()
+        settings = get_settings()
     except SecretFileError as exc:  # a <NAME>_FILE: the message names it, never the content
         raise die(f"bad setting {exc}", EXIT_INPUT) from None
     except ValidationError as exc:
@@ -66,6 +67,10 @@ def _settings():
         cause = exc.__cause__
         why = f": {cause}" if isinstance(cause, ValueError) else ""
         raise die(f"bad setting {name}: not valid JSON{why}", EXIT_INPUT) from None
+    from workers import logsafe
+
+    logsafe.install(settings)  # whatever a command (or a library under it) logs: no secret
+    return settings
 
 
 def _env_name(field: str) -> str:
@@ -352,6 +357,9 @@ def web(
     # courier's own lines (and its libraries') at the same level, on stderr like uvicorn's
     logging.basicConfig(level="DEBUG" if log_level.lower() == "trace" else log_level.upper(),
                         format="%(levelname)s:     %(name)s: %(message)s")
+    from workers import logsafe
+
+    logsafe.install(settings)
     uvicorn.run("workers.web:app", host=host or settings.web_host, port=port or settings.web_port,
                 log_level=log_level.lower(), timeout_graceful_shutdown=5)
 
@@ -429,8 +437,6 @@ def deliveries(
     if as_json:
         print(json.dumps(rows))
         return
-    from rich.text import Text
-
     t = new_table(("failed deliveries" if failed else "deliveries") + (f" to {chat}" if chat else ""))
     for col in ("delivery", "target", "kind", "name", "size", "attempts", "state", "message id / reason", "queued"):
         t.add_column(col, overflow="fold")
@@ -439,10 +445,10 @@ def deliveries(
         color = {"delivered": "green", "failed": "red"}.get(state, "yellow")
         queued = row.get("queued_s") or row.get("created_s")
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(float(queued))) if queued else ""
-        t.add_row(*(Text(str(v or "")) for v in (
+        t.add_row(*(cell(v or "") for v in (
             row.get("id"), row.get("target"), row.get("kind"), row.get("name"), row.get("size_bytes"),
-            row.get("attempts"))), Text(str(state), style=color),
-            Text(str((row.get("message_id") if state == "delivered" else row.get("reason")) or "")), Text(when))
+            row.get("attempts"))), cell(state, color),
+            cell((row.get("message_id") if state == "delivered" else row.get("reason")) or ""), cell(when))
     out.print(t)
 
 
@@ -490,16 +496,14 @@ def _age(s: float) -> str:
 
 # -- retry, cancel ------------------------------------------------------------------
 def _outcome_table(title: str, rows: list[dict]) -> Table:
-    from rich.text import Text
-
     t = new_table(title)
     for col in ("delivery", "outcome", "state", "note"):
         t.add_column(col, overflow="fold")
     for row in rows:
         style = {"requeued": "green", "cancelled": "green", "refused": "red", "in_flight": "yellow"}.get(
             row.get("outcome", ""), "")
-        t.add_row(Text(str(row.get("id", ""))), Text(str(row.get("outcome", "")), style=style),
-                  Text(str(row.get("state", ""))), Text(str(row.get("reason") or row.get("note") or "")))
+        t.add_row(cell(row.get("id", "")), cell(row.get("outcome", ""), style),
+                  cell(row.get("state", "")), cell(row.get("reason") or row.get("note") or ""))
     return t
 
 

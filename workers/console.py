@@ -13,7 +13,9 @@ from typing import TypeVar
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
+from adapters.display import visible
 from tasks.events import describe
 from tasks.states import TURN_OVER
 
@@ -28,12 +30,16 @@ err = Console(stderr=True)
 def new_table(title: str, **kw) -> Table:
     """A table whose title is data; piped, without vertical rules (one line per row, for grep and awk)."""
     from rich import box
-    from rich.text import Text
 
     if not out.is_terminal:
         kw.setdefault("box", box.SIMPLE)
-    return Table(title=Text(title), title_justify="left", **kw)
+    return Table(title=Text(visible(title)), title_justify="left", **kw)
 
+
+def cell(value: object, style: str = "") -> Text:
+    """A table cell: data as Text (never markup), with every invisible or reordering
+    character escaped (`adapters.display.visible`: a name's right-to-left override)."""
+    return Text(visible(str(value if value is not None else "")), style=style)
 
 
 def die(msg: str, code: int) -> "typer.Exit":
@@ -83,7 +89,6 @@ def wait_deliveries(r, job_id: str, timeout_s: float) -> tuple[list[dict], bool]
 
 def deliveries_table(job_id: str, rows: list[dict]) -> Table:
     """Receipts as a table; every cell is data (Text: never read as markup)."""
-    from rich.text import Text
 
     t = new_table(f"deliveries of {job_id}")
     for col in ("delivery", "platform", "kind", "name", "size", "attempts", "state", "message id / reason"):
@@ -91,10 +96,10 @@ def deliveries_table(job_id: str, rows: list[dict]) -> Table:
     for row in rows:
         state = row.get("state", "")
         color = {"delivered": "green", "failed": "red"}.get(state, "yellow")
-        t.add_row(*(Text(str(v or "")) for v in (
+        t.add_row(*(cell(v or "") for v in (
             row.get("id"), row.get("platform"), row.get("kind"), row.get("name"), row.get("size_bytes"),
-            row.get("attempts"))), Text(str(state), style=color),
-            Text(str((row.get("message_id") if state == "delivered" else row.get("reason")) or "")))
+            row.get("attempts"))), cell(state, color),
+            cell((row.get("message_id") if state == "delivered" else row.get("reason")) or ""))
     return t
 
 
@@ -174,8 +179,6 @@ class _WatchView:
         return render_event(ev)
 
     def __rich__(self):
-        from rich.text import Text
-
         done = sum(1 for s in self.deliveries.values() if s in ("delivered", "failed"))
         line = Text.assemble((self.job_id, "bold"), " · ", (self.phase, "cyan"))
         if self.activity:

@@ -520,6 +520,9 @@ def quiet_query_strings() -> None:
 def create_app(settings: Settings | None = None) -> Starlette:
     web = _Web(settings or get_settings())
     quiet_query_strings()
+    from workers import logsafe
+
+    logsafe.install(web.settings)  # uvicorn's handlers exist by now (it configures logging first)
 
     async def files(request: Request) -> Response:
         """A volume's blob behind a signed, expiring link (storage/links.py), streamed."""

@@ -119,6 +119,17 @@ def _text(v: Any, max_chars: int = MAX_TEXT_FIELD_CHARS) -> str | None:
     return s if len(s) <= max_chars else s[: max_chars - 1] + "…"
 
 
+def mapped_strings(v: Any, fn: Callable[[str], str]) -> Any:
+    """`v` with `fn` applied to every string in it (in dicts and lists too)."""
+    if isinstance(v, str):
+        return fn(v)
+    if isinstance(v, dict):
+        return {k: mapped_strings(x, fn) for k, x in v.items()}
+    if isinstance(v, list):
+        return [mapped_strings(x, fn) for x in v]
+    return v
+
+
 class EventNormaliser:
     """Turns raw agent events into courier's phase events.
 
@@ -127,7 +138,10 @@ class EventNormaliser:
     with). Tool calls are paired: a `tool_result` without an id closes the
     last open call of the same tool. Shared by every runtime."""
 
-    def __init__(self) -> None:
+    def __init__(self, shown: Callable[[str], str] | None = None) -> None:
+        #: how the turn's texts are shown (its paths relative to its workspace), applied to every
+        #: string of a raw event before anything is cut to length
+        self.shown = shown
         self.terminal: dict[str, Any] | None = None
         self._n = 0
         self._open: dict[str, tuple[str, str, float]] = {}  # id -> (tool, activity, started monotonic)
@@ -143,6 +157,8 @@ class EventNormaliser:
         log.warning("dropped an agent event: %s", why)
 
     def feed(self, raw: dict[str, Any]) -> dict[str, Any] | None:
+        if self.shown is not None:
+            raw = mapped_strings(raw, self.shown)
         kind = raw.get("kind", raw.get("type"))
         if not isinstance(kind, str):
             self.drop("no kind")
@@ -264,9 +280,10 @@ class _Lines:
 class _Stdout:
     """Splits the agent's stdout into events (to `emit`) and reply text (bounded)."""
 
-    def __init__(self, emit: Callable[[dict], None], max_reply_chars: int) -> None:
+    def __init__(self, emit: Callable[[dict], None], max_reply_chars: int,
+                 shown: Callable[[str], str] | None = None) -> None:
         self.lines = _Lines(MAX_EVENT_LINE_CHARS)
-        self.norm = EventNormaliser()
+        self.norm = EventNormaliser(shown)
         self.emit = emit
         self.reply: list[str] = []
         self.reply_chars = 0
@@ -346,9 +363,12 @@ def run_bridge(
     passthrough: tuple[str, ...] | list[str] = (),
     jail: Jail | None = None,
     network: Network = "proxy",
+    shown: Callable[[str], str] | None = None,
 ) -> BridgeResult:
     """Run one agent turn; `on_event` gets each normalised non-terminal event
-    (in order, from this thread). Never raises for the agent's misbehaviour.
+    (in order, from this thread; `shown` applied to the raw event's texts
+    first: the turn's paths written relative to its workspace). Never raises
+    for the agent's misbehaviour.
 
     The agent's environment is an allowlist, never the worker's own (which
     holds tokens, the API key and the Redis URL): the basics of
@@ -381,7 +401,7 @@ def run_bridge(
     except OSError as exc:
         return BridgeResult("error", reason=f"agent could not start: {exc.strerror or exc}")
 
-    out = _Stdout(on_event or (lambda ev: None), max_reply_chars)
+    out = _Stdout(on_event or (lambda ev: None), max_reply_chars, shown)
     err_lines = _Lines(STDERR_TAIL_CHARS)
     err_tail = ""
 

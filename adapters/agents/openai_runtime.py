@@ -49,7 +49,7 @@ import httpx
 
 from adapters.defaults import AGENT_TIMEOUT_S
 from adapters.agents.activity import activity_for
-from adapters.agents.bridge import BridgeResult
+from adapters.agents.bridge import BridgeResult, mapped_strings
 from adapters.agents.tools import Toolbox, media_tag
 
 __all__ = ["OpenAIConfig", "run_openai"]
@@ -90,8 +90,11 @@ def run_openai(
     hooks=None,
     hook_context: dict | None = None,
     on_event: Callable[[dict], None] | None = None,
+    shown: Callable[[str], str] | None = None,
 ) -> BridgeResult:
-    """One turn of the agent loop (see the module docstring). Never raises for endpoint or tool trouble."""
+    """One turn of the agent loop (see the module docstring). Never raises for endpoint or tool trouble.
+    `shown`: applied to a tool call's arguments before its activity is written (the turn's paths
+    relative to its workspace)."""
     deadline = time.monotonic() + config.timeout_s
     if tools is not None and tools.deadline is None:
         tools.deadline = deadline
@@ -135,7 +138,7 @@ def run_openai(
                 for call in calls:
                     if time.monotonic() >= deadline:
                         raise _End("runtime_timeout")
-                    messages.append(_run_tool(tools, call, emit))
+                    messages.append(_run_tool(tools, call, emit, shown))
     except _End as end:
         return BridgeResult("error", reason=end.reason, events=0, extra={"steps": steps, "usage": usage})
 
@@ -254,13 +257,14 @@ _HTTP_HINTS = {
 }
 
 
-def _run_tool(tools: Toolbox | None, call: dict, emit: Callable[[dict], None]) -> dict:
+def _run_tool(tools: Toolbox | None, call: dict, emit: Callable[[dict], None],
+              shown: Callable[[str], str] | None = None) -> dict:
     raw_fn = call.get("function")
     fn: dict = raw_fn if isinstance(raw_fn, dict) else {}
     name = str(fn.get("name") or "unknown")
     args = fn.get("arguments")
     call_id = str(call.get("id") or f"call_{uuid.uuid4().hex[:12]}")
-    activity = activity_for(name, args)
+    activity = activity_for(name, mapped_strings(args, shown) if shown is not None else args)
     emit({"kind": "tool_start", "tool_name": name, "tool_call_id": call_id, "activity": activity,
           "status": "tool_call"})
     started = time.monotonic()

@@ -20,7 +20,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeVar
-from urllib.parse import quote, unquote, urlparse
+from urllib.parse import quote, unquote_to_bytes, urlparse
 
 from adapters.defaults import MAX_FILE_BYTES
 from adapters.errors import (
@@ -88,20 +88,36 @@ class SandboxRef:
         )
 
 
+def _text(part: str, what: str, uri: str) -> str:
+    """A %-escaped part of a sandbox URI, decoded: UTF-8 or refused. A path's
+    bytes that are not UTF-8 (`%FF`) would otherwise decode to U+FFFD and name
+    another file, one that may exist; courier never guesses which file is meant."""
+    try:
+        return unquote_to_bytes(part).decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"the {what} of sandbox URI {uri!r} is not UTF-8 once its %-escapes are decoded: "
+                          "name the file by its UTF-8 name") from None
+
+
 def parse_uri(uri: str) -> tuple[SandboxRef, str]:
     """`local:///abs/path`, `docker://ctr/abs/path`, `ssh://user@host:port/abs/path`,
     `modal://sb-id/abs/path`, `singularity://instance/abs/path` -> (ref, path).
 
     `?host=<worker host>` pins a docker container or singularity instance to
-    the host it lives on: its extractions go to the queue `sandbox.<host>`."""
+    the host it lives on: its extractions go to the queue `sandbox.<host>`.
+    Every part is %-decoded as UTF-8; one that is not (`%FF`) is refused."""
     if any(ord(c) < 32 or ord(c) == 127 for c in uri):
         # urlparse drops tabs and newlines silently: the URI would name another file
         raise ConfigError(f"control character in sandbox URI {uri!r}")
+    try:
+        uri.encode("utf-8")
+    except UnicodeEncodeError:  # a command line's undecodable bytes (surrogate escapes)
+        raise ConfigError(f"sandbox URI {uri!r} is not UTF-8 text: name the file by its UTF-8 name") from None
     p = urlparse(uri)
     kind = p.scheme.lower()
     if kind not in KINDS:
         raise ConfigError(f"unknown sandbox {kind!r} in {uri!r}: use one of {', '.join(KINDS)}")
-    path = unquote(p.path)
+    path = _text(p.path, "path", uri)
     if not path.startswith("/"):
         raise ConfigError(f"sandbox URI needs an absolute path: {uri!r}")
     if any(ord(c) < 32 or ord(c) == 127 for c in path):
@@ -116,15 +132,19 @@ def parse_uri(uri: str) -> tuple[SandboxRef, str]:
     if p.query:
         from urllib.parse import parse_qsl
 
-        for k, v in parse_qsl(p.query, keep_blank_values=False):
+        try:
+            pairs = parse_qsl(p.query, keep_blank_values=False, errors="strict")
+        except UnicodeDecodeError:
+            raise ConfigError(f"the options of sandbox URI {uri!r} are not UTF-8 once decoded") from None
+        for k, v in pairs:
             if k != "host":
                 raise ConfigError(f"unknown sandbox URI option {k!r} in {uri!r} (known: host)")
             options["host"] = v
-    target = unquote(p.netloc)
+    target = _text(p.netloc, "name", uri)
     if kind == "ssh":
         target = p.hostname or ""
         if p.username:
-            options["user"] = unquote(p.username)
+            options["user"] = _text(p.username, "user", uri)
         try:
             port = p.port
         except ValueError as exc:  # urlparse's "Port out of range" / "invalid literal"

@@ -1,0 +1,62 @@
+r"""Names and short texts as they may be shown to a person: nothing invisible, nothing reordered.
+
+A file name is the agent's (or a stranger's) choice. A right-to-left override
+(U+202E) in `invoice\u202efdp.exe` makes a chat show `invoiceexe.pdf`; a
+zero-width space or a bidi isolate hides what a name really is; a newline
+in a name writes a line of its own into a notice. `visible` escapes every
+such character as `\uXXXX` (`\UXXXXXXXX` past the BMP), so the name shows
+what it is: `invoice\u202efdp.exe`. It is the one function used wherever a
+name is shown: the file name a platform shows (`FileSource.name`), the
+chat's notices, the turn's events (the turn page, `courier watch`, the
+chat's progress message), the CLI's tables.
+
+Escaped: control characters (Unicode category Cc: newlines, tabs, C1),
+format characters (Cf: the bidi embeddings, overrides, isolates and marks,
+zero-width spaces and joiners, the BOM, soft hyphens, tag characters),
+surrogates (Cs: bytes a file system name had that are not UTF-8), private
+use (Co), line and paragraph separators (Zl, Zp), and the fillers that
+render as nothing (Hangul fillers, the combining grapheme joiner). A
+zero-width joiner between two emoji is kept: it is how 👩‍💻 is written.
+A string with none of them is returned as it is.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+
+#: characters that are not in an escaped category yet render as nothing
+_INVISIBLE = frozenset("\u034f\u115f\u1160\u3164\uffa0")
+_ESCAPED_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Co", "Zl", "Zp"})
+#: a quick pre-check: no character past ASCII's printable range and no control: nothing to escape
+_PLAIN = re.compile(r"[\x20-\x7e]*")
+_ZWJ = "\u200d"
+
+
+def _hidden(c: str) -> bool:
+    return c in _INVISIBLE or unicodedata.category(c) in _ESCAPED_CATEGORIES
+
+
+def _emoji_side(c: str) -> bool:
+    return unicodedata.category(c) in ("So", "Sk") or c == "\ufe0f"
+
+
+def _escape(c: str) -> str:
+    n = ord(c)
+    return f"\\u{n:04x}" if n <= 0xFFFF else f"\\U{n:08x}"
+
+
+def visible(text: str) -> str:
+    """`text` with every invisible or reordering character escaped (see the module)."""
+    if _PLAIN.fullmatch(text):
+        return text
+    out: list[str] = []
+    last = len(text) - 1
+    for i, c in enumerate(text):
+        if not _hidden(c):
+            out.append(c)
+        elif c == _ZWJ and 0 < i < last and _emoji_side(text[i - 1]) and _emoji_side(text[i + 1]):
+            out.append(c)  # an emoji sequence (👩‍💻), not a hidden character
+        else:
+            out.append(_escape(c))
+    return "".join(out)
