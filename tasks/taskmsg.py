@@ -159,15 +159,17 @@ class Template:
 
 def _loads(msg: dict[str, Any]) -> Any:
     """A captured message's body, through kombu's serializer registry (its content type's)."""
-    from kombu.serialization import loads
+    from kombu import serialization
 
+    loads: Any = serialization.loads  # kombu is not typed
     return loads(base64.b64decode(msg["body"]), msg.get("content-type"), msg.get("content-encoding") or "utf-8",
                  accept=[msg.get("content-type")])
 
 
 def _dumps(body: Any, serializer: str) -> bytes:
-    from kombu.serialization import dumps
+    from kombu import serialization
 
+    dumps: Any = serialization.dumps  # kombu is not typed
     _ctype, _enc, data = dumps(body, serializer=serializer)
     return data if isinstance(data, bytes) else data.encode("utf-8")
 

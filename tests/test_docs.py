@@ -49,6 +49,7 @@ def test_an_empty_variable_means_not_set(monkeypatch, tmp_path):
     from workers.settings import Settings
 
     monkeypatch.setenv("COURIER_DATA_DIR", str(tmp_path))
+    monkeypatch.delenv("COURIER_SIGNING_KEY", raising=False)  # the test session's key (tests/conftest.py)
     defaults = Settings()
     for name, field in Settings.model_fields.items():
         if name != "data_dir":

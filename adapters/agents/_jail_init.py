@@ -79,7 +79,7 @@ def _forward(listener: socket.socket) -> None:
 
 
 def _drop(uid: int | None, gid: int | None) -> None:
-    if uid is None:
+    if uid is None or gid is None:
         return
     os.setgroups([])
     os.setresgid(gid, gid, gid)

@@ -248,12 +248,13 @@ class Jail:
 
     def _proxy_socket(self) -> str:
         """The turn's egress proxy (started on first use), listening on a unix socket."""
+        d = self._dir
+        assert d is not None
         with self._lock:
             if self._proxy is None:
-                assert self._dir is not None
                 policy = EgressPolicy((*self.config.allowed_hosts, *self.extra_allowed_hosts))
-                self._proxy = EgressProxy(policy).start(unix_path=os.path.join(self._dir, "proxy.sock"))
-            return os.path.join(self._dir, "proxy.sock")
+                self._proxy = EgressProxy(policy).start(unix_path=os.path.join(d, "proxy.sock"))
+            return os.path.join(d, "proxy.sock")
 
     @property
     def refusals(self) -> list:
