@@ -344,7 +344,10 @@ def stack(tmp_path_factory):
         bind = _free_loopback_address()
         agents = {"slow": {"command": ["/bin/sh", "-c", f"sleep {SLOW_S} && exec /opt/courier/bin/python "
                                                         "-m adapters.agents.demo_agent"],
-                           "sandbox": "local:///data/sandbox/slow"}}
+                           "sandbox": "local:///data/sandbox/slow",
+                           # a container that may not nest namespaces (podman's and Docker's default
+                           # seccomp profile) cannot run bwrap: this agent opts out, and the worker says so
+                           "isolation": "host"}}
         env = {k: v for k, v in pm.env.items() if not k.startswith(("COURIER_", "S3_", "AWS_", "FLOWER_", "REDIS_"))}
         # Redis's password as an operator makes it (README: compose), outside the repo
         secret = tmp_path_factory.mktemp("secrets") / "redis_password"
