@@ -1,7 +1,7 @@
 """Runs one agent command for the bridge; everything the agent starts ends
 with its turn, and with the worker that started it, even by SIGKILL.
 
-    python -I _guard.py <worker pid>[:<deadline s>] <command> [args...]
+    python -I -S _guard.py <worker pid>[:<deadline s>] <command> [args...]
 
 The bridge starts this script as the leader of a new session; the agent runs
 as its child in the same process group, on the same stdin/stdout/stderr.

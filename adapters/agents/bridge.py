@@ -394,7 +394,7 @@ def run_bridge(
     try:
         # the guard leads the agent's new session and takes the group down if this worker dies
         proc = subprocess.Popen(
-            [sys.executable, "-I", _GUARD, str(os.getpid()), *argv],
+            [sys.executable, "-I", "-S", _GUARD, str(os.getpid()), *argv],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             cwd=cwd, env=popen_env, start_new_session=True,
         )

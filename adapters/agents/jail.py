@@ -40,7 +40,6 @@ unconfined by surprise.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -303,23 +302,23 @@ class Jail:
             a += ["--ro-bind", rp, rp]
         a += ["--bind" if writable else "--ro-bind", ws, ws]
         a += ["--perms", "0755", "--dir", "/run/courier", "--ro-bind", INIT, "/run/courier/init.py"]
-        init: dict[str, object] = {"limits": {"nproc": self.limits.processes, "nofile": self.limits.open_files,
-                                              "as": self.limits.memory_bytes, "fsize": self.limits.workspace_bytes}}
-        if self.privileged:
-            init.update(uid=self.uid, gid=self.uid)
+        lim = self.limits
+        ident = [str(self.uid), str(self.uid)] if self.privileged else ["-", "-"]
+        init = [*ident, *(str(v) if v else "-" for v in (lim.processes, lim.open_files, lim.memory_bytes,
+                                                           lim.workspace_bytes))]
         full_env = {"HOME": self.workspace, "TMPDIR": "/tmp", "USER": "agent", "LOGNAME": "agent", **env}
         for k in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy",
                   "NO_PROXY", "no_proxy"):
             full_env.pop(k, None)
         if network == "proxy":
             a += ["--bind", self._proxy_socket(), "/run/courier/proxy.sock"]
-            init["proxy_port"] = PROXY_PORT
             url = f"http://127.0.0.1:{PROXY_PORT}"
             full_env.update(HTTP_PROXY=url, HTTPS_PROXY=url, http_proxy=url, https_proxy=url)
         a += ["--chdir", cwd or self.workspace, "--clearenv"]
         for k, v in full_env.items():
             a += ["--setenv", k, v]
-        a += ["--", sys.executable, "-I", "/run/courier/init.py", json.dumps(init), *command]
+        a += ["--", sys.executable, "-I", "-S", "/run/courier/init.py", *init,
+              str(PROXY_PORT) if network == "proxy" else "-", *command]
         return a
 
     def runnable(self, program: str, path: str | None) -> str | None:

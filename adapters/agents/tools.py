@@ -210,7 +210,7 @@ class Toolbox:
         if self.sandbox.kind == "local":
             # on the worker's host the command runs under the agents' guard (a subreaper): whatever it
             # starts, a setsid daemon included, ends with the command; the guard keeps the deadline
-            argv = [sys.executable, "-I", GUARD, f"{os.getpid()}:{t:g}", *argv]
+            argv = [sys.executable, "-I", "-S", GUARD, f"{os.getpid()}:{t:g}", *argv]
             exec_t = t + GUARD_BACKSTOP_S
         rc, out, err = self.sandbox.exec(argv, timeout_s=exec_t, cwd=self.workdir,
                                          max_output_bytes=TERMINAL_MAX_OUTPUT_BYTES)
