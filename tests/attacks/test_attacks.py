@@ -12,8 +12,11 @@ none may be there), so no row can pass by leaking.
 
 from __future__ import annotations
 
+import filecmp
 import os
 import pwd
+import shutil
+import stat
 import threading
 import time
 import traceback
@@ -315,6 +318,120 @@ def growing_file(h, store, request):
     print(f"{h.name} growing: {seen}")
 
 
+class OpenWatch:
+    """Counts the opens of one inode under any of its names: an inotify
+    watch on it for IN_OPEN, which every open for reading or writing raises
+    (an O_NONBLOCK one too) and an ``O_PATH`` open never does. The event is
+    queued before the open returns; inotify merges an event with the same
+    one still unread, so :meth:`opens` read after each call counts the calls
+    that opened it."""
+
+    IN_OPEN = 0x20
+
+    def __init__(self, path) -> None:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        self.fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        assert self.fd >= 0, os.strerror(ctypes.get_errno())
+        wd = libc.inotify_add_watch(self.fd, os.fsencode(str(path)), self.IN_OPEN)
+        assert wd >= 0, os.strerror(ctypes.get_errno())
+        self.n = 0
+
+    def opens(self) -> int:
+        import struct
+
+        while True:
+            try:
+                data = os.read(self.fd, 65536)
+            except BlockingIOError:
+                return self.n
+            i = 0
+            while i < len(data):
+                _wd, mask, _cookie, size = struct.unpack_from("iIII", data, i)
+                i += 16 + size
+                self.n += bool(mask & self.IN_OPEN)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def _after_check(h, sb, move) -> None:
+    """`move()` runs right after the sandbox resolved and checked the path
+    (before its host-side open): the agent's swap landing in the window a
+    loop of swaps would hit some of the time, every time."""
+    name = "_resolve" if h.name.startswith("docker") else "resolve"
+    real = getattr(sb, name)
+
+    def checked(path):
+        res = real(path)
+        move()
+        return res
+
+    setattr(sb, name, checked)
+
+
+def device_swap(h, store, request):
+    """A root agent (a rootful container's root can `mknod`) swaps a device
+    node in for its file between the sandbox's check of the path and the
+    host-side open (the worst case of a loop that swaps it in and out): the
+    device is never opened on the host (its opens are counted on its inode:
+    0), each such extraction is refused as not a regular file, and the file
+    is delivered once the agent stops. On the docker harness the file is big
+    enough for the host-root channel (/proc/<pid>/root); the device is char
+    1:3, /dev/null's numbers: its driver does nothing."""
+    from adapters.errors import NotAFile
+    from adapters.sandboxes.docker import HOST_ROOT_MIN_BYTES
+
+    h.mkdir(h.ws + "/dev")
+    dev = h.host_view(h.ws + "/dev/node")
+    os.mknod(dev, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    big = h.name == "docker"  # the root container: files this big take the host-root channel
+    legit = h.host_view(h.ws + "/dev/legit")
+    legit.write_bytes(LEGIT * ((HOST_ROOT_MIN_BYTES // len(LEGIT) + 1) if big else 1))
+    target = h.host_view(h.ws + "/dev/f.bin")
+    spare = target.with_name(".spare")
+    watch = OpenWatch(dev)
+
+    def put(src) -> None:  # `src` takes the file's name (a new link, renamed over it)
+        os.link(src, spare)
+        os.rename(spare, target)
+
+    try:
+        sb = h.sandbox()
+        _after_check(h, sb, lambda: put(dev))
+        refused = 0
+        for i in range(DEVICE_SWAPS):
+            put(legit)
+            _res, exc, _took = bounded(lambda: sb.extract(h.ws + "/dev/f.bin", store, f"files/d{i}"))
+            watch.opens()
+            assert isinstance(exc, NotAFile), repr(exc)
+            refused += 1
+        assert watch.opens() == 0, f"{h.name}: {watch.opens()} of {DEVICE_SWAPS} extractions opened the device " \
+                                   "on the host"
+        assert keys(store) == []
+        os.unlink(target)
+        shutil.copyfile(legit, target)  # the agent stopped: its own file, one link
+        sb = h.sandbox()
+        sb.extract(h.ws + "/dev/f.bin", store, "files/d")
+        assert _same_file(store.local_path("files/d"), target)
+        if big:
+            assert sb.stats["host_root"] == 1
+        assert watch.opens() == 0
+    finally:
+        watch.close()
+        h.remove(h.ws + "/dev")
+    print(f"{h.name} device swap: {refused} refused, 0 opens of the device")
+
+
+def _same_file(a, b) -> bool:
+    return filecmp.cmp(a, b, shallow=False)
+
+
+#: extractions of the device swap row (deterministic: every one has the device swapped in)
+DEVICE_SWAPS = 8
+
+
 UNICODE_NAMES = ["файл.txt", "文件名.bin", "emoji-🎉.png", "Ünïcödé~ñ.txt", "日本語のファイル名.md", "ё~_-.txt",
                  "e\u0301-nfd.txt", "é-nfc.txt", "\u202eevil.txt"]
 
@@ -558,6 +675,7 @@ ROWS = {
     many_components: ALL,
     odd_errors: ALL,
     link_loop: ALL,
+    device_swap: ("local", "singularity", "docker", "docker-bind"),
 }
 # backend-major: consecutive cases share one harness (a module-scoped fixture keeps one param at a time)
 CASES = [pytest.param(b, row, id=f"{row.__name__}-{b}") for b in ALL for row, backends in ROWS.items()
