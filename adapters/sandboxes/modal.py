@@ -6,10 +6,13 @@ the SDK's own (MODAL_TOKEN_ID / MODAL_TOKEN_SECRET or ~/.modal.toml).
 * resolve: ONE exec (`readlink -f` + type + size + $HOME, the script of
   :mod:`adapters.sandboxes.execstream`), then the policy check;
 * read: the SDK's file API, ``sandbox.open(resolved, "rb")`` read in 1 MiB
-  chunks straight into storage; where the SDK has no file API (modal 1.x
-  dropped ``Sandbox.open``) or it fails before the first byte, ONE streaming
-  ``cat`` through ``sandbox.exec`` (execstream); the byte count must match
-  the size resolved, else nothing is stored;
+  chunks straight into storage, the file's stat (size, mtime and ctime in
+  ns, inode) asked by one exec before the first byte and one after the last
+  (a change: FileChanging, nothing stored); where the SDK has no file API
+  (modal 1.x dropped ``Sandbox.open``) or it fails before the first byte,
+  ONE streaming ``cat`` through ``sandbox.exec`` (execstream), whose script
+  compares the opened file's stat before and after itself; the byte count
+  must match the size resolved, else nothing is stored;
 * put: the destination is resolved (one exec), written to a temp name beside
   it (``sandbox.open(tmp, "wb")``, or ``cat`` fed through exec stdin), then
   size-checked and renamed by one exec, so a short upload never appears.
@@ -39,8 +42,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from adapters.errors import (
-    ConfigError, CourierError, ErrorTable, FileMissing, NotAFile, SandboxError, SandboxGone, UnsafePath,
-    translating,
+    ConfigError, CourierError, ErrorTable, FileChanging, FileMissing, NotAFile, SandboxError, SandboxGone,
+    UnsafePath, translating,
 )
 from adapters.sandboxes.base import (
     DEFAULT_IO_TIMEOUT_S, BoundedOutput, PathPolicy, Sandbox, SandboxRef, check_lexical,
@@ -354,6 +357,7 @@ class ModalSandbox(ExecStreamMixin, Sandbox):  # type: ignore[misc]
                                       policy=policy)
             return
         policy.check_links(resolved, nlink)  # the file API cannot say: the resolve's count
+        before = self._stat_line(resolved)  # the file is open: its stat before the first byte
         n = 0
         for chunk in chunks:
             n += len(chunk)
@@ -362,6 +366,18 @@ class ModalSandbox(ExecStreamMixin, Sandbox):  # type: ignore[misc]
             yield chunk
         if size is not None and n != size:
             raise SandboxGone(f"{resolved}: changed during transfer ({n:,} bytes read, {size:,} expected)")
+        if self._stat_line(resolved) != before:
+            raise FileChanging(f"{resolved}: changed while it was read (written meanwhile); read again later")
+
+    def _stat_line(self, resolved: str) -> bytes:
+        """The file's size, mtime and ctime (ns) and inode, by ONE exec: the
+        file API's read is one version only if this line is the same before
+        its first byte and after its last (the exec channel's stream script
+        compares them itself, in the same exec)."""
+        rc, out, err = self.exec_channel().exec_small(["stat", "-L", "-c", "%s %y %z %i", "--", resolved])
+        if rc != 0:
+            raise FileChanging(f"{resolved}: cannot stat it (exit {rc}: {err[:200]!r}); read again later")
+        return out
 
     def open_stream(self, resolved: str) -> Iterator[bytes]:
         again, _ = self.resolve(resolved)  # also learns $HOME for the default policy

@@ -432,6 +432,69 @@ def _same_file(a, b) -> bool:
 DEVICE_SWAPS = 8
 
 
+def rewrite_in_place(h, store, request):
+    """A writer rewrites the file in place (same size, other bytes: one
+    version is all `a`, the next all `b`) while the channel reads it (once
+    the first chunk has arrived, before the rest was read): the extraction
+    is a whole version or a transient error (FileChanging: read again
+    later), never a mix — 0 torn deliveries; once the writer is done, the
+    file is delivered whole. On the docker harness a second size takes the
+    host-root channel."""
+    from adapters.sandboxes.docker import HOST_ROOT_MIN_BYTES
+
+    path = h.ws + "/rewrite.bin"
+    target = h.host_view(path)
+    sizes = [REWRITE_BYTES] + ([HOST_ROOT_MIN_BYTES + REWRITE_BYTES] if h.name == "docker" else [])
+    version = {"byte": b"a"}
+
+    def rewrite() -> None:  # in place: the same inode, the same size, every byte another
+        version["byte"] = b"b" if version["byte"] == b"a" else b"a"
+        with open(target, "r+b", buffering=0) as f:
+            left = target.stat().st_size
+            while left:
+                left -= f.write(version["byte"] * min(left, 1 << 20))
+
+    from tests.fixtures._files import InterruptingStore
+
+    rw = InterruptingStore(request.getfixturevalue("tmp_path") / "rw", rewrite, streamed=True)
+    outcomes: dict[str, int] = {}
+    sb = h.sandbox()
+    for size in sizes:
+        with open(target, "wb") as f:
+            for _ in range(size >> 20):
+                f.write(b"a" * (1 << 20))
+        version["byte"] = b"a"
+        for i in range(REWRITES):
+            # the version read was written a while ago (2 s): the rewrite's mtime differs at any
+            # clock granularity (SFTP's attributes carry whole seconds: see the README, ssh)
+            past = time.time_ns() - 2_000_000_000
+            os.utime(target, ns=(past, past))
+            key = f"files/rw{size}-{i}"
+            _res, exc, _took = bounded(lambda: sb.extract(path, rw, key, max_bytes=1 << 30))
+            if exc is None:
+                with open(rw.local_path(key), "rb") as f:
+                    kinds = set()
+                    while chunk := f.read(1 << 20):
+                        kinds |= set(chunk)
+                rw.delete(key)
+                outcome = "delivered whole" if len(kinds) == 1 else "torn"
+            else:
+                assert isinstance(exc, SandboxError) and exc.transient, repr(exc)
+                outcome = type(exc).__name__
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    print(f"{h.name} rewrite in place: {outcomes}")
+    assert outcomes.get("torn", 0) == 0, f"{h.name}: torn deliveries: {outcomes}"
+    assert keys(rw) == []
+    sb.extract(path, store, "files/rw-still", max_bytes=1 << 30)  # the writer is done
+    assert _same_file(store.local_path("files/rw-still"), target)
+    h.remove(path)
+
+
+#: the rewrite row: the file's size (below the host-root channel's), and rewrites per size
+REWRITE_BYTES = 6 << 20
+REWRITES = 4
+
+
 UNICODE_NAMES = ["файл.txt", "文件名.bin", "emoji-🎉.png", "Ünïcödé~ñ.txt", "日本語のファイル名.md", "ё~_-.txt",
                  "e\u0301-nfd.txt", "é-nfc.txt", "\u202eevil.txt"]
 
@@ -676,6 +739,7 @@ ROWS = {
     odd_errors: ALL,
     link_loop: ALL,
     device_swap: ("local", "singularity", "docker", "docker-bind"),
+    rewrite_in_place: ALL,
 }
 # backend-major: consecutive cases share one harness (a module-scoped fixture keeps one param at a time)
 CASES = [pytest.param(b, row, id=f"{row.__name__}-{b}") for b in ALL for row, backends in ROWS.items()

@@ -53,8 +53,8 @@ Use it as a mixin (:class:`ExecStreamMixin`, needs ``self.policy``,
 """
 
 from adapters.sandboxes.execstream.channel import (
-    EXIT_CHANGED, EXIT_DENIED, EXIT_LINKS, EXIT_LOOP, EXIT_MISSING, EXIT_NOT_DIR, EXIT_NOT_FILE, EXIT_SHORT,
-    ExecChannel, ExecStream, GatedChannel, Resolved, default_roots, probe,
+    EXIT_CHANGED, EXIT_CHANGING, EXIT_DENIED, EXIT_LINKS, EXIT_LOOP, EXIT_MISSING, EXIT_NOT_DIR, EXIT_NOT_FILE,
+    EXIT_SHORT, ExecChannel, ExecStream, GatedChannel, Resolved, default_roots, probe,
 )
 from adapters.sandboxes.execstream.mixin import ExecStreamMixin
 from adapters.sandboxes.execstream.run import (
@@ -73,6 +73,6 @@ __all__ = [
     "exec_resolve", "exec_iter_file", "exec_store_file", "exec_gated_extract", "exec_extract",
     "exec_put", "resolve_put_dest", "default_roots", "probe",
     "exec_command", "exec_resolve_cwd", "kill_argv",
-    "EXIT_MISSING", "EXIT_NOT_FILE", "EXIT_CHANGED", "EXIT_DENIED", "EXIT_NOT_DIR", "EXIT_SHORT", "EXIT_LINKS",
-    "EXIT_LOOP",
+    "EXIT_MISSING", "EXIT_NOT_FILE", "EXIT_CHANGED", "EXIT_CHANGING", "EXIT_DENIED", "EXIT_NOT_DIR", "EXIT_SHORT",
+    "EXIT_LINKS", "EXIT_LOOP",
 ]

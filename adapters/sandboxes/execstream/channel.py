@@ -21,6 +21,8 @@ EXIT_SHORT = 6
 EXIT_DENIED = 13
 EXIT_LINKS = 15
 EXIT_LOOP = 40
+#: the stream script's: the file changed while it was read (EX_TEMPFAIL)
+EXIT_CHANGING = 75
 
 
 @dataclass
