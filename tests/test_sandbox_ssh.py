@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from adapters.errors import SandboxGone, UnsafePath
+from adapters.errors import FileMissing, SandboxGone, UnsafePath
 from adapters.sandboxes.base import PathPolicy, SandboxRef
 from adapters.sandboxes.ssh import FileChanged, SshAccessDenied, SshSandbox, close_pool
 from storage.volume import VolumeStore
@@ -105,6 +105,20 @@ def test_hostile_names(sshd_server, area, control_dir, store, tmp_path, mode, na
     assert sha256_file(d / ("copy " + name)) == want
     assert not list(Path("/").glob("PWNED*")) and not list(Path.home().glob("PWNED*"))
     assert sorted(os.listdir(d)) == sorted([name, "copy " + name])
+
+
+@pytest.mark.parametrize("mode", ["sftp", "openssh", "readlink"])
+def test_name_too_long_is_missing(sshd_server, area, control_dir, store, mode):
+    """A name over NAME_MAX (and a path over PATH_MAX) names no file: FileMissing
+    with a reason that says so, as on every other backend (SFTP servers answer
+    a generic failure for it)."""
+    s = make(sshd_server, area["root"], "openssh" if mode == "openssh" else "sftp", control_dir)
+    if mode == "readlink":
+        s.trust_sftp_realpath = False  # resolve with `readlink -f` over exec
+    for path in (str(area["root"] / ("n" * 300)), str(area["root"]) + "/d" * 2100 + "/f"):
+        with pytest.raises(FileMissing, match="too long" if mode == "sftp" else "no such file"):
+            s.extract(path, store, "files/x")
+    assert [b.key for b in store.list()] == []
 
 
 # -- host keys and auth --------------------------------------------------------
