@@ -9,6 +9,10 @@ from here with a constant number of round trips, whatever the file size:
 * extract: ONE exec streaming the file on stdout (``cat``; ``base64`` only
   when the channel is not binary-safe), straight into storage (spliced in
   the kernel where the channel hands out a pipe and the store is a volume);
+  the script stats the descriptor it streams (size, mtime and ctime in ns,
+  inode) before the first byte and after the last, and exits 75 on any
+  change: a file rewritten in place while it was read is FileChanging
+  (transient), never stored torn;
   a channel that can also send one line of stdin resolves and streams in
   ONE exec (:func:`exec_gated_extract`);
 * put: ONE exec that reads stdin into a temp name and renames it (only for
