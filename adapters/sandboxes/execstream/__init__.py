@@ -58,7 +58,7 @@ Use it as a mixin (:class:`ExecStreamMixin`, needs ``self.policy``,
 
 from adapters.sandboxes.execstream.channel import (
     EXIT_CHANGED, EXIT_CHANGING, EXIT_DENIED, EXIT_LINKS, EXIT_LOOP, EXIT_MISSING, EXIT_NOT_DIR, EXIT_NOT_FILE,
-    EXIT_SHORT, ExecChannel, ExecStream, GatedChannel, Resolved, default_roots, probe,
+    EXIT_SHORT, VERSION_FORMAT, ExecChannel, ExecStream, GatedChannel, Resolved, default_roots, probe,
 )
 from adapters.sandboxes.execstream.mixin import ExecStreamMixin
 from adapters.sandboxes.execstream.run import (
@@ -71,7 +71,7 @@ from adapters.sandboxes.execstream.transfer import (
 )
 
 __all__ = [
-    "ExecChannel", "ExecStream", "ExecStreamMixin", "GatedChannel", "Resolved",
+    "ExecChannel", "ExecStream", "ExecStreamMixin", "GatedChannel", "Resolved", "VERSION_FORMAT",
     "RESOLVE_SCRIPT", "STREAM_SCRIPT", "GATED_STREAM_SCRIPT", "PUT_SCRIPT", "PUT_RESOLVE_SCRIPT", "ANCESTOR_SCRIPT",
     "CWD_SCRIPT", "RUN_SCRIPT", "KILL_SCRIPT", "EXEC_BACKSTOP_S",
     "exec_resolve", "exec_iter_file", "exec_store_file", "exec_gated_extract", "exec_extract",

@@ -15,12 +15,13 @@ from adapters.errors import FileChanging, FileMissing, NotAFile, SandboxError, S
 from adapters.sandboxes.base import DEFAULT_MAX_BYTES, PathPolicy, ReadTimeout, check_lexical, check_size, grew_over_cap
 from adapters.sandboxes.execstream.channel import (
     EXIT_CHANGED, EXIT_CHANGING, EXIT_DENIED, EXIT_LINKS, EXIT_LOOP, EXIT_MISSING, EXIT_NOT_DIR, EXIT_NOT_FILE,
-    EXIT_SHORT, ExecChannel, ExecStream, GatedChannel, Resolved, _ask, _err_text, _fields,
+    EXIT_SHORT, VERSION_FORMAT, ExecChannel, ExecStream, GatedChannel, Resolved, _ask, _err_text, _fields,
 )
 from adapters.sandboxes.execstream.run import kill_argv
 
-# $1 = path as given. Prints HOME NUL resolved NUL type NUL size and link count
-# (type: f regular file, d directory, o other). readlink's output is kept
+# $1 = path as given. Prints HOME NUL resolved NUL type NUL size, link count
+# and (a regular file) its version: mtime, ctime (ns) and inode (type: f
+# regular file, d directory, o other). readlink's output is kept
 # exactly (the `echo x` guard keeps trailing newlines from being eaten).
 # A path that does not resolve exits 2 after HOME NUL what it would name
 # (empty when readlink gave up), or 40 for a symbolic link loop (`realpath`
@@ -34,7 +35,7 @@ printf '%s\0%s' "$HOME" "$r"; exit 2
 fi
 if [ -f "$r" ]; then t=f; elif [ -d "$r" ]; then t=d; else t=o; fi
 s="0 1"
-if [ "$t" = f ]; then s=$(stat -c '%s %h' -- "$r") || exit 2; fi
+if [ "$t" = f ]; then s=$(stat -c '""" + VERSION_FORMAT + r"""' -- "$r") || exit 2; fi
 printf '%s\0%s\0%s\0%s' "$HOME" "$r" "$t" "$s"
 """
 
@@ -60,10 +61,11 @@ else f=$1; r=$(readlink -f -- "$1"; echo x); fi
 r=${r%x}
 r=${r%?}
 [ "$r" = "$1" ] || exit 97
-v=$(stat -L -c '%h %s %y %z %i' -- "$f")
-if [ "$3" != 1 ] && [ "${v%% *}" != 1 ]; then exit 15; fi
+v=$(stat -L -c '""" + VERSION_FORMAT + r"""' -- "$f")
+n=${v#* }
+if [ "$3" != 1 ] && [ "${n%% *}" != 1 ]; then exit 15; fi
 if [ "$2" = base64 ]; then base64 <&3 || exit; else cat <&3 || exit; fi
-[ -z "$v" ] || [ "$(stat -L -c '%h %s %y %z %i' -- "$f")" = "$v" ] || exit 75
+[ -z "$v" ] || [ "$(stat -L -c '""" + VERSION_FORMAT + r"""' -- "$f")" = "$v" ] || exit 75
 """
 
 # $1 = path as given, $2 = "cat" or "base64". RESOLVE_SCRIPT's answer and one
@@ -145,11 +147,12 @@ def _parse_resolved(out: bytes, path: str) -> Resolved:
         raise NotAFile(f"{path}: is a directory")
     if kind != "f":
         raise NotAFile(f"{path}: not a regular file")
+    n, links, *version = size.split(" ", 2)
     try:
-        n, *links = (int(x) for x in size.split())
+        return Resolved(path=resolved, size=int(n), home=home or None, nlink=int(links),
+                        version=size if version else "")
     except ValueError as exc:
         raise SandboxError(f"{path}: bad size {size!r}") from exc
-    return Resolved(path=resolved, size=n, home=home or None, nlink=links[0] if links else 1)
 
 
 def _b64_decode(chunks: Iterable[bytes]) -> Iterator[bytes]:
