@@ -318,44 +318,6 @@ def growing_file(h, store, request):
     print(f"{h.name} growing: {seen}")
 
 
-class OpenWatch:
-    """Counts the opens of one inode under any of its names: an inotify
-    watch on it for IN_OPEN, which every open for reading or writing raises
-    (an O_NONBLOCK one too) and an ``O_PATH`` open never does. The event is
-    queued before the open returns; inotify merges an event with the same
-    one still unread, so :meth:`opens` read after each call counts the calls
-    that opened it."""
-
-    IN_OPEN = 0x20
-
-    def __init__(self, path) -> None:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        self.fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
-        assert self.fd >= 0, os.strerror(ctypes.get_errno())
-        wd = libc.inotify_add_watch(self.fd, os.fsencode(str(path)), self.IN_OPEN)
-        assert wd >= 0, os.strerror(ctypes.get_errno())
-        self.n = 0
-
-    def opens(self) -> int:
-        import struct
-
-        while True:
-            try:
-                data = os.read(self.fd, 65536)
-            except BlockingIOError:
-                return self.n
-            i = 0
-            while i < len(data):
-                _wd, mask, _cookie, size = struct.unpack_from("iIII", data, i)
-                i += 16 + size
-                self.n += bool(mask & self.IN_OPEN)
-
-    def close(self) -> None:
-        os.close(self.fd)
-
-
 def _after_check(h, sb, move) -> None:
     """`move()` runs right after the sandbox resolved and checked the path
     (before its host-side open): the agent's swap landing in the window a
@@ -382,6 +344,7 @@ def device_swap(h, store, request):
     1:3, /dev/null's numbers: its driver does nothing."""
     from adapters.errors import NotAFile
     from adapters.sandboxes.docker import HOST_ROOT_MIN_BYTES
+    from tests.fixtures._files import OpenWatch
 
     h.mkdir(h.ws + "/dev")
     dev = h.host_view(h.ws + "/dev/node")
