@@ -395,14 +395,24 @@ def test_gated_script_streams_only_after_go(tmp_path):
     data = os.urandom(300_000)
     f = tmp_path / "f.bin"
     f.write_bytes(data)
-    head = f"{os.environ.get('HOME', '')}\0{f}\0f\0{len(data)} 1\0".encode()
+    def answer() -> bytes:  # the resolve's: HOME, the path, its type, its size, links and version
+        from adapters.sandboxes.execstream import VERSION_FORMAT
+
+        version = subprocess.run(["stat", "-c", VERSION_FORMAT, "--", str(f)], capture_output=True,
+                                 check=True).stdout.rstrip(b"\n")
+        return f"{os.environ.get('HOME', '')}\0{f}\0f\0".encode() + version + b"\0"
+
+    head = answer()
+    assert head.split(b"\0")[3].startswith(f"{len(data)} 1 ".encode())
     assert _gated(f, None) == (99, head)  # refused (stdin closed): the answer, not a byte of the file
     assert _gated(f, b"stop\n") == (99, head)
     assert _gated(f, b"go\n") == (0, head + data)
     os.link(f, tmp_path / "other-name")
+    head = answer()
+    assert head.split(b"\0")[3].startswith(f"{len(data)} 2 ".encode())
     rc, out = _gated(f, b"go\n")  # two names: refused unless the caller allows links there
-    assert (rc, out) == (15, head.replace(b" 1\0", b" 2\0"))
-    assert _gated(f, b"go 1\n") == (0, head.replace(b" 1\0", b" 2\0") + data)
+    assert (rc, out) == (15, head)
+    assert _gated(f, b"go 1\n") == (0, head + data)
     # missing: the resolve's answer (what the name would be, for the policy's existence-blind
     # refusal) and nothing streamed
     home = os.environ.get("HOME", "").encode()
