@@ -404,6 +404,7 @@ def rewrite_in_place(h, store, request):
     file is delivered whole. On the docker harness a second size takes the
     host-root channel."""
     from adapters.sandboxes.docker import HOST_ROOT_MIN_BYTES
+    from tests.fixtures._files import InterruptingStore
 
     path = h.ws + "/rewrite.bin"
     target = h.host_view(path)
@@ -416,8 +417,6 @@ def rewrite_in_place(h, store, request):
             left = target.stat().st_size
             while left:
                 left -= f.write(version["byte"] * min(left, 1 << 20))
-
-    from tests.fixtures._files import InterruptingStore
 
     rw = InterruptingStore(request.getfixturevalue("tmp_path") / "rw", rewrite, streamed=True)
     outcomes: dict[str, int] = {}
@@ -450,6 +449,8 @@ def rewrite_in_place(h, store, request):
     assert keys(rw) == []
     sb.extract(path, store, "files/rw-still", max_bytes=1 << 30)  # the writer is done
     assert _same_file(store.local_path("files/rw-still"), target)
+    if h.name == "docker":  # the last size is the host-root channel's
+        assert sb.stats["host_root"] == 1
     h.remove(path)
 
 
