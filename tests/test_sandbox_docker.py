@@ -131,7 +131,7 @@ def test_bind_host_side_link_escape_refused(tmp_path):
     (src / "ok").write_text("fine")
     with pytest.raises(UnsafePath):
         open_under(str(src / "esc"), str(src), shown="/workspace/bind/esc")
-    fd = open_under(str(src / "ok"), str(src), shown="/workspace/bind/ok")
+    fd, _st = open_under(str(src / "ok"), str(src), shown="/workspace/bind/ok")
     os.close(fd)
     (src / "d").mkdir()
     with pytest.raises(NotAFile):

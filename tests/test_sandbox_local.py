@@ -58,6 +58,61 @@ def test_link_swapped_after_resolve(sb, area, store, tmp_path):
     assert_store_empty(store)
 
 
+@pytest.mark.parametrize("openat2", [True, False], ids=["openat2", "no-openat2"])
+def test_host_open_never_opens_a_special_file(tmp_path, monkeypatch, openat2):
+    """hostopen.open_regular (every host-side read): a device node and a FIFO
+    are refused (NotAFile) without being opened (no open counted on their
+    inodes; a FIFO's open would block), a link at the last component is
+    ELOOP; with openat2, a link anywhere on the way is too; without it (an
+    old kernel, a seccomp filter) it is followed, and the callers check the
+    descriptor's real path. A regular file reads; `check` runs before it is
+    opened for reading, and refuses it."""
+    import errno
+    import stat
+
+    from adapters.sandboxes import hostopen
+    from tests.fixtures._files import OpenWatch
+
+    if not openat2:
+        monkeypatch.setattr(hostopen, "_has_openat2", False)
+    dev, fifo, f = tmp_path / "dev", tmp_path / "fifo", tmp_path / "f.txt"
+    os.mknod(dev, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    os.mkfifo(fifo)
+    f.write_bytes(b"data")
+    (tmp_path / "link").symlink_to(f)
+    (tmp_path / "dirlink").symlink_to(tmp_path)
+    watches = [OpenWatch(dev), OpenWatch(fifo)]
+    try:
+        for special in (dev, fifo):
+            _res, exc, _took = bounded(lambda: hostopen.open_regular(str(special)), 10)
+            assert isinstance(exc, NotAFile), exc
+        assert [w.opens() for w in watches] == [0, 0]
+    finally:
+        for w in watches:
+            w.close()
+    with pytest.raises(OSError) as err:
+        hostopen.open_regular(str(tmp_path / "link"))
+    assert err.value.errno == errno.ELOOP
+    via = str(tmp_path / "dirlink" / "f.txt")
+    if openat2:
+        with pytest.raises(OSError) as err:
+            hostopen.open_regular(via)
+        assert err.value.errno == errno.ELOOP
+    else:
+        fd, _st = hostopen.open_regular(via)
+        assert os.readlink(f"/proc/self/fd/{fd}") == str(f)  # what the callers check
+        os.close(fd)
+    seen = []
+    fd, st = hostopen.open_regular(str(f), check=lambda o, st: seen.append(os.readlink(f"/proc/self/fd/{o}")))
+    with os.fdopen(fd, "rb") as r:
+        assert r.read() == b"data" and st.st_size == 4 and seen == [str(f)]
+    def refuse(fd, st):
+        raise UnsafePath("refused before any open for reading")
+
+    with pytest.raises(UnsafePath):
+        hostopen.open_regular(str(f), check=refuse)
+
+
 # -- inbound ---------------------------------------------------------------------------------
 def test_concurrent_puts_to_one_destination(sb, area, store):
     """Two puts racing for one path: the result is one of them, whole."""

@@ -20,6 +20,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -31,7 +32,7 @@ try:
 except ImportError:  # laptop: skip; CI: fail (need)
     modal = None
 
-from adapters.errors import ConfigError, SandboxGone, TooLarge, UnsafePath  # noqa: E402
+from adapters.errors import ConfigError, FileChanging, SandboxGone, TooLarge, UnsafePath  # noqa: E402
 from adapters.sandboxes import modal as modal_backend  # noqa: E402
 from adapters.sandboxes.base import PathPolicy, SandboxRef  # noqa: E402
 from adapters.sandboxes.modal import INSTALL_HINT, ModalSandbox  # noqa: E402
@@ -263,6 +264,30 @@ def test_file_growing_mid_transfer(area, tmp_path, variant):
     with pytest.raises(SandboxGone):
         make(area).extract(str(src), store, "files/g")
     assert_store_empty(store)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_file_rewritten_in_place_mid_transfer(area, tmp_path, variant):
+    """The same size, other bytes, while it is read: FileChanging (read again
+    later), nothing stored; the file API included (its stat is asked by
+    exec before the first byte and after the last)."""
+    src = area["root"] / f"rewritten-{variant}.bin"
+    src.write_bytes(b"a" * (4 * 1024 * 1024))
+    past = time.time_ns() - 2_000_000_000  # written a while ago: the rewrite's mtime differs at any granularity
+    os.utime(src, ns=(past, past))
+    make_box(variant)
+
+    def rewrite():
+        with open(src, "r+b") as f:
+            f.write(b"b" * (4 * 1024 * 1024))
+
+    store = InterruptingStore(tmp_path / "store", rewrite, streamed=True)
+    with pytest.raises(FileChanging):
+        make(area).extract(str(src), store, "files/r")
+    assert_store_empty(store)
+    store.after_first = lambda: None  # the writer is done: the new version, whole
+    make(area).extract(str(src), store, "files/r")
+    assert store.local_path("files/r").read_bytes() == src.read_bytes()
 
 
 # -- inbound ----------------------------------------------------------------------------------

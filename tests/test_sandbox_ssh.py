@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from adapters.errors import SandboxGone, UnsafePath
+from adapters.errors import FileMissing, SandboxGone, UnsafePath
 from adapters.sandboxes.base import PathPolicy, SandboxRef
 from adapters.sandboxes.ssh import FileChanged, SshAccessDenied, SshSandbox, close_pool
 from storage.volume import VolumeStore
@@ -105,6 +105,20 @@ def test_hostile_names(sshd_server, area, control_dir, store, tmp_path, mode, na
     assert sha256_file(d / ("copy " + name)) == want
     assert not list(Path("/").glob("PWNED*")) and not list(Path.home().glob("PWNED*"))
     assert sorted(os.listdir(d)) == sorted([name, "copy " + name])
+
+
+@pytest.mark.parametrize("mode", ["sftp", "openssh", "readlink"])
+def test_name_too_long_is_missing(sshd_server, area, control_dir, store, mode):
+    """A name over NAME_MAX (and a path over PATH_MAX) names no file: FileMissing
+    with a reason that says so, as on every other backend (SFTP servers answer
+    a generic failure for it)."""
+    s = make(sshd_server, area["root"], "openssh" if mode == "openssh" else "sftp", control_dir)
+    if mode == "readlink":
+        s.trust_sftp_realpath = False  # resolve with `readlink -f` over exec
+    for path in (str(area["root"] / ("n" * 300)), str(area["root"]) + "/d" * 2100 + "/f"):
+        with pytest.raises(FileMissing, match="too long" if mode == "sftp" else "no such file"):
+            s.extract(path, store, "files/x")
+    assert [b.key for b in store.list()] == []
 
 
 # -- host keys and auth --------------------------------------------------------
@@ -381,14 +395,24 @@ def test_gated_script_streams_only_after_go(tmp_path):
     data = os.urandom(300_000)
     f = tmp_path / "f.bin"
     f.write_bytes(data)
-    head = f"{os.environ.get('HOME', '')}\0{f}\0f\0{len(data)} 1\0".encode()
+    def answer() -> bytes:  # the resolve's: HOME, the path, its type, its size, links and version
+        from adapters.sandboxes.execstream import VERSION_FORMAT
+
+        version = subprocess.run(["stat", "-c", VERSION_FORMAT, "--", str(f)], capture_output=True,
+                                 check=True).stdout.rstrip(b"\n")
+        return f"{os.environ.get('HOME', '')}\0{f}\0f\0".encode() + version + b"\0"
+
+    head = answer()
+    assert head.split(b"\0")[3].startswith(f"{len(data)} 1 ".encode())
     assert _gated(f, None) == (99, head)  # refused (stdin closed): the answer, not a byte of the file
     assert _gated(f, b"stop\n") == (99, head)
     assert _gated(f, b"go\n") == (0, head + data)
     os.link(f, tmp_path / "other-name")
+    head = answer()
+    assert head.split(b"\0")[3].startswith(f"{len(data)} 2 ".encode())
     rc, out = _gated(f, b"go\n")  # two names: refused unless the caller allows links there
-    assert (rc, out) == (15, head.replace(b" 1\0", b" 2\0"))
-    assert _gated(f, b"go 1\n") == (0, head.replace(b" 1\0", b" 2\0") + data)
+    assert (rc, out) == (15, head)
+    assert _gated(f, b"go 1\n") == (0, head + data)
     # missing: the resolve's answer (what the name would be, for the policy's existence-blind
     # refusal) and nothing streamed
     home = os.environ.get("HOME", "").encode()

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _backend_modules() -> list[str]:
     return sorted(m.name for m in pkgutil.iter_modules(sandboxes_pkg.__path__)
-                  if m.name not in ("base", "routing", "execstream", "hostroot"))
+                  if m.name not in ("base", "routing", "execstream", "hostroot", "hostopen"))
 
 
 def _backends(module: str) -> list[type]:

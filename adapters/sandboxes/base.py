@@ -13,7 +13,6 @@ import fnmatch
 import os
 import posixpath
 import queue
-import stat
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -24,7 +23,7 @@ from urllib.parse import quote, unquote_to_bytes, urlparse
 
 from adapters.defaults import MAX_FILE_BYTES
 from adapters.errors import (
-    ConfigError, FileChanging, FileMissing, NotAFile, SandboxError, SandboxGone, TooLarge, UnsafePath,
+    ConfigError, FileChanging, FileMissing, SandboxError, SandboxGone, TooLarge, UnsafePath,
 )
 from adapters.sandboxes.routing import host_of
 
@@ -435,29 +434,6 @@ def write_blob_at(dfd: int, name: str, tmp: str, store: BlobStore, key: str, *, 
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp, dir_fd=dfd)
         raise
-
-
-def open_regular(path: str, *, dir_fd: int | None = None, shown: str | None = None) -> tuple[int, os.stat_result]:
-    """Open `path` (no link followed at its last component) for reading
-    without ever blocking, and return (fd, fstat of that fd).
-
-    O_NONBLOCK makes a FIFO or a device swapped in after the path check
-    open at once instead of hanging the worker; the *opened* descriptor is
-    then checked (a regular file, else NotAFile) and made blocking again
-    for the read. Callers check what else they need on the returned stat
-    (the bytes read are those of the file checked here)."""
-    shown = shown or path
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0)
-    fd = os.open(path, flags, dir_fd=dir_fd)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise NotAFile(f"{shown}: not a regular file")
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, st
 
 
 class NoInbound(SandboxError, NotImplementedError):

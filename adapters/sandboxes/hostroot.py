@@ -13,11 +13,13 @@ held no link when the engine stat'ed it). Here:
   engine's answer and the open is caught);
 * the path is opened below that root with ``openat2`` and
   ``RESOLVE_IN_ROOT | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS``: no link
-  is followed, none can lead out of the container's root; non-blocking and
-  without following its last component (a FIFO or a device swapped in is
-  never waited on);
-* the descriptor opened must be the file the engine stat'ed: a regular file
-  of the same size, permission bits and modification time (nanoseconds).
+  is followed, none can lead out of the container's root; as an ``O_PATH``
+  descriptor (:mod:`adapters.sandboxes.hostopen`), which opens nothing: a
+  device node the container's root made (``mknod``) or a FIFO swapped in is
+  never opened on the host, its driver never run;
+* that descriptor must be the file the engine stat'ed: a regular file of
+  the same size, permission bits and modification time (nanoseconds); only
+  then is it opened for reading (the same inode, through ``/proc/self/fd``).
 
 Anything else (not Linux, no ``openat2``, no access to the process, the
 engine in another pid namespace than this worker, a mismatch) answers None:
@@ -26,42 +28,18 @@ the caller takes the archive API, which checks everything again.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import select
 import stat
-import struct
 import sys
 from collections.abc import Callable
 from datetime import datetime
 
-RESOLVE_NO_MAGICLINKS = 0x02
-RESOLVE_NO_SYMLINKS = 0x04
-RESOLVE_IN_ROOT = 0x10
-#: openat2's number is the same on every Linux architecture (added after the tables were unified)
-_SYS_OPENAT2 = 437
+from adapters.sandboxes.hostopen import (
+    RESOLVE_IN_ROOT, RESOLVE_NO_MAGICLINKS, RESOLVE_NO_SYMLINKS, open_path, openat2, reopen_for_reading,
+)
 
-_syscall = None
-
-
-def _libc_syscall():
-    global _syscall
-    if _syscall is None:
-        fn = ctypes.CDLL(None, use_errno=True).syscall
-        fn.restype = ctypes.c_long
-        _syscall = fn
-    return _syscall
-
-
-def openat2(dirfd: int, path: str, flags: int, resolve: int) -> int:
-    """The openat2(2) system call; raises OSError."""
-    how = ctypes.create_string_buffer(struct.pack("QQQ", flags, 0, resolve), 24)
-    fd = _libc_syscall()(ctypes.c_long(_SYS_OPENAT2), ctypes.c_int(dirfd), ctypes.c_char_p(os.fsencode(path)),
-                         how, ctypes.c_size_t(24))
-    if fd < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err), path)
-    return int(fd)
+__all__ = ["available", "engine_mtime_ns", "open_in_container", "openat2"]
 
 
 def available() -> bool:
@@ -104,7 +82,8 @@ def open_in_container(pid_of: Callable[[], int | None], path: str, *, size: int,
     """(fd, its fstat) of absolute `path` inside the container whose running
     process `pid_of()` names (asked twice: before and after the open of its
     root), when it is the file `expect` (the engine's stat of it) describes;
-    else None (see the module docstring). The fd is blocking, read-only."""
+    else None (see the module docstring), and then nothing was opened for
+    reading. The fd is blocking, read-only."""
     if not available():
         return None
     want_mtime = engine_mtime_ns(expect.get("mtime"))
@@ -126,10 +105,9 @@ def open_in_container(pid_of: Callable[[], int | None], path: str, *, size: int,
         try:
             if pid_of() != pid or _ended(pidfd):  # the pid was not (or no longer) the container's
                 return None
-            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
             try:
-                fd = openat2(root, path.lstrip("/"), flags,
-                             RESOLVE_IN_ROOT | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)
+                opath, st = open_path(path.lstrip("/"), dir_fd=root, fallback=False,
+                                  resolve=RESOLVE_IN_ROOT | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)
             except OSError:
                 return None
         finally:
@@ -137,14 +115,13 @@ def open_in_container(pid_of: Callable[[], int | None], path: str, *, size: int,
     finally:
         os.close(pidfd)
     try:
-        st = os.fstat(fd)
         same = (stat.S_ISREG(st.st_mode) and st.st_size == size and st.st_mtime_ns == want_mtime
                 and stat.S_IMODE(st.st_mode) & 0o777 == want_mode & 0o777)
-        if not same:
-            os.close(fd)
+        if not same:  # not the file the engine stat'ed (a device, a FIFO, another file): never opened
             return None
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, st
+        try:
+            return reopen_for_reading(opath), st
+        except OSError:
+            return None
+    finally:
+        os.close(opath)

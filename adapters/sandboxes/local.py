@@ -4,8 +4,11 @@ Extraction into a volume is an in-kernel copy (`copy_file_range`: a
 reflink where the filesystem shares extents) of the very descriptor that was
 checked; into other stores a stream in 1 MiB reads. No hard link is made: it
 would let the agent change a stored file after the fact. Links are resolved with `realpath` and the
-resolved path is checked; the opened file descriptor is checked again
-(`/proc/self/fd`) so a link swapped between check and open cannot escape.
+resolved path is checked; the file is then opened as an O_PATH descriptor
+following no link (:mod:`adapters.sandboxes.hostopen`), whose real path
+(`/proc/self/fd`), type and link count are checked before it is opened for
+reading, so neither a link nor a device or FIFO swapped in between check
+and open is ever followed or opened.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from pathlib import Path
 from adapters.errors import FileMissing, NotAFile, UnsafePath
 from adapters.sandboxes.base import (
     DEFAULT_EXEC_OUTPUT_BYTES, BoundedOutput, PathPolicy, Sandbox, SandboxRef, check_lexical,
-    exec_argv, open_regular, os_error, run_exec, unchanged, write_blob_at,
+    exec_argv, os_error, run_exec, unchanged, write_blob_at,
 )
+from adapters.sandboxes.hostopen import open_regular
 
 CHUNK = 1024 * 1024
 #: where an open descriptor's real path is read back from
@@ -59,17 +63,16 @@ class LocalSandbox(Sandbox):
         return real, st.st_size
 
     def _open_checked(self, resolved: str) -> tuple[int, os.stat_result]:
-        # non-blocking open, then the opened fd is checked: a FIFO swapped in
-        # after resolve is refused at once instead of hanging the worker
-        fd, st = open_regular(resolved)
-        try:
+        """Opened as an O_PATH descriptor first (hostopen): its real path
+        (`/proc/self/fd`) and link count are checked, and only a regular file
+        that passed is opened for reading. A device or a FIFO swapped in after
+        resolve is refused (NotAFile) without ever being opened."""
+        def check(fd: int, st: os.stat_result) -> None:
             real = os.readlink(f"/proc/self/fd/{fd}") if _PROC_FD else resolved
             self.policy.check(real, shown=resolved)
             self.policy.check_links(real, st.st_nlink, shown=resolved)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd, st
+
+        return open_regular(resolved, check=check)
 
     def _open(self, resolved: str) -> tuple[int, os.stat_result]:
         """The checked file open for reading, and its fstat taken at the open

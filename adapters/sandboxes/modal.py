@@ -6,10 +6,13 @@ the SDK's own (MODAL_TOKEN_ID / MODAL_TOKEN_SECRET or ~/.modal.toml).
 * resolve: ONE exec (`readlink -f` + type + size + $HOME, the script of
   :mod:`adapters.sandboxes.execstream`), then the policy check;
 * read: the SDK's file API, ``sandbox.open(resolved, "rb")`` read in 1 MiB
-  chunks straight into storage; where the SDK has no file API (modal 1.x
-  dropped ``Sandbox.open``) or it fails before the first byte, ONE streaming
-  ``cat`` through ``sandbox.exec`` (execstream); the byte count must match
-  the size resolved, else nothing is stored;
+  chunks straight into storage, the file's version (size, mtime and ctime in
+  ns, inode: the resolve's answer) asked again by one exec after the last
+  byte (a change: FileChanging, nothing stored); where the SDK has no file API
+  (modal 1.x dropped ``Sandbox.open``) or it fails before the first byte,
+  ONE streaming ``cat`` through ``sandbox.exec`` (execstream), whose script
+  compares the opened file's stat before and after itself; the byte count
+  must match the size resolved, else nothing is stored;
 * put: the destination is resolved (one exec), written to a temp name beside
   it (``sandbox.open(tmp, "wb")``, or ``cat`` fed through exec stdin), then
   size-checked and renamed by one exec, so a short upload never appears.
@@ -39,15 +42,15 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from adapters.errors import (
-    ConfigError, CourierError, ErrorTable, FileMissing, NotAFile, SandboxError, SandboxGone, UnsafePath,
-    translating,
+    ConfigError, CourierError, ErrorTable, FileChanging, FileMissing, NotAFile, SandboxError, SandboxGone,
+    UnsafePath, translating,
 )
 from adapters.sandboxes.base import (
     DEFAULT_IO_TIMEOUT_S, BoundedOutput, PathPolicy, Sandbox, SandboxRef, check_lexical,
     call_with_deadline, grew_over_cap, with_deadline,
 )
 from adapters.sandboxes.execstream import (
-    EXIT_CHANGED, ExecStream, ExecStreamMixin, Resolved, exec_iter_file, exec_resolve, kill_argv,
+    EXIT_CHANGED, VERSION_FORMAT, ExecStream, ExecStreamMixin, Resolved, exec_iter_file, exec_resolve, kill_argv,
     resolve_put_dest,
 )
 
@@ -346,14 +349,19 @@ class ModalSandbox(ExecStreamMixin, Sandbox):  # type: ignore[misc]
 
         return chunks()
 
-    def _stream(self, resolved: str, size: int | None, max_bytes: int | None, nlink: int = 1) -> Iterator[bytes]:
+    def _stream(self, resolved: str, size: int | None, max_bytes: int | None, nlink: int = 1,
+                version: str = "") -> Iterator[bytes]:
+        """The file's chunks: the file API where the SDK has one, else exec.
+        `version`: the file's version as the resolve saw it (execstream's
+        Resolved.version), the one the file API's read is compared with."""
         policy = self.policy_for(None)
         chunks = self._iter_file_api(resolved)
-        if chunks is None:  # exec: the stream script checks the opened file's links itself
+        if chunks is None:  # exec: the stream script checks the opened file's links and version itself
             yield from exec_iter_file(self.exec_channel(), resolved, expected_size=size, max_bytes=max_bytes,
                                       policy=policy)
             return
         policy.check_links(resolved, nlink)  # the file API cannot say: the resolve's count
+        before = version or self._version(resolved)  # taken before the first byte
         n = 0
         for chunk in chunks:
             n += len(chunk)
@@ -362,6 +370,19 @@ class ModalSandbox(ExecStreamMixin, Sandbox):  # type: ignore[misc]
             yield chunk
         if size is not None and n != size:
             raise SandboxGone(f"{resolved}: changed during transfer ({n:,} bytes read, {size:,} expected)")
+        if self._version(resolved) != before:
+            raise FileChanging(f"{resolved}: changed while it was read (written meanwhile); read again later")
+
+    def _version(self, resolved: str) -> str:
+        """The file's version (size, links, mtime and ctime in ns, inode) by
+        ONE exec: the file API's read is one version of the file only if this
+        is the same after its last byte as before its first (the resolve's
+        answer; the exec channel's stream script compares them itself, in
+        the same exec)."""
+        rc, out, err = self.exec_channel().exec_small(["stat", "-L", "-c", VERSION_FORMAT, "--", resolved])
+        if rc != 0:
+            raise FileChanging(f"{resolved}: cannot stat it (exit {rc}: {err[:200]!r}); read again later")
+        return out.decode("utf-8", "surrogateescape").rstrip("\n")
 
     def open_stream(self, resolved: str) -> Iterator[bytes]:
         again, _ = self.resolve(resolved)  # also learns $HOME for the default policy
@@ -372,7 +393,7 @@ class ModalSandbox(ExecStreamMixin, Sandbox):  # type: ignore[misc]
     def _copy_out(self, path: str, store, key: str, *, max_bytes: int):
         r = self._resolve(path)
         self.check_size(path, r.size, max_bytes)
-        return store.put_stream(key, self._stream(r.path, r.size, max_bytes, r.nlink), max_bytes=max_bytes)
+        return store.put_stream(key, self._stream(r.path, r.size, max_bytes, r.nlink, r.version), max_bytes=max_bytes)
 
     # -- inbound ------------------------------------------------------------------------
     def _copy_in(self, store, key: str, dest_path: str, *, size: int, max_bytes: int) -> str:

@@ -15,7 +15,10 @@ directory file descriptors (``openat`` with ``O_NOFOLLOW`` on every step):
 symlinks are followed by hand, an absolute link target restarts from the
 instance root and ``..`` never climbs above it, so no link can reach the
 host. The checked, link-free path is then opened by the same fd walk where
-any link found now (a swap after resolve) is refused, and streamed.
+any link found now (a swap after resolve) is refused, its last component as
+an O_PATH descriptor that is opened for reading only when it is a regular
+file (:mod:`adapters.sandboxes.hostopen`: a device or FIFO swapped in is never
+opened on the host), and streamed.
 """
 
 from __future__ import annotations
@@ -30,13 +33,13 @@ import stat as statmod
 import subprocess
 import uuid
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from adapters.errors import ConfigError, CourierError, FileMissing, NotAFile, SandboxGone, UnsafePath
 from adapters.sandboxes.base import (
-    PathPolicy, Sandbox, SandboxRef, check_lexical, open_regular, os_error, unchanged,
-    write_blob_at,
+    PathPolicy, Sandbox, SandboxRef, check_lexical, os_error, unchanged, write_blob_at,
 )
+from adapters.sandboxes.hostopen import open_regular
 
 CHUNK = 1024 * 1024
 MAX_LINKS = 40
@@ -200,9 +203,12 @@ def _resolve_in_root(root: str, path: str, max_links: int) -> tuple[str, os.stat
         return w.path(leaf), final
 
 
-def open_in_root(root: str, resolved: str) -> int:
+def open_in_root(root: str, resolved: str, check: Callable[[int, os.stat_result], None] | None = None) -> int:
     """Open a resolved (link-free) path under `root`; any link on the way is
-    refused (UnsafePath), the result must be a regular file."""
+    refused (UnsafePath), the result must be a regular file: the last
+    component is opened as an O_PATH descriptor (hostopen), `check`ed, and
+    opened for reading only then, so a device or a FIFO swapped in after
+    resolve is never opened on the host."""
     parts = [p for p in resolved.split("/") if p]
     if not parts or any(p in (".", "..") for p in parts):
         raise UnsafePath(f"{resolved}: not a resolved file path")
@@ -210,7 +216,7 @@ def open_in_root(root: str, resolved: str) -> int:
         try:
             for part in parts[:-1]:
                 w.down(part)
-            fd, _st = open_regular(parts[-1], dir_fd=w.cur, shown=resolved)
+            fd, _st = open_regular(parts[-1], dir_fd=w.cur, shown=resolved, check=check)
         except FileNotFoundError as exc:
             raise FileMissing(f"{resolved}: no such file") from exc
         except OSError as exc:  # ELOOP / ENOTDIR: a component became a link
@@ -249,13 +255,7 @@ class SingularitySandbox(Sandbox):
 
     def _open_checked(self, resolved: str) -> int:
         self.policy.check(resolved)
-        fd = open_in_root(self.root, resolved)
-        try:
-            self.policy.check_links(resolved, os.fstat(fd).st_nlink)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
+        return open_in_root(self.root, resolved, check=lambda _fd, st: self.policy.check_links(resolved, st.st_nlink))
 
     def open_stream(self, resolved: str) -> Iterator[bytes]:
         with os.fdopen(self._open_checked(resolved), "rb", buffering=0) as f:

@@ -74,6 +74,15 @@ class Harness:
         """Host path of a sandbox path (None: not visible from the host)."""
         return None
 
+    def host_view(self, spath: str) -> Path:
+        """Where this host's root reaches the agent's file `spath` (to act
+        on it as the agent would, from the test's own thread): its host
+        path, or (a container's own file) through the root of the
+        container's process."""
+        p = self.hp(spath)
+        assert p is not None, f"{self.name}: no host view of {spath}"
+        return p
+
     def sh(self, script: str, *args: str, user: str | None = None) -> bytes:
         """Run a shell script where the agent's files are (docker: in the container)."""
         res = subprocess.run(["sh", "-c", script, "sh", *args], capture_output=True)
@@ -324,6 +333,15 @@ class DockerHarness(Harness):
         if self.bind is not None and (spath == self.ws or spath.startswith(self.ws + "/")):
             return self.bind / spath[len(self.ws):].lstrip("/")
         return None
+
+    def host_view(self, spath: str) -> Path:
+        p = self.hp(spath)
+        if p is not None:
+            return p
+        if not getattr(self, "_pid", None):
+            self.ctr.reload()
+            self._pid = self.ctr.attrs["State"]["Pid"]
+        return Path(f"/proc/{self._pid}/root") / spath.lstrip("/")
 
     def sh(self, script: str, *args: str, user: str | None = None) -> bytes:
         res = self.ctr.exec_run(["sh", "-c", script, "sh", *args], user=user or "root")

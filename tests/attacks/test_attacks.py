@@ -12,8 +12,11 @@ none may be there), so no row can pass by leaking.
 
 from __future__ import annotations
 
+import filecmp
 import os
 import pwd
+import shutil
+import stat
 import threading
 import time
 import traceback
@@ -315,6 +318,147 @@ def growing_file(h, store, request):
     print(f"{h.name} growing: {seen}")
 
 
+def _after_check(h, sb, move) -> None:
+    """`move()` runs right after the sandbox resolved and checked the path
+    (before its host-side open): the agent's swap landing in the window a
+    loop of swaps would hit some of the time, every time."""
+    name = "_resolve" if h.name.startswith("docker") else "resolve"
+    real = getattr(sb, name)
+
+    def checked(path):
+        res = real(path)
+        move()
+        return res
+
+    setattr(sb, name, checked)
+
+
+def device_swap(h, store, request):
+    """A root agent (a rootful container's root can `mknod`) swaps a device
+    node in for its file between the sandbox's check of the path and the
+    host-side open (the worst case of a loop that swaps it in and out): the
+    device is never opened on the host (its opens are counted on its inode:
+    0), each such extraction is refused as not a regular file, and the file
+    is delivered once the agent stops. On the docker harness the file is big
+    enough for the host-root channel (/proc/<pid>/root); the device is char
+    1:3, /dev/null's numbers: its driver does nothing."""
+    from adapters.errors import NotAFile
+    from adapters.sandboxes.docker import HOST_ROOT_MIN_BYTES
+    from tests.fixtures._files import OpenWatch
+
+    h.mkdir(h.ws + "/dev")
+    dev = h.host_view(h.ws + "/dev/node")
+    os.mknod(dev, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    big = h.name == "docker"  # the root container: files this big take the host-root channel
+    legit = h.host_view(h.ws + "/dev/legit")
+    legit.write_bytes(LEGIT * ((HOST_ROOT_MIN_BYTES // len(LEGIT) + 1) if big else 1))
+    target = h.host_view(h.ws + "/dev/f.bin")
+    spare = target.with_name(".spare")
+    watch = OpenWatch(dev)
+
+    def put(src) -> None:  # `src` takes the file's name (a new link, renamed over it)
+        os.link(src, spare)
+        os.rename(spare, target)
+
+    try:
+        sb = h.sandbox()
+        _after_check(h, sb, lambda: put(dev))
+        refused = 0
+        for i in range(DEVICE_SWAPS):
+            put(legit)
+            _res, exc, _took = bounded(lambda: sb.extract(h.ws + "/dev/f.bin", store, f"files/d{i}"))
+            watch.opens()
+            assert isinstance(exc, NotAFile), repr(exc)
+            refused += 1
+        assert watch.opens() == 0, f"{h.name}: {watch.opens()} of {DEVICE_SWAPS} extractions opened the device " \
+                                   "on the host"
+        assert keys(store) == []
+        os.unlink(target)
+        shutil.copyfile(legit, target)  # the agent stopped: its own file, one link
+        sb = h.sandbox()
+        sb.extract(h.ws + "/dev/f.bin", store, "files/d")
+        assert _same_file(store.local_path("files/d"), target)
+        if big:
+            assert sb.stats["host_root"] == 1
+        assert watch.opens() == 0
+    finally:
+        watch.close()
+        h.remove(h.ws + "/dev")
+    print(f"{h.name} device swap: {refused} refused, 0 opens of the device")
+
+
+def _same_file(a, b) -> bool:
+    return filecmp.cmp(a, b, shallow=False)
+
+
+#: extractions of the device swap row (deterministic: every one has the device swapped in)
+DEVICE_SWAPS = 8
+
+
+def rewrite_in_place(h, store, request):
+    """A writer rewrites the file in place (same size, other bytes: one
+    version is all `a`, the next all `b`) while the channel reads it (once
+    the first chunk has arrived, before the rest was read): the extraction
+    is a whole version or a transient error (FileChanging: read again
+    later), never a mix — 0 torn deliveries; once the writer is done, the
+    file is delivered whole. On the docker harness a second size takes the
+    host-root channel."""
+    from adapters.sandboxes.docker import HOST_ROOT_MIN_BYTES
+    from tests.fixtures._files import InterruptingStore
+
+    path = h.ws + "/rewrite.bin"
+    target = h.host_view(path)
+    sizes = [REWRITE_BYTES] + ([HOST_ROOT_MIN_BYTES + REWRITE_BYTES] if h.name == "docker" else [])
+    version = {"byte": b"a"}
+
+    def rewrite() -> None:  # in place: the same inode, the same size, every byte another
+        version["byte"] = b"b" if version["byte"] == b"a" else b"a"
+        with open(target, "r+b", buffering=0) as f:
+            left = target.stat().st_size
+            while left:
+                left -= f.write(version["byte"] * min(left, 1 << 20))
+
+    rw = InterruptingStore(request.getfixturevalue("tmp_path") / "rw", rewrite, streamed=True)
+    outcomes: dict[str, int] = {}
+    sb = h.sandbox()
+    for size in sizes:
+        with open(target, "wb") as f:
+            for _ in range(size >> 20):
+                f.write(b"a" * (1 << 20))
+        version["byte"] = b"a"
+        for i in range(REWRITES):
+            # the version read was written a while ago (2 s): the rewrite's mtime differs at any
+            # clock granularity (SFTP's attributes carry whole seconds: see the README, ssh)
+            past = time.time_ns() - 2_000_000_000
+            os.utime(target, ns=(past, past))
+            key = f"files/rw{size}-{i}"
+            _res, exc, _took = bounded(lambda: sb.extract(path, rw, key, max_bytes=1 << 30))
+            if exc is None:
+                with open(rw.local_path(key), "rb") as f:
+                    kinds = set()
+                    while chunk := f.read(1 << 20):
+                        kinds |= set(chunk)
+                rw.delete(key)
+                outcome = "delivered whole" if len(kinds) == 1 else "torn"
+            else:
+                assert isinstance(exc, SandboxError) and exc.transient, repr(exc)
+                outcome = type(exc).__name__
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    print(f"{h.name} rewrite in place: {outcomes}")
+    assert outcomes.get("torn", 0) == 0, f"{h.name}: torn deliveries: {outcomes}"
+    assert keys(rw) == []
+    sb.extract(path, store, "files/rw-still", max_bytes=1 << 30)  # the writer is done
+    assert _same_file(store.local_path("files/rw-still"), target)
+    if h.name == "docker":  # the last size is the host-root channel's
+        assert sb.stats["host_root"] == 1
+    h.remove(path)
+
+
+#: the rewrite row: the file's size (below the host-root channel's), and rewrites per size
+REWRITE_BYTES = 6 << 20
+REWRITES = 4
+
+
 UNICODE_NAMES = ["файл.txt", "文件名.bin", "emoji-🎉.png", "Ünïcödé~ñ.txt", "日本語のファイル名.md", "ё~_-.txt",
                  "e\u0301-nfd.txt", "é-nfc.txt", "\u202eevil.txt"]
 
@@ -558,6 +702,8 @@ ROWS = {
     many_components: ALL,
     odd_errors: ALL,
     link_loop: ALL,
+    device_swap: ("local", "singularity", "docker", "docker-bind"),
+    rewrite_in_place: ALL,
 }
 # backend-major: consecutive cases share one harness (a module-scoped fixture keeps one param at a time)
 CASES = [pytest.param(b, row, id=f"{row.__name__}-{b}") for b in ALL for row, backends in ROWS.items()

@@ -5,23 +5,31 @@ Channels, fastest first:
 1. bind mount: when the resolved path lies in a ``type: bind`` mount and the
    engine is on this host (unix socket), the file is read from the host
    path directly. The host path is re-checked with ``realpath`` against the
-   mount source, opened with O_NOFOLLOW and checked again through
-   ``/proc/self/fd``, so a link inside the mount can never reach the host.
+   mount source, opened as an ``O_PATH`` descriptor following no link
+   (:mod:`adapters.sandboxes.hostopen`), checked again through
+   ``/proc/self/fd`` (and its type: a regular file) and only then opened for
+   reading, so a link inside the mount can never reach the host and a
+   device node or FIFO swapped in is never opened there.
 2. host root: a file of at least ``HOST_ROOT_MIN_BYTES`` that the archive
    API would read (engine on this host, container running as root, path
    proved link-free by the engine's stat walk) is opened from the host below
    the root of the container's process (``/proc/<pid>/root``, ``openat2``
-   with ``RESOLVE_IN_ROOT`` and no link followed, the pid pinned with a
-   pidfd and confirmed by the engine), must be the very file the engine
-   stat'ed (type, size, permissions, mtime in ns), and is copied in the
-   kernel (:mod:`adapters.sandboxes.hostroot`); else the archive API.
+   with ``RESOLVE_IN_ROOT`` and no link followed, as an ``O_PATH``
+   descriptor, the pid pinned with a pidfd and confirmed by the engine),
+   must be the very file the engine stat'ed (type, size, permissions, mtime
+   in ns) before it is opened for reading, and is copied in the kernel
+   (:mod:`adapters.sandboxes.hostroot`); else the archive API.
 3. archive API: the ``GET .../archive`` body streamed in ~1 MiB pieces
    straight into storage; ``tarfile`` parses the headers from a
    forward-only reader and the archive is checked member by member
-   (:func:`iter_single_member`).
+   (:func:`iter_single_member`); after the copy ONE engine stat (``HEAD``)
+   must still show the size, mode and mtime (ns) the GET answered with, else
+   the file changed while it was read (FileChanging, nothing stored).
 4. exec: ``cat`` through exec stdout (:mod:`adapters.sandboxes.execstream`)
    from the descriptor the stream script opened and checked (type, path,
-   link count), available as :meth:`DockerSandbox.extract_via_exec`. It is
+   link count), whose stat the script compares before the first byte and
+   after the last (a change: FileChanging), available as
+   :meth:`DockerSandbox.extract_via_exec`. It is
    the channel whenever the others would read what the agent could not:
    a container not running as root (bind mounts and the archive API read as
    root), a path with glob characters (podman's archive API expands them),
@@ -48,7 +56,15 @@ Reads *inside* the container through the archive or exec channels are
 scoped to the container's filesystem by the engine; a process in the
 container that races a link swap after our resolve can only reach files it
 could read (and copy into /workspace) anyway. The host is reachable only
-through bind mounts, which is why that channel is checked on the host side.
+through bind mounts and the host-root channel, which is why those are
+checked on the host side.
+
+Run agent containers without ``CAP_MKNOD`` (``cap_drop=["MKNOD"]`` in the
+SDK, ``--cap-drop=MKNOD`` on the command line): the root of a rootful
+container can otherwise make device nodes, and a device node in a bind
+mount is one on the host. courier never opens one (the host-side channels
+open a regular file only), but whatever else on the host walks that
+directory might.
 
 Every docker / requests / urllib3 error is translated in ONE place
 (the table ``engine._engine_errors``, through :meth:`Engine._errors`).

@@ -6,14 +6,15 @@ copied from the very descriptor that was checked."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import suppress
 from typing import TYPE_CHECKING
 
 from adapters.errors import FileChanging, FileMissing, SandboxGone, UnsafePath
-from adapters.sandboxes.base import open_regular, unchanged
+from adapters.sandboxes.base import unchanged
 from adapters.sandboxes.docker.demux import CHUNK
 from adapters.sandboxes.execstream import Resolved
+from adapters.sandboxes.hostopen import open_regular
 from adapters.sandboxes.hostroot import open_in_container
 
 if TYPE_CHECKING:
@@ -76,10 +77,10 @@ def extract_bound(sb: DockerSandbox, bound: tuple[str, str], path: str, store, k
     """The file at host path `bound[0]`, inside the bind mount source
     `bound[1]`, into `store` (the same version from start to end)."""
     host, src = bound
-    fd = open_under(host, src, shown=path)
+    policy = sb.policy_for(sb._home())
+    fd, st = open_under(host, src, shown=path,
+                        check=lambda st: policy.check_links(resolved, st.st_nlink, shown=path))
     try:
-        st = os.fstat(fd)
-        sb.policy_for(sb._home()).check_links(resolved, st.st_nlink, shown=path)
         sb.check_size(path, st.st_size, max_bytes)
         f = os.fdopen(fd, "rb", buffering=0)
     except BaseException:
@@ -91,9 +92,16 @@ def extract_bound(sb: DockerSandbox, bound: tuple[str, str], path: str, store, k
         return info
 
 
-def open_under(host: str, src: str, *, shown: str) -> int:
-    """Open `host` for reading only if it resolves (and stays, once opened)
-    inside the bind mount source `src`. Returns an fd of a regular file."""
+def open_under(host: str, src: str, *, shown: str,
+               check: Callable[[os.stat_result], None] | None = None) -> tuple[int, os.stat_result]:
+    """Open `host` for reading only if it is a regular file that resolves
+    (and stays, once opened) inside the bind mount source `src`; returns
+    (fd, its fstat). The host path is opened as an O_PATH descriptor
+    following no link (:mod:`adapters.sandboxes.hostopen`); its real path,
+    its type and `check(stat)` are checked on that descriptor, and only then
+    is it opened for reading: a device node the container made (root in a
+    rootful container can `mknod`) or a FIFO swapped in after the check is
+    never opened on the host."""
     try:
         src_real = os.path.realpath(src)
         real = os.path.realpath(host)
@@ -101,17 +109,17 @@ def open_under(host: str, src: str, *, shown: str) -> int:
         raise UnsafePath(f"{shown}: changed while resolving on the host ({exc.strerror})") from exc
     if not (real == src_real or real.startswith(src_real.rstrip("/") + "/")):
         raise UnsafePath(f"{shown}: leaves its bind mount on the host")
+
+    def inside(fd: int, st: os.stat_result) -> None:
+        opened = os.readlink(f"/proc/self/fd/{fd}")
+        if not (opened == src_real or opened.startswith(src_real.rstrip("/") + "/")):
+            raise UnsafePath(f"{shown}: changed while opening")
+        if check is not None:
+            check(st)
+
     try:
-        fd, _st = open_regular(real, shown=shown)
+        return open_regular(real, shown=shown, check=inside)
     except FileNotFoundError as exc:
         raise FileMissing(f"{shown}: no such file") from exc
     except OSError as exc:
         raise UnsafePath(f"{shown}: cannot open on the host ({exc.strerror})") from exc
-    try:
-        opened = os.readlink(f"/proc/self/fd/{fd}")
-        if not (opened == src_real or opened.startswith(src_real.rstrip("/") + "/")):
-            raise UnsafePath(f"{shown}: changed while opening")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd

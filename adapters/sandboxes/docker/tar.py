@@ -2,7 +2,9 @@
 streamed as ~1 MiB pieces and checked member by member
 (:func:`iter_single_member`: tarfile parses the headers from a forward-only
 reader), the engine's stat header checked against what was resolved
-(:func:`check_archive_stat`), and a one-file tar built on the fly for
+(:func:`check_archive_stat`) and, after the copy, the engine's stat again
+(:func:`check_unchanged_after`: a file changed while it was read is never
+stored), and a one-file tar built on the fly for
 ``put_archive`` (:func:`tar_stream`)."""
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import IO, TYPE_CHECKING, Any, cast
 
-from adapters.errors import CourierError, FileMissing, NotAFile, SandboxError, SandboxGone, StorageError, UnsafePath
+from adapters.errors import (
+    CourierError, FileChanging, FileMissing, NotAFile, SandboxError, SandboxGone, StorageError, UnsafePath,
+)
 from adapters.sandboxes.base import check_size
 from adapters.sandboxes.docker.demux import CHUNK
 
@@ -279,8 +283,29 @@ def iter_archive(engine: Engine, resolved: str, size: int | None, *, max_bytes: 
         # does); one cheap inspect makes "gone mid-transfer" fail the same everywhere
         if not engine.alive():
             raise SandboxGone(f"container {engine.ref.target} went away during the transfer")
+        check_unchanged_after(engine, resolved, st)
     finally:
         raw.close()
+
+
+def check_unchanged_after(engine: Engine, resolved: str, st: dict) -> None:
+    """The archive GET reads a file the engine opened itself: the bytes are
+    one version only if the file did not change while they were read. The
+    engine's stat after the copy (ONE ``HEAD .../archive``: its stat carries
+    size, mode and mtime in ns, no ctime or inode) must be the stat the GET
+    answered with before its first byte; else FileChanging (a file rewritten
+    in place, same size, while it was read: read again later), raised
+    before the chunks end, so an all-or-nothing store keeps nothing. Before
+    the read, the engine's stat of the GET was checked against the walk's
+    (:func:`check_archive_stat`)."""
+    if not isinstance(st, dict) or "mtime" not in st or not hasattr(engine.client.api, "head"):
+        return  # no stat header, or a client without the engine's stat call: nothing to compare
+    after = engine._stat(resolved)
+    if after is None:
+        raise FileChanging(f"{resolved}: gone after it was read; read again later")
+    changed = [k for k in ("size", "mode", "mtime") if after.get(k) != st.get(k)]
+    if changed:
+        raise FileChanging(f"{resolved}: changed while it was read ({', '.join(changed)}); read again later")
 
 def open_archive(engine: Engine, path: str) -> tuple[Any, dict, Any]:
     """(readable body, stat header, closable response) of the engine's

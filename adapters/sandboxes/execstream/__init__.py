@@ -9,6 +9,10 @@ from here with a constant number of round trips, whatever the file size:
 * extract: ONE exec streaming the file on stdout (``cat``; ``base64`` only
   when the channel is not binary-safe), straight into storage (spliced in
   the kernel where the channel hands out a pipe and the store is a volume);
+  the script stats the descriptor it streams (size, mtime and ctime in ns,
+  inode) before the first byte and after the last, and exits 75 on any
+  change: a file rewritten in place while it was read is FileChanging
+  (transient), never stored torn;
   a channel that can also send one line of stdin resolves and streams in
   ONE exec (:func:`exec_gated_extract`);
 * put: ONE exec that reads stdin into a temp name and renames it (only for
@@ -53,8 +57,8 @@ Use it as a mixin (:class:`ExecStreamMixin`, needs ``self.policy``,
 """
 
 from adapters.sandboxes.execstream.channel import (
-    EXIT_CHANGED, EXIT_DENIED, EXIT_LINKS, EXIT_LOOP, EXIT_MISSING, EXIT_NOT_DIR, EXIT_NOT_FILE, EXIT_SHORT,
-    ExecChannel, ExecStream, GatedChannel, Resolved, default_roots, probe,
+    EXIT_CHANGED, EXIT_CHANGING, EXIT_DENIED, EXIT_LINKS, EXIT_LOOP, EXIT_MISSING, EXIT_NOT_DIR, EXIT_NOT_FILE,
+    EXIT_SHORT, VERSION_FORMAT, ExecChannel, ExecStream, GatedChannel, Resolved, default_roots, probe,
 )
 from adapters.sandboxes.execstream.mixin import ExecStreamMixin
 from adapters.sandboxes.execstream.run import (
@@ -67,12 +71,12 @@ from adapters.sandboxes.execstream.transfer import (
 )
 
 __all__ = [
-    "ExecChannel", "ExecStream", "ExecStreamMixin", "GatedChannel", "Resolved",
+    "ExecChannel", "ExecStream", "ExecStreamMixin", "GatedChannel", "Resolved", "VERSION_FORMAT",
     "RESOLVE_SCRIPT", "STREAM_SCRIPT", "GATED_STREAM_SCRIPT", "PUT_SCRIPT", "PUT_RESOLVE_SCRIPT", "ANCESTOR_SCRIPT",
     "CWD_SCRIPT", "RUN_SCRIPT", "KILL_SCRIPT", "EXEC_BACKSTOP_S",
     "exec_resolve", "exec_iter_file", "exec_store_file", "exec_gated_extract", "exec_extract",
     "exec_put", "resolve_put_dest", "default_roots", "probe",
     "exec_command", "exec_resolve_cwd", "kill_argv",
-    "EXIT_MISSING", "EXIT_NOT_FILE", "EXIT_CHANGED", "EXIT_DENIED", "EXIT_NOT_DIR", "EXIT_SHORT", "EXIT_LINKS",
-    "EXIT_LOOP",
+    "EXIT_MISSING", "EXIT_NOT_FILE", "EXIT_CHANGED", "EXIT_CHANGING", "EXIT_DENIED", "EXIT_NOT_DIR", "EXIT_SHORT",
+    "EXIT_LINKS", "EXIT_LOOP",
 ]

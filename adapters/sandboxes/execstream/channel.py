@@ -21,6 +21,8 @@ EXIT_SHORT = 6
 EXIT_DENIED = 13
 EXIT_LINKS = 15
 EXIT_LOOP = 40
+#: the stream script's: the file changed while it was read (EX_TEMPFAIL)
+EXIT_CHANGING = 75
 
 
 @dataclass
@@ -77,6 +79,13 @@ class Resolved:
     size: int
     home: str | None   # $HOME of the exec user (for default roots)
     nlink: int = 1     # hard links of the file, where the resolve saw them
+    #: the file's version where the resolve saw it: `stat -c` of :data:`VERSION_FORMAT` (size, links,
+    #: mtime and ctime in ns, inode); a read that cannot compare them itself asks again after its last byte
+    version: str = ""
+
+
+#: what the file's version is made of (`stat -c`): any change between two of them is a write
+VERSION_FORMAT = "%s %h %y %z %i"
 
 
 def default_roots(home: str | None, base: Sequence[str] = ("/workspace", "/tmp")) -> tuple[str, ...]:

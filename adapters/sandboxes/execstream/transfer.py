@@ -11,16 +11,17 @@ import posixpath
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 
-from adapters.errors import FileMissing, NotAFile, SandboxError, SandboxGone, TooLarge, UnsafePath
+from adapters.errors import FileChanging, FileMissing, NotAFile, SandboxError, SandboxGone, TooLarge, UnsafePath
 from adapters.sandboxes.base import DEFAULT_MAX_BYTES, PathPolicy, ReadTimeout, check_lexical, check_size, grew_over_cap
 from adapters.sandboxes.execstream.channel import (
-    EXIT_CHANGED, EXIT_DENIED, EXIT_LINKS, EXIT_LOOP, EXIT_MISSING, EXIT_NOT_DIR, EXIT_NOT_FILE, EXIT_SHORT,
-    ExecChannel, ExecStream, GatedChannel, Resolved, _ask, _err_text, _fields,
+    EXIT_CHANGED, EXIT_CHANGING, EXIT_DENIED, EXIT_LINKS, EXIT_LOOP, EXIT_MISSING, EXIT_NOT_DIR, EXIT_NOT_FILE,
+    EXIT_SHORT, VERSION_FORMAT, ExecChannel, ExecStream, GatedChannel, Resolved, _ask, _err_text, _fields,
 )
 from adapters.sandboxes.execstream.run import kill_argv
 
-# $1 = path as given. Prints HOME NUL resolved NUL type NUL size and link count
-# (type: f regular file, d directory, o other). readlink's output is kept
+# $1 = path as given. Prints HOME NUL resolved NUL type NUL size, link count
+# and (a regular file) its version: mtime, ctime (ns) and inode (type: f
+# regular file, d directory, o other). readlink's output is kept
 # exactly (the `echo x` guard keeps trailing newlines from being eaten).
 # A path that does not resolve exits 2 after HOME NUL what it would name
 # (empty when readlink gave up), or 40 for a symbolic link loop (`realpath`
@@ -34,7 +35,7 @@ printf '%s\0%s' "$HOME" "$r"; exit 2
 fi
 if [ -f "$r" ]; then t=f; elif [ -d "$r" ]; then t=d; else t=o; fi
 s="0 1"
-if [ "$t" = f ]; then s=$(stat -c '%s %h' -- "$r") || exit 2; fi
+if [ "$t" = f ]; then s=$(stat -c '""" + VERSION_FORMAT + r"""' -- "$r") || exit 2; fi
 printf '%s\0%s\0%s\0%s' "$HOME" "$r" "$t" "$s"
 """
 
@@ -42,25 +43,29 @@ printf '%s\0%s\0%s\0%s' "$HOME" "$r" "$t" "$s"
 # hard links may be read. Opens the file once on fd 3, checks what was opened
 # is still the resolved path, a regular file and (unless $3) has one link (the
 # fd's own link in /proc where there is one; kept exactly, as in
-# RESOLVE_SCRIPT), then streams from that fd. A FIFO swapped in between the
-# test and the open blocks the open: the reader's deadline ends it, and the
-# caller kills the run by its COURIER_EXEC_ID.
+# RESOLVE_SCRIPT), then streams from that fd. The fd's stat (links, size,
+# mtime and ctime in ns, inode) is taken before the first byte and again after
+# the last: any change (a file rewritten in place, same size, while it was
+# read) exits 75 after the bytes, so the caller refuses what it received
+# (FileChanging) before it is stored. A FIFO swapped in between the test and
+# the open blocks the open: the reader's deadline ends it, and the caller
+# kills the run by its COURIER_EXEC_ID.
 STREAM_SCRIPT = r"""[ -f "$1" ] || { [ -e "$1" ] && exit 4; exit 2; }
 [ -r "$1" ] || exit 13
 exec 3< "$1" || exit 2
 if [ -e "/proc/$$/fd/3" ]; then
 [ -f "/proc/$$/fd/3" ] || exit 4
-r=$(readlink "/proc/$$/fd/3"; echo x)
-else r=$(readlink -f -- "$1"; echo x); fi
+f=/proc/$$/fd/3
+r=$(readlink "$f"; echo x)
+else f=$1; r=$(readlink -f -- "$1"; echo x); fi
 r=${r%x}
 r=${r%?}
 [ "$r" = "$1" ] || exit 97
-if [ "$3" != 1 ]; then
-if [ -e "/proc/$$/fd/3" ]; then n=$(stat -L -c %h "/proc/$$/fd/3"); else n=$(stat -c %h -- "$1"); fi
-[ "$n" = 1 ] || exit 15
-fi
-if [ "$2" = base64 ]; then exec base64 <&3; fi
-exec cat <&3
+v=$(stat -L -c '""" + VERSION_FORMAT + r"""' -- "$f")
+n=${v#* }
+if [ "$3" != 1 ] && [ "${n%% *}" != 1 ]; then exit 15; fi
+if [ "$2" = base64 ]; then base64 <&3 || exit; else cat <&3 || exit; fi
+[ -z "$v" ] || [ "$(stat -L -c '""" + VERSION_FORMAT + r"""' -- "$f")" = "$v" ] || exit 75
 """
 
 # $1 = path as given, $2 = "cat" or "base64". RESOLVE_SCRIPT's answer and one
@@ -142,11 +147,12 @@ def _parse_resolved(out: bytes, path: str) -> Resolved:
         raise NotAFile(f"{path}: is a directory")
     if kind != "f":
         raise NotAFile(f"{path}: not a regular file")
+    n, links, *version = size.split(" ", 2)
     try:
-        n, *links = (int(x) for x in size.split())
+        return Resolved(path=resolved, size=int(n), home=home or None, nlink=int(links),
+                        version=size if version else "")
     except ValueError as exc:
         raise SandboxError(f"{path}: bad size {size!r}") from exc
-    return Resolved(path=resolved, size=n, home=home or None, nlink=links[0] if links else 1)
 
 
 def _b64_decode(chunks: Iterable[bytes]) -> Iterator[bytes]:
@@ -237,18 +243,21 @@ _STREAM_EXITS: dict[int, tuple[type[SandboxError], str]] = {
 
 def _check_stream_end(st: ExecStream, rc: int | None, n: int, resolved: str, expected_size: int | None) -> None:
     """The stream script's verdict once its output has ended: raises unless it
-    exited 0 having sent exactly `expected_size` bytes."""
+    exited 0 having sent exactly `expected_size` bytes of a file whose stat
+    did not change while they were read (exit 75: FileChanging)."""
     refused = _STREAM_EXITS.get(rc) if rc is not None else None
     if refused is not None:
         error, why = refused
         raise error(f"{resolved}: {why}")
     if rc is None:
         raise SandboxGone(f"{resolved}: the transfer ended without an exit status")
-    if rc != 0:
+    if rc not in (0, EXIT_CHANGING):
         raise SandboxError(f"{resolved}: reading failed (exit {rc}: {_err_text(st.stderr())})")
     if expected_size is not None and n != expected_size:
         # the agent is probably still writing it: worth a retry
         raise SandboxGone(f"{resolved}: changed during transfer ({n:,} bytes read, {expected_size:,} expected)")
+    if rc == EXIT_CHANGING:  # the same size, but rewritten while it was read: not one version
+        raise FileChanging(f"{resolved}: changed while it was read (written meanwhile); read again later")
 
 
 def exec_store_file(ch: ExecChannel, resolved: str, store, key: str, *, expected_size: int | None,

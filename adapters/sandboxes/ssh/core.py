@@ -210,11 +210,28 @@ class SshCore(Sandbox):
 
 
 # -- the ONE table of paramiko / socket / OS errors (rules take the SshCore and what it was doing) --
+#: what the SFTP status of a name the server's OS called too long (ENAMETOOLONG) reads as: OpenSSH's
+#: sftp-server answers SSH2_FX_BAD_MESSAGE for it (paramiko: an IOError with no errno), others a failure
+_TOO_LONG_STATUS = ("Bad message", "Failure")
+#: NAME_MAX and PATH_MAX of the hosts courier reads from (Linux, the BSDs, macOS)
+NAME_MAX_BYTES = 255
+PATH_MAX_BYTES = 4096
+
+
+def _too_long(path: str) -> bool:
+    """Whether `path` has a name over NAME_MAX bytes or is PATH_MAX bytes or more."""
+    raw = os.fsencode(path)
+    return len(raw) >= PATH_MAX_BYTES or any(len(part) > NAME_MAX_BYTES for part in raw.split(b"/"))
+
+
 def _oserror(exc: OSError, sb: SshCore, what: str) -> CourierError | None:
     if exc.errno == errno.ENOENT:
         return FileMissing(f"{what}: no such file on {sb.where}")
     if exc.errno in (errno.EACCES, errno.EPERM):
         return UnsafePath(f"{what}: permission denied on {sb.where}")
+    if (exc.errno == errno.ENAMETOOLONG or (exc.errno is None and str(exc) in _TOO_LONG_STATUS)) \
+            and _too_long(what):
+        return FileMissing(f"{what}: no such file on {sb.where} (a name or the path is too long)")
     return None
 
 
