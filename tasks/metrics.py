@@ -58,6 +58,10 @@ if _ON:
                                "(ok: 2xx, rejected: 4xx, unavailable: 5xx)", ["platform", "outcome"])
     WEBHOOK_TURNS = Counter("courier_webhook_turns", "Webhook updates that were enqueued as a turn or dropped as "
                             "a platform's retry", ["platform", "result"])
+    BREAKER_OPENS = Counter("courier_sandbox_breaker_opened", "Sandbox circuit breakers opened (an I/O timeout, "
+                            "or a probe that timed out again), by sandbox kind", ["sandbox"])
+    EXTRACT_POSTPONED = Counter("courier_extract_postponed", "Extractions postponed by their sandbox's breaker "
+                                "(not tried: no attempt, no read deadline spent), by sandbox kind", ["sandbox"])
     TURNS = Histogram("courier_turn_seconds", "Time of one agent turn run, by agent and end state",
                       ["agent", "state"], buckets=TURN_BUCKETS)
 
@@ -110,6 +114,24 @@ def record_extraction(sandbox: str, seconds: float, size_bytes: int | None, outc
             EXTRACTED_BYTES.labels(sandbox or "unknown").inc(size_bytes)
     except Exception as exc:  # noqa: BLE001
         log.debug("metrics: %r", exc)
+
+
+def record_breaker_opened(sandbox: str) -> None:
+    """A sandbox's breaker opened (tasks/breaker.py)."""
+    if _ON:
+        try:
+            BREAKER_OPENS.labels(sandbox or "unknown").inc()
+        except Exception as exc:  # noqa: BLE001
+            log.debug("metrics: %r", exc)
+
+
+def record_postponed(sandbox: str) -> None:
+    """An extraction was postponed by its sandbox's breaker, untried."""
+    if _ON:
+        try:
+            EXTRACT_POSTPONED.labels(sandbox or "unknown").inc()
+        except Exception as exc:  # noqa: BLE001
+            log.debug("metrics: %r", exc)
 
 
 def record_webhook(platform: str, status: int) -> None:
