@@ -217,7 +217,7 @@ class Gate:
                 log.warning("sandbox %s stopped answering (%s): its extractions wait %.0f s (opened %s times in a row)",
                             self.ident, getattr(exc, "reason", exc), float(until) - now, opens)
             return max(0.0, float(until) - now)
-        args = [self.ident, did, f"{now:.6f}", self.io_timeout_s]
+        args: list[str | float] = [self.ident, did, f"{now:.6f}", self.io_timeout_s]
         if self.verdict == "scout":
             self.woke = cast("list[str]", _script(r, _ANSWERED)(keys=k, args=[*args, f"{now + HANDOFF_GRACE_S:.6f}"]))
             if self.woke:

@@ -85,6 +85,14 @@ def field(r, did: str, name: str) -> str:
     return (receipts.get_delivery(r, did) or {}).get(name, "")
 
 
+def gauge(r) -> dict[str, int]:
+    """`courier_sandbox_breakers` as /metrics reads it (workers/metrics.py's collector)."""
+    from workers.metrics import LedgerCollector
+
+    (family,) = [m for m in LedgerCollector(r).collect() if m.name == "courier_sandbox_breakers"]
+    return {s.labels["state"]: int(s.value) for s in family.samples}
+
+
 def test_the_breaker_opens_postpones_untried_probes_and_closes(plain, stalling):
     r, ctx = plain.redis, plain
     ctr = stalling(files=4)
@@ -97,6 +105,7 @@ def test_the_breaker_opens_postpones_untried_probes_and_closes(plain, stalling):
     st = breaker.state(r, sid)
     assert st["state"] == "open" and st["opens"] == "1" and "nothing received" in st["reason"], st
     assert ctr.calls() == 1 and field(r, a, "transient_errors") == "1"
+    assert gauge(r) == {"open": 1, "half_open": 0}
 
     # while it is open, the others (and a re-drive of the first) are postponed untried, due at its end
     for did in (b, c, a):
@@ -125,7 +134,7 @@ def test_the_breaker_opens_postpones_untried_probes_and_closes(plain, stalling):
     out = extract.run(ctx, d)
     assert out["state"] == "extracted", out
     assert set(out["wake"]["ids"]) == {a, b, c} and out["wake"]["queue"] == "sandbox"
-    assert breaker.state(r, sid) == {"state": "closed", "waiting": "0"}
+    assert breaker.state(r, sid) == {"state": "closed", "waiting": "0"} and gauge(r) == {"open": 0, "half_open": 0}
     now = time.time()
     assert all(r.zscore(keys.due("extract"), did) <= now + breaker.HANDOFF_GRACE_S for did in (a, b, c))
 
