@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._common import quick, report, start_redis  # noqa: E402
+from bench._common import courier_worker, quick, report, start_redis, wait_final  # noqa: E402
 
 TARGET_RATIO = 2.0
 STALLED_FILES = 50
@@ -48,24 +48,15 @@ def main() -> int:
 
         srv = start_redis(tmpd)
         svc = start_podman(tmpd / "podman")
-        env = {**os.environ, "COURIER_REDIS_URL": srv.url, "COURIER_DATA_DIR": str(tmpd / "data"),
-               "COURIER_DOCKER_HOST": svc.base_url, "COURIER_SANDBOX_IO_TIMEOUT_S": str(IO_TIMEOUT_S),
-               "COURIER_SANDBOX_BREAKER_MAX_S": str(2 * IO_TIMEOUT_S), "PYTHONPATH": str(ROOT)}
-        os.environ.update({k: v for k, v in env.items() if k.startswith("COURIER_")})
-        from workers.settings import reset_settings
-
-        reset_settings()
-        import workers.celery_app as celery_app
+        _env, app, name, proc = courier_worker(tmpd, srv.url, "stall", docker_host=svc.base_url,
+                                               sandbox_io_timeout_s=str(IO_TIMEOUT_S),
+                                               sandbox_breaker_max_s=str(2 * IO_TIMEOUT_S))
         from adapters.sandboxes.base import SandboxRef
         from tasks import chains
-        from workers.demo import start_worker, stop_worker, wait_worker
+        from workers.demo import stop_worker, wait_worker
         from workers.wiring import redis_client
 
-        app = celery_app.app
         r = redis_client(srv.url)
-        name = f"bench-stall-{os.getpid()}@localhost"
-        proc = start_worker(env, name, queues="turns,sandbox,delivery", concurrency=2,
-                            log_path=str(tmpd / "worker.log"))
         healthy = StallingContainer(svc, files=1)
         seq = 0
 
@@ -77,18 +68,9 @@ def main() -> int:
                                                  files=files), job_kind="send")
 
         def wait_delivered(ids: list[str], timeout_s: float) -> None:
-            deadline = time.monotonic() + timeout_s
-            left = list(ids)
-            while left:
-                states = [r.hget(f"courier:delivery:{d}", "state") for d in left]
-                if "failed" in states:
-                    raise SystemExit(f"a delivery failed: {[r.hgetall(f'courier:delivery:{d}') for d in left][:1]}")
-                left = [d for d, s in zip(left, states) if s != "delivered"]
-                if left:
-                    if time.monotonic() > deadline:
-                        raise SystemExit(f"{len(left)} deliveries not done:\n"
-                                         + (tmpd / "worker.log").read_text()[-2000:])
-                    time.sleep(0.002)
+            failed, left = wait_final(r, ids, poll_s=0.002, timeout_s=timeout_s)
+            if failed or left:
+                raise SystemExit(f"{failed} failed, {left} not done:\n" + (tmpd / "worker.log").read_text()[-2000:])
 
         def the_file() -> float:
             t = time.perf_counter()

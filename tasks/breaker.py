@@ -187,7 +187,7 @@ class Gate:
         self.verdict = verdict
         if verdict in ("run", "scout"):
             return
-        metrics.record_postponed(self.kind)
+        metrics.record_breaker(self.kind, "postponed")
         what = "is not answering (its reads timed out)" if verdict == "open" else "is being tried by another file first"
         raise SandboxStalled(f"{self.kind} sandbox {self.target} {what}", until_s=float(at))
 
@@ -213,7 +213,7 @@ class Gate:
                 keys=k, args=[self.ident, did, f"{now:.6f}", self.io_timeout_s, self.max_s,
                               getattr(exc, "reason", str(exc))[:500], STATE_TTL_S, f"{now - STALE_S:.6f}"]))
             if opens != "0":
-                metrics.record_breaker_opened(self.kind)
+                metrics.record_breaker(self.kind, "opened")
                 log.warning("sandbox %s stopped answering (%s): its extractions wait %.0f s (opened %s times in a row)",
                             self.ident, getattr(exc, "reason", exc), float(until) - now, opens)
             return max(0.0, float(until) - now)

@@ -58,10 +58,9 @@ if _ON:
                                "(ok: 2xx, rejected: 4xx, unavailable: 5xx)", ["platform", "outcome"])
     WEBHOOK_TURNS = Counter("courier_webhook_turns", "Webhook updates that were enqueued as a turn or dropped as "
                             "a platform's retry", ["platform", "result"])
-    BREAKER_OPENS = Counter("courier_sandbox_breaker_opened", "Sandbox circuit breakers opened (an I/O timeout, "
-                            "or a probe that timed out again), by sandbox kind", ["sandbox"])
-    EXTRACT_POSTPONED = Counter("courier_extract_postponed", "Extractions postponed by their sandbox's breaker "
-                                "(not tried: no attempt, no read deadline spent), by sandbox kind", ["sandbox"])
+    BREAKER_EVENTS = Counter("courier_sandbox_breaker_events", "Sandbox circuit breakers by sandbox kind: `opened` "
+                             "(an I/O timeout, or a probe that timed out again) and `postponed` (an extraction it "
+                             "held back untried: no attempt, no read deadline spent)", ["sandbox", "event"])
     TURNS = Histogram("courier_turn_seconds", "Time of one agent turn run, by agent and end state",
                       ["agent", "state"], buckets=TURN_BUCKETS)
 
@@ -116,20 +115,11 @@ def record_extraction(sandbox: str, seconds: float, size_bytes: int | None, outc
         log.debug("metrics: %r", exc)
 
 
-def record_breaker_opened(sandbox: str) -> None:
-    """A sandbox's breaker opened (tasks/breaker.py)."""
+def record_breaker(sandbox: str, event: str) -> None:
+    """A sandbox's breaker `opened`, or `postponed` an extraction (tasks/breaker.py)."""
     if _ON:
         try:
-            BREAKER_OPENS.labels(sandbox or "unknown").inc()
-        except Exception as exc:  # noqa: BLE001
-            log.debug("metrics: %r", exc)
-
-
-def record_postponed(sandbox: str) -> None:
-    """An extraction was postponed by its sandbox's breaker, untried."""
-    if _ON:
-        try:
-            EXTRACT_POSTPONED.labels(sandbox or "unknown").inc()
+            BREAKER_EVENTS.labels(sandbox or "unknown", event).inc()
         except Exception as exc:  # noqa: BLE001
             log.debug("metrics: %r", exc)
 

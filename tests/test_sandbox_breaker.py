@@ -93,11 +93,19 @@ def gauge(r) -> dict[str, int]:
     return {s.labels["state"]: int(s.value) for s in family.samples}
 
 
+def counted(event: str) -> float:
+    """`courier_sandbox_breaker_events_total` of docker sandboxes in this process."""
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("courier_sandbox_breaker_events_total", {"sandbox": "docker", "event": event}) or 0
+
+
 def test_the_breaker_opens_postpones_untried_probes_and_closes(plain, stalling):
     r, ctx = plain.redis, plain
     ctr = stalling(files=4)
     a, b, c, d = register(r, ctr, [0, 1, 2, 3])
     sid = ident(ctr)
+    opened, postponed = counted("opened"), counted("postponed")
     ctr.stall()
 
     # the first timeout opens the breaker: one shell run, one attempt
@@ -143,6 +151,7 @@ def test_the_breaker_opens_postpones_untried_probes_and_closes(plain, stalling):
         assert extract.run(ctx, did)["state"] == "extracted"
     assert [field(r, did, "transient_errors") for did in (a, b, c, d)] == ["1", "1", "0", ""]
     assert [field(r, did, "size_bytes") for did in (a, b, c, d)] == ["8"] * 4
+    assert (counted("opened") - opened, counted("postponed") - postponed) == (2, 3)
 
 
 def test_a_file_whose_sandbox_stays_stalled_fails_at_the_outage_deadline(plain, stalling):
