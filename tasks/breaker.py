@@ -223,7 +223,8 @@ class Gate:
             if self.woke:
                 log.info("sandbox %s answers again: %d extractions handed on", self.ident, len(self.woke))
         else:  # an answer that closes nothing (the common case) rides on the stage's last round trip
-            _script(r, _ANSWERED)(keys=k, args=[*args, f"{now:.6f}"], client=pipe)
+            # (EVAL: a registered script on a pipeline costs a SCRIPT EXISTS round trip of its own)
+            pipe.eval(_ANSWERED, len(k), *k, *args, f"{now:.6f}")
         return None
 
 
