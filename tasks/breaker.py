@@ -255,7 +255,7 @@ def state(r: Redis, ident: str) -> dict[str, str]:
         out["state"] = "closed"
     else:
         out["state"] = "open" if float(until) > time.time() else "half_open"
-        out["until_s"] = f"{float(until):.3f}"
+        out["until_s"] = str(float(until))
     out["waiting"] = str(int(waiting))
     return out
 
