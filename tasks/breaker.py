@@ -103,7 +103,7 @@ else
 end
 redis.call('sadd', KEYS[4], ARGV[2])
 redis.call('expire', KEYS[4], ARGV[6])
-return {verdict, tostring(at)}
+return {verdict, string.format('%.6f', at)}
 """
 
 #: KEYS: breakers, hash, scout, waiting, answered, extract due; ARGV: ident, delivery id, now, base_s, max_s,
@@ -116,7 +116,7 @@ redis.call('sadd', KEYS[4], ARGV[2])
 redis.call('expire', KEYS[4], ARGV[7])
 if redis.call('get', KEYS[3]) == ARGV[2] then redis.call('del', KEYS[3]) end
 local untl = tonumber(redis.call('zscore', KEYS[1], ARGV[1]))
-if untl and untl > now then return {tostring(untl), '0'} end
+if untl and untl > now then return {string.format('%.6f', untl), '0'} end
 if untl and untl < tonumber(ARGV[8]) then untl = nil end
 local n = 1
 if untl then n = (tonumber(redis.call('hget', KEYS[2], 'opens')) or 0) + 1 end
@@ -124,12 +124,12 @@ untl = now + math.min(tonumber(ARGV[5]), tonumber(ARGV[4]) * 2 ^ (n - 1))
 redis.call('zremrangebyscore', KEYS[1], '-inf', ARGV[8])
 redis.call('zadd', KEYS[1], untl, ARGV[1])
 if n == 1 then redis.call('hset', KEYS[2], 'since_s', ARGV[3]) end
-redis.call('hset', KEYS[2], 'opens', n, 'until_s', tostring(untl), 'reason', ARGV[6])
+redis.call('hset', KEYS[2], 'opens', n, 'until_s', string.format('%.6f', untl), 'reason', ARGV[6])
 redis.call('expire', KEYS[2], ARGV[7])
 for _, id in ipairs(redis.call('smembers', KEYS[4])) do
   redis.call('zadd', KEYS[6], 'XX', untl, id)
 end
-return {tostring(untl), tostring(n)}
+return {string.format('%.6f', untl), tostring(n)}
 """
 
 #: KEYS: breakers, hash, scout, waiting, answered, extract due; ARGV: ident, delivery id, now, fresh_s,
