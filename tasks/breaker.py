@@ -21,7 +21,7 @@ chat's file on the sandbox queue waits behind them. Here:
   held beyond one script. Other sandboxes' files never wait behind it.
 - **half-open, closed**: at its end one extraction scouts (the probe); any
   answer from the sandbox (a file, a missing file, ...) closes the breaker
-  and hands the postponed extractions on at once (`Answer.woke`: their due
+  and hands the postponed extractions on at once (`Gate.woke`: their due
   times brought in, the task publishes them; the reconciler re-drives any
   message lost); a timeout opens it again, longer.
 - a file postponed past the outage deadline fails with a clear reason, as a
