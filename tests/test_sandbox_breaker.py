@@ -206,6 +206,50 @@ def test_a_file_whose_sandbox_stays_stalled_fails_at_the_outage_deadline(plain, 
     assert ctr.calls() == 1 and rec["transient_errors"] == "0"  # never tried: the deadline, not the attempts
 
 
+@pytest.mark.parametrize("mode", ["sftp", "openssh"])
+def test_an_ssh_host_that_stops_answering_is_the_timeout_that_opens_its_breaker(sshd_server, tmp_path, store, mode):
+    """The breaker's trigger on ssh: its session processes stopped (SIGSTOP), the
+    next extraction on the pooled connection ends with ReadTimeout within the
+    read deadline (old code, paramiko SFTP: blocked opening its channel, up to
+    paramiko's hour), and once they go on the sandbox answers again."""
+    import os
+    import shutil
+    import signal
+    import subprocess
+    import tempfile
+
+    from adapters.sandboxes.base import ReadTimeout
+    from tests.fixtures.services import bounded
+    from tests.test_sandbox_ssh import make
+
+    def tree(pids: list[int]) -> list[int]:
+        kids = [int(k) for p in pids for k in subprocess.run(["ps", "-o", "pid=", "--ppid", str(p)],
+                                                              capture_output=True, text=True).stdout.split()]
+        return pids + (tree(kids) if kids else [])
+
+    root, control = tmp_path / "root", tempfile.mkdtemp(prefix="cm", dir="/tmp")  # a ControlPath stays short
+    root.mkdir()
+    os.chmod(tmp_path, 0o755)
+    (root / "f.txt").write_bytes(b"answer\n")
+    s = make(sshd_server, root, mode, control, io_timeout_s=5.0)  # a loaded machine answers well within it
+    try:
+        assert s.extract(str(root / "f.txt"), store, "files/a").size_bytes == 7  # its connection pooled
+        stopped = tree(sshd_server.session_pids())
+        assert stopped
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            _res, exc, _took = bounded(lambda: s.extract(str(root / "f.txt"), store, "files/b"), 60)
+        finally:
+            for pid in stopped:
+                os.kill(pid, signal.SIGCONT)
+        assert isinstance(exc, ReadTimeout) and breaker.is_timeout(exc), repr(exc)
+        assert s.extract(str(root / "f.txt"), store, "files/c").size_bytes == 7
+    finally:
+        s.close()
+        shutil.rmtree(control, ignore_errors=True)
+
+
 def test_a_stalled_container_costs_one_slot_per_period_and_other_chats_never_wait(courier_env, docker_api, stalling,
                                                                                    redis_client):
     """The stalled-sandbox row: 50 files on a container whose shell stalls, and
