@@ -50,7 +50,7 @@ from typing import Any, cast
 from redis import Redis
 from redis.client import Pipeline
 
-from adapters.errors import SandboxStalled
+from adapters.errors import CourierError, SandboxStalled
 from adapters.sandboxes.base import ReadTimeout
 from tasks import keys, ledger, metrics
 from tasks.receipts import _script
@@ -199,7 +199,8 @@ class Gate:
         """The extraction is over: `exc` None (a result, ok or not) or what it
         raised. Returns the seconds until it is due again when the breaker
         decides that (postponed, or the timeout that opened it), else None
-        (its own back-off). An answer is stamped on `pipe`; a scout's answer
+        (its own back-off). An answer (a result, or any courier error but a
+        timeout: the sandbox said something) is stamped on `pipe`; a scout's answer
         closes the breaker in a round trip of its own and lists the
         extractions it hands on in `woke` (the caller publishes them)."""
         if not self.on:
@@ -217,6 +218,8 @@ class Gate:
                 log.warning("sandbox %s stopped answering (%s): its extractions wait %.0f s (opened %s times in a row)",
                             self.ident, getattr(exc, "reason", exc), float(until) - now, opens)
             return max(0.0, float(until) - now)
+        if exc is not None and not isinstance(exc, CourierError):
+            return None  # no word from the sandbox either way (a bug, a task's time limit): its scout key lapses
         args: list[str | float] = [self.ident, did, f"{now:.6f}", self.io_timeout_s]
         if self.verdict == "scout":
             self.woke = cast("list[str]", _script(r, _ANSWERED)(keys=k, args=[*args, f"{now + HANDOFF_GRACE_S:.6f}"]))
