@@ -16,7 +16,8 @@ from the class alone::
     │   ├── NotAFile           a directory, device, fifo ...
     │   ├── TooLarge           over the size cap (before or during transfer)
     │   ├── FileChanging       still being written while it was read (transient: read again later)
-    │   └── SandboxGone        the sandbox vanished / connection lost (transient)
+    │   ├── SandboxGone        the sandbox vanished / connection lost (transient)
+    │   └── SandboxStalled     its sandbox stopped answering lately: postponed, not tried (transient)
     └── StorageError           blob store failures
         └── BlobMissing        no such key
 
@@ -113,6 +114,19 @@ class SandboxGone(SandboxError):
     chat_words = "the agent's workspace could not be reached"
 
 
+class SandboxStalled(SandboxError):
+    """The sandbox's reads timed out lately (its circuit breaker is open,
+    tasks/breaker.py): the extraction is postponed to `until_s` (epoch
+    seconds) without reaching the sandbox. Waited out, like a storage
+    outage, until the outage deadline."""
+
+    transient = True
+
+    def __init__(self, message: str, *, until_s: float) -> None:
+        super().__init__(message)
+        self.until_s = until_s
+
+
 class StorageError(CourierError):
     transient = True
     chat_words = "storage unavailable; the operator was told"
@@ -188,5 +202,6 @@ __all__ = [
     "ErrorTable", "translating",
     "CourierError", "ConfigError", "DeliveryError", "RateLimited", "Transient", "Permanent",
     "SandboxError", "UnsafePath", "FileMissing", "NotAFile", "TooLarge", "FileChanging", "SandboxGone",
+    "SandboxStalled",
     "StorageError", "BlobMissing", "in_chat_words",
 ]

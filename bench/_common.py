@@ -151,6 +151,27 @@ def start_redis(tmp: Path):
     return RedisServer(tmp / "redis").start()
 
 
+def courier_worker(tmpd: Path, redis_url: str, tag: str, *, queues: str = "turns,sandbox,delivery",
+                   concurrency: int = 2, **settings: str):
+    """A private courier deployment for a bench: its environment (the Redis at `redis_url`, a data
+    dir under `tmpd`, `settings` as COURIER_* variables) made this process's settings too, and
+    one worker started on it (logging to tmpd/worker.log; not waited for). Returns (env, the
+    Celery app, the worker's name, its process)."""
+    env = {**os.environ, "COURIER_REDIS_URL": redis_url, "COURIER_DATA_DIR": str(tmpd / "data"),
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+           **{f"COURIER_{k.upper()}": v for k, v in settings.items()}}
+    os.environ.update({k: v for k, v in env.items() if k.startswith("COURIER_")})
+    from workers.settings import reset_settings
+
+    reset_settings()
+    import workers.celery_app as celery_app
+    from workers.demo import start_worker
+
+    name = f"bench-{tag}-{os.getpid()}@localhost"
+    proc = start_worker(env, name, queues=queues, concurrency=concurrency, log_path=str(tmpd / "worker.log"))
+    return env, celery_app.app, name, proc
+
+
 # -- the delivery benches: receipts polled until every delivery is final -------------------------
 def wait_final(r, delivery_ids: list[str], *, poll_s: float, timeout_s: float | None = None) -> tuple[int, int]:
     """Poll the deliveries' states (only those not final yet, one pipeline a

@@ -125,6 +125,9 @@ def extract_file(delivery_id: str) -> JsonObject:
     ctx = runtime.ctx()
     inline = serves_delivery()
     out = extract_mod.run(ctx, delivery_id, queue_drive=None if inline else chains.queue_lane)
+    wake = out.pop("wake", None)
+    for did in wake["ids"] if wake else ():  # its sandbox answers again: what its breaker postponed goes now
+        chains.publish_extract(did, wake["queue"])
     if out["state"] in ("extracted", "failed", "done") and not out.pop("lane_queued", False):
         if not inline:
             chains.publish_lane(out["target"])

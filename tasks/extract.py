@@ -11,9 +11,10 @@ from collections.abc import Callable
 from redis import Redis
 from redis.client import Pipeline
 
-from adapters.errors import CourierError, SandboxError, StorageError, TooLarge, UnsafePath, in_chat_words
+from adapters.errors import CourierError, SandboxError, SandboxStalled, StorageError, TooLarge, UnsafePath, \
+    in_chat_words
 from adapters.sandboxes.base import SandboxRef, os_error
-from tasks import events, metrics, receipts, signing
+from tasks import breaker, events, metrics, receipts, signing
 from tasks.messages import JsonObject
 from tasks.runtime import Context
 
@@ -201,28 +202,35 @@ def run(ctx: Context, did: str, queue_drive: Callable[[Pipeline, str], bool] | N
     out = {"delivery": did, "target": job["target"]}
     if what in ("done", "busy"):
         return {**out, "state": what}
+    gate = breaker.gate(job["extract"]["sandbox"], io_timeout_s=ctx.sandbox_io_timeout_s,
+                        max_s=ctx.sandbox_breaker_max_s)
     end = r.pipeline(transaction=False)  # what the stage ends with, in one round trip
     ret = None
     try:
         with ledger.renewing(r, lease, token, ledger.LEASE_TTL_S):
             spec = {**job["extract"], "job": job["job"], "delivery": did}
             try:
+                gate.enter(r, did)  # SandboxStalled: its sandbox is not answering, postponed untried
                 result = extract(ctx, spec, pipe=end)
             except Exception as exc:  # noqa: BLE001 - transient (mapped or not): back off, bounded
                 if not isinstance(exc, CourierError):
                     log.exception("extraction %s: unexpected error", did)
                 reason = exc.reason if isinstance(exc, CourierError) else f"{type(exc).__name__}: {exc}"
-                n, first_s = ledger.count_transient(r, did)
+                n, first_s = ledger.count_transient(r, did, attempt=not isinstance(exc, SandboxStalled))
+                wait_s = gate.after(r, end, did, exc)  # the breaker's end, when it postponed or opened
                 if not ledger.gives_up(exc, n, first_s, max_attempts=ctx.max_transient_attempts,
                                        outage_deadline_s=ctx.outage_deadline_s):
-                    delay = ledger.backoff_s(n, storage=isinstance(exc, StorageError))
+                    delay = ledger.backoff_s(n, storage=isinstance(exc, StorageError)) if wait_s is None else wait_s
                     receipts.update_open_delivery(end, did, state="retrying", reason=reason)
                     ledger.set_due(end, "extract", did, delay)
                     ret = {**out, "state": "retrying", "wait_s": round(delay, 3)}
                 else:
-                    what = "storage unavailable" if isinstance(exc, StorageError) else f"gave up after {n} attempts"
+                    what = ("storage unavailable" if isinstance(exc, StorageError) else "sandbox unavailable"
+                            if isinstance(exc, SandboxStalled) else f"gave up after {n} attempts")
                     result = record_failure(r, did, {"ok": False, "reason": f"{what}: {reason}",
                                                      "name": job.get("name"), "notify": in_chat_words(exc)})
+            else:
+                gate.after(r, end, did, None)
             if ret is None:
                 ledger.clear_due(end, "extract", did)
     except BaseException:
@@ -236,4 +244,7 @@ def run(ctx: Context, did: str, queue_drive: Callable[[Pipeline, str], bool] | N
     if ret is None and queue_drive is not None and queue_drive(end, job["target"]):
         out["lane_queued"] = True  # after the result it reads, in the same round trip
     end.execute()
-    return ret or {**out, "state": "extracted" if result.get("ok") else "failed"}
+    done = ret or {**out, "state": "extracted" if result.get("ok") else "failed"}
+    if gate.woke:  # a scout's answer closed its sandbox's breaker: what it postponed, for the task to publish
+        done["wake"] = {"queue": breaker.queue_of(job["extract"]["sandbox"]), "ids": gate.woke}
+    return done

@@ -93,6 +93,34 @@ def due(stage: str) -> str:
     return f"{PREFIX}due:{stage}"
 
 
+def breakers() -> str:
+    """sorted set: the sandboxes whose circuit breaker is open or half-open (tasks/breaker.py),
+    member `<kind>:<host>:<target>`, scored by the breaker's end (when one extraction may probe)"""
+    return f"{PREFIX}breakers"
+
+
+def breaker(ident: str) -> str:
+    """hash with TTL: one sandbox's breaker (`opens` in a row, `since_s`, `until_s`, the timeout's `reason`)"""
+    return f"{PREFIX}breaker:{ident}"
+
+
+def breaker_scout(ident: str) -> str:
+    """string with TTL (value: a delivery id): held by the one extraction that tries a sandbox
+    which has not answered lately (a cold one, or a half-open breaker's probe)"""
+    return f"{PREFIX}breaker:scout:{ident}"
+
+
+def breaker_waiting(ident: str) -> str:
+    """set with TTL: the extractions postponed by a sandbox's breaker (delivery ids): due at once when it closes"""
+    return f"{PREFIX}breaker:waiting:{ident}"
+
+
+def sandboxes_answered() -> str:
+    """sorted set: sandboxes (`<kind>:<host>:<target>`) scored by when one last answered an
+    extraction (entries older than the read deadline are dropped as new ones come)"""
+    return f"{PREFIX}sandboxes:answered"
+
+
 def reconciler_lock() -> str:
     """string with TTL: held by the one process whose reconciler runs"""
     return f"{PREFIX}reconciler"

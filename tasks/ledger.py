@@ -210,12 +210,14 @@ def backoff_s(n: int, *, storage: bool = False) -> float:
     return min(cap, 2.0 ** max(0, n - 1)) * random.uniform(0.5, 1.0)
 
 
-def count_transient(r: Redis, delivery_id: str) -> tuple[int, float]:
+def count_transient(r: Redis, delivery_id: str, *, attempt: bool = True) -> tuple[int, float]:
     """Count one transient failure on a receipt; returns (failures so far,
-    when the first of this run of failures happened)."""
+    when the first of this run of failures happened). `attempt` False: a
+    stage postponed untried (its sandbox's breaker): the run of failures
+    starts (or goes on), nothing is counted."""
     now = time.time()
     pipe = r.pipeline(transaction=False)
-    pipe.hincrby(keys.delivery(delivery_id), "transient_errors", 1)
+    pipe.hincrby(keys.delivery(delivery_id), "transient_errors", 1 if attempt else 0)
     pipe.hsetnx(keys.delivery(delivery_id), "first_error_s", f"{now:.3f}")
     pipe.hget(keys.delivery(delivery_id), "first_error_s")
     n, _, first = pipe.execute()
@@ -227,10 +229,11 @@ def count_transient(r: Redis, delivery_id: str) -> tuple[int, float]:
 
 
 def gives_up(exc: BaseException, n: int, first_s: float, *, max_attempts: int, outage_deadline_s: float) -> bool:
-    """Storage errors are an outage to wait out until its deadline; any other
-    transient error gives up after `max_attempts`."""
-    from adapters.errors import StorageError
+    """Storage errors, and a sandbox that stopped answering (its breaker
+    postponed the stage), are an outage to wait out until its deadline; any
+    other transient error gives up after `max_attempts`."""
+    from adapters.errors import SandboxStalled, StorageError
 
-    if isinstance(exc, StorageError):
+    if isinstance(exc, (StorageError, SandboxStalled)):
         return time.time() - first_s >= outage_deadline_s
     return n >= max_attempts

@@ -60,6 +60,9 @@ if _ON:
                             "a platform's retry", ["platform", "result"])
     FORGED = Counter("courier_forged", "Specs and task messages refused: unsigned, tampered, bound to another id "
                      "or too old (tasks/signing.py)", ["what"])
+    BREAKER_EVENTS = Counter("courier_sandbox_breaker_events", "Sandbox circuit breakers by sandbox kind: `opened` "
+                             "(an I/O timeout, or a probe that timed out again) and `postponed` (an extraction it "
+                             "held back untried: no attempt, no read deadline spent)", ["sandbox", "event"])
     TURNS = Histogram("courier_turn_seconds", "Time of one agent turn run, by agent and end state",
                       ["agent", "state"], buckets=TURN_BUCKETS)
 
@@ -112,6 +115,15 @@ def record_extraction(sandbox: str, seconds: float, size_bytes: int | None, outc
             EXTRACTED_BYTES.labels(sandbox or "unknown").inc(size_bytes)
     except Exception as exc:  # noqa: BLE001
         log.debug("metrics: %r", exc)
+
+
+def record_breaker(sandbox: str, event: str) -> None:
+    """A sandbox's breaker `opened`, or `postponed` an extraction (tasks/breaker.py)."""
+    if _ON:
+        try:
+            BREAKER_EVENTS.labels(sandbox or "unknown", event).inc()
+        except Exception as exc:  # noqa: BLE001
+            log.debug("metrics: %r", exc)
 
 
 def record_webhook(platform: str, status: int) -> None:

@@ -137,8 +137,14 @@ class Context:
     max_file_bytes: int = MAX_FILE_BYTES
     events_maxlen: int = 1000
     max_transient_attempts: int = 8
-    #: how long transient storage errors are waited out before a file fails (with a notice)
+    #: how long transient storage errors, and a sandbox that stopped answering, are waited out
+    #: before a file fails (with a notice)
     outage_deadline_s: float = 1800.0
+    #: the read deadline of sandbox channels (docker, ssh, modal): also the first period of a
+    #: sandbox's circuit breaker and how long an answer keeps it trusted (tasks/breaker.py)
+    sandbox_io_timeout_s: float = 60.0
+    #: the longest period a sandbox's breaker stays open before its next probe
+    sandbox_breaker_max_s: float = 600.0
     #: files one job may send (MEDIA tags of a reply, files of a send); 0: no cap
     max_files_per_job: int = 0
     retention: Retention = field(default_factory=Retention)

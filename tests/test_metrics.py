@@ -170,6 +170,7 @@ def test_web_metrics_need_the_token_and_show_queues_ledger_and_webhooks(courier_
         assert _value(text, "courier_queue_depth", queue="turns") == 0
         assert _value(text, "courier_ledger_pending", stage="extract") == 1
         assert _value(text, "courier_ledger_pending", stage="lane") == 1
+        assert _value(text, "courier_sandbox_breakers", state="open") == 0  # tests/test_sandbox_breaker.py opens one
         assert _value(text, "courier_webhook_requests_total", platform="telegram", outcome="rejected") == 1
         # no worker consumes `turns`: /healthz stays 200 (Redis answers) and says so; asked, it is a 503
         h = httpx.get(base + "/healthz", timeout=5)

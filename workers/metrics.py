@@ -9,8 +9,9 @@ webhooks, turns). Here:
 - `LedgerCollector`: gauges read from Redis at scrape time, one pipeline:
   each Celery queue's depth, oldest message's age and consumers
   (`sandbox.<host>` queues included, tasks/queues.py), and the ledger's
-  pending entries per stage (`tasks.ledger.pending`). They describe the
-  whole deployment, so the web process exports them; a worker's exporter
+  pending entries per stage (`tasks.ledger.pending`), and the sandboxes
+  whose circuit breaker is open or half-open (`tasks.breaker.counts`). They
+  describe the whole deployment, so the web process exports them; a worker's exporter
   does not (no duplicate series).
 - `authorized(header, token)`: the operator's bearer token
   (`COURIER_METRICS_TOKEN`); when it is set, a scrape without it is a 401.
@@ -78,12 +79,13 @@ class LedgerCollector:
     def collect(self):
         from prometheus_client.core import GaugeMetricFamily
 
-        from tasks import ledger, queues
+        from tasks import breaker, ledger, queues
 
         up = GaugeMetricFamily("courier_redis_up", "1 when the scrape could read Redis")
         try:
             rows = queues.stats(self.r)
             pending = ledger.pending(self.r)
+            breakers = breaker.counts(self.r)
         except Exception as exc:  # noqa: BLE001 - a scrape never fails: it says Redis is down
             log.warning("metrics: Redis not readable: %s", type(exc).__name__)
             up.add_metric([], 0)
@@ -108,6 +110,11 @@ class LedgerCollector:
         for stage, n in pending.items():
             led.add_metric([stage], n)
         yield led
+        brk = GaugeMetricFamily("courier_sandbox_breakers", "Sandboxes whose circuit breaker is open (their files "
+                                "wait, untried) or half-open (one file probes them)", labels=["state"])
+        for st, n in breakers.items():
+            brk.add_metric([st], n)
+        yield brk
 
 
 def authorized(header: str | None, token) -> bool:

@@ -303,6 +303,12 @@ class Settings(BaseSettings):
     ssh_control_dir: str | None = None
     #: seconds to connect and authenticate before an ssh sandbox counts as gone
     ssh_connect_timeout_s: float = 10.0
+    #: read deadline of docker, ssh and modal sandboxes: a channel that sends nothing this long is given up.
+    #: The first such timeout opens the sandbox's circuit breaker: its other files wait (untried) while it is
+    #: open, one file probes it at the end, and the period doubles while it keeps timing out
+    sandbox_io_timeout_s: float = Field(default=60.0, gt=0)
+    #: the longest period a stalled sandbox's breaker stays open between two probes
+    sandbox_breaker_max_s: float = Field(default=600.0, gt=0)
 
     # -- agents ----------------------------------------------------------
     #: JSON object: name -> {"command": [...], "env": {}, "timeout_s": 900, "sandbox": "local:///dir", "roots": [],
@@ -388,8 +394,8 @@ class Settings(BaseSettings):
     #: (recovery does not wait for it: the reconciler re-drives a dead worker's stages within
     #: ~20 s); it must exceed courier's longest countdown (10 s), so at least 30
     visibility_timeout_s: int = Field(3600, ge=30)
-    #: how long transient storage errors (S3 or the volume away) are waited out before a file
-    #: fails, with a notice in the chat
+    #: how long transient storage errors (S3 or the volume away), and a sandbox that stopped answering,
+    #: are waited out before a file fails, with a notice in the chat
     storage_outage_deadline_s: float = Field(1800.0, gt=0)
     #: files one job may send (MEDIA tags of one reply, files of one send); the rest are left
     #: out with a notice in the chat (a send over it is refused)

@@ -176,7 +176,7 @@ def open_sandbox(ref: SandboxRef, settings: Settings | None = None) -> Sandbox:
         with needs("docker", "docker:// sandboxes"):
             from adapters.sandboxes.docker import DockerSandbox
 
-            return DockerSandbox(ref, None, client=_docker_client(s.docker_host))
+            return DockerSandbox(ref, None, client=_docker_client(s.docker_host), io_timeout_s=s.sandbox_io_timeout_s)
     if ref.kind == "ssh":
         from adapters.sandboxes.ssh import SshSandbox
 
@@ -184,13 +184,13 @@ def open_sandbox(ref: SandboxRef, settings: Settings | None = None) -> Sandbox:
         return SshSandbox(
             ref, PathPolicy(roots=tuple(ref.roots)), key_path=s.ssh_key_path, known_hosts=s.ssh_known_hosts,
             user=s.ssh_user, port=s.ssh_port, use_openssh=s.ssh_use_openssh, control_dir=s.ssh_control_dir,
-            connect_timeout_s=s.ssh_connect_timeout_s,
+            connect_timeout_s=s.ssh_connect_timeout_s, io_timeout_s=s.sandbox_io_timeout_s,
         )
     if ref.kind == "modal":
         with needs("modal", "modal:// sandboxes"):
             from adapters.sandboxes.modal import ModalSandbox
 
-            return ModalSandbox(ref, None)
+            return ModalSandbox(ref, None, io_timeout_s=s.sandbox_io_timeout_s)
     if ref.kind == "singularity":
         from adapters.sandboxes.singularity import SingularitySandbox
 
@@ -243,6 +243,8 @@ def build_context(settings: Settings | None = None):
         events_maxlen=s.events_maxlen,
         max_transient_attempts=s.delivery_max_attempts,
         outage_deadline_s=s.storage_outage_deadline_s,
+        sandbox_io_timeout_s=s.sandbox_io_timeout_s,
+        sandbox_breaker_max_s=s.sandbox_breaker_max_s,
         max_files_per_job=s.max_files_per_job,
         retention=Retention(
             screenshot_ttl_s=s.screenshot_ttl_s, file_ttl_s=s.file_ttl_s, spill_ttl_s=s.spill_ttl_s,

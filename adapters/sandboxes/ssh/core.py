@@ -25,7 +25,7 @@ from typing import Any
 from adapters.errors import (
     ConfigError, CourierError, ErrorTable, FileMissing, SandboxError, SandboxGone, UnsafePath, translating,
 )
-from adapters.sandboxes.base import PathPolicy, Sandbox, SandboxRef
+from adapters.sandboxes.base import PathPolicy, ReadTimeout, Sandbox, SandboxRef
 from adapters.sandboxes.execstream import default_roots
 from adapters.sandboxes.ssh.pool import PoolKey, _paramiko, alive, connect, evict, pooled, trust_key
 
@@ -236,8 +236,9 @@ def _oserror(exc: OSError, sb: SshCore, what: str) -> CourierError | None:
 
 
 def _timed_out(exc: BaseException, sb: SshCore, what: str) -> CourierError:
+    """A read past the deadline: ReadTimeout (a SandboxGone), which opens the host's breaker (tasks/breaker.py)."""
     sb._evict()
-    return SandboxGone(f"ssh {sb.where}: timed out ({what})")
+    return ReadTimeout(f"ssh {sb.where}: timed out ({what})")
 
 
 def _lost(exc: BaseException, sb: SshCore, what: str) -> CourierError:

@@ -236,7 +236,7 @@ class _OpenSshChannel:
         try:
             rc = proc.wait(timeout=self.sb.io_timeout_s)
         except subprocess.TimeoutExpired as exc:
-            raise SandboxGone(f"ssh {self.sb.where}: timed out ({what})") from exc
+            raise ReadTimeout(f"ssh {self.sb.where}: timed out ({what})") from exc
         finally:
             if proc.poll() is None:
                 proc.kill()

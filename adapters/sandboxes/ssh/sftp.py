@@ -29,10 +29,10 @@ import shlex
 import stat
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from adapters.errors import FileMissing, NotAFile, SandboxError, SandboxGone, UnsafePath
-from adapters.sandboxes.base import BoundedOutput, PathPolicy, grew_over_cap
+from adapters.sandboxes.base import BoundedOutput, PathPolicy, ReadTimeout, call_with_deadline, grew_over_cap
 from adapters.sandboxes.execstream import ExecStream, exec_resolve, kill_argv
 from adapters.sandboxes.ssh.core import (
     CHUNK, FileChanged, SFTPAttributes, SFTPClient, SshCore, _check_same, _paramiko, _strip_nl, _temp_beside,
@@ -119,17 +119,16 @@ class SftpTransport(SshCore):
         an SFTPClient is not safe to share between threads)."""
         paramiko = _paramiko()
         try:
-            t = self.transport()
-            sftp = paramiko.SFTPClient.from_transport(t, window_size=self.window_size,
-                                                      max_packet_size=self.max_packet_size)
+            sftp = self._open_sftp(self.transport())
+        except ReadTimeout:
+            self._evict()  # the host stopped answering: its connection goes (a blocked opener with it)
+            raise
         except (paramiko.SSHException, EOFError, OSError) as exc:
             if isinstance(exc, (paramiko.AuthenticationException, paramiko.BadHostKeyException)) \
                     or "known_hosts" in str(exc):
                 raise
             self._evict()  # stale pooled transport: one reconnect
-            t = self.transport()
-            sftp = paramiko.SFTPClient.from_transport(t, window_size=self.window_size,
-                                                      max_packet_size=self.max_packet_size)
+            sftp = self._open_sftp(self.transport())
         if sftp is None:
             raise SandboxGone(f"ssh {self.where}: could not open an SFTP channel")
         sftp.get_channel().settimeout(self.io_timeout_s)
@@ -140,6 +139,16 @@ class SftpTransport(SshCore):
         finally:
             with contextlib.suppress(Exception):
                 sftp.close()
+
+    def _open_sftp(self, t: Any) -> SFTPClient | None:
+        """An SFTP channel on transport `t` within the read deadline: paramiko
+        waits up to an hour for a channel's confirmation and without end for
+        the subsystem's, so a host that stopped answering is a ReadTimeout here
+        like any stalled read (the caller evicts the connection)."""
+        paramiko = _paramiko()
+        return call_with_deadline(lambda: paramiko.SFTPClient.from_transport(
+            t, window_size=self.window_size, max_packet_size=self.max_packet_size), self.io_timeout_s,
+            f"ssh {self.where}: opening an SFTP channel")
 
     def _exec(self, command: str, limit: int = 1 << 20) -> tuple[int, bytes, bytes]:
         """Run one small remote command on the pooled connection; (rc, stdout, stderr)."""
