@@ -347,6 +347,9 @@ def stack(tmp_path_factory):
                            "sandbox": "local:///data/sandbox/slow",
                            # a container that may not nest namespaces (podman's and Docker's default
                            # seccomp profile) cannot run bwrap: this agent opts out, and the worker says so
+                           "isolation": "host"},
+                  # the bundled demo agent, the same way (courier refuses a local agent it cannot isolate)
+                  "demo": {"command": ["/opt/courier/bin/python", "-m", "adapters.agents.demo_agent"],
                            "isolation": "host"}}
         env = {k: v for k, v in pm.env.items() if not k.startswith(("COURIER_", "S3_", "AWS_", "FLOWER_", "REDIS_"))}
         # Redis's password as an operator makes it (README: compose), outside the repo
