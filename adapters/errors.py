@@ -121,6 +121,7 @@ class SandboxStalled(SandboxError):
     outage, until the outage deadline."""
 
     transient = True
+    chat_words = "the agent's sandbox stopped answering; the operator was told"
 
     def __init__(self, message: str, *, until_s: float) -> None:
         super().__init__(message)

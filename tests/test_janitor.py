@@ -9,7 +9,6 @@ import re
 import time
 
 import pytest
-from celery import Celery
 
 from storage.volume import VolumeStore
 from tests.fixtures.services import wait_until
@@ -35,7 +34,9 @@ def test_janitor_expires_by_age_and_prefix(courier_env, tmp_path):
         (turns / name / "inbox" / "a.txt").write_text("x")
         os.utime(turns / name, (now - age, now - age))
     env.start_worker(queues="janitor")
-    app = Celery(broker=env.env["COURIER_REDIS_URL"])
+    from workers.celery_app import make_app
+
+    app = make_app(env.settings())  # courier's app: its messages are signed
     app.send_task("courier.janitor.sweep", queue="janitor", exchange="janitor", routing_key="janitor")
     wait_until(lambda: not store.exists("screenshots/t1/old.png") and not store.exists("files/j1/0-old.bin")
                and not store.exists("hook_outputs/s1/old.txt") and not (turns / "turn_old").exists(),

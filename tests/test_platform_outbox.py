@@ -69,7 +69,7 @@ def test_a_worker_started_in_a_directory_holding_storage_and_tasks_folders(tmp_p
     import sys
     import uuid
 
-    from celery import Celery
+    from workers.celery_app import make_app
 
     from tests.fixtures.redis_server import RedisServer
     from tests.fixtures.services import stop_process
@@ -96,7 +96,7 @@ def test_a_worker_started_in_a_directory_holding_storage_and_tasks_folders(tmp_p
                                  "--pool=solo", "-n", name, "--loglevel=WARNING", "--without-mingle",
                                  "--without-gossip"], env=env.env, cwd=str(data), stdout=out, stderr=subprocess.STDOUT)
     try:
-        assert wait_worker(Celery(broker=redis_server.url), name, proc, timeout_s=60), log.read_text()[-3000:]
+        assert wait_worker(make_app(env.settings()), name, proc, timeout_s=60), log.read_text()[-3000:]
         p = tmp_path / "note.txt"
         sha = write_unique(p, 700)
         env.env["PYTHONPATH"] = str(ROOT)  # (enqueue runs here, in the test process)

@@ -201,7 +201,7 @@ def test_a_file_whose_sandbox_stays_stalled_fails_at_the_outage_deadline(plain, 
     out = extract.run(ctx, b)
     assert out["state"] == "failed"
     rec = receipts.get_delivery(r, b) or {}
-    assert rec["extraction"] == "failed" and rec["notify"] == "1"
+    assert rec["extraction"] == "failed" and rec["notify"] == "the agent's sandbox stopped answering; the operator was told"
     assert rec["reason"].startswith("sandbox unavailable: docker sandbox ") and "not answering" in rec["reason"]
     assert ctr.calls() == 1 and rec["transient_errors"] == "0"  # never tried: the deadline, not the attempts
 

@@ -18,7 +18,7 @@ import pytest
 from adapters.errors import CourierError
 from adapters.sandboxes.local import LocalSandbox
 from storage.volume import VolumeStore
-from tasks import chains, events, extract, keys, lanes, operations, receipts, turn
+from tasks import chains, events, extract, keys, lanes, operations, receipts, signing, turn
 from tasks.runtime import Context
 from tests.fixtures.webstack import AGENT_PRELUDE
 from tests.test_delivery_flow import MemoryPlatform
@@ -248,7 +248,7 @@ def test_attachments_reach_the_agent_in_its_inbox(turns, tmp_path):
 
 def test_abandon_ends_a_turn_with_the_chats_message(turns):
     spec = turns.new("files")
-    receipts.set_job(turns.r, spec["job"], spec=__import__("json").dumps(spec))
+    receipts.set_job(turns.r, spec["job"], spec=signing.seal_json("turn", spec["job"], spec))
     enqueue = Recorder()
     res = turn.abandon(turns.ctx, spec["job"], "the agent's worker died 3 times", enqueue)
     assert res["state"] == "error" and res["deliveries"] == 1
