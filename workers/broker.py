@@ -37,6 +37,15 @@ def install() -> None:
     original = channel._create_client
 
     def _create_client(self: Any, asynchronous: bool = False) -> Any:
+        transport = getattr(self, "connection", None)
+        if getattr(transport, "client", None) is None:
+            # a channel closing after Redis went away: kombu has let go of the connection's
+            # parameters, and making a pool from them would be an AttributeError that ends the
+            # worker (Celery's "Unrecoverable error"). A connection error instead: Celery ignores
+            # those while it closes, reconnects, and the unacked messages come back later.
+            from redis.exceptions import ConnectionError as RedisConnectionError
+
+            raise RedisConnectionError("the broker connection is closed")
         if asynchronous:
             return original(self, asynchronous=True)
         pool = self.pool
