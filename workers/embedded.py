@@ -34,8 +34,11 @@ def redact_url(url: str) -> str:
 def redis_refusal(url: str, timeout_s: float = 1.5) -> str | None:
     """None when Redis at `url` answers a PING; else why not, in words (never the password):
     a Redis that wants a password is not one that is away."""
+    from workers import redis_url
+
     try:
-        c = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s, decode_responses=True)
+        # the factory every process uses: plain, TLS and sentinel:// URLs alike
+        c = redis_url.client(url, connect_timeout_s=timeout_s, socket_timeout_s=timeout_s, watch=False)
         try:
             c.ping()
             return None

@@ -79,20 +79,25 @@ def parse_sentinel(url: str) -> SentinelUrl | None:
     return SentinelUrl(tuple(hosts), path[0], int(path[1]) if len(path) == 2 else 0, password)
 
 
-def client(url: str):
-    """A redis-py client for `url` (the current master, for a sentinel URL)."""
+def client(url: str, *, connect_timeout_s: float = CONNECT_TIMEOUT_S, socket_timeout_s: float = SOCKET_TIMEOUT_S,
+           watch: bool = True):
+    """A redis-py client for `url`: plain, TLS (`rediss://`) or the current master of a
+    `sentinel://` URL — the one factory every courier process and command uses. `watch`: a
+    Sentinel client drops its connections the moment a new master is announced (a long-lived
+    client's; a one-off probe needs none)."""
     import redis
 
     s = parse_sentinel(url)
     if s is None:
-        return redis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=SOCKET_TIMEOUT_S,
+        return redis.Redis.from_url(url, socket_connect_timeout=connect_timeout_s, socket_timeout=socket_timeout_s,
                                     health_check_interval=30, decode_responses=True)
     from redis.sentinel import Sentinel
 
-    sentinel = Sentinel(list(s.hosts), socket_timeout=CONNECT_TIMEOUT_S, socket_connect_timeout=CONNECT_TIMEOUT_S)
-    c = sentinel.master_for(s.master, db=s.db, password=s.password, socket_connect_timeout=CONNECT_TIMEOUT_S,
-                            socket_timeout=SOCKET_TIMEOUT_S, health_check_interval=30, decode_responses=True)
-    _SwitchWatcher(s, c.connection_pool).start()
+    sentinel = Sentinel(list(s.hosts), socket_timeout=connect_timeout_s, socket_connect_timeout=connect_timeout_s)
+    c = sentinel.master_for(s.master, db=s.db, password=s.password, socket_connect_timeout=connect_timeout_s,
+                            socket_timeout=socket_timeout_s, health_check_interval=30, decode_responses=True)
+    if watch:
+        _SwitchWatcher(s, c.connection_pool).start()
     return c
 
 

@@ -95,3 +95,30 @@ def test_failover_mid_run_loses_nothing(tmp_path, sentinel_pair, fake_telegram):
     finally:
         env.stop()
         r.close()
+
+
+def test_the_cli_follows_the_sentinel_master_through_a_failover(tmp_path, sentinel_pair):
+    """The documented `sentinel://` URL works for the real CLI as for the workers: `courier send
+    --wait` and `courier status` before and after a failover (e82a350: both exited 3, "Redis ... is
+    not answering", while the workers ran on it)."""
+    import json
+
+    from adapters.platforms.outbox import read_log
+
+    master, replica, sentinel = sentinel_pair
+    url = f"sentinel://127.0.0.1:{sentinel.port}/{MASTER}/0"
+    env = CourierEnv(tmp_path / "env", url)
+    try:
+        env.start_worker(queues="delivery", concurrency=1)
+        for chat, text in (("before", "sent before the failover"), ("after", "sent after it")):
+            res = env.cli("send", f"outbox:{chat}", "--text", text, "--wait", "--json", "--timeout", "90")
+            assert res.returncode == 0, res.stdout + res.stderr
+            job = json.loads(res.stdout)["job"]
+            st = env.cli("status", job, "--json")
+            assert st.returncode == 0 and json.loads(st.stdout)["deliveries"][0]["state"] == "delivered", st.stdout
+            assert read_log(env.outbox, chat)[0]["text"] == text
+            if chat == "before":
+                sentinel.client.execute_command("SENTINEL", "failover", MASTER)
+                wait_until(lambda: sentinel.master_port() == replica.port, timeout_s=60, what="the failover")
+    finally:
+        env.stop()
