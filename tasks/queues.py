@@ -123,3 +123,108 @@ def stats(r: Redis, *, now: float | None = None) -> list[QueueStats]:
     if stale:
         r.zrem(keys.queues(), *stale)
     return out
+
+
+# -- orphans: queued messages whose ledger entry is final or gone -----------------------------
+class Orphan(TypedDict):
+    queue: str
+    task: str
+    id: str
+    #: what the message would act on (a delivery id, a job id, a lane) and why it has nothing to do
+    subject: str
+    why: str
+
+
+#: messages read from a queue at once while looking for orphans
+SCAN_CHUNK = 500
+
+
+def _message(raw: bytes) -> tuple[str, str, list[object]] | None:
+    """(task name, task id, args) of a raw queue entry; None when it is not a Celery message
+    courier can read. A body that does not verify gives args None-like: [] (tasks.signing)."""
+    import base64
+
+    from tasks import signing
+
+    try:
+        msg = json.loads(raw)
+        headers = msg["headers"]
+        body = base64.b64decode(msg["body"]) if msg["properties"].get("body_encoding") == "base64" else \
+            str(msg["body"]).encode()
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    task, tid = str(headers.get("task") or ""), str(headers.get("id") or "")
+    try:
+        payload = json.loads(signing.signer().open("message", "", body))
+    except signing.Forged:
+        return task, tid, []
+    except ValueError:
+        return None
+    args = payload[0] if isinstance(payload, list) and payload and isinstance(payload[0], list) else []
+    return task, tid, list(args)
+
+
+def _orphan_why(r: Redis, task: str, args: list[object]) -> tuple[str, str] | None:
+    """(subject, why) when a message of `task` with `args` has nothing left to do."""
+    from tasks import receipts, task_names
+    from tasks.states import TURN_OVER
+
+    if not args:
+        return "", "its body does not verify (it would be refused)"
+    first = args[0]
+    if task == task_names.EXTRACT_FILE and isinstance(first, str):
+        rec = receipts.get_delivery(r, first)
+        if rec is None:
+            return first, "its delivery is gone"
+        if rec.get("state") in receipts.TERMINAL or rec.get("extraction") in ("ok", "failed"):
+            return first, f"its delivery is {rec.get('state') if rec.get('state') in receipts.TERMINAL else 'extracted'}"
+        return None
+    if task == task_names.AGENT_TURN and isinstance(first, dict):
+        job_id = str(first.get("job") or "")
+        job = receipts.get_job(r, job_id)
+        if job is None:
+            return job_id, "its turn is gone"
+        if job.get("state") in TURN_OVER or job.get("state") == "cancelled":
+            return job_id, f"its turn is {job.get('state')}"
+        return None
+    return None
+
+
+def orphans(r: Redis, *, job: str | None = None) -> list[tuple[Orphan, bytes]]:
+    """Every queued message (in every known queue) whose ledger entry is final or gone — an
+    extraction of a delivery that is final, extracted, cancelled or expired; a turn that is over —
+    or whose body does not verify; with its raw entry (for `purge`). `job`: only that job's."""
+    scored = cast("list[tuple[str, float]]", r.zrange(keys.queues(), 0, -1, withscores=True))
+    out: list[tuple[Orphan, bytes]] = []
+    for q in sorted(set(BASE) | {name for name, _ in scored}):
+        start = 0
+        while True:
+            chunk = cast("list[bytes]", r.execute_command(  # type: ignore[no-untyped-call]
+                "LRANGE", q, start, start + SCAN_CHUNK - 1, **{NEVER_DECODE: True}))
+            if not chunk:
+                break
+            start += len(chunk)
+            for raw in chunk:
+                got = _message(raw)
+                if got is None:
+                    continue
+                task, tid, args = got
+                why = _orphan_why(r, task, args)
+                if why is None:
+                    continue
+                subject, reason = why
+                if job is not None and not (subject == job or subject.startswith(job + ".")):
+                    continue
+                out.append(({"queue": q, "task": task, "id": tid, "subject": subject, "why": reason}, raw))
+    return out
+
+
+def purge(r: Redis, found: list[tuple[Orphan, bytes]]) -> int:
+    """Remove those entries (each exactly once, if it is still queued: a worker may have taken
+    it meanwhile). Returns how many were removed."""
+    if not found:
+        return 0
+    pipe = r.pipeline(transaction=False)
+    for o, raw in found:
+        pipe.execute_command("LREM", o["queue"], 1, raw)  # type: ignore[no-untyped-call]  # the exact bytes
+    return sum(int(n or 0) for n in pipe.execute())

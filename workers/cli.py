@@ -455,6 +455,10 @@ def deliveries(
 @app.command()
 def queues(
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+    purge_orphans: Annotated[bool, typer.Option(
+        "--purge-orphans", help="list the queued messages whose ledger entry is final or gone (a cancelled "
+                                "or delivered file's extraction, an ended turn); with --yes, drop them")] = False,
+    yes: Annotated[bool, typer.Option("--yes", help="with --purge-orphans: drop them (without: a dry run)")] = False,
 ) -> None:
     """Celery queues (depth, oldest message's age, consumers; sandbox.<host> too) and the ledger's pending stages."""
     from tasks import ledger
@@ -462,6 +466,26 @@ def queues(
 
     settings = _settings()
     r = _redis(settings)
+    if yes and not purge_orphans:
+        raise die("--yes goes with --purge-orphans", EXIT_INPUT)
+    if purge_orphans:
+        found = queues_mod.orphans(r)
+        removed = queues_mod.purge(r, found) if yes else 0
+        rows_o = [o for o, _raw in found]
+        if as_json:
+            print(json.dumps({"orphans": rows_o, "removed": removed, "dry_run": not yes}))
+            return
+        if rows_o:
+            t = new_table("orphaned messages" + ("" if yes else " (dry run: --yes drops them)"))
+            for col in ("queue", "task", "for", "why"):
+                t.add_column(col)
+            for o in rows_o:
+                t.add_row(o["queue"], o["task"].rsplit(".", 1)[-1], o["subject"], o["why"])
+            out.print(t)
+        verb = f"dropped {removed}" if yes else "nothing dropped (dry run)"
+        out.print(f"{len(rows_o)} orphaned message{'s' if len(rows_o) != 1 else ''}; {verb}", markup=False,
+                  highlight=False)
+        return
     rows = queues_mod.stats(r)
     pending = ledger.pending(r)
     if as_json:
@@ -623,6 +647,11 @@ def cancel(
         return None, not flight
 
     follow(r, [job], look, timeout)  # a send in flight: its final event wakes the next look
+    from tasks import queues as queues_mod
+
+    # its messages still queued (an extraction waiting on a sandbox.<host> queue nobody consumes, a
+    # turn that had not started) would only find their entries cancelled: they go now
+    purged = queues_mod.purge(r, queues_mod.orphans(r, job=job))
     if any(res["outcome"] == "cancelled" for res in results.values()):
         _celery()
         chains.publish_lane(rec.get("target", ""))  # the lane drops the cancelled steps now, not at its due time
@@ -630,7 +659,7 @@ def cancel(
     timed_out = any(res["outcome"] == "in_flight" for res in rows_out)
     if as_json:
         print(json.dumps({"job": job, "kind": rec.get("kind"), "turn": turn_was, "deliveries": rows_out,
-                          "timed_out": timed_out}))
+                          "timed_out": timed_out, "messages_dropped": purged}))
     else:
         if turn_was is not None:
             msg = {"queued": "the turn had not started: it ends now, delivering nothing",
