@@ -28,7 +28,7 @@ from celery.signals import (
 from kombu import Exchange, Queue
 
 from tasks import runtime, task_names
-from workers import broker, logsafe, signed_messages
+from workers import broker, logformat, logsafe, signed_messages
 from workers.redis_url import celery_ssl, celery_url
 from workers.settings import get_settings
 
@@ -157,6 +157,7 @@ def _redact_logs(logger=None, **_kw) -> None:
     """Celery has just given the root logger (or its task logger) its handlers:
     the redaction filter goes on them."""
     logsafe.install()  # the secrets: the app's settings' (make_app)
+    logformat.install(get_settings().log_format)
 
 
 # -- the threads pool (a delivery worker's default): time limits kept by a watchdog ----------------
@@ -183,7 +184,9 @@ def _time_limits_for_threads(sender=None, **_kw) -> None:
 
 
 @task_prerun.connect
-def _task_started(task=None, task_id=None, **_kw) -> None:
+def _task_started(task=None, task_id=None, args=None, **_kw) -> None:
+    if task is not None:
+        logformat.task_fields(task.name, task_id or "", args)  # its ids on this thread's log lines
     if _watchdog is None or task is None:
         return
     hard, soft = (getattr(task.request, "timelimit", None) or (None, None))[:2]
@@ -194,6 +197,7 @@ def _task_started(task=None, task_id=None, **_kw) -> None:
 
 @task_postrun.connect
 def _task_ended(**_kw) -> None:
+    logformat.clear_task_fields()
     if _watchdog is not None:
         _watchdog.end_task()
 

@@ -70,6 +70,9 @@ def _settings():
     from workers import logsafe
 
     logsafe.install(settings)  # whatever a command (or a library under it) logs: no secret
+    from workers import logformat
+
+    logformat.install(settings.log_format)
     return settings
 
 
@@ -355,13 +358,15 @@ def web(
     import logging
 
     # courier's own lines (and its libraries') at the same level, on stderr like uvicorn's
-    logging.basicConfig(level="DEBUG" if log_level.lower() == "trace" else log_level.upper(),
-                        format="%(levelname)s:     %(name)s: %(message)s")
-    from workers import logsafe
+    from workers import logformat, logsafe
 
+    logging.basicConfig(level="DEBUG" if log_level.lower() == "trace" else log_level.upper(),
+                        format=logformat.PLAIN)
     logsafe.install(settings)
+    logformat.install(settings.log_format)
+    # log_config=None: uvicorn's loggers go through the root logger's handler, formatted as every process's
     uvicorn.run("workers.web:app", host=host or settings.web_host, port=port or settings.web_port,
-                log_level=log_level.lower(), timeout_graceful_shutdown=5)
+                log_level=log_level.lower(), timeout_graceful_shutdown=5, log_config=None)
 
 
 # -- status ------------------------------------------------------------------------

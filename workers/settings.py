@@ -342,6 +342,10 @@ class Settings(BaseSettings):
     browser_allowed_hosts: list[str] | None = None
 
     # -- hooks -------------------------------------------------------------
+    #: log lines: "plain" (time, level, process, logger, message) or "json" (one object a line: ts, level,
+    #: process, logger, message, and the job, delivery or lane a task ran for; never chat text or a secret)
+    log_format: Literal["plain", "json"] = "plain"
+
     # -- what crosses Redis is signed (tasks/signing.py) ---------------------------------------
     #: the HMAC key every spec and task message is signed with (16+ bytes; `openssl rand -hex 32`); every
     #: process of a deployment needs the same one. Unset: a key generated into <data dir>/signing.key on

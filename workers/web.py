@@ -520,9 +520,10 @@ def quiet_query_strings() -> None:
 def create_app(settings: Settings | None = None) -> Starlette:
     web = _Web(settings or get_settings())
     quiet_query_strings()
-    from workers import logsafe
+    from workers import logformat, logsafe
 
     logsafe.install(web.settings)  # uvicorn's handlers exist by now (it configures logging first)
+    logformat.install(web.settings.log_format)  # and their lines get a time and a level, as every process's
 
     async def files(request: Request) -> Response:
         """A volume's blob behind a signed, expiring link (storage/links.py), streamed."""
