@@ -16,6 +16,26 @@ from tasks import keys, receipts
 
 HIDDEN = frozenset({"spec"})
 SCAN_COUNT = 1000
+#: receipt and job fields that are counts (shown as numbers); fields ending in `_s` are times (seconds)
+COUNTS = frozenset({"attempts", "size_bytes", "limit_bytes", "transient_errors", "rate_limited", "redrives",
+                    "deliveries", "parts", "events"})
+
+
+def shown(rec: dict[str, str] | None) -> dict[str, object]:
+    """A receipt or job as an operator's JSON shows it: without its spec (chat text) or the
+    message it carries, counts and times as numbers (a field that is not a number stays as it is)."""
+    out: dict[str, object] = {}
+    for k, v in (rec or {}).items():
+        if k in HIDDEN or k == "message":
+            continue
+        if k in COUNTS or k.endswith("_s"):
+            try:
+                out[k] = int(v) if k in COUNTS else float(v)
+                continue
+            except (TypeError, ValueError):
+                pass
+        out[k] = v
+    return out
 
 
 def jobs(r: Redis, *, chat: str | None = None, since_s: float | None = None) -> list[dict[str, str | None]]:

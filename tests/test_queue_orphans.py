@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tasks import operations, receipts
 from tests.fixtures.workers import CourierEnv
 
@@ -24,6 +26,14 @@ def _send(env: CourierEnv, chat: str, host: str) -> str:
     assert res.returncode == 0, res.stdout + res.stderr
     return json.loads(res.stdout)["job"]
 
+
+
+@pytest.fixture(autouse=True)
+def _clean(redis_client):
+    """The session's Redis, empty before and after: these sends have no worker, and what they leave
+    queued must not reach the next module's tests."""
+    yield
+    redis_client.flushall()
 
 def test_cancel_drops_the_jobs_queued_messages(tmp_path, redis_server):
     env = CourierEnv(tmp_path / "env", redis_server.url)

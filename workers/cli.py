@@ -87,16 +87,19 @@ def _env_name(field: str) -> str:
     return f"COURIER_{field.upper()}"
 
 
-def _redis(settings):
+def _redis(settings, *, enqueues: bool = False):
+    """Redis, or a one-line error (exit 3): `enqueues`, for a command that would have enqueued
+    something, says nothing was (a read-only command has nothing to say about it)."""
     from workers.embedded import redact_url, redis_refusal
     from workers.wiring import redis_client
 
     why = redis_refusal(settings.redis_url, 2.0)
+    tail = "; nothing was enqueued" if enqueues else ""
     if why == "is not answering":
-        raise die(f"Redis at {redact_url(settings.redis_url)} is not answering; nothing was enqueued "
+        raise die(f"Redis at {redact_url(settings.redis_url)} is not answering{tail} "
                   "(start Redis or set COURIER_REDIS_URL)", EXIT_SERVICE)
     if why is not None:
-        raise die(f"Redis at {redact_url(settings.redis_url)} {why}; nothing was enqueued", EXIT_SERVICE)
+        raise die(f"Redis at {redact_url(settings.redis_url)} {why}{tail}", EXIT_SERVICE)
     return redis_client(settings.redis_url)
 
 
@@ -184,6 +187,8 @@ def send(
                 raise die(f"not a regular file: {raw}", EXIT_INPUT)
             if not os.access(p, os.R_OK):
                 raise die(f"cannot read {raw}: permission denied", EXIT_INPUT)
+            if p.stat().st_size == 0:  # no platform takes an empty file: say so now, not in the worker
+                raise die(f"{raw} is empty (0 bytes): nothing to send", EXIT_INPUT)
             from tasks.send import check_size
 
             try:
@@ -192,7 +197,7 @@ def send(
             except ConfigError as exc:
                 raise die(str(exc), EXIT_INPUT) from None
             items.append(("local", p))
-    r = _redis(settings)
+    r = _redis(settings, enqueues=True)
     store = _store(settings)
     _celery()
     job_id = chains.new_job_id("snd")
@@ -283,7 +288,7 @@ def turn(
     for p in attach or []:
         if not p.is_file():
             raise die(f"no such file to attach: {p}", EXIT_INPUT)
-    r = _redis(settings)
+    r = _redis(settings, enqueues=True)
     _celery()
 
     job_id = chains.new_job_id("turn")
@@ -389,7 +394,9 @@ def status(
         if job.get("kind") == "send":  # a send's job record is not updated as it goes: its receipts say
             job["state"] = send_state(rows)
         if as_json:
-            print(json.dumps({"job": job, "deliveries": rows, "events_token": token}))
+            from tasks.listing import shown
+
+            print(json.dumps({"job": shown(job), "deliveries": [shown(row) for row in rows], "events_token": token}))
         else:
             line = f"{job.get('kind')} {ident} → {job.get('target')}: {job.get('state')}"
             if job.get("reason"):
@@ -404,7 +411,9 @@ def status(
     if rec is None:
         raise die(f"no send, turn or delivery with id {ident!r}", EXIT_INPUT)
     if as_json:
-        print(json.dumps(rec))
+        from tasks.listing import shown
+
+        print(json.dumps(shown(rec)))
     else:
         out.print(deliveries_table(rec.get("job", ""), [rec]))
     if rec.get("state") == "failed":
@@ -440,7 +449,12 @@ def deliveries(
     r = _redis(settings)
     rows = listing.deliveries(r, failed=failed, chat=chat, since_s=since_s, limit=limit)
     if as_json:
-        print(json.dumps(rows))
+        print(json.dumps([listing.shown(row) for row in rows]))
+        return
+    if not rows:
+        what = "failed deliveries" if failed else "deliveries"
+        out.print(f"no {what}" + (f" to {chat}" if chat else "") + (f" in the last {since}" if since else ""),
+                  markup=False, highlight=False)
         return
     t = new_table(("failed deliveries" if failed else "deliveries") + (f" to {chat}" if chat else ""))
     for col in ("delivery", "target", "kind", "name", "size", "attempts", "state", "message id / reason", "queued"):
@@ -551,7 +565,7 @@ def retry(
     from tasks import chains, operations
 
     settings = _settings()
-    r = _redis(settings)
+    r = _redis(settings, enqueues=True)
     recs: list[dict] = []
     problems: list[dict] = []
     for ident in dict.fromkeys(ids):

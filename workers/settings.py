@@ -426,7 +426,7 @@ class Settings(BaseSettings):
     #: address `courier web` binds (behind a TLS-terminating proxy in production)
     web_host: str = "127.0.0.1"
     #: port `courier web` listens on
-    web_port: int = 8080
+    web_port: int = 8000
     #: an SSE comment line is sent after this many idle seconds
     sse_keepalive_s: float = 15.0
     #: webhook secrets: a request that does not verify gets 401 and enqueues nothing

@@ -1,0 +1,75 @@
+"""The console's papercuts (issue 24, each measured on e82a350): `status --json` gave numbers as
+strings and carried the chat's text; an empty `deliveries --failed` printed a header-only table;
+read-only commands said "nothing was enqueued" when Redis was down; a 0-byte file passed `courier
+send` and failed in the worker; `courier web` defaulted to 8080 while the Procfile and compose use 8000."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.fixtures.services import free_port
+from tests.fixtures.workers import CourierEnv
+
+TEXT = "a private message 91c2"
+
+
+
+@pytest.fixture(autouse=True)
+def _clean(redis_client):
+    """The session's Redis, empty before and after: these sends have no worker, and what they leave
+    queued must not reach the next module's tests."""
+    yield
+    redis_client.flushall()
+
+def test_status_json_numbers_are_numbers_and_no_chat_text(tmp_path, redis_server):
+    env = CourierEnv(tmp_path / "env", redis_server.url)
+    job = json.loads(env.cli("send", "outbox:p", "--text", TEXT, "--json").stdout)["job"]
+    res = env.cli("status", job, "--json")
+    assert TEXT not in res.stdout and '"spec"' not in res.stdout, res.stdout
+    got = json.loads(res.stdout)
+    row = got["deliveries"][0]
+    assert isinstance(row["attempts"], int) and isinstance(row["queued_s"], float)
+    assert isinstance(row["size_bytes"], int) and isinstance(got["job"]["created_s"], float)
+    one = json.loads(env.cli("status", row["id"], "--json").stdout)
+    assert isinstance(one["attempts"], int) and TEXT not in json.dumps(one)
+    listed = json.loads(env.cli("deliveries", "--json").stdout)
+    assert listed and isinstance(listed[0]["attempts"], int) and TEXT not in json.dumps(listed)
+
+
+def test_an_empty_failed_list_says_so(tmp_path, redis_server):
+    env = CourierEnv(tmp_path / "env", redis_server.url)
+    res = env.cli("deliveries", "--failed", "--chat", "outbox:none")
+    assert res.returncode == 0 and res.stdout.strip() == "no failed deliveries to outbox:none", res.stdout
+
+
+def test_read_only_commands_never_say_nothing_was_enqueued(tmp_path):
+    env = CourierEnv(tmp_path / "env", f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
+    for args in (("status", "snd_x"), ("deliveries",), ("queues",)):
+        res = env.cli(*args)
+        assert res.returncode == 3 and "is not answering" in res.stderr, (args, res.stderr)
+        assert "enqueued" not in res.stderr, (args, res.stderr)
+    res = env.cli("send", "outbox:x", "--text", "hi")
+    assert res.returncode == 3 and "nothing was enqueued" in res.stderr
+
+
+def test_an_empty_file_is_refused_before_anything_is_registered(tmp_path, redis_server):
+    env = CourierEnv(tmp_path / "env", redis_server.url)
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    before = set(redis_server.client().scan_iter("courier:job:*"))
+    res = env.cli("send", "outbox:e", str(empty))
+    assert res.returncode == 2 and "is empty (0 bytes)" in res.stderr, res.stderr
+    assert set(redis_server.client().scan_iter("courier:job:*")) == before
+
+
+def test_the_web_process_defaults_to_the_port_procfile_and_compose_use(monkeypatch):
+    from pathlib import Path
+
+    from workers.settings import Settings
+
+    monkeypatch.delenv("COURIER_WEB_PORT", raising=False)
+    assert Settings().web_port == 8000
+    root = Path(__file__).resolve().parents[1]
+    assert "8000" in (root / "Procfile").read_text() and "8000" in (root / "compose" / "docker-compose.yml").read_text()
