@@ -35,9 +35,19 @@ def test_the_readme_is_short_and_its_links_resolve():
                 "docs/configuration.md", "docs/benchmarks.md", "ARCHITECTURE.md"):
         assert f"]({doc})" in readme, f"README.md does not link {doc}"
     for page in [ROOT / "README.md", ROOT / "ARCHITECTURE.md", *sorted((ROOT / "docs").glob("*.md"))]:
-        for link in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
-            if "://" not in link:
-                assert (page.parent / link).exists(), f"{page.relative_to(ROOT)} links {link}, which is not there"
+        for link, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", page.read_text()):
+            if "://" in link:
+                continue
+            target = page.parent / link if link else page
+            assert target.exists(), f"{page.relative_to(ROOT)} links {link}, which is not there"
+            if anchor and target.suffix == ".md":
+                assert anchor in _anchors(target), f"{page.relative_to(ROOT)} links {link}#{anchor}: no such heading"
+
+
+def _anchors(page: Path) -> set[str]:
+    """The anchors GitHub makes of a page's headings: lower case, punctuation dropped, spaces as -."""
+    heads = re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", page.read_text(), flags=re.S), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
 
 
 def test_ci_runs_the_readme_test_command():
