@@ -44,6 +44,21 @@ def test_the_readme_is_short_and_its_links_resolve():
                 assert anchor in _anchors(target), f"{page.relative_to(ROOT)} links {link}#{anchor}: no such heading"
 
 
+def test_the_map_names_one_existing_file_for_each_question():
+    """ARCHITECTURE.md answers where a delivery is retried, where per-chat order is kept,
+    where a lost message is re-published and where a chat's pace is decided with one file
+    each: a file that exists (a move or a rename must update the map)."""
+    text = (ROOT / "ARCHITECTURE.md").read_text()
+    where = text[text.index("## Where to look"):]
+    rows = re.findall(r"^\| (where [^|]+\?) \| `([^`]+)` \|", where[:where.index("\n## ", 1)], flags=re.M)
+    asked = {q for q, _ in rows}
+    for question in ("where is a delivery retried?", "where is per-chat order kept?",
+                     "where does a lost message get re-published?", "where is a chat's pace decided?"):
+        assert question in asked, f"ARCHITECTURE.md's 'Where to look' does not answer {question!r}"
+    for question, path in rows:
+        assert (ROOT / path).is_file(), f"ARCHITECTURE.md answers {question!r} with {path}, which is not there"
+
+
 def _anchors(page: Path) -> set[str]:
     """The anchors GitHub makes of a page's headings: lower case, punctuation dropped, spaces as -."""
     heads = re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", page.read_text(), flags=re.S), flags=re.M)
