@@ -352,7 +352,7 @@ def stack(tmp_path_factory):
                   "demo": {"command": ["/opt/courier/bin/python", "-m", "adapters.agents.demo_agent"],
                            "isolation": "host"}}
         env = {k: v for k, v in pm.env.items() if not k.startswith(("COURIER_", "S3_", "AWS_", "FLOWER_", "REDIS_"))}
-        # Redis's password as an operator makes it (README: compose), outside the repo
+        # Redis's password as an operator makes it (docs/deployment.md: compose), outside the repo
         secret = tmp_path_factory.mktemp("secrets") / "redis_password"
         res = subprocess.run([str(ROOT / "scripts" / "redis-secret"), str(secret)], capture_output=True, text=True,
                              timeout=30)

@@ -180,7 +180,7 @@ class LocalHarness(Harness):
         self.ws, self.home, self.outside = str(base / "ws"), str(base / "home"), str(base / "outside")
         self.setup_common()
         # the secret outside is another user's, as /etc/shadow would be (SFTP tells files apart
-        # by their attributes only: see the README, ssh)
+        # by their attributes only: see docs/security.md, ssh)
         os.chown(self.outside + "/f.txt", 65534, 65534)
         os.chmod(self.outside + "/f.txt", 0o640)
 

@@ -428,7 +428,7 @@ def rewrite_in_place(h, store, request):
         version["byte"] = b"a"
         for i in range(REWRITES):
             # the version read was written a while ago (2 s): the rewrite's mtime differs at any
-            # clock granularity (SFTP's attributes carry whole seconds: see the README, ssh)
+            # clock granularity (SFTP's attributes carry whole seconds: see docs/security.md, ssh)
             past = time.time_ns() - 2_000_000_000
             os.utime(target, ns=(past, past))
             key = f"files/rw{size}-{i}"

@@ -1,7 +1,7 @@
 """Chaos: many chats at once through real worker processes while workers are
 SIGKILLed, Redis restarts and storage goes away. Each run ends with 0 lost,
 0 stuck, every receipt final, the order per chat kept, and duplicates counted
-per platform within the window README's Guarantees section gives.
+per platform within the window docs/guarantees.md gives.
 
 Loopback only; every fault is bounded in count and time. Counts are scaled to
 CI (2 cores): see each test.
