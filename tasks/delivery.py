@@ -185,14 +185,29 @@ def record_delivered(ctx: Context, job: JsonObject, message_id: str, kind_name: 
                       pipe: Pipeline | None = None) -> JsonObject:
     """The receipt and the delivery event of a delivered item (queued on `pipe` when given)."""
     p = pipe if pipe is not None else ctx.redis.pipeline(transaction=False)
+    later = _confirms_later(ctx, job)
     receipts.update_delivery(p, job["id"], state="delivered", message_id=message_id, kind=kind_name,
-                             size_bytes=size, attempts=attempts, reason="", sha256=job.get("sha256") or None)
+                             size_bytes=size, attempts=attempts, reason="", sha256=job.get("sha256") or None,
+                             confirmed="accepted" if later else "final at acceptance")
+    if later:  # its status webhook names the message: this finds the receipt (tasks/confirm.py)
+        from tasks import confirm
+
+        confirm.remember(p, str(job.get("target", "")).split(":", 1)[0], message_id, job["id"])
     _event(ctx, job, pipe=p, state="delivered", message_id=message_id, media=kind_name,
            name=job.get("name"), size_bytes=size)
     if pipe is None:
         p.execute()
     metrics.record_delivery(job, "delivered", kind_name)
     return {"id": job["id"], "state": "delivered", "message_id": message_id, "kind": kind_name}
+
+
+def _confirms_later(ctx: Context, job: JsonObject) -> bool:
+    """Whether the job's platform reports a message's fate after accepting it (Platform.confirms_later)."""
+    name = str(job.get("target", "")).split(":", 1)[0]
+    try:
+        return bool(getattr(ctx.platform(name), "confirms_later", False))
+    except CourierError:
+        return False
 
 
 def _send_text(platform: Platform, chat: str, text: str, did: str) -> Sent:

@@ -20,6 +20,12 @@ def job_deliveries(job_id: str) -> str:
     return f"{PREFIX}job:{job_id}:deliveries"
 
 
+def sent_message(platform: str, message_id: str) -> str:
+    """string: the delivery a platform's message id belongs to (platforms that confirm later: a
+    status webhook names the message, tasks/confirm.py finds its receipt)"""
+    return f"{PREFIX}sent:{platform}:{message_id}"
+
+
 def delivery(delivery_id: str) -> str:
     """hash: one delivery's receipt (state, platform, kind, size, attempts, message_id, reason)"""
     return f"{PREFIX}delivery:{delivery_id}"

@@ -516,6 +516,23 @@ def quiet_query_strings() -> None:
             lg.addFilter(_NoQueryStrings())
 
 
+async def _confirm(web: _Web, platform: str, parser, body: bytes) -> int:
+    """A verified notification's delivery statuses (a parser with `statuses`: WhatsApp's) moved onto
+    their receipts (tasks/confirm.py). Returns how many were applied."""
+    found = getattr(parser, "statuses", None)
+    updates = found(body) if found is not None else []
+    if not updates:
+        return 0
+    from tasks import confirm
+    from workers.wiring import redis_client
+
+    done = await asyncio.to_thread(
+        confirm.apply, redis_client(web.settings.redis_url),
+        [confirm.Status(platform, u.message_id, u.status, u.reason) for u in updates],
+        events_maxlen=web.settings.events_maxlen)
+    return sum(1 for _mid, what in done if what in ("failed", "confirmed"))
+
+
 # -- routes ---------------------------------------------------------------------------
 def create_app(settings: Settings | None = None) -> Starlette:
     web = _Web(settings or get_settings())
@@ -677,7 +694,11 @@ def create_app(settings: Settings | None = None) -> Starlette:
                 if isinstance(out, Response):
                     return out
                 outs.append(out)
-            return _answer(parser.answer(got, outs, request.headers))
+            confirmed = await _confirm(web, platform, parser, body)
+            answered = parser.answer(got, outs, request.headers)
+            if confirmed and isinstance(answered.body, dict):
+                answered = Answer({**answered.body, "statuses": confirmed}, headers=answered.headers, plain=answered.plain)
+            return _answer(answered)
 
         return route
 

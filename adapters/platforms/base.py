@@ -144,6 +144,9 @@ class Platform(ABC):
     cache_key: str | None = None
     #: whether a 0-byte file can be sent (the outbox, a directory: yes; chat platforms: no)
     takes_empty_files: bool = False
+    #: whether the platform reports a message's fate after accepting it (WhatsApp's status webhook:
+    #: delivered, read, or failed); else a receipt is final at acceptance
+    confirms_later: bool = False
 
     @classmethod
     def limits_for(cls, **options: Any) -> Limits:

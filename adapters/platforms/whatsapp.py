@@ -145,6 +145,8 @@ map_error = ErrorMap("whatsapp", [
 
 class WhatsAppPlatform(Platform):
     name = "whatsapp"
+    #: the Cloud API answers a send with an id, then tells delivered / read / failed by status webhook
+    confirms_later = True
     limits = Limits(
         text_chars=4096,
         caption_chars=1024,

@@ -5,6 +5,7 @@ app secret); every text message of a notification is a turn."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from adapters.platforms.webhooks.base import Answer, Inbound, Parsed, Refusal
 from adapters.platforms.webhooks.base import arr, guarded, hmac_verifies, ident, lower, obj, payload, same_secret
@@ -54,6 +55,39 @@ def _parse(body: bytes) -> Parsed:
                 found.append(Inbound(ident(m["id"], "message id"), chat if chat.startswith("+") else f"+{chat}",
                                      said))
     return found
+
+
+@dataclass(frozen=True)
+class StatusUpdate:
+    """A sent message's fate as the Cloud API reports it (`statuses` of a notification)."""
+
+    message_id: str
+    status: str  # sent | delivered | read | failed
+    reason: str = ""
+
+
+def statuses(body: bytes) -> list[StatusUpdate]:
+    """The status updates of a notification whose signature `parse_webhook` verified (the
+    same body): each message id with its status and, for `failed`, the error's title, code and
+    details in one line."""
+    p = payload(body, "a WhatsApp notification")
+    out: list[StatusUpdate] = []
+    for entry in arr(p.get("entry")):
+        for change in arr(obj(entry).get("changes")):
+            for st in arr(obj(obj(change).get("value")).get("statuses")):
+                if not isinstance(st, dict) or not st.get("id") or not isinstance(st.get("status"), str):
+                    continue
+                why = []
+                for err in arr(st.get("errors")):
+                    e = obj(err)
+                    details = obj(e.get("error_data")).get("details")
+                    bits = [text(e.get("title")) or text(e.get("message")) or "error",
+                            f"code {e['code']}" if isinstance(e.get("code"), int) else None,
+                            text(details) if isinstance(details, str) else None]
+                    why.append(", ".join(b for b in bits if b))
+                out.append(StatusUpdate(ident(st["id"], "message id"), st["status"].strip().lower()[:20],
+                                        "; ".join(why)[:400]))
+    return out
 
 
 def answer(inbound: list[Inbound], outs: list[dict], headers: Mapping[str, str]) -> Answer:
