@@ -19,8 +19,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import replace
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 from redis.client import Pipeline
 from redis.exceptions import NoScriptError
@@ -28,7 +30,7 @@ from redis.exceptions import NoScriptError
 from adapters.display import visible
 from adapters.errors import CourierError, DeliveryError, Permanent, RateLimited
 from adapters.platforms.base import FileRefused, FileSource, Kind, Platform, Sent, split_target
-from tasks import events, keys, metrics, parts, ratelimit, receipts, sendlock
+from tasks import events, keys, ledger, metrics, parts, ratelimit, receipts, sendlock
 from storage import BlobStore
 from tasks.messages import JsonObject
 from tasks.runtime import Context
@@ -201,6 +203,26 @@ def record_delivered(ctx: Context, job: JsonObject, message_id: str, kind_name: 
     return {"id": job["id"], "state": "delivered", "message_id": message_id, "kind": kind_name}
 
 
+class _ProgressReader:
+    """A stored file's stream whose every read marks the drive's progress (ledger.marker)."""
+
+    def __init__(self, f: BinaryIO, mark: Callable[[], None]) -> None:
+        self._f, self._mark = f, mark
+
+    def read(self, n: int = -1) -> bytes:
+        self._mark()
+        return self._f.read(n)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+
+@contextmanager
+def _progressing(cm: AbstractContextManager[BinaryIO], mark: Callable[[], None]) -> Iterator[BinaryIO]:
+    with cm as f:
+        yield cast(BinaryIO, _ProgressReader(f, mark))
+
+
 def _confirms_later(ctx: Context, job: JsonObject) -> bool:
     """Whether the job's platform reports a message's fate after accepting it (Platform.confirms_later)."""
     name = str(job.get("target", "")).split(":", 1)[0]
@@ -237,8 +259,9 @@ def plan_file(ctx: Context, platform: Platform, job: JsonObject) -> tuple[Kind, 
     # the name the chat shows: an agent's right-to-left override or zero-width space escaped
     name = visible(job.get("name") or os.path.basename(key))
     kind = choose_kind(platform, name, size, voice=bool(job.get("voice")), as_document=bool(job.get("as_document")))
-    src = FileSource(name=name, size_bytes=size, sha256=job.get("sha256") or "", opener=lambda: store.open_read(key),
-                     path=store.local_path(key))
+    mark = ledger.marker()  # each chunk the platform's SDK reads is progress of the drive's lease
+    src = FileSource(name=name, size_bytes=size, sha256=job.get("sha256") or "",
+                     opener=lambda: _progressing(store.open_read(key), mark), path=store.local_path(key))
     return kind, src, platform.limits.upload_limit(kind)
 
 

@@ -365,7 +365,8 @@ def drive(ctx: Context, target: str, publish: Publish, *, started: str | None = 
     if look.what == "extracting":  # due time set, lease released with the look
         return {"lane": target, "state": "extracting", "head": look.id, "sent": 0}
     try:
-        with ledger.renewing(r, lease, token, ledger.LEASE_TTL_S):
+        # renewed while the drive makes progress (each look, each step, each chunk of a file it sends)
+        with ledger.renewing(r, lease, token, ledger.LEASE_TTL_S, needs_progress=True):
             out = _drive_leased(ctx, target, publish, token, look, BUDGET_S if budget_s is None else budget_s,
                                 pop, gates)
     except BaseException:
@@ -417,6 +418,7 @@ def _drive_leased(ctx: Context, target: str, publish: Publish, token: str, first
     deadline = time.monotonic() + budget_s
     look = first
     while True:
+        ledger.progress()
         held, held_id = look.held, look.id
         try:
             if look.what == "empty":

@@ -20,13 +20,14 @@ Stages: `lane` (a chat's ordered deliveries, id = target), `extract`
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, cast
 
@@ -81,24 +82,48 @@ def held(r: Redis, key: str) -> float:
     return max(0.001, ms / 1000) if ms and ms > 0 else 0.0
 
 
+#: a lease that needs progress (a lane's drive) is no longer renewed once its holder has made none
+#: for this long: it lapses LEASE_TTL_S later (within a minute in all), the reconciler gives the
+#: stage to another worker, and the holder's process is recycled (`set_stall_handler`)
+STALL_S = 40.0
+
+
+class _Held:
+    __slots__ = ("r", "key", "token", "ttl_s", "thread", "last", "reported")
+
+    def __init__(self, r: Any, key: str, token: str, ttl_s: int, needs_progress: bool) -> None:
+        self.r, self.key, self.token, self.ttl_s = r, key, token, ttl_s
+        self.thread = threading.get_ident()
+        #: monotonic time of the holder's last progress (None: renewed while held, whatever it does)
+        self.last: float | None = time.monotonic() if needs_progress else None
+        self.reported = False
+
+
 class _Renewer:
     """One daemon thread per process renews every lease this process holds,
     in one pipeline each third of its life. A missed renewal (Redis away for
     a moment) only shortens the lease: the worst case is a second worker
-    re-driving a stage, which every stage tolerates (receipts say what is done)."""
+    re-driving a stage, which every stage tolerates (receipts say what is done).
+
+    A lease held with `needs_progress` is renewed only while its holder
+    shows progress (`progress()`, or a `marker()`'s mark, at least every
+    `stall_s`): a holder stuck without a deadline (a call that never
+    returns) stops holding it, and `on_stall` is told once."""
 
     def __init__(self) -> None:
-        self.held: dict[int, tuple[Any, str, str, int]] = {}
+        self.held: dict[int, _Held] = {}
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
         self.pid = 0
         self.next = 0
+        self.stall_s = STALL_S
+        self.on_stall: Callable[[str, float], None] = _log_stall
 
-    def add(self, r: Redis, key: str, token: str, ttl_s: int) -> int:
+    def add(self, r: Redis, key: str, token: str, ttl_s: int, needs_progress: bool = False) -> int:
         with self.lock:
             self.next += 1
             ident = self.next
-            self.held[ident] = (r, key, token, ttl_s)
+            self.held[ident] = _Held(r, key, token, ttl_s, needs_progress)
             if self.thread is None or self.pid != os.getpid() or not self.thread.is_alive():
                 self.pid = os.getpid()
                 self.thread = threading.Thread(target=self._run, name="courier-lease-renewer", daemon=True)
@@ -109,14 +134,45 @@ class _Renewer:
         with self.lock:
             self.held.pop(ident, None)
 
+    def mark(self, idents: list[int] | None = None) -> None:
+        """Progress of the leases `idents` (None: those this thread holds)."""
+        now = time.monotonic()
+        me = threading.get_ident()
+        with self.lock:
+            for ident, h in self.held.items():
+                if h.last is not None and (ident in idents if idents is not None else h.thread == me):
+                    h.last = now
+
+    def mine(self) -> list[int]:
+        me = threading.get_ident()
+        with self.lock:
+            return [i for i, h in self.held.items() if h.thread == me]
+
+    def due(self, now: float) -> tuple[list[_Held], list[tuple[_Held, float]]]:
+        """(the leases to renew, the stalled ones newly found with how long they have made no progress)."""
+        renew, stalled = [], []
+        with self.lock:
+            for h in self.held.values():
+                idle = now - h.last if h.last is not None else 0.0
+                if idle <= self.stall_s:
+                    renew.append(h)
+                elif not h.reported:
+                    h.reported = True
+                    stalled.append((h, idle))
+        return renew, stalled
+
     def _run(self) -> None:
         while True:
-            with self.lock:
-                items = list(self.held.values())
-            period = min([ttl for *_, ttl in items] or [LEASE_TTL_S]) / 3
+            renew, stalled = self.due(time.monotonic())
+            for h, idle in stalled:
+                try:
+                    self.on_stall(h.key, idle)
+                except Exception:  # noqa: BLE001 - a handler's failure must not stop the renewals
+                    logging.getLogger(__name__).exception("the stall handler failed")
+            period = min([h.ttl_s for h in renew] or [LEASE_TTL_S]) / 3
             by_client: dict[int, list[Any]] = {}
-            for r, key, token, ttl in items:
-                by_client.setdefault(id(r), [r]).append((key, token, ttl))
+            for h in renew:
+                by_client.setdefault(id(h.r), [h.r]).append((h.key, h.token, h.ttl_s))
             for r, *leases in by_client.values():
                 try:
                     pipe = r.pipeline(transaction=False)
@@ -125,16 +181,43 @@ class _Renewer:
                     pipe.execute()
                 except Exception:  # noqa: BLE001 - see the class docstring
                     pass
-            time.sleep(period)
+            time.sleep(min(period, max(0.5, self.stall_s / 4)))
+
+
+def _log_stall(key: str, idle_s: float) -> None:
+    logging.getLogger(__name__).error("lease %s: its holder made no progress for %.0f s; no longer renewed "
+                                      "(the stage goes to another worker once it lapses)", key, idle_s)
 
 
 _renewer = _Renewer()
 
 
+def set_stall_handler(handler: Callable[[str, float], None] | None, stall_s: float | None = None) -> None:
+    """What this process does when a lease that needs progress stalls (a worker recycles its
+    process: workers/celery_app.py), and after how long (None: as it is)."""
+    _renewer.on_stall = handler or _log_stall
+    if stall_s is not None:
+        _renewer.stall_s = stall_s
+
+
+def progress() -> None:
+    """The calling thread's stage is making progress (its leases that need it are renewed)."""
+    _renewer.mark()
+
+
+def marker() -> Callable[[], None]:
+    """A progress mark for the calling thread's current leases, callable from any thread (an SDK's
+    event loop reading the file a drive sends)."""
+    idents = _renewer.mine()
+    return lambda: _renewer.mark(idents)
+
+
 @contextmanager
-def renewing(r: Redis, key: str, token: str, ttl_s: int = LEASE_TTL_S) -> Iterator[None]:
-    """Keep a lease (or a send lock) alive while the block runs."""
-    ident = _renewer.add(r, key, token, ttl_s)
+def renewing(r: Redis, key: str, token: str, ttl_s: int = LEASE_TTL_S, *,
+             needs_progress: bool = False) -> Iterator[None]:
+    """Keep a lease (or a send lock) alive while the block runs (`needs_progress`: while it also
+    shows progress, see `_Renewer`)."""
+    ident = _renewer.add(r, key, token, ttl_s, needs_progress)
     try:
         yield
     finally:

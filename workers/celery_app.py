@@ -16,6 +16,7 @@ from celery.signals import (
     after_setup_logger,
     after_setup_task_logger,
     task_rejected,
+    worker_process_init,
     beat_init,
     before_task_publish,
     task_postrun,
@@ -210,6 +211,29 @@ def _start_reconciler(sender=None, **_kw) -> None:
 
     global _reconciler
     _reconciler = Reconciler(runtime.ctx).start()
+
+
+STALL_EXIT = 71
+
+
+def _recycle_on_stall(key: str, idle_s: float) -> None:
+    """A drive in this process made no progress for `idle_s` (a call without a deadline that
+    never returns): its lease is no longer renewed, and the process ends, so its pool replaces it
+    (prefork) or `courier worker` restarts it (threads); whatever else it was driving is re-driven
+    from the ledger, as after a crash."""
+    logging.getLogger(__name__).critical("lease %s: no progress for %.0f s: ending this worker process (exit %d) "
+                                         "so it is replaced; its stages are re-driven by the ledger", key, idle_s,
+                                         STALL_EXIT)
+    logging.shutdown()
+    os._exit(STALL_EXIT)
+
+
+@worker_init.connect
+@worker_process_init.connect
+def _leases_need_progress(**_kw) -> None:
+    from tasks import ledger
+
+    ledger.set_stall_handler(_recycle_on_stall, get_settings().lease_stall_s)
 
 
 @worker_ready.connect

@@ -342,6 +342,9 @@ class Settings(BaseSettings):
     browser_allowed_hosts: list[str] | None = None
 
     # -- hooks -------------------------------------------------------------
+    #: a lane's drive that makes no progress (no step, no chunk of a file sent) for this long stops renewing its
+    #: lease: another worker takes the chat over once it lapses (20 s later), and the stuck process is recycled
+    lease_stall_s: float = Field(default=40.0, gt=0)
     #: log lines: "plain" (time, level, process, logger, message) or "json" (one object a line: ts, level,
     #: process, logger, message, and the job, delivery or lane a task ran for; never chat text or a secret)
     log_format: Literal["plain", "json"] = "plain"
