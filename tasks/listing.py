@@ -8,6 +8,7 @@ job batch. Receipts are shown without their `spec` (it holds chat text).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import cast
 
 from redis import Redis
@@ -17,18 +18,18 @@ from tasks import keys, receipts
 HIDDEN = frozenset({"spec"})
 SCAN_COUNT = 1000
 #: receipt and job fields that are counts (shown as numbers); fields ending in `_s` are times (seconds)
-COUNTS = frozenset({"attempts", "size_bytes", "limit_bytes", "transient_errors", "rate_limited", "redrives",
+COUNTS = frozenset({"attempts", "retries", "size_bytes", "limit_bytes", "transient_errors", "rate_limited", "redrives",
                     "deliveries", "parts", "events"})
 
 
-def shown(rec: dict[str, str] | None) -> dict[str, object]:
+def shown(rec: Mapping[str, str | None] | None) -> dict[str, object]:
     """A receipt or job as an operator's JSON shows it: without its spec (chat text) or the
     message it carries, counts and times as numbers (a field that is not a number stays as it is)."""
     out: dict[str, object] = {}
     for k, v in (rec or {}).items():
         if k in HIDDEN or k == "message":
             continue
-        if k in COUNTS or k.endswith("_s"):
+        if v is not None and (k in COUNTS or k.endswith("_s")):
             try:
                 out[k] = int(v) if k in COUNTS else float(v)
                 continue

@@ -41,6 +41,12 @@ def files(tmp_path):
 def test_send_wait_delivers_byte_identical_in_order(courier_env, files, storage_env):
     env = courier_env(**storage_env)
     env.start_worker()
+    # no platform takes an empty file: refused before anything is registered, naming it
+    res = env.cli("send", "outbox:ops", *[str(p) for p, _, _ in files], "--caption", "nightly", "--json")
+    assert res.returncode == 2 and "empty.bin is empty (0 bytes)" in res.stderr, res.stderr
+    assert not (env.outbox / "ops").exists()
+    files = [(p, sha, size) for p, sha, size in files if size] + [(files[0][0].with_name("one.bin"), None, 1)]
+    files[-1] = (files[-1][0], write_random(files[-1][0], 1), 1)
     res = env.cli("send", "outbox:ops", *[str(p) for p, _, _ in files], "--caption", "nightly", "--wait", "--json", "--timeout", "120")
     assert res.returncode == 0, res.stderr + res.stdout
     data = json.loads(res.stdout)
@@ -51,7 +57,7 @@ def test_send_wait_delivers_byte_identical_in_order(courier_env, files, storage_
         assert rec["sha256"] == sha and rec["size_bytes"] == size
         assert sha256_file(env.outbox / "ops" / rec["file"]) == sha
     assert log[0]["caption"] == "nightly" and log[1]["caption"] is None
-    assert [r["kind"] for r in log] == ["document", "document", "video"]
+    assert [r["kind"] for r in log] == ["document", "video", "document"]
 
 
 def test_sandbox_uri_extracted_then_delivered(courier_env):
@@ -155,7 +161,7 @@ def test_routing_flags_reach_the_platform(courier_env, tmp_path):
     status = env.cli("status", json.loads(res.stdout)["job"], "--json")
     assert status.returncode == 0
     rows = json.loads(status.stdout)["deliveries"]
-    assert [r["kind"] for r in rows] == flags and all(r["attempts"] == "1" for r in rows)
+    assert [r["kind"] for r in rows] == flags and all(r["attempts"] == 1 for r in rows)
 
 
 def test_turn_attachments_reach_the_agent_in_its_sandbox(courier_env, tmp_path):

@@ -71,7 +71,7 @@ def test_retry_requeues_a_failed_extraction_and_refuses_a_delivered_one(courier_
     got = json.loads(res.stdout)
     assert [(d["id"], d["state"]) for d in got["deliveries"]] == [(file_id, "delivered")]
     rec = _status(env, file_id)
-    assert rec["retries"] == "1" and not rec.get("reason") and rec["size_bytes"] == "8"
+    assert rec["retries"] == 1 and not rec.get("reason") and rec["size_bytes"] == 8
     assert sum(n.endswith("late.csv") for n in _arrived(env, "rt")) == 1
     assert _texts(env, "rt") == ["first"]  # the text was not sent again
     res = env.cli("retry", file_id)

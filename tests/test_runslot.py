@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import multiprocessing
 import threading
+import time
 
 import pytest
 
@@ -300,7 +301,15 @@ def test_after_a_wait_longer_than_the_hold_the_next_gives_the_slot_up_at_once(pa
     HOLD_S again brings the hold back."""
 
     def long_wait() -> None:
-        _aio.run(asyncio.sleep(_aio.HOLD_S * 5), SOON_S)
+        # a wait that outlasts HOLD_S; on a starved CPU the loop may reach its select only after the
+        # timer is due (no wait seen at all), so wait again until the selector has seen one
+        selector = _aio.thread_loop()._selector  # type: ignore[union-attr]
+        deadline = time.monotonic() + SOON_S
+        while True:
+            _aio.run(asyncio.sleep(_aio.HOLD_S * 25), SOON_S)
+            if not selector.quick or time.monotonic() > deadline:
+                break
+        assert not selector.quick, "no wait longer than HOLD_S was seen"
 
     assert _short_wait_with_another_thread_queued(long_wait) == ["other ran", "short wait over"]
 
