@@ -73,3 +73,47 @@ def test_the_web_process_defaults_to_the_port_procfile_and_compose_use(monkeypat
     assert Settings().web_port == 8000
     root = Path(__file__).resolve().parents[1]
     assert "8000" in (root / "Procfile").read_text() and "8000" in (root / "compose" / "docker-compose.yml").read_text()
+
+
+def test_help_reads_as_a_command_line_not_as_python():
+    """typer 0.27+ shows Python types in help (`<bool>`, `<list[str]>`) and `{target}` in usage lines
+    (measured with 0.29.2): pyproject keeps typer below 0.27; every command's help is checked."""
+    from typer.testing import CliRunner
+
+    from workers.cli import app
+
+    runner = CliRunner()
+    names = [c.name or c.callback.__name__ for c in app.registered_commands]
+    assert {"send", "status", "retry", "cancel", "deliveries"} <= set(names)
+    for name in [None, *(n for n in names if n != "flower")]:  # (flower's --help is Flower's own: exec'd)
+        res = runner.invoke(app, [name, "--help"] if name else ["--help"], prog_name="courier", env={"COLUMNS": "120"})
+        assert res.exit_code == 0, (name, res.output)
+        assert "<bool>" not in res.output and "<str>" not in res.output and "list[" not in res.output, res.output
+        usage = next(ln for ln in res.output.splitlines() if "Usage:" in ln)
+        assert "{" not in usage and usage.split()[1] == "courier", usage
+    send = runner.invoke(app, ["send", "--help"], env={"COLUMNS": "120"}).output
+    assert "TARGET [PATHS]..." in send
+
+
+def test_flower_without_its_extra_names_the_extra(monkeypatch):
+    """`celery flower` without the package says only "No such command 'flower'"; `courier flower`
+    names what to install."""
+    import importlib.util
+
+    from typer.testing import CliRunner
+
+    from workers.cli import app
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flower" else real(name, *a))
+    res = CliRunner().invoke(app, ["flower", "--port=5555"])
+    assert res.exit_code == 3 and "pip install 'courier[flower]'" in res.output, res.output
+
+
+def test_flower_with_its_extra_runs_celery_flower(tmp_path):
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "workers.cli", "flower", "--help"], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path, env={**__import__("os").environ, "COURIER_DATA_DIR": str(tmp_path)})
+    assert res.returncode == 0 and "monitoring and administrating Celery" in res.stdout + res.stderr, res.stdout + res.stderr

@@ -354,6 +354,7 @@ def test_procfile_names_the_five_processes():
         entries["delivery"].index("-Q") + 1]
     assert sorted(q.split(",")) == sorted(QUEUES)
     assert entries["delivery"][:3] == ["python", "-m", "workers.worker"]  # the delivery queue's own pool
-    for name in ("worker", "beat", "flower"):
+    for name in ("worker", "beat"):
         assert entries[name][:3] == ["celery", "-A", "workers.celery_app"]
+    assert entries["flower"][:2] == ["courier", "flower"]  # (names the extra when Flower is missing)
     assert not any("basic_auth" in a for a in entries["flower"])  # the password is not on the command line

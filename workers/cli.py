@@ -906,6 +906,19 @@ def worker(ctx: typer.Context) -> None:
     start(list(ctx.args))
 
 
+# -- flower --------------------------------------------------------------------------
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
+def flower(ctx: typer.Context) -> None:
+    """Start Flower on courier's Celery app (any `celery flower` option, e.g. --port=5555; --help is
+    Flower's); it needs the flower extra."""
+    import importlib.util
+
+    if importlib.util.find_spec("flower") is None:
+        # (`celery flower` without it says only "No such command 'flower'")
+        raise die("Flower is not installed: pip install 'courier[flower]' (or pip install flower)", EXIT_SERVICE)
+    os.execv(sys.executable, [sys.executable, "-m", "celery", "-A", "workers.celery_app", "flower", *ctx.args])
+
+
 def _version(value: bool) -> None:
     if value:
         from importlib.metadata import PackageNotFoundError, version
@@ -928,7 +941,7 @@ def _root(
 
 def main() -> None:
     try:
-        app()
+        app(prog_name="courier")
     except KeyboardInterrupt:
         err.print("interrupted")
         sys.exit(130)
