@@ -82,7 +82,7 @@ def test_settings_come_from_an_env_file(tmp_path):
     web = svcs["web"]["environment"]
     assert (web["TELEGRAM_WEBHOOK_SECRET"], web["SLACK_SIGNING_SECRET"], web["WHATSAPP_APP_SECRET"],
             web["WHATSAPP_VERIFY_TOKEN"]) == ("tg-s", "sl-s", "wa-s", "wa-v")
-    for name in ("web", *WORKERS):
+    for name in ("web", "worker-turns", "worker-sandbox"):
         assert json.loads(svcs[name]["environment"]["COURIER_AGENTS"]) == json.loads(agents), name
     assert svcs["s3"]["environment"]["S3_SECRET_KEY"] == REQUIRED["S3_SECRET_KEY"]
     assert svcs["worker-turns"]["environment"]["AWS_SECRET_ACCESS_KEY"] == REQUIRED["S3_SECRET_KEY"]
@@ -358,3 +358,39 @@ def test_procfile_names_the_five_processes():
         assert entries[name][:3] == ["celery", "-A", "workers.celery_app"]
     assert entries["flower"][:2] == ["courier", "flower"]  # (names the extra when Flower is missing)
     assert not any("basic_auth" in a for a in entries["flower"])  # the password is not on the command line
+
+
+SECRETS = {"TELEGRAM_BOT_TOKEN": "tg-token-1", "SLACK_BOT_TOKEN": "xoxb-2", "DISCORD_BOT_TOKEN": "dc-3",
+           "WHATSAPP_ACCESS_TOKEN": "wa-4", "COURIER_OPENAI_API_KEY": "sk-5", "TELEGRAM_WEBHOOK_SECRET": "tg-s-6",
+           "SLACK_SIGNING_SECRET": "sl-s-7", "WHATSAPP_APP_SECRET": "wa-s-8", "COURIER_METRICS_TOKEN": "m-9"}
+
+
+def test_each_service_holds_only_the_secrets_its_process_uses(tmp_path):
+    """Measured on e82a350: every container got every secret (Flower and web held the bot tokens, the
+    OpenAI key and the AWS secret)."""
+    res = _render(tmp_path, env_file={**REQUIRED, **SECRETS})
+    assert res.returncode == 0, res.stderr
+    svcs = yaml.safe_load(res.stdout)["services"]
+    held = {name: {k for k, v in SECRETS.items() if svcs[name].get("environment", {}).get(k) == v}
+            | ({"AWS_SECRET_ACCESS_KEY"} if svcs[name].get("environment", {}).get("AWS_SECRET_ACCESS_KEY") else set())
+            for name in COURIER_SERVICES}
+    tokens = {"TELEGRAM_BOT_TOKEN", "SLACK_BOT_TOKEN", "DISCORD_BOT_TOKEN", "WHATSAPP_ACCESS_TOKEN"}
+    webhooks = {"TELEGRAM_WEBHOOK_SECRET", "SLACK_SIGNING_SECRET", "WHATSAPP_APP_SECRET"}
+    assert held["flower"] == held["beat"] == set()
+    assert held["web"] == webhooks | {"COURIER_METRICS_TOKEN"}
+    assert held["worker-delivery"] == tokens | {"AWS_SECRET_ACCESS_KEY", "COURIER_METRICS_TOKEN"}
+    assert held["worker-sandbox"] == {"AWS_SECRET_ACCESS_KEY", "COURIER_METRICS_TOKEN"}
+    assert held["worker-turns"] == tokens | {"AWS_SECRET_ACCESS_KEY", "COURIER_OPENAI_API_KEY", "COURIER_METRICS_TOKEN"}
+    for name in COURIER_SERVICES:  # every one reaches Redis (its password from the secret file) and the data dir
+        env = svcs[name]["environment"]
+        assert env["COURIER_REDIS_PASSWORD_FILE"] == "/run/secrets/redis_password" and env["COURIER_DATA_DIR"] == "/data"
+
+
+def test_any_other_setting_goes_to_every_service_from_settings_env(rendered):
+    """Settings outside the compose file's blocks (e.g. COURIER_LOG_FORMAT) could not be set from compose/.env:
+    compose/settings.env reaches every courier service, and holds no secret."""
+    for name in COURIER_SERVICES:
+        files = rendered["services"][name].get("env_file") or []
+        assert any(str(f).endswith("settings.env") for f in files), (name, files)
+    text = (ROOT / "compose" / "settings.env").read_text()
+    assert all(ln.startswith("#") or not ln.strip() for ln in text.splitlines())  # comments only, as shipped
