@@ -169,12 +169,30 @@ def send(self: Task, target: str, text: str | None = None, files: list[str] | No
     tasks/send.py): registered in the ledger like `courier send`, then
     extracted and delivered by the usual stages. Bad input fails the task
     with its reason; nothing is enqueued then. The job id comes from the
-    task id, so a redelivered message registers the same job (sends nothing twice)."""
+    task id, so a redelivered message registers the same job (sends nothing twice).
+    Sends to one chat join its lane in the order they were published
+    (tasks/sendorder.py)."""
     from tasks import send as send_mod
+    from tasks import sendorder
 
     job_id = f"snd_{self.request.id.replace('-', '')}" if self.request.id else None
-    return send_mod.send(runtime.ctx(), target, text=text, files=files, caption=caption, voice=voice,
-                         as_document=as_document, job_id=job_id)
+    ctx = runtime.ctx()
+    seq = _int_or_none(self.request.get(sendorder.HEADER))
+    if seq is not None and isinstance(target, str):
+        sendorder.wait_turn(ctx.redis, target, seq)
+    try:
+        return send_mod.send(ctx, target, text=text, files=files, caption=caption, voice=voice,
+                             as_document=as_document, job_id=job_id)
+    finally:
+        if seq is not None and isinstance(target, str):
+            sendorder.done(ctx.redis, target, seq)
+
+
+def _int_or_none(v: object) -> int | None:
+    try:
+        return int(str(v)) if v is not None else None
+    except (TypeError, ValueError):
+        return None
 
 
 @_task(name=task_names.JANITOR_SWEEP, acks_late=True)

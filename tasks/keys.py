@@ -162,3 +162,9 @@ def beat_lock() -> str:
 def files_key() -> str:
     """string, no TTL: the random key a volume store's download links are signed with (storage/links.py)"""
     return f"{PREFIX}files_key"
+
+
+def send_order(target: str) -> str:
+    """hash, 1-day TTL: `courier.delivery.send` messages to `target` in publish order (tasks/sendorder.py):
+    `issued` (the last number a publisher stamped), `next` (the number whose turn it is to register)"""
+    return f"{PREFIX}sendorder:{target}"

@@ -257,21 +257,24 @@ _reconciler = None
 
 # -- operations: queue registry, consumer heartbeats, metrics exporter ---------------------------
 @before_task_publish.connect
-def _stamp(sender=None, headers=None, routing_key=None, **_kw) -> None:
+def _stamp(sender=None, headers=None, routing_key=None, body=None, **_kw) -> None:
     """Every message carries its publish time (`sent_s`: the oldest message's
     age per queue), and its queue is noted in the registry (tasks/queues.py)
     at most once a minute per process: a `sandbox.<host>` queue without a
-    worker is still seen."""
+    worker is still seen. An operator's send carries its number in its chat's
+    order (tasks/sendorder.py)."""
     import time
 
-    now = time.time()
-    if headers is not None:
-        headers["sent_s"] = round(now, 3)
-    if not routing_key:
-        return
     from celery import current_app
 
+    now = time.time()
     url = current_app.conf.get("courier_redis_url") or get_settings().redis_url  # the publishing app's Redis
+    if headers is not None:
+        headers["sent_s"] = round(now, 3)
+        if sender == task_names.SEND:
+            _number_send(url, headers, body)
+    if not routing_key:
+        return
     if now - _registered.get((url, routing_key), 0.0) > 60:
         _registered[(url, routing_key)] = now
         try:
@@ -281,6 +284,22 @@ def _stamp(sender=None, headers=None, routing_key=None, **_kw) -> None:
         except Exception as exc:  # noqa: BLE001 - bookkeeping: never fails a publish
             _registered.pop((url, routing_key), None)
             logging.getLogger(__name__).debug("queue registry: %r", exc)
+
+
+def _number_send(url: str, headers: dict, body) -> None:
+    """Stamp an operator's send with its number in its chat's order (none when the target cannot be
+    read or Redis does not answer: the task then registers when it runs, as before)."""
+    from tasks import sendorder
+
+    try:
+        args, kwargs = (body[0], body[1]) if isinstance(body, (tuple, list)) and len(body) >= 2 else ((), {})
+        target = kwargs.get("target") if isinstance(kwargs, dict) else None
+        target = target if target is not None else (args[0] if args else None)
+        if isinstance(target, str) and target and sendorder.HEADER not in headers:
+            headers[sendorder.HEADER] = sendorder.stamp(_ops_redis(url), target)
+    except Exception as exc:  # noqa: BLE001 - ordering: never fails a publish
+        logging.getLogger(__name__).warning("an operator's send goes without its number in the chat's order: %r",
+                                            exc)
 
 
 def _ops_redis(url: str | None = None):
