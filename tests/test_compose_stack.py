@@ -461,8 +461,11 @@ def test_send_and_turn_end_to_end(stack):
     turn (turns worker -> sandbox worker extracts from the shared volume ->
     S3 -> delivery worker) reach the outbox byte for byte."""
     blob = os.urandom(3_000_000)
-    stack.exec(stack.web, "sh", "-c", "mkdir -p /data/in && cat > /data/in/blob.bin", stdin=blob)
-    res = stack.exec(stack.web, "courier", "send", "outbox:ci-send", "/data/in/blob.bin", "--caption", "compose",
+    # an operator's console is a delivery worker's container: it holds the storage key and the bot
+    # tokens a send needs; web holds neither (each service holds only its own secrets)
+    console = stack.containers("worker-delivery")[0]
+    stack.exec(console, "sh", "-c", "mkdir -p /data/in && cat > /data/in/blob.bin", stdin=blob)
+    res = stack.exec(console, "courier", "send", "outbox:ci-send", "/data/in/blob.bin", "--caption", "compose",
                      "--wait", "--json", "--timeout", "120")
     out = json.loads(res.stdout)
     assert out["done"] and [d["state"] for d in out["deliveries"]] == ["delivered"], out
@@ -473,7 +476,10 @@ def test_send_and_turn_end_to_end(stack):
     # it went through the S3 service (SeaweedFS), not a local store
     code = ("import boto3; s3 = boto3.client('s3'); "
             "print('\\n'.join(o['Key'] for o in s3.list_objects_v2(Bucket='courier')['Contents']))")
-    keys = stack.exec(stack.web, "python", "-c", code).stdout.decode().split()
+    keys = stack.exec(console, "python", "-c", code).stdout.decode().split()
+    # and the web container cannot store a file: no storage key there
+    res = stack.exec(stack.web, "courier", "send", "outbox:ci-send", "/data/in/blob.bin", check=False)
+    assert res.returncode != 0 and b"no usable S3 credentials" in res.stderr, res.stderr
     assert any(k.endswith(f"files/{out['job']}/0-blob.bin") for k in keys), keys
 
     res = stack.exec(stack.web, "courier", "turn", "outbox:ci-turn", "make a chart of x^2", "--agent", "demo",
