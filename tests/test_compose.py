@@ -241,7 +241,7 @@ def test_every_service_that_touches_files_shares_one_volume(rendered):
 
 def test_every_service_has_a_healthcheck_and_a_grace_period(rendered):
     svcs = rendered["services"]
-    assert set(svcs) == {"redis", "s3", *COURIER_SERVICES}
+    assert set(svcs) == {"redis", "s3", "proxy", *COURIER_SERVICES}
     for name, svc in svcs.items():
         hc = svc.get("healthcheck") or {}
         assert hc.get("test") and hc["test"][0] in ("CMD", "CMD-SHELL"), name
@@ -254,6 +254,7 @@ def test_every_service_has_a_healthcheck_and_a_grace_period(rendered):
     assert "/healthz?consumers=turns" in " ".join(svcs["web"]["healthcheck"]["test"])
     assert "/healthcheck" in " ".join(svcs["flower"]["healthcheck"]["test"])
     assert "/status" in " ".join(svcs["s3"]["healthcheck"]["test"])
+    assert "/proxy-health" in " ".join(svcs["proxy"]["healthcheck"]["test"])
     # a deploy gives running turns time to finish (Celery's warm shutdown on SIGTERM)
     assert svcs["worker-turns"]["stop_grace_period"].endswith("m")
     assert svcs["s3"]["healthcheck"] and svcs["web"]["depends_on"]["s3"]["condition"] == "service_healthy"
@@ -273,11 +274,24 @@ def test_images_are_pinned(rendered):
 
 def test_ports_are_on_loopback_by_default(rendered, tmp_path):
     published = {n: s["ports"] for n, s in rendered["services"].items() if s.get("ports")}
-    assert set(published) == {"web", "flower"}
+    assert set(published) == {"proxy", "flower"}  # web is behind the proxy: `--scale web=N` clashes on nothing
     for ports in published.values():
         assert all(str(p).startswith("127.0.0.1:") for p in ports), ports
     res = _render(**REQUIRED, COURIER_BIND="0.0.0.0")
-    assert "0.0.0.0:8000:8000" in yaml.safe_load(res.stdout)["services"]["web"]["ports"]
+    assert "0.0.0.0:8000:8000" in yaml.safe_load(res.stdout)["services"]["proxy"]["ports"]
+
+
+def test_the_proxy_finds_every_web_replica_by_name():
+    """HAProxy's backend is a server template on the service name, re-resolved: replicas come and go."""
+    cfg = (ROOT / "compose" / "proxy" / "haproxy.cfg").read_text()
+    assert re.search(r"^\s*server-template web \d+ web:8000\b", cfg, re.M), cfg
+    assert re.search(r"check resolvers compose", cfg) and "parse-resolv-conf" in cfg
+    assert "option httpchk GET /healthz" in cfg and "monitor-uri /proxy-health" in cfg
+    haproxy = shutil.which("haproxy") or "/usr/sbin/haproxy"
+    need(os.path.exists(haproxy), "haproxy is not installed (apt-get install haproxy)")
+    res = subprocess.run([haproxy, "-c", "-f", str(ROOT / "compose" / "proxy" / "haproxy.cfg")],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr  # valid to HAProxy itself
 
 
 def test_flower_has_auth_but_not_on_its_command_line(rendered):

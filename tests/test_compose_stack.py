@@ -66,11 +66,13 @@ CACHE = Path(os.environ.get("COURIER_COMPOSE_CACHE")
 DEBIAN_SOURCES = Path("/etc/apt/sources.list.d/debian.sources")
 CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
 #: one base for the three images: what compose/Dockerfile needs, and redis-server and wget for the CI images
-BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates", "passwd", "openssh-client", "redis-server", "wget")
+BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates", "passwd", "openssh-client", "redis-server", "wget",
+                 "haproxy")
 COURIER_TAG = "ci"
 REDIS_IMAGE = "localhost/courier-ci-redis:bookworm"
 S3_IMAGE = "localhost/courier-ci-seaweedfs:bookworm"
-SERVICES = ("redis", "s3", "web", "worker-turns", "worker-sandbox", "worker-delivery", "beat", "flower")
+PROXY_IMAGE = "localhost/courier-ci-proxy:bookworm"
+SERVICES = ("redis", "s3", "web", "proxy", "worker-turns", "worker-sandbox", "worker-delivery", "beat", "flower")
 SLOW_S = 20  # the slow agent's sleep: the window in which its worker is stopped
 #: niceness the proof runs at below the other test processes' (root: `_prerequisites`)
 PRIORITY_BOOST = 10
@@ -172,6 +174,10 @@ def _build_images(pm: Podman, tmp: Path, t: Timings) -> None:
             shutil.copy(ROOT / "compose" / "ci" / "Dockerfile.seaweedfs", ctx / "Dockerfile")
             shutil.copy(os.path.realpath(_weed_binary()), ctx / "weed")
             pm.run(*common, "--network=none", "-t", S3_IMAGE, str(ctx), timeout=600)
+            ctx = tmp / "ctx-proxy"
+            ctx.mkdir()
+            shutil.copy(ROOT / "compose" / "ci" / "Dockerfile.proxy", ctx / "Dockerfile")
+            pm.run(*common, "--network=none", "-t", PROXY_IMAGE, str(ctx), timeout=600)
 
     # the small images build while courier's waits on PyPI (they share only the base)
     with ThreadPoolExecutor(max_workers=1) as pool:
@@ -560,3 +566,50 @@ def test_scale_turn_workers_to_two_and_stop_one_warmly(stack):
     _, rows = _outbox(stack, "ci-scale")
     assert len(rows) == 3 * len(jobs), rows
     assert stack.containers("worker-turns") == sorted(set(workers) - {victim})
+
+
+def test_web_scales_behind_the_proxy_and_one_replica_can_stop(stack):
+    """On e82a350 web published a fixed host port: `--scale web=2` clashed. Now the proxy (HAProxy) is
+    published and finds every web replica by name: requests through it reach both replicas, and with
+    one replica stopped every request still answers."""
+    t = stack.timings
+    with t("scale web"):
+        stack.compose("up", "-d", "--no-build", "--scale", "web=2")
+    webs = stack.containers("web")
+    assert len(webs) == 2, webs
+    with t("web healthy"):
+        stack.wait_healthy(webs)
+    token = uuid.uuid4().hex[:12]
+    counter = iter(range(10**6))
+
+    def probe() -> int:
+        return _get(f"http://{stack.bind}:8000/healthz")[0]
+
+    def mark() -> int:
+        """A request each replica's access log names (a path of its own: web's 404, through the proxy;
+        query strings are never logged)."""
+        return _get(f"http://{stack.bind}:8000/probe-{token}-{next(counter)}")[0]
+
+    def served_by() -> dict[str, int]:
+        out = {}
+        for c in webs:
+            res = stack.pm.run("logs", c, check=False)
+            out[c] = (res.stdout + res.stderr).count(f"/probe-{token}-")
+        return out
+
+    def both_serve() -> bool:
+        return mark() == 404 and all(n > 0 for n in served_by().values())
+
+    with t("both replicas serve"):  # (the proxy's resolver finds the new replica within seconds)
+        wait_until(both_serve, timeout_s=120, interval_s=0.2, what="requests through the proxy to reach both webs")
+    stack.pm.run("stop", "-t", "30", webs[1], timeout=90)
+
+    def ten_in_a_row() -> bool:  # the proxy takes the stopped replica out (its checks fail twice)
+        return [probe() for _ in range(10)] == [200] * 10
+
+    wait_until(ten_in_a_row, timeout_s=60, interval_s=0.2, what="the proxy to answer from the replica left")
+    codes = [probe() for _ in range(30)]
+    assert codes == [200] * 30, codes
+    before = served_by()[webs[0]]
+    assert mark() == 404
+    wait_until(lambda: served_by()[webs[0]] == before + 1, timeout_s=30, what="the replica left to log it")
