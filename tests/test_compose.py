@@ -408,3 +408,41 @@ def test_any_other_setting_goes_to_every_service_from_settings_env(rendered):
         assert any(str(f).endswith("settings.env") for f in files), (name, files)
     text = (ROOT / "compose" / "settings.env").read_text()
     assert all(ln.startswith("#") or not ln.strip() for ln in text.splitlines())  # comments only, as shipped
+
+
+def test_monitoring_profile_scrapes_every_replica_and_loads_the_alerts(tmp_path):
+    """compose had no Prometheus: `--profile monitoring` adds one that finds every web replica and worker
+    by name (scaled services included), authenticates with the metrics token from a file, and evaluates
+    compose/monitoring/alerts.yml; promtool accepts the config and the rules."""
+    exe = shutil.which("podman-compose")
+    need(exe is not None, "podman-compose is not installed (pip install podman-compose)")
+    clean = {k: v for k, v in os.environ.items() if k not in REQUIRED and not k.startswith(("COURIER_", "S3_"))}
+    res = subprocess.run([exe, "--profile", "monitoring", "-f", str(COMPOSE), "config"], capture_output=True,
+                         text=True, timeout=60, env={**clean, **REQUIRED, "COURIER_METRICS_TOKEN": "m-tok-1"},
+                         cwd=str(ROOT))
+    assert res.returncode == 0, res.stderr
+    prom = yaml.safe_load(res.stdout)["services"]["prometheus"]
+    assert prom["environment"] == {"COURIER_METRICS_TOKEN": "m-tok-1"}  # its only secret
+    assert not any("m-tok-1" in str(a) for a in prom["command"] + prom["entrypoint"])
+    assert str(prom["ports"][0]).startswith("127.0.0.1:")
+    cfg = yaml.safe_load((ROOT / "compose" / "monitoring" / "prometheus.yml").read_text())
+    jobs = {j["job_name"]: j for j in cfg["scrape_configs"]}
+    assert jobs["courier-web"]["dns_sd_configs"][0]["names"] == ["web"]
+    assert jobs["courier-web"]["dns_sd_configs"][0]["port"] == 8000
+    assert sorted(jobs["courier-workers"]["dns_sd_configs"][0]["names"]) == sorted(WORKERS)
+    assert jobs["courier-workers"]["dns_sd_configs"][0]["port"] == 9100
+    mounted = {v.split(":")[1] for v in prom["volumes"] if isinstance(v, str)} | {
+        v["target"] for v in prom["volumes"] if isinstance(v, dict)}
+    assert set(cfg["rule_files"]) <= mounted and "/etc/prometheus/prometheus.yml" in mounted
+    for j in jobs.values():
+        assert j["authorization"]["credentials_file"] in prom["command"][0]  # the start writes that file
+    promtool = shutil.which("promtool")
+    need(promtool is not None, "promtool is not installed (apt-get install prometheus)")
+    (tmp_path / "alerts.yml").write_text((ROOT / "compose" / "monitoring" / "alerts.yml").read_text())
+    (tmp_path / "token").write_text("t")
+    text = (ROOT / "compose" / "monitoring" / "prometheus.yml").read_text()
+    text = text.replace("/etc/prometheus/alerts.yml", "alerts.yml").replace("/tmp/metrics_token", "token")
+    (tmp_path / "prometheus.yml").write_text(text)
+    res = subprocess.run([promtool, "check", "config", "prometheus.yml"], capture_output=True, text=True,
+                         timeout=60, cwd=tmp_path)
+    assert res.returncode == 0 and re.search(r"SUCCESS: [1-9]\d* rules found", res.stdout), res.stdout + res.stderr
