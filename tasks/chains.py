@@ -34,7 +34,6 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from redis import Redis
-from redis.client import Pipeline
 
 from adapters.display import visible
 from adapters.platforms.base import split_target
@@ -192,15 +191,14 @@ def entries(plan: Plan) -> list[_Entry]:
     return out
 
 
-def register(r: Redis, plan: Plan, *, job_kind: str | None = None, pipe: Pipeline | None = None) -> list[_Entry]:
+def register(r: Redis, plan: Plan, *, job_kind: str | None = None) -> list[_Entry]:
     """Record the plan in the ledger in one transaction: the job (with
     `job_kind`), a queued receipt per delivery with its spec, the steps at
     the end of the chat's lane, and due times for the lane and each
     extraction. Idempotent: a delivery already registered is left as it is
-    (and not queued again). Returns the plan's entries. `pipe`: a
-    transaction the caller executes (with its messages after the entries)."""
+    (and not queued again). Returns the plan's entries."""
     items = entries(plan)
-    p = pipe if pipe is not None else r.pipeline(transaction=True)  # one round trip, no other job's steps in between
+    p = r.pipeline(transaction=True)  # one round trip, no other job's steps in between
     if job_kind is not None:
         receipts.create_job(r, plan.job_id, kind=job_kind, target=plan.target, pipe=p)
     for e in items:
@@ -211,8 +209,7 @@ def register(r: Redis, plan: Plan, *, job_kind: str | None = None, pipe: Pipelin
     for e in items:
         if e.queue is not None:
             ledger.set_due(p, "extract", e.did, EXTRACT_GRACE_S)
-    if pipe is None:
-        p.execute()
+    p.execute()
     return items
 
 
