@@ -30,6 +30,7 @@ import re
 import secrets
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -319,16 +320,30 @@ def enqueue(r: Redis, plan: Plan, *, job_kind: str | None = None) -> list[str]:
     """Register the plan in the ledger (and the job, with `job_kind`) in one
     transaction, then publish its extractions and a wake-up of the chat's lane
     (`wake_lane`). Returns the delivery ids. A publish that fails after the
-    ledger was written loses nothing: the reconciler finds the due times."""
+    ledger was written is logged and loses nothing: the reconciler finds the
+    due times and publishes again."""
     items = register(r, capped(plan), job_kind=job_kind)
     for e in items:
         if e.queue is not None:
-            publish_extract(e.did, e.queue, f"{e.spec['extract']['sandbox'].get('kind', '')}:{e.spec['extract']['path']}")
+            extract = e.spec["extract"]
+            _published(plan.job_id, publish_extract, e.did, e.queue,
+                       f"{extract['sandbox'].get('kind', '')}:{extract['path']}")
     if any(e.queue is None for e in items):
         # something is ready to go now; steps that wait for an extraction are
         # driven by the extraction's end (and by the lane's due time)
-        wake_lane(r, plan.target)
+        _published(plan.job_id, wake_lane, r, plan.target)
     return [e.did for e in items]
+
+
+def _published(job_id: str, publish: Callable[..., object], *args: Any) -> None:
+    """`publish(*args)`; one that fails is logged, and the reconciler publishes it again."""
+    try:
+        publish(*args)
+    except Exception as exc:  # noqa: BLE001 - the ledger has it: a lost publish costs nothing
+        import logging
+
+        logging.getLogger(__name__).warning("job %s: a publish failed (%s); the reconciler will publish it",
+                                            job_id, type(exc).__name__)
 
 
 def enqueue_turn(r: Redis, target: str, message: str, *, agent: str, job_id: str | None = None,
