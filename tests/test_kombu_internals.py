@@ -43,7 +43,7 @@ else:
 def kombu_lowest(tmp_path_factory) -> Path:
     where = tmp_path_factory.mktemp("kombu-5.4.0")
     res = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(where),
-                          "kombu==5.4.0"], capture_output=True, text=True, timeout=300)
+                          "kombu==5.4.0"], capture_output=True, text=True, timeout=300, check=False)
     if res.returncode != 0:
         pytest.skip(f"no kombu 5.4.0 to install here: {res.stderr.strip()[-300:]}")
     return where
@@ -53,7 +53,7 @@ def _run(redis_url: str, mode: str, first: Path | None = None) -> str:
     path = [str(first)] if first else []
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([*path, str(ROOT)])}
     res = subprocess.run([sys.executable, "-c", _PROBE, redis_url, mode], env=env, cwd=str(ROOT),
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=60, check=False)
     assert res.returncode == 0, res.stderr
     return res.stdout.strip()
 

@@ -152,7 +152,7 @@ def test_a_next_lane_held_elsewhere_or_on_another_platform_is_left_or_looked_at_
         counted.extract(dids[target])
     counted.r.set(keys.lease("lane", "memory:ho1"), "another-worker", ex=60)
     counted.r.zadd(keys.lanes_ready(), {"memory:ho1": 1, "other:ho2": 2})
-    out = lanes.drive_ready(counted.ctx, "memory:ho0", lambda t, countdown=None: None, lambda: None)
+    lanes.drive_ready(counted.ctx, "memory:ho0", lambda t, countdown=None: None, lambda: None)
     assert [s[0] for s in counted.platform.sent] == ["ho0", "ho2"]
     assert counted.r.get(keys.lease("lane", "memory:ho1")) == "another-worker"
     assert not counted.r.exists(keys.lanes_ready(), keys.lease("lane", "other:ho2"))
