@@ -83,6 +83,8 @@ def test_concurrent_signed_updates_are_each_enqueued_exactly_once(loadweb):
     dup = sum(1 for k, (_st, body) in zip(sends, res) if updates[k][0] != "/webhooks/discord"
               and (json.loads(body).get("duplicate") or json.loads(body).get("duplicates")))
     assert dup == REPLAYS * 3
+    # the web process waits for no turn's result: it subscribed to no result channel
+    assert "cmdstat_subscribe" not in r.info("commandstats")
 
 
 def test_a_failed_enqueue_answers_503_and_leaves_nothing_behind(loadweb):

@@ -287,12 +287,16 @@ class _Enqueuer:
                      ", ".join(f"{t.platform} {t.update_id} -> {t.job_id}" for t in done))
 
     def _publish(self, turns: list[_Turn]) -> dict[str, BaseException]:
-        """Each turn's `agent_turn` through Celery (one producer for the batch); the errors by job id."""
+        """Each turn's `agent_turn` through Celery (one producer for the batch); the errors by job id.
+        Nobody here waits for a turn's result (`denied_join_result`): else Celery's Redis result
+        backend would SUBSCRIBE to every published turn's result channel in this process."""
+        from celery.result import denied_join_result
+
         from tasks import chains
 
         app = self.web.celery
         failed: dict[str, BaseException] = {}
-        with app.producer_or_acquire() as producer:
+        with denied_join_result(), app.producer_or_acquire() as producer:
             for t in turns:
                 try:
                     chains.spec_sig(t.spec).apply_async(task_id=t.job_id, producer=producer)
@@ -369,12 +373,6 @@ def courier_celery(settings: Settings):
     t.join()
     if seen[0] is not app:
         raise BrokerMismatch(f"another thread publishes through Celery app {seen[0].main!r}, not courier's")
-    # nobody here waits for a task's result: without this, Celery's Redis result
-    # backend SUBSCRIBEs to every published turn's result channel in this process
-    # (one round trip more per webhook, and channels and unread results that pile up)
-    from celery._state import _set_task_join_will_block
-
-    _set_task_join_will_block(True)
     return app
 
 
