@@ -119,18 +119,18 @@ def serves_delivery() -> bool:
 def extract_file(delivery_id: str) -> JsonObject:
     """Extract one sandbox file (its spec is in the ledger), then drive its chat's lane:
     here, when this worker serves the delivery queue too (`serves_delivery`), else by a
-    `drive_lane` message pushed with the extraction's result."""
+    `drive_lane` message (chains.wake_lane)."""
     from tasks import chains
 
     ctx = runtime.ctx()
     inline = serves_delivery()
-    out = extract_mod.run(ctx, delivery_id, queue_drive=None if inline else chains.queue_lane)
+    out = extract_mod.run(ctx, delivery_id)
     wake = out.pop("wake", None)
     for did in wake["ids"] if wake else ():  # its sandbox answers again: what its breaker postponed goes now
         chains.publish_extract(did, wake["queue"])
-    if out["state"] in ("extracted", "failed", "done") and not out.pop("lane_queued", False):
+    if out["state"] in ("extracted", "failed", "done"):
         if not inline:
-            chains.publish_lane(out["target"])
+            chains.wake_lane(ctx.redis, out["target"])
             return out
         drove = _drive_lanes(ctx, out["target"])
         out["lane"] = {k: v for k, v in drove.items() if k != "lane"}

@@ -24,7 +24,6 @@ and receipt.
 
 from __future__ import annotations
 
-import functools
 import json
 import posixpath
 import re
@@ -36,7 +35,6 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from redis import Redis
-from redis.client import Pipeline
 
 from adapters.display import visible
 from adapters.platforms.base import split_target
@@ -47,8 +45,6 @@ from tasks.messages import Attachment, JsonObject, TurnSpec
 
 if TYPE_CHECKING:
     from celery import Signature
-
-    from tasks.taskmsg import Template
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 
@@ -196,15 +192,14 @@ def entries(plan: Plan) -> list[_Entry]:
     return out
 
 
-def register(r: Redis, plan: Plan, *, job_kind: str | None = None, pipe: Pipeline | None = None) -> list[_Entry]:
+def register(r: Redis, plan: Plan, *, job_kind: str | None = None) -> list[_Entry]:
     """Record the plan in the ledger in one transaction: the job (with
     `job_kind`), a queued receipt per delivery with its spec, the steps at
     the end of the chat's lane, and due times for the lane and each
     extraction. Idempotent: a delivery already registered is left as it is
-    (and not queued again). Returns the plan's entries. `pipe`: a
-    transaction the caller executes (with its messages after the entries)."""
+    (and not queued again). Returns the plan's entries."""
     items = entries(plan)
-    p = pipe if pipe is not None else r.pipeline(transaction=True)  # one round trip, no other job's steps in between
+    p = r.pipeline(transaction=True)  # one round trip, no other job's steps in between
     if job_kind is not None:
         receipts.create_job(r, plan.job_id, kind=job_kind, target=plan.target, pipe=p)
     for e in items:
@@ -215,8 +210,7 @@ def register(r: Redis, plan: Plan, *, job_kind: str | None = None, pipe: Pipelin
     for e in items:
         if e.queue is not None:
             ledger.set_due(p, "extract", e.did, EXTRACT_GRACE_S)
-    if pipe is None:
-        p.execute()
+    p.execute()
     return items
 
 
@@ -286,128 +280,70 @@ def publish_lane(target: str, countdown: float | None = None) -> None:
     lane_sig(target, countdown).apply_async()
 
 
-_templates: dict[str, Template | None] = {}
-
-
-def _template(name: str, make: Callable[[], tuple[Signature, tuple[list[Any], list[Any]], tuple[str, str]]]
-              ) -> Template | None:
-    """The message template `name` of this process (tasks/taskmsg.py), made once by
-    `make()` -> (signature, probe args, probe labels); None when none can be made here
-    (the caller publishes through Celery then)."""
-    if name not in _templates:
-        from celery import current_app
-
-        from tasks import taskmsg
-
-        try:
-            _templates[name] = taskmsg.Template(current_app._get_current_object(), *make())
-        except Exception as exc:  # noqa: BLE001 - Celery's own publish still works
-            import logging
-
-            logging.getLogger(__name__).warning("%s messages go through Celery: %s", name, exc)
-            _templates[name] = None
-    return _templates[name]
-
-
-def _render(tpl: Template, args: list[Any], label: str) -> tuple[str, str, str]:
-    """(task id, queue key, message) of one rendered message: a new task id; from a running
-    task, that task as its parent and root, as Celery's publish sets them."""
-    from celery import current_app
-
-    parent = current_app.current_worker_task
-    req = parent.request if parent is not None else None
-    task_id = str(uuid.uuid4())
-    key, msg = tpl.render(task_id, args, label, parent_id=req.id if req else None,
-                          root_id=(req.root_id or req.id) if req else None)
-    return task_id, key, msg
-
-
-def _push(pipe: Pipeline, tpl: Template, args: list[Any], label: str) -> None:
-    """LPUSH one rendered message on `pipe`."""
-    _, key, msg = _render(tpl, args, label)
-    pipe.lpush(key, msg)
-
-
-#: a lane's wake-up. KEYS: the delivery queue, `keys.drives_waiting()`, `keys.lanes_ready()`;
-#: ARGV: the lane's target ('' : a drain, always published), the drive's message, its task id,
-#: now, WAKE_BACKLOG, WAKE_STALE_S. Publishes the message (and counts it waiting) unless
-#: WAKE_BACKLOG drives are waiting already: then the lane joins the ready set (0).
+#: a lane's wake-up, decided before its drive is published. KEYS: `keys.drives_waiting()`,
+#: `keys.lanes_ready()`; ARGV: the lane's target ('': a drain, always published), the drive's
+#: task id, now, WAKE_BACKLOG, WAKE_STALE_S. 1: publish the drive (counted waiting from now);
+#: 0: WAKE_BACKLOG drives are waiting already, the lane joined the ready set they drain.
 _WAKE = """
-redis.call('zremrangebyscore', KEYS[2], '-inf', tonumber(ARGV[4]) - tonumber(ARGV[6]))
-if ARGV[1] ~= '' and redis.call('zcard', KEYS[2]) >= tonumber(ARGV[5]) then
-  redis.call('zadd', KEYS[3], 'NX', ARGV[4], ARGV[1])
+redis.call('zremrangebyscore', KEYS[1], '-inf', tonumber(ARGV[3]) - tonumber(ARGV[5]))
+if ARGV[1] ~= '' and redis.call('zcard', KEYS[1]) >= tonumber(ARGV[4]) then
+  redis.call('zadd', KEYS[2], 'NX', ARGV[3], ARGV[1])
   return 0
 end
-redis.call('lpush', KEYS[1], ARGV[2])
-redis.call('zadd', KEYS[2], ARGV[4], ARGV[3])
+redis.call('zadd', KEYS[1], ARGV[3], ARGV[2])
 return 1
 """
 
 
-def queue_lane(pipe: Pipeline, target: str) -> bool:
-    """Queue a wake-up of `target`'s lane on a Redis pipeline (`_WAKE`): the `drive_lane`
-    message Celery would publish (made once per process from a probe publish,
-    tasks/taskmsg.py), pushed in the same round trip as what comes before it on `pipe`;
-    or, when `WAKE_BACKLOG` drives are waiting to start already, the lane joins the ready
-    set they drain. `target` '': a drain of the ready set, always pushed. False when no
-    template could be made here (the caller publishes through Celery then)."""
-    tpl = _template("drive_lane", lambda: (lane_sig("probe:a"), (["probe:a"], ["probe:b"]),
-                                           (lane_label("probe:a"), lane_label("probe:b"))))
-    if tpl is None:
+def wake_lane(r: Redis, target: str) -> bool:
+    """Wake `target`'s lane: publish its `drive_lane` (Celery's `apply_async`), unless
+    `WAKE_BACKLOG` drives are waiting to start already: then the lane joins the ready set
+    they drain (`_WAKE` decides, in one script). `target` '': a drain of the ready set,
+    always published. True when a drive was published. A publish that fails after the
+    decision loses nothing: the lane's due time brings the reconciler, and the drive
+    counted waiting stops counting after WAKE_STALE_S."""
+    task_id = str(uuid.uuid4())
+    if not receipts._script(r, _WAKE)(keys=[keys.drives_waiting(), keys.lanes_ready()],
+                                      args=[target, task_id, time.time(), WAKE_BACKLOG, WAKE_STALE_S]):
         return False
-    task_id, key, msg = _render(tpl, [target], lane_label(target))
-    pipe.eval(_WAKE, 3, key, keys.drives_waiting(), keys.lanes_ready(), target, msg, task_id, time.time(),
-              WAKE_BACKLOG, WAKE_STALE_S)
+    lane_sig(target).apply_async(task_id=task_id)
     return True
 
 
 def publish_drain(r: Redis) -> None:
     """Publish a drive of the lanes in the ready set (a drive that ran out of time with some
     left; the reconciler, for lanes there longer than READY_STALE_S)."""
-    pipe = r.pipeline(transaction=False)
-    if queue_lane(pipe, ""):
-        pipe.execute()
-    else:
-        publish_lane("")
-
-
-def queue_extract(pipe: Pipeline, did: str, queue: str, what: str = "") -> bool:
-    """As `queue_lane`, for an `extract_file` of delivery `did` on `queue`."""
-    tpl = _template(f"extract_file {queue}", lambda: (
-        extract_sig("probe.1", queue, "a"), (["probe.1"], ["probe.2"]),
-        (extract_label("probe.1", "a"), extract_label("probe.2", "b"))))
-    if tpl is None:
-        return False
-    _push(pipe, tpl, [did], extract_label(did, what))
-    return True
+    wake_lane(r, "")
 
 
 def enqueue(r: Redis, plan: Plan, *, job_kind: str | None = None) -> list[str]:
-    """Register the plan in the ledger (and the job, with `job_kind`), then
-    publish its extractions and one drive of the chat's lane. Returns the
-    delivery ids. A publish that fails after the ledger was written loses
-    nothing: the reconciler finds the due times."""
-    # the ledger entries, then the messages (Celery's own, made once per process: queue_extract,
-    # queue_lane), in one transaction and one round trip; any that cannot be made that way go
-    # through Celery after it
-    pipe = r.pipeline(transaction=True)
-    items = register(r, capped(plan), job_kind=job_kind, pipe=pipe)
-    later: list[Callable[[], None]] = []
+    """Register the plan in the ledger (and the job, with `job_kind`) in one
+    transaction, then publish its extractions and a wake-up of the chat's lane
+    (`wake_lane`). Returns the delivery ids. A publish that fails after the
+    ledger was written is logged and loses nothing: the reconciler finds the
+    due times and publishes again."""
+    items = register(r, capped(plan), job_kind=job_kind)
     for e in items:
         if e.queue is not None:
-            what = f"{e.spec['extract']['sandbox'].get('kind', '')}:{e.spec['extract']['path']}"
-            if not queue_extract(pipe, e.did, e.queue, what):
-                later.append(functools.partial(publish_extract, e.did, e.queue, what))
+            extract = e.spec["extract"]
+            _published(plan.job_id, publish_extract, e.did, e.queue,
+                       f"{extract['sandbox'].get('kind', '')}:{extract['path']}")
     if any(e.queue is None for e in items):
         # something is ready to go now; steps that wait for an extraction are
         # driven by the extraction's end (and by the lane's due time)
-        if not queue_lane(pipe, plan.target):
-            later.append(lambda: publish_lane(plan.target))
-    if pipe.command_stack:
-        pipe.execute()
-    for publish in later:
-        publish()
+        _published(plan.job_id, wake_lane, r, plan.target)
     return [e.did for e in items]
+
+
+def _published(job_id: str, publish: Callable[..., object], *args: Any) -> None:
+    """`publish(*args)`; one that fails is logged, and the reconciler publishes it again."""
+    try:
+        publish(*args)
+    except Exception as exc:  # noqa: BLE001 - the ledger has it: a lost publish costs nothing
+        import logging
+
+        logging.getLogger(__name__).warning("job %s: a publish failed (%s); the reconciler will publish it",
+                                            job_id, type(exc).__name__)
 
 
 def enqueue_turn(r: Redis, target: str, message: str, *, agent: str, job_id: str | None = None,

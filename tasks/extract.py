@@ -6,7 +6,6 @@ import errno
 import logging
 import posixpath
 import time
-from collections.abc import Callable
 
 from redis import Redis
 from redis.client import Pipeline
@@ -164,7 +163,7 @@ return {'run', spec}
 """
 
 
-def run(ctx: Context, did: str, queue_drive: Callable[[Pipeline, str], bool] | None = None) -> JsonObject:
+def run(ctx: Context, did: str) -> JsonObject:
     """The extraction stage of delivery `did`, from the ledger alone: its
     spec is in the receipt. Holds the stage's lease while it works (a second
     message for it finds the lease and leaves); a transient failure backs
@@ -175,9 +174,7 @@ def run(ctx: Context, did: str, queue_drive: Callable[[Pipeline, str], bool] | N
 
     Two round trips besides the extraction's own work: one script reads the
     receipt, takes the lease and sets the due time (`_BEGIN`); one pipeline
-    records the result, clears the due time and releases the lease, and
-    with `queue_drive(pipe, target)` (chains.queue_lane) also pushes the
-    drive of the chat's lane after them: `lane_queued` in the answer then."""
+    records the result, clears the due time and releases the lease."""
     import json
 
     from tasks import keys, ledger
@@ -241,8 +238,6 @@ def run(ctx: Context, did: str, queue_drive: Callable[[Pipeline, str], bool] | N
         raise
     # the result (a success's receipt), the due time (cleared, or the backoff's) and the lease released
     ledger.release(end, lease, token)
-    if ret is None and queue_drive is not None and queue_drive(end, job["target"]):
-        out["lane_queued"] = True  # after the result it reads, in the same round trip
     end.execute()
     done = ret or {**out, "state": "extracted" if result.get("ok") else "failed"}
     if gate.woke:  # a scout's answer closed its sandbox's breaker: what it postponed, for the task to publish

@@ -82,7 +82,7 @@ def lane(target: str) -> str:
 def lanes_ready() -> str:
     """sorted set: lanes with something to send whose wake-up was not published as a message of
     its own (enough drives were waiting to start: each drains this set when its own lane is done),
-    scored by when they joined (tasks/chains.py `queue_lane`)"""
+    scored by when they joined (tasks/chains.py `wake_lane`)"""
     return f"{PREFIX}lanes:ready"
 
 

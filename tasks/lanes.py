@@ -271,7 +271,7 @@ def drive_ready(ctx: Context, target: str, publish: Publish, drain: Callable[[],
                 started: str | None = None, backlog: int = 2) -> JsonObject:
     """A drive task's work: `target`'s lane ('': none), then the lanes of the ready set
     (`keys.lanes_ready()`: wake-ups that found enough drives waiting to start, tasks.chains
-    `queue_lane`), one after the other, until the set is empty or `BUDGET_S` is spent; then
+    `wake_lane`), one after the other, until the set is empty or `BUDGET_S` is spent; then
     `drain()` publishes a drive for what is left. `started`: this drive's task id, no longer
     waiting from its first look on. A lane that took `FAN_OUT_S` or more fans out: with
     lanes left in the set and fewer than `backlog` drives waiting to start (chains.WAKE_BACKLOG),

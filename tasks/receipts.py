@@ -35,9 +35,7 @@ def _text(v: object) -> str:
 def create_job(r: Redis | None, job_id: str, *, kind: str, target: str, pipe: Pipeline | None = None,
                **meta: Any) -> None:
     """Record a job (a send or a turn); queued on `pipe` when given."""
-    fields: dict[EncodableT, EncodableT] = {"id": job_id, "kind": kind, "target": target, "state": "queued",
-                                      "created_s": f"{time.time():.3f}"}
-    fields.update({k: _text(v) for k, v in meta.items() if v is not None})
+    fields: dict[EncodableT, EncodableT] = {k: v for k, v in job_fields(job_id, kind=kind, target=target, **meta).items()}
     if pipe is not None:
         p = pipe
     else:
@@ -47,6 +45,13 @@ def create_job(r: Redis | None, job_id: str, *, kind: str, target: str, pipe: Pi
     p.expire(keys.job(job_id), RETENTION_S)
     if pipe is None:
         p.execute()
+
+
+def job_fields(job_id: str, *, kind: str, target: str, **meta: Any) -> dict[str, str]:
+    """A new job record's fields (`create_job` writes them at `keys.job(job_id)`, kept RETENTION_S)."""
+    fields = {"id": job_id, "kind": kind, "target": target, "state": "queued", "created_s": f"{time.time():.3f}"}
+    fields.update({k: _text(v) for k, v in meta.items() if v is not None})
+    return fields
 
 
 def set_job(r: Redis, job_id: str, **fields: Any) -> None:

@@ -7,11 +7,11 @@ from __future__ import annotations
 from kombu import Connection
 from kombu.common import ignore_errors
 
-from workers import broker
+from workers import kombu_internals
 
 
 def test_closing_a_channel_whose_connection_let_go_is_a_connection_error(redis_server):
-    broker.install()
+    kombu_internals.install()
     conn = Connection(redis_server.url)
     q = conn.SimpleQueue("courier-test-close")
     q.put({"n": 1})

@@ -156,38 +156,6 @@ def test_the_breaker_opens_postpones_untried_probes_and_closes(plain, stalling):
     assert (counted("opened") - opened, counted("postponed") - postponed) == (2, 3)
 
 
-def test_a_file_on_a_sandbox_that_answers_costs_one_round_trip_more_than_a_local_one(plain, stalling, redis_server):
-    """The breaker on the healthy path: its admission script; its answer rides on the stage's last
-    pipeline (as EVAL: no SCRIPT EXISTS of its own). tests/test_round_trips.py pins a local file's."""
-    import threading
-
-    import redis
-
-    from tests.test_round_trips import EXTRACT_ROUND_TRIPS, CountingConnection, command_names
-
-    pool = redis.ConnectionPool.from_url(redis_server.url, connection_class=CountingConnection, decode_responses=True)
-    r = redis.Redis(connection_pool=pool)
-    ctx = dataclasses.replace(plain, redis=r)
-    ctr = stalling(files=2)
-    first, second = register(r, ctr, [0, 1])
-
-    def queue_drive(pipe, target: str) -> bool:
-        pipe.lpush("brk:drives", target)  # chains.queue_lane's stand-in, as in tests/test_round_trips.py
-        return True
-
-    assert extract.run(ctx, first, queue_drive=queue_drive)["state"] == "extracted"  # the scout; scripts loaded
-    CountingConnection.writes, CountingConnection.thread = [], threading.get_ident()
-    try:
-        out = extract.run(ctx, second, queue_drive=queue_drive)
-    finally:
-        CountingConnection.thread = None
-    assert out["state"] == "extracted" and out.get("lane_queued")
-    assert len(CountingConnection.writes) == EXTRACT_ROUND_TRIPS + 1
-    assert command_names(CountingConnection.writes) == ["EVALSHA", "EVALSHA", "EVAL", "EVAL", "ZREM", "EVAL", "LPUSH"]
-    r.close()
-    pool.disconnect()
-
-
 def test_a_file_whose_sandbox_stays_stalled_fails_at_the_outage_deadline(plain, stalling):
     r = plain.redis
     # a breaker period far longer than the deadline (the sandbox's own read deadline stays IO_TIMEOUT_S):

@@ -227,3 +227,45 @@ def test_a_sandbox_only_workers_extraction_wakes_the_lane_by_message(courier_env
     assert [t for _, t in _queued(r)] == ["outbox:inl"]
     rec = receipts.get_delivery(r, did) or {}
     assert rec.get("extraction") == "ok" and rec.get("state") != "delivered"  # for a delivery worker to send
+
+
+# -- publishing after the ledger's transaction ---------------------------------------------------
+def test_a_job_is_published_after_its_ledger_commits_and_a_lost_publish_is_published_again(
+        courier_env, redis_client, tmp_path, monkeypatch):
+    """chains.enqueue writes the ledger first, then publishes with Celery's apply_async: each
+    publish finds its receipt and due time already there; a publish the broker refuses loses
+    nothing, the reconciler publishes the extraction and the lane's drive once they are due."""
+    from celery.canvas import Signature
+    from kombu.exceptions import OperationalError
+
+    from adapters.sandboxes.base import SandboxRef
+
+    env, r = courier_env(), redis_client
+    p = env.sandbox / "lost.bin"
+    p.write_bytes(os.urandom(100))
+    job = chains.new_job_id("lost")
+    plan = chains.Plan(job_id=job, target="memory:lost", text="hello",
+                       files=[chains.SandboxFile(ref=SandboxRef("local"), path=str(p))])
+    seen: list[tuple[str, bool, bool]] = []
+
+    def refused(self, *args, **kwargs):
+        did = self.args[0]
+        stage = "extract" if self.task == chains.task_names.EXTRACT_FILE else "lane"
+        seen.append((self.task, receipts.get_delivery(r, chains.delivery_id(job, 1)) is not None,
+                     r.zscore(keys.due(stage), did) is not None))
+        raise OperationalError("the broker refused it")
+
+    monkeypatch.setattr(Signature, "apply_async", refused)
+    with env.publishing():
+        dids = chains.enqueue(r, plan, job_kind="send")
+    assert dids == [chains.delivery_id(job, 0), chains.delivery_id(job, 1)]
+    # the extraction first, then the lane's drive; each saw the ledger committed
+    assert seen == [(chains.task_names.EXTRACT_FILE, True, True), (chains.task_names.DRIVE_LANE, True, True)]
+    assert _queued(r) == [] and r.llen("sandbox") == 0
+    monkeypatch.undo()
+    ctx = _ctx(r, tmp_path, MemoryPlatform())
+    with env.publishing():
+        reconcile.tick(ctx, now=time.time() + max(chains.LANE_GRACE_S, chains.EXTRACT_GRACE_S) + 1)
+    assert [t for _, t in _queued(r)] == ["memory:lost"]
+    (raw,) = r.lrange("sandbox", 0, -1)
+    assert body_of(json.loads(raw))[0] == [chains.delivery_id(job, 1)]

@@ -83,12 +83,15 @@ def test_concurrent_signed_updates_are_each_enqueued_exactly_once(loadweb):
     dup = sum(1 for k, (_st, body) in zip(sends, res) if updates[k][0] != "/webhooks/discord"
               and (json.loads(body).get("duplicate") or json.loads(body).get("duplicates")))
     assert dup == REPLAYS * 3
+    # the web process waits for no turn's result: it subscribed to no result channel
+    assert "cmdstat_subscribe" not in r.info("commandstats")
 
 
 def test_a_failed_enqueue_answers_503_and_leaves_nothing_behind(loadweb):
     """The broker refuses the publish (a Redis ACL: the web's user may write
-    courier's keys but not the queues): 503, no de-dup key, no job record;
-    once the broker takes it again, the platform's retry is enqueued once."""
+    courier's keys but not the queues): the claim is taken back, 503, no de-dup
+    key, no job record; once the broker takes it again, the platform's retry is
+    enqueued once."""
     r = loadweb.r
     r.flushall()
     r.execute_command("ACL", "SETUSER", "admin", "on", ">admin-pw", "~*", "&*", "+@all")
@@ -110,17 +113,20 @@ def test_a_failed_enqueue_answers_503_and_leaves_nothing_behind(loadweb):
         msgs = loadweb.queued()
         assert [(m["id"], m["spec"]["message"]) for m in msgs] == [(job, text)]
         assert list(loadweb.jobs()) == [job]
-        # nothing is written before the push (one script: push, then the de-dup key and the
-        # job record): a refused push leaves nothing even where nothing could be deleted
+        # a publish refused where the claim cannot be taken back (no DEL): the turn is not lost,
+        # the ledger keeps it (its job record and due time: the reconciler publishes it) and the
+        # platform's retry is a duplicate
         ra.execute_command("ACL", "SETUSER", "default", "resetkeys", "~courier:*", "-del")
         path, body, headers, seen, _text2 = signed_update("whatsapp", 2, os.urandom(3).hex())
-        assert httpx.post(loadweb.base + path, content=body, headers=headers, timeout=30).status_code == 503
-        assert ra.get(seen) is None and [j for j in loadweb.jobs()] == [job]
-        assert ra.llen("turns") == 1  # still only the first turn
-        ra.execute_command("ACL", "SETUSER", "default", "allkeys", "+del")
         got = httpx.post(loadweb.base + path, content=body, headers=headers, timeout=30)
         assert got.status_code == 200, got.text
-        assert ra.get(seen) == got.json()["jobs"][0].encode() and ra.llen("turns") == 2
+        (job2,) = got.json()["jobs"]
+        assert ra.get(seen) == job2.encode() and set(loadweb.jobs()) == {job, job2}
+        assert ra.zscore(keys.due("turn"), job2) is not None  # the reconciler's to publish
+        assert ra.llen("turns") == 1  # still only the first turn's message
+        ra.execute_command("ACL", "SETUSER", "default", "allkeys", "+del")
+        got = httpx.post(loadweb.base + path, content=body, headers=headers, timeout=30)
+        assert got.status_code == 200 and got.json().get("duplicates"), got.text
     finally:
         ra.execute_command("ACL", "SETUSER", "default", "allkeys", "+@all")
         ra.execute_command("ACL", "DELUSER", "admin")

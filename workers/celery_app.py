@@ -29,7 +29,7 @@ from celery.signals import (
 from kombu import Exchange, Queue
 
 from tasks import runtime, task_names
-from workers import broker, logformat, logsafe, signed_messages
+from workers import kombu_internals, logformat, logsafe, signed_messages
 from workers.redis_url import celery_ssl, celery_url
 from workers.settings import get_settings
 
@@ -55,10 +55,10 @@ def make_app(settings=None) -> Celery:
     """courier's Celery app for `settings` (default: the environment's)."""
     s = settings or get_settings()
     logsafe.install(s)  # every process that loads the app (worker, beat, Flower) logs no secret
-    broker.install()
+    kombu_internals.install()
     url, sentinel_options = celery_url(s.redis_url)
     tls = celery_ssl(s.redis_url)
-    app = Celery("courier", include=["tasks.celery_tasks"], events="workers.broker:Events")
+    app = Celery("courier", include=["tasks.celery_tasks"])
     app.conf.update(
         broker_url=url,
         result_backend=url,

@@ -46,8 +46,8 @@ import os
 import re
 import time
 import urllib.parse
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -65,8 +65,6 @@ from workers import turnpage
 from workers.settings import Settings, get_settings
 
 if TYPE_CHECKING:
-    from redis.client import Pipeline
-
     from tasks.messages import TurnSpec
 
 log = logging.getLogger(__name__)
@@ -151,7 +149,7 @@ class _Web:
         turn could not be enqueued (nothing is left behind then)."""
         s = self.settings
         self.celery  # noqa: B018 - checked once: never publish anywhere else
-        from tasks import chains, ledger, receipts, signing
+        from tasks import chains, receipts, signing
 
         origin = f"{platform}:{chat}"
         override = s.webhook_reply_target_override
@@ -159,11 +157,9 @@ class _Web:
         job_id = chains.new_job_id("turn")
         spec = chains.turn_spec(job_id, target, message[:MAX_MESSAGE_CHARS], agent=s.webhook_agent or s.default_agent)
         turn = _Turn(platform=platform, update_id=update_id, seen=keys.webhook_seen(platform, update_id),
-                     job_id=job_id, spec=spec)
-        rec = cast("Pipeline", turn.rec)  # it takes the pipeline calls these two make
-        receipts.create_job(None, job_id, kind="turn", target=target, agent=spec["agent"], origin=origin,
-                            pipe=rec, spec=signing.seal_json("turn", job_id, spec))
-        ledger.set_due(rec, "turn", job_id, chains.TURN_GRACE_S)  # the ledger watches it from the publish on
+                     job_id=job_id, spec=spec, fields=receipts.job_fields(
+                         job_id, kind="turn", target=target, agent=spec["agent"], origin=origin,
+                         spec=signing.seal_json("turn", job_id, spec)))
         if self._enqueuer is None:
             self._enqueuer = _Enqueuer(self)
         loop = asyncio.get_running_loop()
@@ -185,29 +181,6 @@ def _time_out(fut: asyncio.Future) -> None:
         fut.set_exception(TimeoutError(f"not enqueued within {ENQUEUE_TIMEOUT_S}s"))
 
 
-class _Rec:
-    """Takes what `receipts.create_job` and `ledger.set_due` write on a
-    pipeline (one HSET and EXPIRE, one ZADD), for `_PUBLISH` to write: the
-    job record's fields and the due entry stay defined in one place."""
-
-    def __init__(self) -> None:
-        self.key = ""
-        self.fields: dict = {}
-        self.ttl = 0
-        self.due_key = ""
-        self.due_at = 0.0
-
-    def hset(self, key, mapping):
-        self.key, self.fields = key, dict(mapping)
-
-    def expire(self, key, ttl):
-        assert key == self.key
-        self.ttl = int(ttl)
-
-    def zadd(self, key, mapping):
-        ((_member, self.due_at),) = mapping.items()
-        self.due_key = key
-
 @dataclass
 class _Turn:
     platform: str
@@ -215,7 +188,7 @@ class _Turn:
     seen: str
     job_id: str
     spec: TurnSpec
-    rec: _Rec = field(default_factory=_Rec)
+    fields: dict[str, str]  # its job record's (receipts.job_fields)
     loop: asyncio.AbstractEventLoop | None = None
     future: asyncio.Future | None = None
     outcome: tuple[dict | None, BaseException | None] | None = None
@@ -235,27 +208,21 @@ def _settle(turns: list[_Turn]) -> None:
 
 class _Enqueuer:
     """Enqueues webhook turns on the event loop, in batches of what came in
-    meanwhile (at most ENQUEUE_BATCH): while one batch's round trip is out,
-    the next one gathers. One round trip per batch: one `_PUBLISH` script
-    call, which per turn drops a retried update (its de-dup key is there)
-    or else, in one atomic step, pushes the turn's `agent_turn` message to
-    its queue, sets the de-dup key (the job id, with its TTL), records the
-    job and its due time. The de-dup key is never there without the message:
-    a push that fails (a Redis that refuses it) writes nothing, the request
-    gets a 503 and the platform's retry goes through.
-
-    The message is Celery's own, made once per process (tasks/taskmsg.py:
-    Celery publishes a probe turn, kept at the LPUSH; each turn's id,
-    arguments and label are put into a copy), so no Celery publish runs per
-    turn, and no thread hand-off either: the per-turn cost is a JSON
-    encoding and a script's loop."""
+    meanwhile (at most ENQUEUE_BATCH): while one batch is out, the next one
+    gathers. Per batch: one `_CLAIM` script call, which per turn drops a
+    retried update (its de-dup key is there) or else, in one atomic step,
+    sets the de-dup key (the job id, with its TTL) and records the job and
+    its due time; then, in one thread hand-off, Celery publishes each new
+    turn's `agent_turn` (`apply_async`, the job id as task id). A publish
+    that fails takes its claim back (`_UNCLAIM`) and the request gets a 503:
+    the platform's retry goes through. Should that fail too, the turn is
+    still in the ledger: the reconciler publishes it once its due time
+    passes, and the platform's retry is a duplicate."""
 
     def __init__(self, web: _Web) -> None:
         self.web = web
         self.pending: list[_Turn] = []
         self.draining = False
-        self.template = None
-        self.sha = ""
 
     def submit(self, turn: _Turn) -> None:
         self.pending.append(turn)
@@ -280,101 +247,102 @@ class _Enqueuer:
         finally:
             self.draining = False
 
-    async def _template(self):
-        """Celery's `agent_turn` message for a webhook turn, made once (tasks/taskmsg.py)."""
-        if self.template is None:
-            self.template = await asyncio.to_thread(self._make_template, self.web.celery)
-        return self.template
-
-    @staticmethod
-    def _make_template(app):
-        from tasks import chains, taskmsg
-
-        app.set_current()  # the probe publishes through courier's app, whatever else set this thread's
-        a = chains.turn_spec("turn_probe1", "telegram:1", "a probe", agent="echo")
-        b = chains.turn_spec("turn_probe2", "slack:C2", "another probe", agent="other")
-        return taskmsg.Template(app, chains.spec_sig(a), ([a], [b]), (chains.spec_label(a), chains.spec_label(b)))
-
     async def _enqueue(self, batch: list[_Turn]) -> None:
-        from redis.exceptions import NoScriptError
-
-        from tasks import chains
+        from tasks import chains, receipts
 
         r = self.web.aredis_turns
-        tpl = await self._template()
-        # the queue and the due ZSET are the same for every turn (KEYS[1], KEYS[2]), as are
-        # the TTLs; per turn: two keys, four arguments (the job record's fields as one JSON)
-        first = batch[0].rec
-        ks: list = [first.due_key, tpl.key]
-        args: list = [self.web.settings.webhook_dedupe_ttl_s, first.ttl]
+        ks: list = [keys.due("turn")]
+        args: list = [self.web.settings.webhook_dedupe_ttl_s, receipts.RETENTION_S]
+        due_at = time.time() + chains.TURN_GRACE_S  # the ledger watches each turn from its claim on
         for t in batch:
-            rec = t.rec
-            if rec.due_key != first.due_key or rec.ttl != first.ttl:
-                raise RuntimeError("webhook turns with different due ZSETs or TTLs in one batch")
-            _key, msg = tpl.render(t.job_id, [t.spec], chains.spec_label(t.spec))
-            ks += (t.seen, rec.key)
-            args += (t.job_id, rec.due_at, msg, json.dumps(rec.fields, separators=(",", ":"), ensure_ascii=False))
-        for attempt in range(2):
-            if not self.sha:
-                self.sha = await r.script_load(_PUBLISH)
-            try:
-                res = await r.evalsha(self.sha, len(ks), *ks, *args)
-                break
-            except NoScriptError:  # a Redis restarted (or flushed its scripts): load it again
-                self.sha = ""
-                if attempt:
-                    raise
-        done = []
+            ks += (t.seen, keys.job(t.job_id))
+            args += (t.job_id, due_at, json.dumps(t.fields, separators=(",", ":"), ensure_ascii=False))
+        res = await r.eval(_CLAIM, len(ks), *ks, *args)
+        new = []
         for t, got in zip(batch, res):
             if got == 1:
-                t.outcome = ({"ok": True, "job": t.job_id}, None)
-                done.append(t)
-            elif got == 0:
+                new.append(t)
+            else:
                 log.info("%s webhook: dropped a retried update %s", t.platform, t.update_id)
                 t.outcome = ({"ok": True, "duplicate": True}, None)
-            else:  # Redis refused the push (nothing of this turn is written)
-                t.outcome = (None, RuntimeError(f"the turn's message was refused: {str(got)[:200]}"))
+        if not new:
+            return
+        failed = await asyncio.to_thread(self._publish, new)
+        for t in new:
+            exc = failed.get(t.job_id)
+            if exc is None:
+                t.outcome = ({"ok": True, "job": t.job_id}, None)
+                continue
+            log.warning("webhook: the turn %s could not be published: %s", t.job_id, type(exc).__name__)
+            try:
+                await r.eval(_UNCLAIM, 3, t.seen, keys.job(t.job_id), keys.due("turn"), t.job_id)
+            except Exception:  # noqa: BLE001 - kept in the ledger: the reconciler publishes it
+                log.warning("webhook: the turn %s is left to the reconciler", t.job_id)
+                t.outcome = ({"ok": True, "job": t.job_id}, None)
+            else:
+                t.outcome = (None, exc)
+        done = [t for t in new if t.outcome and t.outcome[1] is None]
         if done:
             log.info("webhook: %d turns queued: %s", len(done),
                      ", ".join(f"{t.platform} {t.update_id} -> {t.job_id}" for t in done))
 
+    def _publish(self, turns: list[_Turn]) -> dict[str, BaseException]:
+        """Each turn's `agent_turn` through Celery (one producer for the batch); the errors by job id.
+        Nobody here waits for a turn's result (`denied_join_result`): else Celery's Redis result
+        backend would SUBSCRIBE to every published turn's result channel in this process."""
+        from celery.result import denied_join_result
 
-#: a batch of webhook turns, each at once or not at all, in one call. KEYS[1]: the turn due
-#: ZSET, KEYS[2]: the queue's list, then per turn its de-dup key and job record; ARGV[1], [2]:
-#: the de-dup and job record TTLs, then per turn: the job id, its due time, the task message,
-#: the job record's fields (a JSON object of strings). Per turn the answer is 0 when its de-dup
-#: key is there (a retried update; 1 when the key names this very job: the batch sent again
-#: after a lost connection); else its message is pushed first (a push Redis refuses writes
-#: nothing of the turn: its answer is the error), then its de-dup key, job record and due time
-#: are written: 1.
-_PUBLISH = """
+        from tasks import chains
+
+        app = self.web.celery
+        failed: dict[str, BaseException] = {}
+        with denied_join_result(), app.producer_or_acquire() as producer:
+            for t in turns:
+                try:
+                    chains.spec_sig(t.spec).apply_async(task_id=t.job_id, producer=producer)
+                except Exception as exc:  # noqa: BLE001 - answered per turn
+                    failed[t.job_id] = exc
+        return failed
+
+
+#: a batch of webhook turns claimed, each at once or not at all. KEYS[1]: the turn due ZSET,
+#: then per turn its de-dup key and job record; ARGV[1], [2]: the de-dup and job record TTLs,
+#: then per turn: the job id, its due time, the job record's fields (a JSON object of strings).
+#: Per turn: 0 when its de-dup key is there (a retried update; 1 when the key names this very
+#: job: the batch sent again after a lost connection); else the de-dup key, job record and due
+#: time are written: 1 (its message is published after).
+_CLAIM = """
 local out = {}
 local a = 3
-for i = 3, #KEYS, 2 do
+for i = 2, #KEYS, 2 do
   local id = ARGV[a]
   local seen = redis.call('get', KEYS[i])
   if seen then
     out[#out + 1] = (seen == id) and 1 or 0
   else
-    local pushed = redis.pcall('lpush', KEYS[2], ARGV[a + 2])
-    if type(pushed) == 'table' and pushed.err then
-      out[#out + 1] = pushed.err
-    else
-      redis.call('set', KEYS[i], id, 'EX', ARGV[1])
-      local fields = {}
-      for k, v in pairs(cjson.decode(ARGV[a + 3])) do
-        fields[#fields + 1] = k
-        fields[#fields + 1] = v
-      end
-      redis.call('hset', KEYS[i + 1], unpack(fields))
-      redis.call('expire', KEYS[i + 1], ARGV[2])
-      redis.call('zadd', KEYS[1], ARGV[a + 1], id)
-      out[#out + 1] = 1
+    redis.call('set', KEYS[i], id, 'EX', ARGV[1])
+    local fields = {}
+    for k, v in pairs(cjson.decode(ARGV[a + 2])) do
+      fields[#fields + 1] = k
+      fields[#fields + 1] = v
     end
+    redis.call('hset', KEYS[i + 1], unpack(fields))
+    redis.call('expire', KEYS[i + 1], ARGV[2])
+    redis.call('zadd', KEYS[1], ARGV[a + 1], id)
+    out[#out + 1] = 1
   end
-  a = a + 4
+  a = a + 3
 end
 return out
+"""
+
+#: a claim taken back (its publish failed): KEYS: the de-dup key, the job record, the turn due
+#: ZSET; ARGV[1]: the job id. Only while the de-dup key names this job.
+_UNCLAIM = """
+if redis.call('get', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('del', KEYS[1], KEYS[2])
+redis.call('zrem', KEYS[3], ARGV[1])
+return 1
 """
 
 
@@ -405,12 +373,6 @@ def courier_celery(settings: Settings):
     t.join()
     if seen[0] is not app:
         raise BrokerMismatch(f"another thread publishes through Celery app {seen[0].main!r}, not courier's")
-    # nobody here waits for a task's result: without this, Celery's Redis result
-    # backend SUBSCRIBEs to every published turn's result channel in this process
-    # (one round trip more per webhook, and channels and unread results that pile up)
-    from celery._state import _set_task_join_will_block
-
-    _set_task_join_will_block(True)
     return app
 
 
