@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures.services import need
+
 ROOT = Path(__file__).resolve().parents[1]
 
 _PROBE = r"""
@@ -44,8 +46,7 @@ def kombu_lowest(tmp_path_factory) -> Path:
     where = tmp_path_factory.mktemp("kombu-5.4.0")
     res = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(where),
                           "kombu==5.4.0"], capture_output=True, text=True, timeout=300, check=False)
-    if res.returncode != 0:
-        pytest.skip(f"no kombu 5.4.0 to install here: {res.stderr.strip()[-300:]}")
+    need(res.returncode == 0, f"no kombu 5.4.0 to install here: {res.stderr.strip()[-300:]}")  # (CI: a failure)
     return where
 
 
