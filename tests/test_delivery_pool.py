@@ -119,6 +119,83 @@ def test_the_watchdog_interrupts_a_task_past_its_soft_limit_and_reports_the_hard
     assert hard == ["stuck"]
 
 
+def test_a_soft_limit_landing_inside_end_task_never_arms_a_kill(monkeypatch):
+    """Issue 23: the watchdog raised a task's soft limit just as the task ended; the
+    exception landed inside `end_task` before it dropped the run, so the finished
+    task's hard deadline stayed armed and later ended the idle worker (exit 70).
+    Driven deterministically: a fake clock, and a hook that lands the soft limit
+    in the task's thread at the instant `end_task` asks for the thread's id
+    (exactly what the watchdog's `raise_in_thread` does at the soft deadline)."""
+    import types
+
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    from workers import timelimits
+
+    now = [0.0]
+    hard: list[str] = []
+    dog = timelimits.Watchdog(on_hard=lambda name, task_id: hard.append(task_id), clock=lambda: now[0])
+    ending = threading.Event()
+    landed: list[int] = []
+
+    def get_ident() -> int:
+        ident = threading.get_ident()
+        if ending.is_set() and not landed:
+            landed.append(ident)
+            timelimits.raise_in_thread(ident, SoftTimeLimitExceeded)  # lands at the next bytecode
+        return ident
+
+    monkeypatch.setattr(timelimits, "threading", types.SimpleNamespace(**{**vars(threading), "get_ident": get_ident}))
+    outcome: list[str] = []
+
+    def task() -> None:
+        dog.start_task("finished", "courier.test", 10, 20)
+        ending.set()  # the task's work is done: it ends now
+        try:
+            dog.end_task()
+            outcome.append("ended")
+        except SoftTimeLimitExceeded:
+            outcome.append("the soft limit escaped end_task")
+
+    t = threading.Thread(target=task)
+    t.start()
+    t.join(timeout=30)
+    ending.clear()
+    assert landed, "the soft limit never landed inside end_task"
+    assert outcome == ["ended"]
+
+    # time passes both deadlines of the finished task, then a new task meets its soft limit:
+    # once that one is interrupted, the watchdog has gone past the old deadlines (it is one thread)
+    interrupted = threading.Event()
+    release = threading.Event()
+    started = threading.Event()
+
+    def later() -> None:
+        dog.start_task("later", "courier.test", 1, 60)
+        started.set()
+        try:
+            while not release.is_set():
+                time.sleep(0.01)
+        except SoftTimeLimitExceeded:
+            interrupted.set()
+        finally:
+            dog.end_task()
+
+    u = threading.Thread(target=later)
+    now[0] = 30.0
+    u.start()
+    try:
+        wait_until(started.is_set, timeout_s=20, what="the next task started")
+        with dog.cond:
+            now[0] = 32.0
+            dog.cond.notify()
+        wait_until(lambda: interrupted.is_set(), timeout_s=20, what="the next task's soft limit")
+    finally:
+        release.set()
+        u.join(timeout=10)
+    assert hard == []  # the finished task armed no kill
+
+
 # -- a real threads worker, many chats at once -------------------------------------------------
 CHATS = 24
 JOBS_PER_CHAT = 3

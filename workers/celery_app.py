@@ -198,9 +198,9 @@ def _task_started(task=None, task_id=None, args=None, **_kw) -> None:
 
 @task_postrun.connect
 def _task_ended(**_kw) -> None:
-    logformat.clear_task_fields()
-    if _watchdog is not None:
+    if _watchdog is not None:  # first: the sooner a finished task drops its deadlines, the better
         _watchdog.end_task()
+    logformat.clear_task_fields()
 
 
 @worker_ready.connect
