@@ -157,6 +157,8 @@ runtime.set_factory(_context_factory)
 def _redact_logs(logger=None, **_kw) -> None:
     """Celery has just given the root logger (or its task logger) its handlers:
     the redaction filter goes on them."""
+    if os.environ.get("COURIER_PROCESS_NAME"):  # one of `courier worker`'s processes (delivery-2): named apart
+        logformat.name_process(os.environ["COURIER_PROCESS_NAME"])
     logsafe.install()  # the secrets: the app's settings' (make_app)
     logformat.install(get_settings().log_format)
 
