@@ -141,7 +141,7 @@ def test_worker_exporter_counts_every_pool_process(courier_env, tmp_path):
 def test_web_metrics_count_every_process_of_courier_worker_without_a_multiproc_dir(courier_env, tmp_path):
     """Issue 24: `courier worker -Q delivery` runs 2 processes; without PROMETHEUS_MULTIPROC_DIR
     `/metrics` counted one (2 texts shown of 3 delivered, 0 failed of 1). `courier worker` now
-    gives its processes a private directory (<data dir>/metrics) and the web process on the
+    gives its processes a private directory (<data dir>/metrics/<host>) and the web process on the
     host adds what is counted there: 3 texts delivered and 1 failed file show as 3 and 1.
     Their log lines name the two delivery processes apart (`<node>-1`, `<node>-2`)."""
     import uuid

@@ -19,7 +19,7 @@ webhooks, turns). Here:
   thread; `COURIER_METRICS_PORT`).
 - `prepare_multiproc_dir(settings)`: the directory `courier worker` gives its
   processes when the operator set no PROMETHEUS_MULTIPROC_DIR (`<data
-  dir>/metrics`, the files of processes no longer running removed first), so
+  dir>/metrics/<host>`, the files of processes no longer running removed first), so
   a worker of several processes is counted whole by default; the web process
   on the same host adds the counts found there to its own (`registry`).
 """
@@ -214,8 +214,12 @@ def start_exporter(port: int, token=None, host: str = "0.0.0.0"):
 
 def default_multiproc_dir(settings) -> Path:
     """Where `courier worker`'s processes count together unless PROMETHEUS_MULTIPROC_DIR says
-    elsewhere: private to the deployment's data dir on this host."""
-    return Path(settings.data_dir) / "metrics"
+    elsewhere: the deployment's data dir, one directory per host (a data dir shared between
+    hosts or containers must not mix process ids: files of processes not running are removed)."""
+    import socket
+
+    host = "".join(c if c.isalnum() or c in "-_." else "_" for c in socket.gethostname()) or "localhost"
+    return Path(settings.data_dir) / "metrics" / host
 
 
 def _pid_of(path: Path) -> int | None:
@@ -239,7 +243,7 @@ def prepare_multiproc_dir(settings) -> tuple[Path, str | None]:
 
     PROMETHEUS_MULTIPROC_DIR set: the operator's directory, created if missing (warned: it
     must be empty at start, a tmpfs or the like); one that cannot be written is warned about
-    loudly (every count would fail). Unset: `<data dir>/metrics`, where files of processes no
+    loudly (every count would fail). Unset: `<data dir>/metrics/<host>`, where files of processes no
     longer running are removed first (a fresh start counts from 0, as a restarted process does);
     the files of processes still running (another `courier worker` of this host) are kept."""
     given = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir")

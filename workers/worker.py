@@ -38,7 +38,7 @@ worker starts, a recycle must not stop a Procfile runner's whole set):
   (0: every one stopped cleanly). SIGUSR1 (Celery's traceback dump) is passed on.
 
 Prometheus: unless PROMETHEUS_MULTIPROC_DIR is set, the supervisor gives its
-children a private multiprocess directory (`<data dir>/metrics`, files of
+children a private multiprocess directory (`<data dir>/metrics/<host>`, files of
 processes no longer running removed at start), so every process's counts add
 up on the first child's exporter (COURIER_METRICS_PORT, the others serve
 none) and on the web process's `/metrics` on the same host (workers/metrics.py).
@@ -221,11 +221,12 @@ def supervise(argvs: list[list[str]], envs: list[dict[str, str]] | None = None,
                 if signum in STOPPING:
                     stopping = True
                 for c in children:
-                    if c.proc is not None and c.proc.poll() is None:
+                    if c.proc is not None and c.proc.returncode is None:
                         c.proc.send_signal(signum)
+            _reap(children)
             now = time.monotonic()
             for c in children:
-                if c.proc is None or c.proc.poll() is None:
+                if c.proc is None or c.proc.returncode is None:
                     continue
                 rc = c.proc.returncode
                 rc = rc if rc >= 0 else 128 - rc
@@ -238,7 +239,7 @@ def supervise(argvs: list[list[str]], envs: list[dict[str, str]] | None = None,
                          f"stopping the others")
                     code, stopping = rc, True
                     for o in children:
-                        if o.proc is not None and o.proc.poll() is None:
+                        if o.proc is not None and o.proc.returncode is None:
                             o.proc.send_signal(signal.SIGTERM)
                     continue
                 ran_s = now - c.started
@@ -274,6 +275,21 @@ def supervise(argvs: list[list[str]], envs: list[dict[str, str]] | None = None,
             signal.signal(sig, h)
         os.close(wake_r)
         os.close(wake_w)
+
+
+def _reap(children: list[_Child]) -> None:
+    """Collect every exited child process: ours (their exit codes noted on them) and any
+    other (a supervisor that is a container's PID 1 inherits orphans: no zombies are left)."""
+    mine = {c.proc.pid: c.proc for c in children if c.proc is not None and c.proc.returncode is None}
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        if pid in mine:
+            mine[pid].returncode = os.waitstatus_to_exitcode(status)
 
 
 def _node_local(argv: list[str]) -> str:
