@@ -30,7 +30,9 @@ import hmac
 import logging
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +85,7 @@ class _WithWorkers:
     def __init__(self, source, path: Path) -> None:
         self.source, self.path = source, path
 
-    def collect(self):
+    def collect(self) -> Iterator[Any]:
         from prometheus_client.multiprocess import MultiProcessCollector
 
         try:
