@@ -196,6 +196,72 @@ def test_a_soft_limit_landing_inside_end_task_never_arms_a_kill(monkeypatch):
     assert hard == []  # the finished task armed no kill
 
 
+def test_a_soft_limit_landing_after_the_body_before_postrun_never_arms_a_kill():
+    """The same race one step earlier: the limit lands after the task's body returned, in
+    Celery's code before `task_postrun` (which then never reaches `end_task`). On the threads
+    pool courier's task class runs the body inside `Watchdog.guard`, whose `finally` ends the
+    deadlines whatever lands where. Driven as above: a fake clock, and the limit landed by
+    the code that runs between the body and the end (as `raise_in_thread` does at the soft
+    deadline)."""
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    from workers import timelimits
+
+    now = [0.0]
+    hard: list[str] = []
+    dog = timelimits.Watchdog(on_hard=lambda name, task_id: hard.append(task_id), clock=lambda: now[0])
+    outcome: list[str] = []
+
+    def body() -> str:
+        return "sent"
+
+    def celery_after_the_body() -> str:  # Celery's trace, between the body and task_postrun
+        result = body()
+        timelimits.raise_in_thread(threading.get_ident(), SoftTimeLimitExceeded)  # lands right here
+        outcome.append("never reached")
+        return result
+
+    def task() -> None:
+        dog.start_task("finished", "courier.test", 10, 20)
+        try:
+            dog.guard(celery_after_the_body)
+        except SoftTimeLimitExceeded:
+            outcome.append("interrupted as it ended")  # the task failed at its soft limit: retried by the ledger
+
+    t = threading.Thread(target=task)
+    t.start()
+    t.join(timeout=30)
+    assert outcome == ["interrupted as it ended"]
+    assert not dog.running  # its deadlines ended with it
+    # past both deadlines, the watchdog interrupts the next task's soft limit and kills no one
+    interrupted, release, started = threading.Event(), threading.Event(), threading.Event()
+
+    def later() -> None:
+        dog.start_task("later", "courier.test", 1, 60)
+        started.set()
+        try:
+            while not release.is_set():
+                time.sleep(0.01)
+        except SoftTimeLimitExceeded:
+            interrupted.set()
+        finally:
+            dog.end_task()
+
+    now[0] = 30.0
+    u = threading.Thread(target=later)
+    u.start()
+    try:
+        wait_until(started.is_set, timeout_s=20, what="the next task started")
+        with dog.cond:
+            now[0] = 32.0
+            dog.cond.notify()
+        wait_until(interrupted.is_set, timeout_s=20, what="the next task's soft limit")
+    finally:
+        release.set()
+        u.join(timeout=10)
+    assert hard == []
+
+
 # -- a real threads worker, many chats at once -------------------------------------------------
 CHATS = 24
 JOBS_PER_CHAT = 3

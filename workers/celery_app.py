@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 
-from celery import Celery
+from celery import Celery, Task
 from celery.schedules import crontab
 from celery.signals import (
     after_setup_logger,
@@ -50,6 +50,19 @@ def task_queue(name: str, args=None, kwargs=None, options=None, task=None, **kw)
     return None
 
 
+class CourierTask(Task):
+    """courier's task class (`task_cls`): on the threads pool a task's body runs inside
+    `Watchdog.guard`, so its time limits end exactly where the body ends (issue 23: a
+    soft limit landing after the body, before `task_postrun`, left the hard one armed
+    and later ended an idle worker). Elsewhere a plain Celery task."""
+
+    def __call__(self, *args, **kwargs):
+        dog = _watchdog
+        if dog is None or self.request.called_directly:  # not run by a threads-pool worker's trace
+            return super().__call__(*args, **kwargs)
+        return dog.guard(lambda: super(CourierTask, self).__call__(*args, **kwargs))
+
+
 def make_app(settings=None) -> Celery:
     signed_messages.install()
     """courier's Celery app for `settings` (default: the environment's)."""
@@ -58,7 +71,8 @@ def make_app(settings=None) -> Celery:
     broker.install()
     url, sentinel_options = celery_url(s.redis_url)
     tls = celery_ssl(s.redis_url)
-    app = Celery("courier", include=["tasks.celery_tasks"], events="workers.broker:Events")
+    app = Celery("courier", include=["tasks.celery_tasks"], events="workers.broker:Events",
+                 task_cls=CourierTask)
     app.conf.update(
         broker_url=url,
         result_backend=url,

@@ -24,10 +24,13 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 from celery.exceptions import SoftTimeLimitExceeded
 
 log = logging.getLogger("courier.timelimits")
+
+T = TypeVar("T")
 
 #: exit status of a worker ended by a task past its hard time limit
 HARD_LIMIT_EXIT = 70
@@ -96,6 +99,25 @@ class Watchdog:
                 return
             except SoftTimeLimitExceeded:
                 log.info("a soft time limit landed as its task ended: dropped")
+
+    def guard(self, call: Callable[[], T]) -> T:
+        """Run a task's body (`call`) so that its deadlines end where the body ends.
+
+        The soft limit may land anywhere once raised, the moment the body returned
+        included; landing in Celery's own code between the body and `task_postrun`
+        would skip `end_task` there. Here the body runs inside this frame's `try`:
+        a limit raised while it ran lands in the body, at its return (in the `try`)
+        or in the `finally` below, which ends the task's deadlines in every case (a
+        run's soft limit is raised once, so one retry ends them)."""
+        try:
+            return call()
+        finally:
+            while True:
+                try:
+                    self.end_task()
+                    break
+                except SoftTimeLimitExceeded:
+                    continue
 
     def _run(self) -> None:
         while True:
