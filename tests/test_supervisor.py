@@ -87,12 +87,23 @@ def test_a_configuration_exit_is_not_restarted(tmp_path):
     assert "configuration error" in log.read_text()
 
 
+def test_a_worker_stopped_on_purpose_is_not_restarted(tmp_path):
+    """Exit 0 by itself: `celery control shutdown` (Flower's button) was obeyed."""
+    proc, runs, log = _supervisor(tmp_path, "0")
+    assert proc.wait(timeout=60) == 0
+    assert runs.read_text() == "x" and "not restarted" in log.read_text()
+
+
 def test_a_bad_setting_ends_courier_worker_with_ex_config(tmp_path):
     env = CourierEnv(tmp_path / "env", "redis://127.0.0.1:1/0", COURIER_DELIVERY_POOL="eventlet")
     res = subprocess.run([sys.executable, "-m", "workers.worker", "-Q", "delivery"], env=env.env, cwd=str(ROOT),
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 78, res.stderr[-2000:]
     assert "COURIER_DELIVERY_POOL" in res.stderr or "DELIVERY_POOL" in res.stderr
+    env.env.pop("COURIER_DELIVERY_POOL")
+    res = subprocess.run([sys.executable, "-m", "workers.worker", "-Q", "delivery", "--detach"], env=env.env,
+                         cwd=str(ROOT), capture_output=True, text=True, timeout=60)
+    assert res.returncode == 78 and "--detach" in res.stderr, res.stderr[-2000:]
 
 
 # -- a real worker, a real Redis restarted under it -------------------------------------------------

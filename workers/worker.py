@@ -30,6 +30,8 @@ worker starts, a recycle must not stop a Procfile runner's whole set):
   a child ran 60 s). Each restart is a log line with the exit code and the
   child's restart count. Nothing is lost meanwhile: messages are acknowledged
   late and the ledger re-drives what a dead process held;
+- a child that exits with 0 by itself was stopped on purpose (`celery control
+  shutdown`): it is not restarted, and once none is left the supervisor exits 0;
 - exit codes that a restart cannot cure (2: usage, 64: EX_USAGE, 78:
   EX_CONFIG) stop the others and end the supervisor with that code, as a bad
   setting found before starting does (78);
@@ -234,6 +236,12 @@ def supervise(argvs: list[list[str]], envs: list[dict[str, str]] | None = None,
                 if stopping:
                     code = code or rc
                     continue
+                if rc == 0:  # stopped on purpose (a remote `celery control shutdown`): not restarted
+                    _say(f"{c.name} stopped (exit code 0): not restarted")
+                    c.due = None
+                    if all(o.proc is None and o.due is None for o in children):
+                        return code
+                    continue
                 if rc in CONFIG_EXITS:
                     _say(f"{c.name} exited with code {rc} (a command line or configuration error): "
                          f"stopping the others")
@@ -305,6 +313,10 @@ def main(args: list[str] | None = None) -> None:
         settings = get_settings()
     except Exception as exc:  # noqa: BLE001 - a bad setting: the same at every restart, so say it and stop
         _say(f"bad setting: {_setting_error(exc)}")
+        sys.exit(EX_CONFIG)
+    if any(a in ("-D", "--detach") for a in given):
+        _say("--detach: courier worker runs its Celery workers as its children and restarts them; run it in "
+             "the foreground under your process manager")
         sys.exit(EX_CONFIG)
     argv = worker_argv(given, settings)
     n = processes_for(given, settings)
