@@ -178,6 +178,15 @@ def test_courier_worker_outlives_redis_restarts_and_its_worker_being_killed(tmp_
         _send(env, r, "sup", "after the kill")
         assert proc.poll() is None
         assert "exited with code 137" in log.read_text()
+        # and counted, where the worker's processes count (its exporter and the web process read it)
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        from workers.metrics import default_multiproc_dir
+
+        files = [str(p) for p in default_multiproc_dir(env.settings()).glob("*.db")]
+        counted = {(s.name, s.labels.get("worker"), s.labels.get("code")): s.value
+                   for m in MultiProcessCollector.merge(files) for s in m.samples}
+        assert counted.get(("courier_worker_restarts_total", name.split("@")[0], "137")) == 1, counted
         proc.send_signal(signal.SIGTERM)  # warm shutdown, the child's code
         assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
     finally:

@@ -28,7 +28,7 @@ worker starts, a recycle must not stop a Procfile runner's whole set):
   recycle (exit 70, a task past its hard time limit; 71, a drive without
   progress), else after a back-off (1 s, doubling up to 30 s; back to 1 s once
   a child ran 60 s). Each restart is a log line with the exit code and the
-  child's restart count. Nothing is lost meanwhile: messages are acknowledged
+  child's restart count, and counts in `courier_worker_restarts_total{worker,code}`. Nothing is lost meanwhile: messages are acknowledged
   late and the ledger re-drives what a dead process held;
 - a child that exits with 0 by itself was stopped on purpose (`celery control
   shutdown`): it is not restarted, and once none is left the supervisor exits 0;
@@ -258,6 +258,7 @@ def supervise(argvs: list[list[str]], envs: list[dict[str, str]] | None = None,
                     wait_s = backoff_s(c.failures)
                 c.restarts += 1
                 c.due = now + wait_s
+                _count_restart(c.name, rc)
                 _say(f"{c.name} exited with code {rc} after {ran_s:.1f} s: restart {c.restarts} in {wait_s:.0f} s")
             if stopping:
                 if all(c.proc is None for c in children):
@@ -283,6 +284,17 @@ def supervise(argvs: list[list[str]], envs: list[dict[str, str]] | None = None,
             signal.signal(sig, h)
         os.close(wake_r)
         os.close(wake_w)
+
+
+def _count_restart(name: str, code: int) -> None:
+    """`courier_worker_restarts_total{worker,code}`: written to the multiprocess directory the
+    supervisor shares with its processes (`main`), so their exporter and the web process show it."""
+    try:
+        from tasks import metrics
+
+        metrics.record_worker_restart(name, code)
+    except Exception:  # noqa: BLE001 - a metric never stops a restart
+        pass
 
 
 def _reap(children: list[_Child]) -> None:
@@ -327,11 +339,12 @@ def main(args: list[str] | None = None) -> None:
         sys.exit(EX_CONFIG)
     from workers.metrics import prepare_multiproc_dir
 
-    env = dict(os.environ)
     mpdir, warning = prepare_multiproc_dir(settings)
     if warning:
         _say(warning)
-    env["PROMETHEUS_MULTIPROC_DIR"] = str(mpdir)
+    # for its processes, and for this one (its restart counter), before prometheus_client is imported here
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(mpdir)
+    env = dict(os.environ)
     argvs = [node_argv(argv, i) for i in range(n)]
     envs, names = [], []
     local = _node_local(argv)
