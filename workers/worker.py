@@ -28,8 +28,9 @@ worker starts, a recycle must not stop a Procfile runner's whole set):
   recycle (exit 70, a task past its hard time limit; 71, a drive without
   progress), else after a back-off (1 s, doubling up to 30 s; back to 1 s once
   a child ran 60 s). Each restart is a log line with the exit code and the
-  child's restart count, and counts in `courier_worker_restarts_total{worker,code}`. Nothing is lost meanwhile: messages are acknowledged
-  late and the ledger re-drives what a dead process held;
+  child's restart count, and counts in `courier_worker_restarts_total{worker,code}`.
+  Nothing is lost meanwhile: messages are acknowledged late and the ledger
+  re-drives what a dead process held;
 - a child that exits with 0 by itself was stopped on purpose (`celery control
   shutdown`): it is not restarted, and once none is left the supervisor exits 0;
 - exit codes that a restart cannot cure (2: usage, 64: EX_USAGE, 78:
