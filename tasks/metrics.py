@@ -65,6 +65,8 @@ if _ON:
                              "held back untried: no attempt, no read deadline spent)", ["sandbox", "event"])
     TURNS = Histogram("courier_turn_seconds", "Time of one agent turn run, by agent and end state",
                       ["agent", "state"], buckets=TURN_BUCKETS)
+    WORKER_RESTARTS = Counter("courier_worker_restarts", "Celery workers started again by `courier worker` after "
+                              "they exited, by process name and exit code (workers/worker.py)", ["worker", "code"])
 
 
 def _platform(target: str | None) -> str:
@@ -122,6 +124,15 @@ def record_breaker(sandbox: str, event: str) -> None:
     if _ON:
         try:
             BREAKER_EVENTS.labels(sandbox or "unknown", event).inc()
+        except Exception as exc:  # noqa: BLE001
+            log.debug("metrics: %r", exc)
+
+
+def record_worker_restart(worker: str, code: int) -> None:
+    """`courier worker` restarts its Celery worker process `worker` (`delivery-2`), which exited with `code`."""
+    if _ON:
+        try:
+            WORKER_RESTARTS.labels(worker, str(code)).inc()
         except Exception as exc:  # noqa: BLE001
             log.debug("metrics: %r", exc)
 

@@ -328,9 +328,9 @@ def test_workers_cover_every_queue_and_can_scale(rendered):
     assert workers
     for name, svc in workers.items():
         cmd = svc["command"]
-        # a delivery worker starts through workers.worker: the pool of its queue (COURIER_DELIVERY_POOL)
-        assert cmd[:4] == ["celery", "-A", "workers.celery_app", "worker"] or \
-            cmd[:3] == ["python", "-m", "workers.worker"], cmd
+        # every worker starts through workers.worker (`courier worker`): the pool of its queue
+        # (COURIER_DELIVERY_POOL), and a supervisor that restarts a Celery worker that exits (issue 24)
+        assert cmd[:3] == ["python", "-m", "workers.worker"], cmd
         served |= set(cmd[cmd.index("-Q") + 1].split(","))
         # --scale needs no fixed names or host ports
         assert "container_name" not in svc and "ports" not in svc, name
@@ -367,8 +367,10 @@ def test_procfile_names_the_five_processes():
     q = entries["worker"][entries["worker"].index("-Q") + 1] + "," + entries["delivery"][
         entries["delivery"].index("-Q") + 1]
     assert sorted(q.split(",")) == sorted(QUEUES)
-    assert entries["delivery"][:3] == ["python", "-m", "workers.worker"]  # the delivery queue's own pool
-    for name in ("worker", "beat"):
+    # the workers run under `courier worker`'s supervisor (a Procfile runner stops all when one exits)
+    for name in ("worker", "delivery"):
+        assert entries[name][:3] == ["python", "-m", "workers.worker"], name
+    for name in ("beat",):
         assert entries[name][:3] == ["celery", "-A", "workers.celery_app"]
     assert entries["flower"][:2] == ["courier", "flower"]  # (names the extra when Flower is missing)
     assert not any("basic_auth" in a for a in entries["flower"])  # the password is not on the command line

@@ -119,6 +119,149 @@ def test_the_watchdog_interrupts_a_task_past_its_soft_limit_and_reports_the_hard
     assert hard == ["stuck"]
 
 
+def test_a_soft_limit_landing_inside_end_task_never_arms_a_kill(monkeypatch):
+    """Issue 23: the watchdog raised a task's soft limit just as the task ended; the
+    exception landed inside `end_task` before it dropped the run, so the finished
+    task's hard deadline stayed armed and later ended the idle worker (exit 70).
+    Driven deterministically: a fake clock, and a hook that lands the soft limit
+    in the task's thread at the instant `end_task` asks for the thread's id
+    (exactly what the watchdog's `raise_in_thread` does at the soft deadline)."""
+    import types
+
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    from workers import timelimits
+
+    now = [0.0]
+    hard: list[str] = []
+    dog = timelimits.Watchdog(on_hard=lambda name, task_id: hard.append(task_id), clock=lambda: now[0])
+    ending = threading.Event()
+    landed: list[int] = []
+
+    def get_ident() -> int:
+        ident = threading.get_ident()
+        if ending.is_set() and not landed:
+            landed.append(ident)
+            timelimits.raise_in_thread(ident, SoftTimeLimitExceeded)  # lands at the next bytecode
+        return ident
+
+    monkeypatch.setattr(timelimits, "threading", types.SimpleNamespace(**{**vars(threading), "get_ident": get_ident}))
+    outcome: list[str] = []
+
+    def task() -> None:
+        dog.start_task("finished", "courier.test", 10, 20)
+        ending.set()  # the task's work is done: it ends now
+        try:
+            dog.end_task()
+            outcome.append("ended")
+        except SoftTimeLimitExceeded:
+            outcome.append("the soft limit escaped end_task")
+
+    t = threading.Thread(target=task)
+    t.start()
+    t.join(timeout=30)
+    ending.clear()
+    assert landed, "the soft limit never landed inside end_task"
+    assert outcome == ["ended"]
+
+    # time passes both deadlines of the finished task, then a new task meets its soft limit:
+    # once that one is interrupted, the watchdog has gone past the old deadlines (it is one thread)
+    interrupted = threading.Event()
+    release = threading.Event()
+    started = threading.Event()
+
+    def later() -> None:
+        dog.start_task("later", "courier.test", 1, 60)
+        started.set()
+        try:
+            while not release.is_set():
+                time.sleep(0.01)
+        except SoftTimeLimitExceeded:
+            interrupted.set()
+        finally:
+            dog.end_task()
+
+    u = threading.Thread(target=later)
+    now[0] = 30.0
+    u.start()
+    try:
+        wait_until(started.is_set, timeout_s=20, what="the next task started")
+        with dog.cond:
+            now[0] = 32.0
+            dog.cond.notify()
+        wait_until(lambda: interrupted.is_set(), timeout_s=20, what="the next task's soft limit")
+    finally:
+        release.set()
+        u.join(timeout=10)
+    assert hard == []  # the finished task armed no kill
+
+
+def test_a_soft_limit_landing_after_the_body_before_postrun_never_arms_a_kill():
+    """The same race one step earlier: the limit lands after the task's body returned, in
+    Celery's code before `task_postrun` (which then never reaches `end_task`). On the threads
+    pool courier's task class runs the body inside `Watchdog.guard`, whose `finally` ends the
+    deadlines whatever lands where. Driven as above: a fake clock, and the limit landed by
+    the code that runs between the body and the end (as `raise_in_thread` does at the soft
+    deadline)."""
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    from workers import timelimits
+
+    now = [0.0]
+    hard: list[str] = []
+    dog = timelimits.Watchdog(on_hard=lambda name, task_id: hard.append(task_id), clock=lambda: now[0])
+    outcome: list[str] = []
+
+    def body() -> str:
+        return "sent"
+
+    def celery_after_the_body() -> str:  # Celery's trace, between the body and task_postrun
+        result = body()
+        timelimits.raise_in_thread(threading.get_ident(), SoftTimeLimitExceeded)  # lands right here
+        outcome.append("never reached")
+        return result
+
+    def task() -> None:
+        dog.start_task("finished", "courier.test", 10, 20)
+        try:
+            dog.guard(celery_after_the_body)
+        except SoftTimeLimitExceeded:
+            outcome.append("interrupted as it ended")  # the task failed at its soft limit: retried by the ledger
+
+    t = threading.Thread(target=task)
+    t.start()
+    t.join(timeout=30)
+    assert outcome == ["interrupted as it ended"]
+    assert not dog.running  # its deadlines ended with it
+    # past both deadlines, the watchdog interrupts the next task's soft limit and kills no one
+    interrupted, release, started = threading.Event(), threading.Event(), threading.Event()
+
+    def later() -> None:
+        dog.start_task("later", "courier.test", 1, 60)
+        started.set()
+        try:
+            while not release.is_set():
+                time.sleep(0.01)
+        except SoftTimeLimitExceeded:
+            interrupted.set()
+        finally:
+            dog.end_task()
+
+    now[0] = 30.0
+    u = threading.Thread(target=later)
+    u.start()
+    try:
+        wait_until(started.is_set, timeout_s=20, what="the next task started")
+        with dog.cond:
+            now[0] = 32.0
+            dog.cond.notify()
+        wait_until(interrupted.is_set, timeout_s=20, what="the next task's soft limit")
+    finally:
+        release.set()
+        u.join(timeout=10)
+    assert hard == []
+
+
 # -- a real threads worker, many chats at once -------------------------------------------------
 CHATS = 24
 JOBS_PER_CHAT = 3
@@ -177,12 +320,13 @@ def _pids_of(node: str, supervisor: subprocess.Popen) -> list[int]:
     return [int(p) for p in out.split() if int(p) != supervisor.pid]
 
 
-def test_the_delivery_processes_stop_together_warm_on_sigterm_and_when_one_dies(courier_env, redis_client,
-                                                                               fake_telegram):
+def test_the_delivery_processes_stop_together_warm_on_sigterm_and_one_that_dies_is_restarted(
+        courier_env, redis_client, fake_telegram):
     """SIGTERM to `courier worker` reaches each process once (warm shutdown, exit 0).
-    A process that dies (SIGKILL) takes the worker down with a non-zero code, the other
-    stopped warm, so the orchestrator restarts a whole worker (what the dead one held
-    is re-driven as after any worker loss: tests/chaos)."""
+    A process that dies (SIGKILL) is started again by the supervisor (issue 24: a
+    Procfile runner would stop everything if `courier worker` exited); the other
+    runs on untouched (what the dead one held is re-driven as after any worker
+    loss: tests/chaos). Their log lines name them apart (`<node>-1`, `<node>-2`)."""
     import signal
 
     from workers.demo import wait_worker
@@ -192,22 +336,20 @@ def test_the_delivery_processes_stop_together_warm_on_sigterm_and_when_one_dies(
     name = next(a for a in proc.args if "@localhost" in a)
     second = name.replace("@", "-2@")
     assert wait_worker(env.celery_app(), second, proc, timeout_s=90), log.read_text()[-3000:]
-    assert len(_pids_of(name, proc)) == 1 and len(_pids_of(second, proc)) == 1
+    (first_pid,) = _pids_of(name, proc)
+    (victim,) = _pids_of(second, proc)
+    os.kill(victim, signal.SIGKILL)
+    wait_until(lambda: _pids_of(second, proc) and _pids_of(second, proc) != [victim], timeout_s=60,
+               what="the killed process started again")
+    assert wait_worker(env.celery_app(), second, proc, timeout_s=90), log.read_text()[-3000:]
+    assert proc.poll() is None and _pids_of(name, proc) == [first_pid]  # the other one untouched
+    text = log.read_text()
+    local = name.split("@")[0]
+    assert f"{local}-2 exited with code 137" in text and "restart 1" in text
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
     wait_until(lambda: not _pids_of(name, proc) and not _pids_of(second, proc), timeout_s=30, what="both processes gone")
     assert "Traceback" not in log.read_text()
-
-    # one process killed: the worker ends non-zero, the other process stops (warm) with it
-    proc, log = _start_delivery_worker(env, concurrency=4, processes=2)
-    name = next(a for a in proc.args if "@localhost" in a)
-    second = name.replace("@", "-2@")
-    assert wait_worker(env.celery_app(), second, proc, timeout_s=90), log.read_text()[-3000:]
-    (victim,) = _pids_of(second, proc)
-    os.kill(victim, signal.SIGKILL)
-    assert proc.wait(timeout=60) == 128 + signal.SIGKILL
-    wait_until(lambda: not _pids_of(name, proc), timeout_s=30, what="the first process stopped with it")
-    assert "stopping the others" in log.read_text()
 
 
 def _enqueue(env, r, st, target: str, job_id: str, text: str, name: str, data: bytes) -> None:

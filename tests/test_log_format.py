@@ -72,3 +72,22 @@ def test_the_web_process_lines_have_a_time_and_a_level(tmp_path, redis_server):
     assert lines
     stamp = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d[.,]\d{3}Z? (DEBUG|INFO|WARNING|ERROR|CRITICAL) \S+ \S+: ")
     assert all(stamp.match(ln) for ln in lines if not ln.startswith((" ", "Traceback"))), lines
+
+
+def test_each_process_of_courier_worker_logs_under_its_own_name(tmp_path):
+    """Issue 24: both delivery processes logged as `MainProcess`. `courier worker` names each
+    (COURIER_PROCESS_NAME: `<node>-1`, `<node>-2`), and the worker takes the name once Celery has
+    set up its logging. (A real 2-process worker's log: tests/test_metrics.py.)"""
+    code = ("import logging, sys; logging.basicConfig(stream=sys.stdout); "
+            "from workers import celery_app; celery_app._redact_logs(); "
+            "logging.getLogger('courier.test').warning('hello')")
+    env = CourierEnv(tmp_path / "env", "redis://127.0.0.1:1/0")
+    for name, want in (("delivery-2", " delivery-2["), (None, " MainProcess[")):
+        e = dict(env.env)
+        if name:
+            e["COURIER_PROCESS_NAME"] = name
+        res = subprocess.run([sys.executable, "-c", code], env=e, cwd=str(ROOT), capture_output=True, text=True,
+                             timeout=60)
+        assert res.returncode == 0, res.stderr[-2000:]
+        line = next(ln for ln in res.stdout.splitlines() if ln.endswith("courier.test: hello"))
+        assert want in line, line

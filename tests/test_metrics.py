@@ -138,6 +138,66 @@ def test_worker_exporter_counts_every_pool_process(courier_env, tmp_path):
     assert "courier_queue_depth" not in text  # the deployment-wide gauges come from the web process only
 
 
+def test_web_metrics_count_every_process_of_courier_worker_without_a_multiproc_dir(courier_env, tmp_path):
+    """Issue 24: `courier worker -Q delivery` runs 2 processes; without PROMETHEUS_MULTIPROC_DIR
+    `/metrics` counted one (2 texts shown of 3 delivered, 0 failed of 1). `courier worker` now
+    gives its processes a private directory (<data dir>/metrics/<host>) and the web process on the
+    host adds what is counted there: 3 texts delivered and 1 failed file show as 3 and 1.
+    Their log lines name the two delivery processes apart (`<node>-1`, `<node>-2`)."""
+    import uuid
+
+    from workers.demo import wait_worker
+
+    env = courier_env(COURIER_METRICS_TOKEN=TOKEN, COURIER_DELIVERY_POOL="threads",
+                      COURIER_DELIVERY_PROCESSES="2", COURIER_DELIVERY_CONCURRENCY="2")
+    env.env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    gone = env.sandbox / "gone.bin"
+    gone.write_bytes(b"g" * 100)
+    for i in range(3):
+        res = env.cli("send", f"outbox:mp{i}", "--text", f"text {i}", "--json")
+        assert res.returncode == 0, res.stderr
+    res = env.cli("send", "outbox:mp3", f"local://{gone}", "--json")
+    assert res.returncode == 0, res.stderr
+    gone.unlink()  # before any worker looks: its extraction fails for good
+    started = []
+    for queues, extra in (("delivery", []), ("sandbox,janitor", ["-c", "1"])):
+        node = f"mp{uuid.uuid4().hex[:6]}@localhost"
+        log_path = tmp_path / f"{node.split('@')[0]}.log"
+        with open(log_path, "wb") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "workers.worker", "-Q", queues, *extra, "-n", node,
+                                     "--loglevel=INFO", "--without-mingle", "--without-gossip"],
+                                    env=env.env, cwd=str(ROOT), stdout=out, stderr=subprocess.STDOUT)
+        env.workers.append(proc)
+        started.append((node, proc, log_path))
+    for node, proc, log_path in started:
+        assert wait_worker(env.celery_app(), node, proc, timeout_s=120), log_path.read_text()[-3000:]
+    port = free_port()
+    log = open(tmp_path / "web.log", "wb")  # noqa: SIM115
+    web = subprocess.Popen([sys.executable, "-m", "workers.cli", "web", "--host", "127.0.0.1", "--port", str(port)],
+                           env=env.env, cwd=str(ROOT), stdout=log, stderr=subprocess.STDOUT)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    try:
+        wait_until(lambda: httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200,
+                   timeout_s=30, what="web")
+
+        def counted():
+            text = httpx.get(f"http://127.0.0.1:{port}/metrics", headers=auth, timeout=5).text
+            got = (_value(text, "courier_deliveries_total", platform="outbox", kind="text", state="delivered"),
+                   _value(text, "courier_deliveries_total", platform="outbox", kind="file", state="failed"))
+            return text if got == (3.0, 1.0) else None
+
+        wait_until(counted, timeout_s=90, what="3 texts delivered and 1 failed on the web process's /metrics")
+    finally:
+        stop_process(web)
+        log.close()
+    # the two delivery processes log under their own names
+    node, _, log_path = started[0]
+    local = node.split("@")[0]
+    text = log_path.read_text()
+    assert f" {local}-1[" in text and f" {local}-2[" in text, text[-3000:]
+    assert " MainProcess[" not in text, text[-3000:]
+
+
 def test_web_metrics_need_the_token_and_show_queues_ledger_and_webhooks(courier_env, tmp_path, redis_client):
     env_redis = redis_client
     from tests.fixtures.webstack import TELEGRAM_SECRET

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 
-from celery import Celery
+from celery import Celery, Task
 from celery.schedules import crontab
 from celery.signals import (
     after_setup_logger,
@@ -50,6 +50,19 @@ def task_queue(name: str, args=None, kwargs=None, options=None, task=None, **kw)
     return None
 
 
+class CourierTask(Task):
+    """courier's task class (`task_cls`): on the threads pool a task's body runs inside
+    `Watchdog.guard`, so its time limits end exactly where the body ends (issue 23: a
+    soft limit landing after the body, before `task_postrun`, left the hard one armed
+    and later ended an idle worker). Elsewhere a plain Celery task."""
+
+    def __call__(self, *args, **kwargs):
+        dog = _watchdog
+        if dog is None or self.request.called_directly:  # not run by a threads-pool worker's trace
+            return super().__call__(*args, **kwargs)
+        return dog.guard(lambda: super(CourierTask, self).__call__(*args, **kwargs))
+
+
 def make_app(settings=None) -> Celery:
     signed_messages.install()
     """courier's Celery app for `settings` (default: the environment's)."""
@@ -58,7 +71,7 @@ def make_app(settings=None) -> Celery:
     kombu_internals.install()
     url, sentinel_options = celery_url(s.redis_url)
     tls = celery_ssl(s.redis_url)
-    app = Celery("courier", include=["tasks.celery_tasks"])
+    app = Celery("courier", include=["tasks.celery_tasks"], task_cls=CourierTask)
     app.conf.update(
         broker_url=url,
         result_backend=url,
@@ -157,6 +170,8 @@ runtime.set_factory(_context_factory)
 def _redact_logs(logger=None, **_kw) -> None:
     """Celery has just given the root logger (or its task logger) its handlers:
     the redaction filter goes on them."""
+    if os.environ.get("COURIER_PROCESS_NAME"):  # one of `courier worker`'s processes (delivery-2): named apart
+        logformat.name_process(os.environ["COURIER_PROCESS_NAME"])
     logsafe.install()  # the secrets: the app's settings' (make_app)
     logformat.install(get_settings().log_format)
 
@@ -198,9 +213,9 @@ def _task_started(task=None, task_id=None, args=None, **_kw) -> None:
 
 @task_postrun.connect
 def _task_ended(**_kw) -> None:
-    logformat.clear_task_fields()
-    if _watchdog is not None:
+    if _watchdog is not None:  # first: the sooner a finished task drops its deadlines, the better
         _watchdog.end_task()
+    logformat.clear_task_fields()
 
 
 @worker_ready.connect

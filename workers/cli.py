@@ -900,7 +900,8 @@ def demo(
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def worker(ctx: typer.Context) -> None:
     """Start a Celery worker (any `celery worker` option, e.g. -Q delivery -n d@%h): a delivery-only
-    worker gets COURIER_DELIVERY_POOL x COURIER_DELIVERY_CONCURRENCY (threads x 16), others prefork."""
+    worker gets COURIER_DELIVERY_POOL x COURIER_DELIVERY_CONCURRENCY (threads x 16), others prefork.
+    It stays up: a Celery worker that exits is started again (back-off up to 30 s); SIGTERM stops it."""
     from workers.worker import main as start
 
     start(list(ctx.args))

@@ -17,6 +17,11 @@ webhooks, turns). Here:
   (`COURIER_METRICS_TOKEN`); when it is set, a scrape without it is a 401.
 - `start_exporter(port, token)`: a worker's exporter (its main process, a
   thread; `COURIER_METRICS_PORT`).
+- `prepare_multiproc_dir(settings)`: the directory `courier worker` gives its
+  processes when the operator set no PROMETHEUS_MULTIPROC_DIR (`<data
+  dir>/metrics/<host>`, the files of processes no longer running removed first), so
+  a worker of several processes is counted whole by default; the web process
+  on the same host adds the counts found there to its own (`registry`).
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ import hmac
 import logging
 import os
 import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +43,12 @@ def multiprocess() -> bool:
     return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
 
 
-def registry(redis_client=None):
+def registry(redis_client=None, workers_dir: Path | None = None):
     """The registry a scrape renders: the counters of this process (or of
     every process sharing PROMETHEUS_MULTIPROC_DIR), plus the Redis gauges
-    when `redis_client` is given."""
+    when `redis_client` is given. `workers_dir` (a process not in multiprocess
+    mode: the web process): the counts of the worker processes that write
+    there (`prepare_multiproc_dir`) are added to this process's own."""
     from prometheus_client import REGISTRY, CollectorRegistry
     from prometheus_client import multiprocess as mp
 
@@ -47,11 +57,11 @@ def registry(redis_client=None):
     if multiprocess():
         reg = CollectorRegistry()
         mp.MultiProcessCollector(reg)
-    elif redis_client is None:
+    elif redis_client is None and workers_dir is None:
         return REGISTRY
     else:
         reg = CollectorRegistry()
-        reg.register(_Forward(REGISTRY))
+        reg.register(_Forward(REGISTRY) if workers_dir is None else _WithWorkers(REGISTRY, workers_dir))
     if redis_client is not None:
         reg.register(LedgerCollector(redis_client))
     return reg
@@ -65,6 +75,43 @@ class _Forward:
 
     def collect(self):
         return self.source.collect()
+
+
+class _WithWorkers:
+    """This process's metrics with the counts in a multiprocess directory added: samples of
+    the same name and labels are summed (counters and histograms; a `_created` time is
+    this process's alone and is left out where the directory counts too)."""
+
+    def __init__(self, source, path: Path) -> None:
+        self.source, self.path = source, path
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        try:
+            files = sorted(str(p) for p in self.path.glob("*.db"))
+            theirs = {m.name: m for m in MultiProcessCollector.merge(files, accumulate=True)} if files else {}
+        except Exception as exc:  # noqa: BLE001 - a scrape never fails: this process's own counts still show
+            log.warning("metrics: the workers' counts in %s are not readable: %r", self.path, exc)
+            theirs = {}
+        for family in self.source.collect():
+            other = theirs.pop(family.name, None)
+            if other is None:
+                yield family
+                continue
+            totals: dict[tuple, list] = {}
+            for sample in (*other.samples, *family.samples):
+                if sample.name.endswith("_created"):
+                    continue
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                if key in totals:
+                    totals[key][2] += sample.value
+                else:
+                    totals[key] = [sample.name, sample.labels, sample.value]
+            family.samples = [type(family.samples[0] if family.samples else other.samples[0])(n, lb, v)
+                              for n, lb, v in totals.values()] if totals else []
+            yield family
+        yield from theirs.values()
 
 
 class LedgerCollector:
@@ -165,6 +212,63 @@ def start_exporter(port: int, token=None, host: str = "0.0.0.0"):
     log.info("metrics on http://%s:%d/metrics%s", host, httpd.server_port,
              " (multiprocess)" if multiprocess() else "")
     return httpd
+
+
+def default_multiproc_dir(settings) -> Path:
+    """Where `courier worker`'s processes count together unless PROMETHEUS_MULTIPROC_DIR says
+    elsewhere: the deployment's data dir, one directory per host (a data dir shared between
+    hosts or containers must not mix process ids: files of processes not running are removed)."""
+    import socket
+
+    host = "".join(c if c.isalnum() or c in "-_." else "_" for c in socket.gethostname()) or "localhost"
+    return Path(settings.data_dir) / "metrics" / host
+
+
+def _pid_of(path: Path) -> int | None:
+    """The process a multiprocess file belongs to (`counter_<pid>.db`, `gauge_livesum_<pid>.db`)."""
+    tail = path.stem.rsplit("_", 1)[-1]
+    return int(tail) if tail.isdigit() else None
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's: alive
+        return True
+    return True
+
+
+def prepare_multiproc_dir(settings) -> tuple[Path, str | None]:
+    """(the multiprocess directory for `courier worker`'s processes, a warning to print or None).
+
+    PROMETHEUS_MULTIPROC_DIR set: the operator's directory, created if missing (warned: it
+    must be empty at start, a tmpfs or the like); one that cannot be written is warned about
+    loudly (every count would fail). Unset: `<data dir>/metrics/<host>`, where files of processes no
+    longer running are removed first (a fresh start counts from 0, as a restarted process does);
+    the files of processes still running (another `courier worker` of this host) are kept."""
+    given = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir")
+    if given:
+        path = Path(given)
+        warning = None
+        if not path.is_dir():
+            path.mkdir(parents=True, exist_ok=True)
+            warning = f"PROMETHEUS_MULTIPROC_DIR {path} did not exist: created (it must be empty at start)"
+        if not os.access(path, os.W_OK | os.X_OK):
+            warning = (f"WARNING: PROMETHEUS_MULTIPROC_DIR {path} is not writable: the worker's processes cannot "
+                       f"count; unset it (courier then uses a private directory) or fix its permissions")
+        return path, warning
+    path = default_multiproc_dir(settings)
+    path.mkdir(parents=True, exist_ok=True)
+    for f in path.glob("*.db"):
+        pid = _pid_of(f)
+        if pid is None or not _running(pid):
+            try:
+                f.unlink()
+            except FileNotFoundError:
+                pass
+    return path, None
 
 
 def mark_dead(pid: int) -> None:

@@ -24,8 +24,13 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
+
+from celery.exceptions import SoftTimeLimitExceeded
 
 log = logging.getLogger("courier.timelimits")
+
+T = TypeVar("T")
 
 #: exit status of a worker ended by a task past its hard time limit
 HARD_LIMIT_EXIT = 70
@@ -45,7 +50,10 @@ class Watchdog:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.on_hard = on_hard or _end_process
         self.clock = clock
-        self.cond = threading.Condition()
+        # a plain lock, entered with `with self.lock` where a task thread takes it: its C-level
+        # enter/exit run no bytecode, so a soft limit landing there cannot leave it held
+        self.lock = threading.Lock()
+        self.cond = threading.Condition(self.lock)
         #: thread ident -> (run number, task id, task name, soft deadline, hard deadline)
         self.running: dict[int, tuple[int, str, str, float | None, float | None]] = {}
         self.heap: list[tuple[float, int, int, str]] = []  # (when, run, ident, "soft"|"hard")
@@ -55,11 +63,11 @@ class Watchdog:
     def start_task(self, task_id: str, name: str, soft_s: float | None, hard_s: float | None) -> None:
         ident = threading.get_ident()
         if not soft_s and not hard_s:
-            with self.cond:
+            with self.lock:
                 self.running.pop(ident, None)  # (an earlier run's deadlines never apply to this one)
             return
         now = self.clock()
-        with self.cond:
+        with self.lock:
             self.runs += 1
             run = self.runs
             soft = now + soft_s if soft_s else None
@@ -75,12 +83,43 @@ class Watchdog:
             self.cond.notify()
 
     def end_task(self) -> None:
-        with self.cond:
-            self.running.pop(threading.get_ident(), None)
+        """This thread's task ended: its deadlines no longer apply.
+
+        The watchdog may have raised the soft limit into this thread just as the
+        task returned (it raises under `self.lock`, the task ends under it): the
+        exception then lands here, at any bytecode. It is dropped (the task it
+        was meant for has ended) and the deadlines are removed anyway, so a
+        finished task never keeps a hard deadline that would later end an idle
+        worker. The watchdog raises a run's soft limit once, so one retry ends it.
+        """
+        while True:
+            try:
+                with self.lock:
+                    self.running.pop(threading.get_ident(), None)
+                return
+            except SoftTimeLimitExceeded:
+                log.info("a soft time limit landed as its task ended: dropped")
+
+    def guard(self, call: Callable[[], T]) -> T:
+        """Run a task's body (`call`) so that its deadlines end where the body ends.
+
+        The soft limit may land anywhere once raised, the moment the body returned
+        included; landing in Celery's own code between the body and `task_postrun`
+        would skip `end_task` there. Here the body runs inside this frame's `try`:
+        a limit raised while it ran lands in the body, at its return (in the `try`)
+        or in the `finally` below, which ends the task's deadlines in every case (a
+        run's soft limit is raised once, so one retry ends them)."""
+        try:
+            return call()
+        finally:
+            while True:
+                try:
+                    self.end_task()
+                    break
+                except SoftTimeLimitExceeded:
+                    continue
 
     def _run(self) -> None:
-        from celery.exceptions import SoftTimeLimitExceeded
-
         while True:
             with self.cond:
                 while True:

@@ -563,7 +563,9 @@ def create_app(settings: Settings | None = None) -> Starlette:
                                           "(COURIER_METRICS_TOKEN)"}, status_code=401,
                                 headers={"WWW-Authenticate": "Bearer"})
         if not metrics_registry:
-            metrics_registry.append(exposition.registry(web.redis))
+            # the worker processes of this host (`courier worker`) count in their directory: added to ours
+            metrics_registry.append(exposition.registry(web.redis,
+                                                        workers_dir=exposition.default_multiproc_dir(web.settings)))
         body = await run_in_threadpool(exposition.render, metrics_registry[0])
         return Response(body, media_type=exposition.CONTENT_TYPE)
 

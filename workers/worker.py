@@ -1,4 +1,5 @@
-"""Start a Celery worker with the pool chosen for its queues.
+"""`courier worker`: start Celery workers with the pool chosen for their
+queues, and keep them running (a small supervisor).
 
     python -m workers.worker -Q delivery [celery worker options]   # or: courier worker -Q delivery
 
@@ -15,23 +16,45 @@ One process holds one GIL: when the platform answers at once, a delivery is
 CPU work (Celery's consumer, the SDK, courier's ledger), and one process
 uses one core. So a threads-pool delivery worker runs
 COURIER_DELIVERY_PROCESSES such Celery workers (default: one per CPU, at most
-8), each with its own threads pool, under a small supervisor: the first keeps
-the node name given (`-n delivery@%h`: healthchecks ping it), the others are
-`delivery-2@%h`, `delivery-3@%h`, ... Signals (SIGTERM: warm shutdown,
-SIGINT, SIGQUIT, SIGUSR1) go to every process once; when one exits by
-itself, the others are stopped warm and the supervisor exits with its code,
-so the orchestrator restarts the whole worker (nothing is lost either way:
-messages are acknowledged late, and the ledger re-drives what a dead process
-held). Only the first serves COURIER_METRICS_PORT (set
-PROMETHEUS_MULTIPROC_DIR, as for prefork, to export every process's counts).
+8), each with its own threads pool: the first keeps the node name given
+(`-n delivery@%h`: healthchecks ping it), the others are `delivery-2@%h`,
+`delivery-3@%h`, ...; their log lines name them `delivery-1`, `delivery-2`, ...
+
+The supervisor (this process) runs every Celery worker as a child and
+outlives them (issue 24: a Redis restart, a pool child killed while the
+worker starts, a recycle must not stop a Procfile runner's whole set):
+
+- a child that exits by itself is started again: at once after a deliberate
+  recycle (exit 70, a task past its hard time limit; 71, a drive without
+  progress), else after a back-off (1 s, doubling up to 30 s; back to 1 s once
+  a child ran 60 s). Each restart is a log line with the exit code and the
+  child's restart count, and counts in `courier_worker_restarts_total{worker,code}`.
+  Nothing is lost meanwhile: messages are acknowledged late and the ledger
+  re-drives what a dead process held;
+- a child that exits with 0 by itself was stopped on purpose (`celery control
+  shutdown`): it is not restarted, and once none is left the supervisor exits 0;
+- exit codes that a restart cannot cure (2: usage, 64: EX_USAGE, 78:
+  EX_CONFIG) stop the others and end the supervisor with that code, as a bad
+  setting found before starting does (78);
+- SIGTERM / SIGINT (warm shutdown) and SIGQUIT (cold) go to every child once;
+  once they have all exited the supervisor exits with the first non-zero code
+  (0: every one stopped cleanly). SIGUSR1 (Celery's traceback dump) is passed on.
+
+Prometheus: unless PROMETHEUS_MULTIPROC_DIR is set, the supervisor gives its
+children a private multiprocess directory (`<data dir>/metrics/<host>`, files of
+processes no longer running removed at start), so every process's counts add
+up on the first child's exporter (COURIER_METRICS_PORT, the others serve
+none) and on the web process's `/metrics` on the same host (workers/metrics.py).
 """
 
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
+import time
 
 DELIVERY_QUEUES = frozenset({"delivery"})
 
@@ -78,8 +101,6 @@ def worker_argv(args: list[str], settings=None) -> list[str]:
 
 #: a threads-pool delivery worker runs at most this many processes by default
 MAX_DEFAULT_PROCESSES = 8
-#: signals passed on to every worker process (Celery's warm/cold shutdown, traceback dump)
-FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1)
 
 
 def processes_for(args: list[str], settings) -> int:
@@ -131,66 +152,225 @@ def _die_with_parent() -> None:
         pass
 
 
-def supervise(argvs: list[list[str]]) -> int:
-    """Run one Celery worker per argv; signals go to each once; when one exits,
-    the rest are stopped warm. Returns the first non-zero exit code (0: all clean)."""
-    # each in its own process group: a terminal's Ctrl-C reaches them once, through here
-    # (twice would be Celery's cold shutdown)
-    procs: list[subprocess.Popen] = []
-    for i, a in enumerate(argvs):
-        child_env = dict(os.environ)
-        if i > 0:
-            child_env["COURIER_METRICS_PORT"] = "0"  # one exporter per worker (the first)
-        procs.append(subprocess.Popen(a, env=child_env, process_group=0, preexec_fn=_die_with_parent))
-    stopping: list[int] = []
+#: exit codes a restart cannot cure: a command line (click's usage error, EX_USAGE) or configuration
+#: (EX_CONFIG) mistake. The supervisor stops and exits with the code.
+CONFIG_EXITS = frozenset({2, 64, 78})
+EX_CONFIG = 78
+#: exit codes of a deliberate recycle (workers/timelimits.py's hard limit, a lease without progress in
+#: workers/celery_app.py): the child is started again at once
+RECYCLE_EXITS = frozenset({70, 71})
+BACKOFF_FIRST_S = 1.0
+BACKOFF_CAP_S = 30.0
+#: a child that ran this long before exiting is restarted after the first back-off again
+STABLE_S = 60.0
+#: signals that stop the worker (passed on to each child once), and the one only passed on
+STOPPING = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT)
+FORWARDED = (*STOPPING, signal.SIGUSR1)
 
-    def forward(signum: int, _frame) -> None:
-        stopping.append(signum)
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signum)
 
-    for sig in FORWARDED:
-        signal.signal(sig, forward)
+def backoff_s(failures: int) -> float:
+    """The wait before restart number `failures` (1, 2, ...) of a child that keeps exiting."""
+    return min(BACKOFF_CAP_S, BACKOFF_FIRST_S * 2 ** max(0, failures - 1))
+
+
+def _say(text: str) -> None:
+    print(f"courier worker: {text}", file=sys.stderr, flush=True)
+
+
+class _Child:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+        self.name, self.argv, self.env = name, argv, env
+        self.proc: subprocess.Popen | None = None
+        self.started = 0.0
+        self.failures = 0  # exits in a row without a stable run (the back-off's exponent)
+        self.restarts = 0
+        self.due: float | None = None  # when to start it again
+
+    def start(self) -> None:
+        # its own process group: a terminal's Ctrl-C reaches it once, through here (twice would be
+        # Celery's cold shutdown)
+        self.proc = subprocess.Popen(self.argv, env=self.env, process_group=0, preexec_fn=_die_with_parent)
+        self.started = time.monotonic()
+        self.due = None
+
+
+def supervise(argvs: list[list[str]], envs: list[dict[str, str]] | None = None,
+              names: list[str] | None = None) -> int:
+    """Run one Celery worker per argv and keep each running (see the module docstring).
+    Returns the supervisor's exit code: after a stop signal, the first non-zero exit code of
+    a child (0: all clean); after a configuration exit, that code."""
+    children = [_Child((names or [])[i] if names and i < len(names) else f"worker-{i + 1}", a,
+                       (envs[i] if envs else dict(os.environ))) for i, a in enumerate(argvs)]
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    received: list[int] = []
+
+    def note(signum: int, _frame) -> None:
+        received.append(signum)  # acted on by the loop below (woken through the pipe)
+
+    old_wakeup = signal.set_wakeup_fd(wake_w)
+    handlers = {sig: signal.signal(sig, note) for sig in (*FORWARDED, signal.SIGCHLD)}
+    stopping = False
     code = 0
-    left = {p.pid: p for p in procs}
-    while left:
+    try:
+        for c in children:
+            c.start()
+        while True:
+            while received:
+                signum = received.pop(0)
+                if signum == signal.SIGCHLD:
+                    continue
+                if signum in STOPPING:
+                    stopping = True
+                for c in children:
+                    if c.proc is not None and c.proc.returncode is None:
+                        c.proc.send_signal(signum)
+            _reap(children)
+            now = time.monotonic()
+            for c in children:
+                if c.proc is None or c.proc.returncode is None:
+                    continue
+                rc = c.proc.returncode
+                rc = rc if rc >= 0 else 128 - rc
+                c.proc = None
+                if stopping:
+                    code = code or rc
+                    continue
+                if rc == 0:  # stopped on purpose (a remote `celery control shutdown`): not restarted
+                    _say(f"{c.name} stopped (exit code 0): not restarted")
+                    c.due = None
+                    if all(o.proc is None and o.due is None for o in children):
+                        return code
+                    continue
+                if rc in CONFIG_EXITS:
+                    _say(f"{c.name} exited with code {rc} (a command line or configuration error): "
+                         f"stopping the others")
+                    code, stopping = rc, True
+                    for o in children:
+                        if o.proc is not None and o.proc.returncode is None:
+                            o.proc.send_signal(signal.SIGTERM)
+                    continue
+                ran_s = now - c.started
+                if rc in RECYCLE_EXITS:  # deliberate (it ran a task or a drive that long): no back-off
+                    wait_s = 0.0
+                else:
+                    c.failures = 1 if ran_s >= STABLE_S else c.failures + 1
+                    wait_s = backoff_s(c.failures)
+                c.restarts += 1
+                c.due = now + wait_s
+                _count_restart(c.name, rc)
+                _say(f"{c.name} exited with code {rc} after {ran_s:.1f} s: restart {c.restarts} in {wait_s:.0f} s")
+            if stopping:
+                if all(c.proc is None for c in children):
+                    return code
+            else:
+                for c in children:
+                    if c.proc is None and c.due is not None and c.due <= now:
+                        c.start()
+                        _say(f"{c.name} started again (pid {c.proc.pid if c.proc else '?'}, "
+                             f"restart {c.restarts})")
+            dues = [c.due for c in children if c.proc is None and c.due is not None and not stopping]
+            timeout = max(0.0, min(dues) - time.monotonic()) if dues else 5.0
+            if not received:
+                select.select([wake_r], [], [], timeout)
+            try:
+                while os.read(wake_r, 512):
+                    pass
+            except BlockingIOError:
+                pass
+    finally:
+        signal.set_wakeup_fd(old_wakeup)
+        for sig, h in handlers.items():
+            signal.signal(sig, h)
+        os.close(wake_r)
+        os.close(wake_w)
+
+
+def _count_restart(name: str, code: int) -> None:
+    """`courier_worker_restarts_total{worker,code}`: written to the multiprocess directory the
+    supervisor shares with its processes (`main`), so their exporter and the web process show it."""
+    try:
+        from tasks import metrics
+
+        metrics.record_worker_restart(name, code)
+    except Exception:  # noqa: BLE001 - a metric never stops a restart
+        pass
+
+
+def _reap(children: list[_Child]) -> None:
+    """Collect every exited child process: ours (their exit codes noted on them) and any
+    other (a supervisor that is a container's PID 1 inherits orphans: no zombies are left)."""
+    mine = {c.proc.pid: c.proc for c in children if c.proc is not None and c.proc.returncode is None}
+    while True:
         try:
-            pid, status = os.waitpid(-1, 0)
+            pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            break
-        except InterruptedError:
-            continue
-        p = left.pop(pid, None)
-        if p is None:
-            continue
-        p.returncode = os.waitstatus_to_exitcode(status)
-        rc = p.returncode if p.returncode >= 0 else 128 - p.returncode
-        if rc and not code:
-            code = rc
-        if not stopping and left:  # one ended by itself: the worker is not whole, stop the rest
-            print(f"courier worker: process {pid} exited ({p.returncode}); stopping the others",
-                  file=sys.stderr, flush=True)
-            stopping.append(signal.SIGTERM)
-            for q in left.values():
-                q.send_signal(signal.SIGTERM)
-    return code
+            return
+        if pid == 0:
+            return
+        if pid in mine:
+            mine[pid].returncode = os.waitstatus_to_exitcode(status)
+
+
+def _node_local(argv: list[str]) -> str:
+    found = _option(argv, "-n", "--hostname")
+    return (found[1] if found else "celery@%h").partition("@")[0] or "celery"
 
 
 def main(args: list[str] | None = None) -> None:
     from workers.settings import get_settings
 
     given = list(sys.argv[1:] if args is None else args)
-    settings = get_settings()
+    try:
+        settings = get_settings()
+    except Exception as exc:  # noqa: BLE001 - a bad setting: the same at every restart, so say it and stop
+        _say(f"bad setting: {_setting_error(exc)}")
+        sys.exit(EX_CONFIG)
+    if any(a in ("-D", "--detach") for a in given):
+        _say("--detach: courier worker runs its Celery workers as its children and restarts them; run it in "
+             "the foreground under your process manager")
+        sys.exit(EX_CONFIG)
     argv = worker_argv(given, settings)
     n = processes_for(given, settings)
-    if n <= 1:
-        os.execv(argv[0], argv)
     pidfile = _option(given, "--pidfile", "--pidfile")
-    if pidfile is not None and "%n" not in pidfile[1] and "%i" not in pidfile[1]:
-        sys.exit(f"courier worker: {n} delivery processes share --pidfile {pidfile[1]!r}: put %n (the node "
-                 f"name) in it, or set COURIER_DELIVERY_PROCESSES=1")
-    sys.exit(supervise([node_argv(argv, i) for i in range(n)]))
+    if n > 1 and pidfile is not None and "%n" not in pidfile[1] and "%i" not in pidfile[1]:
+        _say(f"{n} delivery processes share --pidfile {pidfile[1]!r}: put %n (the node name) in it, or set "
+             f"COURIER_DELIVERY_PROCESSES=1")
+        sys.exit(EX_CONFIG)
+    from workers.metrics import prepare_multiproc_dir
+
+    mpdir, warning = prepare_multiproc_dir(settings)
+    if warning:
+        _say(warning)
+    # for its processes, and for this one (its restart counter), before prometheus_client is imported here
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(mpdir)
+    env = dict(os.environ)
+    argvs = [node_argv(argv, i) for i in range(n)]
+    envs, names = [], []
+    local = _node_local(argv)
+    for i in range(n):
+        child_env = dict(env)
+        if i > 0:
+            child_env["COURIER_METRICS_PORT"] = "0"  # one exporter per worker (the first): it reads every process's
+        name = f"{local}-{i + 1}" if n > 1 else local
+        if n > 1:
+            child_env["COURIER_PROCESS_NAME"] = name  # its log lines' process name (workers/logformat.py)
+        envs.append(child_env)
+        names.append(name)
+    sys.exit(supervise(argvs, envs, names))
+
+
+def _setting_error(exc: BaseException) -> str:
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        try:
+            first = errors()[0]
+            loc = ".".join(str(x) for x in first.get("loc", ()))
+            return f"{loc.upper()}: {first.get('msg')}"
+        except Exception:  # noqa: BLE001
+            pass
+    return f"{type(exc).__name__}: {exc}"
 
 
 if __name__ == "__main__":

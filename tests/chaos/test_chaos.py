@@ -195,20 +195,22 @@ def test_sigkilled_threads_delivery_workers_lose_nothing_and_keep_each_chats_ord
 
 @pytest.mark.parametrize("delivery_pool", ["prefork", "threads"])
 def test_redis_restarts_lose_nothing(tmp_path, chaos_redis, fake, delivery_pool):
-    """120 deliveries through 2 workers while Redis (AOF, fsync always) is shut
-    down twice and killed with SIGKILL once, each time for a few seconds. A
-    worker that exits over it is restarted, as a supervisor would. `threads`: the
-    second worker serves the delivery queue alone on the threads pool (x8), the
-    first the other queues (prefork)."""
+    """120 deliveries through 2 workers started as the Procfile starts them
+    (`courier worker`) while Redis (AOF, fsync always) is shut down twice and
+    killed with SIGKILL once, each time for a few seconds. No `courier worker`
+    exits (issue 24: a Celery worker that does is restarted by it); one that did
+    would be restarted here and fail the run. `threads`: the second worker serves
+    the delivery queue alone on the threads pool (x8), the first the other queues
+    (prefork)."""
     env = _env(tmp_path, chaos_redis, fake)
     r = redis.Redis.from_url(chaos_redis.url, socket_timeout=5, socket_connect_timeout=2, decode_responses=True)
 
     def start(i: int, wait: bool = True):
         if delivery_pool == "threads":
             if i == 1:
-                return env.start_worker(queues="delivery", pool="threads", concurrency=8, wait=wait)
-            return env.start_worker(queues="turns,sandbox,janitor", concurrency=2, wait=wait)
-        return env.start_worker(concurrency=2, wait=wait)
+                return env.start_worker(queues="delivery", pool="threads", concurrency=8, wait=wait, supervised=True)
+            return env.start_worker(queues="turns,sandbox,janitor", concurrency=2, wait=wait, supervised=True)
+        return env.start_worker(concurrency=2, wait=wait, supervised=True)
 
     workers = [start(i) for i in range(2)]
     chats = [f"telegram:{7200 + i}" for i in range(3)] + [f"outbox:r{i}" for i in range(3)]
@@ -243,9 +245,11 @@ def test_redis_restarts_lose_nothing(tmp_path, chaos_redis, fake, delivery_pool)
             with contextlib.suppress(AssertionError):
                 wait_until(lambda: run.delivered() == len(run.ids) or any(w.poll() is not None for w in workers),
                            timeout_s=1, interval_s=0.1)
-        print("workers restarted after exiting:", restarted)
         # a send in flight when Redis went away may go again (its record did not reach Redis)
         run.check(max_duplicates=3 * 4)
+        inner = sum(w.courier_log.read_text().count("courier worker: ") for w in workers)  # type: ignore[attr-defined]
+        print("courier worker exits:", restarted, "- its Celery workers' restart lines:", inner)
+        assert restarted == 0
     finally:
         env.stop()
         r.close()

@@ -67,16 +67,16 @@ def sentinel_pair(tmp_path):
 
 def test_failover_mid_run_loses_nothing(tmp_path, sentinel_pair, fake_telegram):
     """80 deliveries to 4 chats through 2 workers connected through the
-    sentinel; a failover after 15 of them: the rest go through the new
-    master, in order, none lost."""
+    sentinel (started as the Procfile does, `courier worker`); a failover after
+    15 of them: the rest go through the new master, in order, none lost, and
+    no `courier worker` exits."""
     master, replica, sentinel = sentinel_pair
     url = f"sentinel://127.0.0.1:{sentinel.port}/{MASTER}/0"
     env = CourierEnv(tmp_path / "env", url, TELEGRAM_BOT_TOKEN=fake_telegram.token,
                      COURIER_TELEGRAM_BASE_URL=fake_telegram.url)
     r = redis_client(url)
     try:
-        for _ in range(2):
-            env.start_worker(concurrency=2)
+        workers = [env.start_worker(concurrency=2, supervised=True) for _ in range(2)]
         run = Run(env, r, fake_telegram, ["telegram:7301", "telegram:7302", "outbox:h1", "outbox:h2"],
                   jobs_per_chat=10)
         run.enqueue_all()
@@ -90,6 +90,7 @@ def test_failover_mid_run_loses_nothing(tmp_path, sentinel_pair, fake_telegram):
         # loaded machine stretches (25 of 80 seen under CI load; the order and the count of
         # first arrivals are exact whatever the window)
         run.check(max_duplicates=40)
+        assert all(w.poll() is None for w in workers)  # issue 24: no worker exits over a failover
         # the old master is a replica now: every write went to the new one
         assert master.client().info("replication")["role"] == "slave"
     finally:
