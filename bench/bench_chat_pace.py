@@ -87,6 +87,8 @@ def main() -> None:
             close = sum(1 for g in gaps if g < MIN_GAP_S)
             ratio = rate / LIMIT_PER_S
             good = ratio >= TARGET and close == 0 and refused == 0 and len(ok) == n
+            if os.environ.get("BENCH_DEBUG"):
+                print("gaps: " + " ".join(f"{g:.3f}" for g in gaps), file=sys.stderr)
             print(f"BENCH chat pace: {rate:.4g} msg/s vs Telegram's per-chat limit {LIMIT_PER_S:g} msg/s "
                   f"ratio {ratio:.3g} (target >= {TARGET:g}) {'PASS' if good else 'MISS'} "
                   f"[min gap {min(gaps):.3f} s, median {statistics.median(gaps):.3f} s, {close} gaps < "
