@@ -160,11 +160,58 @@ def test_two_workers_40_messages_to_one_chat_hold_one_per_second(courier_env, fa
     calls = fake_telegram.calls_for("sendMessage", chat=chat)
     assert sorted(c.text for c in calls) == sorted(f"message {i}" for i in range(40))  # each once
     gaps = [b.t - a.t for a, b in zip(calls, calls[1:])]
-    assert min(gaps) >= 1.0 - 0.02, sorted(gaps)[:5]
+    assert min(gaps) >= 1.0 - ratelimit.ARRIVAL_JITTER_S, sorted(gaps)[:5]
     # one chat's lane: the messages went out in the order they were enqueued, and courier's own
     # pacing was no attempt and no rate limit (the platform refused none)
     assert [c.text for c in calls] == [f"message {i}" for i in range(40)]
     rows = [wait_job(redis_client, job)[0] for job in jobs]
     assert {(row["attempts"], row.get("rate_limited", "0")) for row in rows} == {("1", "0")}
-    # the sends came over several connections (the workers' processes), yet never closer than 1 s
+    # the sends came over several connections (the workers' processes), yet never closer than the limit
     assert len({c.peer for c in calls}) >= 2
+
+
+def _sent_in_order(env, fake, redis_client, chat: str, n: int) -> list:
+    jobs = [enqueue(env, f"telegram:{chat}", text=f"message {i}") for i in range(n)]
+    rows = [wait_job(redis_client, job, timeout_s=120)[0] for job in jobs]
+    assert {row["state"] for row in rows} == {"delivered"}, rows
+    calls = sorted(fake.calls_for("sendMessage", chat=chat), key=lambda c: c.t)
+    ok = [c for c in calls if c.ok]
+    assert [c.text for c in ok] == [f"message {i}" for i in range(n)]  # each once, in order: none lost
+    return calls
+
+
+@pytest.mark.slow
+def test_a_chat_is_paced_by_start_measured_at_arrival(courier_env, fake_telegram, redis_client):
+    """12 messages to one chat from two worker processes, the platform answering 0.6 s after a
+    request arrives. No two arrivals closer than the limit minus the platform's jitter (a lower
+    bound: load only widens gaps); and the next send starts one interval after the previous one
+    *started*: the rule it replaces (one interval after the previous send *ended*) made every
+    gap at least the interval plus the latency, here most gaps are shorter than that (an upper
+    bound with the latency's 0.6 s of slack for load)."""
+    fake_telegram.latency_s = 0.6
+    env = courier_env(**fake_telegram.courier_settings())
+    env.start_worker(concurrency=2)
+    env.start_worker(concurrency=2)
+    calls = _sent_in_order(env, fake_telegram, redis_client, "555001", 12)
+    assert all(c.ok for c in calls)  # the platform refused none
+    gaps = [b.t - a.t for a, b in zip(calls, calls[1:])]
+    assert min(gaps) >= 1.0 - ratelimit.ARRIVAL_JITTER_S, gaps
+    by_start = [g for g in gaps if g < 1.0 + fake_telegram.latency_s]
+    assert len(by_start) > len(gaps) // 2, gaps
+
+
+@pytest.mark.slow
+def test_a_platforms_429_holds_the_chat_for_retry_after_and_paces_it_wider(courier_env, fake_telegram,
+                                                                           redis_client):
+    """The platform refuses the first send with 429 retry_after 2: nothing goes to the chat before
+    those 2 s have passed, the sends after it are spaced wider than the chat's limit (the
+    interval widened, recovering over BACKOFF_HALF_LIFE_S), and none is lost."""
+    fake_telegram.fail_next(1, 429, retry_after=2, method="sendMessage")
+    env = courier_env(**fake_telegram.courier_settings())
+    env.start_worker(concurrency=2)
+    calls = _sent_in_order(env, fake_telegram, redis_client, "555002", 5)
+    refused, ok = calls[0], calls[1:]
+    assert refused.status == 429 and refused.text == "message 0" and all(c.ok for c in ok)
+    assert ok[0].t - refused.t >= 2.0  # retry_after honoured
+    gaps = [b.t - a.t for a, b in zip(ok, ok[1:])]
+    assert min(gaps) >= 1.5, gaps  # widened (about 2x, still ~1.8x after 12 s), not back to 1 s
