@@ -54,6 +54,7 @@ with its replies. Release the slot (`Slot.release`) when the send is over.
 from __future__ import annotations
 
 import collections
+import math
 import os
 import random
 import threading
@@ -158,7 +159,7 @@ def _widening(reply: Any, now: float) -> float:
         f, t = float(reply[0]), float(reply[1])
     except (TypeError, ValueError, IndexError):
         return 1.0
-    return 1.0 + max(0.0, f - 1.0) * 0.5 ** (max(0.0, now - t) / BACKOFF_HALF_LIFE_S)
+    return 1.0 + max(0.0, f - 1.0) * math.pow(0.5, max(0.0, now - t) / BACKOFF_HALF_LIFE_S)
 
 
 def _ms(s: float) -> int:
