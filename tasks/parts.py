@@ -112,7 +112,6 @@ class Guarded(Platform):
         try:
             sent = send()
         except RateLimited as exc:  # the platform's own 429: the chat waits it out, and slows down
-            slot.sent()
             ratelimit.refused(r, self._p, chat, exc.retry_after_s)
             raise
         except BaseException:

@@ -200,21 +200,22 @@ class Slot:
         self._kind = (platform.name, _bot(platform))
         self._start = time.time()
         self._end: float | None = None
+        self._quickest: float | None = None
 
     def sent(self) -> None:
-        """The send is over (answered or failed): its arrival is estimated from now."""
+        """The platform answered the send: its arrival is estimated from now, and how long it
+        took tells how quickly the platform answers (a send that failed tells neither)."""
         if self._end is None:
             self._end = time.time()
+            self._quickest = _quickest(self._kind)  # (seen before this send: none seen, 0)
+            _note_duration(self._kind, self._end - self._start)
 
     def release(self, pipe: Any = None) -> None:
         """Push the chat's gate to the send's estimated arrival plus the interval when that is
         later than its start (see the module's doc; queued on `pipe` when given)."""
-        self.sent()
         gate, self._gate = self._gate, None
         end = self._end or time.time()
-        took = end - self._start
-        quickest = _quickest(self._kind)
-        _note_duration(self._kind, took)
+        quickest = self._quickest if self._quickest is not None else _quickest(self._kind)
         if gate is None:
             return
         arrival = max(self._start, end - quickest)
