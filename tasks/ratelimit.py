@@ -20,11 +20,11 @@ process descheduled between the gate and its write) can bring two arrivals
 closer than two starts. So:
 
 - the interval is 1 / per_chat_per_s plus `PACE_MARGIN_S` (20 ms);
-- when a send is over, its arrival is estimated as its end minus the
-  quickest send this process made to that platform lately (a platform's
-  answer takes at least that long after a request arrived; with no send
-  seen yet, its end): when that is later than its start (an upload, a
-  delayed write), the gate is pushed to that arrival plus the interval.
+- when a send is answered, its arrival is estimated as its end minus the
+  quickest send this process made to that platform lately (no answer came
+  sooner after a request was sent; with no send seen yet, its end): when
+  that is later than its start (an upload, a delayed write), the gate is
+  pushed to that arrival plus the interval.
 
 Then two arrivals at the platform are never closer than the limit minus
 what the way there adds unevenly to two requests (the platform's jitter:
@@ -39,11 +39,10 @@ gradually (the widening halves every `BACKOFF_HALF_LIFE_S`).
 When a slot is not free, `Paced(retry_after_s)` is raised with the time
 until it frees (the gate's remaining time, the window's reset from its
 stats, spread by up to `WINDOW_SPREAD_S`): the lane is driven again then,
-the worker never sleeps. Slots are
-taken narrowest first (chat gate, group, bot) and a denied send gives back
-what it took, so a send waiting for its chat uses none of the bot's slots;
-a send that fails after taking its slots keeps them taken (the limit errs on
-the safe side).
+the worker never sleeps. Slots are taken narrowest first (chat gate, group,
+bot) and a denied send gives back what it took, so a send waiting for its
+chat uses none of the bot's slots; a send that fails after taking its slots
+keeps them taken (the limit errs on the safe side).
 
 A send takes its slots with `acquire`, or in two steps when the chat's gate
 goes in a pipeline with other commands (`tasks.parts`, which looks up a
@@ -69,7 +68,7 @@ from adapters.errors import RateLimited
 from adapters.platforms.base import Platform
 from tasks import keys
 
-__all__ = ["acquire", "ask", "open_gate", "refused", "rules", "take", "Paced", "Slot"]
+__all__ = ["acquire", "ask", "gate_of", "open_gate", "refused", "rules", "take", "Paced", "Slot"]
 
 
 class Paced(RateLimited):
