@@ -19,7 +19,7 @@ courier starts it; what comes between (a cold connection, a big upload, a
 process descheduled between the gate and its write) can bring two arrivals
 closer than two starts. So:
 
-- the interval is 1 / per_chat_per_s plus `PACE_MARGIN_S` (20 ms);
+- the interval is 1 / per_chat_per_s plus `PACE_MARGIN_S` (10 ms);
 - when a send is answered, its arrival is estimated as its end minus the
   quickest send this process made to that platform lately (no answer came
   sooner after a request was sent; with no send seen yet, its end): when
@@ -81,7 +81,7 @@ MIN_RETRY_S = 0.02
 #: a send held back by a full window comes back after its reset plus up to this much
 WINDOW_SPREAD_S = 0.05
 #: added to a chat's interval (1 / per_chat_per_s): sends to a chat start at least this much more apart
-PACE_MARGIN_S = 0.02
+PACE_MARGIN_S = 0.01
 #: how much closer than the limit two arrivals may come (the way to the platform, unevenly slow)
 ARRIVAL_JITTER_S = 0.1
 #: a send's estimated arrival later than its start by less than this does not move the gate
