@@ -222,7 +222,8 @@ def test_a_next_lane_taken_with_the_look_clears_its_dead_senders_gate(counted):
     out, trips = counted.trips(lambda: lanes.drive_ready(
         counted.ctx, "memory:nx0", lambda t, countdown=None: None, lambda: None))
     assert out["drained_sent"] == 1 and [s[0] for s in counted.platform.sent] == ["nx0", "nx1"]
-    assert 0 < counted.r.pttl(gate) <= interval * 1000  # nx1's own send started its interval: not paced behind the stale gate
+    # nx1's own send started its interval: not paced behind the stale gate
+    assert 0 < counted.r.pttl(gate) <= interval * 1000
     # nx0: its first look, its gate, its record (with the look taking nx1); nx1: its gate, its record
     assert trips == 3 + 2, [command_names([w]) for w in CountingConnection.writes]
 
