@@ -25,7 +25,6 @@ from dataclasses import replace
 from typing import Any, BinaryIO, cast
 
 from redis.client import Pipeline
-from redis.exceptions import NoScriptError
 
 from adapters.display import visible
 from adapters.errors import CourierError, DeliveryError, Permanent, RateLimited
@@ -313,21 +312,14 @@ def _send_file(ctx: Context, platform: parts.Guarded, chat: str, job: JsonObject
     did = job["id"]
     upload_part = f"{did}#upload"
     # one round trip at most: the cached file id; on a retry also this delivery's own upload (an
-    # earlier run uploaded the file, then its send failed) and whether an earlier run had it refused;
-    # and the send's own first round trip (its part's record, the chat's gate: `look_ahead`)
+    # earlier run uploaded the file, then its send failed) and whether an earlier run had it refused
     pipe = ctx.redis.pipeline(transaction=False)
     if fid_key:
         pipe.get(fid_key)
     if not fresh:
         parts.queue_lookup(pipe, did, [upload_part, f"{did}#refused"])
-    own = len(pipe)
-    answer = platform.look_ahead(pipe, chat, did)
-    got = pipe.execute(raise_on_error=False) if len(pipe) else []
-    for reply in got:  # (a window's script Redis did not have: the send takes its slot itself)
-        if isinstance(reply, Exception) and not isinstance(reply, NoScriptError):
-            raise reply
-    answer(got)
-    uploaded, refused = (None, None) if fresh else got[own - 1]
+    got = pipe.execute() if len(pipe) else []
+    uploaded, refused = (None, None) if fresh else got[-1]
     cached = got[0] if fid_key else None
     cached = cached or uploaded
     if refused:  # refused by the platform before; its notice was re-scheduled (the chat's rate limit)

@@ -508,8 +508,8 @@ def _run_step(ctx: Context, step: Step, held: sendlock.Held | None = None, end: 
                 group["items"][0] = {k: v for k, v in group["items"][0].items() if k != "caption"}
             album.deliver_album(ctx, group)
         return None
-    except Paced as exc:  # courier's own pacing: no attempt, no give-up
-        return exc.retry_after_s + random.uniform(0.0, 0.05)
+    except Paced as exc:  # courier's own pacing (`tasks.ratelimit` says when): no attempt, no give-up
+        return exc.retry_after_s
     except RateLimited as exc:
         n = int(r.hincrby(keys.delivery(step.lead), "rate_limited", 1))
         metrics.record_rate_limited(jobs[0]["target"])

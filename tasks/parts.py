@@ -15,12 +15,12 @@ failed (`<id>#upload`), a refusal whose notice was re-scheduled
 before a send, its part's record is looked up (with the chat's rate-limit
 gate, `tasks.ratelimit`, in the same round trip); a part already recorded is
 not sent again; else the send takes its rate-limit slots, and once sent its
-record is written (with the gate's release). Its Redis round trips per
-send: one (part check + gate), one per window, one (gate release + part
-record). The shared delivery flow saves two of them: `look_ahead` queues the
-first with the flow's own reads (the file-id cache), and with `defer` the
-last rides with the delivery's receipt (`flush`), as the upload's file id
-does (`after_sent`).
+record is written. A platform's 429 is told to `ratelimit.refused` (its
+retry_after holds the chat's gate, the chat's interval widens). Its Redis
+round trips per send: one (part check + gate), one per window, one (the part
+record). With `defer` the last rides with the delivery's receipt (`flush`),
+as the upload's file id does (`after_sent`): a delivery sent in one part
+makes no write of its own.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from adapters.errors import RateLimited
 from adapters.platforms.base import FileSource, Kind, Platform, Sent
 from tasks import keys, ratelimit
 
@@ -58,15 +59,12 @@ class Guarded(Platform):
                  defer: bool = False) -> None:
         self._redis = redis
         self._p = platform
-        #: with `defer`, what follows a send (its record, the chat's gate released, `after_sent`
+        #: with `defer`, what follows a send (its record, the chat's gate pushed, `after_sent`
         #: writes) is written with the next part's send or the caller's receipt (`flush`)
         self._defer = defer
         self._pending: list[tuple[str, str]] = []
-        #: what else follows sends so far: their chat intervals started, `after_sent` writes
+        #: what else follows sends so far: their chat gates pushed (`Slot.release`), `after_sent` writes
         self._writes: list[Callable[[Any], Any]] = []
-        #: a look-ahead's answers: (part, its record, whether the gate was taken, the gate, the
-        #: window slot's answer: None when not asked)
-        self._looked: tuple[str, Any, bool, str | None, bool | None] | None = None
         #: on a delivery's first attempt no part can have been sent before: no need to look
         self._fresh = first_attempt
         self._delivery_id = delivery_id
@@ -94,80 +92,35 @@ class Guarded(Platform):
     def __repr__(self) -> str:
         return f"Guarded({self._p!r})"
 
-    # -- the first round trip of a send: its part's record, the chat's gate ------------------------
-    def _ask(self, pipe: Any, part: str, gate: str | None) -> int:
-        """Queue on `pipe` what a send of `part` asks first; returns how many replies that is."""
-        n = 0
-        if not self._fresh:
-            pipe.hget(keys.delivery_parts(self._delivery_id), part)
-            n += 1
-        if gate is not None:
-            ratelimit.ask_gate(pipe, gate)
-            n += 1
-        return n
-
-    def _answers(self, replies: list[Any], gate: str | None) -> tuple[Any, bool]:
-        """(the part's record, whether the gate was taken) from `_ask`'s replies."""
-        done = None if self._fresh else replies[0]
-        return done, (bool(replies[-1]) if gate is not None else True)
-
-    def look_ahead(self, pipe: Any, chat: str, part: str) -> Callable[[list[Any]], None]:
-        """Queue on `pipe` the first round trip of the coming send of `part` to `chat`, for the
-        caller to execute with reads of its own; call the returned function with all of
-        `pipe`'s replies. That send then makes no round trip before it goes (a send of another
-        part first gives the gate back)."""
-        if self._pending or self._writes or self._looked is not None:
-            return lambda replies: None  # (earlier parts' records go first: no look-ahead then)
-        gate, _ = ratelimit.gate_of(self._p, chat)
-        start = len(pipe)
-        n = self._ask(pipe, part, gate)
-        # the window's slot too, unless the gate is known not to be free yet (its interval, started
-        # here, still runs: the slot would be spent for nothing)
-        window = None if gate is not None and ratelimit.released_lately(gate) else \
-            ratelimit.ask_window(pipe, self._redis, self._p, chat)
-
-        def answer(replies: list[Any]) -> None:
-            took = window(replies[start + n]) if window is not None else None
-            self._looked = (part, *self._answers(replies[start:start + n], gate), gate, took)
-
-        return answer
-
-    def _drop_looked(self, pipe: Any = None) -> None:
-        """A look-ahead whose send did not come: give its gate back."""
-        looked, self._looked = self._looked, None
-        if looked is not None and looked[2] and looked[3] is not None:
-            (pipe if pipe is not None else self._redis).delete(looked[3])
-
+    # -- a send: its part's record and the chat's gate in one round trip ------------------------
     def _once(self, chat: str, part: str, send: Callable[[], Sent]) -> Sent:
         r = self._redis
-        gate, interval_s = ratelimit.gate_of(self._p, chat)
         if self._pending or self._writes:
-            self.flush()  # an earlier part's record (and the gate's release) go before the next part is sent
-        window = None
-        if self._looked is not None and self._looked[0] == part:
-            _, done, got_gate, _, window = self._looked
-            self._looked = None
-        else:
-            self._drop_looked()
-            if self._fresh and gate is None:
-                done, got_gate = None, True
-            else:
-                pipe = r.pipeline(transaction=False)
-                self._ask(pipe, part, gate)
-                done, got_gate = self._answers(pipe.execute(), gate)
+            self.flush()  # an earlier part's record (and the gate's push) go before the next part is sent
+        pipe = r.pipeline(transaction=False)
+        if not self._fresh:  # on a delivery's first attempt no part can have been sent before
+            pipe.hget(keys.delivery_parts(self._delivery_id), part)
+        asked = ratelimit.ask(pipe, self._p, chat)
+        replies = pipe.execute() if len(pipe) else []
+        done = None if self._fresh else replies[0]
         if done is not None:  # sent by an earlier run of this delivery
-            if gate is not None and got_gate:
+            gate, _ = ratelimit.gate_of(self._p, chat)
+            if gate is not None and replies[-1]:
                 ratelimit.open_gate(r, gate)
             return Sent(message_id=str(done))
-        slot = ratelimit.take(r, self._p, chat, gate, interval_s, got_gate=got_gate, window=window)
+        slot = ratelimit.take(r, self._p, chat, replies[len(replies) - asked:])
         try:
             sent = send()
+        except RateLimited as exc:  # the platform's own 429: the chat waits it out, and slows down
+            ratelimit.refused(r, self._p, chat, exc.retry_after_s)
+            raise
         except BaseException:
             slot.release()
             raise
+        slot.sent()
         if self._defer:
-            # recorded, and the chat's interval started, with the next part's send or the
-            # delivery's own receipt (`flush`): the same crash window, one round trip less
+            # recorded (and the chat's gate pushed, for a late arrival) with the next part's send or
+            # the delivery's own receipt (`flush`): the same crash window, one round trip less
             self._pending.append((part, sent.message_id))
             self._writes.append(slot.release)
             return sent
@@ -189,21 +142,20 @@ class Guarded(Platform):
 
     def flush(self, pipe: Any = None, *, covered: str | None = None) -> None:
         """Queue what follows the parts sent so far on `pipe` (the caller's receipt pipeline),
-        or write it now: their records, the chat's interval started (the gate released),
-        `after_sent` writes, the gate of a look-ahead whose send did not come given back.
+        or write it now: their records, the chat's gate pushed for a late arrival,
+        `after_sent` writes.
         `covered`: the delivery id whose receipt the same pipeline marks delivered: a part
         that is the whole delivery needs no record of its own."""
         pending = [(part, m) for part, m in self._pending if part != covered]
         writes = self._writes
         self._pending, self._writes = [], []
-        if not (pending or writes or self._looked is not None):
+        if not (pending or writes):
             return
         p = pipe if pipe is not None else self._redis.pipeline(transaction=False)
         if pending:
             queue_record(p, self._delivery_id, dict(pending))
         for write in writes:
             write(p)
-        self._drop_looked(p)
         if pipe is None:
             p.execute()
 

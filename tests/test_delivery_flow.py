@@ -166,9 +166,8 @@ def test_transient_errors_give_up_after_the_attempts_with_a_notice(flow):
 
 def test_a_refusal_whose_notice_was_paced_sends_only_the_notice_and_frees_the_chats_gate(flow):
     """The platform refuses a file; its notice waits for the chat's next second (courier's own
-    pacing). The retry reads the recorded refusal in the round trip that also took the chat's
-    gate for the file (`Guarded.look_ahead`); the file is not sent again, so that gate is given
-    back before the notice asks for it: the notice goes, and the chat's interval starts after it."""
+    pacing). The retry reads the recorded refusal before the file's send asks for the chat's
+    gate; the file is not sent again: the notice goes, and the chat's interval starts with it."""
     from adapters.platforms.base import FileRefused
     from tasks import ratelimit
 
@@ -187,4 +186,5 @@ def test_a_refusal_whose_notice_was_paced_sends_only_the_notice_and_frees_the_ch
     assert flow.state(did)["state"] == "failed" and flow.state(did)["reason"].startswith("too large")
     (notice,) = gated.sent
     assert notice[1] == "text" and "huge.bin" in notice[2]  # the notice, and the file never again
-    assert flow.r.get(gate) == "done"  # the notice's send started the chat's interval; nothing holds the gate
+    _, interval = ratelimit.gate_of(gated, "c9")
+    assert 0 < flow.r.pttl(gate) <= interval * 1000  # the notice's send started the chat's interval
