@@ -173,14 +173,74 @@ def with_extraction(job: JsonObject, extracted: JsonObject) -> JsonObject:
 def _extraction_failed(ctx: Context, platform: Platform, chat: str, job: JsonObject, extracted: JsonObject
                        ) -> JsonObject:
     reason = extracted.get("reason") or "extraction failed"
-    if extracted.get("too_large"):
-        _notice_too_large(ctx, platform, chat, job, extracted.get("name") or job.get("name") or "file",
-                          extracted.get("size"), extracted.get("limit"), key=None)
-    elif extracted.get("notify"):
-        words = extracted["notify"]
-        notice_failed(ctx, job, words if isinstance(words, str) else CourierError.chat_words, reason=reason)
+    if extracted.get("too_large") or extracted.get("notify"):
+        tell_unsent(ctx, platform, chat, job, extracted)
+        log.warning("delivery %s to %s failed for good: %s", job["id"], job["target"], reason)
     receipts.update_delivery(ctx.redis, job["id"], final="1")
     return record_failure(ctx, job, reason)
+
+
+#: names one notice lists; the rest are counted
+UNSENT_LISTED = 10
+
+
+def _unsent_item(name: str, rec: JsonObject) -> tuple[str, str]:
+    """(the sentence of a notice for one file, its line in a notice for several) of a failed extraction."""
+    name = visible(name)
+    if rec.get("too_large") in (True, "1"):
+        size = rec.get("size") or rec.get("size_bytes")
+        limit = rec.get("limit") or rec.get("limit_bytes")
+        size_s = human_bytes(int(size)) if size else "unknown size"
+        limit_s = human_bytes(int(limit)) if limit else "the limit"
+        return (f"⚠️ {name} ({size_s}) was not sent: it is over the {limit_s} limit here.",
+                f"• {name} ({size_s}): over the {limit_s} limit here")
+    words = rec.get("notify")
+    words = words if isinstance(words, str) and words and words != "1" else CourierError.chat_words
+    return f"⚠️ {name} could not be sent: {words}.", f"• {name}: {words}"
+
+
+def unsent_notice(items: list[tuple[str, str]]) -> str:
+    """One notice for a reply's files that could not be sent: `items` are
+    `_unsent_item`'s (sentence, line) pairs, in reply order."""
+    if len(items) == 1:
+        return items[0][0]
+    lines = [line for _, line in items[:UNSENT_LISTED]]
+    if len(items) > UNSENT_LISTED:
+        lines.append(f"• … and {len(items) - UNSENT_LISTED} more")
+    return f"⚠️ {len(items)} files could not be sent:\n" + "\n".join(lines)
+
+
+def tell_unsent(ctx: Context, platform: Platform, chat: str, job: JsonObject, extracted: JsonObject) -> None:
+    """Tell the chat, in one notice, that this file could not be sent and why
+    (the chat's words: `notify`, or too large), naming with it every other file
+    of the same reply whose extraction failed already and that no notice named
+    yet (extractions run ahead of the lane, so a reply's missing, unsafe,
+    NUL/newline-named and too-large files are usually all known by the first
+    one's turn). The files it names are marked `noticed` (with this delivery's
+    id): their own steps send nothing. A failure path: one read of the job's
+    receipts. The notice shows names only (`visible`), never a path."""
+    r = ctx.redis
+    did = job["id"]
+    recs = receipts.job_deliveries(r, job["job"]) if job.get("job") else []
+    own = next((rec for rec in recs if rec.get("id") == did), {})
+    if own.get("noticed") and own["noticed"] != did:
+        return  # named in a notice an earlier file of the reply sent
+    name = extracted.get("name") or job.get("name") or "file"
+    items = [_unsent_item(name, extracted)]
+    named = [did]
+    for rec in recs:
+        rid = rec.get("id") or ""
+        if (rid == did or rec.get("noticed") or rec.get("extraction") != "failed" or rec.get("type") != "file"
+                or rec.get("state") in ("delivered", "cancelled")
+                or not (rec.get("notify") or rec.get("too_large") == "1")):
+            continue
+        items.append(_unsent_item(rec.get("name") or "file", rec))
+        named.append(rid)
+    _notice(ctx, platform, chat, job, unsent_notice(items), key=None)
+    pipe = r.pipeline(transaction=False)
+    for rid in named:
+        receipts.update_delivery(pipe, rid, noticed=did)
+    pipe.execute()
 
 
 def record_delivered(ctx: Context, job: JsonObject, message_id: str, kind_name: str, size: int, attempts: int,

@@ -260,9 +260,14 @@ def _run_agent(ctx: Context, spec: TurnSpec, agent: AgentConfig | None, name: st
     parsed = parse_reply(result.reply)
     files: list[chains.StoredFile | chains.SandboxFile] = []
     stored = result.extra.get("stored") or {}  # screenshots of the OpenAI runtime: already in storage
+    seen: set[str] = set()
     for path in parsed.media:
         if path.startswith("~/") and local:  # a local agent's home is its workspace
             path = posixpath.join(workdir, path[2:])
+        same = posixpath.normpath(path)  # `./x`, `x` and `a/../x` name one file: it goes once, where first named
+        if same in seen:
+            continue
+        seen.add(same)
         if path in stored:
             files.append(chains.StoredFile(**stored[path]))
         else:
