@@ -292,12 +292,55 @@ def _confirms_later(ctx: Context, job: JsonObject) -> bool:
         return False
 
 
+#: text messages one reply may take in a chat; a longer text goes as its first part, cut with a
+#: line saying so, then the whole text as a document (`REPLY_FILE`): a 1 MB reply is 2 messages,
+#: not 101 on Discord (`long_reply`)
+REPLY_MAX_PARTS = 4
+REPLY_FILE = "reply.txt"
+#: room kept in the first part for the line that says it was cut
+_CUT_NOTE_CHARS = 80
+
+
 def _send_text(platform: Platform, chat: str, text: str, did: str) -> Sent:
     pieces = split_text(text, platform.limits.text_chars) or [""]
+    if len(pieces) > REPLY_MAX_PARTS:
+        return long_reply(platform, chat, text, did)
     ids = []
     for i, part in enumerate(pieces):
         sub_id = did if len(pieces) == 1 else f"{did}#{i}"
         ids.append(platform.send_text(chat, part, delivery_id=sub_id).message_id)
+    return Sent(message_id=",".join(ids))
+
+
+def long_reply(platform: Platform, chat: str, text: str, did: str) -> Sent:
+    """A text over the reply budget (`REPLY_MAX_PARTS` messages): its first
+    part, ending in `… (truncated, N more characters in reply.txt)`, then the
+    whole text as the document `reply.txt` (UTF-8). A text the platform cannot
+    take as a document (over its upload limit, a type it refuses) is only cut:
+    the line says how much was left out. Each is a part of the delivery
+    (`<id>#0`, `<id>#doc`): a retry sends neither twice."""
+    import hashlib
+    import io
+    from contextlib import nullcontext
+
+    text = text.strip()
+    body = text.encode()
+    src = FileSource(name=REPLY_FILE, size_bytes=len(body), sha256=hashlib.sha256(body).hexdigest(),
+                     opener=lambda: nullcontext(cast(BinaryIO, io.BytesIO(body))), mime="text/plain")
+    kind: Kind | None = Kind.DOCUMENT
+    try:
+        kind = platform.route_file(Kind.DOCUMENT, src)
+    except FileRefused:
+        kind = None
+    if kind is not None and len(body) > platform.limits.upload_limit(kind):
+        kind = None
+    head = split_text(text, max(1, platform.limits.text_chars - _CUT_NOTE_CHARS))[0]
+    more = len(text) - len(head)
+    where = f"in {REPLY_FILE}" if kind is not None else "not sent: too long for this chat"
+    ids = [platform.send_text(chat, f"{head}\n\n… (truncated, {more:,} more characters {where})",
+                              delivery_id=f"{did}#0").message_id]
+    if kind is not None:
+        ids.append(platform.send_file(chat, kind, src, caption=None, delivery_id=f"{did}#doc").message_id)
     return Sent(message_id=",".join(ids))
 
 
