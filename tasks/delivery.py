@@ -457,7 +457,7 @@ def _send_file(ctx: Context, platform: parts.Guarded, chat: str, job: JsonObject
         file_id = sent.file_id
         platform.after_sent(lambda pipe: pipe.set(fid_key, file_id, ex=FILE_ID_TTL_S))
     send_overflow(platform, chat, overflow, job["id"])
-    return sent, kind.value, size
+    return sent, (sent.kind or kind).value, size  # what the chat shows (a refused voice message: audio)
 
 
 def _sha256_of(store: BlobStore, key: str) -> str:
