@@ -351,3 +351,18 @@ def test_a_500_on_the_file_is_retried_and_the_file_and_caption_go_once(row, r, t
     (d,) = wait_job(r, enqueue(row.env, f"{row.name}:{chat}", files=[p], caption="the plot"), timeout_s=60)
     assert d["state"] == "delivered" and d["transient_errors"] == "1", d
     assert row.files(chat) == [sha] and row.texts(chat) == []
+
+
+@rows()
+def test_a_long_reply_is_its_first_part_then_the_whole_text_as_reply_txt(row, r):
+    # issue 24: a 1 MB reply was 101 Discord / 50 Telegram / 50 WhatsApp / 6 Slack messages
+    import hashlib
+
+    chat = row.chat()
+    text = words(1024 * 1024, seed=11)[:1024 * 1024].strip()
+    (d,) = wait_job(r, enqueue(row.env, f"{row.name}:{chat}", text=text), timeout_s=60)
+    assert d["state"] == "delivered", d
+    (head,) = row.texts(chat)
+    shown, _, note = head.rpartition("\n\n")
+    assert text.startswith(shown) and note == f"… (truncated, {len(text) - len(shown):,} more characters in reply.txt)"
+    assert row.files(chat) == [hashlib.sha256(text.encode()).hexdigest()]
