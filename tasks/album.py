@@ -138,6 +138,9 @@ def _send_album(ctx: Context, platform: Platform, chat: str, lead: str,
             receipts.update_delivery(r, job["id"], final="1")
             out[job["id"]] = delivery.record_failure(ctx, job, exc.reason, kind=Kind.PHOTO.value)
         return out
+    for job, _ in album:  # the reply's last file went in it: the notice of the reply's files that could
+        if job.get("tell"):  # not go follows (sent once; paced: the step is re-run, the album not sent again)
+            delivery.tell_reply(ctx, guarded, chat, job)
     out = {}
     pipe = r.pipeline(transaction=False)
     for i, ((job, src), n) in enumerate(zip(album, attempts)):

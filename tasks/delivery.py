@@ -140,12 +140,16 @@ def deliver_item(ctx: Context, platform: Platform, chat: str, job: JsonObject, e
         else:
             sent, kind_name, size = _send_file(ctx, guarded, chat, job,
                                                fresh=session is not None and session.fresh)
+            if job.get("tell"):  # the reply's last file: the notice of its files that could not go
+                tell_reply(ctx, guarded, chat, job)
     except Permanent as exc:
+        _tell_then(ctx, guarded, chat, job)
         guarded.flush()
         receipts.update_delivery(r, did, final="1")
         kind = Kind.TEXT.value if job.get("type") == "text" else getattr(exc, "kind", None)
         return record_failure(ctx, job, exc.reason, kind=kind)
     except _Refused as notice:
+        _tell_then(ctx, guarded, chat, job)
         guarded.flush()
         receipts.update_delivery(r, did, final="1")
         return record_failure(ctx, job, notice.reason, kind=notice.kind)
@@ -173,8 +177,13 @@ def with_extraction(job: JsonObject, extracted: JsonObject) -> JsonObject:
 def _extraction_failed(ctx: Context, platform: Platform, chat: str, job: JsonObject, extracted: JsonObject
                        ) -> JsonObject:
     reason = extracted.get("reason") or "extraction failed"
+    if job.get("tell"):  # the reply's last file: one notice for every file of it that could not go
+        tell_reply(ctx, platform, chat, job)
+    elif (extracted.get("too_large") or extracted.get("notify")) and not job.get("told_by"):
+        # (a reply's earlier file: named in the notice its last file sends, after the files that went)
+        _notice(ctx, platform, chat, job, unsent_notice([_unsent_item(
+            extracted.get("name") or job.get("name") or "file", extracted)]), key=None)
     if extracted.get("too_large") or extracted.get("notify"):
-        tell_unsent(ctx, platform, chat, job, extracted)
         log.warning("delivery %s to %s failed for good: %s", job["id"], job["target"], reason)
     receipts.update_delivery(ctx.redis, job["id"], final="1")
     return record_failure(ctx, job, reason)
@@ -210,37 +219,45 @@ def unsent_notice(items: list[tuple[str, str]]) -> str:
     return f"⚠️ {len(items)} files could not be sent:\n" + "\n".join(lines)
 
 
-def tell_unsent(ctx: Context, platform: Platform, chat: str, job: JsonObject, extracted: JsonObject) -> None:
-    """Tell the chat, in one notice, that this file could not be sent and why
-    (the chat's words: `notify`, or too large), naming with it every other file
-    of the same reply whose extraction failed already and that no notice named
-    yet (extractions run ahead of the lane, so a reply's missing, unsafe,
-    NUL/newline-named and too-large files are usually all known by the first
-    one's turn). The files it names are marked `noticed` (with this delivery's
-    id): their own steps send nothing. A failure path: one read of the job's
-    receipts. The notice shows names only (`visible`), never a path."""
-    r = ctx.redis
-    did = job["id"]
-    recs = receipts.job_deliveries(r, job["job"]) if job.get("job") else []
-    own = next((rec for rec in recs if rec.get("id") == did), {})
-    if own.get("noticed") and own["noticed"] != did:
-        return  # named in a notice an earlier file of the reply sent
-    name = extracted.get("name") or job.get("name") or "file"
-    items = [_unsent_item(name, extracted)]
-    named = [did]
-    for rec in recs:
-        rid = rec.get("id") or ""
-        if (rid == did or rec.get("noticed") or rec.get("extraction") != "failed" or rec.get("type") != "file"
-                or rec.get("state") in ("delivered", "cancelled")
-                or not (rec.get("notify") or rec.get("too_large") == "1")):
-            continue
-        items.append(_unsent_item(rec.get("name") or "file", rec))
-        named.append(rid)
-    _notice(ctx, platform, chat, job, unsent_notice(items), key=None)
-    pipe = r.pipeline(transaction=False)
-    for rid in named:
-        receipts.update_delivery(pipe, rid, noticed=did)
-    pipe.execute()
+def tell_reply(ctx: Context, platform: Platform, chat: str, job: JsonObject) -> None:
+    """At a reply's last file (its spec's `tell`: the ids of the reply's files,
+    set by `tasks.chains` for a turn's reply), tell the chat in one notice
+    every file of the reply that could not be sent and why: each whose
+    extraction failed with words for the chat (`notify`: missing, unsafe, a
+    control character in its name ...) or as too large. The reply's other
+    files send no notice of their own for these (`told_by`). Sent once (part
+    `<id>#unsent`), after the last file's own outcome; nothing when all went.
+    One read of the files' receipts per reply. Shows names only (`visible`),
+    never a path. A RateLimited/Paced notice propagates: the step is
+    re-scheduled and resumes here (what it sent is recorded)."""
+    ids = [str(i) for i in job.get("tell") or []]
+    if not ids:
+        return
+    pipe = ctx.redis.pipeline(transaction=False)
+    for rid in ids:
+        pipe.hgetall(keys.delivery(rid))
+    items = [_unsent_item(rec.get("name") or "file", rec) for rec in pipe.execute()
+             if rec and rec.get("extraction") == "failed" and rec.get("state") not in ("delivered", "cancelled")
+             and (rec.get("notify") or rec.get("too_large") == "1")]
+    if items:
+        _notice(ctx, platform, chat, job, unsent_notice(items), key=None, part="unsent")
+
+
+def _tell_then(ctx: Context, guarded: parts.Guarded, chat: str, job: JsonObject) -> None:
+    """`tell_reply` from inside `deliver_item`'s outcome: a notice still paced (or
+    rate limited) re-schedules the step as a send of it would (its parts flushed,
+    a paced try counts no attempt)."""
+    if not job.get("tell"):
+        return
+    try:
+        tell_reply(ctx, guarded, chat, job)
+    except ratelimit.Paced:
+        guarded.flush()
+        ctx.redis.hincrby(keys.delivery(job["id"]), "attempts", -1)
+        raise
+    except BaseException:
+        guarded.flush()
+        raise
 
 
 def record_delivered(ctx: Context, job: JsonObject, message_id: str, kind_name: str, size: int, attempts: int,
@@ -500,9 +517,10 @@ def _notice_refused(ctx: Context, platform: Platform, chat: str, job: JsonObject
     return reason
 
 
-def _notice(ctx: Context, platform: Platform, chat: str, job: JsonObject, text: str, *, key: str | None) -> None:
+def _notice(ctx: Context, platform: Platform, chat: str, job: JsonObject, text: str, *, key: str | None,
+            part: str = "notice") -> None:
     """Tell the chat a file was not sent (`text`), with a download link when
-    `key` is given and the store can sign one; sent once (part `<id>#notice`)."""
+    `key` is given and the store can sign one; sent once (part `<id>#<part>`)."""
     if key is not None:
         try:
             url = ctx.store.signed_url(key, expires_s=7 * 24 * 3600)
@@ -511,7 +529,7 @@ def _notice(ctx: Context, platform: Platform, chat: str, job: JsonObject, text: 
         if url:
             text += f"\nDownload it here (link valid 7 days): {url}"
     try:
-        platform.send_text(chat, text, delivery_id=f"{job['id']}#notice")
+        platform.send_text(chat, text, delivery_id=f"{job['id']}#{part}")
     except RateLimited:
         raise  # re-scheduled: the notice goes out once its slot is free
     except CourierError:

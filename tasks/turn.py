@@ -275,7 +275,7 @@ def _run_agent(ctx: Context, spec: TurnSpec, agent: AgentConfig | None, name: st
     plan = chains.Plan(job_id=job_id, target=target, text=parsed.text or None, files=files,
                        voice=parsed.audio_as_voice, as_document=parsed.as_document,
                        max_bytes=ctx.max_file_bytes, album_max=_album_max(ctx, target),
-                       max_files=ctx.max_files_per_job)
+                       max_files=ctx.max_files_per_job, tell_unsent=True)
     from tasks.operations import CANCEL_REASON, cancel_requested
 
     if cancel_requested(r, job_id):  # `courier cancel` while it ran: its reply is not delivered

@@ -43,6 +43,13 @@ AGENTS = {
         print('newline MEDIA:"' + ws + '/a' + chr(10) + 'b.png" done')
         print("big MEDIA:" + ws + "/big.bin")
         """,
+    # the one that cannot go first, the reply's last file in an album
+    "album_last": """
+        ws = os.getcwd()
+        open("a.png", "wb").write(b"\\x89PNG a")
+        open("b.png", "wb").write(b"\\x89PNG b")
+        print("MEDIA:" + ws + "/missing.pdf MEDIA:" + ws + "/a.png MEDIA:~/b.png")
+        """,
     # one file that cannot go, nothing else wrong
     "missing": """
         print("see MEDIA:" + os.getcwd() + "/gone.pdf")
@@ -120,3 +127,10 @@ def test_a_lone_missing_file_is_told_in_one_sentence(flow, fake_telegram):
     _reply(flow, "missing", "802")
     texts = [c.text for c in fake_telegram.calls_for("sendMessage", "802", ok=True)]
     assert texts == ["see", "⚠️ gone.pdf could not be sent: the agent named a file that is not in its workspace."]
+
+
+def test_the_notice_follows_an_album_that_holds_the_replys_last_file(flow, fake_telegram):
+    _reply(flow, "album_last", "803")
+    calls = fake_telegram.calls_for(chat="803", ok=True)
+    assert [c.method for c in calls] == ["sendMediaGroup", "sendMessage"], [c.method for c in calls]
+    assert calls[1].text == "⚠️ missing.pdf could not be sent: the agent named a file that is not in its workspace."
