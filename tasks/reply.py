@@ -49,7 +49,9 @@ Tags
 - Bracket/quote/emphasis pairs wrapped tightly around a tag go with it:
   `(MEDIA:/a.png)`, `"MEDIA:/a.png"`, `**MEDIA:/a.png**` leave nothing.
 - Duplicates (compared after unquoting and punctuation clean-up) deliver
-  once; the first occurrence keeps its place in `media`.
+  once; the first occurrence keeps its place in `media`. (`tasks.turn` also
+  compares the normalised path, the turn's `~` expanded: `/w/./x` and `/w/x`
+  are one file.)
 - A path is at most 4096 characters (PATH_MAX); longer ones are not tags.
   Every search is bounded by that, so parsing stays near-linear.
 
