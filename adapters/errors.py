@@ -92,7 +92,7 @@ class ControlInName(UnsafePath):
 
 
 class FileMissing(SandboxError):
-    chat_words = "the agent named a file that is not in its workspace"
+    chat_words = "it is not in the agent's workspace"
 
 
 class NotAFile(SandboxError):

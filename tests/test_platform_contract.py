@@ -400,7 +400,7 @@ def test_every_media_tag_that_cannot_go_is_named_in_one_notice_after_the_file_th
     texts = row.texts(chat)
     assert texts[0] == "Here and\ngone, secret\nnul; split done", texts
     assert texts[1:] == ["⚠️ 4 files could not be sent:\n"
-                         "• nope.pdf: the agent named a file that is not in its workspace\n"
+                         "• nope.pdf: it is not in the agent's workspace\n"
                          "• passwd: the agent named a file it may not share\n"
                          "• a\\u0000b.pdf: its name holds a control character (a newline or a NUL)\n"
                          "• a\\u000ab.pdf: its name holds a control character (a newline or a NUL)"], texts

@@ -106,7 +106,7 @@ def test_every_file_that_cannot_go_is_named_in_one_notice_and_the_good_one_goes_
     assert text.splitlines() == ["Here you go:", "again and", "missing", "secret", "nul", "newline done", "big"]
     assert notice.startswith("⚠️ 5 files could not be sent:\n"), notice
     assert notice.splitlines()[1:] == [
-        "• nope.png: the agent named a file that is not in its workspace",
+        "• nope.png: it is not in the agent's workspace",
         "• passwd: the agent named a file it may not share",
         "• id_rsa\\u0000.png: its name holds a control character (a newline or a NUL)",
         "• a\\u000ab.png: its name holds a control character (a newline or a NUL)",
@@ -126,11 +126,11 @@ def test_every_file_that_cannot_go_is_named_in_one_notice_and_the_good_one_goes_
 def test_a_lone_missing_file_is_told_in_one_sentence(flow, fake_telegram):
     _reply(flow, "missing", "802")
     texts = [c.text for c in fake_telegram.calls_for("sendMessage", "802", ok=True)]
-    assert texts == ["see", "⚠️ gone.pdf could not be sent: the agent named a file that is not in its workspace."]
+    assert texts == ["see", "⚠️ gone.pdf could not be sent: it is not in the agent's workspace."]
 
 
 def test_the_notice_follows_an_album_that_holds_the_replys_last_file(flow, fake_telegram):
     _reply(flow, "album_last", "803")
     calls = fake_telegram.calls_for(chat="803", ok=True)
     assert [c.method for c in calls] == ["sendMediaGroup", "sendMessage"], [c.method for c in calls]
-    assert calls[1].text == "⚠️ missing.pdf could not be sent: the agent named a file that is not in its workspace."
+    assert calls[1].text == "⚠️ missing.pdf could not be sent: it is not in the agent's workspace."
