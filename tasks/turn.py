@@ -264,7 +264,7 @@ def _run_agent(ctx: Context, spec: TurnSpec, agent: AgentConfig | None, name: st
     for path in parsed.media:
         if path.startswith("~/") and local:  # a local agent's home is its workspace
             path = posixpath.join(workdir, path[2:])
-        same = posixpath.normpath(path)  # `./x`, `x` and `a/../x` name one file: it goes once, where first named
+        same = _same_file(path)  # `./x` and `x` name one file: it goes once, where first named
         if same in seen:
             continue
         seen.add(same)
@@ -281,6 +281,14 @@ def _run_agent(ctx: Context, spec: TurnSpec, agent: AgentConfig | None, name: st
     if cancel_requested(r, job_id):  # `courier cancel` while it ran: its reply is not delivered
         return TurnOutcome(job_id, target, "cancelled", reason=CANCEL_REASON)
     return TurnOutcome(job_id, target, "replied", plan=plan)
+
+
+def _same_file(path: str) -> str:
+    """A MEDIA path as duplicates compare: `.` parts and repeated slashes dropped;
+    `..` kept (what it names depends on links the extraction resolves: a path
+    with one is never taken for another and left out)."""
+    head = "/" if path.startswith("/") else ""
+    return head + "/".join(p for p in path.split("/") if p not in ("", "."))
 
 
 def finish(ctx: Context, outcome: TurnOutcome, enqueue: Enqueue, *,
