@@ -12,6 +12,7 @@ from the class alone::
     │   └── Permanent          bad chat, forbidden, too large, bad request: no retry
     ├── SandboxError           raised by sandbox backends
     │   ├── UnsafePath         outside the allowed roots / denylisted / link escape
+    │   │   └── ControlInName  a control character (NUL, newline, ESC) in the path: refused before any I/O
     │   ├── FileMissing        no such file in the sandbox
     │   ├── NotAFile           a directory, device, fifo ...
     │   ├── TooLarge           over the size cap (before or during transfer)
@@ -84,8 +85,14 @@ class UnsafePath(SandboxError):
     chat_words = "the agent named a file it may not share"
 
 
+class ControlInName(UnsafePath):
+    """A path holding a control character (a NUL, a newline, an ESC): never read."""
+
+    chat_words = "its name holds a control character (a newline or a NUL)"
+
+
 class FileMissing(SandboxError):
-    chat_words = "the agent named a file that is not in its workspace"
+    chat_words = "it is not in the agent's workspace"
 
 
 class NotAFile(SandboxError):
@@ -202,7 +209,7 @@ def translating(table: Callable[[], ErrorTable[Any]], *context: Any,
 __all__ = [
     "ErrorTable", "translating",
     "CourierError", "ConfigError", "DeliveryError", "RateLimited", "Transient", "Permanent",
-    "SandboxError", "UnsafePath", "FileMissing", "NotAFile", "TooLarge", "FileChanging", "SandboxGone",
+    "SandboxError", "UnsafePath", "ControlInName", "FileMissing", "NotAFile", "TooLarge", "FileChanging", "SandboxGone",
     "SandboxStalled",
     "StorageError", "BlobMissing", "in_chat_words",
 ]

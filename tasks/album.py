@@ -24,7 +24,7 @@ def deliver_album(ctx: Context, group: JsonObject) -> JsonObject:
     `deliver` takes them, each with its own delivery id and receipt; a
     sandbox file's item has `extracted` set, its extraction's result being in
     its receipt. Items already done are skipped; a failed extraction is
-    recorded failed (with the too-large notice); photos that fit the photo
+    recorded failed (with its notice, after what the group sends); photos that fit the photo
     and upload limits go as one album when two or more remain, the rest
     (a photo over the photo limit, a file over the upload limit, a lone
     photo) go after it one by one, as `deliver` sends them. The caption goes
@@ -71,13 +71,14 @@ def _deliver_album_locked(ctx: Context, group: JsonObject) -> JsonObject:
 
     photos: list[tuple[JsonObject, FileSource]] = []
     singles: list[JsonObject] = []
+    unsent: list[tuple[JsonObject, JsonObject]] = []  # failed extractions: recorded, the chat told, after the sends
     for item, rec in pending:
         job = _job_of(item)
         if item.get("extracted"):
             extracted = result_of(rec, item["key"]) or {"ok": False, "name": item.get("name"),
                                                         "reason": "the extraction recorded no result"}
             if not extracted["ok"]:
-                results[job["id"]] = delivery.deliver_item(ctx, platform, chat, job, extracted)
+                unsent.append((job, extracted))
                 continue
             job = delivery.with_extraction(job, extracted)
         kind, src, limit = delivery.plan_file(ctx, platform, job)
@@ -102,6 +103,8 @@ def _deliver_album_locked(ctx: Context, group: JsonObject) -> JsonObject:
         if caption:
             job, caption = {**job, "caption": caption}, None
         results[job["id"]] = delivery.deliver_item(ctx, platform, chat, job, None)
+    for job, extracted in unsent:  # the notice after the files that went
+        results[job["id"]] = delivery.deliver_item(ctx, platform, chat, job, extracted)
     return summary()
 
 
@@ -135,6 +138,9 @@ def _send_album(ctx: Context, platform: Platform, chat: str, lead: str,
             receipts.update_delivery(r, job["id"], final="1")
             out[job["id"]] = delivery.record_failure(ctx, job, exc.reason, kind=Kind.PHOTO.value)
         return out
+    for job, _ in album:  # the reply's last file went in it: the notice of the reply's files that could
+        if job.get("tell"):  # not go follows (sent once; paced: the step is re-run, the album not sent again)
+            delivery.tell_reply(ctx, guarded, chat, job)
     out = {}
     pipe = r.pipeline(transaction=False)
     for i, ((job, src), n) in enumerate(zip(album, attempts)):

@@ -95,6 +95,9 @@ class Plan:
     album_max: int = 0
     #: files one job may send (0: no cap); the rest are left out with a notice in the text
     max_files: int = 0
+    #: a turn's reply: its last file's step tells, in one notice, every file of it that could
+    #: not go (that spec's `tell`: the files' ids; the others' `told_by`: tasks.delivery.tell_reply)
+    tell_unsent: bool = False
 
 
 def sandbox_queue(ref: SandboxRef) -> str:
@@ -189,6 +192,11 @@ def entries(plan: Plan) -> list[_Entry]:
             if entry.lane:
                 fields["album"] = json.dumps([delivery_id(plan.job_id, first_seq + j) for j in group])
         out.append(entry)
+    files = [e for e in out if e.spec["type"] == "file"]
+    if plan.tell_unsent and files:
+        files[-1].spec["tell"] = [e.did for e in files]
+        for e in files[:-1]:
+            e.spec["told_by"] = files[-1].did
     return out
 
 

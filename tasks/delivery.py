@@ -139,12 +139,16 @@ def deliver_item(ctx: Context, platform: Platform, chat: str, job: JsonObject, e
         else:
             sent, kind_name, size = _send_file(ctx, guarded, chat, job,
                                                fresh=session is not None and session.fresh)
+            if job.get("tell"):  # the reply's last file: the notice of its files that could not go
+                tell_reply(ctx, guarded, chat, job)
     except Permanent as exc:
+        _tell_then(ctx, guarded, chat, job)
         guarded.flush()
         receipts.update_delivery(r, did, final="1")
         kind = Kind.TEXT.value if job.get("type") == "text" else getattr(exc, "kind", None)
         return record_failure(ctx, job, exc.reason, kind=kind)
     except _Refused as notice:
+        _tell_then(ctx, guarded, chat, job)
         guarded.flush()
         receipts.update_delivery(r, did, final="1")
         return record_failure(ctx, job, notice.reason, kind=notice.kind)
@@ -172,14 +176,87 @@ def with_extraction(job: JsonObject, extracted: JsonObject) -> JsonObject:
 def _extraction_failed(ctx: Context, platform: Platform, chat: str, job: JsonObject, extracted: JsonObject
                        ) -> JsonObject:
     reason = extracted.get("reason") or "extraction failed"
-    if extracted.get("too_large"):
-        _notice_too_large(ctx, platform, chat, job, extracted.get("name") or job.get("name") or "file",
-                          extracted.get("size"), extracted.get("limit"), key=None)
-    elif extracted.get("notify"):
-        words = extracted["notify"]
-        notice_failed(ctx, job, words if isinstance(words, str) else CourierError.chat_words, reason=reason)
+    if job.get("tell"):  # the reply's last file: one notice for every file of it that could not go
+        tell_reply(ctx, platform, chat, job)
+    elif (extracted.get("too_large") or extracted.get("notify")) and not job.get("told_by"):
+        # (a reply's earlier file: named in the notice its last file sends, after the files that went)
+        _notice(ctx, platform, chat, job, unsent_notice([_unsent_item(
+            extracted.get("name") or job.get("name") or "file", extracted)]), key=None)
+    if extracted.get("too_large") or extracted.get("notify"):
+        log.warning("delivery %s to %s failed for good: %s", job["id"], job["target"], reason)
     receipts.update_delivery(ctx.redis, job["id"], final="1")
     return record_failure(ctx, job, reason)
+
+
+#: names one notice lists; the rest are counted
+UNSENT_LISTED = 10
+
+
+def _unsent_item(name: str, rec: JsonObject) -> tuple[str, str]:
+    """(the sentence of a notice for one file, its line in a notice for several) of a failed extraction."""
+    name = visible(name)
+    if rec.get("too_large") in (True, "1"):
+        size = rec.get("size") or rec.get("size_bytes")
+        limit = rec.get("limit") or rec.get("limit_bytes")
+        size_s = human_bytes(int(size)) if size else "unknown size"
+        limit_s = human_bytes(int(limit)) if limit else "the limit"
+        return (f"⚠️ {name} ({size_s}) was not sent: it is over the {limit_s} limit here.",
+                f"• {name} ({size_s}): over the {limit_s} limit here")
+    words = rec.get("notify")
+    words = words if isinstance(words, str) and words and words != "1" else CourierError.chat_words
+    return f"⚠️ {name} could not be sent: {words}.", f"• {name}: {words}"
+
+
+def unsent_notice(items: list[tuple[str, str]]) -> str:
+    """One notice for a reply's files that could not be sent: `items` are
+    `_unsent_item`'s (sentence, line) pairs, in reply order."""
+    if len(items) == 1:
+        return items[0][0]
+    lines = [line for _, line in items[:UNSENT_LISTED]]
+    if len(items) > UNSENT_LISTED:
+        lines.append(f"• … and {len(items) - UNSENT_LISTED} more")
+    return f"⚠️ {len(items)} files could not be sent:\n" + "\n".join(lines)
+
+
+def tell_reply(ctx: Context, platform: Platform, chat: str, job: JsonObject) -> None:
+    """At a reply's last file (its spec's `tell`: the ids of the reply's files,
+    set by `tasks.chains` for a turn's reply), tell the chat in one notice
+    every file of the reply that could not be sent and why: each whose
+    extraction failed with words for the chat (`notify`: missing, unsafe, a
+    control character in its name ...) or as too large. The reply's other
+    files send no notice of their own for these (`told_by`). Sent once (part
+    `<id>#unsent`), after the last file's own outcome; nothing when all went.
+    One read of the files' receipts per reply. Shows names only (`visible`),
+    never a path. A RateLimited/Paced notice propagates: the step is
+    re-scheduled and resumes here (what it sent is recorded)."""
+    ids = [str(i) for i in job.get("tell") or []]
+    if not ids:
+        return
+    pipe = ctx.redis.pipeline(transaction=False)
+    for rid in ids:
+        pipe.hgetall(keys.delivery(rid))
+    items = [_unsent_item(rec.get("name") or "file", rec) for rec in pipe.execute()
+             if rec and rec.get("extraction") == "failed" and rec.get("state") not in ("delivered", "cancelled")
+             and (rec.get("notify") or rec.get("too_large") == "1")]
+    if items:
+        _notice(ctx, platform, chat, job, unsent_notice(items), key=None, part="unsent")
+
+
+def _tell_then(ctx: Context, guarded: parts.Guarded, chat: str, job: JsonObject) -> None:
+    """`tell_reply` from inside `deliver_item`'s outcome: a notice still paced (or
+    rate limited) re-schedules the step as a send of it would (its parts flushed,
+    a paced try counts no attempt)."""
+    if not job.get("tell"):
+        return
+    try:
+        tell_reply(ctx, guarded, chat, job)
+    except ratelimit.Paced:
+        guarded.flush()
+        ctx.redis.hincrby(keys.delivery(job["id"]), "attempts", -1)
+        raise
+    except BaseException:
+        guarded.flush()
+        raise
 
 
 def record_delivered(ctx: Context, job: JsonObject, message_id: str, kind_name: str, size: int, attempts: int,
@@ -231,12 +308,55 @@ def _confirms_later(ctx: Context, job: JsonObject) -> bool:
         return False
 
 
+#: text messages one reply may take in a chat; a longer text goes as its first part, cut with a
+#: line saying so, then the whole text as a document (`REPLY_FILE`): a 1 MB reply is 2 messages,
+#: not 101 on Discord (`long_reply`)
+REPLY_MAX_PARTS = 4
+REPLY_FILE = "reply.txt"
+#: room kept in the first part for the line that says it was cut
+_CUT_NOTE_CHARS = 80
+
+
 def _send_text(platform: Platform, chat: str, text: str, did: str) -> Sent:
     pieces = split_text(text, platform.limits.text_chars) or [""]
+    if len(pieces) > REPLY_MAX_PARTS:
+        return long_reply(platform, chat, text, did)
     ids = []
     for i, part in enumerate(pieces):
         sub_id = did if len(pieces) == 1 else f"{did}#{i}"
         ids.append(platform.send_text(chat, part, delivery_id=sub_id).message_id)
+    return Sent(message_id=",".join(ids))
+
+
+def long_reply(platform: Platform, chat: str, text: str, did: str) -> Sent:
+    """A text over the reply budget (`REPLY_MAX_PARTS` messages): its first
+    part, ending in `… (truncated, N more characters in reply.txt)`, then the
+    whole text as the document `reply.txt` (UTF-8). A text the platform cannot
+    take as a document (over its upload limit, a type it refuses) is only cut:
+    the line says how much was left out. Each is a part of the delivery
+    (`<id>#0`, `<id>#doc`): a retry sends neither twice."""
+    import hashlib
+    import io
+    from contextlib import nullcontext
+
+    text = text.strip()
+    body = text.encode()
+    src = FileSource(name=REPLY_FILE, size_bytes=len(body), sha256=hashlib.sha256(body).hexdigest(),
+                     opener=lambda: nullcontext(cast(BinaryIO, io.BytesIO(body))), mime="text/plain")
+    kind: Kind | None = Kind.DOCUMENT
+    try:
+        kind = platform.route_file(Kind.DOCUMENT, src)
+    except FileRefused:
+        kind = None
+    if kind is not None and len(body) > platform.limits.upload_limit(kind):
+        kind = None
+    head = split_text(text, max(1, platform.limits.text_chars - _CUT_NOTE_CHARS))[0]
+    more = len(text) - len(head)
+    where = f"in {REPLY_FILE}" if kind is not None else "not sent: too long for this chat"
+    ids = [platform.send_text(chat, f"{head}\n\n… (truncated, {more:,} more characters {where})",
+                              delivery_id=f"{did}#0").message_id]
+    if kind is not None:
+        ids.append(platform.send_file(chat, kind, src, caption=None, delivery_id=f"{did}#doc").message_id)
     return Sent(message_id=",".join(ids))
 
 
@@ -346,7 +466,7 @@ def _send_file(ctx: Context, platform: parts.Guarded, chat: str, job: JsonObject
         file_id = sent.file_id
         platform.after_sent(lambda pipe: pipe.set(fid_key, file_id, ex=FILE_ID_TTL_S))
     send_overflow(platform, chat, overflow, job["id"])
-    return sent, kind.value, size
+    return sent, (sent.kind or kind).value, size  # what the chat shows (a refused voice message: audio)
 
 
 def _sha256_of(store: BlobStore, key: str) -> str:
@@ -389,9 +509,10 @@ def _notice_refused(ctx: Context, platform: Platform, chat: str, job: JsonObject
     return reason
 
 
-def _notice(ctx: Context, platform: Platform, chat: str, job: JsonObject, text: str, *, key: str | None) -> None:
+def _notice(ctx: Context, platform: Platform, chat: str, job: JsonObject, text: str, *, key: str | None,
+            part: str = "notice") -> None:
     """Tell the chat a file was not sent (`text`), with a download link when
-    `key` is given and the store can sign one; sent once (part `<id>#notice`)."""
+    `key` is given and the store can sign one; sent once (part `<id>#<part>`)."""
     if key is not None:
         try:
             url = ctx.store.signed_url(key, expires_s=7 * 24 * 3600)
@@ -400,7 +521,7 @@ def _notice(ctx: Context, platform: Platform, chat: str, job: JsonObject, text: 
         if url:
             text += f"\nDownload it here (link valid 7 days): {url}"
     try:
-        platform.send_text(chat, text, delivery_id=f"{job['id']}#notice")
+        platform.send_text(chat, text, delivery_id=f"{job['id']}#{part}")
     except RateLimited:
         raise  # re-scheduled: the notice goes out once its slot is free
     except CourierError:

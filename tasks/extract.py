@@ -10,11 +10,12 @@ import time
 from redis import Redis
 from redis.client import Pipeline
 
-from adapters.errors import CourierError, SandboxError, SandboxStalled, StorageError, TooLarge, UnsafePath, \
-    in_chat_words
+from adapters.errors import ControlInName, CourierError, SandboxError, SandboxStalled, StorageError, TooLarge, \
+    UnsafePath, in_chat_words
 from adapters.sandboxes.base import SandboxRef, os_error
 from tasks import breaker, events, metrics, receipts, signing
 from tasks.messages import JsonObject
+from tasks.reply import has_control
 from tasks.runtime import Context
 
 
@@ -54,6 +55,8 @@ def extract(ctx: Context, spec: JsonObject, *, pipe: Pipeline | None = None) -> 
     t0, outcome, info = time.monotonic(), "error", None
     try:
         try:
+            if has_control(spec["path"]):  # a NUL or a newline in a MEDIA path: never read, the chat told
+                raise ControlInName("the path holds a control character")
             ref = worker_ref(ctx, ref)
             sandbox = ctx.sandbox(ref)
             # `~/x` (MEDIA:~/x) is the sandbox's own home: the backend knows where that is
@@ -66,12 +69,14 @@ def extract(ctx: Context, spec: JsonObject, *, pipe: Pipeline | None = None) -> 
             if exc.transient:
                 raise
             outcome = "failed"
-            return record_failure(r, did, {"ok": False, "reason": f"{type(exc).__name__}: {exc}", "name": name})
+            return record_failure(r, did, {"ok": False, "reason": f"{type(exc).__name__}: {exc}", "name": name,
+                                           "notify": in_chat_words(exc)})
         except CourierError as exc:
             if exc.transient:
                 raise
             outcome = "failed"
-            return record_failure(r, did, {"ok": False, "reason": exc.reason, "name": name})
+            return record_failure(r, did, {"ok": False, "reason": exc.reason, "name": name,
+                                           "notify": in_chat_words(exc)})
         except OSError as exc:
             # a backend let the OS's own words through: what they say of the path (missing, a
             # link loop, a name too long, denied) is one clear permanent reason, never the raw error
@@ -79,7 +84,8 @@ def extract(ctx: Context, spec: JsonObject, *, pipe: Pipeline | None = None) -> 
                 raise
             mapped = os_error(exc, spec["path"])
             outcome = "failed"
-            return record_failure(r, did, {"ok": False, "reason": f"{type(mapped).__name__}: {mapped}", "name": name})
+            return record_failure(r, did, {"ok": False, "reason": f"{type(mapped).__name__}: {mapped}", "name": name,
+                                           "notify": in_chat_words(mapped)})
         outcome = "ok"
     finally:
         metrics.record_extraction(ref.kind, time.monotonic() - t0, info.size_bytes if info is not None else None,

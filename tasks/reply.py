@@ -12,13 +12,18 @@ Tags
   word before it (`hereMEDIA:/a.png` parses; so does `MULTIMEDIA:/a.png`).
 - Only absolute (`/...`) and home-relative (`~/...`) paths count. A relative
   path (`MEDIA:out.png`), a URL (`MEDIA:http://...`), a protocol-relative
-  `MEDIA://host/x`, a bare `/` or `~/`, a Windows path (`MEDIA:C:\\x.png`) and
-  any path holding a control character are not tags: the text stays as
-  written. Paths are returned as written (no `~` expansion, no normalising);
-  the extraction step resolves and checks them.
+  `MEDIA://host/x`, a bare `/` or `~/` and a Windows path (`MEDIA:C:\\x.png`)
+  are not tags: the text stays as written. Paths are returned as written (no
+  `~` expansion, no normalising); the extraction step resolves and checks them.
+- A path holding a control character (a NUL, an ESC, a newline inside quotes)
+  is a tag all the same: cut from the text (the sandbox path never reaches the
+  chat) and returned in `media`, where the extraction refuses it before any
+  I/O and the chat is told (`has_control`). A quoted path cut by a line break
+  (`MEDIA:"/w/a<newline>b.png"`) is one such tag when what the quotes enclose
+  holds no other whitespace; an unquoted path ends at the line break.
 - Quoted paths: `MEDIA:"..."`, `MEDIA:'...'` or `MEDIA:`...`` (any backtick
   run, closed by a run of the same length) may hold spaces; the quote must
-  close on the same line. Whitespace just inside the quotes is dropped,
+  close on the same line (but see the line break above). Whitespace just inside the quotes is dropped,
   everything else (punctuation included) is kept. For `"` and `'` the closing
   quote is the first one followed by whitespace, punctuation or the line end
   (so `'/tmp/bob's file.png'` works), else simply the first one. A quote that
@@ -44,7 +49,9 @@ Tags
 - Bracket/quote/emphasis pairs wrapped tightly around a tag go with it:
   `(MEDIA:/a.png)`, `"MEDIA:/a.png"`, `**MEDIA:/a.png**` leave nothing.
 - Duplicates (compared after unquoting and punctuation clean-up) deliver
-  once; the first occurrence keeps its place in `media`.
+  once; the first occurrence keeps its place in `media`. (`tasks.turn` also
+  compares the normalised path, the turn's `~` expanded: `/w/./x` and `/w/x`
+  are one file.)
 - A path is at most 4096 characters (PATH_MAX); longer ones are not tags.
   Every search is bounded by that, so parsing stays near-linear.
 
@@ -99,7 +106,7 @@ from dataclasses import dataclass
 
 from tasks.routing import KNOWN_EXT
 
-__all__ = ["ParsedReply", "parse_reply"]
+__all__ = ["ParsedReply", "has_control", "parse_reply"]
 
 #: the extensions the glued-text rule knows
 _EXT_NAMES = frozenset(e[1:] for e in KNOWN_EXT)
@@ -154,13 +161,22 @@ class ParsedReply:
 
 
 def _valid_path(path: str) -> bool:
+    """A tag's path: absolute or `~/`-relative, not `//`, at most PATH_MAX. A
+    control character does not stop it being a tag (it is cut from the text and
+    refused by the extraction, the chat told: `has_control`)."""
     if path.startswith("~/"):
         ok = len(path) > 2
     elif path.startswith("/"):
         ok = len(path) > 1 and not path.startswith("//")
     else:
         return False
-    return ok and len(path) <= _MAX_PATH and not any(unicodedata.category(ch) == "Cc" for ch in path)
+    return ok and len(path) <= _MAX_PATH
+
+
+def has_control(path: str) -> bool:
+    """Whether a path holds a control character (NUL, a newline, ESC ...): a
+    tag naming one is never extracted (tasks/extract.py refuses it)."""
+    return any(unicodedata.category(ch) == "Cc" for ch in path)
 
 
 def _glued(rest: str) -> bool:
@@ -286,6 +302,19 @@ class _Scanner:
             return m.start()
         return self.text.find(q, start, line_end)
 
+    def _split_quoted(self, q: str, start: int) -> tuple[str, int] | None:
+        """A quoted path a line break cuts (`MEDIA:"/w/a<newline>b.png"`): one tag, its
+        path holding the break, when what the quotes enclose has no other
+        whitespace (prose spanning lines has spaces: it stays text)."""
+        limit = min(self.n, start + _MAX_PATH + 1)
+        m = _CLOSING_QUOTE_RE[q].search(self.text, start, limit)
+        if m is None:
+            return None
+        inner = self.text[start : m.start()]
+        if "\n" not in inner or any(ch.isspace() for ch in inner.replace("\n", "").replace("\r", "")):
+            return None
+        return (inner, m.end()) if _valid_path(inner) else None
+
     def _unquoted(self, start: int) -> tuple[str, int] | None:
         text = self.text
         limit = min(self.n, start + _MAX_PATH + 1)
@@ -321,6 +350,9 @@ class _Scanner:
             if q != -1:
                 path = text[p + 1 : q].strip()
                 return (path, q + 1) if _valid_path(path) else None
+            split = self._split_quoted(c, p + 1)
+            if split is not None:
+                return split
             return self._unquoted(p + 1)
         if c == "`":
             k = self._run_len(p)

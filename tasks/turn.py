@@ -260,9 +260,14 @@ def _run_agent(ctx: Context, spec: TurnSpec, agent: AgentConfig | None, name: st
     parsed = parse_reply(result.reply)
     files: list[chains.StoredFile | chains.SandboxFile] = []
     stored = result.extra.get("stored") or {}  # screenshots of the OpenAI runtime: already in storage
+    seen: set[str] = set()
     for path in parsed.media:
         if path.startswith("~/") and local:  # a local agent's home is its workspace
             path = posixpath.join(workdir, path[2:])
+        same = _same_file(path)  # `./x` and `x` name one file: it goes once, where first named
+        if same in seen:
+            continue
+        seen.add(same)
         if path in stored:
             files.append(chains.StoredFile(**stored[path]))
         else:
@@ -270,12 +275,20 @@ def _run_agent(ctx: Context, spec: TurnSpec, agent: AgentConfig | None, name: st
     plan = chains.Plan(job_id=job_id, target=target, text=parsed.text or None, files=files,
                        voice=parsed.audio_as_voice, as_document=parsed.as_document,
                        max_bytes=ctx.max_file_bytes, album_max=_album_max(ctx, target),
-                       max_files=ctx.max_files_per_job)
+                       max_files=ctx.max_files_per_job, tell_unsent=True)
     from tasks.operations import CANCEL_REASON, cancel_requested
 
     if cancel_requested(r, job_id):  # `courier cancel` while it ran: its reply is not delivered
         return TurnOutcome(job_id, target, "cancelled", reason=CANCEL_REASON)
     return TurnOutcome(job_id, target, "replied", plan=plan)
+
+
+def _same_file(path: str) -> str:
+    """A MEDIA path as duplicates compare: `.` parts and repeated slashes dropped;
+    `..` kept (what it names depends on links the extraction resolves: a path
+    with one is never taken for another and left out)."""
+    head = "/" if path.startswith("/") else ""
+    return head + "/".join(p for p in path.split("/") if p not in ("", "."))
 
 
 def finish(ctx: Context, outcome: TurnOutcome, enqueue: Enqueue, *,

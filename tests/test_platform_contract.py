@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from adapters.platforms.outbox import read_log
-from tests.fixtures._platforms import words, write_unique
+from tests.fixtures._platforms import agent_env, words, write_unique
 from tests.fixtures.fake_discord import FakeDiscord
 from tests.fixtures.fake_slack import FakeSlack
 from tests.fixtures.fake_telegram import FakeTelegram, enqueue, wait_job
@@ -235,7 +235,8 @@ def _deployment(tmp_path_factory, redis_server):
     fakes = {"telegram": FakeTelegram().start(), "discord": FakeDiscord().start(), "slack": FakeSlack().start(),
              "whatsapp": FakeWhatsApp().start()}
     tg, dc, sl, wa = fakes["telegram"], fakes["discord"], fakes["slack"], fakes["whatsapp"]
-    env = CourierEnv(tmp_path_factory.mktemp("contract"), redis_server.url,
+    # (an agent "long" replying what `env.reply_file` holds: the rows of a turn's reply)
+    env = agent_env(tmp_path_factory.mktemp("contract"), redis_server.url, "long",
                      TELEGRAM_BOT_TOKEN=tg.token, COURIER_TELEGRAM_BASE_URL=tg.url,
                      DISCORD_BOT_TOKEN=dc.token, COURIER_DISCORD_BASE_URL=dc.base_url,
                      SLACK_BOT_TOKEN=sl.token, COURIER_SLACK_BASE_URL=sl.base_url,
@@ -351,3 +352,56 @@ def test_a_500_on_the_file_is_retried_and_the_file_and_caption_go_once(row, r, t
     (d,) = wait_job(r, enqueue(row.env, f"{row.name}:{chat}", files=[p], caption="the plot"), timeout_s=60)
     assert d["state"] == "delivered" and d["transient_errors"] == "1", d
     assert row.files(chat) == [sha] and row.texts(chat) == []
+
+
+@rows()
+def test_a_long_reply_is_its_first_part_then_the_whole_text_as_reply_txt(row, r):
+    # issue 24: a 1 MB reply was 101 Discord / 50 Telegram / 50 WhatsApp / 6 Slack messages
+    import hashlib
+
+    chat = row.chat()
+    text = words(1024 * 1024, seed=11)[:1024 * 1024].strip()
+    (d,) = wait_job(r, enqueue(row.env, f"{row.name}:{chat}", text=text), timeout_s=60)
+    assert d["state"] == "delivered", d
+    (head,) = row.texts(chat)
+    shown, _, note = head.rpartition("\n\n")
+    assert text.startswith(shown) and note == f"… (truncated, {len(text) - len(shown):,} more characters in reply.txt)"
+    assert row.files(chat) == [hashlib.sha256(text.encode()).hexdigest()]
+
+
+@rows()
+def test_every_media_tag_that_cannot_go_is_named_in_one_notice_after_the_file_that_went(row, r):
+    # issue 24: a missing or unsafe file got no notice; a newline garbled the text and failed a file
+    # named `a`; a NUL showed the sandbox path; `./x` and `x` went twice
+    chat = row.chat()
+    d = row.env.sandbox / f"reply-{chat.lstrip('+#')}"
+    d.mkdir()
+    good = d / "good.pdf"
+    sha = write_unique(good, 3000)
+    row.env.reply_file.write_text(
+        f"Here MEDIA:{good} and MEDIA:{d}/./good.pdf\n"
+        f"gone MEDIA:{d}/nope.pdf, secret MEDIA:/etc/passwd\n"
+        f"nul MEDIA:{d}/a\x00b.pdf; split MEDIA:\"{d}/a\nb.pdf\" done\n", encoding="utf-8")
+    res = row.env.cli("turn", f"{row.name}:{chat}", "go", "--agent", "long", "--json")
+    assert res.returncode == 0, res.stdout + res.stderr
+    job = json.loads(res.stdout)["job"]
+    from tasks import receipts
+    from tests.fixtures.services import wait_until
+
+    def over() -> list[dict] | None:
+        recs = receipts.job_deliveries(r, job)
+        return recs if len(recs) == 6 and all(x["state"] in ("delivered", "failed") for x in recs) else None
+
+    recs = wait_until(over, timeout_s=60, what="the reply's deliveries over")
+    assert [(x.get("name"), x["state"]) for x in recs] == [
+        (None, "delivered"), ("good.pdf", "delivered"), ("nope.pdf", "failed"), ("passwd", "failed"),
+        ("a\x00b.pdf", "failed"), ("a\nb.pdf", "failed")], recs
+    assert row.files(chat) == [sha]  # once, named twice
+    texts = row.texts(chat)
+    assert texts[0] == "Here and\ngone, secret\nnul; split done", texts
+    assert texts[1:] == ["⚠️ 4 files could not be sent:\n"
+                         "• nope.pdf: it is not in the agent's workspace\n"
+                         "• passwd: the agent named a file it may not share\n"
+                         "• a\\u0000b.pdf: its name holds a control character (a newline or a NUL)\n"
+                         "• a\\u000ab.pdf: its name holds a control character (a newline or a NUL)"], texts
+    assert not any(str(row.env.sandbox) in t for t in texts)

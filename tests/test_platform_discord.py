@@ -78,8 +78,8 @@ def test_send_every_kind_as_attachments(denv, fake, tmp_path):
     rows = data["deliveries"]
     assert [r["state"] for r in rows] == ["delivered"] * 5
     # no animation kind on Discord: gif as photo; random bytes named .ogg are no Ogg
-    # Opus: that voice note goes as an audio attachment
-    assert [r["kind"] for r in rows] == ["photo", "document", "voice", "video", "photo"]
+    # Opus: that voice note goes as an audio attachment, and its receipt says so
+    assert [r["kind"] for r in rows] == ["photo", "document", "audio", "video", "photo"]
     msgs = nonced(fake, chan)
     assert len(msgs) == 5
     assert all(m["flags"] == 0 for m in msgs)
@@ -226,6 +226,7 @@ def test_mp3_voice_note_goes_as_an_audio_attachment(denv, fake, tmp_path):
     p = make(tmp_path, "song.mp3", 3000)
     code, data, err = send(denv, f"discord:{chan}", str(p), "--voice", "--caption", "a song")
     assert code == 0, (data, err)
+    assert [r["kind"] for r in data["deliveries"]] == ["audio"]  # the receipt says what the chat shows
     (msg,) = nonced(fake, chan)
     assert msg["flags"] == 0 and msg["content"] == "a song"
     (att,) = msg["attachments"]
@@ -242,6 +243,7 @@ def test_malformed_ogg_voice_notes_fall_back_to_attachments(denv, fake, tmp_path
     code, data, err = send(denv, f"discord:{chan}", str(cut), str(noise), "--voice", "--caption", "two notes")
     assert code == 0, (data, err)
     assert [r["state"] for r in data["deliveries"]] == ["delivered"] * 2
+    assert [r["kind"] for r in data["deliveries"]] == ["audio"] * 2
     msgs = nonced(fake, chan)
     assert [m["flags"] for m in msgs] == [0, 0]
     assert [[a["filename"] for a in m["attachments"]] for m in msgs] == [["cut.ogg"], ["noise.ogg"]]
@@ -486,6 +488,7 @@ def test_channel_without_voice_messages_gets_an_audio_attachment(adapter, fake, 
     sent = adapter.send_file(chan, Kind.VOICE, _source(p, with_path=False), caption=None, delivery_id="voice-no")
     (msg,) = fake.channel_messages(chan)
     assert sent.message_id == msg["id"] and msg["flags"] == 0
+    assert sent.kind == Kind.AUDIO  # what the receipt records: what the chat shows
     assert msg["courier_test_sha256"] == [sha(p)] and msg["nonce"] == nonce_for("voice-no")
     calls = fake.calls("send", chan)
     assert [(c.status, c.fields.get("flags")) for c in calls] == [(403, VOICE_FLAG), (200, None)]

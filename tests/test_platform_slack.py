@@ -156,6 +156,24 @@ def test_429_then_success_is_delivered_once_after_retry_after(senv, fake, tmp_pa
     assert msg["files"][0]["sha256"] == sha(p) and data["deliveries"][0]["message_id"] == msg["files"][0]["id"]
 
 
+def test_a_completion_whose_answer_was_lost_is_checked_not_shared_again(senv, fake, tmp_path):
+    # Slack shared the file, then its answer was lost (a 500): the retry's completion of the same
+    # upload answers `file_not_found` (a completed upload is no more); files.info says the file is
+    # in the channel already, so nothing is uploaded or shared again
+    chan = channel()
+    fake.fail_next("files.completeUploadExternal", 1, 500, channel=chan, after=True)
+    p = make(tmp_path, "once.pdf", 1800)
+    code, data, err = send(senv, f"slack:{chan}", str(p))
+    assert code == 0, (data, err)
+    (msg,) = fake.channel_messages(chan)  # one share
+    assert msg["files"][0]["sha256"] == sha(p)
+    row = data["deliveries"][0]
+    assert row["state"] == "delivered" and row["message_id"] == msg["files"][0]["id"]
+    assert [c.status for c in fake.calls("files.completeUploadExternal", chan)] == [500, 200]
+    assert [c.fields.get("file") for c in fake.calls("files.info")][-1] == msg["files"][0]["id"]
+    assert len([c for c in fake.calls("upload") if c.fields.get("file_id") == msg["files"][0]["id"]]) == 1
+
+
 def test_repeated_500s_then_success(senv, fake, tmp_path):
     chan = channel()
     before = len(fake.calls("upload"))

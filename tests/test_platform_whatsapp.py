@@ -73,8 +73,8 @@ def test_every_kind_limits_and_fallbacks(wa, fake_whatsapp, r, tmp_path):
         to = f"+1555000{i:04d}"
         jobs[name] = (to, write_unique(p, 3000 + i), enqueue(wa, f"whatsapp:{to}", files=[p], caption=f"about {name}"))
     long_text = "\n\n".join(f"paragraph {i} " + "x" * 900 for i in range(6))  # ~5.5 K chars: two messages
-    big_photo = tmp_path / "big.png"  # over the 5 MB image limit: goes as a document
-    big_sha = write_unique(big_photo, 5_500_000)
+    big_photo = tmp_path / "big.png"  # over the 5 MB image limit: the API takes no png over it, as a document either
+    write_unique(big_photo, 5_500_000)
     text_job = enqueue(wa, "whatsapp:+15559990000", text=long_text, files=[big_photo], caption="y" * 1500)
 
     for name, (kind, mtype, mime) in cases.items():
@@ -91,14 +91,13 @@ def test_every_kind_limits_and_fallbacks(wa, fake_whatsapp, r, tmp_path):
             assert _body(msgs[0])["caption"] == f"about {name}" and len(msgs) == 1
 
     rows = wait_job(r, text_job)
-    assert [(d["state"], d["kind"]) for d in rows] == [("delivered", "text"), ("delivered", "document")], rows
+    assert [(d["state"], d.get("kind")) for d in rows] == [("delivered", "text"), ("failed", "document")], rows
+    assert rows[1]["reason"].startswith("too large: big.png is 5.2 MiB"), rows[1]
     msgs = fake_whatsapp.calls_for("messages", chat="+15559990000")
-    assert [m.fields["type"] for m in msgs] == ["text", "text", "document", "text"]
+    assert [m.fields["type"] for m in msgs] == ["text", "text", "text"]
     assert "\n\n".join(_body(m)["body"] for m in msgs[:2]) == long_text
-    doc = _body(msgs[2])
-    assert "caption" not in doc and fake_whatsapp.media[doc["id"]].sha256 == big_sha
-    assert fake_whatsapp.media[doc["id"]].mime == "image/png"  # its own type: never application/octet-stream
-    assert _body(msgs[3])["body"] == "y" * 1500  # one message: split at the 4096 text limit, not 1024
+    assert _body(msgs[2])["body"].startswith("⚠️ big.png (5.2 MiB) was not sent: WhatsApp takes images up to 5 MB.")
+    assert not [u for u in fake_whatsapp.calls_for("media") if u.files["file"].filename == "big.png"]  # not uploaded
 
 
 def test_video_over_16mb_gets_a_notice_and_nothing_uploaded(wa, fake_whatsapp, r, tmp_path):
@@ -191,10 +190,10 @@ def test_audio_caption_paced_by_whatsapp_is_a_part_of_its_own_audio_sent_once(wa
 def test_document_fallback_keeps_the_real_type_and_types_whatsapp_refuses_get_a_notice(wa, fake_whatsapp, r,
                                                                                         tmp_path):
     to = "+15557770002"
-    big = tmp_path / "big.png"  # over the 5 MB image limit: a document, uploaded as image/png
-    big_sha = write_unique(big, 5_200_000)
+    big = tmp_path / "big.png"  # over the 5 MB image limit: refused (the API takes no png over it, as a document
+    write_unique(big, 5_200_000)  # either), the chat told, nothing uploaded
     (row,) = wait_job(r, enqueue(wa, f"whatsapp:{to}", files=[big]))
-    assert (row["state"], row["kind"]) == ("delivered", "document"), row
+    assert (row["state"], row.get("kind")) == ("failed", "document"), row
     memo = tmp_path / "memo.mp3"  # --voice mp3: a voice note must be ogg/opus, so an audio message
     memo_sha = write_unique(memo, 3000)
     (row,) = wait_job(r, enqueue(wa, f"whatsapp:{to}", files=[memo], voice=True))
@@ -206,9 +205,10 @@ def test_document_fallback_keeps_the_real_type_and_types_whatsapp_refuses_get_a_
 
     uploads = fake_whatsapp.calls_for("media")
     assert [(u.status, u.fields["type"], u.files["file"].sha256) for u in uploads] == [
-        (200, "image/png", big_sha), (200, "audio/mpeg", memo_sha)]  # nothing refused was uploaded
+        (200, "audio/mpeg", memo_sha)]  # nothing refused was uploaded
     msgs = fake_whatsapp.calls_for("messages", chat=to)
-    assert [(m.status, m.fields["type"]) for m in msgs[:2]] == [(200, "document"), (200, "audio")]
+    assert [(m.status, m.fields["type"]) for m in msgs[:2]] == [(200, "text"), (200, "audio")]
+    assert _body(msgs[0])["body"].startswith("⚠️ big.png (5.0 MiB) was not sent: WhatsApp takes images up to 5 MB.")
     assert "voice" not in _body(msgs[1])
     notices = [_body(m)["body"] for m in msgs[2:]]
     assert len(notices) == len(refused) and all(m.status == 200 for m in msgs[2:])

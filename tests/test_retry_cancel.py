@@ -73,7 +73,8 @@ def test_retry_requeues_a_failed_extraction_and_refuses_a_delivered_one(courier_
     rec = _status(env, file_id)
     assert rec["retries"] == 1 and not rec.get("reason") and rec["size_bytes"] == 8
     assert sum(n.endswith("late.csv") for n in _arrived(env, "rt")) == 1
-    assert _texts(env, "rt") == ["first"]  # the text was not sent again
+    # the text was not sent again; the chat was told of the missing file (the operator's send too)
+    assert _texts(env, "rt") == ["first", "⚠️ late.csv could not be sent: it is not in the agent's workspace."]
     res = env.cli("retry", file_id)
     assert res.returncode == 2 and "already delivered" in res.stderr
     table = env.cli("retry", text_id)  # piped: data is never read as markup, one line per row

@@ -132,6 +132,9 @@ class Sent:
     message_id: str
     #: a reusable platform file id (Telegram's file_id), for upload-once-send-many
     file_id: str | None = None
+    #: the kind the chat shows when it is not the kind asked for (Discord: a voice message it
+    #: refused, sent as an audio attachment): what the receipt records
+    kind: Kind | None = None
 
 
 class Platform(ABC):

@@ -337,6 +337,13 @@ class DiscordPlatform(Platform):
         self._voice_memo = (file, info)
         return info
 
+    def route_file(self, kind: Kind, file: FileSource) -> Kind:
+        """A voice note that is not Ogg Opus (an mp3, a malformed .ogg) goes as an
+        audio attachment, and is recorded so: Discord makes a voice message only of Opus."""
+        if kind == Kind.VOICE and self.voice_info(file) is None:
+            return Kind.AUDIO
+        return kind
+
     def caption_chars_for(self, kind: Kind, file: FileSource) -> int:
         """The caption limit for this file as `kind` (asked by `tasks.delivery`): a voice
         message holds no text, so 0 (its caption follows as text messages); else a
@@ -422,7 +429,8 @@ class DiscordPlatform(Platform):
                 voice.close()
                 for r in readers:
                     r.close()
-            return Sent(message_id=await self._post_attachments(client, chat, [file], None, delivery_id))
+            return Sent(message_id=await self._post_attachments(client, chat, [file], None, delivery_id),
+                        kind=Kind.AUDIO)
 
         return self._run("send a voice message", go)
 

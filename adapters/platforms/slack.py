@@ -9,7 +9,11 @@
   them in the channel, the caption as `initial_comment`). When the completion
   fails (a 429, a 5xx) the uploaded file's id rides on the error (`file_id`):
   the shared flow records it for the delivery and the retry only completes
-  it, never uploading the bytes again. slack_sdk's own
+  it, never uploading the bytes again; when that completion answers
+  `file_not_found` (a completed upload is no more: the earlier one may have
+  shared it and only its answer was lost), `files.info` is asked whether the
+  file is shared in the chat already before anything is shared again.
+  slack_sdk's own
   `files_upload_v2` reads every file whole into memory, so it is not used.
   Slack shows every file as a file (images with a preview): photos stay
   photos, everything else is a document.
@@ -206,8 +210,31 @@ class SlackPlatform(Platform):
             except Permanent as exc:
                 if "file_not_found" not in exc.reason and "invalid" not in exc.reason:
                     raise
+                # no such pending upload: either Slack lost it, or the earlier completion did share
+                # it and only its answer was lost (a completed upload is no more): ask before sharing again
+                if self._shared_in(chat, file_id):
+                    return Sent(message_id=file_id)
                 # an upload Slack no longer knows: upload the bytes once more
         return self._share(chat, [file], caption)[0]
+
+    def _shared_in(self, chat: str, file_id: str) -> bool:
+        """Whether `files.info` says the file is shared in `chat` already (an earlier
+        completion whose answer was lost). A file Slack does not know, or an answer
+        courier cannot read (a bot without `files:read`): False, logged, and the file
+        is shared again, as before."""
+        try:
+            info = self._call("files.info", lambda: self._api.files_info(file=file_id))
+        except Permanent as exc:
+            if "file_not_found" not in exc.reason:
+                log.warning("slack: cannot check whether file %s is shared already (%s): sharing it again",
+                            file_id, exc.reason)
+            return False
+        f = info.get("file") or {}
+        where = {*(f.get("channels") or []), *(f.get("groups") or []), *(f.get("ims") or [])}
+        for scope in (f.get("shares") or {}).values():
+            if isinstance(scope, dict):
+                where.update(scope)
+        return chat in where
 
     def send_album(self, chat: str, files: list[tuple[Kind, FileSource]], *, caption: str | None,
                    delivery_id: str) -> list[Sent]:

@@ -19,11 +19,15 @@
   a short reason and a notice in the chat, nothing uploaded. Images show
   inline as jpeg/png, video as mp4/3gpp, audio as aac/amr/mp3/m4a/ogg, a
   voice note as ogg/opus (another supported audio goes as audio); other
-  supported types, and photos over 5 MB, go as documents. Every upload
-  carries the file's real type (never application/octet-stream, which the
-  API refuses); a document is under the document limit, not the inline
-  type's.
-- Limits: text 4096, caption 1024; uploads: image 5 MB, video/audio 16 MB,
+  supported types (webp) go as documents. Every upload carries the file's
+  real type (never application/octet-stream, which the API refuses), and
+  the API's size limits are those of that type, whatever message the media
+  goes in: a jpeg/png over 5 MB (or a video over 16 MB sent `--as-document`)
+  cannot go at all, as a document either; it is refused before anything is
+  uploaded (`FileRefused`, too large: the chat's notice names the limit, with
+  a download link where storage signs one).
+- Limits (Meta's "Supported media types", by the file's type): text 4096,
+  caption 1024; image 5 MB, video/audio 16 MB, sticker (webp) 500 KB,
   document 100 MB; ~80 messages/s per business number.
 - Errors mapped in one place, `map_error`: 429 and the rate-limit codes
   (4, 80007, 130429, 131048, 131056) -> RateLimited (Retry-After, else a
@@ -77,6 +81,11 @@ SUPPORTED_MIME = {
 _EXTRA_MIME = {".opus": "audio/ogg", ".ogg": "audio/ogg", ".oga": "audio/ogg", ".m4a": "audio/mp4",
                ".3gp": "video/3gpp", ".amr": "audio/amr", ".aac": "audio/aac", ".webp": "image/webp",
                ".mp3": "audio/mpeg"}
+#: what the API takes of each media class, by the file's own type (whatever message it goes in)
+CLASS_UPLOAD_BYTES = {"image": 5 * MB, "video": 16 * MB, "audio": 16 * MB, "sticker": 500 * 1000,
+                      "document": 100 * MB}
+_CLASS_WORDS = {"image": "images", "video": "videos", "audio": "audio files", "sticker": ".webp images",
+                "document": "documents"}
 #: other names of supported types
 _ALIASES = {"audio/x-m4a": "audio/mp4", "audio/mp3": "audio/mpeg", "audio/x-aac": "audio/aac",
             "audio/opus": "audio/ogg", "image/jpg": "image/jpeg", "image/pjpeg": "image/jpeg"}
@@ -246,8 +255,11 @@ class WhatsAppPlatform(Platform):
         """The kind this file goes as on WhatsApp, decided before anything is sent
         (asked by `tasks.delivery`, which records it): a type off the Cloud API's
         supported list is refused (`FileRefused`, a short reason and a notice);
-        a format WhatsApp does not show inline goes as a document (webp, a photo
-        over 5 MB); a voice note that is not ogg/opus goes as audio."""
+        a format WhatsApp does not show inline goes as a document (webp); a
+        voice note that is not ogg/opus goes as audio. A file that would go as a
+        document over its own type's limit (a photo over 5 MB: the shared flow
+        routes it to a document) is refused as too large: the API limits an
+        upload by the file's type, so it could not go as a document either."""
         mime = mime_of(file.name, file.mime)
         cls = SUPPORTED_MIME.get(mime)
         if cls is None:
@@ -255,11 +267,16 @@ class WhatsAppPlatform(Platform):
             raise FileRefused(f"whatsapp does not take {ext} files ({mime})",
                               notice=f"WhatsApp does not take {ext} files")
         if kind == Kind.VOICE:
-            return Kind.VOICE if mime == "audio/ogg" else Kind.AUDIO if cls == "audio" else Kind.DOCUMENT
-        inline = {Kind.PHOTO: "image", Kind.ANIMATION: "image", Kind.VIDEO: "video", Kind.AUDIO: "audio"}.get(kind)
-        if inline is None or inline != cls:
-            return Kind.DOCUMENT
-        return Kind.PHOTO if kind == Kind.ANIMATION else kind
+            out = Kind.VOICE if mime == "audio/ogg" else Kind.AUDIO if cls == "audio" else Kind.DOCUMENT
+        else:
+            inline = {Kind.PHOTO: "image", Kind.ANIMATION: "image", Kind.VIDEO: "video", Kind.AUDIO: "audio"}.get(kind)
+            out = Kind.DOCUMENT if inline is None or inline != cls else Kind.PHOTO if kind == Kind.ANIMATION else kind
+        cap = CLASS_UPLOAD_BYTES[cls]
+        if out == Kind.DOCUMENT and file.size_bytes > cap:  # an inline kind's own limit is the shared flow's check
+            shown = f"{cap / MB:g} MB" if cap >= MB else f"{cap // 1000} KB"
+            raise FileRefused(f"whatsapp takes {mime} files up to {shown}, as a document too",
+                              notice=f"WhatsApp takes {_CLASS_WORDS[cls]} up to {shown}", too_large=True)
+        return out
 
     def caption_chars_for(self, kind: Kind, file: FileSource) -> int:
         """The caption limit for this file (asked by `tasks.delivery`): an audio

@@ -38,4 +38,5 @@ def test_home_path_and_raw_os_errors(redis_client, tmp_path):
             assert res["ok"] and store.local_path(spec["key"]).read_bytes() == b"hello", res
         else:
             assert res == {"ok": False, "name": "loop",
-                           "reason": "UnsafePath: /x/loop: a symbolic link loop (too many levels of symbolic links)"}
+                           "reason": "UnsafePath: /x/loop: a symbolic link loop (too many levels of symbolic links)",
+                           "notify": "the agent named a file it may not share"}  # the chat's words, no path
