@@ -280,3 +280,53 @@ def extract_main(rss: Callable[[], object], throughput: Callable[..., object], *
 
 if __name__ == "__main__":
     sys.exit("import me")
+
+
+class WebPair:
+    """courier's web process and a bare Starlette endpoint (`bench.bare_web`), both on a Redis of
+    their own, with every platform's webhook secret set (`key`: the Discord signing key): the webhook
+    benches measure one against the other. Use as a context manager: `base` maps "courier"/"bare"
+    to their URLs once both answer; everything is stopped at the end."""
+
+    def __init__(self, prefix: str) -> None:
+        import tempfile
+
+        from nacl.signing import SigningKey
+
+        self.tmp = Path(tempfile.mkdtemp(prefix=prefix))
+        self.key = SigningKey.generate()
+        self.procs: list[subprocess.Popen] = []
+        self.base: dict[str, str] = {}
+
+    def __enter__(self) -> "WebPair":
+        import httpx
+
+        from tests.fixtures.redis_server import RedisServer
+        from tests.fixtures.services import free_port, wait_until
+        from tests.fixtures.webstack import webhook_settings
+
+        root = Path(__file__).resolve().parents[1]
+        self.srv = RedisServer(self.tmp).start()
+        env = {**os.environ, "PYTHONPATH": str(root), "COURIER_REDIS_URL": self.srv.url,
+               "COURIER_DATA_DIR": str(self.tmp / "data"), **webhook_settings(self.key)}
+        env.pop("CELERY_BROKER_URL", None)
+        ports = {"courier": free_port(), "bare": free_port()}
+        log = open(self.tmp / "web.log", "wb")  # noqa: SIM115 - the processes' log, open while they run
+        self.procs.append(subprocess.Popen(
+            [sys.executable, "-m", "workers.cli", "web", "--host", "127.0.0.1", "--port", str(ports["courier"])],
+            env=env, cwd=str(root), stdout=log, stderr=subprocess.STDOUT))
+        self.procs.append(subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "bench.bare_web:app", "--host", "127.0.0.1", "--port",
+             str(ports["bare"]), "--log-level", "info"], env=env, cwd=str(root), stdout=log, stderr=subprocess.STDOUT))
+        self.base = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
+        for k in self.base:
+            wait_until(lambda k=k: httpx.post(self.base[k] + "/webhooks/telegram", content=b"{}", timeout=1).status_code
+                       in (200, 400, 401), timeout_s=30, what=f"the {k} web process")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from tests.fixtures.services import stop_process
+
+        for p in self.procs:
+            stop_process(p)
+        self.srv.stop()

@@ -18,9 +18,7 @@ the bare endpoint's p99 is printed for context).
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -29,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._common import quick  # noqa: E402
+from bench._common import WebPair, quick  # noqa: E402
 
 RATE = 200.0
 CONCURRENCY = 16
@@ -88,36 +86,13 @@ def p99(xs: list[float]) -> float:
 
 
 def main() -> None:
-    import httpx
-    from nacl.signing import SigningKey
-
-    from tests.fixtures.redis_server import RedisServer
-    from tests.fixtures.services import free_port, stop_process, wait_until
-    from tests.fixtures.webstack import PLATFORMS, signed_update, webhook_settings
+    from tests.fixtures.services import wait_until
+    from tests.fixtures.webstack import PLATFORMS, signed_update
 
     seconds = 5 if quick() else 20
     n = int(RATE * seconds)
-    tmp = Path(tempfile.mkdtemp(prefix="bench-webhook-latency-"))
-    srv = RedisServer(tmp).start()
-    key = SigningKey.generate()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "COURIER_REDIS_URL": srv.url, "COURIER_DATA_DIR": str(tmp / "data"),
-           **webhook_settings(key)}
-    env.pop("CELERY_BROKER_URL", None)
-    procs = []
-    try:
-        ports = {"courier": free_port(), "bare": free_port()}
-        log = open(tmp / "web.log", "wb")  # noqa: SIM115
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "workers.cli", "web", "--host", "127.0.0.1", "--port", str(ports["courier"])],
-            env=env, cwd=str(ROOT), stdout=log, stderr=subprocess.STDOUT))
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "bench.bare_web:app", "--host", "127.0.0.1", "--port",
-             str(ports["bare"]), "--log-level", "info"], env=env, cwd=str(ROOT), stdout=log, stderr=subprocess.STDOUT))
-        base = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
-        for k in base:
-            wait_until(lambda k=k: httpx.post(base[k] + "/webhooks/telegram", content=b"{}", timeout=1).status_code
-                       in (200, 400, 401), timeout_s=30, what=f"the {k} web process")
-        r = srv.client()
+    with WebPair("bench-webhook-latency-") as pair:
+        r, base, key = pair.srv.client(), pair.base, pair.key
         out = {}
         for side in ("bare", "courier", "bare", "courier"):
             warm = side not in out  # the first round of each side warms it up (imports, connections)
@@ -144,10 +119,6 @@ def main() -> None:
               f"{bare:.4g} ms ratio {ours / bare:.3g} (limit <= {LIMIT_MS:g} ms, 0 errors) "
               f"{'PASS' if ok else 'MISS'} [{n} signed updates in {seconds} s, {CONCURRENCY} connections, "
               f"median {median:.3g} ms, {errors} errors]", flush=True)
-    finally:
-        for p in procs:
-            stop_process(p)
-        srv.stop()
 
 
 if __name__ == "__main__":

@@ -22,9 +22,7 @@ best of each side counts. Higher is better; target: ratio >= 0.5.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -32,43 +30,20 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._common import quick, report  # noqa: E402
+from bench._common import WebPair, quick, report  # noqa: E402
 
 TARGET_RATIO = 0.5
 CONCURRENCY = 16
 
 
 def main() -> None:
-    import httpx
-    from nacl.signing import SigningKey
-
-    from tests.fixtures.redis_server import RedisServer
-    from tests.fixtures.services import free_port, stop_process, wait_until
-    from tests.fixtures.webstack import PLATFORMS, fire, signed_update, webhook_settings
+    from tests.fixtures.services import wait_until
+    from tests.fixtures.webstack import PLATFORMS, fire, signed_update
 
     n = 200 if quick() else 2000
     rounds = 2 if quick() else 3
-    tmp = Path(tempfile.mkdtemp(prefix="bench-webhooks-"))
-    srv = RedisServer(tmp).start()
-    key = SigningKey.generate()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "COURIER_REDIS_URL": srv.url, "COURIER_DATA_DIR": str(tmp / "data"),
-           **webhook_settings(key)}
-    env.pop("CELERY_BROKER_URL", None)
-    procs = []
-    try:
-        ports = {"courier": free_port(), "bare": free_port()}
-        log = open(tmp / "web.log", "wb")  # noqa: SIM115
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "workers.cli", "web", "--host", "127.0.0.1", "--port", str(ports["courier"])],
-            env=env, cwd=str(ROOT), stdout=log, stderr=subprocess.STDOUT))
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "bench.bare_web:app", "--host", "127.0.0.1", "--port",
-             str(ports["bare"]), "--log-level", "info"], env=env, cwd=str(ROOT), stdout=log, stderr=subprocess.STDOUT))
-        base = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
-        for k in base:
-            wait_until(lambda k=k: httpx.post(base[k] + "/webhooks/telegram", content=b"{}", timeout=1).status_code
-                       in (200, 400, 401), timeout_s=30, what=f"the {k} web process")
-        r = srv.client()
+    with WebPair("bench-webhooks-") as pair:
+        r, base, key = pair.srv.client(), pair.base, pair.key
         best = {"courier": 0.0, "bare": 0.0}
         for rnd in range(rounds):
             for side in ("bare", "courier"):
@@ -92,10 +67,6 @@ def main() -> None:
         report("webhooks accepted and enqueued at 16 concurrent", best["courier"], "req/s",
                "bare starlette 200", best["bare"], target=TARGET_RATIO,
                extra=f"{n} signed updates per round, 4 platforms, best of {rounds}")
-    finally:
-        for p in procs:
-            stop_process(p)
-        srv.stop()
 
 
 if __name__ == "__main__":
