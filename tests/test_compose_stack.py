@@ -72,7 +72,9 @@ COURIER_TAG = "ci"
 REDIS_IMAGE = "localhost/courier-ci-redis:bookworm"
 S3_IMAGE = "localhost/courier-ci-seaweedfs:bookworm"
 PROXY_IMAGE = "localhost/courier-ci-proxy:bookworm"
-SERVICES = ("redis", "s3", "web", "proxy", "worker-turns", "worker-sandbox", "worker-delivery", "beat", "flower")
+PROMETHEUS_IMAGE = "localhost/courier-ci-prometheus:bookworm"
+SERVICES = ("redis", "s3", "web", "proxy", "prometheus", "worker-turns", "worker-sandbox", "worker-delivery", "beat",
+            "flower")
 SLOW_S = 20  # the slow agent's sleep: the window in which its worker is stopped
 #: niceness the proof runs at below the other test processes' (root: `_prerequisites`)
 PRIORITY_BOOST = 10
@@ -178,6 +180,13 @@ def _build_images(pm: Podman, tmp: Path, t: Timings) -> None:
             ctx.mkdir()
             shutil.copy(ROOT / "compose" / "ci" / "Dockerfile.proxy", ctx / "Dockerfile")
             pm.run(*common, "--network=none", "-t", PROXY_IMAGE, str(ctx), timeout=600)
+            ctx = tmp / "ctx-prometheus"
+            ctx.mkdir()
+            shutil.copy(ROOT / "compose" / "ci" / "Dockerfile.prometheus", ctx / "Dockerfile")
+            prom = shutil.which("prometheus") or "/usr/bin/prometheus"
+            need(os.path.exists(prom), "prometheus is not installed (apt-get install prometheus)")
+            shutil.copy(prom, ctx / "prometheus")
+            pm.run(*common, "--network=none", "-t", PROMETHEUS_IMAGE, str(ctx), timeout=600)
 
     # the small images build while courier's waits on PyPI (they share only the base)
     with ThreadPoolExecutor(max_workers=1) as pool:
@@ -204,11 +213,11 @@ def _weed_binary() -> str:
 
 
 def _free_loopback_address() -> str:
-    """A 127.x.y.z address on which nothing serves 8000 or 5555 (the compose file's fixed ports)."""
+    """A 127.x.y.z address on which nothing serves 8000, 5555 or 9090 (the compose file's fixed ports)."""
     for _ in range(50):
         addr = f"127.{random.randint(1, 254)}.{random.randint(0, 254)}.{random.randint(2, 254)}"
         ok = True
-        for port in (8000, 5555):
+        for port in (8000, 5555, 9090):
             with socket.socket() as s:
                 try:
                     s.bind((addr, port))
@@ -216,7 +225,7 @@ def _free_loopback_address() -> str:
                     ok = False
         if ok:
             return addr
-    raise AssertionError("no free loopback address for ports 8000 and 5555")
+    raise AssertionError("no free loopback address for ports 8000, 5555 and 9090")
 
 
 class Stack:
@@ -225,7 +234,8 @@ class Stack:
         self.flower_auth = env["FLOWER_BASIC_AUTH"]
 
     def compose(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-        res = subprocess.run(["podman-compose", "--in-pod", "false", "-p", self.project, "-f", str(COMPOSE),
+        res = subprocess.run(["podman-compose", "--in-pod", "false", "--profile", "monitoring", "-p", self.project,
+                              "-f", str(COMPOSE),
                               "-f", str(OVERRIDE), *args], env=self.env, capture_output=True, text=True,
                              timeout=timeout, cwd=str(ROOT))
         assert res.returncode == 0, f"podman-compose {' '.join(args)}: {res.stdout[-2000:]}{res.stderr[-3000:]}"
@@ -365,7 +375,8 @@ def stack(tmp_path_factory):
         assert res.returncode == 0, res.stderr
         env.update(S3_ACCESS_KEY="courier", S3_SECRET_KEY=uuid.uuid4().hex,
                    FLOWER_BASIC_AUTH=f"ops:{uuid.uuid4().hex}", COURIER_IMAGE_TAG=COURIER_TAG, COURIER_BIND=bind,
-                   COURIER_AGENTS=json.dumps(agents), REDIS_PASSWORD_SECRET=str(secret))
+                   COURIER_AGENTS=json.dumps(agents), REDIS_PASSWORD_SECRET=str(secret),
+                   COURIER_METRICS_TOKEN=uuid.uuid4().hex)
         st = Stack(pm, project, env, bind)
         st.redis_password = secret.read_text().strip()
         st.timings = t
@@ -613,3 +624,37 @@ def test_web_scales_behind_the_proxy_and_one_replica_can_stop(stack):
     before = served_by()[webs[0]]
     assert mark() == 404
     wait_until(lambda: served_by()[webs[0]] == before + 1, timeout_s=30, what="the replica left to log it")
+
+
+def test_prometheus_scrapes_a_courier_series_from_web_and_every_worker_pool(stack):
+    """The monitoring profile's Prometheus finds web and every worker pool by name and scrapes them with
+    the metrics token: its API has a courier_* series from each (asked last, after the deliveries above)."""
+    import urllib.parse
+
+    def series(query: str) -> list[dict]:
+        status, body = _get(f"http://{stack.bind}:9090/api/v1/query?" + urllib.parse.urlencode({"query": query}))
+        assert status == 200, body
+        return json.loads(body)["data"]["result"]
+
+    def every_pool() -> bool:
+        pools = {r["metric"].get("pool") for r in series(
+            'count by (pool) ({job="courier-workers",__name__=~"courier_.+"})')}
+        web = series('count by (instance) ({job="courier-web",__name__=~"courier_.+"})')
+        # every target it finds answers with the token (a replica stopped above leaves its DNS in seconds)
+        down = series('up{job=~"courier-.+"} == 0')
+        return pools >= {"worker-turns", "worker-sandbox", "worker-delivery"} and len(web) >= 1 and not down
+
+    with stack.timings("prometheus scraped"):
+        wait_until(every_pool, timeout_s=180, interval_s=2.0, what=lambda: (
+            "Prometheus to scrape web and every worker pool; pools seen: " + json.dumps(series(
+                'count by (pool) ({job="courier-workers",__name__=~"courier_.+"})')) + "; its targets: "
+            + json.dumps([(t.get("scrapePool"), t.get("scrapeUrl"), t.get("health"), t.get("lastError"))
+                          for t in json.loads(_get(f"http://{stack.bind}:9090/api/v1/targets")[1])["data"]
+                          ["activeTargets"]])
+            + "; a delivery worker's exporter: " + stack.exec(stack.containers("worker-delivery")[0], "python", "-c",
+                "import os, urllib.request as u; r = u.Request('http://127.0.0.1:9100/metrics', headers={"
+                "'Authorization': 'Bearer ' + os.environ['COURIER_METRICS_TOKEN']}); "
+                "t = u.urlopen(r, timeout=5).read().decode(); "
+                "print([ln for ln in t.splitlines() if ln.startswith('courier_')][:8], len(t))",
+                check=False).stdout.decode()[-1500:]
+            + "; its log: " + stack.pm.run("logs", stack.containers("prometheus")[0], check=False).stderr[-800:]))
