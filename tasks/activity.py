@@ -161,8 +161,8 @@ class TurnActivity:
                 want = self._want
             now = time.monotonic()
             pending = want is not None and want != self._shown
-            if pending and now - self._last_edit >= self.edit_interval_s:
-                self._show(want)  # type: ignore[arg-type]
+            if want is not None and pending and now - self._last_edit >= self.edit_interval_s:
+                self._show(want)
                 pending = False
             waits = [next_typing - now] if self.typing else []
             if pending:

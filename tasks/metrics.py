@@ -39,7 +39,7 @@ _noted: contextvars.ContextVar[list[tuple[str, str]] | None] = contextvars.Conte
 try:
     from prometheus_client import Counter, Histogram
 except ImportError:  # pragma: no cover - prometheus_client is a dependency; a stripped install still runs
-    Counter = Histogram = None  # type: ignore[assignment,misc]
+    Counter = Histogram = None  # type: ignore[assignment,misc]  # a stripped install: no metrics
 
 _ON = Counter is not None
 

@@ -73,11 +73,11 @@ class Guarded(Platform):
 
     # -- what the platform declares, as the platform says it --------------
     @property
-    def cache_key(self) -> str | None:  # type: ignore[override]
+    def cache_key(self) -> str | None:  # type: ignore[override]  # read-only: the wrapped platform's
         return self._p.cache_key
 
     @property
-    def takes_empty_files(self) -> bool:  # type: ignore[override]
+    def takes_empty_files(self) -> bool:  # type: ignore[override]  # read-only: the wrapped platform's
         return self._p.takes_empty_files
 
     def is_group(self, chat: str) -> bool:

@@ -100,7 +100,7 @@ def stats(r: Redis, *, now: float | None = None) -> list[QueueStats]:
         pipe.llen(q)
         # Celery's message: kombu's JSON envelope (body base64); read as bytes, so a foreign
         # entry that is not UTF-8 shows as an unknown age, not a decoding error
-        pipe.execute_command("LINDEX", q, -1, **{NEVER_DECODE: True})  # type: ignore[no-untyped-call]
+        pipe.execute_command("LINDEX", q, -1, **{NEVER_DECODE: True})  # type: ignore[no-untyped-call]  # redis-py's
         pipe.zcount(keys.consumers(q), now - CONSUMER_STALE_S, "+inf")
     pipe.zcard(keys.lanes_ready())
     pipe.zrange(keys.lanes_ready(), 0, 0, withscores=True)
@@ -199,7 +199,7 @@ def orphans(r: Redis, *, job: str | None = None) -> list[tuple[Orphan, bytes]]:
     for q in sorted(set(BASE) | {name for name, _ in scored}):
         start = 0
         while True:
-            chunk = cast("list[bytes]", r.execute_command(  # type: ignore[no-untyped-call]
+            chunk = cast("list[bytes]", r.execute_command(  # type: ignore[no-untyped-call]  # redis-py's
                 "LRANGE", q, start, start + SCAN_CHUNK - 1, **{NEVER_DECODE: True}))
             if not chunk:
                 break

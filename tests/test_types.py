@@ -54,3 +54,18 @@ def test_strict_modules_pass_mypy_strict():
             if any(line.startswith(p if p.endswith(".py") else p + "/") for p in paths) and ": error:" in line]
     assert not mine, "\n".join(mine[:50])
     assert res.returncode == 0 or "error:" in res.stdout, res.stderr[-2000:]  # mypy itself ran
+
+
+def test_type_ignores_in_tasks_are_few_and_each_says_why():
+    """Issue 23: `type: ignore` had risen to 44; in `tasks/` (mypy strict) there are fewer than 15 and each
+    names its error code and says why after it."""
+    import re
+
+    found = []
+    for path in sorted((ROOT / "tasks").rglob("*.py")):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if "type: ignore" in line:
+                found.append((f"{path.relative_to(ROOT)}:{n}", line))
+    assert len(found) < 15, [w for w, _ in found]
+    for where, line in found:
+        assert re.search(r"type: ignore\[[a-z-]+(,[a-z-]+)*\]\s+#\s*\S", line), f"{where}: no reason given: {line.strip()}"
