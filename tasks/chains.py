@@ -109,10 +109,8 @@ def sandbox_queue(ref: SandboxRef) -> str:
     return queue_for(ref)
 
 
-#: the reconciler re-drives a lane or an extraction nobody has looked at for this long
-LANE_GRACE_S = 10.0
-EXTRACT_GRACE_S = 60.0
-TURN_GRACE_S = 60.0
+#: the reconciler re-drives a stage nobody has looked at for this long (defined once, in the ledger)
+LANE_GRACE_S, EXTRACT_GRACE_S, TURN_GRACE_S = ledger.LANE_GRACE_S, ledger.EXTRACT_GRACE_S, ledger.TURN_GRACE_S
 
 #: lane drives waiting to start (published, not yet at their first look) beyond which a lane's
 #: wake-up joins `keys.lanes_ready()` instead of being a message of its own. Each drive drains

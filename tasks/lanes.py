@@ -42,8 +42,8 @@ from tasks.runtime import Context
 
 log = logging.getLogger(__name__)
 
-#: a lane nobody has looked at for this long is driven again by the reconciler
-LANE_GRACE_S = 10.0
+#: a lane nobody has looked at for this long is driven again by the reconciler (the ledger's)
+LANE_GRACE_S = ledger.LANE_GRACE_S
 #: how long one drive keeps sending before it hands the lane to a fresh task (other lanes get a turn)
 BUDGET_S = 2.0
 #: a lane waiting for an extraction is looked at again after this (the extraction's end drives it sooner)

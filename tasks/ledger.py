@@ -38,6 +38,10 @@ from tasks import keys
 #: a lease lives this long unless its holder renews it (every third of it)
 LEASE_TTL_S = 20
 STAGES = ("lane", "extract", "turn")
+#: the reconciler re-drives a stage nobody has looked at for this long (its due time)
+LANE_GRACE_S = 10.0
+EXTRACT_GRACE_S = 60.0
+TURN_GRACE_S = 60.0
 
 _RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('expire', KEYS[1], ARGV[2]) else return 0 end"
 _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
