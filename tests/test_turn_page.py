@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import httpx
 import pytest
@@ -123,6 +124,53 @@ def test_the_page_shows_a_real_turns_phases_and_thumbnail_as_they_happen(web, br
     late.wait_for_function("() => { const i = document.querySelector('img.thumb'); "
                            "return i && i.complete && i.naturalWidth > 0; }")
     assert late.evaluate(STATE_JS)["phases"] == now["phases"]
+    _screenshot(late, "turn-page.png")
+
+
+def _screenshot(page, name: str) -> None:
+    """A screenshot of what a person sees, kept as a CI artifact (COURIER_SCREENSHOT_DIR, else the
+    system's temp dir): a PNG of the whole page, not blank."""
+    import struct
+    import tempfile
+    from pathlib import Path
+
+    out = Path(os.environ.get("COURIER_SCREENSHOT_DIR") or tempfile.gettempdir()) / f"courier-{name}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(out), full_page=True)
+    with open(out, "rb") as f:
+        head = f.read(24)
+    assert head[:8] == b"\x89PNG\r\n\x1a\n", out
+    width, height = struct.unpack(">II", head[16:24])
+    assert width >= 600 and height >= 300 and out.stat().st_size > 8000, (out, width, height, out.stat().st_size)
+    print(f"screenshot: {out} ({width}x{height})")
+
+
+def test_flower_shows_the_workers_in_a_browser(courier_env, browser):
+    """Flower, as an operator opens it (basic auth, in Chromium): its dashboard counts courier's worker
+    online, with no page error; a screenshot is kept."""
+    env = courier_env()
+    env.start_worker(name="screens@localhost")
+    with env.flower("--basic_auth=ops:pw") as base:
+        ctx = browser.new_context(http_credentials={"username": "ops", "password": "pw"},
+                                  viewport={"width": 1280, "height": 800})
+        page = ctx.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        resp = page.goto(f"{base}/", wait_until="load")
+        assert resp.status == 200
+
+        def listed() -> bool:  # (Flower inspects the workers when asked to refresh; the page shows what it knows)
+            httpx.get(f"{base}/api/workers?refresh=1", auth=("ops", "pw"), timeout=30)
+            page.reload(wait_until="networkidle")
+            text = page.inner_text("body")
+            online = re.search(r"Online workers\s+(\d+)", text) or re.search(r"screens@localhost.*?Online", text, re.S)
+            return bool(online) and (online.lastindex is None or int(online.group(1)) >= 1)
+
+        wait_until(listed, timeout_s=90, interval_s=1.0,
+                   what=lambda: "Flower's dashboard to list the worker: " + page.inner_text("body")[:1500])
+        assert errors == [], errors
+        _screenshot(page, "flower.png")
+        ctx.close()
 
 
 def test_data_on_the_page_is_text_never_markup(web, browser):
