@@ -89,6 +89,16 @@ class Harness:
         assert res.returncode == 0, res.stderr
         return res.stdout
 
+    def read_sh(self, script: str, *args: str) -> bytes:
+        """A read-only script's output. Podman's Docker API can lose an exec's output on a loaded
+        machine (exit 0, no bytes: an attach race of the engine, seen beside two CPU burners), so an
+        empty answer is asked again (the script must print something)."""
+        for _ in range(5):
+            out = self.sh(script, *args)
+            if out.strip():
+                return out
+        raise AssertionError(f"no output from {script!r} in 5 tries")
+
     def write(self, spath: str, data: bytes, mode: int = 0o644) -> str:
         p = self.hp(spath)
         if p is not None:

@@ -310,7 +310,7 @@ def growing_file(h, store, request):
             assert isinstance(exc, SandboxError) and exc.transient, repr(exc)
             seen["transient"] += 1
     _stop(h, stop, runner)
-    final_size = int(h.sh('stat -c %s "$1"', path)) if h.hp(path) is None else h.hp(path).stat().st_size
+    final_size = int(h.read_sh('stat -c %s "$1"', path)) if h.hp(path) is None else h.hp(path).stat().st_size
     sb.extract(path, store, "files/whole", max_bytes=1 << 30)
     data = blob(store, "files/whole")
     assert len(data) >= final_size - len(chunk) and data == chunk * (len(data) // len(chunk))
