@@ -177,14 +177,14 @@ def send(self: Task, target: str, text: str | None = None, files: list[str] | No
 
     job_id = f"snd_{self.request.id.replace('-', '')}" if self.request.id else None
     ctx = runtime.ctx()
-    seq = _int_or_none(self.request.get(sendorder.HEADER))
-    if seq is not None and isinstance(target, str):
+    seq = _int_or_none(self.request.get(sendorder.HEADER)) if isinstance(target, str) else None
+    if seq is not None:
         sendorder.wait_turn(ctx.redis, target, seq)
     try:
         return send_mod.send(ctx, target, text=text, files=files, caption=caption, voice=voice,
                              as_document=as_document, job_id=job_id)
     finally:
-        if seq is not None and isinstance(target, str):
+        if seq is not None:
             sendorder.done(ctx.redis, target, seq)
 
 
