@@ -14,14 +14,8 @@ from tests.fixtures.workers import CourierEnv
 
 TEXT = "a private message 91c2"
 
+pytestmark = pytest.mark.usefixtures("redis_emptied")  # these sends have no worker: nothing left queued after
 
-
-@pytest.fixture(autouse=True)
-def _clean(redis_client):
-    """The session's Redis, empty before and after: these sends have no worker, and what they leave
-    queued must not reach the next module's tests."""
-    yield
-    redis_client.flushall()
 
 def test_status_json_numbers_are_numbers_and_no_chat_text(tmp_path, redis_server):
     env = CourierEnv(tmp_path / "env", redis_server.url)

@@ -26,14 +26,8 @@ def _send(env: CourierEnv, chat: str, host: str) -> str:
     assert res.returncode == 0, res.stdout + res.stderr
     return json.loads(res.stdout)["job"]
 
+pytestmark = pytest.mark.usefixtures("redis_emptied")  # these sends have no worker: nothing left queued after
 
-
-@pytest.fixture(autouse=True)
-def _clean(redis_client):
-    """The session's Redis, empty before and after: these sends have no worker, and what they leave
-    queued must not reach the next module's tests."""
-    yield
-    redis_client.flushall()
 
 def test_cancel_drops_the_jobs_queued_messages(tmp_path, redis_server):
     env = CourierEnv(tmp_path / "env", redis_server.url)
