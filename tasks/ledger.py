@@ -40,8 +40,14 @@ LEASE_TTL_S = 20
 STAGES = ("lane", "extract", "turn")
 #: the reconciler re-drives a stage nobody has looked at for this long (its due time)
 LANE_GRACE_S = 10.0
-EXTRACT_GRACE_S = 60.0
-TURN_GRACE_S = 60.0
+# A stage's message may be lost with a broker connection (a worker that had it reserved when Redis
+# restarted or failed over cannot acknowledge it: Celery drops it, kombu restores it only after the
+# visibility timeout): the chat waits for this long, so it stays well under a minute (60 s had a
+# chat idle 57 s over 10 restarts and 3 failovers: tests/chaos/test_sentinel.py). A stage still
+# queued behind others is re-published too (its copy is dropped when it finds the stage done or
+# held); the grace doubles with each re-drive (reconcile.py), so a long queue is not flooded.
+EXTRACT_GRACE_S = 20.0
+TURN_GRACE_S = 20.0
 
 _RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('expire', KEYS[1], ARGV[2]) else return 0 end"
 _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"

@@ -79,6 +79,23 @@ class Run:
                 labels += [f.filename for f in c.files.values()]
         return labels
 
+    def arrival_times(self, target: str) -> list[float]:
+        """When each message (or file) of a chat arrived, in order (time.time())."""
+        platform, chat = target.split(":", 1)
+        if platform == "outbox":
+            return [row["ts"] for row in read_log(self.env.outbox, chat)]
+        return sorted(c.t for c in self.fake.calls_for(chat=chat, ok=True))
+
+    def longest_idle(self, since: float) -> tuple[float, str]:
+        """The longest a chat waited between its arrivals (from `since`, the first enqueue, to its
+        first arrival, then between arrivals), over every chat: (seconds, chat)."""
+        worst = (0.0, "")
+        for target in self.chats:
+            times = [since, *self.arrival_times(target)]
+            gap = max(b - a for a, b in zip(times, times[1:]))
+            worst = max(worst, (gap, target))
+        return worst
+
     def check(self, *, max_duplicates: int) -> dict[str, int]:
         """Every receipt delivered, nothing left in the ledger, each chat's
         messages in enqueue order (first arrivals), duplicates within bounds."""
