@@ -175,3 +175,56 @@ def test_the_cli_follows_the_sentinel_master_through_a_failover(tmp_path, sentin
                 wait_until(lambda: sentinel.master_port() == replica.port, timeout_s=60, what="the failover")
     finally:
         env.stop()
+
+
+def test_a_platform_that_stops_answering_during_a_failover_holds_its_chat_under_a_minute(
+        tmp_path, sentinel_pair, fake_telegram):
+    """Issue 24's lease row: after a graceful failover a pool child stopped working while its
+    heartbeat kept renewing its lane's lease, and 9 deliveries waited 12.5 minutes. Here the
+    platform stops answering in the middle of a send and Redis fails over meanwhile: the stuck drive
+    makes no progress, loses the chat's lane, its pool process is replaced, and once the platform
+    answers again the chat moves on, in order, through the new master, within a minute; the
+    `courier worker` never exits."""
+    import json
+
+    from tests.fixtures.faults import children_of
+
+    master, replica, sentinel = sentinel_pair
+    url = f"sentinel://127.0.0.1:{sentinel.port}/{MASTER}/0"
+    env = CourierEnv(tmp_path / "env", url, COURIER_LEASE_STALL_S="5", TELEGRAM_BOT_TOKEN=fake_telegram.token,
+                     COURIER_TELEGRAM_BASE_URL=fake_telegram.url)
+    r = redis_client(url)
+    try:
+        w = env.start_worker(queues="delivery", concurrency=1, supervised=True)
+        fake_telegram.latency_s = 50.0  # the platform stops answering (under the SDK's read timeout)
+        jobs = []
+        for text in ("first", "second", "third"):
+            res = env.cli("send", "telegram:4343", "--text", text, "--json")
+            assert res.returncode == 0, res.stdout + res.stderr
+            jobs.append(json.loads(res.stdout)["job"])
+        from tasks import keys, receipts
+
+        lease = keys.lease("lane", "telegram:4343")
+        wait_until(lambda: r.exists(lease), 30, what="the drive to hold the lane")
+
+        def pool() -> set[int]:  # `courier worker` -> its Celery worker -> the pool process
+            return {pid for celery in children_of(w.pid) for pid in children_of(celery)}
+
+        stuck = pool()
+        assert stuck
+        sentinel.client.execute_command("SENTINEL", "failover", MASTER)
+        wait_until(lambda: sentinel.master_port() == replica.port, timeout_s=60, what="the failover")
+        # no progress: the lease lapses (5 s without progress + its 20 s), the stuck process goes
+        wait_until(lambda: not r.exists(lease), 60, what="the stuck drive to lose the lane")
+        wait_until(lambda: pool() and not (stuck & pool()), 60, what="the stuck pool process to be replaced")
+        fake_telegram.latency_s = 0.0  # the platform answers again
+        wait_until(lambda: all((receipts.job_deliveries(r, j) or [{}])[0].get("state") == "delivered" for j in jobs),
+                   60, what="the chat to move on within a minute")
+        texts = list(dict.fromkeys(c.text for c in fake_telegram.calls_for("sendMessage", chat="4343", ok=True)))
+        assert texts == ["first", "second", "third"]
+        assert w.poll() is None  # the `courier worker` outlived the failover and the recycle
+        assert master.client().info("replication")["role"] == "slave"
+    finally:
+        fake_telegram.latency_s = 0.0
+        env.stop()
+        r.close()
