@@ -111,3 +111,25 @@ def test_flower_with_its_extra_runs_celery_flower(tmp_path):
     res = subprocess.run([sys.executable, "-m", "workers.cli", "flower", "--help"], capture_output=True, text=True,
                          timeout=120, cwd=tmp_path, env={**__import__("os").environ, "COURIER_DATA_DIR": str(tmp_path)})
     assert res.returncode == 0 and "monitoring and administrating Celery" in res.stdout + res.stderr, res.stdout + res.stderr
+
+
+def test_flower_reads_its_login_from_a_secret_file_and_refuses_a_bad_one(tmp_path, monkeypatch):
+    """compose mounts Flower's login as a file (FLOWER_BASIC_AUTH_FILE): an unreadable or empty one, one
+    without `user:password`, or one set beside FLOWER_BASIC_AUTH is refused before Flower starts (it
+    would start with no login). A good one: tests/test_flower.py starts Flower with it."""
+    from typer.testing import CliRunner
+
+    from workers.cli import app
+
+    monkeypatch.delenv("FLOWER_BASIC_AUTH", raising=False)
+    f = tmp_path / "flower_basic_auth"
+    for content, why in (("", "must hold user:password"), ("just-a-password\n", "must hold user:password")):
+        f.write_text(content)
+        res = CliRunner().invoke(app, ["flower"], env={"FLOWER_BASIC_AUTH_FILE": str(f)})
+        assert res.exit_code == 2 and why in res.output, res.output
+    res = CliRunner().invoke(app, ["flower"], env={"FLOWER_BASIC_AUTH_FILE": str(tmp_path / "missing")})
+    assert res.exit_code == 2 and "cannot read" in res.output, res.output
+    f.write_text("ops:pw\n")
+    res = CliRunner().invoke(app, ["flower"], env={"FLOWER_BASIC_AUTH_FILE": str(f), "FLOWER_BASIC_AUTH": "a:b"})
+    assert res.exit_code == 2 and "both set" in res.output, res.output
+    assert "ops:pw" not in res.output

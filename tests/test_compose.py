@@ -26,7 +26,20 @@ ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "compose" / "docker-compose.yml"
 ENV_EXAMPLE = ROOT / "compose" / ".env.example"
 DOCKERFILE = ROOT / "compose" / "Dockerfile"
-REQUIRED = {"S3_SECRET_KEY": "s3cret-Key_1", "FLOWER_BASIC_AUTH": "ops:flower-pw-77"}
+#: each courier service's secret files, no more (measured on e82a350: every container got every secret)
+TOKENS = {"telegram_bot_token", "discord_bot_token", "slack_bot_token", "whatsapp_access_token"}
+WEBHOOKS = {"telegram_webhook_secret", "slack_signing_secret", "whatsapp_app_secret", "whatsapp_verify_token"}
+EVERY = {"redis_password", "signing_key"}
+SECRETS_OF = {
+    "web": EVERY | WEBHOOKS | {"metrics_token"},
+    "worker-turns": EVERY | TOKENS | {"s3_secret_key", "metrics_token", "openai_api_key"},
+    "worker-sandbox": EVERY | {"s3_secret_key", "metrics_token"},
+    "worker-delivery": EVERY | TOKENS | {"s3_secret_key", "metrics_token"},
+    "beat": EVERY,
+    "flower": EVERY | {"flower_basic_auth"},
+    "redis": {"redis_password"},
+    "s3": {"s3_secret_key"},
+}
 COURIER_SERVICES = ("web", "worker-turns", "worker-sandbox", "worker-delivery", "beat", "flower")
 WORKERS = ("worker-turns", "worker-sandbox", "worker-delivery")
 
@@ -39,14 +52,14 @@ def _render(tmp_path: Path | None = None, env_file: dict | None = None, **env: s
         p = tmp_path / "courier.env"
         p.write_text("".join(f"{k}={v}\n" for k, v in env_file.items()))
         args += ["--env-file", str(p)]
-    clean = {k: v for k, v in os.environ.items() if k not in REQUIRED and not k.startswith(("COURIER_", "S3_"))}
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("COURIER_", "S3_"))}
     return subprocess.run([*args, "-f", str(COMPOSE), "config"], capture_output=True, text=True, timeout=60,
                           env={**clean, **env}, cwd=str(ROOT))
 
 
 @pytest.fixture(scope="module")
 def rendered() -> dict:
-    res = _render(**REQUIRED)
+    res = _render()
     assert res.returncode == 0, res.stderr
     return yaml.safe_load(res.stdout)
 
@@ -62,30 +75,47 @@ def _known_env() -> set[str]:
     return {str(n) for n in names}
 
 
-def test_compose_renders_and_requires_its_secrets():
-    res = _render(FLOWER_BASIC_AUTH="a:b")
-    assert res.returncode != 0 and "S3_SECRET_KEY" in res.stderr
-    res = _render(S3_SECRET_KEY="x")
-    assert res.returncode != 0 and "FLOWER_BASIC_AUTH" in res.stderr
+def test_secrets_are_files_and_scripts_compose_secrets_makes_them(tmp_path):
+    """Every secret is a compose secret from one directory (COURIER_SECRETS, default compose/secrets):
+    scripts/compose-secrets makes each file the compose file names, random ones for what courier can
+    make itself and empty ones for the operator to fill in; it never replaces one."""
+    res = _render(tmp_path, env_file={"COURIER_SECRETS": "/etc/courier/secrets"})
+    assert res.returncode == 0, res.stderr
+    declared = yaml.safe_load(res.stdout)["secrets"]
+    assert set(declared) == set().union(*SECRETS_OF.values(), {"metrics_token"})
+    assert all(v["file"] == f"/etc/courier/secrets/{k}" for k, v in declared.items())
+    out = tmp_path / "secrets"
+    res = subprocess.run([str(ROOT / "scripts" / "compose-secrets"), str(out)], capture_output=True, text=True,
+                         timeout=30)
+    assert res.returncode == 0, res.stderr
+    assert {p.name for p in out.iterdir()} == set(declared)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o700  # the operator's only
+    made = {p.name: p.read_text() for p in out.iterdir()}
+    for name in ("redis_password", "signing_key", "s3_secret_key", "metrics_token"):
+        assert re.fullmatch(r"[0-9a-f]{64}\n", made[name]), name
+    assert re.fullmatch(r"admin:[0-9a-f]{64}\n", made["flower_basic_auth"])
+    assert all(made[n] == "" for n in TOKENS | WEBHOOKS | {"openai_api_key"})
+    assert len({made[n] for n in ("redis_password", "signing_key", "s3_secret_key", "metrics_token")}) == 4
+    (out / "telegram_bot_token").write_text("123:tok")
+    again = subprocess.run([str(ROOT / "scripts" / "compose-secrets"), str(out)], capture_output=True, text=True,
+                           timeout=30)
+    assert again.returncode == 0 and not again.stdout  # nothing written: kept
+    assert {p.name: p.read_text() for p in out.iterdir()} == {**made, "telegram_bot_token": "123:tok"}
 
 
 def test_settings_come_from_an_env_file(tmp_path):
-    """Secrets and agents go from one .env file to every courier process:
-    the web process gets the webhook secrets and agents (all four webhooks
-    answered 404 before), the workers get the agents."""
+    """Plain settings go from one .env file to the courier processes that use them (the web process
+    gets the agents and Discord's public key; the workers the agents); secrets never do."""
     agents = '{"helper": {"runtime": "openai", "model": "m", "sandbox": "local:///data/sandbox/helper"}}'
-    res = _render(tmp_path, env_file={**REQUIRED, "TELEGRAM_WEBHOOK_SECRET": "tg-s", "SLACK_SIGNING_SECRET": "sl-s",
-                                      "DISCORD_PUBLIC_KEY": "ab" * 32, "WHATSAPP_APP_SECRET": "wa-s",
-                                      "WHATSAPP_VERIFY_TOKEN": "wa-v", "COURIER_AGENTS": f"'{agents}'"})
+    res = _render(tmp_path, env_file={"DISCORD_PUBLIC_KEY": "ab" * 32, "COURIER_AGENTS": f"'{agents}'",
+                                      "S3_ACCESS_KEY": "key-id-1"})
     assert res.returncode == 0, res.stderr
     svcs = yaml.safe_load(res.stdout)["services"]
-    web = svcs["web"]["environment"]
-    assert (web["TELEGRAM_WEBHOOK_SECRET"], web["SLACK_SIGNING_SECRET"], web["WHATSAPP_APP_SECRET"],
-            web["WHATSAPP_VERIFY_TOKEN"]) == ("tg-s", "sl-s", "wa-s", "wa-v")
+    assert svcs["web"]["environment"]["DISCORD_PUBLIC_KEY"] == "ab" * 32
     for name in ("web", "worker-turns", "worker-sandbox"):
         assert json.loads(svcs[name]["environment"]["COURIER_AGENTS"]) == json.loads(agents), name
-    assert svcs["s3"]["environment"]["S3_SECRET_KEY"] == REQUIRED["S3_SECRET_KEY"]
-    assert svcs["worker-turns"]["environment"]["AWS_SECRET_ACCESS_KEY"] == REQUIRED["S3_SECRET_KEY"]
+    assert svcs["s3"]["environment"]["S3_ACCESS_KEY"] == svcs["worker-turns"]["environment"]["AWS_ACCESS_KEY_ID"] \
+        == "key-id-1"
 
 
 def test_env_example_documents_every_variable_and_env_files_stay_out():
@@ -94,16 +124,16 @@ def test_env_example_documents_every_variable_and_env_files_stay_out():
                if re.match(r"[A-Z0-9_]+=", ln)}
     assert compose_vars <= example, compose_vars - example
     for line in ENV_EXAMPLE.read_text().splitlines():  # no secret in the example
-        if re.match(r"(S3_SECRET_KEY|FLOWER_BASIC_AUTH|.*TOKEN|.*SECRET|.*API_KEY)=", line):
+        if re.match(r"(S3_SECRET_KEY|FLOWER_BASIC_AUTH|.*TOKEN|.*SECRET|.*API_KEY|.*PASSWORD)=", line):
             assert line.endswith("="), line
     assert "compose/.env" in (ROOT / ".gitignore").read_text().split()
     assert {".env", "compose/.env", ".git", "tests"} <= set((ROOT / ".dockerignore").read_text().split())
 
 
-def test_no_s3_secret_in_any_file_and_the_identity_is_made_from_env(rendered, tmp_path):
+def test_no_s3_secret_in_any_file_and_the_identity_is_made_from_the_secret_file(rendered, tmp_path):
     """compose/s3.json hard-coded the secret (S3_SECRET_KEY as documented gave
     SignatureDoesNotMatch on every send). The S3 service now writes its
-    identity at start from S3_ACCESS_KEY / S3_SECRET_KEY: its start script
+    identity at start from S3_ACCESS_KEY and its secret file: its start script
     runs here (a stand-in `weed` records how it is started)."""
     assert not (ROOT / "compose" / "s3.json").exists()
     for p in (ROOT / "compose").rglob("*"):
@@ -112,13 +142,15 @@ def test_no_s3_secret_in_any_file_and_the_identity_is_made_from_env(rendered, tm
     script = rendered["services"]["s3"]["command"][0]
     assert rendered["services"]["s3"]["entrypoint"] == ["/bin/sh", "-c"]
     cfg = tmp_path / "s3.json"
-    script = script.replace("/tmp/s3.json", str(cfg))
+    secret = tmp_path / "s3_secret_key"
+    secret.write_text("Zx9/+=._-secret\n")
+    script = script.replace("/tmp/s3.json", str(cfg)).replace("/run/secrets/s3_secret_key", str(secret))
     bindir = tmp_path / "bin"
     bindir.mkdir()
     weed = bindir / "weed"
     weed.write_text(f"#!/bin/sh\nprintf '%s\\n' \"$@\" > {tmp_path / 'weed-args'}\n")
     weed.chmod(0o755)
-    env = {"PATH": f"{bindir}:/usr/bin:/bin", "S3_ACCESS_KEY": "courier", "S3_SECRET_KEY": "Zx9/+=._-secret"}
+    env = {"PATH": f"{bindir}:/usr/bin:/bin", "S3_ACCESS_KEY": "courier"}
     res = subprocess.run(["/bin/sh", "-c", script], env=env, capture_output=True, text=True, timeout=30)
     assert res.returncode == 0, res.stderr
     ident = json.loads(cfg.read_text())["identities"][0]
@@ -127,9 +159,10 @@ def test_no_s3_secret_in_any_file_and_the_identity_is_made_from_env(rendered, tm
     assert stat.S_IMODE(cfg.stat().st_mode) == 0o600
     assert f"-s3.config={cfg}" in (tmp_path / "weed-args").read_text().split()
     cfg.unlink()
-    res = subprocess.run(["/bin/sh", "-c", script], env={**env, "S3_SECRET_KEY": 'bad"key'}, capture_output=True,
-                         text=True, timeout=30)
-    assert res.returncode == 2 and "may hold only" in res.stderr and not cfg.exists()
+    for bad, why in (('bad"key', "may hold only"), ("", "is empty")):
+        secret.write_text(bad)
+        res = subprocess.run(["/bin/sh", "-c", script], env=env, capture_output=True, text=True, timeout=30)
+        assert res.returncode == 2 and why in res.stderr and not cfg.exists(), res.stderr
 
 
 def _redis_script(rendered: dict) -> str:
@@ -151,7 +184,7 @@ def test_redis_keeps_tasks(rendered):
 def test_redis_and_every_courier_service_share_a_password_from_a_secret_file(rendered, tmp_path):
     """Redis ran without a password: anything on the compose network, or
     anything that read a worker's environment, could use it. Now a random
-    password per deployment sits in a secret file (scripts/redis-secret makes
+    password per deployment sits in a secret file (scripts/compose-secrets makes
     it) that Redis and every courier process read; it is in no environment
     and no file of the repo."""
     svcs = rendered["services"]
@@ -165,8 +198,6 @@ def test_redis_and_every_courier_service_share_a_password_from_a_secret_file(ren
         assert "@" not in env["COURIER_REDIS_URL"] and "COURIER_REDIS_PASSWORD" not in env, name
     assert "REDISCLI_AUTH" in " ".join(svcs["redis"]["healthcheck"]["test"])  # the healthcheck authenticates
     assert "secrets" in (ROOT / ".dockerignore").read_text() and "compose/secrets/" in (ROOT / ".gitignore").read_text()
-    res = _render(**REQUIRED, REDIS_PASSWORD_SECRET="/etc/courier/redis_password")
-    assert yaml.safe_load(res.stdout)["secrets"]["redis_password"]["file"] == "/etc/courier/redis_password"
 
 
 def _start_redis_script(rendered: dict, tmp_path: Path, secret: Path) -> tuple[subprocess.Popen, int]:
@@ -191,22 +222,17 @@ def _start_redis_script(rendered: dict, tmp_path: Path, secret: Path) -> tuple[s
 
 def test_the_redis_service_requires_its_password(rendered, tmp_path):
     """The start script runs for real (redis-server, the secret made by
-    scripts/redis-secret): an unauthenticated PING is refused, the password
+    scripts/compose-secrets): an unauthenticated PING is refused, the password
     opens it, and it is not on the server's command line; AOF is on."""
     import redis
 
     from tests.fixtures.services import stop_process, wait_until
 
     secret = tmp_path / "secrets" / "redis_password"
-    res = subprocess.run([str(ROOT / "scripts" / "redis-secret"), str(secret)], capture_output=True, text=True,
-                         timeout=30)
+    res = subprocess.run([str(ROOT / "scripts" / "compose-secrets"), str(secret.parent)], capture_output=True,
+                         text=True, timeout=30)
     assert res.returncode == 0, res.stderr
     password = secret.read_text().strip()
-    assert re.fullmatch(r"[0-9a-f]{64}", password), password
-    assert stat.S_IMODE(secret.parent.stat().st_mode) == 0o700  # the operator's only
-    again = subprocess.run([str(ROOT / "scripts" / "redis-secret"), str(secret)], capture_output=True, text=True,
-                           timeout=30)
-    assert again.returncode == 0 and secret.read_text().strip() == password  # never replaced
     proc, port = _start_redis_script(rendered, tmp_path, secret)
     try:
         good = redis.Redis(port=port, password=password, socket_timeout=5)
@@ -277,7 +303,7 @@ def test_ports_are_on_loopback_by_default(rendered, tmp_path):
     assert set(published) == {"proxy", "flower"}  # web is behind the proxy: `--scale web=N` clashes on nothing
     for ports in published.values():
         assert all(str(p).startswith("127.0.0.1:") for p in ports), ports
-    res = _render(**REQUIRED, COURIER_BIND="0.0.0.0")
+    res = _render(COURIER_BIND="0.0.0.0")
     assert "0.0.0.0:8000:8000" in yaml.safe_load(res.stdout)["services"]["proxy"]["ports"]
 
 
@@ -295,11 +321,12 @@ def test_the_proxy_finds_every_web_replica_by_name():
 
 
 def test_flower_has_auth_but_not_on_its_command_line(rendered):
-    """`--basic_auth=user:password` was visible in `ps`; Flower reads FLOWER_BASIC_AUTH from its environment."""
+    """`--basic_auth=user:password` was visible in `ps`; `courier flower` reads the login from its secret
+    file (tests/test_flower.py starts Flower that way) and hands it to Flower in its own environment."""
     flower = rendered["services"]["flower"]
-    assert not any("basic_auth" in a or REQUIRED["FLOWER_BASIC_AUTH"] in a for a in flower["command"])
-    assert flower["environment"]["FLOWER_BASIC_AUTH"] == REQUIRED["FLOWER_BASIC_AUTH"]
-    assert "FLOWER_BASIC_AUTH" not in rendered["services"]["web"]["environment"]
+    assert not any("basic_auth" in a for a in flower["command"]) and flower["command"][:2] == ["courier", "flower"]
+    assert flower["environment"]["FLOWER_BASIC_AUTH_FILE"] == "/run/secrets/flower_basic_auth"
+    assert "FLOWER_BASIC_AUTH" not in flower["environment"]
 
 
 def test_workers_export_metrics_from_a_private_multiprocess_dir(rendered):
@@ -352,7 +379,7 @@ def test_environment_names_are_settings_courier_reads(rendered):
     from workers.settings import file_variables
 
     known = _known_env() | set(file_variables()) | {"AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION",
-                            "PROMETHEUS_MULTIPROC_DIR", "FLOWER_BASIC_AUTH"}
+                            "PROMETHEUS_MULTIPROC_DIR", "FLOWER_BASIC_AUTH_FILE"}
     for name, svc in rendered["services"].items():
         if not svc.get("image", "").startswith("courier:"):
             continue
@@ -380,30 +407,36 @@ def test_procfile_names_the_five_processes():
     assert not any("basic_auth" in a for a in entries["flower"])  # the password is not on the command line
 
 
-SECRETS = {"TELEGRAM_BOT_TOKEN": "tg-token-1", "SLACK_BOT_TOKEN": "xoxb-2", "DISCORD_BOT_TOKEN": "dc-3",
-           "WHATSAPP_ACCESS_TOKEN": "wa-4", "COURIER_OPENAI_API_KEY": "sk-5", "TELEGRAM_WEBHOOK_SECRET": "tg-s-6",
-           "SLACK_SIGNING_SECRET": "sl-s-7", "WHATSAPP_APP_SECRET": "wa-s-8", "COURIER_METRICS_TOKEN": "m-9"}
-
-
-def test_each_service_holds_only_the_secrets_its_process_uses(tmp_path):
+def test_each_service_holds_only_the_secrets_its_process_uses(rendered):
     """Measured on e82a350: every container got every secret (Flower and web held the bot tokens, the
-    OpenAI key and the AWS secret)."""
-    res = _render(tmp_path, env_file={**REQUIRED, **SECRETS})
+    OpenAI key and the AWS secret), in its environment. Now each service mounts only the secret files its
+    process uses, names each through `<NAME>_FILE`, and holds no secret in its environment."""
+    from workers.settings import file_variables
+
+    svcs = rendered["services"]
+    readers = set(file_variables()) | {"FLOWER_BASIC_AUTH_FILE"}
+    for name, want in SECRETS_OF.items():
+        assert set(svcs[name]["secrets"]) == want, name
+        env = svcs[name].get("environment") or {}
+        named = {v.removeprefix("/run/secrets/") for k, v in env.items() if k.endswith("_FILE")}
+        if name in COURIER_SERVICES:
+            assert named == want, name  # each file mounted is read, and only those
+            assert {k for k in env if k.endswith("_FILE")} <= readers, name
+        # no secret in the environment: only their files' paths
+        assert not {k for k in env if k.endswith(("_TOKEN", "_SECRET", "_API_KEY", "_PASSWORD", "_AUTH",
+                                                  "SECRET_ACCESS_KEY", "SIGNING_KEY"))}, (name, env)
+    prom = _render_monitoring()["services"]["prometheus"]
+    assert prom["secrets"] == ["metrics_token"] and not prom.get("environment")
+
+
+def _render_monitoring() -> dict:
+    exe = shutil.which("podman-compose")
+    need(exe is not None, "podman-compose is not installed (pip install podman-compose)")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("COURIER_", "S3_"))}
+    res = subprocess.run([exe, "--profile", "monitoring", "-f", str(COMPOSE), "config"], capture_output=True,
+                         text=True, timeout=60, env=clean, cwd=str(ROOT))
     assert res.returncode == 0, res.stderr
-    svcs = yaml.safe_load(res.stdout)["services"]
-    held = {name: {k for k, v in SECRETS.items() if svcs[name].get("environment", {}).get(k) == v}
-            | ({"AWS_SECRET_ACCESS_KEY"} if svcs[name].get("environment", {}).get("AWS_SECRET_ACCESS_KEY") else set())
-            for name in COURIER_SERVICES}
-    tokens = {"TELEGRAM_BOT_TOKEN", "SLACK_BOT_TOKEN", "DISCORD_BOT_TOKEN", "WHATSAPP_ACCESS_TOKEN"}
-    webhooks = {"TELEGRAM_WEBHOOK_SECRET", "SLACK_SIGNING_SECRET", "WHATSAPP_APP_SECRET"}
-    assert held["flower"] == held["beat"] == set()
-    assert held["web"] == webhooks | {"COURIER_METRICS_TOKEN"}
-    assert held["worker-delivery"] == tokens | {"AWS_SECRET_ACCESS_KEY", "COURIER_METRICS_TOKEN"}
-    assert held["worker-sandbox"] == {"AWS_SECRET_ACCESS_KEY", "COURIER_METRICS_TOKEN"}
-    assert held["worker-turns"] == tokens | {"AWS_SECRET_ACCESS_KEY", "COURIER_OPENAI_API_KEY", "COURIER_METRICS_TOKEN"}
-    for name in COURIER_SERVICES:  # every one reaches Redis (its password from the secret file) and the data dir
-        env = svcs[name]["environment"]
-        assert env["COURIER_REDIS_PASSWORD_FILE"] == "/run/secrets/redis_password" and env["COURIER_DATA_DIR"] == "/data"
+    return yaml.safe_load(res.stdout)
 
 
 def test_any_other_setting_goes_to_every_service_from_settings_env(rendered):
@@ -420,16 +453,7 @@ def test_monitoring_profile_scrapes_every_replica_and_loads_the_alerts(tmp_path)
     """compose had no Prometheus: `--profile monitoring` adds one that finds every web replica and worker
     by name (scaled services included), authenticates with the metrics token from a file, and evaluates
     compose/monitoring/alerts.yml; promtool accepts the config and the rules."""
-    exe = shutil.which("podman-compose")
-    need(exe is not None, "podman-compose is not installed (pip install podman-compose)")
-    clean = {k: v for k, v in os.environ.items() if k not in REQUIRED and not k.startswith(("COURIER_", "S3_"))}
-    res = subprocess.run([exe, "--profile", "monitoring", "-f", str(COMPOSE), "config"], capture_output=True,
-                         text=True, timeout=60, env={**clean, **REQUIRED, "COURIER_METRICS_TOKEN": "m-tok-1"},
-                         cwd=str(ROOT))
-    assert res.returncode == 0, res.stderr
-    prom = yaml.safe_load(res.stdout)["services"]["prometheus"]
-    assert prom["environment"] == {"COURIER_METRICS_TOKEN": "m-tok-1"}  # its only secret
-    assert not any("m-tok-1" in str(a) for a in prom["command"] + prom["entrypoint"])
+    prom = _render_monitoring()["services"]["prometheus"]
     assert str(prom["ports"][0]).startswith("127.0.0.1:")
     cfg = yaml.safe_load((ROOT / "compose" / "monitoring" / "prometheus.yml").read_text())
     jobs = {j["job_name"]: j for j in cfg["scrape_configs"]}
@@ -441,13 +465,13 @@ def test_monitoring_profile_scrapes_every_replica_and_loads_the_alerts(tmp_path)
         v["target"] for v in prom["volumes"] if isinstance(v, dict)}
     assert set(cfg["rule_files"]) <= mounted and "/etc/prometheus/prometheus.yml" in mounted
     for j in jobs.values():
-        assert j["authorization"]["credentials_file"] in prom["command"][0]  # the start writes that file
+        assert j["authorization"]["credentials_file"] == "/run/secrets/metrics_token"  # its only secret
     promtool = shutil.which("promtool")
     need(promtool is not None, "promtool is not installed (apt-get install prometheus)")
     (tmp_path / "alerts.yml").write_text((ROOT / "compose" / "monitoring" / "alerts.yml").read_text())
     (tmp_path / "token").write_text("t")
     text = (ROOT / "compose" / "monitoring" / "prometheus.yml").read_text()
-    text = text.replace("/etc/prometheus/alerts.yml", "alerts.yml").replace("/tmp/metrics_token", "token")
+    text = text.replace("/etc/prometheus/alerts.yml", "alerts.yml").replace("/run/secrets/metrics_token", "token")
     (tmp_path / "prometheus.yml").write_text(text)
     res = subprocess.run([promtool, "check", "config", "prometheus.yml"], capture_output=True, text=True,
                          timeout=60, cwd=tmp_path)

@@ -17,7 +17,7 @@ network, web and Flower published on a loopback address), every service's
 own healthcheck passes (podman runs healthchecks from systemd timers, which
 this machine has not: the test runs `podman healthcheck run` itself), Redis
 refuses an unauthenticated PING (its password is the deployment's secret
-file, made by scripts/redis-secret, and in no container's environment), a
+file, made by scripts/compose-secrets, and in no container's environment), a
 `courier send` and a demo-agent turn go end to end through S3 and the three
 worker pools to the outbox (bytes checked on the shared volume), the turns
 pool is scaled to 2, the worker running a turn gets SIGTERM (Celery's warm
@@ -231,7 +231,7 @@ def _free_loopback_address() -> str:
 class Stack:
     def __init__(self, pm: Podman, project: str, env: dict, bind: str):
         self.pm, self.project, self.env, self.bind = pm, project, env, bind
-        self.flower_auth = env["FLOWER_BASIC_AUTH"]
+        self.flower_auth = (Path(env["COURIER_SECRETS"]) / "flower_basic_auth").read_text().strip()
 
     def compose(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
         res = subprocess.run(["podman-compose", "--in-pod", "false", "--profile", "monitoring", "-p", self.project,
@@ -368,17 +368,16 @@ def stack(tmp_path_factory):
                   "demo": {"command": ["/opt/courier/bin/python", "-m", "adapters.agents.demo_agent"],
                            "isolation": "host"}}
         env = {k: v for k, v in pm.env.items() if not k.startswith(("COURIER_", "S3_", "AWS_", "FLOWER_", "REDIS_"))}
-        # Redis's password as an operator makes it (docs/deployment.md: compose), outside the repo
-        secret = tmp_path_factory.mktemp("secrets") / "redis_password"
-        res = subprocess.run([str(ROOT / "scripts" / "redis-secret"), str(secret)], capture_output=True, text=True,
-                             timeout=30)
+        # the secret files as an operator makes them (docs/deployment.md: compose), outside the repo
+        secrets = tmp_path_factory.mktemp("secrets") / "courier"
+        res = subprocess.run([str(ROOT / "scripts" / "compose-secrets"), str(secrets)], capture_output=True,
+                             text=True, timeout=30)
         assert res.returncode == 0, res.stderr
-        env.update(S3_ACCESS_KEY="courier", S3_SECRET_KEY=uuid.uuid4().hex,
-                   FLOWER_BASIC_AUTH=f"ops:{uuid.uuid4().hex}", COURIER_IMAGE_TAG=COURIER_TAG, COURIER_BIND=bind,
-                   COURIER_AGENTS=json.dumps(agents), REDIS_PASSWORD_SECRET=str(secret),
-                   COURIER_METRICS_TOKEN=uuid.uuid4().hex)
+        env.update(S3_ACCESS_KEY="courier", COURIER_IMAGE_TAG=COURIER_TAG, COURIER_BIND=bind,
+                   COURIER_AGENTS=json.dumps(agents), COURIER_SECRETS=str(secrets))
         st = Stack(pm, project, env, bind)
-        st.redis_password = secret.read_text().strip()
+        st.secrets = {p.name: p.read_text().strip() for p in secrets.iterdir()}
+        st.redis_password = st.secrets["redis_password"]
         st.timings = t
         with t("up"):
             st.compose("up", "-d", "--no-build")
@@ -468,9 +467,13 @@ def test_redis_refuses_a_client_without_its_password(stack):
     res = stack.exec(stack.web, "python", "-c", "import redis; redis.Redis(host='redis', socket_timeout=5).ping()",
                      check=False)
     assert res.returncode != 0 and b"AuthenticationError" in res.stderr, res
-    for ctr in stack.containers():
+    made = [v for v in stack.secrets.values() if v]
+    for ctr in stack.containers():  # no secret in any container's environment: only files, each its own
         env = json.loads(stack.pm.run("inspect", "--format", "{{json .Config.Env}}", ctr).stdout)
-        assert not any(stack.redis_password in e for e in env), ctr
+        assert not any(v in e for v in made for e in env), ctr
+    mounted = stack.exec(stack.web, "ls", "/run/secrets").stdout.decode().split()
+    assert sorted(mounted) == sorted(["redis_password", "signing_key", "metrics_token", "telegram_webhook_secret",
+                                      "slack_signing_secret", "whatsapp_app_secret", "whatsapp_verify_token"])
 
 
 def test_send_and_turn_end_to_end(stack):
@@ -491,7 +494,8 @@ def test_send_and_turn_end_to_end(stack):
     got = d / rows[0]["file"]
     assert got.stat().st_size == len(blob) and _sha256(got) == hashlib.sha256(blob).hexdigest()
     # it went through the S3 service (SeaweedFS), not a local store
-    code = ("import boto3; s3 = boto3.client('s3'); "
+    code = ("import boto3, os; s3 = boto3.client('s3', aws_access_key_id=os.environ['AWS_ACCESS_KEY_ID'], "
+            "aws_secret_access_key=open('/run/secrets/s3_secret_key').read().strip()); "
             "print('\\n'.join(o['Key'] for o in s3.list_objects_v2(Bucket='courier')['Contents']))")
     keys = stack.exec(console, "python", "-c", code).stdout.decode().split()
     # and the web container cannot store a file: no storage key there
@@ -653,7 +657,7 @@ def test_prometheus_scrapes_a_courier_series_from_web_and_every_worker_pool(stac
                           ["activeTargets"]])
             + "; a delivery worker's exporter: " + stack.exec(stack.containers("worker-delivery")[0], "python", "-c",
                 "import os, urllib.request as u; r = u.Request('http://127.0.0.1:9100/metrics', headers={"
-                "'Authorization': 'Bearer ' + os.environ['COURIER_METRICS_TOKEN']}); "
+                "'Authorization': 'Bearer ' + open('/run/secrets/metrics_token').read().strip()}); "
                 "t = u.urlopen(r, timeout=5).read().decode(); "
                 "print([ln for ln in t.splitlines() if ln.startswith('courier_')][:8], len(t))",
                 check=False).stdout.decode()[-1500:]

@@ -47,8 +47,10 @@ def test_a_failed_delivery_is_a_failure_in_flower(courier_env, tmp_path):
     assert res.returncode == 0, res.stderr
     did = json.loads(res.stdout)["deliveries"][0]
     gone.unlink()  # gone before any worker looks: fails for good
-    with env.flower(env={"FLOWER_BASIC_AUTH": "ops:pw"}) as base:
-        assert httpx.get(f"{base}/api/tasks", timeout=10).status_code == 401  # FLOWER_BASIC_AUTH from the env
+    login = tmp_path / "flower_basic_auth"
+    login.write_text("ops:pw\n")  # the login from a secret file, as compose mounts it
+    with env.flower(env={"FLOWER_BASIC_AUTH_FILE": str(login)}) as base:
+        assert httpx.get(f"{base}/api/tasks", timeout=10).status_code == 401
         env.start_worker()
 
         def failed():

@@ -170,3 +170,18 @@ def test_a_bad_redis_url_is_refused_without_showing_its_password(monkeypatch):
         with pytest.raises(ValidationError) as e:
             Settings()
         assert "COURIER_REDIS_URL" in str(e.value) and "hunter2" not in str(e.value), str(e.value)
+
+
+def test_an_empty_secret_file_counts_as_unset(monkeypatch, tmp_path):
+    """compose mounts a file for every platform's token; a deployment fills in the ones it uses: an
+    empty file (or one holding only a newline) means that platform is not configured, as an empty
+    variable does."""
+    empty = tmp_path / "telegram_bot_token"
+    empty.write_text("\n")
+    monkeypatch.setenv("TELEGRAM_BOT_TOKEN_FILE", str(empty))
+    full = tmp_path / "slack_bot_token"
+    full.write_text("xoxb-1\n")
+    monkeypatch.setenv("SLACK_BOT_TOKEN_FILE", str(full))
+    s = Settings()
+    assert s.telegram_bot_token is None
+    assert s.slack_bot_token is not None and s.slack_bot_token.get_secret_value() == "xoxb-1"

@@ -917,7 +917,22 @@ def flower(ctx: typer.Context) -> None:
     if importlib.util.find_spec("flower") is None:
         # (`celery flower` without it says only "No such command 'flower'")
         raise die("Flower is not installed: pip install 'courier[flower]' (or pip install flower)", EXIT_SERVICE)
-    os.execv(sys.executable, [sys.executable, "-m", "celery", "-A", "workers.celery_app", "flower", *ctx.args])
+    env = dict(os.environ)
+    path = env.pop("FLOWER_BASIC_AUTH_FILE", "").strip()
+    if path:  # its login from a secret file (compose): handed to Flower in its own environment only
+        from workers.settings import SecretFileError, read_secret_file
+
+        if env.get("FLOWER_BASIC_AUTH", "").strip():
+            raise die("FLOWER_BASIC_AUTH and FLOWER_BASIC_AUTH_FILE are both set: set one of them", EXIT_INPUT)
+        try:
+            login = read_secret_file("FLOWER_BASIC_AUTH_FILE", path).strip()
+        except SecretFileError as exc:
+            raise die(str(exc), EXIT_INPUT) from None
+        if ":" not in login.split(",")[0]:
+            raise die(f"FLOWER_BASIC_AUTH_FILE: {path} must hold user:password (Flower would start without a "
+                      "login)", EXIT_INPUT)
+        env["FLOWER_BASIC_AUTH"] = login
+    os.execve(sys.executable, [sys.executable, "-m", "celery", "-A", "workers.celery_app", "flower", *ctx.args], env)
 
 
 def _version(value: bool) -> None:

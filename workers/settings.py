@@ -121,7 +121,10 @@ class FileSecretsSource(PydanticBaseSettingsSource):
                 yield name, f"{var}_FILE", path
 
     def __call__(self) -> dict[str, Any]:
-        return {name: read_secret_file(var, path) for name, var, path in self._files()}
+        # an empty file counts as unset too (compose mounts one for every platform; a deployment fills
+        # in the ones it uses)
+        values = {name: read_secret_file(var, path) for name, var, path in self._files()}
+        return {name: v for name, v in values.items() if v.strip()}
 
 
 def file_variables(settings_cls: type[BaseSettings] | None = None) -> list[str]:
