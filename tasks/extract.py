@@ -161,7 +161,6 @@ def run(ctx: Context, did: str) -> JsonObject:
     Two round trips besides the extraction's own work: one script reads the
     receipt, takes the lease and sets the due time (extract_begin.lua); one pipeline
     records the result, clears the due time and releases the lease."""
-    import json
 
     from tasks import keys, ledger
 

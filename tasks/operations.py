@@ -22,7 +22,6 @@ delivers nothing (tasks/turn.py checks the mark before registering the reply).
 
 from __future__ import annotations
 
-import json
 import time
 
 from redis import Redis
