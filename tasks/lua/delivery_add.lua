@@ -1,5 +1,6 @@
 -- delivery_add: register a delivery (idempotent: an existing receipt is kept), appended to its
 -- job's deliveries and, when asked, to its chat's lane.
+-- Keys of one chat: KEYS[3]; of the delivery: KEYS[1]; of its job: KEYS[2].
 -- KEYS[1] receipt: the delivery's receipt (hash)
 -- KEYS[2] job_deliveries: the job's delivery ids (list)
 -- KEYS[3] lane: the chat's lane (list of steps; untouched unless ARGV[2] is '1')

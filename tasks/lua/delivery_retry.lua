@@ -1,5 +1,6 @@
 -- delivery_retry: a failed or cancelled delivery queued again (`courier retry`): its failure
 -- fields cleared, its extraction too when that is what failed, the step appended to its lane.
+-- Keys of one chat: KEYS[2]; of the delivery: KEYS[1].
 -- KEYS[1] receipt: the delivery's receipt (hash)
 -- KEYS[2] lane: the chat's lane (list of steps)
 -- ARGV[1] now: the time, in seconds (as written)

@@ -8,7 +8,7 @@
 -- - one delivery ready to send (not an album, not terminal) with an `owner`: its send lock taken
 --   and, when taken, its attempt counted and its state sending (as tasks/sendlock.py `begin_send`).
 -- Keys of one chat (`target`'s): KEYS[1], KEYS[3], KEYS[6]; of the head delivery: KEYS[4], KEYS[5];
--- KEYS[2] is courier-wide.
+-- courier-wide: KEYS[2].
 -- KEYS[1] lane: the chat's lane (list of steps)
 -- KEYS[2] due: the lane due set
 -- KEYS[3] lease: the lane's lease

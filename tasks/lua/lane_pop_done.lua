@@ -1,6 +1,7 @@
 -- lane_pop_done: the step last looked at is popped from its chat's lane when it is still the
 -- lane's head and all its receipts are terminal (or gone: expired, nothing to send). Run by the
 -- lane's lease holder (the only one that pops a lane), before its next look.
+-- Keys of one chat: KEYS[1]; of the step's deliveries: KEYS[2...].
 -- KEYS[1] lane: the chat's lane (list of steps)
 -- KEYS[2...] receipts: the step's receipts (one, or an album's)
 -- ARGV[1] step: the step's id (its first delivery's)

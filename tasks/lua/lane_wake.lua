@@ -1,4 +1,5 @@
 -- lane_wake: a lane's wake-up, decided before its drive is published.
+-- Keys: both courier-wide (no chat's).
 -- KEYS[1] waiting: the drives published and not started yet (sorted set of task ids, by publish time)
 -- KEYS[2] ready: the lanes whose wake-up joined the set the waiting drives drain (sorted set of targets)
 -- ARGV[1] target: the lane's target ('': a drain, always published)

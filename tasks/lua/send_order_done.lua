@@ -1,5 +1,6 @@
 -- send_order_done: a numbered send registered (or gave up): the next number's turn.
 -- `next` moves past the number, never back.
+-- Keys of one chat: KEYS[1].
 -- KEYS[1] order: the chat's send order hash (`issued`, `next`)
 -- ARGV[1] seq: the number that registered
 -- ARGV[2] ttl_s: how long the record outlives the chat's last send

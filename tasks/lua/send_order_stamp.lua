@@ -1,4 +1,5 @@
 -- send_order_stamp: the next number of a chat's `courier.delivery.send` messages (the publisher's side).
+-- Keys of one chat: KEYS[1].
 -- KEYS[1] order: the chat's send order hash (`issued`, `next`)
 -- ARGV[1] ttl_s: how long the record outlives the chat's last send
 -- Returns the number stamped.
