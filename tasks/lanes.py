@@ -154,7 +154,7 @@ def _look(r: Redis, target: str, token: str, *, take: bool = False, last: Step |
     last_id = last.lead if isinstance(last, Step) else (last or "")
     last_ids = last.ids if isinstance(last, Step) else ([last] if last else [])
     owner = uuid.uuid4().hex if lock else ""
-    fresh = take  # the lease taken by this look: a dead sender's gate is cleared
+    fresh = take
     taken_at = -1
     for _ in range(100):
         p = pipe if pipe is not None else r.pipeline(transaction=False)
@@ -178,12 +178,11 @@ def _look(r: Redis, target: str, token: str, *, take: bool = False, last: Step |
                 continue
             return Head("empty", got[1] if len(got) > 1 else None)
         ks = [lane, keys.due("lane"), lease, keys.delivery(head), keys.delivery_lock(head)]
-        if fresh and gate:
+        if fresh and gate:  # the lease taken by this look: a dead sender's gate is cleared
             ks.append(gate)
         got = scripts.run(r, "lane_head", keys=ks,
                           args=[target, token, head, time.time() + EXTRACT_WAIT_S, owner, sendlock.SEND_LOCK_TTL_S,
-                                "1" if fresh else "0", DEAD_SEND, DeliveryState.SENDING, EXTRACTION_OK,
-                                EXTRACTION_FAILED, *_TERMINAL])
+                                DEAD_SEND, DeliveryState.SENDING, EXTRACTION_OK, EXTRACTION_FAILED, *_TERMINAL])
         if got[0] == "moved":
             continue
         if got[0] == "extracting":

@@ -83,7 +83,8 @@ def cancel_delivery(r: Redis, rec: receipts.Receipt) -> dict[str, str]:
     """Cancel one delivery unless it is final or its send is in flight."""
     did = rec["id"]
     lead = rec.get("step") or did
-    what, was = scripts.run(r, "delivery_cancel", keys=[keys.delivery(did), keys.delivery_lock(did), keys.delivery_lock(lead)],
+    what, was = scripts.run(r, "delivery_cancel",
+                            keys=[keys.delivery(did), keys.delivery_lock(did), keys.delivery_lock(lead)],
                             args=[CANCEL_REASON, f"{time.time():.3f}", DeliveryState.CANCELLED, *sorted(DELIVERY_OVER)])
     if what == "cancelled":
         p = r.pipeline(transaction=False)

@@ -69,7 +69,8 @@ def add_delivery(r: Redis, job_id: str, delivery_id: str, *, lane: str | None = 
     fields = {"id": delivery_id, "job": job_id, "state": "queued", "attempts": "0", "queued_s": f"{time.time():.3f}"}
     fields.update({kk: _text(v) for kk, v in meta.items() if v is not None})
     flat = [x for kv in fields.items() for x in kv]
-    scripts.run(r, "delivery_add", keys=[keys.delivery(delivery_id), keys.job_deliveries(job_id), keys.lane(lane or "")],
+    scripts.run(r, "delivery_add",
+                keys=[keys.delivery(delivery_id), keys.job_deliveries(job_id), keys.lane(lane or "")],
                 args=[RETENTION_S, "1" if lane else "0", *flat])
 
 

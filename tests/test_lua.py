@@ -40,7 +40,7 @@ def test_the_scripts_are_there():
 @pytest.mark.parametrize("path", FILES, ids=NAMES)
 def test_a_script_declares_its_keys_and_args_and_binds_them_to_names(path):
     header, code = _split(path)
-    assert header and header[0].startswith(f"-- {path.stem}: "), "the header starts with the script's name and what it does"
+    assert header and header[0].startswith(f"-- {path.stem}: "), "the header starts with the name and what it does"
     declared: dict[str, dict[int, str]] = {"KEYS": {}, "ARGV": {}}
     for line in header:
         m = _DECL.match(line)
@@ -51,17 +51,16 @@ def test_a_script_declares_its_keys_and_args_and_binds_them_to_names(path):
     for line in code:
         if "KEYS" not in line and "ARGV" not in line:
             continue
-        m = _BIND.match(line)
         rest = _BIND_REST.match(line)
-        assert m or rest, f"KEYS and ARGV are only read into named locals: {line!r}"
-        kind, i = (m or rest)[2], int((m or rest)[3])  # type: ignore[index]
-        bound[kind][i] = "..." if rest else ""
+        m = rest or _BIND.match(line)
+        assert m, f"KEYS and ARGV are only read into named locals: {line!r}"
+        bound[m[2]][int(m[3])] = "..." if rest else ""
     for kind in ("KEYS", "ARGV"):
         d = declared[kind]
         assert sorted(d) == list(range(1, len(d) + 1)), f"{kind} declared as 1..n: {sorted(d)}"
         assert set(bound[kind]) == set(d), f"{kind} declared {sorted(d)}, bound {sorted(bound[kind])}"
         for i, mark in d.items():
-            assert (mark == "...") == (bound[kind][i] == "..."), f"{kind}[{i}{mark}] is bound as {bound[kind][i] or 'one'}"
+            assert (mark == "...") == (bound[kind][i] == "..."), f"{kind}[{i}{mark}] bound as {bound[kind][i] or 'one'}"
         rest = [i for i, mark in d.items() if mark == "..."]
         assert not rest or rest == [max(d)], f"only the last {kind} is the rest"
     # the registry checks callers against the same header
@@ -95,7 +94,8 @@ def test_no_key_is_built_inside_a_script(path):
 @pytest.mark.parametrize("path", FILES, ids=NAMES)
 def test_no_state_name_is_written_in_a_script(path):
     """State names are states.py's: a script gets the ones it needs in ARGV."""
-    owned = {str(s) for s in (*states.DeliveryState, *states.JobState)} | {states.EXTRACTION_OK, states.EXTRACTION_FAILED}
+    owned = {str(s) for s in (*states.DeliveryState, *states.JobState)}
+    owned |= {states.EXTRACTION_OK, states.EXTRACTION_FAILED}
     _, code = _split(path)
     # a hash field named like a state (a receipt's `rate_limited` counts the 429s) is no state
     text = re.sub(r"redis\.call\('(?:hdel|hget|hmget|hincrby|hexists)'[^)]*\)", "", "\n".join(code))
@@ -156,3 +156,43 @@ def test_the_scripts_ship_with_the_package():
     package = scripts.__name__.rpartition(".")[0]
     folder = scripts.DIR.relative_to(Path(scripts.__file__).resolve().parent)
     assert f"{folder}/*.lua" in data[package]
+
+
+def test_a_lane_found_empty_is_kept_when_a_step_came_before_it_was_forgotten(redis_client):
+    """lane_forget.lua checks the lane is still empty in the step that forgets it and releases its
+    lease: a step appended after the look read no head (its wake-up found the lease held) keeps
+    the lane's due time and the lease, and the look goes on with it."""
+    r, target = redis_client, "memory:lua-forget"
+    lane, lease, due, ready = keys.lane(target), keys.lease("lane", target), keys.due("lane"), keys.lanes_ready()
+    r.set(lease, "tok")
+    r.zadd(due, {target: 1})
+    r.rpush(lane, "d1")  # appended after the look read an empty lane
+    assert scripts.run(r, "lane_forget", keys=[lane, due, lease, ready], args=[target, "tok", "1"]) == ["again"]
+    assert r.get(lease) == "tok" and r.zscore(due, target) == 1
+    r.delete(lane)
+    r.zadd(ready, {"memory:next": 1})
+    got = scripts.run(r, "lane_forget", keys=[lane, due, lease, ready], args=[target, "tok", "1"])
+    assert got == ["empty", "memory:next"]
+    assert not r.exists(lease) and r.zscore(due, target) is None and not r.exists(ready)
+
+
+def test_a_head_being_extracted_parks_the_lane_and_releases_its_lease_in_one_step(redis_client):
+    """lane_head.lua: a file still in its sandbox sets the lane's due time and releases the lease
+    together; a ready one is locked and counted; a head that moved is looked at again."""
+    from tasks import lanes
+
+    r, target = redis_client, "memory:lua-head"
+    lane, lease, due = keys.lane(target), keys.lease("lane", target), keys.due("lane")
+    r.set(lease, "tok")
+    r.rpush(lane, "d1")
+    r.hset(keys.delivery("d1"), mapping={"state": "queued", "queue": "sandbox", "attempts": "0"})
+    ks = [lane, due, lease, keys.delivery("d1"), keys.delivery_lock("d1")]
+    consts = [lanes.DEAD_SEND, states.DeliveryState.SENDING, states.EXTRACTION_OK, states.EXTRACTION_FAILED,
+              *sorted(states.DELIVERY_OVER)]
+    assert scripts.run(r, "lane_head", keys=ks, args=[target, "tok", "d0", 99, "", 20, *consts]) == ["moved"]
+    assert scripts.run(r, "lane_head", keys=ks, args=[target, "tok", "d1", 99, "own", 20, *consts]) == ["extracting"]
+    assert not r.exists(lease) and r.zscore(due, target) == 99 and not r.exists(keys.delivery_lock("d1"))
+    r.hset(keys.delivery("d1"), "extraction", states.EXTRACTION_OK)
+    got = scripts.run(r, "lane_head", keys=ks, args=[target, "tok", "d1", 99, "own", 20, *consts])
+    assert got[0] == "head" and got[2:] == [1, 1] and r.get(keys.delivery_lock("d1")) == "own"
+    assert r.hget(keys.delivery("d1"), "state") == states.DeliveryState.SENDING
