@@ -52,8 +52,7 @@ from redis.client import Pipeline
 
 from adapters.errors import CourierError, SandboxStalled
 from adapters.sandboxes.base import ReadTimeout
-from tasks import keys, ledger, metrics
-from tasks.receipts import _script
+from tasks import keys, ledger, metrics, scripts
 
 log = logging.getLogger(__name__)
 
@@ -79,76 +78,6 @@ def ident_of(sandbox: Mapping[str, Any]) -> str:
 def is_timeout(exc: BaseException) -> bool:
     """The transient timeout a backend raises when the sandbox sent nothing within its read deadline."""
     return isinstance(exc, ReadTimeout)
-
-
-#: KEYS: breakers, answered, scout, waiting; ARGV: ident, delivery id, now, fresh_s, scout ttl (ms), state ttl.
-#: `open` (with the breaker's end), `run`, `scout`, or `wait` (until the scout's key lapses).
-_ADMIT = """
-local now = tonumber(ARGV[3])
-local untl = tonumber(redis.call('zscore', KEYS[1], ARGV[1]))
-local verdict, at = 'wait', 0
-if untl and untl > now then
-  verdict, at = 'open', untl
-else
-  if not untl then
-    local seen = tonumber(redis.call('zscore', KEYS[2], ARGV[1]))
-    if seen and seen >= now - tonumber(ARGV[4]) then return {'run', ''} end
-  end
-  local holder = redis.call('get', KEYS[3])
-  if not holder or holder == ARGV[2] then
-    redis.call('set', KEYS[3], ARGV[2], 'PX', ARGV[5])
-    return {'scout', ''}
-  end
-  at = now + math.max(redis.call('pttl', KEYS[3]), 0) / 1000
-end
-redis.call('sadd', KEYS[4], ARGV[2])
-redis.call('expire', KEYS[4], ARGV[6])
-return {verdict, string.format('%.6f', at)}
-"""
-
-#: KEYS: breakers, hash, scout, waiting, answered, extract due; ARGV: ident, delivery id, now, base_s, max_s,
-#: reason, state ttl, stale before. Opens the breaker (again, for twice as long, when it ran out) or keeps
-#: it as it is when open; the postponed extractions are due at its end. Returns {end, opens (0: kept)}.
-_TRIP = """
-local now = tonumber(ARGV[3])
-redis.call('zrem', KEYS[5], ARGV[1])
-redis.call('sadd', KEYS[4], ARGV[2])
-redis.call('expire', KEYS[4], ARGV[7])
-if redis.call('get', KEYS[3]) == ARGV[2] then redis.call('del', KEYS[3]) end
-local untl = tonumber(redis.call('zscore', KEYS[1], ARGV[1]))
-if untl and untl > now then return {string.format('%.6f', untl), '0'} end
-if untl and untl < tonumber(ARGV[8]) then untl = nil end
-local n = 1
-if untl then n = (tonumber(redis.call('hget', KEYS[2], 'opens')) or 0) + 1 end
-untl = now + math.min(tonumber(ARGV[5]), tonumber(ARGV[4]) * 2 ^ (n - 1))
-redis.call('zremrangebyscore', KEYS[1], '-inf', ARGV[8])
-redis.call('zadd', KEYS[1], untl, ARGV[1])
-if n == 1 then redis.call('hset', KEYS[2], 'since_s', ARGV[3]) end
-redis.call('hset', KEYS[2], 'opens', n, 'until_s', string.format('%.6f', untl), 'reason', ARGV[6])
-redis.call('expire', KEYS[2], ARGV[7])
-for _, id in ipairs(redis.call('smembers', KEYS[4])) do
-  redis.call('zadd', KEYS[6], 'XX', untl, id)
-end
-return {string.format('%.6f', untl), tostring(n)}
-"""
-
-#: KEYS: breakers, hash, scout, waiting, answered, extract due; ARGV: ident, delivery id, now, fresh_s,
-#: due of the handed-on. The sandbox answered: stamped; a breaker closed, the scout's key dropped, the
-#: postponed extractions due at once (never pushed out). Returns their ids.
-_ANSWERED = """
-local now = tonumber(ARGV[3])
-redis.call('zadd', KEYS[5], now, ARGV[1])
-redis.call('zremrangebyscore', KEYS[5], '-inf', now - tonumber(ARGV[4]))
-if redis.call('get', KEYS[3]) == ARGV[2] then redis.call('del', KEYS[3]) end
-redis.call('zrem', KEYS[1], ARGV[1])
-redis.call('del', KEYS[2])
-local ids = redis.call('smembers', KEYS[4])
-for _, id in ipairs(ids) do
-  redis.call('zadd', KEYS[6], 'XX', 'LT', ARGV[5], id)
-end
-redis.call('del', KEYS[4])
-return ids
-"""
 
 
 @dataclass
@@ -180,8 +109,8 @@ class Gate:
             return
         now = time.time()
         k = self._keys()
-        verdict, at = cast("list[str]", _script(r, _ADMIT)(
-            keys=[k[0], k[4], k[2], k[3]],
+        verdict, at = cast("list[str]", scripts.run(
+            r, "breaker_admit", keys=[k[0], k[4], k[2], k[3]],
             args=[self.ident, did, f"{now:.6f}", self.io_timeout_s, math.ceil((self.io_timeout_s +
                   ledger.LEASE_TTL_S) * 1000), STATE_TTL_S]))
         self.verdict = verdict
@@ -210,8 +139,8 @@ class Gate:
             return max(0.0, exc.until_s - now)
         k = self._keys()
         if exc is not None and is_timeout(exc):
-            until, opens = cast("list[str]", _script(r, _TRIP)(
-                keys=k, args=[self.ident, did, f"{now:.6f}", self.io_timeout_s, self.max_s,
+            until, opens = cast("list[str]", scripts.run(
+                r, "breaker_trip", keys=k, args=[self.ident, did, f"{now:.6f}", self.io_timeout_s, self.max_s,
                               getattr(exc, "reason", str(exc))[:500], STATE_TTL_S, f"{now - STALE_S:.6f}"]))
             if opens != "0":
                 metrics.record_breaker(self.kind, "opened")
@@ -222,12 +151,12 @@ class Gate:
             return None  # no word from the sandbox either way (a bug, a task's time limit): its scout key lapses
         args: list[str | float] = [self.ident, did, f"{now:.6f}", self.io_timeout_s]
         if self.verdict == "scout":
-            self.woke = cast("list[str]", _script(r, _ANSWERED)(keys=k, args=[*args, f"{now + HANDOFF_GRACE_S:.6f}"]))
+            self.woke = cast("list[str]", scripts.run(r, "breaker_answered", keys=k,
+                                                      args=[*args, f"{now + HANDOFF_GRACE_S:.6f}"]))
             if self.woke:
                 log.info("sandbox %s answers again: %d extractions handed on", self.ident, len(self.woke))
         else:  # an answer that closes nothing (the common case) rides on the stage's last round trip
-            # (EVAL: a registered script on a pipeline costs a SCRIPT EXISTS round trip of its own)
-            pipe.eval(_ANSWERED, len(k), *k, *args, f"{now:.6f}")
+            scripts.run(pipe, "breaker_answered", keys=k, args=[*args, f"{now:.6f}"])
         return None
 
 

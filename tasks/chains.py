@@ -40,7 +40,7 @@ from adapters.display import visible
 from adapters.platforms.base import split_target
 from adapters.sandboxes.base import SandboxRef
 from storage import prefixes
-from tasks import keys, ledger, receipts, signing, task_names
+from tasks import keys, ledger, receipts, scripts, signing, task_names
 from tasks.messages import Attachment, JsonObject, TurnSpec
 
 if TYPE_CHECKING:
@@ -286,31 +286,16 @@ def publish_lane(target: str, countdown: float | None = None) -> None:
     lane_sig(target, countdown).apply_async()
 
 
-#: a lane's wake-up, decided before its drive is published. KEYS: `keys.drives_waiting()`,
-#: `keys.lanes_ready()`; ARGV: the lane's target ('': a drain, always published), the drive's
-#: task id, now, WAKE_BACKLOG, WAKE_STALE_S. 1: publish the drive (counted waiting from now);
-#: 0: WAKE_BACKLOG drives are waiting already, the lane joined the ready set they drain.
-_WAKE = """
-redis.call('zremrangebyscore', KEYS[1], '-inf', tonumber(ARGV[3]) - tonumber(ARGV[5]))
-if ARGV[1] ~= '' and redis.call('zcard', KEYS[1]) >= tonumber(ARGV[4]) then
-  redis.call('zadd', KEYS[2], 'NX', ARGV[3], ARGV[1])
-  return 0
-end
-redis.call('zadd', KEYS[1], ARGV[3], ARGV[2])
-return 1
-"""
-
-
 def wake_lane(r: Redis, target: str) -> bool:
     """Wake `target`'s lane: publish its `drive_lane` (Celery's `apply_async`), unless
     `WAKE_BACKLOG` drives are waiting to start already: then the lane joins the ready set
-    they drain (`_WAKE` decides, in one script). `target` '': a drain of the ready set,
+    they drain (lane_wake.lua decides, in one script). `target` '': a drain of the ready set,
     always published. True when a drive was published. A publish that fails after the
     decision loses nothing: the lane's due time brings the reconciler, and the drive
     counted waiting stops counting after WAKE_STALE_S."""
     task_id = str(uuid.uuid4())
-    if not receipts._script(r, _WAKE)(keys=[keys.drives_waiting(), keys.lanes_ready()],
-                                      args=[target, task_id, time.time(), WAKE_BACKLOG, WAKE_STALE_S]):
+    if not scripts.run(r, "lane_wake", keys=[keys.drives_waiting(), keys.lanes_ready()],
+                       args=[target, task_id, time.time(), WAKE_BACKLOG, WAKE_STALE_S]):
         return False
     lane_sig(target).apply_async(task_id=task_id)
     return True

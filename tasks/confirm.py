@@ -21,12 +21,14 @@ from dataclasses import dataclass
 from redis import Redis
 from redis.client import Pipeline
 
-from tasks import events, keys, metrics, receipts
+from tasks import events, keys, metrics, receipts, scripts
+from tasks.states import DeliveryState
 
 __all__ = ["Status", "apply", "remember"]
 
 #: a confirmation's order: a status never moves a receipt back
 RANK = {"accepted": 0, "sent": 1, "delivered": 2, "read": 3}
+_RANK_ARGS = [x for status, rank in RANK.items() for x in (status, rank)]
 
 
 @dataclass(frozen=True)
@@ -46,25 +48,6 @@ def remember(pipe: Pipeline | Redis, platform: str, message_id: str, did: str) -
         pipe.set(keys.sent_message(platform, message_id), did, ex=receipts.RETENTION_S)
 
 
-#: KEYS: the receipt; ARGV: the status, its rank, the time, the reason. One step: a status for a
-#: receipt that is not delivered (retried, cancelled, gone) changes nothing; `failed` makes it failed,
-#: a higher rank raises `confirmed`. Returns what it did: failed | confirmed | stale | not_delivered.
-_APPLY = """
-local st = redis.call('hget', KEYS[1], 'state')
-if st ~= 'delivered' then return 'not_delivered' end
-if ARGV[1] == 'failed' then
-  redis.call('hset', KEYS[1], 'state', 'failed', 'confirmed', 'failed', 'confirmed_s', ARGV[3],
-             'reason', ARGV[4], 'failed_after_acceptance', '1')
-  return 'failed'
-end
-local ranks = {accepted=0, sent=1, delivered=2, read=3}
-local now = ranks[redis.call('hget', KEYS[1], 'confirmed') or 'accepted'] or 0
-if tonumber(ARGV[2]) <= now then return 'stale' end
-redis.call('hset', KEYS[1], 'confirmed', ARGV[1], 'confirmed_s', ARGV[3])
-return 'confirmed'
-"""
-
-
 def apply(r: Redis, statuses: list[Status], *, events_maxlen: int = 1000) -> list[tuple[str, str]]:
     """Each status on its receipt, in order (see the module docstring). Returns (message id, what
     it did) for each: failed, confirmed, stale, not_delivered, ignored (a status courier does not
@@ -80,8 +63,9 @@ def apply(r: Redis, statuses: list[Status], *, events_maxlen: int = 1000) -> lis
             continue
         did = str(did)
         reason = f"accepted, then failed: {s.reason or 'the platform gave no reason'}"[:500]
-        what = str(r.eval(_APPLY, 1, keys.delivery(did), s.status, RANK.get(s.status, 0), f"{time.time():.3f}",
-                          reason))
+        what = str(scripts.run(r, "confirm_status", keys=[keys.delivery(did)],
+                               args=[s.status, RANK.get(s.status, 0), f"{time.time():.3f}", reason,
+                                     DeliveryState.DELIVERED, DeliveryState.FAILED, *_RANK_ARGS]))
         out.append((s.message_id, what))
         if what in ("failed", "confirmed"):
             rec = receipts.get_delivery(r, did) or {}

@@ -13,10 +13,11 @@ from redis.client import Pipeline
 from adapters.errors import ControlInName, CourierError, SandboxError, SandboxStalled, StorageError, TooLarge, \
     UnsafePath, in_chat_words
 from adapters.sandboxes.base import SandboxRef, os_error
-from tasks import breaker, events, metrics, receipts, signing
+from tasks import breaker, events, metrics, receipts, scripts, signing
 from tasks.messages import JsonObject
 from tasks.reply import has_control
 from tasks.runtime import Context
+from tasks.states import EXTRACTION_FAILED, EXTRACTION_OK
 
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ _PATH_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ENAMETOOLONG, errno
 
 #: extractions at least this large publish an `extracted` event as they finish
 RECORD_MIN_BYTES = 1024 * 1024
-#: the states after which an extraction has nothing to do (`_BEGIN`'s last arguments)
+#: the states after which an extraction has nothing to do (extract_begin.lua's last arguments)
 _TERMINAL = tuple(sorted(receipts.TERMINAL))
 
 
@@ -148,27 +149,6 @@ def result_of(rec: receipts.Receipt, key: str) -> JsonObject | None:
     return None
 
 
-#: the start of an extraction, in one round trip. KEYS: the receipt, the stage's lease, the
-#: extract due ZSET; ARGV: the delivery id, a lease token, the lease TTL, the due time, then
-#: the terminal states. What to do and the receipt's spec (the three fields it looks at, not
-#: the whole receipt: the spec is all the stage reads): `gone` (no receipt or no spec), `done`
-#: (extracted, failed or final already; both clear the due time), `busy` (a live worker holds
-#: the lease), or `run`: the lease taken and the due time set to its TTL.
-_BEGIN = """
-local f = redis.call('hmget', KEYS[1], 'spec', 'extraction', 'state')
-local spec, extraction, state = f[1], f[2], f[3]
-local done = not spec or extraction == 'ok' or extraction == 'failed'
-for i = 5, #ARGV do if state == ARGV[i] then done = true end end
-if done then
-  redis.call('zrem', KEYS[3], ARGV[1])
-  return {spec and 'done' or 'gone', spec}
-end
-if not redis.call('set', KEYS[2], ARGV[2], 'NX', 'EX', ARGV[3]) then return {'busy', spec} end
-redis.call('zadd', KEYS[3], ARGV[4], ARGV[1])
-return {'run', spec}
-"""
-
-
 def run(ctx: Context, did: str) -> JsonObject:
     """The extraction stage of delivery `did`, from the ledger alone: its
     spec is in the receipt. Holds the stage's lease while it works (a second
@@ -179,18 +159,17 @@ def run(ctx: Context, did: str) -> JsonObject:
     chat's lane after it.
 
     Two round trips besides the extraction's own work: one script reads the
-    receipt, takes the lease and sets the due time (`_BEGIN`); one pipeline
+    receipt, takes the lease and sets the due time (extract_begin.lua); one pipeline
     records the result, clears the due time and releases the lease."""
-    import json
 
     from tasks import keys, ledger
 
     r = ctx.redis
     token = ledger.new_token()
     lease = keys.lease("extract", did)
-    what, spec = receipts._script(r, _BEGIN)(
-        keys=[keys.delivery(did), lease, keys.due("extract")],
-        args=[did, token, ledger.LEASE_TTL_S, time.time() + ledger.LEASE_TTL_S, *_TERMINAL])
+    what, spec = scripts.run(r, "extract_begin", keys=[keys.delivery(did), lease, keys.due("extract")],
+                             args=[did, token, ledger.LEASE_TTL_S, time.time() + ledger.LEASE_TTL_S,
+                                   EXTRACTION_OK, EXTRACTION_FAILED, *_TERMINAL])
     if what == "gone":
         return {"delivery": did, "state": "gone"}
     try:

@@ -29,16 +29,16 @@ from typing import Any
 
 from redis import Redis
 from redis.client import Pipeline
-from redis.exceptions import NoScriptError
 
 from adapters.errors import CourierError, RateLimited, StorageError, in_chat_words
 from tasks import album
 from tasks import delivery as delivery_mod
-from tasks import keys, ledger, metrics, receipts, sendlock, signing
+from tasks import keys, ledger, metrics, receipts, scripts, sendlock, signing
 from tasks.extract import result_of
 from tasks.messages import JsonObject
 from tasks.ratelimit import Paced
 from tasks.runtime import Context
+from tasks.states import EXTRACTION_FAILED, EXTRACTION_OK, DeliveryState
 
 log = logging.getLogger(__name__)
 
@@ -58,95 +58,22 @@ MAX_RATE_LIMITS = 60
 
 Publish = Callable[[str, float | None], None]
 
-#: a lane's head, in one round trip. KEYS: the lane, the lane due ZSET, the lane's lease, then
-#: the receipts of the step last looked at; ARGV: the target, the receipt key prefix, the lease
-#: token, '1' to take the lease first (with TTL ARGV[5]), the step last looked at ('' none), the
-#: lane's due time while its head is extracted, the send lock's owner ('' none: no lock), its TTL,
-#: the send lock key prefix, the chat's gate ('' none), the ready set ('' none: see below), then,
-#: for taking the next lane in the same step (all '' for none): its lease token and send lock
-#: owner, the lane and lease key prefixes, the lane's platform and that platform's gate prefix
-#: ('' none: no per-chat gate).
-#: A lease taken with a head to send clears the chat's gate when it says a send is on its way
-#: (its sender died mid-send: a live one would still hold the lease). The step last looked at is popped when it
-#: is still the head and all its receipts are terminal (or gone); then {'head', id, its receipt
-#: (HGETALL)}, or, for an empty lane, {'empty'} with the lane forgotten (its due time) and the
-#: lease released (and, with a ready set given, {'empty', the next lane} popped from it, '' when
-#: it is empty: the drive goes on without a round trip of its own; when the next lane is on the
-#: same platform and a token is given, {'empty', the next lane, its own look}: its lease taken,
-#: its dead sender's gate cleared and its head looked at (a send lock taken) as by a first look
-#: of its own); {'busy'} when the lease is held.
-#: A head that is one file still being extracted (its receipt names its extraction queue and
-#: has no result yet) is {'extracting', id}: the lane's due time set to ARGV[7] and the lease
-#: released in the same step (an extraction that ends after it finds the lease free).
-#: A head that is one delivery ready to send (not an album, not terminal) with an owner given:
-#: its send lock taken, and when taken its attempt counted and its state 'sending' (as
-#: `sendlock.begin_send` does), {'head', id, receipt as it was, 1|0 locked, attempt number}.
-#: (The head's receipt, lock, lane, lease and gate keys are made here from the prefixes: courier's
-#: Redis is one node.)
+#: how a chat's gate left by a sender that died mid-send begins (a gate of the release before
+#: issue 23 said this for 60 s): the drive that takes the lane's lease clears it (`_look`)
+DEAD_SEND = "sending:"
 _TERMINAL = sorted(receipts.TERMINAL)
-_HEAD = """
-local TERMINAL = {""" + ", ".join(f"[{json.dumps(t)}] = true" for t in _TERMINAL) + """}
-local function look(lane, lease, target, token, take, owner, gate)
-  if take and not redis.call('set', lease, token, 'NX', 'EX', ARGV[5]) then return {'busy'} end
-  local head = redis.call('lindex', lane, 0)
-  if not head then
-    redis.call('zrem', KEYS[2], target)
-    if redis.call('get', lease) == token then redis.call('del', lease) end
-    return {'empty'}
-  end
-  local rec = redis.call('hgetall', ARGV[2] .. head)
-  local f = {}
-  for i = 1, #rec, 2 do f[rec[i]] = rec[i + 1] end
-  local final = f['state'] ~= nil and TERMINAL[f['state']] == true
-  if f['queue'] and not f['album'] and not final and f['extraction'] ~= 'ok' and f['extraction'] ~= 'failed' then
-    redis.call('zadd', KEYS[2], ARGV[7], target)
-    if redis.call('get', lease) == token then redis.call('del', lease) end
-    return {'extracting', head}
-  end
-  if take and gate ~= '' then
-    local g = redis.call('get', gate)
-    if g and string.sub(g, 1, 8) == 'sending:' then redis.call('del', gate) end
-  end
-  if owner ~= '' and #rec > 0 and not f['album'] and not final then
-    if not redis.call('set', ARGV[10] .. head, owner, 'NX', 'EX', ARGV[9]) then return {'head', head, rec, 0, 0} end
-    local n = redis.call('hincrby', ARGV[2] .. head, 'attempts', 1)
-    redis.call('hset', ARGV[2] .. head, 'state', 'sending')
-    return {'head', head, rec, 1, n}
-  end
-  return {'head', head, rec}
-end
-if ARGV[6] ~= '' and redis.call('lindex', KEYS[1], 0) == ARGV[6] then
-  local final = true
-  for i = 4, #KEYS do
-    local st = redis.call('hget', KEYS[i], 'state')
-    if st and not TERMINAL[st] then final = false end  -- a receipt gone (expired): nothing to send
-  end
-  if final then redis.call('lpop', KEYS[1]) end
-end
-local out = look(KEYS[1], KEYS[3], ARGV[1], ARGV[3], ARGV[4] == '1', ARGV[8], ARGV[11])
-if out[1] ~= 'empty' or ARGV[12] == '' then return out end
-local nxt = redis.call('zpopmin', ARGV[12])[1]
-if not nxt then return {'empty', ''} end
-local name, chat = string.match(nxt, '^([^:]*):(.*)$')
-if ARGV[13] == '' or not name or string.lower(name) ~= ARGV[17] then return {'empty', nxt} end
-local gate = ''
-if ARGV[18] ~= '' then gate = ARGV[18] .. chat end
-return {'empty', nxt, look(ARGV[15] .. nxt, ARGV[16] .. nxt, nxt, ARGV[13], true, ARGV[14], gate)}
-"""
 
 
 @dataclass
 class Head:
-    """What `_HEAD` answered: 'head' (with `id`, its receipt, and `held`: its send lock when
-    taken), 'extracting' (with `id`), 'empty' (with `id`, when asked: the next lane popped from
-    the ready set, '' when it was empty; and `next`: that lane's lease token and its own first
-    look, when it was made in the same step) or 'busy'."""
+    """What a look at the lane found (`_look`): 'head' (with `id`, its receipt, and `held`: its
+    send lock when taken), 'extracting' (with `id`), 'empty' (with `id`, when asked: the next
+    lane popped from the ready set, '' when it was empty) or 'busy'."""
 
     what: str
     id: str | None = None
     rec: JsonObject | None = None
     held: sendlock.Held | None = None
-    next: "tuple[str, Head] | None" = None
 
 
 @dataclass
@@ -207,64 +134,65 @@ def _verified(r: Redis, did: str, rec: JsonObject, target: str | None) -> JsonOb
     return spec
 
 
-def _head(r: Redis, target: str, token: str, *, take: bool = False, last: Step | str | None = None,
-          lock: bool = False, gate: str | None = None, pipe: Pipeline | None = None, pop: bool = False,
-          gates: tuple[str, str] | None = None) -> Head:
-    """One round trip (`_HEAD`): pop `last` when it is final, then the head (see `Head`);
-    'empty': lane forgotten, lease released. `take`: the lease first (clearing `gate`, the
-    chat's gate, when it says a send is on its way); `lock`: a single ready head's send lock
-    taken and its attempt counted with it. `pipe`: what is queued on it goes in the same round
-    trip, before the look (the record of the step just sent: the look reads it). `pop`: an
-    empty lane's answer pops the next lane of the ready set too, and with `gates` (this lane's
-    platform and its chats' gate prefix, `_gates`) takes that lane's first look in the same
-    step when it is on the same platform (`Head.next`)."""
+def _look(r: Redis, target: str, token: str, *, take: bool = False, last: Step | str | None = None,
+          lock: bool = False, gate: str | None = None, pipe: Pipeline | None = None, pop: bool = False) -> Head:
+    """A look at the head of `target`'s lane by its lease's holder, in two round trips:
+    1. what is queued on `pipe` (the record of the step just sent: the look reads it), the
+       lease taken (`take`; held by another: 'busy'), `last` popped when it is still the head
+       and final (lane_pop_done.lua), and the head read;
+    2. one script decides on it, in one step:
+       - no head: the lane forgotten (its due time) and the lease released, unless a step came
+         meanwhile (lane_forget.lua; then the look is made again); `pop`: the next lane of the
+         ready set popped with it ('empty' with its id, '' when the set was empty);
+       - a head (lane_head.lua): 'extracting' when it is a file still being extracted (the
+         lane's due time set and the lease released together), else 'head' with its receipt;
+         a lease just taken clears `gate`, the chat's gate, when a sender that died mid-send
+         left it; `lock`: a single ready head's send lock taken and its attempt counted.
+    Only the lease's holder pops a lane: the head the first round trip read is the one the
+    second decides on (lane_head.lua checks it, and the look is made again if not)."""
+    lane, lease = keys.lane(target), keys.lease("lane", target)
     last_id = last.lead if isinstance(last, Step) else (last or "")
     last_ids = last.ids if isinstance(last, Step) else ([last] if last else [])
     owner = uuid.uuid4().hex if lock else ""
-    script = receipts._script(r, _HEAD)
-    ks = [keys.lane(target), keys.due("lane"), keys.lease("lane", target), *[keys.delivery(d) for d in last_ids]]
-    args = [target, keys.delivery(""), token, "1" if take else "0", ledger.LEASE_TTL_S, last_id,
-            time.time() + EXTRACT_WAIT_S, owner, sendlock.SEND_LOCK_TTL_S, keys.delivery_lock(""), gate or "",
-            keys.lanes_ready() if pop else ""]
-    next_token = next_owner = ""
-    if pop and gates is not None:
-        next_token, next_owner = ledger.new_token(), uuid.uuid4().hex
-        args += [next_token, next_owner, keys.lane(""), keys.lease("lane", ""), *gates]
-    else:
-        args += [""] * 6
-    if pipe is None:
-        got = script(keys=ks, args=args)
-    else:
-        # EVALSHA queued by hand: redis-py's Script on a pipeline asks SCRIPT EXISTS first (a round trip)
-        pipe.evalsha(script.sha, len(ks), *ks, *args)
-        res = pipe.execute(raise_on_error=False)
-        for x in res[:-1]:
-            if isinstance(x, Exception):
-                raise x
-        got = res[-1]
-        if isinstance(got, NoScriptError):  # Redis lost its scripts: what was queued is done, look again
-            got = script(keys=ks, args=args)
-        elif isinstance(got, Exception):
-            raise got
-    look = _answer(got, owner)
-    if look.what == "empty" and len(got) > 2:
-        look.next = (next_token, _answer(got[2], next_owner))
-    return look
-
-
-def _answer(got: list[Any], owner: str) -> Head:
-    """One look of `_HEAD`'s answer as a `Head` (`owner`: its send lock's, when it took one)."""
-    what = got[0]
-    if what == "extracting" or (what == "empty" and len(got) > 1):
-        return Head(what, got[1])
-    if what != "head":
-        return Head(what)
-    flat = got[2]
-    rec = {flat[i]: flat[i + 1] for i in range(0, len(flat), 2)}
-    head = got[1]
-    if len(got) > 3 and int(got[3]):
-        return Head(what, head, rec, sendlock.Held(owner, rec, int(got[4])))
-    return Head(what, head, rec)
+    fresh = take
+    taken_at = -1
+    for _ in range(100):
+        p = pipe if pipe is not None else r.pipeline(transaction=False)
+        pipe = None
+        if take:
+            p.set(lease, token, nx=True, ex=ledger.LEASE_TTL_S)
+            taken_at = len(p) - 1
+        if last_ids:
+            scripts.run(p, "lane_pop_done", keys=[lane, *[keys.delivery(d) for d in last_ids]],
+                        args=[last_id, *_TERMINAL])
+        p.lindex(lane, 0)
+        res = p.execute()
+        if take and not res[taken_at]:
+            return Head("busy")
+        take, last_ids = False, []
+        head = res[-1]
+        if head is None:
+            got = scripts.run(r, "lane_forget", keys=[lane, keys.due("lane"), lease, keys.lanes_ready()],
+                              args=[target, token, "1" if pop else "0"])
+            if got[0] == "again":
+                continue
+            return Head("empty", got[1] if len(got) > 1 else None)
+        ks = [lane, keys.due("lane"), lease, keys.delivery(head), keys.delivery_lock(head)]
+        if fresh and gate:  # the lease taken by this look: a dead sender's gate is cleared
+            ks.append(gate)
+        got = scripts.run(r, "lane_head", keys=ks,
+                          args=[target, token, head, time.time() + EXTRACT_WAIT_S, owner, sendlock.SEND_LOCK_TTL_S,
+                                DEAD_SEND, DeliveryState.SENDING, EXTRACTION_OK, EXTRACTION_FAILED, *_TERMINAL])
+        if got[0] == "moved":
+            continue
+        if got[0] == "extracting":
+            return Head("extracting", head)
+        flat = got[1]
+        rec = {flat[i]: flat[i + 1] for i in range(0, len(flat), 2)}
+        if len(got) > 2 and int(got[2]):
+            return Head("head", head, rec, sendlock.Held(owner, rec, int(got[3])))
+        return Head("head", head, rec)
+    raise RuntimeError(f"lane {target} kept changing under its lease")
 
 
 def drive_ready(ctx: Context, target: str, publish: Publish, drain: Callable[[], None], *,
@@ -299,7 +227,6 @@ def drive_ready(ctx: Context, target: str, publish: Publish, drain: Callable[[],
     else:
         out = {"lane": "", "state": "drained", "sent": 0}
     nxt = out.pop("next", None)  # popped by the lane's last look ('': the set was empty then)
-    first = out.pop("next_look", None)  # and its own first look, when taken with it
     lanes = sent = 0
     while nxt != "":
         if nxt is None:
@@ -317,8 +244,8 @@ def drive_ready(ctx: Context, target: str, publish: Publish, drain: Callable[[],
                 break
             nxt = popped[0][0]
         t0 = time.monotonic()
-        got = drive(ctx, nxt, publish, budget_s=max(0.05, deadline - time.monotonic()), pop=True, first=first)
-        nxt, first = got.pop("next", None), got.pop("next_look", None)
+        got = drive(ctx, nxt, publish, budget_s=max(0.05, deadline - time.monotonic()), pop=True)
+        nxt = got.pop("next", None)
         fan_out(t0)
         lanes += 1
         sent += int(got.get("sent") or 0)
@@ -328,36 +255,27 @@ def drive_ready(ctx: Context, target: str, publish: Publish, drain: Callable[[],
 
 
 def drive(ctx: Context, target: str, publish: Publish, *, started: str | None = None,
-          budget_s: float | None = None, pop: bool = False, first: tuple[str, Head] | None = None
-          ) -> JsonObject:
+          budget_s: float | None = None, pop: bool = False) -> JsonObject:
     """Send what is ready at the head of `target`'s lane. `publish(target,
     countdown)` enqueues another drive of the lane. Returns a small summary.
     `started`: the drive task's id, removed from `keys.drives_waiting()` with the
     first look; `budget_s`: how long it may keep sending before handing the lane on;
     `pop`: the look that finds the lane empty (within the budget) pops the next lane of
-    the ready set too, given back as `next` ('': the set was empty), with `next_look` (its
-    lease token and first look, for `first`) when that look was taken with it; `first`:
-    this lane's first look, taken so (its lease is held with that token).
+    the ready set too, given back as `next` ('': the set was empty).
 
-    Round trips: one to take the lane's lease (clearing a dead sender's
-    chat gate), read its head step and, when it is one delivery ready to
-    send, take its send lock and count the attempt; then per step sent one
-    that records it (its receipt, event, lock released), pops it and looks at
-    the next the same way (`_HEAD`); an empty lane is forgotten and its
-    lease released in that same call; a lane popped from the ready set by the look that found
-    the lane before it empty (on the same platform) costs no first look of its own."""
+    A first look (`_look`) takes the lane's lease (clearing a dead sender's chat gate),
+    reads its head step and, when it is one delivery ready to send, takes its send lock
+    and counts the attempt; per step sent the next look records it (its receipt, event,
+    lock released), pops it and looks at the next the same way; the look that finds the
+    lane empty forgets it and releases its lease."""
     r = ctx.redis
     lease = keys.lease("lane", target)
-    gate, gates = _gates(ctx, target)
-    if first is not None:
-        token, look = first
-    else:
-        token = ledger.new_token()
-        pipe = None
-        if started:
-            pipe = r.pipeline(transaction=False)
-            pipe.zrem(keys.drives_waiting(), started)
-        look = _head(r, target, token, take=True, lock=True, gate=gate, pipe=pipe, pop=pop, gates=gates)
+    token = ledger.new_token()
+    pipe = None
+    if started:
+        pipe = r.pipeline(transaction=False)
+        pipe.zrem(keys.drives_waiting(), started)
+    look = _look(r, target, token, take=True, lock=True, gate=_gate(ctx, target), pipe=pipe, pop=pop)
     if look.what == "busy":
         return {"lane": target, "state": "busy"}  # a live worker is on it
     if look.what == "empty":  # its lease went with the look
@@ -368,7 +286,7 @@ def drive(ctx: Context, target: str, publish: Publish, *, started: str | None = 
         # renewed while the drive makes progress (each look, each step, each chunk of a file it sends)
         with ledger.renewing(r, lease, token, ledger.LEASE_TTL_S, needs_progress=True):
             out = _drive_leased(ctx, target, publish, token, look, BUDGET_S if budget_s is None else budget_s,
-                                pop, gates)
+                                pop)
     except BaseException:
         try:
             ledger.release(r, lease, token)
@@ -406,13 +324,11 @@ def _empty(target: str, sent: int, look: Head) -> JsonObject:
     out: JsonObject = {"lane": target, "state": "empty", "sent": sent}
     if look.id is not None:
         out["next"] = look.id
-        if look.next is not None:
-            out["next_look"] = look.next  # (drive_ready's own: never in a task's result)
     return out
 
 
 def _drive_leased(ctx: Context, target: str, publish: Publish, token: str, first: Head,
-                  budget_s: float, pop: bool = False, gates: tuple[str, str] | None = None) -> JsonObject:
+                  budget_s: float, pop: bool = False) -> JsonObject:
     r = ctx.redis
     sent = 0
     deadline = time.monotonic() + budget_s
@@ -430,7 +346,7 @@ def _drive_leased(ctx: Context, target: str, publish: Publish, token: str, first
             step = load_step(r, head, look.rec, target)
             if step is None or step.done:
                 within = time.monotonic() <= deadline
-                look = _head(r, target, token, last=step or head, lock=within, pop=pop and within, gates=gates)
+                look = _look(r, target, token, last=step or head, lock=within, pop=pop and within)
                 continue
             if not step.ready:  # the caller sets the lane's due time (EXTRACT_WAIT_S) as it releases the lease
                 return {"lane": target, "state": "extracting", "head": head, "sent": sent}
@@ -453,15 +369,15 @@ def _drive_leased(ctx: Context, target: str, publish: Publish, token: str, first
         sent += 1
         # the step's record (on `end`), popped once final, and the next: one round trip
         within = time.monotonic() <= deadline
-        look = _head(r, target, token, last=step, lock=within, pipe=end, pop=pop and within, gates=gates)
+        look = _look(r, target, token, last=step, lock=within, pipe=end, pop=pop and within)
 
 
-def _gates(ctx: Context, target: str) -> tuple[str | None, tuple[str, str] | None]:
-    """The chat's gate, and (its platform, the gate prefix of that platform's chats, '' for
-    none) for the next lane's look (`_HEAD`). The lane's lease is the chat's only sender, so a
-    gate still saying "a send is on its way" when a drive takes the lease was left by a holder
-    that died mid-send (a live one would still hold the lease). `_HEAD` clears it as it takes
-    the lease, so the chat does not wait out the gate's own 60 s TTL."""
+def _gate(ctx: Context, target: str) -> str | None:
+    """The chat's gate (None: its platform paces no chat). The lane's lease is the chat's only
+    sender, so a gate still saying "a send is on its way" (`DEAD_SEND`) when a drive takes the
+    lease was left by a holder that died mid-send (a live one would still hold the lease).
+    The first look (lane_head.lua) clears it as it takes the lease, so the chat does not wait
+    out the gate's own TTL."""
     from adapters.platforms.base import split_target
     from tasks import ratelimit
 
@@ -469,8 +385,8 @@ def _gates(ctx: Context, target: str) -> tuple[str | None, tuple[str, str] | Non
         name, chat = split_target(target)
         gate, _ = ratelimit.gate_of(ctx.platform(name), chat)
     except CourierError:
-        return None, None  # the step itself reports an unusable target
-    return gate, (name, gate[:len(gate) - len(chat)] if gate else "")
+        return None  # the step itself reports an unusable target
+    return gate
 
 
 def _wait(r: Redis, target: str, wait_s: float, publish: Publish) -> None:

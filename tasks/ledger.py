@@ -33,7 +33,7 @@ from typing import Any, cast
 
 from redis import Redis
 
-from tasks import keys
+from tasks import keys, scripts
 
 #: a lease lives this long unless its holder renews it (every third of it)
 LEASE_TTL_S = 20
@@ -49,8 +49,6 @@ LANE_GRACE_S = 10.0
 EXTRACT_GRACE_S = 20.0
 TURN_GRACE_S = 20.0
 
-_RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('expire', KEYS[1], ARGV[2]) else return 0 end"
-_RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
 
 
 #: `<host>:<pid>:` of this process, made once (again in a forked child): no uname and getpid per token
@@ -78,12 +76,12 @@ def take(r: Redis, key: str, token: str, ttl_s: int = LEASE_TTL_S) -> bool:
 
 def release(r: Redis, key: str, token: str) -> None:
     """Only the holder releases (compare-and-delete). `r` may be a pipeline."""
-    r.eval(_RELEASE, 1, key, token)
+    scripts.run(r, "lease_release", keys=[key], args=[token])
 
 
 def renew(r: Redis, key: str, token: str, ttl_s: int = LEASE_TTL_S) -> bool:
     """Extend a lease its holder still holds (False: it lapsed, or another holds it)."""
-    return bool(r.eval(_RENEW, 1, key, token, ttl_s))
+    return bool(scripts.run(r, "lease_renew", keys=[key], args=[token, ttl_s]))
 
 
 def held(r: Redis, key: str) -> float:
@@ -187,7 +185,7 @@ class _Renewer:
                 try:
                     pipe = r.pipeline(transaction=False)
                     for key, token, ttl in leases:
-                        pipe.eval(_RENEW, 1, key, token, ttl)
+                        scripts.run(pipe, "lease_renew", keys=[key], args=[token, ttl])
                     pipe.execute()
                 except Exception:  # noqa: BLE001 - see the class docstring
                     pass

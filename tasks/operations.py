@@ -22,45 +22,16 @@ delivers nothing (tasks/turn.py checks the mark before registering the reply).
 
 from __future__ import annotations
 
-import json
 import time
 
 from redis import Redis
 
-from tasks import events, keys, ledger, receipts, signing
+from tasks import events, keys, ledger, receipts, scripts, signing
+from tasks.states import DELIVERY_OVER, EXTRACTION_FAILED, DeliveryState
 
 CANCEL_REASON = "cancelled by the operator"
 #: a delivery in these states may be retried
-RETRYABLE = frozenset({"failed", "cancelled"})
-
-_RETRY = """
-local st = redis.call('hget', KEYS[1], 'state')
-if not st then return {'gone', ''} end
-if st ~= 'failed' and st ~= 'cancelled' then return {'refused', st} end
-local lead = redis.call('hget', KEYS[1], 'step')
-redis.call('hdel', KEYS[1], 'final', 'reason', 'transient_errors', 'first_error_s', 'rate_limited', 'album',
-           'step', 'cancelled_s')
-local again = 'lane'
-if redis.call('hget', KEYS[1], 'extraction') == 'failed' then
-  redis.call('hdel', KEYS[1], 'extraction', 'too_large', 'notify', 'limit_bytes')
-  again = 'extract'
-end
-redis.call('hset', KEYS[1], 'state', 'queued', 'retried_s', ARGV[1])
-redis.call('hincrby', KEYS[1], 'retries', 1)
-redis.call('expire', KEYS[1], ARGV[2])
-redis.call('rpush', KEYS[2], ARGV[3])
-return {again, st}
-"""
-
-_CANCEL = """
-local st = redis.call('hget', KEYS[1], 'state')
-if not st then return {'gone', ''} end
-if st == 'delivered' or st == 'cancelled' or (st == 'failed') then return {'final', st} end
-if redis.call('exists', KEYS[2]) == 1 or redis.call('exists', KEYS[3]) == 1 then return {'in_flight', st} end
-redis.call('hset', KEYS[1], 'state', 'cancelled', 'final', '1', 'reason', ARGV[1], 'cancelled_s', ARGV[2])
-return {'cancelled', st}
-"""
-
+RETRYABLE = frozenset({DeliveryState.FAILED, DeliveryState.CANCELLED})
 
 def retry_targets(r: Redis, ident: str) -> tuple[str, list[receipts.Receipt]] | None:
     """What `courier retry ID` means: a delivery id -> that receipt; a job id
@@ -86,8 +57,9 @@ def retry(r: Redis, rec: receipts.Receipt) -> dict[str, str]:
         return {"id": did, "outcome": "refused", "state": rec.get("state", ""),
                 "reason": "its receipt holds no spec to run it again"}
     target = spec["target"]
-    what, was = r.eval(_RETRY, 2, keys.delivery(did), keys.lane(target), f"{time.time():.3f}", receipts.RETENTION_S,
-                       did)
+    what, was = scripts.run(r, "delivery_retry", keys=[keys.delivery(did), keys.lane(target)],
+                            args=[f"{time.time():.3f}", receipts.RETENTION_S, did, DeliveryState.QUEUED,
+                                  EXTRACTION_FAILED, *sorted(RETRYABLE)])
     if what == "gone":
         return {"id": did, "outcome": "refused", "state": "", "reason": "no such delivery (expired?)"}
     if what == "refused":
@@ -111,8 +83,9 @@ def cancel_delivery(r: Redis, rec: receipts.Receipt) -> dict[str, str]:
     """Cancel one delivery unless it is final or its send is in flight."""
     did = rec["id"]
     lead = rec.get("step") or did
-    what, was = r.eval(_CANCEL, 3, keys.delivery(did), keys.delivery_lock(did), keys.delivery_lock(lead), CANCEL_REASON,
-                       f"{time.time():.3f}")
+    what, was = scripts.run(r, "delivery_cancel",
+                            keys=[keys.delivery(did), keys.delivery_lock(did), keys.delivery_lock(lead)],
+                            args=[CANCEL_REASON, f"{time.time():.3f}", DeliveryState.CANCELLED, *sorted(DELIVERY_OVER)])
     if what == "cancelled":
         p = r.pipeline(transaction=False)
         ledger.clear_due(p, "extract", did)

@@ -11,12 +11,11 @@ import time
 from typing import Any, cast
 
 from redis import Redis
-from redis.commands.core import Script
 from redis.typing import EncodableT
 from redis.client import Pipeline
 
-from tasks import keys
-from tasks.states import DELIVERY_OVER
+from tasks import keys, scripts
+from tasks.states import DELIVERY_OVER, DeliveryState
 
 RETENTION_S = 30 * 24 * 3600
 TERMINAL = DELIVERY_OVER
@@ -63,18 +62,6 @@ def get_job(r: Redis, job_id: str) -> dict[str, str] | None:
     return h or None
 
 
-_ADD = """
-if redis.call('exists', KEYS[1]) == 1 then return 0 end
-redis.call('hset', KEYS[1], unpack(ARGV, 3))
-redis.call('expire', KEYS[1], ARGV[1])
-local id = redis.call('hget', KEYS[1], 'id')
-redis.call('rpush', KEYS[2], id)
-redis.call('expire', KEYS[2], ARGV[1])
-if ARGV[2] == '1' then redis.call('rpush', KEYS[3], id) end
-return 1
-"""
-
-
 def add_delivery(r: Redis, job_id: str, delivery_id: str, *, lane: str | None = None, **meta: Any) -> None:
     """Register a delivery as queued (idempotent: an existing receipt is kept),
     appending it to the chat lane `lane` (a target) when given. `r` may be a
@@ -82,16 +69,9 @@ def add_delivery(r: Redis, job_id: str, delivery_id: str, *, lane: str | None = 
     fields = {"id": delivery_id, "job": job_id, "state": "queued", "attempts": "0", "queued_s": f"{time.time():.3f}"}
     fields.update({kk: _text(v) for kk, v in meta.items() if v is not None})
     flat = [x for kv in fields.items() for x in kv]
-    r.eval(_ADD, 3, keys.delivery(delivery_id), keys.job_deliveries(job_id), keys.lane(lane or ""), RETENTION_S,
-           "1" if lane else "0", *flat)
-
-
-_UPDATE_OPEN = """
-local st = redis.call('hget', KEYS[1], 'state')
-if st == 'delivered' or st == 'cancelled' then return 0 end
-redis.call('hset', KEYS[1], unpack(ARGV))
-return 1
-"""
+    scripts.run(r, "delivery_add",
+                keys=[keys.delivery(delivery_id), keys.job_deliveries(job_id), keys.lane(lane or "")],
+                args=[RETENTION_S, "1" if lane else "0", *flat])
 
 
 def update_open_delivery(r: Redis, delivery_id: str, **fields: Any) -> None:
@@ -99,7 +79,8 @@ def update_open_delivery(r: Redis, delivery_id: str, **fields: Any) -> None:
     cancelled (a redelivered extraction must not touch a finished receipt). `r` may be a pipeline."""
     flat = [x for k, v in fields.items() if v is not None for x in (k, _text(v))]
     if flat:
-        r.eval(_UPDATE_OPEN, 1, keys.delivery(delivery_id), *flat)
+        scripts.run(r, "delivery_update_open", keys=[keys.delivery(delivery_id)],
+                    args=[DeliveryState.DELIVERED, DeliveryState.CANCELLED, *flat])
 
 
 def update_delivery(r: Redis, delivery_id: str, **fields: Any) -> None:
@@ -120,18 +101,6 @@ def job_deliveries(r: Redis, job_id: str) -> list[dict[str, str]]:
     for d in ids:
         pipe.hgetall(keys.delivery(d))
     return [h for h in cast("list[Receipt]", pipe.execute()) if h]
-
-
-_scripts: dict[tuple[int, str], Script] = {}
-
-
-def _script(r: Redis, text: str) -> Script:
-    """A registered script (EVALSHA; loaded again by redis-py if Redis lost it)."""
-    k = (id(r), text)
-    sc = _scripts.get(k)
-    if sc is None:
-        sc = _scripts[k] = r.register_script(text)
-    return sc
 
 
 def start_attempt(r: Redis, delivery_id: str, **fields: Any) -> int:

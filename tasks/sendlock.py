@@ -21,10 +21,10 @@ from redis import Redis
 from redis.client import Pipeline
 
 from adapters.errors import CourierError
-from tasks import keys, ledger, receipts
+from tasks import keys, ledger, scripts
 from tasks.messages import JsonObject
 from tasks.runtime import Context
-from tasks.states import DELIVERY_UNTRIED
+from tasks.states import DELIVERY_UNTRIED, DeliveryState
 
 #: a send lock lives this long unless its holder renews it (every third of it): as
 #: long as the lease of the lane that takes it, so both lapse together when a worker dies
@@ -37,20 +37,6 @@ class Busy(CourierError):
     transient = True
 
 
-_BEGIN = """
-local locked = redis.call('set', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2])
-local rec = redis.call('hmget', KEYS[2], 'state', 'final', 'message_id', 'reason')
-local attempts = 0
-if locked and ARGV[3] == '1' then
-  local st, final = rec[1], rec[2]
-  if st ~= 'delivered' and st ~= 'cancelled' and not (st == 'failed' and final == '1') then
-    attempts = redis.call('hincrby', KEYS[2], 'attempts', 1)
-    redis.call('hset', KEYS[2], 'state', 'sending')
-  end
-end
-return {locked and 1 or 0, rec, attempts}
-"""
-
 _BEGIN_FIELDS = ("state", "final", "message_id", "reason")
 
 
@@ -61,9 +47,10 @@ def begin_send(r: Redis, delivery_id: str, owner: str, ttl_s: int = 600, *, coun
     an attempt and mark it sending. Returns (locked, receipt as it was, attempt
     number or 0). The receipt holds the fields that say whether the delivery
     is done: state, final, message_id, reason (those set)."""
-    locked, values, attempts = receipts._script(r, _BEGIN)(
-        keys=[keys.delivery_lock(delivery_id), keys.delivery(delivery_id)],
-        args=[owner, ttl_s, "1" if count_attempt else "0"])
+    locked, values, attempts = scripts.run(
+        r, "send_begin", keys=[keys.delivery_lock(delivery_id), keys.delivery(delivery_id)],
+        args=[owner, ttl_s, "1" if count_attempt else "0", DeliveryState.SENDING, DeliveryState.DELIVERED,
+              DeliveryState.CANCELLED, DeliveryState.FAILED])
     rec = {k: v for k, v in zip(_BEGIN_FIELDS, cast("list[str | None]", values)) if v is not None}
     return bool(locked), rec, int(attempts)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from tasks import keys
+from tasks import keys, scripts
 
 #: how long a send waits for the sends to its chat published before it
 WAIT_S = 10.0
@@ -31,25 +31,10 @@ TTL_S = 86400
 #: the header that carries the number (not in the signed body: a forged one can only delay a send)
 HEADER = "courier_send_seq"
 
-_STAMP = """
-local n = redis.call('hincrby', KEYS[1], 'issued', 1)
-if n == 1 then redis.call('hset', KEYS[1], 'next', 1) end
-redis.call('expire', KEYS[1], ARGV[1])
-return n
-"""
-
-# ARGV: the number that registered (or gave up). `next` moves past it, never back.
-_DONE = """
-local nxt = tonumber(redis.call('hget', KEYS[1], 'next') or '0')
-if tonumber(ARGV[1]) >= nxt then redis.call('hset', KEYS[1], 'next', tonumber(ARGV[1]) + 1) end
-redis.call('expire', KEYS[1], ARGV[2])
-return 1
-"""
-
 
 def stamp(r: Any, target: str) -> int:
     """The next number of `target`'s sends (the publisher's side)."""
-    return int(r.eval(_STAMP, 1, keys.send_order(target), TTL_S))
+    return int(scripts.run(r, "send_order_stamp", keys=[keys.send_order(target)], args=[TTL_S]))
 
 
 def wait_turn(r: Any, target: str, seq: int, *, wait_s: float = WAIT_S) -> bool:
@@ -67,4 +52,4 @@ def wait_turn(r: Any, target: str, seq: int, *, wait_s: float = WAIT_S) -> bool:
 
 def done(r: Any, target: str, seq: int) -> None:
     """Send `seq` registered (or was refused): the next one's turn."""
-    r.eval(_DONE, 1, keys.send_order(target), seq, TTL_S)
+    scripts.run(r, "send_order_done", keys=[keys.send_order(target)], args=[seq, TTL_S])

@@ -401,8 +401,6 @@ _heartbeat = None
 BEAT_LOCK_TTL_S = 30
 #: a standing-by beat tries to take the lock this often
 BEAT_STANDBY_POLL_S = 1.0
-_BEAT_RENEW = ("if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('expire', KEYS[1], ARGV[2]) "
-               "else return 0 end")
 
 
 @beat_init.connect
@@ -445,7 +443,7 @@ def _beat_singleton(sender=None, **_kw) -> None:
         while True:
             time.sleep(BEAT_LOCK_TTL_S / 3)
             try:
-                kept = r.eval(_BEAT_RENEW, 1, key, token, BEAT_LOCK_TTL_S)
+                kept = ledger.renew(r, key, token, BEAT_LOCK_TTL_S)
             except Exception:  # noqa: BLE001 - tried again; the lock outlives a short outage
                 continue
             if not kept:

@@ -60,7 +60,7 @@ from adapters.platforms.webhooks import slack as slack_webhook
 from adapters.platforms.webhooks import telegram as telegram_webhook
 from adapters.platforms.webhooks import whatsapp as whatsapp_webhook
 from adapters.platforms.webhooks.base import MALFORMED, Answer, Refusal
-from tasks import events, keys, metrics
+from tasks import events, keys, metrics, scripts
 from workers import turnpage
 from workers.settings import Settings, get_settings
 
@@ -209,12 +209,12 @@ def _settle(turns: list[_Turn]) -> None:
 class _Enqueuer:
     """Enqueues webhook turns on the event loop, in batches of what came in
     meanwhile (at most ENQUEUE_BATCH): while one batch is out, the next one
-    gathers. Per batch: one `_CLAIM` script call, which per turn drops a
+    gathers. Per batch: one webhook_claim.lua call, which per turn drops a
     retried update (its de-dup key is there) or else, in one atomic step,
     sets the de-dup key (the job id, with its TTL) and records the job and
     its due time; then, in one thread hand-off, Celery publishes each new
     turn's `agent_turn` (`apply_async`, the job id as task id). A publish
-    that fails takes its claim back (`_UNCLAIM`) and the request gets a 503:
+    that fails takes its claim back (webhook_unclaim.lua) and the request gets a 503:
     the platform's retry goes through. Should that fail too, the turn is
     still in the ledger: the reconciler publishes it once its due time
     passes, and the platform's retry is a duplicate."""
@@ -257,7 +257,7 @@ class _Enqueuer:
         for t in batch:
             ks += (t.seen, keys.job(t.job_id))
             args += (t.job_id, due_at, json.dumps(t.fields, separators=(",", ":"), ensure_ascii=False))
-        res = await r.eval(_CLAIM, len(ks), *ks, *args)
+        res = await scripts.run_async(r, "webhook_claim", keys=ks, args=args)
         new = []
         for t, got in zip(batch, res):
             if got == 1:
@@ -275,7 +275,8 @@ class _Enqueuer:
                 continue
             log.warning("webhook: the turn %s could not be published: %s", t.job_id, type(exc).__name__)
             try:
-                await r.eval(_UNCLAIM, 3, t.seen, keys.job(t.job_id), keys.due("turn"), t.job_id)
+                await scripts.run_async(r, "webhook_unclaim", keys=[t.seen, keys.job(t.job_id), keys.due("turn")],
+                                        args=[t.job_id])
             except Exception:  # noqa: BLE001 - kept in the ledger: the reconciler publishes it
                 log.warning("webhook: the turn %s is left to the reconciler", t.job_id)
                 t.outcome = ({"ok": True, "job": t.job_id}, None)
@@ -303,47 +304,6 @@ class _Enqueuer:
                 except Exception as exc:  # noqa: BLE001 - answered per turn
                     failed[t.job_id] = exc
         return failed
-
-
-#: a batch of webhook turns claimed, each at once or not at all. KEYS[1]: the turn due ZSET,
-#: then per turn its de-dup key and job record; ARGV[1], [2]: the de-dup and job record TTLs,
-#: then per turn: the job id, its due time, the job record's fields (a JSON object of strings).
-#: Per turn: 0 when its de-dup key is there (a retried update; 1 when the key names this very
-#: job: the batch sent again after a lost connection); else the de-dup key, job record and due
-#: time are written: 1 (its message is published after).
-_CLAIM = """
-local out = {}
-local a = 3
-for i = 2, #KEYS, 2 do
-  local id = ARGV[a]
-  local seen = redis.call('get', KEYS[i])
-  if seen then
-    out[#out + 1] = (seen == id) and 1 or 0
-  else
-    redis.call('set', KEYS[i], id, 'EX', ARGV[1])
-    local fields = {}
-    for k, v in pairs(cjson.decode(ARGV[a + 2])) do
-      fields[#fields + 1] = k
-      fields[#fields + 1] = v
-    end
-    redis.call('hset', KEYS[i + 1], unpack(fields))
-    redis.call('expire', KEYS[i + 1], ARGV[2])
-    redis.call('zadd', KEYS[1], ARGV[a + 1], id)
-    out[#out + 1] = 1
-  end
-  a = a + 3
-end
-return out
-"""
-
-#: a claim taken back (its publish failed): KEYS: the de-dup key, the job record, the turn due
-#: ZSET; ARGV[1]: the job id. Only while the de-dup key names this job.
-_UNCLAIM = """
-if redis.call('get', KEYS[1]) ~= ARGV[1] then return 0 end
-redis.call('del', KEYS[1], KEYS[2])
-redis.call('zrem', KEYS[3], ARGV[1])
-return 1
-"""
 
 
 class BrokerMismatch(RuntimeError):

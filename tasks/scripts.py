@@ -1,0 +1,102 @@
+"""The Lua scripts courier runs in Redis, and the only way it runs them.
+
+Each script is a file `lua/<name>.lua` beside this module. Its header comment names every
+`KEYS[i]` and `ARGV[i]` (`KEYS[2...]`: the rest, `KEYS[6?]`: optional), the script binds them
+to named locals, and every key it touches comes in `KEYS` (none is built inside a script).
+State names come from `tasks/states.py` as arguments. `tests/test_lua.py` checks all of it.
+
+`run(r, name, keys=..., args=...)` runs one: on a client through redis-py's `Script`
+(EVALSHA, the script loaded again when Redis lost it); on a pipeline queued as EVAL with
+the script's text (a `Script` on a pipeline would cost a SCRIPT EXISTS round trip of its own
+at `execute`). `run_async` is the same on an asyncio client. The number of keys and arguments
+is checked against the header.
+
+Keys are not hash-tagged: a chat's keys (`keys.lane`, `keys.lease("lane", ...)`, its gate)
+keep the names deployments already hold, so a script that touches a chat's keys and a
+delivery's or a courier-wide set assumes one Redis node (or Sentinel), as courier does.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from redis import Redis
+from redis.asyncio import Redis as AsyncRedis
+from redis.client import Pipeline
+from redis.commands.core import AsyncScript, Script
+
+#: where the scripts are: beside this module, wherever the package moves
+DIR = Path(__file__).resolve().parent / "lua"
+
+_DECL = re.compile(r"^--\s+(KEYS|ARGV)\[(\d+)(\.\.\.|\?)?\]\s+(\w+):", re.M)
+
+Arg = str | int | float
+
+
+@dataclass(frozen=True)
+class Lua:
+    """One script: its text and what its header declares."""
+
+    name: str
+    text: str
+    keys: int  # KEYS it needs
+    args: int  # ARGV it needs
+    more_keys: int  # how many optional KEYS may follow (-1: any number)
+    more_args: int  # the same for ARGV
+
+    def check(self, keys: Sequence[str], args: Sequence[Arg]) -> None:
+        for what, n, need, more in (("KEYS", len(keys), self.keys, self.more_keys),
+                                    ("ARGV", len(args), self.args, self.more_args)):
+            if n < need or (more >= 0 and n > need + more):
+                raise ValueError(f"{self.name}.lua takes {need}{'+' if more else ''} {what}, given {n}")
+
+
+def names() -> frozenset[str]:
+    """Every script's name (the files in `DIR`)."""
+    return frozenset(p.stem for p in DIR.glob("*.lua"))
+
+
+@cache
+def load(name: str) -> Lua:
+    """The script `name` (`DIR/<name>.lua`), read once."""
+    text = (DIR / f"{name}.lua").read_text(encoding="utf-8")
+    fixed, more = {"KEYS": 0, "ARGV": 0}, {"KEYS": 0, "ARGV": 0}
+    for kind, i, mark, _ in _DECL.findall(text):
+        if mark == "...":  # the rest: any number
+            more[kind] = -1
+        elif mark == "?":  # one more, optional
+            more[kind] += 1 if more[kind] >= 0 else 0
+        else:
+            fixed[kind] = max(fixed[kind], int(i))
+    return Lua(name, text, fixed["KEYS"], fixed["ARGV"], more["KEYS"], more["ARGV"])
+
+
+_sync: dict[str, Script] = {}
+_async: dict[str, AsyncScript] = {}
+
+
+def run(r: Redis | Pipeline, name: str, *, keys: Sequence[str], args: Sequence[Arg] = ()) -> Any:
+    """Run script `name` with `keys` and `args` (its answer), or queue it on the pipeline `r`."""
+    lua = load(name)
+    lua.check(keys, args)
+    if isinstance(r, Pipeline):
+        return r.eval(lua.text, len(keys), *keys, *args)
+    script = _sync.get(name)
+    if script is None:
+        script = _sync[name] = r.register_script(lua.text)
+    return script(keys=keys, args=args, client=r)
+
+
+async def run_async(r: AsyncRedis, name: str, *, keys: Sequence[str], args: Sequence[Arg] = ()) -> Any:
+    """`run` on an asyncio client."""
+    lua = load(name)
+    lua.check(keys, args)
+    script = _async.get(name)
+    if script is None:
+        script = _async[name] = r.register_script(lua.text)
+    return await script(keys=keys, args=args, client=r)
