@@ -36,6 +36,7 @@ from storage.spill import SpillConfig
 from tasks import chains, events, keys, ledger, receipts, signing
 from tasks.events import Event
 from tasks.messages import TurnResult, TurnSpec
+from tasks.reconcile import Stage, grace
 from tasks.runtime import AgentConfig, Context
 from tasks.states import TURN_OVER
 from tasks.workspaces import relative, workspace_path
@@ -438,6 +439,38 @@ def abandon(ctx: Context, job_id: str, reason: str, enqueue: Enqueue = chains.en
     except signing.Forged as exc:  # its chat is not known for sure: the job ends, no message to anyone
         return finish(ctx, TurnOutcome(job_id, "", "error", reason=f"refused: {exc.reason}"), enqueue)
     return finish(ctx, failed(job_id, spec.get("target") or job.get("target", ""), reason), enqueue)
+
+
+#: a turn that has started this many times and died each time (it kills its worker) is ended
+TURN_MAX_RUNS = 3
+
+
+def _redrive(ctx: Context, job_id: str) -> str:
+    """The reconciler's re-drive of a turn whose due time passed with nobody on it: run it
+    again (its spec, from the job's record), or end it once it has killed `TURN_MAX_RUNS`
+    workers, or forget it when it is over."""
+    r = ctx.redis
+    job = receipts.get_job(r, job_id)
+    if job is None or job.get("state") in TURN_OVER or not job.get("spec"):
+        ledger.clear_due(r, "turn", job_id)
+        return ""
+    if int(job.get("attempts") or 0) >= TURN_MAX_RUNS:
+        abandon(ctx, job_id, f"the agent's worker died {job['attempts']} times during this turn")
+        return "abandoned"
+    n = int(r.hincrby(keys.job(job_id), "redrives", 1))
+    ledger.set_due(r, "turn", job_id, grace(chains.TURN_GRACE_S, n - 1))
+    try:
+        spec = signing.open_json("turn", job_id, job["spec"])  # logged and counted when forged
+    except signing.Forged as exc:
+        ledger.clear_due(r, "turn", job_id)
+        receipts.set_job(r, job_id, state="error", reason=f"refused: {exc.reason}")
+        return ""
+    chains.spec_sig(spec).apply_async()
+    return "turns"
+
+
+#: the turn's stage, for the reconciler
+STAGE = Stage("turn", _redrive, ("turns", "abandoned"))
 
 
 def _project_root() -> str:
