@@ -63,6 +63,15 @@ def get_job(r: Redis, job_id: str) -> dict[str, str] | None:
     return h or None
 
 
+#: what a turn or a delivery that `courier cancel` ended says (tasks/operations.py)
+CANCEL_REASON = "cancelled by the operator"
+
+
+def cancel_requested(r: Redis, job_id: str) -> bool:
+    """Whether `courier cancel` marked this job's turn (`cancel_requested` on its job)."""
+    return r.hget(keys.job(job_id), "cancel_requested") == "1"
+
+
 _ADD = """
 if redis.call('exists', KEYS[1]) == 1 then return 0 end
 redis.call('hset', KEYS[1], unpack(ARGV, 3))

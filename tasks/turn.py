@@ -277,10 +277,8 @@ def _run_agent(ctx: Context, spec: TurnSpec, agent: AgentConfig | None, name: st
                        voice=parsed.audio_as_voice, as_document=parsed.as_document,
                        max_bytes=ctx.max_file_bytes, album_max=_album_max(ctx, target),
                        max_files=ctx.max_files_per_job, tell_unsent=True)
-    from tasks.operations import CANCEL_REASON, cancel_requested
-
-    if cancel_requested(r, job_id):  # `courier cancel` while it ran: its reply is not delivered
-        return TurnOutcome(job_id, target, "cancelled", reason=CANCEL_REASON)
+    if receipts.cancel_requested(r, job_id):  # `courier cancel` while it ran: its reply is not delivered
+        return TurnOutcome(job_id, target, "cancelled", reason=receipts.CANCEL_REASON)
     return TurnOutcome(job_id, target, "replied", plan=plan)
 
 
