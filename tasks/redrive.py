@@ -27,7 +27,7 @@ def _lane(ctx: Context, target: str) -> str:
     if not r.exists(keys.lane(target)):
         ledger.clear_due(r, "lane", target)
         return ""
-    ledger.set_due(r, "lane", target, chains.LANE_GRACE_S)
+    ledger.set_due(r, "lane", target, ledger.LANE_GRACE_S)
     chains.publish_lane(target)
     return "lanes"
 
@@ -43,7 +43,7 @@ def _extraction(ctx: Context, did: str) -> str:
             chains.publish_lane(target)  # the lane may be waiting for it
         return ""
     n = int(r.hincrby(keys.delivery(did), "redrives", 1))
-    ledger.set_due(r, "extract", did, grace(chains.EXTRACT_GRACE_S, n - 1))
+    ledger.set_due(r, "extract", did, grace(ledger.EXTRACT_GRACE_S, n - 1))
     chains.publish_extract(did, rec["queue"], rec.get("source", ""))
     return "extractions"
 

@@ -456,7 +456,7 @@ def _redrive(ctx: Context, job_id: str) -> str:
         abandon(ctx, job_id, f"the agent's worker died {job['attempts']} times during this turn")
         return "abandoned"
     n = int(r.hincrby(keys.job(job_id), "redrives", 1))
-    ledger.set_due(r, "turn", job_id, grace(chains.TURN_GRACE_S, n - 1))
+    ledger.set_due(r, "turn", job_id, grace(ledger.TURN_GRACE_S, n - 1))
     try:
         spec = signing.open_json("turn", job_id, job["spec"])  # logged and counted when forged
     except signing.Forged as exc:
