@@ -33,6 +33,7 @@ from adapters.display import visible
 from adapters.errors import ConfigError, CourierError, SandboxError, in_chat_words
 from adapters.sandboxes.base import SandboxRef, parse_uri
 from storage.spill import SpillConfig
+import tasks
 from tasks import chains, events, keys, ledger, receipts, signing
 from tasks.events import Event
 from tasks.messages import TurnResult, TurnSpec
@@ -46,7 +47,7 @@ log = logging.getLogger(__name__)
 
 #: the bundled demo agent, always available as --agent demo (a script of the standard library only: in its
 #: sandbox it sees that one file, not courier's code)
-BUILTIN_AGENTS = {"demo": [sys.executable, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+BUILTIN_AGENTS = {"demo": [sys.executable, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(tasks.__file__))),
                                                         "adapters", "agents", "demo_agent.py")]}
 
 
@@ -472,4 +473,5 @@ STAGE = Stage("turn", _redrive, ("turns", "abandoned"))
 
 
 def _project_root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    """courier's root: the folder of the `tasks` package (wherever in it this module sits)."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(tasks.__file__)))
