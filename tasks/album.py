@@ -36,7 +36,7 @@ def deliver_album(ctx: Context, group: JsonObject) -> JsonObject:
 
 
 def _deliver_album_locked(ctx: Context, group: JsonObject) -> JsonObject:
-    from tasks.extract import result_of
+    from tasks.delivery import result_of
 
     r = ctx.redis
     items = group["items"]

@@ -23,6 +23,7 @@ from tasks import ledger, metrics, runtime, task_names
 from tasks import turn as turn_mod
 from tasks.events import Event, describe
 from tasks.messages import JsonObject, SendResult, TurnResult, TurnSpec
+from tasks.reconcile import Stage
 
 log = logging.getLogger(__name__)
 
@@ -202,10 +203,17 @@ def janitor_sweep() -> JsonObject:
     return sweep(runtime.ctx())
 
 
+def stages() -> tuple[Stage, ...]:
+    """The stages the reconciler watches, each with its owner's re-driver (tasks/reconcile.py)."""
+    from tasks import redrive
+
+    return (redrive.LANE, redrive.EXTRACT, turn_mod.STAGE)
+
+
 @_task(name=task_names.RECONCILE, acks_late=True)
 def reconcile() -> dict[str, int]:
     """One reconciler pass (workers run it every second by themselves; this
     task lets an operator or beat run one too)."""
     from tasks import reconcile as reconcile_mod
 
-    return reconcile_mod.tick(runtime.ctx())
+    return reconcile_mod.tick(runtime.ctx(), stages())

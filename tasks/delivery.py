@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import posixpath
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import replace
@@ -39,6 +40,23 @@ log = logging.getLogger(__name__)
 
 #: how long a platform file id is remembered for the same bytes
 FILE_ID_TTL_S = 30 * 24 * 3600
+
+
+def result_of(rec: receipts.Receipt, key: str) -> JsonObject | None:
+    """An extraction's result as `extract` returned it, read back from the
+    receipt (None: not recorded)."""
+    name = rec.get("name") or posixpath.basename(key)
+    if rec.get("extraction") == "ok":
+        return {"ok": True, "key": key, "name": name, "size": int(rec.get("size_bytes") or 0),
+                "sha256": rec.get("sha256") or ""}
+    if rec.get("extraction") == "failed":
+        out: JsonObject = {"ok": False, "reason": rec.get("reason") or "extraction failed", "name": name}
+        if rec.get("notify"):  # the chat's words ("1": a receipt from before they were kept)
+            out["notify"] = rec["notify"] if rec["notify"] != "1" else CourierError.chat_words
+        if rec.get("too_large") == "1":
+            out.update(too_large=True, size=rec.get("size_bytes") or None, limit=rec.get("limit_bytes") or None)
+        return out
+    return None
 
 
 def _event(ctx: Context, job: JsonObject, pipe: Pipeline | None = None, **ev: Any) -> None:

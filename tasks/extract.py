@@ -132,23 +132,6 @@ def record_failure(r: Redis, did: str, result: JsonObject) -> JsonObject:
     return result
 
 
-def result_of(rec: receipts.Receipt, key: str) -> JsonObject | None:
-    """An extraction's result as `extract` returned it, read back from the
-    receipt (None: not recorded)."""
-    name = rec.get("name") or posixpath.basename(key)
-    if rec.get("extraction") == "ok":
-        return {"ok": True, "key": key, "name": name, "size": int(rec.get("size_bytes") or 0),
-                "sha256": rec.get("sha256") or ""}
-    if rec.get("extraction") == "failed":
-        out: JsonObject = {"ok": False, "reason": rec.get("reason") or "extraction failed", "name": name}
-        if rec.get("notify"):  # the chat's words ("1": a receipt from before they were kept)
-            out["notify"] = rec["notify"] if rec["notify"] != "1" else CourierError.chat_words
-        if rec.get("too_large") == "1":
-            out.update(too_large=True, size=rec.get("size_bytes") or None, limit=rec.get("limit_bytes") or None)
-        return out
-    return None
-
-
 def run(ctx: Context, did: str) -> JsonObject:
     """The extraction stage of delivery `did`, from the ledger alone: its
     spec is in the receipt. Holds the stage's lease while it works (a second

@@ -34,7 +34,7 @@ from adapters.errors import CourierError, RateLimited, StorageError, in_chat_wor
 from tasks import album
 from tasks import delivery as delivery_mod
 from tasks import keys, ledger, metrics, receipts, scripts, sendlock, signing
-from tasks.extract import result_of
+from tasks.delivery import result_of
 from tasks.messages import JsonObject
 from tasks.ratelimit import Paced
 from tasks.runtime import Context

@@ -29,7 +29,6 @@ from redis import Redis
 from tasks import events, keys, ledger, receipts, scripts, signing
 from tasks.states import DELIVERY_OVER, EXTRACTION_FAILED, DeliveryState
 
-CANCEL_REASON = "cancelled by the operator"
 #: a delivery in these states may be retried
 RETRYABLE = frozenset({DeliveryState.FAILED, DeliveryState.CANCELLED})
 
@@ -85,12 +84,12 @@ def cancel_delivery(r: Redis, rec: receipts.Receipt) -> dict[str, str]:
     lead = rec.get("step") or did
     what, was = scripts.run(r, "delivery_cancel",
                             keys=[keys.delivery(did), keys.delivery_lock(did), keys.delivery_lock(lead)],
-                            args=[CANCEL_REASON, f"{time.time():.3f}", DeliveryState.CANCELLED, *sorted(DELIVERY_OVER)])
+                            args=[receipts.CANCEL_REASON, f"{time.time():.3f}", DeliveryState.CANCELLED, *sorted(DELIVERY_OVER)])
     if what == "cancelled":
         p = r.pipeline(transaction=False)
         ledger.clear_due(p, "extract", did)
         events.publish(r, rec.get("job") or did.rsplit(".", 1)[0],
-                       {"kind": "delivery", "delivery_id": did, "state": "cancelled", "reason": CANCEL_REASON,
+                       {"kind": "delivery", "delivery_id": did, "state": "cancelled", "reason": receipts.CANCEL_REASON,
                         "name": rec.get("name")}, pipe=p)
         p.execute()
     return {"id": did, "outcome": what, "state": "cancelled" if what == "cancelled" else was}
@@ -110,13 +109,9 @@ def mark_turn(r: Redis, job_id: str) -> str:
     r.hset(keys.job(job_id), mapping={"cancel_requested": "1"})
     if st == "queued":
         # a worker taking it now sees the mark before it registers anything
-        receipts.set_job(r, job_id, state="cancelled", reason=CANCEL_REASON)
+        receipts.set_job(r, job_id, state="cancelled", reason=receipts.CANCEL_REASON)
         ledger.clear_due(r, "turn", job_id)
-        events.publish(r, job_id, {"kind": "status", "status": "cancelled", "reason": CANCEL_REASON,
+        events.publish(r, job_id, {"kind": "status", "status": "cancelled", "reason": receipts.CANCEL_REASON,
                                    "deliveries": 0})
         return "queued"
     return "running"
-
-
-def cancel_requested(r: Redis, job_id: str) -> bool:
-    return r.hget(keys.job(job_id), "cancel_requested") == "1"

@@ -62,6 +62,15 @@ def get_job(r: Redis, job_id: str) -> dict[str, str] | None:
     return h or None
 
 
+#: what a turn or a delivery that `courier cancel` ended says (tasks/operations.py)
+CANCEL_REASON = "cancelled by the operator"
+
+
+def cancel_requested(r: Redis, job_id: str) -> bool:
+    """Whether `courier cancel` marked this job's turn (`cancel_requested` on its job)."""
+    return r.hget(keys.job(job_id), "cancel_requested") == "1"
+
+
 def add_delivery(r: Redis, job_id: str, delivery_id: str, *, lane: str | None = None, **meta: Any) -> None:
     """Register a delivery as queued (idempotent: an existing receipt is kept),
     appending it to the chat lane `lane` (a target) when given. `r` may be a

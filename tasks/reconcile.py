@@ -8,12 +8,14 @@ set for longer than `chains.READY_STALE_S`, which get one drain).
 
 For each overdue entry:
 - its lease is held: the holder is alive (it renews) - look again later;
-- it is final: forget it;
-- else publish its task again (ids only, from the ledger) and look again
-  after a grace that doubles with each re-drive of a stage that never
-  started (a long queue is not a lost message).
-A turn that has started `TURN_MAX_RUNS` times and died each time (it kills
-its worker) is ended with an error, and its chat told.
+- else its stage's re-driver (a `Stage`, given by the stage's owner:
+  `tasks/redrive.py` for lanes and extractions, `tasks/turn.py` for turns)
+  forgets it if it is final, or publishes its task again (ids only, from
+  the ledger) and looks again after a grace that doubles with each
+  re-drive of a stage that never started (a long queue is not a lost
+  message); a turn that has started `turn.TURN_MAX_RUNS` times and died
+  each time (it kills its worker) is ended with an error, and its chat told.
+This module knows the ledger only: not a delivery's spec, not a turn's.
 
 Recovery time after a worker dies is therefore the lease's TTL plus a pass:
 about `ledger.LEASE_TTL_S` + 1 s, whatever the broker's visibility timeout.
@@ -21,16 +23,15 @@ about `ledger.LEASE_TTL_S` + 1 s, whatever the broker's visibility timeout.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 from redis import Redis
 
-from tasks import keys, ledger, receipts, signing
+from tasks import keys, ledger
 from tasks.runtime import Context
 
 log = logging.getLogger(__name__)
@@ -38,9 +39,30 @@ log = logging.getLogger(__name__)
 INTERVAL_S = 1.0
 #: how long the reconciler's lock outlives a pass that stopped renewing it
 LOCK_TTL_S = 5
-TURN_MAX_RUNS = 3
 #: the longest grace between two re-drives of a stage that never starts
 MAX_GRACE_S = 300.0
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A stage the reconciler watches, and what it does for it. The reconciler knows
+    the ledger (due times, leases) and nothing of what a stage's entries are: each
+    stage's owner says that (`tasks/redrive.py`: lanes, extractions; `tasks/turn.py`:
+    turns), and the worker passes the list in (`tasks/celery_tasks.py:STAGES`).
+
+    name     the ledger's stage: its due times (`keys.due(name)`) and leases
+    redrive  one of its entries whose due time passed with nobody holding its
+             lease: publish it again, forget it or end it; returns the name
+             of what it did, counted in a pass's result ("": nothing counted)
+    counts   the names its re-drives may be counted under (each 0 in a pass's
+             result when nothing was)
+    first    a look before its entries, given the pass's `now` (returns a name
+             to count, or "")"""
+
+    name: str
+    redrive: Callable[[Context, str], str]
+    counts: tuple[str, ...]
+    first: Callable[[Context, float | None], str] | None = None
 
 
 def _unleased_overdue(r: Redis, stage: str, now: float | None) -> Iterator[str]:
@@ -54,72 +76,25 @@ def _unleased_overdue(r: Redis, stage: str, now: float | None) -> Iterator[str]:
             yield ident
 
 
-def _grace(base_s: float, redrives: int) -> float:
+def grace(base_s: float, redrives: int) -> float:
+    """The wait before the next look at an entry re-driven `redrives` times before:
+    `base_s`, doubling with each re-drive, at most `MAX_GRACE_S`."""
     return min(MAX_GRACE_S, base_s * 2.0 ** min(redrives, 10))
 
 
-def tick(ctx: Context, *, now: float | None = None) -> dict[str, int]:
+def tick(ctx: Context, stages: Sequence[Stage], *, now: float | None = None) -> dict[str, int]:
     """One pass over the overdue entries of every stage. Returns what it did."""
-    from tasks import chains
-    from tasks.states import TURN_OVER
-
-    r = ctx.redis
-    out = {"lanes": 0, "extractions": 0, "turns": 0, "abandoned": 0, "ready": 0}
-    # lanes whose wake-up joined the ready set and no drive has taken for a while
-    # (the drives it counted on were lost or are slow): one drain for them
-    if r.zrangebyscore(keys.lanes_ready(), "-inf", (now or time.time()) - chains.READY_STALE_S, start=0, num=1):
-        chains.publish_drain(r)
-        out["ready"] = 1
-    for target in _unleased_overdue(r, "lane", now):
-        if not r.exists(keys.lane(target)):
-            ledger.clear_due(r, "lane", target)
-            continue
-        ledger.set_due(r, "lane", target, chains.LANE_GRACE_S)
-        chains.publish_lane(target)
-        out["lanes"] += 1
-    for did in _unleased_overdue(r, "extract", now):
-        rec = receipts.get_delivery(r, did)
-        if rec is None or rec.get("extraction") in ("ok", "failed") or rec.get("state") in receipts.TERMINAL \
-                or not rec.get("queue"):
-            ledger.clear_due(r, "extract", did)
-            target = _target_of(rec) if rec is not None and rec.get("spec") else ""
-            if target:
-                chains.publish_lane(target)  # the lane may be waiting for it
-            continue
-        n = int(r.hincrby(keys.delivery(did), "redrives", 1))
-        ledger.set_due(r, "extract", did, _grace(chains.EXTRACT_GRACE_S, n - 1))
-        chains.publish_extract(did, rec["queue"], rec.get("source", ""))
-        out["extractions"] += 1
-    for job_id in _unleased_overdue(r, "turn", now):
-        job = receipts.get_job(r, job_id)
-        if job is None or job.get("state") in TURN_OVER or not job.get("spec"):
-            ledger.clear_due(r, "turn", job_id)
-            continue
-        if int(job.get("attempts") or 0) >= TURN_MAX_RUNS:
-            from tasks.turn import abandon
-
-            abandon(ctx, job_id, f"the agent's worker died {job['attempts']} times during this turn")
-            out["abandoned"] += 1
-            continue
-        n = int(r.hincrby(keys.job(job_id), "redrives", 1))
-        ledger.set_due(r, "turn", job_id, _grace(chains.TURN_GRACE_S, n - 1))
-        try:
-            spec = signing.open_json("turn", job_id, job["spec"])  # logged and counted when forged
-        except signing.Forged as exc:
-            ledger.clear_due(r, "turn", job_id)
-            receipts.set_job(r, job_id, state="error", reason=f"refused: {exc.reason}")
-            continue
-        chains.spec_sig(spec).apply_async()
-        out["turns"] += 1
+    out = {name: 0 for stage in stages for name in stage.counts}
+    for stage in stages:
+        if stage.first is not None:
+            done = stage.first(ctx, now)
+            if done:
+                out[done] = out.get(done, 0) + 1
+        for ident in _unleased_overdue(ctx.redis, stage.name, now):
+            done = stage.redrive(ctx, ident)
+            if done:
+                out[done] = out.get(done, 0) + 1
     return out
-
-
-def _target_of(rec: receipts.Receipt) -> str:
-    """The lane a receipt's delivery belongs to, from its verified spec ('' when it does not verify)."""
-    try:
-        return str(signing.open_json("delivery", rec.get("id", ""), rec["spec"])["target"])
-    except signing.Forged:
-        return ""
 
 
 class Reconciler:
@@ -127,8 +102,10 @@ class Reconciler:
     takes (or keeps) the cluster-wide lock and, holding it, runs a pass.
     Redis errors are logged and the next pass tries again."""
 
-    def __init__(self, ctx_factory: Callable[[], Context], interval_s: float = INTERVAL_S) -> None:
+    def __init__(self, ctx_factory: Callable[[], Context], stages: Sequence[Stage],
+                 interval_s: float = INTERVAL_S) -> None:
         self.ctx_factory = ctx_factory
+        self.stages = tuple(stages)
         self.interval_s = interval_s
         self.token = f"{os.getpid()}:{ledger.new_token()}"
         self.stopping = threading.Event()
@@ -151,7 +128,7 @@ class Reconciler:
             try:
                 ctx = self.ctx_factory()
                 if self._holds_lock(ctx.redis):
-                    done = tick(ctx)
+                    done = tick(ctx, self.stages)
                     if any(done.values()):
                         log.info("reconciler: re-drove %s", done)
                 self.failures = 0

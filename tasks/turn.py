@@ -33,9 +33,11 @@ from adapters.display import visible
 from adapters.errors import ConfigError, CourierError, SandboxError, in_chat_words
 from adapters.sandboxes.base import SandboxRef, parse_uri
 from storage.spill import SpillConfig
+import tasks
 from tasks import chains, events, keys, ledger, receipts, signing
 from tasks.events import Event
 from tasks.messages import TurnResult, TurnSpec
+from tasks.reconcile import Stage, grace
 from tasks.runtime import AgentConfig, Context
 from tasks.states import TURN_OVER
 from tasks.workspaces import relative, workspace_path
@@ -45,7 +47,7 @@ log = logging.getLogger(__name__)
 
 #: the bundled demo agent, always available as --agent demo (a script of the standard library only: in its
 #: sandbox it sees that one file, not courier's code)
-BUILTIN_AGENTS = {"demo": [sys.executable, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+BUILTIN_AGENTS = {"demo": [sys.executable, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(tasks.__file__))),
                                                         "adapters", "agents", "demo_agent.py")]}
 
 
@@ -276,10 +278,8 @@ def _run_agent(ctx: Context, spec: TurnSpec, agent: AgentConfig | None, name: st
                        voice=parsed.audio_as_voice, as_document=parsed.as_document,
                        max_bytes=ctx.max_file_bytes, album_max=_album_max(ctx, target),
                        max_files=ctx.max_files_per_job, tell_unsent=True)
-    from tasks.operations import CANCEL_REASON, cancel_requested
-
-    if cancel_requested(r, job_id):  # `courier cancel` while it ran: its reply is not delivered
-        return TurnOutcome(job_id, target, "cancelled", reason=CANCEL_REASON)
+    if receipts.cancel_requested(r, job_id):  # `courier cancel` while it ran: its reply is not delivered
+        return TurnOutcome(job_id, target, "cancelled", reason=receipts.CANCEL_REASON)
     return TurnOutcome(job_id, target, "replied", plan=plan)
 
 
@@ -440,5 +440,38 @@ def abandon(ctx: Context, job_id: str, reason: str, enqueue: Enqueue = chains.en
     return finish(ctx, failed(job_id, spec.get("target") or job.get("target", ""), reason), enqueue)
 
 
+#: a turn that has started this many times and died each time (it kills its worker) is ended
+TURN_MAX_RUNS = 3
+
+
+def _redrive(ctx: Context, job_id: str) -> str:
+    """The reconciler's re-drive of a turn whose due time passed with nobody on it: run it
+    again (its spec, from the job's record), or end it once it has killed `TURN_MAX_RUNS`
+    workers, or forget it when it is over."""
+    r = ctx.redis
+    job = receipts.get_job(r, job_id)
+    if job is None or job.get("state") in TURN_OVER or not job.get("spec"):
+        ledger.clear_due(r, "turn", job_id)
+        return ""
+    if int(job.get("attempts") or 0) >= TURN_MAX_RUNS:
+        abandon(ctx, job_id, f"the agent's worker died {job['attempts']} times during this turn")
+        return "abandoned"
+    n = int(r.hincrby(keys.job(job_id), "redrives", 1))
+    ledger.set_due(r, "turn", job_id, grace(ledger.TURN_GRACE_S, n - 1))
+    try:
+        spec = signing.open_json("turn", job_id, job["spec"])  # logged and counted when forged
+    except signing.Forged as exc:
+        ledger.clear_due(r, "turn", job_id)
+        receipts.set_job(r, job_id, state="error", reason=f"refused: {exc.reason}")
+        return ""
+    chains.spec_sig(spec).apply_async()
+    return "turns"
+
+
+#: the turn's stage, for the reconciler
+STAGE = Stage("turn", _redrive, ("turns", "abandoned"))
+
+
 def _project_root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    """courier's root: the folder of the `tasks` package (wherever in it this module sits)."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(tasks.__file__)))

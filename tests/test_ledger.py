@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from tasks import chains, keys, ledger, receipts, reconcile, signing
+from tasks import chains, keys, ledger, receipts, reconcile, signing, turn
+from tasks.celery_tasks import stages
 from tasks.runtime import Context
 
 
@@ -76,7 +77,7 @@ def test_the_reconciler_redrives_only_what_is_overdue_and_unheld(redis_client, c
             r.rpush(keys.lane(target), f"{target}.0")
     r.zadd(keys.due("lane"), {"outbox:c": time.time() + 60})  # not due yet
     assert ledger.take(r, keys.lease("lane", "outbox:b"), "alive", ttl_s=15)
-    out = reconcile.tick(ctx)
+    out = reconcile.tick(ctx, stages())
     assert published == [("lane", "outbox:a")] and out["lanes"] == 1
     due = {k: v - time.time() for k, v in r.zrange(keys.due("lane"), 0, -1, withscores=True)}
     assert "outbox:d" not in due  # an empty lane is forgotten
@@ -90,17 +91,17 @@ def test_a_lost_extraction_is_published_again_with_a_growing_grace(redis_client,
                        files=[chains.SandboxFile(chains.SandboxRef("local"), "/tmp/e.txt")])
     chains.register(r, plan)
     r.zadd(keys.due("extract"), {"snd_e.0": time.time() - 1})
-    reconcile.tick(ctx)
+    reconcile.tick(ctx, stages())
     assert ("extract", "snd_e.0", "sandbox") in published
     first = r.zscore(keys.due("extract"), "snd_e.0") - time.time()
     r.zadd(keys.due("extract"), {"snd_e.0": time.time() - 1})
-    reconcile.tick(ctx)
+    reconcile.tick(ctx, stages())
     assert r.zscore(keys.due("extract"), "snd_e.0") - time.time() > first * 1.5
     # once extracted, the reconciler forgets it and drives its lane
     receipts.update_delivery(r, "snd_e.0", extraction="ok")
     r.zadd(keys.due("extract"), {"snd_e.0": time.time() - 1})
     published.clear()
-    reconcile.tick(ctx)
+    reconcile.tick(ctx, stages())
     assert published == [("lane", "outbox:e")] and r.zscore(keys.due("extract"), "snd_e.0") is None
 
 
@@ -109,11 +110,11 @@ def test_a_turn_that_keeps_killing_its_worker_ends_with_an_error_and_a_message(r
     spec = {"job": "turn_k", "target": "outbox:k", "message": "hi", "agent": "demo"}
     receipts.create_job(r, "turn_k", kind="turn", target="outbox:k", spec=signing.seal_json("turn", "turn_k", spec))
     r.zadd(keys.due("turn"), {"turn_k": time.time() - 1})
-    reconcile.tick(ctx)
+    reconcile.tick(ctx, stages())
     assert published == [("turn", "turn_k")]  # never started: run it again
-    r.hset(keys.job("turn_k"), "attempts", reconcile.TURN_MAX_RUNS)
+    r.hset(keys.job("turn_k"), "attempts", turn.TURN_MAX_RUNS)
     r.zadd(keys.due("turn"), {"turn_k": time.time() - 1})
-    out = reconcile.tick(ctx)
+    out = reconcile.tick(ctx, stages())
     assert out["abandoned"] == 1 and receipts.get_job(r, "turn_k")["state"] == "error"
     (text,) = [signing.open_json("delivery", d["id"], d["spec"])["text"] for d in receipts.job_deliveries(r, "turn_k")]
     assert text.startswith("Sorry, that did not work") and "died 3 times" in text

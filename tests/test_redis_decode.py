@@ -113,7 +113,7 @@ def _talks_to_redis(tree: ast.AST) -> bool:
         elif isinstance(n, ast.ImportFrom) and n.module:
             names = {a.name for a in n.names}
             imports |= (n.module.split(".")[0] == "redis" or n.module in ("tasks.keys", "workers.redis_url")
-                        or (n.module == "tasks" and "keys" in names) or "redis_client" in names)
+                        or (n.module.split(".")[0] == "tasks" and "keys" in names) or "redis_client" in names)
     return imports and any(isinstance(n, ast.Attribute) and n.attr in _REDIS_ATTRS for n in ast.walk(tree))
 
 

@@ -214,7 +214,7 @@ def test_a_turn_cancelled_while_it_runs_delivers_nothing(turns):
             assert operations.mark_turn(turns.r, spec["job"]) == "running"
 
     out = turns.run(spec, on_activity=cancel_on_thinking)
-    assert out.state == "cancelled" and out.plan is None and out.reason == operations.CANCEL_REASON
+    assert out.state == "cancelled" and out.plan is None and out.reason == receipts.CANCEL_REASON
     enqueue = Recorder()
     assert turn.finish(turns.ctx, out, enqueue)["state"] == "cancelled" and enqueue.plans == []
     assert turns.events(spec["job"])[-1]["status"] == "cancelled"

@@ -26,6 +26,7 @@ import pytest
 
 from storage.volume import VolumeStore
 from tasks import chains, keys, lanes, receipts, reconcile
+from tasks.celery_tasks import stages
 from tasks.runtime import Context
 from tests.fixtures.services import wait_until
 from tests.test_delivery_flow import MemoryPlatform
@@ -131,8 +132,8 @@ def test_the_reconciler_publishes_a_drain_for_lanes_ready_too_long(courier_env, 
     r.zadd(keys.lanes_ready(), {"memory:r1": time.time()})
     ctx = _ctx(r, tmp_path, MemoryPlatform())
     with env.publishing():
-        assert reconcile.tick(ctx)["ready"] == 0  # just joined: its drives may start any moment
-        assert reconcile.tick(ctx, now=time.time() + chains.READY_STALE_S + 1)["ready"] == 1
+        assert reconcile.tick(ctx, stages())["ready"] == 0  # just joined: its drives may start any moment
+        assert reconcile.tick(ctx, stages(), now=time.time() + chains.READY_STALE_S + 1)["ready"] == 1
     assert [t for _, t in _queued(r)] == [""]  # a drain: it names no lane
 
 
@@ -265,7 +266,7 @@ def test_a_job_is_published_after_its_ledger_commits_and_a_lost_publish_is_publi
     monkeypatch.undo()
     ctx = _ctx(r, tmp_path, MemoryPlatform())
     with env.publishing():
-        reconcile.tick(ctx, now=time.time() + max(chains.LANE_GRACE_S, chains.EXTRACT_GRACE_S) + 1)
+        reconcile.tick(ctx, stages(), now=time.time() + max(chains.LANE_GRACE_S, chains.EXTRACT_GRACE_S) + 1)
     assert [t for _, t in _queued(r)] == ["memory:lost"]
     (raw,) = r.lrange("sandbox", 0, -1)
     assert body_of(json.loads(raw))[0] == [chains.delivery_id(job, 1)]

@@ -222,10 +222,11 @@ def _task_ended(**_kw) -> None:
 def _start_reconciler(sender=None, **_kw) -> None:
     """Every worker runs the reconciler (one pass a second; a Redis lock lets
     one worker at a time work), so no extra process is needed for recovery."""
+    from tasks.celery_tasks import stages
     from tasks.reconcile import Reconciler
 
     global _reconciler
-    _reconciler = Reconciler(runtime.ctx).start()
+    _reconciler = Reconciler(runtime.ctx, stages()).start()
 
 
 STALL_EXIT = 71
