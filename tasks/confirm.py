@@ -90,7 +90,6 @@ def apply(r: Redis, statuses: list[Status], *, events_maxlen: int = 1000) -> lis
                   "confirmed": s.status}
             if what == "failed":
                 ev["reason"] = reason
-                metrics.record_delivery({"id": did, "target": f"{s.platform}:", "type": rec.get("type") or "file"},
-                                        "failed", reason=reason)
+                metrics.record_delivery(did, f"{s.platform}:", "failed", rec.get("type") or "file", reason=reason)
             events.publish(r, job, ev, maxlen=events_maxlen)
     return out

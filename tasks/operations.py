@@ -79,13 +79,13 @@ def retry(r: Redis, rec: receipts.Receipt) -> dict[str, str]:
     be extracted again, and `target`), or `refused` with the state it is in."""
     did = rec["id"]
     try:
-        spec = signing.open_json("delivery", did, rec["spec"]) if rec.get("spec") else None
+        spec = signing.open_delivery(did, rec["spec"]) if rec.get("spec") else None
     except signing.Forged as exc:
         return {"id": did, "outcome": "refused", "state": rec.get("state", ""), "reason": f"refused: {exc.reason}"}
     if spec is None:
         return {"id": did, "outcome": "refused", "state": rec.get("state", ""),
                 "reason": "its receipt holds no spec to run it again"}
-    target = spec["target"]
+    target = spec.target
     what, was = r.eval(_RETRY, 2, keys.delivery(did), keys.lane(target), f"{time.time():.3f}", receipts.RETENTION_S,
                        did)
     if what == "gone":
@@ -99,9 +99,9 @@ def retry(r: Redis, rec: receipts.Receipt) -> dict[str, str]:
     if what == "extract":
         ledger.set_due(p, "extract", did, 60.0)
         out["extract"] = rec.get("queue") or "sandbox"
-        out["source"] = spec.get("extract", {}).get("path", "")
+        out["source"] = spec.extract.path if spec.extract is not None else ""
     ledger.set_due(p, "lane", target, 10.0)
-    events.publish(r, spec["job"], {"kind": "delivery", "delivery_id": did, "state": "queued", "retry": True},
+    events.publish(r, spec.job_id, {"kind": "delivery", "delivery_id": did, "state": "queued", "retry": True},
                    pipe=p)
     p.execute()
     return out

@@ -117,7 +117,7 @@ def tick(ctx: Context, *, now: float | None = None) -> dict[str, int]:
 def _target_of(rec: receipts.Receipt) -> str:
     """The lane a receipt's delivery belongs to, from its verified spec ('' when it does not verify)."""
     try:
-        return str(signing.open_json("delivery", rec.get("id", ""), rec["spec"])["target"])
+        return signing.open_delivery(rec.get("id", ""), rec["spec"]).target
     except signing.Forged:
         return ""
 

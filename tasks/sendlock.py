@@ -106,7 +106,7 @@ class SendSession:
             self.released = True
 
 
-def under_send_lock(ctx: Context, did: str, done: Callable[[JsonObject], JsonObject | None],
+def under_send_lock(ctx: Context, did: str, done: Callable[[dict[str, str]], JsonObject | None],
                     work: Callable[[SendSession], JsonObject], *, count_attempt: bool = False,
                     held: Held | None = None) -> JsonObject:
     """Run `work` holding the send lock of `did`, unless `done(receipt)` says
