@@ -15,7 +15,7 @@ from adapters.errors import CourierError, Permanent
 from adapters.platforms.base import FileRefused, FileSource, Kind, Platform, split_target
 from tasks import delivery, keys, parts, receipts, sendlock
 from tasks.messages import DeliverySpec, Extracted, JsonObject
-from tasks.states import DeliveryState
+from tasks.states import EXTRACTION_FAILED, DeliveryState
 from tasks.runtime import Context
 from tasks.text import fit_caption
 
@@ -61,7 +61,7 @@ def _deliver_album_locked(ctx: Context, group: Album) -> JsonObject:
         else group.caption
     for spec, rec in zip(items, recs):
         done = delivery.already_done(spec.delivery_id, rec)
-        if done is None and rec.get("state") == DeliveryState.FAILED and rec.get("extraction") == "failed":
+        if done is None and rec.get("state") == DeliveryState.FAILED and rec.get("extraction") == EXTRACTION_FAILED:
             done = {"id": spec.delivery_id, "state": DeliveryState.FAILED, "reason": rec.get("reason"), "skipped": True}
         if done is not None:
             results[spec.delivery_id] = done
@@ -132,7 +132,7 @@ def _send_album(ctx: Context, platform: Platform, chat: str, lead: str,
     r = ctx.redis
     part = f"{lead}#album"  # the album's part id: a re-run after it was sent does not send it again
     guarded = parts.guard(r, platform, lead)
-    attempts = [receipts.start_attempt(r, spec.delivery_id, state="sending", platform=platform.name,
+    attempts = [receipts.start_attempt(r, spec.delivery_id, state=DeliveryState.SENDING, platform=platform.name,
                                        kind=Kind.PHOTO.value, size_bytes=src.size_bytes, name=src.name)
                 for spec, src in album]
     text, overflow = fit_caption(caption, platform.limits.caption_chars, platform.limits.text_chars)

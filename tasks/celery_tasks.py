@@ -23,6 +23,7 @@ from tasks import ledger, metrics, runtime, task_names
 from tasks import turn as turn_mod
 from tasks.events import Event, describe
 from tasks.messages import JsonObject, SendResult, TurnResult, TurnSpec
+from tasks.states import DeliveryState
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ def extract_file(delivery_id: str) -> JsonObject:
     wake = out.pop("wake", None)
     for did in wake["ids"] if wake else ():  # its sandbox answers again: what its breaker postponed goes now
         chains.publish_extract(did, wake["queue"])
-    if out["state"] in ("extracted", "failed", "done"):
+    if out["state"] in (DeliveryState.EXTRACTED, DeliveryState.FAILED, "done"):
         if not inline:
             chains.wake_lane(ctx.redis, out["target"])
             return out

@@ -22,6 +22,7 @@ from redis import Redis
 from redis.client import Pipeline
 
 from tasks import events, keys, metrics, receipts
+from tasks.states import DeliveryState
 
 __all__ = ["Status", "apply", "remember"]
 
@@ -86,10 +87,10 @@ def apply(r: Redis, statuses: list[Status], *, events_maxlen: int = 1000) -> lis
         if what in ("failed", "confirmed"):
             rec = receipts.get_delivery(r, did) or {}
             job = rec.get("job") or did.rsplit(".", 1)[0]
-            ev = {"kind": "delivery", "delivery_id": did, "state": "failed" if what == "failed" else "delivered",
-                  "confirmed": s.status}
+            state = DeliveryState.FAILED if what == "failed" else DeliveryState.DELIVERED
+            ev = {"kind": "delivery", "delivery_id": did, "state": state, "confirmed": s.status}
             if what == "failed":
                 ev["reason"] = reason
-                metrics.record_delivery(did, f"{s.platform}:", "failed", rec.get("type") or "file", reason=reason)
+                metrics.record_delivery(did, f"{s.platform}:", DeliveryState.FAILED, rec.get("type") or "file", reason=reason)
             events.publish(r, job, ev, maxlen=events_maxlen)
     return out

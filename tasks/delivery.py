@@ -32,7 +32,7 @@ from adapters.platforms.base import FileRefused, FileSource, Kind, Platform, Sen
 from tasks import events, keys, ledger, metrics, parts, ratelimit, receipts, sendlock
 from storage import BlobStore
 from tasks.messages import DeliverySpec, Extracted, JsonObject
-from tasks.states import DeliveryState
+from tasks.states import EXTRACTION_FAILED, DeliveryState
 from tasks.runtime import Context
 from tasks.text import fit_caption, human_bytes, split_text
 
@@ -50,12 +50,12 @@ def _event(ctx: Context, spec: DeliverySpec, pipe: Pipeline | None = None, **ev:
 def record_failure(ctx: Context, spec: DeliverySpec, reason: str, kind: str | None = None) -> JsonObject:
     """A failed delivery's receipt and event; `kind`: what it was sent (or refused) as, when known."""
     pipe = ctx.redis.pipeline(transaction=False)
-    receipts.update_delivery(pipe, spec.delivery_id, state="failed", reason=reason, **({"kind": kind} if kind else {}))
-    _event(ctx, spec, pipe=pipe, state="failed", reason=reason, name=spec.name,
+    receipts.update_delivery(pipe, spec.delivery_id, state=DeliveryState.FAILED, reason=reason, **({"kind": kind} if kind else {}))
+    _event(ctx, spec, pipe=pipe, state=DeliveryState.FAILED, reason=reason, name=spec.name,
            **({"media": kind} if kind else {}))
     pipe.execute()
-    metrics.record_delivery(spec.delivery_id, spec.target, "failed", spec.type, reason=reason)
-    out = {"id": spec.delivery_id, "state": "failed", "reason": reason}
+    metrics.record_delivery(spec.delivery_id, spec.target, DeliveryState.FAILED, spec.type, reason=reason)
+    out = {"id": spec.delivery_id, "state": DeliveryState.FAILED, "reason": reason}
     if kind:
         out["kind"] = kind
     return out
@@ -91,12 +91,13 @@ def deliver(ctx: Context, spec: DeliverySpec, extracted: Extracted | None = None
 
 
 def already_done(did: str, rec: receipts.Receipt) -> JsonObject | None:
-    if rec.get("state") == "delivered":
-        return {"id": did, "state": "delivered", "message_id": rec.get("message_id"), "skipped": True}
-    if rec.get("state") == "cancelled":
-        return {"id": did, "state": "cancelled", "reason": rec.get("reason"), "skipped": True}
-    if rec.get("state") == "failed" and rec.get("final") == "1":
-        return {"id": did, "state": "failed", "reason": rec.get("reason"), "skipped": True}
+    state = rec.get("state")
+    if state == DeliveryState.DELIVERED:
+        return {"id": did, "state": DeliveryState.DELIVERED, "message_id": rec.get("message_id"), "skipped": True}
+    if state == DeliveryState.CANCELLED:
+        return {"id": did, "state": DeliveryState.CANCELLED, "reason": rec.get("reason"), "skipped": True}
+    if state == DeliveryState.FAILED and rec.get("final") == "1":
+        return {"id": did, "state": DeliveryState.FAILED, "reason": rec.get("reason"), "skipped": True}
     return None
 
 
@@ -132,7 +133,7 @@ def deliver_item(ctx: Context, platform: Platform, chat: str, spec: DeliverySpec
     if session is not None and session.attempts:
         attempts = session.attempts  # counted when the lock was taken
     else:
-        attempts = receipts.start_attempt(r, did, state="sending", platform=platform.name)
+        attempts = receipts.start_attempt(r, did, state=DeliveryState.SENDING, platform=platform.name)
     try:
         if spec.is_text:
             sent = _send_text(platform, chat, spec.text or "", did)
@@ -237,7 +238,7 @@ def tell_reply(ctx: Context, platform: Platform, chat: str, spec: DeliverySpec) 
     for rid in ids:
         pipe.hgetall(keys.delivery(rid))
     failed = [result_of(rec, "") for rec in pipe.execute()
-              if rec and rec.get("extraction") == "failed"
+              if rec and rec.get("extraction") == EXTRACTION_FAILED
               and rec.get("state") not in (DeliveryState.DELIVERED, DeliveryState.CANCELLED)
               and (rec.get("notify") or rec.get("too_large") == "1")]
     items = [_unsent_item(x.name or "file", x) for x in failed if x is not None]
@@ -267,19 +268,19 @@ def record_delivered(ctx: Context, spec: DeliverySpec, message_id: str, kind_nam
     """The receipt and the delivery event of a delivered item (queued on `pipe` when given)."""
     p = pipe if pipe is not None else ctx.redis.pipeline(transaction=False)
     later = _confirms_later(ctx, spec)
-    receipts.update_delivery(p, spec.delivery_id, state="delivered", message_id=message_id, kind=kind_name,
+    receipts.update_delivery(p, spec.delivery_id, state=DeliveryState.DELIVERED, message_id=message_id, kind=kind_name,
                              size_bytes=size, attempts=attempts, reason="", sha256=spec.sha256 or None,
                              confirmed="accepted" if later else "final at acceptance")
     if later:  # its status webhook names the message: this finds the receipt (tasks/confirm.py)
         from tasks import confirm
 
         confirm.remember(p, spec.target.split(":", 1)[0], message_id, spec.delivery_id)
-    _event(ctx, spec, pipe=p, state="delivered", message_id=message_id, media=kind_name,
+    _event(ctx, spec, pipe=p, state=DeliveryState.DELIVERED, message_id=message_id, media=kind_name,
            name=spec.name, size_bytes=size)
     if pipe is None:
         p.execute()
-    metrics.record_delivery(spec.delivery_id, spec.target, "delivered", kind_name)
-    return {"id": spec.delivery_id, "state": "delivered", "message_id": message_id, "kind": kind_name}
+    metrics.record_delivery(spec.delivery_id, spec.target, DeliveryState.DELIVERED, kind_name)
+    return {"id": spec.delivery_id, "state": DeliveryState.DELIVERED, "message_id": message_id, "kind": kind_name}
 
 
 class _ProgressReader:

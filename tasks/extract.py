@@ -17,7 +17,7 @@ from tasks import breaker, events, metrics, receipts, signing
 from tasks.messages import Extracted, ExtractSpec, JsonObject
 from tasks.reply import has_control
 from tasks.runtime import Context
-from tasks.states import DeliveryState
+from tasks.states import EXTRACTION_FAILED, EXTRACTION_OK, DeliveryState
 
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ def extract(ctx: Context, spec: ExtractSpec, job_id: str, did: str, *, pipe: Pip
     # the lane reads the result from the receipt (the ledger), whoever drives it
     own = pipe is None
     p = r.pipeline(transaction=False) if pipe is None else pipe
-    receipts.update_open_delivery(p, did, state=DeliveryState.EXTRACTED, extraction="ok", reason="",
+    receipts.update_open_delivery(p, did, state=DeliveryState.EXTRACTED, extraction=EXTRACTION_OK, reason="",
                                   size_bytes=info.size_bytes, sha256=info.sha256, name=name)
     if info.size_bytes >= RECORD_MIN_BYTES:  # a large file shows its progress
         events.publish(r, job_id, {"kind": "delivery", "delivery_id": did, "state": DeliveryState.EXTRACTED,
@@ -124,7 +124,7 @@ def record_failure(r: Redis, did: str, result: Extracted) -> Extracted:
     """Record a permanent extraction failure in the receipt (the delivery
     after it makes it final: `failed`, with a notice when too large, or
     when `notify` holds the words the chat is told: `in_chat_words`); returns `result`."""
-    receipts.update_open_delivery(r, did, state=DeliveryState.EXTRACT_FAILED, extraction="failed",
+    receipts.update_open_delivery(r, did, state=DeliveryState.EXTRACT_FAILED, extraction=EXTRACTION_FAILED,
                                   reason=result.reason, too_large="1" if result.too_large else None,
                                   notify=result.notify or None, size_bytes=result.size, limit_bytes=result.limit)
     return result
@@ -134,10 +134,10 @@ def result_of(rec: receipts.Receipt, key: str) -> Extracted | None:
     """An extraction's result as `extract` returned it, read back from the
     receipt (None: not recorded)."""
     name = rec.get("name") or posixpath.basename(key)
-    if rec.get("extraction") == "ok":
+    if rec.get("extraction") == EXTRACTION_OK:
         return Extracted(ok=True, key=key, name=name, size=int(rec.get("size_bytes") or 0),
                          sha256=rec.get("sha256") or "")
-    if rec.get("extraction") == "failed":
+    if rec.get("extraction") == EXTRACTION_FAILED:
         notify = rec.get("notify")  # the chat's words ("1": a receipt from before they were kept)
         too_large = rec.get("too_large") == "1"
         return Extracted(ok=False, reason=rec.get("reason") or "extraction failed", name=name,
@@ -229,9 +229,9 @@ def run(ctx: Context, did: str) -> JsonObject:
                 if not ledger.gives_up(exc, n, first_s, max_attempts=ctx.max_transient_attempts,
                                        outage_deadline_s=ctx.outage_deadline_s):
                     delay = ledger.backoff_s(n, storage=isinstance(exc, StorageError)) if wait_s is None else wait_s
-                    receipts.update_open_delivery(end, did, state="retrying", reason=reason)
+                    receipts.update_open_delivery(end, did, state=DeliveryState.RETRYING, reason=reason)
                     ledger.set_due(end, "extract", did, delay)
-                    ret = {**out, "state": "retrying", "wait_s": round(delay, 3)}
+                    ret = {**out, "state": DeliveryState.RETRYING, "wait_s": round(delay, 3)}
                 else:
                     what = ("storage unavailable" if isinstance(exc, StorageError) else "sandbox unavailable"
                             if isinstance(exc, SandboxStalled) else f"gave up after {n} attempts")

@@ -39,7 +39,7 @@ from tasks.extract import result_of
 from tasks.messages import DeliverySpec, JsonObject
 from tasks.ratelimit import Paced
 from tasks.runtime import Context
-from tasks.states import DeliveryState
+from tasks.states import EXTRACTION_FAILED, EXTRACTION_OK, DeliveryState
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ class Step:
     @property
     def ready(self) -> bool:
         """Every sandbox file of the step extracted (or failed to be)."""
-        return all(rec.get("extraction") in ("ok", "failed") or spec is None or spec.extract is None
+        return all(rec.get("extraction") in (EXTRACTION_OK, EXTRACTION_FAILED) or spec is None or spec.extract is None
                    or rec.get("state") in receipts.TERMINAL for rec, spec in zip(self.recs, self.specs))
 
 
@@ -517,7 +517,7 @@ def _run_step(ctx: Context, step: Step, held: sendlock.Held | None = None, end: 
     except RateLimited as exc:
         n = int(r.hincrby(keys.delivery(step.lead), "rate_limited", 1))
         metrics.record_rate_limited(target)
-        _mark_open(ctx, step, state="rate_limited", reason=f"rate limited, retry after {exc.retry_after_s:g}s")
+        _mark_open(ctx, step, state=DeliveryState.RATE_LIMITED, reason=f"rate limited, retry after {exc.retry_after_s:g}s")
         if n > MAX_RATE_LIMITS:
             _give_up(ctx, step, f"gave up after {n - 1} rate limits from {target.split(':')[0]}")
             return None
@@ -534,7 +534,7 @@ def _run_step(ctx: Context, step: Step, held: sendlock.Held | None = None, end: 
             log.exception("lane %s: unexpected error sending %s", target, step.lead)
         reason = exc.reason if isinstance(exc, CourierError) else f"{type(exc).__name__}: {exc}"
         # the reason first: a receipt that counts a transient failure already says why
-        _mark_open(ctx, step, state="retrying", reason=reason)
+        _mark_open(ctx, step, state=DeliveryState.RETRYING, reason=reason)
         n, first_s = ledger.count_transient(r, step.lead)
         if ledger.gives_up(exc, n, first_s, max_attempts=ctx.max_transient_attempts,
                            outage_deadline_s=ctx.outage_deadline_s):

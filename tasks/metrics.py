@@ -26,6 +26,8 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from tasks.states import DeliveryState
+
 log = logging.getLogger(__name__)
 
 #: the failures recorded while a task runs (`failures_noted`), for the task to report
@@ -85,7 +87,7 @@ def record_delivery(did: str, target: str, state: str, kind: str, reason: str | 
     """Delivery `did`'s receipt was recorded final: `delivered` or `failed`; `kind`: what it was
     sent as (a failure's: what it was to go as, else its spec's type, `text` or `file`)."""
     noted = _noted.get()
-    if noted is not None and state == "failed":
+    if noted is not None and state == DeliveryState.FAILED:
         noted.append((did, reason or ""))
     if not _ON:
         return

@@ -28,10 +28,11 @@ import time
 from redis import Redis
 
 from tasks import events, keys, ledger, receipts, signing
+from tasks.states import DeliveryState, JobState
 
 CANCEL_REASON = "cancelled by the operator"
 #: a delivery in these states may be retried
-RETRYABLE = frozenset({"failed", "cancelled"})
+RETRYABLE = frozenset({DeliveryState.FAILED, DeliveryState.CANCELLED})
 
 _RETRY = """
 local st = redis.call('hget', KEYS[1], 'state')
@@ -92,7 +93,7 @@ def retry(r: Redis, rec: receipts.Receipt) -> dict[str, str]:
         return {"id": did, "outcome": "refused", "state": "", "reason": "no such delivery (expired?)"}
     if what == "refused":
         why = ("already delivered" + (f" (message id {rec.get('message_id')})" if rec.get("message_id") else "")
-               if was == "delivered" else f"not failed: it is {was}")
+               if was == DeliveryState.DELIVERED else f"not failed: it is {was}")
         return {"id": did, "outcome": "refused", "state": was, "reason": why}
     p = r.pipeline(transaction=False)
     out = {"id": did, "outcome": "requeued", "was": was, "target": target}
@@ -101,7 +102,7 @@ def retry(r: Redis, rec: receipts.Receipt) -> dict[str, str]:
         out["extract"] = rec.get("queue") or "sandbox"
         out["source"] = spec.extract.path if spec.extract is not None else ""
     ledger.set_due(p, "lane", target, 10.0)
-    events.publish(r, spec.job_id, {"kind": "delivery", "delivery_id": did, "state": "queued", "retry": True},
+    events.publish(r, spec.job_id, {"kind": "delivery", "delivery_id": did, "state": DeliveryState.QUEUED, "retry": True},
                    pipe=p)
     p.execute()
     return out
@@ -117,10 +118,10 @@ def cancel_delivery(r: Redis, rec: receipts.Receipt) -> dict[str, str]:
         p = r.pipeline(transaction=False)
         ledger.clear_due(p, "extract", did)
         events.publish(r, rec.get("job") or did.rsplit(".", 1)[0],
-                       {"kind": "delivery", "delivery_id": did, "state": "cancelled", "reason": CANCEL_REASON,
+                       {"kind": "delivery", "delivery_id": did, "state": DeliveryState.CANCELLED, "reason": CANCEL_REASON,
                         "name": rec.get("name")}, pipe=p)
         p.execute()
-    return {"id": did, "outcome": what, "state": "cancelled" if what == "cancelled" else was}
+    return {"id": did, "outcome": what, "state": DeliveryState.CANCELLED if what == "cancelled" else was}
 
 
 def mark_turn(r: Redis, job_id: str) -> str:
@@ -132,17 +133,17 @@ def mark_turn(r: Redis, job_id: str) -> str:
 
     job = receipts.get_job(r, job_id) or {}
     st = job.get("state", "")
-    if st in TURN_OVER or st == "cancelled":
+    if st in TURN_OVER or st == JobState.CANCELLED:
         return st
     r.hset(keys.job(job_id), mapping={"cancel_requested": "1"})
-    if st == "queued":
+    if st == JobState.QUEUED:
         # a worker taking it now sees the mark before it registers anything
-        receipts.set_job(r, job_id, state="cancelled", reason=CANCEL_REASON)
+        receipts.set_job(r, job_id, state=JobState.CANCELLED, reason=CANCEL_REASON)
         ledger.clear_due(r, "turn", job_id)
-        events.publish(r, job_id, {"kind": "status", "status": "cancelled", "reason": CANCEL_REASON,
+        events.publish(r, job_id, {"kind": "status", "status": JobState.CANCELLED, "reason": CANCEL_REASON,
                                    "deliveries": 0})
-        return "queued"
-    return "running"
+        return JobState.QUEUED
+    return JobState.RUNNING
 
 
 def cancel_requested(r: Redis, job_id: str) -> bool:

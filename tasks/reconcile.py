@@ -32,6 +32,7 @@ from redis import Redis
 
 from tasks import keys, ledger, receipts, signing
 from tasks.runtime import Context
+from tasks.states import EXTRACTION_FAILED, EXTRACTION_OK, JobState
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ def tick(ctx: Context, *, now: float | None = None) -> dict[str, int]:
         out["lanes"] += 1
     for did in _unleased_overdue(r, "extract", now):
         rec = receipts.get_delivery(r, did)
-        if rec is None or rec.get("extraction") in ("ok", "failed") or rec.get("state") in receipts.TERMINAL \
+        if rec is None or rec.get("extraction") in (EXTRACTION_OK, EXTRACTION_FAILED) or rec.get("state") in receipts.TERMINAL \
                 or not rec.get("queue"):
             ledger.clear_due(r, "extract", did)
             target = _target_of(rec) if rec is not None and rec.get("spec") else ""
@@ -107,7 +108,7 @@ def tick(ctx: Context, *, now: float | None = None) -> dict[str, int]:
             spec = signing.open_json("turn", job_id, job["spec"])  # logged and counted when forged
         except signing.Forged as exc:
             ledger.clear_due(r, "turn", job_id)
-            receipts.set_job(r, job_id, state="error", reason=f"refused: {exc.reason}")
+            receipts.set_job(r, job_id, state=JobState.ERROR, reason=f"refused: {exc.reason}")
             continue
         chains.spec_sig(spec).apply_async()
         out["turns"] += 1

@@ -42,3 +42,6 @@ DELIVERY_OVER = frozenset({DeliveryState.DELIVERED, DeliveryState.FAILED, Delive
 TURN_OVER = frozenset({JobState.REPLIED, JobState.NO_REPLY, JobState.ERROR, JobState.CANCELLED})
 #: a delivery that has not been tried yet (no earlier attempt can have sent a part)
 DELIVERY_UNTRIED = frozenset({DeliveryState.QUEUED, DeliveryState.EXTRACTED})
+#: a receipt's `extraction` once its file's extraction ended: extracted, or failed for good
+EXTRACTION_OK = "ok"
+EXTRACTION_FAILED = "failed"

@@ -137,3 +137,77 @@ def test_a_json_that_is_no_delivery_spec_is_refused(bad):
 
     with pytest.raises(ValueError):
         DeliverySpec.from_json(bad)
+
+
+# -- states as enums --------------------------------------------------------------------------------
+#: string literals in tasks/ equal to a state's value that are not a state (another vocabulary that
+#: shares the word), with why; every other state in tasks/ is a `DeliveryState`/`JobState` member
+BARE_STATE_WORDS_ALLOWED = {
+    ("confirm.py", "delivered"): (1, "a platform's status word (RANK), not a receipt's state"),
+    ("confirm.py", "failed"): (4, "a platform's status word and the confirm script's answer"),
+    ("events.py", "error"): (2, "an agent's tool_result status and its `error` field"),
+    ("extract.py", "error"): (1, "the extraction metric's outcome label (ok | failed | error)"),
+    ("extract.py", "failed"): (4, "the extraction metric's outcome label (ok | failed | error)"),
+    ("lanes.py", "rate_limited"): (1, "the receipt's counter field of 429s, not its state"),
+    ("listing.py", "rate_limited"): (1, "the receipt's counter field of 429s, not its state"),
+    ("operations.py", "cancelled"): (2, "the cancel script's answer"),
+    ("turn.py", "error"): (3, "an agent bridge's result status (BridgeResult: completed | error | no_reply)"),
+    ("turn.py", "no_reply"): (1, "an agent bridge's result status (BridgeResult: completed | error | no_reply)"),
+}
+
+
+def _bare_state_words() -> dict[tuple[str, str], list[int]]:
+    """String constants in tasks/*.py (not states.py) equal to a DeliveryState or JobState value,
+    docstrings and f-string parts left out: (file, word) -> lines."""
+    import ast
+
+    from tasks.states import DeliveryState, JobState
+
+    words = {s.value for s in DeliveryState} | {s.value for s in JobState}
+    found: dict[tuple[str, str], list[int]] = {}
+    for path in sorted((ROOT / "tasks").rglob("*.py")):
+        if path.name == "states.py":
+            continue
+        tree = ast.parse(path.read_text())
+        skip: set[int] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.JoinedStr):
+                skip.update(id(n) for n in ast.walk(node))
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+                first = node.body[0]
+                if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                    skip.add(id(first.value))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in words \
+                    and id(node) not in skip:
+                found.setdefault((path.name, node.value), []).append(node.lineno)
+    return found
+
+
+def test_states_in_tasks_are_enum_members_not_bare_strings():
+    """Issue 23: `DeliveryState`/`JobState` existed and no code used a member (117 bare state strings).
+    In tasks/ a state is a member; the words left are another vocabulary's, each listed with why."""
+    found = _bare_state_words()
+    extra = {k: lines for k, lines in found.items()
+             if len(lines) > BARE_STATE_WORDS_ALLOWED.get(k, (0, ""))[0]}
+    assert not extra, f"bare state strings (use DeliveryState/JobState, or list why): {extra}"
+    assert sum(len(v) for v in found.values()) <= 20
+
+
+def test_a_state_member_is_its_string_where_it_is_stored_and_sent():
+    """StrEnum members are written to Redis, JSON and metrics labels as their plain value."""
+    import json
+
+    from tasks.states import DeliveryState, JobState
+
+    assert json.dumps({"state": DeliveryState.FAILED}) == '{"state": "failed"}'
+    assert f"{JobState.NO_REPLY}" == str(JobState.NO_REPLY) == "no_reply" and DeliveryState.QUEUED == "queued"
+
+
+def test_a_state_member_goes_to_redis_as_its_value(redis_client):
+    from tasks import keys, receipts
+    from tasks.states import DeliveryState
+
+    receipts.update_delivery(redis_client, "types_x.0", state=DeliveryState.RATE_LIMITED)
+    assert redis_client.hget(keys.delivery("types_x.0"), "state") == "rate_limited"
+    redis_client.delete(keys.delivery("types_x.0"))
