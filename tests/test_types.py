@@ -211,3 +211,36 @@ def test_a_state_member_goes_to_redis_as_its_value(redis_client):
     receipts.update_delivery(redis_client, "types_x.0", state=DeliveryState.RATE_LIMITED)
     assert redis_client.hget(keys.delivery("types_x.0"), "state") == "rate_limited"
     redis_client.delete(keys.delivery("types_x.0"))
+
+
+def test_the_cli_and_the_send_task_build_a_send_plan_one_way():
+    """Issue 23: `courier send` and the operator's send task (Flower) built their plans two ways; both
+    go through `tasks.send.check_send` now, and nothing else in workers/ makes a `chains.Plan`."""
+    cli = (ROOT / "workers" / "cli.py").read_text()
+    assert "check_send(" in cli and "chains.Plan(" not in cli
+    assert [p.name for p in sorted((ROOT / "workers").rglob("*.py")) if "chains.Plan(" in p.read_text()] == []
+    send = (ROOT / "tasks" / "send.py").read_text()
+    assert send.count("chains.Plan(") == 1  # CheckedSend.plan
+
+
+def test_a_send_is_checked_the_same_with_and_without_files_of_the_host(tmp_path):
+    """`check_send`: a file given without `://` is the sender's host file when it takes them
+    (`courier send`), else an absolute path in the local sandbox (the send task); the rest alike."""
+    from adapters.errors import ConfigError
+    from tasks import chains
+    from tasks.send import HostFile, NothingToSend, check_send
+
+    def checked(**kw):
+        return check_send("outbox:x", platform=lambda: None, album_max=lambda: 10, open_sandbox=lambda ref: None,
+                          max_files=2, max_file_bytes=1000, **kw)
+
+    with pytest.raises(NothingToSend):
+        checked(text="  ")
+    with pytest.raises(ConfigError, match="at most 2 go with one send"):
+        checked(files=["a", "b", "c"], host_files=lambda raw: HostFile(raw, raw))
+    with pytest.raises(ConfigError, match="not a sandbox URI or an absolute path"):
+        checked(files=["report.pdf"])
+    ok = checked(text="hi", files=["report.pdf"], host_files=lambda raw: HostFile(f"/home/u/{raw}", raw))
+    assert ok.files == [HostFile("/home/u/report.pdf", "report.pdf")] and ok.album_max == 10
+    plan = ok.plan("snd_t", upload=lambda job, seq, f: chains.StoredFile(f"files/{job}/{seq}-{f.name}", f.name, 3, ""))
+    assert plan.files == [chains.StoredFile("files/snd_t/0-report.pdf", "report.pdf", 3, "")] and plan.text == "hi"

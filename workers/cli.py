@@ -148,73 +148,59 @@ def send(
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """Deliver files (and/or a text) to a chat."""
-    from adapters.sandboxes.base import parse_uri
     from tasks import chains
+    from tasks.send import HostFile, NothingToSend, check_send, check_size
+    from workers.wiring import open_sandbox
     from workers.wiring import platform as wired_platform
     from workers.wiring import platform_limits
 
     settings = _settings()
     platform_name = _target(settings, target)
-    album_max = platform_limits(platform_name, settings).album_max
-    paths = paths or []
-    if not paths and not (text and text.strip()):
-        raise die("nothing to send: give files, --text, or both", EXIT_INPUT)
-    if len(paths) > settings.max_files_per_job:
-        raise die(f"{len(paths)} files: at most {settings.max_files_per_job} go with one send "
-                  "(COURIER_MAX_FILES_PER_JOB)", EXIT_INPUT)
-    items: list[tuple[str, object]] = []
-    for raw in paths:
-        if "://" in raw:
-            try:
-                ref, path = parse_uri(raw)
-            except ConfigError as exc:
-                raise die(str(exc), EXIT_INPUT) from None
-            from tasks.send import check_file
-            from workers.wiring import open_sandbox
 
-            try:  # a remote path the policy refuses as written; a local one resolved, its size checked
-                # files to check: the adapter itself, for its own type rules (`route_file`) besides its limits
-                check_file(lambda ref: open_sandbox(ref, settings), wired_platform(platform_name, settings), ref,
-                           path, raw, voice=voice, as_document=as_document, max_file_bytes=settings.max_file_bytes)
-            except ConfigError as exc:
-                raise die(str(exc), EXIT_INPUT) from None
-            items.append(("sandbox", chains.SandboxFile(ref=ref, path=path)))
-        else:
-            p = Path(raw).expanduser()
-            if not p.exists():
-                raise die(f"no such file: {raw}", EXIT_INPUT)
-            if not p.is_file():
-                raise die(f"not a regular file: {raw}", EXIT_INPUT)
-            if not os.access(p, os.R_OK):
-                raise die(f"cannot read {raw}: permission denied", EXIT_INPUT)
-            if p.stat().st_size == 0:  # no platform takes an empty file: say so now, not in the worker
-                raise die(f"{raw} is empty (0 bytes): nothing to send", EXIT_INPUT)
-            from tasks.send import check_size
+    def host_file(raw: str) -> HostFile:
+        """A file of this host: there, readable, not empty, within the platform's limits."""
+        p = Path(raw).expanduser()
+        if not p.exists():
+            raise die(f"no such file: {raw}", EXIT_INPUT)
+        if not p.is_file():
+            raise die(f"not a regular file: {raw}", EXIT_INPUT)
+        if not os.access(p, os.R_OK):
+            raise die(f"cannot read {raw}: permission denied", EXIT_INPUT)
+        if p.stat().st_size == 0:  # no platform takes an empty file: say so now, not in the worker
+            raise die(f"{raw} is empty (0 bytes): nothing to send", EXIT_INPUT)
+        check_size(wired_platform(platform_name, settings), raw, p.name, p.stat().st_size, voice=voice,
+                   as_document=as_document, path=str(p))
+        return HostFile(path=str(p), name=p.name)
 
-            try:
-                check_size(wired_platform(platform_name, settings), raw, p.name, p.stat().st_size, voice=voice,
-                           as_document=as_document, path=str(p))
-            except ConfigError as exc:
-                raise die(str(exc), EXIT_INPUT) from None
-            items.append(("local", p))
+    # the operator's send task's checks (tasks.send.check_send): a remote sandbox path the policy
+    # refuses as written; a local one resolved, its size checked against the adapter itself (its own
+    # type rules, `route_file`, besides its limits); a file of this host checked by `host_file`
+    try:
+        checked = check_send(target, platform=lambda: wired_platform(platform_name, settings),
+                             album_max=lambda: platform_limits(platform_name, settings).album_max,
+                             open_sandbox=lambda ref: open_sandbox(ref, settings),
+                             max_files=settings.max_files_per_job, max_file_bytes=settings.max_file_bytes,
+                             text=text, files=paths or [], caption=caption, voice=voice, as_document=as_document,
+                             host_files=host_file)
+    except NothingToSend:
+        raise die("nothing to send: give files, --text, or both", EXIT_INPUT) from None
+    except ConfigError as exc:
+        raise die(str(exc), EXIT_INPUT) from None
     r = _redis(settings, enqueues=True)
     store = _store(settings)
     _celery()
-    job_id = chains.new_job_id("snd")
-    files: list = []
-    for seq, (kind, item) in enumerate(items):
-        if kind == "sandbox":
-            files.append(item)
-            continue
-        local = Path(str(item))
-        key = chains.storage_key(job_id, seq, local.name)
+
+    def upload(job_id: str, seq: int, f: HostFile) -> chains.StoredFile:
+        local = Path(f.path)
+        key = chains.storage_key(job_id, seq, f.name)
         try:
             info = _upload(store, key, local)
         except CourierError as exc:
             raise die(f"could not store {local}: {exc}", EXIT_SERVICE) from None
-        files.append(chains.StoredFile(key=key, name=local.name, size=info.size_bytes, sha256=info.sha256 or ""))
-    plan = chains.Plan(job_id=job_id, target=target, text=text or None, files=files, caption=caption, voice=voice,
-                       as_document=as_document, max_bytes=settings.max_file_bytes, album_max=album_max)
+        return chains.StoredFile(key=key, name=f.name, size=info.size_bytes, sha256=info.sha256 or "")
+
+    plan = checked.plan(upload=upload)
+    job_id = plan.job_id
     ids = chains.enqueue(r, plan, job_kind="send")
     if not wait:
         if as_json:
