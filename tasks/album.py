@@ -14,7 +14,7 @@ from redis import Redis
 from adapters.errors import CourierError, Permanent
 from adapters.platforms.base import FileRefused, FileSource, Kind, Platform, split_target
 from tasks import delivery, keys, parts, receipts, sendlock
-from tasks.messages import DeliverySpec, Extracted, JsonObject
+from tasks.messages import AlbumOutcome, DeliveryOutcome, DeliverySpec, Extracted
 from tasks.states import EXTRACTION_FAILED, DeliveryState
 from tasks.runtime import Context
 from tasks.text import fit_caption
@@ -31,7 +31,7 @@ class Album:
     items: list[DeliverySpec] = field(hash=False)
 
 
-def deliver_album(ctx: Context, group: Album) -> JsonObject:
+def deliver_album(ctx: Context, group: Album) -> AlbumOutcome:
     """Deliver a group of photos as one album.
 
     A sandbox file's item (its spec's `extract`) has its extraction's result in
@@ -47,13 +47,13 @@ def deliver_album(ctx: Context, group: Album) -> JsonObject:
                                     lambda session: _deliver_album_locked(ctx, group))
 
 
-def _deliver_album_locked(ctx: Context, group: Album) -> JsonObject:
+def _deliver_album_locked(ctx: Context, group: Album) -> AlbumOutcome:
     from tasks.extract import result_of
 
     r = ctx.redis
     items = group.items
     lead = items[0].delivery_id
-    results: dict[str, JsonObject] = {}
+    results: dict[str, DeliveryOutcome] = {}
     pending: list[tuple[DeliverySpec, receipts.Receipt]] = []
     recs = _receipts_of(r, items)
     # the caption goes with the group's first send: an earlier run that sent (or finally failed) one used it
@@ -68,7 +68,7 @@ def _deliver_album_locked(ctx: Context, group: Album) -> JsonObject:
         else:
             pending.append((spec, rec))
 
-    def summary() -> JsonObject:
+    def summary() -> AlbumOutcome:
         return {"album": lead, "deliveries": [results[s.delivery_id] for s in items if s.delivery_id in results]}
 
     if not pending:
@@ -127,7 +127,7 @@ def _receipts_of(r: Redis, items: list[DeliverySpec]) -> list[receipts.Receipt]:
 
 
 def _send_album(ctx: Context, platform: Platform, chat: str, lead: str,
-                album: list[tuple[DeliverySpec, FileSource]], caption: str | None) -> dict[str, JsonObject]:
+                album: list[tuple[DeliverySpec, FileSource]], caption: str | None) -> dict[str, DeliveryOutcome]:
     """Send photos as one album and record each item with its own message id."""
     r = ctx.redis
     part = f"{lead}#album"  # the album's part id: a re-run after it was sent does not send it again

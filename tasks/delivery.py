@@ -31,7 +31,7 @@ from adapters.errors import CourierError, DeliveryError, Permanent, RateLimited
 from adapters.platforms.base import FileRefused, FileSource, Kind, Platform, Sent, split_target
 from tasks import events, keys, ledger, metrics, parts, ratelimit, receipts, sendlock
 from storage import BlobStore
-from tasks.messages import DeliverySpec, Extracted, JsonObject
+from tasks.messages import DeliveryOutcome, DeliverySpec, Extracted
 from tasks.states import EXTRACTION_FAILED, DeliveryState
 from tasks.runtime import Context
 from tasks.text import fit_caption, human_bytes, split_text
@@ -47,7 +47,7 @@ def _event(ctx: Context, spec: DeliverySpec, pipe: Pipeline | None = None, **ev:
                    maxlen=ctx.events_maxlen, pipe=pipe)
 
 
-def record_failure(ctx: Context, spec: DeliverySpec, reason: str, kind: str | None = None) -> JsonObject:
+def record_failure(ctx: Context, spec: DeliverySpec, reason: str, kind: str | None = None) -> DeliveryOutcome:
     """A failed delivery's receipt and event; `kind`: what it was sent (or refused) as, when known."""
     pipe = ctx.redis.pipeline(transaction=False)
     receipts.update_delivery(pipe, spec.delivery_id, state=DeliveryState.FAILED, reason=reason, **({"kind": kind} if kind else {}))
@@ -55,7 +55,7 @@ def record_failure(ctx: Context, spec: DeliverySpec, reason: str, kind: str | No
            **({"media": kind} if kind else {}))
     pipe.execute()
     metrics.record_delivery(spec.delivery_id, spec.target, DeliveryState.FAILED, spec.type, reason=reason)
-    out = {"id": spec.delivery_id, "state": DeliveryState.FAILED, "reason": reason}
+    out: DeliveryOutcome = {"id": spec.delivery_id, "state": DeliveryState.FAILED, "reason": reason}
     if kind:
         out["kind"] = kind
     return out
@@ -77,7 +77,7 @@ def choose_kind(platform: Platform, name: str, size_bytes: int, *, voice: bool, 
 
 
 def deliver(ctx: Context, spec: DeliverySpec, extracted: Extracted | None = None, *,
-            held: sendlock.Held | None = None, end: Pipeline | None = None) -> JsonObject:
+            held: sendlock.Held | None = None, end: Pipeline | None = None) -> DeliveryOutcome:
     """Deliver one item (its `spec`: a text, or a stored file with its name,
     caption and how it goes). `extracted` is the result of the extraction
     before it (file items from a sandbox).
@@ -90,7 +90,7 @@ def deliver(ctx: Context, spec: DeliverySpec, extracted: Extracted | None = None
                                     count_attempt=True, held=held)
 
 
-def already_done(did: str, rec: receipts.Receipt) -> JsonObject | None:
+def already_done(did: str, rec: receipts.Receipt) -> DeliveryOutcome | None:
     state = rec.get("state")
     if state == DeliveryState.DELIVERED:
         return {"id": did, "state": DeliveryState.DELIVERED, "message_id": rec.get("message_id"), "skipped": True}
@@ -102,7 +102,7 @@ def already_done(did: str, rec: receipts.Receipt) -> JsonObject | None:
 
 
 def _deliver_locked(ctx: Context, spec: DeliverySpec, extracted: Extracted | None, session: sendlock.SendSession,
-                    end: Pipeline | None = None) -> JsonObject:
+                    end: Pipeline | None = None) -> DeliveryOutcome:
     platform_name, chat = split_target(spec.target)
     try:
         platform = ctx.platform(platform_name)
@@ -112,7 +112,7 @@ def _deliver_locked(ctx: Context, spec: DeliverySpec, extracted: Extracted | Non
 
 
 def deliver_item(ctx: Context, platform: Platform, chat: str, spec: DeliverySpec, extracted: Extracted | None,
-                  session: sendlock.SendSession | None = None, *, end: Pipeline | None = None) -> JsonObject:
+                  session: sendlock.SendSession | None = None, *, end: Pipeline | None = None) -> DeliveryOutcome:
     """One item to `chat` (its send lock held by the caller): a failed
     extraction recorded (with the too-large notice), else sent and recorded
     (on `end`, not executed, when given)."""
@@ -176,7 +176,7 @@ def with_extraction(spec: DeliverySpec, extracted: Extracted) -> DeliverySpec:
 
 
 def _extraction_failed(ctx: Context, platform: Platform, chat: str, spec: DeliverySpec, extracted: Extracted
-                       ) -> JsonObject:
+                       ) -> DeliveryOutcome:
     reason = extracted.reason or "extraction failed"
     if spec.tell:  # the reply's last file: one notice for every file of it that could not go
         tell_reply(ctx, platform, chat, spec)
@@ -264,7 +264,7 @@ def _tell_then(ctx: Context, guarded: parts.Guarded, chat: str, spec: DeliverySp
 
 
 def record_delivered(ctx: Context, spec: DeliverySpec, message_id: str, kind_name: str, size: int, attempts: int,
-                      pipe: Pipeline | None = None) -> JsonObject:
+                      pipe: Pipeline | None = None) -> DeliveryOutcome:
     """The receipt and the delivery event of a delivered item (queued on `pipe` when given)."""
     p = pipe if pipe is not None else ctx.redis.pipeline(transaction=False)
     later = _confirms_later(ctx, spec)

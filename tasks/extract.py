@@ -14,7 +14,7 @@ from adapters.errors import ControlInName, CourierError, SandboxError, SandboxSt
     UnsafePath, in_chat_words
 from adapters.sandboxes.base import SandboxRef, os_error
 from tasks import breaker, events, metrics, receipts, signing
-from tasks.messages import Extracted, ExtractSpec, JsonObject
+from tasks.messages import Extracted, ExtractionRun, ExtractSpec
 from tasks.reply import has_control
 from tasks.runtime import Context
 from tasks.states import EXTRACTION_FAILED, EXTRACTION_OK, DeliveryState
@@ -172,7 +172,7 @@ return {'run', spec}
 """
 
 
-def run(ctx: Context, did: str) -> JsonObject:
+def run(ctx: Context, did: str) -> ExtractionRun:
     """The extraction stage of delivery `did`, from the ledger alone: its
     spec is in the receipt. Holds the stage's lease while it works (a second
     message for it finds the lease and leaves); a transient failure backs
@@ -205,16 +205,15 @@ def run(ctx: Context, did: str) -> JsonObject:
         ledger.release(end, lease, token)
         end.execute()
         return {"delivery": did, "state": "refused"}
-    out: JsonObject = {"delivery": did, "target": delivery.target}
     if what in ("done", "busy"):
-        return {**out, "state": what}
+        return {"delivery": did, "target": delivery.target, "state": what}
     extraction = delivery.extract
     if extraction is None:  # courier publishes extractions of sandbox files only
         raise ValueError(f"delivery {did}: its spec names no file to extract")
     gate = breaker.gate(extraction.sandbox, io_timeout_s=ctx.sandbox_io_timeout_s,
                         max_s=ctx.sandbox_breaker_max_s)
     end = r.pipeline(transaction=False)  # what the stage ends with, in one round trip
-    ret = None
+    ret: ExtractionRun | None = None
     try:
         with ledger.renewing(r, lease, token, ledger.LEASE_TTL_S):
             try:
@@ -231,7 +230,8 @@ def run(ctx: Context, did: str) -> JsonObject:
                     delay = ledger.backoff_s(n, storage=isinstance(exc, StorageError)) if wait_s is None else wait_s
                     receipts.update_open_delivery(end, did, state=DeliveryState.RETRYING, reason=reason)
                     ledger.set_due(end, "extract", did, delay)
-                    ret = {**out, "state": DeliveryState.RETRYING, "wait_s": round(delay, 3)}
+                    ret = {"delivery": did, "target": delivery.target, "state": DeliveryState.RETRYING,
+                           "wait_s": round(delay, 3)}
                 else:
                     what = ("storage unavailable" if isinstance(exc, StorageError) else "sandbox unavailable"
                             if isinstance(exc, SandboxStalled) else f"gave up after {n} attempts")
@@ -250,7 +250,8 @@ def run(ctx: Context, did: str) -> JsonObject:
     # the result (a success's receipt), the due time (cleared, or the backoff's) and the lease released
     ledger.release(end, lease, token)
     end.execute()
-    done = ret or {**out, "state": DeliveryState.EXTRACTED if result.ok else DeliveryState.FAILED}
+    done: ExtractionRun = ret or {"delivery": did, "target": delivery.target,
+                                  "state": DeliveryState.EXTRACTED if result.ok else DeliveryState.FAILED}
     if gate.woke:  # a scout's answer closed its sandbox's breaker: what it postponed, for the task to publish
         done["wake"] = {"queue": breaker.queue_of(extraction.sandbox), "ids": gate.woke}
     return done

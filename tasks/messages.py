@@ -161,6 +161,46 @@ class DeliverySpec:
             raise ValueError(f"not a delivery spec: {type(exc).__name__}: {exc}") from None
 
 
+class DeliveryOutcome(TypedDict):
+    """What delivering one item returns (`tasks.delivery`): its id, the state its receipt
+    was left in and, as it went, the message id, what it went as, why it failed, or
+    `skipped`: it was over before this run (delivered, cancelled, failed for good)."""
+
+    id: str
+    state: str
+    message_id: NotRequired[str | None]
+    kind: NotRequired[str]
+    reason: NotRequired[str | None]
+    skipped: NotRequired[bool]
+
+
+class AlbumOutcome(TypedDict):
+    """What delivering an album step returns (`tasks.album`): its lead and each item's outcome."""
+
+    album: str
+    deliveries: list[DeliveryOutcome]
+
+
+class WakeUp(TypedDict):
+    """Extractions a sandbox's breaker postponed, handed on when it answered again: their queue and ids."""
+
+    queue: str
+    ids: list[str]
+
+
+class ExtractionRun(TypedDict):
+    """What the extraction stage returns (`tasks.extract.run`, the `extract_file` task): the delivery
+    and what the stage did (`extracted`, `failed`, `retrying` with `wait_s`, `done`, `busy`, `gone`,
+    `refused`); `wake`: extractions to publish again; `lane`: the drive of its lane that followed."""
+
+    delivery: str
+    state: str
+    target: NotRequired[str]
+    wait_s: NotRequired[float]
+    wake: NotRequired[WakeUp]
+    lane: NotRequired[JsonObject]
+
+
 @dataclass(frozen=True)
 class Extracted:
     """An extraction's result (`tasks.extract.extract`, or read back from the
