@@ -19,11 +19,13 @@ from rich.table import Table
 
 from adapters.errors import ConfigError, CourierError, StorageError
 from storage import prefixes
+from tasks.states import DeliveryState, JobState
 from workers.console import (
     EXIT_FAILED,
     EXIT_INPUT,
     EXIT_SERVICE,
     EXIT_TIMEOUT,
+    STATE_COLORS,
     cell,
     deliveries_table,
     die,
@@ -231,7 +233,7 @@ def _upload(store, key: str, p: Path):
 
 
 def _finish(job_id: str, rows: list[dict], done: bool, as_json: bool) -> None:
-    failed = [row for row in rows if row.get("state") == "failed"]
+    failed = [row for row in rows if row.get("state") == DeliveryState.FAILED]
     if as_json:
         print(json.dumps({"job": job_id, "done": done, "deliveries": rows}))
     else:
@@ -390,7 +392,7 @@ def status(
             out.print(line, highlight=False, markup=False)
             out.print(f"events: /turns/{ident}/events?token={token}", highlight=False, markup=False)
             out.print(deliveries_table(ident, rows))
-        if any(row.get("state") == "failed" for row in rows) or job.get("state") == "error":
+        if any(row.get("state") == DeliveryState.FAILED for row in rows) or job.get("state") == JobState.ERROR:
             raise typer.Exit(EXIT_FAILED)
         return
     rec = receipts.get_delivery(r, ident)
@@ -402,7 +404,7 @@ def status(
         print(json.dumps(shown(rec)))
     else:
         out.print(deliveries_table(rec.get("job", ""), [rec]))
-    if rec.get("state") == "failed":
+    if rec.get("state") == DeliveryState.FAILED:
         raise typer.Exit(EXIT_FAILED)
 
 
@@ -447,13 +449,13 @@ def deliveries(
         t.add_column(col, overflow="fold")
     for row in rows:
         state = row.get("state") or ""
-        color = {"delivered": "green", "failed": "red"}.get(state, "yellow")
+        color = STATE_COLORS.get(state, "yellow")
         queued = row.get("queued_s") or row.get("created_s")
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(float(queued))) if queued else ""
         t.add_row(*(cell(v or "") for v in (
             row.get("id"), row.get("target"), row.get("kind"), row.get("name"), row.get("size_bytes"),
             row.get("attempts"))), cell(state, color),
-            cell((row.get("message_id") if state == "delivered" else row.get("reason")) or ""), cell(when))
+            cell((row.get("message_id") if state == DeliveryState.DELIVERED else row.get("reason")) or ""), cell(when))
     out.print(t)
 
 
@@ -567,7 +569,7 @@ def retry(
             if rec.get("state") not in operations.RETRYABLE:
                 st = rec.get("state", "")
                 why = ("already delivered" + (f" (message id {rec['message_id']})" if rec.get("message_id") else "")
-                       if st == "delivered" else f"not failed: it is {st}")
+                       if st == DeliveryState.DELIVERED else f"not failed: it is {st}")
                 problems.append({"id": rec["id"], "outcome": "refused", "state": st, "reason": why})
             elif rec["id"] not in {x["id"] for x in recs}:
                 recs.append(rec)
@@ -612,7 +614,7 @@ def retry(
         out.print(deliveries_table("retried deliveries", rows))
     if not finished:
         raise die("timed out waiting for the retried deliveries; see `courier status ID`", EXIT_TIMEOUT)
-    if refused or any(row.get("state") != "delivered" for row in rows):
+    if refused or any(row.get("state") != DeliveryState.DELIVERED for row in rows):
         raise typer.Exit(EXIT_FAILED)
 
 
@@ -860,12 +862,12 @@ def send_state(rows: list[dict]) -> str:
 
     states = [row.get("state") for row in rows]
     if states and all(st in receipts.TERMINAL for st in states):
-        if "failed" in states:
-            return "failed"
-        return "delivered" if "delivered" in states else "cancelled"
-    if any(st not in ("queued", None) for st in states):
-        return "sending"
-    return "queued"
+        if DeliveryState.FAILED in states:
+            return DeliveryState.FAILED
+        return DeliveryState.DELIVERED if DeliveryState.DELIVERED in states else DeliveryState.CANCELLED
+    if any(st not in (DeliveryState.QUEUED, None) for st in states):
+        return DeliveryState.SENDING
+    return DeliveryState.QUEUED
 
 
 # -- demo --------------------------------------------------------------------------
