@@ -115,7 +115,8 @@ class TurnActivity:
         if self._ended:
             return
         kind = ev.get("kind")
-        if kind == "delivery" or (kind == "status" and ev.get("status") in ("completed", JobState.ERROR, JobState.NO_REPLY)):
+        if kind == "delivery" or (kind == "status"
+                                  and ev.get("status") in ("completed", JobState.ERROR, JobState.NO_REPLY)):
             self._ended = True
             self.stop()
             return

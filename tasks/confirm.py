@@ -91,6 +91,7 @@ def apply(r: Redis, statuses: list[Status], *, events_maxlen: int = 1000) -> lis
             ev = {"kind": "delivery", "delivery_id": did, "state": state, "confirmed": s.status}
             if what == "failed":
                 ev["reason"] = reason
-                metrics.record_delivery(did, f"{s.platform}:", DeliveryState.FAILED, rec.get("type") or "file", reason=reason)
+                metrics.record_delivery(did, f"{s.platform}:", DeliveryState.FAILED, rec.get("type") or "file",
+                                        reason=reason)
             events.publish(r, job, ev, maxlen=events_maxlen)
     return out

@@ -50,7 +50,8 @@ def _event(ctx: Context, spec: DeliverySpec, pipe: Pipeline | None = None, **ev:
 def record_failure(ctx: Context, spec: DeliverySpec, reason: str, kind: str | None = None) -> DeliveryOutcome:
     """A failed delivery's receipt and event; `kind`: what it was sent (or refused) as, when known."""
     pipe = ctx.redis.pipeline(transaction=False)
-    receipts.update_delivery(pipe, spec.delivery_id, state=DeliveryState.FAILED, reason=reason, **({"kind": kind} if kind else {}))
+    receipts.update_delivery(pipe, spec.delivery_id, state=DeliveryState.FAILED, reason=reason,
+                             **({"kind": kind} if kind else {}))
     _event(ctx, spec, pipe=pipe, state=DeliveryState.FAILED, reason=reason, name=spec.name,
            **({"media": kind} if kind else {}))
     pipe.execute()
@@ -489,7 +490,7 @@ def _sha256_of(store: BlobStore, key: str) -> str:
     return digest.hexdigest()
 
 
-def _notice_too_large(ctx: Context, platform: Platform, chat: str, spec: DeliverySpec, name: str, size: Any, limit: Any,
+def _notice_too_large(ctx: Context, platform: Platform, chat: str, spec: DeliverySpec, name: str, size: int, limit: int,
                       *, key: str | None) -> str:
     name = visible(name)
     size_s = human_bytes(int(size)) if size else "unknown size"

@@ -517,7 +517,8 @@ def _run_step(ctx: Context, step: Step, held: sendlock.Held | None = None, end: 
     except RateLimited as exc:
         n = int(r.hincrby(keys.delivery(step.lead), "rate_limited", 1))
         metrics.record_rate_limited(target)
-        _mark_open(ctx, step, state=DeliveryState.RATE_LIMITED, reason=f"rate limited, retry after {exc.retry_after_s:g}s")
+        _mark_open(ctx, step, state=DeliveryState.RATE_LIMITED,
+                   reason=f"rate limited, retry after {exc.retry_after_s:g}s")
         if n > MAX_RATE_LIMITS:
             _give_up(ctx, step, f"gave up after {n - 1} rate limits from {target.split(':')[0]}")
             return None

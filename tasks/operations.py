@@ -102,8 +102,8 @@ def retry(r: Redis, rec: receipts.Receipt) -> dict[str, str]:
         out["extract"] = rec.get("queue") or "sandbox"
         out["source"] = spec.extract.path if spec.extract is not None else ""
     ledger.set_due(p, "lane", target, 10.0)
-    events.publish(r, spec.job_id, {"kind": "delivery", "delivery_id": did, "state": DeliveryState.QUEUED, "retry": True},
-                   pipe=p)
+    events.publish(r, spec.job_id,
+                   {"kind": "delivery", "delivery_id": did, "state": DeliveryState.QUEUED, "retry": True}, pipe=p)
     p.execute()
     return out
 
@@ -118,8 +118,8 @@ def cancel_delivery(r: Redis, rec: receipts.Receipt) -> dict[str, str]:
         p = r.pipeline(transaction=False)
         ledger.clear_due(p, "extract", did)
         events.publish(r, rec.get("job") or did.rsplit(".", 1)[0],
-                       {"kind": "delivery", "delivery_id": did, "state": DeliveryState.CANCELLED, "reason": CANCEL_REASON,
-                        "name": rec.get("name")}, pipe=p)
+                       {"kind": "delivery", "delivery_id": did, "state": DeliveryState.CANCELLED,
+                        "reason": CANCEL_REASON, "name": rec.get("name")}, pipe=p)
         p.execute()
     return {"id": did, "outcome": what, "state": DeliveryState.CANCELLED if what == "cancelled" else was}
 

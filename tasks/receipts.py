@@ -80,7 +80,8 @@ def add_delivery(r: Redis, job_id: str, delivery_id: str, *, lane: str | None = 
     """Register a delivery as queued (idempotent: an existing receipt is kept),
     appending it to the chat lane `lane` (a target) when given. `r` may be a
     pipeline (one round trip for a whole plan)."""
-    fields = {"id": delivery_id, "job": job_id, "state": DeliveryState.QUEUED, "attempts": "0", "queued_s": f"{time.time():.3f}"}
+    fields = {"id": delivery_id, "job": job_id, "state": DeliveryState.QUEUED, "attempts": "0",
+              "queued_s": f"{time.time():.3f}"}
     fields.update({kk: _text(v) for kk, v in meta.items() if v is not None})
     flat = [x for kv in fields.items() for x in kv]
     r.eval(_ADD, 3, keys.delivery(delivery_id), keys.job_deliveries(job_id), keys.lane(lane or ""), RETENTION_S,

@@ -80,8 +80,8 @@ def tick(ctx: Context, *, now: float | None = None) -> dict[str, int]:
         out["lanes"] += 1
     for did in _unleased_overdue(r, "extract", now):
         rec = receipts.get_delivery(r, did)
-        if rec is None or rec.get("extraction") in (EXTRACTION_OK, EXTRACTION_FAILED) or rec.get("state") in receipts.TERMINAL \
-                or not rec.get("queue"):
+        if rec is None or rec.get("extraction") in (EXTRACTION_OK, EXTRACTION_FAILED) \
+                or rec.get("state") in receipts.TERMINAL or not rec.get("queue"):
             ledger.clear_due(r, "extract", did)
             target = _target_of(rec) if rec is not None and rec.get("spec") else ""
             if target:
