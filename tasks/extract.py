@@ -130,6 +130,10 @@ def record_failure(r: Redis, did: str, result: Extracted) -> Extracted:
     return result
 
 
+def _int_or_none(value: str | None) -> int | None:
+    return int(value) if value else None
+
+
 def result_of(rec: receipts.Receipt, key: str) -> Extracted | None:
     """An extraction's result as `extract` returned it, read back from the
     receipt (None: not recorded)."""
@@ -145,10 +149,6 @@ def result_of(rec: receipts.Receipt, key: str) -> Extracted | None:
                          too_large=too_large, size=_int_or_none(rec.get("size_bytes")) if too_large else None,
                          limit=_int_or_none(rec.get("limit_bytes")) if too_large else None)
     return None
-
-
-def _int_or_none(value: str | None) -> int | None:
-    return int(value) if value else None
 
 
 #: the start of an extraction, in one round trip. KEYS: the receipt, the stage's lease, the
