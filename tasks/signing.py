@@ -160,9 +160,15 @@ def seal_delivery(spec: DeliverySpec) -> str:
 
 
 def open_delivery(did: str, sealed: str | bytes) -> DeliverySpec:
-    """Delivery `did`'s spec, verified (Forged, logged and counted, when it does not) and read
-    (ValueError: it verified but is no delivery spec)."""
-    return DeliverySpec.from_json(open_json("delivery", did, sealed))
+    """Delivery `did`'s spec, verified (Forged, logged and counted, when it does not) and read.
+    One that verifies but is no delivery spec (no release of courier writes one) is refused
+    the same way, as Forged (not counted as a forgery): it is never acted on, its receipt says why."""
+    obj = open_json("delivery", did, sealed)
+    try:
+        return DeliverySpec.from_json(obj)
+    except ValueError as exc:
+        log.warning("delivery %s: its spec is unreadable (%s)", did, exc)
+        raise Forged(f"delivery {did}: {exc}") from None
 
 
 def refused(what: str, exc: Exception) -> None:

@@ -292,3 +292,16 @@ def test_a_delivery_queued_by_the_code_before_the_typed_spec_is_extracted_and_se
     assert counted.drive("memory:rt-old") == {"lane": "memory:rt-old", "state": "empty", "sent": 1}
     assert counted.platform.sent == [("rt-old", "document", "f0.bin", None)]
     assert (receipts.get_delivery(counted.r, did) or {})["state"] == "delivered"
+
+
+def test_a_signed_spec_that_is_no_delivery_spec_is_refused_not_retried(counted):
+    """A receipt whose spec verifies but cannot be read as a delivery spec (no release writes one):
+    neither stage acts on it or fails over and over; the receipt says why, the lane moves on."""
+    from tasks import signing
+
+    (did,) = counted.plan("memory:rt-bad", 1)
+    counted.r.hset(keys.delivery(did), "spec", signing.seal_json("delivery", did, {"id": did, "type": "file"}))
+    assert counted.extract(did)["state"] == "refused"
+    assert counted.drive("memory:rt-bad") == {"lane": "memory:rt-bad", "state": "empty", "sent": 0}
+    rec = receipts.get_delivery(counted.r, did) or {}
+    assert rec["state"] == "failed" and rec["reason"].startswith("refused:") and counted.platform.sent == []
