@@ -27,6 +27,7 @@ from adapters.platforms.base import Platform, split_target
 from tasks import keys
 from tasks.events import Event, describe
 from tasks.runtime import Context
+from tasks.states import JobState
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,8 @@ class TurnActivity:
         if self._ended:
             return
         kind = ev.get("kind")
-        if kind == "delivery" or (kind == "status" and ev.get("status") in ("completed", "error", "no_reply")):
+        if kind == "delivery" or (kind == "status"
+                                  and ev.get("status") in ("completed", JobState.ERROR, JobState.NO_REPLY)):
             self._ended = True
             self.stop()
             return

@@ -22,8 +22,9 @@ from tasks import extract as extract_mod
 from tasks import ledger, metrics, runtime, task_names
 from tasks import turn as turn_mod
 from tasks.events import Event, describe
-from tasks.messages import JsonObject, SendResult, TurnResult, TurnSpec
+from tasks.messages import ExtractionRun, JsonObject, SendResult, TurnResult, TurnSpec
 from tasks.reconcile import Stage
+from tasks.states import DeliveryState
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ def serves_delivery() -> bool:
 
 
 @_task(name=task_names.EXTRACT_FILE, acks_late=True, reject_on_worker_lost=True, throws=(DeliveryFailed,))
-def extract_file(delivery_id: str) -> JsonObject:
+def extract_file(delivery_id: str) -> ExtractionRun:
     """Extract one sandbox file (its spec is in the ledger), then drive its chat's lane:
     here, when this worker serves the delivery queue too (`serves_delivery`), else by a
     `drive_lane` message (chains.wake_lane)."""
@@ -127,9 +128,10 @@ def extract_file(delivery_id: str) -> JsonObject:
     inline = serves_delivery()
     out = extract_mod.run(ctx, delivery_id)
     wake = out.pop("wake", None)
-    for did in wake["ids"] if wake else ():  # its sandbox answers again: what its breaker postponed goes now
-        chains.publish_extract(did, wake["queue"])
-    if out["state"] in ("extracted", "failed", "done"):
+    if wake is not None:  # its sandbox answers again: what its breaker postponed goes now
+        for did in wake["ids"]:
+            chains.publish_extract(did, wake["queue"])
+    if out["state"] in (DeliveryState.EXTRACTED, DeliveryState.FAILED, "done"):
         if not inline:
             chains.wake_lane(ctx.redis, out["target"])
             return out

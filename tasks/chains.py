@@ -41,7 +41,7 @@ from adapters.platforms.base import split_target
 from adapters.sandboxes.base import SandboxRef
 from storage import prefixes
 from tasks import keys, ledger, receipts, scripts, signing, task_names
-from tasks.messages import Attachment, JsonObject, TurnSpec
+from tasks.messages import Attachment, DeliverySpec, ExtractSpec, TurnSpec
 
 if TYPE_CHECKING:
     from celery import Signature
@@ -142,8 +142,8 @@ class _Entry:
     """One delivery as the ledger keeps it: its receipt fields and what it takes to run it."""
 
     did: str
-    fields: JsonObject
-    spec: JsonObject
+    fields: dict[str, str | int]
+    spec: DeliverySpec
     lane: bool = True  # a step of its own in the lane (album members after the first: no)
     queue: str | None = None  # extraction queue of a sandbox file
 
@@ -158,31 +158,29 @@ def entries(plan: Plan) -> list[_Entry]:
         d = delivery_id(plan.job_id, seq)
         out.append(_Entry(d, {"type": "text", "platform": platform, "kind": "text",
                               "size_bytes": len(plan.text.encode())},
-                          {"id": d, "job": plan.job_id, "target": plan.target, "type": "text", "text": plan.text}))
+                          DeliverySpec(delivery_id=d, job_id=plan.job_id, target=plan.target, type="text",
+                                       text=plan.text)))
         seq += 1
     first_seq = seq
     groups = {j: g for g in album_groups(plan) for j in g}
     for i, f in enumerate(plan.files):
         d = delivery_id(plan.job_id, first_seq + i)
-        job: dict[str, Any] = {"id": d, "job": plan.job_id, "target": plan.target, "type": "file",
-               "voice": plan.voice, "as_document": plan.as_document}
-        fields: dict[str, Any] = {"type": "file", "platform": platform, "name": _name(f)}
+        spec = DeliverySpec(delivery_id=d, job_id=plan.job_id, target=plan.target, type="file",
+                            voice=plan.voice, as_document=plan.as_document,
+                            caption=plan.caption if i == 0 and plan.caption else None)
+        fields: dict[str, str | int] = {"type": "file", "platform": platform, "name": _name(f)}
         queue = None
         if isinstance(f, StoredFile):
-            job.update(key=f.key, name=f.name, size=f.size, sha256=f.sha256)
+            spec = replace(spec, key=f.key, name=f.name, size=f.size, sha256=f.sha256)
             fields.update(size_bytes=f.size, sha256=f.sha256)
         else:
             key = storage_key(plan.job_id, first_seq + i, f.path)
-            job.update(key=key, name=_name(f))
-            job["extract"] = {"sandbox": f.ref.to_dict(), "path": f.path, "key": key}
-            if plan.max_bytes:
-                job["extract"]["max_bytes"] = plan.max_bytes
+            spec = replace(spec, key=key, name=_name(f), extract=ExtractSpec(
+                sandbox=f.ref.to_dict(), path=f.path, key=key, max_bytes=plan.max_bytes or None))
             fields["source"] = f.path
             queue = sandbox_queue(f.ref)
         group = groups.get(i)
-        if i == 0 and plan.caption:
-            job["caption"] = plan.caption
-        entry = _Entry(d, fields, job, queue=queue)
+        entry = _Entry(d, fields, spec, queue=queue)
         if group is not None:
             lead = delivery_id(plan.job_id, first_seq + group[0])
             fields["step"] = lead
@@ -190,11 +188,11 @@ def entries(plan: Plan) -> list[_Entry]:
             if entry.lane:
                 fields["album"] = json.dumps([delivery_id(plan.job_id, first_seq + j) for j in group])
         out.append(entry)
-    files = [e for e in out if e.spec["type"] == "file"]
+    files = [e for e in out if e.spec.type == "file"]
     if plan.tell_unsent and files:
-        files[-1].spec["tell"] = [e.did for e in files]
+        files[-1].spec = replace(files[-1].spec, tell=tuple(e.did for e in files))
         for e in files[:-1]:
-            e.spec["told_by"] = files[-1].did
+            e.spec = replace(e.spec, told_by=files[-1].did)
     return out
 
 
@@ -209,7 +207,7 @@ def register(r: Redis, plan: Plan, *, job_kind: str | None = None) -> list[_Entr
     if job_kind is not None:
         receipts.create_job(r, plan.job_id, kind=job_kind, target=plan.target, pipe=p)
     for e in items:
-        receipts.add_delivery(p, plan.job_id, e.did, spec=signing.seal_json("delivery", e.did, e.spec),
+        receipts.add_delivery(p, plan.job_id, e.did, spec=signing.seal_delivery(e.spec),
                               queue=e.queue, lane=plan.target if e.lane else None, **e.fields)
     if items:
         ledger.set_due(p, "lane", plan.target, LANE_GRACE_S)
@@ -316,9 +314,9 @@ def enqueue(r: Redis, plan: Plan, *, job_kind: str | None = None) -> list[str]:
     items = register(r, capped(plan), job_kind=job_kind)
     for e in items:
         if e.queue is not None:
-            extract = e.spec["extract"]
-            _published(plan.job_id, publish_extract, e.did, e.queue,
-                       f"{extract['sandbox'].get('kind', '')}:{extract['path']}")
+            extract = e.spec.extract
+            what = f"{extract.sandbox.get('kind', '')}:{extract.path}" if extract is not None else ""
+            _published(plan.job_id, publish_extract, e.did, e.queue, what)
     if any(e.queue is None for e in items):
         # something is ready to go now; steps that wait for an extraction are
         # driven by the extraction's end (and by the lane's due time)

@@ -70,11 +70,11 @@ def apply(r: Redis, statuses: list[Status], *, events_maxlen: int = 1000) -> lis
         if what in ("failed", "confirmed"):
             rec = receipts.get_delivery(r, did) or {}
             job = rec.get("job") or did.rsplit(".", 1)[0]
-            ev = {"kind": "delivery", "delivery_id": did, "state": "failed" if what == "failed" else "delivered",
-                  "confirmed": s.status}
+            state = DeliveryState.FAILED if what == "failed" else DeliveryState.DELIVERED
+            ev = {"kind": "delivery", "delivery_id": did, "state": state, "confirmed": s.status}
             if what == "failed":
                 ev["reason"] = reason
-                metrics.record_delivery({"id": did, "target": f"{s.platform}:", "type": rec.get("type") or "file"},
-                                        "failed", reason=reason)
+                metrics.record_delivery(did, f"{s.platform}:", DeliveryState.FAILED, rec.get("type") or "file",
+                                        reason=reason)
             events.publish(r, job, ev, maxlen=events_maxlen)
     return out

@@ -32,7 +32,8 @@ from adapters.errors import CourierError, DeliveryError, Permanent, RateLimited
 from adapters.platforms.base import FileRefused, FileSource, Kind, Platform, Sent, split_target
 from tasks import events, keys, ledger, metrics, parts, ratelimit, receipts, sendlock
 from storage import BlobStore
-from tasks.messages import JsonObject
+from tasks.messages import DeliveryOutcome, DeliverySpec, Extracted
+from tasks.states import EXTRACTION_FAILED, EXTRACTION_OK, DeliveryState
 from tasks.runtime import Context
 from tasks.text import fit_caption, human_bytes, split_text
 
@@ -42,37 +43,42 @@ log = logging.getLogger(__name__)
 FILE_ID_TTL_S = 30 * 24 * 3600
 
 
-def result_of(rec: receipts.Receipt, key: str) -> JsonObject | None:
+def _int_or_none(value: str | None) -> int | None:
+    return int(value) if value else None
+
+
+def result_of(rec: receipts.Receipt, key: str) -> Extracted | None:
     """An extraction's result as `extract` returned it, read back from the
     receipt (None: not recorded)."""
     name = rec.get("name") or posixpath.basename(key)
-    if rec.get("extraction") == "ok":
-        return {"ok": True, "key": key, "name": name, "size": int(rec.get("size_bytes") or 0),
-                "sha256": rec.get("sha256") or ""}
-    if rec.get("extraction") == "failed":
-        out: JsonObject = {"ok": False, "reason": rec.get("reason") or "extraction failed", "name": name}
-        if rec.get("notify"):  # the chat's words ("1": a receipt from before they were kept)
-            out["notify"] = rec["notify"] if rec["notify"] != "1" else CourierError.chat_words
-        if rec.get("too_large") == "1":
-            out.update(too_large=True, size=rec.get("size_bytes") or None, limit=rec.get("limit_bytes") or None)
-        return out
+    if rec.get("extraction") == EXTRACTION_OK:
+        return Extracted(ok=True, key=key, name=name, size=int(rec.get("size_bytes") or 0),
+                         sha256=rec.get("sha256") or "")
+    if rec.get("extraction") == EXTRACTION_FAILED:
+        notify = rec.get("notify")  # the chat's words ("1": a receipt from before they were kept)
+        too_large = rec.get("too_large") == "1"
+        return Extracted(ok=False, reason=rec.get("reason") or "extraction failed", name=name,
+                         notify=(notify if notify != "1" else CourierError.chat_words) if notify else None,
+                         too_large=too_large, size=_int_or_none(rec.get("size_bytes")) if too_large else None,
+                         limit=_int_or_none(rec.get("limit_bytes")) if too_large else None)
     return None
 
 
-def _event(ctx: Context, job: JsonObject, pipe: Pipeline | None = None, **ev: Any) -> None:
-    events.publish(ctx.redis, job["job"], {"kind": "delivery", "delivery_id": job["id"], **ev},
+def _event(ctx: Context, spec: DeliverySpec, pipe: Pipeline | None = None, **ev: Any) -> None:
+    events.publish(ctx.redis, spec.job_id, {"kind": "delivery", "delivery_id": spec.delivery_id, **ev},
                    maxlen=ctx.events_maxlen, pipe=pipe)
 
 
-def record_failure(ctx: Context, job: JsonObject, reason: str, kind: str | None = None) -> JsonObject:
+def record_failure(ctx: Context, spec: DeliverySpec, reason: str, kind: str | None = None) -> DeliveryOutcome:
     """A failed delivery's receipt and event; `kind`: what it was sent (or refused) as, when known."""
     pipe = ctx.redis.pipeline(transaction=False)
-    receipts.update_delivery(pipe, job["id"], state="failed", reason=reason, **({"kind": kind} if kind else {}))
-    _event(ctx, job, pipe=pipe, state="failed", reason=reason, name=job.get("name"),
+    receipts.update_delivery(pipe, spec.delivery_id, state=DeliveryState.FAILED, reason=reason,
+                             **({"kind": kind} if kind else {}))
+    _event(ctx, spec, pipe=pipe, state=DeliveryState.FAILED, reason=reason, name=spec.name,
            **({"media": kind} if kind else {}))
     pipe.execute()
-    metrics.record_delivery(job, "failed", reason=reason)
-    out = {"id": job["id"], "state": "failed", "reason": reason}
+    metrics.record_delivery(spec.delivery_id, spec.target, DeliveryState.FAILED, spec.type, reason=reason)
+    out: DeliveryOutcome = {"id": spec.delivery_id, "state": DeliveryState.FAILED, "reason": reason}
     if kind:
         out["kind"] = kind
     return out
@@ -93,83 +99,84 @@ def choose_kind(platform: Platform, name: str, size_bytes: int, *, voice: bool, 
     return kind
 
 
-def deliver(ctx: Context, job: JsonObject, extracted: JsonObject | None = None, *,
-            held: sendlock.Held | None = None, end: Pipeline | None = None) -> JsonObject:
-    """Deliver one item. `job` holds: id, job, target, type ('text'|'file'),
-    and text | (key, name, caption, voice, as_document). `extracted` is the
-    result of the extraction before it in the chain (file items from a sandbox).
+def deliver(ctx: Context, spec: DeliverySpec, extracted: Extracted | None = None, *,
+            held: sendlock.Held | None = None, end: Pipeline | None = None) -> DeliveryOutcome:
+    """Deliver one item (its `spec`: a text, or a stored file with its name,
+    caption and how it goes). `extracted` is the result of the extraction
+    before it (file items from a sandbox).
     `held`: its send lock already taken by the caller (`sendlock.Held`); `end`:
     a pipeline the delivered record (and the lock's release) is queued on, for
     the caller to execute with what it does next (one round trip)."""
-    did = job["id"]
+    did = spec.delivery_id
     return sendlock.under_send_lock(ctx, did, lambda rec: already_done(did, rec),
-                                    lambda session: _deliver_locked(ctx, job, extracted, session, end),
+                                    lambda session: _deliver_locked(ctx, spec, extracted, session, end),
                                     count_attempt=True, held=held)
 
 
-def already_done(did: str, rec: JsonObject) -> JsonObject | None:
-    if rec.get("state") == "delivered":
-        return {"id": did, "state": "delivered", "message_id": rec.get("message_id"), "skipped": True}
-    if rec.get("state") == "cancelled":
-        return {"id": did, "state": "cancelled", "reason": rec.get("reason"), "skipped": True}
-    if rec.get("state") == "failed" and rec.get("final") == "1":
-        return {"id": did, "state": "failed", "reason": rec.get("reason"), "skipped": True}
+def already_done(did: str, rec: receipts.Receipt) -> DeliveryOutcome | None:
+    state = rec.get("state")
+    if state == DeliveryState.DELIVERED:
+        return {"id": did, "state": DeliveryState.DELIVERED, "message_id": rec.get("message_id"), "skipped": True}
+    if state == DeliveryState.CANCELLED:
+        return {"id": did, "state": DeliveryState.CANCELLED, "reason": rec.get("reason"), "skipped": True}
+    if state == DeliveryState.FAILED and rec.get("final") == "1":
+        return {"id": did, "state": DeliveryState.FAILED, "reason": rec.get("reason"), "skipped": True}
     return None
 
 
-def _deliver_locked(ctx: Context, job: JsonObject, extracted: JsonObject | None, session: sendlock.SendSession,
-                    end: Pipeline | None = None) -> JsonObject:
-    platform_name, chat = split_target(job["target"])
+def _deliver_locked(ctx: Context, spec: DeliverySpec, extracted: Extracted | None, session: sendlock.SendSession,
+                    end: Pipeline | None = None) -> DeliveryOutcome:
+    platform_name, chat = split_target(spec.target)
     try:
         platform = ctx.platform(platform_name)
     except CourierError as exc:
-        return record_failure(ctx, job, exc.reason)
-    return deliver_item(ctx, platform, chat, job, extracted, session, end=end)
+        return record_failure(ctx, spec, exc.reason)
+    return deliver_item(ctx, platform, chat, spec, extracted, session, end=end)
 
 
-def deliver_item(ctx: Context, platform: Platform, chat: str, job: JsonObject, extracted: JsonObject | None,
-                  session: sendlock.SendSession | None = None, *, end: Pipeline | None = None) -> JsonObject:
+def deliver_item(ctx: Context, platform: Platform, chat: str, spec: DeliverySpec, extracted: Extracted | None,
+                  session: sendlock.SendSession | None = None, *, end: Pipeline | None = None) -> DeliveryOutcome:
     """One item to `chat` (its send lock held by the caller): a failed
     extraction recorded (with the too-large notice), else sent and recorded
     (on `end`, not executed, when given)."""
     r = ctx.redis
-    did = job["id"]
+    did = spec.delivery_id
     # every send below takes a shared rate-limit slot first, and each part is sent once
     platform = guarded = parts.guard(r, platform, did, defer=True,
                                          first_attempt=session is not None and session.fresh)
 
-    if extracted is not None and not extracted.get("ok", False):
+    if extracted is not None and not extracted.ok:
         try:
-            return _extraction_failed(ctx, platform, chat, job, extracted)
+            return _extraction_failed(ctx, platform, chat, spec, extracted)
         finally:
             guarded.flush()
-    if extracted:
-        job = with_extraction(job, extracted)
+    if extracted is not None:
+        spec = with_extraction(spec, extracted)
 
     if session is not None and session.attempts:
         attempts = session.attempts  # counted when the lock was taken
     else:
-        attempts = receipts.start_attempt(r, did, state="sending", platform=platform.name)
+        attempts = receipts.start_attempt(r, did, state=DeliveryState.SENDING, platform=platform.name)
     try:
-        if job.get("type") == "text":
-            sent = _send_text(platform, chat, job.get("text") or "", did)
-            kind_name, size = Kind.TEXT.value, len((job.get("text") or "").encode())
+        if spec.is_text:
+            sent = _send_text(platform, chat, spec.text or "", did)
+            kind_name, size = Kind.TEXT.value, len((spec.text or "").encode())
         else:
-            sent, kind_name, size = _send_file(ctx, guarded, chat, job,
+            sent, kind_name, size = _send_file(ctx, guarded, chat, spec,
                                                fresh=session is not None and session.fresh)
-            if job.get("tell"):  # the reply's last file: the notice of its files that could not go
-                tell_reply(ctx, guarded, chat, job)
+            if spec.tell:  # the reply's last file: the notice of its files that could not go
+                tell_reply(ctx, guarded, chat, spec)
     except Permanent as exc:
-        _tell_then(ctx, guarded, chat, job)
+        _tell_then(ctx, guarded, chat, spec)
         guarded.flush()
         receipts.update_delivery(r, did, final="1")
-        kind = Kind.TEXT.value if job.get("type") == "text" else getattr(exc, "kind", None)
-        return record_failure(ctx, job, exc.reason, kind=kind)
+        kind = Kind.TEXT.value if spec.is_text else getattr(exc, "kind", None)
+        return record_failure(ctx, spec, exc.reason, kind=kind)
     except _Refused as notice:
-        _tell_then(ctx, guarded, chat, job)
+        _tell_then(ctx, guarded, chat, spec)
         guarded.flush()
         receipts.update_delivery(r, did, final="1")
-        return record_failure(ctx, job, notice.reason, kind=notice.kind)
+        return record_failure(ctx, spec, notice.reason, kind=notice.kind)
     except ratelimit.Paced:
         guarded.flush()  # parts already sent stay recorded for the retry
         r.hincrby(keys.delivery(did), "attempts", -1)  # courier's own pacing: this try never reached the platform
@@ -179,7 +186,7 @@ def deliver_item(ctx: Context, platform: Platform, chat: str, job: JsonObject, e
         raise
     pipe = end if end is not None else r.pipeline(transaction=False)
     guarded.flush(pipe, covered=did)  # the receipt below says it was sent
-    out = record_delivered(ctx, job, sent.message_id, kind_name, size, attempts, pipe=pipe)
+    out = record_delivered(ctx, spec, sent.message_id, kind_name, size, attempts, pipe=pipe)
     if session is not None:
         session.release(pipe)  # after the record: the lock never frees before the receipt says delivered
     if end is None:
@@ -187,41 +194,39 @@ def deliver_item(ctx: Context, platform: Platform, chat: str, job: JsonObject, e
     return out
 
 
-def with_extraction(job: JsonObject, extracted: JsonObject) -> JsonObject:
-    return {**job, **{k: extracted[k] for k in ("key", "name", "size", "sha256") if k in extracted}}
+def with_extraction(spec: DeliverySpec, extracted: Extracted) -> DeliverySpec:
+    return spec.with_extraction(extracted)
 
 
-def _extraction_failed(ctx: Context, platform: Platform, chat: str, job: JsonObject, extracted: JsonObject
-                       ) -> JsonObject:
-    reason = extracted.get("reason") or "extraction failed"
-    if job.get("tell"):  # the reply's last file: one notice for every file of it that could not go
-        tell_reply(ctx, platform, chat, job)
-    elif (extracted.get("too_large") or extracted.get("notify")) and not job.get("told_by"):
+def _extraction_failed(ctx: Context, platform: Platform, chat: str, spec: DeliverySpec, extracted: Extracted
+                       ) -> DeliveryOutcome:
+    reason = extracted.reason or "extraction failed"
+    if spec.tell:  # the reply's last file: one notice for every file of it that could not go
+        tell_reply(ctx, platform, chat, spec)
+    elif (extracted.too_large or extracted.notify) and not spec.told_by:
         # (a reply's earlier file: named in the notice its last file sends, after the files that went)
-        _notice(ctx, platform, chat, job, unsent_notice([_unsent_item(
-            extracted.get("name") or job.get("name") or "file", extracted)]), key=None)
-    if extracted.get("too_large") or extracted.get("notify"):
-        log.warning("delivery %s to %s failed for good: %s", job["id"], job["target"], reason)
-    receipts.update_delivery(ctx.redis, job["id"], final="1")
-    return record_failure(ctx, job, reason)
+        _notice(ctx, platform, chat, spec, unsent_notice([_unsent_item(
+            extracted.name or spec.name or "file", extracted)]), key=None)
+    if extracted.too_large or extracted.notify:
+        log.warning("delivery %s to %s failed for good: %s", spec.delivery_id, spec.target, reason)
+    receipts.update_delivery(ctx.redis, spec.delivery_id, final="1")
+    return record_failure(ctx, spec, reason)
 
 
 #: names one notice lists; the rest are counted
 UNSENT_LISTED = 10
 
 
-def _unsent_item(name: str, rec: JsonObject) -> tuple[str, str]:
+def _unsent_item(name: str, failed: Extracted) -> tuple[str, str]:
     """(the sentence of a notice for one file, its line in a notice for several) of a failed extraction."""
     name = visible(name)
-    if rec.get("too_large") in (True, "1"):
-        size = rec.get("size") or rec.get("size_bytes")
-        limit = rec.get("limit") or rec.get("limit_bytes")
-        size_s = human_bytes(int(size)) if size else "unknown size"
-        limit_s = human_bytes(int(limit)) if limit else "the limit"
+    if failed.too_large:
+        size_s = human_bytes(failed.size) if failed.size else "unknown size"
+        limit_s = human_bytes(failed.limit) if failed.limit else "the limit"
         return (f"⚠️ {name} ({size_s}) was not sent: it is over the {limit_s} limit here.",
                 f"• {name} ({size_s}): over the {limit_s} limit here")
-    words = rec.get("notify")
-    words = words if isinstance(words, str) and words and words != "1" else CourierError.chat_words
+    words = failed.notify
+    words = words if words and words != "1" else CourierError.chat_words
     return f"⚠️ {name} could not be sent: {words}.", f"• {name}: {words}"
 
 
@@ -236,7 +241,7 @@ def unsent_notice(items: list[tuple[str, str]]) -> str:
     return f"⚠️ {len(items)} files could not be sent:\n" + "\n".join(lines)
 
 
-def tell_reply(ctx: Context, platform: Platform, chat: str, job: JsonObject) -> None:
+def tell_reply(ctx: Context, platform: Platform, chat: str, spec: DeliverySpec) -> None:
     """At a reply's last file (its spec's `tell`: the ids of the reply's files,
     set by `tasks.chains` for a turn's reply), tell the chat in one notice
     every file of the reply that could not be sent and why: each whose
@@ -247,54 +252,57 @@ def tell_reply(ctx: Context, platform: Platform, chat: str, job: JsonObject) -> 
     One read of the files' receipts per reply. Shows names only (`visible`),
     never a path. A RateLimited/Paced notice propagates: the step is
     re-scheduled and resumes here (what it sent is recorded)."""
-    ids = [str(i) for i in job.get("tell") or []]
+
+    ids = list(spec.tell or ())
     if not ids:
         return
     pipe = ctx.redis.pipeline(transaction=False)
     for rid in ids:
         pipe.hgetall(keys.delivery(rid))
-    items = [_unsent_item(rec.get("name") or "file", rec) for rec in pipe.execute()
-             if rec and rec.get("extraction") == "failed" and rec.get("state") not in ("delivered", "cancelled")
-             and (rec.get("notify") or rec.get("too_large") == "1")]
+    failed = [result_of(rec, "") for rec in pipe.execute()
+              if rec and rec.get("extraction") == EXTRACTION_FAILED
+              and rec.get("state") not in (DeliveryState.DELIVERED, DeliveryState.CANCELLED)
+              and (rec.get("notify") or rec.get("too_large") == "1")]
+    items = [_unsent_item(x.name or "file", x) for x in failed if x is not None]
     if items:
-        _notice(ctx, platform, chat, job, unsent_notice(items), key=None, part="unsent")
+        _notice(ctx, platform, chat, spec, unsent_notice(items), key=None, part="unsent")
 
 
-def _tell_then(ctx: Context, guarded: parts.Guarded, chat: str, job: JsonObject) -> None:
+def _tell_then(ctx: Context, guarded: parts.Guarded, chat: str, spec: DeliverySpec) -> None:
     """`tell_reply` from inside `deliver_item`'s outcome: a notice still paced (or
     rate limited) re-schedules the step as a send of it would (its parts flushed,
     a paced try counts no attempt)."""
-    if not job.get("tell"):
+    if not spec.tell:
         return
     try:
-        tell_reply(ctx, guarded, chat, job)
+        tell_reply(ctx, guarded, chat, spec)
     except ratelimit.Paced:
         guarded.flush()
-        ctx.redis.hincrby(keys.delivery(job["id"]), "attempts", -1)
+        ctx.redis.hincrby(keys.delivery(spec.delivery_id), "attempts", -1)
         raise
     except BaseException:
         guarded.flush()
         raise
 
 
-def record_delivered(ctx: Context, job: JsonObject, message_id: str, kind_name: str, size: int, attempts: int,
-                      pipe: Pipeline | None = None) -> JsonObject:
+def record_delivered(ctx: Context, spec: DeliverySpec, message_id: str, kind_name: str, size: int, attempts: int,
+                      pipe: Pipeline | None = None) -> DeliveryOutcome:
     """The receipt and the delivery event of a delivered item (queued on `pipe` when given)."""
     p = pipe if pipe is not None else ctx.redis.pipeline(transaction=False)
-    later = _confirms_later(ctx, job)
-    receipts.update_delivery(p, job["id"], state="delivered", message_id=message_id, kind=kind_name,
-                             size_bytes=size, attempts=attempts, reason="", sha256=job.get("sha256") or None,
+    later = _confirms_later(ctx, spec)
+    receipts.update_delivery(p, spec.delivery_id, state=DeliveryState.DELIVERED, message_id=message_id, kind=kind_name,
+                             size_bytes=size, attempts=attempts, reason="", sha256=spec.sha256 or None,
                              confirmed="accepted" if later else "final at acceptance")
     if later:  # its status webhook names the message: this finds the receipt (tasks/confirm.py)
         from tasks import confirm
 
-        confirm.remember(p, str(job.get("target", "")).split(":", 1)[0], message_id, job["id"])
-    _event(ctx, job, pipe=p, state="delivered", message_id=message_id, media=kind_name,
-           name=job.get("name"), size_bytes=size)
+        confirm.remember(p, spec.target.split(":", 1)[0], message_id, spec.delivery_id)
+    _event(ctx, spec, pipe=p, state=DeliveryState.DELIVERED, message_id=message_id, media=kind_name,
+           name=spec.name, size_bytes=size)
     if pipe is None:
         p.execute()
-    metrics.record_delivery(job, "delivered", kind_name)
-    return {"id": job["id"], "state": "delivered", "message_id": message_id, "kind": kind_name}
+    metrics.record_delivery(spec.delivery_id, spec.target, DeliveryState.DELIVERED, kind_name)
+    return {"id": spec.delivery_id, "state": DeliveryState.DELIVERED, "message_id": message_id, "kind": kind_name}
 
 
 class _ProgressReader:
@@ -317,9 +325,9 @@ def _progressing(cm: AbstractContextManager[BinaryIO], mark: Callable[[], None])
         yield cast(BinaryIO, _ProgressReader(f, mark))
 
 
-def _confirms_later(ctx: Context, job: JsonObject) -> bool:
+def _confirms_later(ctx: Context, spec: DeliverySpec) -> bool:
     """Whether the job's platform reports a message's fate after accepting it (Platform.confirms_later)."""
-    name = str(job.get("target", "")).split(":", 1)[0]
+    name = spec.target.split(":", 1)[0]
     try:
         return bool(getattr(ctx.platform(name), "confirms_later", False))
     except CourierError:
@@ -387,19 +395,26 @@ class _Refused(Exception):
         self.kind = kind.value
 
 
-def plan_file(ctx: Context, platform: Platform, job: JsonObject) -> tuple[Kind, FileSource, int]:
+def plan_file(ctx: Context, platform: Platform, spec: DeliverySpec) -> tuple[Kind, FileSource, int]:
     """A stored file's kind on this platform (routing, photo limit), its
     source, and the upload limit for that kind."""
     store = ctx.store
-    key = job["key"]
-    size = job["size"] if isinstance(job.get("size"), int) else store.stat(key).size_bytes
+    key = _key_of(spec)
+    size = spec.size if spec.size is not None else store.stat(key).size_bytes
     # the name the chat shows: an agent's right-to-left override or zero-width space escaped
-    name = visible(job.get("name") or os.path.basename(key))
-    kind = choose_kind(platform, name, size, voice=bool(job.get("voice")), as_document=bool(job.get("as_document")))
+    name = visible(spec.name or os.path.basename(key))
+    kind = choose_kind(platform, name, size, voice=bool(spec.voice), as_document=bool(spec.as_document))
     mark = ledger.marker()  # each chunk the platform's SDK reads is progress of the drive's lease
-    src = FileSource(name=name, size_bytes=size, sha256=job.get("sha256") or "",
+    src = FileSource(name=name, size_bytes=size, sha256=spec.sha256 or "",
                      opener=lambda: _progressing(store.open_read(key), mark), path=store.local_path(key))
     return kind, src, platform.limits.upload_limit(kind)
+
+
+def _key_of(spec: DeliverySpec) -> str:
+    """A file delivery's storage key (every file spec has one: `tasks.chains.entries`)."""
+    if spec.key is None:
+        raise Permanent(f"delivery {spec.delivery_id}: its spec names no stored file")
+    return spec.key
 
 
 def file_id_key(platform: Platform, sha: str, kind: Kind) -> str | None:
@@ -420,34 +435,34 @@ def send_overflow(platform: Platform, chat: str, overflow: list[str], base_id: s
         platform.send_text(chat, part, delivery_id=f"{base_id}#c{i}")
 
 
-def _send_file(ctx: Context, platform: parts.Guarded, chat: str, job: JsonObject, *,
+def _send_file(ctx: Context, platform: parts.Guarded, chat: str, spec: DeliverySpec, *,
                fresh: bool = False) -> tuple[Sent, str, int]:
     """Send one stored file (`fresh`: the delivery's first attempt, so no earlier run
     left an upload or a refusal to resume from)."""
-    kind, src, limit = plan_file(ctx, platform, job)
-    key, size = job["key"], src.size_bytes
+    kind, src, limit = plan_file(ctx, platform, spec)
+    key, size = _key_of(spec), src.size_bytes
     if size == 0 and not platform.takes_empty_files:
         # one rule for every chat platform: nothing is uploaded (the outbox, a directory, keeps it)
         reason = f"empty file: {src.name} is 0 bytes"
-        _notice(ctx, platform, chat, job, f"⚠️ {src.name} was not sent: it is empty (0 bytes).", key=None)
+        _notice(ctx, platform, chat, spec, f"⚠️ {src.name} was not sent: it is empty (0 bytes).", key=None)
         raise _Refused(reason, kind)
     try:  # the platform's own type rules (e.g. WhatsApp's supported types)
         kind = platform.route_file(kind, src)
     except FileRefused as exc:
-        raise _Refused(_notice_refused(ctx, platform, chat, job, src, exc, key=key), kind) from None
+        raise _Refused(_notice_refused(ctx, platform, chat, spec, src, exc, key=key), kind) from None
     limit = platform.limits.upload_limit(kind)
     if size > limit:
-        reason = _notice_too_large(ctx, platform, chat, job, src.name, size, limit, key=key)
+        reason = _notice_too_large(ctx, platform, chat, spec, src.name, size, limit, key=key)
         raise _Refused(reason, kind)
     if size > 8 * 1024 * 1024:  # a long upload: show its kind and size in `courier status` meanwhile
-        receipts.update_delivery(ctx.redis, job["id"], kind=kind.value, size_bytes=size, name=src.name)
-    caption, overflow = _fit_file_caption(platform, kind, src, job.get("caption"))
+        receipts.update_delivery(ctx.redis, spec.delivery_id, kind=kind.value, size_bytes=size, name=src.name)
+    caption, overflow = _fit_file_caption(platform, kind, src, spec.caption)
     cached = None
     if platform.cache_key and not src.sha256:
         # extraction by kernel copy hashes nothing; the file-id cache needs it
         src = replace(src, sha256=_sha256_of(ctx.store, key))
     fid_key = file_id_key(platform, src.sha256, kind)
-    did = job["id"]
+    did = spec.delivery_id
     upload_part = f"{did}#upload"
     # one round trip at most: the cached file id; on a retry also this delivery's own upload (an
     # earlier run uploaded the file, then its send failed) and whether an earlier run had it refused
@@ -462,12 +477,12 @@ def _send_file(ctx: Context, platform: parts.Guarded, chat: str, job: JsonObject
     cached = cached or uploaded
     if refused:  # refused by the platform before; its notice was re-scheduled (the chat's rate limit)
         rec = json.loads(refused)
-        _notice(ctx, platform, chat, job, rec["text"], key=key)
+        _notice(ctx, platform, chat, spec, rec["text"], key=key)
         raise _Refused(rec["reason"], kind)
     try:
         sent = platform.send_file(chat, kind, src, caption=caption, delivery_id=did, file_id=cached)
     except FileRefused as exc:  # the platform's own refusal (e.g. HTTP 413): the chat is told too
-        raise _Refused(_notice_refused(ctx, platform, chat, job, src, exc, key=key, record=True), kind) from None
+        raise _Refused(_notice_refused(ctx, platform, chat, spec, src, exc, key=key, record=True), kind) from None
     except DeliveryError as exc:
         if isinstance(exc, Permanent):
             exc.kind = kind.value  # type: ignore[attr-defined]  # the failed receipt says what it went as
@@ -483,7 +498,7 @@ def _send_file(ctx: Context, platform: parts.Guarded, chat: str, job: JsonObject
     if fid_key and sent.file_id:  # with the receipt (or before the overflow's first part)
         file_id = sent.file_id
         platform.after_sent(lambda pipe: pipe.set(fid_key, file_id, ex=FILE_ID_TTL_S))
-    send_overflow(platform, chat, overflow, job["id"])
+    send_overflow(platform, chat, overflow, spec.delivery_id)
     return sent, (sent.kind or kind).value, size  # what the chat shows (a refused voice message: audio)
 
 
@@ -496,18 +511,18 @@ def _sha256_of(store: BlobStore, key: str) -> str:
     return digest.hexdigest()
 
 
-def _notice_too_large(ctx: Context, platform: Platform, chat: str, job: JsonObject, name: str, size: Any, limit: Any,
+def _notice_too_large(ctx: Context, platform: Platform, chat: str, spec: DeliverySpec, name: str, size: int, limit: int,
                       *, key: str | None) -> str:
     name = visible(name)
     size_s = human_bytes(int(size)) if size else "unknown size"
     limit_s = human_bytes(int(limit)) if limit else "the limit"
     reason = f"too large: {name} is {size_s}, over the {limit_s} limit for {platform.name}"
-    _notice(ctx, platform, chat, job, f"⚠️ {name} ({size_s}) was not sent: it is over the {limit_s} limit here.",
+    _notice(ctx, platform, chat, spec, f"⚠️ {name} ({size_s}) was not sent: it is over the {limit_s} limit here.",
             key=key)
     return reason
 
 
-def _notice_refused(ctx: Context, platform: Platform, chat: str, job: JsonObject, src: FileSource, exc: FileRefused,
+def _notice_refused(ctx: Context, platform: Platform, chat: str, spec: DeliverySpec, src: FileSource, exc: FileRefused,
                     *, key: str | None, record: bool = False) -> str:
     """The chat told why the platform does not take this file; returns the failure's reason.
     `record`: the refusal came from sending, so it is recorded first (a part of the
@@ -521,13 +536,14 @@ def _notice_refused(ctx: Context, platform: Platform, chat: str, job: JsonObject
     text = f"⚠️ {src.name} ({size_s}) was not sent: {why}."
     if record:
         pipe = ctx.redis.pipeline(transaction=False)
-        parts.queue_record(pipe, job["id"], {f"{job['id']}#refused": json.dumps({"reason": reason, "text": text})})
+        did = spec.delivery_id
+        parts.queue_record(pipe, did, {f"{did}#refused": json.dumps({"reason": reason, "text": text})})
         pipe.execute()
-    _notice(ctx, platform, chat, job, text, key=key)
+    _notice(ctx, platform, chat, spec, text, key=key)
     return reason
 
 
-def _notice(ctx: Context, platform: Platform, chat: str, job: JsonObject, text: str, *, key: str | None,
+def _notice(ctx: Context, platform: Platform, chat: str, spec: DeliverySpec, text: str, *, key: str | None,
             part: str = "notice") -> None:
     """Tell the chat a file was not sent (`text`), with a download link when
     `key` is given and the store can sign one; sent once (part `<id>#<part>`)."""
@@ -539,25 +555,25 @@ def _notice(ctx: Context, platform: Platform, chat: str, job: JsonObject, text: 
         if url:
             text += f"\nDownload it here (link valid 7 days): {url}"
     try:
-        platform.send_text(chat, text, delivery_id=f"{job['id']}#{part}")
+        platform.send_text(chat, text, delivery_id=f"{spec.delivery_id}#{part}")
     except RateLimited:
         raise  # re-scheduled: the notice goes out once its slot is free
     except CourierError:
         pass  # the failure is recorded either way
 
 
-def notice_failed(ctx: Context, job: JsonObject, words: str, *, reason: str) -> None:
+def notice_failed(ctx: Context, spec: DeliverySpec, words: str, *, reason: str) -> None:
     """Tell the chat that a file it was to get failed for good (an outage past
     its deadline, errors past their count): one short notice in the chat's
     `words` (`in_chat_words`: "storage unavailable; the operator was told"),
     best effort (the failure itself is final: a notice still rate limited is
     dropped). The `reason`, with the bucket, key, endpoint or path it names,
     goes to the receipt (the caller's) and the worker's log: never the chat."""
-    platform_name, chat = split_target(job["target"])
-    log.warning("delivery %s to %s failed for good: %s", job["id"], job["target"], reason)
-    text = f"⚠️ {visible(job.get('name') or 'a file')} could not be sent: {words}."
+    platform_name, chat = split_target(spec.target)
+    log.warning("delivery %s to %s failed for good: %s", spec.delivery_id, spec.target, reason)
+    text = f"⚠️ {visible(spec.name or 'a file')} could not be sent: {words}."
     try:
-        platform = parts.guard(ctx.redis, ctx.platform(platform_name), job["id"])
-        _notice(ctx, platform, chat, job, text, key=None)
+        platform = parts.guard(ctx.redis, ctx.platform(platform_name), spec.delivery_id)
+        _notice(ctx, platform, chat, spec, text, key=None)
     except CourierError:
         pass

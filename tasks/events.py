@@ -20,14 +20,14 @@ from redis.client import Pipeline
 
 from adapters.display import visible
 from tasks import keys
-from tasks.states import DELIVERY_OVER
+from tasks.states import DELIVERY_OVER, DeliveryState, JobState
 from tasks.workspaces import relative
 
 #: one event: a flat JSON object (`kind`, `ts` and the kind's fields; agents add their own)
 Event = dict[str, Any]
 
 STREAM_TTL_S = 7 * 24 * 3600
-TERMINAL_STATUSES = frozenset({"completed", "error", "no_reply", "cancelled"})
+TERMINAL_STATUSES = frozenset({"completed", JobState.ERROR, JobState.NO_REPLY, JobState.CANCELLED})
 
 
 def publish(r: Redis, job_id: str, event: Event, *, maxlen: int = 1000, pipe: Pipeline | None = None
@@ -189,7 +189,7 @@ class EndTracker:
     def ok(self) -> bool:
         """The turn completed and no delivery failed."""
         st = (self.terminal or {}).get("status")
-        return st == "completed" and "failed" not in self.final.values()
+        return st == "completed" and DeliveryState.FAILED not in self.final.values()
 
     @classmethod
     def for_job(cls, r: Redis, job_id: str) -> "EndTracker":

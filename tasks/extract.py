@@ -14,10 +14,10 @@ from adapters.errors import ControlInName, CourierError, SandboxError, SandboxSt
     UnsafePath, in_chat_words
 from adapters.sandboxes.base import SandboxRef, os_error
 from tasks import breaker, events, metrics, receipts, scripts, signing
-from tasks.messages import JsonObject
+from tasks.messages import Extracted, ExtractionRun, ExtractSpec
 from tasks.reply import has_control
 from tasks.runtime import Context
-from tasks.states import EXTRACTION_FAILED, EXTRACTION_OK
+from tasks.states import EXTRACTION_FAILED, EXTRACTION_OK, DeliveryState
 
 
 log = logging.getLogger(__name__)
@@ -31,14 +31,14 @@ RECORD_MIN_BYTES = 1024 * 1024
 _TERMINAL = tuple(sorted(receipts.TERMINAL))
 
 
-def extract(ctx: Context, spec: JsonObject, *, pipe: Pipeline | None = None) -> JsonObject:
-    """spec: job, delivery (id), sandbox (ref dict), path, key, max_bytes?
+def extract(ctx: Context, spec: ExtractSpec, job_id: str, did: str, *, pipe: Pipeline | None = None) -> Extracted:
+    """Extract delivery `did`'s file (of job `job_id`) as `spec` says.
     `pipe`: the receipt's record of a success is queued there (the caller
     executes it), else written at once.
 
-    Returns {"ok": True, key, name, size, sha256} or, for a permanent
-    problem (unsafe path, missing, not a file, too large), {"ok": False,
-    reason, ...}: the delivery after it records the failure. Transient
+    Returns `Extracted(ok=True, key, name, size, sha256)` or, for a permanent
+    problem (unsafe path, missing, not a file, too large), `ok=False` with
+    the reason: the delivery after it records the failure. Transient
     problems raise for the task to retry.
 
     The result is recorded in the receipt too (`extraction` ok | failed;
@@ -46,47 +46,46 @@ def extract(ctx: Context, spec: JsonObject, *, pipe: Pipeline | None = None) -> 
     `size_bytes`, `limit_bytes` when that was it), where an album's delivery
     reads it."""
     r = ctx.redis
-    did = spec["delivery"]
-    name = posixpath.basename(spec["path"]) or "file"
+    name = posixpath.basename(spec.path) or "file"
     # no look at the receipt first: a redelivered extraction of a delivered
     # item is rare and harmless (same key, atomic write; its receipt is kept)
-    ref = SandboxRef.from_dict(spec["sandbox"])
+    ref = SandboxRef.from_dict(spec.sandbox)
     # the size cap and the roots are this worker's: a spec may only lower or narrow them
-    cap = min(int(spec.get("max_bytes") or ctx.max_file_bytes), ctx.max_file_bytes)
+    cap = min(int(spec.max_bytes or ctx.max_file_bytes), ctx.max_file_bytes)
     t0, outcome, info = time.monotonic(), "error", None
     try:
         try:
-            if has_control(spec["path"]):  # a NUL or a newline in a MEDIA path: never read, the chat told
+            if has_control(spec.path):  # a NUL or a newline in a MEDIA path: never read, the chat told
                 raise ControlInName("the path holds a control character")
             ref = worker_ref(ctx, ref)
             sandbox = ctx.sandbox(ref)
             # `~/x` (MEDIA:~/x) is the sandbox's own home: the backend knows where that is
-            info = sandbox.extract(sandbox.expand_home(spec["path"]), ctx.store, spec["key"], max_bytes=cap)
+            info = sandbox.extract(sandbox.expand_home(spec.path), ctx.store, spec.key, max_bytes=cap)
         except TooLarge as exc:
             outcome = "failed"
-            return record_failure(r, did, {"ok": False, "reason": f"too large: {exc}", "too_large": True, "name": name,
-                                           "size": exc.size_bytes, "limit": exc.limit_bytes or cap})
+            return record_failure(r, did, Extracted(ok=False, reason=f"too large: {exc}", too_large=True, name=name,
+                                                    size=exc.size_bytes, limit=exc.limit_bytes or cap))
         except SandboxError as exc:
             if exc.transient:
                 raise
             outcome = "failed"
-            return record_failure(r, did, {"ok": False, "reason": f"{type(exc).__name__}: {exc}", "name": name,
-                                           "notify": in_chat_words(exc)})
+            return record_failure(r, did, Extracted(ok=False, reason=f"{type(exc).__name__}: {exc}", name=name,
+                                                    notify=in_chat_words(exc)))
         except CourierError as exc:
             if exc.transient:
                 raise
             outcome = "failed"
-            return record_failure(r, did, {"ok": False, "reason": exc.reason, "name": name,
-                                           "notify": in_chat_words(exc)})
+            return record_failure(r, did, Extracted(ok=False, reason=exc.reason, name=name,
+                                                    notify=in_chat_words(exc)))
         except OSError as exc:
             # a backend let the OS's own words through: what they say of the path (missing, a
             # link loop, a name too long, denied) is one clear permanent reason, never the raw error
             if exc.errno not in _PATH_ERRNOS:
                 raise
-            mapped = os_error(exc, spec["path"])
+            mapped = os_error(exc, spec.path)
             outcome = "failed"
-            return record_failure(r, did, {"ok": False, "reason": f"{type(mapped).__name__}: {mapped}", "name": name,
-                                           "notify": in_chat_words(mapped)})
+            return record_failure(r, did, Extracted(ok=False, reason=f"{type(mapped).__name__}: {mapped}", name=name,
+                                                    notify=in_chat_words(mapped)))
         outcome = "ok"
     finally:
         metrics.record_extraction(ref.kind, time.monotonic() - t0, info.size_bytes if info is not None else None,
@@ -94,15 +93,15 @@ def extract(ctx: Context, spec: JsonObject, *, pipe: Pipeline | None = None) -> 
     # the lane reads the result from the receipt (the ledger), whoever drives it
     own = pipe is None
     p = r.pipeline(transaction=False) if pipe is None else pipe
-    receipts.update_open_delivery(p, did, state="extracted", extraction="ok", reason="",
+    receipts.update_open_delivery(p, did, state=DeliveryState.EXTRACTED, extraction=EXTRACTION_OK, reason="",
                                   size_bytes=info.size_bytes, sha256=info.sha256, name=name)
     if info.size_bytes >= RECORD_MIN_BYTES:  # a large file shows its progress
-        events.publish(r, spec["job"], {"kind": "delivery", "delivery_id": did, "state": "extracted",
+        events.publish(r, job_id, {"kind": "delivery", "delivery_id": did, "state": DeliveryState.EXTRACTED,
                                         "name": name, "size_bytes": info.size_bytes}, maxlen=ctx.events_maxlen,
                        pipe=p)
     if own:
         p.execute()
-    return {"ok": True, "key": spec["key"], "name": name, "size": info.size_bytes, "sha256": info.sha256}
+    return Extracted(ok=True, key=spec.key, name=name, size=info.size_bytes, sha256=info.sha256)
 
 
 def worker_ref(ctx: Context, ref: SandboxRef) -> SandboxRef:
@@ -121,18 +120,17 @@ def worker_ref(ctx: Context, ref: SandboxRef) -> SandboxRef:
     return ref
 
 
-def record_failure(r: Redis, did: str, result: JsonObject) -> JsonObject:
+def record_failure(r: Redis, did: str, result: Extracted) -> Extracted:
     """Record a permanent extraction failure in the receipt (the delivery
     after it makes it final: `failed`, with a notice when too large, or
     when `notify` holds the words the chat is told: `in_chat_words`); returns `result`."""
-    receipts.update_open_delivery(r, did, state="extract_failed", extraction="failed", reason=result["reason"],
-                                  too_large="1" if result.get("too_large") else None,
-                                  notify=result.get("notify") or None, size_bytes=result.get("size"),
-                                  limit_bytes=result.get("limit"))
+    receipts.update_open_delivery(r, did, state=DeliveryState.EXTRACT_FAILED, extraction=EXTRACTION_FAILED,
+                                  reason=result.reason, too_large="1" if result.too_large else None,
+                                  notify=result.notify or None, size_bytes=result.size, limit_bytes=result.limit)
     return result
 
 
-def run(ctx: Context, did: str) -> JsonObject:
+def run(ctx: Context, did: str) -> ExtractionRun:
     """The extraction stage of delivery `did`, from the ledger alone: its
     spec is in the receipt. Holds the stage's lease while it works (a second
     message for it finds the lease and leaves); a transient failure backs
@@ -156,27 +154,28 @@ def run(ctx: Context, did: str) -> JsonObject:
     if what == "gone":
         return {"delivery": did, "state": "gone"}
     try:
-        job = signing.open_json("delivery", did, spec)  # logged and counted when forged
+        delivery = signing.open_delivery(did, spec)  # logged and counted when forged
     except signing.Forged as exc:  # nothing of it is read: the stage ends, its lane finds the receipt failed
-        record_failure(r, did, {"ok": False, "reason": f"refused: {exc.reason}"})
+        record_failure(r, did, Extracted(ok=False, reason=f"refused: {exc.reason}"))
         end = r.pipeline(transaction=False)
         ledger.clear_due(end, "extract", did)
         ledger.release(end, lease, token)
         end.execute()
         return {"delivery": did, "state": "refused"}
-    out = {"delivery": did, "target": job["target"]}
     if what in ("done", "busy"):
-        return {**out, "state": what}
-    gate = breaker.gate(job["extract"]["sandbox"], io_timeout_s=ctx.sandbox_io_timeout_s,
+        return {"delivery": did, "target": delivery.target, "state": what}
+    extraction = delivery.extract
+    if extraction is None:  # courier publishes extractions of sandbox files only
+        raise ValueError(f"delivery {did}: its spec names no file to extract")
+    gate = breaker.gate(extraction.sandbox, io_timeout_s=ctx.sandbox_io_timeout_s,
                         max_s=ctx.sandbox_breaker_max_s)
     end = r.pipeline(transaction=False)  # what the stage ends with, in one round trip
-    ret = None
+    ret: ExtractionRun | None = None
     try:
         with ledger.renewing(r, lease, token, ledger.LEASE_TTL_S):
-            spec = {**job["extract"], "job": job["job"], "delivery": did}
             try:
                 gate.enter(r, did)  # SandboxStalled: its sandbox is not answering, postponed untried
-                result = extract(ctx, spec, pipe=end)
+                result = extract(ctx, extraction, delivery.job_id, did, pipe=end)
             except Exception as exc:  # noqa: BLE001 - transient (mapped or not): back off, bounded
                 if not isinstance(exc, CourierError):
                     log.exception("extraction %s: unexpected error", did)
@@ -186,14 +185,15 @@ def run(ctx: Context, did: str) -> JsonObject:
                 if not ledger.gives_up(exc, n, first_s, max_attempts=ctx.max_transient_attempts,
                                        outage_deadline_s=ctx.outage_deadline_s):
                     delay = ledger.backoff_s(n, storage=isinstance(exc, StorageError)) if wait_s is None else wait_s
-                    receipts.update_open_delivery(end, did, state="retrying", reason=reason)
+                    receipts.update_open_delivery(end, did, state=DeliveryState.RETRYING, reason=reason)
                     ledger.set_due(end, "extract", did, delay)
-                    ret = {**out, "state": "retrying", "wait_s": round(delay, 3)}
+                    ret = {"delivery": did, "target": delivery.target, "state": DeliveryState.RETRYING,
+                           "wait_s": round(delay, 3)}
                 else:
                     what = ("storage unavailable" if isinstance(exc, StorageError) else "sandbox unavailable"
                             if isinstance(exc, SandboxStalled) else f"gave up after {n} attempts")
-                    result = record_failure(r, did, {"ok": False, "reason": f"{what}: {reason}",
-                                                     "name": job.get("name"), "notify": in_chat_words(exc)})
+                    result = record_failure(r, did, Extracted(ok=False, reason=f"{what}: {reason}",
+                                                              name=delivery.name, notify=in_chat_words(exc)))
             else:
                 gate.after(r, end, did, None)
             if ret is None:
@@ -207,7 +207,8 @@ def run(ctx: Context, did: str) -> JsonObject:
     # the result (a success's receipt), the due time (cleared, or the backoff's) and the lease released
     ledger.release(end, lease, token)
     end.execute()
-    done = ret or {**out, "state": "extracted" if result.get("ok") else "failed"}
+    done: ExtractionRun = ret or {"delivery": did, "target": delivery.target,
+                                  "state": DeliveryState.EXTRACTED if result.ok else DeliveryState.FAILED}
     if gate.woke:  # a scout's answer closed its sandbox's breaker: what it postponed, for the task to publish
-        done["wake"] = {"queue": breaker.queue_of(job["extract"]["sandbox"]), "ids": gate.woke}
+        done["wake"] = {"queue": breaker.queue_of(extraction.sandbox), "ids": gate.woke}
     return done

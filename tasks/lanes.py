@@ -24,7 +24,7 @@ import random
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from redis import Redis
@@ -35,7 +35,7 @@ from tasks import album
 from tasks import delivery as delivery_mod
 from tasks import keys, ledger, metrics, receipts, scripts, sendlock, signing
 from tasks.delivery import result_of
-from tasks.messages import JsonObject
+from tasks.messages import DeliverySpec, JsonObject
 from tasks.ratelimit import Paced
 from tasks.runtime import Context
 from tasks.states import EXTRACTION_FAILED, EXTRACTION_OK, DeliveryState
@@ -80,8 +80,9 @@ class Head:
 class Step:
     lead: str
     ids: list[str]
-    recs: list[JsonObject]
-    specs: list[JsonObject]
+    recs: list[receipts.Receipt]
+    #: each delivery's verified spec (None: it had none, or it did not verify: its receipt says failed)
+    specs: list[DeliverySpec | None]
 
     @property
     def done(self) -> bool:
@@ -90,11 +91,12 @@ class Step:
     @property
     def ready(self) -> bool:
         """Every sandbox file of the step extracted (or failed to be)."""
-        return all(rec.get("extraction") in ("ok", "failed") or "extract" not in spec
+        return all(rec.get("extraction") in (EXTRACTION_OK, EXTRACTION_FAILED) or spec is None or spec.extract is None
                    or rec.get("state") in receipts.TERMINAL for rec, spec in zip(self.recs, self.specs))
 
 
-def load_step(r: Redis, lead: str, rec: JsonObject | None = None, target: str | None = None) -> Step | None:
+def load_step(r: Redis, lead: str, rec: receipts.Receipt | None = None, target: str | None = None
+              ) -> Step | None:
     """The step `lead` leads (`rec`: its receipt when already read) in the lane of `target`.
     Each spec is verified (tasks/signing.py): one that does not, or that names another chat
     than the lane's, is never sent: its receipt is made final `failed` here."""
@@ -104,33 +106,33 @@ def load_step(r: Redis, lead: str, rec: JsonObject | None = None, target: str | 
     ids = json.loads(rec["album"]) if rec.get("album") else [lead]
     recs = [rec] + ([receipts.get_delivery(r, d) or {} for d in ids[1:]])
     specs = [_verified(r, did, x, target) for did, x in zip(ids, recs)]
-    if len(ids) > 1 and any(x.get("spec") and not spec for x, spec in zip(recs, specs)):
+    if len(ids) > 1 and any(x.get("spec") and spec is None for x, spec in zip(recs, specs)):
         # an album with a member that did not verify goes nowhere: none of it is sent
         for did, x in zip(ids, recs):
             if x.get("state") not in receipts.TERMINAL:
                 reason = "refused: another photo of its album did not verify"
-                receipts.update_open_delivery(r, did, state="failed", reason=reason)
-                x["state"], x["reason"] = "failed", reason
+                receipts.update_open_delivery(r, did, state=DeliveryState.FAILED, reason=reason)
+                x["state"], x["reason"] = DeliveryState.FAILED, reason
     return Step(lead, ids, recs, specs)
 
 
-def _verified(r: Redis, did: str, rec: JsonObject, target: str | None) -> JsonObject:
+def _verified(r: Redis, did: str, rec: receipts.Receipt, target: str | None) -> DeliverySpec | None:
     """The receipt's spec, verified as delivery `did`'s (and of `target`'s lane); a forgery
-    makes the receipt final `failed` (in `rec` too) and gives {}."""
+    makes the receipt final `failed` (in `rec` too) and gives None."""
     raw = rec.get("spec")
     if not raw:
-        return {}
+        return None
     try:
-        spec: JsonObject = signing.open_json("delivery", did, raw)  # logged and counted when forged
-        if target is not None and spec.get("target") != target:
+        spec = signing.open_delivery(did, raw)  # logged and counted when forged
+        if target is not None and spec.target != target:
             exc = signing.Forged(f"delivery {did} names another chat than its lane's")
             signing.refused("delivery", exc)
             raise exc
     except signing.Forged as exc:
         reason = f"refused: {exc.reason}"
-        receipts.update_open_delivery(r, did, state="failed", reason=reason)
-        rec["state"], rec["reason"] = "failed", reason
-        return {}
+        receipts.update_open_delivery(r, did, state=DeliveryState.FAILED, reason=reason)
+        rec["state"], rec["reason"] = DeliveryState.FAILED, reason
+        return None
     return spec
 
 
@@ -399,8 +401,12 @@ def _wait(r: Redis, target: str, wait_s: float, publish: Publish) -> None:
         ledger.set_due(r, "lane", target, wait_s)
 
 
-def _jobs(step: Step) -> list[JsonObject]:
-    return [{k: v for k, v in spec.items() if k != "extract"} for spec in step.specs]
+def _specs(step: Step) -> list[DeliverySpec]:
+    """The step's specs (a step whose spec did not verify has its receipts failed: it is done)."""
+    missing = [did for did, spec in zip(step.ids, step.specs) if spec is None]
+    if missing:
+        raise ValueError(f"deliveries {', '.join(missing)} of step {step.lead} have no spec to send")
+    return [spec for spec in step.specs if spec is not None]
 
 
 def _run_step(ctx: Context, step: Step, held: sendlock.Held | None = None, end: Pipeline | None = None
@@ -409,29 +415,27 @@ def _run_step(ctx: Context, step: Step, held: sendlock.Held | None = None, end: 
     `held`: a single delivery's send lock, taken by the look; `end`: where a delivered record is
     queued (the caller executes it with its next look)."""
     r = ctx.redis
-    jobs = _jobs(step)
+    specs = _specs(step)
+    target = specs[0].target
     try:
         if len(step.ids) == 1:
-            job, spec = jobs[0], step.specs[0]
-            extracted = result_of(step.recs[0], spec["key"]) if "extract" in spec else None
-            delivery_mod.deliver(ctx, job, extracted, held=held, end=end)
+            spec = specs[0]
+            extracted = result_of(step.recs[0], spec.key or "") if spec.extract is not None else None
+            delivery_mod.deliver(ctx, spec, extracted, held=held, end=end)
         else:
-            group = {"job": jobs[0]["job"], "target": jobs[0]["target"],
-                     "items": [{**job, "extracted": True} if "extract" in spec else job
-                               for job, spec in zip(jobs, step.specs)]}
-            if jobs[0].get("caption"):
-                group["caption"] = jobs[0]["caption"]
-                group["items"][0] = {k: v for k, v in group["items"][0].items() if k != "caption"}
-            album.deliver_album(ctx, group)
+            # the caption goes with the album (or its first send), not with its first photo alone
+            album.deliver_album(ctx, album.Album(target, specs[0].caption,
+                                                 [replace(specs[0], caption=None), *specs[1:]]))
         return None
     except Paced as exc:  # courier's own pacing (`tasks.ratelimit` says when): no attempt, no give-up
         return exc.retry_after_s
     except RateLimited as exc:
         n = int(r.hincrby(keys.delivery(step.lead), "rate_limited", 1))
-        metrics.record_rate_limited(jobs[0]["target"])
-        _mark_open(ctx, step, state="rate_limited", reason=f"rate limited, retry after {exc.retry_after_s:g}s")
+        metrics.record_rate_limited(target)
+        _mark_open(ctx, step, state=DeliveryState.RATE_LIMITED,
+                   reason=f"rate limited, retry after {exc.retry_after_s:g}s")
         if n > MAX_RATE_LIMITS:
-            _give_up(ctx, step, f"gave up after {n - 1} rate limits from {jobs[0]['target'].split(':')[0]}")
+            _give_up(ctx, step, f"gave up after {n - 1} rate limits from {target.split(':')[0]}")
             return None
         return min(900.0, exc.retry_after_s) + random.uniform(0.05, 0.5)
     except sendlock.Busy:
@@ -443,10 +447,10 @@ def _run_step(ctx: Context, step: Step, held: sendlock.Held | None = None, end: 
             _give_up(ctx, step, exc.reason)
             return None
         if not isinstance(exc, CourierError):
-            log.exception("lane %s: unexpected error sending %s", jobs[0]["target"], step.lead)
+            log.exception("lane %s: unexpected error sending %s", target, step.lead)
         reason = exc.reason if isinstance(exc, CourierError) else f"{type(exc).__name__}: {exc}"
         # the reason first: a receipt that counts a transient failure already says why
-        _mark_open(ctx, step, state="retrying", reason=reason)
+        _mark_open(ctx, step, state=DeliveryState.RETRYING, reason=reason)
         n, first_s = ledger.count_transient(r, step.lead)
         if ledger.gives_up(exc, n, first_s, max_attempts=ctx.max_transient_attempts,
                            outage_deadline_s=ctx.outage_deadline_s):
@@ -456,21 +460,21 @@ def _run_step(ctx: Context, step: Step, held: sendlock.Held | None = None, end: 
         return ledger.backoff_s(n, storage=isinstance(exc, StorageError))
 
 
-def _open(ctx: Context, step: Step) -> list[JsonObject]:
+def _open(ctx: Context, step: Step) -> list[DeliverySpec]:
     recs = [receipts.get_delivery(ctx.redis, d) or {} for d in step.ids]
-    return [job for job, rec in zip(_jobs(step), recs) if rec.get("state") not in receipts.TERMINAL]
+    return [spec for spec, rec in zip(_specs(step), recs) if rec.get("state") not in receipts.TERMINAL]
 
 
 def _mark_open(ctx: Context, step: Step, **fields: Any) -> None:
-    for job in _open(ctx, step):
-        receipts.update_delivery(ctx.redis, job["id"], **fields)
+    for spec in _open(ctx, step):
+        receipts.update_delivery(ctx.redis, spec.delivery_id, **fields)
 
 
 def _give_up(ctx: Context, step: Step, reason: str, *, notice: str | None = None) -> None:
     """Fail the step's open deliveries for good with `reason` (the receipt's); a file's
     chat is told `notice` (the failure in its words, `in_chat_words`) when given."""
-    for job in _open(ctx, step):
-        receipts.update_delivery(ctx.redis, job["id"], final="1")
-        delivery_mod.record_failure(ctx, job, reason)
-        if notice and job.get("type") == "file":
-            delivery_mod.notice_failed(ctx, job, notice, reason=reason)
+    for spec in _open(ctx, step):
+        receipts.update_delivery(ctx.redis, spec.delivery_id, final="1")
+        delivery_mod.record_failure(ctx, spec, reason)
+        if notice and spec.type == "file":
+            delivery_mod.notice_failed(ctx, spec, notice, reason=reason)

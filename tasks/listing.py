@@ -14,6 +14,7 @@ from typing import cast
 from redis import Redis
 
 from tasks import keys, receipts
+from tasks.states import DeliveryState
 
 HIDDEN = frozenset({"spec"})
 SCAN_COUNT = 1000
@@ -69,7 +70,7 @@ def deliveries(r: Redis, *, failed: bool = False, chat: str | None = None, since
     out: list[dict[str, str | None]] = []
     for job in jobs(r, chat=chat, since_s=since_s):
         for rec in receipts.job_deliveries(r, str(job["id"])):  # `jobs` gives only those with an id
-            if failed and rec.get("state") != "failed":
+            if failed and rec.get("state") != DeliveryState.FAILED:
                 continue
             row: dict[str, str | None] = {k: v for k, v in rec.items() if k not in HIDDEN}
             row.setdefault("target", job["target"])

@@ -5,7 +5,9 @@ keys they have."""
 
 from __future__ import annotations
 
-from typing import Any, NotRequired, TypedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, NotRequired, TypedDict, cast
 
 
 class Attachment(TypedDict):
@@ -48,3 +50,170 @@ class SendResult(TypedDict):
 #: a JSON object as it goes over the wire or into a receipt's `spec` (a delivery's spec, an
 #: extraction's result, a task's small result dict): its keys are documented where it is made
 JsonObject = dict[str, Any]
+
+SpecType = Literal["text", "file"]
+
+
+@dataclass(frozen=True)
+class ExtractSpec:
+    """How a delivery's file comes out of its sandbox (the delivery spec's `extract`):
+    the sandbox (`SandboxRef.to_dict()`'s form), the path in it, the storage key it
+    goes to and the size cap the sender asked for (`max_bytes`: only ever lowers
+    the worker's own)."""
+
+    sandbox: dict[str, Any] = field(hash=False)
+    path: str
+    key: str
+    max_bytes: int | None = None
+
+    def to_json(self) -> JsonObject:
+        out: JsonObject = {"sandbox": self.sandbox, "path": self.path, "key": self.key}
+        if self.max_bytes:
+            out["max_bytes"] = self.max_bytes
+        return out
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> ExtractSpec:
+        return cls(sandbox=dict(d["sandbox"]), path=str(d["path"]), key=str(d["key"]),
+                   max_bytes=int(d["max_bytes"]) if d.get("max_bytes") else None)
+
+
+@dataclass(frozen=True)
+class DeliverySpec:
+    """One delivery as its receipt keeps it (signed: `tasks.signing`), everything it
+    takes to run it again: `tasks.chains.entries` makes it, the lane (`tasks.lanes`)
+    reads it back and `tasks.delivery` / `tasks.album` send it.
+
+    The wire form (`to_json`, `from_json`) is the JSON every courier version so far
+    wrote: the delivery id is `id`, the job id `job` (only the attribute names
+    changed); keys a reader does not know are ignored, so a spec written by a
+    newer version still reads."""
+
+    delivery_id: str
+    job_id: str
+    target: str  # "<platform>:<chat>"
+    type: SpecType
+    text: str | None = None  # a text delivery's text
+    # a file: its storage key and, once known, its name, size and hash
+    key: str | None = None
+    name: str | None = None
+    size: int | None = None
+    sha256: str | None = None
+    caption: str | None = None
+    voice: bool = False
+    as_document: bool = False
+    #: a sandbox file still to be extracted (into `key`)
+    extract: ExtractSpec | None = None
+    #: a turn's reply's last file: the ids of the reply's files its one notice of unsent files covers
+    tell: tuple[str, ...] | None = None
+    #: a reply's earlier file: the delivery whose notice names it (no notice of its own)
+    told_by: str | None = None
+
+    @property
+    def is_text(self) -> bool:
+        return self.type == "text"
+
+    def with_extraction(self, extracted: Extracted) -> DeliverySpec:
+        """The spec with what its extraction found (key, name, size, hash)."""
+        return replace(self, key=extracted.key if extracted.key is not None else self.key,
+                       name=extracted.name if extracted.name is not None else self.name,
+                       size=extracted.size if extracted.size is not None else self.size,
+                       sha256=extracted.sha256 if extracted.sha256 is not None else self.sha256)
+
+    def to_json(self) -> JsonObject:
+        """The wire form (what is signed into the receipt's `spec`)."""
+        out: JsonObject = {"id": self.delivery_id, "job": self.job_id, "target": self.target, "type": self.type}
+        if self.text is not None:
+            out["text"] = self.text
+        if self.type == "file":
+            out.update(voice=self.voice, as_document=self.as_document)
+        for name in ("key", "name", "size", "sha256"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        if self.extract is not None:
+            out["extract"] = self.extract.to_json()
+        if self.caption is not None:
+            out["caption"] = self.caption
+        if self.tell is not None:
+            out["tell"] = list(self.tell)
+        if self.told_by is not None:
+            out["told_by"] = self.told_by
+        return out
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> DeliverySpec:
+        """A spec from its wire form (ValueError: not a delivery spec)."""
+        try:
+            kind = d["type"]
+            if kind not in ("text", "file"):
+                raise ValueError(f"a delivery spec of unknown type {kind!r}")
+            extract = d.get("extract")
+            tell = d.get("tell")
+            size = d.get("size")
+            return cls(delivery_id=str(d["id"]), job_id=str(d["job"]), target=str(d["target"]),
+                       type=cast(SpecType, kind), text=d.get("text"), key=d.get("key"), name=d.get("name"),
+                       size=size if isinstance(size, int) else None, sha256=d.get("sha256"),
+                       caption=d.get("caption"), voice=bool(d.get("voice")),
+                       as_document=bool(d.get("as_document")),
+                       extract=ExtractSpec.from_json(extract) if extract else None,
+                       tell=tuple(str(t) for t in tell) if tell is not None else None, told_by=d.get("told_by"))
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"not a delivery spec: {type(exc).__name__}: {exc}") from None
+
+
+class DeliveryOutcome(TypedDict):
+    """What delivering one item returns (`tasks.delivery`): its id, the state its receipt
+    was left in and, as it went, the message id, what it went as, why it failed, or
+    `skipped`: it was over before this run (delivered, cancelled, failed for good)."""
+
+    id: str
+    state: str
+    message_id: NotRequired[str | None]
+    kind: NotRequired[str]
+    reason: NotRequired[str | None]
+    skipped: NotRequired[bool]
+
+
+class AlbumOutcome(TypedDict):
+    """What delivering an album step returns (`tasks.album`): its lead and each item's outcome."""
+
+    album: str
+    deliveries: list[DeliveryOutcome]
+
+
+class WakeUp(TypedDict):
+    """Extractions a sandbox's breaker postponed, handed on when it answered again: their queue and ids."""
+
+    queue: str
+    ids: list[str]
+
+
+class ExtractionRun(TypedDict):
+    """What the extraction stage returns (`tasks.extract.run`, the `extract_file` task): the delivery
+    and what the stage did (`extracted`, `failed`, `retrying` with `wait_s`, `done`, `busy`, `gone`,
+    `refused`); `wake`: extractions to publish again; `lane`: the drive of its lane that followed."""
+
+    delivery: str
+    state: str
+    target: NotRequired[str]
+    wait_s: NotRequired[float]
+    wake: NotRequired[WakeUp]
+    lane: NotRequired[JsonObject]
+
+
+@dataclass(frozen=True)
+class Extracted:
+    """An extraction's result (`tasks.extract.extract`, or read back from the
+    receipt by `tasks.delivery.result_of`): `ok` with the file's key, name, size
+    and hash; or not, with the `reason` and, for the chat's notice, `too_large`
+    (with `size` and `limit`) or `notify` (the words the chat is told)."""
+
+    ok: bool
+    name: str | None = None
+    key: str | None = None
+    size: int | None = None
+    sha256: str | None = None
+    reason: str | None = None
+    too_large: bool = False
+    limit: int | None = None
+    notify: str | None = None

@@ -25,10 +25,8 @@ import contextvars
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from tasks.messages import JsonObject
+from tasks.states import DeliveryState
 
 log = logging.getLogger(__name__)
 
@@ -85,15 +83,16 @@ def failures_noted() -> Iterator[list[tuple[str, str]]]:
         _noted.reset(token)
 
 
-def record_delivery(job: JsonObject, state: str, kind: str | None = None, reason: str | None = None) -> None:
-    """A delivery's receipt was recorded final: `delivered` (with the kind sent) or `failed`."""
+def record_delivery(did: str, target: str, state: str, kind: str, reason: str | None = None) -> None:
+    """Delivery `did`'s receipt was recorded final: `delivered` or `failed`; `kind`: what it was
+    sent as (a failure's: what it was to go as, else its spec's type, `text` or `file`)."""
     noted = _noted.get()
-    if noted is not None and state == "failed":
-        noted.append((str(job.get("id")), reason or ""))
+    if noted is not None and state == DeliveryState.FAILED:
+        noted.append((did, reason or ""))
     if not _ON:
         return
     try:
-        DELIVERIES.labels(_platform(job.get("target")), kind or job.get("type") or "file", state).inc()
+        DELIVERIES.labels(_platform(target), kind, state).inc()
     except Exception as exc:  # noqa: BLE001 - see the module docstring
         log.debug("metrics: %r", exc)
 

@@ -27,7 +27,7 @@ import time
 from redis import Redis
 
 from tasks import events, keys, ledger, receipts, scripts, signing
-from tasks.states import DELIVERY_OVER, EXTRACTION_FAILED, DeliveryState
+from tasks.states import DELIVERY_OVER, EXTRACTION_FAILED, DeliveryState, JobState
 
 #: a delivery in these states may be retried
 RETRYABLE = frozenset({DeliveryState.FAILED, DeliveryState.CANCELLED})
@@ -49,13 +49,13 @@ def retry(r: Redis, rec: receipts.Receipt) -> dict[str, str]:
     be extracted again, and `target`), or `refused` with the state it is in."""
     did = rec["id"]
     try:
-        spec = signing.open_json("delivery", did, rec["spec"]) if rec.get("spec") else None
+        spec = signing.open_delivery(did, rec["spec"]) if rec.get("spec") else None
     except signing.Forged as exc:
         return {"id": did, "outcome": "refused", "state": rec.get("state", ""), "reason": f"refused: {exc.reason}"}
     if spec is None:
         return {"id": did, "outcome": "refused", "state": rec.get("state", ""),
                 "reason": "its receipt holds no spec to run it again"}
-    target = spec["target"]
+    target = spec.target
     what, was = scripts.run(r, "delivery_retry", keys=[keys.delivery(did), keys.lane(target)],
                             args=[f"{time.time():.3f}", receipts.RETENTION_S, did, DeliveryState.QUEUED,
                                   EXTRACTION_FAILED, *sorted(RETRYABLE)])
@@ -63,17 +63,17 @@ def retry(r: Redis, rec: receipts.Receipt) -> dict[str, str]:
         return {"id": did, "outcome": "refused", "state": "", "reason": "no such delivery (expired?)"}
     if what == "refused":
         why = ("already delivered" + (f" (message id {rec.get('message_id')})" if rec.get("message_id") else "")
-               if was == "delivered" else f"not failed: it is {was}")
+               if was == DeliveryState.DELIVERED else f"not failed: it is {was}")
         return {"id": did, "outcome": "refused", "state": was, "reason": why}
     p = r.pipeline(transaction=False)
     out = {"id": did, "outcome": "requeued", "was": was, "target": target}
     if what == "extract":
         ledger.set_due(p, "extract", did, 60.0)
         out["extract"] = rec.get("queue") or "sandbox"
-        out["source"] = spec.get("extract", {}).get("path", "")
+        out["source"] = spec.extract.path if spec.extract is not None else ""
     ledger.set_due(p, "lane", target, 10.0)
-    events.publish(r, spec["job"], {"kind": "delivery", "delivery_id": did, "state": "queued", "retry": True},
-                   pipe=p)
+    events.publish(r, spec.job_id,
+                   {"kind": "delivery", "delivery_id": did, "state": DeliveryState.QUEUED, "retry": True}, pipe=p)
     p.execute()
     return out
 
@@ -89,10 +89,10 @@ def cancel_delivery(r: Redis, rec: receipts.Receipt) -> dict[str, str]:
         p = r.pipeline(transaction=False)
         ledger.clear_due(p, "extract", did)
         events.publish(r, rec.get("job") or did.rsplit(".", 1)[0],
-                       {"kind": "delivery", "delivery_id": did, "state": "cancelled", "reason": receipts.CANCEL_REASON,
-                        "name": rec.get("name")}, pipe=p)
+                       {"kind": "delivery", "delivery_id": did, "state": DeliveryState.CANCELLED,
+                        "reason": receipts.CANCEL_REASON, "name": rec.get("name")}, pipe=p)
         p.execute()
-    return {"id": did, "outcome": what, "state": "cancelled" if what == "cancelled" else was}
+    return {"id": did, "outcome": what, "state": DeliveryState.CANCELLED if what == "cancelled" else was}
 
 
 def mark_turn(r: Redis, job_id: str) -> str:
@@ -104,14 +104,15 @@ def mark_turn(r: Redis, job_id: str) -> str:
 
     job = receipts.get_job(r, job_id) or {}
     st = job.get("state", "")
-    if st in TURN_OVER or st == "cancelled":
+    if st in TURN_OVER or st == JobState.CANCELLED:
         return st
     r.hset(keys.job(job_id), mapping={"cancel_requested": "1"})
-    if st == "queued":
+    if st == JobState.QUEUED:
         # a worker taking it now sees the mark before it registers anything
-        receipts.set_job(r, job_id, state="cancelled", reason=receipts.CANCEL_REASON)
+        receipts.set_job(r, job_id, state=JobState.CANCELLED, reason=receipts.CANCEL_REASON)
         ledger.clear_due(r, "turn", job_id)
-        events.publish(r, job_id, {"kind": "status", "status": "cancelled", "reason": receipts.CANCEL_REASON,
+        events.publish(r, job_id, {"kind": "status", "status": JobState.CANCELLED, "reason": receipts.CANCEL_REASON,
                                    "deliveries": 0})
-        return "queued"
-    return "running"
+        return JobState.QUEUED
+    return JobState.RUNNING
+

@@ -26,7 +26,9 @@ makes no write of its own.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+
+from redis import Redis
+from redis.client import Pipeline
 
 from adapters.errors import RateLimited
 from adapters.platforms.base import FileSource, Kind, Platform, Sent
@@ -38,7 +40,7 @@ __all__ = ["PARTS_TTL_S", "Guarded", "guard", "queue_lookup", "queue_record"]
 PARTS_TTL_S = 30 * 24 * 3600
 
 
-def queue_record(pipe: Any, delivery_id: str, records: dict[str, str]) -> None:
+def queue_record(pipe: Pipeline, delivery_id: str, records: dict[str, str]) -> None:
     """Queue on `pipe` the records of parts of `delivery_id` (part id -> what
     to remember: a message id, an upload's file id, ...), and their expiry."""
     key = keys.delivery_parts(delivery_id)
@@ -47,7 +49,7 @@ def queue_record(pipe: Any, delivery_id: str, records: dict[str, str]) -> None:
     pipe.expire(key, PARTS_TTL_S)
 
 
-def queue_lookup(pipe: Any, delivery_id: str, parts: list[str]) -> None:
+def queue_lookup(pipe: Pipeline, delivery_id: str, parts: list[str]) -> None:
     """Queue on `pipe` reading the records of `parts` (None where there is none)."""
     pipe.hmget(keys.delivery_parts(delivery_id), parts)
 
@@ -55,7 +57,7 @@ def queue_lookup(pipe: Any, delivery_id: str, parts: list[str]) -> None:
 class Guarded(Platform):
     """A platform seen through one delivery: each part sent once, every send through the shared rate limits."""
 
-    def __init__(self, redis: Any, platform: Platform, delivery_id: str, *, first_attempt: bool = False,
+    def __init__(self, redis: Redis, platform: Platform, delivery_id: str, *, first_attempt: bool = False,
                  defer: bool = False) -> None:
         self._redis = redis
         self._p = platform
@@ -64,7 +66,7 @@ class Guarded(Platform):
         self._defer = defer
         self._pending: list[tuple[str, str]] = []
         #: what else follows sends so far: their chat gates pushed (`Slot.release`), `after_sent` writes
-        self._writes: list[Callable[[Any], Any]] = []
+        self._writes: list[Callable[[Pipeline], object]] = []
         #: on a delivery's first attempt no part can have been sent before: no need to look
         self._fresh = first_attempt
         self._delivery_id = delivery_id
@@ -130,7 +132,7 @@ class Guarded(Platform):
         pipe.execute()
         return sent
 
-    def after_sent(self, write: Callable[[Any], Any]) -> None:
+    def after_sent(self, write: Callable[[Pipeline], object]) -> None:
         """Queue `write(pipe)` for the flush (with `defer`; else it runs now): a write that
         follows a send (an upload's file id) rides with the delivery's receipt."""
         if self._defer:
@@ -140,7 +142,7 @@ class Guarded(Platform):
             write(pipe)
             pipe.execute()
 
-    def flush(self, pipe: Any = None, *, covered: str | None = None) -> None:
+    def flush(self, pipe: Pipeline | None = None, *, covered: str | None = None) -> None:
         """Queue what follows the parts sent so far on `pipe` (the caller's receipt pipeline),
         or write it now: their records, the chat's gate pushed for a late arrival,
         `after_sent` writes.
@@ -194,6 +196,6 @@ class Guarded(Platform):
         return None  # the wrapped platform is shared by the process
 
 
-def guard(redis: Any, platform: Platform, delivery_id: str, *, first_attempt: bool = False,
+def guard(redis: Redis, platform: Platform, delivery_id: str, *, first_attempt: bool = False,
           defer: bool = False) -> Guarded:
     return Guarded(redis, platform, delivery_id, first_attempt=first_attempt, defer=defer)

@@ -167,7 +167,7 @@ def _message(raw: bytes) -> tuple[str, str, list[object]] | None:
 def _orphan_why(r: Redis, task: str, args: list[object]) -> tuple[str, str] | None:
     """(subject, why) when a message of `task` with `args` has nothing left to do."""
     from tasks import receipts, task_names
-    from tasks.states import TURN_OVER
+    from tasks.states import EXTRACTION_FAILED, EXTRACTION_OK, TURN_OVER, JobState
 
     if not args:
         return "", "its body does not verify (it would be refused)"
@@ -176,7 +176,7 @@ def _orphan_why(r: Redis, task: str, args: list[object]) -> tuple[str, str] | No
         rec = receipts.get_delivery(r, first)
         if rec is None:
             return first, "its delivery is gone"
-        if rec.get("state") in receipts.TERMINAL or rec.get("extraction") in ("ok", "failed"):
+        if rec.get("state") in receipts.TERMINAL or rec.get("extraction") in (EXTRACTION_OK, EXTRACTION_FAILED):
             return first, f"its delivery is {rec.get('state') if rec.get('state') in receipts.TERMINAL else 'extracted'}"
         return None
     if task == task_names.AGENT_TURN and isinstance(first, dict):
@@ -184,7 +184,7 @@ def _orphan_why(r: Redis, task: str, args: list[object]) -> tuple[str, str] | No
         job = receipts.get_job(r, job_id)
         if job is None:
             return job_id, "its turn is gone"
-        if job.get("state") in TURN_OVER or job.get("state") == "cancelled":
+        if job.get("state") in TURN_OVER or job.get("state") == JobState.CANCELLED:
             return job_id, f"its turn is {job.get('state')}"
         return None
     return None

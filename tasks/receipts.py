@@ -15,7 +15,7 @@ from redis.typing import EncodableT
 from redis.client import Pipeline
 
 from tasks import keys, scripts
-from tasks.states import DELIVERY_OVER, DeliveryState
+from tasks.states import DELIVERY_OVER, DeliveryState, JobState
 
 RETENTION_S = 30 * 24 * 3600
 TERMINAL = DELIVERY_OVER
@@ -48,7 +48,8 @@ def create_job(r: Redis | None, job_id: str, *, kind: str, target: str, pipe: Pi
 
 def job_fields(job_id: str, *, kind: str, target: str, **meta: Any) -> dict[str, str]:
     """A new job record's fields (`create_job` writes them at `keys.job(job_id)`, kept RETENTION_S)."""
-    fields = {"id": job_id, "kind": kind, "target": target, "state": "queued", "created_s": f"{time.time():.3f}"}
+    fields = {"id": job_id, "kind": kind, "target": target, "state": JobState.QUEUED,
+              "created_s": f"{time.time():.3f}"}
     fields.update({k: _text(v) for k, v in meta.items() if v is not None})
     return fields
 
@@ -75,7 +76,8 @@ def add_delivery(r: Redis, job_id: str, delivery_id: str, *, lane: str | None = 
     """Register a delivery as queued (idempotent: an existing receipt is kept),
     appending it to the chat lane `lane` (a target) when given. `r` may be a
     pipeline (one round trip for a whole plan)."""
-    fields = {"id": delivery_id, "job": job_id, "state": "queued", "attempts": "0", "queued_s": f"{time.time():.3f}"}
+    fields = {"id": delivery_id, "job": job_id, "state": DeliveryState.QUEUED, "attempts": "0",
+              "queued_s": f"{time.time():.3f}"}
     fields.update({kk: _text(v) for kk, v in meta.items() if v is not None})
     flat = [x for kv in fields.items() for x in kv]
     scripts.run(r, "delivery_add",

@@ -10,6 +10,7 @@ import time
 from tasks import chains, keys, ledger, receipts, signing
 from tasks.reconcile import Stage, grace
 from tasks.runtime import Context
+from tasks.states import EXTRACTION_FAILED, EXTRACTION_OK
 
 
 def _stale_ready(ctx: Context, now: float | None) -> str:
@@ -35,7 +36,7 @@ def _lane(ctx: Context, target: str) -> str:
 def _extraction(ctx: Context, did: str) -> str:
     r = ctx.redis
     rec = receipts.get_delivery(r, did)
-    if rec is None or rec.get("extraction") in ("ok", "failed") or rec.get("state") in receipts.TERMINAL \
+    if rec is None or rec.get("extraction") in (EXTRACTION_OK, EXTRACTION_FAILED) or rec.get("state") in receipts.TERMINAL \
             or not rec.get("queue"):
         ledger.clear_due(r, "extract", did)
         target = _target_of(rec) if rec is not None and rec.get("spec") else ""
@@ -51,7 +52,7 @@ def _extraction(ctx: Context, did: str) -> str:
 def _target_of(rec: receipts.Receipt) -> str:
     """The lane a receipt's delivery belongs to, from its verified spec ('' when it does not verify)."""
     try:
-        return str(signing.open_json("delivery", rec.get("id", ""), rec["spec"])["target"])
+        return signing.open_delivery(rec.get("id", ""), rec["spec"]).target
     except signing.Forged:
         return ""
 

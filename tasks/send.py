@@ -14,8 +14,9 @@ At least a text or one file. It goes through the ledger like `courier send`
 `courier status <job>` shows, the chat's lane, an extraction per file on its
 sandbox's queue. Bad input raises `ConfigError` (nothing is enqueued).
 
-The pre-checks (`check_file`, shared with `courier send`): what can be known
-before enqueueing is refused then. A remote sandbox's path, which cannot be
+The pre-checks (`check_send`, the same for `courier send`, which also takes
+files of its own host and uploads them): what can be known before
+enqueueing is refused then. A remote sandbox's path, which cannot be
 resolved here, is refused when the path policy refuses it as written
 (relative, `..`, the system denylist: /etc, /proc, ...). A local one is
 resolved (links, allowed roots) and its size checked against the
@@ -25,6 +26,7 @@ extraction cap and the platform's upload limit for what it would go as.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from adapters.errors import ConfigError
@@ -37,16 +39,65 @@ from tasks.runtime import Context
 FIELDS = ("text", "files", "caption", "voice", "as_document", "job_id")
 
 
-def plan_send(ctx: Context, target: str, *, text: str | None = None, files: list[str] | None = None,
-              caption: str | None = None, voice: bool = False, as_document: bool = False,
-              job_id: str | None = None) -> chains.Plan:
-    """The checked plan of a send (ConfigError on bad input)."""
+class NothingToSend(ConfigError):
+    """A send with neither a text nor a file (the CLI words it for its own options)."""
+
+
+#: a file on the sender's own host (`courier send ./report.pdf`): checked when the send is,
+#: stored (uploaded) only when its plan is made, after every check passed
+@dataclass(frozen=True)
+class HostFile:
+    path: str
+    name: str
+
+
+#: how a sender takes a file given without `://`: checks it (ConfigError when refused) and
+#: says what it is; without one, an absolute path is a `local://` sandbox file
+HostFiles = Callable[[str], HostFile]
+#: stores a host file for job `job_id` as its file number `seq`
+Upload = Callable[[str, int, HostFile], chains.StoredFile]
+
+
+@dataclass(frozen=True)
+class CheckedSend:
+    """A send every pre-check passed (`check_send`); `plan` makes its ledger plan."""
+
+    target: str
+    text: str | None
+    files: list[chains.SandboxFile | HostFile]
+    caption: str | None
+    voice: bool
+    as_document: bool
+    max_bytes: int
+    album_max: int
+
+    def plan(self, job_id: str | None = None, upload: Upload | None = None) -> chains.Plan:
+        """The plan (a new `snd_` job id unless given); host files stored by `upload`."""
+        job_id = job_id or chains.new_job_id("snd")
+        files: list[chains.StoredFile | chains.SandboxFile] = []
+        for seq, f in enumerate(self.files):
+            if isinstance(f, HostFile):
+                if upload is None:
+                    raise ConfigError(f"{f.path}: a file of this host, and nothing to store it with")
+                files.append(upload(job_id, seq, f))
+            else:
+                files.append(f)
+        return chains.Plan(job_id=job_id, target=self.target, text=self.text or None, files=files,
+                           caption=self.caption, voice=self.voice, as_document=self.as_document,
+                           max_bytes=self.max_bytes, album_max=self.album_max)
+
+
+def check_send(target: str, *, platform: Callable[[], Platform], album_max: Callable[[], int],
+               open_sandbox: Callable[[SandboxRef], Sandbox], max_files: int, max_file_bytes: int,
+               text: str | None = None, files: list[str] | None = None, caption: str | None = None,
+               voice: bool = False, as_document: bool = False, host_files: HostFiles | None = None
+               ) -> CheckedSend:
+    """Every check a send gets before anything is enqueued or stored, for the operator's task
+    (`plan_send`) and `courier send` alike; ConfigError (`NothingToSend`) on bad input.
+    `platform`: the target's adapter (asked only when a file is checked against its limits);
+    `album_max`: its album size; `host_files`: how a file given without `://` is taken."""
     from adapters.sandboxes.base import parse_uri
 
-    if not isinstance(target, str):
-        raise ConfigError("target must be a string: <platform>:<chat id>")
-    platform_name, _chat = split_target(target)
-    platform = ctx.platform(platform_name)  # unknown or unconfigured: ConfigError
     if text is not None and not isinstance(text, str):
         raise ConfigError("text must be a string")
     if caption is not None and not isinstance(caption, str):
@@ -56,22 +107,40 @@ def plan_send(ctx: Context, target: str, *, text: str | None = None, files: list
     if isinstance(files, str) or not isinstance(files, list) or not all(isinstance(f, str) for f in files):
         raise ConfigError("files must be a list of sandbox URIs or absolute paths")
     if not (text and text.strip()) and not files:
-        raise ConfigError("nothing to send: give a text, files, or both")
-    if ctx.max_files_per_job and len(files) > ctx.max_files_per_job:
-        raise ConfigError(f"{len(files)} files: at most {ctx.max_files_per_job} go with one send "
+        raise NothingToSend("nothing to send: give a text, files, or both")
+    if max_files and len(files) > max_files:
+        raise ConfigError(f"{len(files)} files: at most {max_files} go with one send "
                           "(COURIER_MAX_FILES_PER_JOB)")
-    refs: list[chains.StoredFile | chains.SandboxFile] = []
+    checked: list[chains.SandboxFile | HostFile] = []
     for f in files:
+        if "://" not in f and host_files is not None:
+            checked.append(host_files(f))
+            continue
         uri = f if "://" in f else ("local://" + f if f.startswith("/") else None)
         if uri is None:
             raise ConfigError(f"not a sandbox URI or an absolute path: {f!r}")
         ref, path = parse_uri(uri)
-        check_file(ctx.sandbox, platform, ref, path, f, voice=bool(voice), as_document=bool(as_document),
-                   max_file_bytes=ctx.max_file_bytes)
-        refs.append(chains.SandboxFile(ref=ref, path=path))
-    return chains.Plan(job_id=job_id or chains.new_job_id("snd"), target=target, text=text or None, files=refs,
-                       caption=caption, voice=bool(voice), as_document=bool(as_document),
-                       max_bytes=ctx.max_file_bytes, album_max=platform.limits.album_max)
+        check_file(open_sandbox, platform(), ref, path, f, voice=bool(voice), as_document=bool(as_document),
+                   max_file_bytes=max_file_bytes)
+        checked.append(chains.SandboxFile(ref=ref, path=path))
+    return CheckedSend(target=target, text=text or None, files=checked, caption=caption, voice=bool(voice),
+                       as_document=bool(as_document), max_bytes=max_file_bytes, album_max=album_max())
+
+
+def plan_send(ctx: Context, target: str, *, text: str | None = None, files: list[str] | None = None,
+              caption: str | None = None, voice: bool = False, as_document: bool = False,
+              job_id: str | None = None) -> chains.Plan:
+    """The checked plan of a send (ConfigError on bad input): `check_send` with the worker's
+    configuration, files as sandbox URIs or absolute paths (the local sandbox's)."""
+    if not isinstance(target, str):
+        raise ConfigError("target must be a string: <platform>:<chat id>")
+    platform_name, _chat = split_target(target)
+    platform = ctx.platform(platform_name)  # unknown or unconfigured: ConfigError
+    checked = check_send(target, platform=lambda: platform, album_max=lambda: platform.limits.album_max,
+                         open_sandbox=ctx.sandbox, max_files=ctx.max_files_per_job,
+                         max_file_bytes=ctx.max_file_bytes, text=text, files=files, caption=caption, voice=voice,
+                         as_document=as_document)
+    return checked.plan(job_id)
 
 
 def check_size(platform: Platform, shown: str, name: str, size: int, *, voice: bool, as_document: bool,

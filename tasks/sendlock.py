@@ -15,14 +15,13 @@ import uuid
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import cast
+from typing import TypeVar, cast
 
 from redis import Redis
 from redis.client import Pipeline
 
 from adapters.errors import CourierError
 from tasks import keys, ledger, scripts
-from tasks.messages import JsonObject
 from tasks.runtime import Context
 from tasks.states import DELIVERY_UNTRIED, DeliveryState
 
@@ -93,9 +92,13 @@ class SendSession:
             self.released = True
 
 
-def under_send_lock(ctx: Context, did: str, done: Callable[[JsonObject], JsonObject | None],
-                    work: Callable[[SendSession], JsonObject], *, count_attempt: bool = False,
-                    held: Held | None = None) -> JsonObject:
+#: what a piece of work under a send lock returns (`tasks.delivery`'s outcome, an album's)
+Outcome = TypeVar("Outcome")
+
+
+def under_send_lock(ctx: Context, did: str, done: Callable[[dict[str, str]], Outcome | None],
+                    work: Callable[[SendSession], Outcome], *, count_attempt: bool = False,
+                    held: Held | None = None) -> Outcome:
     """Run `work` holding the send lock of `did`, unless `done(receipt)` says
     there is nothing left to do; another worker holding the lock: `Busy`.
     `held`: the lock already taken (and the attempt counted) by the caller."""

@@ -31,8 +31,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from adapters.errors import CourierError
+from tasks.messages import DeliverySpec
 
-__all__ = ["Forged", "Signer", "install", "installed", "open_json", "seal_json", "signer"]
+__all__ = ["Forged", "Signer", "install", "installed", "open_delivery", "open_json", "seal_delivery", "seal_json",
+           "signer"]
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +152,23 @@ def open_json(purpose: str, ident: str, sealed: str | bytes) -> Any:
     except Forged as exc:
         refused(purpose, exc)
         raise
+
+
+def seal_delivery(spec: DeliverySpec) -> str:
+    """A delivery spec sealed for its receipt (its wire form, `DeliverySpec.to_json`)."""
+    return seal_json("delivery", spec.delivery_id, spec.to_json())
+
+
+def open_delivery(did: str, sealed: str | bytes) -> DeliverySpec:
+    """Delivery `did`'s spec, verified (Forged, logged and counted, when it does not) and read.
+    One that verifies but is no delivery spec (no release of courier writes one) is refused
+    the same way, as Forged (not counted as a forgery): it is never acted on, its receipt says why."""
+    obj = open_json("delivery", did, sealed)
+    try:
+        return DeliverySpec.from_json(obj)
+    except ValueError as exc:
+        log.warning("delivery %s: its spec is unreadable (%s)", did, exc)
+        raise Forged(f"delivery {did}: {exc}") from None
 
 
 def refused(what: str, exc: Exception) -> None:

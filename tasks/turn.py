@@ -39,7 +39,7 @@ from tasks.events import Event
 from tasks.messages import TurnResult, TurnSpec
 from tasks.reconcile import Stage, grace
 from tasks.runtime import AgentConfig, Context
-from tasks.states import TURN_OVER
+from tasks.states import TURN_OVER, DeliveryState, JobState
 from tasks.workspaces import relative, workspace_path
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ class TurnOutcome:
 
     job_id: str
     target: str
-    state: str
+    state: JobState
     plan: chains.Plan | None = None
     reason: str | None = None
     skipped: bool = False
@@ -132,7 +132,7 @@ def failed(job_id: str, target: str, reason: str, *, said: str | None = None) ->
     the reason (the agent's), its paths relative to the turn's workspace."""
     shown = said or visible(relative(reason, job_id))
     plan = chains.Plan(job_id=job_id, target=target, text=f"Sorry, that did not work ({shown[:200]}).")
-    return TurnOutcome(job_id, target, "error", plan=plan, reason=reason)
+    return TurnOutcome(job_id, target, JobState.ERROR, plan=plan, reason=reason)
 
 
 def run_turn(ctx: Context, spec: TurnSpec, *, on_activity: Callable[[Event], None] | None = None) -> TurnOutcome:
@@ -146,9 +146,9 @@ def run_turn(ctx: Context, spec: TurnSpec, *, on_activity: Callable[[Event], Non
     if job.get("state") in TURN_OVER or job.get("cancel_requested") == "1":
         ledger.clear_due(r, "turn", job_id)
         if job.get("state") not in TURN_OVER:  # cancelled while a worker was taking it
-            receipts.set_job(r, job_id, state="cancelled")
-        return TurnOutcome(job_id, target, job["state"] if job.get("state") in TURN_OVER else "cancelled",
-                           skipped=True)
+            receipts.set_job(r, job_id, state=JobState.CANCELLED)
+        state = JobState(job["state"]) if job.get("state") in TURN_OVER else JobState.CANCELLED
+        return TurnOutcome(job_id, target, state, skipped=True)
     r.hincrby(keys.job(job_id), "attempts", 1)  # the reconciler gives up on a turn that kills its worker
 
     def publish(ev: Event) -> None:
@@ -157,7 +157,7 @@ def run_turn(ctx: Context, spec: TurnSpec, *, on_activity: Callable[[Event], Non
         if on_activity is not None:
             on_activity(ev)
 
-    receipts.set_job(r, job_id, state="running")
+    receipts.set_job(r, job_id, state=JobState.RUNNING)
     publish({"kind": "status", "status": "started"})
     name = spec.get("agent") or "demo"
     agent = ctx.agent(name)
@@ -255,7 +255,7 @@ def _run_agent(ctx: Context, spec: TurnSpec, agent: AgentConfig | None, name: st
     if result.status == "error":
         return failed(job_id, target, result.reason)
     if result.status == "no_reply":
-        return TurnOutcome(job_id, target, "no_reply", reason=result.reason or None)
+        return TurnOutcome(job_id, target, JobState.NO_REPLY, reason=result.reason or None)
 
     from tasks.reply import parse_reply
 
@@ -279,8 +279,8 @@ def _run_agent(ctx: Context, spec: TurnSpec, agent: AgentConfig | None, name: st
                        max_bytes=ctx.max_file_bytes, album_max=_album_max(ctx, target),
                        max_files=ctx.max_files_per_job, tell_unsent=True)
     if receipts.cancel_requested(r, job_id):  # `courier cancel` while it ran: its reply is not delivered
-        return TurnOutcome(job_id, target, "cancelled", reason=receipts.CANCEL_REASON)
-    return TurnOutcome(job_id, target, "replied", plan=plan)
+        return TurnOutcome(job_id, target, JobState.CANCELLED, reason=receipts.CANCEL_REASON)
+    return TurnOutcome(job_id, target, JobState.REPLIED, plan=plan)
 
 
 def _same_file(path: str) -> str:
@@ -310,25 +310,25 @@ def finish(ctx: Context, outcome: TurnOutcome, enqueue: Enqueue, *,
             on_activity(ev)
 
     ids: list[str] = []
-    if outcome.state == "replied" and outcome.plan is not None:
+    if outcome.state == JobState.REPLIED and outcome.plan is not None:
         try:
             ids = enqueue(r, outcome.plan)
         except CourierError as exc:
             outcome = failed(job_id, outcome.target, exc.reason,
                              said=f"the reply could not be sent: {in_chat_words(exc)}")
-    if outcome.state == "error" and outcome.plan is not None:
+    if outcome.state == JobState.ERROR and outcome.plan is not None:
         try:
             ids = enqueue(r, outcome.plan)
         except CourierError:
             ids = []
     for d in ids:
-        publish({"kind": "delivery", "delivery_id": d, "state": "queued"})
+        publish({"kind": "delivery", "delivery_id": d, "state": DeliveryState.QUEUED})
     state = outcome.state
     receipts.set_job(r, job_id, state=state, **({"reason": outcome.reason} if outcome.reason else {}))
     ledger.clear_due(r, "turn", job_id)
     tail: dict[str, str | int] = {"reason": outcome.reason} if outcome.reason else {}
     tail["deliveries"] = len(ids)  # readers wait for this many deliveries' final states
-    publish({"kind": "status", "status": "completed" if state == "replied" else state, **tail})
+    publish({"kind": "status", "status": "completed" if state == JobState.REPLIED else state, **tail})
     out: TurnResult = {"job": job_id, "state": state, "deliveries": len(ids)}
     if outcome.reason:
         out["reason"] = outcome.reason
@@ -436,7 +436,7 @@ def abandon(ctx: Context, job_id: str, reason: str, enqueue: Enqueue = chains.en
     try:
         spec = signing.open_json("turn", job_id, job["spec"]) if job.get("spec") else {}
     except signing.Forged as exc:  # its chat is not known for sure: the job ends, no message to anyone
-        return finish(ctx, TurnOutcome(job_id, "", "error", reason=f"refused: {exc.reason}"), enqueue)
+        return finish(ctx, TurnOutcome(job_id, "", JobState.ERROR, reason=f"refused: {exc.reason}"), enqueue)
     return finish(ctx, failed(job_id, spec.get("target") or job.get("target", ""), reason), enqueue)
 
 
@@ -462,7 +462,7 @@ def _redrive(ctx: Context, job_id: str) -> str:
         spec = signing.open_json("turn", job_id, job["spec"])  # logged and counted when forged
     except signing.Forged as exc:
         ledger.clear_due(r, "turn", job_id)
-        receipts.set_job(r, job_id, state="error", reason=f"refused: {exc.reason}")
+        receipts.set_job(r, job_id, state=JobState.ERROR, reason=f"refused: {exc.reason}")
         return ""
     chains.spec_sig(spec).apply_async()
     return "turns"

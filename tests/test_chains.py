@@ -25,7 +25,7 @@ def _lane(plan):
 
             out.append(("album", json.loads(e.fields["album"])))
         else:
-            out.append((e.spec["type"], e.did))
+            out.append((e.spec.type, e.did))
     return out
 
 
@@ -38,10 +38,11 @@ def test_lane_order_text_then_files_in_reply_order():
     assert _lane(_plan(files)) == [("text", "snd_x.0"), ("file", "snd_x.1"), ("file", "snd_x.2"), ("file", "snd_x.3")]
     # sandbox files carry their extraction (on the sandbox queue); stored files do not
     assert [e.queue for e in items] == [None, "sandbox", None, "sandbox"]
-    assert items[1].spec["extract"] == {"sandbox": ref.to_dict(), "path": "/tmp/a.png", "key": "files/snd_x/1-a.png"}
-    assert items[1].spec["key"] == "files/snd_x/1-a.png" and "extract" not in items[2].spec
+    wire = [e.spec.to_json() for e in items]  # as the receipt keeps it
+    assert wire[1]["extract"] == {"sandbox": ref.to_dict(), "path": "/tmp/a.png", "key": "files/snd_x/1-a.png"}
+    assert wire[1]["key"] == "files/snd_x/1-a.png" and "extract" not in wire[2]
     # the caption rides on the first file only
-    assert items[1].spec["caption"] == "cap" and "caption" not in items[3].spec
+    assert wire[1]["caption"] == "cap" and "caption" not in wire[3]
 
 
 def test_pinned_sandboxes_go_to_their_hosts_queue():
@@ -124,9 +125,10 @@ def test_runs_of_photos_become_albums_of_at_most_album_max():
     first, second = items[ids[0]], items[ids[1]]
     # every member is extracted on its own and knows its step; the first carries the caption
     assert first.fields["step"] == second.fields["step"] == ids[0] and not second.lane
-    assert first.spec["extract"]["key"] == first.spec["key"] == "files/snd_x/1-p0.jpg" and first.queue == "sandbox"
-    assert "extract" not in second.spec and second.spec["key"] == "files/snd_x/1-p1.jpg"
-    assert first.spec["caption"] == "cap" and all("caption" not in e.spec for d, e in items.items() if d != ids[0])
+    wire = {d: e.spec.to_json() for d, e in items.items()}  # as the receipts keep them
+    assert wire[ids[0]]["extract"]["key"] == wire[ids[0]]["key"] == "files/snd_x/1-p0.jpg" and first.queue == "sandbox"
+    assert "extract" not in wire[ids[1]] and wire[ids[1]]["key"] == "files/snd_x/1-p1.jpg"
+    assert wire[ids[0]]["caption"] == "cap" and all("caption" not in w for d, w in wire.items() if d != ids[0])
 
 
 def test_no_albums_when_the_platform_or_the_plan_says_so():

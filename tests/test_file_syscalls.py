@@ -58,6 +58,7 @@ from adapters.platforms.outbox import OutboxPlatform
 from adapters.sandboxes.local import LocalSandbox
 from storage.volume import VolumeStore
 from tasks import delivery
+from tasks.messages import DeliverySpec
 
 base, n = Path(sys.argv[2]), int(sys.argv[3])
 sandbox = base / "sandbox"
@@ -83,7 +84,9 @@ def extract(i):
 
 
 def send(i, key, size):
-    kind, src, _ = delivery.plan_file(ctx, outbox, {"key": key, "size": size, "name": f"f{i}.bin"})
+    kind, src, _ = delivery.plan_file(ctx, outbox, DeliverySpec(delivery_id=f"job{i}.0", job_id=f"job{i}",
+                                                                 target=f"outbox:c{i % 2}", type="file", key=key,
+                                                                 size=size, name=f"f{i}.bin"))
     outbox.send_file(f"c{i % 2}", kind, src, caption=None, delivery_id=f"job{i}.0")
 
 

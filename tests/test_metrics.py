@@ -258,7 +258,7 @@ def test_alert_rules_and_dashboard_use_series_courier_exports(redis_client):
     from tasks import metrics
     from workers import metrics as exposition
 
-    metrics.record_delivery({"target": "outbox:x", "type": "text"}, "delivered", "text")
+    metrics.record_delivery("snd_x.0", "outbox:x", "delivered", "text")
     metrics.record_extraction("local", 0.1, 10, "ok")
     metrics.record_turn("demo", "replied", 1.0)
     metrics.record_webhook("slack", 200)

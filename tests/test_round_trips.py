@@ -274,3 +274,34 @@ def test_a_window_script_redis_lost_is_taken_the_usual_way(counted):
     assert (receipts.get_delivery(counted.r, did) or {})["state"] == "delivered"
     assert _window_hits(counted.r, bot) == 2
 
+
+
+def test_a_delivery_queued_by_the_code_before_the_typed_spec_is_extracted_and_sent(counted):
+    """An upgrade mid-flight: a receipt whose spec the code before `DeliverySpec` sealed (this dict,
+    the keys it wrote) is extracted and sent by this code, once."""
+    from tasks import signing
+
+    (did,) = counted.plan("memory:rt-old", 1)
+    job, key, path = did.rsplit(".", 1)[0], f"files/{did.rsplit('.', 1)[0]}/0-f0.bin", str(counted.sandbox / "f0.bin")
+    legacy = {"id": did, "job": job, "target": "memory:rt-old", "type": "file", "voice": False, "as_document": False,
+              "key": key, "name": "f0.bin",
+              "extract": {"sandbox": SandboxRef("local").to_dict(), "path": path, "key": key}}
+    assert signing.open_json("delivery", did, receipts.get_delivery(counted.r, did)["spec"]) == legacy  # as written
+    counted.r.hset(keys.delivery(did), "spec", signing.seal_json("delivery", did, legacy))
+    assert counted.extract(did)["state"] == "extracted"
+    assert counted.drive("memory:rt-old") == {"lane": "memory:rt-old", "state": "empty", "sent": 1}
+    assert counted.platform.sent == [("rt-old", "document", "f0.bin", None)]
+    assert (receipts.get_delivery(counted.r, did) or {})["state"] == "delivered"
+
+
+def test_a_signed_spec_that_is_no_delivery_spec_is_refused_not_retried(counted):
+    """A receipt whose spec verifies but cannot be read as a delivery spec (no release writes one):
+    neither stage acts on it or fails over and over; the receipt says why, the lane moves on."""
+    from tasks import signing
+
+    (did,) = counted.plan("memory:rt-bad", 1)
+    counted.r.hset(keys.delivery(did), "spec", signing.seal_json("delivery", did, {"id": did, "type": "file"}))
+    assert counted.extract(did)["state"] == "refused"
+    assert counted.drive("memory:rt-bad") == {"lane": "memory:rt-bad", "state": "empty", "sent": 0}
+    rec = receipts.get_delivery(counted.r, did) or {}
+    assert rec["state"] == "failed" and rec["reason"].startswith("refused:") and counted.platform.sent == []

@@ -19,11 +19,13 @@ from rich.table import Table
 
 from adapters.errors import ConfigError, CourierError, StorageError
 from storage import prefixes
+from tasks.states import DeliveryState, JobState
 from workers.console import (
     EXIT_FAILED,
     EXIT_INPUT,
     EXIT_SERVICE,
     EXIT_TIMEOUT,
+    STATE_COLORS,
     cell,
     deliveries_table,
     die,
@@ -148,73 +150,59 @@ def send(
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """Deliver files (and/or a text) to a chat."""
-    from adapters.sandboxes.base import parse_uri
     from tasks import chains
+    from tasks.send import HostFile, NothingToSend, check_send, check_size
+    from workers.wiring import open_sandbox
     from workers.wiring import platform as wired_platform
     from workers.wiring import platform_limits
 
     settings = _settings()
     platform_name = _target(settings, target)
-    album_max = platform_limits(platform_name, settings).album_max
-    paths = paths or []
-    if not paths and not (text and text.strip()):
-        raise die("nothing to send: give files, --text, or both", EXIT_INPUT)
-    if len(paths) > settings.max_files_per_job:
-        raise die(f"{len(paths)} files: at most {settings.max_files_per_job} go with one send "
-                  "(COURIER_MAX_FILES_PER_JOB)", EXIT_INPUT)
-    items: list[tuple[str, object]] = []
-    for raw in paths:
-        if "://" in raw:
-            try:
-                ref, path = parse_uri(raw)
-            except ConfigError as exc:
-                raise die(str(exc), EXIT_INPUT) from None
-            from tasks.send import check_file
-            from workers.wiring import open_sandbox
 
-            try:  # a remote path the policy refuses as written; a local one resolved, its size checked
-                # files to check: the adapter itself, for its own type rules (`route_file`) besides its limits
-                check_file(lambda ref: open_sandbox(ref, settings), wired_platform(platform_name, settings), ref,
-                           path, raw, voice=voice, as_document=as_document, max_file_bytes=settings.max_file_bytes)
-            except ConfigError as exc:
-                raise die(str(exc), EXIT_INPUT) from None
-            items.append(("sandbox", chains.SandboxFile(ref=ref, path=path)))
-        else:
-            p = Path(raw).expanduser()
-            if not p.exists():
-                raise die(f"no such file: {raw}", EXIT_INPUT)
-            if not p.is_file():
-                raise die(f"not a regular file: {raw}", EXIT_INPUT)
-            if not os.access(p, os.R_OK):
-                raise die(f"cannot read {raw}: permission denied", EXIT_INPUT)
-            if p.stat().st_size == 0:  # no platform takes an empty file: say so now, not in the worker
-                raise die(f"{raw} is empty (0 bytes): nothing to send", EXIT_INPUT)
-            from tasks.send import check_size
+    def host_file(raw: str) -> HostFile:
+        """A file of this host: there, readable, not empty, within the platform's limits."""
+        p = Path(raw).expanduser()
+        if not p.exists():
+            raise die(f"no such file: {raw}", EXIT_INPUT)
+        if not p.is_file():
+            raise die(f"not a regular file: {raw}", EXIT_INPUT)
+        if not os.access(p, os.R_OK):
+            raise die(f"cannot read {raw}: permission denied", EXIT_INPUT)
+        if p.stat().st_size == 0:  # no platform takes an empty file: say so now, not in the worker
+            raise die(f"{raw} is empty (0 bytes): nothing to send", EXIT_INPUT)
+        check_size(wired_platform(platform_name, settings), raw, p.name, p.stat().st_size, voice=voice,
+                   as_document=as_document, path=str(p))
+        return HostFile(path=str(p), name=p.name)
 
-            try:
-                check_size(wired_platform(platform_name, settings), raw, p.name, p.stat().st_size, voice=voice,
-                           as_document=as_document, path=str(p))
-            except ConfigError as exc:
-                raise die(str(exc), EXIT_INPUT) from None
-            items.append(("local", p))
+    # the operator's send task's checks (tasks.send.check_send): a remote sandbox path the policy
+    # refuses as written; a local one resolved, its size checked against the adapter itself (its own
+    # type rules, `route_file`, besides its limits); a file of this host checked by `host_file`
+    try:
+        checked = check_send(target, platform=lambda: wired_platform(platform_name, settings),
+                             album_max=lambda: platform_limits(platform_name, settings).album_max,
+                             open_sandbox=lambda ref: open_sandbox(ref, settings),
+                             max_files=settings.max_files_per_job, max_file_bytes=settings.max_file_bytes,
+                             text=text, files=paths or [], caption=caption, voice=voice, as_document=as_document,
+                             host_files=host_file)
+    except NothingToSend:
+        raise die("nothing to send: give files, --text, or both", EXIT_INPUT) from None
+    except ConfigError as exc:
+        raise die(str(exc), EXIT_INPUT) from None
     r = _redis(settings, enqueues=True)
     store = _store(settings)
     _celery()
-    job_id = chains.new_job_id("snd")
-    files: list = []
-    for seq, (kind, item) in enumerate(items):
-        if kind == "sandbox":
-            files.append(item)
-            continue
-        local = Path(str(item))
-        key = chains.storage_key(job_id, seq, local.name)
+
+    def upload(job_id: str, seq: int, f: HostFile) -> chains.StoredFile:
+        local = Path(f.path)
+        key = chains.storage_key(job_id, seq, f.name)
         try:
             info = _upload(store, key, local)
         except CourierError as exc:
             raise die(f"could not store {local}: {exc}", EXIT_SERVICE) from None
-        files.append(chains.StoredFile(key=key, name=local.name, size=info.size_bytes, sha256=info.sha256 or ""))
-    plan = chains.Plan(job_id=job_id, target=target, text=text or None, files=files, caption=caption, voice=voice,
-                       as_document=as_document, max_bytes=settings.max_file_bytes, album_max=album_max)
+        return chains.StoredFile(key=key, name=f.name, size=info.size_bytes, sha256=info.sha256 or "")
+
+    plan = checked.plan(upload=upload)
+    job_id = plan.job_id
     ids = chains.enqueue(r, plan, job_kind="send")
     if not wait:
         if as_json:
@@ -245,7 +233,7 @@ def _upload(store, key: str, p: Path):
 
 
 def _finish(job_id: str, rows: list[dict], done: bool, as_json: bool) -> None:
-    failed = [row for row in rows if row.get("state") == "failed"]
+    failed = [row for row in rows if row.get("state") == DeliveryState.FAILED]
     if as_json:
         print(json.dumps({"job": job_id, "done": done, "deliveries": rows}))
     else:
@@ -404,7 +392,7 @@ def status(
             out.print(line, highlight=False, markup=False)
             out.print(f"events: /turns/{ident}/events?token={token}", highlight=False, markup=False)
             out.print(deliveries_table(ident, rows))
-        if any(row.get("state") == "failed" for row in rows) or job.get("state") == "error":
+        if any(row.get("state") == DeliveryState.FAILED for row in rows) or job.get("state") == JobState.ERROR:
             raise typer.Exit(EXIT_FAILED)
         return
     rec = receipts.get_delivery(r, ident)
@@ -416,7 +404,7 @@ def status(
         print(json.dumps(shown(rec)))
     else:
         out.print(deliveries_table(rec.get("job", ""), [rec]))
-    if rec.get("state") == "failed":
+    if rec.get("state") == DeliveryState.FAILED:
         raise typer.Exit(EXIT_FAILED)
 
 
@@ -461,13 +449,13 @@ def deliveries(
         t.add_column(col, overflow="fold")
     for row in rows:
         state = row.get("state") or ""
-        color = {"delivered": "green", "failed": "red"}.get(state, "yellow")
+        color = STATE_COLORS.get(state, "yellow")
         queued = row.get("queued_s") or row.get("created_s")
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(float(queued))) if queued else ""
         t.add_row(*(cell(v or "") for v in (
             row.get("id"), row.get("target"), row.get("kind"), row.get("name"), row.get("size_bytes"),
             row.get("attempts"))), cell(state, color),
-            cell((row.get("message_id") if state == "delivered" else row.get("reason")) or ""), cell(when))
+            cell((row.get("message_id") if state == DeliveryState.DELIVERED else row.get("reason")) or ""), cell(when))
     out.print(t)
 
 
@@ -581,7 +569,7 @@ def retry(
             if rec.get("state") not in operations.RETRYABLE:
                 st = rec.get("state", "")
                 why = ("already delivered" + (f" (message id {rec['message_id']})" if rec.get("message_id") else "")
-                       if st == "delivered" else f"not failed: it is {st}")
+                       if st == DeliveryState.DELIVERED else f"not failed: it is {st}")
                 problems.append({"id": rec["id"], "outcome": "refused", "state": st, "reason": why})
             elif rec["id"] not in {x["id"] for x in recs}:
                 recs.append(rec)
@@ -626,7 +614,7 @@ def retry(
         out.print(deliveries_table("retried deliveries", rows))
     if not finished:
         raise die("timed out waiting for the retried deliveries; see `courier status ID`", EXIT_TIMEOUT)
-    if refused or any(row.get("state") != "delivered" for row in rows):
+    if refused or any(row.get("state") != DeliveryState.DELIVERED for row in rows):
         raise typer.Exit(EXIT_FAILED)
 
 
@@ -874,12 +862,12 @@ def send_state(rows: list[dict]) -> str:
 
     states = [row.get("state") for row in rows]
     if states and all(st in receipts.TERMINAL for st in states):
-        if "failed" in states:
-            return "failed"
-        return "delivered" if "delivered" in states else "cancelled"
-    if any(st not in ("queued", None) for st in states):
-        return "sending"
-    return "queued"
+        if DeliveryState.FAILED in states:
+            return DeliveryState.FAILED
+        return DeliveryState.DELIVERED if DeliveryState.DELIVERED in states else DeliveryState.CANCELLED
+    if any(st not in (DeliveryState.QUEUED, None) for st in states):
+        return DeliveryState.SENDING
+    return DeliveryState.QUEUED
 
 
 # -- demo --------------------------------------------------------------------------

@@ -17,9 +17,11 @@ from rich.text import Text
 
 from adapters.display import visible
 from tasks.events import describe
-from tasks.states import TURN_OVER
+from tasks.states import TURN_OVER, DeliveryState, JobState
 
 EXIT_FAILED, EXIT_INPUT, EXIT_SERVICE, EXIT_TIMEOUT = 1, 2, 3, 4
+#: a delivery's state as a table shows it (any other: yellow)
+STATE_COLORS: dict[str, str] = {DeliveryState.DELIVERED: "green", DeliveryState.FAILED: "red"}
 T = TypeVar("T")
 
 # piped (not a terminal): tables are as wide as their content, never wrapped at 80 columns
@@ -95,11 +97,11 @@ def deliveries_table(job_id: str, rows: list[dict]) -> Table:
         t.add_column(col, overflow="fold")
     for row in rows:
         state = row.get("state", "")
-        color = {"delivered": "green", "failed": "red"}.get(state, "yellow")
+        color = STATE_COLORS.get(state, "yellow")
         t.add_row(*(cell(v or "") for v in (
             row.get("id"), row.get("platform"), row.get("kind"), row.get("name"), row.get("size_bytes"),
             row.get("attempts"))), cell(state, color),
-            cell((row.get("message_id") if state == "delivered" else row.get("reason")) or ""))
+            cell((row.get("message_id") if state == DeliveryState.DELIVERED else row.get("reason")) or ""))
     return t
 
 
@@ -147,7 +149,7 @@ def watch_job(r, job_id: str, timeout_s: float, *, quiet: bool = False, as_json:
 def _ok(tracker) -> bool:
     """Over as it should be: completed or no reply, and no delivery failed."""
     st = (tracker.terminal or {}).get("status")
-    return st in ("completed", "no_reply") and "failed" not in tracker.final.values()
+    return st in ("completed", JobState.NO_REPLY) and DeliveryState.FAILED not in tracker.final.values()
 
 
 class _WatchView:
@@ -157,7 +159,7 @@ class _WatchView:
         from rich.spinner import Spinner
 
         self.job_id = job_id
-        self.phase = "queued"
+        self.phase: str = JobState.QUEUED
         self.activity = ""
         self.t0 = time.monotonic()
         self.deliveries: dict[str, str] = {}
@@ -179,7 +181,7 @@ class _WatchView:
         return render_event(ev)
 
     def __rich__(self):
-        done = sum(1 for s in self.deliveries.values() if s in ("delivered", "failed"))
+        done = sum(1 for s in self.deliveries.values() if s in (DeliveryState.DELIVERED, DeliveryState.FAILED))
         line = Text.assemble((self.job_id, "bold"), " · ", (self.phase, "cyan"))
         if self.activity:
             line.append(" · ")
@@ -192,9 +194,9 @@ class _WatchView:
 
     def summary(self, tracker) -> str:
         st = (tracker.terminal or {}).get("status") or self.phase
-        color = ("yellow" if st == "no_reply" else "green") if _ok(tracker) else "red"
+        color = ("yellow" if st == JobState.NO_REPLY else "green") if _ok(tracker) else "red"
         n = len(tracker.final)
-        failed = sum(1 for s in tracker.final.values() if s == "failed")
+        failed = sum(1 for s in tracker.final.values() if s == DeliveryState.FAILED)
         tail = f", {failed} failed" if failed else ""
         return (f"[{color}]{esc(self.job_id)}: {esc(st)}[/] · {self.tools} tool call{'s' * (self.tools != 1)} · "
                 f"{n} deliver{'ies' if n != 1 else 'y'}{tail} · {time.monotonic() - self.t0:.1f}s")
@@ -206,7 +208,7 @@ def render_event(ev: dict) -> str:
     kind = ev.get("kind")
     if kind == "status":
         st = ev.get("status", "")
-        color = {"completed": "green", "error": "red", "no_reply": "yellow"}.get(st, "cyan")
+        color = {"completed": "green", JobState.ERROR: "red", JobState.NO_REPLY: "yellow"}.get(st, "cyan")
         return f"[{color}]● {esc(st)}[/] {esc(text) if text != st else ''}".rstrip()
     if kind == "tool_start":
         return f"  [dim]→[/] {esc(text)}"
@@ -215,7 +217,7 @@ def render_event(ev: dict) -> str:
         took = f" {ev['duration_ms'] / 1000:.1f}s" if isinstance(ev.get("duration_ms"), (int, float)) else ""
         return f"  {mark} [dim]{esc(text)}{took}[/]"
     if kind == "delivery":
-        color = {"delivered": "green", "failed": "red"}.get(ev.get("state", ""), "yellow")
+        color = STATE_COLORS.get(ev.get("state", ""), "yellow")
         return f"  [{color}]⇢[/] {esc(text)}"
     return f"  {esc(text)}"
 

@@ -97,6 +97,7 @@ def run_demo(*, to: str | None, message: str, timeout_s: float, console: Console
         celery_app.app.conf.broker_use_ssl = celery_app.app.conf.redis_backend_use_ssl = celery_ssl(settings.redis_url)
         import tasks.celery_tasks  # noqa: F401
         from tasks import chains
+        from tasks.states import DeliveryState
         from workers.console import deliveries_table, watch_job
         from workers.wiring import redis_client
 
@@ -121,7 +122,7 @@ def run_demo(*, to: str | None, message: str, timeout_s: float, console: Console
         if target.startswith("outbox:"):
             console.print(_arriveddeliveries_table(settings.outbox, split_target(target)[1]))
             console.print(f"outbox: {escape(str(settings.outbox / split_target(target)[1]))}", highlight=False)
-        if not ok or not done or any(row.get("state") == "failed" for row in rows):
+        if not ok or not done or any(row.get("state") == DeliveryState.FAILED for row in rows):
             return 1
         return 0
     except KeyboardInterrupt:

@@ -94,23 +94,24 @@ async def turn_thumb(request: Request) -> Response:
     web = request.app.state.web
     raw = await web.aredis.hget(keys.delivery(did), "spec")
     try:
-        spec = signing.open_json("delivery", did, raw) if raw else None
+        spec = signing.open_delivery(did, raw) if raw else None
     except (signing.Forged, ValueError):
         spec = None
-    if not spec or spec.get("job") != job_id or not spec.get("key"):
+    if spec is None or spec.job_id != job_id or not spec.key:
         return JSONResponse({"error": "no such file"}, status_code=404)
-    name = spec.get("name") or posixpath.basename(spec["key"])
+    key = spec.key
+    name = spec.name or posixpath.basename(key)
     ctype = IMAGE_TYPES.get(posixpath.splitext(name.lower())[1])
     if ctype is None:
         return JSONResponse({"error": "not an image"}, status_code=404)
     st = store(web.settings)
     try:
-        info = await asyncio.to_thread(st.stat, spec["key"])
+        info = await asyncio.to_thread(st.stat, key)
     except (CourierError, OSError):
         return JSONResponse({"error": "no such file (not stored yet, or expired)"}, status_code=404)
     if info.size_bytes > THUMB_MAX_BYTES:
         return JSONResponse({"error": "too large for a thumbnail"}, status_code=404)
-    return StreamingResponse(iterate_in_threadpool(st.iter_chunks(spec["key"])), media_type=ctype,
+    return StreamingResponse(iterate_in_threadpool(st.iter_chunks(key)), media_type=ctype,
                              headers={"Content-Length": str(info.size_bytes), "Cache-Control": "private, max-age=300",
                                       "X-Content-Type-Options": "nosniff",
                                       "Content-Security-Policy": "default-src 'none'"})
