@@ -123,7 +123,7 @@ class SandboxGone(SandboxError):
 
 class SandboxStalled(SandboxError):
     """The sandbox's reads timed out lately (its circuit breaker is open,
-    tasks/breaker.py): the extraction is postponed to `until_s` (epoch
+    tasks/turn/breaker.py): the extraction is postponed to `until_s` (epoch
     seconds) without reaching the sandbox. Waited out, like a storage
     outage, until the outage deadline."""
 

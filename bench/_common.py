@@ -177,7 +177,7 @@ def wait_final(r, delivery_ids: list[str], *, poll_s: float, timeout_s: float | 
     """Poll the deliveries' states (only those not final yet, one pipeline a
     poll, every `poll_s`) until each is delivered or failed, or `timeout_s`
     has passed. Returns (failed, still not final)."""
-    from tasks import keys
+    from tasks.ledger import keys
 
     left, failed = list(delivery_ids), 0
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -219,7 +219,7 @@ def send_each(r, ref, files: list[Path], *, window: int = 32) -> float:
     the deliveries a second until the last is delivered. Receipts are polled
     cheaply, in enqueue order (the work is mostly FIFO): a window of `window`
     a poll (1: one read a poll, the oldest receipt not yet delivered)."""
-    from tasks import chains
+    from tasks.dispatch import chains
 
     jobs = []
     t0 = time.perf_counter()

@@ -60,7 +60,8 @@ def main() -> None:
             from workers.settings import reset_settings
 
             reset_settings()
-            from tasks import chains, receipts
+            from tasks.dispatch import chains
+            from tasks.ledger import receipts
             from workers.wiring import redis_client
 
             name = f"bench-pace-{os.getpid()}@localhost"

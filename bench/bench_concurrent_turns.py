@@ -50,7 +50,7 @@ def main() -> int:
         reset_settings()
         import workers.celery_app as celery_app
         from adapters.platforms.outbox import read_log
-        from tasks.chains import enqueue_turn
+        from tasks.dispatch.chains import enqueue_turn
         from workers.demo import start_worker, stop_worker, wait_worker
         from workers.wiring import redis_client
 
@@ -73,7 +73,7 @@ def main() -> int:
             while left:
                 left = [c for c in left if not done(c)]
                 if left and time.monotonic() > deadline:
-                    from tasks import receipts
+                    from tasks.ledger import receipts
 
                     info = [(c, receipts.get_job(r, jobs[c]), receipts.job_deliveries(r, jobs[c])) for c in left[:2]]
                     raise SystemExit(f"turns did not finish: {info}\n" + (tmpd / "worker.log").read_text()[-2000:])

@@ -93,7 +93,8 @@ class Deployment:
 
     def prepare(self, chats: list[str], per_chat: int):
         """Store the documents and create the jobs (not timed); returns the plans."""
-        from tasks import chains, receipts
+        from tasks.dispatch import chains
+        from tasks.ledger import receipts
 
         self.n += 1
         plans = []
@@ -110,7 +111,7 @@ class Deployment:
 
     def send(self, plans, out: dict) -> None:
         """Enqueue `plans` and wait until every delivery is final; `out`: count, failed, seconds."""
-        from tasks import chains
+        from tasks.dispatch import chains
 
         t0 = time.perf_counter()
         with self.env.publishing():

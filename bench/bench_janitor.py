@@ -1,6 +1,6 @@
 """The janitor expiring files on a volume: 100 000 files of 1 KB under
 `files/` (1 000 job directories), all past their TTL, swept by
-`tasks.janitor.sweep` (its lock, listing, deletes in batches, empty job
+`tasks.ops.janitor.sweep` (its lock, listing, deletes in batches, empty job
 directories pruned), against `find <dir> -type f -mmin +N -delete` on an
 identical tree, same run. Target: <= 10 s, and the ratio to find reported.
 
@@ -58,7 +58,7 @@ def main() -> int:
         srv = RedisServer(rdir).start()
         try:
             os.environ.update(COURIER_REDIS_URL=srv.url, COURIER_DATA_DIR=f"{data}/courier")
-            from tasks.janitor import sweep
+            from tasks.ops.janitor import sweep
             from workers.settings import reset_settings
             from workers.wiring import build_context
 
@@ -98,7 +98,7 @@ def _query(url: str) -> str:
 def _s3_sweep(n_expected: int | None, **env: str) -> tuple[dict, list[str], float]:
     """One janitor sweep with `env` set; returns its result, the HTTP requests
     its S3 client sent (method and operation), and the time it took."""
-    from tasks.janitor import sweep
+    from tasks.ops.janitor import sweep
     from workers.settings import reset_settings
     from workers.wiring import build_context
 

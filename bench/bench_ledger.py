@@ -95,7 +95,7 @@ class Stack:
             self.workers.append(w)
 
     def texts(self, targets: list[str], tag: str) -> list[str]:
-        from tasks import chains
+        from tasks.dispatch import chains
 
         ids: list[str] = []
         for i, target in enumerate(targets):

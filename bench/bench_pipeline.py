@@ -51,7 +51,8 @@ def main() -> int:
         import workers.celery_app as celery_app
         import tasks.celery_tasks  # noqa: F401
         from bench import noop_tasks
-        from tasks import chains, receipts
+        from tasks.dispatch import chains
+        from tasks.ledger import receipts
         from workers.demo import start_worker, stop_worker, wait_worker
         from workers.wiring import redis_client
 

@@ -52,7 +52,7 @@ def main() -> int:
                                                sandbox_io_timeout_s=str(IO_TIMEOUT_S),
                                                sandbox_breaker_max_s=str(2 * IO_TIMEOUT_S))
         from adapters.sandboxes.base import SandboxRef
-        from tasks import chains
+        from tasks.dispatch import chains
         from workers.demo import stop_worker, wait_worker
         from workers.wiring import redis_client
 

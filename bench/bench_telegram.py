@@ -189,7 +189,8 @@ class _Courier:
         self.n = 0
 
     def round(self, rnd: int) -> tuple[int, float]:
-        from tasks import chains, receipts
+        from tasks.dispatch import chains
+        from tasks.ledger import receipts
 
         self.n += 1
         docs = _docs(self.tmp, len(self.chats), f"c{self.n}")
@@ -214,7 +215,7 @@ class _Courier:
             ids += chains.enqueue(self.r, plan)
         if os.environ.get("BENCH_DEBUG"):
             print(f"enqueue {time.perf_counter() - t0:.3f}s", file=sys.stderr)
-        from tasks import keys
+        from tasks.ledger import keys
 
         left, failed = list(ids), 0
         while left:  # the oldest not-done receipt every 10 ms: one read per poll, light on Redis and CPU

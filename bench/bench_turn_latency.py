@@ -102,8 +102,8 @@ def main() -> int:
 
         reset_settings()
         import workers.celery_app as celery_app
-        from tasks import events, receipts
-        from tasks.chains import new_job_id
+        from tasks.ledger import events, receipts
+        from tasks.dispatch.chains import new_job_id
         from tasks.celery_tasks import agent_turn
         from workers.demo import start_worker, stop_worker, wait_worker
         from workers.wiring import redis_client

@@ -2,8 +2,8 @@
 
 Each task message carries ids only (a turn's spec, a delivery id, a chat);
 what to do is read from the ledger, so any worker can run any stage again,
-and the reconciler (tasks.reconcile) re-drives stages whose message was lost.
-Retries are the ledger's (tasks.lanes, tasks.extract.run): a wait is a due
+and the reconciler (tasks.dispatch.reconcile) re-drives stages whose message was lost.
+Retries are the ledger's (tasks.delivery.lanes, tasks.turn.extract.run): a wait is a due
 time, never a worker that sleeps. All tasks are at-least-once (late ack,
 reject on worker lost); effects are idempotent through delivery ids and leases.
 """
@@ -18,12 +18,13 @@ from typing import Any, TypeVar, cast
 from celery import Task, shared_task
 
 from adapters.platforms.base import split_target
-from tasks import extract as extract_mod
-from tasks import ledger, metrics, runtime, task_names
-from tasks import turn as turn_mod
-from tasks.events import Event, describe
+from tasks.turn import extract as extract_mod
+from tasks import metrics, runtime, task_names
+from tasks.ledger import ledger
+from tasks.turn import turn as turn_mod
+from tasks.ledger.events import Event, describe
 from tasks.messages import ExtractionRun, JsonObject, SendResult, TurnResult, TurnSpec
-from tasks.reconcile import Stage
+from tasks.dispatch.reconcile import Stage
 from tasks.states import DeliveryState
 
 log = logging.getLogger(__name__)
@@ -61,9 +62,9 @@ def agent_turn(self: Task, spec: TurnSpec) -> TurnResult:
     `PROGRESS` with meta {job, phase, activity, tool?} in the result backend
     (`AsyncResult(job).info`), and each change is sent as a `task-progress`
     event, so Flower shows the state and the activity live. The chat shows
-    typing / a progress message (tasks.activity)."""
-    from tasks import chains
-    from tasks.activity import TurnActivity
+    typing / a progress message (tasks.turn.activity)."""
+    from tasks.dispatch import chains
+    from tasks.turn.activity import TurnActivity
 
     ctx = runtime.ctx()
     last: list[str] = []
@@ -122,7 +123,7 @@ def extract_file(delivery_id: str) -> ExtractionRun:
     """Extract one sandbox file (its spec is in the ledger), then drive its chat's lane:
     here, when this worker serves the delivery queue too (`serves_delivery`), else by a
     `drive_lane` message (chains.wake_lane)."""
-    from tasks import chains
+    from tasks.dispatch import chains
 
     ctx = runtime.ctx()
     inline = serves_delivery()
@@ -144,7 +145,7 @@ def extract_file(delivery_id: str) -> ExtractionRun:
              throws=(DeliveryFailed,))
 def drive_lane(self: Task, target: str) -> JsonObject:
     """Send what is ready at the head of one chat's lane ('': none), then of the lanes
-    whose wake-ups joined the ready set (tasks.lanes.drive_ready). A delivery recorded
+    whose wake-ups joined the ready set (tasks.delivery.lanes.drive_ready). A delivery recorded
     failed during the drive makes the task a FAILURE naming its id and reason (never chat text)."""
     return _drive_lanes(runtime.ctx(), target, started=self.request.id)
 
@@ -153,7 +154,8 @@ def _drive_lanes(ctx: runtime.Context, target: str, *, started: str | None = Non
     """`target`'s lane, then the ready set's (lanes.drive_ready); DeliveryFailed after, naming
     every delivery the drive recorded failed for good."""
     from adapters import runslot
-    from tasks import chains, lanes
+    from tasks.delivery import lanes
+    from tasks.dispatch import chains
 
     # one drive at a time runs Python in this process; it gives the slot up while it waits on a platform
     with runslot.holding(), metrics.failures_noted() as failed:
@@ -169,14 +171,14 @@ def _drive_lanes(ctx: runtime.Context, target: str, *, started: str | None = Non
 def send(self: Task, target: str, text: str | None = None, files: list[str] | None = None, caption: str | None = None,
          voice: bool = False, as_document: bool = False) -> SendResult:
     """An operator's send (Flower's async-apply; JSON args documented in
-    tasks/send.py): registered in the ledger like `courier send`, then
+    tasks/ops/send.py): registered in the ledger like `courier send`, then
     extracted and delivered by the usual stages. Bad input fails the task
     with its reason; nothing is enqueued then. The job id comes from the
     task id, so a redelivered message registers the same job (sends nothing twice).
     Sends to one chat join its lane in the order they were published
-    (tasks/sendorder.py)."""
-    from tasks import send as send_mod
-    from tasks import sendorder
+    (tasks/ops/sendorder.py)."""
+    from tasks.ops import send as send_mod
+    from tasks.ops import sendorder
 
     job_id = f"snd_{self.request.id.replace('-', '')}" if self.request.id else None
     ctx = runtime.ctx()
@@ -200,14 +202,14 @@ def _int_or_none(v: object) -> int | None:
 
 @_task(name=task_names.JANITOR_SWEEP, acks_late=True)
 def janitor_sweep() -> JsonObject:
-    from tasks.janitor import sweep
+    from tasks.ops.janitor import sweep
 
     return sweep(runtime.ctx())
 
 
 def stages() -> tuple[Stage, ...]:
-    """The stages the reconciler watches, each with its owner's re-driver (tasks/reconcile.py)."""
-    from tasks import redrive
+    """The stages the reconciler watches, each with its owner's re-driver (tasks/dispatch/reconcile.py)."""
+    from tasks.dispatch import redrive
 
     return (redrive.LANE, redrive.EXTRACT, turn_mod.STAGE)
 
@@ -216,6 +218,6 @@ def stages() -> tuple[Stage, ...]:
 def reconcile() -> dict[str, int]:
     """One reconciler pass (workers run it every second by themselves; this
     task lets an operator or beat run one too)."""
-    from tasks import reconcile as reconcile_mod
+    from tasks.dispatch import reconcile as reconcile_mod
 
     return reconcile_mod.tick(runtime.ctx(), stages())

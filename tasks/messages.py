@@ -18,7 +18,7 @@ class Attachment(TypedDict):
 
 
 class TurnSpec(TypedDict):
-    """A turn: `chains.turn_spec` makes it, `tasks.turn.run_turn` runs it."""
+    """A turn: `chains.turn_spec` makes it, `tasks.turn.turn.run_turn` runs it."""
 
     job: str
     target: str
@@ -80,9 +80,9 @@ class ExtractSpec:
 
 @dataclass(frozen=True)
 class DeliverySpec:
-    """One delivery as its receipt keeps it (signed: `tasks.signing`), everything it
-    takes to run it again: `tasks.chains.entries` makes it, the lane (`tasks.lanes`)
-    reads it back and `tasks.delivery` / `tasks.album` send it.
+    """One delivery as its receipt keeps it (signed: `tasks.ledger.signing`), everything it
+    takes to run it again: `tasks.dispatch.chains.entries` makes it, the lane (`tasks.delivery.lanes`)
+    reads it back and `tasks.delivery.delivery` / `tasks.delivery.album` send it.
 
     The wire form (`to_json`, `from_json`) is the JSON every courier version so far
     wrote: the delivery id is `id`, the job id `job` (only the attribute names
@@ -162,7 +162,7 @@ class DeliverySpec:
 
 
 class DeliveryOutcome(TypedDict):
-    """What delivering one item returns (`tasks.delivery`): its id, the state its receipt
+    """What delivering one item returns (`tasks.delivery.delivery`): its id, the state its receipt
     was left in and, as it went, the message id, what it went as, why it failed, or
     `skipped`: it was over before this run (delivered, cancelled, failed for good)."""
 
@@ -175,7 +175,7 @@ class DeliveryOutcome(TypedDict):
 
 
 class AlbumOutcome(TypedDict):
-    """What delivering an album step returns (`tasks.album`): its lead and each item's outcome."""
+    """What delivering an album step returns (`tasks.delivery.album`): its lead and each item's outcome."""
 
     album: str
     deliveries: list[DeliveryOutcome]
@@ -189,7 +189,7 @@ class WakeUp(TypedDict):
 
 
 class ExtractionRun(TypedDict):
-    """What the extraction stage returns (`tasks.extract.run`, the `extract_file` task): the delivery
+    """What the extraction stage returns (`tasks.turn.extract.run`, the `extract_file` task): the delivery
     and what the stage did (`extracted`, `failed`, `retrying` with `wait_s`, `done`, `busy`, `gone`,
     `refused`); `wake`: extractions to publish again; `lane`: the drive of its lane that followed."""
 
@@ -203,8 +203,8 @@ class ExtractionRun(TypedDict):
 
 @dataclass(frozen=True)
 class Extracted:
-    """An extraction's result (`tasks.extract.extract`, or read back from the
-    receipt by `tasks.delivery.result_of`): `ok` with the file's key, name, size
+    """An extraction's result (`tasks.turn.extract.extract`, or read back from the
+    receipt by `tasks.delivery.delivery.result_of`): `ok` with the file's key, name, size
     and hash; or not, with the `reason` and, for the chat's notice, `too_large`
     (with `size` and `limit`) or `notify` (the words the chat is told)."""
 

@@ -57,7 +57,7 @@ if _ON:
     WEBHOOK_TURNS = Counter("courier_webhook_turns", "Webhook updates that were enqueued as a turn or dropped as "
                             "a platform's retry", ["platform", "result"])
     FORGED = Counter("courier_forged", "Specs and task messages refused: unsigned, tampered, bound to another id "
-                     "or too old (tasks/signing.py)", ["what"])
+                     "or too old (tasks/ledger/signing.py)", ["what"])
     BREAKER_EVENTS = Counter("courier_sandbox_breaker_events", "Sandbox circuit breakers by sandbox kind: `opened` "
                              "(an I/O timeout, or a probe that timed out again) and `postponed` (an extraction it "
                              "held back untried: no attempt, no read deadline spent)", ["sandbox", "event"])
@@ -119,7 +119,7 @@ def record_extraction(sandbox: str, seconds: float, size_bytes: int | None, outc
 
 
 def record_breaker(sandbox: str, event: str) -> None:
-    """A sandbox's breaker `opened`, or `postponed` an extraction (tasks/breaker.py)."""
+    """A sandbox's breaker `opened`, or `postponed` an extraction (tasks/turn/breaker.py)."""
     if _ON:
         try:
             BREAKER_EVENTS.labels(sandbox or "unknown", event).inc()

@@ -141,7 +141,7 @@ class Context:
     #: before a file fails (with a notice)
     outage_deadline_s: float = 1800.0
     #: the read deadline of sandbox channels (docker, ssh, modal): also the first period of a
-    #: sandbox's circuit breaker and how long an answer keeps it trusted (tasks/breaker.py)
+    #: sandbox's circuit breaker and how long an answer keeps it trusted (tasks/turn/breaker.py)
     sandbox_io_timeout_s: float = 60.0
     #: the longest period a sandbox's breaker stays open before its next probe
     sandbox_breaker_max_s: float = 600.0
@@ -150,7 +150,7 @@ class Context:
     retention: Retention = field(default_factory=Retention)
     #: the turn's tools, built once on first call (see `TurnTools`)
     turn_tools: Callable[[], TurnTools] = _no_turn_tools
-    #: the roots this worker's own configuration allows for a sandbox ref (tasks.extract.worker_ref): a spec's
+    #: the roots this worker's own configuration allows for a sandbox ref (tasks.turn.extract.worker_ref): a spec's
     #: roots may narrow them, never widen them; None: no configuration (plain code in tests)
     allowed_roots: Callable[[SandboxRef], tuple[str, ...]] | None = None
     #: how often a turn refreshes the chat's typing indicator and edits its progress message (None: defaults)

@@ -1,7 +1,7 @@
 """The Celery task names courier publishes, in one place.
 
 The tasks are defined in `tasks/celery_tasks.py`; the code that publishes them
-(`tasks/chains.py`, the reconciler, the web process, the CLI) builds
+(`tasks/dispatch/chains.py`, the reconciler, the web process, the CLI) builds
 signatures by these names and never imports the task objects, so plain code
 does not depend on the Celery task module."""
 

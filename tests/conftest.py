@@ -22,7 +22,7 @@ def pytest_xdist_make_scheduler(config, log):
     return make_scheduler(config, log)
 
 
-#: the signing key of the whole test session (tasks/signing.py): set in the environment before anything
+#: the signing key of the whole test session (tasks/ledger/signing.py): set in the environment before anything
 #: reads the settings, so the test process and every worker, web and CLI process it starts share it
 TEST_SIGNING_KEY = "courier-test-signing-key-0123456789abcdef"
 
@@ -31,6 +31,6 @@ def pytest_configure(config):
     import os
 
     os.environ.setdefault("COURIER_SIGNING_KEY", TEST_SIGNING_KEY)
-    from tasks import signing
+    from tasks.ledger import signing
 
     signing.install(signing.Signer([os.environ["COURIER_SIGNING_KEY"].encode()]))

@@ -69,7 +69,7 @@ def test_janitor_sweeps_old_turn_workspaces(tmp_path):
     import os
     import time
 
-    from tasks.janitor import sweep_workspaces
+    from tasks.ops.janitor import sweep_workspaces
 
     now = time.time()
     a = tmp_path / "sandbox" / "demo"
@@ -350,7 +350,7 @@ def test_a_singularity_sandbox_turn_gets_its_workspace_made_without_exec(tmp_pat
     from adapters.errors import UnsafePath
     from adapters.sandboxes.singularity import SingularitySandbox
     from tasks.runtime import Context
-    from tasks.turn import _sandbox_for, make_workspace
+    from tasks.turn.turn import _sandbox_for, make_workspace
 
     root = tmp_path / "instances" / "box" / "rootfs"
     (root / "workspace").mkdir(parents=True)

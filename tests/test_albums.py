@@ -11,7 +11,8 @@ import json
 import pytest
 import redis
 
-from tasks import chains, events, keys, receipts
+from tasks.dispatch import chains
+from tasks.ledger import events, keys, receipts
 from tests.fixtures._files import write_random
 from tests.fixtures._platforms import agent_env, db, running
 from tests.fixtures.fake_telegram import FakeTelegram, wait_job

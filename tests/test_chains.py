@@ -7,7 +7,7 @@ import pytest
 import workers.celery_app  # noqa: F401 - the configured app
 from adapters.errors import ConfigError
 from adapters.sandboxes.base import SandboxRef, format_uri, parse_uri
-from tasks import chains
+from tasks.dispatch import chains
 
 
 def _plan(files, text="hello"):

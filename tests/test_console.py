@@ -101,7 +101,7 @@ def test_send_task_from_flower_goes_through_receipts(courier_env, tmp_path):
     text and files (a sandbox URI and a plain absolute path), a job that
     `courier status` knows, and bad input fails without enqueuing anything."""
     from adapters.errors import ConfigError
-    from tasks import send as send_mod
+    from tasks.ops import send as send_mod
     from workers.wiring import build_context
 
     env = courier_env()

@@ -14,7 +14,9 @@ import pytest
 from adapters.errors import Permanent, RateLimited, Transient
 from adapters.platforms.base import FileSource, Kind, Limits, Platform, Sent
 from storage.volume import VolumeStore
-from tasks import chains, keys, lanes, receipts
+from tasks.delivery import lanes
+from tasks.dispatch import chains
+from tasks.ledger import keys, receipts
 from tasks.runtime import Context
 
 pytestmark = pytest.mark.timeout(60)
@@ -169,7 +171,7 @@ def test_a_refusal_whose_notice_was_paced_sends_only_the_notice_and_frees_the_ch
     pacing). The retry reads the recorded refusal before the file's send asks for the chat's
     gate; the file is not sent again: the notice goes, and the chat's interval starts with it."""
     from adapters.platforms.base import FileRefused
-    from tasks import ratelimit
+    from tasks.delivery import ratelimit
 
     gated = MemoryPlatform()
     gated.limits = Limits(text_chars=200, caption_chars=50, upload_bytes=10_000, per_chat_per_s=1.0)

@@ -20,7 +20,8 @@ import uuid
 
 import pytest
 
-from tasks import chains, receipts
+from tasks.dispatch import chains
+from tasks.ledger import receipts
 from tests.fixtures.services import wait_until
 from workers.settings import Settings
 from workers.worker import pool_for, worker_argv

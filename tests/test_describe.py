@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 from rich.text import Text
 
-from tasks.activity import activity_text
+from tasks.turn.activity import activity_text
 from tasks.celery_tasks import progress_meta
-from tasks.events import describe
+from tasks.ledger.events import describe
 from workers.console import render_event
 
 EVENTS = [

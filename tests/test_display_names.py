@@ -18,7 +18,9 @@ from rich.console import Console
 
 from adapters.platforms.telegram import TelegramPlatform
 from storage.volume import VolumeStore
-from tasks import chains, events, lanes, receipts
+from tasks.delivery import lanes
+from tasks.dispatch import chains
+from tasks.ledger import events, receipts
 from tasks.runtime import Context
 
 pytestmark = pytest.mark.timeout(60)

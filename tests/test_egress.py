@@ -521,7 +521,7 @@ def test_https_port_refusal_maps_to_the_reason(chromium):
 
 
 def test_settings_reach_the_toolbox(tmp_path):
-    """settings -> wiring's agent tools -> tasks/turn.py's Toolbox (the worker
+    """settings -> wiring's agent tools -> tasks/turn/turn.py's Toolbox (the worker
     test in test_openai_runtime.py screenshots an allow-listed 127.0.0.1 page)."""
     from workers.settings import Settings
     from workers.wiring import agent_tools

@@ -20,7 +20,8 @@ import httpx
 import pytest
 
 from adapters.platforms.outbox import read_log
-from tasks import chains, events, keys, receipts
+from tasks.dispatch import chains
+from tasks.ledger import events, keys, receipts
 from tests.fixtures.services import wait_until
 from tests.fixtures.webstack import AGENT_PRELUDE, TELEGRAM_SECRET, WA_SECRET, WA_VERIFY
 from tests.fixtures.webstack import slack_headers as _slack_headers
@@ -521,9 +522,9 @@ class RecordingPlatform:
 
 def _activity_turn(stack, tmp_path, platform, steps: int = 10):
     """run_turn (plain code, real Redis, a real bridge agent) with the task's activity glue."""
-    from tasks.activity import TurnActivity
+    from tasks.turn.activity import TurnActivity
     from tasks.runtime import Context
-    from tasks.turn import finish, run_turn
+    from tasks.turn.turn import finish, run_turn
     from workers.settings import AgentSpec
 
     agent = tmp_path / "agent.py"

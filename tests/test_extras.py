@@ -23,9 +23,9 @@ CORE_IMPORTS = """
 import sys
 import workers.cli, workers.web, workers.celery_app, workers.wiring, workers.settings, workers.demo
 import workers.embedded, workers.turnpage, workers.metrics, workers.eventauth
-import tasks.celery_tasks, tasks.chains, tasks.lanes, tasks.delivery, tasks.turn, tasks.janitor, tasks.send
-import tasks.operations, tasks.reconcile, tasks.extract, tasks.listing, tasks.queues, tasks.ratelimit
-import tasks.parts, tasks.sendlock, tasks.album, tasks.routing, tasks.reply
+import tasks.celery_tasks, tasks.dispatch.chains, tasks.delivery.lanes, tasks.delivery.delivery, tasks.turn.turn, tasks.ops.janitor, tasks.ops.send
+import tasks.ops.operations, tasks.dispatch.reconcile, tasks.turn.extract, tasks.ops.listing, tasks.ops.queues, tasks.delivery.ratelimit
+import tasks.delivery.parts, tasks.delivery.sendlock, tasks.delivery.album, tasks.delivery.routing, tasks.turn.reply
 import storage, storage.volume, storage.retention, storage.spill
 import adapters.platforms.outbox, adapters.sandboxes.local, adapters.agents.bridge, adapters.agents.tools
 from workers.settings import Settings

@@ -13,7 +13,7 @@ import pytest
 
 from storage.links import LinkSigner
 from storage.volume import VolumeStore
-from tasks import keys
+from tasks.ledger import keys
 from tests.fixtures.webstack import web_only
 from workers.eventauth import server_key
 

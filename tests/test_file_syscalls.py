@@ -57,7 +57,7 @@ sys.path.insert(0, sys.argv[1])
 from adapters.platforms.outbox import OutboxPlatform
 from adapters.sandboxes.local import LocalSandbox
 from storage.volume import VolumeStore
-from tasks import delivery
+from tasks.delivery import delivery
 from tasks.messages import DeliverySpec
 
 base, n = Path(sys.argv[2]), int(sys.argv[3])

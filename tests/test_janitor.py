@@ -97,8 +97,8 @@ def test_two_sweeps_never_run_at_once(courier_env, redis_client):
     import dataclasses
     import threading
 
-    from tasks import keys
-    from tasks.janitor import sweep
+    from tasks.ledger import keys
+    from tasks.ops.janitor import sweep
     from workers.wiring import build_context
 
     env = courier_env()
@@ -170,7 +170,7 @@ def test_janitor_cli_dry_run_counts_then_sweeps(courier_env):
 
 
 def test_janitor_cli_says_when_another_sweep_runs(courier_env, redis_client):
-    from tasks import keys
+    from tasks.ledger import keys
 
     env = courier_env()
     redis_client.set(keys.janitor_lock(), "otherhost:123:abc", ex=60)
@@ -186,7 +186,7 @@ def test_a_second_beat_stands_by_until_the_first_is_gone(redis_server, redis_cli
     import subprocess
     import sys
 
-    from tasks import keys
+    from tasks.ledger import keys
     from tests.fixtures.services import stop_process, wait_until
     from tests.fixtures.workers import ROOT
     from workers.celery_app import BEAT_LOCK_TTL_S
@@ -249,7 +249,7 @@ def test_s3_lifecycle_rules_replace_the_listing(courier_env, s3_server, monkeypa
     COURIER_S3_LIFECYCLE a sweep makes one request (the rules are in place)
     and lists nothing. Whether the server then expires objects is its own
     business (days, not testable here)."""
-    from tasks.janitor import sweep
+    from tasks.ops.janitor import sweep
     from workers.wiring import build_context
 
     bucket = s3_server.make_bucket()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import threading
 
-from tasks import keys, ledger, receipts
+from tasks.ledger import keys, ledger, receipts
 from tests.fixtures.faults import children_of
 from tests.fixtures.services import wait_until
 from tests.fixtures.workers import CourierEnv

@@ -10,7 +10,9 @@ import time
 
 import pytest
 
-from tasks import chains, keys, ledger, receipts, reconcile, signing, turn
+from tasks.dispatch import chains, reconcile
+from tasks.ledger import keys, ledger, receipts, signing
+from tasks.turn import turn
 from tasks.celery_tasks import stages
 from tasks.runtime import Context
 
@@ -127,7 +129,8 @@ def test_a_stage_that_finds_its_lease_held_is_looked_at_again_when_the_lease_lap
     so it runs again ~LEASE_TTL_S after the crash, not at its 60 s grace."""
     import time
 
-    from tasks import chains, keys, ledger
+    from tasks.dispatch import chains
+    from tasks.ledger import keys, ledger
 
     r = redis_client
     ledger.set_due(r, "turn", "turn_busy", chains.TURN_GRACE_S)

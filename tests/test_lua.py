@@ -1,4 +1,4 @@
-"""The Lua scripts (tasks/lua/*.lua) and their registry (tasks/scripts.py): each file has a
+"""The Lua scripts (tasks/ledger/lua/*.lua) and their registry (tasks/ledger/scripts.py): each file has a
 header naming every KEYS[i] and ARGV[i] and binds them to named locals; every key a script
 touches comes in KEYS; no state name of tasks/states.py is written in a script; every script is
 run by the code, only through the registry, and every name the code runs exists."""
@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks import keys, scripts, states
+from tasks import states
+from tasks.ledger import keys, scripts
 
 ROOT = Path(__file__).resolve().parent.parent
 FILES = sorted(scripts.DIR.glob("*.lua"))
@@ -121,7 +122,7 @@ def test_every_script_is_run_by_the_code_and_every_name_run_exists():
 
 def test_scripts_run_only_through_the_registry():
     for path, text in _sources().items():
-        if path == ROOT / "tasks" / "scripts.py":
+        if path == ROOT / "tasks" / "ledger" / "scripts.py":
             continue
         for pattern in (r"redis\.call\(", r"\.eval(?:sha)?\(", r"register_script\(", r"\bScript\("):
             assert not re.search(pattern, text), f"{path.relative_to(ROOT)}: {pattern}"
@@ -149,7 +150,7 @@ def test_the_registry_checks_counts_and_runs_on_a_client_a_pipeline_and_after_re
 
 
 def test_the_scripts_ship_with_the_package():
-    """pyproject's package data names the folder the registry reads (beside tasks/scripts.py)."""
+    """pyproject's package data names the folder the registry reads (beside tasks/ledger/scripts.py)."""
     import tomllib
 
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
@@ -179,7 +180,7 @@ def test_a_lane_found_empty_is_kept_when_a_step_came_before_it_was_forgotten(red
 def test_a_head_being_extracted_parks_the_lane_and_releases_its_lease_in_one_step(redis_client):
     """lane_head.lua: a file still in its sandbox sets the lane's due time and releases the lease
     together; a ready one is locked and counted; a head that moved is looked at again."""
-    from tasks import lanes
+    from tasks.delivery import lanes
 
     r, target = redis_client, "memory:lua-head"
     lane, lease, due = keys.lane(target), keys.lease("lane", target), keys.due("lane")

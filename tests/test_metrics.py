@@ -43,7 +43,7 @@ def test_queue_stats_see_depth_age_and_consumers(redis_client):
     a registered queue with no consumer is listed."""
     import json
 
-    from tasks import queues
+    from tasks.ops import queues
 
     now = time.time()
     for age in (30.0, 5.0):  # LPUSH: the oldest ends up on the right, as Celery's transport keeps it
@@ -66,11 +66,12 @@ def test_queue_stats_see_depth_age_and_consumers(redis_client):
 
 
 def test_the_delivery_queue_counts_the_lanes_waiting_in_the_ready_set(redis_client):
-    """Lanes whose wake-up joined the ready set (tasks/chains.py) are delivery work waiting
+    """Lanes whose wake-up joined the ready set (tasks/dispatch/chains.py) are delivery work waiting
     like messages: the delivery queue's depth and age show them."""
     import json
 
-    from tasks import keys, queues
+    from tasks.ledger import keys
+    from tasks.ops import queues
 
     now = time.time()
     redis_client.lpush("delivery", json.dumps({"headers": {"sent_s": now - 3.0}, "body": ""}))
@@ -88,7 +89,7 @@ def test_a_queue_entry_that_is_not_utf8_is_counted_without_an_age(redis_client):
     UnicodeDecodeError."""
     import json
 
-    from tasks import queues
+    from tasks.ops import queues
 
     now = time.time()
     redis_client.rpush("delivery", b"\xff\xfe\x00 not utf-8")  # the right end: the oldest
@@ -237,7 +238,7 @@ def test_web_metrics_need_the_token_and_show_queues_ledger_and_webhooks(courier_
         assert h.status_code == 200 and h.json()["turns_consumers"] == 0
         h = httpx.get(base + "/healthz?consumers=turns", timeout=5)
         assert h.status_code == 503 and h.json()["no_consumer"] == ["turns"]
-        from tasks import queues
+        from tasks.ops import queues
 
         queues.heartbeat(env_redis, "w@h", ["turns"])
         h = httpx.get(base + "/healthz?consumers=turns", timeout=5)

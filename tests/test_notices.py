@@ -17,7 +17,10 @@ from adapters.platforms.outbox import OutboxPlatform, read_log
 from adapters.sandboxes.base import SandboxRef
 from adapters.sandboxes.local import LocalSandbox
 from storage.s3 import S3Store
-from tasks import chains, extract, lanes, receipts
+from tasks.delivery import lanes
+from tasks.dispatch import chains
+from tasks.ledger import receipts
+from tasks.turn import extract
 from tasks.runtime import Context
 from tests.fixtures.faults import TcpProxy
 

@@ -19,7 +19,7 @@ from adapters.agents.tools import SCREENSHOT_VIEWPORT, Toolbox
 from adapters.platforms.outbox import read_log
 from adapters.sandboxes.local import LocalSandbox
 from storage.volume import VolumeStore
-from tasks import events
+from tasks.ledger import events
 from tests.fixtures.fake_openai import calls, drop, forever, http_error, raw, run_turn, say, stall, tool_call
 from tests.fixtures.services import free_port, need
 from tests.fixtures.workers import CourierEnv

@@ -1,4 +1,4 @@
-"""Each part of a delivery is sent once (tasks.parts): the guarded platform
+"""Each part of a delivery is sent once (tasks.delivery.parts): the guarded platform
 looks a part's record up before sending it and records it after, against
 real Redis; the rate-limit slots it takes are tests/test_ratelimit.py's."""
 
@@ -8,7 +8,8 @@ import pytest
 
 from adapters.errors import RateLimited, Transient
 from adapters.platforms.base import Kind
-from tasks import keys, parts
+from tasks.delivery import parts
+from tasks.ledger import keys
 from tests.fixtures.services import wait_until
 from tests.test_ratelimit import _limits, _Stub
 

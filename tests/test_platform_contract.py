@@ -385,7 +385,7 @@ def test_every_media_tag_that_cannot_go_is_named_in_one_notice_after_the_file_th
     res = row.env.cli("turn", f"{row.name}:{chat}", "go", "--agent", "long", "--json")
     assert res.returncode == 0, res.stdout + res.stderr
     job = json.loads(res.stdout)["job"]
-    from tasks import receipts
+    from tasks.ledger import receipts
     from tests.fixtures.services import wait_until
 
     def over() -> list[dict] | None:

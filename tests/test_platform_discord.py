@@ -18,7 +18,7 @@ import requests
 from adapters.errors import Permanent, RateLimited, Transient
 from adapters.platforms.base import FileSource, Kind, MiB
 from adapters.platforms.discord import DiscordPlatform, nonce_for, waveform_for
-from tasks import keys, receipts
+from tasks.ledger import keys, receipts
 from tests.fixtures._files import sha256_file as sha
 from tests.fixtures._platforms import agent_env, assert_status_failed, assert_token_not_logged, chain_with_marker, db
 from tests.fixtures._platforms import long_reply_delivered, make, opener, redelivered_file_job, send, send_plain, sent, words

@@ -18,7 +18,7 @@ import pytest
 from adapters.errors import Permanent, RateLimited, Transient
 from adapters.platforms.base import FileSource, Kind
 from adapters.platforms.telegram import TelegramPlatform
-from tasks import receipts
+from tasks.ledger import receipts
 from tests.fixtures._platforms import deployment_fixtures, write_unique
 from tests.fixtures.fake_telegram import FakeTelegram, enqueue, wait_job
 from tests.fixtures.services import wait_until
@@ -208,7 +208,8 @@ def test_permanent_errors_do_not_retry_and_show_in_status(tg, fake_telegram, r, 
 
 # -- idempotency and upload once -------------------------------------------------------------
 def test_redelivered_task_after_success_sends_nothing(tg, fake_telegram, r, tmp_path):
-    from tasks import chains, keys
+    from tasks.dispatch import chains
+    from tasks.ledger import keys
 
     p = tmp_path / "once.pdf"
     write_unique(p, 1000)

@@ -10,7 +10,8 @@ import json
 
 import pytest
 
-from tasks import operations, receipts
+from tasks.ledger import receipts
+from tasks.ops import operations
 from tests.fixtures.workers import CourierEnv
 
 

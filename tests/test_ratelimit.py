@@ -10,7 +10,7 @@ import pytest
 
 from adapters.errors import RateLimited
 from adapters.platforms.base import Limits, Platform, Sent
-from tasks import parts, ratelimit
+from tasks.delivery import parts, ratelimit
 from tests.fixtures.fake_telegram import enqueue, wait_job
 from tests.fixtures.services import wait_until
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks import chains, events, keys, receipts, signing
+from tasks.dispatch import chains
+from tasks.ledger import events, keys, receipts, signing
 from tests.fixtures.redis_server import RedisServer, _redis_binary
 from tests.fixtures.services import free_port, stop_process, wait_until
 from workers import redis_url, wiring
@@ -112,7 +113,7 @@ def _talks_to_redis(tree: ast.AST) -> bool:
             imports |= any(a.name.split(".")[0] == "redis" for a in n.names)
         elif isinstance(n, ast.ImportFrom) and n.module:
             names = {a.name for a in n.names}
-            imports |= (n.module.split(".")[0] == "redis" or n.module in ("tasks.keys", "workers.redis_url")
+            imports |= (n.module.split(".")[0] == "redis" or n.module in ("tasks.ledger.keys", "workers.redis_url")
                         or (n.module.split(".")[0] == "tasks" and "keys" in names) or "redis_client" in names)
     return imports and any(isinstance(n, ast.Attribute) and n.attr in _REDIS_ATTRS for n in ast.walk(tree))
 
@@ -145,7 +146,7 @@ def test_no_module_that_talks_to_redis_decodes_replies_by_hand():
                 found += [f"{p.relative_to(ROOT)}:{line}" for line in _hand_decoding(tree)]
     assert not found, found
     # the modules that read replies are among those looked at
-    assert {"tasks/receipts.py", "tasks/lanes.py", "tasks/events.py", "workers/web.py", "workers/turnpage.py",
+    assert {"tasks/ledger/receipts.py", "tasks/delivery/lanes.py", "tasks/ledger/events.py", "workers/web.py", "workers/turnpage.py",
             "workers/redis_url.py", "workers/celery_app.py"} <= talking
     assert not hasattr(receipts, "as_str") and not hasattr(receipts, "_s")
 

@@ -19,7 +19,7 @@ import httpx
 import pytest
 import redis
 
-from tasks import keys
+from tasks.ledger import keys
 from tests.fixtures.services import free_port, stop_process, wait_until
 from tests.fixtures.workers import ROOT, CourierEnv
 

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from adapters.platforms.outbox import read_log
-from tasks import receipts
+from tasks.ledger import receipts
 from tests.fixtures.faults import children_of
 from tests.fixtures.services import wait_until
 
@@ -47,7 +47,7 @@ def test_turn_survives_a_killed_worker(courier_env, tmp_path, redis_client, how)
     wait_until(lambda: marker.exists(), timeout_s=60, what="the agent to start")
     # while the turn runs its due time follows its lease: a dead worker's turn runs again when
     # the lease lapses (~LEASE_TTL_S), not at the turn's 60 s grace
-    from tasks import keys, ledger
+    from tasks.ledger import keys, ledger
 
     assert (redis_client.zscore(keys.due("turn"), job) or 1e18) <= time.time() + ledger.LEASE_TTL_S + 2
 
@@ -93,7 +93,8 @@ def test_redelivered_delivery_is_not_sent_twice(courier_env, redis_client, tmp_p
     d = data["deliveries"][0]
     # the very same step once more in the chat's lane (a duplicate message, a redelivery),
     # and the drive of the lane published twice, then a probe behind them
-    from tasks import chains, keys
+    from tasks.dispatch import chains
+    from tasks.ledger import keys
 
     redis_client.rpush(keys.lane("outbox:dup"), d["id"])
     with env.publishing():

@@ -1,4 +1,4 @@
-"""tasks.reply: MEDIA tag parsing, directives, text tidying; tasks.routing: routing by extension."""
+"""tasks.turn.reply: MEDIA tag parsing, directives, text tidying; tasks.delivery.routing: routing by extension."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from adapters.platforms.base import Kind
-from tasks.reply import ParsedReply, parse_reply
-from tasks.routing import (
+from tasks.turn.reply import ParsedReply, parse_reply
+from tasks.delivery.routing import (
     ANIMATION_EXT,
     AUDIO_EXT,
     DOCUMENT_EXT,

@@ -21,7 +21,9 @@ from adapters.platforms.discord import DiscordPlatform
 from adapters.platforms.telegram import TelegramPlatform
 from adapters.platforms.whatsapp import WhatsAppPlatform
 from storage.volume import VolumeStore
-from tasks import chains, delivery, keys, lanes, receipts
+from tasks.delivery import delivery, lanes
+from tasks.dispatch import chains
+from tasks.ledger import keys, receipts
 from tasks.runtime import Context
 from tests.fixtures._platforms import words
 from tests.fixtures.services import wait_until

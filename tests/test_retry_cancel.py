@@ -1,6 +1,6 @@
 """`courier retry` and `courier cancel` against a real Redis and real worker
 processes (the outbox platform: a directory), and the ledger scripts under
-them (tasks/operations.py)."""
+them (tasks/ops/operations.py)."""
 
 from __future__ import annotations
 
@@ -114,7 +114,9 @@ def test_cancel_pending_deliveries_are_never_sent_and_the_lane_goes_on(courier_e
 def test_cancel_leaves_a_send_in_flight_to_finish(courier_env, redis_client):
     """The send lock held (as a worker holds it while it uploads): cancel
     leaves that delivery alone and waits, up to --timeout, for it to end."""
-    from tasks import operations, receipts, sendlock
+    from tasks.delivery import sendlock
+    from tasks.ledger import receipts
+    from tasks.ops import operations
 
     env = courier_env()
     res = env.cli("send", "outbox:fl", "--text", "one", "--json")
@@ -204,7 +206,7 @@ def _finish(redis_client, job: str, did: str) -> float:
     """What a worker does when its send ends: the receipt and its event in one round trip."""
     import time
 
-    from tasks import events, receipts
+    from tasks.ledger import events, receipts
 
     p = redis_client.pipeline(transaction=False)
     receipts.update_delivery(p, did, state="delivered", message_id="m1")
@@ -235,7 +237,7 @@ def _woken(env, redis_client, job: str, did: str, *args: str) -> tuple[str, floa
 def test_cancel_and_retry_waits_wake_on_the_delivery_event(courier_env, redis_client):
     """`cancel` waiting for a send in flight and `retry --wait` block on the
     job's event stream: the delivery's final event ends the wait at once."""
-    from tasks import sendlock
+    from tasks.delivery import sendlock
 
     env = courier_env()
     job = json.loads(env.cli("send", "outbox:ev", "--text", "one", "--json").stdout)["job"]

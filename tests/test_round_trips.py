@@ -18,7 +18,10 @@ from adapters.platforms.base import Limits
 from adapters.sandboxes.local import LocalSandbox
 from adapters.sandboxes.base import SandboxRef
 from storage.volume import VolumeStore
-from tasks import chains, extract, keys, lanes, ratelimit, receipts
+from tasks.delivery import lanes, ratelimit
+from tasks.dispatch import chains
+from tasks.ledger import keys, receipts
+from tasks.turn import extract
 from tasks.runtime import Context
 from tests.test_delivery_flow import MemoryPlatform
 
@@ -279,7 +282,7 @@ def test_a_window_script_redis_lost_is_taken_the_usual_way(counted):
 def test_a_delivery_queued_by_the_code_before_the_typed_spec_is_extracted_and_sent(counted):
     """An upgrade mid-flight: a receipt whose spec the code before `DeliverySpec` sealed (this dict,
     the keys it wrote) is extracted and sent by this code, once."""
-    from tasks import signing
+    from tasks.ledger import signing
 
     (did,) = counted.plan("memory:rt-old", 1)
     job, key, path = did.rsplit(".", 1)[0], f"files/{did.rsplit('.', 1)[0]}/0-f0.bin", str(counted.sandbox / "f0.bin")
@@ -297,7 +300,7 @@ def test_a_delivery_queued_by_the_code_before_the_typed_spec_is_extracted_and_se
 def test_a_signed_spec_that_is_no_delivery_spec_is_refused_not_retried(counted):
     """A receipt whose spec verifies but cannot be read as a delivery spec (no release writes one):
     neither stage acts on it or fails over and over; the receipt says why, the lane moves on."""
-    from tasks import signing
+    from tasks.ledger import signing
 
     (did,) = counted.plan("memory:rt-bad", 1)
     counted.r.hset(keys.delivery(did), "spec", signing.seal_json("delivery", did, {"id": did, "type": "file"}))

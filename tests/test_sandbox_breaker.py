@@ -1,5 +1,5 @@
 """A stalled sandbox costs one slot, once (issue 22, item 6): the per-sandbox
-circuit breaker of tasks/breaker.py, against a real podman container whose
+circuit breaker of tasks/turn/breaker.py, against a real podman container whose
 shell stalls (tests/fixtures/podman.py `StallingContainer`: every exec the
 sandbox code makes runs its `sh`, which waits while the container is stalled,
 and each run is counted in the container) and a real Redis.
@@ -30,7 +30,9 @@ import time
 import pytest
 
 from adapters.sandboxes.base import SandboxRef
-from tasks import breaker, chains, extract, keys, receipts
+from tasks.dispatch import chains
+from tasks.ledger import keys, receipts
+from tasks.turn import breaker, extract
 from tasks.runtime import Context
 from tests.fixtures.podman import StallingContainer
 from tests.fixtures.services import wait_until

@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 
 from adapters.platforms.outbox import read_log
-from tasks import keys, sendorder, task_names
+from tasks import task_names
+from tasks.ledger import keys
+from tasks.ops import sendorder
 from tests.fixtures.services import wait_until
 
 N = 60

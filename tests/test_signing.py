@@ -1,4 +1,4 @@
-"""The signatures on what crosses Redis (tasks/signing.py): what verifies and
+"""The signatures on what crosses Redis (tasks/ledger/signing.py): what verifies and
 what does not, the key generated into the data dir, and a key rotation with
 real worker processes (the previous key accepted, never used to sign)."""
 
@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from tasks import signing
-from tasks.signing import Forged, Signer
+from tasks.ledger import signing
+from tasks.ledger.signing import Forged, Signer
 
 OLD = b"the-old-key-0123456789abcdef"
 NEW = b"the-new-key-0123456789abcdef"
@@ -52,7 +52,7 @@ def test_while_rotating_the_previous_key_opens_and_the_new_one_signs():
 def test_the_key_is_generated_once_into_the_data_dir(tmp_path):
     """Eight processes starting at once on a fresh data dir end up with one key, private to its owner."""
     code = ("import sys; from workers.settings import Settings; from workers.wiring import make_signer; "
-            "from tasks.signing import key_id; s = make_signer(Settings()); "
+            "from tasks.ledger.signing import key_id; s = make_signer(Settings()); "
             "print(key_id(s._keys[s._current]))")
     env = {k: v for k, v in os.environ.items() if k != "COURIER_SIGNING_KEY"}
     env.update(COURIER_DATA_DIR=str(tmp_path / "data"), PYTHONPATH=str(__import__("pathlib").Path(__file__).parents[1]))
@@ -78,7 +78,8 @@ def test_a_rotation_with_real_workers(tmp_path, redis_server):
     """What was signed with the old key is delivered by a worker that has it as its previous key; a worker
     that has only the new key refuses it (and says why in the receipt)."""
     from adapters.platforms.outbox import read_log
-    from tasks import chains, receipts
+    from tasks.dispatch import chains
+    from tasks.ledger import receipts
     from tests.fixtures.services import wait_until
     from tests.fixtures.workers import CourierEnv
 

@@ -129,7 +129,7 @@ def _courier_worker(env: CourierEnv, *args: str) -> tuple[subprocess.Popen, str,
 
 def _send(env: CourierEnv, r, chat: str, text: str) -> None:
     from adapters.platforms.outbox import read_log
-    from tasks import chains
+    from tasks.dispatch import chains
 
     with env.publishing():
         chains.enqueue(r, chains.Plan(job_id=f"sup_{uuid.uuid4().hex[:10]}", target=f"outbox:{chat}", text=text),

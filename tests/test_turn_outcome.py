@@ -18,7 +18,11 @@ import pytest
 from adapters.errors import CourierError
 from adapters.sandboxes.local import LocalSandbox
 from storage.volume import VolumeStore
-from tasks import chains, events, extract, keys, lanes, operations, receipts, signing, turn
+from tasks.delivery import lanes
+from tasks.dispatch import chains
+from tasks.ledger import events, keys, receipts, signing
+from tasks.ops import operations
+from tasks.turn import extract, turn
 from tasks.runtime import Context
 from tests.fixtures.webstack import AGENT_PRELUDE
 from tests.test_delivery_flow import MemoryPlatform

@@ -97,10 +97,11 @@ def test_a_spec_written_before_the_typed_spec_reads_and_writes_back_the_same(wir
     `id` is `delivery_id`, `job` is `job_id`), and written back as the very same JSON."""
     import json
 
-    from tasks import signing
+    from tasks.delivery import specs
+    from tasks.ledger import signing
     from tasks.messages import DeliverySpec
 
-    spec = signing.open_delivery(wire["id"], signing.seal_json("delivery", wire["id"], wire))
+    spec = specs.open_delivery(wire["id"], signing.seal_json("delivery", wire["id"], wire))
     assert (spec.delivery_id, spec.job_id, spec.target, spec.type) == (wire["id"], wire["job"], wire["target"],
                                                                        wire["type"])
     assert spec.extract is None if "extract" not in wire else spec.extract.path == wire["extract"]["path"]
@@ -112,7 +113,7 @@ def test_what_chains_writes_is_what_it_wrote_before():
     """Every kind of delivery a plan makes (text, stored file with a caption, sandbox files with a size
     cap, an album, a reply's notice of unsent files) round-trips, and keeps the legacy keys."""
     from adapters.sandboxes.base import SandboxRef
-    from tasks import chains
+    from tasks.dispatch import chains
     from tasks.messages import DeliverySpec
 
     ref = SandboxRef("local")
@@ -205,7 +206,7 @@ def test_a_state_member_is_its_string_where_it_is_stored_and_sent():
 
 
 def test_a_state_member_goes_to_redis_as_its_value(redis_client):
-    from tasks import keys, receipts
+    from tasks.ledger import keys, receipts
     from tasks.states import DeliveryState
 
     receipts.update_delivery(redis_client, "types_x.0", state=DeliveryState.RATE_LIMITED)
@@ -215,11 +216,11 @@ def test_a_state_member_goes_to_redis_as_its_value(redis_client):
 
 def test_the_cli_and_the_send_task_build_a_send_plan_one_way():
     """Issue 23: `courier send` and the operator's send task (Flower) built their plans two ways; both
-    go through `tasks.send.check_send` now, and nothing else in workers/ makes a `chains.Plan`."""
+    go through `tasks.ops.send.check_send` now, and nothing else in workers/ makes a `chains.Plan`."""
     cli = (ROOT / "workers" / "cli.py").read_text()
     assert "check_send(" in cli and "chains.Plan(" not in cli
     assert [p.name for p in sorted((ROOT / "workers").rglob("*.py")) if "chains.Plan(" in p.read_text()] == []
-    send = (ROOT / "tasks" / "send.py").read_text()
+    send = (ROOT / "tasks" / "ops" / "send.py").read_text()
     assert send.count("chains.Plan(") == 1  # CheckedSend.plan
 
 
@@ -227,8 +228,8 @@ def test_a_send_is_checked_the_same_with_and_without_files_of_the_host(tmp_path)
     """`check_send`: a file given without `://` is the sender's host file when it takes them
     (`courier send`), else an absolute path in the local sandbox (the send task); the rest alike."""
     from adapters.errors import ConfigError
-    from tasks import chains
-    from tasks.send import HostFile, NothingToSend, check_send
+    from tasks.dispatch import chains
+    from tasks.ops.send import HostFile, NothingToSend, check_send
 
     def checked(**kw):
         return check_send("outbox:x", platform=lambda: None, album_max=lambda: 10, open_sandbox=lambda ref: None,

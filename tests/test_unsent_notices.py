@@ -21,7 +21,10 @@ import pytest
 from adapters.platforms.telegram import TelegramPlatform
 from adapters.sandboxes.local import LocalSandbox
 from storage.volume import VolumeStore
-from tasks import chains, extract, keys, lanes, receipts, turn
+from tasks.delivery import lanes
+from tasks.dispatch import chains
+from tasks.ledger import keys, receipts
+from tasks.turn import extract, turn
 from tasks.runtime import Context
 from tests.fixtures.services import wait_until
 from tests.fixtures.webstack import AGENT_PRELUDE

@@ -25,7 +25,9 @@ import time
 import pytest
 
 from storage.volume import VolumeStore
-from tasks import chains, keys, lanes, receipts, reconcile
+from tasks.delivery import lanes
+from tasks.dispatch import chains, reconcile
+from tasks.ledger import keys, receipts
 from tasks.celery_tasks import stages
 from tasks.runtime import Context
 from tests.fixtures.services import wait_until

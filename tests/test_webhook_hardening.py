@@ -17,7 +17,7 @@ import urllib.parse
 import httpx
 import pytest
 
-from tasks import events, receipts
+from tasks.ledger import events, receipts
 from tests.fixtures.webstack import (
     SLACK_SECRET,
     TELEGRAM_SECRET,
@@ -271,7 +271,7 @@ def test_the_events_stream_needs_the_turns_token(web):
     for r in (httpx.get(url + "?token=" + token), httpx.get(url, headers={"Authorization": f"Bearer {token}"})):
         assert r.status_code == 200 and r.text.count("event: status") == 2, r.text
     # deleting the key revokes every token given so far
-    from tasks import keys
+    from tasks.ledger import keys
 
     web.r.delete(keys.events_key())
     assert one_line_4xx(httpx.get(url + "?token=" + token), 403)

@@ -21,7 +21,7 @@ import time
 import httpx
 import pytest
 
-from tasks import keys
+from tasks.ledger import keys
 from tests.fixtures.services import free_port, wait_until
 from tests.fixtures.webstack import (
     PLATFORMS,

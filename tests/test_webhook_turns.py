@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from adapters.platforms.outbox import read_log
-from tasks import keys, receipts
+from tasks.ledger import keys, receipts
 from tests.fixtures.services import wait_until
 from tests.fixtures.webstack import (
     attachment_bytes,

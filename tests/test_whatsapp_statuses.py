@@ -16,7 +16,7 @@ import sys
 import httpx
 import pytest
 
-from tasks import receipts
+from tasks.ledger import receipts
 from tests.fixtures.services import free_port, stop_process, wait_until
 from tests.fixtures.workers import ROOT, CourierEnv
 

@@ -223,7 +223,7 @@ def _start_reconciler(sender=None, **_kw) -> None:
     """Every worker runs the reconciler (one pass a second; a Redis lock lets
     one worker at a time work), so no extra process is needed for recovery."""
     from tasks.celery_tasks import stages
-    from tasks.reconcile import Reconciler
+    from tasks.dispatch.reconcile import Reconciler
 
     global _reconciler
     _reconciler = Reconciler(runtime.ctx, stages()).start()
@@ -247,7 +247,7 @@ def _recycle_on_stall(key: str, idle_s: float) -> None:
 @worker_init.connect
 @worker_process_init.connect
 def _leases_need_progress(**_kw) -> None:
-    from tasks import ledger
+    from tasks.ledger import ledger
 
     ledger.set_stall_handler(_recycle_on_stall, get_settings().lease_stall_s)
 
@@ -275,10 +275,10 @@ _reconciler = None
 @before_task_publish.connect
 def _stamp(sender=None, headers=None, routing_key=None, body=None, **_kw) -> None:
     """Every message carries its publish time (`sent_s`: the oldest message's
-    age per queue), and its queue is noted in the registry (tasks/queues.py)
+    age per queue), and its queue is noted in the registry (tasks/ops/queues.py)
     at most once a minute per process: a `sandbox.<host>` queue without a
     worker is still seen. An operator's send carries its number in its chat's
-    order (tasks/sendorder.py)."""
+    order (tasks/ops/sendorder.py)."""
     import time
 
     from celery import current_app
@@ -294,7 +294,7 @@ def _stamp(sender=None, headers=None, routing_key=None, body=None, **_kw) -> Non
     if now - _registered.get((url, routing_key), 0.0) > 60:
         _registered[(url, routing_key)] = now
         try:
-            from tasks import queues
+            from tasks.ops import queues
 
             queues.register(_ops_redis(url), routing_key, now=now)
         except Exception as exc:  # noqa: BLE001 - bookkeeping: never fails a publish
@@ -305,7 +305,7 @@ def _stamp(sender=None, headers=None, routing_key=None, body=None, **_kw) -> Non
 def _number_send(url: str, headers: dict, body) -> None:
     """Stamp an operator's send with its number in its chat's order (none when the target cannot be
     read or Redis does not answer: the task then registers when it runs, as before)."""
-    from tasks import sendorder
+    from tasks.ops import sendorder
 
     try:
         args, kwargs = (body[0], body[1]) if isinstance(body, (tuple, list)) and len(body) >= 2 else ((), {})
@@ -344,7 +344,7 @@ class _Heartbeat:
         self.thread = threading.Thread(target=self._run, name="courier-heartbeat", daemon=True)
 
     def _run(self) -> None:
-        from tasks import queues
+        from tasks.ops import queues
 
         while not self.stopped.is_set():
             try:
@@ -359,7 +359,7 @@ class _Heartbeat:
             self.stopped.wait(queues.HEARTBEAT_S)
 
     def stop(self) -> None:
-        from tasks import queues
+        from tasks.ops import queues
 
         self.stopped.set()
         try:
@@ -418,7 +418,7 @@ def _beat_singleton(sender=None, **_kw) -> None:
     import threading
     import time
 
-    from tasks import keys, ledger
+    from tasks.ledger import keys, ledger
 
     log = logging.getLogger("courier.beat")
     app_ = getattr(sender, "app", None) or app

@@ -150,8 +150,8 @@ def send(
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """Deliver files (and/or a text) to a chat."""
-    from tasks import chains
-    from tasks.send import HostFile, NothingToSend, check_send, check_size
+    from tasks.dispatch import chains
+    from tasks.ops.send import HostFile, NothingToSend, check_send, check_size
     from workers.wiring import open_sandbox
     from workers.wiring import platform as wired_platform
     from workers.wiring import platform_limits
@@ -174,7 +174,7 @@ def send(
                    as_document=as_document, path=str(p))
         return HostFile(path=str(p), name=p.name)
 
-    # the operator's send task's checks (tasks.send.check_send): a remote sandbox path the policy
+    # the operator's send task's checks (tasks.ops.send.check_send): a remote sandbox path the policy
     # refuses as written; a local one resolved, its size checked against the adapter itself (its own
     # type rules, `route_file`, besides its limits); a file of this host checked by `host_file`
     try:
@@ -259,8 +259,8 @@ def turn(
 ) -> None:
     """Enqueue an agent turn."""
     from adapters.sandboxes.base import parse_uri
-    from tasks import chains
-    from tasks.turn import BUILTIN_AGENTS
+    from tasks.dispatch import chains
+    from tasks.turn.turn import BUILTIN_AGENTS
 
     settings = _settings()
     _target(settings, target)
@@ -317,7 +317,7 @@ def watch(
     as_json: Annotated[bool, typer.Option("--json", help="one JSON line per event (with its stream id)")] = False,
 ) -> None:
     """Show a turn's (or a send's) events live, until its deliveries are done."""
-    from tasks import keys, receipts
+    from tasks.ledger import keys, receipts
 
     settings = _settings()
     r = _redis(settings)
@@ -369,7 +369,7 @@ def status(
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """Show a job's deliveries (or one delivery's receipt)."""
-    from tasks import receipts
+    from tasks.ledger import receipts
 
     settings = _settings()
     r = _redis(settings)
@@ -382,7 +382,7 @@ def status(
         if job.get("kind") == "send":  # a send's job record is not updated as it goes: its receipts say
             job["state"] = send_state(rows)
         if as_json:
-            from tasks.listing import shown
+            from tasks.ops.listing import shown
 
             print(json.dumps({"job": shown(job), "deliveries": [shown(row) for row in rows], "events_token": token}))
         else:
@@ -399,7 +399,7 @@ def status(
     if rec is None:
         raise die(f"no send, turn or delivery with id {ident!r}", EXIT_INPUT)
     if as_json:
-        from tasks.listing import shown
+        from tasks.ops.listing import shown
 
         print(json.dumps(shown(rec)))
     else:
@@ -418,7 +418,7 @@ def deliveries(
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """List recent deliveries (newest job first) with their state and reason."""
-    from tasks import listing
+    from tasks.ops import listing
 
     settings = _settings()
     since_s = None
@@ -468,8 +468,8 @@ def queues(
     yes: Annotated[bool, typer.Option("--yes", help="with --purge-orphans: drop them (without: a dry run)")] = False,
 ) -> None:
     """Celery queues (depth, oldest message's age, consumers; sandbox.<host> too) and the ledger's pending stages."""
-    from tasks import ledger
-    from tasks import queues as queues_mod
+    from tasks.ledger import ledger
+    from tasks.ops import queues as queues_mod
 
     settings = _settings()
     r = _redis(settings)
@@ -550,7 +550,8 @@ def retry(
     """Re-queue failed (or cancelled) deliveries through the ledger: their chat's lane, and a new extraction
     when that is what failed. A delivered one is refused. Exit 2 (nothing re-queued) when an id is unknown
     or not failed."""
-    from tasks import chains, operations
+    from tasks.dispatch import chains
+    from tasks.ops import operations
 
     settings = _settings()
     r = _redis(settings, enqueues=True)
@@ -597,7 +598,7 @@ def retry(
         if refused:  # raced: it changed between the check and the reset
             raise typer.Exit(EXIT_FAILED)
         return
-    from tasks import receipts
+    from tasks.ledger import receipts
 
     done_ids = [res["id"] for res in results if res["outcome"] == "requeued"]
     jobs = {rec["id"]: rec.get("job") or rec["id"].rsplit(".", 1)[0] for rec in recs}
@@ -626,7 +627,9 @@ def cancel(
 ) -> None:
     """Cancel a job: its deliveries not sent yet are never sent (state `cancelled`); a send already in
     flight finishes; a queued turn ends, a running one is marked and delivers nothing."""
-    from tasks import chains, operations, receipts
+    from tasks.dispatch import chains
+    from tasks.ledger import receipts
+    from tasks.ops import operations
 
     settings = _settings()
     r = _redis(settings)
@@ -654,7 +657,7 @@ def cancel(
         return None, not flight
 
     follow(r, [job], look, timeout)  # a send in flight: its final event wakes the next look
-    from tasks import queues as queues_mod
+    from tasks.ops import queues as queues_mod
 
     # its messages still queued (an extraction waiting on a sandbox.<host> queue nobody consumes, a
     # turn that had not started) would only find their entries cancelled: they go now
@@ -766,7 +769,7 @@ def parse_duration(raw: str) -> float:
 
 
 def human_size(n) -> str:
-    from tasks.text import human_bytes
+    from tasks.delivery.text import human_bytes
 
     return "" if n is None else human_bytes(int(n))
 
@@ -782,12 +785,12 @@ def janitor(
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """Run one janitor sweep now (old screenshots, files, spills, partial writes, turn workspaces)."""
-    from tasks.janitor import MIN_OLDER_THAN_S, sweep
+    from tasks.ops.janitor import MIN_OLDER_THAN_S, sweep
     from workers.wiring import build_context
 
     settings = _settings()
     if install_lifecycle:
-        from tasks import janitor as janitor_mod
+        from tasks.ops import janitor as janitor_mod
 
         _redis(settings)
         _store(settings)
@@ -858,7 +861,7 @@ def janitor(
 def send_state(rows: list[dict]) -> str:
     """A send's state from its receipts: queued, sending (some final or under
     way), delivered (all), failed (all final, one or more failed)."""
-    from tasks import receipts
+    from tasks.ledger import receipts
 
     states = [row.get("state") for row in rows]
     if states and all(st in receipts.TERMINAL for st in states):

@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from adapters.display import visible
-from tasks.events import describe
+from tasks.ledger.events import describe
 from tasks.states import TURN_OVER, DeliveryState, JobState
 
 EXIT_FAILED, EXIT_INPUT, EXIT_SERVICE, EXIT_TIMEOUT = 1, 2, 3, 4
@@ -60,7 +60,7 @@ def follow(r, job_ids: Iterable[str], look: Callable[[], tuple[T, bool]], timeou
     stream is read from its start, then after the last event seen: an event
     that lands between a look and the next read still wakes it. Returns the
     last look's value and whether it was done."""
-    from tasks import events
+    from tasks.ledger import events
 
     deadline = time.monotonic() + timeout_s
     cursors = dict.fromkeys(job_ids, "0-0")
@@ -78,7 +78,7 @@ def wait_deliveries(r, job_id: str, timeout_s: float) -> tuple[list[dict], bool]
     """The job's deliveries once all are final; done at once for a turn that
     ended with none (no reply, an empty reply). Between looks it waits on the
     job's event stream (`follow`), so a delivery's final event wakes it at once."""
-    from tasks import receipts
+    from tasks.ledger import receipts
 
     def look() -> tuple[list[dict], bool]:
         rows = receipts.job_deliveries(r, job_id)
@@ -115,7 +115,7 @@ def watch_job(r, job_id: str, timeout_s: float, *, quiet: bool = False, as_json:
     delivery; None: timed out."""
     from rich.live import Live
 
-    from tasks import events
+    from tasks.ledger import events
 
     tracker = events.EndTracker.for_job(r, job_id)
     view = _WatchView(job_id)

@@ -96,7 +96,7 @@ def run_demo(*, to: str | None, message: str, timeout_s: float, console: Console
         celery_app.app.conf.broker_url = celery_app.app.conf.result_backend = celery_url(settings.redis_url)[0]
         celery_app.app.conf.broker_use_ssl = celery_app.app.conf.redis_backend_use_ssl = celery_ssl(settings.redis_url)
         import tasks.celery_tasks  # noqa: F401
-        from tasks import chains
+        from tasks.dispatch import chains
         from tasks.states import DeliveryState
         from workers.console import deliveries_table, watch_job
         from workers.wiring import redis_client

@@ -16,7 +16,7 @@ import hashlib
 import hmac
 import secrets
 
-from tasks import keys
+from tasks.ledger import keys
 
 
 def server_key(r, name: str | None = None) -> bytes:

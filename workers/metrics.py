@@ -8,9 +8,9 @@ webhooks, turns). Here:
   prefork worker's children; uvicorn's workers), else the process's own.
 - `LedgerCollector`: gauges read from Redis at scrape time, one pipeline:
   each Celery queue's depth, oldest message's age and consumers
-  (`sandbox.<host>` queues included, tasks/queues.py), and the ledger's
-  pending entries per stage (`tasks.ledger.pending`), and the sandboxes
-  whose circuit breaker is open or half-open (`tasks.breaker.counts`). They
+  (`sandbox.<host>` queues included, tasks/ops/queues.py), and the ledger's
+  pending entries per stage (`tasks.ledger.ledger.pending`), and the sandboxes
+  whose circuit breaker is open or half-open (`tasks.turn.breaker.counts`). They
   describe the whole deployment, so the web process exports them; a worker's exporter
   does not (no duplicate series).
 - `authorized(header, token)`: the operator's bearer token
@@ -126,7 +126,9 @@ class LedgerCollector:
     def collect(self):
         from prometheus_client.core import GaugeMetricFamily
 
-        from tasks import breaker, ledger, queues
+        from tasks.ledger import ledger
+        from tasks.ops import queues
+        from tasks.turn import breaker
 
         up = GaugeMetricFamily("courier_redis_up", "1 when the scrape could read Redis")
         try:

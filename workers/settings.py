@@ -352,7 +352,7 @@ class Settings(BaseSettings):
     #: process, logger, message, and the job, delivery or lane a task ran for; never chat text or a secret)
     log_format: Literal["plain", "json"] = "plain"
 
-    # -- what crosses Redis is signed (tasks/signing.py) ---------------------------------------
+    # -- what crosses Redis is signed (tasks/ledger/signing.py) ---------------------------------------
     #: the HMAC key every spec and task message is signed with (16+ bytes; `openssl rand -hex 32`); every
     #: process of a deployment needs the same one. Unset: a key generated into <data dir>/signing.key on
     #: first start (one host, or hosts sharing the data volume)

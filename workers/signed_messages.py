@@ -1,5 +1,5 @@
 """Celery's task messages, signed: a kombu serializer (`courier-signed`) that
-seals each message body with the control plane's key (tasks/signing.py) and
+seals each message body with the control plane's key (tasks/ledger/signing.py) and
 opens it again, verified, in the worker.
 
 It is registered with kombu's public registry (`kombu.serialization.register`)
@@ -24,13 +24,13 @@ CONTENT_TYPE = "application/x-courier-signed+json"
 
 
 def dumps(body: Any) -> str:
-    from tasks import signing
+    from tasks.ledger import signing
 
     return signing.signer().seal("message", "", kjson.dumps(body))
 
 
 def loads(data: str | bytes) -> Any:
-    from tasks import signing
+    from tasks.ledger import signing
 
     try:
         return kjson.loads(signing.signer().open("message", "", data))
@@ -41,7 +41,7 @@ def loads(data: str | bytes) -> Any:
 
 def install() -> None:
     """Register the serializer (idempotent); the process's key comes from its settings (workers.wiring)."""
-    import workers.wiring  # noqa: F401 - sets tasks.signing's loader
+    import workers.wiring  # noqa: F401 - sets tasks.ledger.signing's loader
 
     register(NAME, dumps, loads, content_type=CONTENT_TYPE, content_encoding="utf-8")
 
@@ -50,7 +50,7 @@ def count_unsigned(message: Any = None, exc: Exception | None = None, **_kw: Any
     """Celery's `task_rejected`: a message of a content type the app does not accept (unsigned JSON)."""
     from kombu.exceptions import ContentDisallowed
 
-    from tasks import signing
+    from tasks.ledger import signing
 
     if isinstance(exc, ContentDisallowed):
         signing.refused("message", exc)

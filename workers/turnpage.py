@@ -57,7 +57,7 @@ async def _authorize(request: Request, job_id: str) -> Response | None:
 
 
 async def turn_page(request: Request) -> Response:
-    from tasks import keys
+    from tasks.ledger import keys
 
     job_id = request.path_params["job_id"]
     refused = await _authorize(request, job_id)
@@ -82,7 +82,8 @@ async def turn_page(request: Request) -> Response:
 
 async def turn_thumb(request: Request) -> Response:
     from adapters.errors import CourierError
-    from tasks import keys, signing
+    from tasks.delivery import specs
+    from tasks.ledger import keys, signing
     from workers.wiring import store
 
     job_id, did = request.path_params["job_id"], request.path_params["delivery_id"]
@@ -94,7 +95,7 @@ async def turn_thumb(request: Request) -> Response:
     web = request.app.state.web
     raw = await web.aredis.hget(keys.delivery(did), "spec")
     try:
-        spec = signing.open_delivery(did, raw) if raw else None
+        spec = specs.open_delivery(did, raw) if raw else None
     except (signing.Forged, ValueError):
         spec = None
     if spec is None or spec.job_id != job_id or not spec.key:
@@ -163,7 +164,7 @@ function size(n) { n = Number(n); if (!isFinite(n) || n <= 0) return "";
   const u = ["B", "KiB", "MiB", "GiB"]; let i = 0; while (n >= 1024 && i < 3) { n /= 1024; i++; }
   return (i ? n.toFixed(1) : n) + " " + u[i]; }
 // the page renders events itself, in the browser (phases, tools and deliveries in their own lists);
-// everywhere in Python an event's words are tasks/events.py describe()'s: keep the two saying the same
+// everywhere in Python an event's words are tasks/ledger/events.py describe()'s: keep the two saying the same
 function phase(ev) {
   const st = String(ev.status || ""); if (!st) return;
   $("phase").textContent = st;

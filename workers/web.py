@@ -60,7 +60,8 @@ from adapters.platforms.webhooks import slack as slack_webhook
 from adapters.platforms.webhooks import telegram as telegram_webhook
 from adapters.platforms.webhooks import whatsapp as whatsapp_webhook
 from adapters.platforms.webhooks.base import MALFORMED, Answer, Refusal
-from tasks import events, keys, metrics, scripts
+from tasks import metrics
+from tasks.ledger import events, keys, scripts
 from workers import turnpage
 from workers.settings import Settings, get_settings
 
@@ -149,7 +150,8 @@ class _Web:
         turn could not be enqueued (nothing is left behind then)."""
         s = self.settings
         self.celery  # noqa: B018 - checked once: never publish anywhere else
-        from tasks import chains, receipts, signing
+        from tasks.dispatch import chains
+        from tasks.ledger import receipts, signing
 
         origin = f"{platform}:{chat}"
         override = s.webhook_reply_target_override
@@ -248,7 +250,8 @@ class _Enqueuer:
             self.draining = False
 
     async def _enqueue(self, batch: list[_Turn]) -> None:
-        from tasks import chains, receipts
+        from tasks.dispatch import chains
+        from tasks.ledger import receipts
 
         r = self.web.aredis_turns
         ks: list = [keys.due("turn")]
@@ -293,7 +296,7 @@ class _Enqueuer:
         backend would SUBSCRIBE to every published turn's result channel in this process."""
         from celery.result import denied_join_result
 
-        from tasks import chains
+        from tasks.dispatch import chains
 
         app = self.web.celery
         failed: dict[str, BaseException] = {}
@@ -440,12 +443,12 @@ def quiet_query_strings() -> None:
 
 async def _confirm(web: _Web, platform: str, parser, body: bytes) -> int:
     """A verified notification's delivery statuses (a parser with `statuses`: WhatsApp's) moved onto
-    their receipts (tasks/confirm.py). Returns how many were applied."""
+    their receipts (tasks/delivery/confirm.py). Returns how many were applied."""
     found = getattr(parser, "statuses", None)
     updates = found(body) if found is not None else []
     if not updates:
         return 0
-    from tasks import confirm
+    from tasks.delivery import confirm
     from workers.wiring import redis_client
 
     done = await asyncio.to_thread(
@@ -495,7 +498,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
                                  media_type=mimetypes.guess_type(name)[0] or "application/octet-stream")
 
     async def healthz(request: Request) -> Response:
-        from tasks import queues
+        from tasks.ops import queues
 
         need = [q for q in request.query_params.get("consumers", "").split(",") if q]
         try:

@@ -31,7 +31,7 @@ def _store_for(url: str, public_url: str | None = None, redis_url: str | None = 
     if public_url and not st.can_sign and hasattr(st, "links"):
         # a volume: its links are served (and checked) by the web process at public_url
         from storage.links import LinkSigner
-        from tasks import keys
+        from tasks.ledger import keys
         from workers.eventauth import server_key
 
         st.links = LinkSigner(public_url, lambda: server_key(redis_client(redis_url), keys.files_key()))
@@ -56,7 +56,7 @@ def s3_credentials(s: Settings) -> tuple[str, str, str | None] | None:
 def file_links(settings: Settings | None = None):
     """The signer that checks a volume's download links (the web process's /files/ route)."""
     from storage.links import LinkSigner
-    from tasks import keys
+    from tasks.ledger import keys
     from workers.eventauth import server_key
 
     s = settings or get_settings()
@@ -262,7 +262,7 @@ REMOTE_DEFAULT_ROOTS = ("/workspace", "/tmp")
 
 def allowed_roots(ref: SandboxRef, settings: Settings | None = None) -> tuple[str, ...]:
     """The roots this worker's own configuration allows for `ref`'s sandbox kind: a spec's roots
-    may only lie inside them (tasks.extract.worker_ref). Local: COURIER_LOCAL_ROOTS (or its
+    may only lie inside them (tasks.turn.extract.worker_ref). Local: COURIER_LOCAL_ROOTS (or its
     default), the sandbox dir and the local agents' directories and roots; any other kind: its
     defaults and the directories and roots of the agents configured on that kind."""
     from adapters.sandboxes.base import parse_uri
@@ -283,7 +283,7 @@ def allowed_roots(ref: SandboxRef, settings: Settings | None = None) -> tuple[st
     return tuple(dict.fromkeys(os.path.realpath(p) if ref.kind == "local" else p for p in out))
 
 
-# -- signing (tasks/signing.py) ------------------------------------------------------------
+# -- signing (tasks/ledger/signing.py) ------------------------------------------------------------
 SIGNING_KEY_FILE = "signing.key"
 
 
@@ -321,9 +321,9 @@ def _data_dir_key(data_dir) -> bytes:
 
 
 def make_signer(settings: Settings | None = None):
-    """The process's signer (tasks.signing.Signer) from the settings: COURIER_SIGNING_KEY, else the data
+    """The process's signer (tasks.ledger.signing.Signer) from the settings: COURIER_SIGNING_KEY, else the data
     dir's key; COURIER_SIGNING_KEY_PREVIOUS accepted too."""
-    from tasks.signing import Signer
+    from tasks.ledger.signing import Signer
 
     s = settings or get_settings()
     current = s.signing_key.get_secret_value().encode() if s.signing_key else _data_dir_key(s.data_dir)
@@ -391,7 +391,7 @@ def agent_sandbox_report(settings: Settings | None = None) -> list[tuple[int, st
 
 
 def _install_signing_loader() -> None:
-    from tasks import signing
+    from tasks.ledger import signing
 
     signing.set_loader(make_signer)
 

@@ -1,7 +1,7 @@
 """The platform interface: every chat platform declares `name` and `limits`
 and implements a few send methods. The shared flow (routing by kind, photo
 and upload limits, splitting text and captions, retries, rate limits,
-idempotency) lives once above the adapters, in `tasks.delivery`.
+idempotency) lives once above the adapters, in `tasks.delivery.delivery`.
 
 Adapters raise only courier's own errors (`adapters.errors`):
 `RateLimited(retry_after_s)`, `Transient`, `Permanent(reason)`; each adapter
@@ -45,7 +45,7 @@ class Limits:
     photo_bytes: int | None = None
     #: per-kind upload limits where they differ from `upload_bytes`
     kind_upload_bytes: dict[Kind, int] = field(default_factory=dict)
-    #: shared rate limits, enforced across all workers through Redis (`tasks.ratelimit`): a
+    #: shared rate limits, enforced across all workers through Redis (`tasks.delivery.ratelimit`): a
     #: chat's sends start 1 / per_chat_per_s apart (paced by start, pushed for a late arrival,
     #: widened after the platform's 429s); per group and per bot, moving windows
     per_chat_per_s: float | None = None

@@ -345,7 +345,7 @@ class DiscordPlatform(Platform):
         return kind
 
     def caption_chars_for(self, kind: Kind, file: FileSource) -> int:
-        """The caption limit for this file as `kind` (asked by `tasks.delivery`): a voice
+        """The caption limit for this file as `kind` (asked by `tasks.delivery.delivery`): a voice
         message holds no text, so 0 (its caption follows as text messages); else a
         message's content limit."""
         if kind == Kind.VOICE and self.voice_info(file) is not None:
@@ -359,7 +359,7 @@ class DiscordPlatform(Platform):
             if info is not None:
                 return self._send_voice(chat, file, info, delivery_id)
         # (a caption that reaches here with a voice note rides on it as an audio
-        # attachment: a voice message would lose it; tasks.delivery moves it out first)
+        # attachment: a voice message would lose it; tasks.delivery.delivery moves it out first)
         return self._send_files(chat, [file], caption, delivery_id)[0]
 
     def send_album(self, chat: str, files: list[tuple[Kind, FileSource]], *, caption: str | None,

@@ -7,7 +7,7 @@
   belongs to the loop it was made on (`_aio.PerLoop`).
 - No rate limiter that waits: a 429 becomes `RateLimited(retry_after)` and the
   task is re-scheduled; the shared per-chat / per-group / per-bot limits are
-  enforced above the adapter, in Redis (`tasks.ratelimit`).
+  enforced above the adapter, in Redis (`tasks.delivery.ratelimit`).
 - Uploads stream: the open file object from `FileSource.open()` is handed to
   httpx (`InputFile(..., read_file_handle=False)`), never read whole.
 - Audio goes as audio only as mp3/m4a and a voice note only as ogg/opus/
@@ -284,7 +284,7 @@ class TelegramPlatform(Platform):
         return Sent(message_id=str(msg.message_id))
 
     def route_file(self, kind: Kind, file: FileSource) -> Kind:
-        """The kind Telegram will show (asked by `tasks.delivery` before sending, which
+        """The kind Telegram will show (asked by `tasks.delivery.delivery` before sending, which
         records it and keys the file-id cache by it): audio that is not mp3/m4a, and a
         voice note that is not ogg/opus/mp3/m4a, go as documents, as Telegram would show
         them anyway."""

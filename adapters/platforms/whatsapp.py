@@ -253,7 +253,7 @@ class WhatsAppPlatform(Platform):
 
     def route_file(self, kind: Kind, file: FileSource) -> Kind:
         """The kind this file goes as on WhatsApp, decided before anything is sent
-        (asked by `tasks.delivery`, which records it): a type off the Cloud API's
+        (asked by `tasks.delivery.delivery`, which records it): a type off the Cloud API's
         supported list is refused (`FileRefused`, a short reason and a notice);
         a format WhatsApp does not show inline goes as a document (webp); a
         voice note that is not ogg/opus goes as audio. A file that would go as a
@@ -279,7 +279,7 @@ class WhatsAppPlatform(Platform):
         return out
 
     def caption_chars_for(self, kind: Kind, file: FileSource) -> int:
-        """The caption limit for this file (asked by `tasks.delivery`): an audio
+        """The caption limit for this file (asked by `tasks.delivery.delivery`): an audio
         message takes no caption, so 0 (its caption follows as text parts, each
         sent once by the shared flow); else 1024."""
         if kind in (Kind.AUDIO, Kind.VOICE):

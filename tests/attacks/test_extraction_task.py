@@ -9,7 +9,7 @@ import errno
 from adapters.sandboxes.base import PathPolicy, SandboxRef
 from adapters.sandboxes.local import LocalSandbox
 from storage.volume import VolumeStore
-from tasks.extract import extract
+from tasks.turn.extract import extract
 from tasks.runtime import Context
 
 

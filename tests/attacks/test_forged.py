@@ -15,7 +15,9 @@ import pytest
 
 from adapters.platforms.outbox import read_log
 from adapters.sandboxes.base import SandboxRef
-from tasks import chains, keys, receipts, signing, task_names
+from tasks import task_names
+from tasks.dispatch import chains
+from tasks.ledger import keys, receipts, signing
 from tests.fixtures.services import wait_until
 from tests.fixtures.workers import CourierEnv
 

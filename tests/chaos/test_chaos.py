@@ -18,7 +18,8 @@ import redis
 
 from adapters.platforms.outbox import read_log
 from adapters.sandboxes.base import SandboxRef
-from tasks import chains, ledger, receipts
+from tasks.dispatch import chains
+from tasks.ledger import ledger, receipts
 from tests.fixtures.fake_telegram import FakeTelegram
 from tests.fixtures.faults import TcpProxy, kill_child, kill_whole, outage
 from tests.fixtures.redis_server import RedisServer

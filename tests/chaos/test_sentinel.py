@@ -202,7 +202,7 @@ def test_a_platform_that_stops_answering_during_a_failover_holds_its_chat_under_
             res = env.cli("send", "telegram:4343", "--text", text, "--json")
             assert res.returncode == 0, res.stdout + res.stderr
             jobs.append(json.loads(res.stdout)["job"])
-        from tasks import keys, receipts
+        from tasks.ledger import keys, receipts
 
         lease = keys.lease("lane", "telegram:4343")
         wait_until(lambda: r.exists(lease), 30, what="the drive to hold the lane")

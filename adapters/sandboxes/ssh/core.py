@@ -236,7 +236,7 @@ def _oserror(exc: OSError, sb: SshCore, what: str) -> CourierError | None:
 
 
 def _timed_out(exc: BaseException, sb: SshCore, what: str) -> CourierError:
-    """A read past the deadline: ReadTimeout (a SandboxGone), which opens the host's breaker (tasks/breaker.py)."""
+    """A read past the deadline: ReadTimeout (a SandboxGone), which opens the host's breaker (tasks/turn/breaker.py)."""
     sb._evict()
     return ReadTimeout(f"ssh {sb.where}: timed out ({what})")
 

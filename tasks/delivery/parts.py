@@ -1,0 +1,202 @@
+"""Each part of a delivery is sent once: the part records in Redis.
+
+A delivery may go as several messages (a long text split in parts, a
+caption's overflow, an album and its caption, a notice); each has a part id
+(the `delivery_id` each send call gets: `<id>`, `<id>#0`, `<id>#c0`,
+`<id>#album`, `<id>#notice`, ...). Each message sent is recorded under its
+part id in the delivery's parts hash (`keys.delivery_parts`), so a delivery
+re-scheduled midway (a rate limit, a transient error, a dead worker)
+resumes after the parts already sent instead of sending them again. The
+same hash keeps what a retry resumes from besides: an upload whose send
+failed (`<id>#upload`), a refusal whose notice was re-scheduled
+(`<id>#refused`).
+
+`guard(redis, platform, delivery_id)` wraps a platform for one delivery:
+before a send, its part's record is looked up (with the chat's rate-limit
+gate, `tasks.delivery.ratelimit`, in the same round trip); a part already recorded is
+not sent again; else the send takes its rate-limit slots, and once sent its
+record is written. A platform's 429 is told to `ratelimit.refused` (its
+retry_after holds the chat's gate, the chat's interval widens). Its Redis
+round trips per send: one (part check + gate), one per window, one (the part
+record). With `defer` the last rides with the delivery's receipt (`flush`),
+as the upload's file id does (`after_sent`): a delivery sent in one part
+makes no write of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from redis import Redis
+from redis.client import Pipeline
+
+from adapters.errors import RateLimited
+from adapters.platforms.base import FileSource, Kind, Platform, Sent
+from tasks.delivery import ratelimit
+from tasks.ledger import keys
+
+__all__ = ["PARTS_TTL_S", "Guarded", "guard", "queue_lookup", "queue_record"]
+
+#: how long a delivery's part records are kept
+PARTS_TTL_S = 30 * 24 * 3600
+
+
+def queue_record(pipe: Pipeline, delivery_id: str, records: dict[str, str]) -> None:
+    """Queue on `pipe` the records of parts of `delivery_id` (part id -> what
+    to remember: a message id, an upload's file id, ...), and their expiry."""
+    key = keys.delivery_parts(delivery_id)
+    for part, value in records.items():
+        pipe.hset(key, part, value)
+    pipe.expire(key, PARTS_TTL_S)
+
+
+def queue_lookup(pipe: Pipeline, delivery_id: str, parts: list[str]) -> None:
+    """Queue on `pipe` reading the records of `parts` (None where there is none)."""
+    pipe.hmget(keys.delivery_parts(delivery_id), parts)
+
+
+class Guarded(Platform):
+    """A platform seen through one delivery: each part sent once, every send through the shared rate limits."""
+
+    def __init__(self, redis: Redis, platform: Platform, delivery_id: str, *, first_attempt: bool = False,
+                 defer: bool = False) -> None:
+        self._redis = redis
+        self._p = platform
+        #: with `defer`, what follows a send (its record, the chat's gate pushed, `after_sent`
+        #: writes) is written with the next part's send or the caller's receipt (`flush`)
+        self._defer = defer
+        self._pending: list[tuple[str, str]] = []
+        #: what else follows sends so far: their chat gates pushed (`Slot.release`), `after_sent` writes
+        self._writes: list[Callable[[Pipeline], object]] = []
+        #: on a delivery's first attempt no part can have been sent before: no need to look
+        self._fresh = first_attempt
+        self._delivery_id = delivery_id
+        self.name = platform.name
+        self.limits = platform.limits
+
+    # -- what the platform declares, as the platform says it --------------
+    @property
+    def cache_key(self) -> str | None:  # type: ignore[override]  # read-only: the wrapped platform's
+        return self._p.cache_key
+
+    @property
+    def takes_empty_files(self) -> bool:  # type: ignore[override]  # read-only: the wrapped platform's
+        return self._p.takes_empty_files
+
+    def is_group(self, chat: str) -> bool:
+        return self._p.is_group(chat)
+
+    def caption_chars_for(self, kind: Kind, file: FileSource) -> int:
+        return self._p.caption_chars_for(kind, file)
+
+    def route_file(self, kind: Kind, file: FileSource) -> Kind:
+        return self._p.route_file(kind, file)
+
+    def __repr__(self) -> str:
+        return f"Guarded({self._p!r})"
+
+    # -- a send: its part's record and the chat's gate in one round trip ------------------------
+    def _once(self, chat: str, part: str, send: Callable[[], Sent]) -> Sent:
+        r = self._redis
+        if self._pending or self._writes:
+            self.flush()  # an earlier part's record (and the gate's push) go before the next part is sent
+        pipe = r.pipeline(transaction=False)
+        if not self._fresh:  # on a delivery's first attempt no part can have been sent before
+            pipe.hget(keys.delivery_parts(self._delivery_id), part)
+        asked = ratelimit.ask(pipe, self._p, chat)
+        replies = pipe.execute() if len(pipe) else []
+        done = None if self._fresh else replies[0]
+        if done is not None:  # sent by an earlier run of this delivery
+            gate, _ = ratelimit.gate_of(self._p, chat)
+            if gate is not None and replies[-1]:
+                ratelimit.open_gate(r, gate)
+            return Sent(message_id=str(done))
+        slot = ratelimit.take(r, self._p, chat, replies[len(replies) - asked:])
+        try:
+            sent = send()
+        except RateLimited as exc:  # the platform's own 429: the chat waits it out, and slows down
+            ratelimit.refused(r, self._p, chat, exc.retry_after_s)
+            raise
+        except BaseException:
+            slot.release()
+            raise
+        slot.sent()
+        if self._defer:
+            # recorded (and the chat's gate pushed, for a late arrival) with the next part's send or
+            # the delivery's own receipt (`flush`): the same crash window, one round trip less
+            self._pending.append((part, sent.message_id))
+            self._writes.append(slot.release)
+            return sent
+        pipe = r.pipeline(transaction=False)
+        slot.release(pipe)
+        queue_record(pipe, self._delivery_id, {part: sent.message_id})
+        pipe.execute()
+        return sent
+
+    def after_sent(self, write: Callable[[Pipeline], object]) -> None:
+        """Queue `write(pipe)` for the flush (with `defer`; else it runs now): a write that
+        follows a send (an upload's file id) rides with the delivery's receipt."""
+        if self._defer:
+            self._writes.append(write)
+        else:
+            pipe = self._redis.pipeline(transaction=False)
+            write(pipe)
+            pipe.execute()
+
+    def flush(self, pipe: Pipeline | None = None, *, covered: str | None = None) -> None:
+        """Queue what follows the parts sent so far on `pipe` (the caller's receipt pipeline),
+        or write it now: their records, the chat's gate pushed for a late arrival,
+        `after_sent` writes.
+        `covered`: the delivery id whose receipt the same pipeline marks delivered: a part
+        that is the whole delivery needs no record of its own."""
+        pending = [(part, m) for part, m in self._pending if part != covered]
+        writes = self._writes
+        self._pending, self._writes = [], []
+        if not (pending or writes):
+            return
+        p = pipe if pipe is not None else self._redis.pipeline(transaction=False)
+        if pending:
+            queue_record(p, self._delivery_id, dict(pending))
+        for write in writes:
+            write(p)
+        if pipe is None:
+            p.execute()
+
+    def send_text(self, chat: str, text: str, *, delivery_id: str) -> Sent:
+        return self._once(chat, delivery_id, lambda: self._p.send_text(chat, text, delivery_id=delivery_id))
+
+    def send_file(self, chat: str, kind: Kind, file: FileSource, *, caption: str | None, delivery_id: str,
+                  file_id: str | None = None) -> Sent:
+        return self._once(chat, delivery_id, lambda: self._p.send_file(
+            chat, kind, file, caption=caption, delivery_id=delivery_id, file_id=file_id))
+
+    def send_album(self, chat: str, files: list[tuple[Kind, FileSource]], *, caption: str | None,
+                   delivery_id: str) -> list[Sent]:
+        out: list[Sent] = []
+
+        def send() -> Sent:
+            out.extend(self._p.send_album(chat, files, caption=caption, delivery_id=delivery_id))
+            return Sent(message_id=",".join(s.message_id for s in out))
+
+        sent = self._once(chat, delivery_id, send)
+        return out or [Sent(message_id=m) for m in sent.message_id.split(",")]
+
+    def typing(self, chat: str) -> None:
+        return self._p.typing(chat)
+
+    def start_progress(self, chat: str, text: str) -> str | None:
+        return self._p.start_progress(chat, text)
+
+    def edit_progress(self, chat: str, message_id: str, text: str) -> None:
+        return self._p.edit_progress(chat, message_id, text)
+
+    def end_progress(self, chat: str, message_id: str) -> None:
+        return self._p.end_progress(chat, message_id)
+
+    def close(self) -> None:
+        return None  # the wrapped platform is shared by the process
+
+
+def guard(redis: Redis, platform: Platform, delivery_id: str, *, first_attempt: bool = False,
+          defer: bool = False) -> Guarded:
+    return Guarded(redis, platform, delivery_id, first_attempt=first_attempt, defer=defer)

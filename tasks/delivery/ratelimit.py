@@ -1,0 +1,302 @@
+"""Shared platform rate limits, enforced across every worker process in Redis:
+where a chat's pace is decided.
+
+Each platform declares its limits (`Limits.per_chat_per_s`,
+`per_group_per_min`, `per_bot_per_s`); before each send one slot of each
+that applies is taken, in Redis, so every worker process shares them:
+
+- per bot and per group: the `limits` library's moving windows (its public
+  `MovingWindowRateLimiter.test/hit/get_window_stats`) on the courier Redis
+  (keys under `keys.rate_limit_prefix()`): at most N sends in any window of
+  the declared length;
+- per chat: a gate, one plain Redis key per chat, SET NX PX with the chat's
+  interval when a send *starts*: the chat's next send may start one
+  interval after this one started (pacing by start), so a platform that
+  answers in 250 ms still gets its 1 message a second.
+
+Measured at arrival. The platform counts a send when it arrives, not when
+courier starts it; what comes between (a cold connection, a big upload, a
+process descheduled between the gate and its write) can bring two arrivals
+closer than two starts. So:
+
+- the interval is 1 / per_chat_per_s plus `PACE_MARGIN_S` (10 ms);
+- when a send is answered, its arrival is estimated as its end minus the
+  quickest send this process made to that platform lately (no answer came
+  sooner after a request was sent; with no send seen yet, its end): when
+  that is later than its start (an upload, a delayed write), the gate is
+  pushed to that arrival plus the interval.
+
+Then two arrivals at the platform are never closer than the limit minus
+what the way there adds unevenly to two requests (the platform's jitter:
+`ARRIVAL_JITTER_S`, 0.1 s, what the tests and bench/bench_chat_pace.py allow
+on a loaded machine; a few ms on a quiet one).
+
+The platform's own 429 for a chat (`refused`): its `retry_after` closes the
+chat's gate for that long (every process waits it out), and the chat's
+interval is widened (`BACKOFF_*`: doubled, at most 8x), recovering
+gradually (the widening halves every `BACKOFF_HALF_LIFE_S`).
+
+When a slot is not free, `Paced(retry_after_s)` is raised with the time
+until it frees (the gate's remaining time, the window's reset from its
+stats, spread by up to `WINDOW_SPREAD_S`): the lane is driven again then,
+the worker never sleeps. Slots are taken narrowest first (chat gate, group,
+bot) and a denied send gives back what it took, so a send waiting for its
+chat uses none of the bot's slots; a send that fails after taking its slots
+keeps them taken (the limit errs on the safe side).
+
+A send takes its slots with `acquire`, or in two steps when the chat's gate
+goes in a pipeline with other commands (`tasks.delivery.parts`, which looks up a
+part's record in the same round trip): `ask` on the pipeline, then `take`
+with its replies. Release the slot (`Slot.release`) when the send is over.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import os
+import random
+import threading
+import time
+from typing import Any
+
+from limits import RateLimitItem, RateLimitItemPerMinute, RateLimitItemPerSecond
+from limits.storage import RedisStorage
+from limits.strategies import MovingWindowRateLimiter
+
+from adapters.errors import RateLimited
+from adapters.platforms.base import Platform
+from tasks.ledger import keys
+
+__all__ = ["acquire", "ask", "gate_of", "open_gate", "refused", "rules", "take", "Paced", "Slot"]
+
+
+class Paced(RateLimited):
+    """courier's own pacing (a shared limit's slot is not free yet), not a
+    platform's refusal: waiting for it is no attempt and never gives up."""
+
+
+#: never re-schedule sooner than this (Celery timer granularity, Redis round trips)
+MIN_RETRY_S = 0.02
+#: a send held back by a full window comes back after its reset plus up to this much
+WINDOW_SPREAD_S = 0.05
+#: added to a chat's interval (1 / per_chat_per_s): sends to a chat start at least this much more apart
+PACE_MARGIN_S = 0.01
+#: how much closer than the limit two arrivals may come (the way to the platform, unevenly slow)
+ARRIVAL_JITTER_S = 0.1
+#: a send's estimated arrival later than its start by less than this does not move the gate
+_PUSH_MIN_S = 0.005
+#: a 429 widens the chat's interval by this factor (on top of any widening still in force) ...
+BACKOFF_FACTOR = 2.0
+#: ... at most this much ...
+BACKOFF_MAX = 8.0
+#: ... and the widening halves every this many seconds (forgotten after 8 half-lives)
+BACKOFF_HALF_LIFE_S = 30.0
+#: how many recent send durations per platform estimate its quickest answer
+_DURATIONS = 32
+
+_lock = threading.Lock()
+_limiters: dict[tuple[int, int], MovingWindowRateLimiter] = {}
+#: recent send durations (s) per (platform, bot), this process's: `_quickest`
+_durations: dict[tuple[str, str], collections.deque[float]] = {}
+
+
+def _limiter(redis: Any) -> MovingWindowRateLimiter:
+    """One limiter per process and Redis client, on that client's connection pool."""
+    k = (os.getpid(), id(redis))
+    with _lock:
+        lim = _limiters.get(k)
+        if lim is None:
+            storage = RedisStorage("redis://", connection_pool=redis.connection_pool,
+                                   key_prefix=keys.rate_limit_prefix())
+            lim = _limiters[k] = MovingWindowRateLimiter(storage)
+        return lim
+
+
+def per_second(rate: float) -> RateLimitItem:
+    """`rate` sends a second as a moving-window item: 30/s -> 30 per 1 s, 0.2/s -> 1 per 5 s."""
+    if rate >= 1:
+        return RateLimitItemPerSecond(int(round(rate)), 1)
+    return RateLimitItemPerSecond(1, max(1, int(round(1 / rate))))
+
+
+def _bot(platform: Platform) -> str:
+    return str(platform.cache_key or "default")
+
+
+def rules(platform: Platform, chat: str) -> list[tuple[RateLimitItem, tuple[str, ...]]]:
+    """The moving windows that apply to one send (group, then bot), with their identifiers.
+    The per-chat limit is the chat's gate (`gate_of`)."""
+    lim = platform.limits
+    bot = _bot(platform)
+    out: list[tuple[RateLimitItem, tuple[str, ...]]] = []
+    if lim.per_group_per_min and platform.is_group(chat):
+        out.append((RateLimitItemPerMinute(int(round(lim.per_group_per_min)), 1),
+                    (platform.name, bot, "group", chat)))
+    if lim.per_bot_per_s:
+        out.append((per_second(lim.per_bot_per_s), (platform.name, bot, "bot")))
+    return out
+
+
+def gate_of(platform: Platform, chat: str) -> tuple[str | None, float]:
+    """The chat's gate key and interval between two sends' starts (with `PACE_MARGIN_S`),
+    or (None, 0) without a per-chat limit."""
+    rate = platform.limits.per_chat_per_s
+    if not rate:
+        return None, 0.0
+    return f"{keys.rate_limit_prefix()}:gate:{platform.name}:{_bot(platform)}:{chat}", 1.0 / rate + PACE_MARGIN_S
+
+
+def _backoff_key(gate: str) -> str:
+    """The chat's widening after the platform's 429s: a hash {f: factor, t: when}."""
+    return gate.replace(":gate:", ":backoff:", 1)
+
+
+def _widening(reply: Any, now: float) -> float:
+    """The factor on a chat's interval now, from its back-off hash's (f, t) reply."""
+    try:
+        f, t = float(reply[0]), float(reply[1])
+    except (TypeError, ValueError, IndexError):
+        return 1.0
+    return 1.0 + max(0.0, f - 1.0) * math.pow(0.5, max(0.0, now - t) / BACKOFF_HALF_LIFE_S)
+
+
+def _ms(s: float) -> int:
+    return max(1, int(s * 1000))
+
+
+def _retry_after(limiter: MovingWindowRateLimiter, item: RateLimitItem, ids: tuple[str, ...]) -> Paced:
+    stats = limiter.get_window_stats(item, *ids)
+    # (spread: the sends a full window holds back do not all come back at its reset)
+    wait = max(MIN_RETRY_S, stats.reset_time - time.time()) + random.uniform(0.0, WINDOW_SPREAD_S)
+    return Paced(wait, f"{ids[0]}: {ids[2]} limit of {item.amount} per {item.get_expiry()}s reached, "
+                       f"retry after {wait:.2f}s")
+
+
+def _gate_wait(redis: Any, platform: Platform, gate: str, interval_s: float) -> Paced:
+    wait = max(MIN_RETRY_S, (redis.pttl(gate) or 0) / 1000)
+    return Paced(wait, f"{platform.name}: the previous send to this chat started less than {interval_s:g}s "
+                       f"ago, retry after {wait:.2f}s")
+
+
+def _quickest(kind: tuple[str, str]) -> float:
+    """This process's quickest recent send to platform `kind` (0 when none was seen yet)."""
+    with _lock:
+        seen = _durations.get(kind)
+        return min(seen) if seen else 0.0
+
+
+def _note_duration(kind: tuple[str, str], took_s: float) -> None:
+    with _lock:
+        _durations.setdefault(kind, collections.deque(maxlen=_DURATIONS)).append(took_s)
+
+
+class Slot:
+    """The slots of one send: `sent()` when it is over, then `release()` (also a context manager)."""
+
+    def __init__(self, redis: Any, platform: Platform, gate: str | None, interval_s: float) -> None:
+        self._redis, self._gate, self._interval_s = redis, gate, interval_s
+        self._kind = (platform.name, _bot(platform))
+        self._start = time.time()
+        self._end: float | None = None
+        self._quickest: float | None = None
+
+    def sent(self) -> None:
+        """The platform answered the send: its arrival is estimated from now, and how long it
+        took tells how quickly the platform answers (a send that failed tells neither)."""
+        if self._end is None:
+            self._end = time.time()
+            self._quickest = _quickest(self._kind)  # (seen before this send: none seen, 0)
+            _note_duration(self._kind, self._end - self._start)
+
+    def release(self, pipe: Any = None) -> None:
+        """Push the chat's gate to the send's estimated arrival plus the interval when that is
+        later than its start (see the module's doc; queued on `pipe` when given)."""
+        gate, self._gate = self._gate, None
+        end = self._end or time.time()
+        quickest = self._quickest if self._quickest is not None else _quickest(self._kind)
+        if gate is None:
+            return
+        arrival = max(self._start, end - quickest)
+        if arrival - self._start < _PUSH_MIN_S:
+            return  # the gate taken at the start holds
+        (pipe if pipe is not None else self._redis).set(gate, "paced", px=_ms(arrival + self._interval_s - time.time()))
+
+    def __enter__(self) -> "Slot":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _windows(redis: Any, platform: Platform, chat: str) -> None:
+    """Take the group and bot windows for a send (test the narrower ones first, so a denial takes nothing)."""
+    rs = rules(platform, chat)
+    if rs:
+        limiter = _limiter(redis)
+        for item, ids in rs[:-1]:
+            if not limiter.test(item, *ids):
+                raise _retry_after(limiter, item, ids)
+        for item, ids in reversed(rs):  # then take them, broadest first
+            if not limiter.hit(item, *ids):  # full (or just taken by another worker)
+                raise _retry_after(limiter, item, ids)
+
+
+def ask(pipe: Any, platform: Platform, chat: str) -> int:
+    """Queue on `pipe` taking the chat's gate (with its widening after 429s); returns how many
+    replies that is, for `take`."""
+    gate, interval_s = gate_of(platform, chat)
+    if gate is None:
+        return 0
+    pipe.hmget(_backoff_key(gate), ["f", "t"])
+    pipe.set(gate, "paced", nx=True, px=_ms(interval_s))
+    return 2
+
+
+def take(redis: Any, platform: Platform, chat: str, replies: list[Any]) -> Slot:
+    """The rest of a send's slots once its chat gate was asked for (`ask`'s `replies`): Paced
+    when the gate was not free, else the windows (a denial opens the gate again). Release the
+    returned slot when the send is over."""
+    gate, interval_s = gate_of(platform, chat)
+    if gate is not None:
+        widening, got_gate = _widening(replies[0], time.time()), bool(replies[1])
+        if not got_gate:
+            raise _gate_wait(redis, platform, gate, interval_s)
+        if widening > 1.0 + 1e-3:  # after the platform's 429s: this chat's interval is wider for a while
+            interval_s *= widening
+            redis.pexpire(gate, _ms(interval_s))
+    try:
+        _windows(redis, platform, chat)
+    except BaseException:
+        if gate is not None:
+            redis.delete(gate)  # nothing was sent: open the gate again
+        raise
+    return Slot(redis, platform, gate, interval_s)
+
+
+def acquire(redis: Any, platform: Platform, chat: str) -> Slot:
+    """Take the send slots for `chat` on `platform`, or raise Paced.
+    Release the returned slot when the send is over."""
+    pipe = redis.pipeline(transaction=False)
+    return take(redis, platform, chat, pipe.execute() if ask(pipe, platform, chat) else [])
+
+
+def refused(redis: Any, platform: Platform, chat: str, retry_after_s: float) -> None:
+    """The platform refused a send to `chat` (its 429): no send to the chat before
+    `retry_after_s` has passed, from any process, and the chat's interval widened."""
+    gate, _ = gate_of(platform, chat)
+    if gate is None:
+        return
+    key, now = _backoff_key(gate), time.time()
+    factor = min(BACKOFF_MAX, max(BACKOFF_FACTOR, BACKOFF_FACTOR * _widening(redis.hmget(key, ["f", "t"]), now)))
+    pipe = redis.pipeline(transaction=False)
+    pipe.hset(key, mapping={"f": f"{factor:.3f}", "t": f"{now:.3f}"})
+    pipe.expire(key, int(8 * BACKOFF_HALF_LIFE_S))
+    if retry_after_s > 0:
+        pipe.set(gate, "retry_after", px=_ms(retry_after_s))
+    pipe.execute()
+
+
+def open_gate(redis: Any, gate: str) -> None:
+    """Give back a gate taken for a send that does not happen."""
+    redis.delete(gate)

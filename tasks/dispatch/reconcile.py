@@ -1,0 +1,143 @@
+"""The reconciler: re-drives every stage whose due time passed with nobody on it.
+
+Each worker process runs `Reconciler` (a thread, one pass a second); a
+Redis lock lets one of them work at a time, so adding workers adds no load.
+A pass reads only the due entries of each stage (`ZRANGEBYSCORE` to now):
+idle, it costs four small reads a second (the fourth: lanes in the ready
+set for longer than `chains.READY_STALE_S`, which get one drain).
+
+For each overdue entry:
+- its lease is held: the holder is alive (it renews) - look again later;
+- else its stage's re-driver (a `Stage`, given by the stage's owner:
+  `tasks/dispatch/redrive.py` for lanes and extractions, `tasks/turn/turn.py` for turns)
+  forgets it if it is final, or publishes its task again (ids only, from
+  the ledger) and looks again after a grace that doubles with each
+  re-drive of a stage that never started (a long queue is not a lost
+  message); a turn that has started `turn.TURN_MAX_RUNS` times and died
+  each time (it kills its worker) is ended with an error, and its chat told.
+This module knows the ledger only: not a delivery's spec, not a turn's.
+
+Recovery time after a worker dies is therefore the lease's TTL plus a pass:
+about `ledger.LEASE_TTL_S` + 1 s, whatever the broker's visibility timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+from redis import Redis
+
+from tasks.ledger import keys, ledger
+from tasks.runtime import Context
+
+log = logging.getLogger(__name__)
+
+INTERVAL_S = 1.0
+#: how long the reconciler's lock outlives a pass that stopped renewing it
+LOCK_TTL_S = 5
+#: the longest grace between two re-drives of a stage that never starts
+MAX_GRACE_S = 300.0
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A stage the reconciler watches, and what it does for it. The reconciler knows
+    the ledger (due times, leases) and nothing of what a stage's entries are: each
+    stage's owner says that (`tasks/dispatch/redrive.py`: lanes, extractions; `tasks/turn/turn.py`:
+    turns), and the worker passes the list in (`tasks/celery_tasks.py:STAGES`).
+
+    name     the ledger's stage: its due times (`keys.due(name)`) and leases
+    redrive  one of its entries whose due time passed with nobody holding its
+             lease: publish it again, forget it or end it; returns the name
+             of what it did, counted in a pass's result ("": nothing counted)
+    counts   the names its re-drives may be counted under (each 0 in a pass's
+             result when nothing was)
+    first    a look before its entries, given the pass's `now` (returns a name
+             to count, or "")"""
+
+    name: str
+    redrive: Callable[[Context, str], str]
+    counts: tuple[str, ...]
+    first: Callable[[Context, float | None], str] | None = None
+
+
+def _unleased_overdue(r: Redis, stage: str, now: float | None) -> Iterator[str]:
+    """The stage's overdue entries nobody holds; one whose lease is held (its
+    holder is alive, or was until the lease lapses) is looked at again then."""
+    for ident in ledger.overdue(r, stage, now=now):
+        left_s = ledger.held(r, keys.lease(stage, ident))
+        if left_s:
+            ledger.set_due(r, stage, ident, left_s + 0.1)
+        else:
+            yield ident
+
+
+def grace(base_s: float, redrives: int) -> float:
+    """The wait before the next look at an entry re-driven `redrives` times before:
+    `base_s`, doubling with each re-drive, at most `MAX_GRACE_S`."""
+    return min(MAX_GRACE_S, base_s * 2.0 ** min(redrives, 10))
+
+
+def tick(ctx: Context, stages: Sequence[Stage], *, now: float | None = None) -> dict[str, int]:
+    """One pass over the overdue entries of every stage. Returns what it did."""
+    out = {name: 0 for stage in stages for name in stage.counts}
+    for stage in stages:
+        if stage.first is not None:
+            done = stage.first(ctx, now)
+            if done:
+                out[done] = out.get(done, 0) + 1
+        for ident in _unleased_overdue(ctx.redis, stage.name, now):
+            done = stage.redrive(ctx, ident)
+            if done:
+                out[done] = out.get(done, 0) + 1
+    return out
+
+
+class Reconciler:
+    """The reconciler's thread in a worker process: every `interval_s` it
+    takes (or keeps) the cluster-wide lock and, holding it, runs a pass.
+    Redis errors are logged and the next pass tries again."""
+
+    def __init__(self, ctx_factory: Callable[[], Context], stages: Sequence[Stage],
+                 interval_s: float = INTERVAL_S) -> None:
+        self.ctx_factory = ctx_factory
+        self.stages = tuple(stages)
+        self.interval_s = interval_s
+        self.token = f"{os.getpid()}:{ledger.new_token()}"
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="courier-reconciler", daemon=True)
+        self.failures = 0
+
+    def start(self) -> "Reconciler":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    def _holds_lock(self, r: Redis) -> bool:
+        key = keys.reconciler_lock()
+        return ledger.take(r, key, self.token, LOCK_TTL_S) or ledger.renew(r, key, self.token, LOCK_TTL_S)
+
+    def _run(self) -> None:
+        while not self.stopping.wait(self.interval_s):
+            try:
+                ctx = self.ctx_factory()
+                if self._holds_lock(ctx.redis):
+                    done = tick(ctx, self.stages)
+                    if any(done.values()):
+                        log.info("reconciler: re-drove %s", done)
+                self.failures = 0
+            except Exception as exc:  # noqa: BLE001 - Redis away: try again next pass
+                self.failures += 1
+                if self.failures in (1, 10) or self.failures % 60 == 0:
+                    log.warning("reconciler pass failed (%d in a row): %r", self.failures, exc)
+        try:
+            ctx = self.ctx_factory()
+            ledger.release(ctx.redis, keys.reconciler_lock(), self.token)
+        except Exception:  # noqa: BLE001 - it expires by itself
+            pass

@@ -1,0 +1,170 @@
+"""Every Redis key courier writes, in one place.
+
+Celery's own keys (the broker queues `turns`, `sandbox`, `delivery`,
+`janitor`, `unacked*`, `celery-task-meta-*`) are Celery's; everything else
+starts with `courier:`.
+"""
+
+from __future__ import annotations
+
+PREFIX = "courier:"
+
+
+def job(job_id: str) -> str:
+    """hash: a send or a turn (kind, target, created_s, state, ...)"""
+    return f"{PREFIX}job:{job_id}"
+
+
+def job_deliveries(job_id: str) -> str:
+    """list: the delivery ids of a job, in delivery order"""
+    return f"{PREFIX}job:{job_id}:deliveries"
+
+
+def sent_message(platform: str, message_id: str) -> str:
+    """string: the delivery a platform's message id belongs to (platforms that confirm later: a
+    status webhook names the message, tasks/delivery/confirm.py finds its receipt)"""
+    return f"{PREFIX}sent:{platform}:{message_id}"
+
+
+def delivery(delivery_id: str) -> str:
+    """hash: one delivery's receipt (state, platform, kind, size, attempts, message_id, reason)"""
+    return f"{PREFIX}delivery:{delivery_id}"
+
+
+def delivery_lock(delivery_id: str) -> str:
+    """string with TTL: held while a worker sends this delivery"""
+    return f"{PREFIX}lock:delivery:{delivery_id}"
+
+
+def events(job_id: str) -> str:
+    """stream: the phase events of a turn or send (bounded length)"""
+    return f"{PREFIX}events:{job_id}"
+
+
+def file_id(platform: str, bot: str, sha256: str, kind: str) -> str:
+    """string: a platform file id for the bytes with this hash (upload once, send many)"""
+    return f"{PREFIX}fileid:{platform}:{bot}:{kind}:{sha256}"
+
+
+def delivery_parts(delivery_id: str) -> str:
+    """hash: the messages already sent for parts of one delivery (part id -> message id),
+    so a delivery re-scheduled midway (rate limit, error) resumes without sending twice"""
+    return f"{PREFIX}parts:{delivery_id}"
+
+
+def rate_limit_prefix() -> str:
+    """prefix the `limits` library's Redis storage uses for shared rate limits"""
+    return f"{PREFIX}rl"
+
+
+def webhook_seen(platform: str, update_id: str) -> str:
+    """string with TTL: a webhook update already enqueued (drops platform retries)"""
+    return f"{PREFIX}webhook:{platform}:{update_id}"
+
+
+def progress_message(job_id: str) -> str:
+    """hash: the platform progress message of a turn (chat, message id)"""
+    return f"{PREFIX}progress:{job_id}"
+
+
+# -- the ledger (tasks/ledger/ledger.py): leases, lanes, due times ------------------------------------
+def lease(stage: str, ident: str) -> str:
+    """string with TTL: held (value: the holder's token) while a worker runs a stage
+    (`extract`, `lane`, `turn`); renewed by a heartbeat, so a dead holder frees it within its TTL"""
+    return f"{PREFIX}lease:{stage}:{ident}"
+
+
+def lane(target: str) -> str:
+    """list: a chat's ordered lane of delivery steps (a delivery id, or an album's first id)"""
+    return f"{PREFIX}lane:{target}"
+
+
+def lanes_ready() -> str:
+    """sorted set: lanes with something to send whose wake-up was not published as a message of
+    its own (enough drives were waiting to start: each drains this set when its own lane is done),
+    scored by when they joined (tasks/dispatch/chains.py `wake_lane`)"""
+    return f"{PREFIX}lanes:ready"
+
+
+def drives_waiting() -> str:
+    """sorted set: the task ids of lane drives published and not started yet, scored by when they
+    were published (a drive's first look removes its own; older than `chains.WAKE_STALE_S` they
+    no longer count)"""
+    return f"{PREFIX}lanes:waiting"
+
+
+def due(stage: str) -> str:
+    """sorted set: the stage's entries (lane targets, extraction delivery ids, turn job ids)
+    scored by when the reconciler must look at them again if nothing else has"""
+    return f"{PREFIX}due:{stage}"
+
+
+def breakers() -> str:
+    """sorted set: the sandboxes whose circuit breaker is open or half-open (tasks/turn/breaker.py),
+    member `<kind>:<host>:<target>`, scored by the breaker's end (when one extraction may probe)"""
+    return f"{PREFIX}breakers"
+
+
+def breaker(ident: str) -> str:
+    """hash with TTL: one sandbox's breaker (`opens` in a row, `since_s`, `until_s`, the timeout's `reason`)"""
+    return f"{PREFIX}breaker:{ident}"
+
+
+def breaker_scout(ident: str) -> str:
+    """string with TTL (value: a delivery id): held by the one extraction that tries a sandbox
+    which has not answered lately (a cold one, or a half-open breaker's probe)"""
+    return f"{PREFIX}breaker:scout:{ident}"
+
+
+def breaker_waiting(ident: str) -> str:
+    """set with TTL: the extractions postponed by a sandbox's breaker (delivery ids): due at once when it closes"""
+    return f"{PREFIX}breaker:waiting:{ident}"
+
+
+def sandboxes_answered() -> str:
+    """sorted set: sandboxes (`<kind>:<host>:<target>`) scored by when one last answered an
+    extraction (entries older than the read deadline are dropped as new ones come)"""
+    return f"{PREFIX}sandboxes:answered"
+
+
+def reconciler_lock() -> str:
+    """string with TTL: held by the one process whose reconciler runs"""
+    return f"{PREFIX}reconciler"
+
+
+def events_key() -> str:
+    """string, no TTL: the random key per-job events tokens are made with (workers/eventauth.py)"""
+    return f"{PREFIX}events_key"
+
+
+# -- operations (tasks/ops/queues.py, tasks/ops/janitor.py, workers/celery_app.py) ----------------------
+def queues() -> str:
+    """sorted set: every Celery queue courier published to or consumed from (`sandbox.<host>`
+    included), scored by when that was last seen; TTL 30 days, refreshed while in use"""
+    return f"{PREFIX}queues"
+
+
+def consumers(queue: str) -> str:
+    """sorted set: the workers consuming `queue`, scored by their last heartbeat (every 10 s)"""
+    return f"{PREFIX}consumers:{queue}"
+
+
+def janitor_lock() -> str:
+    """string with TTL: held (value: the holder's token) while a janitor sweep runs"""
+    return f"{PREFIX}lock:janitor"
+
+
+def beat_lock() -> str:
+    """string with TTL: held by the one beat process that schedules (the others stand by)"""
+    return f"{PREFIX}lock:beat"
+
+
+def files_key() -> str:
+    """string, no TTL: the random key a volume store's download links are signed with (storage/links.py)"""
+    return f"{PREFIX}files_key"
+
+
+def send_order(target: str) -> str:
+    """hash, 1-day TTL: `courier.delivery.send` messages to `target` in publish order (tasks/ops/sendorder.py):
+    `issued` (the last number a publisher stamped), `next` (the number whose turn it is to register)"""
+    return f"{PREFIX}sendorder:{target}"

@@ -1,0 +1,330 @@
+"""The ledger's moving parts: leases and due times (plain code, no Celery).
+
+The receipts (tasks/ledger/receipts.py) say what each stage is and how far it got;
+this module says who is working on it and when somebody must look again:
+
+- a **lease** (`keys.lease(stage, id)`): a key holding its holder's token with
+  a short TTL, renewed by one heartbeat thread per process while the work
+  runs. A worker that dies (SIGKILL, OOM, a lost host) stops renewing, so its
+  lease is gone within `LEASE_TTL_S`.
+- a **due time** (`keys.due(stage)`, a sorted set): when the reconciler must
+  look at an entry again if nothing else has. Every stage that is queued,
+  waiting or running has one; a stage that is final has none. A task message
+  that vanished (a Redis restart, a task acked after a Redis error, a worker
+  that died holding it) leaves its due time behind, and the reconciler
+  re-drives the stage from the ledger alone when it passes and no lease is held.
+
+Stages: `lane` (a chat's ordered deliveries, id = target), `extract`
+(one sandbox file, id = delivery id), `turn` (an agent turn, id = job id).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, cast
+
+from redis import Redis
+
+from tasks.ledger import keys, scripts
+
+#: a lease lives this long unless its holder renews it (every third of it)
+LEASE_TTL_S = 20
+STAGES = ("lane", "extract", "turn")
+#: the reconciler re-drives a stage nobody has looked at for this long (its due time)
+LANE_GRACE_S = 10.0
+# A stage's message may be lost with a broker connection (a worker that had it reserved when Redis
+# restarted or failed over cannot acknowledge it: Celery drops it, kombu restores it only after the
+# visibility timeout): the chat waits for this long, so it stays well under a minute (60 s had a
+# chat idle 57 s over 10 restarts and 3 failovers: tests/chaos/test_sentinel.py). A stage still
+# queued behind others is re-published too (its copy is dropped when it finds the stage done or
+# held); the grace doubles with each re-drive (reconcile.py), so a long queue is not flooded.
+EXTRACT_GRACE_S = 20.0
+TURN_GRACE_S = 20.0
+
+
+
+#: `<host>:<pid>:` of this process, made once (again in a forked child): no uname and getpid per token
+_holder = ""
+
+
+def _new_holder() -> None:
+    global _holder
+    _holder = f"{socket.gethostname()}:{os.getpid()}:"
+
+
+_new_holder()
+os.register_at_fork(after_in_child=_new_holder)
+
+
+def new_token() -> str:
+    """A lease holder's token: `<host>:<pid>:<random>` (who holds it, for operators)."""
+    return f"{_holder}{uuid.uuid4().hex[:12]}"
+
+
+def take(r: Redis, key: str, token: str, ttl_s: int = LEASE_TTL_S) -> bool:
+    """Take a lease (or a lock) if nobody holds it."""
+    return bool(r.set(key, token, nx=True, ex=ttl_s))
+
+
+def release(r: Redis, key: str, token: str) -> None:
+    """Only the holder releases (compare-and-delete). `r` may be a pipeline."""
+    scripts.run(r, "lease_release", keys=[key], args=[token])
+
+
+def renew(r: Redis, key: str, token: str, ttl_s: int = LEASE_TTL_S) -> bool:
+    """Extend a lease its holder still holds (False: it lapsed, or another holds it)."""
+    return bool(scripts.run(r, "lease_renew", keys=[key], args=[token, ttl_s]))
+
+
+def held(r: Redis, key: str) -> float:
+    """Seconds the lease has left (0.0: not held)."""
+    ms = r.pttl(key)
+    return max(0.001, ms / 1000) if ms and ms > 0 else 0.0
+
+
+#: a lease that needs progress (a lane's drive) is no longer renewed once its holder has made none
+#: for this long: it lapses LEASE_TTL_S later (within a minute in all), the reconciler gives the
+#: stage to another worker, and the holder's process is recycled (`set_stall_handler`)
+STALL_S = 40.0
+
+
+class _Held:
+    __slots__ = ("r", "key", "token", "ttl_s", "thread", "last", "reported")
+
+    def __init__(self, r: Any, key: str, token: str, ttl_s: int, needs_progress: bool) -> None:
+        self.r, self.key, self.token, self.ttl_s = r, key, token, ttl_s
+        self.thread = threading.get_ident()
+        #: monotonic time of the holder's last progress (None: renewed while held, whatever it does)
+        self.last: float | None = time.monotonic() if needs_progress else None
+        self.reported = False
+
+
+class _Renewer:
+    """One daemon thread per process renews every lease this process holds,
+    in one pipeline each third of its life. A missed renewal (Redis away for
+    a moment) only shortens the lease: the worst case is a second worker
+    re-driving a stage, which every stage tolerates (receipts say what is done).
+
+    A lease held with `needs_progress` is renewed only while its holder
+    shows progress (`progress()`, or a `marker()`'s mark, at least every
+    `stall_s`): a holder stuck without a deadline (a call that never
+    returns) stops holding it, and `on_stall` is told once."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, _Held] = {}
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+        self.pid = 0
+        self.next = 0
+        self.stall_s = STALL_S
+        self.on_stall: Callable[[str, float], None] = _log_stall
+
+    def add(self, r: Redis, key: str, token: str, ttl_s: int, needs_progress: bool = False) -> int:
+        with self.lock:
+            self.next += 1
+            ident = self.next
+            self.held[ident] = _Held(r, key, token, ttl_s, needs_progress)
+            if self.thread is None or self.pid != os.getpid() or not self.thread.is_alive():
+                self.pid = os.getpid()
+                self.thread = threading.Thread(target=self._run, name="courier-lease-renewer", daemon=True)
+                self.thread.start()
+        return ident
+
+    def remove(self, ident: int) -> None:
+        with self.lock:
+            self.held.pop(ident, None)
+
+    def mark(self, idents: list[int] | None = None) -> None:
+        """Progress of the leases `idents` (None: those this thread holds)."""
+        now = time.monotonic()
+        me = threading.get_ident()
+        with self.lock:
+            for ident, h in self.held.items():
+                if h.last is not None and (ident in idents if idents is not None else h.thread == me):
+                    h.last = now
+
+    def mine(self) -> list[int]:
+        me = threading.get_ident()
+        with self.lock:
+            return [i for i, h in self.held.items() if h.thread == me]
+
+    def due(self, now: float) -> tuple[list[_Held], list[tuple[_Held, float]]]:
+        """(the leases to renew, the stalled ones newly found with how long they have made no progress)."""
+        renew, stalled = [], []
+        with self.lock:
+            for h in self.held.values():
+                idle = now - h.last if h.last is not None else 0.0
+                if idle <= self.stall_s:
+                    renew.append(h)
+                elif not h.reported:
+                    h.reported = True
+                    stalled.append((h, idle))
+        return renew, stalled
+
+    def _run(self) -> None:
+        while True:
+            renew, stalled = self.due(time.monotonic())
+            for h, idle in stalled:
+                try:
+                    self.on_stall(h.key, idle)
+                except Exception:  # noqa: BLE001 - a handler's failure must not stop the renewals
+                    logging.getLogger(__name__).exception("the stall handler failed")
+            period = min([h.ttl_s for h in renew] or [LEASE_TTL_S]) / 3
+            by_client: dict[int, list[Any]] = {}
+            for h in renew:
+                by_client.setdefault(id(h.r), [h.r]).append((h.key, h.token, h.ttl_s))
+            for r, *leases in by_client.values():
+                try:
+                    pipe = r.pipeline(transaction=False)
+                    for key, token, ttl in leases:
+                        scripts.run(pipe, "lease_renew", keys=[key], args=[token, ttl])
+                    pipe.execute()
+                except Exception:  # noqa: BLE001 - see the class docstring
+                    pass
+            time.sleep(min(period, max(0.5, self.stall_s / 4)))
+
+
+def _log_stall(key: str, idle_s: float) -> None:
+    logging.getLogger(__name__).error("lease %s: its holder made no progress for %.0f s; no longer renewed "
+                                      "(the stage goes to another worker once it lapses)", key, idle_s)
+
+
+_renewer = _Renewer()
+
+
+def set_stall_handler(handler: Callable[[str, float], None] | None, stall_s: float | None = None) -> None:
+    """What this process does when a lease that needs progress stalls (a worker recycles its
+    process: workers/celery_app.py), and after how long (None: as it is)."""
+    _renewer.on_stall = handler or _log_stall
+    if stall_s is not None:
+        _renewer.stall_s = stall_s
+
+
+def progress() -> None:
+    """The calling thread's stage is making progress (its leases that need it are renewed)."""
+    _renewer.mark()
+
+
+def marker() -> Callable[[], None]:
+    """A progress mark for the calling thread's current leases, callable from any thread (an SDK's
+    event loop reading the file a drive sends)."""
+    idents = _renewer.mine()
+    return lambda: _renewer.mark(idents)
+
+
+@contextmanager
+def renewing(r: Redis, key: str, token: str, ttl_s: int = LEASE_TTL_S, *,
+             needs_progress: bool = False) -> Iterator[None]:
+    """Keep a lease (or a send lock) alive while the block runs (`needs_progress`: while it also
+    shows progress, see `_Renewer`)."""
+    ident = _renewer.add(r, key, token, ttl_s, needs_progress)
+    try:
+        yield
+    finally:
+        _renewer.remove(ident)
+
+
+@contextmanager
+def leased(r: Redis, stage: str, ident: str, ttl_s: int = LEASE_TTL_S) -> Iterator[str | None]:
+    """Hold the stage's lease while the block runs: yields the token, or None
+    when another live worker holds it (the block must then leave the stage alone)."""
+    key = keys.lease(stage, ident)
+    token = new_token()
+    if not take(r, key, token, ttl_s):
+        yield None
+        return
+    try:
+        with renewing(r, key, token, ttl_s):
+            yield token
+    finally:
+        try:
+            release(r, key, token)
+        except Exception:  # noqa: BLE001 - an unreleased lease expires by itself
+            pass
+
+
+def set_due(r: Redis, stage: str, ident: str, in_s: float) -> None:
+    """The reconciler looks at this entry again in `in_s` seconds unless it is
+    final by then. `r` may be a pipeline."""
+    r.zadd(keys.due(stage), {ident: time.time() + max(0.0, in_s)})
+
+
+def due_when_free(r: Redis, stage: str, ident: str) -> float:
+    """A stage found its lease held (a redelivered message while the holder runs, or
+    the holder died): the reconciler looks again as soon as the lease lapses (its
+    due time brought in, never pushed out), not at the stage's grace. Returns the
+    seconds until then (0.0: the lease is free already)."""
+    left_s = held(r, keys.lease(stage, ident))
+    if left_s:
+        r.zadd(keys.due(stage), {ident: time.time() + left_s + 0.1}, lt=True)
+    return left_s
+
+
+def clear_due(r: Redis, stage: str, ident: str) -> None:
+    """The entry is final: the reconciler forgets it. `r` may be a pipeline."""
+    r.zrem(keys.due(stage), ident)
+
+
+def overdue(r: Redis, stage: str, *, now: float | None = None, limit: int = 500) -> list[str]:
+    """The entries whose due time has passed, oldest first."""
+    now = time.time() if now is None else now
+    return cast("list[str]", r.zrangebyscore(keys.due(stage), "-inf", now, start=0, num=limit))
+
+
+def pending(r: Redis) -> dict[str, int]:
+    """How many entries each stage has waiting or running (for status and metrics)."""
+    pipe = r.pipeline(transaction=False)
+    for stage in STAGES:
+        pipe.zcard(keys.due(stage))
+    return dict(zip(STAGES, (int(n) for n in pipe.execute())))
+
+
+# -- the retry policy of a stage that failed for a transient reason ---------------------------
+#: courier's own re-drives of a lane wait no longer than this as a countdown
+#: task; a longer wait is the reconciler's (no task held for minutes)
+COUNTDOWN_MAX_S = 10.0
+#: a storage outage is waited out in steps of at most this long (resumes soon after it ends)
+STORAGE_BACKOFF_CAP_S = 30.0
+
+
+def backoff_s(n: int, *, storage: bool = False) -> float:
+    """The wait before attempt `n + 1` after `n` transient failures: exponential with jitter."""
+    cap = STORAGE_BACKOFF_CAP_S if storage else 120.0
+    return min(cap, 2.0 ** max(0, n - 1)) * random.uniform(0.5, 1.0)
+
+
+def count_transient(r: Redis, delivery_id: str, *, attempt: bool = True) -> tuple[int, float]:
+    """Count one transient failure on a receipt; returns (failures so far,
+    when the first of this run of failures happened). `attempt` False: a
+    stage postponed untried (its sandbox's breaker): the run of failures
+    starts (or goes on), nothing is counted."""
+    now = time.time()
+    pipe = r.pipeline(transaction=False)
+    pipe.hincrby(keys.delivery(delivery_id), "transient_errors", 1 if attempt else 0)
+    pipe.hsetnx(keys.delivery(delivery_id), "first_error_s", f"{now:.3f}")
+    pipe.hget(keys.delivery(delivery_id), "first_error_s")
+    n, _, first = pipe.execute()
+    try:
+        first_s = float(first)
+    except (TypeError, ValueError):
+        first_s = now
+    return int(n), first_s
+
+
+def gives_up(exc: BaseException, n: int, first_s: float, *, max_attempts: int, outage_deadline_s: float) -> bool:
+    """Storage errors, and a sandbox that stopped answering (its breaker
+    postponed the stage), are an outage to wait out until its deadline; any
+    other transient error gives up after `max_attempts`."""
+    from adapters.errors import SandboxStalled, StorageError
+
+    if isinstance(exc, (StorageError, SandboxStalled)):
+        return time.time() - first_s >= outage_deadline_s
+    return n >= max_attempts

@@ -1,0 +1,563 @@
+"""Reply parsing: plain Python, no Celery, no I/O.
+
+`parse_reply(text)` finds the `MEDIA:<path>` tags and the `[[...]]` directives
+in an agent's reply (DESIGN.md, "MEDIA tags in a reply") and returns the text
+to show in the chat with them removed. Which kind a file goes as is
+`tasks.delivery.routing`'s (routing by extension).
+
+Tags
+----
+- `MEDIA:<path>`, written exactly so: upper case, no space after the colon
+  (`MEDIA: /x.png` and `media:/x.png` stay text). The tag may be glued to the
+  word before it (`hereMEDIA:/a.png` parses; so does `MULTIMEDIA:/a.png`).
+- Only absolute (`/...`) and home-relative (`~/...`) paths count. A relative
+  path (`MEDIA:out.png`), a URL (`MEDIA:http://...`), a protocol-relative
+  `MEDIA://host/x`, a bare `/` or `~/` and a Windows path (`MEDIA:C:\\x.png`)
+  are not tags: the text stays as written. Paths are returned as written (no
+  `~` expansion, no normalising); the extraction step resolves and checks them.
+- A path holding a control character (a NUL, an ESC, a newline inside quotes)
+  is a tag all the same: cut from the text (the sandbox path never reaches the
+  chat) and returned in `media`, where the extraction refuses it before any
+  I/O and the chat is told (`has_control`). A quoted path cut by a line break
+  (`MEDIA:"/w/a<newline>b.png"`) is one such tag when what the quotes enclose
+  holds no other whitespace; an unquoted path ends at the line break.
+- Quoted paths: `MEDIA:"..."`, `MEDIA:'...'` or `MEDIA:`...`` (any backtick
+  run, closed by a run of the same length) may hold spaces; the quote must
+  close on the same line (but see the line break above). Whitespace just inside the quotes is dropped,
+  everything else (punctuation included) is kept. For `"` and `'` the closing
+  quote is the first one followed by whitespace, punctuation or the line end
+  (so `'/tmp/bob's file.png'` works), else simply the first one. A quote that
+  never closes is ignored and the path is read unquoted after it.
+- Unquoted paths end at whitespace (any Unicode space), a backtick, the next
+  `MEDIA:` or a directive. Then:
+  1. trailing punctuation is dropped: ASCII ``. , ; : ! ? ) ] } > " ' * |``
+     and CJK/fullwidth ``。 ， ！ ？ 、 ； ： ） 」 』 】 》 〉 ” ’ …``; a closing
+     bracket is kept when it balances an opening one inside the path
+     (`/tmp/file_(1)` stays whole), and the extension's own dot stays
+     (`/tmp/a.png.` gives `/tmp/a.png`);
+  2. glued text: when the last path component does not end in a known
+     extension (`tasks.delivery.routing.KNOWN_EXT`) but contains `.<known ext>`
+     directly followed by an upper-case letter, two or more ASCII letters,
+     a non-ASCII letter (CJK, Cyrillic, ...), or punctuation/symbols, the
+     path ends after that extension and the rest stays in the text:
+     `/tmp/chart.pngHere` -> `/tmp/chart.png`, `/tmp/a.pngand` ->
+     `/tmp/a.png`, `/tmp/a.png这是图` -> `/tmp/a.png`. A single lower-case
+     letter is kept as part of the name (`/tmp/a.docs`, `/tmp/a.svgz`), and
+     so are digits, `.`, `-`, `_`, `~`.
+     Only the last component is searched (`/tmp/x.pngdir/f` stays whole).
+     Without a known extension nothing is cut (`/tmp/READMEthen` stays).
+- Bracket/quote/emphasis pairs wrapped tightly around a tag go with it:
+  `(MEDIA:/a.png)`, `"MEDIA:/a.png"`, `**MEDIA:/a.png**` leave nothing.
+- Duplicates (compared after unquoting and punctuation clean-up) deliver
+  once; the first occurrence keeps its place in `media`. (`tasks.turn.turn` also
+  compares the normalised path, the turn's `~` expanded: `/w/./x` and `/w/x`
+  are one file.)
+- A path is at most 4096 characters (PATH_MAX); longer ones are not tags.
+  Every search is bounded by that, so parsing stays near-linear.
+
+Code
+----
+- Fenced blocks open on a line of three or more backticks or tildes (after
+  optional indentation, list markers or `>`); a backtick fence's info string
+  may not hold a backtick. They close on a line of the same character, at
+  least as long, and nothing else. An unterminated fence runs to the end of
+  the text. Inline code is a backtick run closed by the next run of the same
+  length that comes before the next blank line; an unmatched run is literal.
+  Everything inside code is text: no tags, no directives, kept byte for byte.
+- A backtick run directly after `MEDIA:` quotes the path (it is a tag) when
+  it closes on the same line around a valid path; otherwise `MEDIA:` stays
+  text and the backticks open inline code as usual.
+
+Directives
+----------
+`[[audio_as_voice]]` and `[[as_document]]`, any case, optional spaces/tabs
+inside the brackets, anywhere outside code; stripped and set the flags.
+
+Text
+----
+- Tags and directives are cut out. Around each cut, the whitespace run is
+  tidied: at the start of a line the indentation before the tag is kept, and
+  the spaces and separator punctuation (`.,;:!?` and CJK `。，！？、；：`) after
+  it are dropped (`MEDIA:/a.png, here` -> `here`); at the end of a line it is
+  dropped; before closing punctuation (`.,;:!?)]}>` and CJK) it is dropped,
+  and of two separators meeting there one goes (`Done: MEDIA:/a.png.` ->
+  `Done.`, `a, MEDIA:/b.png, c` -> `a, c`, `Wow! MEDIA:/x.png.` -> `Wow!`);
+  elsewhere it becomes a single (the first) whitespace character. Two
+  non-CJK words glued by a cut (`hereMEDIA:/a.pngthere`) get one space.
+- A line that holds a cut and becomes blank is removed. Outside fenced code,
+  runs of blank lines are collapsed to one (empty) line. The result is
+  `strip()`ped. Lines without cuts are otherwise left alone.
+- If cutting ever glues text into a new tag (adversarial input such as
+  `MEDIA:[[as_document]]/x.png`), that tag is defused with a zero-width space
+  after `MEDIA`, so the returned text never yields a delivery when parsed
+  again.
+- Control characters never reach the chat: NUL and the other C0/C1 controls
+  (and DEL) are removed from the returned text, except `\n`, `\t` and `\r`
+  (a tag that removal glues together is defused as above).
+- `parse_reply` never raises for a `str`; anything else is a `TypeError`.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from bisect import bisect_right
+from dataclasses import dataclass
+
+from tasks.delivery.routing import KNOWN_EXT
+
+__all__ = ["ParsedReply", "has_control", "parse_reply"]
+
+#: the extensions the glued-text rule knows
+_EXT_NAMES = frozenset(e[1:] for e in KNOWN_EXT)
+_EXT_BY_LEN = sorted(_EXT_NAMES, key=lambda e: (-len(e), e))
+
+# --------------------------------------------------------------------------
+# parsing tables
+
+_TAG = "MEDIA:"
+_TRAIL_PUNCT = frozenset(".,;:!?)]}>\"'*|" "。，！？、；：）」』】》〉”’…．")
+_OPENER_OF = {")": "(", "]": "[", "}": "{", "）": "（", "」": "「", "』": "『", "】": "【", "》": "《", "〉": "〈"}
+_CUT_PUNCT_ASCII = frozenset(",;:!?)]}>\"'*|<([{")
+_CLOSING_PUNCT = frozenset(".,;:!?)]}>" "。，！？、；：）」』】》〉…．")
+_SEP_PUNCT = frozenset(".,;:!?" "。，！？、；：…．")
+_FINAL_PUNCT = frozenset(".!?" "。！？…．")
+_WRAP_PAIRS = {
+    "(": ")", "[": "]", "{": "}", "<": ">", '"': '"', "'": "'", "*": "*",
+    "“": "”", "‘": "’", "「": "」", "『": "』", "【": "】", "（": "）", "《": "》", "〈": "〉",
+}  # fmt: skip
+
+_DIRECTIVE_RE = re.compile(r"\[\[[ \t]*(audio_as_voice|as_document)[ \t]*\]\]", re.IGNORECASE)
+_FENCE_PREFIX = r"(?:[ \t]*(?:>|[-*+][ \t]|\d{1,9}[.)][ \t]))*[ \t]*"
+_FENCE_OPEN_RE = re.compile(_FENCE_PREFIX + r"(`{3,}|~{3,})([^\n]*)")
+_SPECIAL_RE = re.compile(r"\n|`|\[\[|MEDIA:")
+_UNQUOTED_END_RE = re.compile(r"\s|`|MEDIA:|\[\[")
+_BACKTICKS_RE = re.compile(r"`+")
+_BLANK_LINE_RE = re.compile(r"\n[ \t\r]*(?=\n)")
+_ZWSP = "\u200b"
+_CONTROL_RE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+_CLOSING_QUOTE_RE = {
+    q: re.compile(re.escape(q) + r"(?=\s|[" + re.escape("".join(sorted(_TRAIL_PUNCT))) + r"]|MEDIA:|$)")
+    for q in "\"'"
+}
+#: longest path a tag may name (Linux PATH_MAX); bounds every search
+_MAX_PATH = 4096
+
+
+@dataclass(frozen=True)
+class ParsedReply:
+    #: reply text with MEDIA tags and directives removed, whitespace tidied
+    text: str
+    #: paths in reply order, duplicates removed (first occurrence wins)
+    media: tuple[str, ...]
+    #: `[[audio_as_voice]]` present
+    audio_as_voice: bool
+    #: `[[as_document]]` present
+    as_document: bool
+
+
+# --------------------------------------------------------------------------
+# path helpers
+
+
+def _valid_path(path: str) -> bool:
+    """A tag's path: absolute or `~/`-relative, not `//`, at most PATH_MAX. A
+    control character does not stop it being a tag (it is cut from the text and
+    refused by the extraction, the chat told: `has_control`)."""
+    if path.startswith("~/"):
+        ok = len(path) > 2
+    elif path.startswith("/"):
+        ok = len(path) > 1 and not path.startswith("//")
+    else:
+        return False
+    return ok and len(path) <= _MAX_PATH
+
+
+def has_control(path: str) -> bool:
+    """Whether a path holds a control character (NUL, a newline, ESC ...): a
+    tag naming one is never extracted (tasks/turn/extract.py refuses it)."""
+    return any(unicodedata.category(ch) == "Cc" for ch in path)
+
+
+def _glued(rest: str) -> bool:
+    """Does `rest`, directly after a known extension, look like glued text?"""
+    c = rest[0]
+    if c.isascii():
+        if c.isalpha():
+            if c.isupper():
+                return True
+            k = 0
+            while k < len(rest) and rest[k].isascii() and rest[k].isalpha():
+                k += 1
+            return k >= 2
+        return c in _CUT_PUNCT_ASCII
+    return c.isalpha() or unicodedata.category(c)[0] in "PS"
+
+
+def _clean_unquoted(tok: str) -> str:
+    # 1. trailing punctuation (closing brackets only when unbalanced)
+    while tok and tok[-1] in _TRAIL_PUNCT:
+        ch = tok[-1]
+        opener = _OPENER_OF.get(ch)
+        if opener is not None and tok.count(opener) >= tok.count(ch):
+            break
+        tok = tok[:-1]
+    # 2. text glued after a known extension, in the last component
+    base = tok.rfind("/") + 1
+    name = tok[base:]
+    dot = name.rfind(".")
+    if dot > 0 and name[dot + 1 :].lower() in _EXT_NAMES:
+        return tok
+    j = name.find(".", 1)
+    while j != -1:
+        low = name[j + 1 : j + 1 + 8].lower()
+        for ext in _EXT_BY_LEN:
+            if low.startswith(ext):
+                end = j + 1 + len(ext)
+                if end < len(name) and _glued(name[end:]):
+                    return tok[: base + end]
+                break  # the longest matching extension decides
+        j = name.find(".", j + 1)
+    return tok
+
+
+# --------------------------------------------------------------------------
+# the scanner
+
+
+class _Scanner:
+    """One left-to-right pass: code spans (kept), tags and directives (cut)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.n = len(text)
+        runs: dict[int, list[int]] = {}
+        for m in _BACKTICKS_RE.finditer(text):
+            runs.setdefault(m.end() - m.start(), []).append(m.start())
+        self.runs = runs
+        self.blanks = [m.start() for m in _BLANK_LINE_RE.finditer(text)]
+        #: (kind, str): "t" text, "c" inline code, "f" fenced code, "x" cut
+        self.pieces: list[tuple[str, str]] = []
+        self.media: list[str] = []
+        self.tag_starts: list[int] = []
+        self.audio_as_voice = False
+        self.as_document = False
+
+    # -- output helpers
+    def _emit(self, kind: str, s: str) -> None:
+        if s or kind == "x":
+            self.pieces.append((kind, s))
+
+    def _last_text_char(self) -> str:
+        if self.pieces and self.pieces[-1][0] == "t":
+            return self.pieces[-1][1][-1]
+        return ""
+
+    def _pop_text_char(self) -> None:
+        kind, s = self.pieces[-1]
+        if len(s) == 1:
+            self.pieces.pop()
+        else:
+            self.pieces[-1] = (kind, s[:-1])
+
+    # -- code
+    def _fence_end(self, m: re.Match[str]) -> int:
+        fence = m.group(1)
+        close = re.compile(_FENCE_PREFIX + re.escape(fence[0]) + "{%d,}[ \t]*\r?$" % len(fence))
+        pos = m.end()
+        while pos < self.n:  # pos is at the '\n' ending the previous line
+            start = pos + 1
+            nl = self.text.find("\n", start)
+            end = self.n if nl == -1 else nl
+            if close.match(self.text[start:end]):
+                return end
+            pos = end
+        return self.n
+
+    def _run_len(self, i: int) -> int:
+        k = i
+        while k < self.n and self.text[k] == "`":
+            k += 1
+        return k - i
+
+    def _inline_code_end(self, i: int, k: int) -> int:
+        """End of the code span opened by the k-backtick run at i, or -1."""
+        starts = self.runs.get(k, ())
+        idx = bisect_right(starts, i)
+        if idx >= len(starts):
+            return -1
+        b = bisect_right(self.blanks, i)
+        limit = self.blanks[b] if b < len(self.blanks) else self.n
+        close = starts[idx]
+        return close + k if close < limit else -1
+
+    # -- tags
+    def _directive_at(self, j: int) -> re.Match[str] | None:
+        return _DIRECTIVE_RE.match(self.text, j)
+
+    def _closing_quote(self, q: str, start: int, line_end: int) -> int:
+        """The first `q` followed by a boundary, else the first `q`, else -1."""
+        m = _CLOSING_QUOTE_RE[q].search(self.text, start, line_end)
+        if m is not None:
+            return m.start()
+        return self.text.find(q, start, line_end)
+
+    def _split_quoted(self, q: str, start: int) -> tuple[str, int] | None:
+        """A quoted path a line break cuts (`MEDIA:"/w/a<newline>b.png"`): one tag, its
+        path holding the break, when what the quotes enclose has no other
+        whitespace (prose spanning lines has spaces: it stays text)."""
+        limit = min(self.n, start + _MAX_PATH + 1)
+        m = _CLOSING_QUOTE_RE[q].search(self.text, start, limit)
+        if m is None:
+            return None
+        inner = self.text[start : m.start()]
+        if "\n" not in inner or any(ch.isspace() for ch in inner.replace("\n", "").replace("\r", "")):
+            return None
+        return (inner, m.end()) if _valid_path(inner) else None
+
+    def _unquoted(self, start: int) -> tuple[str, int] | None:
+        text = self.text
+        limit = min(self.n, start + _MAX_PATH + 1)
+        pos = start
+        while True:
+            m = _UNQUOTED_END_RE.search(text, pos, limit)
+            if m is None:
+                end = limit
+                break
+            if m.group() == "[[" and self._directive_at(m.start()) is None:
+                pos = m.start() + 2
+                continue
+            end = m.start()
+            break
+        if end - start > _MAX_PATH:
+            return None
+        path = _clean_unquoted(text[start:end])
+        if not _valid_path(path):
+            return None
+        return path, start + len(path)
+
+    def _tag_at(self, p: int) -> tuple[str, int] | None:
+        """Parse the path after `MEDIA:` (p is just past the colon)."""
+        text = self.text
+        if p >= self.n:
+            return None
+        c = text[p]
+        line_end = text.find("\n", p, p + _MAX_PATH + 16)
+        if line_end == -1:
+            line_end = min(self.n, p + _MAX_PATH + 16)
+        if c in "\"'":
+            q = self._closing_quote(c, p + 1, line_end)
+            if q != -1:
+                path = text[p + 1 : q].strip()
+                return (path, q + 1) if _valid_path(path) else None
+            split = self._split_quoted(c, p + 1)
+            if split is not None:
+                return split
+            return self._unquoted(p + 1)
+        if c == "`":
+            k = self._run_len(p)
+            m = re.compile(r"(?<!`)`{%d}(?!`)" % k).search(text, p + k, line_end)
+            if m is not None:
+                path = text[p + k : m.start()].strip()
+                return (path, m.end()) if _valid_path(path) else None
+            return self._unquoted(p + k)
+        return self._unquoted(p)
+
+    # -- main loop
+    def scan(self) -> _Scanner:
+        text, n = self.text, self.n
+        seen: set[str] = set()
+        i = 0
+        line_start = True
+        while i < n:
+            if line_start:
+                line_start = False
+                m = _FENCE_OPEN_RE.match(text, i)
+                if m is not None and (m.group(1)[0] == "~" or "`" not in m.group(2)):
+                    end = self._fence_end(m)
+                    self._emit("f", text[i:end])
+                    i = end
+                    continue
+            m = _SPECIAL_RE.search(text, i)
+            if m is None:
+                self._emit("t", text[i:])
+                break
+            j = m.start()
+            self._emit("t", text[i:j])
+            tok = m.group()
+            if tok == "\n":
+                self._emit("t", "\n")
+                i = j + 1
+                line_start = True
+            elif tok == "`":
+                k = self._run_len(j)
+                end = self._inline_code_end(j, k)
+                if end == -1:
+                    self._emit("t", text[j : j + k])
+                    i = j + k
+                else:
+                    self._emit("c", text[j:end])
+                    i = end
+            elif tok == "[[":
+                d = self._directive_at(j)
+                if d is None:
+                    self._emit("t", "[[")
+                    i = j + 2
+                else:
+                    if d.group(1).lower() == "audio_as_voice":
+                        self.audio_as_voice = True
+                    else:
+                        self.as_document = True
+                    self._emit("x", "")
+                    i = d.end()
+            else:  # MEDIA:
+                res = self._tag_at(j + len(_TAG))
+                if res is None:
+                    self._emit("t", _TAG)
+                    i = j + len(_TAG)
+                    continue
+                path, end = res
+                while end < n:
+                    opener = self._last_text_char()
+                    if opener and _WRAP_PAIRS.get(opener) == text[end]:
+                        self._pop_text_char()
+                        end += 1
+                    else:
+                        break
+                self._emit("x", "")
+                self.tag_starts.append(j)
+                if path not in seen:
+                    seen.add(path)
+                    self.media.append(path)
+                i = end
+        return self
+
+
+# --------------------------------------------------------------------------
+# text tidying
+
+
+def _is_hspace(ch: str) -> bool:
+    return ch not in "\n\r" and ch.isspace()
+
+
+def _wordy(ch: str) -> bool:
+    return ch.isalnum() and ord(ch) < 0x2E80  # not CJK and friends
+
+
+def _tidy_line(s: str, cuts: list[int]) -> str | None:
+    cr = s.endswith("\r")
+    if cr:
+        s = s[:-1]
+    if not s.strip():
+        return None
+    runs: dict[tuple[int, int], int] = {}
+    for c in cuts:
+        a = c
+        while a > 0 and _is_hspace(s[a - 1]):
+            a -= 1
+        b = c
+        while b < len(s) and _is_hspace(s[b]):
+            b += 1
+        runs[(a, b)] = min(runs.get((a, b), c), c)
+    for (a, b), cmin in sorted(runs.items(), reverse=True):
+        if a == 0:
+            repl = s[:cmin]
+            if b < len(s) and s[b] in _SEP_PUNCT:  # "MEDIA:/a.png, here" -> "here"
+                while b < len(s) and s[b] in _SEP_PUNCT:
+                    b += 1
+                while b < len(s) and _is_hspace(s[b]):
+                    b += 1
+        elif b == len(s):
+            repl = ""
+        elif s[b] in _CLOSING_PUNCT:
+            repl = ""
+            if s[a - 1] in _SEP_PUNCT and s[b] in _SEP_PUNCT:
+                # "Done: MEDIA:/a.png." -> "Done."; "a, MEDIA:/b.png, c" -> "a, c"
+                if s[a - 1] not in _FINAL_PUNCT and s[b] in _FINAL_PUNCT:
+                    a -= 1
+                else:
+                    b += 1
+        elif b > a:
+            repl = s[a]
+        else:
+            repl = " " if _wordy(s[a - 1]) and _wordy(s[b]) else ""
+        s = s[:a] + repl + s[b:]
+    if not s.strip():
+        return None
+    return s + ("\r" if cr else "")
+
+
+def _assemble(pieces: list[tuple[str, str]]) -> str:
+    lines: list[list[tuple[str, str]]] = [[]]
+    for kind, s in pieces:
+        if kind == "x":
+            lines[-1].append(("x", ""))
+            continue
+        for k, part in enumerate(s.split("\n")):
+            if k:
+                lines.append([])
+            lines[-1].append((kind, part))
+    kept: list[tuple[str, bool]] = []  # (line, may collapse as blank)
+    for segs in lines:
+        if any(kind == "f" for kind, _ in segs):
+            kept.append(("".join(part for _, part in segs), False))
+            continue
+        s = ""
+        cuts: list[int] = []
+        for kind, part in segs:
+            if kind == "x":
+                cuts.append(len(s))
+            else:
+                s += part
+        if cuts:
+            tidied = _tidy_line(s, cuts)
+            if tidied is None:
+                continue
+            s = tidied
+        kept.append((s, True))
+    out: list[str] = []
+    prev_blank = False
+    for s, collapsible in kept:
+        blank = collapsible and not s.strip()
+        if blank and prev_blank:
+            continue
+        out.append("" if blank else s)
+        prev_blank = blank
+    return "\n".join(out).strip()
+
+
+def _defuse(text: str) -> str:
+    for _ in range(text.count(_TAG) + 1):
+        starts = _Scanner(text).scan().tag_starts
+        if not starts:
+            break
+        for j in sorted(set(starts), reverse=True):
+            cut = j + len(_TAG) - 1
+            text = text[:cut] + _ZWSP + text[cut:]
+    return text
+
+
+# --------------------------------------------------------------------------
+# public API
+
+
+def parse_reply(text: str) -> ParsedReply:
+    """Split an agent reply into chat text, MEDIA paths and directive flags."""
+    if not isinstance(text, str):
+        raise TypeError(f"parse_reply() wants str, not {type(text).__name__}")
+    text = str(text)
+    sc = _Scanner(text).scan()
+    if sc.tag_starts or sc.audio_as_voice or sc.as_document:
+        out = _defuse(_assemble(sc.pieces))
+    else:
+        out = _assemble(sc.pieces)
+    clean = _CONTROL_RE.sub("", out)
+    if clean != out:  # what a control character kept apart may now read as a tag: defuse it
+        out = _defuse(clean).strip()
+    return ParsedReply(
+        text=out,
+        media=tuple(sc.media),
+        audio_as_voice=sc.audio_as_voice,
+        as_document=sc.as_document,
+    )
