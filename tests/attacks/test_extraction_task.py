@@ -9,6 +9,7 @@ import errno
 from adapters.sandboxes.base import PathPolicy, SandboxRef
 from adapters.sandboxes.local import LocalSandbox
 from storage.volume import VolumeStore
+from tasks.messages import Extracted, ExtractSpec
 from tasks.turn.extract import extract
 from tasks.runtime import Context
 
@@ -31,12 +32,11 @@ def test_home_path_and_raw_os_errors(redis_client, tmp_path):
         sb = cls(SandboxRef("local", roots=roots), policy)
         ctx = Context(redis=redis_client, store=store, platform=None, sandbox=lambda ref, sb=sb: sb,
                       agent=lambda name: None)
-        spec = {"job": "j1", "delivery": f"d-{cls.__name__}", "sandbox": SandboxRef("local").to_dict(), "path": path,
-                "key": f"files/{cls.__name__}"}
-        res = extract(ctx, spec)
+        spec = ExtractSpec(sandbox=SandboxRef("local").to_dict(), path=path, key=f"files/{cls.__name__}")
+        res = extract(ctx, spec, "j1", f"d-{cls.__name__}")
         if cls is LocalSandbox:
-            assert res["ok"] and store.local_path(spec["key"]).read_bytes() == b"hello", res
+            assert res.ok and store.local_path(spec.key).read_bytes() == b"hello", res
         else:
-            assert res == {"ok": False, "name": "loop",
-                           "reason": "UnsafePath: /x/loop: a symbolic link loop (too many levels of symbolic links)",
-                           "notify": "the agent named a file it may not share"}  # the chat's words, no path
+            assert res == Extracted(ok=False, name="loop",
+                                    reason="UnsafePath: /x/loop: a symbolic link loop (too many levels of symbolic links)",
+                                    notify="the agent named a file it may not share")  # the chat's words, no path
