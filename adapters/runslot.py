@@ -36,6 +36,9 @@ __all__ = ["HANDOVER_WAIT_S", "held", "holding", "waiting"]
 
 #: how long a thread waits for the slot before it runs without it
 HANDOVER_WAIT_S = 0.25
+#: COURIER_RUNSLOT=0 (for measuring, bench/bench_delivery_concurrency.py): no block holds the slot, so
+#: a drive's adapter calls run on the process's shared loop
+_ENABLED = os.environ.get("COURIER_RUNSLOT", "1") != "0"
 
 class _Slot:
     """A lock handed over in turn: a release gives the slot to the thread that has waited
@@ -116,6 +119,9 @@ def _give() -> None:
 def holding() -> Iterator[None]:
     """Run the block with the slot (within `HANDOVER_WAIT_S`, else without it until its next
     wait). Nested: the outer one holds it."""
+    if not _ENABLED:
+        yield
+        return
     depth = getattr(_local, "depth", 0)
     _local.depth = depth + 1
     if depth:
