@@ -9,9 +9,9 @@ the shared rate limits at their defaults (1 a second per chat; the per-bot limit
 BENCH_CONC_PER_BOT, default 30/s: Telegram's). Each configuration is one worker
 started as `courier worker -Q delivery` starts it, with
 COURIER_DELIVERY_PROCESSES x COURIER_DELIVERY_CONCURRENCY from
-BENCH_CONC_CONFIGS (comma separated `<processes>x<threads>`; a trailing `s`:
-with the run slot, `adapters/runslot.py`; without it COURIER_RUNSLOT=0), the
-first the baseline; default `1x16s,1x16,2x8,4x4,8x2`.
+BENCH_CONC_CONFIGS (comma separated `<processes>x<threads>`), the first the
+baseline; default `1x16,2x8,4x4,8x2`. (Issue 23 measured these against 1 x 16
+with the run slot, removed since: docs/benchmarks.md.)
 
 A round measures every configuration once (a fresh worker each, warmed up with
 40 other chats, not timed), in an order rotated round by round (neither side
@@ -79,17 +79,15 @@ def cpu_s(pids: list[int]) -> float:
 
 class Config:
     def __init__(self, spec: str) -> None:
-        self.spec = spec
-        self.slot = spec.endswith("s")
-        procs, threads = spec.rstrip("s").split("x")
+        procs, threads = spec.split("x")
         self.processes, self.threads = int(procs), int(threads)
-        self.label = f"{self.processes}x{self.threads}" + (" + run slot" if self.slot else "")
+        self.label = f"{self.processes}x{self.threads}"
         self.rates: list[float] = []
         self.cpus: list[float] = []
 
     def env(self) -> dict[str, str]:
         return {"COURIER_DELIVERY_POOL": "threads", "COURIER_DELIVERY_PROCESSES": str(self.processes),
-                "COURIER_DELIVERY_CONCURRENCY": str(self.threads), "COURIER_RUNSLOT": "1" if self.slot else "0"}
+                "COURIER_DELIVERY_CONCURRENCY": str(self.threads)}
 
 
 def start(dep: Deployment, cfg: Config) -> None:
@@ -134,7 +132,7 @@ def main() -> None:
     latency_ms = float(os.environ.get("BENCH_POOL_LATENCY_MS", "100"))
     rounds = int(os.environ.get("BENCH_CONC_ROUNDS", "2"))
     per_bot = os.environ.get("BENCH_CONC_PER_BOT", "30")
-    configs = [Config(s.strip()) for s in os.environ.get("BENCH_CONC_CONFIGS", "1x16s,1x16,2x8,4x4,8x2").split(",")]
+    configs = [Config(s.strip()) for s in os.environ.get("BENCH_CONC_CONFIGS", "1x16,2x8,4x4,8x2").split(",")]
     debug = os.environ.get("BENCH_DEBUG", "") not in ("", "0")
     loads: list[float] = []
     with tempfile.TemporaryDirectory(prefix="bench-conc-") as tmp_s:

@@ -459,16 +459,14 @@ def test_courier_worker_hands_every_option_to_the_launcher(monkeypatch):
     assert got == [["-Q", "delivery", "-n", "d@%h", "--concurrency=4"]]
 
 
-@pytest.mark.parametrize("shared", [False, True], ids=["own loop", "shared loop"])
-def test_a_platform_call_waiting_on_the_loop_is_interrupted_by_the_soft_limit(shared):
-    """The adapters' calls wait in slices (`_aio.run`: the thread's own loop wakes at least
-    every WAIT_SLICE_S; a caller of the shared loop waits on it in slices), so the
-    watchdog's exception reaches a thread blocked on a slow platform promptly."""
+def test_a_platform_call_waiting_on_the_loop_is_interrupted_by_the_soft_limit():
+    """The adapters' calls wait in slices (`_aio.run`: the caller waits on the process's
+    loop in slices), so the watchdog's exception reaches a thread blocked on a slow
+    platform promptly."""
     import asyncio
 
     from celery.exceptions import SoftTimeLimitExceeded
 
-    from adapters import runslot
     from adapters.platforms import _aio
     from workers.timelimits import Watchdog
 
@@ -483,11 +481,10 @@ def test_a_platform_call_waiting_on_the_loop_is_interrupted_by_the_soft_limit(sh
             cancelled.set()
             raise
 
-    def task() -> None:  # a drive (it holds the run slot): its own thread's loop, unless `shared`
+    def task() -> None:  # a drive's platform call
         dog.start_task("t", "courier.test", 0.3, None)
         try:
-            with runslot.holding():
-                _aio.run(slow(), 120, shared=shared)
+            _aio.run(slow(), 120)
             outcome.append("finished")
         except SoftTimeLimitExceeded:
             outcome.append("soft limit")
