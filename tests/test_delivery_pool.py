@@ -290,10 +290,12 @@ def _start_delivery_worker(env, concurrency: int, processes: int = 0):
 
 
 # -- several processes: one GIL each ---------------------------------------------------------
-def test_a_threads_delivery_worker_runs_a_process_per_cpu_each_its_own_node(monkeypatch):
+def test_a_threads_delivery_worker_runs_one_process_by_default_and_each_is_its_own_node(monkeypatch):
     from workers.worker import node_argv, processes_for
 
     monkeypatch.setenv("COURIER_DELIVERY_POOL", "threads")
+    monkeypatch.delenv("COURIER_DELIVERY_PROCESSES", raising=False)
+    assert processes_for(["-Q", "delivery"], Settings()) == 1  # the default: one reaches a bot's limit
     monkeypatch.setenv("COURIER_DELIVERY_PROCESSES", "0")
     s = Settings()
     assert processes_for(["-Q", "delivery"], s) == max(1, min(8, len(os.sched_getaffinity(0))))
