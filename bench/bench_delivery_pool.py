@@ -55,6 +55,8 @@ class Deployment:
         from tests.fixtures.services import free_port, port_open, wait_until
         from tests.fixtures.workers import CourierEnv
 
+        # this process signs the messages it publishes (and the worker's pings) with the key its workers check
+        os.environ.setdefault("COURIER_SIGNING_KEY", f"bench-delivery-{os.urandom(16).hex()}")
         self.i = i
         self.token = f"{4200 + i}:bench-pool-token-{i}"
         port = free_port()

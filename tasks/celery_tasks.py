@@ -153,12 +153,10 @@ def drive_lane(self: Task, target: str) -> JsonObject:
 def _drive_lanes(ctx: runtime.Context, target: str, *, started: str | None = None) -> JsonObject:
     """`target`'s lane, then the ready set's (lanes.drive_ready); DeliveryFailed after, naming
     every delivery the drive recorded failed for good."""
-    from adapters import runslot
     from tasks.delivery import lanes
     from tasks.dispatch import chains
 
-    # one drive at a time runs Python in this process; it gives the slot up while it waits on a platform
-    with runslot.holding(), metrics.failures_noted() as failed:
+    with metrics.failures_noted() as failed:
         out = lanes.drive_ready(ctx, target, chains.publish_lane, lambda: chains.publish_drain(ctx.redis),
                                 started=started, backlog=chains.WAKE_BACKLOG)
     if failed:

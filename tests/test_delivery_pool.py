@@ -291,10 +291,12 @@ def _start_delivery_worker(env, concurrency: int, processes: int = 0):
 
 
 # -- several processes: one GIL each ---------------------------------------------------------
-def test_a_threads_delivery_worker_runs_a_process_per_cpu_each_its_own_node(monkeypatch):
+def test_a_threads_delivery_worker_runs_one_process_by_default_and_each_is_its_own_node(monkeypatch):
     from workers.worker import node_argv, processes_for
 
     monkeypatch.setenv("COURIER_DELIVERY_POOL", "threads")
+    monkeypatch.delenv("COURIER_DELIVERY_PROCESSES", raising=False)
+    assert processes_for(["-Q", "delivery"], Settings()) == 1  # the default: one reaches a bot's limit
     monkeypatch.setenv("COURIER_DELIVERY_PROCESSES", "0")
     s = Settings()
     assert processes_for(["-Q", "delivery"], s) == max(1, min(8, len(os.sched_getaffinity(0))))
@@ -460,16 +462,14 @@ def test_courier_worker_hands_every_option_to_the_launcher(monkeypatch):
     assert got == [["-Q", "delivery", "-n", "d@%h", "--concurrency=4"]]
 
 
-@pytest.mark.parametrize("shared", [False, True], ids=["own loop", "shared loop"])
-def test_a_platform_call_waiting_on_the_loop_is_interrupted_by_the_soft_limit(shared):
-    """The adapters' calls wait in slices (`_aio.run`: the thread's own loop wakes at least
-    every WAIT_SLICE_S; a caller of the shared loop waits on it in slices), so the
-    watchdog's exception reaches a thread blocked on a slow platform promptly."""
+def test_a_platform_call_waiting_on_the_loop_is_interrupted_by_the_soft_limit():
+    """The adapters' calls wait in slices (`_aio.run`: the caller waits on the process's
+    loop in slices), so the watchdog's exception reaches a thread blocked on a slow
+    platform promptly."""
     import asyncio
 
     from celery.exceptions import SoftTimeLimitExceeded
 
-    from adapters import runslot
     from adapters.platforms import _aio
     from workers.timelimits import Watchdog
 
@@ -484,11 +484,10 @@ def test_a_platform_call_waiting_on_the_loop_is_interrupted_by_the_soft_limit(sh
             cancelled.set()
             raise
 
-    def task() -> None:  # a drive (it holds the run slot): its own thread's loop, unless `shared`
+    def task() -> None:  # a drive's platform call
         dog.start_task("t", "courier.test", 0.3, None)
         try:
-            with runslot.holding():
-                _aio.run(slow(), 120, shared=shared)
+            _aio.run(slow(), 120)
             outcome.append("finished")
         except SoftTimeLimitExceeded:
             outcome.append("soft limit")

@@ -425,8 +425,9 @@ class Settings(BaseSettings):
     #: per process (below)
     delivery_concurrency: int = Field(16, ge=1, le=256)
     #: processes of a threads-pool delivery worker, each a Celery worker with its own threads
-    #: (one process uses one core: the GIL); 0: one per CPU, at most 8
-    delivery_processes: int = Field(0, ge=0, le=64)
+    #: (one process uses one core: the GIL). One reaches a bot's 30/s with 16 threads at under half a
+    #: core (docs/benchmarks.md); more for a local Bot API server or paid broadcasts; 0: one per CPU, at most 8
+    delivery_processes: int = Field(1, ge=0, le=64)
 
     # -- web process: webhooks and Server-Sent Events -------------------------
     #: address `courier web` binds (behind a TLS-terminating proxy in production)

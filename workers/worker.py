@@ -15,8 +15,10 @@ processes and heavy I/O, and a process each keeps them apart. A `--pool` /
 One process holds one GIL: when the platform answers at once, a delivery is
 CPU work (Celery's consumer, the SDK, courier's ledger), and one process
 uses one core. So a threads-pool delivery worker runs
-COURIER_DELIVERY_PROCESSES such Celery workers (default: one per CPU, at most
-8), each with its own threads pool: the first keeps the node name given
+COURIER_DELIVERY_PROCESSES such Celery workers (default 1: with 16 threads it
+reaches a bot's 30 deliveries/s at under half a core, and more processes only
+cost more CPU there, docs/benchmarks.md; 0: one per CPU, at most 8), each with
+its own threads pool: the first keeps the node name given
 (`-n delivery@%h`: healthchecks ping it), the others are `delivery-2@%h`,
 `delivery-3@%h`, ...; their log lines name them `delivery-1`, `delivery-2`, ...
 

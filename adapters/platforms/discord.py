@@ -2,9 +2,8 @@
 
 A `discord.Client` is logged in once per process (`await client.login(token)`
 checks the token and nothing else is needed to send); every call runs on the
-process's one shared asyncio loop (`adapters.platforms._aio`, `shared=True`:
-one client and one login per process, where a loop per thread would log in
-from every thread), the caller giving up the process's run slot while it waits.
+process's one asyncio loop (`adapters.platforms._aio`): one client and one
+login per process.
 
 - Files go as attachments of one message (multipart `payload_json` +
   `files[n]`), streamed from storage: a local path when the store has one,
@@ -294,7 +293,7 @@ class DiscordPlatform(Platform):
             return await fn(await self._ready())
 
         try:
-            return _aio.run(go(), timeout_s=self.timeout_s, shared=True)
+            return _aio.run(go(), timeout_s=self.timeout_s)
         except CourierError:
             raise  # ours already (a bad channel id, a storage error while streaming)
         except Exception as exc:  # noqa: BLE001 - every vendor error is translated here
@@ -469,7 +468,7 @@ class DiscordPlatform(Platform):
         client, self._client = self._client, None
         if client is not None and self._pid == os.getpid():
             try:
-                _aio.run(client.close(), timeout_s=10, shared=True)
+                _aio.run(client.close(), timeout_s=10)
             except Exception:  # noqa: BLE001 - closing is best effort
                 log.debug("discord: closing the client failed", exc_info=True)
 

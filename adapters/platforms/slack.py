@@ -47,7 +47,6 @@ import httpx
 from slack_sdk import WebClient
 from slack_sdk.errors import SlackApiError, SlackClientError, SlackRequestError
 
-from adapters import runslot
 from adapters.defaults import SLACK_API_URL
 from adapters.errors import ConfigError, CourierError, DeliveryError, Permanent, RateLimited, Transient
 from adapters.platforms.base import ErrorMap, FileRefused, FileSource, Kind, Limits, Platform, Sent, iter_file
@@ -145,8 +144,7 @@ class SlackPlatform(Platform):
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
         try:
-            with runslot.waiting():  # a blocking HTTP call: the process's other drives run meanwhile
-                return fn()
+            return fn()
         except CourierError:
             raise  # ours already (e.g. a storage error while streaming)
         except Exception as exc:  # noqa: BLE001 - every vendor error is translated here
@@ -264,10 +262,9 @@ class SlackPlatform(Platform):
         return [Sent(message_id=fid) for fid in shared]
 
     def _post(self, url: str, file: FileSource) -> None:
-        with runslot.waiting():
-            resp = self._uploader().post(
-                url, content=iter_file(file, UPLOAD_CHUNK_BYTES),
-                headers={"Content-Type": "application/octet-stream", "Content-Length": str(file.size_bytes)})
+        resp = self._uploader().post(
+            url, content=iter_file(file, UPLOAD_CHUNK_BYTES),
+            headers={"Content-Type": "application/octet-stream", "Content-Length": str(file.size_bytes)})
         if resp.status_code != 200:
             raise _UploadRejected(resp.status_code, resp.text, resp.headers.get("Retry-After"))
 

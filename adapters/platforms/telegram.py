@@ -1,10 +1,9 @@
 """Telegram over python-telegram-bot (Bot API over HTTP; no polling, no updater).
 
-- One `telegram.Bot` per event loop: a lane's drive runs its calls on its own
-  thread's loop (`adapters.platforms._aio`: no hand-off between threads, and
-  the process's run slot is given up while the loop waits on the Bot API),
-  every other caller on the process's shared loop; a Bot's httpx client
-  belongs to the loop it was made on (`_aio.PerLoop`).
+- One `telegram.Bot` per process: every call runs on the process's one event
+  loop (`adapters.platforms._aio`), a threads pool's drives at once through
+  one Bot and its connection pool (`pool_size`); a Bot's httpx client belongs
+  to the loop it was made on (`_aio.PerLoop`: a new one after a fork).
 - No rate limiter that waits: a 429 becomes `RateLimited(retry_after)` and the
   task is re-scheduled; the shared per-chat / per-group / per-bot limits are
   enforced above the adapter, in Redis (`tasks.delivery.ratelimit`).

@@ -50,7 +50,6 @@ from typing import Any
 
 import httpx
 
-from adapters import runslot
 from adapters.defaults import WHATSAPP_API_URL
 from adapters.errors import ConfigError, DeliveryError, Permanent, RateLimited, Transient
 from adapters.platforms.base import MB, ErrorMap, FileRefused, FileSource, Kind, Limits, Platform, Sent
@@ -200,8 +199,7 @@ class WhatsAppPlatform(Platform):
 
     def _post(self, path: str, **kw: Any) -> dict:
         try:
-            with runslot.waiting():  # a blocking HTTP call: the process's other drives run meanwhile
-                resp = self._http().post(f"{self._root}/{path}", **kw)
+            resp = self._http().post(f"{self._root}/{path}", **kw)
         except httpx.HTTPError as exc:
             raise map_error(exc) from None
         if resp.status_code >= 400:
@@ -231,8 +229,7 @@ class WhatsAppPlatform(Platform):
         before it is reused; an id the API answers 4xx for is not known (rate limits and
         server errors propagate: the send is retried)."""
         try:
-            with runslot.waiting():
-                resp = self._http().get(f"{self._base}/{media_id}")
+            resp = self._http().get(f"{self._base}/{media_id}")
         except httpx.HTTPError as exc:
             raise map_error(exc) from None
         if resp.status_code == 200:
