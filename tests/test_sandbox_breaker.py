@@ -102,6 +102,12 @@ def counted(event: str) -> float:
     return REGISTRY.get_sample_value("courier_sandbox_breaker_events_total", {"sandbox": "docker", "event": event}) or 0
 
 
+def _patient(sandbox):
+    """A sandbox of the fixture's whose reads wait a minute: the machine's load is no stall."""
+    sandbox.io_timeout_s = 60.0
+    return sandbox
+
+
 def test_the_breaker_opens_postpones_untried_probes_and_closes(plain, stalling):
     r, ctx = plain.redis, plain
     ctr = stalling(files=4)
@@ -141,7 +147,8 @@ def test_the_breaker_opens_postpones_untried_probes_and_closes(plain, stalling):
     # the sandbox answers again: the next probe closes the breaker and hands every postponed file on
     ctr.resume()
     # (from here on the sandbox answers: a loaded machine's slow exec is not a stall to this test)
-    answering = dataclasses.replace(ctx, sandbox_io_timeout_s=60.0)
+    # (the sandboxes' own read deadline too: seen under load, a probe's exec slower than 2 s was a stall)
+    answering = dataclasses.replace(ctx, sandbox_io_timeout_s=60.0, sandbox=lambda ref: _patient(ctx.sandbox(ref)))
     wait_until(lambda: breaker.state(r, sid)["state"] == "half_open", timeout_s=30, what="the breaker's end")
     out = extract.run(answering, d)
     assert out["state"] == "extracted", out
