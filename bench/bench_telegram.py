@@ -31,9 +31,11 @@ are bound by CPU on the machine, and the chain's work per delivery (enqueue,
 Celery, receipts, limits: several times the loop's) shows.
 
 Each side's figure is the median of its rounds' rates (the machine is shared:
-a burst of load on one round moves a sum, not a median). Targets (issue 12):
->= 1.5 with the 25 ms server (courier sends to many chats at once), >= 0.6
-at once.
+a burst of load on one round moves a sum, not a median). Targets: >= 1.5 with
+the 25 ms server (courier sends to many chats at once; issue 12); at once, a
+bot's ceiling (30/s) at least: the ratio there is shown, no longer a target
+(issue 23: targets are what users feel; it was 0.70 with the run slot and two
+processes, 0.33 with one process and no slot, at 242/s: 8 bots' worth).
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ DOC_BYTES = 1024
 PAUSE_S = 1.3
 #: issue 12: courier over the SDK loop with a server answering after 25 ms, and at once
 TARGET_REMOTE = 1.5
-TARGET_LOCAL = 0.6
+#: at once: one process carries at least a bot's ceiling (Telegram's ~30 messages/s)
+TARGET_LOCAL_PER_S = 30.0
 
 
 def _docs(d: Path, n: int, tag: str) -> list[Path]:
@@ -122,10 +125,10 @@ def main() -> None:
             local = _measure(base_url, courier_s, baseline_s, rounds, 0.0, pids)
             baseline_s.close()
             local_ratio = local[0] / local[1]
-            ok = remote[0] / remote[1] >= TARGET_REMOTE and local_ratio >= TARGET_LOCAL
+            ok = remote[0] / remote[1] >= TARGET_REMOTE and local[0] >= TARGET_LOCAL_PER_S
             print(f"BENCH telegram deliveries: {remote[0]:.4g} deliveries/s vs plain SDK loop {remote[1]:.4g} "
                   f"deliveries/s ratio {remote[0] / remote[1]:.3g} (target >= {TARGET_REMOTE:g}; at once >= "
-                  f"{TARGET_LOCAL:g}) {'PASS' if ok else 'MISS'} [server answers after {latency_ms:g} ms; "
+                  f"{TARGET_LOCAL_PER_S:g}/s) {'PASS' if ok else 'MISS'} [server answers after {latency_ms:g} ms; "
                   f"server answering at once: {local[0]:.4g} vs {local[1]:.4g}/s, ratio {local_ratio:.2f}; "
                   f"medians of {rounds} alternating rounds x {CHATS} chats x 1 KB documents; 1 worker "
                   f"{shown}; per-bot limit 1000/s]", flush=True)
