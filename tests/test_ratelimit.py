@@ -148,22 +148,22 @@ def test_per_second_items():
 
 
 @pytest.mark.slow
-def test_two_workers_40_messages_to_one_chat_hold_one_per_second(courier_env, fake_telegram, redis_client):
+def test_two_workers_20_messages_to_one_chat_hold_one_per_second(courier_env, fake_telegram, redis_client):
     env = courier_env(TELEGRAM_BOT_TOKEN=fake_telegram.token, COURIER_TELEGRAM_BASE_URL=fake_telegram.url)
     env.start_worker(concurrency=2)
     env.start_worker(concurrency=2)
     chat = "555000"
-    jobs = [enqueue(env, f"telegram:{chat}", text=f"message {i}") for i in range(40)]
+    jobs = [enqueue(env, f"telegram:{chat}", text=f"message {i}") for i in range(20)]
     for job in jobs:
         (row,) = wait_job(redis_client, job, timeout_s=150)
         assert row["state"] == "delivered", row
     calls = fake_telegram.calls_for("sendMessage", chat=chat)
-    assert sorted(c.text for c in calls) == sorted(f"message {i}" for i in range(40))  # each once
+    assert sorted(c.text for c in calls) == sorted(f"message {i}" for i in range(20))  # each once
     gaps = [b.t - a.t for a, b in zip(calls, calls[1:])]
     assert min(gaps) >= 1.0 - ratelimit.ARRIVAL_JITTER_S, sorted(gaps)[:5]
     # one chat's lane: the messages went out in the order they were enqueued, and courier's own
     # pacing was no attempt and no rate limit (the platform refused none)
-    assert [c.text for c in calls] == [f"message {i}" for i in range(40)]
+    assert [c.text for c in calls] == [f"message {i}" for i in range(20)]
     rows = [wait_job(redis_client, job)[0] for job in jobs]
     assert {(row["attempts"], row.get("rate_limited", "0")) for row in rows} == {("1", "0")}
     # the sends came over several connections (the workers' processes), yet never closer than the limit

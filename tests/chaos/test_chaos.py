@@ -211,24 +211,23 @@ def test_sigkilled_threads_delivery_workers_lose_nothing_and_keep_each_chats_ord
         r.close()
 
 
-@pytest.mark.parametrize("delivery_pool", ["prefork", "threads"])
-def test_redis_restarts_lose_nothing(tmp_path, chaos_redis, fake, delivery_pool):
+def test_redis_restarts_lose_nothing(tmp_path, chaos_redis, fake):
     """120 deliveries through 2 workers started as the Procfile starts them
-    (`courier worker`) while Redis (AOF, fsync always) is shut down twice and
-    killed with SIGKILL once, each time for a few seconds. No `courier worker`
-    exits (issue 24: a Celery worker that does is restarted by it); one that did
-    would be restarted here and fail the run. `threads`: the second worker serves
-    the delivery queue alone on the threads pool (x8), the first the other queues
-    (prefork)."""
+    (`courier worker`) while Redis (AOF, fsync always, a plain redis:// URL) is shut
+    down twice and killed with SIGKILL once, each time for a few seconds. No
+    `courier worker` exits (issue 24: a Celery worker that does is restarted by it);
+    one that did would be restarted here and fail the run. `threads`: the second
+    worker serves the delivery queue alone on the threads pool (x8), the first the
+    other queues (prefork). (Prefork workers on every queue through restarts, kills
+    and failovers: tests/chaos/test_sentinel.py's 300-delivery run; over a plain URL:
+    tests/test_supervisor.py.)"""
     env = _env(tmp_path, chaos_redis, fake)
     r = redis.Redis.from_url(chaos_redis.url, socket_timeout=5, socket_connect_timeout=2, decode_responses=True)
 
     def start(i: int, wait: bool = True):
-        if delivery_pool == "threads":
-            if i == 1:
-                return env.start_worker(queues="delivery", pool="threads", concurrency=8, wait=wait, supervised=True)
-            return env.start_worker(queues="turns,sandbox,janitor", concurrency=2, wait=wait, supervised=True)
-        return env.start_worker(concurrency=2, wait=wait, supervised=True)
+        if i == 1:
+            return env.start_worker(queues="delivery", pool="threads", concurrency=8, wait=wait, supervised=True)
+        return env.start_worker(queues="turns,sandbox,janitor", concurrency=2, wait=wait, supervised=True)
 
     workers = [start(i) for i in range(2)]
     chats = [f"telegram:{7200 + i}" for i in range(3)] + [f"outbox:r{i}" for i in range(3)]
