@@ -7,11 +7,6 @@ does not depend on the Celery task module."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from celery import Celery
-
 AGENT_TURN = "courier.turns.agent_turn"
 EXTRACT_FILE = "courier.sandbox.extract_file"
 DRIVE_LANE = "courier.delivery.drive_lane"
@@ -22,12 +17,3 @@ RECONCILE = "courier.janitor.reconcile"
 #: tasks whose result is kept in the backend (a turn's: `courier turn --wait`, Flower's
 #: PROGRESS); the others follow `task_ignore_result` (on: nothing waits for them)
 KEEPS_RESULT = frozenset({AGENT_TURN})
-
-
-def ignores_result(app: Celery, name: str) -> bool:
-    """Whether a message of task `name` says to ignore its result: the task's own
-    option where the task is registered in this process, else by `KEEPS_RESULT`."""
-    task = app.tasks.get(name)
-    if task is not None:
-        return bool(task.ignore_result)
-    return name not in KEEPS_RESULT and bool(app.conf.task_ignore_result)

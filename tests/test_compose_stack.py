@@ -40,6 +40,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import socket
 import subprocess
@@ -373,6 +374,8 @@ def stack(tmp_path_factory):
         res = subprocess.run([str(ROOT / "scripts" / "compose-secrets"), str(secrets)], capture_output=True,
                              text=True, timeout=30)
         assert res.returncode == 0, res.stderr
+        # web answers Telegram's webhooks (its secret file filled in, as an operator does)
+        (secrets / "telegram_webhook_secret").write_text(uuid.uuid4().hex + "\n")
         env.update(S3_ACCESS_KEY="courier", COURIER_IMAGE_TAG=COURIER_TAG, COURIER_BIND=bind,
                    COURIER_AGENTS=json.dumps(agents), COURIER_SECRETS=str(secrets))
         st = Stack(pm, project, env, bind)
@@ -583,15 +586,39 @@ def test_scale_turn_workers_to_two_and_stop_one_warmly(stack):
     assert stack.containers("worker-turns") == sorted(set(workers) - {victim})
 
 
+def _post(url: str, body: bytes, headers: dict[str, str]) -> int:
+    req = urllib.request.Request(url, data=body, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def _webhook_turns(stack, web: str) -> dict[str, float]:
+    """A web replica's `courier_webhook_turns_total` for Telegram, by result (its own /metrics)."""
+    code = ("import urllib.request as u; r = u.Request('http://127.0.0.1:8000/metrics', headers={'Authorization': "
+            "'Bearer ' + open('/run/secrets/metrics_token').read().strip()}); print(u.urlopen(r, timeout=10).read()"
+            ".decode())")
+    out: dict[str, float] = {}
+    for line in stack.exec(web, "python", "-c", code).stdout.decode().splitlines():
+        m = re.match(r'courier_webhook_turns_total\{platform="telegram",result="(\w+)"\} ([0-9.e+]+)', line)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
+
+
 def test_web_scales_behind_the_proxy_and_one_replica_can_stop(stack):
     """On e82a350 web published a fixed host port: `--scale web=2` clashed. Now the proxy (HAProxy) is
-    published and finds every web replica by name: requests through it reach both replicas, and with
-    one replica stopped every request still answers."""
+    published and finds every web replica by name: `--scale web=3`, requests through it reach every
+    replica; signed Telegram webhooks, each sent twice (the platform's retry), spread over the replicas
+    and each is enqueued once (the replicas' own counts: 12 enqueued, 12 duplicates); with one replica
+    stopped every request still answers."""
     t = stack.timings
     with t("scale web"):
-        stack.compose("up", "-d", "--no-build", "--scale", "web=2")
+        stack.compose("up", "-d", "--no-build", "--scale", "web=3")
     webs = stack.containers("web")
-    assert len(webs) == 2, webs
+    assert len(webs) == 3, webs
     with t("web healthy"):
         stack.wait_healthy(webs)
     token = uuid.uuid4().hex[:12]
@@ -612,11 +639,28 @@ def test_web_scales_behind_the_proxy_and_one_replica_can_stop(stack):
             out[c] = (res.stdout + res.stderr).count(f"/probe-{token}-")
         return out
 
-    def both_serve() -> bool:
+    def every_one_serves() -> bool:
         return mark() == 404 and all(n > 0 for n in served_by().values())
 
-    with t("both replicas serve"):  # (the proxy's resolver finds the new replica within seconds)
-        wait_until(both_serve, timeout_s=120, interval_s=0.2, what="requests through the proxy to reach both webs")
+    with t("every replica serves"):  # (the proxy's resolver finds the new replicas within seconds)
+        wait_until(every_one_serves, timeout_s=120, interval_s=0.2, what="requests through the proxy to reach every web")
+
+    # webhooks: 12 updates, each twice, through the proxy; each replica counts what it did with them
+    secret = stack.secrets["telegram_webhook_secret"]
+    before = {w: _webhook_turns(stack, w) for w in webs}
+    base = int(uuid.uuid4().int % 10**6) * 1000
+    for attempt in range(2):
+        for i in range(12):
+            body = json.dumps({"update_id": base + i, "message": {"message_id": i, "chat": {"id": 880000 + i},
+                                                                  "text": f"hello {i}"}}).encode()
+            status = _post(f"http://{stack.bind}:8000/webhooks/telegram", body,
+                           {"X-Telegram-Bot-Api-Secret-Token": secret, "Content-Type": "application/json"})
+            assert status == 200, (attempt, i, status)
+    after = {w: _webhook_turns(stack, w) for w in webs}
+    did = {w: {k: after[w].get(k, 0.0) - before[w].get(k, 0.0) for k in ("enqueued", "duplicate")} for w in webs}
+    assert sum(d["enqueued"] for d in did.values()) == 12, did  # each update enqueued once, by one replica
+    assert sum(d["duplicate"] for d in did.values()) == 12, did  # and its retry dropped, by whichever got it
+    assert sum(1 for d in did.values() if d["enqueued"] + d["duplicate"]) >= 2, did  # spread over replicas
     stack.pm.run("stop", "-t", "30", webs[1], timeout=90)
 
     def ten_in_a_row() -> bool:  # the proxy takes the stopped replica out (its checks fail twice)
