@@ -330,3 +330,31 @@ class WebPair:
         for p in self.procs:
             stop_process(p)
         self.srv.stop()
+
+
+def tree_pids(pid: int) -> list[int]:
+    """`pid` and its live descendants, now (Linux /proc)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for tid in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{tid}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    return out
+
+
+def cpu_s(pids: Iterable[int]) -> float:
+    """User + system CPU seconds of `pids` so far (a process gone counts 0)."""
+    total = 0
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / os.sysconf("SC_CLK_TCK")

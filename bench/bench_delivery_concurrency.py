@@ -39,42 +39,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._common import quick, report, start_redis  # noqa: E402
+from bench._common import cpu_s, quick, report, start_redis, tree_pids  # noqa: E402
 from bench.bench_delivery_pool import CHATS, Deployment  # noqa: E402
 
 WARM_CHATS = 40
 TARGET_RATIO = 0.9
 TARGET_PER_S = 30.0
 TARGET_CPU_PCT = 50.0
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def tree_pids(pid: int) -> list[int]:
-    """`pid` and its descendants (now)."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        try:
-            for tid in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{tid}/children") as f:
-                    todo += [int(c) for c in f.read().split()]
-        except OSError:
-            pass
-    return out
-
-
-def cpu_s(pids: list[int]) -> float:
-    """User + system CPU seconds of `pids` so far (a process gone counts 0)."""
-    total = 0
-    for p in pids:
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])  # utime, stime
-        except (OSError, IndexError, ValueError):
-            pass
-    return total / TICK
 
 
 class Config:

@@ -35,22 +35,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._common import quick, report, report_limit, start_redis  # noqa: E402
+from bench._common import cpu_s, quick, report, report_limit, start_redis  # noqa: E402
 
 TOKEN = "424242:bench-token"
-TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def _cpu_s(pids: list[int]) -> float:
-    total = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])  # utime, stime
-        except OSError:
-            pass
-    return total / TICKS
 
 
 def _tree(proc) -> list[int]:
@@ -142,15 +129,15 @@ def lane(cpu: bool) -> None:
         try:
             st.start_workers(2)
             pids = [p for w in st.workers for p in _tree(w)]
-            c0, t0 = _cpu_s(pids), time.perf_counter()
+            c0, t0 = cpu_s(pids), time.perf_counter()
             time.sleep(window)  # the idle baseline: the same workers, nothing queued
-            idle = (_cpu_s(pids) - c0) / (time.perf_counter() - t0)
+            idle = (cpu_s(pids) - c0) / (time.perf_counter() - t0)
             ids = st.texts(["telegram:900001"] * 1000, "lane")
             first = _until(lambda: st.delivered(ids) >= 1, 60)
-            c0, n0 = _cpu_s(pids), st.delivered(ids)
+            c0, n0 = cpu_s(pids), st.delivered(ids)
             time.sleep(window)
             dt = time.perf_counter() - first
-            busy = (_cpu_s(pids) - c0) / dt
+            busy = (cpu_s(pids) - c0) / dt
             rate = (st.delivered(ids) - n0) / dt
         finally:
             st.close()

@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._common import quick, random_files, start_redis  # noqa: E402
+from bench._common import cpu_s, quick, random_files, start_redis, tree_pids  # noqa: E402
 
 TOKEN = "424242:bench-token"
 CHATS = 100
@@ -139,24 +139,6 @@ def main() -> None:
             redis_srv.stop()
 
 
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process `pid` and its live descendants so far (Linux /proc)."""
-    stats = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            stats[int(d.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
-    total, todo = 0.0, [pid]
-    while todo:
-        p = todo.pop()
-        total += stats.get(p, (0, 0.0))[1]
-        todo += [c for c, (ppid, _) in stats.items() if ppid == p]
-    return total
-
-
 def _measure(base_url: str, courier_s: "_Courier", baseline_s: "_Baseline", rounds: int,
              latency_ms: float, pids: dict[str, int] | None = None) -> tuple[float, float]:
     """Deliveries per second of (courier, baseline) with the server answering after `latency_ms`."""
@@ -168,14 +150,14 @@ def _measure(base_url: str, courier_s: "_Courier", baseline_s: "_Baseline", roun
     sent: dict[str, int] = {"courier": 0, "baseline": 0}
     for rnd in range(rounds + 1):
         for name, side in (("courier", courier_s), ("baseline", baseline_s)):
-            before = {k: _cpu_s(pid) for k, pid in (pids or {}).items()}
+            before = {k: cpu_s(tree_pids(pid)) for k, pid in (pids or {}).items()}
             own = time.process_time()
             n, dt = side.round(rnd)
             if rnd > 0:  # round 0 warms both sides up
                 rates[name].append(n / dt)
                 sent[name] += n
                 for k, pid in (pids or {}).items():
-                    cpu[f"{name}/{k}"] = cpu.get(f"{name}/{k}", 0.0) + _cpu_s(pid) - before[k]
+                    cpu[f"{name}/{k}"] = cpu.get(f"{name}/{k}", 0.0) + cpu_s(tree_pids(pid)) - before[k]
                 cpu[f"{name}/bench"] = cpu.get(f"{name}/bench", 0.0) + time.process_time() - own
             time.sleep(PAUSE_S)  # the per-chat limit, for both sides (not timed)
     if os.environ.get("BENCH_DEBUG"):  # each round's rate, and CPU per delivery of each process

@@ -48,7 +48,7 @@ class Stage:
     """A stage the reconciler watches, and what it does for it. The reconciler knows
     the ledger (due times, leases) and nothing of what a stage's entries are: each
     stage's owner says that (`tasks/dispatch/redrive.py`: lanes, extractions; `tasks/turn/turn.py`:
-    turns), and the worker passes the list in (`tasks/celery_tasks.py:STAGES`).
+    turns), and the worker passes the list in (`tasks/celery_tasks.py:stages`).
 
     name     the ledger's stage: its due times (`keys.due(name)`) and leases
     redrive  one of its entries whose due time passed with nobody holding its
