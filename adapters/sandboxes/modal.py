@@ -1,31 +1,19 @@
-"""Modal sandboxes (`modal://sb-id/abs/path`), on the modal SDK.
+"""Modal sandboxes (`modal://sb-id/abs/path`), on the modal SDK (imported
+lazily; credentials are the SDK's own).
 
-The SDK is imported lazily (`pip install 'courier[modal]'`); credentials are
-the SDK's own (MODAL_TOKEN_ID / MODAL_TOKEN_SECRET or ~/.modal.toml).
+* resolve: ONE exec of execstream's resolve script, then the policy check;
+* read: the SDK's file API (``sandbox.open``), the file's version asked
+  again by one exec after the last byte (a change: FileChanging, nothing
+  stored); where the SDK has none (modal 1.x) or it fails before the first
+  byte, ONE streaming ``cat`` through ``sandbox.exec`` (execstream);
+* put: the destination resolved by one exec, written to a temp name beside
+  it (file API, or ``cat`` fed through exec stdin), then size-checked and
+  renamed by one exec, so a short upload never appears.
 
-* resolve: ONE exec (`readlink -f` + type + size + $HOME, the script of
-  :mod:`adapters.sandboxes.execstream`), then the policy check;
-* read: the SDK's file API, ``sandbox.open(resolved, "rb")`` read in 1 MiB
-  chunks straight into storage, the file's version (size, mtime and ctime in
-  ns, inode: the resolve's answer) asked again by one exec after the last
-  byte (a change: FileChanging, nothing stored); where the SDK has no file API
-  (modal 1.x dropped ``Sandbox.open``) or it fails before the first byte,
-  ONE streaming ``cat`` through ``sandbox.exec`` (execstream), whose script
-  compares the opened file's stat before and after itself; the byte count
-  must match the size resolved, else nothing is stored;
-* put: the destination is resolved (one exec), written to a temp name beside
-  it (``sandbox.open(tmp, "wb")``, or ``cat`` fed through exec stdin), then
-  size-checked and renamed by one exec, so a short upload never appears.
-
-Commands (``Sandbox.exec``): ``sandbox.exec`` of execstream's run script
-(working directory resolved and checked first), with the SDK's own exec
-``timeout`` as the backstop; stdout and stderr are read apart by two helper
-threads as they arrive; on a timeout one more exec kills every process of
-the run.
-
-Reads happen inside the sandbox, scoped to its own filesystem; a process in
-the sandbox racing a link swap after the resolve can only reach what it
-could read itself. SDK errors are translated in ONE place
+Commands (``Sandbox.exec``) run execstream's run script, with the SDK's exec
+``timeout`` as the backstop. Reads happen inside the sandbox, scoped to its
+own filesystem: a process racing a link swap after the resolve can only
+reach what it could read itself. SDK errors are translated in ONE place
 (`_modal_errors`, through :meth:`ModalSandbox._errors`).
 """
 
@@ -199,8 +187,7 @@ class _ModalRun:
 
     def poll(self) -> int | None:
         with self.ch.msb._errors("exec"):
-            rc = self.p.poll()
-        return rc
+            return self.p.poll()
 
     def wait(self, timeout_s: float) -> int | None:
         end = time.monotonic() + timeout_s
@@ -247,7 +234,6 @@ class ModalSandbox(ExecStreamMixin, Sandbox):  # type: ignore[misc]
         self.io_timeout_s = io_timeout_s
         self._handle: Any = None
 
-    # -- the SDK object and its errors --------------------------------------------
     def handle(self):
         """The SDK's Sandbox object (``modal.Sandbox.from_id``), shared per id."""
         if self._handle is None:
@@ -296,7 +282,6 @@ class ModalSandbox(ExecStreamMixin, Sandbox):  # type: ignore[misc]
             self._home_cache = out.decode("utf-8", "surrogateescape") if rc == 0 else ""
         return self._home_cache or None
 
-    # -- resolve ------------------------------------------------------------------
     def resolve(self, path: str) -> tuple[str, int]:
         r = self._resolve(path)
         return r.path, r.size
@@ -316,7 +301,6 @@ class ModalSandbox(ExecStreamMixin, Sandbox):  # type: ignore[misc]
         policy = self.policy or PathPolicy(roots=MODAL_DEFAULT_ROOTS)
         policy.check_lexical_denied(path)
 
-    # -- read -------------------------------------------------------------------------
     def _iter_file_api(self, resolved: str) -> Iterator[bytes] | None:
         """Chunks through ``sandbox.open``; None when the SDK has no usable file API."""
         h = self.handle()
@@ -352,8 +336,7 @@ class ModalSandbox(ExecStreamMixin, Sandbox):  # type: ignore[misc]
     def _stream(self, resolved: str, size: int | None, max_bytes: int | None, nlink: int = 1,
                 version: str = "") -> Iterator[bytes]:
         """The file's chunks: the file API where the SDK has one, else exec.
-        `version`: the file's version as the resolve saw it (execstream's
-        Resolved.version), the one the file API's read is compared with."""
+        `version`: the resolve's (Resolved.version), compared after the read."""
         policy = self.policy_for(None)
         chunks = self._iter_file_api(resolved)
         if chunks is None:  # exec: the stream script checks the opened file's links and version itself
@@ -376,9 +359,7 @@ class ModalSandbox(ExecStreamMixin, Sandbox):  # type: ignore[misc]
     def _version(self, resolved: str) -> str:
         """The file's version (size, links, mtime and ctime in ns, inode) by
         ONE exec: the file API's read is one version of the file only if this
-        is the same after its last byte as before its first (the resolve's
-        answer; the exec channel's stream script compares them itself, in
-        the same exec)."""
+        is the same after its last byte as before its first."""
         rc, out, err = self.exec_channel().exec_small(["stat", "-L", "-c", VERSION_FORMAT, "--", resolved])
         if rc != 0:
             raise FileChanging(f"{resolved}: cannot stat it (exit {rc}: {err[:200]!r}); read again later")
@@ -395,7 +376,6 @@ class ModalSandbox(ExecStreamMixin, Sandbox):  # type: ignore[misc]
         self.check_size(path, r.size, max_bytes)
         return store.put_stream(key, self._stream(r.path, r.size, max_bytes, r.nlink, r.version), max_bytes=max_bytes)
 
-    # -- inbound ------------------------------------------------------------------------
     def _copy_in(self, store, key: str, dest_path: str, *, size: int, max_bytes: int) -> str:
         ch = self.exec_channel()
         self._deny_lexical(dest_path)

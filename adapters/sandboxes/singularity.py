@@ -1,24 +1,17 @@
 """Singularity / Apptainer instances: the instance's files are on this host.
 
-The instance root is, in order:
+The instance root is, in order: ``instance_root`` given to the constructor;
+``<instances_dir>/<instance>/rootfs``; else ``apptainer|singularity instance
+list --json`` (a sandbox-directory image is its own root; a SIF instance is
+reached through ``/proc/<pid>/root``, its mount namespace, bind mounts included).
 
-1. ``instance_root`` given to the constructor (a sandbox directory, an
-   unpacked rootfs or an overlay upper dir);
-2. ``<instances_dir>/<instance>/rootfs`` (a per-deployment layout);
-3. ``apptainer|singularity instance list --json``: a sandbox-directory
-   image is its own root; a SIF instance is reached through
-   ``/proc/<pid>/root`` (the instance's mount namespace as its process sees
-   it, bind mounts included).
-
-Paths are resolved *inside* that root component by component with
-directory file descriptors (``openat`` with ``O_NOFOLLOW`` on every step):
-symlinks are followed by hand, an absolute link target restarts from the
-instance root and ``..`` never climbs above it, so no link can reach the
-host. The checked, link-free path is then opened by the same fd walk where
-any link found now (a swap after resolve) is refused, its last component as
-an O_PATH descriptor that is opened for reading only when it is a regular
-file (:mod:`adapters.sandboxes.hostopen`: a device or FIFO swapped in is never
-opened on the host), and streamed.
+Paths are resolved *inside* that root component by component with directory
+fds (``O_NOFOLLOW`` on every step): symlinks are followed by hand, an
+absolute target restarts from the instance root and ``..`` never climbs above
+it, so no link can reach the host. The checked, link-free path is opened by
+the same walk, refusing any link found now, its last component through
+:mod:`adapters.sandboxes.hostopen` (a device or FIFO swapped in is never
+opened on the host).
 """
 
 from __future__ import annotations
@@ -49,12 +42,6 @@ _O_PATH = getattr(os, "O_PATH", os.O_RDONLY)
 _DIR_FLAGS = _O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def _valid_instance(name: str) -> str:
-    if not name or name in (".", "..") or "/" in name or "\x00" in name:
-        raise ConfigError(f"invalid singularity instance name {name!r}")
-    return name
-
-
 def find_instance_root(instance: str, *, instance_root: str | None = None, instances_dir: str | None = None,
                        binary: str | None = None) -> str:
     """The host directory that is `instance`'s `/` (see module doc)."""
@@ -62,7 +49,8 @@ def find_instance_root(instance: str, *, instance_root: str | None = None, insta
         if not os.path.isdir(instance_root):
             raise SandboxGone(f"instance root {instance_root} does not exist")
         return os.path.realpath(instance_root)
-    _valid_instance(instance)
+    if not instance or instance in (".", "..") or "/" in instance or "\x00" in instance:
+        raise ConfigError(f"invalid singularity instance name {instance!r}")
     if instances_dir:
         cand = os.path.join(instances_dir, instance, "rootfs")
         if os.path.isdir(cand):
@@ -115,18 +103,13 @@ class _Walk:
             os.close(self.fds.pop())
             self.names.pop()
 
-    def to_root(self) -> None:
-        while len(self.fds) > 1:
-            self.up()
-
     def down(self, name: str) -> None:
         fd = os.open(name, _DIR_FLAGS, dir_fd=self.cur)
         self.fds.append(fd)
         self.names.append(name)
 
     def path(self, leaf: str | None = None) -> str:
-        parts = self.names + ([leaf] if leaf else [])
-        return "/" + "/".join(parts)
+        return "/" + "/".join([*self.names, leaf] if leaf else self.names)
 
     def close(self) -> None:
         for fd in self.fds:
@@ -141,13 +124,10 @@ class _Walk:
 
 
 def resolve_in_root(root: str, path: str, *, max_links: int = MAX_LINKS) -> tuple[str, os.stat_result]:
-    """Resolve absolute `path` as the instance sees it, never leaving `root`.
-    Returns (resolved path inside the instance, lstat of the final entry).
-
-    A path that does not resolve raises FileMissing whose `resolved` is
-    where the walk got to plus the rest as written (what the path would
-    name), so the caller can refuse a denied one as it refuses an existing
-    one; any other OS error is one clear courier error (base.os_error)."""
+    """Resolve absolute `path` as the instance sees it, never leaving `root`:
+    (the path inside the instance, lstat of the final entry). FileMissing's
+    `resolved` is what the path would name (a denied one is refused as an
+    existing one is); other OS errors are one courier error (base.os_error)."""
     try:
         return _resolve_in_root(root, path, max_links)
     except CourierError:
@@ -185,8 +165,8 @@ def _resolve_in_root(root: str, path: str, max_links: int) -> tuple[str, os.stat
                 if links > max_links:
                     raise UnsafePath(f"{path}: a symbolic link loop (too many levels of symbolic links)")
                 target = os.readlink(part, dir_fd=w.cur)
-                if target.startswith("/"):
-                    w.to_root()
+                while target.startswith("/") and len(w.fds) > 1:  # an absolute target: from the root
+                    w.up()
                 parts.extendleft(reversed([p for p in target.split("/") if p]))
                 continue
             if parts:
@@ -204,11 +184,9 @@ def _resolve_in_root(root: str, path: str, max_links: int) -> tuple[str, os.stat
 
 
 def open_in_root(root: str, resolved: str, check: Callable[[int, os.stat_result], None] | None = None) -> int:
-    """Open a resolved (link-free) path under `root`; any link on the way is
-    refused (UnsafePath), the result must be a regular file: the last
-    component is opened as an O_PATH descriptor (hostopen), `check`ed, and
-    opened for reading only then, so a device or a FIFO swapped in after
-    resolve is never opened on the host."""
+    """Open a resolved (link-free) path under `root`, refusing any link on the
+    way; the last component goes through hostopen.open_regular (`check`ed on
+    its O_PATH descriptor, opened for reading only if a regular file)."""
     parts = [p for p in resolved.split("/") if p]
     if not parts or any(p in (".", "..") for p in parts):
         raise UnsafePath(f"{resolved}: not a resolved file path")

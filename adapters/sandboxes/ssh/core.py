@@ -1,16 +1,12 @@
-"""What both ssh transports share: the settings of a host, the path policy,
-the ONE place every paramiko / socket / ssh error is translated
-(its table `_ssh_errors`, and :meth:`SshCore._ssh_error` for the ssh
-client's exit status 255), and small helpers.
-
-The transports are mixins over :class:`SshCore`
-(:mod:`adapters.sandboxes.ssh.sftp`, :mod:`adapters.sandboxes.ssh.openssh`);
-:class:`adapters.sandboxes.ssh.sandbox.SshSandbox` combines them.
-"""
+"""What both ssh transports (mixins over :class:`SshCore`) share: a host's
+settings, the path policy, and the ONE place every paramiko / socket / ssh
+error is translated (the table `_ssh_errors`, and :meth:`SshCore._ssh_error`
+for the ssh client's exit status 255)."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import functools
 import getpass
@@ -34,11 +30,6 @@ SFTPClient = Any  # paramiko.SFTPClient
 SFTPAttributes = Any  # paramiko.SFTPAttributes (an fstat / lstat answer)
 
 CHUNK = 1024 * 1024
-#: SSH channel window: bounds what the server may send ahead (and our buffer).
-#: Measured on loopback: 2-8 MiB best; 32-64 MiB slower (paramiko's buffers).
-WINDOW_SIZE = 8 * 1024 * 1024
-#: largest SSH packet we accept (RFC 4253 lets a peer go to 256 KiB)
-MAX_PACKET_SIZE = 256 * 1024
 #: default roots, plus the remote user's home (unless denylisted, e.g. /root)
 DEFAULT_ROOTS = ("/workspace", "/tmp")
 
@@ -66,11 +57,6 @@ def _ready(fd: int, events: int, timeout_s: float) -> bool:
     return bool(p.poll(max(0.0, timeout_s) * 1000))
 
 
-def _readable(fd: int, timeout_s: float) -> bool:
-    """Whether `fd` has data or EOF within `timeout_s`."""
-    return _ready(fd, select.POLLIN, timeout_s)
-
-
 def _check_same(a: SFTPAttributes, b: SFTPAttributes, resolved: str, when: str) -> None:
     """SFTP attributes `b` must describe the file `a` did: type, owner, group
     and mode (else it is another file: UnsafePath), size and mtime (else it
@@ -79,10 +65,6 @@ def _check_same(a: SFTPAttributes, b: SFTPAttributes, resolved: str, when: str) 
         raise UnsafePath(f"{resolved}: another file was read than the one checked ({when})")
     if (b.st_size, b.st_mtime) != (a.st_size, a.st_mtime):
         raise FileChanged(f"{resolved}: changed {when}")
-
-
-def _strip_nl(s: bytes) -> bytes:
-    return s[:-1] if s.endswith(b"\n") else s
 
 
 class SshCore(Sandbox):
@@ -103,9 +85,6 @@ class SshCore(Sandbox):
         control_dir: str | None = None,
         connect_timeout_s: float = 10,
         io_timeout_s: float = 60,
-        window_size: int = WINDOW_SIZE,
-        max_packet_size: int = MAX_PACKET_SIZE,
-        request_size: int | None = None,
     ) -> None:
         super().__init__(ref, policy)
         if not ref.target:
@@ -122,14 +101,9 @@ class SshCore(Sandbox):
         self.control_dir = control_dir
         self.connect_timeout_s = connect_timeout_s
         self.io_timeout_s = io_timeout_s
-        self.window_size = window_size
-        self.max_packet_size = max_packet_size
-        self.request_size = request_size
         #: trust the server's SFTP realpath to resolve links (OpenSSH does);
         #: when False every resolve runs `readlink -f` over exec
         self.trust_sftp_realpath: bool | None = None
-        #: replace paramiko's channel input buffer on SFTP channels (see _fast_pipe_class)
-        self.fast_pipe = True
         self._checked_policy: PathPolicy | None = None
         #: exec working directories as resolved on the host (re-proved on every run)
         self._exec_cwds: dict[str | None, str] = {}
@@ -142,16 +116,11 @@ class SshCore(Sandbox):
     def where(self) -> str:
         return f"{self.user}@{self.host}:{self.port}"
 
-    # -- errors: every paramiko / socket / ssh failure is translated here (_ssh_errors) ------
     def _errors(self, what: str) -> contextlib.AbstractContextManager[None]:
         return translating(_ssh_errors, self, what)
 
-    # -- the pooled paramiko connection (adapters.sandboxes.ssh.pool) ----------
     def _pool_key(self) -> PoolKey:
-        # the trust key hashes the known_hosts and identity files' content: a connection
-        # made under other trust (a known_hosts rewritten in place) is never reused
-        return (self.user, self.host, self.port, self.key_path, self.known_hosts, self._trust_key(),
-                self.window_size, self.max_packet_size)
+        return (self.user, self.host, self.port, self.key_path, self.known_hosts, self._trust_key())
 
     def _trust_key(self) -> str:
         """See :func:`adapters.sandboxes.ssh.pool.trust_key` (also the control socket's name)."""
@@ -165,28 +134,17 @@ class SshCore(Sandbox):
 
     def transport(self) -> Any:
         """The pooled paramiko Transport (connecting or reconnecting as needed)."""
-        return self._client().get_transport()
-
-    def _client(self) -> Any:
-        return pooled(self._pool_key(), self._connect)
+        return pooled(self._pool_key(), self._connect).get_transport()
 
     def _connect(self) -> Any:
         return connect(host=self.host, port=self.port, user=self.user, key_path=self.key_path,
-                       known_hosts=self.known_hosts, timeout_s=self.connect_timeout_s, window_size=self.window_size,
-                       max_packet_size=self.max_packet_size, where=self.where)
+                       known_hosts=self.known_hosts, timeout_s=self.connect_timeout_s, where=self.where)
 
-    # -- policy ---------------------------------------------------------------
     def _policy(self, home: str | None) -> PathPolicy:
         if self._checked_policy is None:
             roots = self.policy.roots or default_roots(home, DEFAULT_ROOTS)
-            self._checked_policy = PathPolicy(roots=tuple(roots), home=self.policy.home or home,
-                                              denylist=self.policy.denylist,
-                                              home_denylist=self.policy.home_denylist, links_ok=self.policy.links_ok)
+            self._checked_policy = dataclasses.replace(self.policy, roots=tuple(roots), home=self.policy.home or home)
         return self._checked_policy
-
-    def _deny_lexical(self, policy: PathPolicy, path: str) -> None:
-        """For a path that does not resolve: refuse it if denylisted as written."""
-        policy.check_lexical_denied(path)
 
     def _guarded(self, chunks: Iterator[bytes], what: str) -> Iterator[bytes]:
         """Translate errors inside the stream: put_stream runs it within the
@@ -194,7 +152,6 @@ class SshCore(Sandbox):
         with self._errors(what):
             yield from chunks
 
-    # -- the ssh client's failures ---------------------------------------------
     def _ssh_error(self, rc: int, err: bytes, what: str) -> CourierError:
         text = err.decode("utf-8", "replace").strip()
         if rc == 255:

@@ -1,23 +1,15 @@
 """The OpenSSH transport (option ``use_openssh``): the `ssh` client over a
-ControlMaster socket (``ControlPersist=60``, AES-GCM preferred; the socket is
-named by :func:`adapters.sandboxes.ssh.pool.trust_key`, a hash of the trust
-settings).
-
-An extraction is ONE ssh run of execstream's gated stream script
-(:mod:`adapters.sandboxes.execstream`): it answers the resolve, waits for
-this side's check of the answer, then streams (`cat` of the descriptor its
-stream script checked, and the byte count); into a volume the client's
-stdout pipe is spliced into the file in the kernel. ssh joins its arguments
-into one remote shell command line, so the argv is quoted with `shlex.join`
-(a POSIX login shell is assumed on the host). Every read and write has a
-deadline (``io_timeout_s``).
+ControlMaster socket (``ControlPersist=60``) named by
+:func:`adapters.sandboxes.ssh.pool.trust_key`. An extraction is ONE ssh run
+of execstream's gated stream script. ssh joins its arguments into one remote
+shell command line, so the argv is quoted with `shlex.join` (a POSIX login
+shell is assumed on the host). Every read and write has a deadline.
 
 Commands (``Sandbox.exec``) run through an `ssh` client that joins the
-control master but never starts one, so no master inherits its output
-pipes. An exit code of 255 is ssh's own failure and raises (the command's
-own 255 cannot be told apart), and the exit is only known when the channel
-closes: a background job still holding the output keeps exec waiting until
-the timeout (124).
+control master but never starts one, so no master inherits its output pipes.
+Exit 255 is ssh's own failure and raises (the command's own 255 cannot be
+told apart); the exit is only known when the channel closes, so a background
+job still holding the output keeps exec waiting until the timeout (124).
 """
 
 from __future__ import annotations
@@ -37,16 +29,18 @@ from typing import IO, TYPE_CHECKING, Any
 
 from adapters.errors import ConfigError, FileMissing, NotAFile, SandboxError, SandboxGone, UnsafePath
 from adapters.sandboxes.base import BoundedOutput, PathPolicy, ReadTimeout, grew_over_cap
-from adapters.sandboxes.execstream import ExecStream, Resolved, exec_gated_extract, exec_resolve, kill_argv
+from adapters.sandboxes.execstream import (
+    ANCESTOR_SCRIPT, ExecStream, Resolved, exec_gated_extract, exec_resolve, kill_argv,
+)
 from adapters.sandboxes.ssh.core import (
-    CHUNK, FileChanged, SshCore, _readable, _ready, _strip_nl, _temp_beside,
+    CHUNK, FileChanged, SshCore, _ready, _temp_beside,
 )
 
 if TYPE_CHECKING:
     from storage.base import BlobInfo, BlobStore
 
-#: the OpenSSH client's cipher order: its defaults with AES-GCM first (chacha20-poly1305
-#: leads them, and costs ~1.5x the CPU per byte where AES-NI is there, as on x86-64 and arm64)
+#: the OpenSSH client's defaults with AES-GCM first (chacha20-poly1305 leads them, and costs
+#: more CPU per byte where AES-NI is there, as on x86-64 and arm64)
 OPENSSH_CIPHERS = ("aes128-gcm@openssh.com,aes256-gcm@openssh.com,chacha20-poly1305@openssh.com,"
                    "aes128-ctr,aes192-ctr,aes256-ctr")
 
@@ -63,15 +57,6 @@ def _control_dir() -> str:
         return _default_control_dir
 
 
-# -- remote shell snippets (inbound put in OpenSSH mode) ---------------------------
-# Resolve and stream in OpenSSH mode use adapters.sandboxes.execstream; put keeps
-# its own script because it verifies the received size before the rename (a
-# dropped connection ends `cat` with EOF, which must not publish a short file).
-#: prints "$HOME\0<deepest existing ancestor of $1>\0<it resolved>\n"
-_ANCESTOR_SH = (
-    'd=$1; while [ ! -e "$d" ] && [ "$d" != / ]; do d=${d%/*}; [ -n "$d" ] || d=/; done; '
-    'printf "%s\\0%s\\0" "$HOME" "$d"; readlink -f -- "$d"'
-)
 #: $1 resolved parent, $2 dest, $3 temp name, $4 expected size: write, verify, rename
 _PUT_SH = (
     'umask 022; mkdir -p -- "$1" || exit 7; '
@@ -104,6 +89,14 @@ class OpenSshTransport(SshCore):
             argv += ["-i", self.key_path, "-o", "IdentitiesOnly=yes"]
         return [*argv, "--", self.host, command]
 
+    def _spawn(self, argv: Sequence[str], *, stdin: Any, stdout: Any = subprocess.PIPE, stderr: Any,
+               master: bool = True) -> subprocess.Popen[bytes]:
+        try:
+            return subprocess.Popen(self._ssh_argv(shlex.join(argv), master=master), stdin=stdin, stdout=stdout,
+                                    stderr=stderr, bufsize=0)
+        except FileNotFoundError as exc:
+            raise ConfigError("use_openssh needs the OpenSSH client: apt-get install openssh-client") from exc
+
     def _openssh(self) -> "_OpenSshChannel":
         return _OpenSshChannel(self)
 
@@ -112,7 +105,7 @@ class OpenSshTransport(SshCore):
         try:
             r = exec_resolve(self._openssh(), path, policy_for=self._policy)
         except (FileMissing, NotAFile):
-            self._deny_lexical(self._policy(self._remote_home()), path)  # denied paths say so, existing or not
+            self._policy(self._remote_home()).check_lexical_denied(path)  # denied paths say so, existing or not
             raise
         self._policy(r.home).check(r.path, shown=path)
         return r
@@ -130,7 +123,7 @@ class OpenSshTransport(SshCore):
             info = exec_gated_extract(self._openssh(), path, store, key, max_bytes=max_bytes, check=check,
                                       guard=lambda chunks: self._guarded(chunks, path))
         except (FileMissing, NotAFile):
-            self._deny_lexical(self._policy(self._remote_home()), path)  # denied paths say so, existing or not
+            self._policy(self._remote_home()).check_lexical_denied(path)  # denied paths say so, existing or not
             raise
         if info is None:  # it did not resolve: the resolve's own answer (missing, denied, ...)
             self._resolve_openssh(path)
@@ -138,17 +131,18 @@ class OpenSshTransport(SshCore):
         return info
 
     def _copy_in_openssh(self, store: BlobStore, key: str, dest_path: str, *, size: int, max_bytes: int) -> str:
-        """Stream a stored blob to `dest_path` on the host (_PUT_SH): written to a
-        temp name beside it, size-checked, then renamed over the destination."""
+        """The parent's deepest existing ancestor resolved (execstream's
+        ANCESTOR_SCRIPT), then _PUT_SH: a dropped connection ends its `cat`
+        with EOF, so it checks the received size before the rename."""
         parent_lex = posixpath.dirname(dest_path)
-        rc, out, err = self._openssh().exec_small(["sh", "-c", _ANCESTOR_SH, "sh", parent_lex])
+        rc, out, err = self._openssh().exec_small(["sh", "-c", ANCESTOR_SCRIPT, "sh", parent_lex])
         if rc != 0 or out.count(b"\0") < 2:
             raise self._ssh_error(rc, err, dest_path)
         home, anc_lex, anc_real = out.split(b"\0", 2)
         policy = self._policy(home.decode("utf-8", "surrogateescape") or None)
-        self._deny_lexical(policy, dest_path)
+        policy.check_lexical_denied(dest_path)
         anc_lex_s = anc_lex.decode("utf-8", "surrogateescape")
-        anc_real_s = _strip_nl(anc_real).decode("utf-8", "surrogateescape")
+        anc_real_s = anc_real.decode("utf-8", "surrogateescape")
         rest = parent_lex[len(anc_lex_s):].lstrip("/") if parent_lex.startswith(anc_lex_s) else None
         if rest is None or not anc_real_s.startswith("/"):
             raise SandboxError(f"{dest_path}: unexpected answer from {self.where}")
@@ -166,8 +160,6 @@ class OpenSshTransport(SshCore):
                     raise grew_over_cap(key, sent, max_bytes)
                 yield chunk
 
-        # an aborted upload reaches the remote `cat` as a short stream: the
-        # size check in _PUT_SH refuses it, so no partial file is published
         rc, _, err = self._openssh().exec_stdin(["sh", "-c", _PUT_SH, "sh", parent, dest, tmp, str(size)], chunks())
         if rc == 5:
             raise UnsafePath(f"{dest_path}: is a symbolic link")
@@ -212,25 +204,13 @@ def _pipe(f: IO[bytes] | None) -> IO[bytes]:
 
 class _OpenSshChannel:
     """execstream's ExecChannel over the OpenSSH client and its control master.
-
-    ssh joins the remote argv into one string for the remote login shell, so
-    the argv is quoted with shlex (POSIX quoting) and parsed back there. A
-    255 exit (ssh's own failure) is translated here; other exit codes are
+    A 255 exit (ssh's own failure) is translated here; other exit codes are
     the command's and go back to the caller."""
 
     binary_safe = True
 
     def __init__(self, sb: OpenSshTransport) -> None:
         self.sb = sb
-
-    def _popen(self, argv: Sequence[str], stdin: int, stderr: IO[bytes]) -> subprocess.Popen[bytes]:
-        try:
-            # stderr goes to a file: a ControlPersist master forked by this
-            # ssh would keep an inherited stderr pipe open for a minute
-            return subprocess.Popen(self.sb._ssh_argv(shlex.join(argv)), stdin=stdin, stdout=subprocess.PIPE,
-                                    stderr=stderr, bufsize=0)
-        except FileNotFoundError as exc:
-            raise ConfigError("use_openssh needs the OpenSSH client: apt-get install openssh-client") from exc
 
     def _finish(self, proc: subprocess.Popen[bytes], errf: IO[bytes], what: str) -> tuple[int, bytes]:
         try:
@@ -247,52 +227,38 @@ class _OpenSshChannel:
             raise self.sb._ssh_error(rc, err, what)
         return rc, err
 
-    def _read(self, proc: subprocess.Popen[bytes], n: int, what: str) -> bytes:
-        """Up to `n` bytes of the client's stdout (b"" at the end), waiting at
-        most io_timeout_s for them: a stalled remote (a FIFO's open, a stuck
-        shell) ends this client with ReadTimeout instead of holding the worker."""
-        fd = _pipe(proc.stdout).fileno()
-        if not _readable(fd, self.sb.io_timeout_s):
-            proc.kill()
-            raise ReadTimeout(f"ssh {self.sb.where}: nothing received for {self.sb.io_timeout_s:g} s ({what})")
-        return os.read(fd, n)
-
     def exec_small(self, argv: Sequence[str]) -> tuple[int, bytes, bytes]:
-        what = argv[-1] if argv else "ssh"
-        with tempfile.TemporaryFile() as errf:
-            proc = self._popen(argv, subprocess.DEVNULL, errf)
-            out = bytearray()
-            try:
-                with _pipe(proc.stdout):
-                    while data := self._read(proc, 65536, what):  # raw pipe: read to EOF
-                        if len(out) < (1 << 20):
-                            out += data
-            except BaseException:
-                if proc.poll() is None:
-                    proc.kill()
-                proc.wait()
-                raise
-            rc, err = self._finish(proc, errf, what)
-        return rc, bytes(out), err
+        st = self._run(argv, what=argv[-1] if argv else "ssh")
+        out = bytearray()
+        try:
+            for chunk in st.chunks:
+                if len(out) < (1 << 20):
+                    out += chunk
+        finally:
+            st.close()
+        return st.exit_code(), bytes(out), st.stderr()  # type: ignore[return-value]  # known: the chunks ran out
 
     def exec_gated(self, argv: Sequence[str]) -> ExecStream:
         """exec_stream with a stdin pipe for one line (``ExecStream.gate``)."""
-        return self.exec_stream(argv, gated=True)
+        return self._run(argv, gated=True)
 
-    def exec_stream(self, argv: Sequence[str], *, gated: bool = False) -> ExecStream:
+    def exec_stream(self, argv: Sequence[str]) -> ExecStream:
+        return self._run(argv)
+
+    def _run(self, argv: Sequence[str], *, gated: bool = False, what: str | None = None) -> ExecStream:
+        # stderr goes to a file: a ControlPersist master forked by this ssh
+        # would keep an inherited stderr pipe open for a minute
         errf = tempfile.TemporaryFile()  # noqa: SIM115 - closed by close()
-        proc = self._popen(argv, subprocess.PIPE if gated else subprocess.DEVNULL, errf)
-        stdout = _pipe(proc.stdout)
+        proc = self.sb._spawn(argv, stdin=subprocess.PIPE if gated else subprocess.DEVNULL, stderr=errf)
+        fd = _pipe(proc.stdout).fileno()
         with contextlib.suppress(OSError, AttributeError):  # a 1 MiB pipe: fewer stalls of ssh while we hash
-            fcntl.fcntl(stdout.fileno(), fcntl.F_SETPIPE_SZ, CHUNK)
+            fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, CHUNK)
         state: dict[str, Any] = {"rc": None, "err": b""}
-        what = argv[-2] if len(argv) > 1 else "ssh"
-
-        fd = stdout.fileno()
+        what = what or (argv[-2] if len(argv) > 1 else "ssh")
 
         def wait() -> None:
             idle = self.sb.io_timeout_s
-            if not _readable(fd, idle):  # a read deadline: a stalled remote costs this attempt, not the worker
+            if not _ready(fd, select.POLLIN, idle):  # a stalled remote costs this attempt, not the worker
                 proc.kill()
                 raise ReadTimeout(f"ssh {self.sb.where}: nothing received for {idle:g} s ({what})")
 
@@ -341,8 +307,7 @@ class _OpenSshChannel:
 
     def exec_stdin(self, argv: Sequence[str], chunks: Iterable[bytes]) -> tuple[int, bytes, bytes]:
         with tempfile.TemporaryFile() as errf:
-            proc = subprocess.Popen(self.sb._ssh_argv(shlex.join(argv)), stdin=subprocess.PIPE,
-                                    stdout=subprocess.DEVNULL, stderr=errf, bufsize=0)
+            proc = self.sb._spawn(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=errf)
             what = argv[-1] if argv else "ssh"
             stdin = _pipe(proc.stdin)
             try:
@@ -378,11 +343,7 @@ class _OpenSshRun:
 
     def __init__(self, sb: OpenSshTransport, argv: Sequence[str], run_id: str) -> None:
         self.sb, self.run_id = sb, run_id
-        try:
-            self.proc = subprocess.Popen(sb._ssh_argv(shlex.join(argv), master=False), stdin=subprocess.DEVNULL,
-                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0)
-        except FileNotFoundError as exc:
-            raise ConfigError("use_openssh needs the OpenSSH client: apt-get install openssh-client") from exc
+        self.proc = sb._spawn(argv, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, master=False)
         self.sel = selectors.DefaultSelector()
         self.sel.register(_pipe(self.proc.stdout), selectors.EVENT_READ, "out")
         self.sel.register(_pipe(self.proc.stderr), selectors.EVENT_READ, "err")

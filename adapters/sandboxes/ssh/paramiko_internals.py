@@ -1,31 +1,11 @@
-"""The paramiko surgery: the only code here that reaches into paramiko's
-private internals, kept in one small module so a paramiko upgrade has one
-place to check (pyproject pins ``paramiko>=3.4,<6``;
-tests/test_sandbox_ssh.py and bench/bench_extract_ssh.py exercise all of it).
-
-Why each piece exists (measured on loopback against OpenSSH's sftp-server):
-
-- :func:`_sftp_pipeline`: a window's worth of READ requests in flight, read
-  in order, over ``SFTPClient._async_request`` / ``_read_response`` (the
-  primitives ``SFTPFile`` is built on). Not ``SFTPFile.prefetch()``: its
-  helper thread marks the prefetch done whenever replies overtake the
-  requests it has registered, after which every later reply is parked in
-  memory unread (a 1 GiB file measured 1 GiB RSS) and the rest is read one
-  round trip at a time.
-- :func:`_fast_pipe_class` / :func:`_use_fast_pipe`: the channel's input
-  buffer (``Channel.in_buffer``, a ``BufferedPipe``) replaced by one that
-  keeps fed chunks in a deque. paramiko's is one array shifted by
-  ``del buf[:n]`` on every read: with a multi-MiB window each 255 KiB SFTP
-  reply cost two buffer-sized memmoves. A paramiko whose pipe looks
-  different keeps its own (the sandbox's ``fast_pipe = False`` turns it off).
-- :func:`_nlink_from_listing`: SFTP attributes carry no link count, but
-  OpenSSH's server puts it in the ``ls -l`` long name of each directory
-  entry; reading the listing over ``SFTPClient._request`` (stopping at the
-  name) costs a round trip or two instead of a ~100 ms ``stat`` over exec.
-
-asyncssh (issue 14) would avoid the surgery but was measured no faster than
-this, so paramiko stays; everything else in the package uses only public
-paramiko API.
+"""The only code that reaches into paramiko's private internals, in one
+module so a paramiko upgrade has one place to check (pyproject pins
+``paramiko>=3.4,<6``; tests/test_sandbox_ssh.py and
+bench/bench_extract_ssh.py exercise all of it); the rest of the package uses
+only public paramiko API. Each function's docstring says why it exists:
+:func:`_sftp_pipeline` (READ pipelining), :func:`_fast_pipe_class` /
+:func:`_use_fast_pipe` (the channel buffer), :func:`_nlink_from_listing`
+(link counts from the listing).
 """
 
 from __future__ import annotations
@@ -58,11 +38,11 @@ def _sftp_pipeline(sftp: SFTPClient, handle: bytes, size: int, req: int, depth: 
 
     Not paramiko's `SFTPFile.prefetch()`: its helper thread marks the
     prefetch done whenever replies overtake the requests it has registered,
-    after which every later reply is parked in memory unread (a 1 GiB file
-    measured 1 GiB RSS) and the rest is read one round trip at a time. This
-    uses the same SFTPClient primitives (`_async_request`, `_read_response`)
-    the SFTPFile is built on, bounded by `depth`. A short read asks again for
-    the remainder; the end of the file before `size` is a change."""
+    after which every later reply is parked in memory unread and the rest is
+    read one round trip at a time. This uses the same SFTPClient primitives
+    (`_async_request`, `_read_response`) the SFTPFile is built on, bounded
+    by `depth`. A short read asks again for the remainder; the end of the
+    file before `size` is a change."""
     from paramiko.sftp import CMD_DATA, CMD_READ, CMD_STATUS, int64
 
     replies = _Replies()
@@ -150,31 +130,19 @@ def _fast_pipe_class() -> type[Any]:
                 return self._size > 0
 
         def _take(self, n: int) -> bytes:
-            first = self._chunks[0]
-            avail = len(first) - self._off
-            if n < avail:  # part of the first chunk
-                out = first[self._off:self._off + n]
-                self._off += n
-            elif n == avail or len(self._chunks) == 1:
-                out = first[self._off:] if self._off else first
-                self._chunks.popleft()
-                self._off = 0
-            else:
-                parts: list[bytes | memoryview] = [memoryview(first)[self._off:]]
-                self._chunks.popleft()
-                self._off = 0
-                need = n - avail
-                while need and self._chunks:
-                    c = self._chunks[0]
-                    if len(c) <= need:
-                        parts.append(c)
-                        self._chunks.popleft()
-                        need -= len(c)
-                    else:
-                        parts.append(memoryview(c)[:need])
-                        self._off = need
-                        need = 0
-                out = b"".join(parts)
+            """`n` bytes (at most what is buffered): a whole fed chunk as it is, else one copy."""
+            parts: list[bytes | memoryview] = []
+            while n and self._chunks:
+                c = self._chunks[0]
+                end = min(len(c), self._off + n)
+                parts.append(c if self._off == 0 and end == len(c) else memoryview(c)[self._off:end])
+                n -= end - self._off
+                if end == len(c):
+                    self._chunks.popleft()
+                    self._off = 0
+                else:
+                    self._off = end
+            out = bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
             self._size -= len(out)
             return out
 
@@ -217,7 +185,8 @@ _FastPipe: type[Any] | None = None
 
 
 def _use_fast_pipe(chan: Any) -> None:
-    """Swap a quiet channel's input pipe (no request outstanding, nothing buffered)."""
+    """Swap a quiet channel's input pipe (no request outstanding, nothing
+    buffered); a paramiko whose pipe looks different keeps its own."""
     global _FastPipe
     if _FastPipe is None:
         _FastPipe = _fast_pipe_class()
@@ -234,11 +203,12 @@ def _use_fast_pipe(chan: Any) -> None:
         new.feed(left)
 
 
-
 def _nlink_from_listing(sftp: SFTPClient, resolved: str, fst: SFTPAttributes) -> int | None:
-    """The link count of `resolved` from its directory's SFTP listing (the
-    long name, `-rw-r--r--  2 user group ...`), reading entries only until
-    the name is found. None when the long name cannot be parsed."""
+    """The link count of `resolved` from its directory's SFTP listing: SFTP
+    attributes carry none, but OpenSSH's server puts it in each entry's long
+    name (`-rw-r--r--  2 user group ...`); reading entries only until the
+    name is found costs a round trip or two instead of a `stat` over exec.
+    None when the long name cannot be parsed."""
     from paramiko.sftp import CMD_CLOSE, CMD_HANDLE, CMD_NAME, CMD_OPENDIR, CMD_READDIR
     from paramiko.sftp_attr import SFTPAttributes
 

@@ -1,12 +1,10 @@
 """The paramiko connection pool: one connection per destination and trust in a process.
 
-A pooled connection is keyed by the user, host, port, window settings and a
-hash of everything its trust rests on (:func:`trust_key`: the known_hosts and
-identity files' paths AND contents), so a connection made under other trust
-(a known_hosts rewritten in place) is never reused: a new one checks the host
-key again. A dead connection is dropped and re-opened; a forked child never
-touches its parent's sockets. Host keys are checked against a known_hosts
-file and an unknown key is refused, never added.
+The key includes :func:`trust_key` (a hash of the known_hosts and identity
+files' paths AND contents), so a connection made under other trust is never
+reused: a new one checks the host key again (unknown keys are refused, never
+added). A dead connection is re-opened; a forked child never touches its
+parent's sockets.
 """
 
 from __future__ import annotations
@@ -23,12 +21,15 @@ from typing import Any
 
 from adapters.errors import SandboxGone
 
-#: AES-GCM first: one AEAD pass instead of AES-CTR plus an HMAC-SHA256 pass
-#: over every packet (measured faster on loopback; both use AES-NI via cryptography)
+#: AES-GCM first: one AEAD pass instead of AES-CTR plus an HMAC-SHA256 pass over every packet
 PREFERRED_CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com")
+#: SSH channel window: bounds what the server may send ahead (and our buffer); 2-8 MiB is best
+WINDOW_SIZE = 8 * 1024 * 1024
+#: largest SSH packet we accept (RFC 4253 lets a peer go to 256 KiB)
+MAX_PACKET_SIZE = 256 * 1024
 
-#: (user, host, port, key path, known_hosts path, trust key, window, packet)
-PoolKey = tuple[str, str, int, str | None, str | None, str, int, int]
+#: (user, host, port, key path, known_hosts path, trust key)
+PoolKey = tuple[str, str, int, str | None, str | None, str]
 
 
 @dataclass
@@ -53,20 +54,15 @@ def _paramiko() -> ModuleType:
 def close_pool() -> None:
     """Close every pooled connection of this process (tests, shutdown)."""
     with _pool_lock:
-        entries = list(_pool.values())
-        _pool.clear()
-    for e in entries:
-        if e.pid == os.getpid():
-            with contextlib.suppress(Exception):
-                e.client.close()
+        keys = list(_pool)
+    for key in keys:
+        evict(key)
 
 
 def trust_key(host: str, port: int, user: str, known_hosts: str | None, key_path: str | None) -> str:
     """A hash of everything a connection's trust rests on (host, port, user,
-    the known_hosts file's content, the identity file's path and content):
-    part of the pool key, and the name of an OpenSSH control socket. A
-    connection or master made under other trust settings (a worker
-    restarted with another known_hosts) is never reused."""
+    the known_hosts and identity files' paths and contents): part of the
+    pool key, and the name of an OpenSSH control socket."""
     h = hashlib.sha256()
     for part in (host, str(port), user, known_hosts or "", key_path or ""):
         h.update(part.encode("utf-8", "surrogateescape") + b"\0")
@@ -108,11 +104,7 @@ def pooled(key: PoolKey, connect: Callable[[], Any]) -> Any:
             t = e.client.get_transport()
             if e.pid == os.getpid() and t is not None and t.is_active():
                 return e.client
-            with _pool_lock:
-                _pool.pop(key, None)
-            if e.pid == os.getpid():  # a forked child must not touch the parent's socket
-                with contextlib.suppress(Exception):
-                    e.client.close()
+            evict(key)  # dead, or the parent's (a forked child must not touch its socket)
         client = connect()
         with _pool_lock:
             _pool[key] = _Pooled(client, os.getpid())
@@ -124,9 +116,9 @@ def _prefer(available: tuple[str, ...], first: tuple[str, ...]) -> tuple[str, ..
 
 
 def connect(*, host: str, port: int, user: str, key_path: str | None, known_hosts: str | None,
-            timeout_s: float, window_size: int, max_packet_size: int, where: str) -> Any:
+            timeout_s: float, where: str) -> Any:
     """A new paramiko SSHClient: host key checked (unknown: refused), TCP_NODELAY,
-    AES-GCM preferred, the given window and packet sizes, keepalive every 30 s."""
+    AES-GCM preferred, our window and packet sizes, keepalive every 30 s."""
     paramiko = _paramiko()
     client = paramiko.SSHClient()
     if known_hosts:
@@ -141,7 +133,7 @@ def connect(*, host: str, port: int, user: str, key_path: str | None, known_host
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def factory(s: socket.socket, **kw: Any) -> Any:
-        t = paramiko.Transport(s, default_window_size=window_size, default_max_packet_size=max_packet_size, **kw)
+        t = paramiko.Transport(s, default_window_size=WINDOW_SIZE, default_max_packet_size=MAX_PACKET_SIZE, **kw)
         opts = t.get_security_options()
         opts.ciphers = _prefer(opts.ciphers, PREFERRED_CIPHERS)
         return t

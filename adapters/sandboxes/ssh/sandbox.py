@@ -21,7 +21,6 @@ class SshSandbox(SftpTransport, OpenSshTransport):
     client (``use_openssh``). `extract` and `put` are Sandbox's templates;
     this implements their `_copy_out` / `_copy_in` per transport."""
 
-    # -- resolve ----------------------------------------------------------------
     def resolve(self, path: str) -> tuple[str, int]:
         check_lexical(path)
         if self.use_openssh:
@@ -31,7 +30,6 @@ class SshSandbox(SftpTransport, OpenSshTransport):
             resolved, st = self._resolve_sftp(sftp, path)
             return resolved, st.st_size
 
-    # -- stream -----------------------------------------------------------------
     def open_stream(self, resolved: str) -> Iterator[bytes]:
         if self.use_openssh:
             policy = self._policy(self._remote_home())
@@ -44,16 +42,12 @@ class SshSandbox(SftpTransport, OpenSshTransport):
             yield from self._guarded(self._stream_sftp(sftp, resolved, sftp.stat(resolved)), resolved)
 
     def _copy_out(self, path: str, store: BlobStore, key: str, *, max_bytes: int) -> BlobInfo:
-        """Resolve, check and stream (one SFTP channel, or ONE gated ssh run);
-        nothing stored on failure."""
         if self.use_openssh:
             return self._copy_out_openssh(path, store, key, max_bytes=max_bytes)
         return self._copy_out_sftp(path, store, key, max_bytes=max_bytes)
 
-    # -- inbound ------------------------------------------------------------------
     def _copy_in(self, store: BlobStore, key: str, dest_path: str, *, size: int, max_bytes: int) -> str:
-        """Stream a stored blob to `dest_path` on the host: written to a temp
-        name beside it, size-checked, then renamed over the destination."""
+        """Written to a temp name beside `dest_path`, size-checked, then renamed over it."""
         if self.use_openssh:
             return self._copy_in_openssh(store, key, dest_path, size=size, max_bytes=max_bytes)
         return self._copy_in_sftp(store, key, dest_path, size=size, max_bytes=max_bytes)
@@ -71,21 +65,14 @@ class SshSandbox(SftpTransport, OpenSshTransport):
                     self._home_cache = sftp.normalize(".")
         return self._home_cache or None
 
-    # -- exec ---------------------------------------------------------------------
     def exec(self, argv: Sequence[str], *, timeout_s: float, cwd: str | None = None,
              max_output_bytes: int = DEFAULT_EXEC_OUTPUT_BYTES) -> tuple[int, bytes, bytes]:
         """Run `argv` on the host (see Sandbox.exec and the package docstring);
         `cwd` None: the first allowed root that is a directory."""
-        if self.use_openssh:
-            ch: ExecChannel = self._openssh()
+        ch: ExecChannel = self._openssh() if self.use_openssh else _SshSmall(self)
 
-            def start(wrapped: list[str], run_id: str, **_: Any) -> ExecRun:
-                return _OpenSshRun(self, wrapped, run_id)
-        else:
-            ch = _SshSmall(self)
-
-            def start(wrapped: list[str], run_id: str, **_: Any) -> ExecRun:
-                return _SshRun(self, wrapped, run_id)
+        def start(wrapped: list[str], run_id: str, **_: Any) -> ExecRun:
+            return (_OpenSshRun if self.use_openssh else _SshRun)(self, wrapped, run_id)
         known = self.policy.roots or (self._checked_policy.roots if self._checked_policy else DEFAULT_ROOTS)
         return exec_command(ch, self._policy, start, argv, timeout_s=timeout_s, cwd=cwd,
                             max_output_bytes=max_output_bytes, defaults=known, cwd_cache=self._exec_cwds)

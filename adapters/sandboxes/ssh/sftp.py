@@ -1,21 +1,15 @@
 """The SFTP transport (paramiko, the default): resolve, stream and put over
-SFTP channels of the pooled connection (:mod:`adapters.sandboxes.ssh.pool`),
-and exec runs on its session channels.
+SFTP channels of the pooled connection, and exec runs on its session channels.
 
-Reads: TCP_NODELAY, AES-GCM preferred, an 8 MiB window with 256 KiB packets
-and a channel input buffer that does not shift on every read, and a window's
-worth of 255 KiB READ requests in flight (OpenSSH servers; 32 KiB elsewhere),
-read by a helper thread so that hashing and writing overlap the SSH parsing
-(the paramiko internals this takes are isolated in
-:mod:`adapters.sandboxes.ssh.paramiko_internals`). Bytes stream into storage
-in 1 MiB chunks; nothing is held whole in memory.
+Reads: a window's worth of READ requests in flight, read by a helper thread
+so that hashing and writing overlap the SSH parsing (the paramiko internals
+this takes are in :mod:`adapters.sandboxes.ssh.paramiko_internals`); bytes
+stream into storage in 1 MiB chunks.
 
 Safety: the path is resolved on the host (SFTP realpath; `readlink -f` over
-exec where the server's realpath is not trusted), checked against the roots
-and the denylist; the SFTP handle is opened first and its fstat must be the
-checked file (type, owner, group, mode, size, mtime), with the path still
-resolving to itself right after the open and after the transfer; a file
-with several hard links is refused; else nothing is stored.
+exec where the server's realpath is not trusted) and checked; the SFTP
+handle's fstat must be the checked file, with the path still resolving to
+itself right after the open and after the transfer (see :meth:`_stream_sftp`).
 """
 
 from __future__ import annotations
@@ -35,9 +29,10 @@ from adapters.errors import FileMissing, NotAFile, SandboxError, SandboxGone, Un
 from adapters.sandboxes.base import BoundedOutput, PathPolicy, ReadTimeout, call_with_deadline, grew_over_cap
 from adapters.sandboxes.execstream import ExecStream, exec_resolve, kill_argv
 from adapters.sandboxes.ssh.core import (
-    CHUNK, FileChanged, SFTPAttributes, SFTPClient, SshCore, _check_same, _paramiko, _strip_nl, _temp_beside,
+    CHUNK, FileChanged, SFTPAttributes, SFTPClient, SshCore, _check_same, _paramiko, _temp_beside,
 )
 from adapters.sandboxes.ssh.paramiko_internals import _nlink_from_listing, _sftp_pipeline, _use_fast_pipe
+from adapters.sandboxes.ssh.pool import MAX_PACKET_SIZE, WINDOW_SIZE
 
 if TYPE_CHECKING:
     from storage.base import BlobInfo, BlobStore
@@ -47,28 +42,18 @@ if TYPE_CHECKING:
 OPENSSH_REQUEST_SIZE = 261120
 
 
-class _Failed:
-    def __init__(self, exc: BaseException) -> None:
-        self.exc = exc
+_DONE = object()  # the producer ran out of chunks
 
 
-class _Done:
-    """The producer ran out of chunks."""
-
-
-_DONE = _Done()
-
-
-def read_ahead(chunks: Iterator[bytes], *, depth: int = 4, abort: Callable[[], object] | None = None
-               ) -> Iterator[bytes]:
-    """Iterate `chunks` in a helper thread, at most `depth` chunks ahead.
+def read_ahead(chunks: Iterator[bytes], *, abort: Callable[[], object]) -> Iterator[bytes]:
+    """Iterate `chunks` in a helper thread, at most 4 chunks ahead.
 
     Errors raised by the producer are re-raised here. When the consumer stops
     early, `abort()` (e.g. closing the channel) unblocks the producer."""
-    q: queue.Queue[bytes | _Failed | _Done] = queue.Queue(maxsize=depth)
+    q: queue.Queue[object] = queue.Queue(maxsize=4)
     stop = threading.Event()
 
-    def put(item: bytes | _Failed | _Done) -> bool:
+    def put(item: object) -> bool:
         while not stop.is_set():
             try:
                 q.put(item, timeout=0.1)
@@ -84,27 +69,22 @@ def read_ahead(chunks: Iterator[bytes], *, depth: int = 4, abort: Callable[[], o
                     return
             put(_DONE)
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-            put(_Failed(exc))
+            put(exc)
         finally:
             with contextlib.suppress(Exception):
                 chunks.close()  # type: ignore[attr-defined]
 
     t = threading.Thread(target=run, name="courier-read-ahead", daemon=True)
     t.start()
-    finished = False
+    item: object = b""
     try:
-        while True:
-            item = q.get()
-            if isinstance(item, _Done):
-                finished = True
-                return
-            if isinstance(item, _Failed):
-                finished = True
-                raise item.exc
-            yield item
+        while (item := q.get()) is not _DONE:
+            if isinstance(item, BaseException):
+                raise item
+            yield item  # type: ignore[misc]
     finally:
         stop.set()
-        if not finished and abort is not None:
+        if isinstance(item, bytes):  # the consumer stopped early
             with contextlib.suppress(Exception):
                 abort()
         t.join()
@@ -132,8 +112,7 @@ class SftpTransport(SshCore):
         if sftp is None:
             raise SandboxGone(f"ssh {self.where}: could not open an SFTP channel")
         sftp.get_channel().settimeout(self.io_timeout_s)
-        if self.fast_pipe:
-            _use_fast_pipe(sftp.get_channel())
+        _use_fast_pipe(sftp.get_channel())
         try:
             yield sftp
         finally:
@@ -147,7 +126,7 @@ class SftpTransport(SshCore):
         like any stalled read (the caller evicts the connection)."""
         paramiko = _paramiko()
         return call_with_deadline(lambda: paramiko.SFTPClient.from_transport(
-            t, window_size=self.window_size, max_packet_size=self.max_packet_size), self.io_timeout_s,
+            t, window_size=WINDOW_SIZE, max_packet_size=MAX_PACKET_SIZE), self.io_timeout_s,
             f"ssh {self.where}: opening an SFTP channel")
 
     def _exec(self, command: str, limit: int = 1 << 20) -> tuple[int, bytes, bytes]:
@@ -188,7 +167,7 @@ class SftpTransport(SshCore):
         except FileNotFoundError:
             # the server says only "no such file" (for a link loop too): ONE exec says what the
             # path would name (a denied one is refused as if it existed) or that it loops
-            self._deny_lexical(policy, path)
+            policy.check_lexical_denied(path)
             exec_resolve(_SshSmall(self), path, policy_for=self._policy)
             raise FileMissing(f"{path}: no such file on {self.where}") from None
         policy.check(real, shown=path)
@@ -210,22 +189,17 @@ class SftpTransport(SshCore):
         rc, out, err = self._exec(shlex.join(["readlink", "-f", "--", path]), limit=65536)
         if rc != 0 or not out:
             raise FileNotFoundError(errno.ENOENT, f"readlink -f failed: {err.decode(errors='replace').strip()}")
-        return _strip_nl(out).decode("utf-8", "surrogateescape")
+        return out.removesuffix(b"\n").decode("utf-8", "surrogateescape")
 
-    # -- stream -----------------------------------------------------------------
     def _request_size(self, sftp: SFTPClient) -> int:
-        if self.request_size:
-            return self.request_size
         version = sftp.get_channel().get_transport().remote_version or ""
         return OPENSSH_REQUEST_SIZE if "OpenSSH" in version else 32768
 
     def _stream_sftp(self, sftp: SFTPClient, resolved: str, st0: SFTPAttributes) -> Iterator[bytes]:
-        """Pipelined SFTP read of an already resolved file, checked on the
-        open handle: SFTP has no inode, so the handle's fstat must be the
-        file the resolve saw (type, owner, group, mode: else another file;
-        size, mtime: else it changed), and right after the open the path must
-        still resolve to itself, with the same attributes. After the
-        transfer the handle and the path are checked again."""
+        """Pipelined SFTP read of a resolved file, checked on the open handle:
+        SFTP has no inode, so the handle's fstat must be the file the resolve
+        saw (:func:`_check_same`) and right after the open the path must still
+        resolve to itself; both are checked again after the transfer."""
         f = sftp.open(resolved, "rb")
         try:
             req = self._request_size(sftp)
@@ -239,10 +213,9 @@ class SftpTransport(SshCore):
             if not policy.links_allowed(resolved):  # SFTP attributes carry no link count
                 policy.check_links(resolved, self._nlink(sftp, resolved, fst))
             total = 0
-            # READ requests pipelined (a window's worth in flight), read by a helper
-            # thread: paramiko's parsing holds the GIL while hashing and writing (in
-            # put_stream) mostly release it, so they overlap
-            depth = max(4, self.window_size // req)
+            # read by a helper thread: paramiko's parsing holds the GIL while hashing
+            # and writing (in put_stream) mostly release it, so they overlap
+            depth = max(4, WINDOW_SIZE // req)
             for chunk in read_ahead(_sftp_pipeline(sftp, f.handle, fst.st_size, req, depth),
                                     abort=sftp.get_channel().close):
                 total += len(chunk)
@@ -259,7 +232,7 @@ class SftpTransport(SshCore):
         """The file's hard link count. OpenSSH's SFTP server puts it in the
         `ls -l` line of each directory entry: the parent is listed until the
         name is found (an entry that is not the open handle's file is a
-        change); other servers: one `stat` over exec (~100 ms)."""
+        change); other servers: one `stat` over exec."""
         if self._trusts_realpath(sftp):
             n = _nlink_from_listing(sftp, resolved, fst)
             if n is not None:
@@ -284,13 +257,10 @@ class SftpTransport(SshCore):
             return store.put_stream(key, self._guarded(self._stream_sftp(sftp, resolved, st), path),
                                     max_bytes=max_bytes)
 
-    # -- inbound ------------------------------------------------------------------
     def _copy_in_sftp(self, store: BlobStore, key: str, dest_path: str, *, size: int, max_bytes: int) -> str:
-        """Stream a stored blob to `dest_path` on the host: written to a temp
-        name beside it, size-checked, then renamed over the destination."""
         with self._errors(dest_path), self._sftp() as sftp:
             policy = self._sftp_policy(sftp)
-            self._deny_lexical(policy, dest_path)
+            policy.check_lexical_denied(dest_path)
             # deepest existing ancestor, resolved on the host; the rest is created
             missing: list[str] = []
             cur = posixpath.dirname(dest_path)
@@ -316,14 +286,12 @@ class SftpTransport(SshCore):
                 except OSError:
                     if not stat.S_ISDIR(sftp.lstat(d).st_mode or 0):
                         raise NotAFile(f"{dest_path}: {d} is not a directory") from None
-            try:
-                st = sftp.lstat(dest)
-            except FileNotFoundError:
-                st = None
-            if st is not None and stat.S_ISLNK(st.st_mode or 0):
-                raise UnsafePath(f"{dest_path}: is a symbolic link")
-            if st is not None and not stat.S_ISREG(st.st_mode or 0):
-                raise NotAFile(f"{dest_path}: exists and is not a regular file")
+            with contextlib.suppress(FileNotFoundError):  # an existing dest must be a regular file
+                mode = sftp.lstat(dest).st_mode or 0
+                if stat.S_ISLNK(mode):
+                    raise UnsafePath(f"{dest_path}: is a symbolic link")
+                if not stat.S_ISREG(mode):
+                    raise NotAFile(f"{dest_path}: exists and is not a regular file")
             tmp = _temp_beside(dest)
             try:
                 sent = 0
