@@ -98,13 +98,10 @@ def pooled(key: PoolKey, connect: Callable[[], Any]) -> Any:
     with _pool_lock:
         key_lock = _connect_locks.setdefault(key, threading.Lock())
     with key_lock:  # one connect per destination at a time; other hosts are not held up
-        with _pool_lock:
-            e = _pool.get(key)
-        if e is not None:
-            t = e.client.get_transport()
-            if e.pid == os.getpid() and t is not None and t.is_active():
-                return e.client
-            evict(key)  # dead, or the parent's (a forked child must not touch its socket)
+        e = _pool.get(key)
+        if e is not None and e.pid == os.getpid() and alive(key):
+            return e.client
+        evict(key)  # none, dead, or the parent's (a forked child must not touch its socket)
         client = connect()
         with _pool_lock:
             _pool[key] = _Pooled(client, os.getpid())
