@@ -27,7 +27,7 @@ import threading
 from collections.abc import Iterable, Iterator, Sequence
 from typing import IO, TYPE_CHECKING, Any
 
-from adapters.errors import ConfigError, FileMissing, NotAFile, SandboxError, SandboxGone, UnsafePath
+from adapters.errors import ConfigError, FileMissing, NotAFile, SandboxError, UnsafePath
 from adapters.sandboxes.base import BoundedOutput, PathPolicy, ReadTimeout, grew_over_cap
 from adapters.sandboxes.execstream import (
     ANCESTOR_SCRIPT, ExecStream, Resolved, exec_gated_extract, exec_resolve, kill_argv,
