@@ -9,6 +9,7 @@ before a byte moves, and checked again after transfer where the backend can.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fnmatch
 import os
 import posixpath
@@ -19,7 +20,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeVar
-from urllib.parse import quote, unquote_to_bytes, urlparse
+from urllib.parse import parse_qsl, quote, unquote_to_bytes, urlparse
 
 from adapters.defaults import MAX_FILE_BYTES
 from adapters.errors import (
@@ -79,12 +80,8 @@ class SandboxRef:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SandboxRef":
-        return cls(
-            kind=d["kind"],
-            target=d.get("target", ""),
-            roots=tuple(d.get("roots") or ()),
-            options=dict(d.get("options") or {}),
-        )
+        return cls(kind=d["kind"], target=d.get("target", ""), roots=tuple(d.get("roots") or ()),
+                   options=dict(d.get("options") or {}))
 
 
 def _text(part: str, what: str, uri: str) -> str:
@@ -129,8 +126,6 @@ def parse_uri(uri: str) -> tuple[SandboxRef, str]:
         raise ConfigError(f"{kind} sandbox URI needs a {'host' if kind == 'ssh' else 'name'}: {uri!r}")
     options: dict[str, str] = {}
     if p.query:
-        from urllib.parse import parse_qsl
-
         try:
             pairs = parse_qsl(p.query, keep_blank_values=False, errors="strict")
         except UnicodeDecodeError:
@@ -172,17 +167,14 @@ def format_uri(ref: SandboxRef, path: str) -> str:
 class PathPolicy:
     """Allowed roots and the denylist, applied to *resolved* paths.
 
-    A path is allowed when it is under a root and under no denied prefix —
+    A path is allowed when it is under a root and under no denied prefix,
     except that a root configured strictly inside a denied system prefix
-    (e.g. root's default data dir `/root/.local/share/courier`, or
-    `/var/lib/courier`) allows what is below it: the explicit root is the
-    more specific rule. `/proc`, `/sys`, `/dev` and the home's secrets
-    (`~/.ssh`, `~/.aws`, …) stay denied whatever the roots say.
-
-    `home_denylist`: patterns under `home` (see HOME_DENYLIST). `links_ok`:
-    roots under which a regular file with more than one hard link is still
-    delivered (a hard link may be another name of a file outside the roots;
-    elsewhere such a file is refused)."""
+    (root's default data dir `/root/.local/share/courier`, `/var/lib/courier`)
+    allows what is below it: the explicit root is the more specific rule.
+    NEVER_WAIVED and the home's secrets (`home_denylist`, patterns under
+    `home`) stay denied whatever the roots say. `links_ok`: roots under which
+    a file with several hard links (another name may be outside the roots)
+    is still delivered."""
 
     roots: tuple[str, ...]
     home: str | None = None
@@ -194,9 +186,6 @@ class PathPolicy:
         # normalised once: a check runs for every file, twice
         object.__setattr__(self, "_denied", tuple((d, _prefix(d)) for d in self.denylist))
         object.__setattr__(self, "_roots", tuple(_prefix(r) for r in self.roots))
-        # a root configured strictly inside a denied system prefix (the default data dir of root,
-        # /root/.local/share/courier; a data dir under /var/lib) is allowed below that root: the
-        # explicit root is the more specific rule. Never for NEVER_WAIVED nor the home's secrets.
         waivable = tuple(_prefix(d) for d in self.denylist if not _under(d, NEVER_WAIVED))
         roots = self._roots  # type: ignore[attr-defined]
         object.__setattr__(self, "_waives", tuple(frozenset(d for d in waivable if r.startswith(d) and r != d)
@@ -206,12 +195,6 @@ class PathPolicy:
         object.__setattr__(self, "_home_pats", tuple(
             tuple(c for c in d.split("/") if c) for d in self.home_denylist if d.strip("/")))
         object.__setattr__(self, "_links_ok", tuple(_prefix(r) for r in self.links_ok))
-
-    def denied(self) -> list[str]:
-        out = list(self.denylist)
-        if self.home:
-            out += [posixpath.join(self.home, d) for d in self.home_denylist]
-        return out
 
     def denied_reason(self, path: str) -> str | None:
         """The denylist entry that covers `path` (normalised, absolute), else None."""
@@ -289,8 +272,7 @@ def check_lexical(path: str) -> str:
 
 
 def check_size(shown: str, size: int, max_bytes: int) -> None:
-    """The size cap, checked before a transfer: TooLarge when `size` is over
-    `max_bytes` (the one place its words are written)."""
+    """The size cap, checked before a transfer (the one place its words are written)."""
     if size > max_bytes:
         raise TooLarge(f"{shown}: {size:,} bytes is over the {max_bytes:,} byte cap", size_bytes=size,
                        limit_bytes=max_bytes)
@@ -304,11 +286,7 @@ def grew_over_cap(shown: str, size: int | None, max_bytes: int) -> TooLarge:
 
 def os_error(exc: OSError, shown: str) -> SandboxError:
     """One clear, permanent courier error for what the OS said about `shown`
-    (never a raw OSError as a chat's reason): missing / not a directory /
-    a name too long are FileMissing, a link loop and a denied permission
-    UnsafePath, anything else a SandboxError naming the OS's words."""
-    import errno
-
+    (never a raw OSError as a chat's reason)."""
     code, why = exc.errno, exc.strerror or str(exc)
     if code in (errno.ENOENT, errno.ENOTDIR):
         return FileMissing(f"{shown}: no such file ({why})")
@@ -327,8 +305,7 @@ DEFAULT_IO_TIMEOUT_S = 60.0
 
 class ReadTimeout(SandboxGone):
     """A sandbox channel sent nothing within its read deadline (a stalled
-    shell, a FIFO opened after the check): this attempt fails, the worker
-    goes on."""
+    shell, a FIFO opened after the check): this attempt fails, not the worker."""
 
 
 def with_deadline(chunks: Iterable[T], idle_s: float, what: str,
@@ -343,11 +320,9 @@ def with_deadline(chunks: Iterable[T], idle_s: float, what: str,
 
     def put(item: tuple[str, Any]) -> None:
         while not stop.is_set():
-            try:
+            with contextlib.suppress(queue.Full):
                 q.put(item, timeout=0.1)
                 return
-            except queue.Full:
-                continue
 
     def run() -> None:
         try:
@@ -379,9 +354,8 @@ def with_deadline(chunks: Iterable[T], idle_s: float, what: str,
 
 
 def call_with_deadline(fn: Callable[[], R], timeout_s: float, what: str) -> R | None:
-    """`fn()` run by a helper thread; ReadTimeout if it has not returned
-    within `timeout_s` (a blocking SDK write into a stalled sandbox; the
-    thread is left to end on its own). Its result, or its exception."""
+    """`fn()`'s result (or exception), run by a helper thread; ReadTimeout if
+    it has not returned within `timeout_s` (the thread is left to end on its own)."""
     box: dict[str, Any] = {}
 
     def run() -> None:
@@ -400,26 +374,26 @@ def call_with_deadline(fn: Callable[[], R], timeout_s: float, what: str) -> R | 
     return box.get("res")
 
 
-def unchanged(before: os.stat_result, after: os.stat_result, copied_bytes: int, store: BlobStore, key: str, *,
-              shown: str) -> None:
+def unchanged(before: os.stat_result, after: os.stat_result, copied_bytes: int, store: BlobStore | None,
+              key: str, *, shown: str) -> None:
     """A file read through one descriptor must be the same version at the end
     as at the start (size, mtime, ctime) and give exactly its size: else what
-    was stored is a torn copy of a file still being written. It is deleted and
-    FileChanging raised (transient: the writer may finish)."""
+    was stored is a torn copy of a file still being written. It is deleted
+    (`store` None: not stored yet) and FileChanging raised (transient)."""
     same = (before.st_size == after.st_size == copied_bytes and before.st_mtime_ns == after.st_mtime_ns
             and before.st_ctime_ns == after.st_ctime_ns)
     if not same:
         with contextlib.suppress(Exception):
-            store.delete(key)
+            if store is not None:
+                store.delete(key)
         raise FileChanging(f"{shown}: changed while it was read ({before.st_size:,} -> {after.st_size:,} bytes); "
                            "read again later")
 
 
 def write_blob_at(dfd: int, name: str, tmp: str, store: BlobStore, key: str, *, owner_of_dir: bool = False) -> None:
-    """Stream blob `key` into `name` in the directory open as `dfd`: written
-    under the private temp name `tmp` (O_EXCL, no link followed), renamed over
-    `name` once complete, removed on any failure. `owner_of_dir`: the file
-    takes the directory's owner (where the process may)."""
+    """Stream blob `key` into `name` in the directory open as `dfd`, under the
+    private temp name `tmp` (O_EXCL, no link followed) renamed over `name`
+    once complete. `owner_of_dir`: the file takes the directory's owner."""
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd)
     try:
         if owner_of_dir:
@@ -437,15 +411,13 @@ def write_blob_at(dfd: int, name: str, tmp: str, store: BlobStore, key: str, *, 
 
 
 class NoInbound(SandboxError, NotImplementedError):
-    """A backend that does not take inbound files (:meth:`Sandbox.put`): a
-    SandboxError, and a NotImplementedError for callers that ask for that."""
+    """A backend that does not take inbound files (:meth:`Sandbox.put`)."""
 
 
 class Sandbox(ABC):
-    """An opened sandbox. Backends implement `resolve` and `open_stream`
-    (or override `_copy_out` with a faster channel) and `_copy_in`;
-    `extract` and `put` are templates that hold the checks every backend
-    shares (lexical check, size cap), and are never overridden."""
+    """An opened sandbox. Backends implement `resolve`, `open_stream` (and
+    may override `_copy_out` with a faster channel) and `_copy_in`; the
+    templates `extract` and `put` hold the shared checks, never overridden."""
 
     kind: str = ""
 
@@ -469,31 +441,26 @@ class Sandbox(ABC):
         check_size(shown, size, max_bytes)
 
     def extract(self, path: str, store: BlobStore, key: str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> BlobInfo:
-        """Copy one sandbox file into `store` at `key`; returns storage.BlobInfo.
-
-        The size cap holds before (stat) and during (counted) the transfer;
-        on any failure nothing is left in storage. A template: backends
-        provide :meth:`_copy_out`, never override this."""
+        """Copy one sandbox file into `store` at `key`. The size cap holds
+        before and during the transfer; on any failure nothing is stored."""
         check_lexical(path)
         return self._copy_out(path, store, key, max_bytes=max_bytes)
 
     def _copy_out(self, path: str, store: BlobStore, key: str, *, max_bytes: int) -> BlobInfo:
-        """`path` (lexically checked) resolved, checked, size-capped and
-        streamed into `store`. A backend with a faster channel overrides
-        this, and calls :meth:`check_size` itself."""
+        """`path` (lexically checked) resolved, checked, size-capped (an
+        override calls :meth:`check_size` itself) and streamed into `store`."""
         resolved, size = self.resolve(path)
         self.check_size(path, size, max_bytes)
         return store.put_stream(key, self.open_stream(resolved), max_bytes=max_bytes)
 
     def home_dir(self) -> str | None:
-        """The sandbox user's home (an absolute path inside the sandbox), or
-        None when this backend does not know it. Default: the policy's home."""
+        """The sandbox user's home (absolute, inside the sandbox), or None if not known."""
         policy = getattr(self, "policy", None)
         return policy.home if policy is not None else None
 
     def expand_home(self, path: str) -> str:
-        """`~/x` (an agent's `MEDIA:~/x`) as a path under the sandbox's own
-        home; any other path as is. The result is checked like any path."""
+        """`~/x` (an agent's `MEDIA:~/x`) under the sandbox's own home; any
+        other path as is. The result is checked like any path."""
         if not path.startswith("~/"):
             return path
         home = self.home_dir()
@@ -502,9 +469,7 @@ class Sandbox(ABC):
         return posixpath.join(posixpath.normpath(home), path[2:])
 
     def put(self, store: BlobStore, key: str, dest_path: str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
-        """Inbound: copy a stored blob into the sandbox at `dest_path`; returns
-        the path written (resolved). A template: backends provide
-        :meth:`_copy_in`, never override this."""
+        """Inbound: copy a stored blob into the sandbox at `dest_path`; the path written (resolved)."""
         check_lexical(dest_path)
         size = store.stat(key).size_bytes
         self.check_size(key, size, max_bytes)
@@ -520,16 +485,10 @@ class Sandbox(ABC):
         max_output_bytes: int = DEFAULT_EXEC_OUTPUT_BYTES,
     ) -> tuple[int, bytes, bytes]:
         """Run `argv` (a list, no shell) in the sandbox; returns (exit code,
-        stdout, stderr). Optional: backends that cannot run commands raise
-        :class:`SandboxError`.
-
-        Contract for implementations: `cwd` (None: the backend's default) is
-        checked against the allowed roots; stdin is empty; each of stdout and
-        stderr keeps at most `max_output_bytes` (head and tail, with a marker
-        line where bytes were dropped); past `timeout_s` the whole process
-        tree is killed and the exit code is :data:`EXEC_TIMEOUT_EXIT` (124)
-        with a note at the end of stderr. Backends drive their channel with
-        :func:`run_exec`, which holds these rules in one place."""
+        stdout, stderr); backends that cannot run commands raise SandboxError.
+        `cwd` (None: the backend's default) is checked against the allowed
+        roots; stdin is empty; the rest of the contract (bounded output, the
+        timeout) is :func:`run_exec`'s, which backends drive their channel with."""
         raise SandboxError(f"{self.kind or type(self).__name__} sandbox does not support running commands (exec)")
 
     def close(self) -> None:
@@ -580,28 +539,21 @@ def exec_argv(argv: Sequence[str | bytes]) -> list[str]:
 
 
 class ExecRun(Protocol):
-    """A started command as :func:`run_exec` drives it (one per backend channel)."""
+    """A started command as :func:`run_exec` drives it. `pump` adds what
+    output is available (waiting up to `wait_s`) and is False once both
+    streams ended; `poll` never blocks long; `wait` gives None if still
+    running; `kill` ends the command and all it started (best effort, never
+    raises); `close` is idempotent."""
 
-    def pump(self, wait_s: float, out: BoundedOutput, err: BoundedOutput) -> bool:
-        """Add what output is available (waiting up to `wait_s` for some) to
-        `out` / `err`; False once both streams have ended."""
-        ...
+    def pump(self, wait_s: float, out: BoundedOutput, err: BoundedOutput) -> bool: ...
 
-    def poll(self) -> int | None:
-        """The exit code if the command has exited, else None (never blocks long)."""
-        ...
+    def poll(self) -> int | None: ...
 
-    def wait(self, timeout_s: float) -> int | None:
-        """The exit code, waiting up to `timeout_s`; None if still running."""
-        ...
+    def wait(self, timeout_s: float) -> int | None: ...
 
-    def kill(self) -> None:
-        """Kill the command and everything it started (best effort, never raises)."""
-        ...
+    def kill(self) -> None: ...
 
-    def close(self) -> None:
-        """Release the channel (idempotent)."""
-        ...
+    def close(self) -> None: ...
 
 
 def run_exec(run: ExecRun, *, timeout_s: float, max_output_bytes: int,

@@ -1,29 +1,19 @@
-"""A local container's file opened from the host, through the root of the
-container's own process (``/proc/<pid>/root``): then it is copied into a
-volume inside the kernel, as a local file is, instead of passing through
-the engine's archive API as a tar stream.
+"""A local container's file opened from the host, below the root of the
+container's own process (``/proc/<pid>/root``), to be copied in the kernel
+instead of through the engine's archive API (the caller's conditions: a
+local engine, a root container, a path the engine's stat walk proved
+link-free).
 
-Only a file that may be read that way is (the caller's conditions: the
-engine runs on this host, the container's processes run as root, the path
-held no link when the engine stat'ed it). Here:
+* the pid is pinned with a pidfd, its root opened, and then the engine must
+  still name that pid as the running container's (a reused pid is caught);
+* the path is opened below that root by ``openat2`` with
+  ``RESOLVE_IN_ROOT`` and no link followed, as an ``O_PATH`` descriptor
+  (:mod:`adapters.sandboxes.hostopen`): a device node or FIFO is never opened;
+* it must be the file the engine stat'ed (regular, size, permission bits,
+  mtime in ns) before it is opened for reading through ``/proc/self/fd``.
 
-* the process is the container's: its pid is pinned with a pidfd, the root
-  directory is opened, and then the engine must still name that pid as the
-  running container's, with the pidfd not ended (a pid reused between the
-  engine's answer and the open is caught);
-* the path is opened below that root with ``openat2`` and
-  ``RESOLVE_IN_ROOT | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS``: no link
-  is followed, none can lead out of the container's root; as an ``O_PATH``
-  descriptor (:mod:`adapters.sandboxes.hostopen`), which opens nothing: a
-  device node the container's root made (``mknod``) or a FIFO swapped in is
-  never opened on the host, its driver never run;
-* that descriptor must be the file the engine stat'ed: a regular file of
-  the same size, permission bits and modification time (nanoseconds); only
-  then is it opened for reading (the same inode, through ``/proc/self/fd``).
-
-Anything else (not Linux, no ``openat2``, no access to the process, the
-engine in another pid namespace than this worker, a mismatch) answers None:
-the caller takes the archive API, which checks everything again.
+Anything else (not Linux, no ``openat2``, no access to the process, another
+pid namespace, a mismatch) answers None: the caller takes the archive API.
 """
 
 from __future__ import annotations
@@ -36,10 +26,8 @@ from collections.abc import Callable
 from datetime import datetime
 
 from adapters.sandboxes.hostopen import (
-    RESOLVE_IN_ROOT, RESOLVE_NO_MAGICLINKS, RESOLVE_NO_SYMLINKS, open_path, openat2, reopen_for_reading,
+    RESOLVE_IN_ROOT, RESOLVE_NO_MAGICLINKS, RESOLVE_NO_SYMLINKS, open_path, reopen_for_reading,
 )
-
-__all__ = ["available", "engine_mtime_ns", "open_in_container", "openat2"]
 
 
 def available() -> bool:
@@ -60,8 +48,6 @@ def engine_mtime_ns(value) -> int | None:
             return None
         frac = int(rest[:digits].ljust(9, "0"))
         text = main + rest[digits:]
-    if text.endswith("Z"):
-        text = text[:-1] + "+00:00"
     try:
         dt = datetime.fromisoformat(text)
     except ValueError:

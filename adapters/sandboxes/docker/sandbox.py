@@ -8,6 +8,7 @@ import posixpath
 import threading
 import uuid
 from collections.abc import Iterator
+from contextlib import suppress
 from typing import Any
 
 from adapters.errors import FileMissing, NotAFile, SandboxError, SandboxGone, UnsafePath
@@ -20,7 +21,7 @@ from adapters.sandboxes.docker.tar import (
     _GO_MODE_DIR, _GO_MODE_SYMLINK, _GO_MODE_TYPE, has_glob, iter_archive, tar_stream,
 )
 from adapters.sandboxes.execstream import (
-    EXIT_CHANGED, ExecStreamMixin, Resolved, exec_iter_file, exec_put, exec_resolve, resolve_put_dest,
+    EXIT_CHANGED, ExecStreamMixin, Resolved, exec_extract, exec_iter_file, exec_put, exec_resolve, resolve_put_dest,
 )
 
 #: a path of more components than this is resolved by one exec, not one engine stat per component
@@ -42,9 +43,8 @@ class DockerSandbox(ExecStreamMixin, Engine, Sandbox):  # type: ignore[misc]
                  client: Any = None, prefer_bind_mounts: bool = True, timeout_s: int = 120,
                  io_timeout_s: float = DEFAULT_IO_TIMEOUT_S, prefer_host_root: bool = True) -> None:
         """`policy` None: roots from the ref, else /workspace, /tmp and the
-        exec user's $HOME (learnt in the first resolve exec), minus the denylist.
-        `io_timeout_s`: read deadline of every exec's output (a container
-        whose shell stalls costs one attempt, ReadTimeout)."""
+        exec user's $HOME, minus the denylist. `io_timeout_s`: read deadline
+        of every exec's output."""
         self.policy = policy  # type: ignore[assignment]
         if not ref.target:
             raise UnsafePath("docker sandbox needs a container name or id")
@@ -69,19 +69,18 @@ class DockerSandbox(ExecStreamMixin, Engine, Sandbox):  # type: ignore[misc]
     # -- resolving ----------------------------------------------------------------------
     def resolve(self, path: str) -> tuple[str, int]:
         r = self._resolve(path)
-        self.policy_for(r.home).check(r.path, shown=path)
         return r.path, r.size
 
     def _resolve(self, path: str) -> Resolved:
-        """Stat walk through the archive API when the path holds no links
-        (a few ms), else ONE exec (`readlink -f` + `stat`, ~100 ms on podman)."""
+        """Resolved and checked: a stat walk through the archive API when the
+        path holds no links, else ONE exec (`readlink -f` + `stat`)."""
         check_lexical(path)
         self._walk_stat = None
-        fast = self._resolve_by_stat(path)
-        if fast is not None:
-            return fast
-        r = exec_resolve(self._exec, path, policy_for=self.policy_for)
-        self.stats["resolve_exec"] += 1
+        r = self._resolve_by_stat(path)
+        if r is None:
+            r = exec_resolve(self._exec, path, policy_for=self.policy_for)
+            self.stats["resolve_exec"] += 1
+        self.policy_for(r.home).check(r.path, shown=path)
         return r
 
     def _home(self) -> str | None:
@@ -103,9 +102,9 @@ class DockerSandbox(ExecStreamMixin, Engine, Sandbox):  # type: ignore[misc]
 
     def _resolve_by_stat(self, path: str) -> Resolved | None:
         """Resolved without an exec when every component is a plain directory
-        and the last a regular file (then the path *is* its resolution).
-        None: a link on the way, a path the lexical policy refuses (a link may
-        still lead somewhere allowed), or an engine without the stat call."""
+        and the last a regular file (the path *is* its resolution). None: a
+        link on the way, a path the lexical policy refuses (a link may lead
+        somewhere allowed), an engine without the stat call."""
         api = self.client.api
         if not all(hasattr(api, a) for a in ("head", "_url", "_raise_for_status")):
             return None
@@ -152,7 +151,6 @@ class DockerSandbox(ExecStreamMixin, Engine, Sandbox):  # type: ignore[misc]
     # -- outbound ------------------------------------------------------------------------
     def _copy_out(self, path: str, store, key: str, *, max_bytes: int):
         r = self._resolve(path)
-        self.policy_for(r.home).check(r.path, shown=path)
         self.check_size(path, r.size, max_bytes)
         as_root = self.runs_as_root()
         if as_root and self.prefer_bind_mounts and self._engine_is_local():
@@ -184,10 +182,8 @@ class DockerSandbox(ExecStreamMixin, Engine, Sandbox):  # type: ignore[misc]
 
     def _links_checked(self, chunks: Iterator[bytes], resolved: str, policy: PathPolicy) -> Iterator[bytes]:
         """`chunks` of the archive channel, whose stat carries no link count:
-        ONE `stat` exec counts the file's hard links beside the transfer (it
-        costs no time on a big file), and the last chunk is held back until
-        it says 1, so a hard link to a file outside the roots fails the
-        put (all-or-nothing: nothing stored)."""
+        ONE `stat` exec counts the file's hard links beside the transfer, and
+        the last chunk is held back until it says 1 (else nothing is stored)."""
         if policy.links_allowed(resolved):
             yield from chunks
             return
@@ -212,15 +208,12 @@ class DockerSandbox(ExecStreamMixin, Engine, Sandbox):  # type: ignore[misc]
         if "exc" in box:
             raise box["exc"]
         rc, out, err = box["res"]
-        if rc in (126, 127):
-            # an image without `stat` (distroless): nothing counts the links there, and the agent
-            # of a root container can read (and copy out) any file in it anyway
-            if held is not None:
-                yield held
-            return
-        if rc != 0 or not out.strip().isdigit():
-            raise SandboxGone(f"{resolved}: cannot count its links (exit {rc}: {err[:200]!r})")
-        policy.check_links(resolved, int(out.strip()), shown=resolved)
+        # rc 126/127, an image without `stat` (distroless): nothing counts the links there, and the
+        # agent of a root container can read (and copy out) any file in it anyway
+        if rc not in (126, 127):
+            if rc != 0 or not out.strip().isdigit():
+                raise SandboxGone(f"{resolved}: cannot count its links (exit {rc}: {err[:200]!r})")
+            policy.check_links(resolved, int(out.strip()), shown=resolved)
         if held is not None:
             yield held
 
@@ -236,19 +229,17 @@ class DockerSandbox(ExecStreamMixin, Engine, Sandbox):  # type: ignore[misc]
 
     def extract_via_exec(self, path: str, store, key: str, *, max_bytes: int = DEFAULT_MAX_BYTES):
         """The universal fallback (one exec to resolve, one to stream)."""
-        info = self.exec_extract_file(path, store, key, max_bytes=max_bytes)
+        info = exec_extract(self._exec, None, path, store, key, max_bytes=max_bytes, policy_for=self.policy_for)
         self.stats["exec"] += 1
         return info
 
     # -- inbound -------------------------------------------------------------------------
     def _copy_in(self, store, key: str, dest_path: str, *, size: int, max_bytes: int) -> str:
-        """Stream a stored blob into the container: ``put_archive`` of a tar
-        generated on the fly under a temp name, then one exec renames it; in
-        a container not running as root, exec stdin as its user (``put_archive``
-        writes as root)."""
+        """``put_archive`` of a tar generated on the fly under a temp name,
+        then one exec renames it; in a container not running as root, exec
+        stdin as its user (``put_archive`` writes as root: the user writes
+        where it may and nowhere else)."""
         if not self.runs_as_root():
-            # put_archive writes as root: a container's own user writes through exec
-            # stdin, where it may write and nowhere else
             return exec_put(self._exec, self.policy_for, store, key, dest_path, max_bytes=max_bytes)
         final, uid, gid = resolve_put_dest(self._exec, self.policy_for, dest_path)
         parent, name = posixpath.split(final)
@@ -258,11 +249,9 @@ class DockerSandbox(ExecStreamMixin, Engine, Sandbox):  # type: ignore[misc]
             with self._errors("put_archive", path=parent):
                 self.client.api.put_archive(self.container_id, parent, body)
         except BaseException:
-            # a cut upload may leave a partial temp file: best-effort removal
-            try:
+            # a cut upload may leave a partial temp file: best-effort removal (the original error matters)
+            with suppress(Exception):
                 self._exec.exec_small(["rm", "-f", "--", posixpath.join(parent, tmp_name)])
-            except Exception:  # noqa: BLE001 - the original error matters
-                pass
             raise
         rc, _out, err = self._exec.exec_small(
             ["sh", "-c", _FINALIZE_SCRIPT, "sh", posixpath.join(parent, tmp_name), final])

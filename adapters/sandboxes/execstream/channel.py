@@ -1,6 +1,5 @@
-"""What execstream asks of a backend's exec channel (:class:`ExecChannel`),
-what it hands back (:class:`ExecStream`, :class:`Resolved`), the exit codes
-of its constant scripts, and the plain helpers both halves share."""
+"""The exec channel's interface (:class:`ExecChannel`), what it hands back,
+the scripts' exit codes, and the helpers :mod:`.run` and :mod:`.transfer` share."""
 
 from __future__ import annotations
 
@@ -27,12 +26,9 @@ EXIT_CHANGING = 75
 
 @dataclass
 class ExecStream:
-    """A running command's stdout as raw byte chunks.
-
-    `exit_code()` is valid once `chunks` is exhausted (None if unknown);
-    `stderr()` returns what the command wrote on stderr (bounded);
-    `close()` ends the command early (consumer stopped) and is idempotent.
-    """
+    """A running command's stdout as raw byte chunks. `exit_code()` is valid
+    once `chunks` is exhausted (None if unknown); `stderr()` is bounded;
+    `close()` ends the command early and is idempotent."""
 
     chunks: Iterable[bytes]
     exit_code: Callable[[], int | None]
@@ -104,13 +100,11 @@ def default_roots(home: str | None, base: Sequence[str] = ("/workspace", "/tmp")
     return tuple(roots)
 
 
-
 def probe(ch: ExecChannel, argv: Sequence[str], *, answers: Iterable[int] = (0,)) -> tuple[int, bytes, bytes]:
     """Run a short read-only command that prints its answer whenever it exits
-    with one of `answers`. A channel whose transport can lose such an answer
-    (docker: podman's attach) provides ``exec_probe(argv, answers=...)``,
-    which asks again there; any other channel runs it once (``exec_small``).
-    Never for an agent's command, nor one that changes anything."""
+    with one of `answers`, through ``exec_probe`` where the channel's
+    transport can lose such an answer (docker), else ``exec_small``. Never
+    for an agent's command, nor one that changes anything."""
     ask = getattr(ch, "exec_probe", None)
     if ask is not None:
         return ask(argv, answers=tuple(answers))

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from adapters.errors import SandboxError
-from adapters.sandboxes.base import DEFAULT_EXEC_OUTPUT_BYTES, DEFAULT_MAX_BYTES, ExecRun, PathPolicy
+from adapters.sandboxes.base import DEFAULT_EXEC_OUTPUT_BYTES, ExecRun, PathPolicy
 from adapters.sandboxes.execstream.channel import ExecChannel, default_roots
 from adapters.sandboxes.execstream.run import exec_command
-from adapters.sandboxes.execstream.transfer import exec_extract, exec_iter_file, exec_put, exec_resolve
+from adapters.sandboxes.execstream.transfer import exec_iter_file, exec_resolve
 
 
 class ExecStreamMixin:
@@ -17,8 +17,7 @@ class ExecStreamMixin:
     The class using it provides ``self.policy`` (a PathPolicy, or None to
     build defaults from the sandbox's $HOME on first use), ``self.ref`` and
     ``exec_channel() -> ExecChannel``. It gets ``resolve``, ``open_stream``,
-    ``exec_extract_file`` and ``exec_put_file``, and ``exec`` when the
-    backend provides ``exec_start``.
+    and ``exec`` when the backend provides ``exec_start``.
     """
 
     policy: PathPolicy | None
@@ -43,16 +42,8 @@ class ExecStreamMixin:
     def open_stream(self, resolved: str) -> Iterator[bytes]:
         return exec_iter_file(self.exec_channel(), resolved, policy=self.policy)
 
-    def exec_extract_file(self, path: str, store, key: str, *, max_bytes: int = DEFAULT_MAX_BYTES):
-        return exec_extract(self.exec_channel(), None, path, store, key, max_bytes=max_bytes,
-                            policy_for=self.policy_for)
-
-    def exec_put_file(self, store, key: str, dest_path: str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
-        return exec_put(self.exec_channel(), self.policy_for, store, key, dest_path, max_bytes=max_bytes)
-
     def exec_start(self, argv: list[str], run_id: str, *, backstop_s: int | None = None) -> ExecRun:
-        """Start `argv` on the channel (stdin empty) as an ExecRun whose
-        `kill` runs ``kill_argv(run_id)``; backends that run commands provide it."""
+        """Start `argv` (stdin empty) as an ExecRun whose `kill` runs ``kill_argv(run_id)``."""
         raise SandboxError(f"{type(self).__name__} does not support running commands (exec)")
 
     def exec(self, argv: Sequence[str], *, timeout_s: float, cwd: str | None = None,

@@ -15,7 +15,6 @@ from adapters.errors import FileMissing, SandboxError, UnsafePath
 from adapters.sandboxes.base import ExecRun, PathPolicy, check_lexical, exec_argv, run_exec
 from adapters.sandboxes.execstream.channel import EXIT_CHANGED, ExecChannel, _ask, _err_text, _fields
 
-# -- running commands (Sandbox.exec) ----------------------------------------------------
 # $1.. = candidate directories; the first that resolves to a directory wins.
 # Prints HOME NUL status NUL resolved: d directory, n not a directory, m missing
 # (for the last candidate, resolved as far as it goes).
@@ -96,15 +95,11 @@ def exec_command(ch: ExecChannel, policy_for: Callable[[str | None], PathPolicy]
                  start: Callable[..., ExecRun], argv: Sequence[str], *, timeout_s: float,
                  cwd: str | None, max_output_bytes: int, defaults: Sequence[str],
                  cwd_cache: dict) -> tuple[int, bytes, bytes]:
-    """``Sandbox.exec`` for a backend with an exec channel.
-
-    `start(wrapped_argv, run_id, backstop_s=...)` starts the argv on the
-    backend's channel and returns its ExecRun (whose `kill` runs
-    :func:`kill_argv`); `backstop_s` (past the timeout) is for a channel
-    with a deadline of its own (modal's exec timeout). The
-    resolved working directory is cached in `cwd_cache`; RUN_SCRIPT proves it
-    unchanged on every run, and a changed one is resolved and checked again
-    (once) before anything runs."""
+    """``Sandbox.exec`` for a backend with an exec channel. `start(wrapped_argv,
+    run_id, backstop_s=...)` returns the backend's ExecRun (whose `kill` runs
+    :func:`kill_argv`; `backstop_s`: for a channel with a deadline of its own).
+    The working directory is cached in `cwd_cache`; RUN_SCRIPT proves it
+    unchanged on every run, and a changed one is resolved and checked again."""
     args = exec_argv(argv)
     for attempt in (0, 1):
         workdir = cwd_cache.get(cwd) if attempt == 0 else None

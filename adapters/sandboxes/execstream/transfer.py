@@ -1,6 +1,4 @@
-"""Files moved through a backend's exec channel: resolve (ONE exec), extract
-(ONE streaming exec, or resolve and stream in one gated exec), put (ONE
-exec through stdin, after ONE resolving the destination)."""
+"""Files moved through a backend's exec channel (see the package's docstring)."""
 
 from __future__ import annotations
 
@@ -19,13 +17,11 @@ from adapters.sandboxes.execstream.channel import (
 )
 from adapters.sandboxes.execstream.run import kill_argv
 
-# $1 = path as given. Prints HOME NUL resolved NUL type NUL size, link count
-# and (a regular file) its version: mtime, ctime (ns) and inode (type: f
-# regular file, d directory, o other). readlink's output is kept
-# exactly (the `echo x` guard keeps trailing newlines from being eaten).
-# A path that does not resolve exits 2 after HOME NUL what it would name
-# (empty when readlink gave up), or 40 for a symbolic link loop (`realpath`
-# names it; it opens nothing, so a FIFO cannot block it).
+# $1 = path as given. Prints HOME NUL resolved NUL type (f regular file, d
+# directory, o other) NUL its VERSION_FORMAT stat (a regular file; else "0 1").
+# The `echo x` guard keeps readlink's trailing newlines. A path that does not
+# resolve exits 2 after HOME NUL what it would name (empty if readlink gave up),
+# or 40 for a link loop (`realpath` names it, opening nothing: no FIFO blocks it).
 RESOLVE_SCRIPT = r"""r=$(readlink -f -- "$1"; echo x)
 r=${r%x}
 r=${r%?}
@@ -40,16 +36,12 @@ printf '%s\0%s\0%s\0%s' "$HOME" "$r" "$t" "$s"
 """
 
 # $1 = resolved path, $2 = "cat" or "base64", $3 = "1" when a file with several
-# hard links may be read. Opens the file once on fd 3, checks what was opened
-# is still the resolved path, a regular file and (unless $3) has one link (the
-# fd's own link in /proc where there is one; kept exactly, as in
-# RESOLVE_SCRIPT), then streams from that fd. The fd's stat (links, size,
-# mtime and ctime in ns, inode) is taken before the first byte and again after
-# the last: any change (a file rewritten in place, same size, while it was
-# read) exits 75 after the bytes, so the caller refuses what it received
-# (FileChanging) before it is stored. A FIFO swapped in between the test and
-# the open blocks the open: the reader's deadline ends it, and the caller
-# kills the run by its COURIER_EXEC_ID.
+# hard links may be read. Opens the file once on fd 3, checks that fd (its own
+# link in /proc where there is one) is still the resolved path, a regular file
+# and (unless $3) has one link, then streams from it. Its VERSION_FORMAT stat
+# differs after the last byte from before the first: exit 75, the caller
+# refuses what it received (FileChanging). A FIFO swapped in before the open
+# blocks it: the reader's deadline ends it, and the run is killed by its id.
 STREAM_SCRIPT = r"""[ -f "$1" ] || { [ -e "$1" ] && exit 4; exit 2; }
 [ -r "$1" ] || exit 13
 exec 3< "$1" || exit 2
@@ -69,11 +61,9 @@ if [ "$2" = base64 ]; then base64 <&3 || exit; else cat <&3 || exit; fi
 """
 
 # $1 = path as given, $2 = "cat" or "base64". RESOLVE_SCRIPT's answer and one
-# more NUL, then it waits for ONE line on stdin: "go" (or "go 1": a file with
-# several hard links may be read) streams the resolved path exactly as
-# STREAM_SCRIPT does (the same text, run on it), anything else (stdin closed:
-# the caller refused the path) ends it without reading a byte. Resolve and
-# stream in one exec, the path still checked by the caller before any byte.
+# more NUL, then ONE line on stdin: "go" (or "go 1": several hard links allowed)
+# streams the resolved path as STREAM_SCRIPT does (the same text); anything else
+# (stdin closed: the caller refused the path) ends it before the file is opened.
 GATED_STREAM_SCRIPT = RESOLVE_SCRIPT + r"""printf '\0'
 IFS=' ' read -r go ok || exit 99
 [ "$go" = go ] || exit 99
@@ -116,9 +106,8 @@ mv -f -- "$1" "$2" || { rm -f -- "$1"; exit 3; }
 
 def exec_resolve(ch: ExecChannel, path: str, *, policy_for: Callable[[str | None], PathPolicy] | None = None
                  ) -> Resolved:
-    """Resolve `path` inside the sandbox with ONE exec. The caller checks the
-    returned path against its policy. Raises FileMissing / NotAFile, and
-    UnsafePath for a link loop. With `policy_for`, a path that does not
+    """Resolve `path` inside the sandbox with ONE exec (the caller checks the
+    result against its policy). With `policy_for`, a path that does not
     resolve is first checked as what it would name: a denied one is refused
     exactly as an existing one is (no existence probe)."""
     check_lexical(path)
@@ -173,13 +162,10 @@ def _b64_decode(chunks: Iterable[bytes]) -> Iterator[bytes]:
 
 def exec_iter_file(ch: ExecChannel, resolved: str, *, expected_size: int | None = None,
                    max_bytes: int | None = None, policy: PathPolicy | None = None) -> Iterator[bytes]:
-    """Stream an already resolved and checked file with ONE exec.
-
-    Raises (at the end, so an all-or-nothing store keeps nothing) when the
-    command fails, the file changed under us (opened path differs; size
-    differs from `expected_size`), or more than `max_bytes` arrive. A file
-    with several hard links is refused unless `policy` allows them there.
-    """
+    """Stream an already resolved and checked file with ONE exec. Raises (at
+    the end, so an all-or-nothing store keeps nothing) when the command
+    fails, the file changed, or more than `max_bytes` arrive. A file with
+    several hard links is refused unless `policy` allows them there."""
     mode = "cat" if getattr(ch, "binary_safe", True) else "base64"
     for attempt in range(3):
         # podman's Docker-compatible attach can drop a stream's output under load (exit 0,
@@ -210,9 +196,7 @@ def _iter_stream(ch: ExecChannel, st: ExecStream, run_id: str, resolved: str, mo
             yield chunk
         rc = st.exit_code()
     except ReadTimeout:
-        st.close()
-        with contextlib.suppress(Exception):  # best effort: the sandbox may be the stalled part
-            ch.exec_small(kill_argv(run_id))
+        _kill(ch, st, run_id)
         raise
     finally:
         st.close()
@@ -220,6 +204,13 @@ def _iter_stream(ch: ExecChannel, st: ExecStream, run_id: str, resolved: str, mo
         lost.append(True)
         return
     _check_stream_end(st, rc, n, resolved, expected_size)
+
+
+def _kill(ch: ExecChannel, st: ExecStream, run_id: str) -> None:
+    """A stalled stream ended, and its run killed in the sandbox by its id."""
+    st.close()
+    with contextlib.suppress(Exception):  # best effort: the sandbox may be the stalled part
+        ch.exec_small(kill_argv(run_id))
 
 
 def _start_stream(ch: ExecChannel, resolved: str, mode: str, policy: PathPolicy | None) -> tuple[str, ExecStream]:
@@ -260,25 +251,15 @@ def _check_stream_end(st: ExecStream, rc: int | None, n: int, resolved: str, exp
         raise FileChanging(f"{resolved}: changed while it was read (written meanwhile); read again later")
 
 
-def exec_store_file(ch: ExecChannel, resolved: str, store, key: str, *, expected_size: int | None,
-                    max_bytes: int, policy: PathPolicy | None = None,
-                    guard: Callable[[Iterator[bytes]], Iterator[bytes]] | None = None):
-    """An already resolved and checked file into `store` at `key` with ONE
-    exec, all or nothing, with the checks of :func:`exec_iter_file`. Where the
-    channel hands out its stdout as a pipe and the store takes one
-    (``put_pipe``: a volume splices it into the file in the kernel), the bytes
-    never pass through this process (and no sha256 is computed); else they
-    stream through ``store.put_stream``. `guard` wraps the chunks (error mapping)."""
-    mode = "cat" if getattr(ch, "binary_safe", True) else "base64"
-    run_id, st = _start_stream(ch, resolved, mode, policy)
-    return _store_stream(ch, st, run_id, resolved, mode, store, key, expected_size=expected_size,
-                         max_bytes=max_bytes, guard=guard)
-
-
 def _store_stream(ch: ExecChannel, st: ExecStream, run_id: str, resolved: str, mode: str, store, key: str, *,
                   expected_size: int | None, max_bytes: int,
                   guard: Callable[[Iterator[bytes]], Iterator[bytes]] | None = None):
-    """exec_store_file of a started stream script."""
+    """The output of a started stream script into `store` at `key`, all or
+    nothing, with the checks of :func:`exec_iter_file`. Where the channel
+    hands out its stdout as a pipe and the store takes one (``put_pipe``: a
+    volume splices it in the kernel), the bytes never pass through this
+    process; else they stream through ``store.put_stream``, wrapped in
+    `guard` (error mapping)."""
     put_pipe = getattr(store, "put_pipe", None)
     info = None
     if st.pipe_fd is not None and mode == "cat" and put_pipe is not None:
@@ -289,9 +270,7 @@ def _store_stream(ch: ExecChannel, st: ExecStream, run_id: str, resolved: str, m
         try:
             info = put_pipe(key, st.pipe_fd, max_bytes=max_bytes, wait=st.wait, finish=finish)
         except ReadTimeout:
-            st.close()
-            with contextlib.suppress(Exception):  # best effort: the sandbox may be the stalled part
-                ch.exec_small(kill_argv(run_id))
+            _kill(ch, st, run_id)
             raise
         except TooLarge as exc:
             st.close()
@@ -310,18 +289,12 @@ def _store_stream(ch: ExecChannel, st: ExecStream, run_id: str, resolved: str, m
 def exec_gated_extract(ch: GatedChannel, path: str, store, key: str, *, max_bytes: int,
                        check: Callable[[Resolved], PathPolicy],
                        guard: Callable[[Iterator[bytes]], Iterator[bytes]] | None = None):
-    """Resolve and store `path` with ONE exec (:data:`GATED_STREAM_SCRIPT`),
-    for a channel with ``exec_gated(argv)``: an ``exec_stream`` that takes one
-    line of stdin (``ExecStream.gate``) and hands out stdout as a pipe: the resolve's answer
-    is read first, `check(resolved)` checks it (the policy, the size cap;
-    raises to refuse: the script ends without opening the file) and returns
-    the policy (for hard links);
-    only then does the script open and stream the file, as
-    :func:`exec_store_file` does. Saves a round trip (an ssh client, a
-    session) per file over resolve + stream. None when the path did not
-    resolve (the script ended before its answer): the caller asks
-    :func:`exec_resolve` why, so a path that does not resolve gets exactly
-    its answer (missing, denied, a loop)."""
+    """Resolve and store `path` with ONE exec (:data:`GATED_STREAM_SCRIPT`)
+    on a :class:`GatedChannel`: the resolve's answer is read first and
+    `check(resolved)` checks it (raises to refuse: the file is never opened)
+    and returns the policy (for hard links); only then does the script
+    stream the file, as :func:`exec_iter_file` does. None when the path did
+    not resolve: the caller asks :func:`exec_resolve` why."""
     check_lexical(path)
     mode = "cat" if getattr(ch, "binary_safe", True) else "base64"
     run_id = uuid.uuid4().hex
@@ -401,9 +374,8 @@ def resolve_put_dest(ch: ExecChannel, policy_for: Callable[[str | None], PathPol
 def _make_parents(ch: ExecChannel, policy_for: Callable[[str | None], PathPolicy], dest_path: str,
                   parent: str) -> None:
     """Create the missing directories of `parent` (as the sandbox's user),
-    after checking where they would lead: its deepest existing ancestor is
-    resolved in the sandbox and the destination under it checked against
-    the policy first (the caller resolves and checks it again afterwards)."""
+    once the destination under its deepest existing ancestor (resolved in
+    the sandbox) passed the policy."""
     rc, out, err = _ask(ch, ANCESTOR_SCRIPT, parent)
     if rc != 0:
         raise SandboxError(f"{dest_path}: cannot resolve (exit {rc}: {_err_text(err)})")
@@ -420,9 +392,8 @@ def _make_parents(ch: ExecChannel, policy_for: Callable[[str | None], PathPolicy
 
 def exec_put(ch, policy_for: Callable[[str | None], PathPolicy], store, key: str, dest_path: str, *,
              max_bytes: int = DEFAULT_MAX_BYTES) -> str:
-    """Inbound through exec stdin (needs ``ch.exec_stdin(argv, chunks)``):
-    2 execs whatever the size; the file appears atomically (temp + rename),
-    and only whole: the temp's size is checked against the blob's first."""
+    """Inbound through ``ch.exec_stdin``: 2 execs whatever the size; the file
+    appears atomically (temp + rename), and only whole (the temp's size checked)."""
     info = store.stat(key)
     check_size(key, info.size_bytes, max_bytes)
     final, _uid, _gid = resolve_put_dest(ch, policy_for, dest_path)
