@@ -316,7 +316,6 @@ def with_deadline(chunks: Iterable[T], idle_s: float, what: str,
     A producer still stuck in the SDK is left to its daemon thread."""
     q: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=2)
     stop = threading.Event()
-    done = object()
 
     def put(item: tuple[str, Any]) -> None:
         while not stop.is_set():
@@ -330,7 +329,7 @@ def with_deadline(chunks: Iterable[T], idle_s: float, what: str,
                 put(("c", chunk))
                 if stop.is_set():
                     return
-            put(("d", done))
+            put(("d", None))
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
             put(("e", exc))
 

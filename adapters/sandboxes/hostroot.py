@@ -23,6 +23,7 @@ import select
 import stat
 import sys
 from collections.abc import Callable
+from contextlib import ExitStack
 from datetime import datetime
 
 from adapters.sandboxes.hostopen import (
@@ -79,28 +80,22 @@ def open_in_container(pid_of: Callable[[], int | None], path: str, *, size: int,
     pid = pid_of()
     if not pid or pid <= 0:
         return None
-    try:
-        pidfd = os.pidfd_open(pid)
-    except OSError:
-        return None
-    try:
+    with ExitStack() as fds:
         try:
+            pidfd = os.pidfd_open(pid)
+            fds.callback(os.close, pidfd)
             root = os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            fds.callback(os.close, root)
         except OSError:
             return None
+        if pid_of() != pid or _ended(pidfd):  # the pid was not (or no longer) the container's
+            return None
         try:
-            if pid_of() != pid or _ended(pidfd):  # the pid was not (or no longer) the container's
-                return None
-            try:
-                opath, st = open_path(path.lstrip("/"), dir_fd=root, fallback=False,
+            opath, st = open_path(path.lstrip("/"), dir_fd=root, fallback=False,
                                   resolve=RESOLVE_IN_ROOT | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)
-            except OSError:
-                return None
-        finally:
-            os.close(root)
-    finally:
-        os.close(pidfd)
-    try:
+        except OSError:
+            return None
+        fds.callback(os.close, opath)
         same = (stat.S_ISREG(st.st_mode) and st.st_size == size and st.st_mtime_ns == want_mtime
                 and stat.S_IMODE(st.st_mode) & 0o777 == want_mode & 0o777)
         if not same:  # not the file the engine stat'ed (a device, a FIFO, another file): never opened
@@ -109,5 +104,3 @@ def open_in_container(pid_of: Callable[[], int | None], path: str, *, size: int,
             return reopen_for_reading(opath), st
         except OSError:
             return None
-    finally:
-        os.close(opath)

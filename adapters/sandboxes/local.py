@@ -200,16 +200,9 @@ class _LocalRun:
 
 
 def _exec_env(home: str | None) -> dict[str, str]:
-    env = {
-        "PATH": os.environ.get("PATH") or "/usr/local/bin:/usr/bin:/bin",
-        "HOME": home or os.environ.get("HOME") or "/tmp",
-        "LANG": "C.UTF-8",
-        "LC_ALL": "C.UTF-8",
-        "TERM": "dumb",
-    }
-    for k in ("USER", "LOGNAME", "TMPDIR", "TZ"):
-        if os.environ.get(k):
-            env[k] = os.environ[k]
+    env = {"PATH": os.environ.get("PATH") or "/usr/local/bin:/usr/bin:/bin",
+           "HOME": home or os.environ.get("HOME") or "/tmp", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "TERM": "dumb"}
+    env.update({k: os.environ[k] for k in ("USER", "LOGNAME", "TMPDIR", "TZ") if os.environ.get(k)})
     return env
 
 

@@ -74,13 +74,8 @@ def extract_bound(sb: DockerSandbox, bound: tuple[str, str], path: str, store, k
     policy = sb.policy_for(sb._home())
     fd, st = open_under(host, src, shown=path,
                         check=lambda st: policy.check_links(resolved, st.st_nlink, shown=path))
-    try:
+    with os.fdopen(fd, "rb", buffering=0) as f:
         sb.check_size(path, st.st_size, max_bytes)
-        f = os.fdopen(fd, "rb", buffering=0)
-    except BaseException:
-        os.close(fd)
-        raise
-    with f:
         info = store.put_stream(key, f, max_bytes=max_bytes)
         unchanged(st, os.fstat(f.fileno()), info.size_bytes, store, key, shown=path)
         return info

@@ -156,28 +156,29 @@ class DockerSandbox(ExecStreamMixin, Engine, Sandbox):  # type: ignore[misc]
         if as_root and self.prefer_bind_mounts and self._engine_is_local():
             bound = self.bind_host_path(r.path)
             if bound is not None:
-                info = extract_bound(self, bound, path, store, key, max_bytes=max_bytes, resolved=r.path)
-                self.stats["bind"] += 1
-                return info
+                return self._moved("bind", extract_bound(self, bound, path, store, key, max_bytes=max_bytes,
+                                                         resolved=r.path))
         walked = self._walk_stat if self._walk_stat and self._walk_stat[0] == r.path else None
         if has_glob(r.path) or not as_root or walked is None:
             # the archive API would expand the name / read as root / the path had a
             # link (the GET would follow a swapped one): exec reads the literal name
             # with the container user's own permissions, from the fd it checked
-            info = store.put_stream(key, exec_iter_file(self._exec, r.path, expected_size=r.size, max_bytes=max_bytes,
-                                                        policy=self.policy_for(r.home)), max_bytes=max_bytes)
-            self.stats["exec"] += 1
-            return info
+            chunks = exec_iter_file(self._exec, r.path, expected_size=r.size, max_bytes=max_bytes,
+                                    policy=self.policy_for(r.home))
+            return self._moved("exec", store.put_stream(key, chunks, max_bytes=max_bytes))
         if self.prefer_host_root and r.size >= HOST_ROOT_MIN_BYTES and self._engine_is_local():
             # the same read as the archive API's (as root, of a link-free path), from the
             # host through the container process's root, copied in the kernel (see hostroot)
             info = extract_host_root(self, r, path, store, key, max_bytes=max_bytes, expect=walked[1])
             if info is not None:
-                self.stats["host_root"] += 1
-                return info
+                return self._moved("host_root", info)
         chunks = self.iter_archive(r.path, r.size, max_bytes=max_bytes, expect=walked[1])
-        info = store.put_stream(key, self._links_checked(chunks, r.path, self.policy_for(r.home)), max_bytes=max_bytes)
-        self.stats["archive"] += 1
+        chunks = self._links_checked(chunks, r.path, self.policy_for(r.home))
+        return self._moved("archive", store.put_stream(key, chunks, max_bytes=max_bytes))
+
+    def _moved(self, channel: str, info):
+        """`info`, counted as moved by `channel` (:attr:`stats`)."""
+        self.stats[channel] += 1
         return info
 
     def _links_checked(self, chunks: Iterator[bytes], resolved: str, policy: PathPolicy) -> Iterator[bytes]:
@@ -229,9 +230,8 @@ class DockerSandbox(ExecStreamMixin, Engine, Sandbox):  # type: ignore[misc]
 
     def extract_via_exec(self, path: str, store, key: str, *, max_bytes: int = DEFAULT_MAX_BYTES):
         """The universal fallback (one exec to resolve, one to stream)."""
-        info = exec_extract(self._exec, None, path, store, key, max_bytes=max_bytes, policy_for=self.policy_for)
-        self.stats["exec"] += 1
-        return info
+        return self._moved("exec", exec_extract(self._exec, None, path, store, key, max_bytes=max_bytes,
+                                                policy_for=self.policy_for))
 
     # -- inbound -------------------------------------------------------------------------
     def _copy_in(self, store, key: str, dest_path: str, *, size: int, max_bytes: int) -> str:

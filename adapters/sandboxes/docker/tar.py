@@ -207,12 +207,9 @@ def tar_stream(name: str, size: int, chunks: Iterable[bytes], *, uid: int = 0, g
                mode: int = 0o644) -> Iterator[bytes]:
     """A one-file tar archive as a generator (no temp file, no whole read).
     Raises when `chunks` does not hold exactly `size` bytes."""
-    ti = tarfile.TarInfo(name)
-    ti.size = size
-    ti.mode = mode
-    ti.mtime = int(time.time())
+    ti = tarfile.TarInfo(name)  # a regular file
+    ti.size, ti.mode, ti.mtime = size, mode, int(time.time())
     ti.uid, ti.gid = uid, gid
-    ti.type = tarfile.REGTYPE
     yield ti.tobuf(format=tarfile.PAX_FORMAT)
     n = 0
     for chunk in store_chunks(chunks, name):

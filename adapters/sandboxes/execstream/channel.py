@@ -1,5 +1,5 @@
 """The exec channel's interface (:class:`ExecChannel`), what it hands back,
-the scripts' exit codes, and the helpers :mod:`.run` and :mod:`.transfer` share."""
+the scripts' exit codes, and the helpers the whole package shares."""
 
 from __future__ import annotations
 
@@ -126,3 +126,19 @@ def _fields(out: bytes, n: int, what: str) -> list[str]:
 def _err_text(err: bytes) -> str:
     return err.decode("utf-8", "replace").strip()[:300]
 
+
+# $1 = run id. SIGKILL every process whose environment holds COURIER_EXEC_ID=$1
+# (one grep over /proc per round; rounds until none is left, for forks racing it).
+KILL_SCRIPT = r"""i=0
+while [ "$i" -lt 20 ]; do
+l=$(grep -lzxF "COURIER_EXEC_ID=$1" /proc/[0-9]*/environ 2>/dev/null)
+[ -n "$l" ] || exit 0
+for f in $l; do p=${f#/proc/}; kill -9 "${p%/environ}" 2>/dev/null; done
+i=$((i+1))
+done
+"""
+
+
+def kill_argv(run_id: str) -> list[str]:
+    """The argv that kills every process of the run `run_id` (see KILL_SCRIPT)."""
+    return ["sh", "-c", KILL_SCRIPT, "sh", run_id]

@@ -13,9 +13,8 @@ from adapters.errors import FileChanging, FileMissing, NotAFile, SandboxError, S
 from adapters.sandboxes.base import DEFAULT_MAX_BYTES, PathPolicy, ReadTimeout, check_lexical, check_size, grew_over_cap
 from adapters.sandboxes.execstream.channel import (
     EXIT_CHANGED, EXIT_CHANGING, EXIT_DENIED, EXIT_LINKS, EXIT_LOOP, EXIT_MISSING, EXIT_NOT_DIR, EXIT_NOT_FILE,
-    EXIT_SHORT, VERSION_FORMAT, ExecChannel, ExecStream, GatedChannel, Resolved, _ask, _err_text, _fields,
+    EXIT_SHORT, VERSION_FORMAT, ExecChannel, ExecStream, GatedChannel, Resolved, _ask, _err_text, _fields, kill_argv,
 )
-from adapters.sandboxes.execstream.run import kill_argv
 
 # $1 = path as given. Prints HOME NUL resolved NUL type (f regular file, d
 # directory, o other) NUL its VERSION_FORMAT stat (a regular file; else "0 1").
