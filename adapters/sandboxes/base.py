@@ -97,11 +97,9 @@ def _text(part: str, what: str, uri: str) -> str:
 
 def parse_uri(uri: str) -> tuple[SandboxRef, str]:
     """`local:///abs/path`, `docker://ctr/abs/path`, `ssh://user@host:port/abs/path`,
-    `modal://sb-id/abs/path`, `singularity://instance/abs/path` -> (ref, path).
-
-    `?host=<worker host>` pins a docker container or singularity instance to
-    the host it lives on: its extractions go to the queue `sandbox.<host>`.
-    Every part is %-decoded as UTF-8; one that is not (`%FF`) is refused."""
+    `modal://sb-id/abs/path`, `singularity://instance/abs/path` -> (ref, path);
+    `?host=<worker host>` pins a sandbox to the queue `sandbox.<host>`. Every
+    part is %-decoded as UTF-8; one that is not (`%FF`) is refused."""
     if any(ord(c) < 32 or ord(c) == 127 for c in uri):
         # urlparse drops tabs and newlines silently: the URI would name another file
         raise ConfigError(f"control character in sandbox URI {uri!r}")
@@ -125,15 +123,14 @@ def parse_uri(uri: str) -> tuple[SandboxRef, str]:
     if not p.netloc:
         raise ConfigError(f"{kind} sandbox URI needs a {'host' if kind == 'ssh' else 'name'}: {uri!r}")
     options: dict[str, str] = {}
-    if p.query:
-        try:
-            pairs = parse_qsl(p.query, keep_blank_values=False, errors="strict")
-        except UnicodeDecodeError:
-            raise ConfigError(f"the options of sandbox URI {uri!r} are not UTF-8 once decoded") from None
-        for k, v in pairs:
-            if k != "host":
-                raise ConfigError(f"unknown sandbox URI option {k!r} in {uri!r} (known: host)")
-            options["host"] = v
+    try:
+        pairs = parse_qsl(p.query, keep_blank_values=False, errors="strict")
+    except UnicodeDecodeError:
+        raise ConfigError(f"the options of sandbox URI {uri!r} are not UTF-8 once decoded") from None
+    for k, v in pairs:
+        if k != "host":
+            raise ConfigError(f"unknown sandbox URI option {k!r} in {uri!r} (known: host)")
+        options["host"] = v
     target = _text(p.netloc, "name", uri)
     if kind == "ssh":
         target = p.hostname or ""
@@ -165,16 +162,12 @@ def format_uri(ref: SandboxRef, path: str) -> str:
 
 @dataclass(frozen=True)
 class PathPolicy:
-    """Allowed roots and the denylist, applied to *resolved* paths.
-
-    A path is allowed when it is under a root and under no denied prefix,
-    except that a root configured strictly inside a denied system prefix
-    (root's default data dir `/root/.local/share/courier`, `/var/lib/courier`)
-    allows what is below it: the explicit root is the more specific rule.
-    NEVER_WAIVED and the home's secrets (`home_denylist`, patterns under
-    `home`) stay denied whatever the roots say. `links_ok`: roots under which
-    a file with several hard links (another name may be outside the roots)
-    is still delivered."""
+    """Allowed roots and the denylist, applied to *resolved* paths: allowed
+    under a root and under no denied prefix, except below a root configured
+    strictly inside a denied system prefix (`/root/.local/share/courier`: the
+    explicit root is the more specific rule); NEVER_WAIVED and the home's
+    secrets (`home_denylist`) stay denied whatever the roots say. `links_ok`:
+    roots under which a file with several hard links is still delivered."""
 
     roots: tuple[str, ...]
     home: str | None = None
@@ -310,10 +303,9 @@ class ReadTimeout(SandboxGone):
 
 def with_deadline(chunks: Iterable[T], idle_s: float, what: str,
                   on_timeout: Callable[[], object] | None = None) -> Iterator[T]:
-    """`chunks` (a blocking iterator: an SDK stream) read by a helper thread,
-    at most two chunks ahead; when none arrives for `idle_s` seconds,
-    `on_timeout()` runs (end the command) and :class:`ReadTimeout` is raised.
-    A producer still stuck in the SDK is left to its daemon thread."""
+    """`chunks` (a blocking SDK stream) read by a daemon thread, at most two
+    ahead; when none arrives for `idle_s` seconds, `on_timeout()` runs (end
+    the command) and :class:`ReadTimeout` is raised."""
     q: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=2)
     stop = threading.Event()
 
@@ -375,10 +367,9 @@ def call_with_deadline(fn: Callable[[], R], timeout_s: float, what: str) -> R | 
 
 def unchanged(before: os.stat_result, after: os.stat_result, copied_bytes: int, store: BlobStore | None,
               key: str, *, shown: str) -> None:
-    """A file read through one descriptor must be the same version at the end
-    as at the start (size, mtime, ctime) and give exactly its size: else what
-    was stored is a torn copy of a file still being written. It is deleted
-    (`store` None: not stored yet) and FileChanging raised (transient)."""
+    """A file read through one descriptor must be the same version (size,
+    mtime, ctime) at the end as at the start and give exactly its size: else
+    the torn copy is deleted (`store` None: not stored yet), FileChanging raised."""
     same = (before.st_size == after.st_size == copied_bytes and before.st_mtime_ns == after.st_mtime_ns
             and before.st_ctime_ns == after.st_ctime_ns)
     if not same:
@@ -426,9 +417,8 @@ class Sandbox(ABC):
 
     @abstractmethod
     def resolve(self, path: str) -> tuple[str, int]:
-        """Resolve `path` inside the sandbox (links followed) and check it;
-        returns (resolved path, size in bytes). Raises FileMissing, NotAFile,
-        UnsafePath."""
+        """(resolved path, size) of `path` resolved inside the sandbox (links
+        followed) and checked. Raises FileMissing, NotAFile, UnsafePath."""
 
     @abstractmethod
     def open_stream(self, resolved: str) -> Iterable[bytes]:
@@ -479,15 +469,11 @@ class Sandbox(ABC):
         `dest_path` (lexically checked), all or nothing."""
         raise NoInbound(f"{self.kind or type(self).__name__} sandbox does not take inbound files yet")
 
-    def exec(
-        self, argv: Sequence[str], *, timeout_s: float, cwd: str | None = None,
-        max_output_bytes: int = DEFAULT_EXEC_OUTPUT_BYTES,
-    ) -> tuple[int, bytes, bytes]:
-        """Run `argv` (a list, no shell) in the sandbox; returns (exit code,
-        stdout, stderr); backends that cannot run commands raise SandboxError.
-        `cwd` (None: the backend's default) is checked against the allowed
-        roots; stdin is empty; the rest of the contract (bounded output, the
-        timeout) is :func:`run_exec`'s, which backends drive their channel with."""
+    def exec(self, argv: Sequence[str], *, timeout_s: float, cwd: str | None = None,
+             max_output_bytes: int = DEFAULT_EXEC_OUTPUT_BYTES) -> tuple[int, bytes, bytes]:
+        """(exit code, stdout, stderr) of `argv` (a list, no shell) run in the
+        sandbox, stdin empty, in `cwd` (None: the backend's default) checked
+        against the roots, with :func:`run_exec`'s rules; else SandboxError."""
         raise SandboxError(f"{self.kind or type(self).__name__} sandbox does not support running commands (exec)")
 
     def close(self) -> None:
@@ -538,11 +524,10 @@ def exec_argv(argv: Sequence[str | bytes]) -> list[str]:
 
 
 class ExecRun(Protocol):
-    """A started command as :func:`run_exec` drives it. `pump` adds what
-    output is available (waiting up to `wait_s`) and is False once both
-    streams ended; `poll` never blocks long; `wait` gives None if still
-    running; `kill` ends the command and all it started (best effort, never
-    raises); `close` is idempotent."""
+    """A started command as :func:`run_exec` drives it. `pump` adds what output
+    is available (waiting up to `wait_s`), False once both streams ended;
+    `poll` never blocks long; `wait` gives None if still running; `kill` ends
+    the command and all it started (never raises); `close` is idempotent."""
 
     def pump(self, wait_s: float, out: BoundedOutput, err: BoundedOutput) -> bool: ...
 
@@ -557,12 +542,10 @@ class ExecRun(Protocol):
 
 def run_exec(run: ExecRun, *, timeout_s: float, max_output_bytes: int,
              drain_s: float = EXEC_DRAIN_S, poll_s: float = EXEC_POLL_S) -> tuple[int, bytes, bytes]:
-    """Drive a started command to (exit code, stdout, stderr) with the
-    :meth:`Sandbox.exec` rules: output bounded per stream; past `timeout_s`
-    the command is killed and the exit code is 124 with a note on stderr;
-    once it exited, output is read for `drain_s` more, and if something it
-    started still holds the output then, that is killed too. A command
-    killed by signal N exits 128 + N, as in a shell."""
+    """Drive a started command to (exit code, stdout, stderr): output bounded
+    per stream; past `timeout_s` it is killed, exit 124 with a note on stderr;
+    once it exited, output is read for `drain_s` more, then what still holds
+    it is killed too. A command killed by signal N exits 128 + N, as in a shell."""
     out, err = BoundedOutput(max_output_bytes), BoundedOutput(max_output_bytes)
     deadline = time.monotonic() + max(0.0, float(timeout_s))
     timed_out = False

@@ -1,19 +1,13 @@
-"""A local container's file opened from the host, below the root of the
-container's own process (``/proc/<pid>/root``), to be copied in the kernel
-instead of through the engine's archive API (the caller's conditions: a
-local engine, a root container, a path the engine's stat walk proved
-link-free).
-
-* the pid is pinned with a pidfd, its root opened, and then the engine must
-  still name that pid as the running container's (a reused pid is caught);
-* the path is opened below that root by ``openat2`` with
-  ``RESOLVE_IN_ROOT`` and no link followed, as an ``O_PATH`` descriptor
-  (:mod:`adapters.sandboxes.hostopen`): a device node or FIFO is never opened;
-* it must be the file the engine stat'ed (regular, size, permission bits,
-  mtime in ns) before it is opened for reading through ``/proc/self/fd``.
-
-Anything else (not Linux, no ``openat2``, no access to the process, another
-pid namespace, a mismatch) answers None: the caller takes the archive API.
+"""A local container's file opened from the host below the root of its
+process (``/proc/<pid>/root``) and copied in the kernel, instead of through
+the archive API (the caller's conditions: a local engine, a root container,
+a path the engine's stat walk proved link-free). The pid is pinned with a
+pidfd and confirmed by the engine after its root is opened; the path is
+opened below that root by ``openat2`` (``RESOLVE_IN_ROOT``, no link
+followed) as an ``O_PATH`` descriptor (:mod:`adapters.sandboxes.hostopen`:
+a device node or FIFO is never opened), and must be the file the engine
+stat'ed (regular, size, permission bits, mtime in ns) before it is opened
+for reading. Anything else answers None: the caller takes the archive API.
 """
 
 from __future__ import annotations
@@ -66,11 +60,9 @@ def _ended(pidfd: int) -> bool:
 
 def open_in_container(pid_of: Callable[[], int | None], path: str, *, size: int,
                       expect: dict) -> tuple[int, os.stat_result] | None:
-    """(fd, its fstat) of absolute `path` inside the container whose running
-    process `pid_of()` names (asked twice: before and after the open of its
-    root), when it is the file `expect` (the engine's stat of it) describes;
-    else None (see the module docstring), and then nothing was opened for
-    reading. The fd is blocking, read-only."""
+    """(read-only fd, fstat) of absolute `path` in the container whose process
+    `pid_of()` names (asked before and after the open of its root), when it is
+    the file `expect` (the engine's stat) describes; else None, nothing opened."""
     if not available():
         return None
     want_mtime = engine_mtime_ns(expect.get("mtime"))

@@ -122,10 +122,8 @@ class LocalSandbox(Sandbox):
         return dest
 
     # -- exec -------------------------------------------------------------------
-    def exec(
-        self, argv: Sequence[str], *, timeout_s: float, cwd: str | None = None,
-        max_output_bytes: int = DEFAULT_EXEC_OUTPUT_BYTES,
-    ) -> tuple[int, bytes, bytes]:
+    def exec(self, argv: Sequence[str], *, timeout_s: float, cwd: str | None = None,
+             max_output_bytes: int = DEFAULT_EXEC_OUTPUT_BYTES) -> tuple[int, bytes, bytes]:
         """Run `argv` on this host in its own process group (see Sandbox.exec),
         in `cwd` (default: the first allowed root that is a directory), with a
         minimal environment (never the worker's own, which holds tokens). Not

@@ -139,14 +139,10 @@ class Engine:
 
 class Hijacked:
     """The attach socket of a started exec, the bytes that already arrived
-    served first.
-
-    The SDK's ``exec_start(socket=True)`` hands over the socket *under*
-    http.client's buffered reader, which read the response headers in
-    blocks: what the engine sent right behind them (under CPU load, the
-    whole output of a quick command) sits in that buffer and never comes
-    out of the socket. It is taken out here, once, before anything reads
-    the socket."""
+    served first: the SDK hands over the socket *under* http.client's
+    buffered reader, and what the engine sent right behind the response
+    headers (under CPU load, a quick command's whole output) sits in that
+    buffer, never to come out of the socket."""
 
     def __init__(self, sock: Any) -> None:
         #: what the SDK returned (closing it closes the connection)
@@ -158,11 +154,8 @@ class Hijacked:
             self.close()
             raise
 
-    def fileno(self) -> int:
-        return int(self.raw.fileno())
-
-    def settimeout(self, timeout_s: float | None) -> None:
-        self.raw.settimeout(timeout_s)
+    def __getattr__(self, name: str) -> Any:  # fileno, settimeout, sendall, shutdown: the raw socket's
+        return getattr(self.raw, name)
 
     def pending(self) -> int:
         """Bytes readable without waiting (the early ones, TLS's decrypted ones): select would not see them."""
@@ -186,12 +179,6 @@ class Hijacked:
             return n
         return int(self.raw.recv_into(buf))
 
-    def sendall(self, data: bytes) -> None:
-        self.raw.sendall(data)
-
-    def shutdown(self, how: int) -> None:
-        self.raw.shutdown(how)
-
     def close(self) -> None:
         with suppress(Exception):  # best effort on a dying socket
             self.sock.close()
@@ -199,9 +186,8 @@ class Hijacked:
 
 def _read_ahead(sock: Any, raw: Any) -> bytes:
     """The bytes http.client's reader holds past the response headers of the
-    hijacked `sock` (b"" when it holds none, or the SDK's socket is not one
-    over such a reader). Never waits: the socket is non-blocking meanwhile,
-    so the reader makes at most one read that returns at once."""
+    hijacked `sock` (b"" when none, or no such reader). Never waits: the
+    socket is non-blocking meanwhile."""
     response = getattr(sock, "_response", None)
     fp = getattr(getattr(getattr(response, "raw", None), "_fp", None), "fp", None)
     if not isinstance(fp, io.BufferedReader):
@@ -327,9 +313,8 @@ class DockerExec:
 
 
 class DockerRun:
-    """One ``Sandbox.exec`` command in a container (an ExecRun for run_exec):
-    stdout and stderr demultiplexed from the attach socket as they come, the
-    exit code from the engine's exec inspect, killed by run id. Never run twice."""
+    """One ``Sandbox.exec`` command in a container (an ExecRun), its output
+    demultiplexed as it comes, killed by run id. Never run twice."""
 
     def __init__(self, ch: DockerExec, argv: Sequence[str], run_id: str) -> None:
         self.ch, self.run_id = ch, run_id

@@ -1,30 +1,22 @@
-"""The universal fallback: move files through a sandbox's *exec* channel.
-
-Any backend that can run a command in the sandbox (docker exec, ssh, modal
-``Sandbox.exec``) gets resolve, extract and put from here in a constant
-number of round trips whatever the file size (never many small ones: a
-base64 chunk per exec is ~500 times slower than one streaming ``cat``):
+"""The universal fallback: move files through a sandbox's *exec* channel,
+in a constant number of round trips whatever the file size (one streaming
+``cat``; a base64 chunk per exec is ~500 times slower):
 
 * resolve: ONE exec (``readlink -f``, a type test, ``stat``, ``$HOME``);
-* extract: ONE exec streaming the file on stdout from a descriptor the
-  script checked and stats before the first byte and after the last (a
-  change: FileChanging, never stored torn); a channel that can also send
-  one line of stdin resolves and streams in ONE exec;
-* put: ONE exec reading stdin into a temp name, then renaming it.
+* extract: ONE exec streaming the file from a descriptor the script checked
+  and stats before the first byte and after the last (a change:
+  FileChanging); a gated channel resolves and streams in ONE exec;
+* put: ONE exec reading stdin into a temp name, then renaming it;
+* ``Sandbox.exec``: the working directory resolved and checked (ONE exec,
+  cached), the argv run under :data:`RUN_SCRIPT`, a timeout killing every
+  process of the run by its id; never run twice, unless RUN_SCRIPT proves
+  nothing ran.
 
-It also runs agent commands (``Sandbox.exec``) the same way on every
-backend: the working directory resolved and checked (ONE exec, cached), the
-argv run under :data:`RUN_SCRIPT`, a timeout killing every process of the
-run by its id (:data:`.channel.KILL_SCRIPT`); a command is never run twice,
-unless RUN_SCRIPT proves nothing ran. No shell string is ever built from input: scripts
-are constants and paths travel as positional parameters
-(``sh -c SCRIPT sh "$path"``).
-
-A backend provides an :class:`ExecChannel` (``exec_small``, ``exec_stream``;
-optionally ``exec_stdin``, ``exec_probe``, ``exec_gated``) and raises
-SandboxGone from it when the sandbox vanishes; this package maps the
-scripts' exit codes to FileMissing / NotAFile / UnsafePath / TooLarge. Use
-:class:`ExecStreamMixin` or the plain functions.
+No shell string is ever built from input: scripts are constants and paths
+travel as positional parameters (``sh -c SCRIPT sh "$path"``). A backend
+provides an :class:`ExecChannel` (raising SandboxGone when the sandbox
+vanishes); the scripts' exit codes map to FileMissing / NotAFile /
+UnsafePath / TooLarge here.
 """
 
 from __future__ import annotations
@@ -36,12 +28,10 @@ from collections.abc import Callable, Iterator, Sequence
 
 from adapters.errors import FileMissing, SandboxError, UnsafePath
 from adapters.sandboxes.base import DEFAULT_EXEC_OUTPUT_BYTES, ExecRun, PathPolicy, check_lexical, exec_argv, run_exec
-from adapters.sandboxes.execstream.channel import (
-    EXIT_CHANGED, VERSION_FORMAT, ExecChannel, ExecStream, Resolved, _ask, _err_text, _fields, default_roots,
-    kill_argv, probe,
-)
 from adapters.sandboxes.execstream.transfer import (
-    GATED_STREAM_SCRIPT, exec_extract, exec_gated_extract, exec_iter_file, exec_put, exec_resolve, resolve_put_dest,
+    EXIT_CHANGED, GATED_STREAM_SCRIPT, VERSION_FORMAT, ExecChannel, ExecStream, Resolved, _ask, _err_text, _fields,
+    default_roots, exec_extract, exec_gated_extract, exec_iter_file, exec_put, exec_resolve, kill_argv, probe,
+    resolve_put_dest,
 )
 
 __all__ = [
@@ -66,11 +56,9 @@ printf '%s\0%s\0%s' "$HOME" "$t" "$r"
 
 # $1 = run id, $2 = checked working directory, $3 = backstop seconds ('' none),
 # $4.. = the argv. Enters $2 and proves it is still that directory (else exit 97
-# with a line naming the id), exports COURIER_EXEC_ID (KILL_SCRIPT finds every
-# process of the run by it), runs the argv under the sandbox's `timeout` when
-# that is GNU's (busybox's leaves a watcher holding the output for up to a
-# second after the command ends), else as is. The argv is not exec'd, so a
-# signal death is an exit status (128 + N) here too.
+# with a line naming the id), exports COURIER_EXEC_ID (for KILL_SCRIPT), runs the
+# argv under GNU `timeout` where there is one (busybox's holds the output up to
+# a second longer), not exec'd: a signal death is an exit status (128 + N).
 RUN_SCRIPT = r"""n=$1 d=$2 t=$3
 shift 3
 if cd -P "$d" 2>/dev/null; then p=$(pwd -P; echo x); p=${p%x}; p=${p%?}; else p=; fi
@@ -143,13 +131,9 @@ def exec_command(ch: ExecChannel, policy_for: Callable[[str | None], PathPolicy]
 
 
 class ExecStreamMixin:
-    """Sandbox methods on top of an :class:`ExecChannel`.
-
-    The class using it provides ``self.policy`` (a PathPolicy, or None to
-    build defaults from the sandbox's $HOME on first use), ``self.ref`` and
-    ``exec_channel() -> ExecChannel``. It gets ``resolve``, ``open_stream``,
-    and ``exec`` when the backend provides ``exec_start``.
-    """
+    """Sandbox methods (``resolve``, ``open_stream``, ``exec``) on top of
+    ``exec_channel()`` and ``exec_start``; ``self.policy`` None: defaults
+    built from the sandbox's $HOME on first use."""
 
     policy: PathPolicy | None
     #: roots used when neither the ref nor the constructor gave any

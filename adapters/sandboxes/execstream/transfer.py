@@ -1,4 +1,5 @@
-"""Files moved through a backend's exec channel (see the package's docstring)."""
+"""The exec channel's interface (:class:`ExecChannel`), what it hands back,
+the scripts' exit codes, and files moved through it (see the package's docstring)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,145 @@ import contextlib
 import os
 import posixpath
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 from adapters.errors import FileChanging, FileMissing, NotAFile, SandboxError, SandboxGone, TooLarge, UnsafePath
 from adapters.sandboxes.base import DEFAULT_MAX_BYTES, PathPolicy, ReadTimeout, check_lexical, check_size, grew_over_cap
-from adapters.sandboxes.execstream.channel import (
-    EXIT_CHANGED, EXIT_CHANGING, EXIT_DENIED, EXIT_LINKS, EXIT_LOOP, EXIT_MISSING, EXIT_NOT_DIR, EXIT_NOT_FILE,
-    EXIT_SHORT, VERSION_FORMAT, ExecChannel, ExecStream, GatedChannel, Resolved, _ask, _err_text, _fields, kill_argv,
-)
+
+#: exit codes of the constant scripts below
+EXIT_MISSING = 2
+EXIT_NOT_FILE = 4
+EXIT_CHANGED = 97
+EXIT_NOT_DIR = 5
+EXIT_SHORT = 6
+EXIT_DENIED = 13
+EXIT_LINKS = 15
+EXIT_LOOP = 40
+#: the stream script's: the file changed while it was read (EX_TEMPFAIL)
+EXIT_CHANGING = 75
+
+
+@dataclass
+class ExecStream:
+    """A running command's stdout as raw byte chunks. `exit_code()` is valid
+    once `chunks` is exhausted (None if unknown); `stderr()` is bounded;
+    `close()` ends the command early and is idempotent."""
+
+    chunks: Iterable[bytes]
+    exit_code: Callable[[], int | None]
+    stderr: Callable[[], bytes] = field(default=lambda: b"")
+    close: Callable[[], None] = field(default=lambda: None)
+    #: where the channel has one: stdout as a raw pipe, for a consumer that
+    #: moves the bytes in the kernel instead of iterating `chunks` (never both);
+    #: `wait()` before each read (raises ReadTimeout past the read deadline),
+    #: `end()` once the pipe is drained (the exit status is then known)
+    pipe_fd: int | None = None
+    wait: Callable[[], None] = field(default=lambda: None)
+    end: Callable[[], None] = field(default=lambda: None)
+    #: where the channel streams stdin: write these bytes to the command's stdin and close it
+    gate: Callable[[bytes], None] | None = None
+
+
+@runtime_checkable
+class ExecChannel(Protocol):
+    """What a backend provides to reuse this module."""
+
+    #: True when stdout of exec_stream carries arbitrary bytes unchanged
+    binary_safe: bool
+
+    def exec_small(self, argv: Sequence[str]) -> tuple[int, bytes, bytes]:
+        """Run argv, return (exit code, stdout, stderr); for short outputs."""
+        ...
+
+    def exec_stream(self, argv: Sequence[str]) -> ExecStream:
+        """Run argv and stream its stdout (raw bytes, or text if not binary_safe)."""
+        ...
+
+
+class GatedChannel(ExecChannel, Protocol):
+    """A channel that can also send one line of stdin to a streaming command
+    (``ExecStream.gate``) and hands out its stdout as a pipe (ssh)."""
+
+    def exec_gated(self, argv: Sequence[str]) -> ExecStream:
+        ...
+
+
+@dataclass(frozen=True)
+class Resolved:
+    path: str          # resolved absolute path inside the sandbox
+    size: int
+    home: str | None   # $HOME of the exec user (for default roots)
+    nlink: int = 1     # hard links of the file, where the resolve saw them
+    #: the file's version where the resolve saw it: `stat -c` of :data:`VERSION_FORMAT` (size, links,
+    #: mtime and ctime in ns, inode); a read that cannot compare them itself asks again after its last byte
+    version: str = ""
+
+
+#: what the file's version is made of (`stat -c`): any change between two of them is a write
+VERSION_FORMAT = "%s %h %y %z %i"
+
+
+def default_roots(home: str | None, base: Sequence[str] = ("/workspace", "/tmp")) -> tuple[str, ...]:
+    """`base` plus the user's home when that is a sane, specific directory
+    (never `/`, never a denylisted tree such as /root)."""
+    roots = list(base)
+    if home and home.startswith("/") and "\x00" not in home:
+        h = posixpath.normpath(home)
+        if h != "/" and h not in roots:
+            try:
+                PathPolicy(roots=(h,)).check(h)
+            except UnsafePath:
+                pass
+            else:
+                roots.append(h)
+    return tuple(roots)
+
+
+def probe(ch: ExecChannel, argv: Sequence[str], *, answers: Iterable[int] = (0,)) -> tuple[int, bytes, bytes]:
+    """Run a short read-only command that prints its answer whenever it exits
+    with one of `answers`, through ``exec_probe`` where the channel's
+    transport can lose such an answer (docker), else ``exec_small``. Never
+    for an agent's command, nor one that changes anything."""
+    ask = getattr(ch, "exec_probe", None)
+    if ask is not None:
+        return ask(argv, answers=tuple(answers))
+    return ch.exec_small(argv)
+
+
+def _ask(ch: ExecChannel, script: str, *args: str, answers: Iterable[int] = (0,)) -> tuple[int, bytes, bytes]:
+    """One of the constant read-only scripts, as a :func:`probe`."""
+    return probe(ch, ["sh", "-c", script, "sh", *args], answers=answers)
+
+
+def _fields(out: bytes, n: int, what: str) -> list[str]:
+    parts = out.split(b"\0")
+    if len(parts) != n:
+        raise SandboxError(f"{what}: unexpected reply from the sandbox ({out[:200]!r})")
+    return [p.decode("utf-8", "surrogateescape") for p in parts]
+
+
+def _err_text(err: bytes) -> str:
+    return err.decode("utf-8", "replace").strip()[:300]
+
+
+# $1 = run id. SIGKILL every process whose environment holds COURIER_EXEC_ID=$1
+# (one grep over /proc per round; rounds until none is left, for forks racing it).
+KILL_SCRIPT = r"""i=0
+while [ "$i" -lt 20 ]; do
+l=$(grep -lzxF "COURIER_EXEC_ID=$1" /proc/[0-9]*/environ 2>/dev/null)
+[ -n "$l" ] || exit 0
+for f in $l; do p=${f#/proc/}; kill -9 "${p%/environ}" 2>/dev/null; done
+i=$((i+1))
+done
+"""
+
+
+def kill_argv(run_id: str) -> list[str]:
+    """The argv that kills every process of the run `run_id` (see KILL_SCRIPT)."""
+    return ["sh", "-c", KILL_SCRIPT, "sh", run_id]
+
 
 # $1 = path as given. Prints HOME NUL resolved NUL type (f regular file, d
 # directory, o other) NUL its VERSION_FORMAT stat (a regular file; else "0 1").
@@ -166,11 +298,15 @@ def exec_iter_file(ch: ExecChannel, resolved: str, *, expected_size: int | None 
     fails, the file changed, or more than `max_bytes` arrive. A file with
     several hard links is refused unless `policy` allows them there."""
     mode = "cat" if getattr(ch, "binary_safe", True) else "base64"
+    links_ok = "1" if policy is not None and policy.links_allowed(resolved) else ""
     for attempt in range(3):
         # podman's Docker-compatible attach can drop a stream's output under load (exit 0,
         # no byte of a non-empty file): nothing was yielded then, so the read runs again
         lost: list[bool] | None = [] if attempt < 2 else None
-        run_id, st = _start_stream(ch, resolved, mode, policy)
+        # the run carries its id in its environment: a stalled one is killed by it (_kill)
+        run_id = uuid.uuid4().hex
+        st = ch.exec_stream(["env", f"COURIER_EXEC_ID={run_id}", "sh", "-c", STREAM_SCRIPT, "sh", resolved, mode,
+                             links_ok])
         yield from _iter_stream(ch, st, run_id, resolved, mode, expected_size=expected_size, max_bytes=max_bytes,
                                 lost=lost)
         if not lost:
@@ -212,15 +348,6 @@ def _kill(ch: ExecChannel, st: ExecStream, run_id: str) -> None:
         ch.exec_small(kill_argv(run_id))
 
 
-def _start_stream(ch: ExecChannel, resolved: str, mode: str, policy: PathPolicy | None) -> tuple[str, ExecStream]:
-    run_id = uuid.uuid4().hex
-    # the run carries its id in its environment: a stalled one (its channel's
-    # read deadline passed) is killed by it, not left blocked in the sandbox
-    links_ok = "1" if policy is not None and policy.links_allowed(resolved) else ""
-    return run_id, ch.exec_stream(["env", f"COURIER_EXEC_ID={run_id}", "sh", "-c", STREAM_SCRIPT, "sh", resolved,
-                                   mode, links_ok])
-
-
 #: what the stream script's exit codes say about the file (it read nothing then)
 _STREAM_EXITS: dict[int, tuple[type[SandboxError], str]] = {
     EXIT_MISSING: (FileMissing, "no such file"),
@@ -254,11 +381,9 @@ def _store_stream(ch: ExecChannel, st: ExecStream, run_id: str, resolved: str, m
                   expected_size: int | None, max_bytes: int,
                   guard: Callable[[Iterator[bytes]], Iterator[bytes]] | None = None):
     """The output of a started stream script into `store` at `key`, all or
-    nothing, with the checks of :func:`exec_iter_file`. Where the channel
-    hands out its stdout as a pipe and the store takes one (``put_pipe``: a
-    volume splices it in the kernel), the bytes never pass through this
-    process; else they stream through ``store.put_stream``, wrapped in
-    `guard` (error mapping)."""
+    nothing, with :func:`exec_iter_file`'s checks: spliced in the kernel where
+    the channel has a stdout pipe and the store ``put_pipe``, else through
+    ``store.put_stream`` wrapped in `guard` (error mapping)."""
     put_pipe = getattr(store, "put_pipe", None)
     info = None
     if st.pipe_fd is not None and mode == "cat" and put_pipe is not None:
