@@ -1,20 +1,16 @@
 """A file opened on the worker's host from a path an agent controls: never
 anything but a regular file, and never through a link.
 
-An agent that can make a device node (`mknod` as root in a rootful
-container) or a FIFO can swap one in between the check and the open, and
-``open()`` of a device runs its driver in the host's context even when no
-byte is read (``O_NONBLOCK`` does not stop that). So the path is first
-opened with ``O_PATH`` (no driver runs, nothing can be read through it), by
-``openat2`` following no link anywhere on the way where the kernel has it;
-that descriptor is ``fstat``'d and checked, and only a regular file is then
-opened for reading through ``/proc/self/fd/<n>``: the same inode.
-
-Fallbacks: without ``openat2`` (kernel < 5.6, a seccomp filter),
-``O_PATH | O_NOFOLLOW``: links on the way are followed and the callers check
-the descriptor's real path. Without ``O_PATH`` or ``/proc`` (not Linux), a
-non-blocking open without following the last link: only there can a
-special file swapped in be opened (never read).
+An agent that can make a device node (`mknod`, root in a rootful container)
+or a FIFO can swap one in between the check and the open, and ``open()`` of
+a device runs its driver in the host's context even when no byte is read.
+So the path is first opened as an ``O_PATH`` descriptor (no driver runs),
+by ``openat2`` following no link anywhere where the kernel has it (else
+``O_PATH | O_NOFOLLOW``: the callers check the descriptor's real path);
+that descriptor is checked, and only a regular file is then opened for
+reading through ``/proc/self/fd/<n>``: the same inode. Without ``O_PATH``
+or ``/proc`` (not Linux), a non-blocking open without following the last
+link: only there can a special file swapped in be opened (never read).
 """
 
 from __future__ import annotations

@@ -52,12 +52,6 @@ def engine_mtime_ns(value) -> int | None:
     return int(dt.timestamp()) * 1_000_000_000 + frac
 
 
-def _ended(pidfd: int) -> bool:
-    p = select.poll()
-    p.register(pidfd, select.POLLIN)
-    return bool(p.poll(0))
-
-
 def open_in_container(pid_of: Callable[[], int | None], path: str, *, size: int,
                       expect: dict) -> tuple[int, os.stat_result] | None:
     """(read-only fd, fstat) of absolute `path` in the container whose process
@@ -80,7 +74,9 @@ def open_in_container(pid_of: Callable[[], int | None], path: str, *, size: int,
             fds.callback(os.close, root)
         except OSError:
             return None
-        if pid_of() != pid or _ended(pidfd):  # the pid was not (or no longer) the container's
+        ended = select.poll()  # readable once the process has ended
+        ended.register(pidfd, select.POLLIN)
+        if pid_of() != pid or ended.poll(0):  # the pid was not (or no longer) the container's
             return None
         try:
             opath, st = open_path(path.lstrip("/"), dir_fd=root, fallback=False,

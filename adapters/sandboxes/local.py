@@ -1,11 +1,8 @@
-"""The local sandbox: paths on the worker's own host.
-
-Links are resolved with `realpath` and the resolved path checked; the file
-is then opened through :mod:`adapters.sandboxes.hostopen` (no link followed,
-never a special file), its real path and link count checked on the
-descriptor, and that very descriptor is copied: in the kernel into a volume,
-else streamed. No hard link is made: the agent could change a stored file.
-"""
+"""The local sandbox: paths on the worker's own host, resolved (`realpath`)
+and checked, then opened through :mod:`adapters.sandboxes.hostopen` (no link
+followed, never a special file; real path and link count checked on the
+descriptor), and that very descriptor copied (in the kernel into a volume).
+No hard link is made: the agent could change a stored file."""
 
 from __future__ import annotations
 

@@ -18,9 +18,8 @@ _HOST_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
 
 
 def host_of(ref: SandboxRef) -> str | None:
-    """The host a sandbox lives on (`ref.options["host"]`), or None when any
-    worker can reach it. Only hostname characters are accepted, so the value
-    is safe in a queue name."""
+    """The host a sandbox lives on (`ref.options["host"]`), or None when any worker
+    can reach it. Only hostname characters are accepted: the value is safe in a queue name."""
     host = (ref.options or {}).get("host")
     if not host:
         return None

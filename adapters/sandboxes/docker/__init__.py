@@ -14,14 +14,9 @@ Channels, fastest first (the security model: docs/security.md):
 
 A link-free path is resolved by the engine's lstat of each component, any
 other by ONE exec; every exec read has a deadline (``io_timeout_s``).
-``Sandbox.exec`` is one docker exec under execstream's run script (a
-background job still holding the output keeps running when the command
-exits). Run agent containers without ``CAP_MKNOD``: a device node in a bind
-mount is one on the host (courier never opens one; other host tools might).
-
-Modules: :mod:`.engine` (SDK client, container facts, exec channel, the ONE
-table of engine errors), :mod:`.demux`, :mod:`.tar` (archive channel),
-:mod:`.hostfs` (host-side fast paths), :mod:`.sandbox` (the flow).
+``Sandbox.exec`` is one docker exec (a background job still holding the
+output keeps running when the command exits). Run agent containers without
+``CAP_MKNOD``: a device node in a bind mount is one on the host.
 """
 
 from adapters.sandboxes.docker.demux import demux_stdout

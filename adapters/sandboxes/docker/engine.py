@@ -195,11 +195,10 @@ def _read_ahead(sock: Any, raw: Any) -> bytes:
     before = raw.gettimeout()
     raw.settimeout(0)
     try:
-        try:
-            held = fp.peek(CHUNK)
-        except OSError:  # nothing buffered and nothing on the socket yet (a TLS want-read)
-            held = b""
+        held = fp.peek(CHUNK)  # what is buffered: fp.read of it reads nothing more
         return fp.read(len(held)) if held else b""
+    except OSError:  # nothing buffered and nothing on the socket yet (a TLS want-read)
+        return b""
     finally:
         raw.settimeout(before)
 
@@ -367,9 +366,8 @@ def _not_found(exc: BaseException, eng: Engine, what: str, path: str | None) -> 
 
 def _api_error(exc: Any, eng: Engine, what: str, path: str | None) -> SandboxError:
     status = exc.status_code or 0
-    if status in (409,) or status >= 500 or not eng.alive():
-        return SandboxGone(f"container {eng.ref.target}: {what} failed: {exc.explanation or exc}")
-    return SandboxError(f"container {eng.ref.target}: {what} failed: {exc.explanation or exc}")
+    error = SandboxGone if status == 409 or status >= 500 or not eng.alive() else SandboxError
+    return error(f"container {eng.ref.target}: {what} failed: {exc.explanation or exc}")
 
 
 @functools.cache

@@ -19,8 +19,7 @@ from adapters.sandboxes.hostroot import open_in_container
 if TYPE_CHECKING:
     from adapters.sandboxes.docker.sandbox import DockerSandbox
 
-#: files from this size up are read through the container process's root (see hostroot): below
-#: it, the archive API's one GET costs less than that channel's two engine inspects
+#: files from this size up are read through the container process's root (below: one GET costs less)
 HOST_ROOT_MIN_BYTES = 8 * 1024 * 1024
 
 

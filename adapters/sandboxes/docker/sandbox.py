@@ -106,11 +106,9 @@ class DockerSandbox(ExecStreamMixin, Engine, Sandbox):  # type: ignore[misc]
         link on the way, a path the lexical policy refuses (a link may lead
         somewhere allowed), an engine without the stat call."""
         api = self.client.api
-        if not all(hasattr(api, a) for a in ("head", "_url", "_raise_for_status")):
-            return None
-        if has_glob(path):  # the engine would expand it: exec resolves it literally
-            return None
-        if not self.runs_as_root():  # the engine stats as root: exec resolves as the container's user
+        # the engine would expand glob characters, and stats as root: exec resolves literally, as the user
+        if (not all(hasattr(api, a) for a in ("head", "_url", "_raise_for_status")) or has_glob(path)
+                or not self.runs_as_root()):
             return None
         parts = [p for p in path.split("/") if p and p != "."]  # `.` is a no-op lexically (`..` never gets here)
         if not parts or len(parts) > MAX_STAT_WALK:  # a deep path: ONE exec, not a request per component
@@ -138,8 +136,7 @@ class DockerSandbox(ExecStreamMixin, Engine, Sandbox):  # type: ignore[misc]
                 return None
             if i < len(parts) - 1 and not mode & _GO_MODE_DIR:
                 raise FileMissing(f"{path}: {'/'.join(parts[: i + 1])} is not a directory")
-        assert st is not None
-        mode = int(st.get("mode", 0))
+        assert st is not None  # `mode`: the last component's
         if mode & _GO_MODE_DIR:
             raise NotAFile(f"{path}: is a directory")
         if mode & _GO_MODE_TYPE:
@@ -160,15 +157,13 @@ class DockerSandbox(ExecStreamMixin, Engine, Sandbox):  # type: ignore[misc]
                                                          resolved=r.path))
         walked = self._walk_stat if self._walk_stat and self._walk_stat[0] == r.path else None
         if has_glob(r.path) or not as_root or walked is None:
-            # the archive API would expand the name / read as root / the path had a
-            # link (the GET would follow a swapped one): exec reads the literal name
-            # with the container user's own permissions, from the fd it checked
+            # the archive API would expand the name / read as root / follow a link swapped in:
+            # exec reads the literal name as the container's user, from the fd it checked
             chunks = exec_iter_file(self._exec, r.path, expected_size=r.size, max_bytes=max_bytes,
                                     policy=self.policy_for(r.home))
             return self._moved("exec", store.put_stream(key, chunks, max_bytes=max_bytes))
         if self.prefer_host_root and r.size >= HOST_ROOT_MIN_BYTES and self._engine_is_local():
-            # the same read as the archive API's (as root, of a link-free path), from the
-            # host through the container process's root, copied in the kernel (see hostroot)
+            # the archive API's read (as root, of a link-free path), from the host (see hostroot)
             info = extract_host_root(self, r, path, store, key, max_bytes=max_bytes, expect=walked[1])
             if info is not None:
                 return self._moved("host_root", info)

@@ -132,8 +132,7 @@ def iter_single_member(fileobj, *, expected_name: str | None, expected_size: int
         parts.append(chunk)
         have += len(chunk)
         if have >= block or left == 0:
-            # engines send small HTTP chunks (podman: 32 KiB): hand out ~1 MiB
-            # pieces so hashing and writing see few, large calls
+            # engines send small HTTP chunks: hashing and writing see few, large ones
             yield parts[0] if len(parts) == 1 else b"".join(parts)
             parts, have = [], 0
     try:
@@ -257,8 +256,7 @@ def iter_archive(engine: Engine, resolved: str, size: int | None, *, max_bytes: 
         with engine._errors("archive stream", path=resolved):
             yield from iter_single_member(body, expected_name=posixpath.basename(resolved),
                                           expected_size=size, max_bytes=max_bytes)
-        # an engine may finish a copy from a container removed meanwhile (podman
-        # does); one cheap inspect makes "gone mid-transfer" fail the same everywhere
+        # an engine (podman) may finish a copy from a container removed meanwhile: fail as elsewhere
         if not engine.alive():
             raise SandboxGone(f"container {engine.ref.target} went away during the transfer")
         check_unchanged_after(engine, resolved, st)

@@ -41,9 +41,8 @@ __all__ = [
 ]
 
 
-# $1.. = candidate directories; the first that resolves to a directory wins.
-# Prints HOME NUL status NUL resolved: d directory, n not a directory, m missing
-# (for the last candidate, resolved as far as it goes).
+# $1.. = candidate directories; the first that resolves to a directory wins. Prints HOME NUL
+# status NUL resolved: d directory, n not a directory, m missing (the last candidate, as far as it goes).
 CWD_SCRIPT = r"""for c in "$@"; do
 r=$(readlink -f -- "$c"; echo x)
 r=${r%x}
@@ -70,8 +69,7 @@ if [ -n "$t" ] && timeout --version >/dev/null 2>&1; then timeout -s KILL -- "$t
 exit $?
 """
 
-#: seconds past an exec's timeout after which the sandbox's own `timeout`
-#: kills the command (only matters when the worker could not)
+#: seconds past an exec's timeout after which the sandbox's own `timeout` kills it (if the worker could not)
 EXEC_BACKSTOP_S = 10
 
 

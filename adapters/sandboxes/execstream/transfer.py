@@ -38,10 +38,8 @@ class ExecStream:
     exit_code: Callable[[], int | None]
     stderr: Callable[[], bytes] = field(default=lambda: b"")
     close: Callable[[], None] = field(default=lambda: None)
-    #: where the channel has one: stdout as a raw pipe, for a consumer that
-    #: moves the bytes in the kernel instead of iterating `chunks` (never both);
-    #: `wait()` before each read (raises ReadTimeout past the read deadline),
-    #: `end()` once the pipe is drained (the exit status is then known)
+    #: where the channel has one: stdout as a raw pipe, moved in the kernel instead of iterating `chunks`;
+    #: `wait()` before each read (ReadTimeout past the deadline), `end()` once drained (exit status known)
     pipe_fd: int | None = None
     wait: Callable[[], None] = field(default=lambda: None)
     end: Callable[[], None] = field(default=lambda: None)
@@ -58,11 +56,9 @@ class ExecChannel(Protocol):
 
     def exec_small(self, argv: Sequence[str]) -> tuple[int, bytes, bytes]:
         """Run argv, return (exit code, stdout, stderr); for short outputs."""
-        ...
 
     def exec_stream(self, argv: Sequence[str]) -> ExecStream:
         """Run argv and stream its stdout (raw bytes, or text if not binary_safe)."""
-        ...
 
 
 class GatedChannel(ExecChannel, Protocol):
@@ -79,8 +75,7 @@ class Resolved:
     size: int
     home: str | None   # $HOME of the exec user (for default roots)
     nlink: int = 1     # hard links of the file, where the resolve saw them
-    #: the file's version where the resolve saw it: `stat -c` of :data:`VERSION_FORMAT` (size, links,
-    #: mtime and ctime in ns, inode); a read that cannot compare them itself asks again after its last byte
+    #: `stat -c` of :data:`VERSION_FORMAT` at the resolve (a read that cannot compare versions itself asks again)
     version: str = ""
 
 
@@ -94,13 +89,8 @@ def default_roots(home: str | None, base: Sequence[str] = ("/workspace", "/tmp")
     roots = list(base)
     if home and home.startswith("/") and "\x00" not in home:
         h = posixpath.normpath(home)
-        if h != "/" and h not in roots:
-            try:
-                PathPolicy(roots=(h,)).check(h)
-            except UnsafePath:
-                pass
-            else:
-                roots.append(h)
+        if h != "/" and h not in roots and PathPolicy(roots=(h,)).denied_reason(h) is None:
+            roots.append(h)
     return tuple(roots)
 
 
@@ -427,7 +417,7 @@ def exec_gated_extract(ch: GatedChannel, path: str, store, key: str, *, max_byte
         if st.gate is None or st.pipe_fd is None:
             raise SandboxError("exec_gated_extract needs a channel with a stdin gate and a stdout pipe")
         head = bytearray()
-        while head.count(b"\0") < 4:
+        while head.count(b"\0") < 4 and len(head) <= 3 * 65536:
             st.wait()
             data = os.read(st.pipe_fd, 65536)
             if not data:  # the script ended before its answer: the path did not resolve
@@ -435,9 +425,8 @@ def exec_gated_extract(ch: GatedChannel, path: str, store, key: str, *, max_byte
                 st.close()
                 return None
             head += data
-            if len(head) > 3 * 65536:
-                raise SandboxError(f"{path}: unexpected reply from the sandbox ({bytes(head[:200])!r})")
-        if not head.endswith(b"\0") or head.count(b"\0") != 4:  # the script sends nothing more before `go`
+        # the script sends nothing more before `go`
+        if len(head) > 3 * 65536 or not head.endswith(b"\0") or head.count(b"\0") != 4:
             raise SandboxError(f"{path}: unexpected reply from the sandbox ({bytes(head[:200])!r})")
         r = _parse_resolved(bytes(head[:-1]), path)
         policy = check(r)
