@@ -9,6 +9,7 @@ before a byte moves, and checked again after transfer where the backend can.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fnmatch
 import os
 import posixpath
@@ -19,7 +20,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeVar
-from urllib.parse import quote, unquote_to_bytes, urlparse
+from urllib.parse import parse_qsl, quote, unquote_to_bytes, urlparse
 
 from adapters.defaults import MAX_FILE_BYTES
 from adapters.errors import (
@@ -79,12 +80,8 @@ class SandboxRef:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SandboxRef":
-        return cls(
-            kind=d["kind"],
-            target=d.get("target", ""),
-            roots=tuple(d.get("roots") or ()),
-            options=dict(d.get("options") or {}),
-        )
+        return cls(kind=d["kind"], target=d.get("target", ""), roots=tuple(d.get("roots") or ()),
+                   options=dict(d.get("options") or {}))
 
 
 def _text(part: str, what: str, uri: str) -> str:
@@ -100,11 +97,9 @@ def _text(part: str, what: str, uri: str) -> str:
 
 def parse_uri(uri: str) -> tuple[SandboxRef, str]:
     """`local:///abs/path`, `docker://ctr/abs/path`, `ssh://user@host:port/abs/path`,
-    `modal://sb-id/abs/path`, `singularity://instance/abs/path` -> (ref, path).
-
-    `?host=<worker host>` pins a docker container or singularity instance to
-    the host it lives on: its extractions go to the queue `sandbox.<host>`.
-    Every part is %-decoded as UTF-8; one that is not (`%FF`) is refused."""
+    `modal://sb-id/abs/path`, `singularity://instance/abs/path` -> (ref, path);
+    `?host=<worker host>` pins a sandbox to the queue `sandbox.<host>`. Every
+    part is %-decoded as UTF-8; one that is not (`%FF`) is refused."""
     if any(ord(c) < 32 or ord(c) == 127 for c in uri):
         # urlparse drops tabs and newlines silently: the URI would name another file
         raise ConfigError(f"control character in sandbox URI {uri!r}")
@@ -128,17 +123,14 @@ def parse_uri(uri: str) -> tuple[SandboxRef, str]:
     if not p.netloc:
         raise ConfigError(f"{kind} sandbox URI needs a {'host' if kind == 'ssh' else 'name'}: {uri!r}")
     options: dict[str, str] = {}
-    if p.query:
-        from urllib.parse import parse_qsl
-
-        try:
-            pairs = parse_qsl(p.query, keep_blank_values=False, errors="strict")
-        except UnicodeDecodeError:
-            raise ConfigError(f"the options of sandbox URI {uri!r} are not UTF-8 once decoded") from None
-        for k, v in pairs:
-            if k != "host":
-                raise ConfigError(f"unknown sandbox URI option {k!r} in {uri!r} (known: host)")
-            options["host"] = v
+    try:
+        pairs = parse_qsl(p.query, keep_blank_values=False, errors="strict")
+    except UnicodeDecodeError:
+        raise ConfigError(f"the options of sandbox URI {uri!r} are not UTF-8 once decoded") from None
+    for k, v in pairs:
+        if k != "host":
+            raise ConfigError(f"unknown sandbox URI option {k!r} in {uri!r} (known: host)")
+        options["host"] = v
     target = _text(p.netloc, "name", uri)
     if kind == "ssh":
         target = p.hostname or ""
@@ -170,19 +162,12 @@ def format_uri(ref: SandboxRef, path: str) -> str:
 
 @dataclass(frozen=True)
 class PathPolicy:
-    """Allowed roots and the denylist, applied to *resolved* paths.
-
-    A path is allowed when it is under a root and under no denied prefix —
-    except that a root configured strictly inside a denied system prefix
-    (e.g. root's default data dir `/root/.local/share/courier`, or
-    `/var/lib/courier`) allows what is below it: the explicit root is the
-    more specific rule. `/proc`, `/sys`, `/dev` and the home's secrets
-    (`~/.ssh`, `~/.aws`, …) stay denied whatever the roots say.
-
-    `home_denylist`: patterns under `home` (see HOME_DENYLIST). `links_ok`:
-    roots under which a regular file with more than one hard link is still
-    delivered (a hard link may be another name of a file outside the roots;
-    elsewhere such a file is refused)."""
+    """Allowed roots and the denylist, applied to *resolved* paths: allowed
+    under a root and under no denied prefix, except below a root configured
+    strictly inside a denied system prefix (`/root/.local/share/courier`: the
+    explicit root is the more specific rule); NEVER_WAIVED and the home's
+    secrets (`home_denylist`) stay denied whatever the roots say. `links_ok`:
+    roots under which a file with several hard links is still delivered."""
 
     roots: tuple[str, ...]
     home: str | None = None
@@ -194,9 +179,6 @@ class PathPolicy:
         # normalised once: a check runs for every file, twice
         object.__setattr__(self, "_denied", tuple((d, _prefix(d)) for d in self.denylist))
         object.__setattr__(self, "_roots", tuple(_prefix(r) for r in self.roots))
-        # a root configured strictly inside a denied system prefix (the default data dir of root,
-        # /root/.local/share/courier; a data dir under /var/lib) is allowed below that root: the
-        # explicit root is the more specific rule. Never for NEVER_WAIVED nor the home's secrets.
         waivable = tuple(_prefix(d) for d in self.denylist if not _under(d, NEVER_WAIVED))
         roots = self._roots  # type: ignore[attr-defined]
         object.__setattr__(self, "_waives", tuple(frozenset(d for d in waivable if r.startswith(d) and r != d)
@@ -206,12 +188,6 @@ class PathPolicy:
         object.__setattr__(self, "_home_pats", tuple(
             tuple(c for c in d.split("/") if c) for d in self.home_denylist if d.strip("/")))
         object.__setattr__(self, "_links_ok", tuple(_prefix(r) for r in self.links_ok))
-
-    def denied(self) -> list[str]:
-        out = list(self.denylist)
-        if self.home:
-            out += [posixpath.join(self.home, d) for d in self.home_denylist]
-        return out
 
     def denied_reason(self, path: str) -> str | None:
         """The denylist entry that covers `path` (normalised, absolute), else None."""
@@ -289,8 +265,7 @@ def check_lexical(path: str) -> str:
 
 
 def check_size(shown: str, size: int, max_bytes: int) -> None:
-    """The size cap, checked before a transfer: TooLarge when `size` is over
-    `max_bytes` (the one place its words are written)."""
+    """The size cap, checked before a transfer (the one place its words are written)."""
     if size > max_bytes:
         raise TooLarge(f"{shown}: {size:,} bytes is over the {max_bytes:,} byte cap", size_bytes=size,
                        limit_bytes=max_bytes)
@@ -304,11 +279,7 @@ def grew_over_cap(shown: str, size: int | None, max_bytes: int) -> TooLarge:
 
 def os_error(exc: OSError, shown: str) -> SandboxError:
     """One clear, permanent courier error for what the OS said about `shown`
-    (never a raw OSError as a chat's reason): missing / not a directory /
-    a name too long are FileMissing, a link loop and a denied permission
-    UnsafePath, anything else a SandboxError naming the OS's words."""
-    import errno
-
+    (never a raw OSError as a chat's reason)."""
     code, why = exc.errno, exc.strerror or str(exc)
     if code in (errno.ENOENT, errno.ENOTDIR):
         return FileMissing(f"{shown}: no such file ({why})")
@@ -327,27 +298,22 @@ DEFAULT_IO_TIMEOUT_S = 60.0
 
 class ReadTimeout(SandboxGone):
     """A sandbox channel sent nothing within its read deadline (a stalled
-    shell, a FIFO opened after the check): this attempt fails, the worker
-    goes on."""
+    shell, a FIFO opened after the check): this attempt fails, not the worker."""
 
 
 def with_deadline(chunks: Iterable[T], idle_s: float, what: str,
                   on_timeout: Callable[[], object] | None = None) -> Iterator[T]:
-    """`chunks` (a blocking iterator: an SDK stream) read by a helper thread,
-    at most two chunks ahead; when none arrives for `idle_s` seconds,
-    `on_timeout()` runs (end the command) and :class:`ReadTimeout` is raised.
-    A producer still stuck in the SDK is left to its daemon thread."""
+    """`chunks` (a blocking SDK stream) read by a daemon thread, at most two
+    ahead; when none arrives for `idle_s` seconds, `on_timeout()` runs (end
+    the command) and :class:`ReadTimeout` is raised."""
     q: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=2)
     stop = threading.Event()
-    done = object()
 
     def put(item: tuple[str, Any]) -> None:
         while not stop.is_set():
-            try:
+            with contextlib.suppress(queue.Full):
                 q.put(item, timeout=0.1)
                 return
-            except queue.Full:
-                continue
 
     def run() -> None:
         try:
@@ -355,7 +321,7 @@ def with_deadline(chunks: Iterable[T], idle_s: float, what: str,
                 put(("c", chunk))
                 if stop.is_set():
                     return
-            put(("d", done))
+            put(("d", None))
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
             put(("e", exc))
 
@@ -379,9 +345,8 @@ def with_deadline(chunks: Iterable[T], idle_s: float, what: str,
 
 
 def call_with_deadline(fn: Callable[[], R], timeout_s: float, what: str) -> R | None:
-    """`fn()` run by a helper thread; ReadTimeout if it has not returned
-    within `timeout_s` (a blocking SDK write into a stalled sandbox; the
-    thread is left to end on its own). Its result, or its exception."""
+    """`fn()`'s result (or exception), run by a helper thread; ReadTimeout if
+    it has not returned within `timeout_s` (the thread is left to end on its own)."""
     box: dict[str, Any] = {}
 
     def run() -> None:
@@ -400,26 +365,25 @@ def call_with_deadline(fn: Callable[[], R], timeout_s: float, what: str) -> R | 
     return box.get("res")
 
 
-def unchanged(before: os.stat_result, after: os.stat_result, copied_bytes: int, store: BlobStore, key: str, *,
-              shown: str) -> None:
-    """A file read through one descriptor must be the same version at the end
-    as at the start (size, mtime, ctime) and give exactly its size: else what
-    was stored is a torn copy of a file still being written. It is deleted and
-    FileChanging raised (transient: the writer may finish)."""
+def unchanged(before: os.stat_result, after: os.stat_result, copied_bytes: int, store: BlobStore | None,
+              key: str, *, shown: str) -> None:
+    """A file read through one descriptor must be the same version (size,
+    mtime, ctime) at the end as at the start and give exactly its size: else
+    the torn copy is deleted (`store` None: not stored yet), FileChanging raised."""
     same = (before.st_size == after.st_size == copied_bytes and before.st_mtime_ns == after.st_mtime_ns
             and before.st_ctime_ns == after.st_ctime_ns)
     if not same:
         with contextlib.suppress(Exception):
-            store.delete(key)
+            if store is not None:
+                store.delete(key)
         raise FileChanging(f"{shown}: changed while it was read ({before.st_size:,} -> {after.st_size:,} bytes); "
                            "read again later")
 
 
 def write_blob_at(dfd: int, name: str, tmp: str, store: BlobStore, key: str, *, owner_of_dir: bool = False) -> None:
-    """Stream blob `key` into `name` in the directory open as `dfd`: written
-    under the private temp name `tmp` (O_EXCL, no link followed), renamed over
-    `name` once complete, removed on any failure. `owner_of_dir`: the file
-    takes the directory's owner (where the process may)."""
+    """Stream blob `key` into `name` in the directory open as `dfd`, under the
+    private temp name `tmp` (O_EXCL, no link followed) renamed over `name`
+    once complete. `owner_of_dir`: the file takes the directory's owner."""
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd)
     try:
         if owner_of_dir:
@@ -437,15 +401,13 @@ def write_blob_at(dfd: int, name: str, tmp: str, store: BlobStore, key: str, *, 
 
 
 class NoInbound(SandboxError, NotImplementedError):
-    """A backend that does not take inbound files (:meth:`Sandbox.put`): a
-    SandboxError, and a NotImplementedError for callers that ask for that."""
+    """A backend that does not take inbound files (:meth:`Sandbox.put`)."""
 
 
 class Sandbox(ABC):
-    """An opened sandbox. Backends implement `resolve` and `open_stream`
-    (or override `_copy_out` with a faster channel) and `_copy_in`;
-    `extract` and `put` are templates that hold the checks every backend
-    shares (lexical check, size cap), and are never overridden."""
+    """An opened sandbox. Backends implement `resolve`, `open_stream` (and
+    may override `_copy_out` with a faster channel) and `_copy_in`; the
+    templates `extract` and `put` hold the shared checks, never overridden."""
 
     kind: str = ""
 
@@ -455,9 +417,8 @@ class Sandbox(ABC):
 
     @abstractmethod
     def resolve(self, path: str) -> tuple[str, int]:
-        """Resolve `path` inside the sandbox (links followed) and check it;
-        returns (resolved path, size in bytes). Raises FileMissing, NotAFile,
-        UnsafePath."""
+        """(resolved path, size) of `path` resolved inside the sandbox (links
+        followed) and checked. Raises FileMissing, NotAFile, UnsafePath."""
 
     @abstractmethod
     def open_stream(self, resolved: str) -> Iterable[bytes]:
@@ -469,31 +430,26 @@ class Sandbox(ABC):
         check_size(shown, size, max_bytes)
 
     def extract(self, path: str, store: BlobStore, key: str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> BlobInfo:
-        """Copy one sandbox file into `store` at `key`; returns storage.BlobInfo.
-
-        The size cap holds before (stat) and during (counted) the transfer;
-        on any failure nothing is left in storage. A template: backends
-        provide :meth:`_copy_out`, never override this."""
+        """Copy one sandbox file into `store` at `key`. The size cap holds
+        before and during the transfer; on any failure nothing is stored."""
         check_lexical(path)
         return self._copy_out(path, store, key, max_bytes=max_bytes)
 
     def _copy_out(self, path: str, store: BlobStore, key: str, *, max_bytes: int) -> BlobInfo:
-        """`path` (lexically checked) resolved, checked, size-capped and
-        streamed into `store`. A backend with a faster channel overrides
-        this, and calls :meth:`check_size` itself."""
+        """`path` (lexically checked) resolved, checked, size-capped (an
+        override calls :meth:`check_size` itself) and streamed into `store`."""
         resolved, size = self.resolve(path)
         self.check_size(path, size, max_bytes)
         return store.put_stream(key, self.open_stream(resolved), max_bytes=max_bytes)
 
     def home_dir(self) -> str | None:
-        """The sandbox user's home (an absolute path inside the sandbox), or
-        None when this backend does not know it. Default: the policy's home."""
+        """The sandbox user's home (absolute, inside the sandbox), or None if not known."""
         policy = getattr(self, "policy", None)
         return policy.home if policy is not None else None
 
     def expand_home(self, path: str) -> str:
-        """`~/x` (an agent's `MEDIA:~/x`) as a path under the sandbox's own
-        home; any other path as is. The result is checked like any path."""
+        """`~/x` (an agent's `MEDIA:~/x`) under the sandbox's own home; any
+        other path as is. The result is checked like any path."""
         if not path.startswith("~/"):
             return path
         home = self.home_dir()
@@ -502,9 +458,7 @@ class Sandbox(ABC):
         return posixpath.join(posixpath.normpath(home), path[2:])
 
     def put(self, store: BlobStore, key: str, dest_path: str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
-        """Inbound: copy a stored blob into the sandbox at `dest_path`; returns
-        the path written (resolved). A template: backends provide
-        :meth:`_copy_in`, never override this."""
+        """Inbound: copy a stored blob into the sandbox at `dest_path`; the path written (resolved)."""
         check_lexical(dest_path)
         size = store.stat(key).size_bytes
         self.check_size(key, size, max_bytes)
@@ -515,21 +469,11 @@ class Sandbox(ABC):
         `dest_path` (lexically checked), all or nothing."""
         raise NoInbound(f"{self.kind or type(self).__name__} sandbox does not take inbound files yet")
 
-    def exec(
-        self, argv: Sequence[str], *, timeout_s: float, cwd: str | None = None,
-        max_output_bytes: int = DEFAULT_EXEC_OUTPUT_BYTES,
-    ) -> tuple[int, bytes, bytes]:
-        """Run `argv` (a list, no shell) in the sandbox; returns (exit code,
-        stdout, stderr). Optional: backends that cannot run commands raise
-        :class:`SandboxError`.
-
-        Contract for implementations: `cwd` (None: the backend's default) is
-        checked against the allowed roots; stdin is empty; each of stdout and
-        stderr keeps at most `max_output_bytes` (head and tail, with a marker
-        line where bytes were dropped); past `timeout_s` the whole process
-        tree is killed and the exit code is :data:`EXEC_TIMEOUT_EXIT` (124)
-        with a note at the end of stderr. Backends drive their channel with
-        :func:`run_exec`, which holds these rules in one place."""
+    def exec(self, argv: Sequence[str], *, timeout_s: float, cwd: str | None = None,
+             max_output_bytes: int = DEFAULT_EXEC_OUTPUT_BYTES) -> tuple[int, bytes, bytes]:
+        """(exit code, stdout, stderr) of `argv` (a list, no shell) run in the
+        sandbox, stdin empty, in `cwd` (None: the backend's default) checked
+        against the roots, with :func:`run_exec`'s rules; else SandboxError."""
         raise SandboxError(f"{self.kind or type(self).__name__} sandbox does not support running commands (exec)")
 
     def close(self) -> None:
@@ -580,38 +524,28 @@ def exec_argv(argv: Sequence[str | bytes]) -> list[str]:
 
 
 class ExecRun(Protocol):
-    """A started command as :func:`run_exec` drives it (one per backend channel)."""
+    """A started command as :func:`run_exec` drives it. `pump` adds what output
+    is available (waiting up to `wait_s`), False once both streams ended;
+    `poll` never blocks long; `wait` gives None if still running; `kill` ends
+    the command and all it started (never raises); `close` is idempotent."""
 
-    def pump(self, wait_s: float, out: BoundedOutput, err: BoundedOutput) -> bool:
-        """Add what output is available (waiting up to `wait_s` for some) to
-        `out` / `err`; False once both streams have ended."""
-        ...
+    def pump(self, wait_s: float, out: BoundedOutput, err: BoundedOutput) -> bool: ...
 
-    def poll(self) -> int | None:
-        """The exit code if the command has exited, else None (never blocks long)."""
-        ...
+    def poll(self) -> int | None: ...
 
-    def wait(self, timeout_s: float) -> int | None:
-        """The exit code, waiting up to `timeout_s`; None if still running."""
-        ...
+    def wait(self, timeout_s: float) -> int | None: ...
 
-    def kill(self) -> None:
-        """Kill the command and everything it started (best effort, never raises)."""
-        ...
+    def kill(self) -> None: ...
 
-    def close(self) -> None:
-        """Release the channel (idempotent)."""
-        ...
+    def close(self) -> None: ...
 
 
 def run_exec(run: ExecRun, *, timeout_s: float, max_output_bytes: int,
              drain_s: float = EXEC_DRAIN_S, poll_s: float = EXEC_POLL_S) -> tuple[int, bytes, bytes]:
-    """Drive a started command to (exit code, stdout, stderr) with the
-    :meth:`Sandbox.exec` rules: output bounded per stream; past `timeout_s`
-    the command is killed and the exit code is 124 with a note on stderr;
-    once it exited, output is read for `drain_s` more, and if something it
-    started still holds the output then, that is killed too. A command
-    killed by signal N exits 128 + N, as in a shell."""
+    """Drive a started command to (exit code, stdout, stderr): output bounded
+    per stream; past `timeout_s` it is killed, exit 124 with a note on stderr;
+    once it exited, output is read for `drain_s` more, then what still holds
+    it is killed too. A command killed by signal N exits 128 + N, as in a shell."""
     out, err = BoundedOutput(max_output_bytes), BoundedOutput(max_output_bytes)
     deadline = time.monotonic() + max(0.0, float(timeout_s))
     timed_out = False

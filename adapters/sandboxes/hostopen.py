@@ -1,32 +1,23 @@
 """A file opened on the worker's host from a path an agent controls: never
 anything but a regular file, and never through a link.
 
-An agent that can make a device node (root in a rootful container can
-`mknod`) or a FIFO can swap one in for its file between the check of the
-path and the open. ``open()`` of a device runs its driver in the host's
-context (a watchdog, a tape, a serial line) even when no byte is read;
-``O_NONBLOCK`` does not stop that. So the path is first opened with
-``O_PATH`` (no driver runs, no permission is asked, nothing can be read
-through it), where the kernel has it with ``openat2`` following no link
-anywhere on the way (``RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS``, and
-``RESOLVE_BENEATH`` below a directory descriptor); that descriptor is
-``fstat``'d, checked, and only a regular file is then opened for reading,
-through ``/proc/self/fd/<n>``: the same inode, whatever the path names by
-then (a regular file cannot become anything else).
-
-Fallbacks: without ``openat2`` (a kernel before 5.6, a seccomp filter that
-refuses it) the path is opened with ``O_PATH | O_NOFOLLOW``: a link at its
-last component is refused as before (``ELOOP``); links on the way are
-followed, and the callers check the descriptor's real path. Without
-``O_PATH`` or ``/proc`` (not Linux), the file is opened non-blocking without
-following its last link and the opened descriptor checked: only there can
-a special file swapped in be opened (never read).
+An agent that can make a device node (`mknod`, root in a rootful container)
+or a FIFO can swap one in between the check and the open, and ``open()`` of
+a device runs its driver in the host's context even when no byte is read.
+So the path is first opened as an ``O_PATH`` descriptor (no driver runs),
+by ``openat2`` following no link anywhere where the kernel has it (else
+``O_PATH | O_NOFOLLOW``: the callers check the descriptor's real path);
+that descriptor is checked, and only a regular file is then opened for
+reading through ``/proc/self/fd/<n>``: the same inode. Without ``O_PATH``
+or ``/proc`` (not Linux), a non-blocking open without following the last
+link: only there can a special file swapped in be opened (never read).
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import os
 import stat
 import struct
@@ -51,18 +42,15 @@ _O_NOCTTY = getattr(os, "O_NOCTTY", 0)
 #: where an O_PATH descriptor is opened again for reading
 _PROC_FD = "/proc/self/fd"
 
-_syscall: Any = None
 #: False once the kernel said it has no openat2 (ENOSYS): not asked again
 _has_openat2 = sys.platform.startswith("linux")
 
 
+@functools.cache
 def _libc_syscall() -> Any:
-    global _syscall
-    if _syscall is None:
-        fn = ctypes.CDLL(None, use_errno=True).syscall
-        fn.restype = ctypes.c_long
-        _syscall = fn
-    return _syscall
+    fn = ctypes.CDLL(None, use_errno=True).syscall
+    fn.restype = ctypes.c_long
+    return fn
 
 
 def openat2(dirfd: int, path: str, flags: int, resolve: int) -> int:
@@ -78,25 +66,18 @@ def openat2(dirfd: int, path: str, flags: int, resolve: int) -> int:
             raise OSError(err, os.strerror(err), path)
 
 
-_safe: bool | None = None
-
-
+@functools.cache
 def host_open_safe() -> bool:
     """Whether a special file is never opened here (O_PATH and /proc/self/fd exist; asked once)."""
-    global _safe
-    if _safe is None:
-        _safe = _O_PATH is not None and os.path.isdir(_PROC_FD)
-    return _safe
+    return _O_PATH is not None and os.path.isdir(_PROC_FD)
 
 
 def open_path(path: str, *, dir_fd: int | None = None, resolve: int | None = None,
               fallback: bool = True) -> tuple[int, os.stat_result]:
-    """An ``O_PATH`` descriptor of `path` (its last link never followed) and its fstat:
-    through ``openat2`` with `resolve` (default: no link anywhere on the
-    way, and beneath `dir_fd` when given), else (`fallback`: no openat2 here)
-    ``open(O_PATH | O_NOFOLLOW)``, where a link at the last component is
-    refused with ELOOP (O_PATH | O_NOFOLLOW would open the link itself).
-    Raises OSError."""
+    """An ``O_PATH`` descriptor of `path` (its last link never followed, ELOOP)
+    and its fstat: through ``openat2`` with `resolve` (default: no link
+    anywhere, beneath `dir_fd` when given), else (`fallback`: no openat2
+    here) ``open(O_PATH | O_NOFOLLOW)``. Raises OSError."""
     global _has_openat2
     assert _O_PATH is not None
     flags = _O_PATH | os.O_NOFOLLOW | _O_CLOEXEC
@@ -134,16 +115,24 @@ def reopen_for_reading(opath_fd: int) -> int:
 
 def open_regular(path: str, *, dir_fd: int | None = None, shown: str | None = None,
                  check: Callable[[int, os.stat_result], None] | None = None) -> tuple[int, os.stat_result]:
-    """`path` opened for reading if it is a regular file reached through no
-    link; returns (fd, its fstat). A non-regular file is refused (NotAFile)
-    without ever being opened for reading, whatever was swapped in after
-    the caller's check; `check(descriptor, stat)` runs on the O_PATH
-    descriptor first (its real path, its link count: raise to refuse), so
-    nothing is opened for reading before it passed. OSError as the OS says
-    (ENOENT; ELOOP for a link)."""
+    """(fd, fstat) of `path` opened for reading if it is a regular file reached
+    through no link (else NotAFile, never opened for reading; OSError as the
+    OS says: ENOENT, ELOOP for a link). `check(descriptor, stat)` runs on the
+    O_PATH descriptor first (its real path, its link count: raise to refuse)."""
     shown = shown or path
-    if not host_open_safe():
-        return _open_nonblocking(path, dir_fd=dir_fd, shown=shown, check=check)
+    if not host_open_safe():  # opened without blocking (a FIFO swapped in is not waited on), then checked
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _O_CLOEXEC | _O_NOCTTY, dir_fd=dir_fd)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise NotAFile(f"{shown}: not a regular file")
+            if check is not None:
+                check(fd, st)
+            os.set_blocking(fd, True)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, st
     opath, st = open_path(path, dir_fd=dir_fd)
     try:
         if not stat.S_ISREG(st.st_mode):
@@ -153,22 +142,3 @@ def open_regular(path: str, *, dir_fd: int | None = None, shown: str | None = No
         return reopen_for_reading(opath), st
     finally:
         os.close(opath)
-
-
-def _open_nonblocking(path: str, *, dir_fd: int | None, shown: str,
-                      check: Callable[[int, os.stat_result], None] | None) -> tuple[int, os.stat_result]:
-    """Where there is no O_PATH or /proc: opened without blocking (a FIFO
-    swapped in is not waited on), then the opened descriptor checked."""
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _O_CLOEXEC | _O_NOCTTY
-    fd = os.open(path, flags, dir_fd=dir_fd)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise NotAFile(f"{shown}: not a regular file")
-        if check is not None:
-            check(fd, st)
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, st

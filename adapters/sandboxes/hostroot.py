@@ -1,29 +1,13 @@
-"""A local container's file opened from the host, through the root of the
-container's own process (``/proc/<pid>/root``): then it is copied into a
-volume inside the kernel, as a local file is, instead of passing through
-the engine's archive API as a tar stream.
-
-Only a file that may be read that way is (the caller's conditions: the
-engine runs on this host, the container's processes run as root, the path
-held no link when the engine stat'ed it). Here:
-
-* the process is the container's: its pid is pinned with a pidfd, the root
-  directory is opened, and then the engine must still name that pid as the
-  running container's, with the pidfd not ended (a pid reused between the
-  engine's answer and the open is caught);
-* the path is opened below that root with ``openat2`` and
-  ``RESOLVE_IN_ROOT | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS``: no link
-  is followed, none can lead out of the container's root; as an ``O_PATH``
-  descriptor (:mod:`adapters.sandboxes.hostopen`), which opens nothing: a
-  device node the container's root made (``mknod``) or a FIFO swapped in is
-  never opened on the host, its driver never run;
-* that descriptor must be the file the engine stat'ed: a regular file of
-  the same size, permission bits and modification time (nanoseconds); only
-  then is it opened for reading (the same inode, through ``/proc/self/fd``).
-
-Anything else (not Linux, no ``openat2``, no access to the process, the
-engine in another pid namespace than this worker, a mismatch) answers None:
-the caller takes the archive API, which checks everything again.
+"""A local container's file opened from the host below the root of its
+process (``/proc/<pid>/root``) and copied in the kernel, instead of through
+the archive API (the caller's conditions: a local engine, a root container,
+a path the engine's stat walk proved link-free). The pid is pinned with a
+pidfd and confirmed by the engine after its root is opened; the path is
+opened below that root by ``openat2`` (``RESOLVE_IN_ROOT``, no link
+followed) as an ``O_PATH`` descriptor (:mod:`adapters.sandboxes.hostopen`:
+a device node or FIFO is never opened), and must be the file the engine
+stat'ed (regular, size, permission bits, mtime in ns) before it is opened
+for reading. Anything else answers None: the caller takes the archive API.
 """
 
 from __future__ import annotations
@@ -33,13 +17,12 @@ import select
 import stat
 import sys
 from collections.abc import Callable
+from contextlib import ExitStack
 from datetime import datetime
 
 from adapters.sandboxes.hostopen import (
-    RESOLVE_IN_ROOT, RESOLVE_NO_MAGICLINKS, RESOLVE_NO_SYMLINKS, open_path, openat2, reopen_for_reading,
+    RESOLVE_IN_ROOT, RESOLVE_NO_MAGICLINKS, RESOLVE_NO_SYMLINKS, open_path, reopen_for_reading,
 )
-
-__all__ = ["available", "engine_mtime_ns", "open_in_container", "openat2"]
 
 
 def available() -> bool:
@@ -60,8 +43,6 @@ def engine_mtime_ns(value) -> int | None:
             return None
         frac = int(rest[:digits].ljust(9, "0"))
         text = main + rest[digits:]
-    if text.endswith("Z"):
-        text = text[:-1] + "+00:00"
     try:
         dt = datetime.fromisoformat(text)
     except ValueError:
@@ -71,19 +52,11 @@ def engine_mtime_ns(value) -> int | None:
     return int(dt.timestamp()) * 1_000_000_000 + frac
 
 
-def _ended(pidfd: int) -> bool:
-    p = select.poll()
-    p.register(pidfd, select.POLLIN)
-    return bool(p.poll(0))
-
-
 def open_in_container(pid_of: Callable[[], int | None], path: str, *, size: int,
                       expect: dict) -> tuple[int, os.stat_result] | None:
-    """(fd, its fstat) of absolute `path` inside the container whose running
-    process `pid_of()` names (asked twice: before and after the open of its
-    root), when it is the file `expect` (the engine's stat of it) describes;
-    else None (see the module docstring), and then nothing was opened for
-    reading. The fd is blocking, read-only."""
+    """(read-only fd, fstat) of absolute `path` in the container whose process
+    `pid_of()` names (asked before and after the open of its root), when it is
+    the file `expect` (the engine's stat) describes; else None, nothing opened."""
     if not available():
         return None
     want_mtime = engine_mtime_ns(expect.get("mtime"))
@@ -93,28 +66,24 @@ def open_in_container(pid_of: Callable[[], int | None], path: str, *, size: int,
     pid = pid_of()
     if not pid or pid <= 0:
         return None
-    try:
-        pidfd = os.pidfd_open(pid)
-    except OSError:
-        return None
-    try:
+    with ExitStack() as fds:
         try:
+            pidfd = os.pidfd_open(pid)
+            fds.callback(os.close, pidfd)
             root = os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            fds.callback(os.close, root)
         except OSError:
             return None
+        ended = select.poll()  # readable once the process has ended
+        ended.register(pidfd, select.POLLIN)
+        if pid_of() != pid or ended.poll(0):  # the pid was not (or no longer) the container's
+            return None
         try:
-            if pid_of() != pid or _ended(pidfd):  # the pid was not (or no longer) the container's
-                return None
-            try:
-                opath, st = open_path(path.lstrip("/"), dir_fd=root, fallback=False,
+            opath, st = open_path(path.lstrip("/"), dir_fd=root, fallback=False,
                                   resolve=RESOLVE_IN_ROOT | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)
-            except OSError:
-                return None
-        finally:
-            os.close(root)
-    finally:
-        os.close(pidfd)
-    try:
+        except OSError:
+            return None
+        fds.callback(os.close, opath)
         same = (stat.S_ISREG(st.st_mode) and st.st_size == size and st.st_mtime_ns == want_mtime
                 and stat.S_IMODE(st.st_mode) & 0o777 == want_mode & 0o777)
         if not same:  # not the file the engine stat'ed (a device, a FIFO, another file): never opened
@@ -123,5 +92,3 @@ def open_in_container(pid_of: Callable[[], int | None], path: str, *, size: int,
             return reopen_for_reading(opath), st
         except OSError:
             return None
-    finally:
-        os.close(opath)

@@ -1,18 +1,12 @@
-"""The local sandbox: paths on the worker's own host.
-
-Extraction into a volume is an in-kernel copy (`copy_file_range`: a
-reflink where the filesystem shares extents) of the very descriptor that was
-checked; into other stores a stream in 1 MiB reads. No hard link is made: it
-would let the agent change a stored file after the fact. Links are resolved with `realpath` and the
-resolved path is checked; the file is then opened as an O_PATH descriptor
-following no link (:mod:`adapters.sandboxes.hostopen`), whose real path
-(`/proc/self/fd`), type and link count are checked before it is opened for
-reading, so neither a link nor a device or FIFO swapped in between check
-and open is ever followed or opened.
-"""
+"""The local sandbox: paths on the worker's own host, resolved (`realpath`)
+and checked, then opened through :mod:`adapters.sandboxes.hostopen` (no link
+followed, never a special file; real path and link count checked on the
+descriptor), and that very descriptor copied (in the kernel into a volume).
+No hard link is made: the agent could change a stored file."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import selectors
 import signal
@@ -37,9 +31,6 @@ _PROC_FD = os.path.isdir("/proc/self/fd")
 class LocalSandbox(Sandbox):
     kind = "local"
 
-    def __init__(self, ref: SandboxRef, policy: PathPolicy) -> None:
-        super().__init__(ref, policy)
-
     @classmethod
     def with_roots(cls, roots: tuple[str, ...], home: str | None = None) -> "LocalSandbox":
         resolved = tuple(os.path.realpath(r) for r in roots)
@@ -62,23 +53,17 @@ class LocalSandbox(Sandbox):
             raise NotAFile(f"{path}: not a regular file")
         return real, st.st_size
 
-    def _open_checked(self, resolved: str) -> tuple[int, os.stat_result]:
-        """Opened as an O_PATH descriptor first (hostopen): its real path
-        (`/proc/self/fd`) and link count are checked, and only a regular file
-        that passed is opened for reading. A device or a FIFO swapped in after
-        resolve is refused (NotAFile) without ever being opened."""
+    def _open(self, resolved: str) -> tuple[int, os.stat_result]:
+        """The checked file open for reading (its real path and link count
+        checked on the O_PATH descriptor first, see hostopen), and its fstat
+        at the open: the version the copy must still be at its end."""
         def check(fd: int, st: os.stat_result) -> None:
             real = os.readlink(f"/proc/self/fd/{fd}") if _PROC_FD else resolved
             self.policy.check(real, shown=resolved)
             self.policy.check_links(real, st.st_nlink, shown=resolved)
 
-        return open_regular(resolved, check=check)
-
-    def _open(self, resolved: str) -> tuple[int, os.stat_result]:
-        """The checked file open for reading, and its fstat taken at the open
-        (before any byte is read: the version the copy must still be at its end)."""
         try:
-            return self._open_checked(resolved)
+            return open_regular(resolved, check=check)
         except FileNotFoundError as exc:
             raise FileMissing(f"{resolved}: no such file") from exc
         except OSError as exc:  # ELOOP: swapped for a link after resolve
@@ -90,9 +75,6 @@ class LocalSandbox(Sandbox):
                 yield chunk
 
     def _copy_out(self, path: str, store, key: str, *, max_bytes: int):
-        """The checked file goes to the store by its fastest channel: an
-        in-kernel copy into a volume (the descriptor that was checked is the
-        one copied), else a stream."""
         resolved, size = self.resolve(path)
         self.check_size(path, size, max_bytes)
         fd, before = self._open(resolved)  # `before`: its fstat at the open, no byte read yet
@@ -137,20 +119,12 @@ class LocalSandbox(Sandbox):
         return dest
 
     # -- exec -------------------------------------------------------------------
-    def exec(
-        self, argv: Sequence[str], *, timeout_s: float, cwd: str | None = None,
-        max_output_bytes: int = DEFAULT_EXEC_OUTPUT_BYTES,
-    ) -> tuple[int, bytes, bytes]:
-        """Run `argv` on this host in its own process group (see Sandbox.exec).
-
-        `cwd` (default: the first allowed root that is a directory) must
-        resolve inside the roots. The command gets a minimal environment
-        (PATH, HOME, LANG, TERM; never the worker's own, which holds tokens).
-        When the command exits while something it started still holds its
-        output pipes, that process group is killed after
-        :data:`~adapters.sandboxes.base.EXEC_DRAIN_S`; background jobs that
-        redirect their output keep running. Not an isolation boundary: a
-        local sandbox runs commands as the worker's user."""
+    def exec(self, argv: Sequence[str], *, timeout_s: float, cwd: str | None = None,
+             max_output_bytes: int = DEFAULT_EXEC_OUTPUT_BYTES) -> tuple[int, bytes, bytes]:
+        """Run `argv` on this host in its own process group (see Sandbox.exec),
+        in `cwd` (default: the first allowed root that is a directory), with a
+        minimal environment (never the worker's own, which holds tokens). Not
+        an isolation boundary: commands run as the worker's user."""
         args = exec_argv(argv)
         workdir = self._exec_cwd(cwd)
         try:
@@ -221,21 +195,12 @@ class _LocalRun:
 
 
 def _exec_env(home: str | None) -> dict[str, str]:
-    env = {
-        "PATH": os.environ.get("PATH") or "/usr/local/bin:/usr/bin:/bin",
-        "HOME": home or os.environ.get("HOME") or "/tmp",
-        "LANG": "C.UTF-8",
-        "LC_ALL": "C.UTF-8",
-        "TERM": "dumb",
-    }
-    for k in ("USER", "LOGNAME", "TMPDIR", "TZ"):
-        if os.environ.get(k):
-            env[k] = os.environ[k]
+    env = {"PATH": os.environ.get("PATH") or "/usr/local/bin:/usr/bin:/bin",
+           "HOME": home or os.environ.get("HOME") or "/tmp", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "TERM": "dumb"}
+    env.update({k: os.environ[k] for k in ("USER", "LOGNAME", "TMPDIR", "TZ") if os.environ.get(k)})
     return env
 
 
 def _killpg(pid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass

@@ -1,10 +1,6 @@
-"""Per-host routing of sandbox work.
-
-Docker containers and singularity instances live on one host; their fast
-channels (bind mounts, the instance's root on disk, a local engine socket)
-only work from a worker on that host. A ref may name its host in
-``options["host"]``; the task layer routes ``extract_file`` for such a ref
-to the queue ``sandbox.<host>`` (a worker on that host consumes it).
+"""Per-host routing of sandbox work: a ref may name the host its container
+or instance lives on (``options["host"]``, for the fast channels that only
+work there); the task layer routes its work to the queue ``sandbox.<host>``.
 """
 
 from __future__ import annotations
@@ -22,9 +18,8 @@ _HOST_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
 
 
 def host_of(ref: SandboxRef) -> str | None:
-    """The host a sandbox lives on (`ref.options["host"]`), or None when any
-    worker can reach it. Only hostname characters are accepted, so the value
-    is safe in a queue name."""
+    """The host a sandbox lives on (`ref.options["host"]`), or None when any worker
+    can reach it. Only hostname characters are accepted: the value is safe in a queue name."""
     host = (ref.options or {}).get("host")
     if not host:
         return None

@@ -1,9 +1,6 @@
-"""The demultiplexer of a docker exec's attach stream, written once.
-
-Without a TTY the engine sends an exec's stdout and stderr over one socket
-as frames: an 8-byte header (stream id, three zero bytes, the size as a
-big-endian u32), then that many bytes. Frames arrive cut anywhere, headers
-included: :class:`FrameSplitter` keeps the state between pieces."""
+"""The demultiplexer of a docker exec's attach stream: frames of an 8-byte
+header (stream id, three zero bytes, the size as a big-endian u32), then
+that many bytes, cut anywhere (:class:`FrameSplitter` keeps the state)."""
 
 from __future__ import annotations
 
@@ -18,9 +15,8 @@ _HEADER = struct.Struct(">BxxxL")
 
 
 class FrameSplitter:
-    """Splits a multiplexed exec stream fed in arbitrary pieces into
-    (stream id, bytes) pieces (views of what was fed: use them before the
-    buffer fed is reused)."""
+    """A multiplexed stream fed in arbitrary pieces as (stream id, bytes)
+    pieces (views of what was fed: use them before its buffer is reused)."""
 
     def __init__(self) -> None:
         self.kind = 0
@@ -64,11 +60,8 @@ def read_all(recv: Callable[[int], bytes], out: BoundedOutput, err: BoundedOutpu
 
 def demux_stdout(recv_into: Callable[[memoryview], int], err: bytearray, *, block: int = CHUNK,
                  err_cap: int = 4096) -> Iterator[bytes]:
-    """Stdout of a multiplexed exec stream as ~`block`-sized pieces; stderr
-    goes to `err` (capped).
-
-    Receives up to `block` bytes a call into one reused buffer (the SDK's
-    own demuxer polls and reads once per frame: far more calls)."""
+    """Stdout of a multiplexed exec stream as ~`block`-sized pieces, received
+    into one reused buffer; stderr goes to `err` (capped)."""
     buf = bytearray(block)
     view = memoryview(buf)
     frames = FrameSplitter()

@@ -1,10 +1,8 @@
-"""Engine calls of one container: the docker SDK / API client, the
-container's facts (inspect, user, mounts, pid, the engine's stat of a
-path), every engine error translated in ONE place (its table `_engine_errors`,
-through :meth:`Engine._errors`),
-and the exec channel (:class:`DockerExec`: exec create / start / inspect)
-that execstream and ``Sandbox.exec`` run on, every exec's output read
-through :class:`Hijacked` (nothing the SDK read ahead is lost)."""
+"""Engine calls of one container: the SDK client, the container's facts
+(inspect, user, mounts, pid, the engine's stat of a path), every engine
+error translated in ONE place (`_engine_errors`, through
+:meth:`Engine._errors`), and the exec channel (:class:`DockerExec`) that
+execstream and ``Sandbox.exec`` run on, read through :class:`Hijacked`."""
 
 from __future__ import annotations
 
@@ -20,12 +18,10 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, suppress
 from typing import Any
 
-from adapters.errors import (
-    CourierError, ErrorTable, FileMissing, SandboxError, SandboxGone, StorageError, translating,
-)
+from adapters.errors import ErrorTable, FileMissing, SandboxError, SandboxGone, translating
 from adapters.sandboxes.base import DEFAULT_IO_TIMEOUT_S, BoundedOutput, ReadTimeout, SandboxRef, _under
 from adapters.sandboxes.docker.demux import CHUNK, FrameSplitter, demux_stdout, read_all, route
-from adapters.sandboxes.docker.tar import decode_stat_header
+from adapters.sandboxes.docker.tar import decode_stat_header, store_chunks
 from adapters.sandboxes.execstream import ExecStream, kill_argv
 
 #: how many times a read-only probe whose answer came back empty is asked (see DockerExec.exec_probe)
@@ -42,6 +38,7 @@ class Engine:
                  io_timeout_s: float = DEFAULT_IO_TIMEOUT_S) -> None:
         self.ref = ref
         self.io_timeout_s = io_timeout_s
+        self._own_client = client is None
         if client is None:
             import docker
 
@@ -50,9 +47,6 @@ class Engine:
                           else docker.from_env(timeout=timeout_s))
             except docker.errors.DockerException as exc:
                 raise SandboxGone(f"cannot reach the docker engine: {exc}") from exc
-            self._own_client = True
-        else:
-            self._own_client = False
         self.client = client
         self._attrs_cache: dict | None = None
 
@@ -81,10 +75,9 @@ class Engine:
         return str(self._attrs()["Id"])
 
     def runs_as_root(self) -> bool:
-        """Whether execs (and so the agent) run as root: the ref's `user`
-        option, else the container's configured user. The archive API and
-        bind mounts read as root, so only then are they used; any other
-        user's reads go through exec as that user (never more than it can read)."""
+        """Whether execs (and so the agent) run as root (the ref's `user`, else
+        the container's): only then are the archive API and bind mounts, which
+        read as root, used."""
         user = self.ref.options.get("user")
         if user is None:
             user = (self._attrs().get("Config") or {}).get("User") or ""
@@ -98,20 +91,16 @@ class Engine:
     def bind_host_path(self, resolved: str) -> tuple[str, str] | None:
         """(host path, mount source) when `resolved` lies in a bind mount
         whose source exists on this host; the innermost mount wins."""
-        best = None
-        for m in self._attrs().get("Mounts") or []:
-            dest = m.get("Destination") or ""
-            if dest.startswith("/") and _under(resolved, dest):
-                if best is None or len(dest) > len(best["Destination"]):
-                    best = m
+        mounts = [m for m in self._attrs().get("Mounts") or []
+                  if (m.get("Destination") or "").startswith("/") and _under(resolved, m["Destination"])]
+        best = max(mounts, key=lambda m: len(m["Destination"]), default=None)
         if best is None or best.get("Type") != "bind" or not best.get("Source"):
             return None
         src = best["Source"]
-        rel = posixpath.relpath(resolved, best["Destination"])
-        host = src if rel == "." else os.path.join(src, rel)
         if not os.path.exists(src):
             return None
-        return host, src
+        rel = posixpath.relpath(resolved, best["Destination"])
+        return (src if rel == "." else os.path.join(src, rel)), src
 
     def _live_pid(self) -> int | None:
         """The pid (on this host) of the running container's process, asked of the engine now."""
@@ -148,20 +137,12 @@ class Engine:
                 self.client.close()
 
 
-
 class Hijacked:
     """The attach socket of a started exec, the bytes that already arrived
-    served first.
-
-    The SDK's ``exec_start(socket=True)`` hands over the socket *under*
-    http.client's buffered reader, which read the response headers in
-    blocks: whatever the engine sent right behind them sits in that
-    reader's buffer and never comes out of the socket. A client slowed by
-    CPU load reads the headers late, when the whole output of a quick
-    command is already there: the exec exits 0 and none of its output
-    arrives (podman 4.3 under two CPU burners: 8 of 400 `echo`s). Those
-    bytes are taken out of the buffer here, once, before anything reads
-    the socket."""
+    served first: the SDK hands over the socket *under* http.client's
+    buffered reader, and what the engine sent right behind the response
+    headers (under CPU load, a quick command's whole output) sits in that
+    buffer, never to come out of the socket."""
 
     def __init__(self, sock: Any) -> None:
         #: what the SDK returned (closing it closes the connection)
@@ -173,11 +154,8 @@ class Hijacked:
             self.close()
             raise
 
-    def fileno(self) -> int:
-        return int(self.raw.fileno())
-
-    def settimeout(self, timeout_s: float | None) -> None:
-        self.raw.settimeout(timeout_s)
+    def __getattr__(self, name: str) -> Any:  # fileno, settimeout, sendall, shutdown: the raw socket's
+        return getattr(self.raw, name)
 
     def pending(self) -> int:
         """Bytes readable without waiting (the early ones, TLS's decrypted ones): select would not see them."""
@@ -201,12 +179,6 @@ class Hijacked:
             return n
         return int(self.raw.recv_into(buf))
 
-    def sendall(self, data: bytes) -> None:
-        self.raw.sendall(data)
-
-    def shutdown(self, how: int) -> None:
-        self.raw.shutdown(how)
-
     def close(self) -> None:
         with suppress(Exception):  # best effort on a dying socket
             self.sock.close()
@@ -214,9 +186,8 @@ class Hijacked:
 
 def _read_ahead(sock: Any, raw: Any) -> bytes:
     """The bytes http.client's reader holds past the response headers of the
-    hijacked `sock` (b"" when it holds none, or the SDK's socket is not one
-    over such a reader). Never waits: the socket is non-blocking meanwhile,
-    so the reader makes at most one read that returns at once."""
+    hijacked `sock` (b"" when none, or no such reader). Never waits: the
+    socket is non-blocking meanwhile."""
     response = getattr(sock, "_response", None)
     fp = getattr(getattr(getattr(response, "raw", None), "_fp", None), "fp", None)
     if not isinstance(fp, io.BufferedReader):
@@ -224,11 +195,10 @@ def _read_ahead(sock: Any, raw: Any) -> bytes:
     before = raw.gettimeout()
     raw.settimeout(0)
     try:
-        try:
-            held = fp.peek(CHUNK)
-        except OSError:  # nothing buffered and nothing on the socket yet (a TLS want-read)
-            held = b""
+        held = fp.peek(CHUNK)  # what is buffered: fp.read of it reads nothing more
         return fp.read(len(held)) if held else b""
+    except OSError:  # nothing buffered and nothing on the socket yet (a TLS want-read)
+        return b""
     finally:
         raw.settimeout(before)
 
@@ -277,28 +247,27 @@ class DockerExec:
         sock.settimeout(self.sb.io_timeout_s)
         return sock
 
-    def _timed_out(self, what: str) -> ReadTimeout:
-        return ReadTimeout(f"container {self.sb.ref.target}: nothing received for {self.sb.io_timeout_s:g} s ({what})")
-
     @contextmanager
     def _deadline(self, what: str) -> Iterator[None]:
         """A socket read past the sandbox's read deadline is a ReadTimeout."""
         try:
             yield
         except socket.timeout:
-            raise self._timed_out(what) from None
+            raise ReadTimeout(f"container {self.sb.ref.target}: nothing received for {self.sb.io_timeout_s:g} s "
+                              f"({what})") from None
 
-    def _run_whole(self, argv: Sequence[str], stdin: Iterable[bytes] | None, out: BoundedOutput,
-                   err: BoundedOutput) -> int:
+    def _run_whole(self, argv: Sequence[str], stdin: Iterable[bytes] | None, out_cap: int,
+                   err_cap: int) -> tuple[int, bytes, bytes]:
         """Run argv to its end (with `stdin` sent first, then EOF) and read
-        its whole output into `out` / `err`; the exit code."""
+        its whole output, bounded; (exit code, stdout, stderr)."""
+        out, err = BoundedOutput(out_cap), BoundedOutput(err_cap)
         what = argv[-1] if argv else "exec"
         exec_id = self._create(argv, stdin=stdin is not None)
         sock = self._start_socket(exec_id)
         try:
             with self.sb._errors("exec" if stdin is None else "exec stdin"), self._deadline(what):
                 if stdin is not None:
-                    for chunk in _store_chunks(stdin, what):
+                    for chunk in store_chunks(stdin, what):
                         if chunk:
                             sock.sendall(chunk)
                     sock.shutdown(socket.SHUT_WR)
@@ -308,21 +277,16 @@ class DockerExec:
         rc = self._exit_code(exec_id)
         if rc is None:
             raise SandboxGone("exec did not finish")
-        return rc
-
-    def exec_small(self, argv: Sequence[str]) -> tuple[int, bytes, bytes]:
-        out, err = BoundedOutput(1 << 20), BoundedOutput(1 << 16)
-        rc = self._run_whole(argv, None, out, err)
         return rc, out.value(), err.value()
 
+    def exec_small(self, argv: Sequence[str]) -> tuple[int, bytes, bytes]:
+        return self._run_whole(argv, None, 1 << 20, 1 << 16)
+
     def exec_probe(self, argv: Sequence[str], *, answers: Sequence[int] = (0,)) -> tuple[int, bytes, bytes]:
-        """A read-only probe (stat, resolve, readlink) that prints its answer
-        whenever it exits with one of `answers`. An empty answer (exit 0, no
-        bytes) is asked again, up to :data:`PROBE_ATTEMPTS` times. Its known
-        cause, output read ahead with the exec start's headers (seen under
-        CPU load), is fixed where it arose (:class:`Hijacked`); this stays a
-        belt for read-only probes only: agent commands and anything that
-        changes the container never come here."""
+        """A read-only probe that prints its answer whenever it exits with one
+        of `answers`: an empty answer is asked again, up to
+        :data:`PROBE_ATTEMPTS` times (a belt to :class:`Hijacked`'s braces;
+        never for agent commands nor anything that changes the container)."""
         for _ in range(PROBE_ATTEMPTS):
             rc, out, err = self.exec_small(argv)
             if out or rc not in answers:
@@ -332,49 +296,24 @@ class DockerExec:
     def exec_stdin(self, argv: Sequence[str], chunks: Iterable[bytes]) -> tuple[int, bytes, bytes]:
         """Run argv with `chunks` streamed on its stdin (then EOF); for
         commands with short output (it is read after stdin is sent)."""
-        out, err = BoundedOutput(65536), BoundedOutput(65536)
-        rc = self._run_whole(argv, chunks, out, err)
-        return rc, out.value(), err.value()
+        return self._run_whole(argv, chunks, 65536, 65536)
 
     def exec_stream(self, argv: Sequence[str]) -> ExecStream:
         exec_id = self._create(argv)
         sock = self._start_socket(exec_id)
         err = bytearray()
-        state = {"closed": False}
 
         def chunks() -> Iterator[bytes]:
             with self.sb._errors("exec stream"), self._deadline(argv[-2] if len(argv) > 1 else "exec stream"):
                 yield from demux_stdout(sock.recv_into, err)
 
-        def close() -> None:
-            if not state["closed"]:
-                state["closed"] = True
-                sock.close()
-
         return ExecStream(chunks=chunks(), exit_code=lambda: self._exit_code(exec_id), stderr=lambda: bytes(err),
-                          close=close)
-
-
-def _store_chunks(chunks: Iterable[bytes], what: str) -> Iterator[bytes]:
-    """`chunks` with a failure of their source (the blob store) said as such
-    (StorageError), not taken for the container going away."""
-    it = iter(chunks)
-    while True:
-        try:
-            chunk = next(it)
-        except StopIteration:
-            return
-        except CourierError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - re-raised, named
-            raise StorageError(f"{what}: reading the stored blob failed: {exc}") from exc
-        yield chunk
+                          close=sock.close)  # Hijacked.close: idempotent
 
 
 class DockerRun:
-    """One ``Sandbox.exec`` command in a container (an ExecRun for run_exec):
-    stdout and stderr demultiplexed from the attach socket as they come, the
-    exit code from the engine's exec inspect, killed by run id. Never run twice."""
+    """One ``Sandbox.exec`` command in a container (an ExecRun), its output
+    demultiplexed as it comes, killed by run id. Never run twice."""
 
     def __init__(self, ch: DockerExec, argv: Sequence[str], run_id: str) -> None:
         self.ch, self.run_id = ch, run_id
@@ -384,7 +323,6 @@ class DockerRun:
             self.sock = Hijacked(ch.sb.client.api.exec_start(self.exec_id, socket=True))
         self.frames = FrameSplitter()
         self.ended = False
-        self.closed = False
 
     def pump(self, wait_s: float, out: BoundedOutput, err: BoundedOutput) -> bool:
         if self.ended:
@@ -416,9 +354,7 @@ class DockerRun:
         self.close()
 
     def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.sock.close()
+        self.sock.close()  # idempotent
 
 
 # -- the ONE table of docker / requests / OS errors (rules take the Engine, what it was doing, the path) --
@@ -430,9 +366,8 @@ def _not_found(exc: BaseException, eng: Engine, what: str, path: str | None) -> 
 
 def _api_error(exc: Any, eng: Engine, what: str, path: str | None) -> SandboxError:
     status = exc.status_code or 0
-    if status in (409,) or status >= 500 or not eng.alive():
-        return SandboxGone(f"container {eng.ref.target}: {what} failed: {exc.explanation or exc}")
-    return SandboxError(f"container {eng.ref.target}: {what} failed: {exc.explanation or exc}")
+    error = SandboxGone if status == 409 or status >= 500 or not eng.alive() else SandboxError
+    return error(f"container {eng.ref.target}: {what} failed: {exc.explanation or exc}")
 
 
 @functools.cache

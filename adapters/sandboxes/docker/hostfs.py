@@ -1,7 +1,6 @@
-"""The host-side fast paths of a local engine's container: a file in a bind
-mount read from its host path, and a big file read from the host below the
-root of the container's process (:mod:`adapters.sandboxes.hostroot`), both
-copied from the very descriptor that was checked."""
+"""The host-side fast paths of a local engine's container (a bind mount's
+host path; the container process's root, :mod:`adapters.sandboxes.hostroot`),
+both copied from the very descriptor that was checked."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ from collections.abc import Callable, Iterator
 from contextlib import suppress
 from typing import TYPE_CHECKING
 
-from adapters.errors import FileChanging, FileMissing, SandboxGone, UnsafePath
+from adapters.errors import FileMissing, SandboxGone, UnsafePath
 from adapters.sandboxes.base import unchanged
 from adapters.sandboxes.docker.demux import CHUNK
 from adapters.sandboxes.execstream import Resolved
@@ -20,9 +19,7 @@ from adapters.sandboxes.hostroot import open_in_container
 if TYPE_CHECKING:
     from adapters.sandboxes.docker.sandbox import DockerSandbox
 
-#: files from this size up are read from the host through the container process's root (a
-#: local engine; see hostroot): below it, the archive API's one GET costs less than the two
-#: engine inspects that channel takes
+#: files from this size up are read through the container process's root (below: one GET costs less)
 HOST_ROOT_MIN_BYTES = 8 * 1024 * 1024
 
 
@@ -38,17 +35,13 @@ def extract_host_root(sb: DockerSandbox, r: Resolved, path: str, store, key: str
     def verdict(copied: int) -> None:
         """The same version of the file, whole, from a container still there; else nothing is kept."""
         after = os.fstat(fd)
-        same = (before.st_size == after.st_size == copied and before.st_mtime_ns == after.st_mtime_ns
-                and before.st_ctime_ns == after.st_ctime_ns)
         if not sb.alive():  # as on the archive channel: a container gone meanwhile fails the same way
             raise SandboxGone(f"container {sb.ref.target} went away during the transfer")
-        if not same:
-            raise FileChanging(f"{path}: changed while it was read ({before.st_size:,} -> "
-                               f"{after.st_size:,} bytes); read again later")
+        unchanged(before, after, copied, None, key, shown=path)
 
     try:
         sb.policy_for(sb._home()).check_links(r.path, before.st_nlink, shown=path)
-        put_fd = getattr(store, "put_fd", None)
+        put_fd = getattr(store, "put_fd", None)  # a store wrapper may have none
         info = put_fd(key, fd, max_bytes=max_bytes) if put_fd is not None else None
         if info is not None:
             try:
@@ -80,13 +73,8 @@ def extract_bound(sb: DockerSandbox, bound: tuple[str, str], path: str, store, k
     policy = sb.policy_for(sb._home())
     fd, st = open_under(host, src, shown=path,
                         check=lambda st: policy.check_links(resolved, st.st_nlink, shown=path))
-    try:
+    with os.fdopen(fd, "rb", buffering=0) as f:
         sb.check_size(path, st.st_size, max_bytes)
-        f = os.fdopen(fd, "rb", buffering=0)
-    except BaseException:
-        os.close(fd)
-        raise
-    with f:
         info = store.put_stream(key, f, max_bytes=max_bytes)
         unchanged(st, os.fstat(f.fileno()), info.size_bytes, store, key, shown=path)
         return info
@@ -94,14 +82,10 @@ def extract_bound(sb: DockerSandbox, bound: tuple[str, str], path: str, store, k
 
 def open_under(host: str, src: str, *, shown: str,
                check: Callable[[os.stat_result], None] | None = None) -> tuple[int, os.stat_result]:
-    """Open `host` for reading only if it is a regular file that resolves
-    (and stays, once opened) inside the bind mount source `src`; returns
-    (fd, its fstat). The host path is opened as an O_PATH descriptor
-    following no link (:mod:`adapters.sandboxes.hostopen`); its real path,
-    its type and `check(stat)` are checked on that descriptor, and only then
-    is it opened for reading: a device node the container made (root in a
-    rootful container can `mknod`) or a FIFO swapped in after the check is
-    never opened on the host."""
+    """(fd, fstat) of `host` opened for reading, only if it is a regular file
+    that resolves (and stays, once opened) inside the bind mount source
+    `src`: its real path, type and `check(stat)` are checked on the O_PATH
+    descriptor first (:mod:`adapters.sandboxes.hostopen`)."""
     try:
         src_real = os.path.realpath(src)
         real = os.path.realpath(host)

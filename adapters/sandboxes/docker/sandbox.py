@@ -8,6 +8,7 @@ import posixpath
 import threading
 import uuid
 from collections.abc import Iterator
+from contextlib import suppress
 from typing import Any
 
 from adapters.errors import FileMissing, NotAFile, SandboxError, SandboxGone, UnsafePath
@@ -20,7 +21,7 @@ from adapters.sandboxes.docker.tar import (
     _GO_MODE_DIR, _GO_MODE_SYMLINK, _GO_MODE_TYPE, has_glob, iter_archive, tar_stream,
 )
 from adapters.sandboxes.execstream import (
-    EXIT_CHANGED, ExecStreamMixin, Resolved, exec_iter_file, exec_put, exec_resolve, resolve_put_dest,
+    EXIT_CHANGED, ExecStreamMixin, Resolved, exec_extract, exec_iter_file, exec_put, exec_resolve, resolve_put_dest,
 )
 
 #: a path of more components than this is resolved by one exec, not one engine stat per component
@@ -42,9 +43,8 @@ class DockerSandbox(ExecStreamMixin, Engine, Sandbox):  # type: ignore[misc]
                  client: Any = None, prefer_bind_mounts: bool = True, timeout_s: int = 120,
                  io_timeout_s: float = DEFAULT_IO_TIMEOUT_S, prefer_host_root: bool = True) -> None:
         """`policy` None: roots from the ref, else /workspace, /tmp and the
-        exec user's $HOME (learnt in the first resolve exec), minus the denylist.
-        `io_timeout_s`: read deadline of every exec's output (a container
-        whose shell stalls costs one attempt, ReadTimeout)."""
+        exec user's $HOME, minus the denylist. `io_timeout_s`: read deadline
+        of every exec's output."""
         self.policy = policy  # type: ignore[assignment]
         if not ref.target:
             raise UnsafePath("docker sandbox needs a container name or id")
@@ -69,19 +69,18 @@ class DockerSandbox(ExecStreamMixin, Engine, Sandbox):  # type: ignore[misc]
     # -- resolving ----------------------------------------------------------------------
     def resolve(self, path: str) -> tuple[str, int]:
         r = self._resolve(path)
-        self.policy_for(r.home).check(r.path, shown=path)
         return r.path, r.size
 
     def _resolve(self, path: str) -> Resolved:
-        """Stat walk through the archive API when the path holds no links
-        (a few ms), else ONE exec (`readlink -f` + `stat`, ~100 ms on podman)."""
+        """Resolved and checked: a stat walk through the archive API when the
+        path holds no links, else ONE exec (`readlink -f` + `stat`)."""
         check_lexical(path)
         self._walk_stat = None
-        fast = self._resolve_by_stat(path)
-        if fast is not None:
-            return fast
-        r = exec_resolve(self._exec, path, policy_for=self.policy_for)
-        self.stats["resolve_exec"] += 1
+        r = self._resolve_by_stat(path)
+        if r is None:
+            r = exec_resolve(self._exec, path, policy_for=self.policy_for)
+            self.stats["resolve_exec"] += 1
+        self.policy_for(r.home).check(r.path, shown=path)
         return r
 
     def _home(self) -> str | None:
@@ -103,15 +102,13 @@ class DockerSandbox(ExecStreamMixin, Engine, Sandbox):  # type: ignore[misc]
 
     def _resolve_by_stat(self, path: str) -> Resolved | None:
         """Resolved without an exec when every component is a plain directory
-        and the last a regular file (then the path *is* its resolution).
-        None: a link on the way, a path the lexical policy refuses (a link may
-        still lead somewhere allowed), or an engine without the stat call."""
+        and the last a regular file (the path *is* its resolution). None: a
+        link on the way, a path the lexical policy refuses (a link may lead
+        somewhere allowed), an engine without the stat call."""
         api = self.client.api
-        if not all(hasattr(api, a) for a in ("head", "_url", "_raise_for_status")):
-            return None
-        if has_glob(path):  # the engine would expand it: exec resolves it literally
-            return None
-        if not self.runs_as_root():  # the engine stats as root: exec resolves as the container's user
+        # the engine would expand glob characters, and stats as root: exec resolves literally, as the user
+        if (not all(hasattr(api, a) for a in ("head", "_url", "_raise_for_status")) or has_glob(path)
+                or not self.runs_as_root()):
             return None
         parts = [p for p in path.split("/") if p and p != "."]  # `.` is a no-op lexically (`..` never gets here)
         if not parts or len(parts) > MAX_STAT_WALK:  # a deep path: ONE exec, not a request per component
@@ -139,8 +136,7 @@ class DockerSandbox(ExecStreamMixin, Engine, Sandbox):  # type: ignore[misc]
                 return None
             if i < len(parts) - 1 and not mode & _GO_MODE_DIR:
                 raise FileMissing(f"{path}: {'/'.join(parts[: i + 1])} is not a directory")
-        assert st is not None
-        mode = int(st.get("mode", 0))
+        assert st is not None  # `mode`: the last component's
         if mode & _GO_MODE_DIR:
             raise NotAFile(f"{path}: is a directory")
         if mode & _GO_MODE_TYPE:
@@ -152,42 +148,38 @@ class DockerSandbox(ExecStreamMixin, Engine, Sandbox):  # type: ignore[misc]
     # -- outbound ------------------------------------------------------------------------
     def _copy_out(self, path: str, store, key: str, *, max_bytes: int):
         r = self._resolve(path)
-        self.policy_for(r.home).check(r.path, shown=path)
         self.check_size(path, r.size, max_bytes)
         as_root = self.runs_as_root()
         if as_root and self.prefer_bind_mounts and self._engine_is_local():
             bound = self.bind_host_path(r.path)
             if bound is not None:
-                info = extract_bound(self, bound, path, store, key, max_bytes=max_bytes, resolved=r.path)
-                self.stats["bind"] += 1
-                return info
+                return self._moved("bind", extract_bound(self, bound, path, store, key, max_bytes=max_bytes,
+                                                         resolved=r.path))
         walked = self._walk_stat if self._walk_stat and self._walk_stat[0] == r.path else None
         if has_glob(r.path) or not as_root or walked is None:
-            # the archive API would expand the name / read as root / the path had a
-            # link (the GET would follow a swapped one): exec reads the literal name
-            # with the container user's own permissions, from the fd it checked
-            info = store.put_stream(key, exec_iter_file(self._exec, r.path, expected_size=r.size, max_bytes=max_bytes,
-                                                        policy=self.policy_for(r.home)), max_bytes=max_bytes)
-            self.stats["exec"] += 1
-            return info
+            # the archive API would expand the name / read as root / follow a link swapped in:
+            # exec reads the literal name as the container's user, from the fd it checked
+            chunks = exec_iter_file(self._exec, r.path, expected_size=r.size, max_bytes=max_bytes,
+                                    policy=self.policy_for(r.home))
+            return self._moved("exec", store.put_stream(key, chunks, max_bytes=max_bytes))
         if self.prefer_host_root and r.size >= HOST_ROOT_MIN_BYTES and self._engine_is_local():
-            # the same read as the archive API's (as root, of a link-free path), from the
-            # host through the container process's root, copied in the kernel (see hostroot)
+            # the archive API's read (as root, of a link-free path), from the host (see hostroot)
             info = extract_host_root(self, r, path, store, key, max_bytes=max_bytes, expect=walked[1])
             if info is not None:
-                self.stats["host_root"] += 1
-                return info
+                return self._moved("host_root", info)
         chunks = self.iter_archive(r.path, r.size, max_bytes=max_bytes, expect=walked[1])
-        info = store.put_stream(key, self._links_checked(chunks, r.path, self.policy_for(r.home)), max_bytes=max_bytes)
-        self.stats["archive"] += 1
+        chunks = self._links_checked(chunks, r.path, self.policy_for(r.home))
+        return self._moved("archive", store.put_stream(key, chunks, max_bytes=max_bytes))
+
+    def _moved(self, channel: str, info):
+        """`info`, counted as moved by `channel` (:attr:`stats`)."""
+        self.stats[channel] += 1
         return info
 
     def _links_checked(self, chunks: Iterator[bytes], resolved: str, policy: PathPolicy) -> Iterator[bytes]:
         """`chunks` of the archive channel, whose stat carries no link count:
-        ONE `stat` exec counts the file's hard links beside the transfer (it
-        costs no time on a big file), and the last chunk is held back until
-        it says 1, so a hard link to a file outside the roots fails the
-        put (all-or-nothing: nothing stored)."""
+        ONE `stat` exec counts the file's hard links beside the transfer, and
+        the last chunk is held back until it says 1 (else nothing is stored)."""
         if policy.links_allowed(resolved):
             yield from chunks
             return
@@ -212,15 +204,12 @@ class DockerSandbox(ExecStreamMixin, Engine, Sandbox):  # type: ignore[misc]
         if "exc" in box:
             raise box["exc"]
         rc, out, err = box["res"]
-        if rc in (126, 127):
-            # an image without `stat` (distroless): nothing counts the links there, and the agent
-            # of a root container can read (and copy out) any file in it anyway
-            if held is not None:
-                yield held
-            return
-        if rc != 0 or not out.strip().isdigit():
-            raise SandboxGone(f"{resolved}: cannot count its links (exit {rc}: {err[:200]!r})")
-        policy.check_links(resolved, int(out.strip()), shown=resolved)
+        # rc 126/127, an image without `stat` (distroless): nothing counts the links there, and the
+        # agent of a root container can read (and copy out) any file in it anyway
+        if rc not in (126, 127):
+            if rc != 0 or not out.strip().isdigit():
+                raise SandboxGone(f"{resolved}: cannot count its links (exit {rc}: {err[:200]!r})")
+            policy.check_links(resolved, int(out.strip()), shown=resolved)
         if held is not None:
             yield held
 
@@ -236,19 +225,16 @@ class DockerSandbox(ExecStreamMixin, Engine, Sandbox):  # type: ignore[misc]
 
     def extract_via_exec(self, path: str, store, key: str, *, max_bytes: int = DEFAULT_MAX_BYTES):
         """The universal fallback (one exec to resolve, one to stream)."""
-        info = self.exec_extract_file(path, store, key, max_bytes=max_bytes)
-        self.stats["exec"] += 1
-        return info
+        return self._moved("exec", exec_extract(self._exec, None, path, store, key, max_bytes=max_bytes,
+                                                policy_for=self.policy_for))
 
     # -- inbound -------------------------------------------------------------------------
     def _copy_in(self, store, key: str, dest_path: str, *, size: int, max_bytes: int) -> str:
-        """Stream a stored blob into the container: ``put_archive`` of a tar
-        generated on the fly under a temp name, then one exec renames it; in
-        a container not running as root, exec stdin as its user (``put_archive``
-        writes as root)."""
+        """``put_archive`` of a tar generated on the fly under a temp name,
+        then one exec renames it; in a container not running as root, exec
+        stdin as its user (``put_archive`` writes as root: the user writes
+        where it may and nowhere else)."""
         if not self.runs_as_root():
-            # put_archive writes as root: a container's own user writes through exec
-            # stdin, where it may write and nowhere else
             return exec_put(self._exec, self.policy_for, store, key, dest_path, max_bytes=max_bytes)
         final, uid, gid = resolve_put_dest(self._exec, self.policy_for, dest_path)
         parent, name = posixpath.split(final)
@@ -258,11 +244,9 @@ class DockerSandbox(ExecStreamMixin, Engine, Sandbox):  # type: ignore[misc]
             with self._errors("put_archive", path=parent):
                 self.client.api.put_archive(self.container_id, parent, body)
         except BaseException:
-            # a cut upload may leave a partial temp file: best-effort removal
-            try:
+            # a cut upload may leave a partial temp file: best-effort removal (the original error matters)
+            with suppress(Exception):
                 self._exec.exec_small(["rm", "-f", "--", posixpath.join(parent, tmp_name)])
-            except Exception:  # noqa: BLE001 - the original error matters
-                pass
             raise
         rc, _out, err = self._exec.exec_small(
             ["sh", "-c", _FINALIZE_SCRIPT, "sh", posixpath.join(parent, tmp_name), final])

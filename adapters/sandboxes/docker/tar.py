@@ -1,11 +1,7 @@
 """The archive channel: the engine's ``GET .../archive`` of one file,
-streamed as ~1 MiB pieces and checked member by member
-(:func:`iter_single_member`: tarfile parses the headers from a forward-only
-reader), the engine's stat header checked against what was resolved
-(:func:`check_archive_stat`) and, after the copy, the engine's stat again
-(:func:`check_unchanged_after`: a file changed while it was read is never
-stored), and a one-file tar built on the fly for
-``put_archive`` (:func:`tar_stream`)."""
+streamed as ~1 MiB pieces, checked member by member and against the
+engine's stat before and after the copy; and a one-file tar built on the
+fly for ``put_archive`` (:func:`tar_stream`)."""
 
 from __future__ import annotations
 
@@ -46,8 +42,7 @@ def has_glob(path: str) -> bool:
 # -- archive member checking (plain functions: testable with crafted tars) ----------
 class ForwardReader:
     """A forward-only file over byte chunks: enough of `read/tell/seek` for
-    tarfile's plain read mode to parse headers, plus :meth:`read_some`,
-    which hands out the chunks themselves (no copy) when aligned."""
+    tarfile's "r:" mode, plus :meth:`read_some` (the chunks themselves, no copy)."""
 
     def __init__(self, chunks: Iterable[bytes]) -> None:
         self._it = iter(chunks)
@@ -80,10 +75,7 @@ class ForwardReader:
         if n <= 0 or not self._fill():
             return b""
         cur, off = self._cur, self._off
-        if off == 0 and len(cur) <= n:
-            out = cur
-        else:
-            out = cur[off:off + n]
+        out = cur if off == 0 and len(cur) <= n else cur[off:off + n]
         self._off += len(out)
         self._pos += len(out)
         return out
@@ -110,33 +102,17 @@ class ForwardReader:
                 break
         return self._pos
 
-    def seekable(self) -> bool:
-        return False
-
-    def readable(self) -> bool:
-        return True
-
 
 def iter_single_member(fileobj, *, expected_name: str | None, expected_size: int | None,
                        max_bytes: int, block: int = CHUNK) -> Iterator[bytes]:
-    """Yield the data of the ONE regular file in a tar stream, checked.
-
-    Refuses (UnsafePath) links, devices, directories, absolute or `..`
-    names, a name other than `expected_name`, more than one member, and a
-    size other than `expected_size`; over `max_bytes` is TooLarge. The
-    trailing checks run before the generator ends, so an all-or-nothing
-    store keeps nothing when they fail.
-
-    tarfile parses the headers (pax, GNU long names) from a forward-only
-    reader; the member's data is then handed out as the received chunks
-    (no re-buffering), so a big file costs no extra copies.
-    """
+    """Yield the data of the ONE regular file in a tar stream, checked
+    (:func:`check_member`; more than one member is UnsafePath). The trailing
+    checks run before the generator ends, so an all-or-nothing store keeps
+    nothing when they fail. tarfile parses the headers from a forward-only
+    reader; the data is handed out as the received chunks (no copies)."""
     reader = ForwardReader.of(fileobj, block)
     try:
         tar = tarfile.open(fileobj=cast(IO[bytes], reader), mode="r:")  # enough of a file for "r:"
-    except tarfile.ReadError as exc:
-        raise SandboxGone(f"archive stream ended or is corrupt: {exc}") from exc
-    try:
         member = tar.next()
     except tarfile.ReadError as exc:
         raise SandboxGone(f"archive stream ended or is corrupt: {exc}") from exc
@@ -156,8 +132,7 @@ def iter_single_member(fileobj, *, expected_name: str | None, expected_size: int
         parts.append(chunk)
         have += len(chunk)
         if have >= block or left == 0:
-            # engines send small HTTP chunks (podman: 32 KiB): hand out ~1 MiB
-            # pieces so hashing and writing see few, large calls
+            # engines send small HTTP chunks: hashing and writing see few, large ones
             yield parts[0] if len(parts) == 1 else b"".join(parts)
             parts, have = [], 0
     try:
@@ -206,11 +181,9 @@ def decode_stat_header(hdr: str) -> dict:
 
 def check_archive_stat(st: dict, resolved: str, size: int | None, expect: dict | None = None) -> None:
     """The engine's stat of what its archive GET reads (its response header)
-    must be the file that was checked: same name and size, where the engine
-    says where the path led (`linkTarget`) that very path, and the same
-    mode and mtime (nanoseconds) as the stat walk saw (`expect`). A directory
-    swapped for a link after the check leads the GET to another file:
-    refused here, before a byte is read."""
+    must be the file that was checked (a directory swapped for a link after
+    the check leads the GET to another file): same name, size, link target,
+    and the mode and mtime in ns the stat walk saw (`expect`)."""
     if not isinstance(st, dict):
         return
     name = st.get("name")
@@ -233,24 +206,12 @@ def tar_stream(name: str, size: int, chunks: Iterable[bytes], *, uid: int = 0, g
                mode: int = 0o644) -> Iterator[bytes]:
     """A one-file tar archive as a generator (no temp file, no whole read).
     Raises when `chunks` does not hold exactly `size` bytes."""
-    ti = tarfile.TarInfo(name)
-    ti.size = size
-    ti.mode = mode
-    ti.mtime = int(time.time())
+    ti = tarfile.TarInfo(name)  # a regular file
+    ti.size, ti.mode, ti.mtime = size, mode, int(time.time())
     ti.uid, ti.gid = uid, gid
-    ti.type = tarfile.REGTYPE
     yield ti.tobuf(format=tarfile.PAX_FORMAT)
     n = 0
-    it = iter(chunks)
-    while True:
-        try:
-            chunk = next(it)
-        except StopIteration:
-            break
-        except CourierError:
-            raise
-        except Exception as exc:  # the blob store broke mid-read: say so, not "sandbox gone"
-            raise StorageError(f"{name}: reading the stored blob failed: {exc}") from exc
+    for chunk in store_chunks(chunks, name):
         n += len(chunk)
         if n > size:
             raise SandboxError(f"{name}: the stored blob grew while sending")
@@ -259,6 +220,22 @@ def tar_stream(name: str, size: int, chunks: Iterable[bytes], *, uid: int = 0, g
         raise SandboxError(f"{name}: the stored blob shrank while sending ({n} of {size})")
     pad = (-size) % tarfile.BLOCKSIZE
     yield b"\0" * (pad + 2 * tarfile.BLOCKSIZE)
+
+
+def store_chunks(chunks: Iterable[bytes], what: str) -> Iterator[bytes]:
+    """`chunks` with a failure of their source (the blob store) said as such
+    (StorageError), not taken for the container going away."""
+    it = iter(chunks)
+    while True:
+        try:
+            chunk = next(it)
+        except StopIteration:
+            return
+        except CourierError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - re-raised, named
+            raise StorageError(f"{what}: reading the stored blob failed: {exc}") from exc
+        yield chunk
 
 
 def iter_archive(engine: Engine, resolved: str, size: int | None, *, max_bytes: int,
@@ -279,8 +256,7 @@ def iter_archive(engine: Engine, resolved: str, size: int | None, *, max_bytes: 
         with engine._errors("archive stream", path=resolved):
             yield from iter_single_member(body, expected_name=posixpath.basename(resolved),
                                           expected_size=size, max_bytes=max_bytes)
-        # an engine may finish a copy from a container removed meanwhile (podman
-        # does); one cheap inspect makes "gone mid-transfer" fail the same everywhere
+        # an engine (podman) may finish a copy from a container removed meanwhile: fail as elsewhere
         if not engine.alive():
             raise SandboxGone(f"container {engine.ref.target} went away during the transfer")
         check_unchanged_after(engine, resolved, st)
@@ -289,15 +265,10 @@ def iter_archive(engine: Engine, resolved: str, size: int | None, *, max_bytes: 
 
 
 def check_unchanged_after(engine: Engine, resolved: str, st: dict) -> None:
-    """The archive GET reads a file the engine opened itself: the bytes are
-    one version only if the file did not change while they were read. The
-    engine's stat after the copy (ONE ``HEAD .../archive``: its stat carries
-    size, mode and mtime in ns, no ctime or inode) must be the stat the GET
-    answered with before its first byte; else FileChanging (a file rewritten
-    in place, same size, while it was read: read again later), raised
-    before the chunks end, so an all-or-nothing store keeps nothing. Before
-    the read, the engine's stat of the GET was checked against the walk's
-    (:func:`check_archive_stat`)."""
+    """The engine's stat after the copy (ONE ``HEAD .../archive``: size, mode
+    and mtime in ns) must be the one the GET answered with before its first
+    byte, else the file changed while it was read: FileChanging, raised
+    before the chunks end, so an all-or-nothing store keeps nothing."""
     if not isinstance(st, dict) or "mtime" not in st or not hasattr(engine.client.api, "head"):
         return  # no stat header, or a client without the engine's stat call: nothing to compare
     after = engine._stat(resolved)
@@ -307,11 +278,10 @@ def check_unchanged_after(engine: Engine, resolved: str, st: dict) -> None:
     if changed:
         raise FileChanging(f"{resolved}: changed while it was read ({', '.join(changed)}); read again later")
 
+
 def open_archive(engine: Engine, path: str) -> tuple[Any, dict, Any]:
-    """(readable body, stat header, closable response) of the engine's
-    archive of `path`: the HTTP body as 1 MiB chunks (like the SDK's
-    ``get_archive``, with the response at hand to close it) through a
-    forward-only reader."""
+    """(forward-only reader of the body in 1 MiB chunks, stat header, closable
+    response) of the engine's archive of `path`."""
     api = engine.client.api
     if not all(hasattr(api, a) for a in ("_get", "_url", "_raise_for_status")):
         gen, st = api.get_archive(engine.container_id, path, chunk_size=CHUNK)

@@ -1,82 +1,173 @@
-"""The universal fallback: move files through a sandbox's *exec* channel.
+"""The universal fallback: move files through a sandbox's *exec* channel,
+in a constant number of round trips whatever the file size (one streaming
+``cat``; a base64 chunk per exec is ~500 times slower):
 
-Any backend that can run a command in the sandbox (docker exec, ssh, modal
-``Sandbox.exec``) gets path resolution, outbound extraction and inbound put
-from here with a constant number of round trips, whatever the file size:
+* resolve: ONE exec (``readlink -f``, a type test, ``stat``, ``$HOME``);
+* extract: ONE exec streaming the file from a descriptor the script checked
+  and stats before the first byte and after the last (a change:
+  FileChanging); a gated channel resolves and streams in ONE exec;
+* put: ONE exec reading stdin into a temp name, then renaming it;
+* ``Sandbox.exec``: the working directory resolved and checked (ONE exec,
+  cached), the argv run under :data:`RUN_SCRIPT`, a timeout killing every
+  process of the run by its id; never run twice, unless RUN_SCRIPT proves
+  nothing ran.
 
-* resolve: ONE exec (``readlink -f`` + a type test + ``stat -c %s``, and
-  ``$HOME`` for default roots), parsed from NUL-separated output;
-* extract: ONE exec streaming the file on stdout (``cat``; ``base64`` only
-  when the channel is not binary-safe), straight into storage (spliced in
-  the kernel where the channel hands out a pipe and the store is a volume);
-  the script stats the descriptor it streams (size, mtime and ctime in ns,
-  inode) before the first byte and after the last, and exits 75 on any
-  change: a file rewritten in place while it was read is FileChanging
-  (transient), never stored torn;
-  a channel that can also send one line of stdin resolves and streams in
-  ONE exec (:func:`exec_gated_extract`);
-* put: ONE exec that reads stdin into a temp name and renames it (only for
-  backends that can stream stdin).
-
-It also runs agent commands (``Sandbox.exec``) the same way on every
-backend: :func:`exec_command` resolves the working directory (ONE exec,
-cached per directory) and checks it, then runs the argv under
-:data:`RUN_SCRIPT`, which enters that directory, proves it is still the
-checked one, marks the command's environment with a per-run id and, where
-the sandbox has GNU `timeout`, bounds it there too (should the worker vanish);
-the backend's :class:`~adapters.sandboxes.base.ExecRun` is driven by
-:func:`~adapters.sandboxes.base.run_exec`, and a timeout kills every process
-carrying the id (:data:`KILL_SCRIPT`, one more exec).
-
-Never many small round trips (a 60 KB base64 chunk per exec moves
-~0.3 MiB/s through podman; one streaming ``cat`` moves >150 MiB/s).
-
-No shell string is ever built from input: every command is an argv list;
-where a shell is needed its script is a constant and paths travel as
-positional parameters (``sh -c SCRIPT sh "$path"``).
-
-The interface a backend provides (:class:`ExecChannel`)::
-
-    binary_safe: bool                                   # stdout carries raw bytes
-    exec_small(argv) -> (rc, stdout, stderr)            # short output, whole
-    exec_stream(argv) -> ExecStream                     # stdout as chunks
-    exec_stdin(argv, chunks) -> (rc, stdout, stderr)    # optional: stream stdin
-    exec_probe(argv, answers=(0,)) -> (rc, stdout, stderr)  # optional: see probe()
-
-Backends raise :class:`~adapters.errors.SandboxGone` from these when the
-sandbox vanishes or the connection drops (their own error mapping); this
-module maps exit codes to FileMissing / NotAFile / UnsafePath / TooLarge.
-
-The module is split in two halves over the channel (:mod:`.channel`):
-running commands (:mod:`.run`) and moving files (:mod:`.transfer`);
-every name is importable from here.
-
-Use it as a mixin (:class:`ExecStreamMixin`, needs ``self.policy``,
-``self.ref`` and ``self.exec_channel()``) or call the plain functions
-:func:`exec_resolve`, :func:`exec_iter_file`, :func:`exec_put` with a channel.
+No shell string is ever built from input: scripts are constants and paths
+travel as positional parameters (``sh -c SCRIPT sh "$path"``). A backend
+provides an :class:`ExecChannel` (raising SandboxGone when the sandbox
+vanishes); the scripts' exit codes map to FileMissing / NotAFile /
+UnsafePath / TooLarge here.
 """
 
-from adapters.sandboxes.execstream.channel import (
-    EXIT_CHANGED, EXIT_CHANGING, EXIT_DENIED, EXIT_LINKS, EXIT_LOOP, EXIT_MISSING, EXIT_NOT_DIR, EXIT_NOT_FILE,
-    EXIT_SHORT, VERSION_FORMAT, ExecChannel, ExecStream, GatedChannel, Resolved, default_roots, probe,
-)
-from adapters.sandboxes.execstream.mixin import ExecStreamMixin
-from adapters.sandboxes.execstream.run import (
-    CWD_SCRIPT, EXEC_BACKSTOP_S, KILL_SCRIPT, RUN_SCRIPT, exec_command, exec_resolve_cwd, kill_argv,
-)
+from __future__ import annotations
+
+import math
+import posixpath
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+
+from adapters.errors import FileMissing, SandboxError, UnsafePath
+from adapters.sandboxes.base import DEFAULT_EXEC_OUTPUT_BYTES, ExecRun, PathPolicy, check_lexical, exec_argv, run_exec
 from adapters.sandboxes.execstream.transfer import (
-    ANCESTOR_SCRIPT, GATED_STREAM_SCRIPT, PUT_RESOLVE_SCRIPT, PUT_SCRIPT, RESOLVE_SCRIPT, STREAM_SCRIPT,
-    exec_extract, exec_gated_extract, exec_iter_file, exec_put, exec_resolve,
-    exec_store_file, resolve_put_dest,
+    EXIT_CHANGED, GATED_STREAM_SCRIPT, VERSION_FORMAT, ExecChannel, ExecStream, Resolved, _ask, _err_text, _fields,
+    default_roots, exec_extract, exec_gated_extract, exec_iter_file, exec_put, exec_resolve, kill_argv, probe,
+    resolve_put_dest,
 )
 
 __all__ = [
-    "ExecChannel", "ExecStream", "ExecStreamMixin", "GatedChannel", "Resolved", "VERSION_FORMAT",
-    "RESOLVE_SCRIPT", "STREAM_SCRIPT", "GATED_STREAM_SCRIPT", "PUT_SCRIPT", "PUT_RESOLVE_SCRIPT", "ANCESTOR_SCRIPT",
-    "CWD_SCRIPT", "RUN_SCRIPT", "KILL_SCRIPT", "EXEC_BACKSTOP_S",
-    "exec_resolve", "exec_iter_file", "exec_store_file", "exec_gated_extract", "exec_extract",
-    "exec_put", "resolve_put_dest", "default_roots", "probe",
-    "exec_command", "exec_resolve_cwd", "kill_argv",
-    "EXIT_MISSING", "EXIT_NOT_FILE", "EXIT_CHANGED", "EXIT_CHANGING", "EXIT_DENIED", "EXIT_NOT_DIR", "EXIT_SHORT",
-    "EXIT_LINKS", "EXIT_LOOP",
+    "EXIT_CHANGED", "GATED_STREAM_SCRIPT", "VERSION_FORMAT", "ExecChannel", "ExecStream", "ExecStreamMixin",
+    "Resolved", "default_roots", "exec_command", "exec_extract", "exec_gated_extract", "exec_iter_file",
+    "exec_put", "exec_resolve", "kill_argv", "probe", "resolve_put_dest",
 ]
+
+
+# $1.. = candidate directories; the first that resolves to a directory wins. Prints HOME NUL
+# status NUL resolved: d directory, n not a directory, m missing (the last candidate, as far as it goes).
+CWD_SCRIPT = r"""for c in "$@"; do
+r=$(readlink -f -- "$c"; echo x)
+r=${r%x}
+r=${r%?}
+if [ -n "$r" ] && [ -d "$r" ]; then printf '%s\0d\0%s' "$HOME" "$r"; exit 0; fi
+done
+if [ -n "$r" ] && [ -e "$r" ]; then t=n; else t=m; fi
+printf '%s\0%s\0%s' "$HOME" "$t" "$r"
+"""
+
+# $1 = run id, $2 = checked working directory, $3 = backstop seconds ('' none),
+# $4.. = the argv. Enters $2 and proves it is still that directory (else exit 97
+# with a line naming the id), exports COURIER_EXEC_ID (for KILL_SCRIPT), runs the
+# argv under GNU `timeout` where there is one (busybox's holds the output up to
+# a second longer), not exec'd: a signal death is an exit status (128 + N).
+RUN_SCRIPT = r"""n=$1 d=$2 t=$3
+shift 3
+if cd -P "$d" 2>/dev/null; then p=$(pwd -P; echo x); p=${p%x}; p=${p%?}; else p=; fi
+if [ "$p" != "$d" ]; then printf 'courier-exec-%s: cwd\n' "$n" >&2; exit 97; fi
+COURIER_EXEC_ID=$n
+export COURIER_EXEC_ID
+if [ -n "$t" ] && timeout --version >/dev/null 2>&1; then timeout -s KILL -- "$t" "$@"; exit $?; fi
+"$@"
+exit $?
+"""
+
+#: seconds past an exec's timeout after which the sandbox's own `timeout` kills it (if the worker could not)
+EXEC_BACKSTOP_S = 10
+
+
+def exec_resolve_cwd(ch: ExecChannel, policy_for: Callable[[str | None], PathPolicy], cwd: str | None,
+                     defaults: Sequence[str]) -> str:
+    """ONE exec: the working directory resolved in the sandbox and checked
+    against the policy (None: the first of `defaults` that is a directory).
+    Raises UnsafePath (outside the roots, also when missing) or FileMissing."""
+    if cwd is None:
+        cands = [d for d in defaults if d]
+        if not cands:
+            raise UnsafePath("exec: no allowed roots to run in")
+    else:
+        cands = [check_lexical(cwd)]
+    rc, out, err = _ask(ch, CWD_SCRIPT, *cands)
+    if rc != 0:
+        raise SandboxError(f"exec: cannot resolve the working directory (exit {rc}: {_err_text(err)})")
+    home, kind, resolved = _fields(out, 3, "exec working directory")
+    policy = policy_for(home or None)
+    if kind == "d":
+        return policy.check(resolved, shown=cwd or resolved)
+    if cwd is None:
+        raise FileMissing(f"exec: none of the allowed roots is a directory ({', '.join(cands)})")
+    policy.check(posixpath.normpath(resolved or cwd), shown=cwd)
+    raise FileMissing(f"{cwd}: no such directory")
+
+
+def exec_command(ch: ExecChannel, policy_for: Callable[[str | None], PathPolicy],
+                 start: Callable[..., ExecRun], argv: Sequence[str], *, timeout_s: float,
+                 cwd: str | None, max_output_bytes: int, defaults: Sequence[str],
+                 cwd_cache: dict) -> tuple[int, bytes, bytes]:
+    """``Sandbox.exec`` for a backend with an exec channel. `start(wrapped_argv,
+    run_id, backstop_s=...)` returns the backend's ExecRun (whose `kill` runs
+    :func:`kill_argv`; `backstop_s`: for a channel with a deadline of its own).
+    The working directory is cached in `cwd_cache`; RUN_SCRIPT proves it
+    unchanged on every run, and a changed one is resolved and checked again."""
+    args = exec_argv(argv)
+    for attempt in (0, 1):
+        workdir = cwd_cache.get(cwd) if attempt == 0 else None
+        if workdir is None:
+            workdir = exec_resolve_cwd(ch, policy_for, cwd, defaults)
+            if len(cwd_cache) >= 64:
+                cwd_cache.clear()
+            cwd_cache[cwd] = workdir
+        run_id = uuid.uuid4().hex
+        backstop = math.ceil(max(0.0, float(timeout_s))) + EXEC_BACKSTOP_S
+        run = start(["sh", "-c", RUN_SCRIPT, "sh", run_id, workdir, str(backstop), *args], run_id,
+                    backstop_s=backstop)
+        rc, out, err = run_exec(run, timeout_s=timeout_s, max_output_bytes=max_output_bytes)
+        if rc == EXIT_CHANGED and err == f"courier-exec-{run_id}: cwd\n".encode():
+            cwd_cache.pop(cwd, None)  # nothing ran: resolve and check it again
+            if attempt == 0:
+                continue
+            raise UnsafePath(f"{cwd or workdir}: changed while the command was starting")
+        return rc, out, err
+    raise AssertionError("unreachable")
+
+
+class ExecStreamMixin:
+    """Sandbox methods (``resolve``, ``open_stream``, ``exec``) on top of
+    ``exec_channel()`` and ``exec_start``; ``self.policy`` None: defaults
+    built from the sandbox's $HOME on first use."""
+
+    policy: PathPolicy | None
+    #: roots used when neither the ref nor the constructor gave any
+    exec_default_roots: tuple[str, ...] = ("/workspace", "/tmp")
+
+    def exec_channel(self) -> ExecChannel:  # pragma: no cover - provided by the backend
+        raise NotImplementedError
+
+    def policy_for(self, home: str | None) -> PathPolicy:
+        if self.policy is None:
+            ref = getattr(self, "ref", None)
+            roots = tuple(ref.roots) if ref is not None and ref.roots else default_roots(home, self.exec_default_roots)
+            self.policy = PathPolicy(roots=roots, home=home)
+        return self.policy
+
+    def resolve(self, path: str) -> tuple[str, int]:
+        r = exec_resolve(self.exec_channel(), path, policy_for=self.policy_for)
+        self.policy_for(r.home).check(r.path, shown=path)
+        return r.path, r.size
+
+    def open_stream(self, resolved: str) -> Iterator[bytes]:
+        return exec_iter_file(self.exec_channel(), resolved, policy=self.policy)
+
+    def exec_start(self, argv: list[str], run_id: str, *, backstop_s: int | None = None) -> ExecRun:
+        """Start `argv` (stdin empty) as an ExecRun whose `kill` runs ``kill_argv(run_id)``."""
+        raise SandboxError(f"{type(self).__name__} does not support running commands (exec)")
+
+    def exec(self, argv: Sequence[str], *, timeout_s: float, cwd: str | None = None,
+             max_output_bytes: int = DEFAULT_EXEC_OUTPUT_BYTES) -> tuple[int, bytes, bytes]:
+        """Sandbox.exec through the channel (:func:`exec_command`); `cwd`
+        None: the first allowed root that is a directory."""
+        policy = self.policy
+        ref = getattr(self, "ref", None)
+        defaults = policy.roots if policy is not None else (
+            tuple(ref.roots) if ref is not None and ref.roots else self.exec_default_roots)
+        cache = self.__dict__.setdefault("_exec_cwds", {})
+        return exec_command(self.exec_channel(), self.policy_for, self.exec_start, argv, timeout_s=timeout_s,
+                            cwd=cwd, max_output_bytes=max_output_bytes, defaults=defaults, cwd_cache=cache)
+

@@ -1,6 +1,5 @@
-"""Files moved through a backend's exec channel: resolve (ONE exec), extract
-(ONE streaming exec, or resolve and stream in one gated exec), put (ONE
-exec through stdin, after ONE resolving the destination)."""
+"""The exec channel's interface (:class:`ExecChannel`), what it hands back,
+the scripts' exit codes, and files moved through it (see the package's docstring)."""
 
 from __future__ import annotations
 
@@ -9,23 +8,141 @@ import contextlib
 import os
 import posixpath
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 from adapters.errors import FileChanging, FileMissing, NotAFile, SandboxError, SandboxGone, TooLarge, UnsafePath
 from adapters.sandboxes.base import DEFAULT_MAX_BYTES, PathPolicy, ReadTimeout, check_lexical, check_size, grew_over_cap
-from adapters.sandboxes.execstream.channel import (
-    EXIT_CHANGED, EXIT_CHANGING, EXIT_DENIED, EXIT_LINKS, EXIT_LOOP, EXIT_MISSING, EXIT_NOT_DIR, EXIT_NOT_FILE,
-    EXIT_SHORT, VERSION_FORMAT, ExecChannel, ExecStream, GatedChannel, Resolved, _ask, _err_text, _fields,
-)
-from adapters.sandboxes.execstream.run import kill_argv
 
-# $1 = path as given. Prints HOME NUL resolved NUL type NUL size, link count
-# and (a regular file) its version: mtime, ctime (ns) and inode (type: f
-# regular file, d directory, o other). readlink's output is kept
-# exactly (the `echo x` guard keeps trailing newlines from being eaten).
-# A path that does not resolve exits 2 after HOME NUL what it would name
-# (empty when readlink gave up), or 40 for a symbolic link loop (`realpath`
-# names it; it opens nothing, so a FIFO cannot block it).
+#: exit codes of the constant scripts below
+EXIT_MISSING = 2
+EXIT_NOT_FILE = 4
+EXIT_CHANGED = 97
+EXIT_NOT_DIR = 5
+EXIT_SHORT = 6
+EXIT_DENIED = 13
+EXIT_LINKS = 15
+EXIT_LOOP = 40
+#: the stream script's: the file changed while it was read (EX_TEMPFAIL)
+EXIT_CHANGING = 75
+
+
+@dataclass
+class ExecStream:
+    """A running command's stdout as raw byte chunks. `exit_code()` is valid
+    once `chunks` is exhausted (None if unknown); `stderr()` is bounded;
+    `close()` ends the command early and is idempotent."""
+
+    chunks: Iterable[bytes]
+    exit_code: Callable[[], int | None]
+    stderr: Callable[[], bytes] = field(default=lambda: b"")
+    close: Callable[[], None] = field(default=lambda: None)
+    #: where the channel has one: stdout as a raw pipe, moved in the kernel instead of iterating `chunks`;
+    #: `wait()` before each read (ReadTimeout past the deadline), `end()` once drained (exit status known)
+    pipe_fd: int | None = None
+    wait: Callable[[], None] = field(default=lambda: None)
+    end: Callable[[], None] = field(default=lambda: None)
+    #: where the channel streams stdin: write these bytes to the command's stdin and close it
+    gate: Callable[[bytes], None] | None = None
+
+
+@runtime_checkable
+class ExecChannel(Protocol):
+    """What a backend provides to reuse this module."""
+
+    #: True when stdout of exec_stream carries arbitrary bytes unchanged
+    binary_safe: bool
+
+    def exec_small(self, argv: Sequence[str]) -> tuple[int, bytes, bytes]:
+        """Run argv, return (exit code, stdout, stderr); for short outputs."""
+
+    def exec_stream(self, argv: Sequence[str]) -> ExecStream:
+        """Run argv and stream its stdout (raw bytes, or text if not binary_safe)."""
+
+
+class GatedChannel(ExecChannel, Protocol):
+    """A channel that can also send one line of stdin to a streaming command
+    (``ExecStream.gate``) and hands out its stdout as a pipe (ssh)."""
+
+    def exec_gated(self, argv: Sequence[str]) -> ExecStream:
+        ...
+
+
+@dataclass(frozen=True)
+class Resolved:
+    path: str          # resolved absolute path inside the sandbox
+    size: int
+    home: str | None   # $HOME of the exec user (for default roots)
+    nlink: int = 1     # hard links of the file, where the resolve saw them
+    #: `stat -c` of :data:`VERSION_FORMAT` at the resolve (a read that cannot compare versions itself asks again)
+    version: str = ""
+
+
+#: what the file's version is made of (`stat -c`): any change between two of them is a write
+VERSION_FORMAT = "%s %h %y %z %i"
+
+
+def default_roots(home: str | None, base: Sequence[str] = ("/workspace", "/tmp")) -> tuple[str, ...]:
+    """`base` plus the user's home when that is a sane, specific directory
+    (never `/`, never a denylisted tree such as /root)."""
+    roots = list(base)
+    if home and home.startswith("/") and "\x00" not in home:
+        h = posixpath.normpath(home)
+        if h != "/" and h not in roots and PathPolicy(roots=(h,)).denied_reason(h) is None:
+            roots.append(h)
+    return tuple(roots)
+
+
+def probe(ch: ExecChannel, argv: Sequence[str], *, answers: Iterable[int] = (0,)) -> tuple[int, bytes, bytes]:
+    """Run a short read-only command that prints its answer whenever it exits
+    with one of `answers`, through ``exec_probe`` where the channel's
+    transport can lose such an answer (docker), else ``exec_small``. Never
+    for an agent's command, nor one that changes anything."""
+    ask = getattr(ch, "exec_probe", None)
+    if ask is not None:
+        return ask(argv, answers=tuple(answers))
+    return ch.exec_small(argv)
+
+
+def _ask(ch: ExecChannel, script: str, *args: str, answers: Iterable[int] = (0,)) -> tuple[int, bytes, bytes]:
+    """One of the constant read-only scripts, as a :func:`probe`."""
+    return probe(ch, ["sh", "-c", script, "sh", *args], answers=answers)
+
+
+def _fields(out: bytes, n: int, what: str) -> list[str]:
+    parts = out.split(b"\0")
+    if len(parts) != n:
+        raise SandboxError(f"{what}: unexpected reply from the sandbox ({out[:200]!r})")
+    return [p.decode("utf-8", "surrogateescape") for p in parts]
+
+
+def _err_text(err: bytes) -> str:
+    return err.decode("utf-8", "replace").strip()[:300]
+
+
+# $1 = run id. SIGKILL every process whose environment holds COURIER_EXEC_ID=$1
+# (one grep over /proc per round; rounds until none is left, for forks racing it).
+KILL_SCRIPT = r"""i=0
+while [ "$i" -lt 20 ]; do
+l=$(grep -lzxF "COURIER_EXEC_ID=$1" /proc/[0-9]*/environ 2>/dev/null)
+[ -n "$l" ] || exit 0
+for f in $l; do p=${f#/proc/}; kill -9 "${p%/environ}" 2>/dev/null; done
+i=$((i+1))
+done
+"""
+
+
+def kill_argv(run_id: str) -> list[str]:
+    """The argv that kills every process of the run `run_id` (see KILL_SCRIPT)."""
+    return ["sh", "-c", KILL_SCRIPT, "sh", run_id]
+
+
+# $1 = path as given. Prints HOME NUL resolved NUL type (f regular file, d
+# directory, o other) NUL its VERSION_FORMAT stat (a regular file; else "0 1").
+# The `echo x` guard keeps readlink's trailing newlines. A path that does not
+# resolve exits 2 after HOME NUL what it would name (empty if readlink gave up),
+# or 40 for a link loop (`realpath` names it, opening nothing: no FIFO blocks it).
 RESOLVE_SCRIPT = r"""r=$(readlink -f -- "$1"; echo x)
 r=${r%x}
 r=${r%?}
@@ -40,16 +157,12 @@ printf '%s\0%s\0%s\0%s' "$HOME" "$r" "$t" "$s"
 """
 
 # $1 = resolved path, $2 = "cat" or "base64", $3 = "1" when a file with several
-# hard links may be read. Opens the file once on fd 3, checks what was opened
-# is still the resolved path, a regular file and (unless $3) has one link (the
-# fd's own link in /proc where there is one; kept exactly, as in
-# RESOLVE_SCRIPT), then streams from that fd. The fd's stat (links, size,
-# mtime and ctime in ns, inode) is taken before the first byte and again after
-# the last: any change (a file rewritten in place, same size, while it was
-# read) exits 75 after the bytes, so the caller refuses what it received
-# (FileChanging) before it is stored. A FIFO swapped in between the test and
-# the open blocks the open: the reader's deadline ends it, and the caller
-# kills the run by its COURIER_EXEC_ID.
+# hard links may be read. Opens the file once on fd 3, checks that fd (its own
+# link in /proc where there is one) is still the resolved path, a regular file
+# and (unless $3) has one link, then streams from it. Its VERSION_FORMAT stat
+# differs after the last byte from before the first: exit 75, the caller
+# refuses what it received (FileChanging). A FIFO swapped in before the open
+# blocks it: the reader's deadline ends it, and the run is killed by its id.
 STREAM_SCRIPT = r"""[ -f "$1" ] || { [ -e "$1" ] && exit 4; exit 2; }
 [ -r "$1" ] || exit 13
 exec 3< "$1" || exit 2
@@ -69,11 +182,9 @@ if [ "$2" = base64 ]; then base64 <&3 || exit; else cat <&3 || exit; fi
 """
 
 # $1 = path as given, $2 = "cat" or "base64". RESOLVE_SCRIPT's answer and one
-# more NUL, then it waits for ONE line on stdin: "go" (or "go 1": a file with
-# several hard links may be read) streams the resolved path exactly as
-# STREAM_SCRIPT does (the same text, run on it), anything else (stdin closed:
-# the caller refused the path) ends it without reading a byte. Resolve and
-# stream in one exec, the path still checked by the caller before any byte.
+# more NUL, then ONE line on stdin: "go" (or "go 1": several hard links allowed)
+# streams the resolved path as STREAM_SCRIPT does (the same text); anything else
+# (stdin closed: the caller refused the path) ends it before the file is opened.
 GATED_STREAM_SCRIPT = RESOLVE_SCRIPT + r"""printf '\0'
 IFS=' ' read -r go ok || exit 99
 [ "$go" = go ] || exit 99
@@ -116,9 +227,8 @@ mv -f -- "$1" "$2" || { rm -f -- "$1"; exit 3; }
 
 def exec_resolve(ch: ExecChannel, path: str, *, policy_for: Callable[[str | None], PathPolicy] | None = None
                  ) -> Resolved:
-    """Resolve `path` inside the sandbox with ONE exec. The caller checks the
-    returned path against its policy. Raises FileMissing / NotAFile, and
-    UnsafePath for a link loop. With `policy_for`, a path that does not
+    """Resolve `path` inside the sandbox with ONE exec (the caller checks the
+    result against its policy). With `policy_for`, a path that does not
     resolve is first checked as what it would name: a denied one is refused
     exactly as an existing one is (no existence probe)."""
     check_lexical(path)
@@ -173,19 +283,20 @@ def _b64_decode(chunks: Iterable[bytes]) -> Iterator[bytes]:
 
 def exec_iter_file(ch: ExecChannel, resolved: str, *, expected_size: int | None = None,
                    max_bytes: int | None = None, policy: PathPolicy | None = None) -> Iterator[bytes]:
-    """Stream an already resolved and checked file with ONE exec.
-
-    Raises (at the end, so an all-or-nothing store keeps nothing) when the
-    command fails, the file changed under us (opened path differs; size
-    differs from `expected_size`), or more than `max_bytes` arrive. A file
-    with several hard links is refused unless `policy` allows them there.
-    """
+    """Stream an already resolved and checked file with ONE exec. Raises (at
+    the end, so an all-or-nothing store keeps nothing) when the command
+    fails, the file changed, or more than `max_bytes` arrive. A file with
+    several hard links is refused unless `policy` allows them there."""
     mode = "cat" if getattr(ch, "binary_safe", True) else "base64"
+    links_ok = "1" if policy is not None and policy.links_allowed(resolved) else ""
     for attempt in range(3):
         # podman's Docker-compatible attach can drop a stream's output under load (exit 0,
         # no byte of a non-empty file): nothing was yielded then, so the read runs again
         lost: list[bool] | None = [] if attempt < 2 else None
-        run_id, st = _start_stream(ch, resolved, mode, policy)
+        # the run carries its id in its environment: a stalled one is killed by it (_kill)
+        run_id = uuid.uuid4().hex
+        st = ch.exec_stream(["env", f"COURIER_EXEC_ID={run_id}", "sh", "-c", STREAM_SCRIPT, "sh", resolved, mode,
+                             links_ok])
         yield from _iter_stream(ch, st, run_id, resolved, mode, expected_size=expected_size, max_bytes=max_bytes,
                                 lost=lost)
         if not lost:
@@ -210,9 +321,7 @@ def _iter_stream(ch: ExecChannel, st: ExecStream, run_id: str, resolved: str, mo
             yield chunk
         rc = st.exit_code()
     except ReadTimeout:
-        st.close()
-        with contextlib.suppress(Exception):  # best effort: the sandbox may be the stalled part
-            ch.exec_small(kill_argv(run_id))
+        _kill(ch, st, run_id)
         raise
     finally:
         st.close()
@@ -222,13 +331,11 @@ def _iter_stream(ch: ExecChannel, st: ExecStream, run_id: str, resolved: str, mo
     _check_stream_end(st, rc, n, resolved, expected_size)
 
 
-def _start_stream(ch: ExecChannel, resolved: str, mode: str, policy: PathPolicy | None) -> tuple[str, ExecStream]:
-    run_id = uuid.uuid4().hex
-    # the run carries its id in its environment: a stalled one (its channel's
-    # read deadline passed) is killed by it, not left blocked in the sandbox
-    links_ok = "1" if policy is not None and policy.links_allowed(resolved) else ""
-    return run_id, ch.exec_stream(["env", f"COURIER_EXEC_ID={run_id}", "sh", "-c", STREAM_SCRIPT, "sh", resolved,
-                                   mode, links_ok])
+def _kill(ch: ExecChannel, st: ExecStream, run_id: str) -> None:
+    """A stalled stream ended, and its run killed in the sandbox by its id."""
+    st.close()
+    with contextlib.suppress(Exception):  # best effort: the sandbox may be the stalled part
+        ch.exec_small(kill_argv(run_id))
 
 
 #: what the stream script's exit codes say about the file (it read nothing then)
@@ -260,25 +367,13 @@ def _check_stream_end(st: ExecStream, rc: int | None, n: int, resolved: str, exp
         raise FileChanging(f"{resolved}: changed while it was read (written meanwhile); read again later")
 
 
-def exec_store_file(ch: ExecChannel, resolved: str, store, key: str, *, expected_size: int | None,
-                    max_bytes: int, policy: PathPolicy | None = None,
-                    guard: Callable[[Iterator[bytes]], Iterator[bytes]] | None = None):
-    """An already resolved and checked file into `store` at `key` with ONE
-    exec, all or nothing, with the checks of :func:`exec_iter_file`. Where the
-    channel hands out its stdout as a pipe and the store takes one
-    (``put_pipe``: a volume splices it into the file in the kernel), the bytes
-    never pass through this process (and no sha256 is computed); else they
-    stream through ``store.put_stream``. `guard` wraps the chunks (error mapping)."""
-    mode = "cat" if getattr(ch, "binary_safe", True) else "base64"
-    run_id, st = _start_stream(ch, resolved, mode, policy)
-    return _store_stream(ch, st, run_id, resolved, mode, store, key, expected_size=expected_size,
-                         max_bytes=max_bytes, guard=guard)
-
-
 def _store_stream(ch: ExecChannel, st: ExecStream, run_id: str, resolved: str, mode: str, store, key: str, *,
                   expected_size: int | None, max_bytes: int,
                   guard: Callable[[Iterator[bytes]], Iterator[bytes]] | None = None):
-    """exec_store_file of a started stream script."""
+    """The output of a started stream script into `store` at `key`, all or
+    nothing, with :func:`exec_iter_file`'s checks: spliced in the kernel where
+    the channel has a stdout pipe and the store ``put_pipe``, else through
+    ``store.put_stream`` wrapped in `guard` (error mapping)."""
     put_pipe = getattr(store, "put_pipe", None)
     info = None
     if st.pipe_fd is not None and mode == "cat" and put_pipe is not None:
@@ -289,9 +384,7 @@ def _store_stream(ch: ExecChannel, st: ExecStream, run_id: str, resolved: str, m
         try:
             info = put_pipe(key, st.pipe_fd, max_bytes=max_bytes, wait=st.wait, finish=finish)
         except ReadTimeout:
-            st.close()
-            with contextlib.suppress(Exception):  # best effort: the sandbox may be the stalled part
-                ch.exec_small(kill_argv(run_id))
+            _kill(ch, st, run_id)
             raise
         except TooLarge as exc:
             st.close()
@@ -310,18 +403,12 @@ def _store_stream(ch: ExecChannel, st: ExecStream, run_id: str, resolved: str, m
 def exec_gated_extract(ch: GatedChannel, path: str, store, key: str, *, max_bytes: int,
                        check: Callable[[Resolved], PathPolicy],
                        guard: Callable[[Iterator[bytes]], Iterator[bytes]] | None = None):
-    """Resolve and store `path` with ONE exec (:data:`GATED_STREAM_SCRIPT`),
-    for a channel with ``exec_gated(argv)``: an ``exec_stream`` that takes one
-    line of stdin (``ExecStream.gate``) and hands out stdout as a pipe: the resolve's answer
-    is read first, `check(resolved)` checks it (the policy, the size cap;
-    raises to refuse: the script ends without opening the file) and returns
-    the policy (for hard links);
-    only then does the script open and stream the file, as
-    :func:`exec_store_file` does. Saves a round trip (an ssh client, a
-    session) per file over resolve + stream. None when the path did not
-    resolve (the script ended before its answer): the caller asks
-    :func:`exec_resolve` why, so a path that does not resolve gets exactly
-    its answer (missing, denied, a loop)."""
+    """Resolve and store `path` with ONE exec (:data:`GATED_STREAM_SCRIPT`)
+    on a :class:`GatedChannel`: the resolve's answer is read first and
+    `check(resolved)` checks it (raises to refuse: the file is never opened)
+    and returns the policy (for hard links); only then does the script
+    stream the file, as :func:`exec_iter_file` does. None when the path did
+    not resolve: the caller asks :func:`exec_resolve` why."""
     check_lexical(path)
     mode = "cat" if getattr(ch, "binary_safe", True) else "base64"
     run_id = uuid.uuid4().hex
@@ -330,7 +417,7 @@ def exec_gated_extract(ch: GatedChannel, path: str, store, key: str, *, max_byte
         if st.gate is None or st.pipe_fd is None:
             raise SandboxError("exec_gated_extract needs a channel with a stdin gate and a stdout pipe")
         head = bytearray()
-        while head.count(b"\0") < 4:
+        while head.count(b"\0") < 4 and len(head) <= 3 * 65536:
             st.wait()
             data = os.read(st.pipe_fd, 65536)
             if not data:  # the script ended before its answer: the path did not resolve
@@ -338,9 +425,8 @@ def exec_gated_extract(ch: GatedChannel, path: str, store, key: str, *, max_byte
                 st.close()
                 return None
             head += data
-            if len(head) > 3 * 65536:
-                raise SandboxError(f"{path}: unexpected reply from the sandbox ({bytes(head[:200])!r})")
-        if not head.endswith(b"\0") or head.count(b"\0") != 4:  # the script sends nothing more before `go`
+        # the script sends nothing more before `go`
+        if len(head) > 3 * 65536 or not head.endswith(b"\0") or head.count(b"\0") != 4:
             raise SandboxError(f"{path}: unexpected reply from the sandbox ({bytes(head[:200])!r})")
         r = _parse_resolved(bytes(head[:-1]), path)
         policy = check(r)
@@ -401,9 +487,8 @@ def resolve_put_dest(ch: ExecChannel, policy_for: Callable[[str | None], PathPol
 def _make_parents(ch: ExecChannel, policy_for: Callable[[str | None], PathPolicy], dest_path: str,
                   parent: str) -> None:
     """Create the missing directories of `parent` (as the sandbox's user),
-    after checking where they would lead: its deepest existing ancestor is
-    resolved in the sandbox and the destination under it checked against
-    the policy first (the caller resolves and checks it again afterwards)."""
+    once the destination under its deepest existing ancestor (resolved in
+    the sandbox) passed the policy."""
     rc, out, err = _ask(ch, ANCESTOR_SCRIPT, parent)
     if rc != 0:
         raise SandboxError(f"{dest_path}: cannot resolve (exit {rc}: {_err_text(err)})")
@@ -420,9 +505,8 @@ def _make_parents(ch: ExecChannel, policy_for: Callable[[str | None], PathPolicy
 
 def exec_put(ch, policy_for: Callable[[str | None], PathPolicy], store, key: str, dest_path: str, *,
              max_bytes: int = DEFAULT_MAX_BYTES) -> str:
-    """Inbound through exec stdin (needs ``ch.exec_stdin(argv, chunks)``):
-    2 execs whatever the size; the file appears atomically (temp + rename),
-    and only whole: the temp's size is checked against the blob's first."""
+    """Inbound through ``ch.exec_stdin``: 2 execs whatever the size; the file
+    appears atomically (temp + rename), and only whole (the temp's size checked)."""
     info = store.stat(key)
     check_size(key, info.size_bytes, max_bytes)
     final, _uid, _gid = resolve_put_dest(ch, policy_for, dest_path)
