@@ -1,9 +1,7 @@
 """Deliveries as an operator lists them (`courier deliveries`): plain code.
 
-Jobs are found by scanning `courier:job:*` hashes (SCAN with a type filter,
-1000 keys a step: no index to keep on the hot path; about a second per
-million keys), newest first; their receipts are read in one pipeline per
-job batch. Receipts are shown without their `spec` (it holds chat text).
+Jobs are found by scanning `courier:job:*` hashes (no index on the hot path), newest
+first. Receipts are shown without their `spec` (it holds chat text).
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
-"""Celery's queues as an operator sees them: depth, the oldest message's
-age, consumers (plain code, no Celery; for `courier queues` and the metrics).
+"""Celery's queues as an operator sees them: depth, the oldest message's age, consumers
+(plain code; for `courier queues` and the metrics).
 
-Celery's Redis transport keeps a queue as a list: messages are LPUSHed and
-consumed from the right, so the oldest message is `LINDEX q -1`. courier
-stamps every message it publishes with its publish time (header `sent_s`,
-workers/celery_app.py), which gives the oldest message's age.
-
-Which queues exist is kept in `keys.queues()` (a sorted set: publishers add
-a queue at most once a minute, workers with their heartbeat), so a
-`sandbox.<host>` queue that has messages but no worker is still listed.
-Workers record a heartbeat per queue they consume (`keys.consumers(q)`,
-every HEARTBEAT_S); a consumer is one whose heartbeat is younger than
-CONSUMER_STALE_S.
-
-The `delivery` queue's depth and age include the lanes waiting in the ready
-set (`keys.lanes_ready()`: wake-ups that were not published as messages of
-their own because enough drives were waiting, tasks/dispatch/chains.py): work waiting
-for a delivery worker either way.
+A queue is a Redis list consumed from the right: the oldest message is `LINDEX q -1`,
+and courier stamps each message with its publish time (header `sent_s`). Known queues
+are kept in `keys.queues()`, so a `sandbox.<host>` queue with messages but no worker is
+still listed. A consumer is a worker whose heartbeat on the queue is younger than
+CONSUMER_STALE_S. The `delivery` queue counts the lanes waiting in the ready set too.
 """
 
 from __future__ import annotations
@@ -141,7 +130,7 @@ SCAN_CHUNK = 500
 
 def _message(raw: bytes) -> tuple[str, str, list[object]] | None:
     """(task name, task id, args) of a raw queue entry; None when it is not a Celery message
-    courier can read. A body that does not verify gives args None-like: [] (tasks.ledger.signing)."""
+    courier can read. A body that does not verify gives args []."""
     import base64
 
     from tasks.ledger import signing

@@ -1,5 +1,5 @@
-"""An operator's send from its JSON form (Flower's async-apply, the
-`courier.delivery.send` task): plain code, no Celery.
+"""An operator's send from its JSON form (Flower's async-apply, the `courier.delivery.send`
+task): plain code, no Celery.
 
     {"target": "telegram:-100123",                 # required: <platform>:<chat id>
      "text": "nightly report",                     # optional: a text message, sent first
@@ -9,18 +9,13 @@
      "caption": "for the first file",              # optional
      "voice": false, "as_document": false}         # optional
 
-At least a text or one file. It goes through the ledger like `courier send`
-(tasks.dispatch.chains.enqueue with job_kind "send"): a job with receipts that
-`courier status <job>` shows, the chat's lane, an extraction per file on its
-sandbox's queue. Bad input raises `ConfigError` (nothing is enqueued).
+At least a text or one file. It goes through the ledger like `courier send` (a job with
+receipts, the chat's lane, an extraction per file). Bad input raises `ConfigError`.
 
-The pre-checks (`check_send`, the same for `courier send`, which also takes
-files of its own host and uploads them): what can be known before
-enqueueing is refused then. A remote sandbox's path, which cannot be
-resolved here, is refused when the path policy refuses it as written
-(relative, `..`, the system denylist: /etc, /proc, ...). A local one is
-resolved (links, allowed roots) and its size checked against the
-extraction cap and the platform's upload limit for what it would go as.
+The pre-checks (`check_send`, shared with `courier send`) refuse what can be known before
+enqueueing: a remote sandbox's path when the path policy refuses it as written (relative,
+`..`, the system denylist); a local one resolved (links, roots) and its size checked
+against the extraction cap and the platform's upload limit.
 """
 
 from __future__ import annotations
@@ -93,9 +88,9 @@ def check_send(target: str, *, platform: Callable[[], Platform], album_max: Call
                voice: bool = False, as_document: bool = False, host_files: HostFiles | None = None
                ) -> CheckedSend:
     """Every check a send gets before anything is enqueued or stored, for the operator's task
-    (`plan_send`) and `courier send` alike; ConfigError (`NothingToSend`) on bad input.
-    `platform`: the target's adapter (asked only when a file is checked against its limits);
-    `album_max`: its album size; `host_files`: how a file given without `://` is taken."""
+    and `courier send` alike; ConfigError (`NothingToSend`) on bad input. `platform`: the
+    target's adapter (asked only when a file is checked); `host_files`: how a file given
+    without `://` is taken."""
     from adapters.sandboxes.base import parse_uri
 
     if text is not None and not isinstance(text, str):
@@ -145,9 +140,8 @@ def plan_send(ctx: Context, target: str, *, text: str | None = None, files: list
 
 def check_size(platform: Platform, shown: str, name: str, size: int, *, voice: bool, as_document: bool,
                path: str | None = None) -> None:
-    """ConfigError when a file of `size` bytes is over the platform's upload
-    limit for what it would be sent as (its kind after routing, and the
-    platform's own routing when it has one and the file is at `path`)."""
+    """ConfigError when a file of `size` bytes is over the platform's upload limit for what
+    it would go as (after routing, the platform's own too when the file is at `path`)."""
     from pathlib import Path
 
     from adapters.errors import CourierError

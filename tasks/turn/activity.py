@@ -1,18 +1,11 @@
 """Native activity on the chat while a turn runs: plain code, no Celery.
 
-`TurnActivity` runs one background thread per turn that
-- re-sends the platform's typing indicator every `typing_interval_s` (~4 s:
-  Telegram shows it for 5 s, Discord for 10 s) while the agent works;
-- posts a progress message with the current activity (`$ pytest -q`,
-  `reading README.md`) on the first one, edits it as the activity changes
-  (at most one edit per `edit_interval_s`, latest text wins) and removes it
-  (`Platform.end_progress`) when the turn ends.
-
-Platforms that support neither (the defaults of `Platform`) cost nothing:
-no thread is started. Every platform call is wrapped: an error (or a rate
-limit, which pauses that call) is logged and never fails the turn. The
-outbox records nothing for these. The progress message id is kept in Redis
-(`keys.progress_message`) so a redelivered turn removes a stale one.
+`TurnActivity` runs one thread per turn that re-sends the typing indicator every
+`typing_interval_s` (Telegram shows it 5 s) and keeps a progress message with the
+current activity (at most one edit per `edit_interval_s`, latest text wins), removed
+when the turn ends. A platform with neither starts no thread. A platform call's error
+(or rate limit, which pauses that call) is logged and never fails the turn. The
+progress message id is kept in Redis so a redelivered turn removes a stale one.
 """
 
 from __future__ import annotations
@@ -55,16 +48,13 @@ def _overrides(platform: Platform, name: str) -> bool:
 
 
 class TurnActivity:
-    def __init__(self, ctx: Context, target: str, job_id: str, *, typing_interval_s: float | None = None,
-                 edit_interval_s: float | None = None) -> None:
+    def __init__(self, ctx: Context, target: str, job_id: str) -> None:
         self.ctx = ctx
         self.redis = ctx.redis
         self.target = target
         self.job_id = job_id
-        self.typing_interval_s = float(typing_interval_s or getattr(ctx, "typing_interval_s", None)
-                                       or TYPING_INTERVAL_S)
-        self.edit_interval_s = float(edit_interval_s or getattr(ctx, "progress_edit_interval_s", None)
-                                     or EDIT_INTERVAL_S)
+        self.typing_interval_s = float(ctx.typing_interval_s or TYPING_INTERVAL_S)
+        self.edit_interval_s = float(ctx.progress_edit_interval_s or EDIT_INTERVAL_S)
         self.platform: Platform | None = None
         self.chat = ""
         self.platform_name = ""
@@ -79,11 +69,10 @@ class TurnActivity:
         self._last_edit = float("-inf")
         self._paused_until: dict[str, float] = {}
         self._thread: threading.Thread | None = None
-        self.calls = 0
 
     # -- lifecycle ---------------------------------------------------------------
     def __enter__(self) -> "TurnActivity":
-        return self  # started by the first event after `started` (on_event), or by start()
+        return self  # started by the first event after `started` (on_event)
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
@@ -195,7 +184,6 @@ class TurnActivity:
         if not force and time.monotonic() < self._paused_until.get(name, 0.0):
             return None
         self._paused_until.pop(name, None)
-        self.calls += 1
         try:
             return getattr(self.platform, name)(*args)
         except RateLimited as exc:

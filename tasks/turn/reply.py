@@ -1,99 +1,68 @@
 """Reply parsing: plain Python, no Celery, no I/O.
 
-`parse_reply(text)` finds the `MEDIA:<path>` tags and the `[[...]]` directives
-in an agent's reply (DESIGN.md, "MEDIA tags in a reply") and returns the text
-to show in the chat with them removed. Which kind a file goes as is
-`tasks.delivery.routing`'s (routing by extension).
+`parse_reply(text)` finds the `MEDIA:<path>` tags and `[[...]]` directives in an
+agent's reply and returns the chat text without them. Which kind a file goes as is
+`tasks.delivery.routing`'s.
 
 Tags
 ----
-- `MEDIA:<path>`, written exactly so: upper case, no space after the colon
-  (`MEDIA: /x.png` and `media:/x.png` stay text). The tag may be glued to the
-  word before it (`hereMEDIA:/a.png` parses; so does `MULTIMEDIA:/a.png`).
-- Only absolute (`/...`) and home-relative (`~/...`) paths count. A relative
-  path (`MEDIA:out.png`), a URL (`MEDIA:http://...`), a protocol-relative
-  `MEDIA://host/x`, a bare `/` or `~/` and a Windows path (`MEDIA:C:\\x.png`)
-  are not tags: the text stays as written. Paths are returned as written (no
-  `~` expansion, no normalising); the extraction step resolves and checks them.
-- A path holding a control character (a NUL, an ESC, a newline inside quotes)
-  is a tag all the same: cut from the text (the sandbox path never reaches the
-  chat) and returned in `media`, where the extraction refuses it before any
-  I/O and the chat is told (`has_control`). A quoted path cut by a line break
-  (`MEDIA:"/w/a<newline>b.png"`) is one such tag when what the quotes enclose
-  holds no other whitespace; an unquoted path ends at the line break.
-- Quoted paths: `MEDIA:"..."`, `MEDIA:'...'` or `MEDIA:`...`` (any backtick
-  run, closed by a run of the same length) may hold spaces; the quote must
-  close on the same line (but see the line break above). Whitespace just inside the quotes is dropped,
-  everything else (punctuation included) is kept. For `"` and `'` the closing
-  quote is the first one followed by whitespace, punctuation or the line end
-  (so `'/tmp/bob's file.png'` works), else simply the first one. A quote that
-  never closes is ignored and the path is read unquoted after it.
-- Unquoted paths end at whitespace (any Unicode space), a backtick, the next
-  `MEDIA:` or a directive. Then:
-  1. trailing punctuation is dropped: ASCII ``. , ; : ! ? ) ] } > " ' * |``
-     and CJK/fullwidth ``。 ， ！ ？ 、 ； ： ） 」 』 】 》 〉 ” ’ …``; a closing
-     bracket is kept when it balances an opening one inside the path
-     (`/tmp/file_(1)` stays whole), and the extension's own dot stays
-     (`/tmp/a.png.` gives `/tmp/a.png`);
-  2. glued text: when the last path component does not end in a known
-     extension (`tasks.delivery.routing.KNOWN_EXT`) but contains `.<known ext>`
-     directly followed by an upper-case letter, two or more ASCII letters,
-     a non-ASCII letter (CJK, Cyrillic, ...), or punctuation/symbols, the
-     path ends after that extension and the rest stays in the text:
-     `/tmp/chart.pngHere` -> `/tmp/chart.png`, `/tmp/a.pngand` ->
-     `/tmp/a.png`, `/tmp/a.png这是图` -> `/tmp/a.png`. A single lower-case
-     letter is kept as part of the name (`/tmp/a.docs`, `/tmp/a.svgz`), and
-     so are digits, `.`, `-`, `_`, `~`.
-     Only the last component is searched (`/tmp/x.pngdir/f` stays whole).
-     Without a known extension nothing is cut (`/tmp/READMEthen` stays).
-- Bracket/quote/emphasis pairs wrapped tightly around a tag go with it:
-  `(MEDIA:/a.png)`, `"MEDIA:/a.png"`, `**MEDIA:/a.png**` leave nothing.
-- Duplicates (compared after unquoting and punctuation clean-up) deliver
-  once; the first occurrence keeps its place in `media`. (`tasks.turn.turn` also
-  compares the normalised path, the turn's `~` expanded: `/w/./x` and `/w/x`
-  are one file.)
-- A path is at most 4096 characters (PATH_MAX); longer ones are not tags.
-  Every search is bounded by that, so parsing stays near-linear.
+- `MEDIA:<path>` exactly: upper case, no space after the colon; it may be glued to
+  the word before it (`hereMEDIA:/a.png`, `MULTIMEDIA:/a.png` parse).
+- Only absolute (`/...`) and home-relative (`~/...`) paths count; a relative path, a
+  URL, `MEDIA://host/x`, a bare `/` or `~/` and a Windows path stay text. Paths are
+  returned as written; the extraction resolves and checks them.
+- A path holding a control character is a tag all the same: cut from the text (the
+  path never reaches the chat) and refused by the extraction, the chat told
+  (`has_control`). A quoted path cut by a line break is one such tag when what the
+  quotes enclose holds no other whitespace; an unquoted path ends at the line break.
+- Quoted paths (`"..."`, `'...'`, or a backtick run closed by a run of the same
+  length) may hold spaces and close on the same line; whitespace just inside is
+  dropped. For `"` and `'` the closing quote is the first one followed by whitespace,
+  punctuation or the line end (`'/tmp/bob's file.png'`), else the first one. A quote
+  that never closes is ignored and the path read unquoted after it.
+- Unquoted paths end at whitespace, a backtick, the next `MEDIA:` or a directive. Then
+  1. trailing punctuation (ASCII ``. , ; : ! ? ) ] } > " ' * |`` and CJK/fullwidth
+     ``。 ， ！ ？ 、 ； ： ） 」 』 】 》 〉 ” ’ …``) is dropped, but a closing bracket
+     that balances one inside the path stays (`/tmp/file_(1)`);
+  2. glued text: when the last component does not end in a known extension
+     (`routing.KNOWN_EXT`) but holds `.<known ext>` followed by an upper-case letter,
+     two or more ASCII letters, a non-ASCII letter, or punctuation/symbols, the path
+     ends after the extension (`/tmp/chart.pngHere`, `/tmp/a.png这是图` ->
+     `/tmp/<x>.png`). One lower-case letter, digits, `.`, `-`, `_`, `~` stay
+     (`/tmp/a.docs`); without a known extension nothing is cut.
+- Bracket/quote/emphasis pairs tightly around a tag go with it (`(MEDIA:/a.png)`,
+  `**MEDIA:/a.png**`).
+- Duplicates (after unquoting and clean-up) deliver once, where first named.
+- A path is at most 4096 characters (PATH_MAX); every search is bounded by that, so
+  parsing stays near-linear.
 
 Code
 ----
-- Fenced blocks open on a line of three or more backticks or tildes (after
-  optional indentation, list markers or `>`); a backtick fence's info string
-  may not hold a backtick. They close on a line of the same character, at
-  least as long, and nothing else. An unterminated fence runs to the end of
-  the text. Inline code is a backtick run closed by the next run of the same
-  length that comes before the next blank line; an unmatched run is literal.
-  Everything inside code is text: no tags, no directives, kept byte for byte.
-- A backtick run directly after `MEDIA:` quotes the path (it is a tag) when
-  it closes on the same line around a valid path; otherwise `MEDIA:` stays
-  text and the backticks open inline code as usual.
+Fenced blocks open on a line of three or more backticks or tildes (after optional
+indentation, list markers or `>`; a backtick fence's info string holds no backtick)
+and close on a line of the same character, at least as long; unterminated, they run to
+the end. Inline code is a backtick run closed by the next run of the same length before
+the next blank line. Everything in code is kept byte for byte: no tags, no directives.
+A backtick run right after `MEDIA:` quotes the path when it closes on the same line
+around a valid path; otherwise the backticks open inline code as usual.
 
 Directives
 ----------
-`[[audio_as_voice]]` and `[[as_document]]`, any case, optional spaces/tabs
-inside the brackets, anywhere outside code; stripped and set the flags.
+`[[audio_as_voice]]` and `[[as_document]]`, any case, optional spaces/tabs inside,
+outside code: stripped, and they set the flags.
 
 Text
 ----
-- Tags and directives are cut out. Around each cut, the whitespace run is
-  tidied: at the start of a line the indentation before the tag is kept, and
-  the spaces and separator punctuation (`.,;:!?` and CJK `。，！？、；：`) after
-  it are dropped (`MEDIA:/a.png, here` -> `here`); at the end of a line it is
-  dropped; before closing punctuation (`.,;:!?)]}>` and CJK) it is dropped,
-  and of two separators meeting there one goes (`Done: MEDIA:/a.png.` ->
-  `Done.`, `a, MEDIA:/b.png, c` -> `a, c`, `Wow! MEDIA:/x.png.` -> `Wow!`);
-  elsewhere it becomes a single (the first) whitespace character. Two
-  non-CJK words glued by a cut (`hereMEDIA:/a.pngthere`) get one space.
-- A line that holds a cut and becomes blank is removed. Outside fenced code,
-  runs of blank lines are collapsed to one (empty) line. The result is
-  `strip()`ped. Lines without cuts are otherwise left alone.
-- If cutting ever glues text into a new tag (adversarial input such as
-  `MEDIA:[[as_document]]/x.png`), that tag is defused with a zero-width space
-  after `MEDIA`, so the returned text never yields a delivery when parsed
-  again.
-- Control characters never reach the chat: NUL and the other C0/C1 controls
-  (and DEL) are removed from the returned text, except `\n`, `\t` and `\r`
-  (a tag that removal glues together is defused as above).
+- Around each cut: at a line's start the indentation is kept and the spaces and
+  separators (`.,;:!?`, CJK) after it dropped; at a line's end, or before closing
+  punctuation, the whitespace is dropped, and of two separators meeting one goes
+  (`Done: MEDIA:/a.png.` -> `Done.`, `a, MEDIA:/b.png, c` -> `a, c`); elsewhere it
+  becomes one (the first) whitespace character, or a space between two glued words.
+- A line a cut leaves blank is removed; outside fenced code, runs of blank lines
+  collapse to one; the result is `strip()`ped.
+- A tag that cutting glues together (`MEDIA:[[as_document]]/x.png`) is defused with
+  a zero-width space after `MEDIA`: the returned text never yields a delivery.
+- C0/C1 controls and DEL are removed from the text, except `\n`, `\t`, `\r`.
 - `parse_reply` never raises for a `str`; anything else is a `TypeError`.
 """
 
@@ -111,9 +80,6 @@ __all__ = ["ParsedReply", "has_control", "parse_reply"]
 #: the extensions the glued-text rule knows
 _EXT_NAMES = frozenset(e[1:] for e in KNOWN_EXT)
 _EXT_BY_LEN = sorted(_EXT_NAMES, key=lambda e: (-len(e), e))
-
-# --------------------------------------------------------------------------
-# parsing tables
 
 _TAG = "MEDIA:"
 _TRAIL_PUNCT = frozenset(".,;:!?)]}>\"'*|" "。，！？、；：）」』】》〉”’…．")

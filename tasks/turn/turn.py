@@ -1,19 +1,15 @@
-"""An agent turn: run the agent, parse its reply, hand the reply to the
-delivery chain. Plain code, no Celery.
+"""An agent turn: run the agent, parse its reply, hand the reply to the delivery chain.
 
-Lifecycle published on the turn's event stream: started -> (thinking, tool
-events from the agent) -> completed | error | no_reply, exactly one terminal
-event per turn. An error gives the chat a short message, never a traceback.
-
-The agent's spec picks the runtime: a bridge command (`run_bridge`), or
-`"runtime": "openai"`, the built-in loop whose tools act in the turn's
-sandbox (`run_openai`). Hooks (`ctx.turn_tools().hooks`) run before each LLM
-call of the built-in loop, and once before a bridge agent starts: their
-context reaches the agent in env `COURIER_HOOK_CONTEXT`.
+Its event stream: started -> (thinking, the agent's tool events) -> exactly one terminal
+completed | error | no_reply. An error gives the chat a short message, never a traceback.
+The agent runs as a bridge command (`run_bridge`) or the built-in OpenAI-compatible loop
+(`run_openai`); hooks run before each LLM call of the loop, or once before a bridge agent
+starts (their context in env `COURIER_HOOK_CONTEXT`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -45,13 +41,11 @@ from tasks.workspaces import relative, workspace_path
 
 log = logging.getLogger(__name__)
 
-
+#: courier's root: the folder of the `tasks` package
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tasks.__file__)))
 #: the bundled demo agent, always available as --agent demo (a script of the standard library only: in its
 #: sandbox it sees that one file, not courier's code)
-BUILTIN_AGENTS = {"demo": [sys.executable, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(tasks.__file__))),
-                                                        "adapters", "agents", "demo_agent.py")]}
-
-
+BUILTIN_AGENTS = {"demo": [sys.executable, os.path.join(_ROOT, "adapters", "agents", "demo_agent.py")]}
 
 
 def _sandbox_for(ctx: Context, spec: TurnSpec, agent: AgentConfig | None) -> tuple[SandboxRef, str | None]:
@@ -69,16 +63,10 @@ def _sandbox_for(ctx: Context, spec: TurnSpec, agent: AgentConfig | None) -> tup
 
 def make_workspace(ctx: Context, ref: SandboxRef, local_dir: str | None, job_id: str,
                    extra_roots: tuple[str, ...] = ()) -> tuple[SandboxRef, str]:
-    """Make the turn's workspace before the agent starts; returns the turn's
-    sandbox ref and the workspace path. The ref's allowed roots are that
-    workspace plus `extra_roots` (the roots the agent's config names), so
-    the agent's MEDIA paths and file tools reach nothing else: not other
-    turns, not /tmp, not the data dir.
-
-    Local: `<agent dir>/turns/<job>`, 0700, made here. Other backends:
-    `<workdir>/turns/<job>` inside the sandbox, made through the sandbox
-    (its `make_dirs` where it has one — singularity, which has no exec —
-    else `mkdir -p` by exec)."""
+    """Make the turn's workspace (local: `<agent dir>/turns/<job>`, 0700; else
+    `<workdir>/turns/<job>` in the sandbox, by its `make_dirs` or `mkdir -p`); returns
+    the turn's sandbox ref and the workspace. The ref's roots are that workspace plus
+    `extra_roots` (the agent's config's): its MEDIA paths and file tools reach nothing else."""
     if ref.kind == "local":
         assert local_dir is not None
         ws = workspace_path(os.path.abspath(local_dir), job_id)
@@ -100,15 +88,10 @@ def make_workspace(ctx: Context, ref: SandboxRef, local_dir: str | None, job_id:
 
 @dataclass(frozen=True)
 class TurnOutcome:
-    """How a turn ended, before anything of it is enqueued: `run_turn`
-    returns it, `finish` enqueues its plan and records it.
-
-    replied    `plan` is the reply (its text and files)
-    error      `plan` is the chat's short message saying so; `reason` why
-    no_reply   nothing to send (`reason` when the agent gave one)
-    cancelled  `courier cancel` while it ran: its reply is not delivered
-    `skipped`: the turn was over (or cancelled) before this run took it:
-    nothing is recorded again."""
+    """How a turn ended (`run_turn`'s), before `finish` enqueues its plan and records it:
+    replied (`plan`: the reply), error (`plan`: the chat's short message; `reason`),
+    no_reply, cancelled (while it ran: the reply is dropped). `skipped`: over before this
+    run took it, nothing recorded again."""
 
     job_id: str
     target: str
@@ -151,13 +134,7 @@ def run_turn(ctx: Context, spec: TurnSpec, *, on_activity: Callable[[Event], Non
         state = JobState(job["state"]) if job.get("state") in TURN_OVER else JobState.CANCELLED
         return TurnOutcome(job_id, target, state, skipped=True)
     r.hincrby(keys.job(job_id), "attempts", 1)  # the reconciler gives up on a turn that kills its worker
-
-    def publish(ev: Event) -> None:
-        ev = events.shown(ev, job_id)  # the chat's progress message shows it too
-        events.publish(r, job_id, ev, maxlen=ctx.events_maxlen)
-        if on_activity is not None:
-            on_activity(ev)
-
+    publish = _publisher(ctx, job_id, on_activity)
     receipts.set_job(r, job_id, state=JobState.RUNNING)
     publish({"kind": "status", "status": "started"})
     name = spec.get("agent") or "demo"
@@ -239,8 +216,7 @@ def _run_agent(ctx: Context, spec: TurnSpec, agent: AgentConfig | None, name: st
         # the agent's environment is an allowlist (run_bridge): basics, its env_passthrough, its config's env
         turn_env = {"COURIER_TURN_ID": job_id, "COURIER_TARGET": target, "COURIER_WORKSPACE": workdir}
         if jail is None:  # unconfined, it may import courier's own helpers (a sandbox does not see them)
-            turn_env["PYTHONPATH"] = os.pathsep.join(p for p in [_project_root(), os.environ.get("PYTHONPATH", "")]
-                                                     if p)
+            turn_env["PYTHONPATH"] = os.pathsep.join(p for p in [_ROOT, os.environ.get("PYTHONPATH", "")] if p)
         home = {"HOME": workdir} if local else {}  # ~ is the workspace, as for its MEDIA paths
         env = {**home, **env, **turn_env}
         # hooks run once before a bridge agent starts; their context goes in its environment
@@ -294,22 +270,15 @@ def _same_file(path: str) -> str:
 
 def finish(ctx: Context, outcome: TurnOutcome, enqueue: Enqueue, *,
            on_activity: Callable[[Event], None] | None = None) -> TurnResult:
-    """Enqueue the outcome's plan (through `enqueue`: `chains.enqueue` in a
-    worker) and record how the turn ended: the job's state, its `delivery
-    queued` events, then exactly one terminal status event, which counts the
-    deliveries readers wait for. A reply that cannot be enqueued ends the
-    turn as an error (with the chat's short message, if that goes)."""
+    """Enqueue the outcome's plan (`chains.enqueue` in a worker) and record how the turn
+    ended: the job's state, its `delivery queued` events, then exactly one terminal status
+    event counting the deliveries readers wait for. A reply that cannot be enqueued ends
+    the turn as an error (with the chat's short message, if that goes)."""
     r = ctx.redis
     job_id = outcome.job_id
     if outcome.skipped:  # run_turn left it as it was
         return {"job": job_id, "state": outcome.state, "skipped": True}
-
-    def publish(ev: Event) -> None:
-        ev = events.shown(ev, job_id)  # the chat's progress message shows it too
-        events.publish(r, job_id, ev, maxlen=ctx.events_maxlen)
-        if on_activity is not None:
-            on_activity(ev)
-
+    publish = _publisher(ctx, job_id, on_activity)
     ids: list[str] = []
     if outcome.state == JobState.REPLIED and outcome.plan is not None:
         try:
@@ -318,10 +287,8 @@ def finish(ctx: Context, outcome: TurnOutcome, enqueue: Enqueue, *,
             outcome = failed(job_id, outcome.target, exc.reason,
                              said=f"the reply could not be sent: {in_chat_words(exc)}")
     if outcome.state == JobState.ERROR and outcome.plan is not None:
-        try:
+        with contextlib.suppress(CourierError):
             ids = enqueue(r, outcome.plan)
-        except CourierError:
-            ids = []
     for d in ids:
         publish({"kind": "delivery", "delivery_id": d, "state": DeliveryState.QUEUED})
     state = outcome.state
@@ -334,6 +301,18 @@ def finish(ctx: Context, outcome: TurnOutcome, enqueue: Enqueue, *,
     if outcome.reason:
         out["reason"] = outcome.reason
     return out
+
+
+def _publisher(ctx: Context, job_id: str, on_activity: Callable[[Event], None] | None) -> Callable[[Event], None]:
+    """Publishes a turn's event on its stream, as shown (the chat's progress message shows it too)."""
+
+    def publish(ev: Event) -> None:
+        ev = events.shown(ev, job_id)
+        events.publish(ctx.redis, job_id, ev, maxlen=ctx.events_maxlen)
+        if on_activity is not None:
+            on_activity(ev)
+
+    return publish
 
 
 def _album_max(ctx: Context, target: str) -> int:
@@ -351,10 +330,8 @@ SPILL_DIR = ".courier/spills"
 
 
 def spill_placer(ctx: Context, ref: SandboxRef, workdir: str, jail: Jail | None = None) -> Callable[[str], str]:
-    """`place` for the turn's spills: the spilled blob is copied once into
-    `<workspace>/.courier/spills/<name>` (through the sandbox's `put`, so
-    every backend that takes inbound files works) and that path is what the
-    preview names: the agent reads it with its file tool."""
+    """`place` for the turn's spills: the blob is copied once (by the sandbox's `put`) into
+    `<workspace>/.courier/spills/<name>`, the path the preview names for the agent to read."""
     placed: dict[str, str] = {}
 
     def place(key: str) -> str:
@@ -369,10 +346,9 @@ def spill_placer(ctx: Context, ref: SandboxRef, workdir: str, jail: Jail | None 
 
 
 def put_attachments(ctx: Context, spec: TurnSpec, ref: SandboxRef, workdir: str) -> list[str]:
-    """Inbound files (a chat user's attachments, `courier turn --attach`):
-    storage -> the turn's workspace, under `<workspace>/inbox/`, with the
-    sandbox's own path checks. Two attachments with one name keep both
-    (`a.pdf`, `a-2.pdf`). Returns the sandbox paths, in order."""
+    """Inbound files (a chat user's, `courier turn --attach`): storage -> `<workspace>/inbox/`,
+    with the sandbox's path checks; two of one name keep both (`a.pdf`, `a-2.pdf`).
+    Returns the sandbox paths, in order."""
     items = spec.get("attachments") or []
     if not items:
         return []
@@ -471,8 +447,3 @@ def _redrive(ctx: Context, job_id: str) -> str:
 
 #: the turn's stage, for the reconciler
 STAGE = Stage("turn", _redrive, ("turns", "abandoned"))
-
-
-def _project_root() -> str:
-    """courier's root: the folder of the `tasks` package (wherever in it this module sits)."""
-    return os.path.dirname(os.path.dirname(os.path.abspath(tasks.__file__)))
