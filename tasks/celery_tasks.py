@@ -52,11 +52,9 @@ def progress_meta(job_id: str, ev: Event) -> dict[str, str] | None:
 # a turn's result is kept (`courier turn --wait`, Flower's PROGRESS); the other tasks' are not
 @_task(bind=True, name=task_names.AGENT_TURN, acks_late=True, reject_on_worker_lost=True, ignore_result=False)
 def agent_turn(self: Task, spec: TurnSpec) -> TurnResult:
-    """One agent turn. While it runs, the task's state is the custom
-    `PROGRESS` with meta {job, phase, activity, tool?} in the result backend
-    (`AsyncResult(job).info`), and each change is sent as a `task-progress`
-    event, so Flower shows the state and the activity live. The chat shows
-    typing / a progress message (tasks.turn.activity)."""
+    """One agent turn. While it runs, its state is the custom `PROGRESS` with meta {job, phase,
+    activity, tool?} (`AsyncResult(job).info`), each change sent as a `task-progress` event for
+    Flower; the chat shows typing and a progress message (tasks.turn.activity)."""
     from tasks.dispatch import chains
     from tasks.turn.activity import TurnActivity
 
@@ -91,9 +89,8 @@ def agent_turn(self: Task, spec: TurnSpec) -> TurnResult:
 
 
 class DeliveryFailed(Exception):
-    """A drive of a lane recorded deliveries failed for good: the task ends
-    FAILURE (Flower, the result backend), after its lane's work is done and
-    recorded; nothing is retried by Celery (the ledger owns retries)."""
+    """A drive recorded deliveries failed for good: the task ends FAILURE once its lane's work is
+    recorded; Celery retries nothing (the ledger owns retries)."""
 
 
 def serves_delivery() -> bool:
@@ -109,9 +106,8 @@ def serves_delivery() -> bool:
 
 @_task(name=task_names.EXTRACT_FILE, acks_late=True, reject_on_worker_lost=True, throws=(DeliveryFailed,))
 def extract_file(delivery_id: str) -> ExtractionRun:
-    """Extract one sandbox file (its spec is in the ledger), then drive its chat's lane:
-    here, when this worker serves the delivery queue too (`serves_delivery`), else by a
-    `drive_lane` message (chains.wake_lane)."""
+    """Extract one sandbox file, then drive its chat's lane: here when this worker serves the
+    delivery queue too (`serves_delivery`), else by a `drive_lane` message."""
     from tasks.dispatch import chains
 
     ctx = runtime.ctx()
@@ -130,18 +126,16 @@ def extract_file(delivery_id: str) -> ExtractionRun:
     return out
 
 
-@_task(bind=True, name=task_names.DRIVE_LANE, acks_late=True, reject_on_worker_lost=True,
-             throws=(DeliveryFailed,))
+@_task(bind=True, name=task_names.DRIVE_LANE, acks_late=True, reject_on_worker_lost=True, throws=(DeliveryFailed,))
 def drive_lane(self: Task, target: str) -> JsonObject:
-    """Send what is ready at the head of one chat's lane ('': none), then of the lanes
-    whose wake-ups joined the ready set (tasks.delivery.lanes.drive_ready). A delivery recorded
-    failed during the drive makes the task a FAILURE naming its id and reason (never chat text)."""
+    """Send what is ready at the head of one chat's lane ('': none), then of the ready set's
+    lanes. A delivery failed during the drive makes the task a FAILURE naming its id and reason
+    (never chat text)."""
     return _drive_lanes(runtime.ctx(), target, started=self.request.id)
 
 
 def _drive_lanes(ctx: runtime.Context, target: str, *, started: str | None = None) -> JsonObject:
-    """`target`'s lane, then the ready set's (lanes.drive_ready); DeliveryFailed after, naming
-    every delivery the drive recorded failed for good."""
+    """`target`'s lane, then the ready set's; DeliveryFailed after, naming the failed deliveries."""
     from tasks.delivery import lanes
     from tasks.dispatch import chains
 
@@ -200,8 +194,7 @@ def stages() -> tuple[Stage, ...]:
 
 @_task(name=task_names.RECONCILE, acks_late=True)
 def reconcile() -> dict[str, int]:
-    """One reconciler pass (workers run it every second by themselves; this
-    task lets an operator or beat run one too)."""
+    """One reconciler pass (workers run one every second themselves; this lets beat or an operator)."""
     from tasks.dispatch import reconcile as reconcile_mod
 
     return reconcile_mod.tick(runtime.ctx(), stages())

@@ -1,9 +1,6 @@
-"""What tasks need from the outside world, handed in by `workers/`.
-
-Tasks never read the environment: the worker process installs a context
-factory at start-up (`set_factory`), and plain code receives a `Context`.
-Tests can build a Context directly and call the plain code without a broker.
-"""
+"""What tasks need from the outside world, handed in by `workers/`: tasks never read the
+environment; the worker installs a context factory (`set_factory`), and plain code receives
+a `Context` (tests build one directly)."""
 
 from __future__ import annotations
 
@@ -100,9 +97,8 @@ class Retention:
 
 @dataclass
 class TurnTools:
-    """What agent turns need beyond the rest of the context, built on first use
-    (a delivery worker never builds hooks): the OpenAI-compatible endpoint, the
-    hooks (a HookRunner), the output spill config, the browser."""
+    """What agent turns need beyond the rest of the context, built on first use (a delivery
+    worker never builds hooks)."""
 
     openai: dict[str, Any] = field(default_factory=dict)
     hooks: HookRunner | None = None
@@ -119,10 +115,6 @@ def _jail_config() -> JailConfig:
     from adapters.agents.jail import JailConfig
 
     return JailConfig()
-
-
-def _no_turn_tools() -> TurnTools:
-    return TurnTools()
 
 
 @dataclass
@@ -149,7 +141,7 @@ class Context:
     max_files_per_job: int = 0
     retention: Retention = field(default_factory=Retention)
     #: the turn's tools, built once on first call (see `TurnTools`)
-    turn_tools: Callable[[], TurnTools] = _no_turn_tools
+    turn_tools: Callable[[], TurnTools] = TurnTools
     #: the roots this worker's own configuration allows for a sandbox ref (tasks.turn.extract.worker_ref): a spec's
     #: roots may narrow them, never widen them; None: no configuration (plain code in tests)
     allowed_roots: Callable[[SandboxRef], tuple[str, ...]] | None = None

@@ -28,10 +28,12 @@ from typing import TYPE_CHECKING, Any
 from redis import Redis
 
 from adapters.display import visible
-from adapters.platforms.base import split_target
+from adapters.platforms.base import Kind, split_target
 from adapters.sandboxes.base import SandboxRef
+from adapters.sandboxes.routing import queue_for
 from storage import prefixes
 from tasks.delivery import specs
+from tasks.delivery.routing import route
 from tasks import task_names
 from tasks.ledger import keys, ledger, receipts, scripts, signing
 from tasks.messages import Attachment, DeliverySpec, ExtractSpec, TurnSpec
@@ -98,8 +100,6 @@ class Plan:
 def sandbox_queue(ref: SandboxRef) -> str:
     """A ref pinned to a host (`?host=`: containers live on one) is extracted on
     `sandbox.<host>`; everything else on `sandbox`."""
-    from adapters.sandboxes.routing import queue_for
-
     return queue_for(ref)
 
 
@@ -216,9 +216,6 @@ def album_groups(plan: Plan) -> list[list[int]]:
     """Indexes (into `plan.files`) of the files sent as albums: runs of >= 2
     consecutive files that route to photos, cut into groups of <= album_max
     (a group of one left over goes alone)."""
-    from adapters.platforms.base import Kind
-    from tasks.delivery.routing import route
-
     size = plan.album_max
     if size < 2 or plan.as_document:
         return []
@@ -239,11 +236,6 @@ def _label(sig: Signature, text: str) -> Signature:
 
 
 # -- the messages: ids only ----------------------------------------------------------------------
-def extract_label(did: str, what: str = "") -> str:
-    """`(<delivery id> <sandbox>:<path>)`, Flower's view of an extraction: the path's name as shown (`visible`)."""
-    return (f"({did} {visible(what)})" if what else f"({did})")[:200]
-
-
 def _sig(name: str, *args: Any) -> Signature:
     """An immutable signature of the task `name` (by name: the task module imports chains)."""
     from celery import current_app
@@ -252,15 +244,13 @@ def _sig(name: str, *args: Any) -> Signature:
 
 
 def extract_sig(did: str, queue: str, what: str = "") -> Signature:
-    return _label(_sig(task_names.EXTRACT_FILE, did).set(queue=queue), extract_label(did, what))
-
-
-def lane_label(target: str) -> str:
-    return f"(lane {target})"[:200] if target else "(ready lanes)"
+    """Labelled `(<delivery id> <sandbox>:<path>)`, the path as shown (`visible`)."""
+    label = f"({did} {visible(what)})" if what else f"({did})"
+    return _label(_sig(task_names.EXTRACT_FILE, did).set(queue=queue), label)
 
 
 def lane_sig(target: str, countdown: float | None = None) -> Signature:
-    sig = _label(_sig(task_names.DRIVE_LANE, target), lane_label(target))
+    sig = _label(_sig(task_names.DRIVE_LANE, target), f"(lane {target})" if target else "(ready lanes)")
     return sig.set(countdown=countdown) if countdown else sig
 
 
@@ -350,14 +340,10 @@ def turn_spec(job_id: str, target: str, message: str, *, agent: str, sandbox: st
     return spec
 
 
-def spec_label(spec: TurnSpec) -> str:
-    """The `argsrepr` of a turn's `agent_turn`: the job, agent, target and sizes, never the text."""
+def spec_sig(spec: TurnSpec) -> Signature:
+    """The `agent_turn` signature of a turn's spec (also the reconciler's way to run it again),
+    labelled with the job, agent, target and sizes, never the text."""
     attachments = spec.get("attachments")
     label = f"({spec['job']} {spec['agent']} -> {spec['target']}, {len(spec.get('message', ''))} chars"
     label += f", {len(attachments)} attachments)" if attachments else ")"
-    return label[:200]
-
-
-def spec_sig(spec: TurnSpec) -> Signature:
-    """The labelled `agent_turn` signature of a turn's spec (also the reconciler's way to run it again)."""
-    return _label(_sig(task_names.AGENT_TURN, spec), spec_label(spec))
+    return _label(_sig(task_names.AGENT_TURN, spec), label)

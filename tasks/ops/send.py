@@ -20,13 +20,17 @@ against the extraction cap and the platform's upload limit.
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from adapters.errors import ConfigError
-from adapters.platforms.base import Platform, split_target
-from adapters.sandboxes.base import Sandbox, SandboxRef
+from adapters.errors import ConfigError, CourierError, SandboxError
+from adapters.platforms.base import FileSource, Platform, split_target
+from adapters.sandboxes.base import PathPolicy, Sandbox, SandboxRef, check_lexical, parse_uri
+from tasks.delivery.delivery import choose_kind
+from tasks.delivery.text import human_bytes
 from tasks.dispatch import chains
 from tasks.messages import SendResult
 from tasks.runtime import Context
@@ -91,8 +95,6 @@ def check_send(target: str, *, platform: Callable[[], Platform], album_max: Call
     and `courier send` alike; ConfigError (`NothingToSend`) on bad input. `platform`: the
     target's adapter (asked only when a file is checked); `host_files`: how a file given
     without `://` is taken."""
-    from adapters.sandboxes.base import parse_uri
-
     if text is not None and not isinstance(text, str):
         raise ConfigError("text must be a string")
     if caption is not None and not isinstance(caption, str):
@@ -142,22 +144,13 @@ def check_size(platform: Platform, shown: str, name: str, size: int, *, voice: b
                path: str | None = None) -> None:
     """ConfigError when a file of `size` bytes is over the platform's upload limit for what
     it would go as (after routing, the platform's own too when the file is at `path`)."""
-    from pathlib import Path
-
-    from adapters.errors import CourierError
-    from adapters.platforms.base import FileRefused, FileSource
-    from tasks.delivery.delivery import choose_kind
-    from tasks.delivery.text import human_bytes
-
     kind = choose_kind(platform, name, size, voice=voice, as_document=as_document)
     route = getattr(platform, "route_file", None)
     if route is not None and path is not None:
         src = FileSource(name=name, size_bytes=size, sha256="", opener=lambda: open(path, "rb"), path=Path(path))
         try:
             kind = route(kind, src)
-        except FileRefused:
-            return  # a type the platform does not take: the worker sends its notice
-        except (OSError, CourierError):
+        except (OSError, CourierError):  # FileRefused (a type it does not take): the worker sends its notice
             return
     limit = platform.limits.upload_limit(kind)
     if size > limit:
@@ -169,12 +162,6 @@ def check_file(open_sandbox: Callable[[SandboxRef], Sandbox], platform: Platform
                shown: str, *, voice: bool, as_document: bool,
                max_file_bytes: int) -> None:
     """The pre-checks of one sandbox file (see the module's doc); ConfigError when refused."""
-    import posixpath
-
-    from adapters.errors import SandboxError
-    from adapters.sandboxes.base import PathPolicy, check_lexical
-    from tasks.delivery.text import human_bytes
-
     if ref.kind != "local":
         try:
             check_lexical(path)

@@ -31,9 +31,8 @@ PROGRESS_TTL_S = 24 * 3600
 
 
 def activity_text(ev: Event) -> str | None:
-    """What a progress message shows for an event (None: keep the current
-    text): a tool starting, or a thinking/processing status that says what
-    (`events.describe`'s words)."""
+    """What a progress message shows for an event (None: keep the current text): a tool
+    starting, or a thinking/processing status that says what (`events.describe`'s words)."""
     kind = ev.get("kind")
     if kind == "tool_start":
         return describe(ev)
@@ -78,8 +77,7 @@ class TurnActivity:
         self.stop()
 
     def start(self) -> None:
-        """Resolve the platform (through the task context) and start the thread
-        if the platform shows activity at all. Never raises."""
+        """Resolve the platform and start the thread if it shows activity at all. Never raises."""
         if self._began:
             return
         self._began = True
@@ -98,9 +96,8 @@ class TurnActivity:
         self._thread.start()
 
     def on_event(self, ev: Event) -> None:
-        """Follow a turn's phase events: start once the agent is on its way
-        (after `started`), show its activity, stop at the terminal status or
-        the first delivery (the reply is on its way)."""
+        """Follow a turn's phase events: start once the agent is on its way (after `started`),
+        show its activity, stop at the terminal status or the first delivery."""
         if self._ended:
             return
         kind = ev.get("kind")
@@ -112,14 +109,8 @@ class TurnActivity:
         if kind == "status" and ev.get("status") == "started":
             return
         self.start()
-        self.update(ev)
-
-    def update(self, ev: Event) -> None:
-        """Feed a phase event (cheap; never blocks on the platform)."""
-        if not self.progress:
-            return
-        text = activity_text(ev)
-        if text:
+        text = activity_text(ev) if self.progress else None
+        if text:  # for the thread: never blocks on the platform
             with self._lock:
                 self._want = text
             self._wake.set()
@@ -227,6 +218,4 @@ class TurnActivity:
 
 def _why(exc: BaseException) -> str:
     """An error's reason without vendor detail (URLs may carry tokens)."""
-    if isinstance(exc, CourierError):
-        return exc.reason
-    return type(exc).__name__
+    return exc.reason if isinstance(exc, CourierError) else type(exc).__name__

@@ -49,8 +49,7 @@ HANDOFF_GRACE_S = 5.0
 
 
 def ident_of(sandbox: Mapping[str, Any]) -> str:
-    """`<kind>:<host>:<target>` of a sandbox ref's dict (as the ledger's spec holds it):
-    a container is one sandbox per host it lives on. The target goes last (it may hold `:`)."""
+    """`<kind>:<host>:<target>` of a sandbox ref's dict (the target last: it may hold `:`)."""
     options = sandbox.get("options") or {}
     return f"{sandbox.get('kind', '')}:{options.get('host') or ''}:{sandbox.get('target') or ''}"
 
@@ -62,8 +61,7 @@ def is_timeout(exc: BaseException) -> bool:
 
 @dataclass
 class Gate:
-    """One extraction's passage through its sandbox's breaker: `enter` before
-    the sandbox is touched, `after` once it is over (or postponed)."""
+    """One extraction's passage through its breaker: `enter` before the sandbox is touched, `after` once over."""
 
     ident: str
     kind: str
@@ -142,18 +140,9 @@ def gate(sandbox: Mapping[str, Any], *, io_timeout_s: float, max_s: float) -> Ga
     return Gate(ident_of(sandbox), str(sandbox.get("kind", "")), io_timeout_s, max_s)
 
 
-def queue_of(sandbox: Mapping[str, Any]) -> str:
-    """The extraction queue of a sandbox's files (chains.sandbox_queue's, from a ref's dict)."""
-    from adapters.sandboxes.base import SandboxRef
-    from adapters.sandboxes.routing import queue_for
-
-    return queue_for(SandboxRef.from_dict(dict(sandbox)))
-
-
 def state(r: Redis, ident: str) -> dict[str, str]:
-    """A sandbox's breaker as operators (and tests) read it: `state` closed,
-    open or half_open, with `until_s`, `opens`, `since_s`, `reason`, and
-    `waiting` (postponed extractions)."""
+    """A sandbox's breaker: `state` closed, open or half_open, with `until_s`, `opens`, `since_s`,
+    `reason`, and `waiting` (postponed extractions)."""
     pipe = r.pipeline(transaction=False)
     pipe.zscore(keys.breakers(), ident)
     pipe.hgetall(keys.breaker(ident))

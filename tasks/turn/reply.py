@@ -1,69 +1,45 @@
 """Reply parsing: plain Python, no Celery, no I/O.
 
-`parse_reply(text)` finds the `MEDIA:<path>` tags and `[[...]]` directives in an
-agent's reply and returns the chat text without them. Which kind a file goes as is
-`tasks.delivery.routing`'s.
+`parse_reply(text)` finds the `MEDIA:<path>` tags and `[[...]]` directives in an agent's
+reply and returns the chat text without them (the kind a file goes as is routing's).
 
 Tags
-----
-- `MEDIA:<path>` exactly: upper case, no space after the colon; it may be glued to
-  the word before it (`hereMEDIA:/a.png`, `MULTIMEDIA:/a.png` parse).
-- Only absolute (`/...`) and home-relative (`~/...`) paths count; a relative path, a
-  URL, `MEDIA://host/x`, a bare `/` or `~/` and a Windows path stay text. Paths are
-  returned as written; the extraction resolves and checks them.
-- A path holding a control character is a tag all the same: cut from the text (the
-  path never reaches the chat) and refused by the extraction, the chat told
-  (`has_control`). A quoted path cut by a line break is one such tag when what the
-  quotes enclose holds no other whitespace; an unquoted path ends at the line break.
-- Quoted paths (`"..."`, `'...'`, or a backtick run closed by a run of the same
-  length) may hold spaces and close on the same line; whitespace just inside is
-  dropped. For `"` and `'` the closing quote is the first one followed by whitespace,
-  punctuation or the line end (`'/tmp/bob's file.png'`), else the first one. A quote
-  that never closes is ignored and the path read unquoted after it.
-- Unquoted paths end at whitespace, a backtick, the next `MEDIA:` or a directive. Then
-  1. trailing punctuation (ASCII ``. , ; : ! ? ) ] } > " ' * |`` and CJK/fullwidth
-     ``。 ， ！ ？ 、 ； ： ） 」 』 】 》 〉 ” ’ …``) is dropped, but a closing bracket
-     that balances one inside the path stays (`/tmp/file_(1)`);
-  2. glued text: when the last component does not end in a known extension
-     (`routing.KNOWN_EXT`) but holds `.<known ext>` followed by an upper-case letter,
-     two or more ASCII letters, a non-ASCII letter, or punctuation/symbols, the path
-     ends after the extension (`/tmp/chart.pngHere`, `/tmp/a.png这是图` ->
-     `/tmp/<x>.png`). One lower-case letter, digits, `.`, `-`, `_`, `~` stay
-     (`/tmp/a.docs`); without a known extension nothing is cut.
-- Bracket/quote/emphasis pairs tightly around a tag go with it (`(MEDIA:/a.png)`,
-  `**MEDIA:/a.png**`).
-- Duplicates (after unquoting and clean-up) deliver once, where first named.
-- A path is at most 4096 characters (PATH_MAX); every search is bounded by that, so
-  parsing stays near-linear.
+- `MEDIA:` exactly (upper case, no space after the colon), glued to a word or not.
+- Only absolute (`/x`, not `//x`) and home-relative (`~/x`) paths, returned as written;
+  anything else stays text. At most 4096 characters (PATH_MAX), which bounds every
+  search: parsing stays near-linear.
+- A path holding a control character is a tag all the same: cut from the text and
+  refused by the extraction, the chat told (`has_control`). A quoted path cut by a line
+  break is one such tag when the quotes enclose no other whitespace.
+- Quoted paths (`"..."`, `'...'`, a backtick run closed by a run as long) may hold spaces
+  and close on the same line, whitespace just inside dropped. `"` and `'` close at the
+  first quote followed by whitespace, punctuation or the line end (`'/a/bob's x.png'`),
+  else at the first one; an unclosed quote is skipped and the path read unquoted.
+- Unquoted paths end at whitespace, a backtick, `MEDIA:` or a directive; then trailing
+  punctuation (ASCII and CJK) is dropped unless it closes a bracket opened in the path,
+  and text glued after a known extension in the last component (an upper-case letter,
+  two ASCII letters, a non-ASCII letter, punctuation: `/tmp/chart.pngHere`) is cut off;
+  one lower-case letter, digits, `.`, `-`, `_`, `~` stay (`/tmp/a.docs`).
+- Bracket, quote and emphasis pairs tightly around a tag go with it (`**MEDIA:/a.png**`).
+- Duplicates deliver once, where first named.
 
-Code
-----
-Fenced blocks open on a line of three or more backticks or tildes (after optional
-indentation, list markers or `>`; a backtick fence's info string holds no backtick)
-and close on a line of the same character, at least as long; unterminated, they run to
-the end. Inline code is a backtick run closed by the next run of the same length before
-the next blank line. Everything in code is kept byte for byte: no tags, no directives.
-A backtick run right after `MEDIA:` quotes the path when it closes on the same line
-around a valid path; otherwise the backticks open inline code as usual.
+Code: fenced blocks (three or more backticks or tildes, after optional indentation, list
+markers or `>`; closed by a line of the same character at least as long, else at the
+end) and inline code (a backtick run closed by one as long before the next blank line)
+are kept byte for byte: no tags, no directives. A backtick run right after `MEDIA:`
+quotes the path when it closes on the line around a valid path, else opens code.
 
-Directives
-----------
-`[[audio_as_voice]]` and `[[as_document]]`, any case, optional spaces/tabs inside,
+Directives: `[[audio_as_voice]]`, `[[as_document]]` (any case, spaces or tabs inside),
 outside code: stripped, and they set the flags.
 
-Text
-----
-- Around each cut: at a line's start the indentation is kept and the spaces and
-  separators (`.,;:!?`, CJK) after it dropped; at a line's end, or before closing
-  punctuation, the whitespace is dropped, and of two separators meeting one goes
-  (`Done: MEDIA:/a.png.` -> `Done.`, `a, MEDIA:/b.png, c` -> `a, c`); elsewhere it
-  becomes one (the first) whitespace character, or a space between two glued words.
-- A line a cut leaves blank is removed; outside fenced code, runs of blank lines
-  collapse to one; the result is `strip()`ped.
-- A tag that cutting glues together (`MEDIA:[[as_document]]/x.png`) is defused with
-  a zero-width space after `MEDIA`: the returned text never yields a delivery.
-- C0/C1 controls and DEL are removed from the text, except `\n`, `\t`, `\r`.
-- `parse_reply` never raises for a `str`; anything else is a `TypeError`.
+Text: around a cut, a line's indentation is kept and separators after a cut at its
+start dropped; at a line's end or before closing punctuation the whitespace goes, and of
+two separators meeting one goes (`Done: MEDIA:/a.png.` -> `Done.`); elsewhere one
+whitespace character stays, or a space between two glued words. A line a cut leaves
+blank goes; outside fenced code blank runs collapse to one; the result is stripped. A
+tag that cutting glues together gets a zero-width space after `MEDIA`: the text never
+yields a delivery. C0/C1 controls and DEL are removed, except `\n`, `\t`, `\r`.
+`parse_reply` never raises for a `str`; anything else is a `TypeError`.
 """
 
 from __future__ import annotations
@@ -122,21 +98,13 @@ class ParsedReply:
     as_document: bool
 
 
-# --------------------------------------------------------------------------
-# path helpers
-
-
 def _valid_path(path: str) -> bool:
     """A tag's path: absolute or `~/`-relative, not `//`, at most PATH_MAX. A
     control character does not stop it being a tag (it is cut from the text and
     refused by the extraction, the chat told: `has_control`)."""
-    if path.startswith("~/"):
-        ok = len(path) > 2
-    elif path.startswith("/"):
-        ok = len(path) > 1 and not path.startswith("//")
-    else:
-        return False
-    return ok and len(path) <= _MAX_PATH
+    home = path.startswith("~/") and len(path) > 2
+    absolute = path.startswith("/") and len(path) > 1 and not path.startswith("//")
+    return (home or absolute) and len(path) <= _MAX_PATH
 
 
 def has_control(path: str) -> bool:
@@ -149,13 +117,8 @@ def _glued(rest: str) -> bool:
     """Does `rest`, directly after a known extension, look like glued text?"""
     c = rest[0]
     if c.isascii():
-        if c.isalpha():
-            if c.isupper():
-                return True
-            k = 0
-            while k < len(rest) and rest[k].isascii() and rest[k].isalpha():
-                k += 1
-            return k >= 2
+        if c.isalpha():  # upper case, or two or more letters
+            return c.isupper() or (len(rest) > 1 and rest[1].isascii() and rest[1].isalpha())
         return c in _CUT_PUNCT_ASCII
     return c.isalpha() or unicodedata.category(c)[0] in "PS"
 
@@ -185,10 +148,6 @@ def _clean_unquoted(tok: str) -> str:
                 break  # the longest matching extension decides
         j = name.find(".", j + 1)
     return tok
-
-
-# --------------------------------------------------------------------------
-# the scanner
 
 
 class _Scanner:
@@ -241,10 +200,9 @@ class _Scanner:
         return self.n
 
     def _run_len(self, i: int) -> int:
-        k = i
-        while k < self.n and self.text[k] == "`":
-            k += 1
-        return k - i
+        """The length of the backtick run at `i`."""
+        m = _BACKTICKS_RE.match(self.text, i)
+        return m.end() - i if m else 0
 
     def _inline_code_end(self, i: int, k: int) -> int:
         """End of the code span opened by the k-backtick run at i, or -1."""
@@ -399,10 +357,6 @@ class _Scanner:
         return self
 
 
-# --------------------------------------------------------------------------
-# text tidying
-
-
 def _is_hspace(ch: str) -> bool:
     return ch not in "\n\r" and ch.isspace()
 
@@ -504,10 +458,6 @@ def _defuse(text: str) -> str:
     return text
 
 
-# --------------------------------------------------------------------------
-# public API
-
-
 def parse_reply(text: str) -> ParsedReply:
     """Split an agent reply into chat text, MEDIA paths and directive flags."""
     if not isinstance(text, str):
@@ -521,9 +471,5 @@ def parse_reply(text: str) -> ParsedReply:
     clean = _CONTROL_RE.sub("", out)
     if clean != out:  # what a control character kept apart may now read as a tag: defuse it
         out = _defuse(clean).strip()
-    return ParsedReply(
-        text=out,
-        media=tuple(sc.media),
-        audio_as_voice=sc.audio_as_voice,
-        as_document=sc.as_document,
-    )
+    return ParsedReply(text=out, media=tuple(sc.media), audio_as_voice=sc.audio_as_voice,
+                       as_document=sc.as_document)

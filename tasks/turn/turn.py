@@ -27,6 +27,7 @@ from adapters.agents.hooks import TurnHooks
 from adapters.agents.jail import Jail, Limits, bind_paths, maybe, unavailable
 from adapters.display import visible
 from adapters.errors import ConfigError, CourierError, SandboxError, in_chat_words
+from adapters.platforms.base import split_target
 from adapters.sandboxes.base import SandboxRef, parse_uri
 from storage.spill import SpillConfig
 import tasks
@@ -37,6 +38,7 @@ from tasks.messages import TurnResult, TurnSpec
 from tasks.dispatch.reconcile import Stage, grace
 from tasks.runtime import AgentConfig, Context
 from tasks.states import TURN_OVER, DeliveryState, JobState
+from tasks.turn.reply import parse_reply
 from tasks.workspaces import relative, workspace_path
 
 log = logging.getLogger(__name__)
@@ -49,8 +51,7 @@ BUILTIN_AGENTS = {"demo": [sys.executable, os.path.join(_ROOT, "adapters", "agen
 
 
 def _sandbox_for(ctx: Context, spec: TurnSpec, agent: AgentConfig | None) -> tuple[SandboxRef, str | None]:
-    """The agent's sandbox ref and, for a local sandbox, its directory (the
-    parent of the turn workspaces)."""
+    """The agent's sandbox ref and, for a local sandbox, its directory (the turn workspaces' parent)."""
     uri = spec.get("sandbox") or (agent.sandbox if agent is not None else None)
     if uri:
         ref, path = parse_uri(uri)
@@ -120,19 +121,18 @@ def failed(job_id: str, target: str, reason: str, *, said: str | None = None) ->
 
 
 def run_turn(ctx: Context, spec: TurnSpec, *, on_activity: Callable[[Event], None] | None = None) -> TurnOutcome:
-    """Run the turn's agent and make its reply a plan; nothing is enqueued
-    (`finish` does that). The job is marked running, `started` and the
-    agent's phase events are published; the terminal event is `finish`'s."""
+    """Run the turn's agent and make its reply a plan (`finish` enqueues it): the job marked
+    running, `started` and the agent's phase events published (the terminal one is `finish`'s)."""
     r = ctx.redis
     job_id = spec["job"]
     target = spec["target"]
     job = receipts.get_job(r, job_id) or {}
-    if job.get("state") in TURN_OVER or job.get("cancel_requested") == "1":
+    over = job.get("state") in TURN_OVER
+    if over or job.get("cancel_requested") == "1":
         ledger.clear_due(r, "turn", job_id)
-        if job.get("state") not in TURN_OVER:  # cancelled while a worker was taking it
+        if not over:  # cancelled while a worker was taking it
             receipts.set_job(r, job_id, state=JobState.CANCELLED)
-        state = JobState(job["state"]) if job.get("state") in TURN_OVER else JobState.CANCELLED
-        return TurnOutcome(job_id, target, state, skipped=True)
+        return TurnOutcome(job_id, target, JobState(job["state"]) if over else JobState.CANCELLED, skipped=True)
     r.hincrby(keys.job(job_id), "attempts", 1)  # the reconciler gives up on a turn that kills its worker
     publish = _publisher(ctx, job_id, on_activity)
     receipts.set_job(r, job_id, state=JobState.RUNNING)
@@ -148,11 +148,9 @@ def run_turn(ctx: Context, spec: TurnSpec, *, on_activity: Callable[[Event], Non
     try:
         ref, local_dir = _sandbox_for(ctx, spec, agent)
         ref, workdir = make_workspace(ctx, ref, local_dir, job_id, tuple(agent.roots if agent is not None else ()))
-    except CourierError as exc:
-        return failed(job_id, target, f"could not make the turn's workspace: {exc.reason}", said=NO_WORKSPACE)
-    except OSError as exc:
-        return failed(job_id, target, f"could not make the turn's workspace: {exc.strerror or exc}",
-                      said=NO_WORKSPACE)
+    except (CourierError, OSError) as exc:
+        why = exc.reason if isinstance(exc, CourierError) else exc.strerror or exc
+        return failed(job_id, target, f"could not make the turn's workspace: {why}", said=NO_WORKSPACE)
     local = ref.kind == "local"
     try:
         jail = turn_jail(ctx, name, agent, command, workdir, job_id) if local else None
@@ -166,9 +164,8 @@ def run_turn(ctx: Context, spec: TurnSpec, *, on_activity: Callable[[Event], Non
 
 def turn_jail(ctx: Context, name: str, agent: AgentConfig | None, command: list[str], workdir: str,
               job_id: str) -> Jail | None:
-    """The turn's namespace sandbox on this host (None: the agent opted out,
-    ``"isolation": "host"``). Raises ConfigError, naming the opt-in, where
-    bwrap cannot isolate it: an agent never runs unconfined by surprise."""
+    """The turn's namespace sandbox on this host (None: the agent opted out, `"isolation": "host"`).
+    ConfigError, naming the opt-in, where bwrap cannot isolate it: never unconfined by surprise."""
     if agent is not None and agent.isolation == "host":
         return None
     config = ctx.turn_tools().jail
@@ -234,8 +231,6 @@ def _run_agent(ctx: Context, spec: TurnSpec, agent: AgentConfig | None, name: st
     if result.status == "no_reply":
         return TurnOutcome(job_id, target, JobState.NO_REPLY, reason=result.reason or None)
 
-    from tasks.turn.reply import parse_reply
-
     parsed = parse_reply(result.reply)
     files: list[chains.StoredFile | chains.SandboxFile] = []
     stored = result.extra.get("stored") or {}  # screenshots of the OpenAI runtime: already in storage
@@ -261,9 +256,8 @@ def _run_agent(ctx: Context, spec: TurnSpec, agent: AgentConfig | None, name: st
 
 
 def _same_file(path: str) -> str:
-    """A MEDIA path as duplicates compare: `.` parts and repeated slashes dropped;
-    `..` kept (what it names depends on links the extraction resolves: a path
-    with one is never taken for another and left out)."""
+    """A MEDIA path as duplicates compare: `.` parts and repeated slashes dropped; `..` kept
+    (what it names depends on links: such a path is never taken for another and left out)."""
     head = "/" if path.startswith("/") else ""
     return head + "/".join(p for p in path.split("/") if p not in ("", "."))
 
@@ -317,8 +311,6 @@ def _publisher(ctx: Context, job_id: str, on_activity: Callable[[Event], None] |
 
 def _album_max(ctx: Context, target: str) -> int:
     """How many photos one album holds on the target's platform (0: none, or not configured)."""
-    from adapters.platforms.base import split_target
-
     try:
         return ctx.platform(split_target(target)[0]).limits.album_max
     except CourierError:
@@ -407,8 +399,7 @@ def _run_openai(ctx: Context, job_id: str, message: str, agent: AgentConfig, ref
 
 
 def abandon(ctx: Context, job_id: str, reason: str, enqueue: Enqueue = chains.enqueue) -> TurnResult:
-    """End a turn that cannot run (its runs kept dying with their workers):
-    the chat's short message and the one terminal error event."""
+    """End a turn whose runs kept dying with their workers: the chat's short message, the error event."""
     job = receipts.get_job(ctx.redis, job_id) or {}
     try:
         spec = signing.open_json("turn", job_id, job["spec"]) if job.get("spec") else {}
@@ -422,9 +413,8 @@ TURN_MAX_RUNS = 3
 
 
 def _redrive(ctx: Context, job_id: str) -> str:
-    """The reconciler's re-drive of a turn whose due time passed with nobody on it: run it
-    again (its spec, from the job's record), or end it once it has killed `TURN_MAX_RUNS`
-    workers, or forget it when it is over."""
+    """The reconciler's re-drive of an overdue turn: run it again (its spec from the job's record),
+    end it once it has killed `TURN_MAX_RUNS` workers, or forget it when it is over."""
     r = ctx.redis
     job = receipts.get_job(r, job_id)
     if job is None or job.get("state") in TURN_OVER or not job.get("spec"):
