@@ -30,14 +30,12 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def _task(**opts: Any) -> Callable[[_F], _F]:
-    """Celery's `shared_task`, typed for mypy (Celery ships no types): the
-    decorated task keeps its function's signature."""
+    """Celery's `shared_task`, typed for mypy: the task keeps its function's signature."""
     return cast("Callable[[_F], _F]", shared_task(**opts))
 
 
 def progress_meta(job_id: str, ev: Event) -> dict[str, str] | None:
-    """The custom `PROGRESS` state's meta for a phase event (None: not shown):
-    what the turn is doing now (`events.describe`), for the result backend and Flower."""
+    """The custom `PROGRESS` state's meta for a phase event (None: not shown), for Flower."""
     kind = ev.get("kind")
     if not (kind in ("tool_start", "tool_result")
             or (kind == "status" and ev.get("status") in ("started", "thinking", "processing"))):

@@ -60,8 +60,7 @@ def _platform(target: str | None) -> str:
 
 @contextmanager
 def failures_noted() -> Iterator[list[tuple[str, str]]]:
-    """Collect (delivery id, reason) of every delivery recorded failed while
-    the block runs (in this thread): a task reports them as its outcome."""
+    """Collect (delivery id, reason) of every delivery recorded failed while the block runs (this thread)."""
     noted: list[tuple[str, str]] = []
     token = _noted.set(noted)
     try:

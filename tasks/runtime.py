@@ -129,8 +129,7 @@ class Context:
     max_file_bytes: int = MAX_FILE_BYTES
     events_maxlen: int = 1000
     max_transient_attempts: int = 8
-    #: how long transient storage errors, and a sandbox that stopped answering, are waited out
-    #: before a file fails (with a notice)
+    #: how long storage errors and a sandbox that stopped answering are waited out before a file fails
     outage_deadline_s: float = 1800.0
     #: the read deadline of sandbox channels (docker, ssh, modal): also the first period of a
     #: sandbox's circuit breaker and how long an answer keeps it trusted (tasks/turn/breaker.py)
@@ -142,8 +141,7 @@ class Context:
     retention: Retention = field(default_factory=Retention)
     #: the turn's tools, built once on first call (see `TurnTools`)
     turn_tools: Callable[[], TurnTools] = TurnTools
-    #: the roots this worker's own configuration allows for a sandbox ref (tasks.turn.extract.worker_ref): a spec's
-    #: roots may narrow them, never widen them; None: no configuration (plain code in tests)
+    #: the roots this worker allows for a sandbox ref (a spec's may narrow them, never widen); None: no configuration
     allowed_roots: Callable[[SandboxRef], tuple[str, ...]] | None = None
     #: how often a turn refreshes the chat's typing indicator and edits its progress message (None: defaults)
     typing_interval_s: float | None = None

@@ -92,8 +92,7 @@ class Plan:
     album_max: int = 0
     #: files one job may send (0: no cap); the rest are left out with a notice in the text
     max_files: int = 0
-    #: a turn's reply: its last file's step tells, in one notice, every file of it that could
-    #: not go (that spec's `tell`: the files' ids; the others' `told_by`: tasks.delivery.delivery.tell_reply)
+    #: a turn's reply: its last file's step tells, in one notice, every file of it that could not go
     tell_unsent: bool = False
 
 
@@ -110,16 +109,14 @@ LANE_GRACE_S, EXTRACT_GRACE_S, TURN_GRACE_S = ledger.LANE_GRACE_S, ledger.EXTRAC
 #: by each drive after its own lane) instead of being a message of its own: under a backlog one
 #: message serves several chats; idle, every wake-up is its own message.
 WAKE_BACKLOG = 2
-#: a drive published this long ago and not started yet no longer counts as waiting (a lost
-#: message, or a long queue: wake-ups are messages again); the reconciler publishes a drain
-#: for lanes ready longer than `READY_STALE_S`
+#: a drive published this long ago and not started no longer counts as waiting; the reconciler
+#: publishes a drain for lanes ready longer than `READY_STALE_S`
 WAKE_STALE_S = 5.0
 READY_STALE_S = 2.0
 
 
 def capped(plan: Plan) -> Plan:
-    """A plan over `max_files` keeps its first `max_files` files; the chat is
-    told how many were left out (with the text, or as the text)."""
+    """A plan over `max_files` keeps its first `max_files` files; the text tells how many were left out."""
     if not plan.max_files or len(plan.files) <= plan.max_files:
         return plan
     cut = len(plan.files) - plan.max_files

@@ -43,8 +43,7 @@ STATE_TTL_S = 24 * 3600
 #: an entry of `keys.breakers()` whose end is older than this has had no extraction come for it:
 #: forgotten at the next trip anywhere (and not shown as half-open)
 STALE_S = 3600.0
-#: a handed-on extraction is published by the task that closed the breaker; the reconciler
-#: re-drives it after this long if that message was lost
+#: the reconciler re-drives a handed-on extraction after this long if its message was lost
 HANDOFF_GRACE_S = 5.0
 
 

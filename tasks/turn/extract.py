@@ -95,10 +95,8 @@ def extract(ctx: Context, spec: ExtractSpec, job_id: str, did: str, *, pipe: Pip
 
 
 def worker_ref(ctx: Context, ref: SandboxRef) -> SandboxRef:
-    """`ref` as this worker's configuration allows it: the roots a spec names
-    must each lie inside a root the worker allows for that sandbox kind
-    (`ctx.allowed_roots`), else the extraction is refused (UnsafePath) and
-    nothing is read; a spec with no roots gets the backend's defaults."""
+    """`ref` as this worker allows it: each root a spec names must lie inside one the worker
+    allows (`ctx.allowed_roots`), else UnsafePath, nothing read; no roots: the backend's defaults."""
     if ctx.allowed_roots is None or not ref.roots:
         return ref
     allowed = [posixpath.normpath(a) for a in ctx.allowed_roots(ref)]

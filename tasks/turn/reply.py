@@ -92,9 +92,8 @@ class ParsedReply:
     text: str
     #: paths in reply order, duplicates removed (first occurrence wins)
     media: tuple[str, ...]
-    #: `[[audio_as_voice]]` present
+    #: the directives present
     audio_as_voice: bool
-    #: `[[as_document]]` present
     as_document: bool
 
 

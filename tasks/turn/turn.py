@@ -220,11 +220,11 @@ def _run_agent(ctx: Context, spec: TurnSpec, agent: AgentConfig | None, name: st
         hook_text = hooks.context_for({**hook_ctx, "step": 0}) if hooks else ""
         if hook_text:
             env["COURIER_HOOK_CONTEXT"] = hook_text
-        network = (agent.network if agent is not None else None) or "proxy"
+        no_network = agent is not None and agent.network == "none"  # else through the proxy
         result = run_bridge(command, message, cwd=workdir if local else (agent.cwd if agent else None),
                             env=env, timeout_s=timeout_s, on_event=publish,
                             passthrough=tuple(agent.env_passthrough if agent is not None else ()),
-                            jail=jail, network="none" if network == "none" else "proxy",
+                            jail=jail, network="none" if no_network else "proxy",
                             shown=lambda text: relative(text, job_id))
     if result.status == "error":
         return failed(job_id, target, result.reason)
@@ -242,10 +242,7 @@ def _run_agent(ctx: Context, spec: TurnSpec, agent: AgentConfig | None, name: st
         if same in seen:
             continue
         seen.add(same)
-        if path in stored:
-            files.append(chains.StoredFile(**stored[path]))
-        else:
-            files.append(chains.SandboxFile(ref=ref, path=path))
+        files.append(chains.StoredFile(**stored[path]) if path in stored else chains.SandboxFile(ref=ref, path=path))
     plan = chains.Plan(job_id=job_id, target=target, text=parsed.text or None, files=files,
                        voice=parsed.audio_as_voice, as_document=parsed.as_document,
                        max_bytes=ctx.max_file_bytes, album_max=_album_max(ctx, target),
