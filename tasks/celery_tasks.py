@@ -1,10 +1,8 @@
 """The Celery tasks: thin. Decode args, call plain code, return a small dict.
 
-Each task message carries ids only (a turn's spec, a delivery id, a chat);
-what to do is read from the ledger, so any worker can run any stage again,
-and the reconciler (tasks.dispatch.reconcile) re-drives stages whose message was lost.
-Retries are the ledger's (tasks.delivery.lanes, tasks.turn.extract.run): a wait is a due
-time, never a worker that sleeps. All tasks are at-least-once (late ack,
+A message carries ids only; what to do is read from the ledger, so any worker
+can run any stage again (the reconciler re-drives lost ones). Retries are the
+ledger's due times, never a sleeping worker. Tasks are at-least-once (late ack,
 reject on worker lost); effects are idempotent through delivery ids and leases.
 """
 
@@ -17,7 +15,6 @@ from typing import Any, TypeVar, cast
 
 from celery import Task, shared_task
 
-from adapters.platforms.base import split_target
 from tasks.turn import extract as extract_mod
 from tasks import metrics, runtime, task_names
 from tasks.ledger import ledger
@@ -33,17 +30,12 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def _task(**opts: Any) -> Callable[[_F], _F]:
-    """Celery's `shared_task`, typed for mypy (Celery ships no types): the
-    decorated task keeps its function's signature."""
+    """Celery's `shared_task`, typed for mypy: the task keeps its function's signature."""
     return cast("Callable[[_F], _F]", shared_task(**opts))
-
-def platform_of(target: str) -> str:
-    return split_target(target)[0]
 
 
 def progress_meta(job_id: str, ev: Event) -> dict[str, str] | None:
-    """The custom `PROGRESS` state's meta for a phase event (None: not shown):
-    what the turn is doing now (`events.describe`), for the result backend and Flower."""
+    """The custom `PROGRESS` state's meta for a phase event (None: not shown), for Flower."""
     kind = ev.get("kind")
     if not (kind in ("tool_start", "tool_result")
             or (kind == "status" and ev.get("status") in ("started", "thinking", "processing"))):
@@ -55,14 +47,12 @@ def progress_meta(job_id: str, ev: Event) -> dict[str, str] | None:
     return meta
 
 
-@_task(bind=True, name=task_names.AGENT_TURN, acks_late=True, reject_on_worker_lost=True,
-             ignore_result=task_names.AGENT_TURN not in task_names.KEEPS_RESULT)
+# a turn's result is kept (`courier turn --wait`, Flower's PROGRESS); the other tasks' are not
+@_task(bind=True, name=task_names.AGENT_TURN, acks_late=True, reject_on_worker_lost=True, ignore_result=False)
 def agent_turn(self: Task, spec: TurnSpec) -> TurnResult:
-    """One agent turn. While it runs, the task's state is the custom
-    `PROGRESS` with meta {job, phase, activity, tool?} in the result backend
-    (`AsyncResult(job).info`), and each change is sent as a `task-progress`
-    event, so Flower shows the state and the activity live. The chat shows
-    typing / a progress message (tasks.turn.activity)."""
+    """One agent turn. While it runs, its state is the custom `PROGRESS` with meta {job, phase,
+    activity, tool?} (`AsyncResult(job).info`), each change sent as a `task-progress` event for
+    Flower; the chat shows typing and a progress message (tasks.turn.activity)."""
     from tasks.dispatch import chains
     from tasks.turn.activity import TurnActivity
 
@@ -82,13 +72,10 @@ def agent_turn(self: Task, spec: TurnSpec) -> TurnResult:
             log.debug("progress state of %s not recorded: %r", spec["job"], exc)
 
     with ledger.leased(ctx.redis, "turn", spec["job"]) as token:
-        if token is None:  # a live worker runs this turn already, or one that died holds its lease:
-            # the reconciler looks again when the lease lapses (a dead holder's turn runs again
-            # then, ~LEASE_TTL_S, not after the turn's 60 s grace)
+        if token is None:  # another worker (live, or dead until its lease lapses) holds the turn
             ledger.due_when_free(ctx.redis, "turn", spec["job"])
             return {"job": spec["job"], "state": "busy"}
-        # while it runs, its due time follows its lease: if this worker dies, the reconciler
-        # runs the turn again once the lease lapses (~LEASE_TTL_S), not at the 60 s grace
+        # its due time follows its lease: if this worker dies, the turn runs again once the lease lapses
         ledger.set_due(ctx.redis, "turn", spec["job"], ledger.LEASE_TTL_S + 1.0)
         t0 = time.monotonic()
         with TurnActivity(ctx, spec["target"], spec["job"]) as native:
@@ -100,16 +87,13 @@ def agent_turn(self: Task, spec: TurnSpec) -> TurnResult:
 
 
 class DeliveryFailed(Exception):
-    """A drive of a lane recorded deliveries failed for good: the task ends
-    FAILURE (Flower, the result backend), after its lane's work is done and
-    recorded; nothing is retried by Celery (the ledger owns retries)."""
+    """A drive recorded deliveries failed for good: the task ends FAILURE once its lane's work is
+    recorded; Celery retries nothing (the ledger owns retries)."""
 
 
 def serves_delivery() -> bool:
-    """Whether this worker consumes the delivery queue too (an all-queues worker: the
-    default `courier worker`, the demo): its extractions then drive their chat's lane
-    themselves, without a drive message of their own (the drive would come back to this
-    worker's pool anyway; one Celery message less per sandbox file)."""
+    """Whether this worker consumes the delivery queue too (the default all-queues worker):
+    its extractions then drive their chat's lane themselves, one message less per file."""
     from celery import current_app
 
     try:
@@ -120,9 +104,8 @@ def serves_delivery() -> bool:
 
 @_task(name=task_names.EXTRACT_FILE, acks_late=True, reject_on_worker_lost=True, throws=(DeliveryFailed,))
 def extract_file(delivery_id: str) -> ExtractionRun:
-    """Extract one sandbox file (its spec is in the ledger), then drive its chat's lane:
-    here, when this worker serves the delivery queue too (`serves_delivery`), else by a
-    `drive_lane` message (chains.wake_lane)."""
+    """Extract one sandbox file, then drive its chat's lane: here when this worker serves the
+    delivery queue too (`serves_delivery`), else by a `drive_lane` message."""
     from tasks.dispatch import chains
 
     ctx = runtime.ctx()
@@ -141,18 +124,16 @@ def extract_file(delivery_id: str) -> ExtractionRun:
     return out
 
 
-@_task(bind=True, name=task_names.DRIVE_LANE, acks_late=True, reject_on_worker_lost=True,
-             throws=(DeliveryFailed,))
+@_task(bind=True, name=task_names.DRIVE_LANE, acks_late=True, reject_on_worker_lost=True, throws=(DeliveryFailed,))
 def drive_lane(self: Task, target: str) -> JsonObject:
-    """Send what is ready at the head of one chat's lane ('': none), then of the lanes
-    whose wake-ups joined the ready set (tasks.delivery.lanes.drive_ready). A delivery recorded
-    failed during the drive makes the task a FAILURE naming its id and reason (never chat text)."""
+    """Send what is ready at the head of one chat's lane ('': none), then of the ready set's
+    lanes. A delivery failed during the drive makes the task a FAILURE naming its id and reason
+    (never chat text)."""
     return _drive_lanes(runtime.ctx(), target, started=self.request.id)
 
 
 def _drive_lanes(ctx: runtime.Context, target: str, *, started: str | None = None) -> JsonObject:
-    """`target`'s lane, then the ready set's (lanes.drive_ready); DeliveryFailed after, naming
-    every delivery the drive recorded failed for good."""
+    """`target`'s lane, then the ready set's; DeliveryFailed after, naming the failed deliveries."""
     from tasks.delivery import lanes
     from tasks.dispatch import chains
 
@@ -168,13 +149,10 @@ def _drive_lanes(ctx: runtime.Context, target: str, *, started: str | None = Non
 @_task(bind=True, name=task_names.SEND, acks_late=True)
 def send(self: Task, target: str, text: str | None = None, files: list[str] | None = None, caption: str | None = None,
          voice: bool = False, as_document: bool = False) -> SendResult:
-    """An operator's send (Flower's async-apply; JSON args documented in
-    tasks/ops/send.py): registered in the ledger like `courier send`, then
-    extracted and delivered by the usual stages. Bad input fails the task
-    with its reason; nothing is enqueued then. The job id comes from the
-    task id, so a redelivered message registers the same job (sends nothing twice).
-    Sends to one chat join its lane in the order they were published
-    (tasks/ops/sendorder.py)."""
+    """An operator's send (Flower's async-apply; args: tasks/ops/send.py), registered like
+    `courier send`; bad input fails the task, nothing enqueued. The job id is the task id's,
+    so a redelivered message registers the same job. Sends to one chat keep their publish
+    order (tasks/ops/sendorder.py)."""
     from tasks.ops import send as send_mod
     from tasks.ops import sendorder
 
@@ -214,8 +192,7 @@ def stages() -> tuple[Stage, ...]:
 
 @_task(name=task_names.RECONCILE, acks_late=True)
 def reconcile() -> dict[str, int]:
-    """One reconciler pass (workers run it every second by themselves; this
-    task lets an operator or beat run one too)."""
+    """One reconciler pass (workers run one every second themselves; this lets beat or an operator)."""
     from tasks.dispatch import reconcile as reconcile_mod
 
     return reconcile_mod.tick(runtime.ctx(), stages())

@@ -1,7 +1,5 @@
-"""The typed shapes of what tasks pass around as JSON: a turn's spec (the one
-argument of `agent_turn`, also kept on its job record) and what a turn task
-returns. They stay plain dicts on the wire (Celery's JSON); these say which
-keys they have."""
+"""The typed shapes of what tasks pass around as JSON (plain dicts on the wire): a turn's
+spec, a delivery's spec, what tasks return."""
 
 from __future__ import annotations
 
@@ -18,7 +16,7 @@ class Attachment(TypedDict):
 
 
 class TurnSpec(TypedDict):
-    """A turn: `chains.turn_spec` makes it, `tasks.turn.turn.run_turn` runs it."""
+    """A turn: `chains.turn_spec` makes it, `run_turn` runs it."""
 
     job: str
     target: str
@@ -30,8 +28,7 @@ class TurnSpec(TypedDict):
 
 
 class TurnResult(TypedDict):
-    """What `agent_turn` returns: the job, its final state and, for a turn
-    that ran, how many deliveries it queued (and why it failed, when it did)."""
+    """What `agent_turn` returns: the job, its final state and, when it ran, its deliveries (and why it failed)."""
 
     job: str
     state: str
@@ -47,8 +44,7 @@ class SendResult(TypedDict):
     deliveries: list[str]
 
 
-#: a JSON object as it goes over the wire or into a receipt's `spec` (a delivery's spec, an
-#: extraction's result, a task's small result dict): its keys are documented where it is made
+#: a JSON object on the wire or in a receipt (its keys are documented where it is made)
 JsonObject = dict[str, Any]
 
 SpecType = Literal["text", "file"]
@@ -56,10 +52,8 @@ SpecType = Literal["text", "file"]
 
 @dataclass(frozen=True)
 class ExtractSpec:
-    """How a delivery's file comes out of its sandbox (the delivery spec's `extract`):
-    the sandbox (`SandboxRef.to_dict()`'s form), the path in it, the storage key it
-    goes to and the size cap the sender asked for (`max_bytes`: only ever lowers
-    the worker's own)."""
+    """How a delivery's file comes out of its sandbox (`SandboxRef.to_dict()`'s form), into
+    storage key `key`; `max_bytes`: the sender's cap (it only ever lowers the worker's)."""
 
     sandbox: dict[str, Any] = field(hash=False)
     path: str
@@ -80,14 +74,10 @@ class ExtractSpec:
 
 @dataclass(frozen=True)
 class DeliverySpec:
-    """One delivery as its receipt keeps it (signed: `tasks.ledger.signing`), everything it
-    takes to run it again: `tasks.dispatch.chains.entries` makes it, the lane (`tasks.delivery.lanes`)
-    reads it back and `tasks.delivery.delivery` / `tasks.delivery.album` send it.
-
-    The wire form (`to_json`, `from_json`) is the JSON every courier version so far
-    wrote: the delivery id is `id`, the job id `job` (only the attribute names
-    changed); keys a reader does not know are ignored, so a spec written by a
-    newer version still reads."""
+    """One delivery as its receipt keeps it (signed), all it takes to run it again: made by
+    `chains.entries`, read back by the lane. The wire form (`to_json`, `from_json`) is the
+    JSON every courier version wrote (`id`, `job`, ...); unknown keys are ignored, so a
+    newer version's spec still reads."""
 
     delivery_id: str
     job_id: str
@@ -127,17 +117,10 @@ class DeliverySpec:
             out["text"] = self.text
         if self.type == "file":
             out.update(voice=self.voice, as_document=self.as_document)
-        for name in ("key", "name", "size", "sha256"):
-            if getattr(self, name) is not None:
-                out[name] = getattr(self, name)
-        if self.extract is not None:
-            out["extract"] = self.extract.to_json()
-        if self.caption is not None:
-            out["caption"] = self.caption
-        if self.tell is not None:
-            out["tell"] = list(self.tell)
-        if self.told_by is not None:
-            out["told_by"] = self.told_by
+        optional = {"key": self.key, "name": self.name, "size": self.size, "sha256": self.sha256,
+                    "extract": self.extract.to_json() if self.extract is not None else None, "caption": self.caption,
+                    "tell": list(self.tell) if self.tell is not None else None, "told_by": self.told_by}
+        out.update({k: v for k, v in optional.items() if v is not None})
         return out
 
     @classmethod
@@ -162,9 +145,8 @@ class DeliverySpec:
 
 
 class DeliveryOutcome(TypedDict):
-    """What delivering one item returns (`tasks.delivery.delivery`): its id, the state its receipt
-    was left in and, as it went, the message id, what it went as, why it failed, or
-    `skipped`: it was over before this run (delivered, cancelled, failed for good)."""
+    """What delivering one item returns: its id, its receipt's state and, as it went, the message
+    id, its kind, why it failed, or `skipped`: it was over before this run."""
 
     id: str
     state: str
@@ -189,9 +171,9 @@ class WakeUp(TypedDict):
 
 
 class ExtractionRun(TypedDict):
-    """What the extraction stage returns (`tasks.turn.extract.run`, the `extract_file` task): the delivery
-    and what the stage did (`extracted`, `failed`, `retrying` with `wait_s`, `done`, `busy`, `gone`,
-    `refused`); `wake`: extractions to publish again; `lane`: the drive of its lane that followed."""
+    """What the extraction stage returns (`extract.run`, `extract_file`): the delivery, what it
+    did (`extracted`, `failed`, `retrying` with `wait_s`, `done`, `busy`, `gone`, `refused`),
+    `wake`: extractions to publish again, `lane`: the drive of its lane that followed."""
 
     delivery: str
     state: str
@@ -203,10 +185,8 @@ class ExtractionRun(TypedDict):
 
 @dataclass(frozen=True)
 class Extracted:
-    """An extraction's result (`tasks.turn.extract.extract`, or read back from the
-    receipt by `tasks.delivery.delivery.result_of`): `ok` with the file's key, name, size
-    and hash; or not, with the `reason` and, for the chat's notice, `too_large`
-    (with `size` and `limit`) or `notify` (the words the chat is told)."""
+    """An extraction's result: `ok` with the file's key, name, size and hash; or not, with the
+    `reason` and, for the chat's notice, `too_large` (`size`, `limit`) or `notify` (its words)."""
 
     ok: bool
     name: str | None = None

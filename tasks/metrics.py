@@ -1,29 +1,16 @@
-"""courier's Prometheus series, counted where things happen (plain code, no Celery).
+"""courier's Prometheus series: each `record_*` is one call where a thing happens, and never
+raises (metrics must not fail a delivery).
 
-The metric objects live here; each `record_*` function is a single call at
-the place it counts (a receipt becoming final, a platform's 429, an
-extraction, a webhook, a turn). They cost a few microseconds and never
-raise: metrics must not fail a delivery.
-
-Processes: Celery's prefork pool runs tasks in child processes, so a worker
-counts across processes through prometheus_client's multiprocess mode: set
-`PROMETHEUS_MULTIPROC_DIR` (an empty directory private to the host or
-container) before the process starts, and every process writes its values
-there; the worker's exporter and the web process's `/metrics` read them all
-(workers/metrics.py). Without it each process counts for itself (fine for
-the web process alone, a single-process worker, tests).
-
-Labels are bounded: platform (the five platforms), kind (a delivered
-message's kind: text, photo, video, voice, audio, animation, document; a
-failed one's item type: text or file), state (delivered, failed), sandbox
-kind, agent name (the configured agents), webhook outcome.
+A prefork worker counts across its processes through prometheus_client's multiprocess mode
+(`PROMETHEUS_MULTIPROC_DIR`, read by workers/metrics.py); without it each process counts for
+itself. Labels are bounded: platform, message kind, state, sandbox kind, agent name, outcome.
 """
 
 from __future__ import annotations
 
 import contextvars
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from tasks.states import DeliveryState
@@ -73,8 +60,7 @@ def _platform(target: str | None) -> str:
 
 @contextmanager
 def failures_noted() -> Iterator[list[tuple[str, str]]]:
-    """Collect (delivery id, reason) of every delivery recorded failed while
-    the block runs (in this thread): a task reports them as its outcome."""
+    """Collect (delivery id, reason) of every delivery recorded failed while the block runs (this thread)."""
     noted: list[tuple[str, str]] = []
     token = _noted.set(noted)
     try:
@@ -83,89 +69,64 @@ def failures_noted() -> Iterator[list[tuple[str, str]]]:
         _noted.reset(token)
 
 
+def _safely(update: Callable[[], object]) -> None:
+    """Apply one metric update: a few microseconds, never raises (metrics never fail a delivery)."""
+    if not _ON:
+        return
+    try:
+        update()
+    except Exception as exc:  # noqa: BLE001
+        log.debug("metrics: %r", exc)
+
+
 def record_delivery(did: str, target: str, state: str, kind: str, reason: str | None = None) -> None:
     """Delivery `did`'s receipt was recorded final: `delivered` or `failed`; `kind`: what it was
     sent as (a failure's: what it was to go as, else its spec's type, `text` or `file`)."""
     noted = _noted.get()
     if noted is not None and state == DeliveryState.FAILED:
         noted.append((did, reason or ""))
-    if not _ON:
-        return
-    try:
-        DELIVERIES.labels(_platform(target), kind, state).inc()
-    except Exception as exc:  # noqa: BLE001 - see the module docstring
-        log.debug("metrics: %r", exc)
+    _safely(lambda: DELIVERIES.labels(_platform(target), kind, state).inc())
 
 
 def record_rate_limited(target: str) -> None:
     """A platform answered 429 (courier's own pacing is not counted)."""
-    if _ON:
-        try:
-            RATE_LIMITED.labels(_platform(target)).inc()
-        except Exception as exc:  # noqa: BLE001
-            log.debug("metrics: %r", exc)
+    _safely(lambda: RATE_LIMITED.labels(_platform(target)).inc())
 
 
 def record_extraction(sandbox: str, seconds: float, size_bytes: int | None, outcome: str) -> None:
     """One extraction ended: `ok` (with its size), `failed` (permanent) or `error` (transient)."""
-    if not _ON:
-        return
-    try:
+
+    def update() -> None:
         EXTRACTIONS.labels(sandbox or "unknown", outcome).observe(max(0.0, seconds))
         if size_bytes:
             EXTRACTED_BYTES.labels(sandbox or "unknown").inc(size_bytes)
-    except Exception as exc:  # noqa: BLE001
-        log.debug("metrics: %r", exc)
+
+    _safely(update)
 
 
 def record_breaker(sandbox: str, event: str) -> None:
     """A sandbox's breaker `opened`, or `postponed` an extraction (tasks/turn/breaker.py)."""
-    if _ON:
-        try:
-            BREAKER_EVENTS.labels(sandbox or "unknown", event).inc()
-        except Exception as exc:  # noqa: BLE001
-            log.debug("metrics: %r", exc)
+    _safely(lambda: BREAKER_EVENTS.labels(sandbox or "unknown", event).inc())
 
 
 def record_worker_restart(worker: str, code: int) -> None:
     """`courier worker` restarts its Celery worker process `worker` (`delivery-2`), which exited with `code`."""
-    if _ON:
-        try:
-            WORKER_RESTARTS.labels(worker, str(code)).inc()
-        except Exception as exc:  # noqa: BLE001
-            log.debug("metrics: %r", exc)
+    _safely(lambda: WORKER_RESTARTS.labels(worker, str(code)).inc())
 
 
 def record_webhook(platform: str, status: int) -> None:
-    if not _ON:
-        return
     outcome = "unavailable" if status >= 500 else "rejected" if status >= 400 else "ok"
-    try:
-        WEBHOOK_REQUESTS.labels(platform, outcome).inc()
-    except Exception as exc:  # noqa: BLE001
-        log.debug("metrics: %r", exc)
+    _safely(lambda: WEBHOOK_REQUESTS.labels(platform, outcome).inc())
 
 
 def record_webhook_turn(platform: str, duplicate: bool) -> None:
-    if _ON:
-        try:
-            WEBHOOK_TURNS.labels(platform, "duplicate" if duplicate else "enqueued").inc()
-        except Exception as exc:  # noqa: BLE001
-            log.debug("metrics: %r", exc)
+    _safely(lambda: WEBHOOK_TURNS.labels(platform, "duplicate" if duplicate else "enqueued").inc())
 
 
 def record_turn(agent: str, state: str, seconds: float) -> None:
-    if _ON:
-        try:
-            TURNS.labels(agent or "unknown", state or "unknown").observe(max(0.0, seconds))
-        except Exception as exc:  # noqa: BLE001
-            log.debug("metrics: %r", exc)
+    _safely(lambda: TURNS.labels(agent or "unknown", state or "unknown").observe(max(0.0, seconds)))
 
 
 def record_forged(what: str) -> None:
     """A spec (`delivery`, `turn`) or a task `message` was refused: it did not verify."""
-    if _ON:
-        try:
-            FORGED.labels(what or "unknown").inc()
-        except Exception as exc:  # noqa: BLE001
-            log.debug("metrics: %r", exc)
+    _safely(lambda: FORGED.labels(what or "unknown").inc())

@@ -1,9 +1,6 @@
-"""What tasks need from the outside world, handed in by `workers/`.
-
-Tasks never read the environment: the worker process installs a context
-factory at start-up (`set_factory`), and plain code receives a `Context`.
-Tests can build a Context directly and call the plain code without a broker.
-"""
+"""What tasks need from the outside world, handed in by `workers/`: tasks never read the
+environment; the worker installs a context factory (`set_factory`), and plain code receives
+a `Context` (tests build one directly)."""
 
 from __future__ import annotations
 
@@ -100,9 +97,8 @@ class Retention:
 
 @dataclass
 class TurnTools:
-    """What agent turns need beyond the rest of the context, built on first use
-    (a delivery worker never builds hooks): the OpenAI-compatible endpoint, the
-    hooks (a HookRunner), the output spill config, the browser."""
+    """What agent turns need beyond the rest of the context, built on first use (a delivery
+    worker never builds hooks)."""
 
     openai: dict[str, Any] = field(default_factory=dict)
     hooks: HookRunner | None = None
@@ -121,10 +117,6 @@ def _jail_config() -> JailConfig:
     return JailConfig()
 
 
-def _no_turn_tools() -> TurnTools:
-    return TurnTools()
-
-
 @dataclass
 class Context:
     redis: Redis
@@ -137,8 +129,7 @@ class Context:
     max_file_bytes: int = MAX_FILE_BYTES
     events_maxlen: int = 1000
     max_transient_attempts: int = 8
-    #: how long transient storage errors, and a sandbox that stopped answering, are waited out
-    #: before a file fails (with a notice)
+    #: how long storage errors and a sandbox that stopped answering are waited out before a file fails
     outage_deadline_s: float = 1800.0
     #: the read deadline of sandbox channels (docker, ssh, modal): also the first period of a
     #: sandbox's circuit breaker and how long an answer keeps it trusted (tasks/turn/breaker.py)
@@ -149,9 +140,8 @@ class Context:
     max_files_per_job: int = 0
     retention: Retention = field(default_factory=Retention)
     #: the turn's tools, built once on first call (see `TurnTools`)
-    turn_tools: Callable[[], TurnTools] = _no_turn_tools
-    #: the roots this worker's own configuration allows for a sandbox ref (tasks.turn.extract.worker_ref): a spec's
-    #: roots may narrow them, never widen them; None: no configuration (plain code in tests)
+    turn_tools: Callable[[], TurnTools] = TurnTools
+    #: the roots this worker allows for a sandbox ref (a spec's may narrow them, never widen); None: no configuration
     allowed_roots: Callable[[SandboxRef], tuple[str, ...]] | None = None
     #: how often a turn refreshes the chat's typing indicator and edits its progress message (None: defaults)
     typing_interval_s: float | None = None

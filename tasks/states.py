@@ -1,10 +1,5 @@
-"""The states a job and a delivery go through, as StrEnums.
-
-They are what receipts hold (`courier status`, `courier deliveries`, Flower's
-task results show them as plain strings): a member compares equal to its
-string, so a receipt read back from Redis is compared without converting.
-Every "is it over?" set lives here, once.
-"""
+"""The states a job and a delivery go through, as StrEnums: a member equals its string, so a
+receipt read back from Redis compares without converting. Every "is it over?" set lives here."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""Where a turn's workspace is, and how a path in it is shown.
-
-A turn's own directory is `<agent's sandbox dir>/turns/<job>` (local: on the
-worker's host; other backends: `<workdir>/turns/<job>` inside the sandbox).
-What a person sees of it — the turn page, `courier watch`, the chat's
-progress message, all from the turn's events — is relative to it:
-`chart.png`, `out/report.csv`, `.` for the workspace itself; never the worker
-host's absolute path (its user, its data dir). `relative` does that for any
-text, knowing only the job id: the workspace's last two parts name it.
-"""
+"""Where a turn's workspace is (`<agent's sandbox dir>/turns/<job>`), and how a path in it
+is shown: relative to it (`out/report.csv`, `.`), never the worker host's absolute path
+(its user, its data dir). `relative` does that for any text, knowing only the job id."""
 
 from __future__ import annotations
 

@@ -1,30 +1,21 @@
 """The one module that turns a job into ledger entries and task messages.
 
-A job (a turn's reply, or an operator's send) is registered in the ledger
-(tasks/ledger/ledger.py, tasks/ledger/receipts.py) in one Redis transaction: one receipt
-per delivery, holding everything needed to run it again (its `spec`), and
-its steps appended to the chat's **lane** (`keys.lane(target)`) in order:
-the text first, then each file in the order the reply names them. Sends to
-one chat queue up behind each other in that lane, across jobs, in enqueue
-order. Then small messages go out carrying ids only: one `extract_file`
-per sandbox file (on its sandbox's queue; extractions run in parallel) and
-one `drive_lane` for the chat (tasks/delivery/lanes.py delivers the lane's head
-steps as they become ready). A message that is lost costs nothing: the
-reconciler (tasks/dispatch/reconcile.py) re-drives any stage whose due time passed.
-Delivery ids are deterministic (`<job>.<seq>`): re-enqueuing a job never
-sends twice what was delivered.
+A job (a turn's reply, an operator's send) is registered in one Redis transaction: a
+receipt per delivery holding its signed `spec` (all it takes to run it again), and its
+steps appended to the chat's lane (the text, then the files in order; jobs to one chat
+queue up in enqueue order). Then messages carrying ids only go out: an `extract_file` per
+sandbox file (on its sandbox's queue) and a `drive_lane` for the chat. A lost message
+costs nothing: the reconciler re-drives any stage whose due time passed. Delivery ids are
+deterministic (`<job>.<seq>`): re-enqueuing a job never sends twice what was delivered.
 
-Albums: where the target platform takes them (`Plan.album_max` >= 2, filled
-by the caller from the platform's `Limits.album_max`), a run of two or more
-consecutive files that route to photos becomes one step (runs longer than
-`album_max` are split): each file of the group is extracted as usual, then
-the step sends the group as one album. Each file keeps its own delivery id
-and receipt.
+Albums (`Plan.album_max` >= 2): a run of consecutive files that route to photos becomes
+one step (split at `album_max`); each file keeps its own delivery id and receipt.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import posixpath
 import re
 import secrets
@@ -37,16 +28,20 @@ from typing import TYPE_CHECKING, Any
 from redis import Redis
 
 from adapters.display import visible
-from adapters.platforms.base import split_target
+from adapters.platforms.base import Kind, split_target
 from adapters.sandboxes.base import SandboxRef
+from adapters.sandboxes.routing import queue_for
 from storage import prefixes
 from tasks.delivery import specs
+from tasks.delivery.routing import route
 from tasks import task_names
 from tasks.ledger import keys, ledger, receipts, scripts, signing
 from tasks.messages import Attachment, DeliverySpec, ExtractSpec, TurnSpec
 
 if TYPE_CHECKING:
     from celery import Signature
+
+log = logging.getLogger(__name__)
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 
@@ -97,39 +92,31 @@ class Plan:
     album_max: int = 0
     #: files one job may send (0: no cap); the rest are left out with a notice in the text
     max_files: int = 0
-    #: a turn's reply: its last file's step tells, in one notice, every file of it that could
-    #: not go (that spec's `tell`: the files' ids; the others' `told_by`: tasks.delivery.delivery.tell_reply)
+    #: a turn's reply: its last file's step tells, in one notice, every file of it that could not go
     tell_unsent: bool = False
 
 
 def sandbox_queue(ref: SandboxRef) -> str:
-    """Docker containers and singularity instances live on one host: a ref
-    pinned to a host (`?host=` in its URI) is extracted on that host's queue,
+    """A ref pinned to a host (`?host=`: containers live on one) is extracted on
     `sandbox.<host>`; everything else on `sandbox`."""
-    from adapters.sandboxes.routing import queue_for
-
     return queue_for(ref)
 
 
 #: the reconciler re-drives a stage nobody has looked at for this long (defined once, in the ledger)
 LANE_GRACE_S, EXTRACT_GRACE_S, TURN_GRACE_S = ledger.LANE_GRACE_S, ledger.EXTRACT_GRACE_S, ledger.TURN_GRACE_S
 
-#: lane drives waiting to start (published, not yet at their first look) beyond which a lane's
-#: wake-up joins `keys.lanes_ready()` instead of being a message of its own. Each drive drains
-#: that set when its own lane is done (tasks.delivery.lanes.drive_ready): under a backlog one Celery
-#: message sends to several chats; with workers idle every wake-up is its own message, so no
-#: chat waits behind another's send.
+#: lane drives waiting to start beyond which a lane's wake-up joins `keys.lanes_ready()` (drained
+#: by each drive after its own lane) instead of being a message of its own: under a backlog one
+#: message serves several chats; idle, every wake-up is its own message.
 WAKE_BACKLOG = 2
-#: a drive published this long ago and not started yet no longer counts as waiting (a lost
-#: message, or a long queue: wake-ups are messages again); the reconciler publishes a drain
-#: for lanes ready longer than `READY_STALE_S`
+#: a drive published this long ago and not started no longer counts as waiting; the reconciler
+#: publishes a drain for lanes ready longer than `READY_STALE_S`
 WAKE_STALE_S = 5.0
 READY_STALE_S = 2.0
 
 
 def capped(plan: Plan) -> Plan:
-    """A plan over `max_files` keeps its first `max_files` files; the chat is
-    told how many were left out (with the text, or as the text)."""
+    """A plan over `max_files` keeps its first `max_files` files; the text tells how many were left out."""
     if not plan.max_files or len(plan.files) <= plan.max_files:
         return plan
     cut = len(plan.files) - plan.max_files
@@ -199,11 +186,9 @@ def entries(plan: Plan) -> list[_Entry]:
 
 
 def register(r: Redis, plan: Plan, *, job_kind: str | None = None) -> list[_Entry]:
-    """Record the plan in the ledger in one transaction: the job (with
-    `job_kind`), a queued receipt per delivery with its spec, the steps at
-    the end of the chat's lane, and due times for the lane and each
-    extraction. Idempotent: a delivery already registered is left as it is
-    (and not queued again). Returns the plan's entries."""
+    """Record the plan in one transaction: the job (with `job_kind`), a queued receipt per
+    delivery with its spec, the steps at the end of the chat's lane, due times for the lane
+    and each extraction. Idempotent: a delivery already registered is left as it is."""
     items = entries(plan)
     p = r.pipeline(transaction=True)  # one round trip, no other job's steps in between
     if job_kind is not None:
@@ -228,9 +213,6 @@ def album_groups(plan: Plan) -> list[list[int]]:
     """Indexes (into `plan.files`) of the files sent as albums: runs of >= 2
     consecutive files that route to photos, cut into groups of <= album_max
     (a group of one left over goes alone)."""
-    from adapters.platforms.base import Kind
-    from tasks.delivery.routing import route
-
     size = plan.album_max
     if size < 2 or plan.as_document:
         return []
@@ -245,36 +227,27 @@ def album_groups(plan: Plan) -> list[list[int]]:
 
 
 def _label(sig: Signature, text: str) -> Signature:
-    """A short `argsrepr` for a signature: what Flower and the worker's log
-    show for the task instead of Celery's repr of its arguments (never chat
-    text or captions)."""
+    """A short `argsrepr`: what Flower and the worker's log show instead of the arguments
+    (never chat text or captions)."""
     return sig.set(argsrepr=text[:200], kwargsrepr="{}")
 
 
 # -- the messages: ids only ----------------------------------------------------------------------
-def extract_label(did: str, what: str = "") -> str:
-    """`(<delivery id> <sandbox>:<path>)`, Flower's view of an extraction: the path's name as shown (`visible`)."""
-    return (f"({did} {visible(what)})" if what else f"({did})")[:200]
-
-
 def _sig(name: str, *args: Any) -> Signature:
-    """An immutable signature of the task `name` (built by name: chains never
-    imports the task module, whose tasks call back into plain code that uses chains)."""
+    """An immutable signature of the task `name` (by name: the task module imports chains)."""
     from celery import current_app
 
     return current_app.signature(name, args=args, immutable=True)
 
 
 def extract_sig(did: str, queue: str, what: str = "") -> Signature:
-    return _label(_sig(task_names.EXTRACT_FILE, did).set(queue=queue), extract_label(did, what))
-
-
-def lane_label(target: str) -> str:
-    return f"(lane {target})"[:200] if target else "(ready lanes)"
+    """Labelled `(<delivery id> <sandbox>:<path>)`, the path as shown (`visible`)."""
+    label = f"({did} {visible(what)})" if what else f"({did})"
+    return _label(_sig(task_names.EXTRACT_FILE, did).set(queue=queue), label)
 
 
 def lane_sig(target: str, countdown: float | None = None) -> Signature:
-    sig = _label(_sig(task_names.DRIVE_LANE, target), lane_label(target))
+    sig = _label(_sig(task_names.DRIVE_LANE, target), f"(lane {target})" if target else "(ready lanes)")
     return sig.set(countdown=countdown) if countdown else sig
 
 
@@ -287,12 +260,10 @@ def publish_lane(target: str, countdown: float | None = None) -> None:
 
 
 def wake_lane(r: Redis, target: str) -> bool:
-    """Wake `target`'s lane: publish its `drive_lane` (Celery's `apply_async`), unless
-    `WAKE_BACKLOG` drives are waiting to start already: then the lane joins the ready set
-    they drain (lane_wake.lua decides, in one script). `target` '': a drain of the ready set,
-    always published. True when a drive was published. A publish that fails after the
-    decision loses nothing: the lane's due time brings the reconciler, and the drive
-    counted waiting stops counting after WAKE_STALE_S."""
+    """Wake `target`'s lane: publish its `drive_lane`, unless `WAKE_BACKLOG` drives are
+    waiting already: then it joins the ready set they drain (lane_wake.lua decides).
+    `target` '': a drain of the ready set, always published. True when a drive was published.
+    A failed publish loses nothing: the lane's due time brings the reconciler."""
     task_id = str(uuid.uuid4())
     if not scripts.run(r, "lane_wake", keys=[keys.drives_waiting(), keys.lanes_ready()],
                        args=[target, task_id, time.time(), WAKE_BACKLOG, WAKE_STALE_S]):
@@ -308,11 +279,9 @@ def publish_drain(r: Redis) -> None:
 
 
 def enqueue(r: Redis, plan: Plan, *, job_kind: str | None = None) -> list[str]:
-    """Register the plan in the ledger (and the job, with `job_kind`) in one
-    transaction, then publish its extractions and a wake-up of the chat's lane
-    (`wake_lane`). Returns the delivery ids. A publish that fails after the
-    ledger was written is logged and loses nothing: the reconciler finds the
-    due times and publishes again."""
+    """Register the plan (and the job, with `job_kind`), then publish its extractions and a
+    wake-up of the chat's lane. Returns the delivery ids. A failed publish is logged and
+    loses nothing: the reconciler finds the due times."""
     items = register(r, capped(plan), job_kind=job_kind)
     for e in items:
         if e.queue is not None:
@@ -331,19 +300,15 @@ def _published(job_id: str, publish: Callable[..., object], *args: Any) -> None:
     try:
         publish(*args)
     except Exception as exc:  # noqa: BLE001 - the ledger has it: a lost publish costs nothing
-        import logging
-
-        logging.getLogger(__name__).warning("job %s: a publish failed (%s); the reconciler will publish it",
+        log.warning("job %s: a publish failed (%s); the reconciler will publish it",
                                             job_id, type(exc).__name__)
 
 
 def enqueue_turn(r: Redis, target: str, message: str, *, agent: str, job_id: str | None = None,
                  sandbox: str | None = None, attachments: list[Attachment] | None = None,
                  origin: str | None = None) -> str:
-    """Record a turn's job (with its spec: the ledger can run it again), then
-    enqueue `agent_turn` with the job id as its task id (the CLI, the web
-    process and the demo all come here). Returns the job id. The task's
-    label shows the agent and the target, not the user's message."""
+    """Record a turn's job (with its spec: the ledger can run it again), then enqueue
+    `agent_turn` with the job id as its task id. Returns the job id."""
     job_id = job_id or new_job_id("turn")
     sig = turn_sig(job_id, target, message, agent=agent, sandbox=sandbox, attachments=attachments)
     p = r.pipeline(transaction=True)
@@ -372,14 +337,10 @@ def turn_spec(job_id: str, target: str, message: str, *, agent: str, sandbox: st
     return spec
 
 
-def spec_label(spec: TurnSpec) -> str:
-    """The `argsrepr` of a turn's `agent_turn`: the job, agent, target and sizes, never the text."""
+def spec_sig(spec: TurnSpec) -> Signature:
+    """The `agent_turn` signature of a turn's spec (also the reconciler's way to run it again),
+    labelled with the job, agent, target and sizes, never the text."""
     attachments = spec.get("attachments")
     label = f"({spec['job']} {spec['agent']} -> {spec['target']}, {len(spec.get('message', ''))} chars"
     label += f", {len(attachments)} attachments)" if attachments else ")"
-    return label[:200]
-
-
-def spec_sig(spec: TurnSpec) -> Signature:
-    """The labelled `agent_turn` signature of a turn's spec (also the reconciler's way to run it again)."""
-    return _label(_sig(task_names.AGENT_TURN, spec), spec_label(spec))
+    return _label(_sig(task_names.AGENT_TURN, spec), label)

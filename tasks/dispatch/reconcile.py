@@ -1,24 +1,12 @@
 """The reconciler: re-drives every stage whose due time passed with nobody on it.
 
-Each worker process runs `Reconciler` (a thread, one pass a second); a
-Redis lock lets one of them work at a time, so adding workers adds no load.
-A pass reads only the due entries of each stage (`ZRANGEBYSCORE` to now):
-idle, it costs four small reads a second (the fourth: lanes in the ready
-set for longer than `chains.READY_STALE_S`, which get one drain).
-
-For each overdue entry:
-- its lease is held: the holder is alive (it renews) - look again later;
-- else its stage's re-driver (a `Stage`, given by the stage's owner:
-  `tasks/dispatch/redrive.py` for lanes and extractions, `tasks/turn/turn.py` for turns)
-  forgets it if it is final, or publishes its task again (ids only, from
-  the ledger) and looks again after a grace that doubles with each
-  re-drive of a stage that never started (a long queue is not a lost
-  message); a turn that has started `turn.TURN_MAX_RUNS` times and died
-  each time (it kills its worker) is ended with an error, and its chat told.
-This module knows the ledger only: not a delivery's spec, not a turn's.
-
-Recovery time after a worker dies is therefore the lease's TTL plus a pass:
-about `ledger.LEASE_TTL_S` + 1 s, whatever the broker's visibility timeout.
+Each worker process runs a `Reconciler` thread (one pass a second); a Redis lock lets
+one of them work at a time. A pass reads only each stage's due entries. An overdue
+entry whose lease is held is looked at again later (its holder renews it); else its
+stage's re-driver (a `Stage`, given by the stage's owner) forgets it if final, or
+publishes its task again (ids only) and looks again after a grace that doubles with
+each re-drive (a long queue is not a lost message). This module knows the ledger only.
+Recovery after a worker dies: about `ledger.LEASE_TTL_S` + 1 s.
 """
 
 from __future__ import annotations
@@ -45,19 +33,14 @@ MAX_GRACE_S = 300.0
 
 @dataclass(frozen=True)
 class Stage:
-    """A stage the reconciler watches, and what it does for it. The reconciler knows
-    the ledger (due times, leases) and nothing of what a stage's entries are: each
-    stage's owner says that (`tasks/dispatch/redrive.py`: lanes, extractions; `tasks/turn/turn.py`:
-    turns), and the worker passes the list in (`tasks/celery_tasks.py:stages`).
+    """A stage the reconciler watches, from its owner (`tasks/dispatch/redrive.py`: lanes,
+    extractions; `tasks/turn/turn.py`: turns; listed by `tasks/celery_tasks.py:stages`).
 
-    name     the ledger's stage: its due times (`keys.due(name)`) and leases
-    redrive  one of its entries whose due time passed with nobody holding its
-             lease: publish it again, forget it or end it; returns the name
-             of what it did, counted in a pass's result ("": nothing counted)
-    counts   the names its re-drives may be counted under (each 0 in a pass's
-             result when nothing was)
-    first    a look before its entries, given the pass's `now` (returns a name
-             to count, or "")"""
+    name     the ledger's stage (its due times and leases)
+    redrive  an overdue, unleased entry: publish it again, forget it or end it; returns
+             what it did, counted in a pass's result ("": nothing counted)
+    counts   the names its re-drives may be counted under (0 when none)
+    first    a look before its entries, given the pass's `now` (a name to count, or "")"""
 
     name: str
     redrive: Callable[[Context, str], str]
@@ -66,8 +49,7 @@ class Stage:
 
 
 def _unleased_overdue(r: Redis, stage: str, now: float | None) -> Iterator[str]:
-    """The stage's overdue entries nobody holds; one whose lease is held (its
-    holder is alive, or was until the lease lapses) is looked at again then."""
+    """The stage's overdue entries nobody holds; one whose lease is held is looked at again when it lapses."""
     for ident in ledger.overdue(r, stage, now=now):
         left_s = ledger.held(r, keys.lease(stage, ident))
         if left_s:
@@ -86,21 +68,16 @@ def tick(ctx: Context, stages: Sequence[Stage], *, now: float | None = None) -> 
     """One pass over the overdue entries of every stage. Returns what it did."""
     out = {name: 0 for stage in stages for name in stage.counts}
     for stage in stages:
-        if stage.first is not None:
-            done = stage.first(ctx, now)
-            if done:
-                out[done] = out.get(done, 0) + 1
-        for ident in _unleased_overdue(ctx.redis, stage.name, now):
-            done = stage.redrive(ctx, ident)
-            if done:
-                out[done] = out.get(done, 0) + 1
+        done = [stage.first(ctx, now)] if stage.first is not None else []
+        done += [stage.redrive(ctx, ident) for ident in _unleased_overdue(ctx.redis, stage.name, now)]
+        for name in filter(None, done):
+            out[name] = out.get(name, 0) + 1
     return out
 
 
 class Reconciler:
-    """The reconciler's thread in a worker process: every `interval_s` it
-    takes (or keeps) the cluster-wide lock and, holding it, runs a pass.
-    Redis errors are logged and the next pass tries again."""
+    """The reconciler's thread in a worker process: every `interval_s`, holding the cluster-wide
+    lock, it runs a pass. Redis errors are logged and the next pass tries again."""
 
     def __init__(self, ctx_factory: Callable[[], Context], stages: Sequence[Stage],
                  interval_s: float = INTERVAL_S) -> None:

@@ -1,7 +1,5 @@
-"""What the reconciler (tasks/dispatch/reconcile.py) does with an overdue entry of the
-delivery side's stages, nobody holding its lease: a chat's lane, a file's
-extraction, and the lanes left in the ready set. The turn's stage is the
-turn's own (`tasks/turn/turn.py:STAGE`)."""
+"""The reconciler's re-drivers of the delivery side's stages (a chat's lane, a file's
+extraction, the lanes left in the ready set); the turn's is `tasks/turn/turn.py:STAGE`."""
 
 from __future__ import annotations
 

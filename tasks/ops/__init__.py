@@ -1,3 +1,1 @@
-"""Operations: what an operator does and sees — a send and its order, retry and
-cancel, listings, queue depths, the janitor. May import every other subsystem;
-none imports it (only the Celery tasks and workers/ do)."""
+"""Operations: an operator's send and its order, retry and cancel, listings, queues, the janitor."""

@@ -1,15 +1,14 @@
-"""The janitor: expire screenshots (24 h), delivered files, hook-output spills,
-partial writes and old turn workspaces of local sandboxes.
+"""The janitor: expire screenshots, delivered files, hook-output spills, partial writes
+and old turn workspaces of local sandboxes.
 
-One sweep at a time: a sweep holds a Redis lock (`keys.janitor_lock()`,
-renewed while it runs, so a sweep of hours keeps it and a dead sweeper's
-lapses within LOCK_TTL_S); a second beat, an operator's `courier janitor`
-or a redelivered task finds it held and leaves. `dry_run` counts what would
-go (blobs and bytes) and touches nothing.
+One sweep at a time: it holds a Redis lock, renewed while it runs (a dead sweeper's
+lapses within LOCK_TTL_S); a second sweep finds it held and leaves. `dry_run` counts
+what would go and touches nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -19,6 +18,7 @@ import time
 from tasks.ledger import keys, ledger
 from tasks.messages import JsonObject
 from tasks.runtime import Context
+from tasks.workspaces import TURNS_DIR
 
 #: partial writes (volume temp files, S3 multipart uploads, outbox `.part` files) this old are a dead writer's
 PARTIAL_AGE_S = 3600
@@ -30,16 +30,11 @@ MIN_OLDER_THAN_S = 3600
 log = logging.getLogger(__name__)
 
 
-class Busy(Exception):
-    """Another sweep holds the janitor's lock."""
-
-
 def sweep(ctx: Context, *, dry_run: bool = False, older_than_s: float | None = None) -> JsonObject:
-    """One sweep under the janitor's lock. Returns {"dry_run", "took_s",
-    <what>: {"count", "bytes"}} for every prefix and the workspaces
-    ("partial_writes", "outbox_partial_writes": count only, not counted in a
-    dry run), or {"skipped": ..., "holder": ...} when another sweep runs.
-    `older_than_s` replaces every TTL (at least MIN_OLDER_THAN_S)."""
+    """One sweep under the janitor's lock. Returns {"dry_run", "took_s", <what>: {"count",
+    "bytes"}} for every prefix and the workspaces (partial writes: a count, none in a dry
+    run), or {"skipped", "holder"} when another sweep runs. `older_than_s` replaces every
+    TTL (at least MIN_OLDER_THAN_S)."""
     if older_than_s is not None and older_than_s < MIN_OLDER_THAN_S:
         raise ValueError(f"older_than_s must be at least {MIN_OLDER_THAN_S} s (files younger may still be waiting "
                          f"for their delivery), got {older_than_s:g}")
@@ -54,15 +49,8 @@ def sweep(ctx: Context, *, dry_run: bool = False, older_than_s: float | None = N
         with ledger.renewing(r, key, token, LOCK_TTL_S):
             return _sweep(ctx, dry_run=dry_run, older_than_s=older_than_s)
     finally:
-        try:
+        with contextlib.suppress(Exception):  # it lapses by itself
             ledger.release(r, key, token)
-        except Exception:  # noqa: BLE001 - it lapses by itself
-            pass
-
-
-def lifecycle_days(ctx: Context) -> dict[str, int]:
-    """Each retention prefix's TTL in whole days, rounded up (what an S3 lifecycle rule takes)."""
-    return {prefix: max(1, -(-int(ttl) // 86400)) for prefix, ttl in ctx.retention.ttls().items()}
 
 
 def install_lifecycle(ctx: Context) -> JsonObject:
@@ -71,7 +59,9 @@ def install_lifecycle(ctx: Context) -> JsonObject:
 
     if not hasattr(ctx.store, "install_lifecycle"):
         raise ConfigError("lifecycle rules are for S3 storage (COURIER_STORAGE_URL=s3://...); a volume is swept")
-    rules: JsonObject = ctx.store.install_lifecycle(lifecycle_days(ctx),  # S3Store's (checked above)
+    # each prefix's TTL in whole days, rounded up (what an S3 lifecycle rule takes)
+    days = {prefix: max(1, -(-int(ttl) // 86400)) for prefix, ttl in ctx.retention.ttls().items()}
+    rules: JsonObject = ctx.store.install_lifecycle(days,  # S3Store's (checked above)
                                                     abort_multipart_days=max(1, -(-PARTIAL_AGE_S // 86400)))
     return rules
 
@@ -85,28 +75,21 @@ def _sweep(ctx: Context, *, dry_run: bool, older_than_s: float | None) -> JsonOb
             and older_than_s is None:
         # the S3 service expires the blobs (and stale multipart uploads) itself: the rules are all it takes
         res = install_lifecycle(ctx)
-        for prefix in ctx.retention.ttls():
-            out[prefix.rstrip("/")] = None  # not counted: expired by the bucket's lifecycle rules
+        out.update({prefix.rstrip("/"): None for prefix in ctx.retention.ttls()})  # not counted
         out["partial_writes"] = None
         out["s3_lifecycle"] = {"rules": len(res["rules"]), "changed": res["changed"]}
-        out["outbox_partial_writes"] = {"count": ctx.platform("outbox").sweep_partial(), "bytes": None}
-        return _workspaces(ctx, out, older_than_s, dry_run, t0)
-    for prefix, prefix_ttl in ctx.retention.ttls().items():
-        ttl = older_than_s if older_than_s is not None else int(prefix_ttl)
-        n, size = expire_stats(ctx.store, prefix, ttl, dry_run=dry_run)
-        what = prefix.rstrip("/")
-        if what in out:  # two prefixes of one kind would add up
-            n, size = n + out[what]["count"], size + out[what]["bytes"]
-        out[what] = {"count": n, "bytes": size}
-    if dry_run:
-        out["partial_writes"] = out["outbox_partial_writes"] = None  # not counted: nothing is touched
     else:
-        out["partial_writes"] = {"count": ctx.store.sweep_tmp(PARTIAL_AGE_S), "bytes": None}
-        out["outbox_partial_writes"] = {"count": ctx.platform("outbox").sweep_partial(), "bytes": None}
-    return _workspaces(ctx, out, older_than_s, dry_run, t0)
-
-
-def _workspaces(ctx: Context, out: JsonObject, older_than_s: float | None, dry_run: bool, t0: float) -> JsonObject:
+        for prefix, prefix_ttl in ctx.retention.ttls().items():
+            ttl = older_than_s if older_than_s is not None else int(prefix_ttl)
+            n, size = expire_stats(ctx.store, prefix, ttl, dry_run=dry_run)
+            what = prefix.rstrip("/")
+            if what in out:  # two prefixes of one kind would add up
+                n, size = n + out[what]["count"], size + out[what]["bytes"]
+            out[what] = {"count": n, "bytes": size}
+        # a dry run counts no partial writes: nothing is touched
+        out["partial_writes"] = None if dry_run else {"count": ctx.store.sweep_tmp(PARTIAL_AGE_S), "bytes": None}
+    out["outbox_partial_writes"] = None if dry_run else {"count": ctx.platform("outbox").sweep_partial(),
+                                                          "bytes": None}
     ttl = older_than_s if older_than_s is not None else int(ctx.retention.workspace_ttl_s)
     n, size = workspace_stats(_agent_dirs(ctx), int(ttl), dry_run=dry_run)
     out["workspaces"] = {"count": n, "bytes": size}
@@ -127,9 +110,8 @@ def _agent_dirs(ctx: Context) -> list[str]:
 
 
 def sweep_workspaces(agent_dirs: list[str], ttl_s: int, now: float | None = None) -> int:
-    """Delete `<agent dir>/turns/<job>` directories last modified more than
-    `ttl_s` ago (links are never followed: a link standing there is removed,
-    not what it points to). Returns how many went."""
+    """Delete `<agent dir>/turns/<job>` entries last modified more than `ttl_s` ago (a link
+    is removed, never followed). Returns how many went."""
     return workspace_stats(agent_dirs, ttl_s, now=now)[0]
 
 
@@ -149,8 +131,6 @@ def workspace_stats(agent_dirs: list[str], ttl_s: int, now: float | None = None,
                     dry_run: bool = False) -> tuple[int, int]:
     """`sweep_workspaces`, returning (workspaces, bytes): deleted, or with
     `dry_run` the ones that would be."""
-    from tasks.workspaces import TURNS_DIR
-
     cutoff = (time.time() if now is None else now) - ttl_s
     n = size = 0
     for d in dict.fromkeys(agent_dirs):

@@ -1,9 +1,7 @@
 """Deliveries as an operator lists them (`courier deliveries`): plain code.
 
-Jobs are found by scanning `courier:job:*` hashes (SCAN with a type filter,
-1000 keys a step: no index to keep on the hot path; about a second per
-million keys), newest first; their receipts are read in one pipeline per
-job batch. Receipts are shown without their `spec` (it holds chat text).
+Jobs are found by scanning `courier:job:*` hashes (no index on the hot path), newest
+first. Receipts are shown without their `spec` (it holds chat text).
 """
 
 from __future__ import annotations
@@ -24,8 +22,8 @@ COUNTS = frozenset({"attempts", "retries", "size_bytes", "limit_bytes", "transie
 
 
 def shown(rec: Mapping[str, str | None] | None) -> dict[str, object]:
-    """A receipt or job as an operator's JSON shows it: without its spec (chat text) or the
-    message it carries, counts and times as numbers (a field that is not a number stays as it is)."""
+    """A receipt or job as an operator's JSON shows it: no spec or message (chat text), counts
+    and times as numbers (a field that is not a number stays as it is)."""
     out: dict[str, object] = {}
     for k, v in (rec or {}).items():
         if k in HIDDEN or k == "message":
@@ -41,8 +39,7 @@ def shown(rec: Mapping[str, str | None] | None) -> dict[str, object]:
 
 
 def jobs(r: Redis, *, chat: str | None = None, since_s: float | None = None) -> list[dict[str, str | None]]:
-    """Every job (send or turn) for target `chat` (when given) created at or
-    after `since_s` (epoch), newest first."""
+    """Every job for target `chat` (when given) created at or after `since_s` (epoch), newest first."""
     names = [k for k in r.scan_iter(match=f"{keys.PREFIX}job:*", count=SCAN_COUNT, _type="hash")]
     out: list[dict[str, str | None]] = []
     for i in range(0, len(names), 500):
@@ -51,22 +48,16 @@ def jobs(r: Redis, *, chat: str | None = None, since_s: float | None = None) -> 
             pipe.hmget(k, "id", "kind", "target", "state", "created_s")
         for vals in pipe.execute():
             job = dict(zip(("id", "kind", "target", "state", "created_s"), cast("list[str | None]", vals)))
-            if not job["id"]:
-                continue
-            if chat is not None and job["target"] != chat:
-                continue
-            created = float(job["created_s"] or 0)
-            if since_s is not None and created < since_s:
-                continue
-            out.append(job)
+            if job["id"] and (chat is None or job["target"] == chat) \
+                    and (since_s is None or float(job["created_s"] or 0) >= since_s):
+                out.append(job)
     out.sort(key=lambda j: float(j["created_s"] or 0), reverse=True)
     return out
 
 
 def deliveries(r: Redis, *, failed: bool = False, chat: str | None = None, since_s: float | None = None,
                limit: int = 50) -> list[dict[str, str | None]]:
-    """The newest `limit` deliveries (of the jobs `jobs` finds, newest job
-    first, each job's deliveries in order), only failed ones with `failed`."""
+    """The newest `limit` deliveries (newest job first, each job's in order); with `failed` only failed ones."""
     out: list[dict[str, str | None]] = []
     for job in jobs(r, chat=chat, since_s=since_s):
         for rec in receipts.job_deliveries(r, str(job["id"])):  # `jobs` gives only those with an id

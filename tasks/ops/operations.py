@@ -1,23 +1,15 @@
-"""The operator's retry and cancel (`courier retry`, `courier cancel`): plain
-code over the ledger (receipts, lanes, due times), no Celery.
+"""The operator's retry and cancel (`courier retry`, `courier cancel`): plain code over the
+ledger, no Celery.
 
-Retry: a failed (or cancelled) delivery is reset to `queued` in one Redis
-script (only if it is still failed: a delivered one is never sent again),
-its failure fields cleared, and appended again at the end of its chat's
-lane as a step of its own (an album member goes alone). A file whose
-extraction failed is extracted again first. The caller then publishes the
-extraction and a drive of the lane; the due times set here are the safety
-net if that publish is lost.
+Retry: a failed (or cancelled) delivery is reset to `queued` in one script (only if it
+is still failed: a delivered one is never sent again) and appended again at the end of
+its chat's lane as a step of its own; a file whose extraction failed is extracted again
+first. The caller publishes; the due times set here are the safety net.
 
-Cancel: every delivery of a job that has not started is made final as
-`cancelled` (`final` set, reason "cancelled by the operator") in one script
-that also checks its send lock: a delivery whose send is in flight (its lock
-held; an album's members by the lock of its first id) is left alone, and
-finishes as it would (delivered or failed). The lane drops cancelled steps
-like any final one; an extraction under way keeps its hands off a cancelled
-receipt. A turn is marked: `cancel_requested` on its job, and a turn still
-queued is ended at once (`cancelled`); a running one goes on to its end but
-delivers nothing (tasks/turn/turn.py checks the mark before registering the reply).
+Cancel: every delivery of a job that has not started is made final as `cancelled`, in
+one script that checks its send lock: one in flight is left to finish as it would. A
+turn is marked `cancel_requested`: a queued one ends at once, a running one delivers
+nothing (tasks/turn/turn.py checks the mark before registering the reply).
 """
 
 from __future__ import annotations
@@ -28,14 +20,15 @@ from redis import Redis
 
 from tasks.delivery import specs
 from tasks.ledger import events, keys, ledger, receipts, scripts, signing
-from tasks.states import DELIVERY_OVER, EXTRACTION_FAILED, DeliveryState, JobState
+from tasks.states import DELIVERY_OVER, EXTRACTION_FAILED, TURN_OVER, DeliveryState, JobState
 
 #: a delivery in these states may be retried
 RETRYABLE = frozenset({DeliveryState.FAILED, DeliveryState.CANCELLED})
 
+
 def retry_targets(r: Redis, ident: str) -> tuple[str, list[receipts.Receipt]] | None:
-    """What `courier retry ID` means: a delivery id -> that receipt; a job id
-    -> its failed or cancelled deliveries. None: no such id."""
+    """What `courier retry ID` means: a delivery id -> that receipt; a job id -> its failed
+    or cancelled deliveries. None: no such id."""
     rec = receipts.get_delivery(r, ident)
     if rec is not None:
         return "delivery", [rec]
@@ -45,27 +38,29 @@ def retry_targets(r: Redis, ident: str) -> tuple[str, list[receipts.Receipt]] | 
 
 
 def retry(r: Redis, rec: receipts.Receipt) -> dict[str, str]:
-    """Re-queue one failed delivery through the ledger. Returns {id, outcome,
-    ...}: outcome `requeued` (with `extract`: its queue, when the file is to
-    be extracted again, and `target`), or `refused` with the state it is in."""
+    """Re-queue one failed delivery. Returns {id, outcome, ...}: `requeued` (with `target`,
+    and `extract`: its queue, when the file is extracted again), or `refused` with its state."""
     did = rec["id"]
+
+    def refused(state: str, reason: str) -> dict[str, str]:
+        return {"id": did, "outcome": "refused", "state": state, "reason": reason}
+
     try:
         spec = specs.open_delivery(did, rec["spec"]) if rec.get("spec") else None
     except signing.Forged as exc:
-        return {"id": did, "outcome": "refused", "state": rec.get("state", ""), "reason": f"refused: {exc.reason}"}
+        return refused(rec.get("state", ""), f"refused: {exc.reason}")
     if spec is None:
-        return {"id": did, "outcome": "refused", "state": rec.get("state", ""),
-                "reason": "its receipt holds no spec to run it again"}
+        return refused(rec.get("state", ""), "its receipt holds no spec to run it again")
     target = spec.target
     what, was = scripts.run(r, "delivery_retry", keys=[keys.delivery(did), keys.lane(target)],
                             args=[f"{time.time():.3f}", receipts.RETENTION_S, did, DeliveryState.QUEUED,
                                   EXTRACTION_FAILED, *sorted(RETRYABLE)])
     if what == "gone":
-        return {"id": did, "outcome": "refused", "state": "", "reason": "no such delivery (expired?)"}
+        return refused("", "no such delivery (expired?)")
     if what == "refused":
         why = ("already delivered" + (f" (message id {rec.get('message_id')})" if rec.get("message_id") else "")
                if was == DeliveryState.DELIVERED else f"not failed: it is {was}")
-        return {"id": did, "outcome": "refused", "state": was, "reason": why}
+        return refused(was, why)
     p = r.pipeline(transaction=False)
     out = {"id": did, "outcome": "requeued", "was": was, "target": target}
     if what == "extract":
@@ -97,15 +92,12 @@ def cancel_delivery(r: Redis, rec: receipts.Receipt) -> dict[str, str]:
 
 
 def mark_turn(r: Redis, job_id: str) -> str:
-    """Mark a turn cancelled: `cancel_requested` on its job; a turn not
-    started yet ends now (`cancelled`, its terminal event). Returns what it
-    was: queued (ended now), running (marked: it delivers nothing), or its
-    final state (nothing to do)."""
-    from tasks.states import TURN_OVER
-
+    """Mark a turn cancelled (`cancel_requested`); one not started yet ends now (`cancelled`,
+    its terminal event). Returns what it was: queued (ended now), running (marked: it
+    delivers nothing), or its final state (nothing to do)."""
     job = receipts.get_job(r, job_id) or {}
     st = job.get("state", "")
-    if st in TURN_OVER or st == JobState.CANCELLED:
+    if st in TURN_OVER:
         return st
     r.hset(keys.job(job_id), mapping={"cancel_requested": "1"})
     if st == JobState.QUEUED:

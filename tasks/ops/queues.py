@@ -1,26 +1,16 @@
-"""Celery's queues as an operator sees them: depth, the oldest message's
-age, consumers (plain code, no Celery; for `courier queues` and the metrics).
+"""Celery's queues as an operator sees them: depth, the oldest message's age, consumers
+(plain code; for `courier queues` and the metrics).
 
-Celery's Redis transport keeps a queue as a list: messages are LPUSHed and
-consumed from the right, so the oldest message is `LINDEX q -1`. courier
-stamps every message it publishes with its publish time (header `sent_s`,
-workers/celery_app.py), which gives the oldest message's age.
-
-Which queues exist is kept in `keys.queues()` (a sorted set: publishers add
-a queue at most once a minute, workers with their heartbeat), so a
-`sandbox.<host>` queue that has messages but no worker is still listed.
-Workers record a heartbeat per queue they consume (`keys.consumers(q)`,
-every HEARTBEAT_S); a consumer is one whose heartbeat is younger than
-CONSUMER_STALE_S.
-
-The `delivery` queue's depth and age include the lanes waiting in the ready
-set (`keys.lanes_ready()`: wake-ups that were not published as messages of
-their own because enough drives were waiting, tasks/dispatch/chains.py): work waiting
-for a delivery worker either way.
+A queue is a Redis list consumed from the right: the oldest message is `LINDEX q -1`,
+and courier stamps each message with its publish time (header `sent_s`). Known queues
+are kept in `keys.queues()`, so a `sandbox.<host>` queue with messages but no worker is
+still listed. A consumer is a worker whose heartbeat on the queue is younger than
+CONSUMER_STALE_S. The `delivery` queue counts the lanes waiting in the ready set too.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 from typing import TypedDict, cast
@@ -28,7 +18,9 @@ from typing import TypedDict, cast
 from redis import Redis
 from redis.client import NEVER_DECODE
 
-from tasks.ledger import keys
+from tasks import task_names
+from tasks.ledger import keys, receipts, signing
+from tasks.states import EXTRACTION_FAILED, EXTRACTION_OK, TURN_OVER
 
 HEARTBEAT_S = 10.0
 CONSUMER_STALE_S = 3 * HEARTBEAT_S
@@ -76,8 +68,7 @@ def leave(r: Redis, worker: str, queues: list[str]) -> None:
 
 
 def sent_at(raw: str | bytes | None) -> float | None:
-    """The publish time courier stamped on a raw Redis queue entry (None: unknown, or not
-    a JSON message in UTF-8)."""
+    """The publish time courier stamped on a raw queue entry (None: unknown, or not UTF-8 JSON)."""
     if raw is None:
         return None
     try:
@@ -88,9 +79,8 @@ def sent_at(raw: str | bytes | None) -> float | None:
 
 
 def stats(r: Redis, *, now: float | None = None) -> list[QueueStats]:
-    """Per queue: {queue, depth, oldest_age_s (None: empty or unstamped), consumers}.
-    Two round trips whatever the number of queues. Registry entries that are
-    old, empty and unconsumed are dropped."""
+    """Per queue: {queue, depth, oldest_age_s, consumers}, in two round trips. Registry entries
+    that are old, empty and unconsumed are dropped."""
     now = time.time() if now is None else now
     scored = cast("list[tuple[str, float]]", r.zrange(keys.queues(), 0, -1, withscores=True))
     reg = {q: float(s) for q, s in scored}
@@ -141,11 +131,7 @@ SCAN_CHUNK = 500
 
 def _message(raw: bytes) -> tuple[str, str, list[object]] | None:
     """(task name, task id, args) of a raw queue entry; None when it is not a Celery message
-    courier can read. A body that does not verify gives args None-like: [] (tasks.ledger.signing)."""
-    import base64
-
-    from tasks.ledger import signing
-
+    courier can read. A body that does not verify gives args []."""
     try:
         msg = json.loads(raw)
         headers = msg["headers"]
@@ -166,10 +152,6 @@ def _message(raw: bytes) -> tuple[str, str, list[object]] | None:
 
 def _orphan_why(r: Redis, task: str, args: list[object]) -> tuple[str, str] | None:
     """(subject, why) when a message of `task` with `args` has nothing left to do."""
-    from tasks import task_names
-    from tasks.ledger import receipts
-    from tasks.states import EXTRACTION_FAILED, EXTRACTION_OK, TURN_OVER, JobState
-
     if not args:
         return "", "its body does not verify (it would be refused)"
     first = args[0]
@@ -185,16 +167,16 @@ def _orphan_why(r: Redis, task: str, args: list[object]) -> tuple[str, str] | No
         job = receipts.get_job(r, job_id)
         if job is None:
             return job_id, "its turn is gone"
-        if job.get("state") in TURN_OVER or job.get("state") == JobState.CANCELLED:
+        if job.get("state") in TURN_OVER:
             return job_id, f"its turn is {job.get('state')}"
         return None
     return None
 
 
 def orphans(r: Redis, *, job: str | None = None) -> list[tuple[Orphan, bytes]]:
-    """Every queued message (in every known queue) whose ledger entry is final or gone — an
-    extraction of a delivery that is final, extracted, cancelled or expired; a turn that is over —
-    or whose body does not verify; with its raw entry (for `purge`). `job`: only that job's."""
+    """Every queued message whose ledger entry is final or gone (an extraction of a delivery that is
+    over or extracted, a turn that is over), or whose body does not verify, with its raw entry (for
+    `purge`). `job`: only that job's."""
     scored = cast("list[tuple[str, float]]", r.zrange(keys.queues(), 0, -1, withscores=True))
     out: list[tuple[Orphan, bytes]] = []
     for q in sorted(set(BASE) | {name for name, _ in scored}):
@@ -221,8 +203,7 @@ def orphans(r: Redis, *, job: str | None = None) -> list[tuple[Orphan, bytes]]:
 
 
 def purge(r: Redis, found: list[tuple[Orphan, bytes]]) -> int:
-    """Remove those entries (each exactly once, if it is still queued: a worker may have taken
-    it meanwhile). Returns how many were removed."""
+    """Remove those entries (each once, if still queued). Returns how many were removed."""
     if not found:
         return 0
     pipe = r.pipeline(transaction=False)

@@ -1,5 +1,5 @@
-"""An operator's send from its JSON form (Flower's async-apply, the
-`courier.delivery.send` task): plain code, no Celery.
+"""An operator's send from its JSON form (Flower's async-apply, the `courier.delivery.send`
+task): plain code, no Celery.
 
     {"target": "telegram:-100123",                 # required: <platform>:<chat id>
      "text": "nightly report",                     # optional: a text message, sent first
@@ -9,29 +9,28 @@
      "caption": "for the first file",              # optional
      "voice": false, "as_document": false}         # optional
 
-At least a text or one file. It goes through the ledger like `courier send`
-(tasks.dispatch.chains.enqueue with job_kind "send"): a job with receipts that
-`courier status <job>` shows, the chat's lane, an extraction per file on its
-sandbox's queue. Bad input raises `ConfigError` (nothing is enqueued).
+At least a text or one file. It goes through the ledger like `courier send` (a job with
+receipts, the chat's lane, an extraction per file). Bad input raises `ConfigError`.
 
-The pre-checks (`check_send`, the same for `courier send`, which also takes
-files of its own host and uploads them): what can be known before
-enqueueing is refused then. A remote sandbox's path, which cannot be
-resolved here, is refused when the path policy refuses it as written
-(relative, `..`, the system denylist: /etc, /proc, ...). A local one is
-resolved (links, allowed roots) and its size checked against the
-extraction cap and the platform's upload limit for what it would go as.
+The pre-checks (`check_send`, shared with `courier send`) refuse what can be known before
+enqueueing: a remote sandbox's path when the path policy refuses it as written (relative,
+`..`, the system denylist); a local one resolved (links, roots) and its size checked
+against the extraction cap and the platform's upload limit.
 """
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from adapters.errors import ConfigError
-from adapters.platforms.base import Platform, split_target
-from adapters.sandboxes.base import Sandbox, SandboxRef
+from adapters.errors import ConfigError, CourierError, SandboxError
+from adapters.platforms.base import FileSource, Platform, split_target
+from adapters.sandboxes.base import PathPolicy, Sandbox, SandboxRef, check_lexical, parse_uri
+from tasks.delivery.delivery import choose_kind
+from tasks.delivery.text import human_bytes
 from tasks.dispatch import chains
 from tasks.messages import SendResult
 from tasks.runtime import Context
@@ -93,11 +92,9 @@ def check_send(target: str, *, platform: Callable[[], Platform], album_max: Call
                voice: bool = False, as_document: bool = False, host_files: HostFiles | None = None
                ) -> CheckedSend:
     """Every check a send gets before anything is enqueued or stored, for the operator's task
-    (`plan_send`) and `courier send` alike; ConfigError (`NothingToSend`) on bad input.
-    `platform`: the target's adapter (asked only when a file is checked against its limits);
-    `album_max`: its album size; `host_files`: how a file given without `://` is taken."""
-    from adapters.sandboxes.base import parse_uri
-
+    and `courier send` alike; ConfigError (`NothingToSend`) on bad input. `platform`: the
+    target's adapter (asked only when a file is checked); `host_files`: how a file given
+    without `://` is taken."""
     if text is not None and not isinstance(text, str):
         raise ConfigError("text must be a string")
     if caption is not None and not isinstance(caption, str):
@@ -145,25 +142,15 @@ def plan_send(ctx: Context, target: str, *, text: str | None = None, files: list
 
 def check_size(platform: Platform, shown: str, name: str, size: int, *, voice: bool, as_document: bool,
                path: str | None = None) -> None:
-    """ConfigError when a file of `size` bytes is over the platform's upload
-    limit for what it would be sent as (its kind after routing, and the
-    platform's own routing when it has one and the file is at `path`)."""
-    from pathlib import Path
-
-    from adapters.errors import CourierError
-    from adapters.platforms.base import FileRefused, FileSource
-    from tasks.delivery.delivery import choose_kind
-    from tasks.delivery.text import human_bytes
-
+    """ConfigError when a file of `size` bytes is over the platform's upload limit for what
+    it would go as (after routing, the platform's own too when the file is at `path`)."""
     kind = choose_kind(platform, name, size, voice=voice, as_document=as_document)
     route = getattr(platform, "route_file", None)
     if route is not None and path is not None:
         src = FileSource(name=name, size_bytes=size, sha256="", opener=lambda: open(path, "rb"), path=Path(path))
         try:
             kind = route(kind, src)
-        except FileRefused:
-            return  # a type the platform does not take: the worker sends its notice
-        except (OSError, CourierError):
+        except (OSError, CourierError):  # FileRefused (a type it does not take): the worker sends its notice
             return
     limit = platform.limits.upload_limit(kind)
     if size > limit:
@@ -175,12 +162,6 @@ def check_file(open_sandbox: Callable[[SandboxRef], Sandbox], platform: Platform
                shown: str, *, voice: bool, as_document: bool,
                max_file_bytes: int) -> None:
     """The pre-checks of one sandbox file (see the module's doc); ConfigError when refused."""
-    import posixpath
-
-    from adapters.errors import SandboxError
-    from adapters.sandboxes.base import PathPolicy, check_lexical
-    from tasks.delivery.text import human_bytes
-
     if ref.kind != "local":
         try:
             check_lexical(path)

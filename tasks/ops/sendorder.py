@@ -1,17 +1,11 @@
-"""Operators' sends (`courier.delivery.send`, Flower's async-apply) join a chat's lane in the order
-they were published: plain code, no Celery.
+"""Operators' sends (`courier.delivery.send`) join a chat's lane in the order they were
+published: plain code, no Celery.
 
-Measured on e82a350: sends published 10 ms apart through Flower arrived swapped 14 times in 300 —
-the delivery pool runs several messages at once, and whichever registers first goes first in the
-chat's lane. `courier send` and the web process register before they return, so their order is the
-caller's; a message is registered by whichever worker thread picks it up.
-
-The publisher stamps each send with the next number of its chat (`stamp`, at publish time: the
-`before_task_publish` hook of courier's app, in Flower's process or any other). The task waits
-for its turn (`registered` has reached its number) before registering, at most `WAIT_S`: a
-predecessor that never comes (its message lost, its publisher gone before the publish) delays
-the chat that long once, never loses anything. A redelivered message (a worker killed) whose
-number is past registers at once: its job id makes registering it again a no-op.
+The delivery pool runs several messages at once, so sends published close together could
+register swapped. The publisher stamps each send with its chat's next number (`stamp`, in
+the app's `before_task_publish` hook); the task waits until `registered` reaches its number
+before registering, at most `WAIT_S`: a predecessor that never comes delays the chat once,
+never loses anything. A redelivered message registers at once (its job id makes it a no-op).
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """Native activity on the chat while a turn runs: plain code, no Celery.
 
-`TurnActivity` runs one background thread per turn that
-- re-sends the platform's typing indicator every `typing_interval_s` (~4 s:
-  Telegram shows it for 5 s, Discord for 10 s) while the agent works;
-- posts a progress message with the current activity (`$ pytest -q`,
-  `reading README.md`) on the first one, edits it as the activity changes
-  (at most one edit per `edit_interval_s`, latest text wins) and removes it
-  (`Platform.end_progress`) when the turn ends.
-
-Platforms that support neither (the defaults of `Platform`) cost nothing:
-no thread is started. Every platform call is wrapped: an error (or a rate
-limit, which pauses that call) is logged and never fails the turn. The
-outbox records nothing for these. The progress message id is kept in Redis
-(`keys.progress_message`) so a redelivered turn removes a stale one.
+`TurnActivity` runs one thread per turn that re-sends the typing indicator every
+`typing_interval_s` (Telegram shows it 5 s) and keeps a progress message with the
+current activity (at most one edit per `edit_interval_s`, latest text wins), removed
+when the turn ends. A platform with neither starts no thread. A platform call's error
+(or rate limit, which pauses that call) is logged and never fails the turn. The
+progress message id is kept in Redis so a redelivered turn removes a stale one.
 """
 
 from __future__ import annotations
@@ -38,9 +31,8 @@ PROGRESS_TTL_S = 24 * 3600
 
 
 def activity_text(ev: Event) -> str | None:
-    """What a progress message shows for an event (None: keep the current
-    text): a tool starting, or a thinking/processing status that says what
-    (`events.describe`'s words)."""
+    """What a progress message shows for an event (None: keep the current text): a tool
+    starting, or a thinking/processing status that says what (`events.describe`'s words)."""
     kind = ev.get("kind")
     if kind == "tool_start":
         return describe(ev)
@@ -55,16 +47,13 @@ def _overrides(platform: Platform, name: str) -> bool:
 
 
 class TurnActivity:
-    def __init__(self, ctx: Context, target: str, job_id: str, *, typing_interval_s: float | None = None,
-                 edit_interval_s: float | None = None) -> None:
+    def __init__(self, ctx: Context, target: str, job_id: str) -> None:
         self.ctx = ctx
         self.redis = ctx.redis
         self.target = target
         self.job_id = job_id
-        self.typing_interval_s = float(typing_interval_s or getattr(ctx, "typing_interval_s", None)
-                                       or TYPING_INTERVAL_S)
-        self.edit_interval_s = float(edit_interval_s or getattr(ctx, "progress_edit_interval_s", None)
-                                     or EDIT_INTERVAL_S)
+        self.typing_interval_s = float(ctx.typing_interval_s or TYPING_INTERVAL_S)
+        self.edit_interval_s = float(ctx.progress_edit_interval_s or EDIT_INTERVAL_S)
         self.platform: Platform | None = None
         self.chat = ""
         self.platform_name = ""
@@ -79,18 +68,16 @@ class TurnActivity:
         self._last_edit = float("-inf")
         self._paused_until: dict[str, float] = {}
         self._thread: threading.Thread | None = None
-        self.calls = 0
 
     # -- lifecycle ---------------------------------------------------------------
     def __enter__(self) -> "TurnActivity":
-        return self  # started by the first event after `started` (on_event), or by start()
+        return self  # started by the first event after `started` (on_event)
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
     def start(self) -> None:
-        """Resolve the platform (through the task context) and start the thread
-        if the platform shows activity at all. Never raises."""
+        """Resolve the platform and start the thread if it shows activity at all. Never raises."""
         if self._began:
             return
         self._began = True
@@ -109,9 +96,8 @@ class TurnActivity:
         self._thread.start()
 
     def on_event(self, ev: Event) -> None:
-        """Follow a turn's phase events: start once the agent is on its way
-        (after `started`), show its activity, stop at the terminal status or
-        the first delivery (the reply is on its way)."""
+        """Follow a turn's phase events: start once the agent is on its way (after `started`),
+        show its activity, stop at the terminal status or the first delivery."""
         if self._ended:
             return
         kind = ev.get("kind")
@@ -123,14 +109,8 @@ class TurnActivity:
         if kind == "status" and ev.get("status") == "started":
             return
         self.start()
-        self.update(ev)
-
-    def update(self, ev: Event) -> None:
-        """Feed a phase event (cheap; never blocks on the platform)."""
-        if not self.progress:
-            return
-        text = activity_text(ev)
-        if text:
+        text = activity_text(ev) if self.progress else None
+        if text:  # for the thread: never blocks on the platform
             with self._lock:
                 self._want = text
             self._wake.set()
@@ -195,7 +175,6 @@ class TurnActivity:
         if not force and time.monotonic() < self._paused_until.get(name, 0.0):
             return None
         self._paused_until.pop(name, None)
-        self.calls += 1
         try:
             return getattr(self.platform, name)(*args)
         except RateLimited as exc:
@@ -239,6 +218,4 @@ class TurnActivity:
 
 def _why(exc: BaseException) -> str:
     """An error's reason without vendor detail (URLs may carry tokens)."""
-    if isinstance(exc, CourierError):
-        return exc.reason
-    return type(exc).__name__
+    return exc.reason if isinstance(exc, CourierError) else type(exc).__name__

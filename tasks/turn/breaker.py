@@ -1,41 +1,20 @@
-"""A circuit breaker per sandbox, in the ledger: a stalled sandbox costs one slot, once.
+"""A circuit breaker per sandbox, in the ledger: a stalled sandbox costs one slot, once
+(docs/guarantees.md, "A stalled sandbox").
 
-A sandbox whose channel stops answering (a container whose shell stalls, a
-wedged ssh host) holds each extraction that reaches it for `io_timeout_s`
-before its read deadline frees the worker slot (ReadTimeout). Without a
-breaker every file named on it pays that, once per attempt, and every other
-chat's file on the sandbox queue waits behind them. Here:
+- scout: a sandbox that has not answered within `io_timeout_s` (cold, or half-open)
+  is tried by ONE extraction at a time; its others are postponed until the verdict.
+- open: an I/O timeout (`is_timeout`) opens the breaker for a period that doubles
+  while it keeps timing out (from `io_timeout_s`, at most `max_s`); until then its
+  extractions are postponed untried (`SandboxStalled`: due at the breaker's end, no
+  attempt counted, no slot held).
+- half-open, closed: at its end one extraction probes; any answer closes the breaker
+  and hands the postponed ones on at once (`Gate.woke`, published by the task; the
+  reconciler re-drives a lost message); a timeout opens it again, longer.
+- a file postponed past the outage deadline fails, as in a storage outage.
 
-- **scout**: a sandbox that has not answered within the last `io_timeout_s`
-  (a cold one, or one whose breaker has run out: half-open) is tried by ONE
-  extraction at a time (`keys.breaker_scout`); its other extractions are
-  postponed until the scout's verdict, so a sandbox that stalled while quiet
-  holds one slot, not one per worker process. A sandbox that answered lately
-  runs its files in parallel (only a stall in the middle of a burst can catch
-  the extractions already on their way, each once).
-- **open**: an I/O timeout (`is_timeout`) opens the sandbox's breaker (`trip`)
-  for a period that doubles while it keeps timing out (from `io_timeout_s`,
-  capped at `max_s`). Until its end that sandbox's extractions, in flight
-  (re-driven) and queued, are postponed (`SandboxStalled`): their due time is
-  the breaker's end, no attempt counted, nothing reaches the sandbox, no slot
-  held beyond one script. Other sandboxes' files never wait behind it.
-- **half-open, closed**: at its end one extraction scouts (the probe); any
-  answer from the sandbox (a file, a missing file, ...) closes the breaker
-  and hands the postponed extractions on at once (`Gate.woke`: their due
-  times brought in, the task publishes them; the reconciler re-drives any
-  message lost); a timeout opens it again, longer.
-- a file postponed past the outage deadline fails with a clear reason, as a
-  storage outage does (`tasks.ledger.ledger.gives_up`).
-
-A sandbox is `<kind>:<host>:<target>` (`ident_of`), the identity routing
-uses (adapters/sandboxes/routing.py). Only kinds whose reads have a deadline
-take part (`STALLABLE`); a local or singularity file is read from the
-worker's own disk and costs nothing here (no round trip).
-
-State (tasks/ledger/keys.py): `breakers()` (open and half-open sandboxes, scored by
-the breaker's end), `breaker(ident)` (opens in a row, since, reason),
-`breaker_scout(ident)`, `breaker_waiting(ident)` (the postponed delivery
-ids) and `sandboxes_answered()` (when each sandbox last answered).
+A sandbox is `<kind>:<host>:<target>` (`ident_of`, as routing names it). Only kinds
+whose reads have a deadline take part (`STALLABLE`). Its state: `keys.breakers()`,
+`breaker`, `breaker_scout`, `breaker_waiting` and `sandboxes_answered()`.
 """
 
 from __future__ import annotations
@@ -64,14 +43,12 @@ STATE_TTL_S = 24 * 3600
 #: an entry of `keys.breakers()` whose end is older than this has had no extraction come for it:
 #: forgotten at the next trip anywhere (and not shown as half-open)
 STALE_S = 3600.0
-#: a handed-on extraction is published by the task that closed the breaker; the reconciler
-#: re-drives it after this long if that message was lost
+#: the reconciler re-drives a handed-on extraction after this long if its message was lost
 HANDOFF_GRACE_S = 5.0
 
 
 def ident_of(sandbox: Mapping[str, Any]) -> str:
-    """`<kind>:<host>:<target>` of a sandbox ref's dict (as the ledger's spec holds it):
-    a container is one sandbox per host it lives on. The target goes last (it may hold `:`)."""
+    """`<kind>:<host>:<target>` of a sandbox ref's dict (the target last: it may hold `:`)."""
     options = sandbox.get("options") or {}
     return f"{sandbox.get('kind', '')}:{options.get('host') or ''}:{sandbox.get('target') or ''}"
 
@@ -83,8 +60,7 @@ def is_timeout(exc: BaseException) -> bool:
 
 @dataclass
 class Gate:
-    """One extraction's passage through its sandbox's breaker: `enter` before
-    the sandbox is touched, `after` once it is over (or postponed)."""
+    """One extraction's passage through its breaker: `enter` before the sandbox is touched, `after` once over."""
 
     ident: str
     kind: str
@@ -103,9 +79,8 @@ class Gate:
                 keys.breaker_waiting(self.ident), keys.sandboxes_answered(), keys.due("extract")]
 
     def enter(self, r: Redis, did: str) -> None:
-        """Raises SandboxStalled (postponed, not tried) while the breaker is
-        open, or while another extraction scouts an unproven sandbox; else
-        the extraction goes on (as the scout when the sandbox is unproven)."""
+        """Raises SandboxStalled (postponed, not tried) while the breaker is open or another
+        extraction scouts an unproven sandbox; else the extraction goes on (maybe as the scout)."""
         if not self.on:
             return
         now = time.time()
@@ -126,13 +101,11 @@ class Gate:
         return self.ident.split(":", 2)[2] or "(default)"
 
     def after(self, r: Redis, pipe: Pipeline, did: str, exc: BaseException | None) -> float | None:
-        """The extraction is over: `exc` None (a result, ok or not) or what it
-        raised. Returns the seconds until it is due again when the breaker
-        decides that (postponed, or the timeout that opened it), else None
-        (its own back-off). An answer (a result, or any courier error but a
-        timeout: the sandbox said something) is stamped on `pipe`; a scout's answer
-        closes the breaker in a round trip of its own and lists the
-        extractions it hands on in `woke` (the caller publishes them)."""
+        """The extraction is over: `exc` None (a result, ok or not) or what it raised.
+        Returns the seconds until it is due again when the breaker decides (postponed, or
+        the timeout that opened it), else None (its own back-off). An answer (a result, or
+        a courier error but a timeout) is stamped on `pipe`; a scout's answer closes the
+        breaker at once and lists the extractions it hands on in `woke`."""
         if not self.on:
             return None
         now = time.time()
@@ -166,18 +139,9 @@ def gate(sandbox: Mapping[str, Any], *, io_timeout_s: float, max_s: float) -> Ga
     return Gate(ident_of(sandbox), str(sandbox.get("kind", "")), io_timeout_s, max_s)
 
 
-def queue_of(sandbox: Mapping[str, Any]) -> str:
-    """The extraction queue of a sandbox's files (chains.sandbox_queue's, from a ref's dict)."""
-    from adapters.sandboxes.base import SandboxRef
-    from adapters.sandboxes.routing import queue_for
-
-    return queue_for(SandboxRef.from_dict(dict(sandbox)))
-
-
 def state(r: Redis, ident: str) -> dict[str, str]:
-    """A sandbox's breaker as operators (and tests) read it: `state` closed,
-    open or half_open, with `until_s`, `opens`, `since_s`, `reason`, and
-    `waiting` (postponed extractions)."""
+    """A sandbox's breaker: `state` closed, open or half_open, with `until_s`, `opens`, `since_s`,
+    `reason`, and `waiting` (postponed extractions)."""
     pipe = r.pipeline(transaction=False)
     pipe.zscore(keys.breakers(), ident)
     pipe.hgetall(keys.breaker(ident))

@@ -14,8 +14,9 @@ from adapters.errors import ControlInName, CourierError, SandboxError, SandboxSt
     UnsafePath, in_chat_words
 from adapters.sandboxes.base import SandboxRef, os_error
 from tasks.delivery import specs
+from tasks.dispatch import chains
 from tasks import metrics
-from tasks.ledger import events, receipts, scripts, signing
+from tasks.ledger import events, keys, ledger, receipts, scripts, signing
 from tasks.turn import breaker
 from tasks.messages import Extracted, ExtractionRun, ExtractSpec
 from tasks.turn.reply import has_control
@@ -35,19 +36,10 @@ _TERMINAL = tuple(sorted(receipts.TERMINAL))
 
 
 def extract(ctx: Context, spec: ExtractSpec, job_id: str, did: str, *, pipe: Pipeline | None = None) -> Extracted:
-    """Extract delivery `did`'s file (of job `job_id`) as `spec` says.
-    `pipe`: the receipt's record of a success is queued there (the caller
-    executes it), else written at once.
-
-    Returns `Extracted(ok=True, key, name, size, sha256)` or, for a permanent
-    problem (unsafe path, missing, not a file, too large), `ok=False` with
-    the reason: the delivery after it records the failure. Transient
-    problems raise for the task to retry.
-
-    The result is recorded in the receipt too (`extraction` ok | failed;
-    a failure as state `extract_failed` with its reason, and `too_large`,
-    `size_bytes`, `limit_bytes` when that was it), where an album's delivery
-    reads it."""
+    """Extract delivery `did`'s file (of job `job_id`) as `spec` says, recording the result in
+    its receipt (a success's on `pipe` when given, for the caller to execute). Returns
+    `Extracted(ok=True, ...)`, or `ok=False` with the reason for a permanent problem (unsafe
+    path, missing, not a file, too large); transient problems raise for the task to retry."""
     r = ctx.redis
     name = posixpath.basename(spec.path) or "file"
     # no look at the receipt first: a redelivered extraction of a delivered
@@ -56,6 +48,7 @@ def extract(ctx: Context, spec: ExtractSpec, job_id: str, did: str, *, pipe: Pip
     # the size cap and the roots are this worker's: a spec may only lower or narrow them
     cap = min(int(spec.max_bytes or ctx.max_file_bytes), ctx.max_file_bytes)
     t0, outcome, info = time.monotonic(), "error", None
+    failure: Extracted | None = None
     try:
         try:
             if has_control(spec.path):  # a NUL or a newline in a MEDIA path: never read, the chat told
@@ -65,34 +58,28 @@ def extract(ctx: Context, spec: ExtractSpec, job_id: str, did: str, *, pipe: Pip
             # `~/x` (MEDIA:~/x) is the sandbox's own home: the backend knows where that is
             info = sandbox.extract(sandbox.expand_home(spec.path), ctx.store, spec.key, max_bytes=cap)
         except TooLarge as exc:
-            outcome = "failed"
-            return record_failure(r, did, Extracted(ok=False, reason=f"too large: {exc}", too_large=True, name=name,
-                                                    size=exc.size_bytes, limit=exc.limit_bytes or cap))
-        except SandboxError as exc:
-            if exc.transient:
-                raise
-            outcome = "failed"
-            return record_failure(r, did, Extracted(ok=False, reason=f"{type(exc).__name__}: {exc}", name=name,
-                                                    notify=in_chat_words(exc)))
+            failure = Extracted(ok=False, reason=f"too large: {exc}", too_large=True, name=name,
+                                size=exc.size_bytes, limit=exc.limit_bytes or cap)
         except CourierError as exc:
             if exc.transient:
                 raise
-            outcome = "failed"
-            return record_failure(r, did, Extracted(ok=False, reason=exc.reason, name=name,
-                                                    notify=in_chat_words(exc)))
+            reason = f"{type(exc).__name__}: {exc}" if isinstance(exc, SandboxError) else exc.reason
+            failure = Extracted(ok=False, reason=reason, name=name, notify=in_chat_words(exc))
         except OSError as exc:
             # a backend let the OS's own words through: what they say of the path (missing, a
             # link loop, a name too long, denied) is one clear permanent reason, never the raw error
             if exc.errno not in _PATH_ERRNOS:
                 raise
             mapped = os_error(exc, spec.path)
-            outcome = "failed"
-            return record_failure(r, did, Extracted(ok=False, reason=f"{type(mapped).__name__}: {mapped}", name=name,
-                                                    notify=in_chat_words(mapped)))
-        outcome = "ok"
+            failure = Extracted(ok=False, reason=f"{type(mapped).__name__}: {mapped}", name=name,
+                                notify=in_chat_words(mapped))
+        outcome = "ok" if failure is None else "failed"
     finally:
         metrics.record_extraction(ref.kind, time.monotonic() - t0, info.size_bytes if info is not None else None,
                                   outcome)
+    if failure is not None:
+        return record_failure(r, did, failure)
+    assert info is not None  # no failure: the extraction returned
     # the lane reads the result from the receipt (the ledger), whoever drives it
     own = pipe is None
     p = r.pipeline(transaction=False) if pipe is None else pipe
@@ -108,10 +95,8 @@ def extract(ctx: Context, spec: ExtractSpec, job_id: str, did: str, *, pipe: Pip
 
 
 def worker_ref(ctx: Context, ref: SandboxRef) -> SandboxRef:
-    """`ref` as this worker's configuration allows it: the roots a spec names
-    must each lie inside a root the worker allows for that sandbox kind
-    (`ctx.allowed_roots`), else the extraction is refused (UnsafePath) and
-    nothing is read; a spec with no roots gets the backend's defaults."""
+    """`ref` as this worker allows it: each root a spec names must lie inside one the worker
+    allows (`ctx.allowed_roots`), else UnsafePath, nothing read; no roots: the backend's defaults."""
     if ctx.allowed_roots is None or not ref.roots:
         return ref
     allowed = [posixpath.normpath(a) for a in ctx.allowed_roots(ref)]
@@ -124,9 +109,8 @@ def worker_ref(ctx: Context, ref: SandboxRef) -> SandboxRef:
 
 
 def record_failure(r: Redis, did: str, result: Extracted) -> Extracted:
-    """Record a permanent extraction failure in the receipt (the delivery
-    after it makes it final: `failed`, with a notice when too large, or
-    when `notify` holds the words the chat is told: `in_chat_words`); returns `result`."""
+    """Record a permanent extraction failure in the receipt (its delivery makes it final, with
+    the chat's notice when too large or `notify` holds its words); returns `result`."""
     receipts.update_open_delivery(r, did, state=DeliveryState.EXTRACT_FAILED, extraction=EXTRACTION_FAILED,
                                   reason=result.reason, too_large="1" if result.too_large else None,
                                   notify=result.notify or None, size_bytes=result.size, limit_bytes=result.limit)
@@ -134,20 +118,12 @@ def record_failure(r: Redis, did: str, result: Extracted) -> Extracted:
 
 
 def run(ctx: Context, did: str) -> ExtractionRun:
-    """The extraction stage of delivery `did`, from the ledger alone: its
-    spec is in the receipt. Holds the stage's lease while it works (a second
-    message for it finds the lease and leaves); a transient failure backs
-    off through the stage's due time (storage outages until their deadline,
-    other errors up to `max_transient_attempts`), then fails the file. Ends
-    by recording the result and clearing the due time; the caller drives the
-    chat's lane after it.
-
-    Two round trips besides the extraction's own work: one script reads the
-    receipt, takes the lease and sets the due time (extract_begin.lua); one pipeline
-    records the result, clears the due time and releases the lease."""
-
-    from tasks.ledger import keys, ledger
-
+    """The extraction stage of delivery `did`, from the ledger alone (its spec is in the
+    receipt), under the stage's lease. A transient failure backs off through the due time
+    (storage outages until their deadline, other errors up to `max_transient_attempts`),
+    then fails the file. Two round trips besides the extraction: extract_begin.lua (read,
+    lease, due time) and one pipeline (result, due time, lease released). The caller
+    drives the chat's lane after it."""
     r = ctx.redis
     token = ledger.new_token()
     lease = keys.lease("extract", did)
@@ -213,5 +189,5 @@ def run(ctx: Context, did: str) -> ExtractionRun:
     done: ExtractionRun = ret or {"delivery": did, "target": delivery.target,
                                   "state": DeliveryState.EXTRACTED if result.ok else DeliveryState.FAILED}
     if gate.woke:  # a scout's answer closed its sandbox's breaker: what it postponed, for the task to publish
-        done["wake"] = {"queue": breaker.queue_of(extraction.sandbox), "ids": gate.woke}
+        done["wake"] = {"queue": chains.sandbox_queue(SandboxRef.from_dict(extraction.sandbox)), "ids": gate.woke}
     return done

@@ -1,100 +1,45 @@
 """Reply parsing: plain Python, no Celery, no I/O.
 
-`parse_reply(text)` finds the `MEDIA:<path>` tags and the `[[...]]` directives
-in an agent's reply (DESIGN.md, "MEDIA tags in a reply") and returns the text
-to show in the chat with them removed. Which kind a file goes as is
-`tasks.delivery.routing`'s (routing by extension).
+`parse_reply(text)` finds the `MEDIA:<path>` tags and `[[...]]` directives in an agent's
+reply and returns the chat text without them (the kind a file goes as is routing's).
 
 Tags
-----
-- `MEDIA:<path>`, written exactly so: upper case, no space after the colon
-  (`MEDIA: /x.png` and `media:/x.png` stay text). The tag may be glued to the
-  word before it (`hereMEDIA:/a.png` parses; so does `MULTIMEDIA:/a.png`).
-- Only absolute (`/...`) and home-relative (`~/...`) paths count. A relative
-  path (`MEDIA:out.png`), a URL (`MEDIA:http://...`), a protocol-relative
-  `MEDIA://host/x`, a bare `/` or `~/` and a Windows path (`MEDIA:C:\\x.png`)
-  are not tags: the text stays as written. Paths are returned as written (no
-  `~` expansion, no normalising); the extraction step resolves and checks them.
-- A path holding a control character (a NUL, an ESC, a newline inside quotes)
-  is a tag all the same: cut from the text (the sandbox path never reaches the
-  chat) and returned in `media`, where the extraction refuses it before any
-  I/O and the chat is told (`has_control`). A quoted path cut by a line break
-  (`MEDIA:"/w/a<newline>b.png"`) is one such tag when what the quotes enclose
-  holds no other whitespace; an unquoted path ends at the line break.
-- Quoted paths: `MEDIA:"..."`, `MEDIA:'...'` or `MEDIA:`...`` (any backtick
-  run, closed by a run of the same length) may hold spaces; the quote must
-  close on the same line (but see the line break above). Whitespace just inside the quotes is dropped,
-  everything else (punctuation included) is kept. For `"` and `'` the closing
-  quote is the first one followed by whitespace, punctuation or the line end
-  (so `'/tmp/bob's file.png'` works), else simply the first one. A quote that
-  never closes is ignored and the path is read unquoted after it.
-- Unquoted paths end at whitespace (any Unicode space), a backtick, the next
-  `MEDIA:` or a directive. Then:
-  1. trailing punctuation is dropped: ASCII ``. , ; : ! ? ) ] } > " ' * |``
-     and CJK/fullwidth ``。 ， ！ ？ 、 ； ： ） 」 』 】 》 〉 ” ’ …``; a closing
-     bracket is kept when it balances an opening one inside the path
-     (`/tmp/file_(1)` stays whole), and the extension's own dot stays
-     (`/tmp/a.png.` gives `/tmp/a.png`);
-  2. glued text: when the last path component does not end in a known
-     extension (`tasks.delivery.routing.KNOWN_EXT`) but contains `.<known ext>`
-     directly followed by an upper-case letter, two or more ASCII letters,
-     a non-ASCII letter (CJK, Cyrillic, ...), or punctuation/symbols, the
-     path ends after that extension and the rest stays in the text:
-     `/tmp/chart.pngHere` -> `/tmp/chart.png`, `/tmp/a.pngand` ->
-     `/tmp/a.png`, `/tmp/a.png这是图` -> `/tmp/a.png`. A single lower-case
-     letter is kept as part of the name (`/tmp/a.docs`, `/tmp/a.svgz`), and
-     so are digits, `.`, `-`, `_`, `~`.
-     Only the last component is searched (`/tmp/x.pngdir/f` stays whole).
-     Without a known extension nothing is cut (`/tmp/READMEthen` stays).
-- Bracket/quote/emphasis pairs wrapped tightly around a tag go with it:
-  `(MEDIA:/a.png)`, `"MEDIA:/a.png"`, `**MEDIA:/a.png**` leave nothing.
-- Duplicates (compared after unquoting and punctuation clean-up) deliver
-  once; the first occurrence keeps its place in `media`. (`tasks.turn.turn` also
-  compares the normalised path, the turn's `~` expanded: `/w/./x` and `/w/x`
-  are one file.)
-- A path is at most 4096 characters (PATH_MAX); longer ones are not tags.
-  Every search is bounded by that, so parsing stays near-linear.
+- `MEDIA:` exactly (upper case, no space after the colon), glued to a word or not.
+- Only absolute (`/x`, not `//x`) and home-relative (`~/x`) paths, returned as written;
+  anything else stays text. At most 4096 characters (PATH_MAX), which bounds every
+  search: parsing stays near-linear.
+- A path holding a control character is a tag all the same: cut from the text and
+  refused by the extraction, the chat told (`has_control`). A quoted path cut by a line
+  break is one such tag when the quotes enclose no other whitespace.
+- Quoted paths (`"..."`, `'...'`, a backtick run closed by a run as long) may hold spaces
+  and close on the same line, whitespace just inside dropped. `"` and `'` close at the
+  first quote followed by whitespace, punctuation or the line end (`'/a/bob's x.png'`),
+  else at the first one; an unclosed quote is skipped and the path read unquoted.
+- Unquoted paths end at whitespace, a backtick, `MEDIA:` or a directive; then trailing
+  punctuation (ASCII and CJK) is dropped unless it closes a bracket opened in the path,
+  and text glued after a known extension in the last component (an upper-case letter,
+  two ASCII letters, a non-ASCII letter, punctuation: `/tmp/chart.pngHere`) is cut off;
+  one lower-case letter, digits, `.`, `-`, `_`, `~` stay (`/tmp/a.docs`).
+- Bracket, quote and emphasis pairs tightly around a tag go with it (`**MEDIA:/a.png**`).
+- Duplicates deliver once, where first named.
 
-Code
-----
-- Fenced blocks open on a line of three or more backticks or tildes (after
-  optional indentation, list markers or `>`); a backtick fence's info string
-  may not hold a backtick. They close on a line of the same character, at
-  least as long, and nothing else. An unterminated fence runs to the end of
-  the text. Inline code is a backtick run closed by the next run of the same
-  length that comes before the next blank line; an unmatched run is literal.
-  Everything inside code is text: no tags, no directives, kept byte for byte.
-- A backtick run directly after `MEDIA:` quotes the path (it is a tag) when
-  it closes on the same line around a valid path; otherwise `MEDIA:` stays
-  text and the backticks open inline code as usual.
+Code: fenced blocks (three or more backticks or tildes, after optional indentation, list
+markers or `>`; closed by a line of the same character at least as long, else at the
+end) and inline code (a backtick run closed by one as long before the next blank line)
+are kept byte for byte: no tags, no directives. A backtick run right after `MEDIA:`
+quotes the path when it closes on the line around a valid path, else opens code.
 
-Directives
-----------
-`[[audio_as_voice]]` and `[[as_document]]`, any case, optional spaces/tabs
-inside the brackets, anywhere outside code; stripped and set the flags.
+Directives: `[[audio_as_voice]]`, `[[as_document]]` (any case, spaces or tabs inside),
+outside code: stripped, and they set the flags.
 
-Text
-----
-- Tags and directives are cut out. Around each cut, the whitespace run is
-  tidied: at the start of a line the indentation before the tag is kept, and
-  the spaces and separator punctuation (`.,;:!?` and CJK `。，！？、；：`) after
-  it are dropped (`MEDIA:/a.png, here` -> `here`); at the end of a line it is
-  dropped; before closing punctuation (`.,;:!?)]}>` and CJK) it is dropped,
-  and of two separators meeting there one goes (`Done: MEDIA:/a.png.` ->
-  `Done.`, `a, MEDIA:/b.png, c` -> `a, c`, `Wow! MEDIA:/x.png.` -> `Wow!`);
-  elsewhere it becomes a single (the first) whitespace character. Two
-  non-CJK words glued by a cut (`hereMEDIA:/a.pngthere`) get one space.
-- A line that holds a cut and becomes blank is removed. Outside fenced code,
-  runs of blank lines are collapsed to one (empty) line. The result is
-  `strip()`ped. Lines without cuts are otherwise left alone.
-- If cutting ever glues text into a new tag (adversarial input such as
-  `MEDIA:[[as_document]]/x.png`), that tag is defused with a zero-width space
-  after `MEDIA`, so the returned text never yields a delivery when parsed
-  again.
-- Control characters never reach the chat: NUL and the other C0/C1 controls
-  (and DEL) are removed from the returned text, except `\n`, `\t` and `\r`
-  (a tag that removal glues together is defused as above).
-- `parse_reply` never raises for a `str`; anything else is a `TypeError`.
+Text: around a cut, a line's indentation is kept and separators after a cut at its
+start dropped; at a line's end or before closing punctuation the whitespace goes, and of
+two separators meeting one goes (`Done: MEDIA:/a.png.` -> `Done.`); elsewhere one
+whitespace character stays, or a space between two glued words. A line a cut leaves
+blank goes; outside fenced code blank runs collapse to one; the result is stripped. A
+tag that cutting glues together gets a zero-width space after `MEDIA`: the text never
+yields a delivery. C0/C1 controls and DEL are removed, except `\n`, `\t`, `\r`.
+`parse_reply` never raises for a `str`; anything else is a `TypeError`.
 """
 
 from __future__ import annotations
@@ -111,9 +56,6 @@ __all__ = ["ParsedReply", "has_control", "parse_reply"]
 #: the extensions the glued-text rule knows
 _EXT_NAMES = frozenset(e[1:] for e in KNOWN_EXT)
 _EXT_BY_LEN = sorted(_EXT_NAMES, key=lambda e: (-len(e), e))
-
-# --------------------------------------------------------------------------
-# parsing tables
 
 _TAG = "MEDIA:"
 _TRAIL_PUNCT = frozenset(".,;:!?)]}>\"'*|" "。，！？、；：）」』】》〉”’…．")
@@ -150,27 +92,18 @@ class ParsedReply:
     text: str
     #: paths in reply order, duplicates removed (first occurrence wins)
     media: tuple[str, ...]
-    #: `[[audio_as_voice]]` present
+    #: the directives present
     audio_as_voice: bool
-    #: `[[as_document]]` present
     as_document: bool
-
-
-# --------------------------------------------------------------------------
-# path helpers
 
 
 def _valid_path(path: str) -> bool:
     """A tag's path: absolute or `~/`-relative, not `//`, at most PATH_MAX. A
     control character does not stop it being a tag (it is cut from the text and
     refused by the extraction, the chat told: `has_control`)."""
-    if path.startswith("~/"):
-        ok = len(path) > 2
-    elif path.startswith("/"):
-        ok = len(path) > 1 and not path.startswith("//")
-    else:
-        return False
-    return ok and len(path) <= _MAX_PATH
+    home = path.startswith("~/") and len(path) > 2
+    absolute = path.startswith("/") and len(path) > 1 and not path.startswith("//")
+    return (home or absolute) and len(path) <= _MAX_PATH
 
 
 def has_control(path: str) -> bool:
@@ -183,13 +116,8 @@ def _glued(rest: str) -> bool:
     """Does `rest`, directly after a known extension, look like glued text?"""
     c = rest[0]
     if c.isascii():
-        if c.isalpha():
-            if c.isupper():
-                return True
-            k = 0
-            while k < len(rest) and rest[k].isascii() and rest[k].isalpha():
-                k += 1
-            return k >= 2
+        if c.isalpha():  # upper case, or two or more letters
+            return c.isupper() or (len(rest) > 1 and rest[1].isascii() and rest[1].isalpha())
         return c in _CUT_PUNCT_ASCII
     return c.isalpha() or unicodedata.category(c)[0] in "PS"
 
@@ -219,10 +147,6 @@ def _clean_unquoted(tok: str) -> str:
                 break  # the longest matching extension decides
         j = name.find(".", j + 1)
     return tok
-
-
-# --------------------------------------------------------------------------
-# the scanner
 
 
 class _Scanner:
@@ -275,10 +199,9 @@ class _Scanner:
         return self.n
 
     def _run_len(self, i: int) -> int:
-        k = i
-        while k < self.n and self.text[k] == "`":
-            k += 1
-        return k - i
+        """The length of the backtick run at `i`."""
+        m = _BACKTICKS_RE.match(self.text, i)
+        return m.end() - i if m else 0
 
     def _inline_code_end(self, i: int, k: int) -> int:
         """End of the code span opened by the k-backtick run at i, or -1."""
@@ -433,10 +356,6 @@ class _Scanner:
         return self
 
 
-# --------------------------------------------------------------------------
-# text tidying
-
-
 def _is_hspace(ch: str) -> bool:
     return ch not in "\n\r" and ch.isspace()
 
@@ -538,10 +457,6 @@ def _defuse(text: str) -> str:
     return text
 
 
-# --------------------------------------------------------------------------
-# public API
-
-
 def parse_reply(text: str) -> ParsedReply:
     """Split an agent reply into chat text, MEDIA paths and directive flags."""
     if not isinstance(text, str):
@@ -555,9 +470,5 @@ def parse_reply(text: str) -> ParsedReply:
     clean = _CONTROL_RE.sub("", out)
     if clean != out:  # what a control character kept apart may now read as a tag: defuse it
         out = _defuse(clean).strip()
-    return ParsedReply(
-        text=out,
-        media=tuple(sc.media),
-        audio_as_voice=sc.audio_as_voice,
-        as_document=sc.as_document,
-    )
+    return ParsedReply(text=out, media=tuple(sc.media), audio_as_voice=sc.audio_as_voice,
+                       as_document=sc.as_document)

@@ -1,19 +1,15 @@
-"""An agent turn: run the agent, parse its reply, hand the reply to the
-delivery chain. Plain code, no Celery.
+"""An agent turn: run the agent, parse its reply, hand the reply to the delivery chain.
 
-Lifecycle published on the turn's event stream: started -> (thinking, tool
-events from the agent) -> completed | error | no_reply, exactly one terminal
-event per turn. An error gives the chat a short message, never a traceback.
-
-The agent's spec picks the runtime: a bridge command (`run_bridge`), or
-`"runtime": "openai"`, the built-in loop whose tools act in the turn's
-sandbox (`run_openai`). Hooks (`ctx.turn_tools().hooks`) run before each LLM
-call of the built-in loop, and once before a bridge agent starts: their
-context reaches the agent in env `COURIER_HOOK_CONTEXT`.
+Its event stream: started -> (thinking, the agent's tool events) -> exactly one terminal
+completed | error | no_reply. An error gives the chat a short message, never a traceback.
+The agent runs as a bridge command (`run_bridge`) or the built-in OpenAI-compatible loop
+(`run_openai`); hooks run before each LLM call of the loop, or once before a bridge agent
+starts (their context in env `COURIER_HOOK_CONTEXT`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -31,6 +27,7 @@ from adapters.agents.hooks import TurnHooks
 from adapters.agents.jail import Jail, Limits, bind_paths, maybe, unavailable
 from adapters.display import visible
 from adapters.errors import ConfigError, CourierError, SandboxError, in_chat_words
+from adapters.platforms.base import split_target
 from adapters.sandboxes.base import SandboxRef, parse_uri
 from storage.spill import SpillConfig
 import tasks
@@ -41,22 +38,20 @@ from tasks.messages import TurnResult, TurnSpec
 from tasks.dispatch.reconcile import Stage, grace
 from tasks.runtime import AgentConfig, Context
 from tasks.states import TURN_OVER, DeliveryState, JobState
+from tasks.turn.reply import parse_reply
 from tasks.workspaces import relative, workspace_path
 
 log = logging.getLogger(__name__)
 
-
+#: courier's root: the folder of the `tasks` package
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tasks.__file__)))
 #: the bundled demo agent, always available as --agent demo (a script of the standard library only: in its
 #: sandbox it sees that one file, not courier's code)
-BUILTIN_AGENTS = {"demo": [sys.executable, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(tasks.__file__))),
-                                                        "adapters", "agents", "demo_agent.py")]}
-
-
+BUILTIN_AGENTS = {"demo": [sys.executable, os.path.join(_ROOT, "adapters", "agents", "demo_agent.py")]}
 
 
 def _sandbox_for(ctx: Context, spec: TurnSpec, agent: AgentConfig | None) -> tuple[SandboxRef, str | None]:
-    """The agent's sandbox ref and, for a local sandbox, its directory (the
-    parent of the turn workspaces)."""
+    """The agent's sandbox ref and, for a local sandbox, its directory (the turn workspaces' parent)."""
     uri = spec.get("sandbox") or (agent.sandbox if agent is not None else None)
     if uri:
         ref, path = parse_uri(uri)
@@ -69,16 +64,10 @@ def _sandbox_for(ctx: Context, spec: TurnSpec, agent: AgentConfig | None) -> tup
 
 def make_workspace(ctx: Context, ref: SandboxRef, local_dir: str | None, job_id: str,
                    extra_roots: tuple[str, ...] = ()) -> tuple[SandboxRef, str]:
-    """Make the turn's workspace before the agent starts; returns the turn's
-    sandbox ref and the workspace path. The ref's allowed roots are that
-    workspace plus `extra_roots` (the roots the agent's config names), so
-    the agent's MEDIA paths and file tools reach nothing else: not other
-    turns, not /tmp, not the data dir.
-
-    Local: `<agent dir>/turns/<job>`, 0700, made here. Other backends:
-    `<workdir>/turns/<job>` inside the sandbox, made through the sandbox
-    (its `make_dirs` where it has one — singularity, which has no exec —
-    else `mkdir -p` by exec)."""
+    """Make the turn's workspace (local: `<agent dir>/turns/<job>`, 0700; else
+    `<workdir>/turns/<job>` in the sandbox, by its `make_dirs` or `mkdir -p`); returns
+    the turn's sandbox ref and the workspace. The ref's roots are that workspace plus
+    `extra_roots` (the agent's config's): its MEDIA paths and file tools reach nothing else."""
     if ref.kind == "local":
         assert local_dir is not None
         ws = workspace_path(os.path.abspath(local_dir), job_id)
@@ -100,15 +89,10 @@ def make_workspace(ctx: Context, ref: SandboxRef, local_dir: str | None, job_id:
 
 @dataclass(frozen=True)
 class TurnOutcome:
-    """How a turn ended, before anything of it is enqueued: `run_turn`
-    returns it, `finish` enqueues its plan and records it.
-
-    replied    `plan` is the reply (its text and files)
-    error      `plan` is the chat's short message saying so; `reason` why
-    no_reply   nothing to send (`reason` when the agent gave one)
-    cancelled  `courier cancel` while it ran: its reply is not delivered
-    `skipped`: the turn was over (or cancelled) before this run took it:
-    nothing is recorded again."""
+    """How a turn ended (`run_turn`'s), before `finish` enqueues its plan and records it:
+    replied (`plan`: the reply), error (`plan`: the chat's short message; `reason`),
+    no_reply, cancelled (while it ran: the reply is dropped). `skipped`: over before this
+    run took it, nothing recorded again."""
 
     job_id: str
     target: str
@@ -137,27 +121,20 @@ def failed(job_id: str, target: str, reason: str, *, said: str | None = None) ->
 
 
 def run_turn(ctx: Context, spec: TurnSpec, *, on_activity: Callable[[Event], None] | None = None) -> TurnOutcome:
-    """Run the turn's agent and make its reply a plan; nothing is enqueued
-    (`finish` does that). The job is marked running, `started` and the
-    agent's phase events are published; the terminal event is `finish`'s."""
+    """Run the turn's agent and make its reply a plan (`finish` enqueues it): the job marked
+    running, `started` and the agent's phase events published (the terminal one is `finish`'s)."""
     r = ctx.redis
     job_id = spec["job"]
     target = spec["target"]
     job = receipts.get_job(r, job_id) or {}
-    if job.get("state") in TURN_OVER or job.get("cancel_requested") == "1":
+    over = job.get("state") in TURN_OVER
+    if over or job.get("cancel_requested") == "1":
         ledger.clear_due(r, "turn", job_id)
-        if job.get("state") not in TURN_OVER:  # cancelled while a worker was taking it
+        if not over:  # cancelled while a worker was taking it
             receipts.set_job(r, job_id, state=JobState.CANCELLED)
-        state = JobState(job["state"]) if job.get("state") in TURN_OVER else JobState.CANCELLED
-        return TurnOutcome(job_id, target, state, skipped=True)
+        return TurnOutcome(job_id, target, JobState(job["state"]) if over else JobState.CANCELLED, skipped=True)
     r.hincrby(keys.job(job_id), "attempts", 1)  # the reconciler gives up on a turn that kills its worker
-
-    def publish(ev: Event) -> None:
-        ev = events.shown(ev, job_id)  # the chat's progress message shows it too
-        events.publish(r, job_id, ev, maxlen=ctx.events_maxlen)
-        if on_activity is not None:
-            on_activity(ev)
-
+    publish = _publisher(ctx, job_id, on_activity)
     receipts.set_job(r, job_id, state=JobState.RUNNING)
     publish({"kind": "status", "status": "started"})
     name = spec.get("agent") or "demo"
@@ -171,11 +148,9 @@ def run_turn(ctx: Context, spec: TurnSpec, *, on_activity: Callable[[Event], Non
     try:
         ref, local_dir = _sandbox_for(ctx, spec, agent)
         ref, workdir = make_workspace(ctx, ref, local_dir, job_id, tuple(agent.roots if agent is not None else ()))
-    except CourierError as exc:
-        return failed(job_id, target, f"could not make the turn's workspace: {exc.reason}", said=NO_WORKSPACE)
-    except OSError as exc:
-        return failed(job_id, target, f"could not make the turn's workspace: {exc.strerror or exc}",
-                      said=NO_WORKSPACE)
+    except (CourierError, OSError) as exc:
+        why = exc.reason if isinstance(exc, CourierError) else exc.strerror or exc
+        return failed(job_id, target, f"could not make the turn's workspace: {why}", said=NO_WORKSPACE)
     local = ref.kind == "local"
     try:
         jail = turn_jail(ctx, name, agent, command, workdir, job_id) if local else None
@@ -189,9 +164,8 @@ def run_turn(ctx: Context, spec: TurnSpec, *, on_activity: Callable[[Event], Non
 
 def turn_jail(ctx: Context, name: str, agent: AgentConfig | None, command: list[str], workdir: str,
               job_id: str) -> Jail | None:
-    """The turn's namespace sandbox on this host (None: the agent opted out,
-    ``"isolation": "host"``). Raises ConfigError, naming the opt-in, where
-    bwrap cannot isolate it: an agent never runs unconfined by surprise."""
+    """The turn's namespace sandbox on this host (None: the agent opted out, `"isolation": "host"`).
+    ConfigError, naming the opt-in, where bwrap cannot isolate it: never unconfined by surprise."""
     if agent is not None and agent.isolation == "host":
         return None
     config = ctx.turn_tools().jail
@@ -239,26 +213,23 @@ def _run_agent(ctx: Context, spec: TurnSpec, agent: AgentConfig | None, name: st
         # the agent's environment is an allowlist (run_bridge): basics, its env_passthrough, its config's env
         turn_env = {"COURIER_TURN_ID": job_id, "COURIER_TARGET": target, "COURIER_WORKSPACE": workdir}
         if jail is None:  # unconfined, it may import courier's own helpers (a sandbox does not see them)
-            turn_env["PYTHONPATH"] = os.pathsep.join(p for p in [_project_root(), os.environ.get("PYTHONPATH", "")]
-                                                     if p)
+            turn_env["PYTHONPATH"] = os.pathsep.join(p for p in [_ROOT, os.environ.get("PYTHONPATH", "")] if p)
         home = {"HOME": workdir} if local else {}  # ~ is the workspace, as for its MEDIA paths
         env = {**home, **env, **turn_env}
         # hooks run once before a bridge agent starts; their context goes in its environment
         hook_text = hooks.context_for({**hook_ctx, "step": 0}) if hooks else ""
         if hook_text:
             env["COURIER_HOOK_CONTEXT"] = hook_text
-        network = (agent.network if agent is not None else None) or "proxy"
+        no_network = agent is not None and agent.network == "none"  # else through the proxy
         result = run_bridge(command, message, cwd=workdir if local else (agent.cwd if agent else None),
                             env=env, timeout_s=timeout_s, on_event=publish,
                             passthrough=tuple(agent.env_passthrough if agent is not None else ()),
-                            jail=jail, network="none" if network == "none" else "proxy",
+                            jail=jail, network="none" if no_network else "proxy",
                             shown=lambda text: relative(text, job_id))
     if result.status == "error":
         return failed(job_id, target, result.reason)
     if result.status == "no_reply":
         return TurnOutcome(job_id, target, JobState.NO_REPLY, reason=result.reason or None)
-
-    from tasks.turn.reply import parse_reply
 
     parsed = parse_reply(result.reply)
     files: list[chains.StoredFile | chains.SandboxFile] = []
@@ -271,10 +242,7 @@ def _run_agent(ctx: Context, spec: TurnSpec, agent: AgentConfig | None, name: st
         if same in seen:
             continue
         seen.add(same)
-        if path in stored:
-            files.append(chains.StoredFile(**stored[path]))
-        else:
-            files.append(chains.SandboxFile(ref=ref, path=path))
+        files.append(chains.StoredFile(**stored[path]) if path in stored else chains.SandboxFile(ref=ref, path=path))
     plan = chains.Plan(job_id=job_id, target=target, text=parsed.text or None, files=files,
                        voice=parsed.audio_as_voice, as_document=parsed.as_document,
                        max_bytes=ctx.max_file_bytes, album_max=_album_max(ctx, target),
@@ -285,31 +253,23 @@ def _run_agent(ctx: Context, spec: TurnSpec, agent: AgentConfig | None, name: st
 
 
 def _same_file(path: str) -> str:
-    """A MEDIA path as duplicates compare: `.` parts and repeated slashes dropped;
-    `..` kept (what it names depends on links the extraction resolves: a path
-    with one is never taken for another and left out)."""
+    """A MEDIA path as duplicates compare: `.` parts and repeated slashes dropped; `..` kept
+    (what it names depends on links: such a path is never taken for another and left out)."""
     head = "/" if path.startswith("/") else ""
     return head + "/".join(p for p in path.split("/") if p not in ("", "."))
 
 
 def finish(ctx: Context, outcome: TurnOutcome, enqueue: Enqueue, *,
            on_activity: Callable[[Event], None] | None = None) -> TurnResult:
-    """Enqueue the outcome's plan (through `enqueue`: `chains.enqueue` in a
-    worker) and record how the turn ended: the job's state, its `delivery
-    queued` events, then exactly one terminal status event, which counts the
-    deliveries readers wait for. A reply that cannot be enqueued ends the
-    turn as an error (with the chat's short message, if that goes)."""
+    """Enqueue the outcome's plan (`chains.enqueue` in a worker) and record how the turn
+    ended: the job's state, its `delivery queued` events, then exactly one terminal status
+    event counting the deliveries readers wait for. A reply that cannot be enqueued ends
+    the turn as an error (with the chat's short message, if that goes)."""
     r = ctx.redis
     job_id = outcome.job_id
     if outcome.skipped:  # run_turn left it as it was
         return {"job": job_id, "state": outcome.state, "skipped": True}
-
-    def publish(ev: Event) -> None:
-        ev = events.shown(ev, job_id)  # the chat's progress message shows it too
-        events.publish(r, job_id, ev, maxlen=ctx.events_maxlen)
-        if on_activity is not None:
-            on_activity(ev)
-
+    publish = _publisher(ctx, job_id, on_activity)
     ids: list[str] = []
     if outcome.state == JobState.REPLIED and outcome.plan is not None:
         try:
@@ -318,10 +278,8 @@ def finish(ctx: Context, outcome: TurnOutcome, enqueue: Enqueue, *,
             outcome = failed(job_id, outcome.target, exc.reason,
                              said=f"the reply could not be sent: {in_chat_words(exc)}")
     if outcome.state == JobState.ERROR and outcome.plan is not None:
-        try:
+        with contextlib.suppress(CourierError):
             ids = enqueue(r, outcome.plan)
-        except CourierError:
-            ids = []
     for d in ids:
         publish({"kind": "delivery", "delivery_id": d, "state": DeliveryState.QUEUED})
     state = outcome.state
@@ -336,10 +294,20 @@ def finish(ctx: Context, outcome: TurnOutcome, enqueue: Enqueue, *,
     return out
 
 
+def _publisher(ctx: Context, job_id: str, on_activity: Callable[[Event], None] | None) -> Callable[[Event], None]:
+    """Publishes a turn's event on its stream, as shown (the chat's progress message shows it too)."""
+
+    def publish(ev: Event) -> None:
+        ev = events.shown(ev, job_id)
+        events.publish(ctx.redis, job_id, ev, maxlen=ctx.events_maxlen)
+        if on_activity is not None:
+            on_activity(ev)
+
+    return publish
+
+
 def _album_max(ctx: Context, target: str) -> int:
     """How many photos one album holds on the target's platform (0: none, or not configured)."""
-    from adapters.platforms.base import split_target
-
     try:
         return ctx.platform(split_target(target)[0]).limits.album_max
     except CourierError:
@@ -351,10 +319,8 @@ SPILL_DIR = ".courier/spills"
 
 
 def spill_placer(ctx: Context, ref: SandboxRef, workdir: str, jail: Jail | None = None) -> Callable[[str], str]:
-    """`place` for the turn's spills: the spilled blob is copied once into
-    `<workspace>/.courier/spills/<name>` (through the sandbox's `put`, so
-    every backend that takes inbound files works) and that path is what the
-    preview names: the agent reads it with its file tool."""
+    """`place` for the turn's spills: the blob is copied once (by the sandbox's `put`) into
+    `<workspace>/.courier/spills/<name>`, the path the preview names for the agent to read."""
     placed: dict[str, str] = {}
 
     def place(key: str) -> str:
@@ -369,10 +335,9 @@ def spill_placer(ctx: Context, ref: SandboxRef, workdir: str, jail: Jail | None 
 
 
 def put_attachments(ctx: Context, spec: TurnSpec, ref: SandboxRef, workdir: str) -> list[str]:
-    """Inbound files (a chat user's attachments, `courier turn --attach`):
-    storage -> the turn's workspace, under `<workspace>/inbox/`, with the
-    sandbox's own path checks. Two attachments with one name keep both
-    (`a.pdf`, `a-2.pdf`). Returns the sandbox paths, in order."""
+    """Inbound files (a chat user's, `courier turn --attach`): storage -> `<workspace>/inbox/`,
+    with the sandbox's path checks; two of one name keep both (`a.pdf`, `a-2.pdf`).
+    Returns the sandbox paths, in order."""
     items = spec.get("attachments") or []
     if not items:
         return []
@@ -431,8 +396,7 @@ def _run_openai(ctx: Context, job_id: str, message: str, agent: AgentConfig, ref
 
 
 def abandon(ctx: Context, job_id: str, reason: str, enqueue: Enqueue = chains.enqueue) -> TurnResult:
-    """End a turn that cannot run (its runs kept dying with their workers):
-    the chat's short message and the one terminal error event."""
+    """End a turn whose runs kept dying with their workers: the chat's short message, the error event."""
     job = receipts.get_job(ctx.redis, job_id) or {}
     try:
         spec = signing.open_json("turn", job_id, job["spec"]) if job.get("spec") else {}
@@ -446,9 +410,8 @@ TURN_MAX_RUNS = 3
 
 
 def _redrive(ctx: Context, job_id: str) -> str:
-    """The reconciler's re-drive of a turn whose due time passed with nobody on it: run it
-    again (its spec, from the job's record), or end it once it has killed `TURN_MAX_RUNS`
-    workers, or forget it when it is over."""
+    """The reconciler's re-drive of an overdue turn: run it again (its spec from the job's record),
+    end it once it has killed `TURN_MAX_RUNS` workers, or forget it when it is over."""
     r = ctx.redis
     job = receipts.get_job(r, job_id)
     if job is None or job.get("state") in TURN_OVER or not job.get("spec"):
@@ -471,8 +434,3 @@ def _redrive(ctx: Context, job_id: str) -> str:
 
 #: the turn's stage, for the reconciler
 STAGE = Stage("turn", _redrive, ("turns", "abandoned"))
-
-
-def _project_root() -> str:
-    """courier's root: the folder of the `tasks` package (wherever in it this module sits)."""
-    return os.path.dirname(os.path.dirname(os.path.abspath(tasks.__file__)))
