@@ -1,18 +1,10 @@
 """courier's processes (worker, web, CLI, demo).
 
-Importing this package first puts courier's own root on `sys.path` ahead of
-the working directory: courier's top-level packages have common names
-(`storage`, `tasks`, ...) and a process started in a directory holding a
-folder so named (the data dir holds `storage/`) would otherwise import that
-folder as a namespace package when courier is installed by an import hook
-(`pip install -e`, whose finder is consulted only after `sys.path`), and
-fail with an ImportError. Every entry point (`celery -A workers.celery_app`,
-`python -m workers.cli`, `courier`, the web app) imports this package
-before any of the others.
-
-So it is here too that every courier process (worker and its pool children,
-which fork from it; web; beat; the CLI; Flower through courier's app) makes
-itself non-dumpable, before it reads a setting: see `_not_dumpable`.
+Every entry point imports this package first. It puts courier's root on
+`sys.path` ahead of the working directory (courier's top-level packages have
+common names, and a data dir holding `storage/` would otherwise be imported as
+a namespace package under an editable install), and makes the process
+non-dumpable before it reads a setting (`_not_dumpable`).
 """
 
 from __future__ import annotations
@@ -25,12 +17,10 @@ PR_SET_DUMPABLE = 4
 
 
 def _not_dumpable() -> None:
-    """`prctl(PR_SET_DUMPABLE, 0)`: another process of the same uid (an agent
-    started by this user, anything else it runs) can no longer read this
-    process's /proc/<pid>/environ, mem, fds or maps, nor ptrace it (that takes
-    CAP_SYS_PTRACE now): the tokens and the Redis URL a worker holds stay in it.
-    It is kept across fork (a prefork pool's children) and reset by execve
-    (an agent courier starts is an ordinary process). No core dumps either."""
+    """`prctl(PR_SET_DUMPABLE, 0)`: another process of the same uid (an agent) can no longer
+    read this process's /proc/<pid>/environ, mem or fds, nor ptrace it, so the tokens and
+    Redis URL stay in it; no core dumps either. Kept across fork (pool children), reset by
+    execve (an agent courier starts is an ordinary process)."""
     if not sys.platform.startswith("linux"):
         return
     try:

@@ -7,54 +7,48 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
+import multiprocessing
 import os
+import signal
+import threading
+import time
 
-from celery import Celery, Task
+from celery import Celery, Task, concurrency, current_app
+from celery.concurrency.thread import TaskPool as ThreadPool
 from celery.schedules import crontab
-from celery.signals import (
-    after_setup_logger,
-    after_setup_task_logger,
-    task_rejected,
-    worker_process_init,
-    beat_init,
-    before_task_publish,
-    task_postrun,
-    task_prerun,
-    worker_init,
-    worker_process_shutdown,
-    worker_ready,
-    worker_shutdown,
-)
+from celery.signals import (after_setup_logger, after_setup_task_logger, beat_init, before_task_publish,
+                            task_postrun, task_prerun, task_rejected, worker_init, worker_process_init,
+                            worker_process_shutdown, worker_ready, worker_shutdown)
 from kombu import Exchange, Queue
 
 from tasks import runtime, task_names
+from tasks.ledger import keys, ledger
+from tasks.ops import queues, sendorder
 from workers import kombu_internals, logformat, logsafe, signed_messages
+from workers.metrics import mark_dead, start_exporter
 from workers.redis_url import celery_ssl, celery_url
 from workers.settings import get_settings
+from workers.timelimits import Watchdog
+from workers.wiring import agent_sandbox_report, build_context, redis_client
+
+log = logging.getLogger(__name__)
 
 QUEUES = ("turns", "sandbox", "delivery", "janitor")
 
 
 def task_queue(name: str, args=None, kwargs=None, options=None, task=None, **kw):
-    """`courier.<area>.<verb>` goes to the queue of its area.
-
-    The route names the queue only: each queue's exchange is direct with the
-    queue's name as routing key, so Celery publishes to the anonymous
-    exchange straight into that queue's list. (Naming the exchange here would
-    make kombu look the exchange's bindings up in Redis on every publish:
-    one round trip more per task.)"""
+    """`courier.<area>.<verb>` goes to the queue of its area. The route names the queue only:
+    naming the exchange would make kombu look its bindings up in Redis on every publish."""
     area = name.split(".")[1] if name.startswith("courier.") else None
-    if area in QUEUES:
-        return {"queue": area}
-    return None
+    return {"queue": area} if area in QUEUES else None
 
 
 class CourierTask(Task):
-    """courier's task class (`task_cls`): on the threads pool a task's body runs inside
-    `Watchdog.guard`, so its time limits end exactly where the body ends (issue 23: a
-    soft limit landing after the body, before `task_postrun`, left the hard one armed
-    and later ended an idle worker). Elsewhere a plain Celery task."""
+    """On the threads pool a task's body runs inside `Watchdog.guard`, so its time limits end
+    exactly where the body ends (a soft limit landing after it must not leave the hard one armed)."""
 
     def __call__(self, *args, **kwargs):
         dog = _watchdog
@@ -64,8 +58,8 @@ class CourierTask(Task):
 
 
 def make_app(settings=None) -> Celery:
-    signed_messages.install()
     """courier's Celery app for `settings` (default: the environment's)."""
+    signed_messages.install()
     s = settings or get_settings()
     logsafe.install(s)  # every process that loads the app (worker, beat, Flower) logs no secret
     kombu_internals.install()
@@ -85,27 +79,19 @@ def make_app(settings=None) -> Celery:
         event_serializer="json",
         task_acks_late=True,
         # a stage that hangs (an I/O without a deadline) is cut: the soft limit raises inside
-        # the task (a transient error: the ledger retries it), the hard one ends the process
-        task_annotations={
-            task_names.DRIVE_LANE: {"soft_time_limit": s.delivery_time_limit_s,
-                                            "time_limit": s.delivery_time_limit_s + 30},
-            task_names.EXTRACT_FILE: {"soft_time_limit": s.extract_time_limit_s,
-                                             "time_limit": s.extract_time_limit_s + 30},
-            task_names.AGENT_TURN: {"soft_time_limit": s.turn_time_limit_s,
-                                         "time_limit": s.turn_time_limit_s + 30},
-            task_names.JANITOR_SWEEP: {"soft_time_limit": 1800, "time_limit": 1830},
-            task_names.RECONCILE: {"soft_time_limit": 60, "time_limit": 90},
-        },
+        # the task (a transient error: the ledger retries it), the hard one (30 s later) ends the process
+        task_annotations={name: {"soft_time_limit": soft_s, "time_limit": soft_s + 30} for name, soft_s in (
+            (task_names.DRIVE_LANE, s.delivery_time_limit_s), (task_names.EXTRACT_FILE, s.extract_time_limit_s),
+            (task_names.AGENT_TURN, s.turn_time_limit_s), (task_names.JANITOR_SWEEP, 1800),
+            (task_names.RECONCILE, 60))},
         task_reject_on_worker_lost=True,
         task_acks_on_failure_or_timeout=True,
         worker_prefetch_multiplier=1,
-        # a message reserved by a worker that died comes back after this; recovery does not
-        # wait for it (the reconciler re-drives the stage once its lease lapses), but it must
-        # exceed the longest countdown (ledger.COUNTDOWN_MAX_S: settings check it)
+        # a message reserved by a worker that died comes back after this (it must exceed the
+        # longest countdown); recovery does not wait for it (the reconciler re-drives the stage)
         broker_transport_options={
             "visibility_timeout": s.visibility_timeout_s,
-            # sweep for abandoned (unacked past the timeout) messages often, so a
-            # task held by a worker that was killed comes back promptly
+            # sweep for abandoned messages often: a killed worker's task comes back promptly
             "unacked_restore_interval": max(1, min(10, s.visibility_timeout_s // 3)),
             "unacked_restore_throttle": 1,
             "socket_connect_timeout": 5,
@@ -148,30 +134,21 @@ def make_app(settings=None) -> Celery:
 
 app = make_app()
 task_rejected.connect(signed_messages.count_unsigned)
-# courier's app is every thread's app (Celery's default): a `shared_task` is found through
-# the calling thread's current app, set only in the thread that made this one; from any
-# other thread (Starlette's thread pool, a worker's reconciler thread) it would otherwise
-# be Celery's own default app (amqp://localhost)
+# every thread's app: a `shared_task` called from another thread (Starlette's pool, the
+# reconciler) would otherwise find Celery's own default app (amqp://localhost)
 app.set_default()
 
 
-def _context_factory():
-    from workers.wiring import build_context
-
-    return build_context()
-
-
-runtime.set_factory(_context_factory)
+runtime.set_factory(build_context)
 
 
 # -- logging: no secret and no chat text in any line, at any level (workers/logsafe.py) ----------
 @after_setup_logger.connect
 @after_setup_task_logger.connect
 def _redact_logs(logger=None, **_kw) -> None:
-    """Celery has just given the root logger (or its task logger) its handlers:
-    the redaction filter goes on them."""
+    """Celery has just given the root logger (or its task logger) its handlers: redact and format them."""
     if os.environ.get("COURIER_PROCESS_NAME"):  # one of `courier worker`'s processes (delivery-2): named apart
-        logformat.name_process(os.environ["COURIER_PROCESS_NAME"])
+        multiprocessing.current_process().name = os.environ["COURIER_PROCESS_NAME"]
     logsafe.install()  # the secrets: the app's settings' (make_app)
     logformat.install(get_settings().log_format)
 
@@ -182,20 +159,13 @@ _watchdog = None
 
 @worker_init.connect
 def _time_limits_for_threads(sender=None, **_kw) -> None:
-    """Celery's threads pool ignores `soft_time_limit` / `time_limit`: with
-    it, `workers.timelimits.Watchdog` enforces them (a hung delivery is cut
-    as on prefork)."""
+    """Celery's threads pool ignores time limits: with it, `workers.timelimits.Watchdog` enforces them."""
     global _watchdog
-    from celery import concurrency
-    from celery.concurrency.thread import TaskPool as ThreadPool
-
     try:
         pool = concurrency.get_implementation(getattr(sender, "pool_cls", None) or "prefork")
     except Exception:  # noqa: BLE001 - an unknown pool fails the worker elsewhere
         return
     if isinstance(pool, type) and issubclass(pool, ThreadPool):
-        from workers.timelimits import Watchdog
-
         _watchdog = Watchdog()
 
 
@@ -220,8 +190,7 @@ def _task_ended(**_kw) -> None:
 
 @worker_ready.connect
 def _start_reconciler(sender=None, **_kw) -> None:
-    """Every worker runs the reconciler (one pass a second; a Redis lock lets
-    one worker at a time work), so no extra process is needed for recovery."""
+    """Every worker runs the reconciler (a Redis lock lets one at a time work): no extra process."""
     from tasks.celery_tasks import stages
     from tasks.dispatch.reconcile import Reconciler
 
@@ -233,13 +202,10 @@ STALL_EXIT = 71
 
 
 def _recycle_on_stall(key: str, idle_s: float) -> None:
-    """A drive in this process made no progress for `idle_s` (a call without a deadline that
-    never returns): its lease is no longer renewed, and the process ends, so its pool replaces it
-    (prefork) or `courier worker` restarts it (threads); whatever else it was driving is re-driven
-    from the ledger, as after a crash."""
-    logging.getLogger(__name__).critical("lease %s: no progress for %.0f s: ending this worker process (exit %d) "
-                                         "so it is replaced; its stages are re-driven by the ledger", key, idle_s,
-                                         STALL_EXIT)
+    """A drive here made no progress for `idle_s` (a call without a deadline): the process ends, to be
+    replaced by its pool or `courier worker`; the ledger re-drives its stages, as after a crash."""
+    log.critical("lease %s: no progress for %.0f s: ending this worker process (exit %d) so it is replaced; "
+                 "its stages are re-driven by the ledger", key, idle_s, STALL_EXIT)
     logging.shutdown()
     os._exit(STALL_EXIT)
 
@@ -247,19 +213,14 @@ def _recycle_on_stall(key: str, idle_s: float) -> None:
 @worker_init.connect
 @worker_process_init.connect
 def _leases_need_progress(**_kw) -> None:
-    from tasks.ledger import ledger
-
     ledger.set_stall_handler(_recycle_on_stall, get_settings().lease_stall_s)
 
 
 @worker_ready.connect
 def _check_agent_sandbox(sender=None, **_kw) -> None:
-    """Say at start which local agents run unconfined (an explicit opt-in) and,
-    where bwrap cannot isolate agents on this host, that their turns will be refused."""
-    from workers.wiring import agent_sandbox_report
-
+    """Say at start which local agents run unconfined, and whether bwrap can isolate the others here."""
     for level, text in agent_sandbox_report():
-        logging.getLogger(__name__).log(level, text)
+        log.log(level, text)
 
 
 @worker_shutdown.connect
@@ -274,98 +235,64 @@ _reconciler = None
 # -- operations: queue registry, consumer heartbeats, metrics exporter ---------------------------
 @before_task_publish.connect
 def _stamp(sender=None, headers=None, routing_key=None, body=None, **_kw) -> None:
-    """Every message carries its publish time (`sent_s`: the oldest message's
-    age per queue), and its queue is noted in the registry (tasks/ops/queues.py)
-    at most once a minute per process: a `sandbox.<host>` queue without a
-    worker is still seen. An operator's send carries its number in its chat's
-    order (tasks/ops/sendorder.py)."""
-    import time
-
-    from celery import current_app
-
+    """Every message carries its publish time (`sent_s`), and its queue is noted in the registry
+    (tasks/ops/queues.py) at most once a minute per process, so a queue without a worker is still
+    seen. An operator's send carries its number in its chat's order (tasks/ops/sendorder.py)."""
     now = time.time()
     url = current_app.conf.get("courier_redis_url") or get_settings().redis_url  # the publishing app's Redis
     if headers is not None:
         headers["sent_s"] = round(now, 3)
         if sender == task_names.SEND:
             _number_send(url, headers, body)
-    if not routing_key:
-        return
-    if now - _registered.get((url, routing_key), 0.0) > 60:
+    if routing_key and now - _registered.get((url, routing_key), 0.0) > 60:
         _registered[(url, routing_key)] = now
         try:
-            from tasks.ops import queues
-
-            queues.register(_ops_redis(url), routing_key, now=now)
+            queues.register(redis_client(url), routing_key, now=now)
         except Exception as exc:  # noqa: BLE001 - bookkeeping: never fails a publish
             _registered.pop((url, routing_key), None)
-            logging.getLogger(__name__).debug("queue registry: %r", exc)
+            log.debug("queue registry: %r", exc)
 
 
 def _number_send(url: str, headers: dict, body) -> None:
     """Stamp an operator's send with its number in its chat's order (none when the target cannot be
-    read or Redis does not answer: the task then registers when it runs, as before)."""
-    from tasks.ops import sendorder
-
+    read or Redis does not answer: the task then registers when it runs)."""
     try:
         args, kwargs = (body[0], body[1]) if isinstance(body, (tuple, list)) and len(body) >= 2 else ((), {})
         target = kwargs.get("target") if isinstance(kwargs, dict) else None
         target = target if target is not None else (args[0] if args else None)
         if isinstance(target, str) and target and sendorder.HEADER not in headers:
-            headers[sendorder.HEADER] = sendorder.stamp(_ops_redis(url), target)
+            headers[sendorder.HEADER] = sendorder.stamp(redis_client(url), target)
     except Exception as exc:  # noqa: BLE001 - ordering: never fails a publish
-        logging.getLogger(__name__).warning("an operator's send goes without its number in the chat's order: %r",
-                                            exc)
-
-
-def _ops_redis(url: str | None = None):
-    url = url or get_settings().redis_url
-    client = _redis.get(url)
-    if client is None:
-        from workers.wiring import redis_client
-
-        client = _redis[url] = redis_client(url)
-    return client
+        log.warning("an operator's send goes without its number in the chat's order: %r", exc)
 
 
 _registered: dict[tuple[str, str], float] = {}
-_redis: dict = {}
 
 
 class _Heartbeat:
     """The worker's main process says which queues it consumes, every HEARTBEAT_S."""
 
     def __init__(self, name: str, consumer, url: str) -> None:
-        import threading
-
         self.name, self.consumer, self.url = name, consumer, url
         self.queues: list[str] = []
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name="courier-heartbeat", daemon=True)
 
     def _run(self) -> None:
-        from tasks.ops import queues
-
         while not self.stopped.is_set():
-            try:
+            with contextlib.suppress(AttributeError):
                 # read each time: `celery control add_consumer` may add a queue to a running worker
                 self.queues = [q.name for q in self.consumer.task_consumer.queues]
-            except AttributeError:
-                pass
             try:
-                queues.heartbeat(_ops_redis(self.url), self.name, self.queues)
+                queues.heartbeat(redis_client(self.url), self.name, self.queues)
             except Exception as exc:  # noqa: BLE001 - the next beat tries again
-                logging.getLogger(__name__).debug("heartbeat: %r", exc)
+                log.debug("heartbeat: %r", exc)
             self.stopped.wait(queues.HEARTBEAT_S)
 
     def stop(self) -> None:
-        from tasks.ops import queues
-
         self.stopped.set()
-        try:
-            queues.leave(_ops_redis(self.url), self.name, self.queues)
-        except Exception:  # noqa: BLE001 - it goes stale by itself
-            pass
+        with contextlib.suppress(Exception):  # it goes stale by itself
+            queues.leave(redis_client(self.url), self.name, self.queues)
 
 
 @worker_ready.connect
@@ -376,8 +303,6 @@ def _start_ops(sender=None, **_kw) -> None:
     _heartbeat.thread.start()
     s = get_settings()
     if s.metrics_port:
-        from workers.metrics import start_exporter
-
         start_exporter(s.metrics_port, s.metrics_token, host=s.metrics_host)
 
 
@@ -389,8 +314,6 @@ def _stop_ops(sender=None, **_kw) -> None:
 
 @worker_process_shutdown.connect
 def _pool_process_ended(pid=None, **_kw) -> None:
-    from workers.metrics import mark_dead
-
     mark_dead(pid or os.getpid())
 
 
@@ -406,28 +329,17 @@ BEAT_STANDBY_POLL_S = 1.0
 
 @beat_init.connect
 def _beat_singleton(sender=None, **_kw) -> None:
-    """Only the beat holding `keys.beat_lock()` schedules: a second beat
-    (a second host, a deploy that overlaps) waits here, before its first
-    tick, until the lock is free (its holder stopped, or died and the lock
-    lapsed after BEAT_LOCK_TTL_S), then takes over. Redis unreachable: it
-    keeps waiting (never schedules without the lock). The holder renews the
-    lock from a thread; if it finds the lock taken by another (it was away
-    longer than the TTL), it stops itself (SIGTERM) rather than schedule twice."""
-    import atexit
-    import signal
-    import threading
-    import time
-
-    from tasks.ledger import keys, ledger
-
-    log = logging.getLogger("courier.beat")
+    """Only the beat holding `keys.beat_lock()` schedules: another waits here, before its first tick,
+    until the lock is free (never scheduling without it, Redis unreachable included). The holder
+    renews it from a thread, and stops itself (SIGTERM) if it finds it taken by another."""
+    beat_log = logging.getLogger("courier.beat")
     app_ = getattr(sender, "app", None) or app
     url = app_.conf.get("courier_redis_url") or get_settings().redis_url
     key, token = keys.beat_lock(), ledger.new_token()
     said = False
     while True:
         try:
-            r = _ops_redis(url)
+            r = redis_client(url)
             if ledger.take(r, key, token, BEAT_LOCK_TTL_S):
                 break
             holder = r.get(key)
@@ -435,10 +347,10 @@ def _beat_singleton(sender=None, **_kw) -> None:
         except Exception as exc:  # noqa: BLE001 - never schedule without the lock
             why = f"Redis is not reachable ({type(exc).__name__})"
         if not said:
-            log.warning("beat: %s: standing by", why)
+            beat_log.warning("beat: %s: standing by", why)
             said = True
         time.sleep(BEAT_STANDBY_POLL_S)
-    log.warning("beat: holding %s: this beat schedules", key)
+    beat_log.warning("beat: holding %s: this beat schedules", key)
 
     def renew() -> None:
         while True:
@@ -448,16 +360,14 @@ def _beat_singleton(sender=None, **_kw) -> None:
             except Exception:  # noqa: BLE001 - tried again; the lock outlives a short outage
                 continue
             if not kept:
-                log.error("beat: lost %s to another beat: stopping, so that only one schedules", key)
+                beat_log.error("beat: lost %s to another beat: stopping, so that only one schedules", key)
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
 
     threading.Thread(target=renew, name="courier-beat-lock", daemon=True).start()
 
     def release() -> None:
-        try:
+        with contextlib.suppress(Exception):  # it lapses by itself
             ledger.release(r, key, token)
-        except Exception:  # noqa: BLE001 - it lapses by itself
-            pass
 
     atexit.register(release)

@@ -1,25 +1,18 @@
-"""The kombu surgery: the only code in courier that reaches into kombu's
-private internals, kept in one small module so a kombu upgrade has one
-place to check (pyproject allows ``kombu>=5.4,<6``;
-tests/test_kombu_internals.py runs it against the lowest and the highest).
+"""The only code in courier that reaches into kombu's private internals, kept in
+one module so a kombu upgrade has one place to check (pyproject allows
+``kombu>=5.4,<6``; tests/test_kombu_internals.py runs it against both ends).
 
-What it touches, and why (measured: workers exited in 4 of 6 Redis restarts
-of the chaos suite with Celery's "Unrecoverable error: AttributeError
-('NoneType' object has no attribute 'hostname')"):
+What it touches, and why:
 
 - ``kombu.transport.redis.Channel._create_client`` (wrapped by
   :func:`install`): a channel that closes after Redis went away restores its
-  unacked messages, which makes a new Redis client; kombu has by then let go
-  of the connection's parameters and ``Channel._connparams`` raises
-  AttributeError, which Celery does not expect while it closes and which
-  ends the worker. The wrapper raises a redis ``ConnectionError`` instead:
-  Celery ignores those while it closes, reconnects, and the unacked messages
-  come back later (kombu 5.4 to 5.7 still raise without it).
-- ``Channel.connection`` (the channel's kombu ``Transport``) and
-  ``Transport.client`` (its ``kombu.Connection``, None once released): read
-  to tell that case from any other.
-
-Everything else in courier publishes and consumes with Celery's public API.
+  unacked messages with a new client, but kombu has let go of the connection's
+  parameters and ``Channel._connparams`` raises AttributeError, which ends the
+  worker ("Unrecoverable error"). The wrapper raises a redis ``ConnectionError``
+  instead: Celery ignores those while it closes, reconnects, and the unacked
+  messages come back later (kombu 5.4 to 5.7 still need it).
+- ``Channel.connection.client`` (the channel's transport's ``kombu.Connection``,
+  None once released): read to tell that case from any other.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """How every courier process's log lines look (`COURIER_LOG_FORMAT`).
 
-- ``plain`` (the default): ``<time> <LEVEL> <process> <logger>: <message>``,
-  the same in the worker, beat, the web process, Flower and the CLI (the web
-  process's lines had no time or level; a threads-pool delivery worker's
-  processes all said ``MainProcess``).
-- ``json``: one JSON object a line, for a log pipeline: ``ts`` (ISO 8601,
-  UTC), ``level``, ``process``, ``pid``, ``logger``, ``message``, and
-  ``job``, ``delivery``, ``lane``, ``task``, ``task_id`` when the line was
-  logged while a task ran for them (set from the task's arguments as it
-  starts: ids and a chat's target, never the chat's text), ``exc`` with the
-  traceback. Records are redacted before they are formatted
-  (workers/logsafe.py): no secret, no chat text, in either format.
+- ``plain`` (the default): ``<time> <LEVEL> <process> <logger>: <message>``.
+- ``json``: one JSON object a line: ``ts`` (ISO 8601, UTC), ``level``,
+  ``process``, ``pid``, ``logger``, ``message``, ``exc`` (a traceback), and the
+  ids of the task the line was logged for (``job``, ``delivery``, ``lane``,
+  ``task``, ``task_id``; never the chat's text).
 
-`install(fmt)` puts the formatter on every handler configured so far and is
-called wherever logging is configured (the same places as logsafe's).
+Records are redacted before they are formatted (workers/logsafe.py).
 """
 
 from __future__ import annotations
@@ -22,23 +15,21 @@ import contextvars
 import json
 import logging
 import os
+import time
 from datetime import datetime, timezone
 from typing import Any
 
-__all__ = ["FORMATS", "JsonFormatter", "PLAIN", "install", "task_fields", "clear_task_fields"]
+from tasks import task_names
+from workers.logsafe import _handlers
 
-FORMATS = ("plain", "json")
 PLAIN = "%(asctime)s %(levelname)s %(processName)s[%(process)d] %(name)s: %(message)s"
 #: the ids of the task this thread runs (a threads pool runs several at once: a context var each)
 _task: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar("courier_log_task", default=None)
-_fields_filter_name = "courier-task-fields"
 
 
 def task_fields(task_name: str, task_id: str, args: Any) -> None:
     """Note the running task's ids for this thread's log lines: a delivery's and its job's (an
     extraction), a job's (a turn), a lane's target (a drive). Never the arguments' text."""
-    from tasks import task_names
-
     out = {"task": task_name.rsplit(".", 1)[-1], "task_id": task_id}
     first = args[0] if isinstance(args, (list, tuple)) and args else None
     if task_name == task_names.EXTRACT_FILE and isinstance(first, str):
@@ -57,8 +48,6 @@ def clear_task_fields() -> None:
 class _TaskFields(logging.Filter):
     """Copies the running task's ids onto each record (as `courier_fields`)."""
 
-    name_ = _fields_filter_name
-
     def filter(self, record: logging.LogRecord) -> bool:
         fields = _task.get()
         if fields and not hasattr(record, "courier_fields"):
@@ -67,8 +56,6 @@ class _TaskFields(logging.Filter):
 
 
 class JsonFormatter(logging.Formatter):
-    """A record as one JSON object (see the module docstring)."""
-
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
             "ts": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
@@ -89,31 +76,16 @@ class JsonFormatter(logging.Formatter):
 _fields = _TaskFields()
 
 
-def formatter(fmt: str) -> logging.Formatter:
-    if fmt == "json":
-        return JsonFormatter()
-    f = logging.Formatter(PLAIN)
-    f.converter = __import__("time").gmtime  # UTC, as the JSON lines and the ledger's times
-    f.default_msec_format = "%s.%03dZ"
-    return f
-
-
 def install(fmt: str | None = None) -> None:
-    """The format `fmt` (default COURIER_LOG_FORMAT, plain) on every handler configured so far."""
-    fmt = (fmt or os.environ.get("COURIER_LOG_FORMAT") or "plain").lower()
-    if fmt not in FORMATS:
-        fmt = "plain"
-    f = formatter(fmt)
-    from workers.logsafe import _handlers
-
+    """The format `fmt` (default COURIER_LOG_FORMAT; anything but json is plain) on every handler so far."""
+    f: logging.Formatter
+    if (fmt or os.environ.get("COURIER_LOG_FORMAT") or "").lower() == "json":
+        f = JsonFormatter()
+    else:
+        f = logging.Formatter(PLAIN)
+        f.converter = time.gmtime  # UTC, as the JSON lines and the ledger's times
+        f.default_msec_format = "%s.%03dZ"
     for handler in _handlers():
         handler.setFormatter(f)
         if _fields not in handler.filters:
             handler.addFilter(_fields)
-
-
-def name_process(name: str) -> None:
-    """This process's name in log lines (`processName`)."""
-    import multiprocessing
-
-    multiprocessing.current_process().name = name

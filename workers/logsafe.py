@@ -1,33 +1,15 @@
 """What every courier process logs, whatever its level: no secret, no chat text.
 
-Secrets reach log lines from libraries, not from courier's own code:
-python-telegram-bot logs the Bot API URL (`/bot<token>/...`) on `telegram.Bot`
-at DEBUG, httpx the same URL at INFO, a traceback may quote a URL with a
-password. And some SDKs log whole request and response bodies at DEBUG, with
-the chat's text in them (python-telegram-bot's parameters, discord.py's
-payloads, slack_sdk's bodies, botocore's request params with a small
-upload's bytes). A filter on one SDK's logger misses the next one (a logger's
-filter never sees its children's records), so the filter here sits where
-every record ends: on the handlers.
-
-`install(settings)` puts one `Redactor` on every handler configured so far
-(the root logger's first: a record propagated from any SDK logger, at any
-level, goes through them) and runs every record made from then on through the
-same rules as it is made (`logging.setLogRecordFactory`): a handler added
-later, by a library that configures its own (Flower's tornado, uvicorn's
-loggers), gets only redacted records too. Installed wherever a courier
-process configures logging: the Celery app's logging signals (worker, beat),
-the app's import (Flower, the CLI), the web app (`courier web`, uvicorn).
-
-The rules, for every record:
-- every secret courier knows (`secrets_of`: each `SecretStr` setting, the
-  password in COURIER_REDIS_URL or any other URL setting or variable, the S3
-  secret and any variable named like a token, secret, password or key) is replaced by
-  `<redacted>` in the message, its exception text and its stack, as is its
-  URL-encoded form;
-- a DEBUG record of an SDK logger that logs payloads (`PAYLOAD_LOGGERS`) keeps
-  its format string, each argument shown as `…`; one with no arguments (an
-  f-string) is withheld as a whole: it cannot be told apart from its payload.
+Secrets and chat text reach log lines from libraries (python-telegram-bot and
+httpx log the Bot API URL with its token, SDKs log request bodies at DEBUG, a
+traceback may quote a URL with a password). A filter on one SDK's logger misses
+its children and the next SDK, so `install` puts one `Redactor` on every handler
+configured so far and in the record factory (a handler a library adds later
+gets only redacted records too). The rules, for every record:
+- every secret courier knows (`secrets_of`), and its URL-encoded form, becomes
+  `<redacted>` in the message, its exception text and its stack;
+- a DEBUG record of a `PAYLOAD_LOGGERS` logger keeps its format string with each
+  argument shown as `…`; one without arguments (an f-string) is withheld whole.
 """
 
 from __future__ import annotations
@@ -38,7 +20,9 @@ import re
 import threading
 from collections.abc import Iterable
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, unquote
+
+from pydantic import SecretStr
 
 #: what a secret becomes in a log line
 REDACTED = "<redacted>"
@@ -57,22 +41,15 @@ _PLACEHOLDER = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(?:\*|\d+)?(?:\.(?:\*|\d+))?[
 
 def url_password(url: str | None) -> str | None:
     """The password in a URL's user info (`scheme://user:pw@host`, several hosts too), or None."""
-    if not url or "://" not in url:
+    cred, at, _ = (url or "").partition("://")[2].split("/", 1)[0].rpartition("@")
+    if not at:
         return None
-    netloc = url.split("://", 1)[1].split("/", 1)[0]
-    if "@" not in netloc:
-        return None
-    cred = netloc.rsplit("@", 1)[0]
-    pw = cred.split(":", 1)[1] if ":" in cred else cred
-    from urllib.parse import unquote
-
-    return unquote(pw) or None
+    return unquote(cred.split(":", 1)[1] if ":" in cred else cred) or None
 
 
 def secrets_of(settings: Any, environ: dict[str, str] | None = None) -> set[str]:
-    """Every secret value a process with `settings` (and `environ`) knows."""
-    from pydantic import SecretStr
-
+    """Every secret value a process with `settings` (and `environ`) knows: each SecretStr setting,
+    the password in a URL setting or variable, any variable named like a secret."""
     out: set[str] = set()
     for name in type(settings).model_fields:
         value = getattr(settings, name, None)
@@ -91,13 +68,10 @@ def secrets_of(settings: Any, environ: dict[str, str] | None = None) -> set[str]
 
 
 class Redactor(logging.Filter):
-    """The rules above, as a handler's filter (and, through `install`, the record factory's)."""
-
     def __init__(self, secrets: Iterable[str] = ()) -> None:
         super().__init__()
         self._lock = threading.Lock()
         self._secrets: set[str] = set()
-        #: every form of every secret (None: none known yet)
         self.pattern: re.Pattern[str] | None = None
         self.add(secrets)
 
@@ -123,10 +97,9 @@ class Redactor(logging.Filter):
 
 
 def clean(record: logging.LogRecord, redactor: Redactor) -> logging.LogRecord:
-    """Apply the rules to `record` in place, once (a record goes through several handlers).
-    A record with nothing to hide is left as it is, its arguments too (formatters such as
-    uvicorn's access log read them); a secret in an argument is replaced there, and only
-    where that is not enough is the message formatted here and its arguments dropped."""
+    """Apply the rules to `record` in place, once. A record with nothing to hide keeps its
+    arguments (formatters such as uvicorn's access log read them); a secret is replaced in the
+    arguments, or where that is not enough the message is formatted here without them."""
     if getattr(record, "_courier_clean", False):
         return record
     record._courier_clean = True
@@ -189,9 +162,8 @@ _factory_installed = False
 
 
 def install(settings: Any = None) -> Redactor:
-    """The process's one `Redactor` on every handler configured so far and in
-    the record factory, with the secrets of `settings` added when given.
-    Idempotent; cheap to call at every place that configures logging."""
+    """The process's one `Redactor` on every handler so far and in the record factory, with the
+    secrets of `settings` added. Idempotent; called wherever logging is configured."""
     global _factory_installed
     if settings is not None:
         _redactor.add(secrets_of(settings))

@@ -1,27 +1,9 @@
-"""Prometheus exposition: the web process's `/metrics` and a worker's exporter.
+"""Prometheus exposition: the web process's `/metrics` and a worker's exporter
+(what is counted is in tasks/metrics.py).
 
-What is counted is in tasks/metrics.py (deliveries, 429s, extractions,
-webhooks, turns). Here:
-
-- `registry()`: in multiprocess mode (`PROMETHEUS_MULTIPROC_DIR` set) a
-  registry that reads every process's values from that directory (a
-  prefork worker's children; uvicorn's workers), else the process's own.
-- `LedgerCollector`: gauges read from Redis at scrape time, one pipeline:
-  each Celery queue's depth, oldest message's age and consumers
-  (`sandbox.<host>` queues included, tasks/ops/queues.py), and the ledger's
-  pending entries per stage (`tasks.ledger.ledger.pending`), and the sandboxes
-  whose circuit breaker is open or half-open (`tasks.turn.breaker.counts`). They
-  describe the whole deployment, so the web process exports them; a worker's exporter
-  does not (no duplicate series).
-- `authorized(header, token)`: the operator's bearer token
-  (`COURIER_METRICS_TOKEN`); when it is set, a scrape without it is a 401.
-- `start_exporter(port, token)`: a worker's exporter (its main process, a
-  thread; `COURIER_METRICS_PORT`).
-- `prepare_multiproc_dir(settings)`: the directory `courier worker` gives its
-  processes when the operator set no PROMETHEUS_MULTIPROC_DIR (`<data
-  dir>/metrics/<host>`, the files of processes no longer running removed first), so
-  a worker of several processes is counted whole by default; the web process
-  on the same host adds the counts found there to its own (`registry`).
+In multiprocess mode (`PROMETHEUS_MULTIPROC_DIR`) a scrape reads every process's
+values from that directory. The Redis gauges (`LedgerCollector`) describe the
+whole deployment, so only the web process exports them (no duplicate series).
 """
 
 from __future__ import annotations
@@ -29,10 +11,13 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from socketserver import ThreadingMixIn
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 log = logging.getLogger(__name__)
 
@@ -44,52 +29,39 @@ def multiprocess() -> bool:
 
 
 def registry(redis_client=None, workers_dir: Path | None = None):
-    """The registry a scrape renders: the counters of this process (or of
-    every process sharing PROMETHEUS_MULTIPROC_DIR), plus the Redis gauges
-    when `redis_client` is given. `workers_dir` (a process not in multiprocess
-    mode: the web process): the counts of the worker processes that write
-    there (`prepare_multiproc_dir`) are added to this process's own."""
+    """The registry a scrape renders: this process's counters (or every process's sharing
+    PROMETHEUS_MULTIPROC_DIR), plus the Redis gauges when `redis_client` is given, plus, outside
+    multiprocess mode, the counts of the worker processes that write to `workers_dir`."""
     from prometheus_client import REGISTRY, CollectorRegistry
     from prometheus_client import multiprocess as mp
 
     import tasks.metrics  # noqa: F401 - the series exist (at 0) before anything is counted
 
-    if multiprocess():
-        reg = CollectorRegistry()
-        mp.MultiProcessCollector(reg)
-    elif redis_client is None and workers_dir is None:
+    if not multiprocess() and redis_client is None and workers_dir is None:
         return REGISTRY
+    reg = CollectorRegistry()
+    if multiprocess():
+        mp.MultiProcessCollector(reg)
     else:
-        reg = CollectorRegistry()
-        reg.register(_Forward(REGISTRY) if workers_dir is None else _WithWorkers(REGISTRY, workers_dir))
+        reg.register(_WithWorkers(REGISTRY, workers_dir))
     if redis_client is not None:
         reg.register(LedgerCollector(redis_client))
     return reg
 
 
-class _Forward:
-    """The default registry's metrics inside another registry."""
-
-    def __init__(self, source) -> None:
-        self.source = source
-
-    def collect(self):
-        return self.source.collect()
-
-
 class _WithWorkers:
-    """This process's metrics with the counts in a multiprocess directory added: samples of
-    the same name and labels are summed (counters and histograms; a `_created` time is
-    this process's alone and is left out where the directory counts too)."""
+    """The default registry's metrics, with the counts in a multiprocess directory (if any) added:
+    samples of the same name and labels are summed (a `_created` time is left out where the
+    directory counts too)."""
 
-    def __init__(self, source, path: Path) -> None:
+    def __init__(self, source, path: Path | None) -> None:
         self.source, self.path = source, path
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.multiprocess import MultiProcessCollector
 
         try:
-            files = sorted(str(p) for p in self.path.glob("*.db"))
+            files = sorted(str(p) for p in self.path.glob("*.db")) if self.path else []
             theirs = {m.name: m for m in MultiProcessCollector.merge(files, accumulate=True)} if files else {}
         except Exception as exc:  # noqa: BLE001 - a scrape never fails: this process's own counts still show
             log.warning("metrics: the workers' counts in %s are not readable: %r", self.path, exc)
@@ -142,28 +114,21 @@ class LedgerCollector:
             return
         up.add_metric([], 1)
         yield up
-        depth = GaugeMetricFamily("courier_queue_depth", "Messages waiting in a Celery queue", labels=["queue"])
-        age = GaugeMetricFamily("courier_queue_oldest_age_seconds",
-                                "Age of the oldest message waiting in a queue (0 when empty)", labels=["queue"])
-        cons = GaugeMetricFamily("courier_queue_consumers", "Workers consuming a queue (heartbeat in the last 30 s)",
-                                 labels=["queue"])
-        for row in rows:
-            depth.add_metric([row["queue"]], row["depth"])
-            age.add_metric([row["queue"]], row["oldest_age_s"] or 0.0)
-            cons.add_metric([row["queue"]], row["consumers"])
-        yield depth
-        yield age
-        yield cons
-        led = GaugeMetricFamily("courier_ledger_pending", "Ledger entries waiting or running, per stage",
-                                labels=["stage"])
-        for stage, n in pending.items():
-            led.add_metric([stage], n)
-        yield led
-        brk = GaugeMetricFamily("courier_sandbox_breakers", "Sandboxes whose circuit breaker is open (their files "
-                                "wait, untried) or half-open (one file probes them)", labels=["state"])
-        for st, n in breakers.items():
-            brk.add_metric([st], n)
-        yield brk
+        for name, doc, label, values in (
+            ("courier_queue_depth", "Messages waiting in a Celery queue", "queue",
+             [(r["queue"], r["depth"]) for r in rows]),
+            ("courier_queue_oldest_age_seconds", "Age of the oldest message waiting in a queue (0 when empty)",
+             "queue", [(r["queue"], r["oldest_age_s"] or 0.0) for r in rows]),
+            ("courier_queue_consumers", "Workers consuming a queue (heartbeat in the last 30 s)", "queue",
+             [(r["queue"], r["consumers"]) for r in rows]),
+            ("courier_ledger_pending", "Ledger entries waiting or running, per stage", "stage", pending.items()),
+            ("courier_sandbox_breakers", "Sandboxes whose circuit breaker is open (their files wait, untried) or "
+             "half-open (one file probes them)", "state", breakers.items()),
+        ):
+            family = GaugeMetricFamily(name, doc, labels=[label])
+            for key, value in values:
+                family.add_metric([key], value)
+            yield family
 
 
 def authorized(header: str | None, token) -> bool:
@@ -171,10 +136,8 @@ def authorized(header: str | None, token) -> bool:
     if token is None:
         return True
     want = token.get_secret_value() if hasattr(token, "get_secret_value") else str(token)
-    got = (header or "")
-    if got[:7].lower() != "bearer ":
-        return False
-    return hmac.compare_digest(got[7:].strip().encode(), want.encode())
+    got = header or ""
+    return got[:7].lower() == "bearer " and hmac.compare_digest(got[7:].strip().encode(), want.encode())
 
 
 def render(reg) -> bytes:
@@ -186,9 +149,6 @@ def render(reg) -> bytes:
 def start_exporter(port: int, token=None, host: str = "0.0.0.0"):
     """Serve this process's registry (every pool process in multiprocess
     mode) on `host:port` from a daemon thread; returns the server."""
-    from socketserver import ThreadingMixIn
-    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
-
     reg = registry()
 
     def app(environ, start_response):
@@ -217,19 +177,10 @@ def start_exporter(port: int, token=None, host: str = "0.0.0.0"):
 
 
 def default_multiproc_dir(settings) -> Path:
-    """Where `courier worker`'s processes count together unless PROMETHEUS_MULTIPROC_DIR says
-    elsewhere: the deployment's data dir, one directory per host (a data dir shared between
-    hosts or containers must not mix process ids: files of processes not running are removed)."""
-    import socket
-
+    """Where `courier worker`'s processes count together by default: one directory per host
+    (a data dir shared between hosts must not mix process ids)."""
     host = "".join(c if c.isalnum() or c in "-_." else "_" for c in socket.gethostname()) or "localhost"
     return Path(settings.data_dir) / "metrics" / host
-
-
-def _pid_of(path: Path) -> int | None:
-    """The process a multiprocess file belongs to (`counter_<pid>.db`, `gauge_livesum_<pid>.db`)."""
-    tail = path.stem.rsplit("_", 1)[-1]
-    return int(tail) if tail.isdigit() else None
 
 
 def _running(pid: int) -> bool:
@@ -243,13 +194,9 @@ def _running(pid: int) -> bool:
 
 
 def prepare_multiproc_dir(settings) -> tuple[Path, str | None]:
-    """(the multiprocess directory for `courier worker`'s processes, a warning to print or None).
-
-    PROMETHEUS_MULTIPROC_DIR set: the operator's directory, created if missing (warned: it
-    must be empty at start, a tmpfs or the like); one that cannot be written is warned about
-    loudly (every count would fail). Unset: `<data dir>/metrics/<host>`, where files of processes no
-    longer running are removed first (a fresh start counts from 0, as a restarted process does);
-    the files of processes still running (another `courier worker` of this host) are kept."""
+    """(the multiprocess directory for `courier worker`'s processes, a warning to print or None):
+    PROMETHEUS_MULTIPROC_DIR (created if missing), else `default_multiproc_dir`, where the files of
+    processes no longer running are removed first (another `courier worker` of this host keeps its)."""
     given = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir")
     if given:
         path = Path(given)
@@ -264,12 +211,9 @@ def prepare_multiproc_dir(settings) -> tuple[Path, str | None]:
     path = default_multiproc_dir(settings)
     path.mkdir(parents=True, exist_ok=True)
     for f in path.glob("*.db"):
-        pid = _pid_of(f)
-        if pid is None or not _running(pid):
-            try:
-                f.unlink()
-            except FileNotFoundError:
-                pass
+        pid = f.stem.rsplit("_", 1)[-1]  # counter_<pid>.db, gauge_livesum_<pid>.db
+        if not pid.isdigit() or not _running(int(pid)):
+            f.unlink(missing_ok=True)
     return path, None
 
 

@@ -1,13 +1,8 @@
-"""courier's settings: the environment, read in one place.
+"""courier's settings: the environment, read in one place (only `workers/` reads it).
 
-Only `workers/` reads the environment; it builds adapters and stores from
-these values and hands them over as constructor arguments. Tokens are
-`SecretStr`: they never show in repr, logs or `--help`.
-
-Every secret (each `SecretStr` field, and COURIER_REDIS_URL, which may carry
-a password) can come from a file instead: `<NAME>_FILE=/run/secrets/x` (the
-Docker / Kubernetes secrets convention), so that it sits in no process's
-environment, where anything that can read `/proc/<pid>/environ` finds it.
+Tokens are `SecretStr` (never in repr, logs or `--help`). Every secret (each
+`SecretStr` field, and COURIER_REDIS_URL) may come from `<NAME>_FILE` instead,
+so that it sits in no process's environment (`/proc/<pid>/environ`).
 """
 
 from __future__ import annotations
@@ -20,22 +15,20 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import AliasChoices, ValidationInfo, BaseModel, Field, SecretStr, field_validator, model_validator
+from pydantic import ValidationInfo, BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from adapters import defaults
 from adapters.errors import ConfigError
+from adapters.sandboxes.base import parse_uri
 from storage import prefixes
+from workers.redis_url import SCHEMES, celery_ssl, parse_sentinel, with_password
 
 
 def _default_data_dir() -> Path:
     base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
     return Path(base) / "courier"
-
-
-def _env(name: str) -> Any:
-    return AliasChoices(name)
 
 
 # -- secrets from files --------------------------------------------------------------------------
@@ -46,13 +39,11 @@ SECRET_FILE_MAX_BYTES = 64 * 1024
 
 
 class SecretFileError(ConfigError):
-    """A `<NAME>_FILE` that cannot be used (unreadable, not a file, set with its variable).
-    The message names the variable and the path, never the content."""
+    """A `<NAME>_FILE` that cannot be used; the message never quotes the content."""
 
 
 def takes_file(name: str, field: FieldInfo) -> bool:
-    """Whether a setting may come from `<NAME>_FILE`: every secret (a SecretStr field, whatever
-    its name: a field added later needs no list kept in sync) and ALSO_FROM_FILES."""
+    """Whether a setting may come from `<NAME>_FILE`: every SecretStr field and ALSO_FROM_FILES."""
     ann = field.annotation
     return name in ALSO_FROM_FILES or ann is SecretStr or SecretStr in typing.get_args(ann)
 
@@ -66,9 +57,8 @@ def env_names(name: str, field: FieldInfo, prefix: str = "COURIER_") -> list[str
 
 
 def read_secret_file(var: str, path: str) -> str:
-    """The content of the secret file `path` named by variable `var`, without its trailing
-    newline. It must be a regular file (a FIFO or a device would block or never end) of at
-    most SECRET_FILE_MAX_BYTES, UTF-8."""
+    """The secret file `path` (named by `var`) without its trailing newline: a regular file
+    (a FIFO or a device would block or never end) of UTF-8, at most SECRET_FILE_MAX_BYTES."""
     try:
         # O_NONBLOCK: opening a FIFO does not wait for a writer (it is refused just below)
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -77,12 +67,8 @@ def read_secret_file(var: str, path: str) -> str:
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise SecretFileError(f"{var}: {path} is not a regular file")
-        data = b""
-        while len(data) <= SECRET_FILE_MAX_BYTES:
-            chunk = os.read(fd, SECRET_FILE_MAX_BYTES + 1 - len(data))
-            if not chunk:
-                break
-            data += chunk
+        with open(fd, "rb", closefd=False) as f:
+            data = f.read(SECRET_FILE_MAX_BYTES + 1)
     except OSError as exc:
         raise SecretFileError(f"{var}: cannot read {path}: {exc.strerror}") from None
     finally:
@@ -90,23 +76,20 @@ def read_secret_file(var: str, path: str) -> str:
     if len(data) > SECRET_FILE_MAX_BYTES:
         raise SecretFileError(f"{var}: {path} is larger than {SECRET_FILE_MAX_BYTES} bytes: not a secret file")
     try:
-        text = data.decode("utf-8")
+        return data.decode("utf-8").rstrip("\r\n")
     except UnicodeDecodeError:
         raise SecretFileError(f"{var}: {path} is not UTF-8 text") from None
-    return text.rstrip("\r\n")
 
 
 class FileSecretsSource(PydanticBaseSettingsSource):
-    """`<NAME>_FILE` for every setting `takes_file` accepts: the value is read from that file.
-    Ranked just above the environment (below values passed in code). The variable and its
-    `_FILE` both set is an error (which one is meant?); an empty one counts as unset, as for
-    every setting. Names match case-insensitively, as pydantic-settings matches the others."""
+    """`<NAME>_FILE` for every setting `takes_file` accepts, ranked just above the environment.
+    The variable and its `_FILE` both set is an error; an empty one (or an empty file) counts
+    as unset. Names match case-insensitively, as pydantic-settings matches the others."""
 
     def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
         return None, field_name, False  # unused: __call__ reads every field at once
 
     def _files(self) -> Iterator[tuple[str, str, str]]:
-        """(field, variable, path) of every `_FILE` set."""
         environ = {k.lower(): v for k, v in os.environ.items()}
         prefix = self.config.get("env_prefix") or ""
         for name, field in self.settings_cls.model_fields.items():
@@ -121,17 +104,14 @@ class FileSecretsSource(PydanticBaseSettingsSource):
                 yield name, f"{var}_FILE", path
 
     def __call__(self) -> dict[str, Any]:
-        # an empty file counts as unset too (compose mounts one for every platform; a deployment fills
-        # in the ones it uses)
         values = {name: read_secret_file(var, path) for name, var, path in self._files()}
         return {name: v for name, v in values.items() if v.strip()}
 
 
-def file_variables(settings_cls: type[BaseSettings] | None = None) -> list[str]:
+def file_variables() -> list[str]:
     """Every `<NAME>_FILE` variable courier reads (compose's environment is checked against them)."""
-    cls = settings_cls or Settings
-    return [f"{var}_FILE" for name, field in cls.model_fields.items() if takes_file(name, field)
-            for var in env_names(name, field, cls.model_config.get("env_prefix") or "")]
+    return [f"{var}_FILE" for name, field in Settings.model_fields.items() if takes_file(name, field)
+            for var in env_names(name, field, Settings.model_config.get("env_prefix") or "")]
 
 
 class AgentLimits(BaseModel):
@@ -146,14 +126,13 @@ class AgentLimits(BaseModel):
 
 
 class AgentSpec(BaseModel):
-    """An agent declared by name: a bridge command (argv list, no shell), or
-    ``"runtime": "openai"``: the built-in loop against an OpenAI-compatible
-    endpoint (model, system prompt and base URL default to COURIER_OPENAI_*)."""
+    """An agent declared by name: a bridge command (argv list, no shell), or ``"runtime": "openai"``:
+    the built-in loop against an OpenAI-compatible endpoint (defaults: COURIER_OPENAI_*)."""
 
     runtime: Literal["bridge", "openai"] = "bridge"
     command: list[str] = Field(default_factory=list)
-    #: variables the agent gets (its environment is an allowlist: PATH, HOME, LANG, TZ and the like,
-    #: these, and the names in env_passthrough; never the worker's settings or secrets)
+    #: variables the agent gets (its environment is an allowlist: PATH, HOME, LANG and the like, these, and
+    #: env_passthrough's; never the worker's settings or secrets)
     env: dict[str, str] = Field(default_factory=dict)
     #: names of the worker's own variables this agent may inherit (e.g. ["HTTPS_PROXY"])
     env_passthrough: list[str] = Field(default_factory=list)
@@ -161,16 +140,13 @@ class AgentSpec(BaseModel):
     #: sandbox URI of the agent's working directory, e.g. local:///srv/agents/demo
     sandbox: str | None = None
     cwd: str | None = None
-    #: paths beyond the turn's own workspace that this agent's MEDIA tags and file tools may reach
-    #: (absolute; inside its sandbox); nothing else is reachable, /tmp included
+    #: the only absolute paths (in its sandbox) beyond the turn's workspace its MEDIA tags and file tools reach
     roots: list[str] = Field(default_factory=list)
-    #: "bwrap" (the default): a local agent runs in a namespace sandbox of its own (own uid, PID and network
-    #: namespaces, read-only system, its workspace writable; adapters/agents/jail.py); "host": unconfined, as
-    #: the worker's own user (an explicit opt-in, warned about at worker start). Other sandboxes ignore it.
+    #: "bwrap": a local agent runs in a namespace sandbox of its own (adapters/agents/jail.py); "host":
+    #: unconfined, as the worker's own user (an opt-in, warned about at worker start). Others ignore it.
     isolation: Literal["bwrap", "host"] = "bwrap"
-    #: a sandboxed agent's network: "proxy" (only through courier's egress proxy, its allowlist and private-range
-    #: refusal: the agent can call its model's API) or "none"; default: "proxy" for a bridge agent, none for the
-    #: built-in loop's terminal commands (COURIER_SANDBOX_TOOL_NETWORK)
+    #: a sandboxed agent's network: "proxy" (only through courier's egress proxy: its allowlist, no private
+    #: ranges) or "none"; default: "proxy" for a bridge agent, none for the built-in loop's terminal commands
     network: Literal["none", "proxy"] | None = None
     #: more hosts the egress proxy lets this agent reach (as COURIER_BROWSER_ALLOWED_HOSTS: host[:port], CIDR)
     allowed_hosts: list[str] = Field(default_factory=list)
@@ -206,8 +182,7 @@ class AgentSpec(BaseModel):
 
 
 class HookSpec(BaseModel):
-    """A shell hook: an argv command (no shell) that reads the turn context as
-    JSON on stdin and prints JSON. COURIER_HOOKS takes a bare argv list too."""
+    """A shell hook: an argv command (no shell), the turn context as JSON on stdin, JSON out."""
 
     command: list[str] = Field(min_length=1)
     name: str | None = None
@@ -220,8 +195,7 @@ class HookSpec(BaseModel):
 
 
 class OutputSpill(BaseModel):
-    """``hooks.output_spill`` (DESIGN.md): hook contexts and tool outputs over
-    `max_chars` go to storage under `directory`; the prompt gets a preview."""
+    """Hook contexts and tool outputs over `max_chars` go to storage; the prompt gets a preview."""
 
     enabled: bool = True
     max_chars: int = 10000
@@ -237,21 +211,19 @@ class Settings(BaseSettings):
 
     #: where courier keeps its files by default (storage, outbox, local sandboxes)
     data_dir: Path = Field(default_factory=_default_data_dir)
-    #: broker, results, ledger, events, rate limits: `redis://host:port/db`, `rediss://` (TLS: the
-    #: query may say `ssl_ca_certs=/ca.pem`, `ssl_certfile`, `ssl_keyfile`, `ssl_cert_reqs=required`
-    #: (the default), `ssl_check_hostname`), or `sentinel://h1:26379,h2:26379/<master name>/<db>`
-    #: for a Sentinel-managed master; from a file: COURIER_REDIS_URL_FILE
+    #: broker, results, ledger, events, rate limits: `redis://host:port/db`, `rediss://` (TLS: the query may
+    #: say `ssl_ca_certs=/ca.pem`, `ssl_certfile`, `ssl_keyfile`, `ssl_cert_reqs=required` (the default),
+    #: `ssl_check_hostname`), or `sentinel://h1:26379,h2:26379/<master name>/<db>`; or COURIER_REDIS_URL_FILE
     redis_url: str = Field("redis://127.0.0.1:6379/0", repr=False)
-    #: Redis's password (`requirepass`) when COURIER_REDIS_URL carries none: the URL stays plain
-    #: configuration and the password comes from a secret file (COURIER_REDIS_PASSWORD_FILE)
+    #: Redis's password (`requirepass`) when COURIER_REDIS_URL carries none (e.g. from COURIER_REDIS_PASSWORD_FILE)
     redis_password: SecretStr | None = None
     #: `file:///abs/dir` or `s3://bucket/prefix` (endpoint: AWS_ENDPOINT_URL); default file://<data dir>/storage
     storage_url: str | None = None
     #: S3 credentials (boto3's own variables, read here too so that they may come from files:
     #: AWS_SECRET_ACCESS_KEY_FILE, ...); unset: boto3's usual chain (profile, instance role)
-    aws_access_key_id: SecretStr | None = Field(default=None, validation_alias=_env("AWS_ACCESS_KEY_ID"))
-    aws_secret_access_key: SecretStr | None = Field(default=None, validation_alias=_env("AWS_SECRET_ACCESS_KEY"))
-    aws_session_token: SecretStr | None = Field(default=None, validation_alias=_env("AWS_SESSION_TOKEN"))
+    aws_access_key_id: SecretStr | None = Field(default=None, validation_alias="AWS_ACCESS_KEY_ID")
+    aws_secret_access_key: SecretStr | None = Field(default=None, validation_alias="AWS_SECRET_ACCESS_KEY")
+    aws_session_token: SecretStr | None = Field(default=None, validation_alias="AWS_SESSION_TOKEN")
     #: the web process's public URL (https://bot.example.com): a volume store's download links (in
     #: too-large notices) point at its signed, expiring /files/ route; S3 signs its own links
     public_url: str | None = None
@@ -259,26 +231,26 @@ class Settings(BaseSettings):
     outbox_dir: Path | None = None
 
     # -- platforms -----------------------------------------------------
-    telegram_bot_token: SecretStr | None = Field(default=None, validation_alias=_env("TELEGRAM_BOT_TOKEN"))
+    telegram_bot_token: SecretStr | None = Field(default=None, validation_alias="TELEGRAM_BOT_TOKEN")
     #: Bot API server root (a local Bot API server or a test server may stand in); courier adds /bot<token>/<method>
     telegram_base_url: str = defaults.TELEGRAM_API_URL
     #: a local Bot API server (telegram-bot-api --local): uploads up to 2000 MB
     telegram_local_api: bool = False
     #: shared per-bot send rate (~30/s; paid broadcasts allow up to 1000/s; 0: no per-bot limit)
     telegram_bot_per_s: float = 30.0
-    discord_bot_token: SecretStr | None = Field(default=None, validation_alias=_env("DISCORD_BOT_TOKEN"))
+    discord_bot_token: SecretStr | None = Field(default=None, validation_alias="DISCORD_BOT_TOKEN")
     #: Discord REST root
     discord_base_url: str = defaults.DISCORD_API_URL
     #: attachment cap: 10 MiB by default; boosted guilds allow more (50 MiB at level 2, 100 MiB at 3)
     discord_upload_bytes: int = Field(default=10 * 1024 * 1024, gt=0)
-    slack_bot_token: SecretStr | None = Field(default=None, validation_alias=_env("SLACK_BOT_TOKEN"))
+    slack_bot_token: SecretStr | None = Field(default=None, validation_alias="SLACK_BOT_TOKEN")
     #: Slack Web API root
     slack_base_url: str = defaults.SLACK_API_URL
     #: per-file cap (Slack's is 1 GB; a workspace may set less)
     slack_upload_bytes: int = Field(default=1024 * 1024 * 1024, gt=0)
-    whatsapp_access_token: SecretStr | None = Field(default=None, validation_alias=_env("WHATSAPP_ACCESS_TOKEN"))
+    whatsapp_access_token: SecretStr | None = Field(default=None, validation_alias="WHATSAPP_ACCESS_TOKEN")
     #: the sending phone number's id (Cloud API)
-    whatsapp_phone_number_id: str | None = Field(default=None, validation_alias=_env("WHATSAPP_PHONE_NUMBER_ID"))
+    whatsapp_phone_number_id: str | None = Field(default=None, validation_alias="WHATSAPP_PHONE_NUMBER_ID")
     #: WhatsApp Cloud API root
     whatsapp_base_url: str = defaults.WHATSAPP_API_URL
 
@@ -291,8 +263,7 @@ class Settings(BaseSettings):
     docker_host: str | None = None
     #: where singularity instance roots live (<dir>/<instance>/rootfs); default: ask apptainer
     singularity_instances_dir: str | None = None
-    #: ssh:// sandboxes: private key and known_hosts (default: agent / ~/.ssh keys, ~/.ssh/known_hosts);
-    #: host keys are always checked, an unknown host is refused
+    #: private key of ssh:// sandboxes (default: the ssh agent's, or ~/.ssh keys)
     ssh_key_path: str | None = None
     #: known_hosts file for ssh:// sandboxes (default ~/.ssh/known_hosts); an unknown host is refused
     ssh_known_hosts: str | None = None
@@ -306,17 +277,15 @@ class Settings(BaseSettings):
     ssh_control_dir: str | None = None
     #: seconds to connect and authenticate before an ssh sandbox counts as gone
     ssh_connect_timeout_s: float = 10.0
-    #: read deadline of docker, ssh and modal sandboxes: a channel that sends nothing this long is given up.
-    #: The first such timeout opens the sandbox's circuit breaker: its other files wait (untried) while it is
-    #: open, one file probes it at the end, and the period doubles while it keeps timing out
+    #: read deadline of docker, ssh and modal sandboxes; a timeout opens the sandbox's circuit breaker (its
+    #: other files wait untried, one file probes it at the end, the period doubling while it keeps timing out)
     sandbox_io_timeout_s: float = Field(default=60.0, gt=0)
     #: the longest period a stalled sandbox's breaker stays open between two probes
     sandbox_breaker_max_s: float = Field(default=600.0, gt=0)
 
     # -- agents ----------------------------------------------------------
     #: JSON object: name -> {"command": [...], "env": {}, "timeout_s": 900, "sandbox": "local:///dir", "roots": [],
-    #: "env_passthrough": []}, or
-    #: {"runtime": "openai", "model": ..., "system_prompt": ..., "base_url": ..., "max_steps": ..., "sandbox": ...}
+    #: "env_passthrough": []}, or {"runtime": "openai", "model", "system_prompt", "base_url", "max_steps", ...}
     agents: dict[str, AgentSpec] = Field(default_factory=dict)
     #: the agent `courier turn` runs without --agent
     default_agent: str = "demo"
@@ -338,10 +307,9 @@ class Settings(BaseSettings):
     openai_retry_max_s: float = Field(default=30.0, ge=0)
     #: headless Chromium for the browser_screenshot tool
     chromium_path: str = defaults.CHROMIUM_PATH
-    #: JSON list of destinations browser_screenshot may reach although they are not public (loopback, private,
-    #: link-local): host names, addresses or CIDR networks, each optionally with :port ([v6]:port), e.g.
-    #: ["dash.intranet", "10.1.0.0/16:8080"]; an entry without a port allows every port. Everything else must be a
-    #: public address on port 80 or 443 (the page, its redirects and subresources)
+    #: JSON list of non-public destinations browser_screenshot may reach: host names, addresses or CIDR
+    #: networks, each optionally with :port ([v6]:port; none: every port), e.g. ["dash.intranet",
+    #: "10.1.0.0/16:8080"]; anything else must be public, on port 80 or 443 (page, redirects, subresources)
     browser_allowed_hosts: list[str] | None = None
 
     # -- hooks -------------------------------------------------------------
@@ -391,18 +359,16 @@ class Settings(BaseSettings):
     #: turn workspaces of local sandboxes (<agent dir>/turns/<job>) untouched this long are deleted by the
     #: janitor; keep it well above the turn timeout plus the time deliveries may wait
     workspace_ttl_s: int = 24 * 3600
-    #: S3 storage: the janitor keeps lifecycle rules on the bucket (each prefix expires after its TTL, in whole
-    #: days rounded up; unfinished multipart uploads are aborted after a day) and leaves the expiry to the S3
-    #: service instead of listing and deleting (`courier janitor --install-lifecycle` installs them at once);
-    #: only for services that enforce lifecycle rules (AWS S3, MinIO, Ceph, ...)
+    #: S3 storage: the janitor keeps lifecycle rules on the bucket (each prefix expires after its TTL in whole
+    #: days; unfinished multipart uploads after a day) instead of listing and deleting (`courier janitor
+    #: --install-lifecycle` installs them at once); only for services that enforce them (AWS S3, MinIO, Ceph)
     s3_lifecycle: bool = False
 
     # -- delivery ----------------------------------------------------------
     #: attempts of a delivery or extraction on transient errors before it is recorded failed
     delivery_max_attempts: int = 8
-    #: a task message held by a worker that died is handed out again after this many seconds
-    #: (recovery does not wait for it: the reconciler re-drives a dead worker's stages within
-    #: ~20 s); it must exceed courier's longest countdown (10 s), so at least 30
+    #: a task message held by a worker that died is handed out again after this many seconds (recovery does
+    #: not wait for it: the reconciler re-drives its stages); at least 30, above courier's longest countdown
     visibility_timeout_s: int = Field(3600, ge=30)
     #: how long transient storage errors (S3 or the volume away), and a sandbox that stopped answering,
     #: are waited out before a file fails, with a notice in the chat
@@ -417,16 +383,13 @@ class Settings(BaseSettings):
     turn_time_limit_s: int = Field(3600, ge=10)
     #: events kept per turn stream (approximate)
     events_maxlen: int = 1000
-    #: the pool of a worker that consumes only the delivery queue (`courier worker -Q delivery`):
-    #: `threads` (deliveries wait on the platform's answers, not the CPU: one process sends many at
-    #: once) or `prefork` (a process per concurrent delivery). Workers of other queues use prefork
+    #: the pool of a worker that consumes only the delivery queue (`courier worker -Q delivery`): `threads`
+    #: (deliveries wait on the platform, not the CPU) or `prefork`. Workers of other queues use prefork
     delivery_pool: Literal["threads", "prefork"] = "threads"
-    #: deliveries one such worker sends at once (threads, or prefork processes); with threads,
-    #: per process (below)
+    #: deliveries one such worker sends at once (threads per process, or prefork processes)
     delivery_concurrency: int = Field(16, ge=1, le=256)
-    #: processes of a threads-pool delivery worker, each a Celery worker with its own threads
-    #: (one process uses one core: the GIL). One reaches a bot's 30/s with 16 threads at under half a
-    #: core (docs/benchmarks.md); more for a local Bot API server or paid broadcasts; 0: one per CPU, at most 8
+    #: processes of a threads-pool delivery worker, each with its own threads (one process uses one core);
+    #: more for a local Bot API server or paid broadcasts (docs/benchmarks.md); 0: one per CPU, at most 8
     delivery_processes: int = Field(1, ge=0, le=64)
 
     # -- web process: webhooks and Server-Sent Events -------------------------
@@ -437,13 +400,12 @@ class Settings(BaseSettings):
     #: an SSE comment line is sent after this many idle seconds
     sse_keepalive_s: float = 15.0
     #: webhook secrets: a request that does not verify gets 401 and enqueues nothing
-    telegram_webhook_secret: SecretStr | None = Field(default=None,
-                                                      validation_alias=_env("TELEGRAM_WEBHOOK_SECRET"))
-    slack_signing_secret: SecretStr | None = Field(default=None, validation_alias=_env("SLACK_SIGNING_SECRET"))
+    telegram_webhook_secret: SecretStr | None = Field(default=None, validation_alias="TELEGRAM_WEBHOOK_SECRET")
+    slack_signing_secret: SecretStr | None = Field(default=None, validation_alias="SLACK_SIGNING_SECRET")
     #: the application's Ed25519 public key (hex) from the Discord developer portal
-    discord_public_key: str | None = Field(default=None, validation_alias=_env("DISCORD_PUBLIC_KEY"))
-    whatsapp_app_secret: SecretStr | None = Field(default=None, validation_alias=_env("WHATSAPP_APP_SECRET"))
-    whatsapp_verify_token: SecretStr | None = Field(default=None, validation_alias=_env("WHATSAPP_VERIFY_TOKEN"))
+    discord_public_key: str | None = Field(default=None, validation_alias="DISCORD_PUBLIC_KEY")
+    whatsapp_app_secret: SecretStr | None = Field(default=None, validation_alias="WHATSAPP_APP_SECRET")
+    whatsapp_verify_token: SecretStr | None = Field(default=None, validation_alias="WHATSAPP_VERIFY_TOKEN")
     #: the agent webhook turns run (default: default_agent)
     webhook_agent: str | None = None
     #: a platform's retried update (same update/event id) within this window is dropped
@@ -463,11 +425,10 @@ class Settings(BaseSettings):
     metrics_host: str = "127.0.0.1"
 
     @classmethod
-    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
-                                   env_settings: PydanticBaseSettingsSource,
-                                   dotenv_settings: PydanticBaseSettingsSource,
-                                   file_secret_settings: PydanticBaseSettingsSource,
-                                   ) -> tuple[PydanticBaseSettingsSource, ...]:
+    def settings_customise_sources(
+            cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource) -> tuple[PydanticBaseSettingsSource, ...]:
         return init_settings, FileSecretsSource(settings_cls), env_settings, dotenv_settings, file_secret_settings
 
     @field_validator("*", mode="before")
@@ -482,8 +443,6 @@ class Settings(BaseSettings):
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, v: str) -> str:
-        from workers.redis_url import SCHEMES, celery_ssl, parse_sentinel
-
         if not v.startswith(SCHEMES):
             raise ValueError("COURIER_REDIS_URL must start with redis://, rediss://, unix:// or sentinel://")
         parse_sentinel(v)  # a malformed sentinel URL says what is wrong
@@ -493,8 +452,6 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _redis_password_in_url(self) -> "Settings":
         """COURIER_REDIS_PASSWORD goes into the URL every client is made from."""
-        from workers.redis_url import with_password
-
         if self.redis_password is not None and self.redis_password.get_secret_value():
             self.redis_url = with_password(self.redis_url, self.redis_password.get_secret_value())
         return self
@@ -535,9 +492,6 @@ class Settings(BaseSettings):
         out = []
         for a in self.agents.values():
             if a.sandbox and a.sandbox.startswith("local:"):
-                from adapters.errors import ConfigError
-                from adapters.sandboxes.base import parse_uri
-
                 try:
                     out.append(parse_uri(a.sandbox)[1])
                 except ConfigError:

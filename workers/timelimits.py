@@ -1,18 +1,11 @@
-"""Task time limits for Celery's threads pool (it ignores them: only prefork
-and gevent enforce `soft_time_limit` / `time_limit`).
+"""Task time limits for Celery's threads pool (only prefork and gevent enforce them).
 
-`Watchdog` keeps each running task's deadlines, keyed by the thread that
-runs it (Celery's `task_prerun` / `task_postrun` signals run in that
-thread). One daemon thread waits for the earliest deadline:
-
-- past the soft limit, `SoftTimeLimitExceeded` is raised inside the task's
-  thread (`PyThreadState_SetAsyncExc`: at its next Python bytecode, as the
-  prefork pool's SIGUSR1 does), so the stage is retried by the ledger like
-  on prefork;
-- past the hard limit (a thread stuck in C code never sees that exception),
-  the worker process ends (exit status 70, logged), as prefork ends a pool
-  process: its messages come back (acks late, reject on worker lost) and the
-  reconciler re-drives the stages it leased once their leases lapse.
+`Watchdog` keeps each running task's deadlines, keyed by its thread; one daemon
+thread waits for the earliest. Past the soft limit, `SoftTimeLimitExceeded` is
+raised inside the task's thread (at its next bytecode, as prefork's SIGUSR1
+does), so the ledger retries the stage; past the hard limit (a thread stuck in
+C code never sees it) the worker process ends (exit 70), as prefork ends a pool
+process, and the ledger re-drives its stages.
 """
 
 from __future__ import annotations
@@ -54,8 +47,8 @@ class Watchdog:
         # enter/exit run no bytecode, so a soft limit landing there cannot leave it held
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)
-        #: thread ident -> (run number, task id, task name, soft deadline, hard deadline)
-        self.running: dict[int, tuple[int, str, str, float | None, float | None]] = {}
+        #: thread ident -> (run number, task id, task name)
+        self.running: dict[int, tuple[int, str, str]] = {}
         self.heap: list[tuple[float, int, int, str]] = []  # (when, run, ident, "soft"|"hard")
         self.runs = 0
         self.thread: threading.Thread | None = None
@@ -70,28 +63,20 @@ class Watchdog:
         with self.lock:
             self.runs += 1
             run = self.runs
-            soft = now + soft_s if soft_s else None
-            hard = now + hard_s if hard_s else None
-            self.running[ident] = (run, task_id, name, soft, hard)
-            if soft is not None:
-                heapq.heappush(self.heap, (soft, run, ident, "soft"))
-            if hard is not None:
-                heapq.heappush(self.heap, (hard, run, ident, "hard"))
+            self.running[ident] = (run, task_id, name)
+            for limit_s, which in ((soft_s, "soft"), (hard_s, "hard")):
+                if limit_s:
+                    heapq.heappush(self.heap, (now + limit_s, run, ident, which))
             if self.thread is None or not self.thread.is_alive():
                 self.thread = threading.Thread(target=self._run, name="courier-time-limits", daemon=True)
                 self.thread.start()
             self.cond.notify()
 
     def end_task(self) -> None:
-        """This thread's task ended: its deadlines no longer apply.
-
-        The watchdog may have raised the soft limit into this thread just as the
-        task returned (it raises under `self.lock`, the task ends under it): the
-        exception then lands here, at any bytecode. It is dropped (the task it
-        was meant for has ended) and the deadlines are removed anyway, so a
-        finished task never keeps a hard deadline that would later end an idle
-        worker. The watchdog raises a run's soft limit once, so one retry ends it.
-        """
+        """This thread's task ended: its deadlines no longer apply. A soft limit raised just as
+        the task returned lands here and is dropped, and the deadlines are removed anyway: a
+        finished task never keeps a hard deadline that would end an idle worker (a run's soft
+        limit is raised once, so one retry ends it)."""
         while True:
             try:
                 with self.lock:
@@ -101,14 +86,9 @@ class Watchdog:
                 log.info("a soft time limit landed as its task ended: dropped")
 
     def guard(self, call: Callable[[], T]) -> T:
-        """Run a task's body (`call`) so that its deadlines end where the body ends.
-
-        The soft limit may land anywhere once raised, the moment the body returned
-        included; landing in Celery's own code between the body and `task_postrun`
-        would skip `end_task` there. Here the body runs inside this frame's `try`:
-        a limit raised while it ran lands in the body, at its return (in the `try`)
-        or in the `finally` below, which ends the task's deadlines in every case (a
-        run's soft limit is raised once, so one retry ends them)."""
+        """Run a task's body (`call`) so that its deadlines end where the body ends: a soft limit
+        landing in Celery's code between the body and `task_postrun` would skip `end_task` there,
+        while here it lands in the body or in the `finally`, which ends the deadlines anyway."""
         try:
             return call()
         finally:
@@ -127,7 +107,7 @@ class Watchdog:
                         heapq.heappop(self.heap)  # that run ended
                     if self.heap and self.heap[0][0] <= self.clock():
                         _, run, ident, which = heapq.heappop(self.heap)
-                        _, task_id, name, *_ = self.running[ident]
+                        _, task_id, name = self.running[ident]
                         if which == "soft":
                             # under the lock: the thread cannot end this task (end_task) and
                             # start another in between, so only this run is interrupted

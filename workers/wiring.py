@@ -1,21 +1,30 @@
 """Builds adapters and stores from settings: the only place that turns the
-environment into constructor arguments. Everything is cached per process
-(connections are reused within a worker)."""
+environment into constructor arguments. Cached per process (connections reused)."""
 
 from __future__ import annotations
 
+import logging
 import os
+import secrets
 import threading
 from functools import lru_cache
 from typing import Any
 
 from pydantic import SecretStr
 
-from adapters.errors import ConfigError
+from adapters.agents.hooks import HookRunner, ShellHook, load_plugins
+from adapters.agents.jail import JailConfig, unavailable
+from adapters.errors import ConfigError, SandboxGone
 from adapters.extras import needs
 from adapters.platforms.base import Limits, Platform
-from adapters.sandboxes.base import PathPolicy, Sandbox, SandboxRef
+from adapters.sandboxes.base import PathPolicy, Sandbox, SandboxRef, parse_uri
+from adapters.sandboxes.local import LocalSandbox
 from storage import BlobStore, open_store
+from storage.links import LinkSigner
+from storage.spill import SpillConfig
+from tasks.ledger import keys, signing
+from tasks.runtime import Context, Retention, TurnTools
+from workers.eventauth import server_key
 from workers.settings import Settings, get_settings
 
 _lock = threading.Lock()
@@ -24,17 +33,10 @@ _lock = threading.Lock()
 @lru_cache(maxsize=4)
 def _store_for(url: str, public_url: str | None = None, redis_url: str | None = None,
                s3_credentials: tuple[str, str, str | None] | None = None) -> BlobStore:
-    options = {}
-    if s3_credentials is not None:
-        options = dict(zip(("access_key", "secret_key", "session_token"), s3_credentials))
-    st = open_store(url, **options)
+    st = open_store(url, **dict(zip(("access_key", "secret_key", "session_token"), s3_credentials or ())))
     if public_url and not st.can_sign and hasattr(st, "links"):
         # a volume: its links are served (and checked) by the web process at public_url
-        from storage.links import LinkSigner
-        from tasks.ledger import keys
-        from workers.eventauth import server_key
-
-        st.links = LinkSigner(public_url, lambda: server_key(redis_client(redis_url), keys.files_key()))
+        st.links = _link_signer(public_url, redis_url)
         st.can_sign = True
     return st
 
@@ -55,12 +57,12 @@ def s3_credentials(s: Settings) -> tuple[str, str, str | None] | None:
 
 def file_links(settings: Settings | None = None):
     """The signer that checks a volume's download links (the web process's /files/ route)."""
-    from storage.links import LinkSigner
-    from tasks.ledger import keys
-    from workers.eventauth import server_key
-
     s = settings or get_settings()
-    return LinkSigner(s.public_url or "", lambda: server_key(redis_client(s.redis_url), keys.files_key()))
+    return _link_signer(s.public_url or "", s.redis_url)
+
+
+def _link_signer(public_url: str, redis_url: str | None) -> LinkSigner:
+    return LinkSigner(public_url, lambda: server_key(redis_client(redis_url), keys.files_key()))
 
 
 # -- platforms ----------------------------------------------------------------
@@ -77,13 +79,9 @@ def platform(name: str, settings: Settings | None = None) -> Platform:
     with _lock:
         got = _platforms.get(key)
         if got is None or got[0] is not s:
-            got = _platforms[key] = (s, _build_platform(name, s))
+            cls, credentials, options = _adapter(name, s)
+            got = _platforms[key] = (s, cls(*credentials, **options))
         return got[1]
-
-
-def _build_platform(name: str, s: Settings) -> Platform:
-    cls, credentials, options = _adapter(name, s)
-    return cls(*credentials, **options)
 
 
 def _secret(value: SecretStr | None, missing: str) -> str:
@@ -93,10 +91,9 @@ def _secret(value: SecretStr | None, missing: str) -> str:
 
 
 def _adapter(name: str, s: Settings) -> tuple[type[Platform], tuple[Any, ...], dict[str, Any]]:
-    """A platform's adapter class, its constructor's positional arguments (what
-    it sends as: a token, a directory) and its options, from the settings.
-    Builds nothing; ConfigError when the platform is unknown, its SDK is not
-    installed or a credential is not set."""
+    """A platform's adapter class, its constructor's positional arguments (a token, a
+    directory) and options. Builds nothing; ConfigError when the platform is unknown,
+    its SDK is not installed or a credential is not set."""
     if name == "outbox":
         from adapters.platforms.outbox import OutboxPlatform
 
@@ -130,15 +127,12 @@ def _adapter(name: str, s: Settings) -> tuple[type[Platform], tuple[Any, ...], d
 
 
 def check_platform(name: str, settings: Settings | None = None) -> None:
-    """Raise ConfigError when a target's platform is unknown or lacks its token
-    (or its SDK); builds no adapter."""
+    """ConfigError when a target's platform is unknown or lacks its token or SDK."""
     _adapter(name, settings or get_settings())
 
 
 def platform_limits(name: str, settings: Settings | None = None) -> Limits:
-    """A configured platform's limits (upload sizes, album size, rate limits),
-    read from its adapter class: no adapter and no SDK client is built.
-    ConfigError as `check_platform`."""
+    """A configured platform's limits, read from its adapter class (nothing is built)."""
     cls, _credentials, options = _adapter(name, settings or get_settings())
     return cls.limits_for(**options)
 
@@ -147,24 +141,17 @@ def platform_limits(name: str, settings: Settings | None = None) -> Limits:
 
 @lru_cache(maxsize=64)
 def _local_sandbox(roots: tuple[str, ...], home: str):
-    """A local sandbox per set of roots, per process: resolving the roots'
-    links costs a syscall per path component, and a sandbox holds nothing
-    else (every file is resolved and checked when it is opened)."""
-    from adapters.sandboxes.local import LocalSandbox
-
+    """Cached: resolving the roots costs syscalls, and a sandbox holds nothing else."""
     return LocalSandbox.with_roots(roots, home=home)
 
 
 @lru_cache(maxsize=4)
 def _docker_client(base_url: str | None):
-    """One Docker API client per engine and process (connections reused)."""
     import docker
 
     try:
         return docker.DockerClient(base_url=base_url, timeout=120) if base_url else docker.from_env(timeout=120)
     except docker.errors.DockerException as exc:
-        from adapters.errors import SandboxGone
-
         raise SandboxGone(f"cannot reach the docker engine {base_url or '(DOCKER_HOST)'}: {exc}") from exc
 
 
@@ -181,11 +168,10 @@ def open_sandbox(ref: SandboxRef, settings: Settings | None = None) -> Sandbox:
         from adapters.sandboxes.ssh import SshSandbox
 
         # roots: the ref's, else /workspace, /tmp and the remote home (resolved on first use)
-        return SshSandbox(
-            ref, PathPolicy(roots=tuple(ref.roots)), key_path=s.ssh_key_path, known_hosts=s.ssh_known_hosts,
-            user=s.ssh_user, port=s.ssh_port, use_openssh=s.ssh_use_openssh, control_dir=s.ssh_control_dir,
-            connect_timeout_s=s.ssh_connect_timeout_s, io_timeout_s=s.sandbox_io_timeout_s,
-        )
+        return SshSandbox(ref, PathPolicy(roots=tuple(ref.roots)), key_path=s.ssh_key_path,
+                          known_hosts=s.ssh_known_hosts, user=s.ssh_user, port=s.ssh_port,
+                          use_openssh=s.ssh_use_openssh, control_dir=s.ssh_control_dir,
+                          connect_timeout_s=s.ssh_connect_timeout_s, io_timeout_s=s.sandbox_io_timeout_s)
     if ref.kind == "modal":
         with needs("modal", "modal:// sandboxes"):
             from adapters.sandboxes.modal import ModalSandbox
@@ -209,18 +195,13 @@ def redis_client(url: str | None = None):
 
     u = url or get_settings().redis_url
     k = f"{os.getpid()}:{u}"  # a forked pool process makes its own (and its own Sentinel watcher)
-    c = _redis_clients.get(k)
-    if c is None:
-        with _redis_lock:  # a threads pool's tasks share it (redis-py clients are thread-safe: a connection pool)
-            c = _redis_clients.get(k)
-            if c is None:
-                c = _redis_clients[k] = redis_url.client(u)
-    return c
+    with _redis_lock:  # a threads pool's tasks share it (redis-py clients are thread-safe)
+        if k not in _redis_clients:
+            _redis_clients[k] = redis_url.client(u)
+        return _redis_clients[k]
 
 
-def build_context(settings: Settings | None = None):
-    from tasks.runtime import Context, Retention
-
+def build_context(settings: Settings | None = None) -> Context:
     s = settings or get_settings()
     built: list = []
     lock = threading.Lock()
@@ -233,25 +214,16 @@ def build_context(settings: Settings | None = None):
             return built[0]
 
     return Context(
-        redis=redis_client(s.redis_url),
-        store=store(s),
-        platform=lambda name: platform(name, s),
-        sandbox=lambda ref: open_sandbox(ref, s),
-        agent=s.agent,
-        default_sandbox_dir=str(s.sandbox_dir),
-        max_file_bytes=s.max_file_bytes,
-        events_maxlen=s.events_maxlen,
-        max_transient_attempts=s.delivery_max_attempts,
-        outage_deadline_s=s.storage_outage_deadline_s,
-        sandbox_io_timeout_s=s.sandbox_io_timeout_s,
-        sandbox_breaker_max_s=s.sandbox_breaker_max_s,
-        max_files_per_job=s.max_files_per_job,
+        redis=redis_client(s.redis_url), store=store(s), platform=lambda name: platform(name, s),
+        sandbox=lambda ref: open_sandbox(ref, s), agent=s.agent, default_sandbox_dir=str(s.sandbox_dir),
+        max_file_bytes=s.max_file_bytes, events_maxlen=s.events_maxlen, max_files_per_job=s.max_files_per_job,
+        max_transient_attempts=s.delivery_max_attempts, outage_deadline_s=s.storage_outage_deadline_s,
+        sandbox_io_timeout_s=s.sandbox_io_timeout_s, sandbox_breaker_max_s=s.sandbox_breaker_max_s,
         retention=Retention(
             screenshot_ttl_s=s.screenshot_ttl_s, file_ttl_s=s.file_ttl_s, spill_ttl_s=s.spill_ttl_s,
             workspace_ttl_s=s.workspace_ttl_s, spill_prefix=s.hooks_output_spill.directory,
-            agent_sandbox_dirs=tuple(s.agent_sandbox_dirs or ()), s3_lifecycle=s.s3_lifecycle),
-        turn_tools=turn_tools,
-        allowed_roots=lambda ref: allowed_roots(ref, s),
+            agent_sandbox_dirs=s.agent_sandbox_dirs, s3_lifecycle=s.s3_lifecycle),
+        turn_tools=turn_tools, allowed_roots=lambda ref: allowed_roots(ref, s),
     )
 
 
@@ -261,12 +233,9 @@ REMOTE_DEFAULT_ROOTS = ("/workspace", "/tmp")
 
 
 def allowed_roots(ref: SandboxRef, settings: Settings | None = None) -> tuple[str, ...]:
-    """The roots this worker's own configuration allows for `ref`'s sandbox kind: a spec's roots
-    may only lie inside them (tasks.turn.extract.worker_ref). Local: COURIER_LOCAL_ROOTS (or its
-    default), the sandbox dir and the local agents' directories and roots; any other kind: its
-    defaults and the directories and roots of the agents configured on that kind."""
-    from adapters.sandboxes.base import parse_uri
-
+    """The roots this worker's configuration allows for `ref`'s kind (a spec's roots must lie
+    inside them): the kind's defaults (local: COURIER_LOCAL_ROOTS and the sandbox dir) and the
+    directories and roots of the agents configured on that kind."""
     s = settings or get_settings()
     out: list[str] = list(s.local_sandbox_roots) + [str(s.sandbox_dir)] if ref.kind == "local" else list(
         REMOTE_DEFAULT_ROOTS)
@@ -288,10 +257,8 @@ SIGNING_KEY_FILE = "signing.key"
 
 
 def _data_dir_key(data_dir) -> bytes:
-    """The key generated into the data dir on first start (0600), or the one there already.
-    Made with a link from a complete temporary file, so no process reads a half-written key."""
-    import secrets
-
+    """The data dir's key (0600), generated on first start: linked from a complete temporary
+    file, so no process reads a half-written key."""
     path = os.path.join(str(data_dir), SIGNING_KEY_FILE)
     try:
         with open(path, "rb") as f:
@@ -321,27 +288,19 @@ def _data_dir_key(data_dir) -> bytes:
 
 
 def make_signer(settings: Settings | None = None):
-    """The process's signer (tasks.ledger.signing.Signer) from the settings: COURIER_SIGNING_KEY, else the data
-    dir's key; COURIER_SIGNING_KEY_PREVIOUS accepted too."""
-    from tasks.ledger.signing import Signer
-
+    """The process's signer: COURIER_SIGNING_KEY, else the data dir's key; COURIER_SIGNING_KEY_PREVIOUS
+    accepted too."""
     s = settings or get_settings()
     current = s.signing_key.get_secret_value().encode() if s.signing_key else _data_dir_key(s.data_dir)
-    keys = [current] + ([s.signing_key_previous.get_secret_value().encode()] if s.signing_key_previous else [])
+    accepted = [current] + ([s.signing_key_previous.get_secret_value().encode()] if s.signing_key_previous else [])
     try:
-        return Signer(keys, max_age_s=s.signature_max_age_s)
+        return signing.Signer(accepted, max_age_s=s.signature_max_age_s)
     except ValueError as exc:
         raise ConfigError(f"COURIER_SIGNING_KEY: {exc}") from None
 
 
 def agent_tools(s: Settings, blob_store: BlobStore):
-    """What agent turns need beyond the rest of the context (`tasks.runtime.TurnTools`):
-    the OpenAI-compatible endpoint, the hooks (a HookRunner: shell hooks, then
-    entry-point plugins), the output spill config, the browser."""
-    from adapters.agents.hooks import HookRunner, ShellHook, load_plugins
-    from storage.spill import SpillConfig
-    from tasks.runtime import TurnTools
-
+    """What agent turns need beyond the rest of the context (`tasks.runtime.TurnTools`)."""
     spill = SpillConfig(**s.hooks_output_spill.model_dump())
     hooks: list = [ShellHook(tuple(h.command), h.name or "", h.timeout_s or s.hook_timeout_s) for h in s.hooks]
     if s.hook_plugins:
@@ -351,31 +310,21 @@ def agent_tools(s: Settings, blob_store: BlobStore):
                 "max_steps": s.openai_max_steps, "call_timeout_s": s.openai_call_timeout_s,
                 "max_attempts": s.openai_max_attempts, "retry_base_s": s.openai_retry_base_s,
                 "retry_max_s": s.openai_retry_max_s},
-        hooks=HookRunner(hooks, store=blob_store, spill=spill),
-        spill=spill,
-        chromium_path=s.chromium_path,
-        browser_allowed_hosts=tuple(s.browser_allowed_hosts or ()),
-        jail=jail_config(s),
+        hooks=HookRunner(hooks, store=blob_store, spill=spill), spill=spill, chromium_path=s.chromium_path,
+        browser_allowed_hosts=tuple(s.browser_allowed_hosts or ()), jail=jail_config(s),
         tool_network=s.sandbox_tool_network,
     )
 
 
 def jail_config(s: Settings):
     """The agents' namespace sandbox settings (adapters.agents.jail.JailConfig)."""
-    from adapters.agents.jail import JailConfig
-
     return JailConfig(bwrap=s.sandbox_bwrap, uid_base=s.sandbox_uid_base, ro_paths=tuple(s.sandbox_ro_paths),
                       allowed_hosts=tuple(s.browser_allowed_hosts or ()))
 
 
 def agent_sandbox_report(settings: Settings | None = None) -> list[tuple[int, str]]:
-    """(log level, line) about the agents' sandbox on this host, for a worker's start: every local agent
-    configured to run unconfined (a warning), and, where bwrap cannot make namespaces here, that the others'
-    turns will be refused (an error)."""
-    import logging
-
-    from adapters.agents.jail import unavailable
-
+    """(log level, line) for a worker's start: each local agent that runs unconfined (a warning), and,
+    where bwrap cannot make namespaces here, that the others' turns will be refused (an error)."""
     s = settings or get_settings()
     local = {n: a for n, a in s.agents.items() if not a.sandbox or a.sandbox.startswith("local:")}
     out = [(logging.WARNING, f"agent {n!r} runs UNCONFINED on this host, as the worker's own user "
@@ -390,10 +339,4 @@ def agent_sandbox_report(settings: Settings | None = None) -> list[tuple[int, st
     return out
 
 
-def _install_signing_loader() -> None:
-    from tasks.ledger import signing
-
-    signing.set_loader(make_signer)
-
-
-_install_signing_loader()
+signing.set_loader(make_signer)

@@ -3,54 +3,27 @@ queues, and keep them running (a small supervisor).
 
     python -m workers.worker -Q delivery [celery worker options]   # or: courier worker -Q delivery
 
-A worker that consumes only the `delivery` queue runs COURIER_DELIVERY_POOL
-(default `threads`) with COURIER_DELIVERY_CONCURRENCY (default 16) slots:
-a delivery waits on the platform's answer, not on the CPU, so one process
-sends many at once (and one Bot API connection pool, one Redis connection
-pool serve them). A worker of any other queue (turns, sandbox, janitor, or a
-mix) keeps Celery's prefork pool: agent turns and extractions run child
-processes and heavy I/O, and a process each keeps them apart. A `--pool` /
-`-P` or `--concurrency` / `-c` given on the command line wins.
+A worker of only the `delivery` queue runs COURIER_DELIVERY_POOL (default
+`threads`) with COURIER_DELIVERY_CONCURRENCY slots, in COURIER_DELIVERY_PROCESSES
+Celery workers (one process uses one core): the first keeps the node name given,
+the others are `<name>-2@%h`, ... Any other keeps Celery's prefork pool. A
+`--pool` / `-P` or `--concurrency` / `-c` on the command line wins.
 
-One process holds one GIL: when the platform answers at once, a delivery is
-CPU work (Celery's consumer, the SDK, courier's ledger), and one process
-uses one core. So a threads-pool delivery worker runs
-COURIER_DELIVERY_PROCESSES such Celery workers (default 1: with 16 threads it
-reaches a bot's 30 deliveries/s at under half a core, and more processes only
-cost more CPU there, docs/benchmarks.md; 0: one per CPU, at most 8), each with
-its own threads pool: the first keeps the node name given
-(`-n delivery@%h`: healthchecks ping it), the others are `delivery-2@%h`,
-`delivery-3@%h`, ...; their log lines name them `delivery-1`, `delivery-2`, ...
-
-The supervisor (this process) runs every Celery worker as a child and
-outlives them (issue 24: a Redis restart, a pool child killed while the
-worker starts, a recycle must not stop a Procfile runner's whole set):
-
-- a child that exits by itself is started again: at once after a deliberate
-  recycle (exit 70, a task past its hard time limit; 71, a drive without
-  progress), else after a back-off (1 s, doubling up to 30 s; back to 1 s once
-  a child ran 60 s). Each restart is a log line with the exit code and the
-  child's restart count, and counts in `courier_worker_restarts_total{worker,code}`.
-  Nothing is lost meanwhile: messages are acknowledged late and the ledger
-  re-drives what a dead process held;
-- a child that exits with 0 by itself was stopped on purpose (`celery control
-  shutdown`): it is not restarted, and once none is left the supervisor exits 0;
-- exit codes that a restart cannot cure (2: usage, 64: EX_USAGE, 78:
-  EX_CONFIG) stop the others and end the supervisor with that code, as a bad
-  setting found before starting does (78);
-- SIGTERM / SIGINT (warm shutdown) and SIGQUIT (cold) go to every child once;
-  once they have all exited the supervisor exits with the first non-zero code
-  (0: every one stopped cleanly). SIGUSR1 (Celery's traceback dump) is passed on.
-
-Prometheus: unless PROMETHEUS_MULTIPROC_DIR is set, the supervisor gives its
-children a private multiprocess directory (`<data dir>/metrics/<host>`, files of
-processes no longer running removed at start), so every process's counts add
-up on the first child's exporter (COURIER_METRICS_PORT, the others serve
-none) and on the web process's `/metrics` on the same host (workers/metrics.py).
+The supervisor runs every Celery worker as a child and outlives them. A child
+that exits by itself is started again (at once after a deliberate recycle,
+RECYCLE_EXITS; else after a back-off, `backoff_s`), except after exit 0
+(`celery control shutdown`: once none is left the supervisor exits 0) or
+CONFIG_EXITS (the others are stopped, and the supervisor exits with that code).
+SIGTERM / SIGINT / SIGQUIT go to every child once, and the supervisor then exits
+with the first non-zero exit code; SIGUSR1 is passed on. Unless
+PROMETHEUS_MULTIPROC_DIR is set, the children share a private multiprocess
+directory (workers/metrics.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import select
 import signal
@@ -58,8 +31,8 @@ import subprocess
 import sys
 import time
 
-DELIVERY_QUEUES = frozenset({"delivery"})
-
+from workers.metrics import prepare_multiproc_dir
+from workers.settings import get_settings
 
 def _queues(args: list[str]) -> list[str]:
     out: list[str] = []
@@ -80,15 +53,13 @@ def _given(args: list[str], short: str, long: str) -> bool:
 
 def pool_for(queues: list[str], settings) -> tuple[str, int] | None:
     """(pool, concurrency) for a worker of `queues`; None: Celery's defaults (prefork)."""
-    if queues and set(queues) <= DELIVERY_QUEUES:
+    if set(queues) == {"delivery"}:
         return settings.delivery_pool, settings.delivery_concurrency
     return None
 
 
 def worker_argv(args: list[str], settings=None) -> list[str]:
     """The `celery worker` command line for `args` (the options given to `courier worker`)."""
-    from workers.settings import get_settings
-
     s = settings or get_settings()
     argv = [sys.executable, "-m", "celery", "-A", "workers.celery_app", "worker", *args]
     chosen = pool_for(_queues(args), s)
@@ -106,8 +77,7 @@ MAX_DEFAULT_PROCESSES = 8
 
 
 def processes_for(args: list[str], settings) -> int:
-    """How many Celery worker processes `courier worker <args>` runs: several
-    only for a threads-pool delivery worker (prefork is many processes already)."""
+    """How many Celery worker processes `courier worker <args>` runs (several only for threads)."""
     chosen = pool_for(_queues(args), settings)
     if chosen is None or _given(args, "-P", "--pool") or chosen[0] != "threads":
         return 1
@@ -128,12 +98,11 @@ def _option(args: list[str], short: str, long: str) -> tuple[int, str] | None:
 def node_argv(argv: list[str], index: int) -> list[str]:
     """`argv` for worker process `index` (0: as given): its node name gets `-<index+1>`
     before the `@` (`delivery@%h` -> `delivery-2@%h`), so every process is its own node."""
-    if index == 0:
-        return list(argv)
     out = list(argv)
+    if index == 0:
+        return out
     found = _option(out, "-n", "--hostname")
-    name = found[1] if found else "celery@%h"
-    local, at, host = name.partition("@")
+    local, at, host = (found[1] if found else "celery@%h").partition("@")
     new = f"{local}-{index + 1}{at}{host}"
     if found is None:
         out += ["-n", new]
@@ -146,16 +115,12 @@ def node_argv(argv: list[str], index: int) -> list[str]:
 
 def _die_with_parent() -> None:
     """In a worker process (before exec): SIGTERM when the supervisor dies, even by SIGKILL."""
-    try:
-        import ctypes
-
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: the orchestrator's stop reaches them
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: the orchestrator's stop reaches them
-        pass
 
 
 #: exit codes a restart cannot cure: a command line (click's usage error, EX_USAGE) or configuration
-#: (EX_CONFIG) mistake. The supervisor stops and exits with the code.
+#: (EX_CONFIG) mistake
 CONFIG_EXITS = frozenset({2, 64, 78})
 EX_CONFIG = 78
 #: exit codes of a deliberate recycle (workers/timelimits.py's hard limit, a lease without progress in
@@ -198,9 +163,8 @@ class _Child:
 
 def supervise(argvs: list[list[str]], envs: list[dict[str, str]] | None = None,
               names: list[str] | None = None) -> int:
-    """Run one Celery worker per argv and keep each running (see the module docstring).
-    Returns the supervisor's exit code: after a stop signal, the first non-zero exit code of
-    a child (0: all clean); after a configuration exit, that code."""
+    """Run one Celery worker per argv and keep each running (see the module docstring); returns
+    the supervisor's exit code."""
     children = [_Child((names or [])[i] if names and i < len(names) else f"worker-{i + 1}", a,
                        (envs[i] if envs else dict(os.environ))) for i, a in enumerate(argvs)]
     wake_r, wake_w = os.pipe()
@@ -276,11 +240,9 @@ def supervise(argvs: list[list[str]], envs: list[dict[str, str]] | None = None,
             timeout = max(0.0, min(dues) - time.monotonic()) if dues else 5.0
             if not received:
                 select.select([wake_r], [], [], timeout)
-            try:
+            with contextlib.suppress(BlockingIOError):
                 while os.read(wake_r, 512):
                     pass
-            except BlockingIOError:
-                pass
     finally:
         signal.set_wakeup_fd(old_wakeup)
         for sig, h in handlers.items():
@@ -290,19 +252,16 @@ def supervise(argvs: list[list[str]], envs: list[dict[str, str]] | None = None,
 
 
 def _count_restart(name: str, code: int) -> None:
-    """`courier_worker_restarts_total{worker,code}`: written to the multiprocess directory the
-    supervisor shares with its processes (`main`), so their exporter and the web process show it."""
-    try:
+    """`courier_worker_restarts_total{worker,code}`, in the multiprocess directory shared with the children."""
+    with contextlib.suppress(Exception):  # a metric never stops a restart
         from tasks import metrics
 
         metrics.record_worker_restart(name, code)
-    except Exception:  # noqa: BLE001 - a metric never stops a restart
-        pass
 
 
 def _reap(children: list[_Child]) -> None:
-    """Collect every exited child process: ours (their exit codes noted on them) and any
-    other (a supervisor that is a container's PID 1 inherits orphans: no zombies are left)."""
+    """Collect every exited child process: ours (their exit codes noted on them) and any other
+    (a container's PID 1 inherits orphans)."""
     mine = {c.proc.pid: c.proc for c in children if c.proc is not None and c.proc.returncode is None}
     while True:
         try:
@@ -315,14 +274,7 @@ def _reap(children: list[_Child]) -> None:
             mine[pid].returncode = os.waitstatus_to_exitcode(status)
 
 
-def _node_local(argv: list[str]) -> str:
-    found = _option(argv, "-n", "--hostname")
-    return (found[1] if found else "celery@%h").partition("@")[0] or "celery"
-
-
 def main(args: list[str] | None = None) -> None:
-    from workers.settings import get_settings
-
     given = list(sys.argv[1:] if args is None else args)
     try:
         settings = get_settings()
@@ -340,38 +292,28 @@ def main(args: list[str] | None = None) -> None:
         _say(f"{n} delivery processes share --pidfile {pidfile[1]!r}: put %n (the node name) in it, or set "
              f"COURIER_DELIVERY_PROCESSES=1")
         sys.exit(EX_CONFIG)
-    from workers.metrics import prepare_multiproc_dir
-
     mpdir, warning = prepare_multiproc_dir(settings)
     if warning:
         _say(warning)
     # for its processes, and for this one (its restart counter), before prometheus_client is imported here
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(mpdir)
-    env = dict(os.environ)
-    argvs = [node_argv(argv, i) for i in range(n)]
-    envs, names = [], []
-    local = _node_local(argv)
-    for i in range(n):
-        child_env = dict(env)
-        if i > 0:
-            child_env["COURIER_METRICS_PORT"] = "0"  # one exporter per worker (the first): it reads every process's
-        name = f"{local}-{i + 1}" if n > 1 else local
-        if n > 1:
-            child_env["COURIER_PROCESS_NAME"] = name  # its log lines' process name (workers/logformat.py)
-        envs.append(child_env)
-        names.append(name)
-    sys.exit(supervise(argvs, envs, names))
+    found = _option(argv, "-n", "--hostname")
+    local = (found[1] if found else "celery@%h").partition("@")[0] or "celery"
+    names = [f"{local}-{i + 1}" for i in range(n)] if n > 1 else [local]
+    # several processes: each named in its log lines (workers/logformat.py)
+    envs = [dict(os.environ, COURIER_PROCESS_NAME=name) if n > 1 else dict(os.environ) for name in names]
+    for env in envs[1:]:
+        env["COURIER_METRICS_PORT"] = "0"  # one exporter per worker (the first): it reads every process's
+    sys.exit(supervise([node_argv(argv, i) for i in range(n)], envs, names))
 
 
 def _setting_error(exc: BaseException) -> str:
     errors = getattr(exc, "errors", None)
     if callable(errors):
-        try:
+        with contextlib.suppress(Exception):
             first = errors()[0]
             loc = ".".join(str(x) for x in first.get("loc", ()))
             return f"{loc.upper()}: {first.get('msg')}"
-        except Exception:  # noqa: BLE001
-            pass
     return f"{type(exc).__name__}: {exc}"
 
 
