@@ -42,9 +42,8 @@ def remember(pipe: Pipeline | Redis, platform: str, message_id: str, did: str) -
 
 
 def apply(r: Redis, statuses: list[Status], *, events_maxlen: int = 1000) -> list[tuple[str, str]]:
-    """Each status on its receipt, in order (see the module docstring). Returns (message id, what
-    it did) for each: failed, confirmed, stale, not_delivered, ignored (a status courier does not
-    know), unknown (no delivery of courier's sent it, or its receipt expired)."""
+    """Each status on its receipt, in order. Returns (message id, what it did) for each: failed,
+    confirmed, stale, not_delivered, ignored (an unknown status), unknown (no receipt of it)."""
     out: list[tuple[str, str]] = []
     for s in statuses:
         if s.status not in RANK and s.status != "failed":

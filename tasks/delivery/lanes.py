@@ -181,12 +181,10 @@ def _look(r: Redis, target: str, token: str, *, take: bool = False, last: Step |
 
 def drive_ready(ctx: Context, target: str, publish: Publish, drain: Callable[[], None], *,
                 started: str | None = None, backlog: int = 2) -> JsonObject:
-    """A drive task's work: `target`'s lane ('': none), then the lanes of the ready set
-    (`keys.lanes_ready()`, chains `wake_lane`) until it is empty or `BUDGET_S` is spent, then
-    `drain()` publishes a drive for what is left. A lane that took `FAN_OUT_S` or more calls
-    `drain()` too while lanes are left and fewer than `backlog` drives wait to start.
-    `started`: this drive's task id. Returns the first lane's summary, with `drained` and
-    `drained_sent` when lanes of the set were driven."""
+    """A drive task's work: `target`'s lane ('': none), then the ready set's lanes until it is empty
+    or `BUDGET_S` is spent (then `drain()` publishes a drive for the rest). A lane that took
+    `FAN_OUT_S` calls `drain()` too while fewer than `backlog` drives wait to start. Returns the
+    first lane's summary, with `drained` and `drained_sent` when lanes of the set were driven."""
     r = ctx.redis
     deadline = time.monotonic() + BUDGET_S
     ready = keys.lanes_ready()
@@ -238,12 +236,9 @@ def drive_ready(ctx: Context, target: str, publish: Publish, drain: Callable[[],
 
 def drive(ctx: Context, target: str, publish: Publish, *, started: str | None = None,
           budget_s: float | None = None, pop: bool = False) -> JsonObject:
-    """Send what is ready at the head of `target`'s lane, one `_look` per step (the first
-    takes the lease; each records the step just sent and pops it). `publish(target,
-    countdown)` enqueues another drive. `started`: the drive task's id, no longer waiting
-    (`keys.drives_waiting()`); `budget_s`: how long it may send before handing the lane on;
-    `pop`: the look finding the lane empty pops the next lane of the ready set, returned
-    as `next` ('': the set was empty). Returns a small summary."""
+    """Send what is ready at the head of `target`'s lane, one `_look` per step. `publish(target,
+    countdown)` enqueues another drive; `started`: the drive task's id; `budget_s`: how long it
+    may send; `pop`: the look finding the lane empty pops the ready set's next lane (`next`)."""
     r = ctx.redis
     lease = keys.lease("lane", target)
     token = ledger.new_token()

@@ -1,6 +1,4 @@
-"""The ledger's moving parts: leases and due times (plain code, no Celery). The receipts
-say what each stage is and how far it got; this module says who works on it and when
-somebody must look again:
+"""The ledger's moving parts: who works on a stage and when somebody must look again.
 
 - a **lease** (`keys.lease(stage, id)`): its holder's token with a short TTL, renewed by
   one heartbeat thread per process while the work runs: a dead worker's lease is gone
