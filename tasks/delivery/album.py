@@ -1,15 +1,10 @@
-"""Album grouping: photos of one step of a chat's lane (grouped by
-`tasks.dispatch.chains.album_groups`) delivered as one album (`deliver_album`),
-under one send lock; plain code, no Celery. Each item keeps its own
-receipt; what does not go in the album goes one by one through
-`tasks.delivery.delivery`'s per-item flow.
-"""
+"""Photos of one lane step (`tasks.dispatch.chains.album_groups`) delivered as one album
+under one send lock; plain code, no Celery. Each item keeps its own receipt; what does
+not go in the album goes one by one through `delivery.deliver_item`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-
-from redis import Redis
 
 from adapters.errors import CourierError, Permanent
 from adapters.platforms.base import FileRefused, FileSource, Kind, Platform, split_target
@@ -23,9 +18,8 @@ from tasks.delivery.text import fit_caption
 
 @dataclass(frozen=True)
 class Album:
-    """One lane step of photos (grouped by `tasks.dispatch.chains.album_groups`): the chat, the
-    caption (of the album, else of the first item sent) and the items' specs, in order,
-    each with its own delivery id and receipt (the first's caption moved to `caption`)."""
+    """One lane step of photos: the chat, the caption (of the album, else of the first item
+    sent) and the items' specs in order (the first's caption moved to `caption`)."""
 
     target: str
     caption: str | None
@@ -33,30 +27,26 @@ class Album:
 
 
 def deliver_album(ctx: Context, group: Album) -> AlbumOutcome:
-    """Deliver a group of photos as one album.
-
-    A sandbox file's item (its spec's `extract`) has its extraction's result in
-    its receipt. Items already done are skipped; a failed extraction is
-    recorded failed (with its notice, after what the group sends); photos that fit the photo
-    and upload limits go as one album when two or more remain, the rest
-    (a photo over the photo limit, a file over the upload limit, a lone
-    photo) go after it one by one, as `deliver` sends them. The caption goes
-    on the album, else on the first item sent. One send lock, on the first
-    item's id, covers the group."""
+    """Deliver a group of photos, under one send lock on the first item's id. Items already
+    done are skipped; a failed extraction (its result in its receipt) is recorded failed,
+    its notice after what the group sends; photos within the photo and upload limits go as
+    one album when two or more remain, the rest one by one after it. The caption goes on
+    the album, else on the first item sent."""
     lead = group.items[0].delivery_id
     return sendlock.under_send_lock(ctx, lead, lambda rec: None,
                                     lambda session: _deliver_album_locked(ctx, group))
 
 
 def _deliver_album_locked(ctx: Context, group: Album) -> AlbumOutcome:
-    from tasks.delivery.delivery import result_of
-
     r = ctx.redis
     items = group.items
     lead = items[0].delivery_id
     results: dict[str, DeliveryOutcome] = {}
     pending: list[tuple[DeliverySpec, receipts.Receipt]] = []
-    recs = _receipts_of(r, items)
+    pipe = r.pipeline(transaction=False)
+    for spec in items:
+        pipe.hgetall(keys.delivery(spec.delivery_id))
+    recs = [h or {} for h in pipe.execute()]
     # the caption goes with the group's first send: an earlier run that sent (or finally failed) one used it
     caption = None if any(rec.get("state") == DeliveryState.DELIVERED or rec.get("final") == "1" for rec in recs) \
         else group.caption
@@ -87,12 +77,12 @@ def _deliver_album_locked(ctx: Context, group: Album) -> AlbumOutcome:
     unsent: list[tuple[DeliverySpec, Extracted]] = []  # failed extractions: recorded, the chat told, after the sends
     for spec, rec in pending:
         if spec.extract is not None:
-            extracted = result_of(rec, spec.key or "") or Extracted(
+            extracted = delivery.result_of(rec, spec.key or "") or Extracted(
                 ok=False, name=spec.name, reason="the extraction recorded no result")
             if not extracted.ok:
                 unsent.append((spec, extracted))
                 continue
-            spec = delivery.with_extraction(spec, extracted)
+            spec = spec.with_extraction(extracted)
         kind, src, limit = delivery.plan_file(ctx, platform, spec)
         try:
             kind = platform.route_file(kind, src)
@@ -104,12 +94,10 @@ def _deliver_album_locked(ctx: Context, group: Album) -> AlbumOutcome:
             singles.append(spec)
 
     size = platform.limits.album_max
+    rest = [spec for spec, _ in photos]
     if len(photos) >= 2 and size >= 2:
-        album, rest = photos[:size], [spec for spec, _ in photos[size:]]
-        results.update(_send_album(ctx, platform, chat, lead, album, caption))
-        caption = None
-    else:
-        rest = [spec for spec, _ in photos]
+        results.update(_send_album(ctx, platform, chat, lead, photos[:size], caption))
+        rest, caption = rest[size:], None
     order = {spec.delivery_id: i for i, spec in enumerate(items)}
     for spec in sorted(rest + singles, key=lambda s: order[s.delivery_id]):
         if caption:
@@ -118,13 +106,6 @@ def _deliver_album_locked(ctx: Context, group: Album) -> AlbumOutcome:
     for spec, extracted in unsent:  # the notice after the files that went
         results[spec.delivery_id] = delivery.deliver_item(ctx, platform, chat, spec, extracted)
     return summary()
-
-
-def _receipts_of(r: Redis, items: list[DeliverySpec]) -> list[receipts.Receipt]:
-    pipe = r.pipeline(transaction=False)
-    for spec in items:
-        pipe.hgetall(keys.delivery(spec.delivery_id))
-    return [h or {} for h in pipe.execute()]
 
 
 def _send_album(ctx: Context, platform: Platform, chat: str, lead: str,
@@ -141,11 +122,8 @@ def _send_album(ctx: Context, platform: Platform, chat: str, lead: str,
         sents = guarded.send_album(chat, [(Kind.PHOTO, src) for _, src in album], caption=text, delivery_id=part)
         delivery.send_overflow(guarded, chat, overflow, part)
     except Permanent as exc:
-        out = {}
-        for spec, _ in album:
-            receipts.update_delivery(r, spec.delivery_id, final="1")
-            out[spec.delivery_id] = delivery.record_failure(ctx, spec, exc.reason, kind=Kind.PHOTO.value)
-        return out
+        return {spec.delivery_id: delivery.record_failure(ctx, spec, exc.reason, kind=Kind.PHOTO.value, final=True)
+                for spec, _ in album}
     for spec, _ in album:  # the reply's last file went in it: the notice of the reply's files that could
         if spec.tell:  # not go follows (sent once; paced: the step is re-run, the album not sent again)
             delivery.tell_reply(ctx, guarded, chat, spec)

@@ -1,16 +1,10 @@
-"""Delivery confirmations: a platform that reports a message's fate after
-accepting it (WhatsApp's status webhook: `sent`, `delivered`, `read`,
-`failed`, with the reason) moves its receipt on. Plain code, no Celery.
+"""Delivery confirmations: a platform that reports a message's fate after accepting it
+(WhatsApp's status webhook) moves its receipt on. Plain code, no Celery.
 
-A receipt of such a platform is written `delivered` with `confirmed:
-accepted` when the send is answered with a message id, and that id is
-remembered (`remember`: `keys.sent_message`, kept as long as receipts).
-A status then sets `confirmed` to `delivered` or `read` (never backwards),
-or makes the receipt `failed` with the platform's reason (`accepted, then
-failed: …`): the operator sees it in `courier deliveries --failed`, the
-job's event stream and `courier_deliveries_total{state="failed"}`. Telegram,
-Slack and Discord receipts stay final at acceptance (`confirmed: final at
-acceptance`): their APIs answer a send only once it is theirs.
+Such a receipt is written `delivered` with `confirmed: accepted` and its message id
+remembered (`remember`); a status then sets `confirmed` to `delivered` or `read` (never
+backwards), or makes the receipt `failed` (`accepted, then failed: …`), with its event
+and metric. Other platforms' receipts are `confirmed: final at acceptance`.
 """
 
 from __future__ import annotations
@@ -24,8 +18,6 @@ from redis.client import Pipeline
 from tasks import metrics
 from tasks.ledger import events, keys, receipts, scripts
 from tasks.states import DeliveryState
-
-__all__ = ["Status", "apply", "remember"]
 
 #: a confirmation's order: a status never moves a receipt back
 RANK = {"accepted": 0, "sent": 1, "delivered": 2, "read": 3}
@@ -50,9 +42,8 @@ def remember(pipe: Pipeline | Redis, platform: str, message_id: str, did: str) -
 
 
 def apply(r: Redis, statuses: list[Status], *, events_maxlen: int = 1000) -> list[tuple[str, str]]:
-    """Each status on its receipt, in order (see the module docstring). Returns (message id, what
-    it did) for each: failed, confirmed, stale, not_delivered, ignored (a status courier does not
-    know), unknown (no delivery of courier's sent it, or its receipt expired)."""
+    """Each status on its receipt, in order. Returns (message id, what it did) for each: failed,
+    confirmed, stale, not_delivered, ignored (an unknown status), unknown (no receipt of it)."""
     out: list[tuple[str, str]] = []
     for s in statuses:
         if s.status not in RANK and s.status != "failed":

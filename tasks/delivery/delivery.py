@@ -1,27 +1,22 @@
 """Delivering one stored file (or a text) to one chat: plain code, no Celery.
-(A group of photos as one album is `tasks.delivery.album`'s, sending what does not
-fit in the album through `deliver_item` here.)
 
-The shared flow above every adapter: idempotency (a delivery id recorded on
-success and checked before sending, a send lock against two workers at
-once), routing by extension, the photo and upload limits (a notice instead
-of a too-large file), fitting text and captions, upload-once-send-many file
-ids, receipts and delivery events. Adapters only send. The send lock is
-`tasks.delivery.sendlock`'s, the record of each part sent `tasks.delivery.parts`'s, routing
-`tasks.delivery.routing`'s.
-
-Rate limits and transient errors propagate as `RateLimited` / `Transient`
-for the task to re-schedule; `Permanent` is recorded here and not retried.
+The flow above every adapter (adapters only send): idempotency (a receipt checked
+before sending, under the send lock), the photo and upload limits (a notice instead
+of a too-large file), fitting text and captions, upload-once file ids, receipts and
+delivery events. `RateLimited` / `Transient` propagate for the lane to re-schedule;
+`Permanent` is recorded here and not retried.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import logging
 import os
 import posixpath
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from dataclasses import replace
 from typing import Any, BinaryIO, cast
 
@@ -31,7 +26,8 @@ from adapters.display import visible
 from adapters.errors import CourierError, DeliveryError, Permanent, RateLimited
 from adapters.platforms.base import FileRefused, FileSource, Kind, Platform, Sent, split_target
 from tasks import metrics
-from tasks.delivery import parts, ratelimit, sendlock
+from tasks.delivery import confirm, parts, ratelimit, sendlock
+from tasks.delivery.routing import route
 from tasks.ledger import events, keys, ledger, receipts
 from storage import BlobStore
 from tasks.messages import DeliveryOutcome, DeliverySpec, Extracted
@@ -50,8 +46,7 @@ def _int_or_none(value: str | None) -> int | None:
 
 
 def result_of(rec: receipts.Receipt, key: str) -> Extracted | None:
-    """An extraction's result as `extract` returned it, read back from the
-    receipt (None: not recorded)."""
+    """An extraction's result as `extract` returned it, read back from the receipt (None: not recorded)."""
     name = rec.get("name") or posixpath.basename(key)
     if rec.get("extraction") == EXTRACTION_OK:
         return Extracted(ok=True, key=key, name=name, size=int(rec.get("size_bytes") or 0),
@@ -71,11 +66,13 @@ def _event(ctx: Context, spec: DeliverySpec, pipe: Pipeline | None = None, **ev:
                    maxlen=ctx.events_maxlen, pipe=pipe)
 
 
-def record_failure(ctx: Context, spec: DeliverySpec, reason: str, kind: str | None = None) -> DeliveryOutcome:
-    """A failed delivery's receipt and event; `kind`: what it was sent (or refused) as, when known."""
+def record_failure(ctx: Context, spec: DeliverySpec, reason: str, kind: str | None = None, *,
+                   final: bool = False) -> DeliveryOutcome:
+    """A failed delivery's receipt and event (`final`: for good, never retried); `kind`: what it
+    was sent (or refused) as, when known."""
     pipe = ctx.redis.pipeline(transaction=False)
-    receipts.update_delivery(pipe, spec.delivery_id, state=DeliveryState.FAILED, reason=reason,
-                             **({"kind": kind} if kind else {}))
+    receipts.update_delivery(pipe, spec.delivery_id, final="1" if final else None, state=DeliveryState.FAILED,
+                             reason=reason, kind=kind or None)
     _event(ctx, spec, pipe=pipe, state=DeliveryState.FAILED, reason=reason, name=spec.name,
            **({"media": kind} if kind else {}))
     pipe.execute()
@@ -87,98 +84,72 @@ def record_failure(ctx: Context, spec: DeliverySpec, reason: str, kind: str | No
 
 
 def choose_kind(platform: Platform, name: str, size_bytes: int, *, voice: bool, as_document: bool) -> Kind:
-    from tasks.delivery.routing import route
-
     lim = platform.limits
-    kind = route(
-        name, voice=voice, as_document=as_document,
-        animation=Kind.ANIMATION in lim.native_kinds, voice_notes=Kind.VOICE in lim.native_kinds,
-    )
-    if kind == Kind.PHOTO and lim.photo_bytes is not None and size_bytes > lim.photo_bytes:
-        kind = Kind.DOCUMENT
-    if kind not in lim.native_kinds:
-        kind = Kind.DOCUMENT
-    return kind
+    kind = route(name, voice=voice, as_document=as_document, animation=Kind.ANIMATION in lim.native_kinds,
+                 voice_notes=Kind.VOICE in lim.native_kinds)
+    too_big = kind == Kind.PHOTO and lim.photo_bytes is not None and size_bytes > lim.photo_bytes
+    return Kind.DOCUMENT if too_big or kind not in lim.native_kinds else kind
 
 
 def deliver(ctx: Context, spec: DeliverySpec, extracted: Extracted | None = None, *,
             held: sendlock.Held | None = None, end: Pipeline | None = None) -> DeliveryOutcome:
-    """Deliver one item (its `spec`: a text, or a stored file with its name,
-    caption and how it goes). `extracted` is the result of the extraction
-    before it (file items from a sandbox).
-    `held`: its send lock already taken by the caller (`sendlock.Held`); `end`:
-    a pipeline the delivered record (and the lock's release) is queued on, for
-    the caller to execute with what it does next (one round trip)."""
+    """Deliver one item (`extracted`: the result of a sandbox file's extraction).
+    `held`: its send lock already taken by the caller; `end`: a pipeline the delivered
+    record (and the lock's release) is queued on, for the caller to execute."""
     did = spec.delivery_id
-    return sendlock.under_send_lock(ctx, did, lambda rec: already_done(did, rec),
-                                    lambda session: _deliver_locked(ctx, spec, extracted, session, end),
-                                    count_attempt=True, held=held)
+
+    def work(session: sendlock.SendSession) -> DeliveryOutcome:
+        platform_name, chat = split_target(spec.target)
+        try:
+            platform = ctx.platform(platform_name)
+        except CourierError as exc:
+            return record_failure(ctx, spec, exc.reason)
+        return deliver_item(ctx, platform, chat, spec, extracted, session, end=end)
+
+    return sendlock.under_send_lock(ctx, did, lambda rec: already_done(did, rec), work, count_attempt=True, held=held)
 
 
 def already_done(did: str, rec: receipts.Receipt) -> DeliveryOutcome | None:
     state = rec.get("state")
     if state == DeliveryState.DELIVERED:
         return {"id": did, "state": DeliveryState.DELIVERED, "message_id": rec.get("message_id"), "skipped": True}
-    if state == DeliveryState.CANCELLED:
-        return {"id": did, "state": DeliveryState.CANCELLED, "reason": rec.get("reason"), "skipped": True}
-    if state == DeliveryState.FAILED and rec.get("final") == "1":
-        return {"id": did, "state": DeliveryState.FAILED, "reason": rec.get("reason"), "skipped": True}
+    if state == DeliveryState.CANCELLED or (state == DeliveryState.FAILED and rec.get("final") == "1"):
+        return {"id": did, "state": DeliveryState(state), "reason": rec.get("reason"), "skipped": True}
     return None
-
-
-def _deliver_locked(ctx: Context, spec: DeliverySpec, extracted: Extracted | None, session: sendlock.SendSession,
-                    end: Pipeline | None = None) -> DeliveryOutcome:
-    platform_name, chat = split_target(spec.target)
-    try:
-        platform = ctx.platform(platform_name)
-    except CourierError as exc:
-        return record_failure(ctx, spec, exc.reason)
-    return deliver_item(ctx, platform, chat, spec, extracted, session, end=end)
 
 
 def deliver_item(ctx: Context, platform: Platform, chat: str, spec: DeliverySpec, extracted: Extracted | None,
                   session: sendlock.SendSession | None = None, *, end: Pipeline | None = None) -> DeliveryOutcome:
-    """One item to `chat` (its send lock held by the caller): a failed
-    extraction recorded (with the too-large notice), else sent and recorded
-    (on `end`, not executed, when given)."""
+    """One item to `chat` (its send lock held by the caller): a failed extraction recorded (with
+    its notice), else sent and recorded (on `end`, not executed, when given)."""
     r = ctx.redis
     did = spec.delivery_id
+    fresh = session is not None and session.fresh
     # every send below takes a shared rate-limit slot first, and each part is sent once
-    platform = guarded = parts.guard(r, platform, did, defer=True,
-                                         first_attempt=session is not None and session.fresh)
-
+    guarded = parts.guard(r, platform, did, defer=True, first_attempt=fresh)
     if extracted is not None and not extracted.ok:
         try:
-            return _extraction_failed(ctx, platform, chat, spec, extracted)
+            return _extraction_failed(ctx, guarded, chat, spec, extracted)
         finally:
             guarded.flush()
     if extracted is not None:
-        spec = with_extraction(spec, extracted)
-
+        spec = spec.with_extraction(extracted)
     if session is not None and session.attempts:
         attempts = session.attempts  # counted when the lock was taken
     else:
         attempts = receipts.start_attempt(r, did, state=DeliveryState.SENDING, platform=platform.name)
+    failed: Permanent | _Refused | None = None
     try:
-        if spec.is_text:
-            sent = _send_text(platform, chat, spec.text or "", did)
-            kind_name, size = Kind.TEXT.value, len((spec.text or "").encode())
-        else:
-            sent, kind_name, size = _send_file(ctx, guarded, chat, spec,
-                                               fresh=session is not None and session.fresh)
-            if spec.tell:  # the reply's last file: the notice of its files that could not go
-                tell_reply(ctx, guarded, chat, spec)
-    except Permanent as exc:
-        _tell_then(ctx, guarded, chat, spec)
-        guarded.flush()
-        receipts.update_delivery(r, did, final="1")
-        kind = Kind.TEXT.value if spec.is_text else getattr(exc, "kind", None)
-        return record_failure(ctx, spec, exc.reason, kind=kind)
-    except _Refused as notice:
-        _tell_then(ctx, guarded, chat, spec)
-        guarded.flush()
-        receipts.update_delivery(r, did, final="1")
-        return record_failure(ctx, spec, notice.reason, kind=notice.kind)
+        try:
+            if spec.is_text:
+                sent = _send_text(guarded, chat, spec.text or "", did)
+                kind_name, size = Kind.TEXT.value, len((spec.text or "").encode())
+            else:
+                sent, kind_name, size = _send_file(ctx, guarded, chat, spec, fresh=fresh)
+        except (Permanent, _Refused) as exc:
+            failed = exc
+        if spec.tell:  # the reply's last file: the notice of its files that could not go, after its outcome
+            tell_reply(ctx, guarded, chat, spec)
     except ratelimit.Paced:
         guarded.flush()  # parts already sent stay recorded for the retry
         r.hincrby(keys.delivery(did), "attempts", -1)  # courier's own pacing: this try never reached the platform
@@ -186,6 +157,10 @@ def deliver_item(ctx: Context, platform: Platform, chat: str, spec: DeliverySpec
     except BaseException:
         guarded.flush()  # parts already sent stay recorded for the retry
         raise
+    if failed is not None:
+        guarded.flush()
+        kind = Kind.TEXT.value if spec.is_text else getattr(failed, "kind", None)
+        return record_failure(ctx, spec, failed.reason, kind=kind, final=True)
     pipe = end if end is not None else r.pipeline(transaction=False)
     guarded.flush(pipe, covered=did)  # the receipt below says it was sent
     out = record_delivered(ctx, spec, sent.message_id, kind_name, size, attempts, pipe=pipe)
@@ -194,10 +169,6 @@ def deliver_item(ctx: Context, platform: Platform, chat: str, spec: DeliverySpec
     if end is None:
         pipe.execute()
     return out
-
-
-def with_extraction(spec: DeliverySpec, extracted: Extracted) -> DeliverySpec:
-    return spec.with_extraction(extracted)
 
 
 def _extraction_failed(ctx: Context, platform: Platform, chat: str, spec: DeliverySpec, extracted: Extracted
@@ -211,30 +182,31 @@ def _extraction_failed(ctx: Context, platform: Platform, chat: str, spec: Delive
             extracted.name or spec.name or "file", extracted)]), key=None)
     if extracted.too_large or extracted.notify:
         log.warning("delivery %s to %s failed for good: %s", spec.delivery_id, spec.target, reason)
-    receipts.update_delivery(ctx.redis, spec.delivery_id, final="1")
-    return record_failure(ctx, spec, reason)
+    return record_failure(ctx, spec, reason, final=True)
 
 
 #: names one notice lists; the rest are counted
 UNSENT_LISTED = 10
 
 
+def _too_large(name: str, size: int | None, limit: int | None) -> tuple[str, str, str]:
+    """A file over the limit in words: its name as shown, its size, the limit."""
+    return (visible(name), human_bytes(int(size)) if size else "unknown size",
+            human_bytes(int(limit)) if limit else "the limit")
+
+
 def _unsent_item(name: str, failed: Extracted) -> tuple[str, str]:
     """(the sentence of a notice for one file, its line in a notice for several) of a failed extraction."""
-    name = visible(name)
     if failed.too_large:
-        size_s = human_bytes(failed.size) if failed.size else "unknown size"
-        limit_s = human_bytes(failed.limit) if failed.limit else "the limit"
+        name, size_s, limit_s = _too_large(name, failed.size, failed.limit)
         return (f"⚠️ {name} ({size_s}) was not sent: it is over the {limit_s} limit here.",
                 f"• {name} ({size_s}): over the {limit_s} limit here")
-    words = failed.notify
-    words = words if words and words != "1" else CourierError.chat_words
+    name, words = visible(name), failed.notify or CourierError.chat_words
     return f"⚠️ {name} could not be sent: {words}.", f"• {name}: {words}"
 
 
 def unsent_notice(items: list[tuple[str, str]]) -> str:
-    """One notice for a reply's files that could not be sent: `items` are
-    `_unsent_item`'s (sentence, line) pairs, in reply order."""
+    """One notice for a reply's files that could not be sent (`_unsent_item`'s pairs, in reply order)."""
     if len(items) == 1:
         return items[0][0]
     lines = [line for _, line in items[:UNSENT_LISTED]]
@@ -244,17 +216,11 @@ def unsent_notice(items: list[tuple[str, str]]) -> str:
 
 
 def tell_reply(ctx: Context, platform: Platform, chat: str, spec: DeliverySpec) -> None:
-    """At a reply's last file (its spec's `tell`: the ids of the reply's files,
-    set by `tasks.dispatch.chains` for a turn's reply), tell the chat in one notice
-    every file of the reply that could not be sent and why: each whose
-    extraction failed with words for the chat (`notify`: missing, unsafe, a
-    control character in its name ...) or as too large. The reply's other
-    files send no notice of their own for these (`told_by`). Sent once (part
-    `<id>#unsent`), after the last file's own outcome; nothing when all went.
-    One read of the files' receipts per reply. Shows names only (`visible`),
-    never a path. A RateLimited/Paced notice propagates: the step is
-    re-scheduled and resumes here (what it sent is recorded)."""
-
+    """At a reply's last file (its spec's `tell`: the reply's file ids, `tasks.dispatch.chains`),
+    one notice of every file of the reply whose extraction failed with words for the chat
+    (`notify`) or as too large; the others send none of their own (`told_by`). Sent once
+    (part `<id>#unsent`), names only (`visible`), never a path. A RateLimited/Paced
+    notice propagates: the step is re-scheduled and resumes here."""
     ids = list(spec.tell or ())
     if not ids:
         return
@@ -270,35 +236,20 @@ def tell_reply(ctx: Context, platform: Platform, chat: str, spec: DeliverySpec) 
         _notice(ctx, platform, chat, spec, unsent_notice(items), key=None, part="unsent")
 
 
-def _tell_then(ctx: Context, guarded: parts.Guarded, chat: str, spec: DeliverySpec) -> None:
-    """`tell_reply` from inside `deliver_item`'s outcome: a notice still paced (or
-    rate limited) re-schedules the step as a send of it would (its parts flushed,
-    a paced try counts no attempt)."""
-    if not spec.tell:
-        return
-    try:
-        tell_reply(ctx, guarded, chat, spec)
-    except ratelimit.Paced:
-        guarded.flush()
-        ctx.redis.hincrby(keys.delivery(spec.delivery_id), "attempts", -1)
-        raise
-    except BaseException:
-        guarded.flush()
-        raise
-
-
 def record_delivered(ctx: Context, spec: DeliverySpec, message_id: str, kind_name: str, size: int, attempts: int,
                       pipe: Pipeline | None = None) -> DeliveryOutcome:
     """The receipt and the delivery event of a delivered item (queued on `pipe` when given)."""
     p = pipe if pipe is not None else ctx.redis.pipeline(transaction=False)
-    later = _confirms_later(ctx, spec)
+    platform_name = spec.target.split(":", 1)[0]
+    try:  # whether the platform reports a message's fate after accepting it
+        later = bool(getattr(ctx.platform(platform_name), "confirms_later", False))
+    except CourierError:
+        later = False
     receipts.update_delivery(p, spec.delivery_id, state=DeliveryState.DELIVERED, message_id=message_id, kind=kind_name,
                              size_bytes=size, attempts=attempts, reason="", sha256=spec.sha256 or None,
                              confirmed="accepted" if later else "final at acceptance")
-    if later:  # its status webhook names the message: this finds the receipt (tasks/delivery/confirm.py)
-        from tasks.delivery import confirm
-
-        confirm.remember(p, spec.target.split(":", 1)[0], message_id, spec.delivery_id)
+    if later:  # its status webhook names the message: this finds the receipt
+        confirm.remember(p, platform_name, message_id, spec.delivery_id)
     _event(ctx, spec, pipe=p, state=DeliveryState.DELIVERED, message_id=message_id, media=kind_name,
            name=spec.name, size_bytes=size)
     if pipe is None:
@@ -327,18 +278,7 @@ def _progressing(cm: AbstractContextManager[BinaryIO], mark: Callable[[], None])
         yield cast(BinaryIO, _ProgressReader(f, mark))
 
 
-def _confirms_later(ctx: Context, spec: DeliverySpec) -> bool:
-    """Whether the job's platform reports a message's fate after accepting it (Platform.confirms_later)."""
-    name = spec.target.split(":", 1)[0]
-    try:
-        return bool(getattr(ctx.platform(name), "confirms_later", False))
-    except CourierError:
-        return False
-
-
-#: text messages one reply may take in a chat; a longer text goes as its first part, cut with a
-#: line saying so, then the whole text as a document (`REPLY_FILE`): a 1 MB reply is 2 messages,
-#: not 101 on Discord (`long_reply`)
+#: text messages one reply may take in a chat; a longer text goes as `long_reply`
 REPLY_MAX_PARTS = 4
 REPLY_FILE = "reply.txt"
 #: room kept in the first part for the line that says it was cut
@@ -357,21 +297,14 @@ def _send_text(platform: Platform, chat: str, text: str, did: str) -> Sent:
 
 
 def long_reply(platform: Platform, chat: str, text: str, did: str) -> Sent:
-    """A text over the reply budget (`REPLY_MAX_PARTS` messages): its first
-    part, ending in `… (truncated, N more characters in reply.txt)`, then the
-    whole text as the document `reply.txt` (UTF-8). A text the platform cannot
-    take as a document (over its upload limit, a type it refuses) is only cut:
-    the line says how much was left out. Each is a part of the delivery
-    (`<id>#0`, `<id>#doc`): a retry sends neither twice."""
-    import hashlib
-    import io
-    from contextlib import nullcontext
-
+    """A text over `REPLY_MAX_PARTS` messages: its first part, ending in `… (truncated, N more
+    characters in reply.txt)`, then the whole text as the document `reply.txt`; only cut (the
+    line says so) where the platform cannot take that document. Parts `<id>#0`, `<id>#doc`."""
     text = text.strip()
     body = text.encode()
     src = FileSource(name=REPLY_FILE, size_bytes=len(body), sha256=hashlib.sha256(body).hexdigest(),
                      opener=lambda: nullcontext(cast(BinaryIO, io.BytesIO(body))), mime="text/plain")
-    kind: Kind | None = Kind.DOCUMENT
+    kind: Kind | None
     try:
         kind = platform.route_file(Kind.DOCUMENT, src)
     except FileRefused:
@@ -398,8 +331,7 @@ class _Refused(Exception):
 
 
 def plan_file(ctx: Context, platform: Platform, spec: DeliverySpec) -> tuple[Kind, FileSource, int]:
-    """A stored file's kind on this platform (routing, photo limit), its
-    source, and the upload limit for that kind."""
+    """A stored file's kind on this platform (routing, photo limit), its source and upload limit."""
     store = ctx.store
     key = _key_of(spec)
     size = spec.size if spec.size is not None else store.stat(key).size_bytes
@@ -424,13 +356,6 @@ def file_id_key(platform: Platform, sha: str, kind: Kind) -> str | None:
     return keys.file_id(platform.name, bot, sha, kind.value) if bot and sha else None
 
 
-def _fit_file_caption(platform: Platform, kind: Kind, src: FileSource,
-                      caption: str | None) -> tuple[str | None, list[str]]:
-    """`fit_caption` with the caption room of this file as `kind` (the platform
-    answers per file: Discord's voice message holds no text)."""
-    return fit_caption(caption, platform.caption_chars_for(kind, src), platform.limits.text_chars)
-
-
 def send_overflow(platform: Platform, chat: str, overflow: list[str], base_id: str) -> None:
     """What did not fit in a caption, as text messages after the file(s)."""
     for i, part in enumerate(overflow):
@@ -439,27 +364,27 @@ def send_overflow(platform: Platform, chat: str, overflow: list[str], base_id: s
 
 def _send_file(ctx: Context, platform: parts.Guarded, chat: str, spec: DeliverySpec, *,
                fresh: bool = False) -> tuple[Sent, str, int]:
-    """Send one stored file (`fresh`: the delivery's first attempt, so no earlier run
-    left an upload or a refusal to resume from)."""
-    kind, src, limit = plan_file(ctx, platform, spec)
+    """Send one stored file (`fresh`: the first attempt: no upload or refusal of an earlier run)."""
+    kind, src, _ = plan_file(ctx, platform, spec)
     key, size = _key_of(spec), src.size_bytes
     if size == 0 and not platform.takes_empty_files:
         # one rule for every chat platform: nothing is uploaded (the outbox, a directory, keeps it)
-        reason = f"empty file: {src.name} is 0 bytes"
         _notice(ctx, platform, chat, spec, f"⚠️ {src.name} was not sent: it is empty (0 bytes).", key=None)
-        raise _Refused(reason, kind)
+        raise _Refused(f"empty file: {src.name} is 0 bytes", kind)
     try:  # the platform's own type rules (e.g. WhatsApp's supported types)
         kind = platform.route_file(kind, src)
     except FileRefused as exc:
         raise _Refused(_notice_refused(ctx, platform, chat, spec, src, exc, key=key), kind) from None
     limit = platform.limits.upload_limit(kind)
     if size > limit:
-        reason = _notice_too_large(ctx, platform, chat, spec, src.name, size, limit, key=key)
-        raise _Refused(reason, kind)
+        name, size_s, limit_s = _too_large(src.name, size, limit)
+        _notice(ctx, platform, chat, spec, f"⚠️ {name} ({size_s}) was not sent: it is over the {limit_s} limit here.",
+                key=key)
+        raise _Refused(f"too large: {name} is {size_s}, over the {limit_s} limit for {platform.name}", kind)
     if size > 8 * 1024 * 1024:  # a long upload: show its kind and size in `courier status` meanwhile
         receipts.update_delivery(ctx.redis, spec.delivery_id, kind=kind.value, size_bytes=size, name=src.name)
-    caption, overflow = _fit_file_caption(platform, kind, src, spec.caption)
-    cached = None
+    # the caption room of this file as `kind` (Discord's voice message holds no text)
+    caption, overflow = fit_caption(spec.caption, platform.caption_chars_for(kind, src), platform.limits.text_chars)
     if platform.cache_key and not src.sha256:
         # extraction by kernel copy hashes nothing; the file-id cache needs it
         src = replace(src, sha256=_sha256_of(ctx.store, key))
@@ -472,11 +397,10 @@ def _send_file(ctx: Context, platform: parts.Guarded, chat: str, spec: DeliveryS
     if fid_key:
         pipe.get(fid_key)
     if not fresh:
-        parts.queue_lookup(pipe, did, [upload_part, f"{did}#refused"])
+        pipe.hmget(keys.delivery_parts(did), [upload_part, f"{did}#refused"])
     got = pipe.execute() if len(pipe) else []
     uploaded, refused = (None, None) if fresh else got[-1]
-    cached = got[0] if fid_key else None
-    cached = cached or uploaded
+    cached = (got[0] if fid_key else None) or uploaded
     if refused:  # refused by the platform before; its notice was re-scheduled (the chat's rate limit)
         rec = json.loads(refused)
         _notice(ctx, platform, chat, spec, rec["text"], key=key)
@@ -505,23 +429,10 @@ def _send_file(ctx: Context, platform: parts.Guarded, chat: str, spec: DeliveryS
 
 
 def _sha256_of(store: BlobStore, key: str) -> str:
-    import hashlib
-
     digest = hashlib.sha256()
     for chunk in store.iter_chunks(key):
         digest.update(chunk)
     return digest.hexdigest()
-
-
-def _notice_too_large(ctx: Context, platform: Platform, chat: str, spec: DeliverySpec, name: str, size: int, limit: int,
-                      *, key: str | None) -> str:
-    name = visible(name)
-    size_s = human_bytes(int(size)) if size else "unknown size"
-    limit_s = human_bytes(int(limit)) if limit else "the limit"
-    reason = f"too large: {name} is {size_s}, over the {limit_s} limit for {platform.name}"
-    _notice(ctx, platform, chat, spec, f"⚠️ {name} ({size_s}) was not sent: it is over the {limit_s} limit here.",
-            key=key)
-    return reason
 
 
 def _notice_refused(ctx: Context, platform: Platform, chat: str, spec: DeliverySpec, src: FileSource, exc: FileRefused,
@@ -550,12 +461,9 @@ def _notice(ctx: Context, platform: Platform, chat: str, spec: DeliverySpec, tex
     """Tell the chat a file was not sent (`text`), with a download link when
     `key` is given and the store can sign one; sent once (part `<id>#<part>`)."""
     if key is not None:
-        try:
-            url = ctx.store.signed_url(key, expires_s=7 * 24 * 3600)
-        except CourierError:
-            url = None
-        if url:
-            text += f"\nDownload it here (link valid 7 days): {url}"
+        with suppress(CourierError):  # no link when the store cannot sign one
+            if url := ctx.store.signed_url(key, expires_s=7 * 24 * 3600):
+                text += f"\nDownload it here (link valid 7 days): {url}"
     try:
         platform.send_text(chat, text, delivery_id=f"{spec.delivery_id}#{part}")
     except RateLimited:
@@ -565,17 +473,12 @@ def _notice(ctx: Context, platform: Platform, chat: str, spec: DeliverySpec, tex
 
 
 def notice_failed(ctx: Context, spec: DeliverySpec, words: str, *, reason: str) -> None:
-    """Tell the chat that a file it was to get failed for good (an outage past
-    its deadline, errors past their count): one short notice in the chat's
-    `words` (`in_chat_words`: "storage unavailable; the operator was told"),
-    best effort (the failure itself is final: a notice still rate limited is
-    dropped). The `reason`, with the bucket, key, endpoint or path it names,
-    goes to the receipt (the caller's) and the worker's log: never the chat."""
+    """Tell the chat a file failed for good, in its `words` (`in_chat_words`), best effort
+    (a notice still rate limited is dropped). The `reason`, which may name a bucket, key,
+    endpoint or path, goes to the worker's log (and the caller's receipt): never the chat."""
     platform_name, chat = split_target(spec.target)
     log.warning("delivery %s to %s failed for good: %s", spec.delivery_id, spec.target, reason)
     text = f"⚠️ {visible(spec.name or 'a file')} could not be sent: {words}."
-    try:
+    with suppress(CourierError):
         platform = parts.guard(ctx.redis, ctx.platform(platform_name), spec.delivery_id)
         _notice(ctx, platform, chat, spec, text, key=None)
-    except CourierError:
-        pass

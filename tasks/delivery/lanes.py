@@ -1,19 +1,12 @@
-"""Per-chat lanes: a chat's deliveries go out one step at a time, in enqueue
-order, paced by the shared rate limits (plain code, no Celery).
+"""Per-chat lanes: a chat's deliveries go out one step at a time, in enqueue order
+(plain code, no Celery).
 
-`keys.lane(target)` lists the chat's steps (a delivery id, or the first id
-of an album). `drive(ctx, target)` takes the lane's lease and sends the
-steps at its head while they are ready:
-- a step whose deliveries are all final is dropped from the lane;
-- a step whose files are still being extracted waits: the extraction drives
-  the lane when it ends (and the lane's due time is a safety net);
-- a slot not free yet (courier's own pacing, `ratelimit.Paced`) or a
-  platform's 429 waits `retry_after`: a countdown drive for a short wait,
-  the reconciler for a long one; no task polls meanwhile, and the pacing is
-  no attempt. Only the platform's own 429s count, and transient errors back
-  off (storage outages until their deadline) before the step fails.
-The lane keeps its order through all of it: nothing behind a waiting step
-overtakes it.
+`keys.lane(target)` lists the chat's steps (a delivery id, or an album's first id).
+`drive` takes the lane's lease and sends the head step while it is ready: a final step
+is dropped; one still being extracted waits (its extraction drives the lane when it
+ends); courier's own pacing (`Paced`, no attempt) or a platform's 429 waits
+`retry_after` (a countdown drive, or the reconciler for a long wait); transient errors
+back off before the step fails (`_run_step`). Nothing behind a waiting step overtakes it.
 """
 
 from __future__ import annotations
@@ -24,6 +17,7 @@ import random
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -31,47 +25,40 @@ from redis import Redis
 from redis.client import Pipeline
 
 from adapters.errors import CourierError, RateLimited, StorageError, in_chat_words
-from tasks.delivery import specs
-from tasks.delivery import album
-from tasks.delivery import delivery as delivery_mod
+from adapters.platforms.base import split_target
 from tasks import metrics
-from tasks.delivery import sendlock
+from tasks.delivery import album, ratelimit, sendlock, specs
+from tasks.delivery import delivery as delivery_mod
 from tasks.ledger import keys, ledger, receipts, scripts, signing
 from tasks.delivery.delivery import result_of
 from tasks.messages import DeliverySpec, JsonObject
-from tasks.delivery.ratelimit import Paced
 from tasks.runtime import Context
 from tasks.states import EXTRACTION_FAILED, EXTRACTION_OK, DeliveryState
 
 log = logging.getLogger(__name__)
 
-#: a lane nobody has looked at for this long is driven again by the reconciler (the ledger's)
-LANE_GRACE_S = ledger.LANE_GRACE_S
 #: how long one drive keeps sending before it hands the lane to a fresh task (other lanes get a turn)
 BUDGET_S = 2.0
 #: a lane waiting for an extraction is looked at again after this (the extraction's end drives it sooner)
 EXTRACT_WAIT_S = 30.0
-#: a lane that took this long to drive (a slow platform: its sends wait on I/O, not the CPU) makes
-#: its drive publish a drain while lanes are left in the ready set and fewer than the backlog of
-#: drives wait to start: idle threads then take the ready lanes in parallel instead of this drive
-#: sending to them one after the other
+#: a lane that took this long to drive (a slow platform) makes its drive publish another for the
+#: lanes left in the ready set: idle threads take them in parallel (`drive_ready`)
 FAN_OUT_S = 0.2
 #: platform 429s one step takes before it fails
 MAX_RATE_LIMITS = 60
 
 Publish = Callable[[str, float | None], None]
 
-#: how a chat's gate left by a sender that died mid-send begins (a gate of the release before
-#: issue 23 said this for 60 s): the drive that takes the lane's lease clears it (`_look`)
+#: how a chat's gate left by a sender that died mid-send begins: the drive taking the lease clears it
 DEAD_SEND = "sending:"
 _TERMINAL = sorted(receipts.TERMINAL)
 
 
 @dataclass
 class Head:
-    """What a look at the lane found (`_look`): 'head' (with `id`, its receipt, and `held`: its
-    send lock when taken), 'extracting' (with `id`), 'empty' (with `id`, when asked: the next
-    lane popped from the ready set, '' when it was empty) or 'busy'."""
+    """What `_look` found: 'head' (`id`, its receipt, `held`: its send lock when taken),
+    'extracting' (`id`), 'empty' (`id`: the next lane popped from the ready set when asked,
+    '' when it was empty) or 'busy'."""
 
     what: str
     id: str | None = None
@@ -100,9 +87,8 @@ class Step:
 
 def load_step(r: Redis, lead: str, rec: receipts.Receipt | None = None, target: str | None = None
               ) -> Step | None:
-    """The step `lead` leads (`rec`: its receipt when already read) in the lane of `target`.
-    Each spec is verified (tasks/ledger/signing.py): one that does not, or that names another chat
-    than the lane's, is never sent: its receipt is made final `failed` here."""
+    """The step `lead` leads (`rec`: its receipt when already read) in the lane of `target`. A spec
+    that does not verify, or names another chat than the lane's, is never sent: its receipt fails."""
     rec = rec if rec is not None else receipts.get_delivery(r, lead)
     if not rec:
         return None  # expired or never there: nothing to send
@@ -142,19 +128,13 @@ def _verified(r: Redis, did: str, rec: receipts.Receipt, target: str | None) -> 
 def _look(r: Redis, target: str, token: str, *, take: bool = False, last: Step | str | None = None,
           lock: bool = False, gate: str | None = None, pipe: Pipeline | None = None, pop: bool = False) -> Head:
     """A look at the head of `target`'s lane by its lease's holder, in two round trips:
-    1. what is queued on `pipe` (the record of the step just sent: the look reads it), the
-       lease taken (`take`; held by another: 'busy'), `last` popped when it is still the head
-       and final (lane_pop_done.lua), and the head read;
-    2. one script decides on it, in one step:
-       - no head: the lane forgotten (its due time) and the lease released, unless a step came
-         meanwhile (lane_forget.lua; then the look is made again); `pop`: the next lane of the
-         ready set popped with it ('empty' with its id, '' when the set was empty);
-       - a head (lane_head.lua): 'extracting' when it is a file still being extracted (the
-         lane's due time set and the lease released together), else 'head' with its receipt;
-         a lease just taken clears `gate`, the chat's gate, when a sender that died mid-send
-         left it; `lock`: a single ready head's send lock taken and its attempt counted.
-    Only the lease's holder pops a lane: the head the first round trip read is the one the
-    second decides on (lane_head.lua checks it, and the look is made again if not)."""
+    1. what is queued on `pipe` (the step just sent's record), the lease taken (`take`; held
+       by another: 'busy'), `last` popped if still the head and final, and the head read;
+    2. a script decides: no head (lane_forget.lua): the lane forgotten and the lease released
+       (`pop`: the next lane of the ready set popped with it); a head (lane_head.lua):
+       'extracting' (due time set, lease released) or 'head', a just-taken lease clearing a
+       dead sender's `gate`, `lock`: a single ready head's send lock taken, attempt counted.
+    A script that finds the lane changed since the first read makes the look again."""
     lane, lease = keys.lane(target), keys.lease("lane", target)
     last_id = last.lead if isinstance(last, Step) else (last or "")
     last_ids = last.ids if isinstance(last, Step) else ([last] if last else [])
@@ -194,22 +174,17 @@ def _look(r: Redis, target: str, token: str, *, take: bool = False, last: Step |
             return Head("extracting", head)
         flat = got[1]
         rec = {flat[i]: flat[i + 1] for i in range(0, len(flat), 2)}
-        if len(got) > 2 and int(got[2]):
-            return Head("head", head, rec, sendlock.Held(owner, rec, int(got[3])))
-        return Head("head", head, rec)
+        held = sendlock.Held(owner, rec, int(got[3])) if len(got) > 2 and int(got[2]) else None
+        return Head("head", head, rec, held)
     raise RuntimeError(f"lane {target} kept changing under its lease")
 
 
 def drive_ready(ctx: Context, target: str, publish: Publish, drain: Callable[[], None], *,
                 started: str | None = None, backlog: int = 2) -> JsonObject:
-    """A drive task's work: `target`'s lane ('': none), then the lanes of the ready set
-    (`keys.lanes_ready()`: wake-ups that found enough drives waiting to start, tasks.dispatch.chains
-    `wake_lane`), one after the other, until the set is empty or `BUDGET_S` is spent; then
-    `drain()` publishes a drive for what is left. `started`: this drive's task id, no longer
-    waiting from its first look on. A lane that took `FAN_OUT_S` or more fans out: with
-    lanes left in the set and fewer than `backlog` drives waiting to start (chains.WAKE_BACKLOG),
-    `drain()` publishes another drive. Returns the first lane's summary, with `drained` (lanes
-    driven from the set) and `drained_sent` when there were any."""
+    """A drive task's work: `target`'s lane ('': none), then the ready set's lanes until it is empty
+    or `BUDGET_S` is spent (then `drain()` publishes a drive for the rest). A lane that took
+    `FAN_OUT_S` calls `drain()` too while fewer than `backlog` drives wait to start. Returns the
+    first lane's summary, with `drained` and `drained_sent` when lanes of the set were driven."""
     r = ctx.redis
     deadline = time.monotonic() + BUDGET_S
     ready = keys.lanes_ready()
@@ -261,18 +236,9 @@ def drive_ready(ctx: Context, target: str, publish: Publish, drain: Callable[[],
 
 def drive(ctx: Context, target: str, publish: Publish, *, started: str | None = None,
           budget_s: float | None = None, pop: bool = False) -> JsonObject:
-    """Send what is ready at the head of `target`'s lane. `publish(target,
-    countdown)` enqueues another drive of the lane. Returns a small summary.
-    `started`: the drive task's id, removed from `keys.drives_waiting()` with the
-    first look; `budget_s`: how long it may keep sending before handing the lane on;
-    `pop`: the look that finds the lane empty (within the budget) pops the next lane of
-    the ready set too, given back as `next` ('': the set was empty).
-
-    A first look (`_look`) takes the lane's lease (clearing a dead sender's chat gate),
-    reads its head step and, when it is one delivery ready to send, takes its send lock
-    and counts the attempt; per step sent the next look records it (its receipt, event,
-    lock released), pops it and looks at the next the same way; the look that finds the
-    lane empty forgets it and releases its lease."""
+    """Send what is ready at the head of `target`'s lane, one `_look` per step. `publish(target,
+    countdown)` enqueues another drive; `started`: the drive task's id; `budget_s`: how long it
+    may send; `pop`: the look finding the lane empty pops the ready set's next lane (`next`)."""
     r = ctx.redis
     lease = keys.lease("lane", target)
     token = ledger.new_token()
@@ -293,35 +259,27 @@ def drive(ctx: Context, target: str, publish: Publish, *, started: str | None = 
             out = _drive_leased(ctx, target, publish, token, look, BUDGET_S if budget_s is None else budget_s,
                                 pop)
     except BaseException:
-        try:
+        with suppress(Exception):  # an unreleased lease expires by itself
             ledger.release(r, lease, token)
-        except Exception:  # noqa: BLE001 - an unreleased lease expires by itself
-            pass
         raise
     if out["state"] == "empty" or out.pop("released", False):
         return out  # its lease went with the last look
-    # the lease released, with the due time of a lane waiting for an extraction and
-    # its head's receipt read again: one round trip
     extracting = out["state"] == "extracting"
     pipe = r.pipeline(transaction=False)
     if extracting:
         ledger.set_due(pipe, "lane", target, EXTRACT_WAIT_S)
     ledger.release(pipe, lease, token)
-    if extracting:
-        pipe.hgetall(keys.delivery(out["head"]))
-    try:
-        res = pipe.execute()
-    except Exception:  # noqa: BLE001 - an unreleased lease expires by itself; a due time not set raises
-        if extracting:
-            raise
+    if not extracting:
+        with suppress(Exception):  # an unreleased lease expires by itself
+            pipe.execute()
         return out
-    if extracting:
-        # an extraction that ended while this drive held the lease found it
-        # busy: look once more now that it is free
-        rec = res[-1] or {}
-        step = load_step(r, out["head"], rec, target) if rec else None
-        if step is not None and (step.ready or step.done):
-            publish(target, None)
+    # its head read again after the release, in the same round trip: an extraction that ended
+    # while this drive held the lease found it busy, so look once more now that it is free
+    pipe.hgetall(keys.delivery(out["head"]))
+    rec = pipe.execute()[-1]
+    step = load_step(r, out["head"], rec, target) if rec else None
+    if step is not None and (step.ready or step.done):
+        publish(target, None)
     return out
 
 
@@ -356,7 +314,7 @@ def _drive_leased(ctx: Context, target: str, publish: Publish, token: str, first
             if not step.ready:  # the caller sets the lane's due time (EXTRACT_WAIT_S) as it releases the lease
                 return {"lane": target, "state": "extracting", "head": head, "sent": sent}
             if held is None and time.monotonic() > deadline:  # (a lock taken by the look is used)
-                ledger.set_due(r, "lane", target, LANE_GRACE_S)
+                ledger.set_due(r, "lane", target, ledger.LANE_GRACE_S)
                 publish(target, None)
                 return {"lane": target, "state": "continued", "sent": sent}
             end = r.pipeline(transaction=False)
@@ -364,10 +322,8 @@ def _drive_leased(ctx: Context, target: str, publish: Publish, token: str, first
             held = None  # under_send_lock released it
         finally:
             if held is not None:  # taken by the look, not used: free it for the next drive
-                try:
+                with suppress(Exception):  # an unreleased send lock expires by itself
                     sendlock.release_send_lock(r, held_id or "", held.owner)
-                except Exception:  # noqa: BLE001 - an unreleased send lock expires by itself
-                    pass
         if wait is not None:
             _wait(r, target, wait, publish)
             return {"lane": target, "state": "waiting", "head": head, "wait_s": round(wait, 3), "sent": sent}
@@ -379,13 +335,8 @@ def _drive_leased(ctx: Context, target: str, publish: Publish, token: str, first
 
 def _gate(ctx: Context, target: str) -> str | None:
     """The chat's gate (None: its platform paces no chat). The lane's lease is the chat's only
-    sender, so a gate still saying "a send is on its way" (`DEAD_SEND`) when a drive takes the
-    lease was left by a holder that died mid-send (a live one would still hold the lease).
-    The first look (lane_head.lua) clears it as it takes the lease, so the chat does not wait
-    out the gate's own TTL."""
-    from adapters.platforms.base import split_target
-    from tasks.delivery import ratelimit
-
+    sender, so a gate saying `DEAD_SEND` when a drive takes the lease was left by a holder
+    that died mid-send: the first look clears it rather than the chat waiting out its TTL."""
     try:
         name, chat = split_target(target)
         gate, _ = ratelimit.gate_of(ctx.platform(name), chat)
@@ -395,10 +346,9 @@ def _gate(ctx: Context, target: str) -> str | None:
 
 
 def _wait(r: Redis, target: str, wait_s: float, publish: Publish) -> None:
-    """The lane goes on in `wait_s`: a countdown drive for a short wait (the
-    due time after it is the safety net), the reconciler for a long one."""
+    """The lane goes on in `wait_s`: a countdown drive for a short wait, the reconciler for a long one."""
     if wait_s <= ledger.COUNTDOWN_MAX_S:
-        ledger.set_due(r, "lane", target, wait_s + LANE_GRACE_S)
+        ledger.set_due(r, "lane", target, wait_s + ledger.LANE_GRACE_S)
         publish(target, wait_s)
     else:
         ledger.set_due(r, "lane", target, wait_s)
@@ -415,8 +365,7 @@ def _specs(step: Step) -> list[DeliverySpec]:
 def _run_step(ctx: Context, step: Step, held: sendlock.Held | None = None, end: Pipeline | None = None
               ) -> float | None:
     """Send one step. Returns None when it is final, else how long to wait before trying again.
-    `held`: a single delivery's send lock, taken by the look; `end`: where a delivered record is
-    queued (the caller executes it with its next look)."""
+    `held`: a single delivery's send lock taken by the look; `end`: where its record is queued."""
     r = ctx.redis
     specs = _specs(step)
     target = specs[0].target
@@ -430,7 +379,7 @@ def _run_step(ctx: Context, step: Step, held: sendlock.Held | None = None, end: 
             album.deliver_album(ctx, album.Album(target, specs[0].caption,
                                                  [replace(specs[0], caption=None), *specs[1:]]))
         return None
-    except Paced as exc:  # courier's own pacing (`tasks.delivery.ratelimit` says when): no attempt, no give-up
+    except ratelimit.Paced as exc:  # courier's own pacing (the ratelimit module says when): no attempt, no give-up
         return exc.retry_after_s
     except RateLimited as exc:
         n = int(r.hincrby(keys.delivery(step.lead), "rate_limited", 1))
@@ -477,7 +426,6 @@ def _give_up(ctx: Context, step: Step, reason: str, *, notice: str | None = None
     """Fail the step's open deliveries for good with `reason` (the receipt's); a file's
     chat is told `notice` (the failure in its words, `in_chat_words`) when given."""
     for spec in _open(ctx, step):
-        receipts.update_delivery(ctx.redis, spec.delivery_id, final="1")
-        delivery_mod.record_failure(ctx, spec, reason)
+        delivery_mod.record_failure(ctx, spec, reason, final=True)
         if notice and spec.type == "file":
             delivery_mod.notice_failed(ctx, spec, notice, reason=reason)

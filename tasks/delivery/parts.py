@@ -1,26 +1,10 @@
 """Each part of a delivery is sent once: the part records in Redis.
 
-A delivery may go as several messages (a long text split in parts, a
-caption's overflow, an album and its caption, a notice); each has a part id
-(the `delivery_id` each send call gets: `<id>`, `<id>#0`, `<id>#c0`,
-`<id>#album`, `<id>#notice`, ...). Each message sent is recorded under its
-part id in the delivery's parts hash (`keys.delivery_parts`), so a delivery
-re-scheduled midway (a rate limit, a transient error, a dead worker)
-resumes after the parts already sent instead of sending them again. The
-same hash keeps what a retry resumes from besides: an upload whose send
-failed (`<id>#upload`), a refusal whose notice was re-scheduled
-(`<id>#refused`).
-
-`guard(redis, platform, delivery_id)` wraps a platform for one delivery:
-before a send, its part's record is looked up (with the chat's rate-limit
-gate, `tasks.delivery.ratelimit`, in the same round trip); a part already recorded is
-not sent again; else the send takes its rate-limit slots, and once sent its
-record is written. A platform's 429 is told to `ratelimit.refused` (its
-retry_after holds the chat's gate, the chat's interval widens). Its Redis
-round trips per send: one (part check + gate), one per window, one (the part
-record). With `defer` the last rides with the delivery's receipt (`flush`),
-as the upload's file id does (`after_sent`): a delivery sent in one part
-makes no write of its own.
+Each message of a delivery has a part id (`<id>`, `<id>#0`, `<id>#c0`, `<id>#album`, `<id>#notice` ...),
+recorded once sent in its parts hash (`keys.delivery_parts`), so a delivery re-scheduled midway resumes
+after the parts already sent; the hash also keeps an upload whose send failed (`<id>#upload`) and a
+refusal whose notice was re-scheduled (`<id>#refused`). `guard` wraps a platform for one delivery: a
+send looks up its part's record with the chat's rate-limit gate in one round trip, then takes its slots.
 """
 
 from __future__ import annotations
@@ -35,24 +19,16 @@ from adapters.platforms.base import FileSource, Kind, Platform, Sent
 from tasks.delivery import ratelimit
 from tasks.ledger import keys
 
-__all__ = ["PARTS_TTL_S", "Guarded", "guard", "queue_lookup", "queue_record"]
-
 #: how long a delivery's part records are kept
 PARTS_TTL_S = 30 * 24 * 3600
 
 
 def queue_record(pipe: Pipeline, delivery_id: str, records: dict[str, str]) -> None:
-    """Queue on `pipe` the records of parts of `delivery_id` (part id -> what
-    to remember: a message id, an upload's file id, ...), and their expiry."""
+    """Queue on `pipe` the records of parts of `delivery_id` (part id -> a message id, a file id ...)."""
     key = keys.delivery_parts(delivery_id)
     for part, value in records.items():
         pipe.hset(key, part, value)
     pipe.expire(key, PARTS_TTL_S)
-
-
-def queue_lookup(pipe: Pipeline, delivery_id: str, parts: list[str]) -> None:
-    """Queue on `pipe` reading the records of `parts` (None where there is none)."""
-    pipe.hmget(keys.delivery_parts(delivery_id), parts)
 
 
 class Guarded(Platform):
@@ -71,17 +47,9 @@ class Guarded(Platform):
         #: on a delivery's first attempt no part can have been sent before: no need to look
         self._fresh = first_attempt
         self._delivery_id = delivery_id
-        self.name = platform.name
-        self.limits = platform.limits
-
-    # -- what the platform declares, as the platform says it --------------
-    @property
-    def cache_key(self) -> str | None:  # type: ignore[override]  # read-only: the wrapped platform's
-        return self._p.cache_key
-
-    @property
-    def takes_empty_files(self) -> bool:  # type: ignore[override]  # read-only: the wrapped platform's
-        return self._p.takes_empty_files
+        # what the platform declares, as the platform says it
+        self.name, self.limits = platform.name, platform.limits
+        self.cache_key, self.takes_empty_files = platform.cache_key, platform.takes_empty_files
 
     def is_group(self, chat: str) -> bool:
         return self._p.is_group(chat)
@@ -121,34 +89,25 @@ class Guarded(Platform):
             slot.release()
             raise
         slot.sent()
-        if self._defer:
-            # recorded (and the chat's gate pushed, for a late arrival) with the next part's send or
-            # the delivery's own receipt (`flush`): the same crash window, one round trip less
-            self._pending.append((part, sent.message_id))
-            self._writes.append(slot.release)
-            return sent
-        pipe = r.pipeline(transaction=False)
-        slot.release(pipe)
-        queue_record(pipe, self._delivery_id, {part: sent.message_id})
-        pipe.execute()
+        # recorded (and the chat's gate pushed, for a late arrival): with `defer`, with the next part's
+        # send or the delivery's own receipt (`flush`): the same crash window, one round trip less
+        self._pending.append((part, sent.message_id))
+        self._writes.append(slot.release)
+        if not self._defer:
+            self.flush()
         return sent
 
     def after_sent(self, write: Callable[[Pipeline], object]) -> None:
         """Queue `write(pipe)` for the flush (with `defer`; else it runs now): a write that
         follows a send (an upload's file id) rides with the delivery's receipt."""
-        if self._defer:
-            self._writes.append(write)
-        else:
-            pipe = self._redis.pipeline(transaction=False)
-            write(pipe)
-            pipe.execute()
+        self._writes.append(write)
+        if not self._defer:
+            self.flush()
 
     def flush(self, pipe: Pipeline | None = None, *, covered: str | None = None) -> None:
-        """Queue what follows the parts sent so far on `pipe` (the caller's receipt pipeline),
-        or write it now: their records, the chat's gate pushed for a late arrival,
-        `after_sent` writes.
-        `covered`: the delivery id whose receipt the same pipeline marks delivered: a part
-        that is the whole delivery needs no record of its own."""
+        """Queue what follows the parts sent so far (records, gates pushed, `after_sent` writes) on
+        `pipe`, or write it now. `covered`: the delivery whose receipt the same pipeline marks
+        delivered (a part that is the whole delivery needs no record of its own)."""
         pending = [(part, m) for part, m in self._pending if part != covered]
         writes = self._writes
         self._pending, self._writes = [], []
@@ -180,21 +139,6 @@ class Guarded(Platform):
 
         sent = self._once(chat, delivery_id, send)
         return out or [Sent(message_id=m) for m in sent.message_id.split(",")]
-
-    def typing(self, chat: str) -> None:
-        return self._p.typing(chat)
-
-    def start_progress(self, chat: str, text: str) -> str | None:
-        return self._p.start_progress(chat, text)
-
-    def edit_progress(self, chat: str, message_id: str, text: str) -> None:
-        return self._p.edit_progress(chat, message_id, text)
-
-    def end_progress(self, chat: str, message_id: str) -> None:
-        return self._p.end_progress(chat, message_id)
-
-    def close(self) -> None:
-        return None  # the wrapped platform is shared by the process
 
 
 def guard(redis: Redis, platform: Platform, delivery_id: str, *, first_attempt: bool = False,

@@ -1,53 +1,23 @@
 """Shared platform rate limits, enforced across every worker process in Redis:
 where a chat's pace is decided.
 
-Each platform declares its limits (`Limits.per_chat_per_s`,
-`per_group_per_min`, `per_bot_per_s`); before each send one slot of each
-that applies is taken, in Redis, so every worker process shares them:
+Before each send one slot of each limit a platform declares is taken, narrowest first:
+- per chat (`per_chat_per_s`): a gate, one Redis key SET NX PX one interval (1 / rate +
+  `PACE_MARGIN_S`) when a send *starts*, so a platform answering in 250 ms still gets 1/s;
+- per group and per bot: the `limits` library's moving windows (its public API).
 
-- per bot and per group: the `limits` library's moving windows (its public
-  `MovingWindowRateLimiter.test/hit/get_window_stats`) on the courier Redis
-  (keys under `keys.rate_limit_prefix()`): at most N sends in any window of
-  the declared length;
-- per chat: a gate, one plain Redis key per chat, SET NX PX with the chat's
-  interval when a send *starts*: the chat's next send may start one
-  interval after this one started (pacing by start), so a platform that
-  answers in 250 ms still gets its 1 message a second.
+The platform counts a send when it arrives, and a cold connection, a big upload or a
+descheduled process can bring two arrivals closer than two starts: an answered send's
+arrival is estimated as its end minus the quickest send this process made to that
+platform lately, and when that is later than its start the gate is pushed to it plus
+the interval. Two arrivals then come no closer than the limit minus `ARRIVAL_JITTER_S`.
+A platform's 429 (`refused`) closes the gate for its `retry_after` and widens the chat's
+interval (`BACKOFF_*`) for a while.
 
-Measured at arrival. The platform counts a send when it arrives, not when
-courier starts it; what comes between (a cold connection, a big upload, a
-process descheduled between the gate and its write) can bring two arrivals
-closer than two starts. So:
-
-- the interval is 1 / per_chat_per_s plus `PACE_MARGIN_S` (10 ms);
-- when a send is answered, its arrival is estimated as its end minus the
-  quickest send this process made to that platform lately (no answer came
-  sooner after a request was sent; with no send seen yet, its end): when
-  that is later than its start (an upload, a delayed write), the gate is
-  pushed to that arrival plus the interval.
-
-Then two arrivals at the platform are never closer than the limit minus
-what the way there adds unevenly to two requests (the platform's jitter:
-`ARRIVAL_JITTER_S`, 0.1 s, what the tests and bench/bench_chat_pace.py allow
-on a loaded machine; a few ms on a quiet one).
-
-The platform's own 429 for a chat (`refused`): its `retry_after` closes the
-chat's gate for that long (every process waits it out), and the chat's
-interval is widened (`BACKOFF_*`: doubled, at most 8x), recovering
-gradually (the widening halves every `BACKOFF_HALF_LIFE_S`).
-
-When a slot is not free, `Paced(retry_after_s)` is raised with the time
-until it frees (the gate's remaining time, the window's reset from its
-stats, spread by up to `WINDOW_SPREAD_S`): the lane is driven again then,
-the worker never sleeps. Slots are taken narrowest first (chat gate, group,
-bot) and a denied send gives back what it took, so a send waiting for its
-chat uses none of the bot's slots; a send that fails after taking its slots
-keeps them taken (the limit errs on the safe side).
-
-A send takes its slots with `acquire`, or in two steps when the chat's gate
-goes in a pipeline with other commands (`tasks.delivery.parts`, which looks up a
-part's record in the same round trip): `ask` on the pipeline, then `take`
-with its replies. Release the slot (`Slot.release`) when the send is over.
+A slot not free raises `Paced` (the lane is driven again then; no worker sleeps); a
+denied send gives back what it took, so a send waiting for its chat uses none of the
+bot's slots; a send that fails keeps its slots (the safe side). `acquire` takes the
+slots, or `ask` (on a pipeline) then `take`; release the `Slot` when the send is over.
 """
 
 from __future__ import annotations
@@ -67,8 +37,6 @@ from limits.strategies import MovingWindowRateLimiter
 from adapters.errors import RateLimited
 from adapters.platforms.base import Platform
 from tasks.ledger import keys
-
-__all__ = ["acquire", "ask", "gate_of", "open_gate", "refused", "rules", "take", "Paced", "Slot"]
 
 
 class Paced(RateLimited):
@@ -173,12 +141,6 @@ def _retry_after(limiter: MovingWindowRateLimiter, item: RateLimitItem, ids: tup
                        f"retry after {wait:.2f}s")
 
 
-def _gate_wait(redis: Any, platform: Platform, gate: str, interval_s: float) -> Paced:
-    wait = max(MIN_RETRY_S, (redis.pttl(gate) or 0) / 1000)
-    return Paced(wait, f"{platform.name}: the previous send to this chat started less than {interval_s:g}s "
-                       f"ago, retry after {wait:.2f}s")
-
-
 def _quickest(kind: tuple[str, str]) -> float:
     """This process's quickest recent send to platform `kind` (0 when none was seen yet)."""
     with _lock:
@@ -255,13 +217,14 @@ def ask(pipe: Any, platform: Platform, chat: str) -> int:
 
 def take(redis: Any, platform: Platform, chat: str, replies: list[Any]) -> Slot:
     """The rest of a send's slots once its chat gate was asked for (`ask`'s `replies`): Paced
-    when the gate was not free, else the windows (a denial opens the gate again). Release the
-    returned slot when the send is over."""
+    when the gate was not free, else the windows (a denial opens the gate again)."""
     gate, interval_s = gate_of(platform, chat)
     if gate is not None:
-        widening, got_gate = _widening(replies[0], time.time()), bool(replies[1])
-        if not got_gate:
-            raise _gate_wait(redis, platform, gate, interval_s)
+        if not replies[1]:
+            wait = max(MIN_RETRY_S, (redis.pttl(gate) or 0) / 1000)
+            raise Paced(wait, f"{platform.name}: the previous send to this chat started less than {interval_s:g}s "
+                              f"ago, retry after {wait:.2f}s")
+        widening = _widening(replies[0], time.time())
         if widening > 1.0 + 1e-3:  # after the platform's 429s: this chat's interval is wider for a while
             interval_s *= widening
             redis.pexpire(gate, _ms(interval_s))
@@ -275,8 +238,7 @@ def take(redis: Any, platform: Platform, chat: str, replies: list[Any]) -> Slot:
 
 
 def acquire(redis: Any, platform: Platform, chat: str) -> Slot:
-    """Take the send slots for `chat` on `platform`, or raise Paced.
-    Release the returned slot when the send is over."""
+    """Take the send slots for `chat` on `platform`, or raise Paced; release the slot when sent."""
     pipe = redis.pipeline(transaction=False)
     return take(redis, platform, chat, pipe.execute() if ask(pipe, platform, chat) else [])
 

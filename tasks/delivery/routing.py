@@ -1,33 +1,13 @@
-"""Routing by extension: which platform `Kind` a file goes as (DESIGN.md,
-"Routing by extension"). Plain Python, no Celery, no I/O.
-
-See `route`. `PHOTO_EXT`, `ANIMATION_EXT`, `VIDEO_EXT`, `VOICE_EXT`,
-`AUDIO_EXT` (and their union `MEDIA_EXTENSIONS`) are DESIGN.md's table, with
-dots, lower case. `DOCUMENT_EXT` lists common document types: they route as
-documents like any other extension and only help `tasks.turn.reply`'s glued-text
-rule (`KNOWN_EXT`).
-"""
+"""Routing by extension: which platform `Kind` a file goes as (`route`; DESIGN.md,
+"Routing by extension", whose table the `*_EXT` sets are, with dots, lower case).
+`DOCUMENT_EXT` route as documents like any other extension and only help
+`tasks.turn.reply`'s glued-text rule (`KNOWN_EXT`)."""
 
 from __future__ import annotations
 
 import os
 
 from adapters.platforms.base import Kind
-
-__all__ = [
-    "ANIMATION_EXT",
-    "AUDIO_EXT",
-    "DOCUMENT_EXT",
-    "KNOWN_EXT",
-    "MEDIA_EXTENSIONS",
-    "PHOTO_EXT",
-    "VIDEO_EXT",
-    "VOICE_EXT",
-    "route",
-]
-
-# --------------------------------------------------------------------------
-# extension tables (DESIGN.md "Routing by extension")
 
 PHOTO_EXT: frozenset[str] = frozenset({".jpg", ".jpeg", ".png", ".webp"})
 ANIMATION_EXT: frozenset[str] = frozenset({".gif"})
@@ -37,30 +17,19 @@ AUDIO_EXT: frozenset[str] = frozenset({".mp3", ".wav", ".m4a", ".flac"})
 MEDIA_EXTENSIONS: frozenset[str] = PHOTO_EXT | ANIMATION_EXT | VIDEO_EXT | VOICE_EXT | AUDIO_EXT
 
 #: common document types; routed as DOCUMENT like any unknown extension
-DOCUMENT_EXT: frozenset[str] = frozenset(
-    {
-        ".pdf", ".txt", ".md", ".csv", ".tsv", ".json", ".jsonl", ".xml", ".yaml", ".yml",
-        ".html", ".htm", ".zip", ".gz", ".tgz", ".tar", ".bz2", ".xz", ".7z", ".rar",
-        ".doc", ".docx", ".xls", ".xlsx", ".ppt", ".pptx", ".odt", ".ods", ".odp", ".rtf",
-        ".epub", ".svg", ".bmp", ".tif", ".tiff", ".heic", ".heif", ".log", ".ipynb",
-        ".parquet", ".mpeg", ".mpg", ".m4v", ".aac",
-    }
-)  # fmt: skip
+DOCUMENT_EXT: frozenset[str] = frozenset({
+    ".pdf", ".txt", ".md", ".csv", ".tsv", ".json", ".jsonl", ".xml", ".yaml", ".yml", ".html", ".htm", ".zip",
+    ".gz", ".tgz", ".tar", ".bz2", ".xz", ".7z", ".rar", ".doc", ".docx", ".xls", ".xlsx", ".ppt", ".pptx", ".odt",
+    ".ods", ".odp", ".rtf", ".epub", ".svg", ".bmp", ".tif", ".tiff", ".heic", ".heif", ".log", ".ipynb",
+    ".parquet", ".mpeg", ".mpg", ".m4v", ".aac"})
 
 #: every extension the glued-text rule knows
 KNOWN_EXT: frozenset[str] = MEDIA_EXTENSIONS | DOCUMENT_EXT
 
 
-def route(
-    filename: str | os.PathLike[str],
-    *,
-    voice: bool = False,
-    as_document: bool = False,
-    animation: bool = True,
-    voice_notes: bool = True,
-) -> Kind:
-    """Kind for a file by extension (case-insensitive), per DESIGN.md's table.
-
+def route(filename: str | os.PathLike[str], *, voice: bool = False, as_document: bool = False,
+          animation: bool = True, voice_notes: bool = True) -> Kind:
+    """Kind for a file by extension (case-insensitive), per DESIGN.md's table:
     animation: the platform has a native animation kind (Telegram) — else .gif is PHOTO.
     voice_notes: the platform takes voice notes — else voice requests give AUDIO.
     as_document: images, gifs and video go as DOCUMENT (audio is unaffected).
@@ -68,20 +37,16 @@ def route(
     .mp3 .wav .m4a .flac: AUDIO, or VOICE when voice asked and voice_notes.
     anything else (no extension, a dot-file such as `.png`): DOCUMENT.
     """
-    if isinstance(filename, os.PathLike):
-        filename = os.fspath(filename)
-    if not isinstance(filename, str):
-        raise TypeError(f"route() wants a str file name, not {type(filename).__name__}")
-    name = filename.replace("\\", "/").rsplit("/", 1)[-1]
+    name = os.fspath(filename).replace("\\", "/").rsplit("/", 1)[-1]
     ext = os.path.splitext(name)[1].lower()
+    if as_document and ext in PHOTO_EXT | ANIMATION_EXT | VIDEO_EXT:
+        return Kind.DOCUMENT
     if ext in PHOTO_EXT:
-        return Kind.DOCUMENT if as_document else Kind.PHOTO
+        return Kind.PHOTO
     if ext in ANIMATION_EXT:
-        if as_document:
-            return Kind.DOCUMENT
         return Kind.ANIMATION if animation else Kind.PHOTO
     if ext in VIDEO_EXT:
-        return Kind.DOCUMENT if as_document else Kind.VIDEO
+        return Kind.VIDEO
     if ext in VOICE_EXT or ext in AUDIO_EXT:
         return Kind.VOICE if voice and voice_notes else Kind.AUDIO
     return Kind.DOCUMENT

@@ -1,19 +1,15 @@
 """The send lock: one worker at a time sends a delivery.
 
-`begin_send` takes a delivery's lock and reads its receipt in one round
-trip (counting an attempt when asked); the lock is short and renewed while
-its holder works (`renewing`), so a worker that dies frees its deliveries
-within `SEND_LOCK_TTL_S`; only its owner releases it (`release_send_lock`).
-`under_send_lock` runs a piece of work holding it (`tasks.delivery.delivery` for one
-item, `tasks.delivery.album` for a group, locked on its first item): another worker
-holding it is `Busy`, a receipt that says the delivery is done skips the work.
+`under_send_lock` runs a piece of work (one item, or an album locked on its first item)
+holding it: another worker holding it is `Busy`, a receipt that says the delivery is
+done skips the work. The lock is short and renewed while its holder works, so a worker
+that dies frees its deliveries within `SEND_LOCK_TTL_S`; only its owner releases it.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TypeVar, cast
 
@@ -41,11 +37,9 @@ _BEGIN_FIELDS = ("state", "final", "message_id", "reason")
 
 def begin_send(r: Redis, delivery_id: str, owner: str, ttl_s: int = 600, *, count_attempt: bool = False
                ) -> tuple[bool, dict[str, str], int]:
-    """One round trip: take the send lock, read the receipt and, when the lock
-    was taken and the delivery is not done yet (and `count_attempt`), count
-    an attempt and mark it sending. Returns (locked, receipt as it was, attempt
-    number or 0). The receipt holds the fields that say whether the delivery
-    is done: state, final, message_id, reason (those set)."""
+    """One round trip: take the send lock, read the receipt and (`count_attempt`, the lock taken,
+    the delivery not done) count an attempt and mark it sending. Returns (locked, the receipt's
+    fields that say whether it is done as they were, attempt number or 0)."""
     locked, values, attempts = scripts.run(
         r, "send_begin", keys=[keys.delivery_lock(delivery_id), keys.delivery(delivery_id)],
         args=[owner, ttl_s, "1" if count_attempt else "0", DeliveryState.SENDING, DeliveryState.DELIVERED,
@@ -56,18 +50,12 @@ def begin_send(r: Redis, delivery_id: str, owner: str, ttl_s: int = 600, *, coun
 
 @dataclass
 class Held:
-    """A send lock its caller already took, with the attempt counted and the
-    receipt read in the same step (`tasks.delivery.lanes` does it in its head script:
-    one round trip less per delivery)."""
+    """A send lock its caller already took, with the attempt counted and the receipt read in the
+    same step (`tasks.delivery.lanes`, in its head script: one round trip less per delivery)."""
 
     owner: str
     rec: dict[str, str]  # the receipt as it was before the attempt was counted
     attempts: int
-
-
-def renewing(r: Redis, delivery_id: str, owner: str) -> AbstractContextManager[None]:
-    """Keep a send lock alive while the block runs (the ledger's lease heartbeat)."""
-    return ledger.renewing(r, keys.delivery_lock(delivery_id), owner, SEND_LOCK_TTL_S)
 
 
 def release_send_lock(r: Redis, delivery_id: str, owner: str) -> None:
@@ -99,9 +87,8 @@ Outcome = TypeVar("Outcome")
 def under_send_lock(ctx: Context, did: str, done: Callable[[dict[str, str]], Outcome | None],
                     work: Callable[[SendSession], Outcome], *, count_attempt: bool = False,
                     held: Held | None = None) -> Outcome:
-    """Run `work` holding the send lock of `did`, unless `done(receipt)` says
-    there is nothing left to do; another worker holding the lock: `Busy`.
-    `held`: the lock already taken (and the attempt counted) by the caller."""
+    """Run `work` holding the send lock of `did`, unless `done(receipt)` says there is nothing left
+    to do; another worker holding it: `Busy`. `held`: the lock already taken by the caller."""
     r = ctx.redis
     if held is not None:
         owner, locked, rec, attempts = held.owner, True, held.rec, held.attempts
@@ -115,11 +102,9 @@ def under_send_lock(ctx: Context, did: str, done: Callable[[dict[str, str]], Out
         if result is not None:
             return result
         raise Busy(f"delivery {did} is being sent by another worker")
-    # the lock is short and renewed while this process works: a worker that
-    # dies frees its deliveries within SEND_LOCK_TTL_S (well inside Discord's
-    # nonce memory), while a long upload keeps its lock
+    # renewed while this process works: a dead worker's lock lapses well inside Discord's nonce memory
     session = SendSession(ctx, did, owner, attempts, fresh=rec.get("state") in DELIVERY_UNTRIED)
-    with renewing(r, did, owner):
+    with ledger.renewing(r, keys.delivery_lock(did), owner, SEND_LOCK_TTL_S):
         try:
             return work(session)
         finally:

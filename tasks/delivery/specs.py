@@ -17,9 +17,8 @@ def seal_delivery(spec: DeliverySpec) -> str:
 
 
 def open_delivery(did: str, sealed: str | bytes) -> DeliverySpec:
-    """Delivery `did`'s spec, verified (Forged, logged and counted, when it does not) and read.
-    One that verifies but is no delivery spec (no release of courier writes one) is refused
-    the same way, as Forged (not counted as a forgery): it is never acted on, its receipt says why."""
+    """Delivery `did`'s spec, verified (Forged, logged and counted, when it does not) and read. One
+    that verifies but is no delivery spec is Forged too (not counted): never acted on."""
     obj = open_json("delivery", did, sealed)
     try:
         return DeliverySpec.from_json(obj)

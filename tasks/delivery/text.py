@@ -13,14 +13,8 @@ def split_text(text: str, limit_chars: int) -> list[str]:
     parts: list[str] = []
     while len(text) > limit_chars:
         window = text[:limit_chars]
-        cut = -1
-        for sep in ("\n\n", "\n", " "):
-            i = window.rfind(sep)
-            if i > limit_chars // 4:
-                cut = i
-                break
-        if cut <= 0:
-            cut = limit_chars
+        cuts = (window.rfind(sep) for sep in ("\n\n", "\n", " "))
+        cut = next((i for i in cuts if i > limit_chars // 4), limit_chars)
         part, text = text[:cut].rstrip(), text[cut:].lstrip()
         if part:
             parts.append(part)
@@ -30,18 +24,12 @@ def split_text(text: str, limit_chars: int) -> list[str]:
 
 
 def fit_caption(caption: str | None, limit_chars: int, text_chars: int = 4096) -> tuple[str | None, list[str]]:
-    """A caption that fits, plus the text messages that carry what did not.
-
-    A caption over the limit goes as text messages after the file, split at
-    `text_chars`, the platform's text limit (a 1500-character caption on
-    Telegram is one message, not two), so nothing is lost and nothing is cut
-    mid-word."""
+    """A caption that fits, plus the text messages that carry what did not: a caption over
+    `limit_chars` goes as text messages after the file, split at the platform's text limit."""
     if not caption:
         return None, []
     caption = caption.strip()
-    if limit_chars <= 0:
-        return None, split_text(caption, text_chars)
-    if len(caption) <= limit_chars:
+    if 0 < limit_chars and len(caption) <= limit_chars:
         return caption, []
     return None, split_text(caption, text_chars)
 

@@ -1,10 +1,8 @@
 """Phase events: one bounded Redis stream per job (turn or send).
 
-An event is a flat JSON object with at least `kind` (`status`, `tool_start`,
-`tool_result`, `delivery`) and `ts`. Readers (SSE, `courier watch`, `--wait`)
-use stream ids to resume without gaps or repeats, and an `EndTracker` to know
-when a job is over: its terminal status (which carries `deliveries`, how many
-were queued) and then every delivery's final state (delivered | failed).
+An event is a flat JSON object with at least `kind` (`status`, `tool_start`, `tool_result`,
+`delivery`) and `ts`. Readers resume by stream id, and an `EndTracker` tells when a job is
+over: its terminal status, then every delivery's final state.
 """
 
 from __future__ import annotations
@@ -12,14 +10,15 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import suppress
 from typing import Any, cast
 
 from redis import Redis
 from redis.client import Pipeline
 
 from adapters.display import visible
-from tasks.ledger import keys
+from tasks.ledger import keys, receipts
 from tasks.states import DELIVERY_OVER, DeliveryState, JobState
 from tasks.workspaces import relative
 
@@ -32,22 +31,17 @@ TERMINAL_STATUSES = frozenset({"completed", JobState.ERROR, JobState.NO_REPLY, J
 
 def publish(r: Redis, job_id: str, event: Event, *, maxlen: int = 1000, pipe: Pipeline | None = None
             ) -> str | None:
-    """Append an event (one round trip). With `pipe`, queue it on that pipeline
-    instead and return None."""
+    """Append an event (one round trip); with `pipe`, queue it there and return None."""
     event = {"ts": round(time.time(), 3), **shown(event, job_id)}
     p = pipe if pipe is not None else r.pipeline(transaction=False)
     p.xadd(keys.events(job_id), {"data": json.dumps(event, ensure_ascii=False)}, maxlen=maxlen, approximate=True)
     p.expire(keys.events(job_id), STREAM_TTL_S)
-    if pipe is not None:
-        return None
-    return cast(str, p.execute()[0])
+    return None if pipe is not None else cast(str, p.execute()[0])
 
 
 def shown(event: Event, job_id: str) -> Event:
-    """The event as its readers show it (the turn page, `courier watch`, the chat's progress
-    message): in every text, paths into the turn's workspace relative to it (never the
-    worker host's absolute path) and nothing invisible or reordering (`visible`: an agent's
-    file names and activity, a right-to-left override); line breaks as spaces."""
+    """The event as its readers show it: in every text, paths relative to the turn's workspace
+    (never the worker host's), nothing invisible or reordering (`visible`), line breaks as spaces."""
     return {k: visible(_BREAKS.sub(" ", relative(v, job_id))) if isinstance(v, str) else v for k, v in event.items()}
 
 
@@ -71,17 +65,14 @@ def read_many(r: Redis, after: Mapping[str, str], *, block_ms: int | None = None
     res = cast("list[tuple[str, list[tuple[str, dict[str, str]]]]] | None",
                r.xread({keys.events(job_id): cursor for job_id, cursor in after.items()}, count=count,
                        block=block_ms))
-    out: list[tuple[str, str, Event]] = []
-    for stream, entries in res or []:
-        job_id = job_of.get(stream, stream)
-        for eid, fields in entries:
-            ev = decode(fields) if fields else None
-            if eid is not None and ev is not None:
-                out.append((job_id, eid, ev))
-    return out
+    return [(job_of.get(stream, stream), eid, ev) for stream, entries in res or [] for eid, ev in _decoded(entries)]
 
 
-DELIVERY_FINAL = DELIVERY_OVER
+def _decoded(entries: Iterable[tuple[str, Mapping[Any, Any]]]) -> Iterator[tuple[str, Event]]:
+    for eid, fields in entries:
+        ev = decode(fields) if fields else None
+        if eid is not None and ev is not None:
+            yield eid, ev
 
 
 def decode(fields: Mapping[Any, Any]) -> Event | None:
@@ -99,22 +90,13 @@ def decode(fields: Mapping[Any, Any]) -> Event | None:
 def read_range(r: Redis, job_id: str, start: str = "-", end: str = "+", *, count: int | None = None
                ) -> list[tuple[str, Event]]:
     """Events between two stream ids, inclusive (`-`/`+`: the ends)."""
-    out: list[tuple[str, Event]] = []
-    for eid, fields in cast("list[tuple[str, dict[str, str]]]", r.xrange(keys.events(job_id), start, end, count=count)
-                            or []):
-        ev = decode(fields) if fields else None
-        if eid is not None and ev is not None:
-            out.append((eid, ev))
-    return out
+    entries = cast("list[tuple[str, dict[str, str]]]", r.xrange(keys.events(job_id), start, end, count=count))
+    return list(_decoded(entries or []))
 
 
 def describe(ev: Event) -> str:
-    """The human text of one event, one line, no markup. Every place that
-    says an event in words says it with this: `courier watch`/`--wait`
-    (workers/console.py), the chat's progress message (tasks/turn/activity.py),
-    the turn's PROGRESS state for Flower (tasks/celery_tasks.py). Only the
-    turn page renders events itself, in the browser (workers/turnpage.py's
-    JavaScript, a list per kind).
+    """The human text of one event, one line, no markup: every place that says an event in
+    words says it with this (the turn page renders events itself, in the browser).
 
     status       its reason, activity or message, else the status itself:
                  `planning`, `agent exited with code 2`, `thinking`
@@ -170,14 +152,12 @@ class EndTracker:
         if is_terminal(ev):
             if self.terminal is None or self.terminal.get("synthetic"):
                 self.terminal = ev
-            try:
+            with suppress(TypeError, ValueError):
                 self.expected = max(self.expected, int(ev.get("deliveries") or 0))
-            except (TypeError, ValueError):
-                pass
         elif ev.get("kind") == "delivery" and ev.get("delivery_id"):
             did = str(ev["delivery_id"])
             self.seen.add(did)
-            if ev.get("state") in DELIVERY_FINAL:
+            if ev.get("state") in DELIVERY_OVER:
                 self.final[did] = ev["state"]
 
     @property
@@ -194,8 +174,6 @@ class EndTracker:
     @classmethod
     def for_job(cls, r: Redis, job_id: str) -> "EndTracker":
         """A tracker primed for the job's kind (a send: its registered deliveries)."""
-        from tasks.ledger import receipts
-
         t = cls()
         job = receipts.get_job(r, job_id) or {}
         if job.get("kind") == "send":

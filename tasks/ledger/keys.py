@@ -1,9 +1,5 @@
-"""Every Redis key courier writes, in one place.
-
-Celery's own keys (the broker queues `turns`, `sandbox`, `delivery`,
-`janitor`, `unacked*`, `celery-task-meta-*`) are Celery's; everything else
-starts with `courier:`.
-"""
+"""Every Redis key courier writes, in one place: all start with `courier:` (Celery's own keys,
+the broker queues, `unacked*`, `celery-task-meta-*`, are Celery's)."""
 
 from __future__ import annotations
 
@@ -21,8 +17,7 @@ def job_deliveries(job_id: str) -> str:
 
 
 def sent_message(platform: str, message_id: str) -> str:
-    """string: the delivery a platform's message id belongs to (platforms that confirm later: a
-    status webhook names the message, tasks/delivery/confirm.py finds its receipt)"""
+    """string: the delivery a platform's message id belongs to (for its status webhook: confirm.py)"""
     return f"{PREFIX}sent:{platform}:{message_id}"
 
 
@@ -47,8 +42,7 @@ def file_id(platform: str, bot: str, sha256: str, kind: str) -> str:
 
 
 def delivery_parts(delivery_id: str) -> str:
-    """hash: the messages already sent for parts of one delivery (part id -> message id),
-    so a delivery re-scheduled midway (rate limit, error) resumes without sending twice"""
+    """hash: the parts of one delivery already sent (part id -> message id): tasks/delivery/parts.py"""
     return f"{PREFIX}parts:{delivery_id}"
 
 
@@ -69,8 +63,7 @@ def progress_message(job_id: str) -> str:
 
 # -- the ledger (tasks/ledger/ledger.py): leases, lanes, due times ------------------------------------
 def lease(stage: str, ident: str) -> str:
-    """string with TTL: held (value: the holder's token) while a worker runs a stage
-    (`extract`, `lane`, `turn`); renewed by a heartbeat, so a dead holder frees it within its TTL"""
+    """string with TTL: the holder's token while a worker runs a stage (`extract`, `lane`, `turn`)"""
     return f"{PREFIX}lease:{stage}:{ident}"
 
 
@@ -80,28 +73,24 @@ def lane(target: str) -> str:
 
 
 def lanes_ready() -> str:
-    """sorted set: lanes with something to send whose wake-up was not published as a message of
-    its own (enough drives were waiting to start: each drains this set when its own lane is done),
-    scored by when they joined (tasks/dispatch/chains.py `wake_lane`)"""
+    """sorted set: lanes to send whose wake-up was not published on its own (enough drives were
+    waiting: each drains this set), scored by when they joined (chains.py `wake_lane`)"""
     return f"{PREFIX}lanes:ready"
 
 
 def drives_waiting() -> str:
     """sorted set: the task ids of lane drives published and not started yet, scored by when they
-    were published (a drive's first look removes its own; older than `chains.WAKE_STALE_S` they
-    no longer count)"""
+    were published (older than `chains.WAKE_STALE_S` they no longer count)"""
     return f"{PREFIX}lanes:waiting"
 
 
 def due(stage: str) -> str:
-    """sorted set: the stage's entries (lane targets, extraction delivery ids, turn job ids)
-    scored by when the reconciler must look at them again if nothing else has"""
+    """sorted set: the stage's entries scored by when the reconciler must look at them again"""
     return f"{PREFIX}due:{stage}"
 
 
 def breakers() -> str:
-    """sorted set: the sandboxes whose circuit breaker is open or half-open (tasks/turn/breaker.py),
-    member `<kind>:<host>:<target>`, scored by the breaker's end (when one extraction may probe)"""
+    """sorted set: sandboxes (`<kind>:<host>:<target>`) whose breaker is open or half-open, by its end"""
     return f"{PREFIX}breakers"
 
 
@@ -111,8 +100,7 @@ def breaker(ident: str) -> str:
 
 
 def breaker_scout(ident: str) -> str:
-    """string with TTL (value: a delivery id): held by the one extraction that tries a sandbox
-    which has not answered lately (a cold one, or a half-open breaker's probe)"""
+    """string with TTL (a delivery id): the one extraction trying a sandbox not heard from lately"""
     return f"{PREFIX}breaker:scout:{ident}"
 
 
@@ -122,8 +110,7 @@ def breaker_waiting(ident: str) -> str:
 
 
 def sandboxes_answered() -> str:
-    """sorted set: sandboxes (`<kind>:<host>:<target>`) scored by when one last answered an
-    extraction (entries older than the read deadline are dropped as new ones come)"""
+    """sorted set: sandboxes (`<kind>:<host>:<target>`) scored by when one last answered an extraction"""
     return f"{PREFIX}sandboxes:answered"
 
 
@@ -139,8 +126,7 @@ def events_key() -> str:
 
 # -- operations (tasks/ops/queues.py, tasks/ops/janitor.py, workers/celery_app.py) ----------------------
 def queues() -> str:
-    """sorted set: every Celery queue courier published to or consumed from (`sandbox.<host>`
-    included), scored by when that was last seen; TTL 30 days, refreshed while in use"""
+    """sorted set: every Celery queue courier published to or consumed from, by when last seen (TTL 30 days)"""
     return f"{PREFIX}queues"
 
 
@@ -165,6 +151,5 @@ def files_key() -> str:
 
 
 def send_order(target: str) -> str:
-    """hash, 1-day TTL: `courier.delivery.send` messages to `target` in publish order (tasks/ops/sendorder.py):
-    `issued` (the last number a publisher stamped), `next` (the number whose turn it is to register)"""
+    """hash, 1-day TTL: send messages to `target` in publish order (`issued`, `next`: tasks/ops/sendorder.py)"""
     return f"{PREFIX}sendorder:{target}"

@@ -1,21 +1,13 @@
-"""The ledger's moving parts: leases and due times (plain code, no Celery).
+"""The ledger's moving parts: who works on a stage and when somebody must look again.
 
-The receipts (tasks/ledger/receipts.py) say what each stage is and how far it got;
-this module says who is working on it and when somebody must look again:
+- a **lease** (`keys.lease(stage, id)`): its holder's token with a short TTL, renewed by
+  one heartbeat thread per process while the work runs: a dead worker's lease is gone
+  within `LEASE_TTL_S`.
+- a **due time** (`keys.due(stage)`): when the reconciler must look at an entry again if
+  nothing else has. Every stage not final has one, so a task message that vanished leaves
+  it behind, and the reconciler re-drives the stage from the ledger alone.
 
-- a **lease** (`keys.lease(stage, id)`): a key holding its holder's token with
-  a short TTL, renewed by one heartbeat thread per process while the work
-  runs. A worker that dies (SIGKILL, OOM, a lost host) stops renewing, so its
-  lease is gone within `LEASE_TTL_S`.
-- a **due time** (`keys.due(stage)`, a sorted set): when the reconciler must
-  look at an entry again if nothing else has. Every stage that is queued,
-  waiting or running has one; a stage that is final has none. A task message
-  that vanished (a Redis restart, a task acked after a Redis error, a worker
-  that died holding it) leaves its due time behind, and the reconciler
-  re-drives the stage from the ledger alone when it passes and no lease is held.
-
-Stages: `lane` (a chat's ordered deliveries, id = target), `extract`
-(one sandbox file, id = delivery id), `turn` (an agent turn, id = job id).
+Stages: `lane` (id = target), `extract` (id = delivery id), `turn` (id = job id).
 """
 
 from __future__ import annotations
@@ -28,7 +20,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any, cast
 
 from redis import Redis
@@ -40,15 +32,11 @@ LEASE_TTL_S = 20
 STAGES = ("lane", "extract", "turn")
 #: the reconciler re-drives a stage nobody has looked at for this long (its due time)
 LANE_GRACE_S = 10.0
-# A stage's message may be lost with a broker connection (a worker that had it reserved when Redis
-# restarted or failed over cannot acknowledge it: Celery drops it, kombu restores it only after the
-# visibility timeout): the chat waits for this long, so it stays well under a minute (60 s had a
-# chat idle 57 s over 10 restarts and 3 failovers: tests/chaos/test_sentinel.py). A stage still
-# queued behind others is re-published too (its copy is dropped when it finds the stage done or
-# held); the grace doubles with each re-drive (reconcile.py), so a long queue is not flooded.
+#: a stage's message may be lost with a broker connection (kombu restores it only after the
+#: visibility timeout): the chat waits this long. A stage still queued is re-published too (its
+#: copy is dropped when it finds the stage done or held); the grace doubles per re-drive.
 EXTRACT_GRACE_S = 20.0
 TURN_GRACE_S = 20.0
-
 
 
 #: `<host>:<pid>:` of this process, made once (again in a forked child): no uname and getpid per token
@@ -90,9 +78,8 @@ def held(r: Redis, key: str) -> float:
     return max(0.001, ms / 1000) if ms and ms > 0 else 0.0
 
 
-#: a lease that needs progress (a lane's drive) is no longer renewed once its holder has made none
-#: for this long: it lapses LEASE_TTL_S later (within a minute in all), the reconciler gives the
-#: stage to another worker, and the holder's process is recycled (`set_stall_handler`)
+#: a lease that needs progress (a lane's drive) is no longer renewed once its holder has made none for
+#: this long: it lapses, the stage goes to another worker, the holder's process is recycled
 STALL_S = 40.0
 
 
@@ -108,15 +95,13 @@ class _Held:
 
 
 class _Renewer:
-    """One daemon thread per process renews every lease this process holds,
-    in one pipeline each third of its life. A missed renewal (Redis away for
-    a moment) only shortens the lease: the worst case is a second worker
-    re-driving a stage, which every stage tolerates (receipts say what is done).
+    """One daemon thread per process renews every lease this process holds, in one
+    pipeline each third of its life. A missed renewal only shortens the lease: at worst
+    a second worker re-drives a stage, which every stage tolerates.
 
-    A lease held with `needs_progress` is renewed only while its holder
-    shows progress (`progress()`, or a `marker()`'s mark, at least every
-    `stall_s`): a holder stuck without a deadline (a call that never
-    returns) stops holding it, and `on_stall` is told once."""
+    A lease held with `needs_progress` is renewed only while its holder shows progress
+    (`progress()`, or a `marker()`'s mark, at least every `stall_s`): a holder stuck
+    without a deadline stops holding it, and `on_stall` is told once."""
 
     def __init__(self) -> None:
         self.held: dict[int, _Held] = {}
@@ -182,13 +167,11 @@ class _Renewer:
             for h in renew:
                 by_client.setdefault(id(h.r), [h.r]).append((h.key, h.token, h.ttl_s))
             for r, *leases in by_client.values():
-                try:
+                with suppress(Exception):  # see the class docstring
                     pipe = r.pipeline(transaction=False)
                     for key, token, ttl in leases:
                         scripts.run(pipe, "lease_renew", keys=[key], args=[token, ttl])
                     pipe.execute()
-                except Exception:  # noqa: BLE001 - see the class docstring
-                    pass
             time.sleep(min(period, max(0.5, self.stall_s / 4)))
 
 
@@ -223,8 +206,7 @@ def marker() -> Callable[[], None]:
 @contextmanager
 def renewing(r: Redis, key: str, token: str, ttl_s: int = LEASE_TTL_S, *,
              needs_progress: bool = False) -> Iterator[None]:
-    """Keep a lease (or a send lock) alive while the block runs (`needs_progress`: while it also
-    shows progress, see `_Renewer`)."""
+    """Keep a lease (or a send lock) alive while the block runs (`needs_progress`: see `_Renewer`)."""
     ident = _renewer.add(r, key, token, ttl_s, needs_progress)
     try:
         yield
@@ -245,23 +227,18 @@ def leased(r: Redis, stage: str, ident: str, ttl_s: int = LEASE_TTL_S) -> Iterat
         with renewing(r, key, token, ttl_s):
             yield token
     finally:
-        try:
+        with suppress(Exception):  # an unreleased lease expires by itself
             release(r, key, token)
-        except Exception:  # noqa: BLE001 - an unreleased lease expires by itself
-            pass
 
 
 def set_due(r: Redis, stage: str, ident: str, in_s: float) -> None:
-    """The reconciler looks at this entry again in `in_s` seconds unless it is
-    final by then. `r` may be a pipeline."""
+    """The reconciler looks at this entry again in `in_s` seconds unless it is final by then (`r`: or a pipeline)."""
     r.zadd(keys.due(stage), {ident: time.time() + max(0.0, in_s)})
 
 
 def due_when_free(r: Redis, stage: str, ident: str) -> float:
-    """A stage found its lease held (a redelivered message while the holder runs, or
-    the holder died): the reconciler looks again as soon as the lease lapses (its
-    due time brought in, never pushed out), not at the stage's grace. Returns the
-    seconds until then (0.0: the lease is free already)."""
+    """A stage found its lease held: the reconciler looks again as soon as the lease lapses (its due
+    time brought in, never pushed out). Returns the seconds until then (0.0: the lease is free)."""
     left_s = held(r, keys.lease(stage, ident))
     if left_s:
         r.zadd(keys.due(stage), {ident: time.time() + left_s + 0.1}, lt=True)
@@ -288,8 +265,7 @@ def pending(r: Redis) -> dict[str, int]:
 
 
 # -- the retry policy of a stage that failed for a transient reason ---------------------------
-#: courier's own re-drives of a lane wait no longer than this as a countdown
-#: task; a longer wait is the reconciler's (no task held for minutes)
+#: courier's own re-drives of a lane wait no longer than this as a countdown task (longer: the reconciler)
 COUNTDOWN_MAX_S = 10.0
 #: a storage outage is waited out in steps of at most this long (resumes soon after it ends)
 STORAGE_BACKOFF_CAP_S = 30.0
@@ -302,10 +278,9 @@ def backoff_s(n: int, *, storage: bool = False) -> float:
 
 
 def count_transient(r: Redis, delivery_id: str, *, attempt: bool = True) -> tuple[int, float]:
-    """Count one transient failure on a receipt; returns (failures so far,
-    when the first of this run of failures happened). `attempt` False: a
-    stage postponed untried (its sandbox's breaker): the run of failures
-    starts (or goes on), nothing is counted."""
+    """Count one transient failure on a receipt; returns (failures so far, when the first of this
+    run happened). `attempt` False: a stage postponed untried (its sandbox's breaker) starts (or
+    goes on with) the run, counting nothing."""
     now = time.time()
     pipe = r.pipeline(transaction=False)
     pipe.hincrby(keys.delivery(delivery_id), "transient_errors", 1 if attempt else 0)
@@ -320,9 +295,8 @@ def count_transient(r: Redis, delivery_id: str, *, attempt: bool = True) -> tupl
 
 
 def gives_up(exc: BaseException, n: int, first_s: float, *, max_attempts: int, outage_deadline_s: float) -> bool:
-    """Storage errors, and a sandbox that stopped answering (its breaker
-    postponed the stage), are an outage to wait out until its deadline; any
-    other transient error gives up after `max_attempts`."""
+    """Storage errors and a sandbox that stopped answering are an outage to wait out until its
+    deadline; any other transient error gives up after `max_attempts`."""
     from adapters.errors import SandboxStalled, StorageError
 
     if isinstance(exc, (StorageError, SandboxStalled)):

@@ -1,9 +1,5 @@
-"""Jobs and delivery receipts in Redis: what `courier status` shows.
-
-A job (a send or a turn) has an ordered list of deliveries. A delivery's
-receipt moves queued -> (sending) -> delivered | failed, with attempts, the
-platform's message id or the failure reason.
-"""
+"""Jobs and delivery receipts in Redis: what `courier status` shows. A job (a send or a turn)
+has an ordered list of deliveries; a receipt moves queued -> (sending) -> delivered | failed."""
 
 from __future__ import annotations
 
@@ -11,7 +7,6 @@ import time
 from typing import Any, cast
 
 from redis import Redis
-from redis.typing import EncodableT
 from redis.client import Pipeline
 
 from tasks.ledger import keys, scripts
@@ -34,13 +29,8 @@ def _text(v: object) -> str:
 def create_job(r: Redis | None, job_id: str, *, kind: str, target: str, pipe: Pipeline | None = None,
                **meta: Any) -> None:
     """Record a job (a send or a turn); queued on `pipe` when given."""
-    fields: dict[EncodableT, EncodableT] = {k: v for k, v in job_fields(job_id, kind=kind, target=target, **meta).items()}
-    if pipe is not None:
-        p = pipe
-    else:
-        assert r is not None, "create_job needs a client or a pipeline"
-        p = r.pipeline()
-    p.hset(keys.job(job_id), mapping=fields)
+    p = pipe if pipe is not None else cast(Redis, r).pipeline()
+    p.hset(keys.job(job_id), mapping={k: v for k, v in job_fields(job_id, kind=kind, target=target, **meta).items()})
     p.expire(keys.job(job_id), RETENTION_S)
     if pipe is None:
         p.execute()
@@ -59,8 +49,7 @@ def set_job(r: Redis, job_id: str, **fields: Any) -> None:
 
 
 def get_job(r: Redis, job_id: str) -> dict[str, str] | None:
-    h = cast(Receipt, r.hgetall(keys.job(job_id)))
-    return h or None
+    return cast(Receipt, r.hgetall(keys.job(job_id))) or None
 
 
 #: what a turn or a delivery that `courier cancel` ended says (tasks/ops/operations.py)
@@ -73,9 +62,8 @@ def cancel_requested(r: Redis, job_id: str) -> bool:
 
 
 def add_delivery(r: Redis, job_id: str, delivery_id: str, *, lane: str | None = None, **meta: Any) -> None:
-    """Register a delivery as queued (idempotent: an existing receipt is kept),
-    appending it to the chat lane `lane` (a target) when given. `r` may be a
-    pipeline (one round trip for a whole plan)."""
+    """Register a delivery as queued (idempotent: an existing receipt is kept), appending it to the
+    chat lane `lane` (a target) when given. `r` may be a pipeline (one round trip for a plan)."""
     fields = {"id": delivery_id, "job": job_id, "state": DeliveryState.QUEUED, "attempts": "0",
               "queued_s": f"{time.time():.3f}"}
     fields.update({kk: _text(v) for kk, v in meta.items() if v is not None})
@@ -100,8 +88,7 @@ def update_delivery(r: Redis, delivery_id: str, **fields: Any) -> None:
 
 
 def get_delivery(r: Redis, delivery_id: str) -> dict[str, str] | None:
-    h = cast(Receipt, r.hgetall(keys.delivery(delivery_id)))
-    return h or None
+    return cast(Receipt, r.hgetall(keys.delivery(delivery_id))) or None
 
 
 def job_deliveries(r: Redis, job_id: str) -> list[dict[str, str]]:

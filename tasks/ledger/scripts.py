@@ -1,19 +1,13 @@
 """The Lua scripts courier runs in Redis, and the only way it runs them.
 
-Each script is a file `lua/<name>.lua` beside this module. Its header comment names every
-`KEYS[i]` and `ARGV[i]` (`KEYS[2...]`: the rest, `KEYS[6?]`: optional), the script binds them
-to named locals, and every key it touches comes in `KEYS` (none is built inside a script).
-State names come from `tasks/states.py` as arguments. `tests/test_lua.py` checks all of it.
+Each script is `lua/<name>.lua`; its header names every `KEYS[i]` and `ARGV[i]`
+(`KEYS[2...]`: the rest, `KEYS[6?]`: optional), bound to named locals; every key it
+touches comes in `KEYS`, state names as arguments (`tests/test_lua.py` checks it all).
 
-`run(r, name, keys=..., args=...)` runs one: on a client through redis-py's `Script`
-(EVALSHA, the script loaded again when Redis lost it); on a pipeline queued as EVAL with
-the script's text (a `Script` on a pipeline would cost a SCRIPT EXISTS round trip of its own
-at `execute`). `run_async` is the same on an asyncio client. The number of keys and arguments
-is checked against the header.
-
-Keys are not hash-tagged: a chat's keys (`keys.lane`, `keys.lease("lane", ...)`, its gate)
-keep the names deployments already hold, so a script that touches a chat's keys and a
-delivery's or a courier-wide set assumes one Redis node (or Sentinel), as courier does.
+`run` checks the numbers of keys and arguments against the header and runs the script:
+on a client through redis-py's `Script` (EVALSHA), on a pipeline as EVAL with its text
+(a `Script` would cost a SCRIPT EXISTS round trip of its own). Keys are not hash-tagged
+(deployments hold their names): scripts assume one Redis node (or Sentinel).
 """
 
 from __future__ import annotations
@@ -86,9 +80,7 @@ def run(r: Redis | Pipeline, name: str, *, keys: Sequence[str], args: Sequence[A
     lua.check(keys, args)
     if isinstance(r, Pipeline):
         return r.eval(lua.text, len(keys), *keys, *args)
-    script = _sync.get(name)
-    if script is None:
-        script = _sync[name] = r.register_script(lua.text)
+    script = _sync.get(name) or _sync.setdefault(name, r.register_script(lua.text))
     return script(keys=keys, args=args, client=r)
 
 
@@ -96,7 +88,5 @@ async def run_async(r: AsyncRedis, name: str, *, keys: Sequence[str], args: Sequ
     """`run` on an asyncio client."""
     lua = load(name)
     lua.check(keys, args)
-    script = _async.get(name)
-    if script is None:
-        script = _async[name] = r.register_script(lua.text)
+    script = _async.get(name) or _async.setdefault(name, r.register_script(lua.text))
     return await script(keys=keys, args=args, client=r)

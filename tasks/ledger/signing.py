@@ -1,21 +1,15 @@
-"""What crosses Redis is signed: every ledger spec and every task message
-courier writes carries an HMAC-SHA256 over its content, and a worker refuses
-one that is unsigned or does not verify.
+"""What crosses Redis is signed: every ledger spec and task message courier writes
+carries an HMAC-SHA256 over its content, and a worker refuses one that does not verify.
 
-Redis is shared by every courier process, and whoever can write to it could
-otherwise make a worker act: a spec that names a wider root or another chat,
-a task message with arguments of its own. The signing key is the control
-plane's, never in Redis: ``COURIER_SIGNING_KEY`` (or ``_FILE``), else a key
-generated into the data dir on first start (one host, or hosts that share
-the data volume; a fleet sets the variable). ``COURIER_SIGNING_KEY_PREVIOUS``
-is accepted too while a key is rotated.
+Whoever can write to the shared Redis could otherwise make a worker act (a spec naming a
+wider root or another chat, a task message with arguments of its own). The key is the
+control plane's, never in Redis: ``COURIER_SIGNING_KEY`` (or ``_FILE``; a fleet sets it),
+else one generated into the data dir; ``COURIER_SIGNING_KEY_PREVIOUS`` is accepted while rotating.
 
-A sealed text is ``s1.<key id>.<unix time>.<mac>.<payload>``: the payload
-(JSON) as written, the MAC over the purpose (``delivery``, ``turn``,
-``message``), the id it belongs to (a delivery id, a job id; a message's is
-empty) and the time. A spec copied under another id, a tampered payload, an
-unknown key or one older than the maximum age is :class:`Forged`: permanent,
-logged, counted (``courier_forged_total``), and nothing of it is acted on.
+A sealed text is ``s1.<key id>.<unix time>.<mac>.<payload>``, the MAC over the purpose
+(``delivery``, ``turn``, ``message``), the id it belongs to (a message's is empty), the
+time and the payload. A spec copied under another id, tampered, signed with an unknown
+key or too old is :class:`Forged`: permanent, logged, counted, never acted on.
 """
 
 from __future__ import annotations
@@ -31,9 +25,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from adapters.errors import CourierError
-
-__all__ = ["Forged", "Signer", "install", "installed", "open_delivery", "open_json", "seal_delivery", "seal_json",
-           "signer"]
 
 log = logging.getLogger(__name__)
 
@@ -89,21 +80,22 @@ class Signer:
                 sealed = sealed.decode("utf-8")
             except UnicodeDecodeError:
                 raise Forged(f"unsigned {purpose}: not UTF-8") from None
+        what = purpose + (f" {ident}" if ident else "")
         parts = sealed.split(".", 4)
         if len(parts) != 5 or parts[0] != PREFIX:
-            raise Forged(f"unsigned {purpose}" + (f" {ident}" if ident else ""))
+            raise Forged(f"unsigned {what}")
         _, kid, ts, mac, payload = parts
         key = self._keys.get(kid)
         if key is None:
-            raise Forged(f"{purpose}" + (f" {ident}" if ident else "") + f" is signed with an unknown key ({kid})")
+            raise Forged(f"{what} is signed with an unknown key ({kid})")
         if not hmac.compare_digest(mac, self._mac(key, purpose, ident, ts, payload.encode("utf-8"))):
-            raise Forged(f"{purpose}" + (f" {ident}" if ident else "") + " does not verify (tampered, or another's)")
+            raise Forged(f"{what} does not verify (tampered, or another's)")
         try:
             age = (time.time() if now is None else now) - int(ts)
         except ValueError:
             raise Forged(f"{purpose} {ident}: bad signature time") from None
         if age > self.max_age_s or age < -CLOCK_SKEW_S:
-            raise Forged(f"{purpose}" + (f" {ident}" if ident else "") + f" was signed {int(age)} s ago: too old")
+            raise Forged(f"{what} was signed {int(age)} s ago: too old")
         return payload
 
 
@@ -122,10 +114,6 @@ def set_loader(load: Callable[[], Signer] | None) -> None:
     """How this process makes its signer on first use (workers/wiring.py: from the settings)."""
     global _loader
     _loader = load
-
-
-def installed() -> bool:
-    return _signer is not None
 
 
 def signer() -> Signer:
