@@ -29,15 +29,15 @@ from collections.abc import Callable, Iterator, Sequence
 from adapters.errors import FileMissing, SandboxError, UnsafePath
 from adapters.sandboxes.base import DEFAULT_EXEC_OUTPUT_BYTES, ExecRun, PathPolicy, check_lexical, exec_argv, run_exec
 from adapters.sandboxes.execstream.transfer import (
-    EXIT_CHANGED, GATED_STREAM_SCRIPT, VERSION_FORMAT, ExecChannel, ExecStream, Resolved, _ask, _err_text, _fields,
-    default_roots, exec_extract, exec_gated_extract, exec_iter_file, exec_put, exec_resolve, kill_argv, probe,
-    resolve_put_dest,
+    ANCESTOR_SCRIPT, EXIT_CHANGED, GATED_STREAM_SCRIPT, VERSION_FORMAT, ExecChannel, ExecStream, Resolved, _ask,
+    _err_text, _fields, default_roots, exec_extract, exec_gated_extract, exec_iter_file, exec_put, exec_resolve,
+    kill_argv, probe, resolve_put_dest,
 )
 
 __all__ = [
-    "EXIT_CHANGED", "GATED_STREAM_SCRIPT", "VERSION_FORMAT", "ExecChannel", "ExecStream", "ExecStreamMixin",
-    "Resolved", "default_roots", "exec_command", "exec_extract", "exec_gated_extract", "exec_iter_file",
-    "exec_put", "exec_resolve", "kill_argv", "probe", "resolve_put_dest",
+    "ANCESTOR_SCRIPT", "EXIT_CHANGED", "GATED_STREAM_SCRIPT", "VERSION_FORMAT", "ExecChannel", "ExecStream",
+    "ExecStreamMixin", "Resolved", "default_roots", "exec_command", "exec_extract", "exec_gated_extract",
+    "exec_iter_file", "exec_put", "exec_resolve", "kill_argv", "probe", "resolve_put_dest",
 ]
 
 
