@@ -43,7 +43,6 @@ if TYPE_CHECKING:
 
 app = typer.Typer(add_completion=True, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="courier: run chat-agent turns and deliver their files to chat platforms.")
-#: a turn's job states once it is over (its deliveries, if any, are registered by then)
 PROGRESS_MIN_BYTES = 8 * 1024 * 1024
 
 
@@ -51,7 +50,7 @@ def _settings():
     from pydantic import ValidationError
     from pydantic_settings import SettingsError
 
-    from workers.settings import SecretFileError, get_settings
+    from workers.settings import Settings, SecretFileError, env_names, get_settings
 
     try:
         settings = get_settings()
@@ -65,7 +64,8 @@ def _settings():
         import re
 
         m = re.search(r'field "([a-z0-9_]+)"', str(exc))
-        name = _env_name(m.group(1)) if m else "a setting"
+        field = Settings.model_fields.get(m.group(1)) if m else None
+        name = env_names(m.group(1), field)[0] if field is not None else "a setting"
         cause = exc.__cause__
         why = f": {cause}" if isinstance(cause, ValueError) else ""
         raise die(f"bad setting {name}: not valid JSON{why}", EXIT_INPUT) from None
@@ -78,17 +78,6 @@ def _settings():
     return settings
 
 
-def _env_name(field: str) -> str:
-    """The environment variable of a settings field."""
-    from workers.settings import Settings
-
-    f = Settings.model_fields.get(field)
-    alias = getattr(f, "validation_alias", None) if f is not None else None
-    if alias is not None:
-        return str(getattr(alias, "choices", [alias])[0])
-    return f"COURIER_{field.upper()}"
-
-
 def _redis(settings, *, enqueues: bool = False):
     """Redis, or a one-line error (exit 3): `enqueues`, for a command that would have enqueued
     something, says nothing was (a read-only command has nothing to say about it)."""
@@ -96,12 +85,10 @@ def _redis(settings, *, enqueues: bool = False):
     from workers.wiring import redis_client
 
     why = redis_refusal(settings.redis_url, 2.0)
-    tail = "; nothing was enqueued" if enqueues else ""
-    if why == "is not answering":
-        raise die(f"Redis at {redact_url(settings.redis_url)} is not answering{tail} "
-                  "(start Redis or set COURIER_REDIS_URL)", EXIT_SERVICE)
     if why is not None:
-        raise die(f"Redis at {redact_url(settings.redis_url)} {why}{tail}", EXIT_SERVICE)
+        tail = "; nothing was enqueued" if enqueues else ""
+        hint = " (start Redis or set COURIER_REDIS_URL)" if why == "is not answering" else ""
+        raise die(f"Redis at {redact_url(settings.redis_url)} {why}{tail}{hint}", EXIT_SERVICE)
     return redis_client(settings.redis_url)
 
 
@@ -174,9 +161,7 @@ def send(
                    as_document=as_document, path=str(p))
         return HostFile(path=str(p), name=p.name)
 
-    # the operator's send task's checks (tasks.ops.send.check_send): a remote sandbox path the policy
-    # refuses as written; a local one resolved, its size checked against the adapter itself (its own
-    # type rules, `route_file`, besides its limits); a file of this host checked by `host_file`
+    # the operator's send task's checks (tasks.ops.send.check_send); a file of this host: `host_file`
     try:
         checked = check_send(target, platform=lambda: wired_platform(platform_name, settings),
                              album_max=lambda: platform_limits(platform_name, settings).album_max,
@@ -193,12 +178,8 @@ def send(
     _celery()
 
     def upload(job_id: str, seq: int, f: HostFile) -> chains.StoredFile:
-        local = Path(f.path)
         key = chains.storage_key(job_id, seq, f.name)
-        try:
-            info = _upload(store, key, local)
-        except CourierError as exc:
-            raise die(f"could not store {local}: {exc}", EXIT_SERVICE) from None
+        info = _upload(store, key, Path(f.path))
         return chains.StoredFile(key=key, name=f.name, size=info.size_bytes, sha256=info.sha256 or "")
 
     plan = checked.plan(upload=upload)
@@ -215,21 +196,20 @@ def send(
 
 
 def _upload(store, key: str, p: Path):
-    size = p.stat().st_size
-    with open(p, "rb") as f:
-        if size < PROGRESS_MIN_BYTES:
-            return store.put_stream(key, f)
-        from rich.progress import (
-            BarColumn,
-            DownloadColumn,
-            Progress,
-            TransferSpeedColumn,
-        )
+    """Store a file of this host (a progress bar from PROGRESS_MIN_BYTES on), or exit 3."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
-        with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                      TransferSpeedColumn(), console=err, transient=True) as prog:
-            t = prog.add_task(f"storing {p.name}", total=size)
-            return store.put_stream(key, f, progress=lambda n: prog.advance(t, n))
+    size = p.stat().st_size
+    try:
+        with open(p, "rb") as f:
+            if size < PROGRESS_MIN_BYTES:
+                return store.put_stream(key, f)
+            with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                          TransferSpeedColumn(), console=err, transient=True) as prog:
+                t = prog.add_task(f"storing {p.name}", total=size)
+                return store.put_stream(key, f, progress=lambda n: prog.advance(t, n))
+    except CourierError as exc:
+        raise die(f"could not store {p}: {exc}", EXIT_SERVICE) from None
 
 
 def _finish(job_id: str, rows: list[dict], done: bool, as_json: bool) -> None:
@@ -285,10 +265,7 @@ def turn(
         store = _store(settings)
         for i, p in enumerate(attach):
             key = chains.storage_key(job_id, i, p.name, prefix=prefixes.INBOUND)
-            try:
-                _upload(store, key, p)
-            except CourierError as exc:
-                raise die(f"could not store {p}: {exc}", EXIT_SERVICE) from None
+            _upload(store, key, p)
             attachments.append({"key": key, "name": p.name})
     chains.enqueue_turn(r, target, message, agent=name, job_id=job_id, sandbox=sandbox, attachments=attachments)
     if not wait:
@@ -370,6 +347,7 @@ def status(
 ) -> None:
     """Show a job's deliveries (or one delivery's receipt)."""
     from tasks.ledger import receipts
+    from tasks.ops.listing import shown
 
     settings = _settings()
     r = _redis(settings)
@@ -382,8 +360,6 @@ def status(
         if job.get("kind") == "send":  # a send's job record is not updated as it goes: its receipts say
             job["state"] = send_state(rows)
         if as_json:
-            from tasks.ops.listing import shown
-
             print(json.dumps({"job": shown(job), "deliveries": [shown(row) for row in rows], "events_token": token}))
         else:
             line = f"{job.get('kind')} {ident} → {job.get('target')}: {job.get('state')}"
@@ -399,8 +375,6 @@ def status(
     if rec is None:
         raise die(f"no send, turn or delivery with id {ident!r}", EXIT_INPUT)
     if as_json:
-        from tasks.ops.listing import shown
-
         print(json.dumps(shown(rec)))
     else:
         out.print(deliveries_table(rec.get("job", ""), [rec]))
@@ -444,18 +418,12 @@ def deliveries(
         out.print(f"no {what}" + (f" to {chat}" if chat else "") + (f" in the last {since}" if since else ""),
                   markup=False, highlight=False)
         return
-    t = new_table(("failed deliveries" if failed else "deliveries") + (f" to {chat}" if chat else ""))
-    for col in ("delivery", "target", "kind", "name", "size", "attempts", "state", "message id / reason", "queued"):
-        t.add_column(col, overflow="fold")
+    t = new_table(("failed deliveries" if failed else "deliveries") + (f" to {chat}" if chat else ""),
+                  (*delivery_columns("target"), "queued"), overflow="fold")
     for row in rows:
-        state = row.get("state") or ""
-        color = STATE_COLORS.get(state, "yellow")
         queued = row.get("queued_s") or row.get("created_s")
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(float(queued))) if queued else ""
-        t.add_row(*(cell(v or "") for v in (
-            row.get("id"), row.get("target"), row.get("kind"), row.get("name"), row.get("size_bytes"),
-            row.get("attempts"))), cell(state, color),
-            cell((row.get("message_id") if state == DeliveryState.DELIVERED else row.get("reason")) or ""), cell(when))
+        t.add_row(*delivery_cells(row, "target"), cell(when))
     out.print(t)
 
 
@@ -483,9 +451,8 @@ def queues(
             print(json.dumps({"orphans": rows_o, "removed": removed, "dry_run": not yes}))
             return
         if rows_o:
-            t = new_table("orphaned messages" + ("" if yes else " (dry run: --yes drops them)"))
-            for col in ("queue", "task", "for", "why"):
-                t.add_column(col)
+            t = new_table("orphaned messages" + ("" if yes else " (dry run: --yes drops them)"),
+                          ("queue", "task", "for", "why"))
             for o in rows_o:
                 t.add_row(o["queue"], o["task"].rsplit(".", 1)[-1], o["subject"], o["why"])
             out.print(t)
@@ -498,22 +465,16 @@ def queues(
     if as_json:
         print(json.dumps({"queues": rows, "ledger_pending": pending}))
         return
-    from rich.text import Text
-
-    t = new_table("queues")
-    for col in ("queue", "depth", "oldest", "consumers"):
-        t.add_column(col, justify="left" if col == "queue" else "right")
+    t = new_table("queues", ("queue", "depth", "oldest", "consumers"), numeric=True)
     for row in rows:
         age = row["oldest_age_s"]
         warn = row["depth"] and not row["consumers"]
-        t.add_row(Text(row["queue"]), Text(str(row["depth"])), Text(_age(age) if age is not None else "-"),
-                  Text(str(row["consumers"]), style="bold red" if warn else ""))
+        t.add_row(cell(row["queue"]), cell(row["depth"]), cell(_age(age) if age is not None else "-"),
+                  cell(row["consumers"], "bold red" if warn else ""))
     out.print(t)
-    lt = new_table("ledger: pending per stage")
-    for col in ("stage", "pending"):
-        lt.add_column(col, justify="left" if col == "stage" else "right")
+    lt = new_table("ledger: pending per stage", ("stage", "pending"), numeric=True)
     for stage, n in pending.items():
-        lt.add_row(Text(stage), Text(str(n)))
+        lt.add_row(cell(stage), cell(n))
     out.print(lt)
 
 
@@ -527,9 +488,7 @@ def _age(s: float) -> str:
 
 # -- retry, cancel ------------------------------------------------------------------
 def _outcome_table(title: str, rows: list[dict]) -> Table:
-    t = new_table(title)
-    for col in ("delivery", "outcome", "state", "note"):
-        t.add_column(col, overflow="fold")
+    t = new_table(title, ("delivery", "outcome", "state", "note"), overflow="fold")
     for row in rows:
         style = {"requeued": "green", "cancelled": "green", "refused": "red", "in_flight": "yellow"}.get(
             row.get("outcome", ""), "")
@@ -768,12 +727,6 @@ def parse_duration(raw: str) -> float:
     return float(m.group(1)) * _UNITS[m.group(2) or "s"]
 
 
-def human_size(n) -> str:
-    from tasks.delivery.text import human_bytes
-
-    return "" if n is None else human_bytes(int(n))
-
-
 @app.command()
 def janitor(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="count what would go (files and bytes); delete nothing")] = False,
@@ -803,16 +756,12 @@ def janitor(
         if as_json:
             print(json.dumps(res))
             return
-        from rich.text import Text
-
         t = new_table("S3 lifecycle rules " + ("installed" if res["changed"] else "already in place")
-                      + (f" (and {res['kept']} other rules kept)" if res["kept"] else ""))
-        for col in ("rule", "prefix", "after"):
-            t.add_column(col)
+                      + (f" (and {res['kept']} other rules kept)" if res["kept"] else ""), ("rule", "prefix", "after"))
         for rule in res["rules"]:
             after = (f"expire {rule['Expiration']['Days']} d" if "Expiration" in rule else
                      f"abort unfinished uploads {rule['AbortIncompleteMultipartUpload']['DaysAfterInitiation']} d")
-            t.add_row(Text(rule["ID"]), Text(rule["Filter"]["Prefix"]), Text(after))
+            t.add_row(cell(rule["ID"]), cell(rule["Filter"]["Prefix"]), cell(after))
         out.print(t)
         return
     older_s = None
@@ -832,27 +781,21 @@ def janitor(
         raise die(f"the sweep stopped: {exc}", EXIT_SERVICE) from None
     if as_json:
         print(json.dumps(res))
-    elif res.get("skipped"):
-        pass
-    else:
-        from rich.text import Text
+    elif not res.get("skipped"):
+        from tasks.delivery.text import human_bytes
 
-        t = new_table("janitor (dry run: nothing deleted)" if dry_run else "janitor")
-        for col in ("what", "would go" if dry_run else "deleted", "bytes"):
-            t.add_column(col, justify="left" if col == "what" else "right")
+        t = new_table("janitor (dry run: nothing deleted)" if dry_run else "janitor",
+                      ("what", "would go" if dry_run else "deleted", "bytes"), numeric=True)
         for what, v in res.items():
             if what in ("dry_run", "took_s"):
                 continue
             if what == "s3_lifecycle":
-                t.add_row(Text("(S3 lifecycle rules)"), Text(f"{v['rules']} rules" + (", updated" if v["changed"]
-                                                                                        else "")), Text(""))
-                continue
-            if v is None and res.get("s3_lifecycle"):
-                t.add_row(Text(what), Text("by the bucket's lifecycle"), Text(""))
+                row = ("(S3 lifecycle rules)", f"{v['rules']} rules" + (", updated" if v["changed"] else ""), "")
             elif v is None:
-                t.add_row(Text(what), Text("not counted"), Text(""))
+                row = (what, "by the bucket's lifecycle" if res.get("s3_lifecycle") else "not counted", "")
             else:
-                t.add_row(Text(what), Text(str(v["count"])), Text(human_size(v["bytes"])))
+                row = (what, v["count"], "" if v["bytes"] is None else human_bytes(int(v["bytes"])))
+            t.add_row(*map(cell, row))
         out.print(t)
     if res.get("skipped"):
         raise die(f"another sweep is running ({res.get('holder')}); nothing was done", EXIT_FAILED)

@@ -1,40 +1,17 @@
-"""The web process: platform webhooks in, phase events out.
+"""The web process (`courier web`, or `uvicorn workers.web:app`): platform webhooks in, phase events out.
 
-    courier web --host 127.0.0.1 --port 8080
-    uvicorn workers.web:app --host 127.0.0.1 --port 8080
-
-Routes
-- `GET /turns/{id}/events`: the job's phase events as Server-Sent Events
-  (`id:` the stream id, `event:` the kind, `data:` the JSON event). It needs
-  the job's token (`workers/eventauth.py`: `?token=` or `Authorization:
-  Bearer`; 401 without one, 403 with a wrong one). Resumable:
-  with `Last-Event-ID` (header, or `?last_event_id=`) it goes on right after
-  that id, skipping nothing and repeating nothing. The stream ends after the
-  terminal status and the final state of every delivery; while waiting, an
-  idle connection gets a `: keep-alive` comment every `sse_keepalive_s`. A
-  resume of a stream that is already over answers 204 (EventSource stops).
-- `GET /healthz`: 200 when Redis answers, else 503; says how many workers
-  consume `turns` (their heartbeats); `?consumers=turns[,delivery...]`: 503
-  also while a named queue has no consumer.
-- `GET /metrics`: Prometheus metrics (workers/metrics.py): this process's
-  counters (every process's with PROMETHEUS_MULTIPROC_DIR), queue and ledger
-  gauges read from Redis; behind `Authorization: Bearer <COURIER_METRICS_TOKEN>`
-  when that is set (401 without it).
-- `POST /webhooks/telegram | slack | discord | whatsapp` (and `GET
-  /webhooks/whatsapp`, the hub.challenge check): each checks its platform's
-  secret header, or its signature's headers (Slack and Discord: a timestamp
-  within 5 minutes of now), before it reads the body; reads the body up to
-  the platform's cap (`BODY_CAPS`: 413 past it, read no further); verifies
-  the signature before it parses the body (401, nothing enqueued, when it
-  does not verify; 404 when the platform's secret is not configured); then
-  drops a retried update (a de-dup key with a TTL on the platform's update /
-  event id, `keys.webhook_seen`) or else enqueues an `agent_turn` whose reply
-  goes back to the chat (`<platform>:<chat>`): the message, the de-dup key,
-  the job record and its due time in one atomic script (`_Enqueuer`). Every refused or malformed
-  request is a 4xx with a one-line reason (`{"ok": false, "error": ...}`),
-  logged as one line; a turn that cannot be enqueued is a 503.
-- Logs: uvicorn's access log and ASGI trace show no query string (the
-  WhatsApp verify token, an events token).
+- `GET /turns/{id}/events`: the job's events as Server-Sent Events, behind its token
+  (workers/eventauth.py). Resumable with `Last-Event-ID` (header or `?last_event_id=`): nothing
+  skipped or repeated; it ends after the terminal status and every delivery's final state (a
+  resume of an ended stream: 204); an idle one gets `: keep-alive` every `sse_keepalive_s`.
+- `GET /healthz` (503 while Redis does not answer, or `?consumers=` names a queue nobody
+  consumes), `GET /metrics` (behind COURIER_METRICS_TOKEN when set), `GET /files/{key}`
+  (signed links), the turn page (workers/turnpage.py).
+- `POST /webhooks/<platform>`: the headers checked before the body is read, the body capped
+  (`BODY_CAPS`: 413), the signature verified before it is parsed (401; 404 when the platform's
+  secret is not set); a retried update is dropped (`keys.webhook_seen`), else its turn is enqueued
+  atomically (`_Enqueuer`; 503 when it cannot be). Every refusal is a 4xx with a one-line reason.
+- uvicorn's access log and ASGI trace show no query string (tokens travel in it).
 """
 
 from __future__ import annotations
@@ -47,6 +24,7 @@ import re
 import time
 import urllib.parse
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 from starlette.applications import Starlette
@@ -63,6 +41,7 @@ from adapters.platforms.webhooks.base import MALFORMED, Answer, Refusal
 from tasks import metrics
 from tasks.ledger import events, keys, scripts
 from workers import turnpage
+from workers.eventauth import authorize
 from workers.settings import Settings, get_settings
 
 if TYPE_CHECKING:
@@ -72,12 +51,10 @@ log = logging.getLogger(__name__)
 
 __all__ = ["app", "create_app", "format_sse"]
 
-MAX_WEBHOOK_BODY_BYTES = 1024 * 1024
 MAX_MESSAGE_CHARS = 32_000
 ENQUEUE_BATCH = 64
 ENQUEUE_TIMEOUT_S = 10.0
 SSE_RETRY_MS = 2000
-_JOB_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 _STREAM_ID = re.compile(r"\d{1,20}-\d{1,20}")
 
 
@@ -93,56 +70,43 @@ class _Web:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self._redis = None
-        self._aredis = None
-        self._aredis_turns = None
-        self._celery = None
         self._enqueuer: _Enqueuer | None = None
 
-    @property
+    @cached_property
     def redis(self):
-        if self._redis is None:
-            from workers.wiring import redis_client
+        from workers.wiring import redis_client
 
-            self._redis = redis_client(self.settings.redis_url)
-        return self._redis
+        return redis_client(self.settings.redis_url)
 
-    @property
+    @cached_property
     def aredis(self):
-        if self._aredis is None:
-            from workers.redis_url import async_client
+        from workers.redis_url import async_client
 
-            self._aredis = async_client(self.settings.redis_url)
-        return self._aredis
+        return async_client(self.settings.redis_url)
 
-    @property
+    @cached_property
     def aredis_turns(self):
         """The asyncio client of webhook turns: a stalled Redis is waited for as long as the
-        sync clients do (`redis_url.SOCKET_TIMEOUT_S`): a turn sent is not given up early."""
-        if self._aredis_turns is None:
-            from workers.redis_url import SOCKET_TIMEOUT_S, async_client
+        sync clients do (`redis_url.SOCKET_TIMEOUT_S`): a turn sent is not given up early.
+        One batch is out at a time: one connection, no pool."""
+        from workers.redis_url import SOCKET_TIMEOUT_S, async_client
 
-            # one batch is out at a time: one connection, no pool to go through per call
-            self._aredis_turns = async_client(self.settings.redis_url, socket_timeout=SOCKET_TIMEOUT_S,
-                                              single_connection=True)
-        return self._aredis_turns
+        return async_client(self.settings.redis_url, socket_timeout=SOCKET_TIMEOUT_S, single_connection=True)
 
     async def close(self) -> None:
         if self._enqueuer is not None:
             self._enqueuer.stop()
             self._enqueuer = None
-        for c in (self._aredis, self._aredis_turns):
+        for name in ("aredis", "aredis_turns"):
+            c = self.__dict__.pop(name, None)
             if c is not None:
                 await c.aclose()
-        self._aredis = self._aredis_turns = None
 
     # -- turns from webhooks ------------------------------------------------------------
-    @property
+    @cached_property
     def celery(self):
         """Courier's Celery app, checked once (see `courier_celery`)."""
-        if self._celery is None:
-            self._celery = courier_celery(self.settings)
-        return self._celery
+        return courier_celery(self.settings)
 
     async def accept(self, platform: str, update_id: str, chat: str, message: str) -> dict:
         """Enqueue a turn for one platform update, once: {"ok", "job"}, or
@@ -164,23 +128,12 @@ class _Web:
                          spec=signing.seal_json("turn", job_id, spec)))
         if self._enqueuer is None:
             self._enqueuer = _Enqueuer(self)
-        loop = asyncio.get_running_loop()
-        turn.loop = loop
-        turn.future = fut = loop.create_future()
+        turn.future = asyncio.get_running_loop().create_future()
         self._enqueuer.submit(turn)
-        # Redis stalling: answer 503 after a while (platforms give up after a few seconds
-        # anyway); the turn goes on: queued after all, the platform's retry is a duplicate;
+        # Redis stalling: a 503 after a while (the future cancelled: the platforms give up after a few
+        # seconds anyway); the turn goes on: queued after all, the platform's retry is a duplicate;
         # not queued, nothing of it is left and the retry goes through
-        timer = loop.call_later(ENQUEUE_TIMEOUT_S, _time_out, fut)
-        try:
-            return await fut
-        finally:
-            timer.cancel()
-
-
-def _time_out(fut: asyncio.Future) -> None:
-    if not fut.done():
-        fut.set_exception(TimeoutError(f"not enqueued within {ENQUEUE_TIMEOUT_S}s"))
+        return await asyncio.wait_for(turn.future, ENQUEUE_TIMEOUT_S)
 
 
 @dataclass
@@ -191,7 +144,6 @@ class _Turn:
     job_id: str
     spec: TurnSpec
     fields: dict[str, str]  # its job record's (receipts.job_fields)
-    loop: asyncio.AbstractEventLoop | None = None
     future: asyncio.Future | None = None
     outcome: tuple[dict | None, BaseException | None] | None = None
 
@@ -209,17 +161,12 @@ def _settle(turns: list[_Turn]) -> None:
 
 
 class _Enqueuer:
-    """Enqueues webhook turns on the event loop, in batches of what came in
-    meanwhile (at most ENQUEUE_BATCH): while one batch is out, the next one
-    gathers. Per batch: one webhook_claim.lua call, which per turn drops a
-    retried update (its de-dup key is there) or else, in one atomic step,
-    sets the de-dup key (the job id, with its TTL) and records the job and
-    its due time; then, in one thread hand-off, Celery publishes each new
-    turn's `agent_turn` (`apply_async`, the job id as task id). A publish
-    that fails takes its claim back (webhook_unclaim.lua) and the request gets a 503:
-    the platform's retry goes through. Should that fail too, the turn is
-    still in the ledger: the reconciler publishes it once its due time
-    passes, and the platform's retry is a duplicate."""
+    """Enqueues webhook turns in batches of what came in while the previous batch was out (at
+    most ENQUEUE_BATCH). Per batch: one webhook_claim.lua call drops each retried update (its
+    de-dup key is there) or atomically sets the de-dup key and records the job and its due time;
+    then one thread publishes the new turns (the job id as task id). A failed publish takes its
+    claim back (webhook_unclaim.lua, a 503: the platform's retry goes through); should that fail
+    too, the reconciler publishes the turn at its due time and the retry is a duplicate."""
 
     def __init__(self, web: _Web) -> None:
         self.web = web
@@ -230,7 +177,7 @@ class _Enqueuer:
         self.pending.append(turn)
         if not self.draining:  # the batch gathers until the loop runs the drain
             self.draining = True
-            turn.loop.create_task(self._drain())  # type: ignore[union-attr]  # set when the turn was made
+            asyncio.get_running_loop().create_task(self._drain())
 
     def stop(self) -> None:
         self.pending.clear()
@@ -449,11 +396,9 @@ async def _confirm(web: _Web, platform: str, parser, body: bytes) -> int:
     if not updates:
         return 0
     from tasks.delivery import confirm
-    from workers.wiring import redis_client
 
     done = await asyncio.to_thread(
-        confirm.apply, redis_client(web.settings.redis_url),
-        [confirm.Status(platform, u.message_id, u.status, u.reason) for u in updates],
+        confirm.apply, web.redis, [confirm.Status(platform, u.message_id, u.status, u.reason) for u in updates],
         events_maxlen=web.settings.events_maxlen)
     return sum(1 for _mid, what in done if what in ("failed", "confirmed"))
 
@@ -536,18 +481,10 @@ def create_app(settings: Settings | None = None) -> Starlette:
         job_id = request.path_params["job_id"]
         last = request.headers.get("last-event-id") or request.query_params.get("last_event_id") or ""
         last = last.strip()
-        if not _JOB_ID.fullmatch(job_id):
-            return JSONResponse({"error": "bad job id"}, status_code=404)
-        from workers import eventauth
-
-        token = eventauth.request_token(request.query_params, request.headers)
-        if not token:
-            return JSONResponse({"error": "the events of a turn need its token: ?token= or Authorization: Bearer "
-                                          "(courier turn --json, courier status ID)"}, status_code=401,
-                                headers={"WWW-Authenticate": "Bearer"})
-        key = await run_in_threadpool(eventauth.server_key, web.redis)  # read each time: deleting it revokes
-        if not eventauth.verify(key, job_id, token):
-            return JSONResponse({"error": "wrong token for this turn"}, status_code=403)
+        refused = await authorize(request, job_id, "the events of a turn need its token: ?token= or "
+                                                   "Authorization: Bearer")
+        if refused is not None:
+            return refused
         if last and not _STREAM_ID.fullmatch(last):
             return JSONResponse({"error": "Last-Event-ID must be a stream id like 1700000000000-0"},
                                 status_code=400)
@@ -644,9 +581,6 @@ def create_app(settings: Settings | None = None) -> Starlette:
             raise got
         return _answer(got)
 
-    async def shutdown() -> None:
-        await web.close()
-
     routes = [
         Route("/healthz", healthz, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
@@ -669,7 +603,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
             discord_webhook.verify_key(web.settings.discord_public_key)  # a bad key: no start
         quiet_query_strings()
         yield
-        await shutdown()
+        await web.close()
 
     application = Starlette(routes=routes, lifespan=lifespan)
     application.state.web = web
