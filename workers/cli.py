@@ -28,6 +28,8 @@ from workers.console import (
     STATE_COLORS,
     cell,
     deliveries_table,
+    delivery_cells,
+    delivery_columns,
     die,
     err,
     esc,
@@ -41,8 +43,7 @@ from workers.console import (
 if TYPE_CHECKING:
     from tasks.messages import Attachment
 
-app = typer.Typer(add_completion=True, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="courier: run chat-agent turns and deliver their files to chat platforms.")
+app = typer.Typer(add_completion=True, no_args_is_help=True, pretty_exceptions_enable=False)
 PROGRESS_MIN_BYTES = 8 * 1024 * 1024
 
 
@@ -69,11 +70,9 @@ def _settings():
         cause = exc.__cause__
         why = f": {cause}" if isinstance(cause, ValueError) else ""
         raise die(f"bad setting {name}: not valid JSON{why}", EXIT_INPUT) from None
-    from workers import logsafe
+    from workers import logformat, logsafe
 
     logsafe.install(settings)  # whatever a command (or a library under it) logs: no secret
-    from workers import logformat
-
     logformat.install(settings.log_format)
     return settings
 
@@ -161,7 +160,6 @@ def send(
                    as_document=as_document, path=str(p))
         return HostFile(path=str(p), name=p.name)
 
-    # the operator's send task's checks (tasks.ops.send.check_send); a file of this host: `host_file`
     try:
         checked = check_send(target, platform=lambda: wired_platform(platform_name, settings),
                              album_max=lambda: platform_limits(platform_name, settings).album_max,
@@ -213,14 +211,13 @@ def _upload(store, key: str, p: Path):
 
 
 def _finish(job_id: str, rows: list[dict], done: bool, as_json: bool) -> None:
-    failed = [row for row in rows if row.get("state") == DeliveryState.FAILED]
     if as_json:
         print(json.dumps({"job": job_id, "done": done, "deliveries": rows}))
     else:
         out.print(deliveries_table(job_id, rows))
     if not done:
         raise die(f"timed out waiting for {job_id}; see `courier status {job_id}`", EXIT_TIMEOUT)
-    if failed:
+    if any(row.get("state") == DeliveryState.FAILED for row in rows):
         raise typer.Exit(EXIT_FAILED)
 
 
@@ -413,13 +410,11 @@ def deliveries(
     if as_json:
         print(json.dumps([listing.shown(row) for row in rows]))
         return
+    what = ("failed deliveries" if failed else "deliveries") + (f" to {chat}" if chat else "")
     if not rows:
-        what = "failed deliveries" if failed else "deliveries"
-        out.print(f"no {what}" + (f" to {chat}" if chat else "") + (f" in the last {since}" if since else ""),
-                  markup=False, highlight=False)
+        out.print(f"no {what}" + (f" in the last {since}" if since else ""), markup=False, highlight=False)
         return
-    t = new_table(("failed deliveries" if failed else "deliveries") + (f" to {chat}" if chat else ""),
-                  (*delivery_columns("target"), "queued"), overflow="fold")
+    t = new_table(what, (*delivery_columns("target"), "queued"), overflow="fold")
     for row in rows:
         queued = row.get("queued_s") or row.get("created_s")
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(float(queued))) if queued else ""
@@ -514,7 +509,7 @@ def retry(
 
     settings = _settings()
     r = _redis(settings, enqueues=True)
-    recs: list[dict] = []
+    recs: dict[str, dict] = {}
     problems: list[dict] = []
     for ident in dict.fromkeys(ids):
         found = operations.retry_targets(r, ident)
@@ -531,8 +526,8 @@ def retry(
                 why = ("already delivered" + (f" (message id {rec['message_id']})" if rec.get("message_id") else "")
                        if st == DeliveryState.DELIVERED else f"not failed: it is {st}")
                 problems.append({"id": rec["id"], "outcome": "refused", "state": st, "reason": why})
-            elif rec["id"] not in {x["id"] for x in recs}:
-                recs.append(rec)
+            else:
+                recs.setdefault(rec["id"], rec)
     if problems:
         if as_json:
             print(json.dumps({"retried": [], "refused": problems}))
@@ -541,17 +536,17 @@ def retry(
         raise die("; ".join(f"{p['id']}: {p['reason']}" for p in problems) + " (nothing was re-queued)",
                   EXIT_INPUT)
     _celery()
-    results = [operations.retry(r, rec) for rec in recs]
+    results = [operations.retry(r, rec) for rec in recs.values()]
     for res in results:  # the ledger's due times are set: a lost publish only waits for the reconciler
         if res.get("extract"):
             chains.publish_extract(res["id"], res["extract"], f"retry:{res.get('source', '')}")
-    for target in dict.fromkeys(res["target"] for res in results if res["outcome"] == "requeued"):
-        chains.publish_lane(target)
+    requeued = [res for res in results if res["outcome"] == "requeued"]
     refused = [res for res in results if res["outcome"] != "requeued"]
+    for target in dict.fromkeys(res["target"] for res in requeued):
+        chains.publish_lane(target)
     if not wait:
         if as_json:
-            print(json.dumps({"retried": [res for res in results if res["outcome"] == "requeued"],
-                              "refused": refused}))
+            print(json.dumps({"retried": requeued, "refused": refused}))
         else:
             out.print(_outcome_table("retry", results))
         if refused:  # raced: it changed between the check and the reset
@@ -559,14 +554,14 @@ def retry(
         return
     from tasks.ledger import receipts
 
-    done_ids = [res["id"] for res in results if res["outcome"] == "requeued"]
-    jobs = {rec["id"]: rec.get("job") or rec["id"].rsplit(".", 1)[0] for rec in recs}
+    done_ids = [res["id"] for res in requeued]
 
     def look() -> tuple[list[dict], bool]:
         rows = [receipts.get_delivery(r, d) or {"id": d, "state": "gone"} for d in done_ids]
         return rows, all(row.get("state") in receipts.TERMINAL or row.get("state") == "gone" for row in rows)
 
-    rows, finished = follow(r, dict.fromkeys(jobs[d] for d in done_ids), look, timeout)
+    jobs = dict.fromkeys(recs[d].get("job") or d.rsplit(".", 1)[0] for d in done_ids)
+    rows, finished = follow(r, jobs, look, timeout)
     rows = [{k: v for k, v in row.items() if k != "spec"} for row in rows]
     if as_json:
         print(json.dumps({"done": finished, "deliveries": rows, "refused": refused}))

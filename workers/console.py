@@ -34,8 +34,8 @@ def new_table(title: str, columns: Iterable[str] = (), *, numeric: bool = False,
     `numeric`: the columns after the first are right-justified."""
     from rich import box
 
-    kw = {} if out.is_terminal else {"box": box.SIMPLE}
-    t = Table(title=Text(visible(title)), title_justify="left", **kw)
+    t = Table(title=Text(visible(title)), title_justify="left",
+              box=box.HEAVY_HEAD if out.is_terminal else box.SIMPLE)
     for i, col in enumerate(columns):
         t.add_column(col, justify="right" if numeric and i else "left", **col_kw)
     return t

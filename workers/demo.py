@@ -60,7 +60,6 @@ def run_demo(*, to: str | None, message: str, timeout_s: float, console: Console
         err.print(f"[bold red]error:[/] {escape(str(exc))}")
         return 3
     worker = None
-    tmp = None
     try:
         if redis_srv.embedded:
             console.print(f"Redis at {escape(redact_url(settings.redis_url))} is not answering: "
@@ -69,8 +68,7 @@ def run_demo(*, to: str | None, message: str, timeout_s: float, console: Console
             console.print(f"using Redis at {escape(redact_url(redis_srv.url))}", highlight=False)
         os.environ["COURIER_REDIS_URL"] = redis_srv.url
         if not os.environ.get("COURIER_DATA_DIR"):
-            tmp = tempfile.mkdtemp(prefix="courier-demo-")
-            os.environ["COURIER_DATA_DIR"] = tmp
+            os.environ["COURIER_DATA_DIR"] = tempfile.mkdtemp(prefix="courier-demo-")
         reset_settings()
         settings = get_settings()
         target = to or "outbox:demo"

