@@ -28,6 +28,8 @@ from workers.console import (
     STATE_COLORS,
     cell,
     deliveries_table,
+    delivery_cells,
+    delivery_columns,
     die,
     err,
     esc,
@@ -41,9 +43,7 @@ from workers.console import (
 if TYPE_CHECKING:
     from tasks.messages import Attachment
 
-app = typer.Typer(add_completion=True, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="courier: run chat-agent turns and deliver their files to chat platforms.")
-#: a turn's job states once it is over (its deliveries, if any, are registered by then)
+app = typer.Typer(add_completion=True, no_args_is_help=True, pretty_exceptions_enable=False)
 PROGRESS_MIN_BYTES = 8 * 1024 * 1024
 
 
@@ -51,7 +51,7 @@ def _settings():
     from pydantic import ValidationError
     from pydantic_settings import SettingsError
 
-    from workers.settings import SecretFileError, get_settings
+    from workers.settings import Settings, SecretFileError, env_names, get_settings
 
     try:
         settings = get_settings()
@@ -65,28 +65,16 @@ def _settings():
         import re
 
         m = re.search(r'field "([a-z0-9_]+)"', str(exc))
-        name = _env_name(m.group(1)) if m else "a setting"
+        field = Settings.model_fields.get(m.group(1)) if m else None
+        name = env_names(m.group(1), field)[0] if field is not None else "a setting"
         cause = exc.__cause__
         why = f": {cause}" if isinstance(cause, ValueError) else ""
         raise die(f"bad setting {name}: not valid JSON{why}", EXIT_INPUT) from None
-    from workers import logsafe
+    from workers import logformat, logsafe
 
     logsafe.install(settings)  # whatever a command (or a library under it) logs: no secret
-    from workers import logformat
-
     logformat.install(settings.log_format)
     return settings
-
-
-def _env_name(field: str) -> str:
-    """The environment variable of a settings field."""
-    from workers.settings import Settings
-
-    f = Settings.model_fields.get(field)
-    alias = getattr(f, "validation_alias", None) if f is not None else None
-    if alias is not None:
-        return str(getattr(alias, "choices", [alias])[0])
-    return f"COURIER_{field.upper()}"
 
 
 def _redis(settings, *, enqueues: bool = False):
@@ -96,12 +84,10 @@ def _redis(settings, *, enqueues: bool = False):
     from workers.wiring import redis_client
 
     why = redis_refusal(settings.redis_url, 2.0)
-    tail = "; nothing was enqueued" if enqueues else ""
-    if why == "is not answering":
-        raise die(f"Redis at {redact_url(settings.redis_url)} is not answering{tail} "
-                  "(start Redis or set COURIER_REDIS_URL)", EXIT_SERVICE)
     if why is not None:
-        raise die(f"Redis at {redact_url(settings.redis_url)} {why}{tail}", EXIT_SERVICE)
+        tail = "; nothing was enqueued" if enqueues else ""
+        hint = " (start Redis or set COURIER_REDIS_URL)" if why == "is not answering" else ""
+        raise die(f"Redis at {redact_url(settings.redis_url)} {why}{tail}{hint}", EXIT_SERVICE)
     return redis_client(settings.redis_url)
 
 
@@ -174,9 +160,6 @@ def send(
                    as_document=as_document, path=str(p))
         return HostFile(path=str(p), name=p.name)
 
-    # the operator's send task's checks (tasks.ops.send.check_send): a remote sandbox path the policy
-    # refuses as written; a local one resolved, its size checked against the adapter itself (its own
-    # type rules, `route_file`, besides its limits); a file of this host checked by `host_file`
     try:
         checked = check_send(target, platform=lambda: wired_platform(platform_name, settings),
                              album_max=lambda: platform_limits(platform_name, settings).album_max,
@@ -193,12 +176,8 @@ def send(
     _celery()
 
     def upload(job_id: str, seq: int, f: HostFile) -> chains.StoredFile:
-        local = Path(f.path)
         key = chains.storage_key(job_id, seq, f.name)
-        try:
-            info = _upload(store, key, local)
-        except CourierError as exc:
-            raise die(f"could not store {local}: {exc}", EXIT_SERVICE) from None
+        info = _upload(store, key, Path(f.path))
         return chains.StoredFile(key=key, name=f.name, size=info.size_bytes, sha256=info.sha256 or "")
 
     plan = checked.plan(upload=upload)
@@ -215,32 +194,30 @@ def send(
 
 
 def _upload(store, key: str, p: Path):
-    size = p.stat().st_size
-    with open(p, "rb") as f:
-        if size < PROGRESS_MIN_BYTES:
-            return store.put_stream(key, f)
-        from rich.progress import (
-            BarColumn,
-            DownloadColumn,
-            Progress,
-            TransferSpeedColumn,
-        )
+    """Store a file of this host (a progress bar from PROGRESS_MIN_BYTES on), or exit 3."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
-        with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                      TransferSpeedColumn(), console=err, transient=True) as prog:
-            t = prog.add_task(f"storing {p.name}", total=size)
-            return store.put_stream(key, f, progress=lambda n: prog.advance(t, n))
+    size = p.stat().st_size
+    try:
+        with open(p, "rb") as f:
+            if size < PROGRESS_MIN_BYTES:
+                return store.put_stream(key, f)
+            with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                          TransferSpeedColumn(), console=err, transient=True) as prog:
+                t = prog.add_task(f"storing {p.name}", total=size)
+                return store.put_stream(key, f, progress=lambda n: prog.advance(t, n))
+    except CourierError as exc:
+        raise die(f"could not store {p}: {exc}", EXIT_SERVICE) from None
 
 
 def _finish(job_id: str, rows: list[dict], done: bool, as_json: bool) -> None:
-    failed = [row for row in rows if row.get("state") == DeliveryState.FAILED]
     if as_json:
         print(json.dumps({"job": job_id, "done": done, "deliveries": rows}))
     else:
         out.print(deliveries_table(job_id, rows))
     if not done:
         raise die(f"timed out waiting for {job_id}; see `courier status {job_id}`", EXIT_TIMEOUT)
-    if failed:
+    if any(row.get("state") == DeliveryState.FAILED for row in rows):
         raise typer.Exit(EXIT_FAILED)
 
 
@@ -285,10 +262,7 @@ def turn(
         store = _store(settings)
         for i, p in enumerate(attach):
             key = chains.storage_key(job_id, i, p.name, prefix=prefixes.INBOUND)
-            try:
-                _upload(store, key, p)
-            except CourierError as exc:
-                raise die(f"could not store {p}: {exc}", EXIT_SERVICE) from None
+            _upload(store, key, p)
             attachments.append({"key": key, "name": p.name})
     chains.enqueue_turn(r, target, message, agent=name, job_id=job_id, sandbox=sandbox, attachments=attachments)
     if not wait:
@@ -370,6 +344,7 @@ def status(
 ) -> None:
     """Show a job's deliveries (or one delivery's receipt)."""
     from tasks.ledger import receipts
+    from tasks.ops.listing import shown
 
     settings = _settings()
     r = _redis(settings)
@@ -382,8 +357,6 @@ def status(
         if job.get("kind") == "send":  # a send's job record is not updated as it goes: its receipts say
             job["state"] = send_state(rows)
         if as_json:
-            from tasks.ops.listing import shown
-
             print(json.dumps({"job": shown(job), "deliveries": [shown(row) for row in rows], "events_token": token}))
         else:
             line = f"{job.get('kind')} {ident} → {job.get('target')}: {job.get('state')}"
@@ -399,8 +372,6 @@ def status(
     if rec is None:
         raise die(f"no send, turn or delivery with id {ident!r}", EXIT_INPUT)
     if as_json:
-        from tasks.ops.listing import shown
-
         print(json.dumps(shown(rec)))
     else:
         out.print(deliveries_table(rec.get("job", ""), [rec]))
@@ -439,23 +410,15 @@ def deliveries(
     if as_json:
         print(json.dumps([listing.shown(row) for row in rows]))
         return
+    what = ("failed deliveries" if failed else "deliveries") + (f" to {chat}" if chat else "")
     if not rows:
-        what = "failed deliveries" if failed else "deliveries"
-        out.print(f"no {what}" + (f" to {chat}" if chat else "") + (f" in the last {since}" if since else ""),
-                  markup=False, highlight=False)
+        out.print(f"no {what}" + (f" in the last {since}" if since else ""), markup=False, highlight=False)
         return
-    t = new_table(("failed deliveries" if failed else "deliveries") + (f" to {chat}" if chat else ""))
-    for col in ("delivery", "target", "kind", "name", "size", "attempts", "state", "message id / reason", "queued"):
-        t.add_column(col, overflow="fold")
+    t = new_table(what, (*delivery_columns("target"), "queued"), overflow="fold")
     for row in rows:
-        state = row.get("state") or ""
-        color = STATE_COLORS.get(state, "yellow")
         queued = row.get("queued_s") or row.get("created_s")
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(float(queued))) if queued else ""
-        t.add_row(*(cell(v or "") for v in (
-            row.get("id"), row.get("target"), row.get("kind"), row.get("name"), row.get("size_bytes"),
-            row.get("attempts"))), cell(state, color),
-            cell((row.get("message_id") if state == DeliveryState.DELIVERED else row.get("reason")) or ""), cell(when))
+        t.add_row(*delivery_cells(row, "target"), cell(when))
     out.print(t)
 
 
@@ -483,9 +446,8 @@ def queues(
             print(json.dumps({"orphans": rows_o, "removed": removed, "dry_run": not yes}))
             return
         if rows_o:
-            t = new_table("orphaned messages" + ("" if yes else " (dry run: --yes drops them)"))
-            for col in ("queue", "task", "for", "why"):
-                t.add_column(col)
+            t = new_table("orphaned messages" + ("" if yes else " (dry run: --yes drops them)"),
+                          ("queue", "task", "for", "why"))
             for o in rows_o:
                 t.add_row(o["queue"], o["task"].rsplit(".", 1)[-1], o["subject"], o["why"])
             out.print(t)
@@ -498,22 +460,16 @@ def queues(
     if as_json:
         print(json.dumps({"queues": rows, "ledger_pending": pending}))
         return
-    from rich.text import Text
-
-    t = new_table("queues")
-    for col in ("queue", "depth", "oldest", "consumers"):
-        t.add_column(col, justify="left" if col == "queue" else "right")
+    t = new_table("queues", ("queue", "depth", "oldest", "consumers"), numeric=True)
     for row in rows:
         age = row["oldest_age_s"]
         warn = row["depth"] and not row["consumers"]
-        t.add_row(Text(row["queue"]), Text(str(row["depth"])), Text(_age(age) if age is not None else "-"),
-                  Text(str(row["consumers"]), style="bold red" if warn else ""))
+        t.add_row(cell(row["queue"]), cell(row["depth"]), cell(_age(age) if age is not None else "-"),
+                  cell(row["consumers"], "bold red" if warn else ""))
     out.print(t)
-    lt = new_table("ledger: pending per stage")
-    for col in ("stage", "pending"):
-        lt.add_column(col, justify="left" if col == "stage" else "right")
+    lt = new_table("ledger: pending per stage", ("stage", "pending"), numeric=True)
     for stage, n in pending.items():
-        lt.add_row(Text(stage), Text(str(n)))
+        lt.add_row(cell(stage), cell(n))
     out.print(lt)
 
 
@@ -527,9 +483,7 @@ def _age(s: float) -> str:
 
 # -- retry, cancel ------------------------------------------------------------------
 def _outcome_table(title: str, rows: list[dict]) -> Table:
-    t = new_table(title)
-    for col in ("delivery", "outcome", "state", "note"):
-        t.add_column(col, overflow="fold")
+    t = new_table(title, ("delivery", "outcome", "state", "note"), overflow="fold")
     for row in rows:
         style = {"requeued": "green", "cancelled": "green", "refused": "red", "in_flight": "yellow"}.get(
             row.get("outcome", ""), "")
@@ -555,7 +509,7 @@ def retry(
 
     settings = _settings()
     r = _redis(settings, enqueues=True)
-    recs: list[dict] = []
+    recs: dict[str, dict] = {}
     problems: list[dict] = []
     for ident in dict.fromkeys(ids):
         found = operations.retry_targets(r, ident)
@@ -572,8 +526,8 @@ def retry(
                 why = ("already delivered" + (f" (message id {rec['message_id']})" if rec.get("message_id") else "")
                        if st == DeliveryState.DELIVERED else f"not failed: it is {st}")
                 problems.append({"id": rec["id"], "outcome": "refused", "state": st, "reason": why})
-            elif rec["id"] not in {x["id"] for x in recs}:
-                recs.append(rec)
+            else:
+                recs.setdefault(rec["id"], rec)
     if problems:
         if as_json:
             print(json.dumps({"retried": [], "refused": problems}))
@@ -582,17 +536,17 @@ def retry(
         raise die("; ".join(f"{p['id']}: {p['reason']}" for p in problems) + " (nothing was re-queued)",
                   EXIT_INPUT)
     _celery()
-    results = [operations.retry(r, rec) for rec in recs]
+    results = [operations.retry(r, rec) for rec in recs.values()]
     for res in results:  # the ledger's due times are set: a lost publish only waits for the reconciler
         if res.get("extract"):
             chains.publish_extract(res["id"], res["extract"], f"retry:{res.get('source', '')}")
-    for target in dict.fromkeys(res["target"] for res in results if res["outcome"] == "requeued"):
-        chains.publish_lane(target)
+    requeued = [res for res in results if res["outcome"] == "requeued"]
     refused = [res for res in results if res["outcome"] != "requeued"]
+    for target in dict.fromkeys(res["target"] for res in requeued):
+        chains.publish_lane(target)
     if not wait:
         if as_json:
-            print(json.dumps({"retried": [res for res in results if res["outcome"] == "requeued"],
-                              "refused": refused}))
+            print(json.dumps({"retried": requeued, "refused": refused}))
         else:
             out.print(_outcome_table("retry", results))
         if refused:  # raced: it changed between the check and the reset
@@ -600,14 +554,14 @@ def retry(
         return
     from tasks.ledger import receipts
 
-    done_ids = [res["id"] for res in results if res["outcome"] == "requeued"]
-    jobs = {rec["id"]: rec.get("job") or rec["id"].rsplit(".", 1)[0] for rec in recs}
+    done_ids = [res["id"] for res in requeued]
 
     def look() -> tuple[list[dict], bool]:
         rows = [receipts.get_delivery(r, d) or {"id": d, "state": "gone"} for d in done_ids]
         return rows, all(row.get("state") in receipts.TERMINAL or row.get("state") == "gone" for row in rows)
 
-    rows, finished = follow(r, dict.fromkeys(jobs[d] for d in done_ids), look, timeout)
+    jobs = dict.fromkeys(recs[d].get("job") or d.rsplit(".", 1)[0] for d in done_ids)
+    rows, finished = follow(r, jobs, look, timeout)
     rows = [{k: v for k, v in row.items() if k != "spec"} for row in rows]
     if as_json:
         print(json.dumps({"done": finished, "deliveries": rows, "refused": refused}))
@@ -768,12 +722,6 @@ def parse_duration(raw: str) -> float:
     return float(m.group(1)) * _UNITS[m.group(2) or "s"]
 
 
-def human_size(n) -> str:
-    from tasks.delivery.text import human_bytes
-
-    return "" if n is None else human_bytes(int(n))
-
-
 @app.command()
 def janitor(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="count what would go (files and bytes); delete nothing")] = False,
@@ -803,16 +751,12 @@ def janitor(
         if as_json:
             print(json.dumps(res))
             return
-        from rich.text import Text
-
         t = new_table("S3 lifecycle rules " + ("installed" if res["changed"] else "already in place")
-                      + (f" (and {res['kept']} other rules kept)" if res["kept"] else ""))
-        for col in ("rule", "prefix", "after"):
-            t.add_column(col)
+                      + (f" (and {res['kept']} other rules kept)" if res["kept"] else ""), ("rule", "prefix", "after"))
         for rule in res["rules"]:
             after = (f"expire {rule['Expiration']['Days']} d" if "Expiration" in rule else
                      f"abort unfinished uploads {rule['AbortIncompleteMultipartUpload']['DaysAfterInitiation']} d")
-            t.add_row(Text(rule["ID"]), Text(rule["Filter"]["Prefix"]), Text(after))
+            t.add_row(cell(rule["ID"]), cell(rule["Filter"]["Prefix"]), cell(after))
         out.print(t)
         return
     older_s = None
@@ -832,27 +776,21 @@ def janitor(
         raise die(f"the sweep stopped: {exc}", EXIT_SERVICE) from None
     if as_json:
         print(json.dumps(res))
-    elif res.get("skipped"):
-        pass
-    else:
-        from rich.text import Text
+    elif not res.get("skipped"):
+        from tasks.delivery.text import human_bytes
 
-        t = new_table("janitor (dry run: nothing deleted)" if dry_run else "janitor")
-        for col in ("what", "would go" if dry_run else "deleted", "bytes"):
-            t.add_column(col, justify="left" if col == "what" else "right")
+        t = new_table("janitor (dry run: nothing deleted)" if dry_run else "janitor",
+                      ("what", "would go" if dry_run else "deleted", "bytes"), numeric=True)
         for what, v in res.items():
             if what in ("dry_run", "took_s"):
                 continue
             if what == "s3_lifecycle":
-                t.add_row(Text("(S3 lifecycle rules)"), Text(f"{v['rules']} rules" + (", updated" if v["changed"]
-                                                                                        else "")), Text(""))
-                continue
-            if v is None and res.get("s3_lifecycle"):
-                t.add_row(Text(what), Text("by the bucket's lifecycle"), Text(""))
+                row = ("(S3 lifecycle rules)", f"{v['rules']} rules" + (", updated" if v["changed"] else ""), "")
             elif v is None:
-                t.add_row(Text(what), Text("not counted"), Text(""))
+                row = (what, "by the bucket's lifecycle" if res.get("s3_lifecycle") else "not counted", "")
             else:
-                t.add_row(Text(what), Text(str(v["count"])), Text(human_size(v["bytes"])))
+                row = (what, v["count"], "" if v["bytes"] is None else human_bytes(int(v["bytes"])))
+            t.add_row(*map(cell, row))
         out.print(t)
     if res.get("skipped"):
         raise die(f"another sweep is running ({res.get('holder')}); nothing was done", EXIT_FAILED)

@@ -29,19 +29,34 @@ out = Console() if sys.stdout.isatty() else Console(width=1000, soft_wrap=True)
 err = Console(stderr=True)
 
 
-def new_table(title: str, **kw) -> Table:
-    """A table whose title is data; piped, without vertical rules (one line per row, for grep and awk)."""
+def new_table(title: str, columns: Iterable[str] = (), *, numeric: bool = False, **col_kw) -> Table:
+    """A table whose title is data; piped, without vertical rules (one line per row, for grep and awk).
+    `numeric`: the columns after the first are right-justified."""
     from rich import box
 
-    if not out.is_terminal:
-        kw.setdefault("box", box.SIMPLE)
-    return Table(title=Text(visible(title)), title_justify="left", **kw)
+    t = Table(title=Text(visible(title)), title_justify="left",
+              box=box.HEAVY_HEAD if out.is_terminal else box.SIMPLE)
+    for i, col in enumerate(columns):
+        t.add_column(col, justify="right" if numeric and i else "left", **col_kw)
+    return t
 
 
 def cell(value: object, style: str = "") -> Text:
     """A table cell: data as Text (never markup), with every invisible or reordering
     character escaped (`adapters.display.visible`: a name's right-to-left override)."""
     return Text(visible(str(value if value is not None else "")), style=style)
+
+
+def delivery_cells(row: dict, where: str = "platform") -> list[Text]:
+    """A receipt's cells: id, `where`, kind, name, size, attempts, state, message id (delivered) or reason."""
+    state = row.get("state") or ""
+    note = row.get("message_id") if state == DeliveryState.DELIVERED else row.get("reason")
+    return [*(cell(row.get(k) or "") for k in ("id", where, "kind", "name", "size_bytes", "attempts")),
+            cell(state, STATE_COLORS.get(state, "yellow")), cell(note or "")]
+
+
+def delivery_columns(where: str = "platform") -> tuple[str, ...]:
+    return ("delivery", where, "kind", "name", "size", "attempts", "state", "message id / reason")
 
 
 def die(msg: str, code: int) -> "typer.Exit":
@@ -54,12 +69,10 @@ LOOK_MS = 250
 
 
 def follow(r, job_ids: Iterable[str], look: Callable[[], tuple[T, bool]], timeout_s: float) -> tuple[T, bool]:
-    """Look (`look()` -> its value, and whether it is done) until done or
-    `timeout_s` is up; between looks, block on the jobs' event streams, so
-    an event (a delivery's final state, a turn's end) wakes it at once. Each
-    stream is read from its start, then after the last event seen: an event
-    that lands between a look and the next read still wakes it. Returns the
-    last look's value and whether it was done."""
+    """`look()` (-> its value, and whether it is done) until done or `timeout_s` is up: the
+    last look's value and whether it was done. Between looks it blocks on the jobs' event
+    streams (read from their start, then after the last event seen), so an event, even one
+    that lands between a look and the next read, wakes it at once."""
     from tasks.ledger import events
 
     deadline = time.monotonic() + timeout_s
@@ -75,9 +88,8 @@ def follow(r, job_ids: Iterable[str], look: Callable[[], tuple[T, bool]], timeou
 
 
 def wait_deliveries(r, job_id: str, timeout_s: float) -> tuple[list[dict], bool]:
-    """The job's deliveries once all are final; done at once for a turn that
-    ended with none (no reply, an empty reply). Between looks it waits on the
-    job's event stream (`follow`), so a delivery's final event wakes it at once."""
+    """The job's deliveries once all are final (`follow`); done at once for a turn that
+    ended with none (no reply, an empty reply)."""
     from tasks.ledger import receipts
 
     def look() -> tuple[list[dict], bool]:
@@ -90,29 +102,17 @@ def wait_deliveries(r, job_id: str, timeout_s: float) -> tuple[list[dict], bool]
 
 
 def deliveries_table(job_id: str, rows: list[dict]) -> Table:
-    """Receipts as a table; every cell is data (Text: never read as markup)."""
-
-    t = new_table(f"deliveries of {job_id}")
-    for col in ("delivery", "platform", "kind", "name", "size", "attempts", "state", "message id / reason"):
-        t.add_column(col, overflow="fold")
+    t = new_table(f"deliveries of {job_id}", delivery_columns(), overflow="fold")
     for row in rows:
-        state = row.get("state", "")
-        color = STATE_COLORS.get(state, "yellow")
-        t.add_row(*(cell(v or "") for v in (
-            row.get("id"), row.get("platform"), row.get("kind"), row.get("name"), row.get("size_bytes"),
-            row.get("attempts"))), cell(state, color),
-            cell((row.get("message_id") if state == DeliveryState.DELIVERED else row.get("reason")) or ""))
+        t.add_row(*delivery_cells(row))
     return t
 
 
 def watch_job(r, job_id: str, timeout_s: float, *, quiet: bool = False, as_json: bool = False) -> bool | None:
-    """Follow a job's phase events until it is over: the terminal status and
-    every delivery's final state. Live (rich): a status line with the phase,
-    the current activity, elapsed time and deliveries, above it a log of
-    status changes, tool events and deliveries. `as_json`: one JSON line per
-    event (`id` is the stream id). True: completed (or ended with no reply:
-    the agent chose so) and all delivered; False: error or a failed
-    delivery; None: timed out."""
+    """Follow a job's events until its terminal status and every delivery's final state: a
+    live status line above a log of the events (`as_json`: one JSON line per event, `id` the
+    stream id). True: completed (or no reply: the agent chose so) and all delivered; False:
+    error or a failed delivery; None: timed out."""
     from rich.live import Live
 
     from tasks.ledger import events

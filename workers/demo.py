@@ -1,9 +1,6 @@
-"""`courier demo`: the whole pipeline on embedded defaults.
-
-Redis at COURIER_REDIS_URL if it answers, else an embedded one; a worker
-process serving every queue; the bundled demo agent in a local sandbox dir;
-live phases; deliveries to the outbox (or `--to`); a table of what arrived.
-Everything it started is stopped at the end, also on Ctrl-C.
+"""`courier demo`: the whole pipeline on embedded defaults: Redis (COURIER_REDIS_URL, else an
+embedded one), a worker serving every queue, the demo agent, live phases, deliveries to the
+outbox (or `--to`) and a table of what arrived. What it started is stopped, also on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -19,9 +16,6 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-WORKER_READY_TIMEOUT_S = 60
-
-
 def start_worker(env: dict[str, str], name: str, *, queues: str = "turns,sandbox,delivery,janitor",
                  concurrency: int = 2, log_path: str | None = None, pool: str = "prefork") -> subprocess.Popen:
     cmd = [sys.executable, "-m", "celery", "-A", "workers.celery_app", "worker", "-Q", queues,
@@ -32,7 +26,7 @@ def start_worker(env: dict[str, str], name: str, *, queues: str = "turns,sandbox
                             cwd=str(Path(__file__).resolve().parent.parent))
 
 
-def wait_worker(app, name: str, proc: subprocess.Popen, timeout_s: float = WORKER_READY_TIMEOUT_S) -> bool:
+def wait_worker(app, name: str, proc: subprocess.Popen, timeout_s: float = 60) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -66,7 +60,6 @@ def run_demo(*, to: str | None, message: str, timeout_s: float, console: Console
         err.print(f"[bold red]error:[/] {escape(str(exc))}")
         return 3
     worker = None
-    tmp = None
     try:
         if redis_srv.embedded:
             console.print(f"Redis at {escape(redact_url(settings.redis_url))} is not answering: "
@@ -75,8 +68,7 @@ def run_demo(*, to: str | None, message: str, timeout_s: float, console: Console
             console.print(f"using Redis at {escape(redact_url(redis_srv.url))}", highlight=False)
         os.environ["COURIER_REDIS_URL"] = redis_srv.url
         if not os.environ.get("COURIER_DATA_DIR"):
-            tmp = tempfile.mkdtemp(prefix="courier-demo-")
-            os.environ["COURIER_DATA_DIR"] = tmp
+            os.environ["COURIER_DATA_DIR"] = tempfile.mkdtemp(prefix="courier-demo-")
         reset_settings()
         settings = get_settings()
         target = to or "outbox:demo"
@@ -98,7 +90,7 @@ def run_demo(*, to: str | None, message: str, timeout_s: float, console: Console
         import tasks.celery_tasks  # noqa: F401
         from tasks.dispatch import chains
         from tasks.states import DeliveryState
-        from workers.console import deliveries_table, watch_job
+        from workers.console import deliveries_table, wait_deliveries, watch_job
         from workers.wiring import redis_client
 
         name = f"demo-{os.getpid()}@localhost"
@@ -115,8 +107,6 @@ def run_demo(*, to: str | None, message: str, timeout_s: float, console: Console
         if ok is None:
             err.print(f"[bold red]error:[/] timed out after {timeout_s:g}s")
             return 4
-        from workers.console import wait_deliveries
-
         rows, done = wait_deliveries(r, job_id, timeout_s)
         console.print(deliveries_table(job_id, rows))
         if target.startswith("outbox:"):

