@@ -1,27 +1,22 @@
-"""Runs one agent command for the bridge; everything the agent starts ends
-with its turn, and with the worker that started it, even by SIGKILL.
+"""Runs one agent command (a bridge agent, a local ``terminal`` command); what
+it starts ends with it, and with the worker that started it, even by SIGKILL.
 
     python -I -S _guard.py <worker pid>[:<deadline s>] <command> [args...]
 
-The bridge starts this script as the leader of a new session; the agent runs
-as its child in the same process group, on the same stdin/stdout/stderr.
+The caller starts this as a new session's leader; the command runs as its child
+in the same process group, on the same stdin/stdout/stderr.
 
-* **Subreaper.** The guard is a child subreaper (``PR_SET_CHILD_SUBREAPER``):
-  whatever the agent starts and leaves behind — a ``setsid`` daemon that
-  double-forked out of the process group included — is re-parented to the
-  guard instead of init. When the agent exits, the guard SIGKILLs every
-  descendant it still has (found in ``/proc`` by parent pid, round after
-  round until none is left: a child forked meanwhile shows up re-parented in
-  the next round), reaps them, and only then exits the way the agent did.
-* **Timeout.** The bridge sends SIGTERM to the group: the agent gets it; the
-  guard gives it :data:`TERM_GRACE_S`, then SIGKILLs every descendant.
-* **Deadline** (``<pid>:<seconds>``; the OpenAI runtime's ``terminal`` tool
-  on a local sandbox runs each command so): past it every descendant is
-  SIGKILLed and the guard exits 124 with a note on stderr, like a sandbox
-  exec that timed out.
-* **Worker death.** The kernel sends SIGHUP here when the worker dies
-  (``PR_SET_PDEATHSIG``); every descendant and the whole group get SIGKILL,
-  so the turn is redelivered and runs again elsewhere.
+* **Subreaper** (``PR_SET_CHILD_SUBREAPER``): what the command leaves behind, a
+  double-forked ``setsid`` daemon included, is re-parented here, not to init.
+  When the command exits, every descendant is SIGKILLed (found in ``/proc`` by
+  parent pid, round after round: a child forked meanwhile shows up in the next
+  round) and reaped; then the guard exits the way the command did.
+* **Timeout**: the group's SIGTERM reaches the command; after
+  :data:`TERM_GRACE_S` every descendant is SIGKILLed.
+* **Deadline** (``<pid>:<seconds>``): past it every descendant is SIGKILLed
+  and the guard exits 124 with a note on stderr, like a timed-out exec.
+* **Worker death**: the kernel sends SIGHUP (``PR_SET_PDEATHSIG``); every
+  descendant and the whole group get SIGKILL, so the turn runs again elsewhere.
 
 Standard library only, run in isolated mode: nothing from courier is imported.
 """
@@ -32,6 +27,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import suppress
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -81,10 +77,8 @@ def _kill_descendants(reap: bool) -> None:
     for _ in range(KILL_ROUNDS):
         live = _descendants(me)
         for pid in live:
-            try:
+            with suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
         if reap:
             _reap()
         if not live:
@@ -93,13 +87,10 @@ def _kill_descendants(reap: bool) -> None:
 
 
 def _reap() -> None:
-    while True:
-        try:
-            pid, _status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
+    """Reap every dead child (no wait for live ones)."""
+    with suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
 
 
 def _worker_died(*_args) -> None:
@@ -160,10 +151,8 @@ def main(argv: list[str]) -> int:
         print(f"\n[courier: timed out after {float(deadline_s):g}s; the command was killed]", file=sys.stderr)
         return TIMED_OUT
     if rc < 0:  # die the way the agent died
-        try:
+        with suppress(OSError, ValueError):  # SIGKILL, SIGSTOP: always the default
             signal.signal(-rc, signal.SIG_DFL)
-        except (OSError, ValueError):  # SIGKILL, SIGSTOP: always the default
-            pass
         os.kill(os.getpid(), -rc)
         return 128 - rc
     return rc

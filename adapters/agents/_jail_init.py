@@ -2,25 +2,23 @@
 
     python -I -S /run/courier/init.py <uid> <gid> <nproc> <nofile> <as> <fsize> <proxy port> <command> [args...]
 
-bubblewrap has made the namespaces and the filesystem; this script, the
-sandbox's first process after bwrap's own init, finishes the job and then
-becomes the agent (`-` for a value: none):
+bubblewrap has made the namespaces and the filesystem; this finishes the job,
+then becomes the agent (``-`` for a value: none):
 
-* **Egress** (`proxy port`): a forwarder process listens on
-  ``127.0.0.1:<port>`` inside the sandbox's empty network namespace and
-  relays each connection to courier's egress proxy through the unix socket
-  bound at ``/run/courier/proxy.sock`` (the proxy's allowlist and
-  private-range refusal decide where it goes). It listens before the agent
-  starts, so the agent's first request never races it.
-* **Identity** (`uid`, `gid`): when bwrap ran as root (no user namespace),
-  every process here drops to the turn's own unprivileged uid and gid, with
-  no supplementary groups; the kernel clears every capability with that, and
-  bwrap's ``PR_SET_NO_NEW_PRIVS`` keeps a setuid binary from getting them back.
-* **Limits** (`nproc`, `nofile`, `as`, `fsize`): rlimits of the agent,
-  inherited by everything it starts.
+* **Egress** (`proxy port`): a forwarder listens on ``127.0.0.1:<port>`` in the
+  sandbox's empty network namespace and relays each connection through the unix
+  socket ``/run/courier/proxy.sock`` to courier's egress proxy (its allowlist
+  and private-range refusal decide). It listens before the agent starts, so
+  the agent's first request never races it.
+* **Identity** (`uid`, `gid`; when bwrap ran as root): every process here drops
+  to the turn's own uid and gid with no supplementary groups; the kernel clears
+  every capability with that, and bwrap's ``PR_SET_NO_NEW_PRIVS`` keeps a
+  setuid binary from getting them back.
+* **Limits** (`nproc`, `nofile`, `as`, `fsize`): rlimits the agent and all it
+  starts inherit.
 
-Standard library only, run in isolated mode without site (``-I -S``) and
-importing only what it uses: its start-up is part of every sandboxed command's.
+Standard library only, ``-I -S``, importing only what it uses: its start-up is
+part of every sandboxed command's.
 """
 
 import os

@@ -109,10 +109,7 @@ def _first(args: dict, keys: Iterable[str], *, join: bool = False) -> str | None
 
 
 def _first_line(s: str) -> str:
-    for line in s.splitlines():
-        if line.strip():
-            return line.strip()
-    return s.strip()
+    return next((line.strip() for line in s.splitlines() if line.strip()), "")
 
 
 def activity_for(tool_name: str | None, args: Any = None) -> str:

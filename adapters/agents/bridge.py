@@ -16,15 +16,12 @@ Events (`kind`, or `type` as an alias), normalised by `EventNormaliser`:
   `activity` (from `activity_for(tool_name, args)` when the agent gives none),
   `status` (tool_call; tool_complete or error).
 
-A malformed event line (bad JSON, not an object, unknown kind or status) is
-dropped and logged, never leaked into the reply. A non-zero exit, a crash or
-a timeout ends as one `error` result with a reason; a timeout
-(`runtime_timeout`) kills the agent and everything it started, and so does
-the death of the worker running the turn, even by SIGKILL (the agent runs
-under `_guard.py`, a child subreaper holding a parent-death signal: a
-`setsid` daemon the agent double-forked is killed with it). Output is decoded as
-UTF-8 incrementally, so a character split across reads stays whole; the
-reply and every line are bounded.
+A malformed event line is dropped and logged, never leaked into the reply. A
+non-zero exit, a crash or a timeout ends as one `error` result with a reason. A
+timeout (`runtime_timeout`) or the worker's death, even by SIGKILL, kills the
+agent and everything it started, `setsid` daemons too (it runs under
+`_guard.py`). Output is decoded incrementally (a character split across reads
+stays whole); the reply and every line are bounded.
 """
 
 from __future__ import annotations
@@ -42,6 +39,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,15 +77,10 @@ GUARD_CLEANUP_S = 3.0
 WORKSPACE_CHECK_S = 1.0
 REPLY_CUT_NOTE = "\n… [reply cut at {n:,} characters]"
 
-
-# -- activity text (one function for every runtime: adapters.agents.activity) --------
-def normalise_activity(text: Any, max_chars: int = ACTIVITY_MAX_CHARS) -> str:
-    """One short human line: whitespace collapsed, control characters gone,
-    cut to `max_chars` (an ellipsis marks the cut)."""
-    return cut(text, max_chars)
+#: one short human line (adapters.agents.activity.cut)
+normalise_activity = cut
 
 
-# -- events -----------------------------------------------------------------------
 def parse_event_line(line: str) -> dict | None | bool:
     """The event dict of a protocol line, False for a malformed protocol line
     (dropped, never in the reply), None for a reply line."""
@@ -95,15 +88,11 @@ def parse_event_line(line: str) -> dict | None | bool:
     if not stripped.startswith(EVENT_PREFIX):
         return None
     rest = stripped[len(EVENT_PREFIX):]
-    if not rest or not rest[0].isspace():
-        return False
     try:
-        ev = json.loads(rest)
+        ev = json.loads(rest) if rest[:1].isspace() else False
     except ValueError:
         return False
-    if not isinstance(ev, dict):
-        return False
-    return ev
+    return ev if isinstance(ev, dict) else False
 
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
@@ -136,7 +125,7 @@ class EventNormaliser:
     `feed(raw)` returns the event to publish, or None (dropped, or a terminal
     status, which is recorded in `terminal` for the caller to end the turn
     with). Tool calls are paired: a `tool_result` without an id closes the
-    last open call of the same tool. Shared by every runtime."""
+    last open call of the same tool."""
 
     def __init__(self, shown: Callable[[str], str] | None = None) -> None:
         #: how the turn's texts are shown (its paths relative to its workspace), applied to every
@@ -144,8 +133,8 @@ class EventNormaliser:
         self.shown = shown
         self.terminal: dict[str, Any] | None = None
         self._n = 0
-        self._open: dict[str, tuple[str, str, float]] = {}  # id -> (tool, activity, started monotonic)
-        self._order: list[str] = []  # open call ids, oldest first
+        #: open calls, oldest first: id -> (tool, activity, started monotonic)
+        self._open: dict[str, tuple[str, str, float]] = {}
         self.dropped = 0
 
     def _new_id(self) -> str:
@@ -160,20 +149,15 @@ class EventNormaliser:
         if self.shown is not None:
             raw = mapped_strings(raw, self.shown)
         kind = raw.get("kind", raw.get("type"))
-        if not isinstance(kind, str):
-            self.drop("no kind")
+        handler = {"status": self._status, "tool_start": self.tool_start,
+                   "tool_result": self.tool_result}.get(_word(kind))
+        if handler is None:
+            self.drop(f"unknown kind {_word(kind)[:40]!r}" if isinstance(kind, str) else "no kind")
             return None
-        kind = kind.strip().lower()
-        if kind == "status":
-            return self._status(raw)
-        if kind in ("tool_start", "tool_result"):
-            return self.tool_start(raw) if kind == "tool_start" else self.tool_result(raw)
-        self.drop(f"unknown kind {kind[:40]!r}")
-        return None
+        return handler(raw)
 
     def _status(self, raw: dict[str, Any]) -> dict[str, Any] | None:
-        st = raw.get("status")
-        st = st.strip().lower() if isinstance(st, str) else ""
+        st = _word(raw.get("status"))
         if st not in PROGRESS_STATUSES and st not in TERMINAL_STATUSES:
             self.drop(f"unknown status {st[:40]!r}")
             return None
@@ -195,14 +179,12 @@ class EventNormaliser:
         return ev
 
     def tool_start(self, raw: dict[str, Any]) -> dict[str, Any]:
-        tool = normalise_activity(raw.get("tool_name") or raw.get("name") or raw.get("tool"), 64) or "tool"
-        call_id = normalise_activity(raw.get("tool_call_id") or raw.get("id"), 128) or self._new_id()
+        tool, call_id = _tool_ids(raw)
+        tool, call_id = tool or "tool", call_id or self._new_id()
         act = normalise_activity(raw.get("activity")) or activity_for(
             tool, raw.get("args", raw.get("arguments", raw.get("input"))))
-        if call_id in self._open:
-            self._order.remove(call_id)
+        self._open.pop(call_id, None)  # a reopened id moves to the end
         self._open[call_id] = (tool, act, time.monotonic())
-        self._order.append(call_id)
         ev: dict[str, Any] = {"kind": "tool_start", "tool_name": tool, "tool_call_id": call_id,
                               "activity": act, "status": "tool_call"}
         msg = _text(raw.get("message"))
@@ -211,18 +193,14 @@ class EventNormaliser:
         return ev
 
     def tool_result(self, raw: dict[str, Any]) -> dict[str, Any]:
-        tool = normalise_activity(raw.get("tool_name") or raw.get("name") or raw.get("tool"), 64)
-        call_id = normalise_activity(raw.get("tool_call_id") or raw.get("id"), 128)
+        tool, call_id = _tool_ids(raw)
         if not call_id:
-            call_id = next((c for c in reversed(self._order) if not tool or self._open[c][0] == tool), "")
+            call_id = next((c for c in reversed(self._open) if not tool or self._open[c][0] == tool), "")
         opened = self._open.pop(call_id, None) if call_id else None
-        if opened is not None:
-            self._order.remove(call_id)
         if not call_id:
             call_id = self._new_id()
         tool = tool or (opened[0] if opened else "tool")
-        st = raw.get("status")
-        st = st.strip().lower() if isinstance(st, str) else ""
+        st = _word(raw.get("status"))
         failed = st in ("error", "failed", "failure") or (raw.get("error") not in (None, False, "") and st != "tool_complete")
         ev: dict[str, Any] = {"kind": "tool_result", "tool_name": tool, "tool_call_id": call_id,
                               "status": "error" if failed else "tool_complete"}
@@ -238,7 +216,16 @@ class EventNormaliser:
         return ev
 
 
-# -- the runtime -------------------------------------------------------------------
+def _word(v: Any) -> str:
+    return v.strip().lower() if isinstance(v, str) else ""
+
+
+def _tool_ids(raw: dict[str, Any]) -> tuple[str, str]:
+    """A raw tool event's (tool name, call id), "" when missing."""
+    return (normalise_activity(raw.get("tool_name") or raw.get("name") or raw.get("tool"), 64),
+            normalise_activity(raw.get("tool_call_id") or raw.get("id"), 128))
+
+
 @dataclass
 class BridgeResult:
     status: str  # completed | error | no_reply
@@ -261,13 +248,8 @@ class _Lines:
 
     def feed(self, data: bytes, final: bool = False) -> list[tuple[str, bool]]:
         self._buf += self._dec.decode(data, final)
-        out: list[tuple[str, bool]] = []
-        while True:
-            i = self._buf.find("\n")
-            if i < 0:
-                break
-            out.append((self._buf[:i], True))
-            self._buf = self._buf[i + 1:]
+        *lines, self._buf = self._buf.split("\n")
+        out = [(line, True) for line in lines]
         while len(self._buf) > self._max:
             out.append((self._buf[: self._max], False))
             self._buf = self._buf[self._max:]
@@ -280,14 +262,12 @@ class _Lines:
 class _Stdout:
     """Splits the agent's stdout into events (to `emit`) and reply text (bounded)."""
 
-    def __init__(self, emit: Callable[[dict], None], max_reply_chars: int,
-                 shown: Callable[[str], str] | None = None) -> None:
+    def __init__(self, emit: Callable[[dict], None], shown: Callable[[str], str] | None = None) -> None:
         self.lines = _Lines(MAX_EVENT_LINE_CHARS)
         self.norm = EventNormaliser(shown)
         self.emit = emit
         self.reply: list[str] = []
         self.reply_chars = 0
-        self.max_reply = max_reply_chars
         self.cut = 0
         self.events = 0
         self._mid: str | None = None  # "reply" | "event" | "skip" while inside a long line
@@ -299,10 +279,7 @@ class _Stdout:
 
     def _piece(self, piece: str, complete: bool) -> None:
         if self._mid is None:
-            if piece.lstrip().startswith(EVENT_PREFIX):
-                self._mid = "event"
-            else:
-                self._mid = "reply"
+            self._mid = "event" if piece.lstrip().startswith(EVENT_PREFIX) else "reply"
         if self._mid == "reply":
             self._add_reply(piece + ("\n" if complete else ""))
         elif self._mid == "event":
@@ -320,15 +297,11 @@ class _Stdout:
             self._mid = None
 
     def _add_reply(self, s: str) -> None:
-        room = self.max_reply - self.reply_chars
-        if room <= 0:
-            self.cut += len(s)
-            return
-        if len(s) > room:
-            self.cut += len(s) - room
-            s = s[:room]
-        self.reply.append(s)
-        self.reply_chars += len(s)
+        kept = s[:max(0, MAX_REPLY_CHARS - self.reply_chars)]
+        self.cut += len(s) - len(kept)
+        if kept:
+            self.reply.append(kept)
+            self.reply_chars += len(kept)
 
     def _event_line(self, line: str) -> None:
         raw = parse_event_line(line)
@@ -347,7 +320,7 @@ class _Stdout:
     def text(self) -> str:
         s = "".join(self.reply).strip("\r\n")
         if self.cut:
-            s += REPLY_CUT_NOTE.format(n=self.max_reply)
+            s += REPLY_CUT_NOTE.format(n=MAX_REPLY_CHARS)
         return s
 
 
@@ -359,25 +332,20 @@ def run_bridge(
     env: dict[str, str] | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     on_event: Callable[[dict], None] | None = None,
-    max_reply_chars: int = MAX_REPLY_CHARS,
     passthrough: tuple[str, ...] | list[str] = (),
     jail: Jail | None = None,
     network: Network = "proxy",
     shown: Callable[[str], str] | None = None,
 ) -> BridgeResult:
-    """Run one agent turn; `on_event` gets each normalised non-terminal event
-    (in order, from this thread; `shown` applied to the raw event's texts
-    first: the turn's paths written relative to its workspace). Never raises
-    for the agent's misbehaviour.
+    """Run one agent turn; never raises for the agent's misbehaviour.
+    `on_event` gets each normalised non-terminal event, in order, from this
+    thread (`shown` applied to the raw event's texts first).
 
     The agent's environment is an allowlist, never the worker's own (which
-    holds tokens, the API key and the Redis URL): the basics of
-    :data:`BASE_ENV` and the names in `passthrough` from this process's
-    environment, then `env`, then ``COURIER_MESSAGE``.
-
-    With `jail` the agent runs in that namespace sandbox (adapters.agents.jail)
-    with `network`; its workspace is measured while it runs, and a limit it
-    hits ends the turn with a reason naming it."""
+    holds tokens, the API key and the Redis URL): :data:`BASE_ENV` and
+    `passthrough` from this process's environment, then `env`, then
+    ``COURIER_MESSAGE``. With `jail` it runs in that sandbox with `network`;
+    a limit it hits ends the turn with a reason naming it."""
     if not command:
         return BridgeResult("error", reason="agent has no command")
     full_env = {**agent_base_env(passthrough), **(env or {}), "COURIER_MESSAGE": message}
@@ -401,21 +369,16 @@ def run_bridge(
     except OSError as exc:
         return BridgeResult("error", reason=f"agent could not start: {exc.strerror or exc}")
 
-    out = _Stdout(on_event or (lambda ev: None), max_reply_chars, shown)
+    out = _Stdout(on_event or (lambda ev: None), shown)
     err_lines = _Lines(STDERR_TAIL_CHARS)
     err_tail = ""
 
     def feed_stdin() -> None:
-        try:
-            assert proc.stdin is not None
+        assert proc.stdin is not None
+        with suppress(OSError, ValueError):
             proc.stdin.write(message.encode("utf-8", "replace"))
-        except (BrokenPipeError, OSError, ValueError):
-            pass
-        finally:
-            try:
-                proc.stdin.close()  # type: ignore[union-attr]
-            except (BrokenPipeError, OSError):
-                pass
+        with suppress(OSError):
+            proc.stdin.close()
 
     threading.Thread(target=feed_stdin, name="bridge-stdin", daemon=True).start()
     assert proc.stdout is not None and proc.stderr is not None
@@ -469,10 +432,8 @@ def run_bridge(
         sel.close()
         _reap_group(proc)
         for f in (proc.stdout, proc.stderr):
-            try:
+            with suppress(OSError):
                 f.close()
-            except OSError:
-                pass
     for piece, _c in err_lines.feed(b"", final=True):
         err_tail = (err_tail + piece)[-STDERR_TAIL_CHARS:]
 
@@ -481,7 +442,7 @@ def run_bridge(
     extra: dict[str, Any] = {"duration_s": round(time.monotonic() - started, 3), "dropped_events": out.norm.dropped}
     if out.cut:
         extra["reply_cut_chars"] = out.cut
-        log.warning("agent reply cut at %d characters (%d more dropped)", max_reply_chars, out.cut)
+        log.warning("agent reply cut at %d characters (%d more dropped)", MAX_REPLY_CHARS, out.cut)
     if stray_output:
         extra["stray_children"] = True
     common: dict[str, Any] = {"exit_code": rc, "stderr_tail": tail, "events": out.events, "extra": extra}
@@ -551,24 +512,18 @@ def _kill_group(proc: subprocess.Popen) -> None:
     """SIGTERM the agent's whole process group; the guard SIGKILLs every
     descendant (setsid ones too) after its grace (`_guard.TERM_GRACE_S`) and
     exits; the group gets SIGKILL if the guard has not gone by then."""
-    try:
+    with suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGTERM)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
+    with suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=KILL_GRACE_S + GUARD_CLEANUP_S)
-    except subprocess.TimeoutExpired:
-        pass
     _reap_group(proc)
 
 
 def _reap_group(proc: subprocess.Popen) -> None:
     """SIGKILL whatever is left in the agent's process group (its children
     end with the turn), and reap the agent."""
-    try:
+    with suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
     try:
         proc.wait(timeout=5)
     except subprocess.TimeoutExpired:

@@ -1,32 +1,22 @@
 """Hooks: extra prompt context from shell commands and Python plugins.
 
-Hooks run before each LLM call of the OpenAI-compatible runtime, and once
-before a bridge agent starts (its context goes in env ``COURIER_HOOK_CONTEXT``).
-Each gets the turn context, a JSON object::
+Hooks run before each LLM call of the OpenAI-compatible runtime (``step``
+counts the calls from 1), and once before a bridge agent starts (``step`` 0;
+the context goes in env ``COURIER_HOOK_CONTEXT``). Each gets the turn context
+``{"job", "target", "message", "step", "agent"}`` and may return
+``{"context": "…"}``. That text goes through :func:`storage.spill.spill_if_needed`
+(source: the hook's name, session: the job id; through the turn's ``place``
+into its workspace, so the agent can read a spill back), once per text and turn
+so the prompt stays stable.
 
-    {"job": "turn_…", "target": "outbox:me", "message": "…", "step": 1, "agent": "name"}
+* A **shell hook** is an argv command (no shell): the context JSON on stdin, a
+  JSON object (or nothing) on stdout; its process group is killed at its timeout.
+* A **Python plugin** is a callable ``(context: dict) -> dict | None`` named by
+  an entry point in the group ``courier.hooks``.
 
-(``step`` counts LLM calls from 1; 0 for a bridge agent) and may return
-``{"context": "…"}``: that text is added to the prompt after passing through
-:func:`storage.spill.spill_if_needed` (source: the hook's name, session: the
-job id), so a huge context becomes a bounded preview and the full text goes to
-storage — once per text and turn (the same output before every model call is
-one file and one preview: the prompt stays stable), and, through the turn's
-``place``, into the turn's workspace at the path the preview names, so the
-agent can read it back with its file tool.
-
-* A **shell hook** is an argv command (no shell): the context JSON on stdin,
-  a JSON object on stdout (empty stdout: nothing to add). It runs in its own
-  process group, with the worker's environment; past its timeout the group is
-  killed.
-* A **Python plugin** is an entry point in the group ``courier.hooks`` naming
-  a callable ``(context: dict) -> dict | None``.
-
-A hook that fails (non-zero exit, exception, not a JSON object on stdout, a
-non-object return) or runs past its timeout (default 10 s) is logged and
-skipped; the turn goes on. Hooks of one call run concurrently; their contexts
-are joined in the declared order (shell hooks first, then plugins), separated
-by a blank line.
+A hook that fails or times out (default 10 s) is logged and skipped; the turn
+goes on. Hooks of one call run concurrently; their contexts are joined in the
+declared order (shell hooks, then plugins) by blank lines.
 """
 
 from __future__ import annotations
@@ -84,7 +74,10 @@ class ShellHook:
         try:
             out, err = proc.communicate(payload, timeout=self.timeout_s)
         except subprocess.TimeoutExpired:
-            _killpg(proc)
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                proc.kill()
             proc.communicate()
             raise HookSkipped(f"timed out after {self.timeout_s:g}s") from None
         if proc.returncode != 0:
@@ -142,7 +135,7 @@ def load_plugins(group: str = ENTRY_POINT_GROUP, *, timeout_s: float = DEFAULT_T
 
 
 class HookRunner:
-    """Runs a fixed list of hooks; `context_for` returns the text to add."""
+    """Runs a fixed list of hooks (a turn uses it through :class:`TurnHooks`)."""
 
     def __init__(self, hooks: Sequence[Hook], *, store=None, spill: SpillConfig = SpillConfig()) -> None:
         self.hooks = list(hooks)
@@ -169,16 +162,13 @@ class HookRunner:
                 # shell hooks enforce their own timeout; this bounds plugins (and leaves a stuck one behind)
                 left = max(0.0, started + hook.timeout_s + 2.0 - time.monotonic())
                 try:
-                    value = fut.result(timeout=left)
-                    text = _context_text(value)
-                except HookSkipped as exc:
-                    log.warning("hook %s skipped (job %s): %s", hook.label, session, exc)
-                    continue
+                    text = _context_text(fut.result(timeout=left))
                 except TimeoutError:
                     log.warning("hook %s skipped (job %s): timed out after %gs", hook.label, session, hook.timeout_s)
                     continue
                 except Exception as exc:  # noqa: BLE001 - a failing hook is skipped, the turn goes on
-                    log.warning("hook %s skipped (job %s): %r", hook.label, session, exc)
+                    why = exc if isinstance(exc, HookSkipped) else repr(exc)
+                    log.warning("hook %s skipped (job %s): %s", hook.label, session, why)
                     continue
                 if text:
                     out.append((hook.label, spill_if_needed(text, source=hook.label, session_id=session,
@@ -187,27 +177,24 @@ class HookRunner:
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
 
-    def context_for(self, context: dict, place=None, jail: Jail | None = None, network: Network = "none") -> str:
-        """The hooks' contexts joined by blank lines ("" when none)."""
-        return "\n\n".join(text for _, text in self.run(context, place, jail, network))
 
-
+@dataclass
 class TurnHooks:
     """A runner bound to one turn's `place` (its spills land where that
     turn's agent can read them) and its sandbox (`jail`, where its shell
-    hooks run); used like the runner."""
+    hooks run)."""
 
-    def __init__(self, runner: HookRunner, place, jail: Jail | None = None, network: Network = "none") -> None:
-        self.runner = runner
-        self.place = place
-        self.jail = jail
-        self.network = network
+    runner: HookRunner
+    place: Any
+    jail: Jail | None = None
+    network: Network = "none"
 
     def __bool__(self) -> bool:
         return bool(self.runner)
 
     def context_for(self, context: dict) -> str:
-        return self.runner.context_for(context, self.place, self.jail, self.network)
+        """The hooks' contexts joined by blank lines ("" when none)."""
+        return "\n\n".join(text for _, text in self.runner.run(context, self.place, self.jail, self.network))
 
 
 def _context_text(value: Any) -> str:
@@ -224,11 +211,4 @@ def _context_text(value: Any) -> str:
         return json.dumps(ctx, ensure_ascii=False)
     except (TypeError, ValueError):
         return str(ctx)
-
-
-def _killpg(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        proc.kill()
 

@@ -1,41 +1,36 @@
 """The local sandbox's isolation boundary: every agent command courier starts
 on its own host runs in a bubblewrap (``bwrap``) namespace sandbox.
 
-An agent is untrusted code on a host courier's operator owns. On the worker's
-host it would otherwise run as the worker's uid, read the worker's secrets from
-its ancestors' ``/proc/<pid>/environ``, reach Redis on loopback and send as the
-bot. Inside a :class:`Jail` it has:
+An agent is untrusted code. Unconfined on the worker's host it would run as
+the worker's uid, read the worker's secrets from its ancestors'
+``/proc/<pid>/environ``, reach Redis on loopback and send as the bot. Inside
+a :class:`Jail` it has:
 
-* **its own identity**: when the worker runs as root, bwrap runs privileged and
-  the sandbox's first process (``_jail_init.py``) drops to the turn's own
-  unprivileged uid and gid (``uid_base`` + a hash of the turn id), with no
-  groups, no capabilities and ``no_new_privs``; a worker that is not root
-  cannot switch uids, so the agent gets a user namespace of its own (its uid
-  is the worker's outside it: the namespaces below are then the boundary);
-* **its own namespaces**: PID (it sees only its own processes; ``/proc`` is
-  the sandbox's), IPC, UTS, cgroup and **network** (an empty one: loopback
-  only, so no Redis, no metadata service, no web process); ``--die-with-parent``
-  and a new session;
-* **its own filesystem**: read-only system directories (``/usr``, the
-  ``/bin``/``/lib`` links, a few files of ``/etc``, the Python courier runs
-  on), the turn's workspace read-write at its own path, read-only the roots its
-  agent config names and the files its command names by absolute path; no
-  worker home, no data dir, no courier configuration, a private ``/tmp``;
+* **its own identity**: a root worker runs bwrap privileged and the sandbox's
+  init (``_jail_init.py``) drops to the turn's own unprivileged uid and gid
+  (``uid_base`` + a hash of the turn id): no groups, no capabilities,
+  ``no_new_privs``. A worker that is not root cannot switch uids: the agent
+  gets a user namespace (the worker's uid outside it), and the namespaces
+  below are the boundary;
+* **its own namespaces**: PID (``/proc`` is the sandbox's), IPC, UTS, cgroup
+  and an empty network (loopback only: no Redis, no metadata service, no web
+  process); ``--die-with-parent`` and a new session;
+* **its own filesystem**: read-only system directories, a few files of
+  ``/etc`` and the Python courier runs on; the turn's workspace read-write;
+  read-only the roots its agent config names and the files its command names;
+  no worker home, data dir or courier configuration; a private ``/tmp``;
 * **an allowlisted environment** (``--clearenv``, then what the runtime allows);
-* **network** ``none`` or ``proxy``: through courier's egress proxy only
-  (:class:`~adapters.agents.egress.proxy.EgressProxy`, its allowlist and its
-  private-range refusal), reached over a unix socket bound into the sandbox,
-  where a forwarder listens on ``127.0.0.1:3128`` and ``HTTP(S)_PROXY`` point
-  at it; an agent can still call its model's API, and nothing private;
-* **limits** per turn: processes, open files, memory (address space), the
-  size of a file and of the whole workspace; hitting one ends the turn with a
-  message that names it (:meth:`Jail.limit_hit`).
+* **network** ``none``, or ``proxy``: only through courier's egress proxy (its
+  allowlist and private-range refusal) over a unix socket bound in, where a
+  forwarder listens on ``127.0.0.1:3128`` and ``HTTP(S)_PROXY`` point at it;
+* **limits** per turn: processes, open files, address space, the size of a
+  file and of the workspace; hitting one ends the turn with a message naming
+  it (:meth:`Jail.limit_hit`).
 
-``"isolation": "host"`` in an agent's config runs it as before (the worker's
-uid, no namespaces): an explicit opt-in, warned about at worker start. Where
-bwrap is missing or cannot make namespaces, a local agent is refused with a
-message saying why and naming that opt-in (:func:`unavailable`), never run
-unconfined by surprise.
+``"isolation": "host"`` in an agent's config runs it unconfined: an explicit
+opt-in, warned about at worker start. Where bwrap is missing or cannot make
+namespaces, a local agent is refused with a message naming that opt-in
+(:func:`unavailable`), never run unconfined by surprise.
 """
 
 from __future__ import annotations
@@ -51,7 +46,7 @@ import tempfile
 import threading
 import zlib
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, nullcontext, suppress
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Literal
@@ -182,7 +177,6 @@ class Jail:
     _proxy: EgressProxy | None = field(default=None, init=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
-    # -- identity ---------------------------------------------------------------------------------------------
     @property
     def privileged(self) -> bool:
         return os.geteuid() == 0
@@ -205,15 +199,12 @@ class Jail:
         if p != ws and not p.startswith(ws + "/"):
             return
         while True:
-            try:
+            with suppress(FileNotFoundError):
                 os.chown(p, self.uid, self.uid, follow_symlinks=False)
-            except FileNotFoundError:
-                pass
             if p == ws:
                 return
             p = os.path.dirname(p)
 
-    # -- lifecycle --------------------------------------------------------------------------------------------
     def start(self) -> "Jail":
         if self._dir is None:
             d = tempfile.mkdtemp(prefix="courier-jail-")
@@ -260,7 +251,6 @@ class Jail:
         """What the turn's egress proxy refused (host, port, reason)."""
         return list(self._proxy.refusals) if self._proxy is not None else []
 
-    # -- the command ------------------------------------------------------------------------------------------
     def argv(self, command: Sequence[str], env: dict[str, str], *, network: Network = "none",
              writable: bool = True, cwd: str | None = None, also_ro: Sequence[str] = ()) -> list[str]:
         """`command` wrapped in bwrap: run this list instead (its own
@@ -331,7 +321,6 @@ class Jail:
             return f"{program}: not found on PATH"
         return None
 
-    # -- limits -----------------------------------------------------------------------------------------------
     def workspace_bytes(self, stop_at: int | None = None) -> int:
         """Bytes the workspace takes on disk (blocks, so a sparse file counts
         what it uses); the walk stops once past `stop_at`."""
@@ -393,11 +382,6 @@ def _walk(top: str) -> Iterator[os.stat_result]:
                     stack.append(e.path)
 
 
-@contextmanager
-def maybe(jail: Jail | None) -> Iterator[Jail | None]:
+def maybe(jail: Jail | None) -> AbstractContextManager:
     """``with maybe(jail):`` starts and closes a jail when there is one."""
-    if jail is None:
-        yield None
-        return
-    with jail:
-        yield jail
+    return nullcontext() if jail is None else jail

@@ -1,37 +1,26 @@
 """The built-in agent loop against an OpenAI-compatible chat-completions endpoint.
 
-``run_openai(config, message, tools=…, hooks=…, on_event=…)`` posts
-``{base_url}/chat/completions`` with the conversation and the tools' JSON
-schemas; while the response's message carries ``tool_calls`` it runs each one
+``run_openai`` posts ``{base_url}/chat/completions`` with the conversation and
+the tools' schemas, runs each of the answer's ``tool_calls``
 (:class:`~adapters.agents.tools.Toolbox`) and sends the results back as
-``role: tool`` messages; the first message without tool calls is the reply.
-It returns a :class:`~adapters.agents.bridge.BridgeResult`, like the bridge,
-and emits the bridge's phase events: ``status: thinking`` before every LLM
-call after the first (courier publishes the first), ``tool_start`` /
-``tool_result`` around each tool call with activity text.
+``role: tool`` messages, until a message without tool calls: the reply. It
+returns a :class:`~adapters.agents.bridge.BridgeResult` and emits the bridge's
+phase events (``status: thinking`` before every LLM call after the first,
+``tool_start`` / ``tool_result`` around each tool call).
 
 Before each LLM call the hooks run (step = the call's number, from 1); their
-context is appended to the user message *of that call only* (the stored
-conversation keeps the plain message), already spilled when large.
+context is added to the user message *of that call only*.
 
-Bounds and errors, each ending the turn with one short reason:
-
-* ``max_steps`` LLM calls (``max_steps_exceeded``);
-* ``call_timeout_s`` per request, ``timeout_s`` for the whole turn
-  (``runtime_timeout``, as the bridge);
-* HTTP 4xx, an unreachable endpoint, a body that is not the expected
-  JSON: ``openai endpoint …`` reasons. A 429 (honouring ``retry-after``),
-  a 5xx, a connection refused or dropped before the answer are retried
-  (``max_attempts``, capped exponential backoff with jitter, never past the
-  turn's deadline) and the turn goes on where it was; only when retries run
-  out does it end. Response bodies are never logged or
-  shown (they can echo credentials); the API key goes only in the
-  ``Authorization`` header.
+The turn ends with one short reason at ``max_steps`` LLM calls
+(``max_steps_exceeded``), at ``timeout_s`` (``runtime_timeout``), or on an
+endpoint error (``openai endpoint …``) once retries (429, 5xx, a dropped
+connection: see :func:`_call`) run out. Response bodies are never logged or
+shown (they can echo credentials); the API key goes only in the
+``Authorization`` header.
 
 The reply is the model's text plus a ``MEDIA:`` tag for every file a tool
-marked for delivery (``send_file``, screenshots; a path named twice is
-delivered once); ``extra["stored"]`` maps screenshot paths to their blobs and
-``extra["steps"]`` / ``extra["usage"]`` report the work done.
+marked for delivery (once each); ``extra["stored"]`` maps screenshot paths to
+their blobs, ``extra["steps"]`` / ``extra["usage"]`` report the work done.
 """
 
 from __future__ import annotations
@@ -41,7 +30,10 @@ import random
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from email.utils import parsedate_to_datetime
 from typing import Any
 from urllib.parse import urlparse
 
@@ -160,14 +152,13 @@ RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504, 520, 522, 524, 529})
 
 
 def _call(client: httpx.Client, config: OpenAIConfig, body: dict, deadline: float,
-          emit: Callable[[dict], None] | None = None) -> dict:
+          emit: Callable[[dict], None]) -> dict:
     """POST chat/completions; returns {"message": {...}, "usage": {...}} or raises _End.
 
     A 429 (after its ``retry-after-ms`` / ``retry-after``), a 5xx, a
-    connection that fails or drops before the answer are asked again, with
-    capped exponential backoff and jitter, up to ``max_attempts`` and never
-    past the turn's deadline; the same request goes again, so the turn goes
-    on where it was (no tool runs twice)."""
+    connection that fails or drops before the answer are asked again (capped
+    exponential backoff with jitter, up to ``max_attempts``, never past the
+    turn's deadline): the same request, so no tool runs twice."""
     host = urlparse(config.base_url).hostname or "endpoint"
     attempt = 0
     while True:
@@ -204,8 +195,7 @@ def _call(client: httpx.Client, config: OpenAIConfig, body: dict, deadline: floa
         if time.monotonic() + delay >= deadline:
             raise _End(f"{why}; no time left in the turn to retry")
         log.warning("%s; retrying in %.1fs (attempt %d of %d)", why, delay, attempt + 1, config.max_attempts)
-        if emit is not None:
-            emit({"kind": "status", "status": "thinking", "message": f"model endpoint busy, retrying in {delay:.0f}s"})
+        emit({"kind": "status", "status": "thinking", "message": f"model endpoint busy, retrying in {delay:.0f}s"})
         time.sleep(delay)
 
 
@@ -214,24 +204,15 @@ def _retry_after(headers: httpx.Headers) -> float | None:
     in seconds or as an HTTP date), None when it says nothing usable."""
     ms = headers.get("retry-after-ms")
     if ms:
-        try:
+        with suppress(ValueError):
             return max(0.0, float(ms) / 1000)
-        except ValueError:
-            pass
     ra = headers.get("retry-after")
     if not ra:
         return None
-    try:
+    with suppress(ValueError):
         return max(0.0, float(ra))
-    except ValueError:
-        pass
     try:
-        from email.utils import parsedate_to_datetime
-
-        when = parsedate_to_datetime(ra)
-        import datetime as _dt
-
-        return max(0.0, (when - _dt.datetime.now(_dt.timezone.utc)).total_seconds())
+        return max(0.0, (parsedate_to_datetime(ra) - datetime.now(timezone.utc)).total_seconds())
     except (TypeError, ValueError, IndexError):
         return None
 
@@ -287,8 +268,7 @@ def _add_usage(total: dict[str, int], usage: Any) -> None:
 
 
 def _result(text: str, tools: Toolbox | None, steps: int, usage: dict) -> BridgeResult:
-    marked = list(tools.marked) if tools is not None else []
-    stored = dict(tools.stored) if tools is not None else {}
+    marked, stored = (list(tools.marked), dict(tools.stored)) if tools is not None else ([], {})
     text = text.strip()
     if not text and not marked:
         return BridgeResult("no_reply", exit_code=0, extra={"steps": steps, "usage": usage})

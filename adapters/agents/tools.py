@@ -1,36 +1,24 @@
 """Tools of the built-in OpenAI-compatible runtime, acting in the turn's sandbox.
 
-=====================  =====================================================
-``terminal``           ``sh -c <command>`` through ``Sandbox.exec`` in the
-                       turn's working directory (timeout; output bounded
-                       per stream, then spilled when over the spill cap);
-                       on a local sandbox under the agents' guard: what
-                       the command starts (``setsid`` too) ends with it
-``read_file``          a sandbox file as text (first :data:`READ_MAX_BYTES`,
-                       spilled when over the cap); allowed roots apply
-``write_file``         text to a sandbox file (through a temporary blob and
-                       ``Sandbox.put``, so every backend with ``put`` works)
-``browser_screenshot`` an http(s) page in headless Chromium (playwright, the
-                       system ``chromium``); the PNG goes to storage at
-                       ``screenshots/<job>/<uuid>.png`` and into the sandbox
-                       at ``<workdir>/screenshots/<uuid>.png``; sent with the
-                       reply. Every connection of the browser goes through
-                       the egress guard (:mod:`adapters.agents.egress`): no
-                       loopback, private or link-local destination unless
-                       ``browser_allowed_hosts`` names it
-``send_file``          marks a sandbox file for delivery
-=====================  =====================================================
+* ``terminal``: ``sh -c <command>`` through ``Sandbox.exec`` in the working
+  directory (timeout; output bounded, then spilled); on a local sandbox in the
+  turn's jail and under the agents' guard, so what it starts (``setsid`` too)
+  ends with it.
+* ``read_file`` / ``write_file``: text from / to a sandbox file (writes go
+  through a temporary blob and ``Sandbox.put``); allowed roots apply.
+* ``browser_screenshot``: an http(s) page in headless Chromium; the PNG goes to
+  ``screenshots/<job>/<uuid>.png`` in storage and into the sandbox. Every
+  connection of the browser passes the egress guard (:mod:`adapters.agents.egress`):
+  no loopback, private or link-local destination unless ``browser_allowed_hosts``
+  names it.
+* ``send_file``: marks a sandbox file for delivery.
 
-A file marked for delivery (``send_file``, every screenshot) comes back to the
-model as its ``MEDIA:<path>`` tag and is added to the reply by the runtime, so
-it is delivered even when the model does not repeat the tag. Screenshots are
-delivered straight from their ``screenshots/`` blob (the janitor's 24 h
-expiry), not extracted again: :attr:`Toolbox.stored` maps their sandbox path to
-the blob, and only paths in that map (made by this runtime, never by an agent's
-text) are treated so.
-
-Relative paths are relative to the working directory. A tool's failure is a
-tool result starting with ``error:`` (the model sees it; the turn goes on).
+A marked file (``send_file``, every screenshot) comes back to the model as its
+``MEDIA:<path>`` tag and the runtime adds it to the reply. Screenshots are
+delivered from their blob: :attr:`Toolbox.stored` maps their sandbox path to
+it, and only paths in that map (made here, never by an agent's text) are
+treated so. A tool's failure is a result starting with ``error:``; the turn
+goes on.
 """
 
 from __future__ import annotations
@@ -178,7 +166,6 @@ class Toolbox:
             log.exception("tool %s failed (job %s)", name, self.job_id)
             return ToolResult(f"error: {name} failed: {type(exc).__name__}: {exc}"[:500], ok=False)
 
-    # -- helpers ----------------------------------------------------------------
     def _path(self, path: Any) -> str:
         if not isinstance(path, str) or not path.strip():
             raise ToolInputError("a path is required")
@@ -191,18 +178,15 @@ class Toolbox:
         return spill_if_needed(text, source=source, session_id=self.job_id, store=self.store, config=self.spill,
                                place=self.place)
 
-    def _left_s(self) -> float | None:
-        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+    def _bounded(self, t: float) -> float:
+        """`t` seconds, but never past the turn's deadline."""
+        return t if self.deadline is None else min(t, max(0.0, self.deadline - time.monotonic()))
 
-    # -- tools ---------------------------------------------------------------------
     def _tool_terminal(self, command: str, timeout_s: float | None = None) -> ToolResult:
         if not isinstance(command, str) or not command.strip():
             return ToolResult("error: command is empty", ok=False)
         t = float(timeout_s) if isinstance(timeout_s, (int, float)) and timeout_s > 0 else TERMINAL_DEFAULT_TIMEOUT_S
-        t = min(t, TERMINAL_MAX_TIMEOUT_S)
-        left = self._left_s()
-        if left is not None:
-            t = min(t, left)
+        t = self._bounded(min(t, TERMINAL_MAX_TIMEOUT_S))
         argv, exec_t = ["sh", "-c", command], t
         if self.jail is not None and self.sandbox.kind == "local":
             base = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "TERM": "dumb"}
@@ -233,11 +217,9 @@ class Toolbox:
         resolved, size = self.sandbox.resolve(p)
         buf = bytearray()
         line = 1  # the line number buf starts at (ranged reads skip whole lines before `first`)
-        seen = 0
         stream = self.sandbox.open_stream(resolved)
         try:
             for chunk in stream:
-                seen += len(chunk)
                 if ranged and line < first:
                     start = 0
                     while line < first:
@@ -252,9 +234,7 @@ class Toolbox:
                 if len(buf) >= READ_MAX_BYTES or (last is not None and buf.count(b"\n") >= last - first + 1):
                     break
         finally:
-            close = getattr(stream, "close", None)
-            if close:
-                close()
+            getattr(stream, "close", lambda: None)()
         data = bytes(buf[:READ_MAX_BYTES])
         if b"\x00" in data[:8192]:
             return ToolResult(f"error: {p} is a binary file ({size:,} bytes); use terminal to inspect it", ok=False)
@@ -305,12 +285,9 @@ class Toolbox:
         if not isinstance(url, str) or urlparse(url.strip()).scheme.lower() not in ("http", "https"):
             return ToolResult("error: only http:// and https:// URLs can be screenshotted", ok=False)
         url = url.strip()
-        timeout_s = SCREENSHOT_TIMEOUT_S
-        left = self._left_s()
-        if left is not None:
-            timeout_s = min(timeout_s, left)
         refused: list[Refusal] = []
-        png = take_screenshot(url, chromium_path=self.chromium_path, full_page=bool(full_page), timeout_s=timeout_s,
+        png = take_screenshot(url, chromium_path=self.chromium_path, full_page=bool(full_page),
+                              timeout_s=self._bounded(SCREENSHOT_TIMEOUT_S),
                               allowed_hosts=self.browser_allowed_hosts, refused=refused)
         name = f"{uuid.uuid4().hex}.png"
         key = f"{prefixes.SCREENSHOTS}{_SAFE.sub('_', self.job_id)}/{name}"
@@ -345,15 +322,13 @@ class ScreenshotError(CourierError):
 def take_screenshot(url: str, *, chromium_path: str, full_page: bool = False,
                     timeout_s: float = SCREENSHOT_TIMEOUT_S, allowed_hosts: tuple[str, ...] | list[str] = (),
                     refused: list[Refusal] | None = None) -> bytes:
-    """PNG bytes of `url` in headless Chromium (playwright driving the system
-    browser; never downloads one). Raises ScreenshotError with a short reason.
+    """PNG bytes of `url` in the system's headless Chromium; raises ScreenshotError with a short reason.
 
     The browser reaches the network only through an :class:`EgressProxy` that
-    refuses non-public destinations (but `allowed_hosts`): the page itself, its
+    refuses non-public destinations (but `allowed_hosts`) for the page, its
     redirects and its subresources. A refused page is an error naming the
-    reason; a refused subresource just does not load. The proxy's refusals are
+    reason; a refused subresource just does not load. The refusals are
     appended to `refused` when given."""
-
     try:
         from playwright.sync_api import Error as PlaywrightError
         from playwright.sync_api import sync_playwright

@@ -1,18 +1,16 @@
-"""The browser's address policy: which (host, port) a browser a model drives
-may reach (adapters/agents/egress/proxy.py enforces it on every connection).
+"""The egress address policy: which (host, port) a browser a model drives, or
+a sandboxed agent, may reach (adapters/agents/egress/proxy.py enforces it).
 
 Loopback, private, link-local (cloud metadata), multicast, reserved and
 other non-public addresses are refused, IPv4-mapped, 6to4 and NAT64
-addresses judged by the IPv4 address inside them too; a name is resolved
-and allowed only when every address it resolves to is. Only ports 80 and
-443 are open, plus what the allow-list names.
+addresses judged by the IPv4 address inside them too; a name is allowed only
+when every address it resolves to is. Only ports 80 and 443 are open, plus
+what the allow-list names.
 
 The allow-list (``COURIER_BROWSER_ALLOWED_HOSTS``) holds host names and
 addresses or CIDR networks, each optionally with ``:port`` (``[v6]:port`` for
-IPv6): an entry without a port allows every port of that host or network.
-A name is matched as the URL spells it (case-insensitive); a network
-matches the resolved addresses. Plain code: no socket is opened here
-(`resolve` is a parameter, `socket.getaddrinfo` by default).
+IPv6; no port: every port). A name is matched as the URL spells it
+(case-insensitive); a network matches the resolved addresses.
 """
 
 from __future__ import annotations
@@ -33,7 +31,6 @@ Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
-# -- addresses ------------------------------------------------------------------------------------------------------
 def address_problem(addr: str | Address) -> str | None:
     """Why `addr` may not be reached ("a loopback address", ...), or None when
     it is globally routable. IPv4-mapped, 6to4 and NAT64 addresses are judged

@@ -1,6 +1,5 @@
-"""The browser's egress relay: a small filtering forward proxy on 127.0.0.1
-that lets a connection through only when the address policy
-(adapters/agents/egress/policy.py) allows its destination.
+"""The egress relay: a filtering forward proxy that lets a connection through
+only when the address policy (adapters/agents/egress/policy.py) allows it.
 
 - ``CONNECT host:port`` (https, wss): the host is resolved, *every* address
   is checked, and the proxy connects to a checked address (the IP, never the
@@ -24,6 +23,7 @@ import secrets
 import selectors
 import socket
 import threading
+from contextlib import suppress
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -39,6 +39,9 @@ MAX_HEAD_BYTES = 64 * 1024
 MAX_HEADERS = 200
 #: seconds a closing client connection is drained before it is closed
 LINGER_S = 2.0
+CONNECT_TIMEOUT_S = 10.0
+IDLE_TIMEOUT_S = 60.0
+MAX_CONNECTIONS = 64
 #: response header carrying a refusal's token and index, so the caller can tell a
 #: proxy refusal (shown by Chromium as the page for plain http) from an origin's 403
 MARK_HEADER = "X-Courier-Egress-Refused"
@@ -47,7 +50,6 @@ _HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "te", "
                          "proxy-authorization", "proxy-authenticate", "host"})
 
 
-# -- proxy -------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Refusal:
     """One connection the proxy refused: 403 by the policy, 502 unreachable."""
@@ -133,36 +135,27 @@ def _split_authority(authority: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _connection_tokens(headers: list[tuple[str, str]]) -> set[str]:
-    return {t.strip().lower() for n, v in headers if n.lower() == "connection" for t in v.split(",")}
-
-
 def _filtered(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    drop = _HOP_BY_HOP | _connection_tokens(headers)
+    """`headers` without hop-by-hop ones (those `Connection` names too) and `Proxy-*`."""
+    drop = _HOP_BY_HOP | {t.strip().lower() for n, v in headers if n.lower() == "connection" for t in v.split(",")}
     return [(n, v) for n, v in headers if n.lower() not in drop and not n.lower().startswith("proxy-")]
 
 
 class EgressProxy:
-    """The filtering forward proxy, on 127.0.0.1 and a free port, for one
-    browser session: ``with EgressProxy(policy) as proxy: ... proxy.port``."""
+    """The filtering forward proxy for one browser session or one sandboxed turn."""
 
-    def __init__(self, policy: EgressPolicy, *, connect_timeout_s: float = 10.0, idle_timeout_s: float = 60.0,
-                 max_connections: int = 64) -> None:
+    def __init__(self, policy: EgressPolicy) -> None:
         self.policy = policy
-        self.connect_timeout_s = connect_timeout_s
-        self.idle_timeout_s = idle_timeout_s
         self.refusals: list[Refusal] = []
         self.token = secrets.token_hex(8)
-        self._slots = threading.BoundedSemaphore(max_connections)
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._lock = threading.Lock()
         self._open: set[socket.socket] = set()
         self._stopping = threading.Event()
         self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self.port = 0
-        self.unix_path: str | None = None
 
-    # -- lifecycle ---------------------------------------------------------------------------------------------
     def start(self, unix_path: str | None = None) -> "EgressProxy":
         """Listen on 127.0.0.1 and a free port, or on the unix socket
         `unix_path` (made connectable by anyone who can reach the path: an
@@ -171,7 +164,6 @@ class EgressProxy:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.bind(unix_path)
             os.chmod(unix_path, 0o666)
-            self.unix_path = unix_path
         else:
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             s.bind(("127.0.0.1", 0))
@@ -186,27 +178,17 @@ class EgressProxy:
     def stop(self) -> None:
         self._stopping.set()
         if self._listener is not None:
-            try:
+            with suppress(OSError):
                 self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept()
-            except OSError:
-                pass
             self._listener.close()
         with self._lock:
             socks, self._open = list(self._open), set()
         for s in socks:
-            try:
+            with suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv
-            except OSError:
-                pass
             _close(s)
         if self._thread is not None:
             self._thread.join(timeout=5)
-
-    def __enter__(self) -> "EgressProxy":
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     @property
     def url(self) -> str:
@@ -230,7 +212,6 @@ class EgressProxy:
         with self._lock:
             return self.refusals[int(index)] if int(index) < len(self.refusals) else None
 
-    # -- connections -------------------------------------------------------------------------------------------
     def _track(self, s: socket.socket) -> bool:
         with self._lock:
             if self._stopping.is_set():
@@ -263,7 +244,7 @@ class EgressProxy:
     def _serve(self, client: socket.socket) -> None:
         upstream: socket.socket | None = None
         try:
-            client.settimeout(self.idle_timeout_s)
+            client.settimeout(IDLE_TIMEOUT_S)
             r = _Reader(client)
             try:
                 line, headers = _read_head(r)
@@ -304,14 +285,14 @@ class EgressProxy:
             if not self._track(s):
                 _close(s)
                 raise OSError("proxy stopping")
-            s.settimeout(self.connect_timeout_s)
+            s.settimeout(CONNECT_TIMEOUT_S)
             try:
                 s.connect(sockaddr)  # the checked address, not the name
             except OSError as exc:
                 last = exc
                 self._untrack(s)
                 continue
-            s.settimeout(self.idle_timeout_s)
+            s.settimeout(IDLE_TIMEOUT_S)
             return s
         why = getattr(last, "strerror", None) or type(last).__name__
         raise Refused(host, port, f"{host}:{port} does not answer ({why})", 502)
@@ -320,10 +301,8 @@ class EgressProxy:
         with self._lock:
             index = len(self.refusals)
             self.refusals.append(Refusal(exc.host, exc.port, exc.reason, exc.status))
-        if exc.status == 403:
-            log.info("browser egress refused %s:%s: %s", exc.host, exc.port, exc.reason)
-        else:
-            log.info("browser egress failed %s:%s: %s", exc.host, exc.port, exc.reason)
+        verb = "refused" if exc.status == 403 else "failed"
+        log.info("browser egress %s %s:%s: %s", verb, exc.host, exc.port, exc.reason)
         self._respond(client, exc.status, exc.reason, mark=f"{self.token} {index}")
 
     def _respond(self, client: socket.socket, status: int, reason: str, mark: str | None = None) -> None:
@@ -456,14 +435,14 @@ class EgressProxy:
     def _pipe(self, a: socket.socket, b: socket.socket) -> None:
         """Bytes both ways, one chunk at a time, until both sides have closed
         (a side's close is passed on as a half-close) or nothing moves for
-        `idle_timeout_s`."""
+        IDLE_TIMEOUT_S."""
         peer = {a: b, b: a}
         with selectors.DefaultSelector() as sel:
             for s in (a, b):
                 sel.register(s, selectors.EVENT_READ)
             live = 2
             while live:
-                ready = sel.select(self.idle_timeout_s)
+                ready = sel.select(IDLE_TIMEOUT_S)
                 if not ready:
                     return
                 for key, _ in ready:
@@ -481,7 +460,5 @@ class EgressProxy:
 
 
 def _close(s: socket.socket) -> None:
-    try:
+    with suppress(OSError):
         s.close()
-    except OSError:
-        pass
