@@ -28,13 +28,7 @@ def safe_name(name: str, fallback: str = "file") -> str:
 
 class OutboxPlatform(Platform):
     name = "outbox"
-    limits = Limits(
-        text_chars=100_000,
-        caption_chars=4096,
-        upload_bytes=2 * 1024**3,
-        photo_bytes=None,
-        native_kinds=frozenset(Kind),
-    )
+    limits = Limits(text_chars=100_000, caption_chars=4096, upload_bytes=2 * 1024**3)
 
     #: a 0-byte file is written as it is (chat platforms refuse one before any upload)
     takes_empty_files = True
