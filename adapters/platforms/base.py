@@ -136,10 +136,8 @@ class Platform(ABC):
 
     @classmethod
     def limits_for(cls, **options: Any) -> Limits:
-        """The `limits` an adapter built with these constructor options has,
-        read without building one (no client, no credentials). Default: the
-        class's own `limits`; an adapter whose limits depend on its options
-        (an upload size, a local API server) says how."""
+        """The `limits` an adapter built with these constructor options has, read
+        without building one (no client, no credentials)."""
         return cls.limits
 
     def is_group(self, chat: str) -> bool:
@@ -151,9 +149,8 @@ class Platform(ABC):
         return self.limits.caption_chars
 
     def route_file(self, kind: Kind, file: FileSource) -> Kind:
-        """The kind the file goes as by the platform's own type rules (WhatsApp's
-        supported types, Telegram's audio formats); raises FileRefused when it
-        cannot go at all."""
+        """The kind the file goes as by the platform's own type rules; FileRefused when
+        it cannot go at all."""
         return kind
 
     @abstractmethod

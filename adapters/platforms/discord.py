@@ -283,18 +283,14 @@ class DiscordPlatform(Platform):
 
     # -- sending ------------------------------------------------------------------------
     def send_text(self, chat: str, text: str, *, delivery_id: str) -> Sent:
-        async def go(client: discord.Client) -> Sent:
-            msg = await self._channel(client, chat).send(
-                content=text, nonce=nonce_for(delivery_id), allowed_mentions=discord.AllowedMentions.none())
-            return Sent(message_id=str(msg.id))
-
-        return self._run("send a message", go)
+        msg = self._run("send a message", lambda client: self._channel(client, chat).send(
+            content=text, nonce=nonce_for(delivery_id), allowed_mentions=discord.AllowedMentions.none()))
+        return Sent(message_id=str(msg.id))
 
     # -- voice messages ----------------------------------------------------------------------
     def voice_info(self, file: FileSource) -> _ogg.OpusInfo | None:
         """The file's Ogg Opus description when it can go as a voice message, else None
-        (not named or typed as Ogg, or not a sound Ogg Opus stream: logged, never raised).
-        A storage error while reading it propagates (the delivery is retried)."""
+        (logged, never raised); a storage error while reading it propagates."""
         memo = self._voice_memo
         if memo is not None and memo[0] is file:
             return memo[1]
@@ -311,16 +307,13 @@ class DiscordPlatform(Platform):
         return info
 
     def route_file(self, kind: Kind, file: FileSource) -> Kind:
-        """A voice note that is not Ogg Opus (an mp3, a malformed .ogg) goes as an
-        audio attachment, and is recorded so: Discord makes a voice message only of Opus."""
+        """A voice note that is not Ogg Opus goes as an audio attachment (and is recorded so)."""
         if kind == Kind.VOICE and self.voice_info(file) is None:
             return Kind.AUDIO
         return kind
 
     def caption_chars_for(self, kind: Kind, file: FileSource) -> int:
-        """The caption limit for this file as `kind` (asked by `tasks.delivery.delivery`): a voice
-        message holds no text, so 0 (its caption follows as text messages); else a
-        message's content limit."""
+        """A voice message holds no text: 0 (its caption follows as text messages)."""
         if kind == Kind.VOICE and self.voice_info(file) is not None:
             return 0
         return self.limits.caption_chars
@@ -342,11 +335,9 @@ class DiscordPlatform(Platform):
         return self._send_files(chat, [f for _, f in files], caption, delivery_id)
 
     def _send_files(self, chat: str, files: list[FileSource], caption: str | None, delivery_id: str) -> list[Sent]:
-        async def go(client: discord.Client) -> list[Sent]:
-            msg_id = await self._post_attachments(client, chat, files, caption, delivery_id)
-            return [Sent(message_id=msg_id) for _ in files]
-
-        return self._run("upload a file", go)
+        msg_id = self._run("upload a file", lambda client: self._post_attachments(client, chat, files, caption,
+                                                                                   delivery_id))
+        return [Sent(message_id=msg_id) for _ in files]
 
     async def _post_attachments(self, client: discord.Client, chat: str, files: list[FileSource],
                                 caption: str | None, delivery_id: str) -> str:
@@ -367,10 +358,8 @@ class DiscordPlatform(Platform):
         return stack.enter_context(closing(_StoredReader(f)))
 
     def _send_voice(self, chat: str, file: FileSource, info: _ogg.OpusInfo, delivery_id: str) -> Sent:
-        """One voice message: flag IS_VOICE_MESSAGE, its one attachment with
-        `duration_secs` and `waveform`, no content. Refused as a voice message
-        (`_VOICE_REFUSED`): the same file as an audio attachment, same nonce
-        (Discord created nothing under it)."""
+        """One voice message; refused as one (`_VOICE_REFUSED`): the same file as an audio
+        attachment, same nonce (Discord created nothing under it)."""
         nonce = nonce_for(delivery_id)
 
         async def go(client: discord.Client) -> Sent:
@@ -398,25 +387,16 @@ class DiscordPlatform(Platform):
 
     # -- activity --------------------------------------------------------------------------
     def typing(self, chat: str) -> None:
-        async def go(client: discord.Client) -> None:
-            self._channel(client, chat)  # checks the id
-            await client.http.send_typing(int(chat))
-
-        self._run("show typing", go)
+        self._run("show typing", lambda client: client.http.send_typing(self._channel(client, chat).id))
 
     def start_progress(self, chat: str, text: str) -> str | None:
-        async def go(client: discord.Client) -> str:
-            msg = await self._channel(client, chat).send(content=text,
-                                                         allowed_mentions=discord.AllowedMentions.none())
-            return str(msg.id)
-
-        return self._run("post a progress message", go)
+        msg = self._run("post a progress message", lambda client: self._channel(client, chat).send(
+            content=text, allowed_mentions=discord.AllowedMentions.none()))
+        return str(msg.id)
 
     def edit_progress(self, chat: str, message_id: str, text: str) -> None:
-        async def go(client: discord.Client) -> None:
-            await self._channel(client, chat).get_partial_message(int(message_id)).edit(content=text)
-
-        self._run("edit the progress message", go)
+        self._run("edit the progress message",
+                  lambda client: self._channel(client, chat).get_partial_message(int(message_id)).edit(content=text))
 
     def end_progress(self, chat: str, message_id: str) -> None:
         async def go(client: discord.Client) -> None:

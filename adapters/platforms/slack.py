@@ -141,9 +141,8 @@ class SlackPlatform(Platform):
 
     # -- channels ------------------------------------------------------------------
     def channel_id(self, chat: str) -> str:
-        """`chat` as a channel id: an id as it is; a name (`#general`, `general`) looked up
-        in `conversations.list` (the channels the bot can see; cached `NAMES_TTL_S` per
-        process). Slack's file sharing takes only ids. An unknown name: Permanent."""
+        """`chat` as a channel id: a name (`#general`, `general`) is looked up in
+        `conversations.list` (cached `NAMES_TTL_S`); an unknown one is Permanent."""
         if _CHANNEL_ID.fullmatch(chat):
             return chat
         name = chat.lstrip("#").lower()

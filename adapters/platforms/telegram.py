@@ -334,11 +334,9 @@ class TelegramPlatform(Platform):
 
 def _file_id(msg: Message, kind: Kind) -> str | None:
     """The reusable file id of what a message carries (largest photo size)."""
-    if kind == Kind.PHOTO and msg.photo:
-        return msg.photo[-1].file_id
-    att = getattr(msg, kind.value, None) if kind != Kind.TEXT else None
+    att = getattr(msg, kind.value, None)
     if att is None:
         att = msg.effective_attachment
-        if isinstance(att, tuple):  # photo sizes
-            att = att[-1] if att else None
+    if isinstance(att, tuple):  # photo sizes
+        att = att[-1] if att else None
     return getattr(att, "file_id", None)

@@ -110,9 +110,8 @@ def _answer(err: httpx.Response) -> DeliveryError:
         else:  # the answer lists every supported type (700 characters): keep it short
             perm = FileRefused(f"whatsapp: {message}: the file's type is not accepted (HTTP {status}, code {code})",
                                notice="WhatsApp does not take this type of file")
-        perm.api_code = code  # type: ignore[attr-defined]
-        return perm
-    perm = Permanent(text)
+    else:
+        perm = Permanent(text)
     perm.api_code = code  # type: ignore[attr-defined]
     return perm
 
