@@ -40,9 +40,8 @@ class Limits:
     photo_bytes: int | None = None
     #: per-kind upload limits where they differ from `upload_bytes`
     kind_upload_bytes: dict[Kind, int] = field(default_factory=dict)
-    #: shared rate limits, enforced across all workers through Redis (`tasks.delivery.ratelimit`): a
-    #: chat's sends start 1 / per_chat_per_s apart (paced by start, pushed for a late arrival,
-    #: widened after the platform's 429s); per group and per bot, moving windows
+    #: shared rate limits, enforced across all workers through Redis (`tasks.delivery.ratelimit`):
+    #: a chat's sends start 1 / per_chat_per_s apart; per group and per bot, moving windows
     per_chat_per_s: float | None = None
     per_group_per_min: float | None = None
     per_bot_per_s: float | None = None

@@ -6,6 +6,7 @@ backend of courier, for development, demos and tests.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -98,10 +99,8 @@ class OutboxPlatform(Platform):
                     os.close(out)
             os.replace(tmp, f"{d}/{fname}")
         except OSError as exc:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
-            except FileNotFoundError:
-                pass
             self._made.pop(chat, None)  # made again on the retry
             raise Transient(f"outbox write failed: {exc.strerror or exc}") from exc
         self._log(chat, d, {

@@ -201,10 +201,8 @@ class WhatsAppPlatform(Platform):
         return self._message(chat, "text", {"body": text, "preview_url": False})
 
     def media_known(self, media_id: str) -> bool:
-        """Whether the API still has this media id (`GET /<media id>`). A message naming
-        an expired one is accepted and then fails on its way, so a cached id is looked up
-        before it is reused; an id the API answers 4xx for is not known (rate limits and
-        server errors propagate: the send is retried)."""
+        """Whether the API still has this media id (`GET /<media id>`): a 4xx is no (rate
+        limits and server errors propagate: the send is retried)."""
         try:
             resp = self._http().get(f"{self._base}/{media_id}")
         except httpx.HTTPError as exc:
