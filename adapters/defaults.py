@@ -1,9 +1,4 @@
-"""Defaults that more than one layer states, in one place.
-
-Settings (`workers/settings.py`), the adapters' own constructors and the
-tools read them from here, so a default changes in one line. Plain values
-only: importing this module imports no SDK.
-"""
+"""Defaults that more than one layer states, in one place (plain values: no SDK imported)."""
 
 from __future__ import annotations
 

@@ -1,23 +1,11 @@
 r"""Names and short texts as they may be shown to a person: nothing invisible, nothing reordered.
 
-A file name is the agent's (or a stranger's) choice. A right-to-left override
-(U+202E) in `invoice\u202efdp.exe` makes a chat show `invoiceexe.pdf`; a
-zero-width space or a bidi isolate hides what a name really is; a newline
-in a name writes a line of its own into a notice. `visible` escapes every
-such character as `\uXXXX` (`\UXXXXXXXX` past the BMP), so the name shows
-what it is: `invoice\u202efdp.exe`. It is the one function used wherever a
-name is shown: the file name a platform shows (`FileSource.name`), the
-chat's notices, the turn's events (the turn page, `courier watch`, the
-chat's progress message), the CLI's tables.
-
-Escaped: control characters (Unicode category Cc: newlines, tabs, C1),
-format characters (Cf: the bidi embeddings, overrides, isolates and marks,
-zero-width spaces and joiners, the BOM, soft hyphens, tag characters),
-surrogates (Cs: bytes a file system name had that are not UTF-8), private
-use (Co), line and paragraph separators (Zl, Zp), and the fillers that
-render as nothing (Hangul fillers, the combining grapheme joiner). A
-zero-width joiner between two emoji is kept: it is how 👩‍💻 is written.
-A string with none of them is returned as it is.
+A right-to-left override (U+202E) in `invoice\u202efdp.exe` makes a chat show
+`invoiceexe.pdf`; `visible` escapes it as `\u202e`, as it does every control
+(Cc), format (Cf: bidi controls, zero-width characters, tags), surrogate
+(Cs), private-use (Co), line and paragraph separator (Zl, Zp) and filler that
+renders as nothing. A zero-width joiner between two emoji is kept (👩‍💻). It
+is the one function used wherever a name is shown.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""courier's one error tree.
-
-Every vendor error (SDK, HTTP, boto3, docker, paramiko) is translated into
-one of these in one place per adapter, so the task layer decides retries
-from the class alone::
+"""courier's one error tree: every vendor error is translated into one of
+these in one place per adapter, so the task layer decides retries from the
+class alone::
 
     CourierError
     ├── ConfigError            bad settings / URL / target (user input)
@@ -22,11 +20,9 @@ from the class alone::
     └── StorageError           blob store failures
         └── BlobMissing        no such key
 
-Each class also says, in `chat_words`, what a chat is told when such a
-failure ends its file or its turn: short words for a person ("storage
-unavailable; the operator was told"), never the reason, which names
-buckets, keys, endpoints and paths and stays in the receipt and the log
-(`in_chat_words`).
+`chat_words`: what a chat is told when such a failure ends its file or its
+turn; never the reason, which names buckets, keys, endpoints and paths and
+stays in the receipt and the log.
 """
 
 from __future__ import annotations
@@ -122,10 +118,8 @@ class SandboxGone(SandboxError):
 
 
 class SandboxStalled(SandboxError):
-    """The sandbox's reads timed out lately (its circuit breaker is open,
-    tasks/turn/breaker.py): the extraction is postponed to `until_s` (epoch
-    seconds) without reaching the sandbox. Waited out, like a storage
-    outage, until the outage deadline."""
+    """The sandbox's circuit breaker is open (tasks/turn/breaker.py): the
+    extraction is postponed to `until_s` (epoch seconds) without reaching it."""
 
     transient = True
     chat_words = "the agent's sandbox stopped answering; the operator was told"
@@ -150,19 +144,14 @@ def in_chat_words(exc: BaseException) -> str:
     return exc.chat_words if isinstance(exc, CourierError) else CourierError.chat_words
 
 
-# -- vendor errors: one table per adapter ------------------------------------------------------
-#: a row's rule: the vendor error (and the adapter's context: itself, what it was doing ...) ->
-#: courier's error (an E), or None to leave it to the rows below
 E = TypeVar("E", bound=CourierError)
 
 
 class ErrorTable(Generic[E]):
-    """An adapter's vendor errors (its SDK's exceptions, its HTTP client's,
-    the OS's) and the courier error each becomes: rows `(vendor types,
-    rule)`, tried in order; the first row whose types match and whose rule
-    gives an error wins. `map(exc, *context)` passes the context on to the
-    rules; None: no row takes it. Platforms use it as their `ErrorMap`
-    (adapters/platforms/base.py), sandbox backends through `translating`."""
+    """An adapter's vendor errors and the courier error each becomes: rows
+    `(vendor types, rule)`, tried in order; the first row whose types match
+    and whose rule (`rule(exc, *context)`) gives an error wins; None: no row
+    takes it."""
 
     def __init__(self, rows: Sequence[tuple[type | tuple[type, ...], Callable[..., E | None]]]) -> None:
         self.rows = tuple((t if isinstance(t, tuple) else (t,), rule) for t, rule in rows)
@@ -179,20 +168,14 @@ class ErrorTable(Generic[E]):
         """Whether a row of the table takes errors of type `cls` (not only a fallback)."""
         return any(issubclass(cls, types) for types, _rule in self.rows)
 
-    @property
-    def types(self) -> tuple[type, ...]:
-        """Every vendor type the table names."""
-        return tuple(t for types, _rule in self.rows for t in types)
-
 
 @contextlib.contextmanager
 def translating(table: Callable[[], ErrorTable[Any]], *context: Any,
                 then: Callable[[CourierError], None] | None = None) -> Iterator[None]:
     """Run the block with its vendor errors translated by `table()` (built
-    only when an error comes: the vendor's module is imported then) and the
-    context: courier's own errors pass as they are, one no row takes is
-    raised as it is, a translated one is raised from the vendor's (after
-    `then(error)`, e.g. to drop a broken connection)."""
+    only when an error comes: the vendor's module is imported then); one no
+    row takes is raised as it is; `then(error)` runs before a translated one
+    is raised (e.g. to drop a broken connection)."""
     try:
         yield
     except CourierError:
@@ -205,11 +188,3 @@ def translating(table: Callable[[], ErrorTable[Any]], *context: Any,
             then(mapped)
         raise mapped from exc
 
-
-__all__ = [
-    "ErrorTable", "translating",
-    "CourierError", "ConfigError", "DeliveryError", "RateLimited", "Transient", "Permanent",
-    "SandboxError", "UnsafePath", "ControlInName", "FileMissing", "NotAFile", "TooLarge", "FileChanging", "SandboxGone",
-    "SandboxStalled",
-    "StorageError", "BlobMissing", "in_chat_words",
-]

@@ -1,10 +1,6 @@
-"""Optional dependencies: courier's core installs light (Celery, Redis, the
-CLI, the web process, the outbox and local sandbox, a volume store); each
-platform, sandbox backend, S3 and the browser tool is an extra
-(`pip install 'courier[telegram,s3]'`, or `courier[all]`). Their SDKs are
-imported only where they are used, and a missing one is a ConfigError that
-names the extra to install (exit 2 in the CLI; a failed delivery's reason
-in a worker)."""
+"""Optional dependencies: each platform, sandbox backend, S3 and the browser
+tool is an extra (`pip install 'courier[telegram,s3]'`); a missing SDK is a
+ConfigError that names the extra to install."""
 
 from __future__ import annotations
 
@@ -31,11 +27,6 @@ class MissingExtra(ConfigError):
     """An optional SDK is not installed: the message names the extra."""
 
 
-def message(extra: str, what: str, module: str) -> str:
-    return (f"{what} needs the {extra!r} extra (the {module!r} package is not installed): "
-            f"pip install 'courier[{extra}]'")
-
-
 @contextmanager
 def needs(extra: str, what: str) -> Iterator[None]:
     """Imports inside the block that fail for a module of `extra` raise MissingExtra."""
@@ -44,5 +35,6 @@ def needs(extra: str, what: str) -> Iterator[None]:
     except ModuleNotFoundError as exc:
         top = (exc.name or "").split(".")[0]
         if top in EXTRAS[extra]:
-            raise MissingExtra(message(extra, what, top)) from None
+            raise MissingExtra(f"{what} needs the {extra!r} extra (the {top!r} package is not installed): "
+                               f"pip install 'courier[{extra}]'") from None
         raise

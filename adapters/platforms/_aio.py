@@ -1,18 +1,9 @@
 """Run async SDK calls (python-telegram-bot, discord.py) from sync code.
 
 Every call runs on the process's one event loop, in a daemon thread (made lazily, and
-again after a fork): a threads pool's drives send at once through it, over one SDK
-client (and one connection pool) per loop (`PerLoop`), with the process's one TLS
-context (`tls`: building one loads the CA bundle, tens of ms of CPU). The caller waits
-in slices of `WAIT_SLICE_S`: an exception raised in its thread (a threads pool's soft
-time limit, `workers.timelimits`) is seen within one, and the abandoned call's
-coroutine is cancelled. A thread that runs a loop of its own (an async web handler) is
-served the same way.
-
-Measured (bench/bench_delivery_concurrency.py, docs/benchmarks.md): a delivery
-worker's processes with this one loop each send within 10 % as many deliveries a second
-as one process whose 16 threads took turns to run Python, each on its own loop (the
-run slot, removed in issue 23).
+again after a fork), over one SDK client per loop (`PerLoop`) and the process's one TLS
+context (`tls`). The caller waits in slices of `WAIT_SLICE_S`, so an exception raised in
+its thread (a soft time limit) is seen within one and the abandoned call is cancelled.
 """
 
 from __future__ import annotations
@@ -76,8 +67,7 @@ def close_all(objs: PerLoop[T], close: Callable[[T], Coroutine[Any, Any, Any]], 
     loop of the parent process before a fork: its connections close with it)."""
     with _lock:
         mine = _loop if _loop is not None and _pid == os.getpid() and not _loop.is_closed() else None
-    obj = objs.pop(mine)
-    objs.clear()
+    obj = objs.drain(mine)
     if obj is not None:
         try:
             run(close(obj), timeout_s)
@@ -89,10 +79,8 @@ _tls: tuple[int, ssl.SSLContext] | None = None
 
 
 def tls() -> ssl.SSLContext:
-    """The process's TLS context for its SDK clients, as httpx would make it (certifi's CA
-    bundle, or SSL_CERT_FILE / SSL_CERT_DIR): made once, and again after a fork. Each
-    client made with its own costs ~20 ms of CPU (the CA bundle is parsed again), and a
-    new loop (after a fork) makes a client (`PerLoop`)."""
+    """The process's TLS context for its SDK clients, as httpx would make it: made once
+    (and again after a fork), since each parse of the CA bundle costs CPU."""
     global _tls
     got = _tls
     if got is None or got[0] != os.getpid():
@@ -126,13 +114,9 @@ class PerLoop(Generic[T]):
                 obj = self._objs[loop] = self._make()
             return obj
 
-    def pop(self, loop: asyncio.AbstractEventLoop | None) -> T | None:
-        """Forget `loop`'s object, and give it back (None: there was none)."""
-        if loop is None:
-            return None
+    def drain(self, loop: asyncio.AbstractEventLoop | None) -> T | None:
+        """Forget every loop's object; give back `loop`'s (None: there was none)."""
         with self._lock:
-            return self._objs.pop(loop, None)
-
-    def clear(self) -> None:
-        with self._lock:
+            obj = self._objs.pop(loop, None) if loop is not None else None
             self._objs.clear()
+            return obj

@@ -1,19 +1,11 @@
 """Just enough Ogg Opus to describe a voice note: its duration, read without
 reading the file whole.
 
-- The first page must hold the `OpusHead` packet (RFC 7845 §5.1): channel
-  count, pre-skip, input rate.
-- The duration is the last page's granule position (48 kHz samples since the
-  stream began) less the pre-skip, over 48000 (RFC 7845 §4). That page is
-  found in the file's tail only (a page is at most 65,307 bytes, so the last
-  64 KiB hold the whole last page): the last `OggS` capture pattern whose
-  page checks out (CRC, the Opus stream's serial, a granule set) and ends
-  where the file does.
-
-Anything else (not Ogg, not Opus, a truncated file, a bad CRC, no audio)
-raises `OggError` with a reason a person can read; callers treat it as "not a
-voice note" and never crash on it. Plain code: no vendor SDK, no courier
-imports.
+The first page must hold the `OpusHead` packet (RFC 7845 §5.1). The duration
+is the last page's granule position less the pre-skip, over 48000 (§4); that
+page is found in the file's last `TAIL_BYTES`: the last `OggS` whose page
+checks out (CRC, the stream's serial, a granule set) and ends where the file
+does. Anything else raises `OggError` with a reason a person can read.
 """
 
 from __future__ import annotations
@@ -31,8 +23,7 @@ CAPTURE = b"OggS"
 #: capture pattern, version, header type, granule, serial, sequence, CRC, segment count
 _HEADER = struct.Struct("<4sBBqIIIB")
 HEADER_BYTES = _HEADER.size  # 27
-MAX_PAGE_BYTES = HEADER_BYTES + 255 + 255 * 255  # 65,307
-#: how much of the end of the file is read to find the last page
+#: how much of the end of the file is read to find the last page (a page is at most 65,307 bytes)
 TAIL_BYTES = 64 * 1024
 _BOS, _EOS = 0x02, 0x04
 #: a page on which no packet ends carries granule -1
@@ -75,7 +66,7 @@ def crc32(data: bytes | bytearray | memoryview) -> int:
     not reflected, no final xor (not zlib's CRC-32). Computed with the page's
     CRC field zeroed."""
     crc = 0
-    table = _CRC
+    table = _CRC  # (a local: the loop runs once a byte)
     for b in bytes(data):
         crc = ((crc << 8) & 0xFFFFFFFF) ^ table[(crc >> 24) ^ b]
     return crc
@@ -132,14 +123,11 @@ def _first_page(f: BinaryIO) -> tuple[_Page, bytes]:
         raise OggError("truncated Ogg file: its first page header is incomplete")
     if head[4] != 0:
         raise OggError(f"unsupported Ogg version {head[4]}")
-    nsegs = head[26]
-    lacing = _read_exactly(f, nsegs)
-    if len(lacing) < nsegs:
-        raise OggError("truncated Ogg file: its first page is incomplete")
+    lacing = _read_exactly(f, head[26])
     body = _read_exactly(f, sum(lacing))
-    buf = head + lacing + body
-    if len(body) < sum(lacing):
+    if len(lacing) < head[26] or len(body) < sum(lacing):
         raise OggError("truncated Ogg file: its first page is incomplete")
+    buf = head + lacing + body
     page = _page_at(buf, 0)
     if page is None:
         raise OggError("corrupt Ogg file: the first page's CRC does not match")

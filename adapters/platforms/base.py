@@ -1,12 +1,7 @@
 """The platform interface: every chat platform declares `name` and `limits`
-and implements a few send methods. The shared flow (routing by kind, photo
-and upload limits, splitting text and captions, retries, rate limits,
-idempotency) lives once above the adapters, in `tasks.delivery.delivery`.
-
-Adapters raise only courier's own errors (`adapters.errors`):
-`RateLimited(retry_after_s)`, `Transient`, `Permanent(reason)`; each adapter
-maps its vendor's errors in one place, its `map_error`: an `ErrorMap`, a
-table from vendor exception types to courier's errors.
+and implements a few send methods; the shared flow (routing, limits,
+splitting, retries, rate limits, idempotency) is `tasks.delivery.delivery`.
+Adapters raise only courier's own errors, mapped in one place, `map_error`.
 """
 
 from __future__ import annotations
@@ -20,7 +15,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from adapters.errors import DeliveryError, ErrorTable, Permanent, Transient
+from adapters.errors import ConfigError, DeliveryError, ErrorTable, Permanent, Transient
 
 MB = 1000 * 1000
 MiB = 1024 * 1024
@@ -45,16 +40,14 @@ class Limits:
     photo_bytes: int | None = None
     #: per-kind upload limits where they differ from `upload_bytes`
     kind_upload_bytes: dict[Kind, int] = field(default_factory=dict)
-    #: shared rate limits, enforced across all workers through Redis (`tasks.delivery.ratelimit`): a
-    #: chat's sends start 1 / per_chat_per_s apart (paced by start, pushed for a late arrival,
-    #: widened after the platform's 429s); per group and per bot, moving windows
+    #: shared rate limits, enforced across all workers through Redis (`tasks.delivery.ratelimit`):
+    #: a chat's sends start 1 / per_chat_per_s apart; per group and per bot, moving windows
     per_chat_per_s: float | None = None
     per_group_per_min: float | None = None
     per_bot_per_s: float | None = None
-    files_per_message: int = 1
     #: kinds the platform shows natively; others fall back (animation -> photo, voice -> audio)
     native_kinds: frozenset[Kind] = frozenset(Kind)
-    #: how many photos one album may hold (0: no albums)
+    #: how many files one album (one message) may hold (0: no albums)
     album_max: int = 0
 
     def upload_limit(self, kind: Kind) -> int:
@@ -79,12 +72,9 @@ class FileSource:
 
 
 class FileRefused(Permanent):
-    """This file cannot go to this platform: a type it does not take, a size it
-    refuses (its own answer, e.g. HTTP 413), an empty file. Permanent, and the
-    shared flow tells the chat why (`notice`: short words for a person, e.g.
-    "WhatsApp does not take .csv files"), with a download link when it can.
-    `too_large`: a size refusal (the same "too large" failure courier's own
-    pre-check records)."""
+    """This file cannot go to this platform (a type or size it refuses, an
+    empty file): the chat is told `notice` (short words for a person), with a
+    download link when it can. `too_large`: a size refusal."""
 
     def __init__(self, reason: str, *, notice: str | None = None, too_large: bool = False) -> None:
         super().__init__(reason)
@@ -92,19 +82,14 @@ class FileRefused(Permanent):
         self.too_large = too_large
 
 
-# -- vendor errors: one table per adapter ------------------------------------------------------
-#: a row's rule: the vendor error (and the adapter's context: what it was doing, a secret to
-#: redact) -> courier's error, or None to leave it to the rows below
+#: a row's rule: the vendor error (and the adapter's context) -> courier's error, or None
 ErrorRule = Callable[..., "DeliveryError | None"]
 
 
 class ErrorMap(ErrorTable[DeliveryError]):
-    """The one place an adapter's vendor errors (its SDK's exceptions, its HTTP
-    client's, an error answer) become courier's (`adapters.errors`): a table of
-    rows `(vendor types, rule)`, tried in order (an `ErrorTable`); the first row
-    whose types match and whose rule gives an error wins. Courier's own errors
-    pass as they are; what no row takes is `unexpected`'s (a Transient by
-    default). `map_error(exc, *context)` passes the context on to the rules."""
+    """An adapter's `map_error(exc, *context)`: an `ErrorTable`; courier's own
+    errors pass as they are, what no row takes is `unexpected`'s (a Transient
+    by default)."""
 
     def __init__(self, platform: str, rows: Sequence[tuple[type | tuple[type, ...], ErrorRule]], *,
                  unexpected: ErrorRule | None = None) -> None:
@@ -116,13 +101,9 @@ class ErrorMap(ErrorTable[DeliveryError]):
         if isinstance(exc, DeliveryError):
             return exc
         out = self.map(exc, *context)
-        if out is not None:
-            return out
-        if self._unexpected is not None:
-            unexpected = self._unexpected(exc, *context)
-            if unexpected is not None:
-                return unexpected
-        return Transient(f"{self.platform}: unexpected {type(exc).__name__}: {exc}")
+        if out is None and self._unexpected is not None:
+            out = self._unexpected(exc, *context)
+        return out or Transient(f"{self.platform}: unexpected {type(exc).__name__}: {exc}")
 
 
 @dataclass(frozen=True)
@@ -138,9 +119,8 @@ class Sent:
 
 
 class Platform(ABC):
-    """A chat platform. Every capability the delivery flow asks about is declared
-    here with its default, so an adapter states what differs and nothing is
-    looked up by name."""
+    """A chat platform: every capability the delivery flow asks about has its
+    default here; an adapter states what differs."""
 
     name: str = ""
     limits: Limits
@@ -155,10 +135,8 @@ class Platform(ABC):
 
     @classmethod
     def limits_for(cls, **options: Any) -> Limits:
-        """The `limits` an adapter built with these constructor options has,
-        read without building one (no client, no credentials). Default: the
-        class's own `limits`; an adapter whose limits depend on its options
-        (an upload size, a local API server) says how."""
+        """The `limits` an adapter built with these constructor options has, read
+        without building one (no client, no credentials)."""
         return cls.limits
 
     def is_group(self, chat: str) -> bool:
@@ -170,9 +148,8 @@ class Platform(ABC):
         return self.limits.caption_chars
 
     def route_file(self, kind: Kind, file: FileSource) -> Kind:
-        """The kind the file goes as by the platform's own type rules (WhatsApp's
-        supported types, Telegram's audio formats); raises FileRefused when it
-        cannot go at all."""
+        """The kind the file goes as by the platform's own type rules; FileRefused when
+        it cannot go at all."""
         return kind
 
     @abstractmethod
@@ -235,8 +212,6 @@ CHAT_IDS: dict[str, tuple[re.Pattern[str], str]] = {
 def split_target(target: str) -> tuple[str, str]:
     """`<platform>:<chat id>` -> (platform, chat); a chat id that cannot be one on
     its platform (`discord:not-a-number`, `whatsapp:hello`) is a ConfigError."""
-    from adapters.errors import ConfigError
-
     platform, sep, chat = target.partition(":")
     if not sep or not platform or not chat or not platform.isidentifier():
         raise ConfigError(

@@ -1,39 +1,19 @@
-"""Discord over discord.py's REST client (no gateway websocket).
+"""Discord over discord.py's REST client (no gateway websocket), on the
+process's one asyncio loop (`_aio`): one client and one login per process.
 
-A `discord.Client` is logged in once per process (`await client.login(token)`
-checks the token and nothing else is needed to send); every call runs on the
-process's one asyncio loop (`adapters.platforms._aio`): one client and one
-login per process.
-
-- Files go as attachments of one message (multipart `payload_json` +
-  `files[n]`), streamed from storage: a local path when the store has one,
-  else a reader over the stored stream. Discord shows photos, video and
-  audio inline itself; it has no animation kind (gif -> photo).
-- A voice note (`Kind.VOICE`) that is Ogg Opus goes as a native voice
-  message: flag `IS_VOICE_MESSAGE` (8192), its one attachment carrying
-  `duration_secs` (read from the Ogg pages by `_ogg`, without reading the
-  file whole) and a `waveform`, and no content. A voice message holds no
-  text, so `caption_chars_for` tells the shared flow to send a voice note's
-  caption as text messages after it (each part sent once, as any caption
-  overflow). A voice note that is not Ogg Opus (an .mp3 sent with
-  `--voice`, an .ogg that is Vorbis, truncated or not Ogg at all) goes as
-  an audio attachment, as does one Discord refuses as a voice message
-  (a channel without voice messages, 50173; missing permission, 50013).
-  discord.py (2.7) cannot send voice messages by itself: `_VoiceFile` adds
-  the two attachment fields to its `File`, and the message goes through its
-  own `handle_message_parameters` + `HTTPClient.send_message` with
-  `MessageFlags(voice=True)`.
+- Files go as attachments of one message, streamed from storage.
+- A voice note that is Ogg Opus goes as a native voice message (flag
+  IS_VOICE_MESSAGE, `duration_secs` read by `_ogg`, a `waveform`, no content:
+  `caption_chars_for` is 0, so its caption follows as text); one that is not,
+  or that Discord refuses as one (`_VOICE_REFUSED`), goes as an audio
+  attachment. discord.py cannot send voice messages itself: `_VoiceFile` and
+  `HTTPClient.send_message` with `MessageFlags(voice=True)` do.
 - Every message carries a nonce derived from its delivery id with
-  `enforce_nonce`: a task that sent, then died before its receipt was
-  recorded, gets the original message back on its rerun instead of posting a
-  second one (Discord keeps nonces for a few minutes).
+  `enforce_nonce`: a rerun after a lost receipt gets the original message back.
 - Agent text never pings anyone (`allowed_mentions` none).
-- No sleeping in a worker: discord.py's per-process buckets are replaced by
-  no-op ones (courier's shared limits live in Redis), its 429 wait is capped
-  so a 429 raises, and its 5xx retry loop is cut short by raising from an
-  aiohttp trace hook. The task layer re-schedules instead.
-
-Every vendor error is translated in one place, `map_error` (an `ErrorMap`).
+- No sleeping in a worker: discord.py's buckets are no-ops (courier's limits
+  live in Redis), its 429 wait is capped so a 429 raises, and its 5xx retries
+  are cut short by raising from an aiohttp trace hook.
 """
 
 from __future__ import annotations
@@ -42,10 +22,12 @@ import asyncio
 import base64
 import hashlib
 import io
+import json
 import logging
 import math
 import os
 from collections.abc import Awaitable, Callable
+from contextlib import ExitStack, closing
 from typing import Any, TypeVar
 
 import aiohttp
@@ -56,12 +38,11 @@ from adapters.errors import ConfigError, CourierError, DeliveryError, Permanent,
 from adapters.platforms import _aio, _ogg
 from adapters.platforms.base import ErrorMap, FileRefused, FileSource, Kind, Limits, MiB, Platform, Sent
 
-__all__ = ["DiscordPlatform", "DEFAULT_BASE_URL", "DEFAULT_UPLOAD_BYTES", "map_error"]
+__all__ = ["DiscordPlatform", "DEFAULT_UPLOAD_BYTES", "map_error"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-DEFAULT_BASE_URL = DISCORD_API_URL
 #: the default attachment cap since 2025 (boosted guilds allow more)
 DEFAULT_UPLOAD_BYTES = 10 * MiB
 #: discord.py raises `RateLimited` for any 429 wait longer than this
@@ -114,8 +95,6 @@ def _server_errors_raise() -> aiohttp.TraceConfig:
         if resp.status in _SDK_RETRIED:
             text = await resp.text(errors="replace")
             try:
-                import json
-
                 body: Any = json.loads(text) if "json" in (resp.content_type or "") else text
             except ValueError:
                 body = text
@@ -183,11 +162,8 @@ class _StoredReader(io.RawIOBase):
 
 
 def waveform_for(duration_s: float) -> bytes:
-    """A voice message's waveform: one amplitude (0-255) per 100 ms, at most 256.
-
-    A real envelope needs the audio decoded, and courier has no Opus decoder:
-    this is a flat mid-level line of the right length. Discord renders it
-    (as a level bar) and plays the audio as usual."""
+    """A voice message's waveform: one amplitude (0-255) per 100 ms, at most 256: a flat
+    mid-level line of the right length (a real envelope needs an Opus decoder)."""
     n = min(_WAVEFORM_MAX, max(1, math.ceil(duration_s / _WAVEFORM_STEP_S)))
     return bytes([_WAVEFORM_LEVEL]) * n
 
@@ -226,7 +202,7 @@ class _VoiceFile(discord.File):
 class DiscordPlatform(Platform):
     name = "discord"
 
-    def __init__(self, token: str, *, base_url: str = DEFAULT_BASE_URL, upload_bytes: int = DEFAULT_UPLOAD_BYTES,
+    def __init__(self, token: str, *, base_url: str = DISCORD_API_URL, upload_bytes: int = DEFAULT_UPLOAD_BYTES,
                  timeout_s: float = 300.0) -> None:
         if not token:
             raise ConfigError("discord: DISCORD_BOT_TOKEN is not set")
@@ -247,10 +223,8 @@ class DiscordPlatform(Platform):
             text_chars=2000,
             caption_chars=2000,  # a file's caption is its message content
             upload_bytes=upload_bytes,
-            photo_bytes=None,
             per_chat_per_s=1.0,  # a channel's message bucket is 5 per 5 s
             per_bot_per_s=50.0,  # the global limit
-            files_per_message=10,
             # VOICE: a native voice message when the file is Ogg Opus, else an audio attachment
             native_kinds=frozenset({Kind.TEXT, Kind.PHOTO, Kind.VIDEO, Kind.AUDIO, Kind.VOICE, Kind.DOCUMENT}),
             album_max=10,
@@ -309,18 +283,14 @@ class DiscordPlatform(Platform):
 
     # -- sending ------------------------------------------------------------------------
     def send_text(self, chat: str, text: str, *, delivery_id: str) -> Sent:
-        async def go(client: discord.Client) -> Sent:
-            msg = await self._channel(client, chat).send(
-                content=text, nonce=nonce_for(delivery_id), allowed_mentions=discord.AllowedMentions.none())
-            return Sent(message_id=str(msg.id))
-
-        return self._run("send a message", go)
+        msg = self._run("send a message", lambda client: self._channel(client, chat).send(
+            content=text, nonce=nonce_for(delivery_id), allowed_mentions=discord.AllowedMentions.none()))
+        return Sent(message_id=str(msg.id))
 
     # -- voice messages ----------------------------------------------------------------------
     def voice_info(self, file: FileSource) -> _ogg.OpusInfo | None:
         """The file's Ogg Opus description when it can go as a voice message, else None
-        (not named or typed as Ogg, or not a sound Ogg Opus stream: logged, never raised).
-        A storage error while reading it propagates (the delivery is retried)."""
+        (logged, never raised); a storage error while reading it propagates."""
         memo = self._voice_memo
         if memo is not None and memo[0] is file:
             return memo[1]
@@ -337,16 +307,13 @@ class DiscordPlatform(Platform):
         return info
 
     def route_file(self, kind: Kind, file: FileSource) -> Kind:
-        """A voice note that is not Ogg Opus (an mp3, a malformed .ogg) goes as an
-        audio attachment, and is recorded so: Discord makes a voice message only of Opus."""
+        """A voice note that is not Ogg Opus goes as an audio attachment (and is recorded so)."""
         if kind == Kind.VOICE and self.voice_info(file) is None:
             return Kind.AUDIO
         return kind
 
     def caption_chars_for(self, kind: Kind, file: FileSource) -> int:
-        """The caption limit for this file as `kind` (asked by `tasks.delivery.delivery`): a voice
-        message holds no text, so 0 (its caption follows as text messages); else a
-        message's content limit."""
+        """A voice message holds no text: 0 (its caption follows as text messages)."""
         if kind == Kind.VOICE and self.voice_info(file) is not None:
             return 0
         return self.limits.caption_chars
@@ -363,71 +330,56 @@ class DiscordPlatform(Platform):
 
     def send_album(self, chat: str, files: list[tuple[Kind, FileSource]], *, caption: str | None,
                    delivery_id: str) -> list[Sent]:
-        if not 0 < len(files) <= self.limits.files_per_message:
-            raise Permanent(f"discord: a message holds 1 to {self.limits.files_per_message} files, not {len(files)}")
+        if not 0 < len(files) <= self.limits.album_max:
+            raise Permanent(f"discord: a message holds 1 to {self.limits.album_max} files, not {len(files)}")
         return self._send_files(chat, [f for _, f in files], caption, delivery_id)
 
     def _send_files(self, chat: str, files: list[FileSource], caption: str | None, delivery_id: str) -> list[Sent]:
-        async def go(client: discord.Client) -> list[Sent]:
-            msg_id = await self._post_attachments(client, chat, files, caption, delivery_id)
-            return [Sent(message_id=msg_id) for _ in files]
-
-        return self._run("upload a file", go)
+        msg_id = self._run("upload a file", lambda client: self._post_attachments(client, chat, files, caption,
+                                                                                   delivery_id))
+        return [Sent(message_id=msg_id) for _ in files]
 
     async def _post_attachments(self, client: discord.Client, chat: str, files: list[FileSource],
                                 caption: str | None, delivery_id: str) -> str:
         channel = self._channel(client, chat)
-        readers: list[io.RawIOBase] = []
-        attachments: list[discord.File] = []
-        try:
-            for f in files:
-                attachments.append(discord.File(self._source_of(f, readers), filename=f.name))
+        with ExitStack() as stack:
+            attachments = [stack.enter_context(closing(discord.File(self._source_of(f, stack), filename=f.name)))
+                           for f in files]
             msg = await channel.send(content=caption or None, files=attachments, nonce=nonce_for(delivery_id),
                                      allowed_mentions=discord.AllowedMentions.none())
-        finally:
-            for a in attachments:
-                a.close()
-            for r in readers:
-                r.close()
         return str(msg.id)
 
     @staticmethod
-    def _source_of(f: FileSource, readers: list[io.RawIOBase]) -> Any:
-        """What `discord.File` reads: the local path, else a reader over the stored stream."""
+    def _source_of(f: FileSource, stack: ExitStack) -> Any:
+        """What `discord.File` reads: the local path, else a reader over the stored stream
+        (closed with `stack`, after the `discord.File` made of it)."""
         if f.path is not None:
             return str(f.path)
-        reader = _StoredReader(f)
-        readers.append(reader)
-        return reader
+        return stack.enter_context(closing(_StoredReader(f)))
 
     def _send_voice(self, chat: str, file: FileSource, info: _ogg.OpusInfo, delivery_id: str) -> Sent:
-        """One voice message: flag IS_VOICE_MESSAGE, its one attachment with
-        `duration_secs` and `waveform`, no content. Refused as a voice message
-        (`_VOICE_REFUSED`): the same file as an audio attachment, same nonce
-        (Discord created nothing under it)."""
+        """One voice message; refused as one (`_VOICE_REFUSED`): the same file as an audio
+        attachment, same nonce (Discord created nothing under it)."""
         nonce = nonce_for(delivery_id)
 
         async def go(client: discord.Client) -> Sent:
             channel = self._channel(client, chat)
-            readers: list[io.RawIOBase] = []
-            voice = _VoiceFile(self._source_of(file, readers), _voice_filename(file.name),
-                               duration_secs=round(info.duration_s, 3), waveform=waveform_for(info.duration_s))
             try:
-                # (Messageable.send takes no flags: the same parameters it builds, with the voice flag)
-                with discord.http.handle_message_parameters(
-                        files=[voice], flags=discord.MessageFlags(voice=True), nonce=nonce,
-                        allowed_mentions=discord.AllowedMentions.none()) as params:
-                    data = await client.http.send_message(channel.id, params=params)
-                return Sent(message_id=str(data["id"]))
+                with ExitStack() as stack:
+                    voice = stack.enter_context(closing(_VoiceFile(
+                        self._source_of(file, stack), _voice_filename(file.name),
+                        duration_secs=round(info.duration_s, 3), waveform=waveform_for(info.duration_s))))
+                    # (Messageable.send takes no flags: the same parameters it builds, with the voice flag)
+                    with discord.http.handle_message_parameters(
+                            files=[voice], flags=discord.MessageFlags(voice=True), nonce=nonce,
+                            allowed_mentions=discord.AllowedMentions.none()) as params:
+                        data = await client.http.send_message(channel.id, params=params)
+                    return Sent(message_id=str(data["id"]))
             except discord.HTTPException as exc:
                 if exc.code not in _VOICE_REFUSED:
                     raise
                 log.warning("discord: %s refused as a voice message (%s %s, code %s): sent as an audio attachment",
                             file.name, exc.status, exc.text, exc.code)
-            finally:
-                voice.close()
-                for r in readers:
-                    r.close()
             return Sent(message_id=await self._post_attachments(client, chat, [file], None, delivery_id),
                         kind=Kind.AUDIO)
 
@@ -435,25 +387,16 @@ class DiscordPlatform(Platform):
 
     # -- activity --------------------------------------------------------------------------
     def typing(self, chat: str) -> None:
-        async def go(client: discord.Client) -> None:
-            self._channel(client, chat)  # checks the id
-            await client.http.send_typing(int(chat))
-
-        self._run("show typing", go)
+        self._run("show typing", lambda client: client.http.send_typing(self._channel(client, chat).id))
 
     def start_progress(self, chat: str, text: str) -> str | None:
-        async def go(client: discord.Client) -> str:
-            msg = await self._channel(client, chat).send(content=text,
-                                                         allowed_mentions=discord.AllowedMentions.none())
-            return str(msg.id)
-
-        return self._run("post a progress message", go)
+        msg = self._run("post a progress message", lambda client: self._channel(client, chat).send(
+            content=text, allowed_mentions=discord.AllowedMentions.none()))
+        return str(msg.id)
 
     def edit_progress(self, chat: str, message_id: str, text: str) -> None:
-        async def go(client: discord.Client) -> None:
-            await self._channel(client, chat).get_partial_message(int(message_id)).edit(content=text)
-
-        self._run("edit the progress message", go)
+        self._run("edit the progress message",
+                  lambda client: self._channel(client, chat).get_partial_message(int(message_id)).edit(content=text))
 
     def end_progress(self, chat: str, message_id: str) -> None:
         async def go(client: discord.Client) -> None:

@@ -6,6 +6,7 @@ backend of courier, for development, demos and tests.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -28,13 +29,7 @@ def safe_name(name: str, fallback: str = "file") -> str:
 
 class OutboxPlatform(Platform):
     name = "outbox"
-    limits = Limits(
-        text_chars=100_000,
-        caption_chars=4096,
-        upload_bytes=2 * 1024**3,
-        photo_bytes=None,
-        native_kinds=frozenset(Kind),
-    )
+    limits = Limits(text_chars=100_000, caption_chars=4096, upload_bytes=2 * 1024**3)
 
     #: a 0-byte file is written as it is (chat platforms refuse one before any upload)
     takes_empty_files = True
@@ -104,10 +99,8 @@ class OutboxPlatform(Platform):
                     os.close(out)
             os.replace(tmp, f"{d}/{fname}")
         except OSError as exc:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
-            except FileNotFoundError:
-                pass
             self._made.pop(chat, None)  # made again on the retry
             raise Transient(f"outbox write failed: {exc.strerror or exc}") from exc
         self._log(chat, d, {

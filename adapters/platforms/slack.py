@@ -1,33 +1,18 @@
 """Slack over slack_sdk's WebClient.
 
-- Text: `chat.postMessage` (40 000 characters; `&`, `<`, `>` escaped as
-  Slack asks, so agent text shows as written).
-- Files: Slack's external upload flow, streamed: `files.getUploadURLExternal`
-  (name + length) -> POST of the bytes to the returned URL (httpx, read from
-  storage chunk by chunk with a Content-Length, never whole in memory; the
-  bot token is not sent there) -> `files.completeUploadExternal` (shares
-  them in the channel, the caption as `initial_comment`). When the completion
-  fails (a 429, a 5xx) the uploaded file's id rides on the error (`file_id`):
-  the shared flow records it for the delivery and the retry only completes
-  it, never uploading the bytes again; when that completion answers
-  `file_not_found` (a completed upload is no more: the earlier one may have
-  shared it and only its answer was lost), `files.info` is asked whether the
-  file is shared in the chat already before anything is shared again.
-  slack_sdk's own
-  `files_upload_v2` reads every file whole into memory, so it is not used.
-  Slack shows every file as a file (images with a preview): photos stay
-  photos, everything else is a document.
-- A chat is a channel id (`C0123ABCD`) or a channel name (`#general`,
-  `general`): a name is resolved to its id through `conversations.list`
-  (cached per process), since file sharing takes only ids; a name the bot
-  cannot see is a clear permanent failure.
-- Progress: a message posted, updated, deleted. Slack has no typing
-  indicator for bots over the Web API: `typing` does nothing.
-- No sleeping in a worker: the client has no retry handlers (slack_sdk's
-  rate-limit handler sleeps, its connection handler sleeps too); a 429 is
-  `RateLimited(Retry-After)` and the task is re-scheduled.
-
-Every vendor error is translated in one place, `map_error` (an `ErrorMap`).
+- Text: `chat.postMessage`, with `&`, `<`, `>` escaped so agent text shows as written.
+- Files: Slack's external upload flow, streamed (slack_sdk's `files_upload_v2`
+  reads every file whole): `files.getUploadURLExternal` -> POST of the bytes
+  (httpx; the bot token is not sent there) -> `files.completeUploadExternal`
+  (shared in the channel, the caption as `initial_comment`). When the
+  completion fails, the upload's id rides on the error (`file_id`) and the
+  retry only completes it; a completion that answers `file_not_found` asks
+  `files.info` whether an earlier one shared it already (its answer lost).
+- A chat is a channel id or a name, resolved through `conversations.list`
+  (cached per process): file sharing takes only ids.
+- No typing indicator for bots; progress is a message posted, updated, deleted.
+- No sleeping in a worker: the client has no retry handlers (they sleep); a
+  429 is `RateLimited(Retry-After)` and the task is re-scheduled.
 """
 
 from __future__ import annotations
@@ -51,12 +36,11 @@ from adapters.defaults import SLACK_API_URL
 from adapters.errors import ConfigError, CourierError, DeliveryError, Permanent, RateLimited, Transient
 from adapters.platforms.base import ErrorMap, FileRefused, FileSource, Kind, Limits, Platform, Sent, iter_file
 
-__all__ = ["SlackPlatform", "DEFAULT_BASE_URL", "DEFAULT_UPLOAD_BYTES", "map_error"]
+__all__ = ["SlackPlatform", "DEFAULT_UPLOAD_BYTES", "map_error"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-DEFAULT_BASE_URL = SLACK_API_URL
 #: Slack's per-file cap (slack_sdk: MAX_V2_FILE_SIZE)
 DEFAULT_UPLOAD_BYTES = 1024 * 1024 * 1024
 UPLOAD_CHUNK_BYTES = 256 * 1024
@@ -109,7 +93,7 @@ class _UploadRejected(Exception):
 class SlackPlatform(Platform):
     name = "slack"
 
-    def __init__(self, token: str, *, base_url: str = DEFAULT_BASE_URL, upload_bytes: int = DEFAULT_UPLOAD_BYTES,
+    def __init__(self, token: str, *, base_url: str = SLACK_API_URL, upload_bytes: int = DEFAULT_UPLOAD_BYTES,
                  timeout_s: float = 60.0, upload_timeout_s: float = 600.0) -> None:
         if not token:
             raise ConfigError("slack: SLACK_BOT_TOKEN is not set")
@@ -132,9 +116,7 @@ class SlackPlatform(Platform):
             text_chars=40000,
             caption_chars=40000,  # initial_comment is a message text
             upload_bytes=upload_bytes,
-            photo_bytes=None,
             per_chat_per_s=1.0,  # chat.postMessage: about one message a second per channel
-            files_per_message=10,
             native_kinds=frozenset({Kind.TEXT, Kind.PHOTO, Kind.DOCUMENT}),
             album_max=10,
         )
@@ -159,9 +141,8 @@ class SlackPlatform(Platform):
 
     # -- channels ------------------------------------------------------------------
     def channel_id(self, chat: str) -> str:
-        """`chat` as a channel id: an id as it is; a name (`#general`, `general`) looked up
-        in `conversations.list` (the channels the bot can see; cached `NAMES_TTL_S` per
-        process). Slack's file sharing takes only ids. An unknown name: Permanent."""
+        """`chat` as a channel id: a name (`#general`, `general`) is looked up in
+        `conversations.list` (cached `NAMES_TTL_S`); an unknown one is Permanent."""
         if _CHANNEL_ID.fullmatch(chat):
             return chat
         name = chat.lstrip("#").lower()
@@ -208,18 +189,14 @@ class SlackPlatform(Platform):
             except Permanent as exc:
                 if "file_not_found" not in exc.reason and "invalid" not in exc.reason:
                     raise
-                # no such pending upload: either Slack lost it, or the earlier completion did share
-                # it and only its answer was lost (a completed upload is no more): ask before sharing again
+                # no such pending upload: Slack lost it, or an earlier completion shared it
                 if self._shared_in(chat, file_id):
                     return Sent(message_id=file_id)
-                # an upload Slack no longer knows: upload the bytes once more
         return self._share(chat, [file], caption)[0]
 
     def _shared_in(self, chat: str, file_id: str) -> bool:
-        """Whether `files.info` says the file is shared in `chat` already (an earlier
-        completion whose answer was lost). A file Slack does not know, or an answer
-        courier cannot read (a bot without `files:read`): False, logged, and the file
-        is shared again, as before."""
+        """Whether `files.info` says the file is shared in `chat` already. A file Slack
+        does not know, or no answer (a bot without `files:read`): False, and it is shared again."""
         try:
             info = self._call("files.info", lambda: self._api.files_info(file=file_id))
         except Permanent as exc:
@@ -236,8 +213,8 @@ class SlackPlatform(Platform):
 
     def send_album(self, chat: str, files: list[tuple[Kind, FileSource]], *, caption: str | None,
                    delivery_id: str) -> list[Sent]:
-        if not 0 < len(files) <= self.limits.files_per_message:
-            raise Permanent(f"slack: one message shares 1 to {self.limits.files_per_message} files, not {len(files)}")
+        if not 0 < len(files) <= self.limits.album_max:
+            raise Permanent(f"slack: one message shares 1 to {self.limits.album_max} files, not {len(files)}")
         return self._share(self.channel_id(chat), [f for _, f in files], caption)
 
     def _share(self, chat: str, files: list[FileSource], caption: str | None) -> list[Sent]:

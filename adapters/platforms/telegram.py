@@ -1,25 +1,14 @@
 """Telegram over python-telegram-bot (Bot API over HTTP; no polling, no updater).
 
-- One `telegram.Bot` per process: every call runs on the process's one event
-  loop (`adapters.platforms._aio`), a threads pool's drives at once through
-  one Bot and its connection pool (`pool_size`); a Bot's httpx client belongs
-  to the loop it was made on (`_aio.PerLoop`: a new one after a fork).
-- No rate limiter that waits: a 429 becomes `RateLimited(retry_after)` and the
-  task is re-scheduled; the shared per-chat / per-group / per-bot limits are
-  enforced above the adapter, in Redis (`tasks.delivery.ratelimit`).
-- Uploads stream: the open file object from `FileSource.open()` is handed to
-  httpx (`InputFile(..., read_file_handle=False)`), never read whole.
-- Audio goes as audio only as mp3/m4a and a voice note only as ogg/opus/
-  mp3/m4a (what Telegram shows so); other formats go as documents on purpose
-  (`route_file`), so the receipt and the file-id cache name what the chat shows.
+- One Bot per event loop (`_aio.PerLoop`), all calls on the process's one loop.
+- No rate limiter that waits: a 429 becomes `RateLimited` and the task is
+  re-scheduled; the shared limits are enforced in Redis, above the adapter.
+- Uploads stream the open file to httpx, never read whole.
 - A `file_id` Telegram returned for the same bytes is sent instead of
-  uploading again (`cache_key` names the bot: a hash of the token, never the
-  token itself).
-- Vendor errors are translated in one place, `map_error`.
+  uploading again (`cache_key`: a hash of the token, never the token).
 
 The token is part of every Bot API URL; it never appears in a repr, a log line
-of ours or an exception message (`_redact`), and httpx's request log lines
-are filtered the same way.
+or an exception message (`_redact`, and httpx's log lines are filtered).
 """
 
 from __future__ import annotations
@@ -140,10 +129,8 @@ ONE_WRITE_BYTES = 64 * 1024
 
 
 class _OneWrite(httpx.AsyncHTTPTransport):
-    """httpx's transport, sending a small request body in one write: a multipart upload
-    streams field by field (~10 socket writes for a 1 KB document, each a pass through
-    httpcore, h11 and anyio: ~20% of the SDK's CPU per send at once). Bodies over
-    `ONE_WRITE_BYTES`, or of unknown length, stream as before."""
+    """httpx's transport, sending a small request body in one write (a multipart
+    upload otherwise streams field by field: ~10 socket writes, each costing CPU)."""
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         size = request.headers.get("content-length")
@@ -159,29 +146,19 @@ class _Request(HTTPXRequest):
     async def do_request(self, url, method, request_data=None, **kw):  # type: ignore[override]
         code, payload = await super().do_request(url, method, request_data, **kw)
         if code == 413:
-            raise _HTTPStatus(413, _description(payload) or "Request Entity Too Large")
-        if code == 429:
-            params = _parameters(payload)
-            if not params.get("retry_after"):
-                raise RetryAfter(int(DEFAULT_RETRY_AFTER_S))
+            raise _HTTPStatus(413, str(_json(payload).get("description") or "Request Entity Too Large"))
+        if code == 429 and not _json(_json(payload).get("parameters")).get("retry_after"):
+            raise RetryAfter(int(DEFAULT_RETRY_AFTER_S))
         return code, payload
 
 
-def _json(payload: bytes) -> dict:
+def _json(payload: Any) -> dict:
+    """A JSON object (bytes, or one already parsed); {} for anything else."""
     try:
-        data = json.loads(payload)
+        data = json.loads(payload) if isinstance(payload, bytes) else payload
     except (ValueError, UnicodeDecodeError):
         return {}
     return data if isinstance(data, dict) else {}
-
-
-def _description(payload: bytes) -> str:
-    return str(_json(payload).get("description") or "")
-
-
-def _parameters(payload: bytes) -> dict:
-    p = _json(payload).get("parameters")
-    return p if isinstance(p, dict) else {}
 
 
 class _RedactToken(logging.Filter):
@@ -233,8 +210,6 @@ class TelegramPlatform(Platform):
             per_chat_per_s=1.0,
             per_group_per_min=20,
             per_bot_per_s=bot_per_s or None,
-            files_per_message=1,
-            native_kinds=frozenset(Kind),
             album_max=10,
         )
 
@@ -249,7 +224,7 @@ class TelegramPlatform(Platform):
     def _new_bot(self) -> Bot:
         connect, read, media_write = self._timeouts
         # (with a transport of its own, httpx takes the pool's limits from it)
-        tls = _aio.tls()  # (one per process: a context of its own per Bot costs ~20 ms of CPU each)
+        tls = _aio.tls()
         transport = _OneWrite(limits=httpx.Limits(max_connections=self._pool_size), verify=tls)
         request = _Request(connection_pool_size=self._pool_size, connect_timeout=connect, read_timeout=read,
                            write_timeout=30.0, pool_timeout=30.0, media_write_timeout=media_write,
@@ -283,10 +258,8 @@ class TelegramPlatform(Platform):
         return Sent(message_id=str(msg.message_id))
 
     def route_file(self, kind: Kind, file: FileSource) -> Kind:
-        """The kind Telegram will show (asked by `tasks.delivery.delivery` before sending, which
-        records it and keys the file-id cache by it): audio that is not mp3/m4a, and a
-        voice note that is not ogg/opus/mp3/m4a, go as documents, as Telegram would show
-        them anyway."""
+        """The kind Telegram will show: audio or a voice note of another format (`_SHOWN_AS`)
+        goes as a document, as Telegram would show it anyway."""
         formats = _SHOWN_AS.get(kind)
         if formats is not None and not file.name.lower().endswith(formats):
             return Kind.DOCUMENT
@@ -361,11 +334,9 @@ class TelegramPlatform(Platform):
 
 def _file_id(msg: Message, kind: Kind) -> str | None:
     """The reusable file id of what a message carries (largest photo size)."""
-    if kind == Kind.PHOTO and msg.photo:
-        return msg.photo[-1].file_id
-    att = getattr(msg, kind.value, None) if kind != Kind.TEXT else None
+    att = getattr(msg, kind.value, None)
     if att is None:
         att = msg.effective_attachment
-        if isinstance(att, tuple):  # photo sizes
-            att = att[-1] if att else None
+    if isinstance(att, tuple):  # photo sizes
+        att = att[-1] if att else None
     return getattr(att, "file_id", None)

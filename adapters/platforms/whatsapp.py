@@ -1,40 +1,17 @@
 """WhatsApp Cloud API over httpx: upload media, then send a message by media id.
 
-- `POST /{phone_number_id}/media` (multipart: messaging_product, type, file),
-  streamed from `FileSource.open()`; the media id it returns is the
-  reusable file id (upload once, send many: ids live 30 days). A cached id is
-  looked up (`GET /{media_id}`) before it is reused, since a message naming an
-  expired id is accepted and then never delivered; an unknown one is uploaded
-  again. A send that fails after its upload carries the media
-  id on its error (`file_id`): the shared flow records it, so the retry sends
-  the same media id instead of uploading again.
-- `POST /{phone_number_id}/messages` with `type` image | video | audio |
-  document | text. A voice note is `audio` with `"voice": true` (ogg/opus);
-  audio takes no caption: `caption_chars_for` answers 0 for it, so the shared
-  flow sends the caption as text parts after it (each recorded, sent once: a
-  retry after a rate-limited caption does not send the audio again).
-- Each file is routed before sending (`route_file`) by the Cloud API's own
-  type rules: it takes only the media types of its supported list
-  (`SUPPORTED_MIME`); anything else (csv, zip, gif, mkv, ...) is refused with
-  a short reason and a notice in the chat, nothing uploaded. Images show
-  inline as jpeg/png, video as mp4/3gpp, audio as aac/amr/mp3/m4a/ogg, a
-  voice note as ogg/opus (another supported audio goes as audio); other
-  supported types (webp) go as documents. Every upload carries the file's
-  real type (never application/octet-stream, which the API refuses), and
-  the API's size limits are those of that type, whatever message the media
-  goes in: a jpeg/png over 5 MB (or a video over 16 MB sent `--as-document`)
-  cannot go at all, as a document either; it is refused before anything is
-  uploaded (`FileRefused`, too large: the chat's notice names the limit, with
-  a download link where storage signs one).
-- Limits (Meta's "Supported media types", by the file's type): text 4096,
-  caption 1024; image 5 MB, video/audio 16 MB, sticker (webp) 500 KB,
-  document 100 MB; ~80 messages/s per business number.
-- Errors mapped in one place, `map_error`: 429 and the rate-limit codes
-  (4, 80007, 130429, 131048, 131056) -> RateLimited (Retry-After, else a
-  per-code default); 5xx, timeouts, dropped connections, the API's transient
-  codes -> Transient; 131053 (media upload error: a size or type it refuses)
-  -> FileRefused (the chat gets a notice; "too large" when it names a size);
-  other 4xx -> Permanent with the API's own message.
+- `POST /{phone_number_id}/media` streams the file; the media id it returns is
+  the reusable file id (ids live 30 days: a cached one is looked up first, as
+  a message naming an expired id is accepted and never delivered). A send
+  that fails after its upload carries the media id on its error (`file_id`),
+  so the retry does not upload again.
+- `POST /{phone_number_id}/messages`; a voice note is `audio` with
+  `"voice": true`; audio takes no caption (`caption_chars_for` 0: it follows
+  as text).
+- Each file is routed before sending (`route_file`) by the API's own type
+  rules and per-type size limits (`SUPPORTED_MIME`, `CLASS_UPLOAD_BYTES`):
+  what it cannot take is refused before anything is uploaded. Every upload
+  carries the file's real type (the API refuses application/octet-stream).
 
 The access token only travels in the Authorization header: never in a URL,
 a repr, or an error message.
@@ -85,6 +62,9 @@ CLASS_UPLOAD_BYTES = {"image": 5 * MB, "video": 16 * MB, "audio": 16 * MB, "stic
                       "document": 100 * MB}
 _CLASS_WORDS = {"image": "images", "video": "videos", "audio": "audio files", "sticker": ".webp images",
                 "document": "documents"}
+#: the message type that shows each kind inline (any other goes as a document)
+_MESSAGE_TYPE = {Kind.PHOTO: "image", Kind.ANIMATION: "image", Kind.VIDEO: "video", Kind.AUDIO: "audio",
+                 Kind.VOICE: "audio"}
 #: other names of supported types
 _ALIASES = {"audio/x-m4a": "audio/mp4", "audio/mp3": "audio/mpeg", "audio/x-aac": "audio/aac",
             "audio/opus": "audio/ogg", "image/jpg": "image/jpeg", "image/pjpeg": "image/jpeg"}
@@ -130,9 +110,8 @@ def _answer(err: httpx.Response) -> DeliveryError:
         else:  # the answer lists every supported type (700 characters): keep it short
             perm = FileRefused(f"whatsapp: {message}: the file's type is not accepted (HTTP {status}, code {code})",
                                notice="WhatsApp does not take this type of file")
-        perm.api_code = code  # type: ignore[attr-defined]
-        return perm
-    perm = Permanent(text)
+    else:
+        perm = Permanent(text)
     perm.api_code = code  # type: ignore[attr-defined]
     return perm
 
@@ -162,9 +141,7 @@ class WhatsAppPlatform(Platform):
         photo_bytes=5 * MB,
         kind_upload_bytes={Kind.PHOTO: 5 * MB, Kind.VIDEO: 16 * MB, Kind.AUDIO: 16 * MB, Kind.VOICE: 16 * MB},
         per_bot_per_s=80,
-        files_per_message=1,
         native_kinds=frozenset({Kind.TEXT, Kind.PHOTO, Kind.VIDEO, Kind.AUDIO, Kind.VOICE, Kind.DOCUMENT}),
-        album_max=0,
     )
 
     def __init__(self, access_token: str, phone_number_id: str, *,
@@ -224,10 +201,8 @@ class WhatsAppPlatform(Platform):
         return self._message(chat, "text", {"body": text, "preview_url": False})
 
     def media_known(self, media_id: str) -> bool:
-        """Whether the API still has this media id (`GET /<media id>`). A message naming
-        an expired one is accepted and then fails on its way, so a cached id is looked up
-        before it is reused; an id the API answers 4xx for is not known (rate limits and
-        server errors propagate: the send is retried)."""
+        """Whether the API still has this media id (`GET /<media id>`): a 4xx is no (rate
+        limits and server errors propagate: the send is retried)."""
         try:
             resp = self._http().get(f"{self._base}/{media_id}")
         except httpx.HTTPError as exc:
@@ -249,14 +224,10 @@ class WhatsAppPlatform(Platform):
         return str(media_id)
 
     def route_file(self, kind: Kind, file: FileSource) -> Kind:
-        """The kind this file goes as on WhatsApp, decided before anything is sent
-        (asked by `tasks.delivery.delivery`, which records it): a type off the Cloud API's
-        supported list is refused (`FileRefused`, a short reason and a notice);
-        a format WhatsApp does not show inline goes as a document (webp); a
-        voice note that is not ogg/opus goes as audio. A file that would go as a
-        document over its own type's limit (a photo over 5 MB: the shared flow
-        routes it to a document) is refused as too large: the API limits an
-        upload by the file's type, so it could not go as a document either."""
+        """The kind this file goes as: a type off the supported list is refused; one not
+        shown inline goes as a document (webp); a voice note that is not ogg/opus goes as
+        audio. A document over its own type's limit (a photo over 5 MB) is refused as too
+        large: the API limits an upload by the file's type, whatever message it goes in."""
         mime = mime_of(file.name, file.mime)
         cls = SUPPORTED_MIME.get(mime)
         if cls is None:
@@ -266,7 +237,7 @@ class WhatsAppPlatform(Platform):
         if kind == Kind.VOICE:
             out = Kind.VOICE if mime == "audio/ogg" else Kind.AUDIO if cls == "audio" else Kind.DOCUMENT
         else:
-            inline = {Kind.PHOTO: "image", Kind.ANIMATION: "image", Kind.VIDEO: "video", Kind.AUDIO: "audio"}.get(kind)
+            inline = _MESSAGE_TYPE.get(kind)
             out = Kind.DOCUMENT if inline is None or inline != cls else Kind.PHOTO if kind == Kind.ANIMATION else kind
         cap = CLASS_UPLOAD_BYTES[cls]
         if out == Kind.DOCUMENT and file.size_bytes > cap:  # an inline kind's own limit is the shared flow's check
@@ -276,9 +247,7 @@ class WhatsAppPlatform(Platform):
         return out
 
     def caption_chars_for(self, kind: Kind, file: FileSource) -> int:
-        """The caption limit for this file (asked by `tasks.delivery.delivery`): an audio
-        message takes no caption, so 0 (its caption follows as text parts, each
-        sent once by the shared flow); else 1024."""
+        """An audio message takes no caption: 0 (its caption follows as text parts)."""
         if kind in (Kind.AUDIO, Kind.VOICE):
             return 0
         return self.limits.caption_chars
@@ -287,8 +256,7 @@ class WhatsAppPlatform(Platform):
                   file_id: str | None = None) -> Sent:
         mime = mime_of(file.name, file.mime)
         kind = self.route_file(kind, file)  # (the shared flow has routed it already: the same answer)
-        type_ = {Kind.PHOTO: "image", Kind.ANIMATION: "image", Kind.VIDEO: "video", Kind.AUDIO: "audio",
-                 Kind.VOICE: "audio"}.get(kind, "document")
+        type_ = _MESSAGE_TYPE.get(kind, "document")
 
         def body(media_id: str) -> dict:
             b: dict[str, Any] = {"id": media_id}
@@ -300,23 +268,18 @@ class WhatsAppPlatform(Platform):
                 b["caption"] = caption
             return b
 
-        sent: Sent | None = None
-        if file_id and not self.media_known(file_id):
-            file_id = None  # expired (30 days) or deleted: a message naming it would be accepted, never delivered
-        if file_id:
+        if file_id and self.media_known(file_id):  # (an expired one would be accepted, never delivered)
             try:
-                sent = Sent(self._message(chat, type_, body(file_id)).message_id, file_id=file_id)
+                return Sent(self._message(chat, type_, body(file_id)).message_id, file_id=file_id)
             except Permanent as exc:
                 if getattr(exc, "api_code", None) not in _STALE_MEDIA_CODES:
                     raise
-        if sent is None:
-            media_id = self.upload(file, mime)
-            try:
-                sent = Sent(self._message(chat, type_, body(media_id)).message_id, file_id=media_id)
-            except DeliveryError as exc:
-                exc.file_id = media_id  # type: ignore[attr-defined]  # the shared flow keeps it for the retry
-                raise
-        return sent
+        media_id = self.upload(file, mime)
+        try:
+            return Sent(self._message(chat, type_, body(media_id)).message_id, file_id=media_id)
+        except DeliveryError as exc:
+            exc.file_id = media_id  # type: ignore[attr-defined]  # the shared flow keeps it for the retry
+            raise
 
     def close(self) -> None:
         with self._lock:

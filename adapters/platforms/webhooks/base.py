@@ -129,6 +129,12 @@ def text(v) -> str | None:
     return v
 
 
+def signed_headers(h: dict, now: float, ts_name: str, sig_name: str, prefix: str, digits: int) -> None:
+    """A signed timestamp within MAX_CLOCK_SKEW_S and a signature of the right shape; Refusal 401 otherwise."""
+    timestamp(h.get(ts_name, ""), now)
+    signature_shape(h.get(sig_name, ""), prefix, digits)
+
+
 def timestamp(raw: str, now: float) -> int:
     """A signed request's timestamp (epoch seconds): within MAX_CLOCK_SKEW_S of `now`, else Refusal 401."""
     if not (raw.isascii() and raw.isdigit()) or len(raw) > 12:

@@ -9,7 +9,7 @@ import functools
 from collections.abc import Mapping
 
 from adapters.platforms.webhooks.base import Answer, Inbound, Parsed, Refusal
-from adapters.platforms.webhooks.base import arr, guarded, ident, lower, obj, payload, signature_shape, text, timestamp
+from adapters.platforms.webhooks.base import arr, guarded, ident, lower, obj, payload, signed_headers, text
 
 PLATFORM = "discord"
 SETTING = "DISCORD_PUBLIC_KEY"
@@ -28,12 +28,8 @@ def verify_key(public_key: str):
 
 def check_headers(headers: Mapping[str, str], public_key: str, now: float) -> Refusal | None:
     """Before the body is read: a timestamp within 5 minutes, a signature of the right shape."""
-    return guarded(PLATFORM, _check_headers, lower(headers), now)
-
-
-def _check_headers(h: dict, now: float) -> None:
-    timestamp(h.get("x-signature-timestamp", ""), now)
-    signature_shape(h.get("x-signature-ed25519", ""), "", 128)
+    return guarded(PLATFORM, signed_headers, lower(headers), now, "x-signature-timestamp", "x-signature-ed25519", "",
+                   128)
 
 
 def parse_webhook(headers: Mapping[str, str], body: bytes, public_key: str, now: float) -> Parsed:

@@ -8,8 +8,7 @@ import re
 from collections.abc import Mapping
 
 from adapters.platforms.webhooks.base import Answer, Inbound, Parsed, Refusal
-from adapters.platforms.webhooks.base import guarded, hmac_verifies, ident, lower, payload, signature_shape
-from adapters.platforms.webhooks.base import text, timestamp
+from adapters.platforms.webhooks.base import guarded, hmac_verifies, ident, lower, payload, signed_headers, text
 
 PLATFORM = "slack"
 SETTING = "SLACK_SIGNING_SECRET"
@@ -18,12 +17,8 @@ _MENTION = re.compile(r"<@[A-Z0-9]+>\s*")
 
 def check_headers(headers: Mapping[str, str], secret, now: float) -> Refusal | None:
     """Before the body is read: a timestamp within 5 minutes, a signature of the right shape."""
-    return guarded(PLATFORM, _check_headers, lower(headers), now)
-
-
-def _check_headers(h: dict, now: float) -> None:
-    timestamp(h.get("x-slack-request-timestamp", ""), now)
-    signature_shape(h.get("x-slack-signature", ""), "v0=", 64)
+    return guarded(PLATFORM, signed_headers, lower(headers), now, "x-slack-request-timestamp", "x-slack-signature",
+                   "v0=", 64)
 
 
 def parse_webhook(headers: Mapping[str, str], body: bytes, secret, now: float) -> Parsed:

@@ -4,7 +4,7 @@ app secret); every text message of a notification is a turn."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from adapters.platforms.webhooks.base import Answer, Inbound, Parsed, Refusal
@@ -41,20 +41,23 @@ def parse_webhook(headers: Mapping[str, str], body: bytes, secret, now: float) -
 
 
 def _parse(body: bytes) -> Parsed:
-    p = payload(body, "a WhatsApp notification")
     found: list[Inbound] = []
-    for entry in arr(p.get("entry")):
-        for change in arr(obj(entry).get("changes")):
-            for m in arr(obj(obj(change).get("value")).get("messages")):
-                if not isinstance(m, dict) or m.get("type") != "text" or not m.get("id") or not m.get("from"):
-                    continue
-                said = text(obj(m.get("text")).get("body"))
-                if said is None:
-                    continue
-                chat = ident(m["from"], "sender")
-                found.append(Inbound(ident(m["id"], "message id"), chat if chat.startswith("+") else f"+{chat}",
-                                     said))
+    for m in _values(body, "messages"):
+        if not isinstance(m, dict) or m.get("type") != "text" or not m.get("id") or not m.get("from"):
+            continue
+        said = text(obj(m.get("text")).get("body"))
+        if said is None:
+            continue
+        chat = ident(m["from"], "sender")
+        found.append(Inbound(ident(m["id"], "message id"), chat if chat.startswith("+") else f"+{chat}", said))
     return found
+
+
+def _values(body: bytes, name: str) -> Iterator:
+    """Every item of `name` (messages, statuses) in a notification's entries' changes."""
+    for entry in arr(payload(body, "a WhatsApp notification").get("entry")):
+        for change in arr(obj(entry).get("changes")):
+            yield from arr(obj(obj(change).get("value")).get(name))
 
 
 @dataclass(frozen=True)
@@ -70,23 +73,20 @@ def statuses(body: bytes) -> list[StatusUpdate]:
     """The status updates of a notification whose signature `parse_webhook` verified (the
     same body): each message id with its status and, for `failed`, the error's title, code and
     details in one line."""
-    p = payload(body, "a WhatsApp notification")
     out: list[StatusUpdate] = []
-    for entry in arr(p.get("entry")):
-        for change in arr(obj(entry).get("changes")):
-            for st in arr(obj(obj(change).get("value")).get("statuses")):
-                if not isinstance(st, dict) or not st.get("id") or not isinstance(st.get("status"), str):
-                    continue
-                why = []
-                for err in arr(st.get("errors")):
-                    e = obj(err)
-                    details = obj(e.get("error_data")).get("details")
-                    bits = [text(e.get("title")) or text(e.get("message")) or "error",
-                            f"code {e['code']}" if isinstance(e.get("code"), int) else None,
-                            text(details) if isinstance(details, str) else None]
-                    why.append(", ".join(b for b in bits if b))
-                out.append(StatusUpdate(ident(st["id"], "message id"), st["status"].strip().lower()[:20],
-                                        "; ".join(why)[:400]))
+    for st in _values(body, "statuses"):
+        if not isinstance(st, dict) or not st.get("id") or not isinstance(st.get("status"), str):
+            continue
+        why = []
+        for err in arr(st.get("errors")):
+            e = obj(err)
+            details = obj(e.get("error_data")).get("details")
+            bits = [text(e.get("title")) or text(e.get("message")) or "error",
+                    f"code {e['code']}" if isinstance(e.get("code"), int) else None,
+                    text(details) if isinstance(details, str) else None]
+            why.append(", ".join(b for b in bits if b))
+        out.append(StatusUpdate(ident(st["id"], "message id"), st["status"].strip().lower()[:20],
+                                "; ".join(why)[:400]))
     return out
 
 
