@@ -16,6 +16,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from workers.embedded import stop_worker
+
+
 def start_worker(env: dict[str, str], name: str, *, queues: str = "turns,sandbox,delivery,janitor",
                  concurrency: int = 2, log_path: str | None = None, pool: str = "prefork") -> subprocess.Popen:
     cmd = [sys.executable, "-m", "celery", "-A", "workers.celery_app", "worker", "-Q", queues,
@@ -37,16 +40,6 @@ def wait_worker(app, name: str, proc: subprocess.Popen, timeout_s: float = 60) -
         except Exception:  # noqa: BLE001 - broker still starting
             time.sleep(0.2)
     return False
-
-
-def stop_worker(proc: subprocess.Popen, timeout_s: float = 15) -> None:
-    if proc.poll() is None:
-        proc.terminate()  # warm shutdown: finishes or returns what it holds
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def run_demo(*, to: str | None, message: str, timeout_s: float, console: Console, err: Console) -> int:

@@ -64,6 +64,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_worker(proc: subprocess.Popen, timeout_s: float = 15) -> None:
+    if proc.poll() is None:
+        proc.terminate()  # warm shutdown: finishes or returns what it holds
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 @dataclass
 class EmbeddedRedis:
     url: str
@@ -75,8 +85,6 @@ class EmbeddedRedis:
         return self.proc is not None
 
     def stop(self) -> None:
-        from workers.demo import stop_worker
-
         if self.proc is not None:
             stop_worker(self.proc, 10)
         self.proc = None
