@@ -15,6 +15,8 @@ from tasks.ledger import keys, ledger, receipts, signing
 from tasks.turn import turn
 from tasks.celery_tasks import stages
 from tasks.runtime import Context
+from tests.fixtures.redis_server import RedisServer
+from tests.fixtures.services import wait_until
 
 
 @pytest.fixture
@@ -87,18 +89,26 @@ def test_the_reconciler_redrives_only_what_is_overdue_and_unheld(redis_client, c
     assert due["outbox:a"] > 5  # published: a grace before the next look
 
 
-def test_a_lost_extraction_is_published_again_with_a_growing_grace(redis_client, ctx, published):
+def test_a_lost_extraction_is_published_again_with_a_grace_that_grows_only_behind_a_backlog(
+        redis_client, ctx, published):
+    """Its queue empty, the message is waiting nowhere (a worker that lost its broker connection
+    dropped what it had prefetched): each re-drive is looked at again after the base grace (the
+    Sentinel chaos row: 20 + 20 + 40 + 80 s, a chat waiting 158 s). Behind a backlog, it doubles."""
     r = redis_client
     plan = chains.Plan(job_id="snd_e", target="outbox:e",
                        files=[chains.SandboxFile(chains.SandboxRef("local"), "/tmp/e.txt")])
     chains.register(r, plan)
-    r.zadd(keys.due("extract"), {"snd_e.0": time.time() - 1})
-    reconcile.tick(ctx, stages())
-    assert ("extract", "snd_e.0", "sandbox") in published
-    first = r.zscore(keys.due("extract"), "snd_e.0") - time.time()
-    r.zadd(keys.due("extract"), {"snd_e.0": time.time() - 1})
-    reconcile.tick(ctx, stages())
-    assert r.zscore(keys.due("extract"), "snd_e.0") - time.time() > first * 1.5
+
+    def redrive() -> float:
+        r.zadd(keys.due("extract"), {"snd_e.0": time.time() - 1})
+        reconcile.tick(ctx, stages())
+        return r.zscore(keys.due("extract"), "snd_e.0") - time.time()
+
+    waits = [redrive() for _ in range(3)]
+    assert ("extract", "snd_e.0", "sandbox") in published and published.count(published[-1]) == 3
+    assert all(ledger.EXTRACT_GRACE_S - 1 < w <= ledger.EXTRACT_GRACE_S for w in waits), waits
+    r.rpush("sandbox", "a message of another stage")  # a backlog in the stage's queue
+    assert redrive() > ledger.EXTRACT_GRACE_S * 7  # its fourth re-drive: 2**3 x the base
     # once extracted, the reconciler forgets it and drives its lane
     receipts.update_delivery(r, "snd_e.0", extraction="ok")
     r.zadd(keys.due("extract"), {"snd_e.0": time.time() - 1})
@@ -144,3 +154,27 @@ def test_a_stage_that_finds_its_lease_held_is_looked_at_again_when_the_lease_lap
     assert r.zscore(keys.due("turn"), "turn_busy") == due
     r.delete(keys.lease("turn", "turn_busy"))
     assert ledger.due_when_free(r, "turn", "turn_busy") == 0.0
+
+
+def test_a_lease_whose_release_met_an_outage_is_released_once_redis_answers(tmp_path):
+    """A drive that fails with Redis (its outage) cannot release its lease: before, the stage was
+    held for the rest of the dead lease's TTL, then waited for its due time (the Sentinel chaos row:
+    chats idle 20-30 s after each restart). Now this process releases it once Redis answers and
+    brings the stage's due time forward, so the reconciler re-drives it at once."""
+    srv = RedisServer(tmp_path, appendonly=True, appendfsync="always").start()
+    r = srv.client()
+    try:
+        x, y = keys.lease("lane", "outbox:x"), keys.lease("lane", "outbox:y")
+        assert ledger.take(r, x, "tok", ttl_s=300) and ledger.take(r, y, "tok", ttl_s=300)  # outlive the test
+        ledger.set_due(r, "lane", "outbox:x", 300)  # y: a stage with no due time (final)
+        srv.stop()
+        for key, ident in ((x, "outbox:x"), (y, "outbox:y")):
+            ledger.release_soon(r, key, "tok", "lane", ident, ttl_s=300)  # Redis away: later
+        srv.start()
+        wait_until(lambda: not r.exists(x) and not r.exists(y), timeout_s=60,
+                   what="the leases released after the outage")
+        assert r.zscore(keys.due("lane"), "outbox:x") <= time.time()  # due now, not in 300 s
+        assert r.zscore(keys.due("lane"), "outbox:y") is None  # no due time made for a final stage
+    finally:
+        r.close()
+        srv.stop()

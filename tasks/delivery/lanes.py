@@ -17,11 +17,11 @@ import random
 import time
 import uuid
 from collections.abc import Callable
-from contextlib import suppress
 from dataclasses import dataclass, replace
 from typing import Any
 
 from redis import Redis
+from redis import exceptions as redis_errors
 from redis.client import Pipeline
 
 from adapters.errors import CourierError, RateLimited, StorageError, in_chat_words
@@ -259,20 +259,16 @@ def drive(ctx: Context, target: str, publish: Publish, *, started: str | None = 
             out = _drive_leased(ctx, target, publish, token, look, BUDGET_S if budget_s is None else budget_s,
                                 pop)
     except BaseException:
-        with suppress(Exception):  # an unreleased lease expires by itself
-            ledger.release(r, lease, token)
+        ledger.release_soon(r, lease, token, "lane", target)
         raise
     if out["state"] == "empty" or out.pop("released", False):
         return out  # its lease went with the last look
-    extracting = out["state"] == "extracting"
-    pipe = r.pipeline(transaction=False)
-    if extracting:
-        ledger.set_due(pipe, "lane", target, EXTRACT_WAIT_S)
-    ledger.release(pipe, lease, token)
-    if not extracting:
-        with suppress(Exception):  # an unreleased lease expires by itself
-            pipe.execute()
+    if out["state"] != "extracting":
+        ledger.release_soon(r, lease, token, "lane", target)
         return out
+    pipe = r.pipeline(transaction=False)
+    ledger.set_due(pipe, "lane", target, EXTRACT_WAIT_S)
+    ledger.release(pipe, lease, token)
     # its head read again after the release, in the same round trip: an extraction that ended
     # while this drive held the lease found it busy, so look once more now that it is free
     pipe.hgetall(keys.delivery(out["head"]))
@@ -322,8 +318,7 @@ def _drive_leased(ctx: Context, target: str, publish: Publish, token: str, first
             held = None  # under_send_lock released it
         finally:
             if held is not None:  # taken by the look, not used: free it for the next drive
-                with suppress(Exception):  # an unreleased send lock expires by itself
-                    sendlock.release_send_lock(r, held_id or "", held.owner)
+                sendlock.release_send_lock(r, held_id or "", held.owner)
         if wait is not None:
             _wait(r, target, wait, publish)
             return {"lane": target, "state": "waiting", "head": head, "wait_s": round(wait, 3), "sent": sent}
@@ -390,6 +385,10 @@ def _run_step(ctx: Context, step: Step, held: sendlock.Held | None = None, end: 
             _give_up(ctx, step, f"gave up after {n - 1} rate limits from {target.split(':')[0]}")
             return None
         return min(900.0, exc.retry_after_s) + random.uniform(0.05, 0.5)
+    except (redis_errors.ConnectionError, redis_errors.TimeoutError, redis_errors.ReadOnlyError):
+        # the ledger's own outage, not the delivery's failure (no attempt counted, no backoff): the drive
+        # ends, and its lane is re-driven once Redis answers (ledger.release_soon)
+        raise
     except sendlock.Busy:
         # a dead worker's send lock: it lapses with the lane's lease; waiting for it is no attempt
         left_s = ledger.held(r, keys.delivery_lock(step.lead))

@@ -59,8 +59,8 @@ class Held:
 
 
 def release_send_lock(r: Redis, delivery_id: str, owner: str) -> None:
-    """Only the owner releases (compare-and-delete). `r` may be a pipeline."""
-    ledger.release(r, keys.delivery_lock(delivery_id), owner)
+    """Only the owner releases (compare-and-delete; Redis away: as soon as it answers). `r` may be a pipeline."""
+    ledger.release_soon(r, keys.delivery_lock(delivery_id), owner, ttl_s=SEND_LOCK_TTL_S)
 
 
 class SendSession:

@@ -4,8 +4,8 @@ Each worker process runs a `Reconciler` thread (one pass a second); a Redis lock
 one of them work at a time. A pass reads only each stage's due entries. An overdue
 entry whose lease is held is looked at again later (its holder renews it); else its
 stage's re-driver (a `Stage`, given by the stage's owner) forgets it if final, or
-publishes its task again (ids only) and looks again after a grace that doubles with
-each re-drive (a long queue is not a lost message). This module knows the ledger only.
+publishes its task again (ids only) and looks again after a grace (`grace`: doubling
+with each re-drive while its queue has a backlog). This module knows the ledger only.
 Recovery after a worker dies: about `ledger.LEASE_TTL_S` + 1 s.
 """
 
@@ -58,9 +58,14 @@ def _unleased_overdue(r: Redis, stage: str, now: float | None) -> Iterator[str]:
             yield ident
 
 
-def grace(base_s: float, redrives: int) -> float:
-    """The wait before the next look at an entry re-driven `redrives` times before:
-    `base_s`, doubling with each re-drive, at most `MAX_GRACE_S`."""
+def grace(r: Redis, queue: str, base_s: float, redrives: int) -> float:
+    """The wait before the next look at an entry re-driven `redrives` times before, whose message
+    goes to `queue`. While the queue holds messages, `base_s` doubling with each re-drive (at most
+    `MAX_GRACE_S`): a long queue is not a lost message. With it empty, `base_s`: the message is
+    waiting nowhere (a worker that loses its broker connection drops what it had prefetched, and
+    kombu restores it only after the visibility timeout), so each re-drive is looked at as soon."""
+    if not r.llen(queue):  # Celery's queue on Redis: a list named after it (tasks/ops/queues.py)
+        return base_s
     return min(MAX_GRACE_S, base_s * 2.0 ** min(redrives, 10))
 
 

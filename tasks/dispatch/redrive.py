@@ -44,7 +44,7 @@ def _extraction(ctx: Context, did: str) -> str:
             chains.publish_lane(target)  # the lane may be waiting for it
         return ""
     n = int(r.hincrby(keys.delivery(did), "redrives", 1))
-    ledger.set_due(r, "extract", did, grace(ledger.EXTRACT_GRACE_S, n - 1))
+    ledger.set_due(r, "extract", did, grace(r, rec["queue"], ledger.EXTRACT_GRACE_S, n - 1))
     chains.publish_extract(did, rec["queue"], rec.get("source", ""))
     return "extractions"
 

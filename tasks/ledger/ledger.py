@@ -34,7 +34,8 @@ STAGES = ("lane", "extract", "turn")
 LANE_GRACE_S = 10.0
 #: a stage's message may be lost with a broker connection (kombu restores it only after the
 #: visibility timeout): the chat waits this long. A stage still queued is re-published too (its
-#: copy is dropped when it finds the stage done or held); the grace doubles per re-drive.
+#: copy is dropped when it finds the stage done or held); the grace doubles per re-drive while the
+#: stage's queue has a backlog (tasks/dispatch/reconcile.grace).
 EXTRACT_GRACE_S = 20.0
 TURN_GRACE_S = 20.0
 
@@ -105,23 +106,54 @@ class _Renewer:
 
     def __init__(self) -> None:
         self.held: dict[int, _Held] = {}
+        #: leases whose release failed (Redis away): (client, key, token, stage, id, monotonic give-up time)
+        self.unreleased: list[tuple[Any, str, str, str, str, float]] = []
         self.lock = threading.Lock()
+        self.wake = threading.Event()
         self.thread: threading.Thread | None = None
         self.pid = 0
         self.next = 0
         self.stall_s = STALL_S
         self.on_stall: Callable[[str, float], None] = _log_stall
 
+    def _running(self) -> None:
+        """Under the lock: this process's thread is running."""
+        if self.thread is None or self.pid != os.getpid() or not self.thread.is_alive():
+            self.pid = os.getpid()
+            self.thread = threading.Thread(target=self._run, name="courier-lease-renewer", daemon=True)
+            self.thread.start()
+
     def add(self, r: Redis, key: str, token: str, ttl_s: int, needs_progress: bool = False) -> int:
         with self.lock:
             self.next += 1
             ident = self.next
             self.held[ident] = _Held(r, key, token, ttl_s, needs_progress)
-            if self.thread is None or self.pid != os.getpid() or not self.thread.is_alive():
-                self.pid = os.getpid()
-                self.thread = threading.Thread(target=self._run, name="courier-lease-renewer", daemon=True)
-                self.thread.start()
+            self._running()
         return ident
+
+    def release_later(self, r: Redis, key: str, token: str, stage: str, ident: str, ttl_s: int) -> None:
+        with self.lock:
+            self.unreleased.append((r, key, token, stage, ident, time.monotonic() + ttl_s))
+            self._running()
+        self.wake.set()
+
+    def _release_unreleased(self) -> None:
+        """Release what could not be released, once Redis answers; the stage's due time, if it has
+        one, comes forward to now: the reconciler re-drives it at once, not when the lease lapses."""
+        with self.lock:
+            now = time.monotonic()
+            todo, self.unreleased = [u for u in self.unreleased if u[5] > now], []
+        for u in todo:
+            r, key, token, stage, ident, _ = u
+            try:
+                pipe = r.pipeline(transaction=False)
+                release(pipe, key, token)
+                if stage:
+                    pipe.zadd(keys.due(stage), {ident: time.time()}, xx=True, lt=True)
+                pipe.execute()
+            except Exception:  # noqa: BLE001 - Redis still away: next time
+                with self.lock:
+                    self.unreleased.append(u)
 
     def remove(self, ident: int) -> None:
         with self.lock:
@@ -172,7 +204,10 @@ class _Renewer:
                     for key, token, ttl in leases:
                         scripts.run(pipe, "lease_renew", keys=[key], args=[token, ttl])
                     pipe.execute()
-            time.sleep(min(period, max(0.5, self.stall_s / 4)))
+            if self.unreleased:
+                self._release_unreleased()
+            self.wake.wait(0.5 if self.unreleased else min(period, max(0.5, self.stall_s / 4)))
+            self.wake.clear()
 
 
 def _log_stall(key: str, idle_s: float) -> None:
@@ -214,6 +249,17 @@ def renewing(r: Redis, key: str, token: str, ttl_s: int = LEASE_TTL_S, *,
         _renewer.remove(ident)
 
 
+def release_soon(r: Redis, key: str, token: str, stage: str = "", ident: str = "", ttl_s: int = LEASE_TTL_S) -> None:
+    """Release a lease its holder is done with, now or, Redis away, as soon as it answers again
+    (this process's renewer thread tries every half second until the lease would have lapsed):
+    after an outage, a stage left by a drive that failed with it is not held for the rest of a
+    dead lease's TTL. Once released late, the stage's due time (`stage`, `ident`) comes forward."""
+    try:
+        release(r, key, token)
+    except Exception:  # noqa: BLE001 - Redis away: the renewer thread releases it
+        _renewer.release_later(r, key, token, stage, ident, ttl_s)
+
+
 @contextmanager
 def leased(r: Redis, stage: str, ident: str, ttl_s: int = LEASE_TTL_S) -> Iterator[str | None]:
     """Hold the stage's lease while the block runs: yields the token, or None
@@ -227,8 +273,7 @@ def leased(r: Redis, stage: str, ident: str, ttl_s: int = LEASE_TTL_S) -> Iterat
         with renewing(r, key, token, ttl_s):
             yield token
     finally:
-        with suppress(Exception):  # an unreleased lease expires by itself
-            release(r, key, token)
+        release_soon(r, key, token, stage, ident, ttl_s)
 
 
 def set_due(r: Redis, stage: str, ident: str, in_s: float) -> None:

@@ -178,10 +178,7 @@ def run(ctx: Context, did: str) -> ExtractionRun:
             if ret is None:
                 ledger.clear_due(end, "extract", did)
     except BaseException:
-        try:  # the due time stays: the reconciler looks again once the lease is gone
-            ledger.release(r, lease, token)
-        except Exception:  # noqa: BLE001 - an unreleased lease expires by itself
-            pass
+        ledger.release_soon(r, lease, token, "extract", did)  # its due time stays (brought forward)
         raise
     # the result (a success's receipt), the due time (cleared, or the backoff's) and the lease released
     ledger.release(end, lease, token)

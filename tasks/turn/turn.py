@@ -31,6 +31,7 @@ from adapters.platforms.base import split_target
 from adapters.sandboxes.base import SandboxRef, parse_uri
 from storage.spill import SpillConfig
 import tasks
+from tasks import task_names
 from tasks.dispatch import chains
 from tasks.ledger import events, keys, ledger, receipts, signing
 from tasks.ledger.events import Event
@@ -407,6 +408,8 @@ def abandon(ctx: Context, job_id: str, reason: str, enqueue: Enqueue = chains.en
 
 #: a turn that has started this many times and died each time (it kills its worker) is ended
 TURN_MAX_RUNS = 3
+#: the queue of a turn's task (its area: workers/celery_app.task_queue)
+TURNS_QUEUE = task_names.AGENT_TURN.split(".")[1]
 
 
 def _redrive(ctx: Context, job_id: str) -> str:
@@ -421,7 +424,7 @@ def _redrive(ctx: Context, job_id: str) -> str:
         abandon(ctx, job_id, f"the agent's worker died {job['attempts']} times during this turn")
         return "abandoned"
     n = int(r.hincrby(keys.job(job_id), "redrives", 1))
-    ledger.set_due(r, "turn", job_id, grace(ledger.TURN_GRACE_S, n - 1))
+    ledger.set_due(r, "turn", job_id, grace(r, TURNS_QUEUE, ledger.TURN_GRACE_S, n - 1))
     try:
         spec = signing.open_json("turn", job_id, job["spec"])  # logged and counted when forged
     except signing.Forged as exc:
