@@ -16,6 +16,7 @@ import posixpath
 import queue
 import threading
 import time
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -301,31 +302,40 @@ class ReadTimeout(SandboxGone):
     shell, a FIFO opened after the check): this attempt fails, not the worker."""
 
 
-def with_deadline(chunks: Iterable[T], idle_s: float, what: str,
-                  on_timeout: Callable[[], object] | None = None) -> Iterator[T]:
-    """`chunks` (a blocking SDK stream) read by a daemon thread, at most two
-    ahead; when none arrives for `idle_s` seconds, `on_timeout()` runs (end
-    the command) and :class:`ReadTimeout` is raised."""
-    q: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=2)
+def with_deadline(chunks: Iterable[T], idle_s: float | None, what: str = "",
+                  on_timeout: Callable[[], object] | None = None, *, ahead: int = 2,
+                  abort: Callable[[], object] | None = None) -> Iterator[T]:
+    """`chunks` (a blocking SDK stream) read by a daemon thread, at most `ahead`
+    ahead; when none arrives for `idle_s` seconds (None: no deadline),
+    `on_timeout()` runs (end the command) and :class:`ReadTimeout` is raised.
+    With `abort`: a consumer that stops early calls it (to unblock the reader),
+    and the reader is closed and joined (for a channel not safe to share)."""
+    q: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=ahead)
     stop = threading.Event()
 
-    def put(item: tuple[str, Any]) -> None:
+    def put(item: tuple[str, Any]) -> bool:
         while not stop.is_set():
             with contextlib.suppress(queue.Full):
                 q.put(item, timeout=0.1)
-                return
+                return True
+        return False
 
     def run() -> None:
         try:
             for chunk in chunks:
-                put(("c", chunk))
-                if stop.is_set():
+                if not put(("c", chunk)):
                     return
             put(("d", None))
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
             put(("e", exc))
+        finally:
+            if abort is not None:
+                with contextlib.suppress(Exception):
+                    chunks.close()  # type: ignore[attr-defined]
 
-    threading.Thread(target=run, name="courier-read-deadline", daemon=True).start()
+    t = threading.Thread(target=run, name="courier-read-ahead", daemon=True)
+    t.start()
+    kind = "c"
     try:
         while True:
             try:
@@ -342,6 +352,11 @@ def with_deadline(chunks: Iterable[T], idle_s: float, what: str,
             yield item
     finally:
         stop.set()
+        if abort is not None:
+            if kind == "c":  # the consumer stopped early
+                with contextlib.suppress(Exception):
+                    abort()
+            t.join()
 
 
 def call_with_deadline(fn: Callable[[], R], timeout_s: float, what: str) -> R | None:
@@ -378,6 +393,12 @@ def unchanged(before: os.stat_result, after: os.stat_result, copied_bytes: int, 
                 store.delete(key)
         raise FileChanging(f"{shown}: changed while it was read ({before.st_size:,} -> {after.st_size:,} bytes); "
                            "read again later")
+
+
+def temp_beside(path: str) -> str:
+    """A private hidden temp name beside `path` (a bare name: in its directory), short enough for NAME_MAX."""
+    parent, name = posixpath.split(path)
+    return posixpath.join(parent, f".{name[:64]}.{uuid.uuid4().hex[:8]}.courier-part")
 
 
 def write_blob_at(dfd: int, name: str, tmp: str, store: BlobStore, key: str, *, owner_of_dir: bool = False) -> None:

@@ -12,14 +12,13 @@ import selectors
 import signal
 import stat
 import subprocess
-import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from adapters.errors import FileMissing, NotAFile, UnsafePath
 from adapters.sandboxes.base import (
     DEFAULT_EXEC_OUTPUT_BYTES, BoundedOutput, PathPolicy, Sandbox, SandboxRef, check_lexical,
-    exec_argv, os_error, run_exec, unchanged, write_blob_at,
+    exec_argv, os_error, run_exec, temp_beside, unchanged, write_blob_at,
 )
 from adapters.sandboxes.hostopen import open_regular
 
@@ -108,10 +107,8 @@ class LocalSandbox(Sandbox):
         try:
             real = os.readlink(f"/proc/self/fd/{dfd}") if _PROC_FD else parent
             dest = self.policy.check(os.path.join(real, name), shown=dest_path)
-            # a temp name of our own (O_EXCL): concurrent puts never share or truncate one
-            tmp = f".{name[:64]}.{uuid.uuid4().hex[:8]}.courier-part"
-            try:
-                write_blob_at(dfd, name, tmp, store, key)
+            try:  # a temp name of our own (O_EXCL): concurrent puts never share or truncate one
+                write_blob_at(dfd, name, temp_beside(name), store, key)
             except IsADirectoryError as exc:  # a directory appeared there meanwhile
                 raise NotAFile(f"{dest_path}: is a directory") from exc
         finally:

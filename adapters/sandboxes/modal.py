@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import posixpath
 import threading
 import time
-import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -34,27 +32,16 @@ from adapters.errors import (
     UnsafePath, translating,
 )
 from adapters.sandboxes.base import (
-    DEFAULT_IO_TIMEOUT_S, BoundedOutput, PathPolicy, Sandbox, SandboxRef, check_lexical,
-    call_with_deadline, grew_over_cap, with_deadline,
+    DEFAULT_IO_TIMEOUT_S, BoundedOutput, PathPolicy, Sandbox, SandboxRef, call_with_deadline, check_lexical,
+    grew_over_cap, with_deadline,
 )
 from adapters.sandboxes.execstream import (
-    EXIT_CHANGED, VERSION_FORMAT, ExecStream, ExecStreamMixin, Resolved, exec_iter_file, exec_resolve, kill_argv,
-    resolve_put_dest,
+    VERSION_FORMAT, ExecStream, ExecStreamMixin, Resolved, exec_iter_file, exec_put, exec_resolve, kill_argv,
 )
 
 CHUNK = 1024 * 1024
 MODAL_DEFAULT_ROOTS = ("/workspace", "/tmp")
 INSTALL_HINT = "modal sandboxes need the modal SDK: pip install 'courier[modal]' (or: pip install modal)"
-
-#: $1 temp, $2 final, $3 expected size, $4 "cat" to read the temp from stdin first.
-#: A short temp (an aborted upload ends `cat` with EOF) is removed, never renamed.
-_PUT_SIZED = r"""umask 022
-if [ "$4" = cat ]; then cat > "$1" || { rm -f -- "$1"; exit 3; }; fi
-[ "$(stat -c %s -- "$1")" = "$3" ] || { rm -f -- "$1"; exit 6; }
-if [ -L "$2" ] || [ -d "$2" ]; then rm -f -- "$1"; exit 97; fi
-mv -f -- "$1" "$2" || { rm -f -- "$1"; exit 3; }
-"""
-
 
 def _modal():
     try:
@@ -377,55 +364,38 @@ class ModalSandbox(ExecStreamMixin, Sandbox):  # type: ignore[misc]
         return store.put_stream(key, self._stream(r.path, r.size, max_bytes, r.nlink, r.version), max_bytes=max_bytes)
 
     def _copy_in(self, store, key: str, dest_path: str, *, size: int, max_bytes: int) -> str:
-        ch = self.exec_channel()
+        """Through the file API where the SDK has one, else `cat` fed through exec stdin (exec_put)."""
         self._deny_lexical(dest_path)
-        final, _uid, _gid = resolve_put_dest(ch, self.policy_for, dest_path)
-        tmp = posixpath.join(posixpath.dirname(final), f".{posixpath.basename(final)[:64]}.{uuid.uuid4().hex[:8]}.courier-part")
+        return exec_put(self.exec_channel(), self.policy_for, store, key, dest_path, max_bytes=max_bytes,
+                        write=functools.partial(self._write_file_api, dest_path))
 
-        def chunks() -> Iterator[bytes]:
-            sent = 0
-            for chunk in store.iter_chunks(key):
-                sent += len(chunk)
-                if sent > max_bytes:
-                    raise grew_over_cap(key, sent, max_bytes)
-                yield chunk
-
+    def _write_file_api(self, dest_path: str, tmp: str, chunks: Iterator[bytes], uid: int, gid: int) -> bool:
+        """`chunks` written at `tmp` through ``sandbox.open``, each write with a
+        deadline; False when the SDK has no usable file API (nothing written)."""
         opener = getattr(self.handle(), "open", None)
-        wrote = False
-        if opener is not None:
-            me = _modal().exception
-            try:
-                f = opener(tmp, "wb")
-            except me.Error as exc:
-                mapped = self._map(exc, dest_path)
-                if isinstance(mapped, (SandboxGone, ConfigError)):
-                    raise mapped from exc
-            else:
-                what = f"modal sandbox {self.ref.target}: writing {tmp}"
-                try:
-                    with self._errors(dest_path):
-                        for chunk in chunks():  # each write has a deadline
-                            call_with_deadline(functools.partial(f.write, chunk), self.io_timeout_s, what)
-                        call_with_deadline(f.flush, self.io_timeout_s, what)
-                        call_with_deadline(f.close, self.io_timeout_s, what)
-                except BaseException:
-                    with contextlib.suppress(Exception):
-                        f.close()
-                    with contextlib.suppress(Exception):  # best effort: the sandbox may be gone
-                        ch.exec_small(["rm", "-f", "--", tmp])
-                    raise
-                wrote = True
-        if wrote:
-            rc, _, err = ch.exec_small(["sh", "-c", _PUT_SIZED, "sh", tmp, final, str(size), ""])
-        else:  # no file API: cat through exec stdin, same size check
-            rc, _, err = ch.exec_stdin(["sh", "-c", _PUT_SIZED, "sh", tmp, final, str(size), "cat"], chunks())
-        if rc == EXIT_CHANGED:
-            raise UnsafePath(f"{dest_path}: is a link or a directory")
-        if rc == 6:
-            raise SandboxGone(f"{dest_path}: short write into the sandbox (expected {size:,} bytes)")
-        if rc != 0:
-            raise SandboxError(f"{dest_path}: writing failed (exit {rc}: {err.decode('utf-8', 'replace')[:300]})")
-        return final
+        if opener is None:
+            return False
+        try:
+            f = opener(tmp, "wb")
+        except _modal().exception.Error as exc:
+            mapped = self._map(exc, dest_path)
+            if isinstance(mapped, (SandboxGone, ConfigError)):
+                raise mapped from exc
+            return False
+        what = f"modal sandbox {self.ref.target}: writing {tmp}"
+        try:
+            with self._errors(dest_path):
+                for chunk in chunks:
+                    call_with_deadline(functools.partial(f.write, chunk), self.io_timeout_s, what)
+                call_with_deadline(f.flush, self.io_timeout_s, what)
+                call_with_deadline(f.close, self.io_timeout_s, what)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                f.close()
+            with contextlib.suppress(Exception):  # best effort: the sandbox may be gone
+                self.exec_channel().exec_small(["rm", "-f", "--", tmp])
+            raise
+        return True
 
 
 # -- the ONE table of modal SDK / OS errors (rules take the ModalSandbox and what it was doing) --

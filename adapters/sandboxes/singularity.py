@@ -24,13 +24,12 @@ import posixpath
 import shutil
 import stat as statmod
 import subprocess
-import uuid
 from collections import deque
 from collections.abc import Callable, Iterator
 
 from adapters.errors import ConfigError, CourierError, FileMissing, NotAFile, SandboxGone, UnsafePath
 from adapters.sandboxes.base import (
-    PathPolicy, Sandbox, SandboxRef, check_lexical, os_error, unchanged, write_blob_at,
+    PathPolicy, Sandbox, SandboxRef, check_lexical, os_error, temp_beside, unchanged, write_blob_at,
 )
 from adapters.sandboxes.hostopen import open_regular
 
@@ -297,7 +296,6 @@ class SingularitySandbox(Sandbox):
         if not statmod.S_ISDIR(pst.st_mode):
             raise NotAFile(f"{dest_path}: {parent} is not a directory")
         parts = [p for p in parent.split("/") if p]
-        tmp = f".{name[:64]}.{uuid.uuid4().hex[:8]}.courier-part"
         with _Walk(self.root) as w:
             try:
                 for part in parts:
@@ -321,7 +319,7 @@ class SingularitySandbox(Sandbox):
                 old = None
             if old is not None and (statmod.S_ISLNK(old.st_mode) or statmod.S_ISDIR(old.st_mode)):
                 raise UnsafePath(f"{dest_path}: is a link or a directory")
-            write_blob_at(dfd, name, tmp, store, key, owner_of_dir=True)
+            write_blob_at(dfd, name, temp_beside(name), store, key, owner_of_dir=True)
         finally:
             os.close(dfd)
         return final

@@ -28,12 +28,12 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import IO, TYPE_CHECKING, Any
 
 from adapters.errors import ConfigError, FileMissing, NotAFile, SandboxError, UnsafePath
-from adapters.sandboxes.base import BoundedOutput, PathPolicy, ReadTimeout, grew_over_cap
+from adapters.sandboxes.base import BoundedOutput, PathPolicy, ReadTimeout, grew_over_cap, temp_beside
 from adapters.sandboxes.execstream import (
     ANCESTOR_SCRIPT, ExecStream, Resolved, exec_gated_extract, exec_resolve, kill_argv,
 )
 from adapters.sandboxes.ssh.core import (
-    CHUNK, FileChanged, SshCore, _ready, _temp_beside,
+    CHUNK, FileChanged, SshCore, _ready,
 )
 
 if TYPE_CHECKING:
@@ -149,7 +149,7 @@ class OpenSshTransport(SshCore):
         parent = posixpath.join(anc_real_s, rest) if rest else anc_real_s
         dest = posixpath.join(parent, posixpath.basename(dest_path))
         policy.check(dest, shown=dest_path)
-        tmp = _temp_beside(dest)
+        tmp = temp_beside(dest)
         sent = 0
 
         def chunks() -> Iterator[bytes]:

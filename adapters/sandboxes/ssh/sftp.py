@@ -17,19 +17,19 @@ from __future__ import annotations
 import contextlib
 import errno
 import posixpath
-import queue
 import select
 import shlex
 import stat
-import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from adapters.errors import FileMissing, NotAFile, SandboxError, SandboxGone, UnsafePath
-from adapters.sandboxes.base import BoundedOutput, PathPolicy, ReadTimeout, call_with_deadline, grew_over_cap
+from adapters.sandboxes.base import (
+    BoundedOutput, PathPolicy, ReadTimeout, call_with_deadline, grew_over_cap, temp_beside, with_deadline,
+)
 from adapters.sandboxes.execstream import ExecStream, exec_resolve, kill_argv
 from adapters.sandboxes.ssh.core import (
-    CHUNK, FileChanged, SFTPAttributes, SFTPClient, SshCore, _check_same, _paramiko, _temp_beside,
+    CHUNK, FileChanged, SFTPAttributes, SFTPClient, SshCore, _check_same, _paramiko,
 )
 from adapters.sandboxes.ssh.paramiko_internals import _nlink_from_listing, _sftp_pipeline, _use_fast_pipe
 from adapters.sandboxes.ssh.pool import MAX_PACKET_SIZE, WINDOW_SIZE
@@ -40,54 +40,6 @@ if TYPE_CHECKING:
 #: SFTP read/write request size on OpenSSH servers (its max is 256 KiB - 1 KiB);
 #: other servers keep paramiko's 32 KiB, which every server honours
 OPENSSH_REQUEST_SIZE = 261120
-
-
-_DONE = object()  # the producer ran out of chunks
-
-
-def read_ahead(chunks: Iterator[bytes], *, abort: Callable[[], object]) -> Iterator[bytes]:
-    """Iterate `chunks` in a helper thread, at most 4 chunks ahead.
-
-    Errors raised by the producer are re-raised here. When the consumer stops
-    early, `abort()` (e.g. closing the channel) unblocks the producer."""
-    q: queue.Queue[object] = queue.Queue(maxsize=4)
-    stop = threading.Event()
-
-    def put(item: object) -> bool:
-        while not stop.is_set():
-            try:
-                q.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def run() -> None:
-        try:
-            for chunk in chunks:
-                if not put(chunk):
-                    return
-            put(_DONE)
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-            put(exc)
-        finally:
-            with contextlib.suppress(Exception):
-                chunks.close()  # type: ignore[attr-defined]
-
-    t = threading.Thread(target=run, name="courier-read-ahead", daemon=True)
-    t.start()
-    item: object = b""
-    try:
-        while (item := q.get()) is not _DONE:
-            if isinstance(item, BaseException):
-                raise item
-            yield item  # type: ignore[misc]
-    finally:
-        stop.set()
-        if isinstance(item, bytes):  # the consumer stopped early
-            with contextlib.suppress(Exception):
-                abort()
-        t.join()
 
 
 class SftpTransport(SshCore):
@@ -216,8 +168,8 @@ class SftpTransport(SshCore):
             # read by a helper thread: paramiko's parsing holds the GIL while hashing
             # and writing (in put_stream) mostly release it, so they overlap
             depth = max(4, WINDOW_SIZE // req)
-            for chunk in read_ahead(_sftp_pipeline(sftp, f.handle, fst.st_size, req, depth),
-                                    abort=sftp.get_channel().close):
+            for chunk in with_deadline(_sftp_pipeline(sftp, f.handle, fst.st_size, req, depth), None,
+                                       ahead=4, abort=sftp.get_channel().close):
                 total += len(chunk)
                 yield chunk
             if total != fst.st_size:
@@ -292,7 +244,7 @@ class SftpTransport(SshCore):
                     raise UnsafePath(f"{dest_path}: is a symbolic link")
                 if not stat.S_ISREG(mode):
                     raise NotAFile(f"{dest_path}: exists and is not a regular file")
-            tmp = _temp_beside(dest)
+            tmp = temp_beside(dest)
             try:
                 sent = 0
                 with sftp.open(tmp, "wbx") as f:
