@@ -14,6 +14,8 @@ import fnmatch
 import os
 import posixpath
 import queue
+import selectors
+import subprocess
 import threading
 import time
 import uuid
@@ -401,6 +403,37 @@ def temp_beside(path: str) -> str:
     return posixpath.join(parent, f".{name[:64]}.{uuid.uuid4().hex[:8]}.courier-part")
 
 
+def store_fd(fd: int, before: os.stat_result, store: BlobStore, key: str, *, max_bytes: int, shown: str,
+             check: Callable[[], None] | None = None) -> BlobInfo:
+    """The file open as `fd` (`before`: its fstat at the open) into `store`, in
+    the kernel where the store can (``put_fd``), else streamed; kept only if
+    `check()` passes and it is that version, whole (:func:`unchanged`)."""
+    def verdict(copied: int) -> None:
+        if check is not None:
+            check()
+        unchanged(before, os.fstat(fd), copied, None, key, shown=shown)
+
+    put_fd = getattr(store, "put_fd", None)  # a store wrapper may have none
+    info: BlobInfo | None = put_fd(key, fd, max_bytes=max_bytes) if put_fd is not None else None
+    if info is not None:
+        try:
+            verdict(info.size_bytes)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                store.delete(key)
+            raise
+        return info
+
+    def chunks() -> Iterator[bytes]:  # checked before the store publishes the blob
+        n = 0
+        while data := os.pread(fd, 1024 * 1024, n):
+            n += len(data)
+            yield data
+        verdict(n)
+
+    return store.put_stream(key, chunks(), max_bytes=max_bytes)
+
+
 def write_blob_at(dfd: int, name: str, tmp: str, store: BlobStore, key: str, *, owner_of_dir: bool = False) -> None:
     """Stream blob `key` into `name` in the directory open as `dfd`, under the
     private temp name `tmp` (O_EXCL, no link followed) renamed over `name`
@@ -559,6 +592,64 @@ class ExecRun(Protocol):
     def kill(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+class PipeRun:
+    """An :class:`ExecRun` of a local process with stdout and stderr as pipes
+    (`err_head`: stderr's first 4 KiB); `end()` ends it where `kill` does not."""
+
+    read_size = 65536
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self.proc = proc
+        self.sel = selectors.DefaultSelector()
+        assert proc.stdout is not None and proc.stderr is not None
+        self.sel.register(proc.stdout, selectors.EVENT_READ, "out")
+        self.sel.register(proc.stderr, selectors.EVENT_READ, "err")
+        self.err_head = bytearray()
+        self.closed = False
+
+    def pump(self, wait_s: float, out: BoundedOutput, err: BoundedOutput) -> bool:
+        if not self.sel.get_map():
+            return False
+        for key, _ in self.sel.select(timeout=wait_s):
+            chunk = os.read(key.fd, self.read_size)
+            if not chunk:
+                self.sel.unregister(key.fileobj)
+            elif key.data == "out":
+                out.add(chunk)
+            else:
+                err.add(chunk)
+                self.err_head += chunk[:4096 - len(self.err_head)]
+        return bool(self.sel.get_map())
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def wait(self, timeout_s: float) -> int | None:
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+        return self.poll()
+
+    def end(self) -> None:
+        self.proc.kill()
+
+    def kill(self) -> None:
+        self.end()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.sel.close()
+        for f in (self.proc.stdout, self.proc.stderr):
+            if f is not None:
+                f.close()
+        if self.proc.poll() is None:
+            self.end()
+        self.proc.wait()
 
 
 def run_exec(run: ExecRun, *, timeout_s: float, max_output_bytes: int,

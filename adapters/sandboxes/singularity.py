@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 
 from adapters.errors import ConfigError, CourierError, FileMissing, NotAFile, SandboxGone, UnsafePath
 from adapters.sandboxes.base import (
-    PathPolicy, Sandbox, SandboxRef, check_lexical, os_error, temp_beside, unchanged, write_blob_at,
+    PathPolicy, Sandbox, SandboxRef, check_lexical, os_error, store_fd, temp_beside, write_blob_at,
 )
 from adapters.sandboxes.hostopen import open_regular
 
@@ -242,11 +242,11 @@ class SingularitySandbox(Sandbox):
     def _copy_out(self, path: str, store, key: str, *, max_bytes: int):
         resolved, size = self.resolve(path)
         self.check_size(path, size, max_bytes)
-        with os.fdopen(self._open_checked(resolved), "rb", buffering=0) as f:
-            before = os.fstat(f.fileno())
-            info = store.put_stream(key, f, max_bytes=max_bytes)
-            unchanged(before, os.fstat(f.fileno()), info.size_bytes, store, key, shown=path)
-            return info
+        fd = self._open_checked(resolved)
+        try:
+            return store_fd(fd, os.fstat(fd), store, key, max_bytes=max_bytes, shown=path)
+        finally:
+            os.close(fd)
 
     def make_dirs(self, path: str) -> str:
         """``mkdir -p`` inside the instance (0700 for what it makes), for a
