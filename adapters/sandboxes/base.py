@@ -361,25 +361,10 @@ def with_deadline(chunks: Iterable[T], idle_s: float | None, what: str = "",
             t.join()
 
 
-def call_with_deadline(fn: Callable[[], R], timeout_s: float, what: str) -> R | None:
+def call_with_deadline(fn: Callable[[], R], timeout_s: float, what: str) -> R:
     """`fn()`'s result (or exception), run by a helper thread; ReadTimeout if
     it has not returned within `timeout_s` (the thread is left to end on its own)."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["res"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            box["exc"] = exc
-
-    t = threading.Thread(target=run, name="courier-call-deadline", daemon=True)
-    t.start()
-    t.join(timeout_s)
-    if t.is_alive():
-        raise ReadTimeout(f"{what}: no progress for {timeout_s:g} s; given up")
-    if "exc" in box:
-        raise box["exc"]
-    return box.get("res")
+    return next(with_deadline((fn() for _ in (0,)), timeout_s, what))
 
 
 def unchanged(before: os.stat_result, after: os.stat_result, copied_bytes: int, store: BlobStore | None,

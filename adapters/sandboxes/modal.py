@@ -32,11 +32,11 @@ from adapters.errors import (
     UnsafePath, translating,
 )
 from adapters.sandboxes.base import (
-    DEFAULT_IO_TIMEOUT_S, BoundedOutput, PathPolicy, Sandbox, SandboxRef, call_with_deadline, check_lexical,
-    grew_over_cap, with_deadline,
+    DEFAULT_IO_TIMEOUT_S, BoundedOutput, PathPolicy, Sandbox, SandboxRef, call_with_deadline, grew_over_cap,
+    with_deadline,
 )
 from adapters.sandboxes.execstream import (
-    VERSION_FORMAT, ExecStream, ExecStreamMixin, Resolved, exec_iter_file, exec_put, exec_resolve, kill_argv,
+    VERSION_FORMAT, ExecStream, ExecStreamMixin, exec_iter_file, exec_put, kill_argv,
 )
 
 CHUNK = 1024 * 1024
@@ -260,34 +260,6 @@ class ModalSandbox(ExecStreamMixin, Sandbox):  # type: ignore[misc]
         which the SDK ends after `backstop_s` should the worker not."""
         return _ModalRun(self.exec_channel(), argv, run_id, backstop_s)
 
-    def home_dir(self) -> str | None:
-        """The configured home, else the sandbox user's $HOME (one exec, once)."""
-        if self.policy is not None and self.policy.home:
-            return self.policy.home
-        if getattr(self, "_home_cache", None) is None:
-            rc, out, _err = self.exec_channel().exec_small(["sh", "-c", 'printf %s "$HOME"'])
-            self._home_cache = out.decode("utf-8", "surrogateescape") if rc == 0 else ""
-        return self._home_cache or None
-
-    def resolve(self, path: str) -> tuple[str, int]:
-        r = self._resolve(path)
-        return r.path, r.size
-
-    def _resolve(self, path: str) -> Resolved:
-        check_lexical(path)
-        try:
-            r = exec_resolve(self.exec_channel(), path, policy_for=self.policy_for)
-        except (FileMissing, NotAFile):
-            self._deny_lexical(path)
-            raise
-        self.policy_for(r.home).check(r.path, shown=path)
-        return r
-
-    def _deny_lexical(self, path: str) -> None:
-        """A path that does not resolve is still refused if denylisted as written."""
-        policy = self.policy or PathPolicy(roots=MODAL_DEFAULT_ROOTS)
-        policy.check_lexical_denied(path)
-
     def _iter_file_api(self, resolved: str) -> Iterator[bytes] | None:
         """Chunks through ``sandbox.open``; None when the SDK has no usable file API."""
         h = self.handle()
@@ -296,8 +268,8 @@ class ModalSandbox(ExecStreamMixin, Sandbox):  # type: ignore[misc]
             return None
         me = _modal().exception
         try:  # the open too has a deadline (a FIFO swapped in after resolve may block it)
-            f = next(with_deadline((opener(resolved, "rb") for _ in (0,)), self.io_timeout_s,
-                                   f"modal sandbox {self.ref.target}: opening {resolved}"))
+            f = call_with_deadline(lambda: opener(resolved, "rb"), self.io_timeout_s,
+                                   f"modal sandbox {self.ref.target}: opening {resolved}")
         except (FileNotFoundError, IsADirectoryError, PermissionError) as exc:
             raise self._map(exc, resolved) from exc  # type: ignore[misc]
         except me.Error as exc:

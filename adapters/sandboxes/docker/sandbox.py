@@ -49,7 +49,6 @@ class DockerSandbox(ExecStreamMixin, Engine, Sandbox):  # type: ignore[misc]
         self._exec = DockerExec(self)
         #: which channel moved each file (observability and tests)
         self.stats = {"bind": 0, "archive": 0, "host_root": 0, "exec": 0, "resolve_stat": 0, "resolve_exec": 0}
-        self._home_cache: str | None = None
         #: (path, the engine's stat of it) when the last resolve was a link-free stat walk
         self._walk_stat: tuple[str, dict] | None = None
 
@@ -61,10 +60,6 @@ class DockerSandbox(ExecStreamMixin, Engine, Sandbox):  # type: ignore[misc]
         return DockerRun(self._exec, argv, run_id)
 
     # -- resolving ----------------------------------------------------------------------
-    def resolve(self, path: str) -> tuple[str, int]:
-        r = self._resolve(path)
-        return r.path, r.size
-
     def _resolve(self, path: str) -> Resolved:
         """Resolved and checked: a stat walk through the archive API when the
         path holds no links, else ONE exec (`readlink -f` + `stat`)."""
@@ -81,18 +76,8 @@ class DockerSandbox(ExecStreamMixin, Engine, Sandbox):  # type: ignore[misc]
         """$HOME of the exec user: the container's env, else one exec, once."""
         if self._home_cache is None:
             env = (self._attrs().get("Config") or {}).get("Env") or []
-            home = next((e[5:] for e in env if e.startswith("HOME=")), "")
-            if not home:
-                rc, out, _err = self._exec.exec_small(["sh", "-c", 'printf %s "$HOME"'])
-                home = out.decode("utf-8", "surrogateescape") if rc == 0 else ""
-            self._home_cache = home
-        return self._home_cache or None
-
-    def home_dir(self) -> str | None:
-        """The configured home, else the exec user's $HOME in the container."""
-        if self.policy is not None and self.policy.home:
-            return self.policy.home
-        return self._home()
+            self._home_cache = next((e[5:] for e in env if e.startswith("HOME=")), "") or None
+        return super()._home()
 
     def _resolve_by_stat(self, path: str) -> Resolved | None:
         """Resolved without an exec when every component is a plain directory
