@@ -388,17 +388,31 @@ def temp_beside(path: str) -> str:
     return posixpath.join(parent, f".{name[:64]}.{uuid.uuid4().hex[:8]}.courier-part")
 
 
+def deepest_existing(path: str, resolve: Callable[[str], T]) -> tuple[T, list[str]]:
+    """`resolve` of the deepest of `path` and its ancestors that exists (`resolve` raises
+    FileNotFoundError or FileMissing for one that does not), and the names below it, to be made."""
+    missing: list[str] = []
+    while True:
+        try:
+            return resolve(path), missing
+        except (FileNotFoundError, FileMissing):
+            if path == "/":
+                raise
+            missing.insert(0, posixpath.basename(path))
+            path = posixpath.dirname(path) or "/"
+
+
 def store_fd(fd: int, before: os.stat_result, store: BlobStore, key: str, *, max_bytes: int, shown: str,
-             check: Callable[[], None] | None = None) -> BlobInfo:
+             check: Callable[[], None] | None = None, kernel: bool = True) -> BlobInfo:
     """The file open as `fd` (`before`: its fstat at the open) into `store`, in
-    the kernel where the store can (``put_fd``), else streamed; kept only if
-    `check()` passes and it is that version, whole (:func:`unchanged`)."""
+    the kernel where the store can and `kernel` (``put_fd``: no sha256), else
+    streamed; kept only if `check()` passes and it is that version, whole."""
     def verdict(copied: int) -> None:
         if check is not None:
             check()
         unchanged(before, os.fstat(fd), copied, None, key, shown=shown)
 
-    put_fd = getattr(store, "put_fd", None)  # a store wrapper may have none
+    put_fd = getattr(store, "put_fd", None) if kernel else None  # a store wrapper may have none
     info: BlobInfo | None = put_fd(key, fd, max_bytes=max_bytes) if put_fd is not None else None
     if info is not None:
         try:

@@ -1,20 +1,10 @@
 """Modal sandboxes (`modal://sb-id/abs/path`), on the modal SDK (imported
-lazily; credentials are the SDK's own).
-
-* resolve: ONE exec of execstream's resolve script, then the policy check;
-* read: the SDK's file API (``sandbox.open``), the file's version asked
-  again by one exec after the last byte (a change: FileChanging, nothing
-  stored); where the SDK has none (modal 1.x) or it fails before the first
-  byte, ONE streaming ``cat`` through ``sandbox.exec`` (execstream);
-* put: the destination resolved by one exec, written to a temp name beside
-  it (file API, or ``cat`` fed through exec stdin), then size-checked and
-  renamed by one exec, so a short upload never appears.
-
-Commands (``Sandbox.exec``) run execstream's run script, with the SDK's exec
-``timeout`` as the backstop. Reads happen inside the sandbox, scoped to its
-own filesystem: a process racing a link swap after the resolve can only
-reach what it could read itself. SDK errors are translated in ONE place
-(`_modal_errors`, through :meth:`ModalSandbox._errors`).
+lazily; credentials are the SDK's own): resolve, put and ``Sandbox.exec``
+through execstream; reads through the SDK's file API (``sandbox.open``; its
+version asked again after the last byte) where it has one, else execstream.
+Reads happen inside the sandbox: a process racing a link swap after the
+resolve can only reach what it could read itself. SDK errors are translated
+in ONE place (`_modal_errors`, through :meth:`ModalSandbox._errors`).
 """
 
 from __future__ import annotations

@@ -29,7 +29,8 @@ from collections.abc import Callable, Iterator
 
 from adapters.errors import ConfigError, CourierError, FileMissing, NotAFile, SandboxGone, UnsafePath
 from adapters.sandboxes.base import (
-    PathPolicy, Sandbox, SandboxRef, check_lexical, os_error, store_fd, temp_beside, write_blob_at,
+    PathPolicy, Sandbox, SandboxRef, check_lexical, deepest_existing, os_error, store_fd, temp_beside,
+    write_blob_at,
 )
 from adapters.sandboxes.hostopen import open_regular
 
@@ -244,7 +245,7 @@ class SingularitySandbox(Sandbox):
         self.check_size(path, size, max_bytes)
         fd = self._open_checked(resolved)
         try:
-            return store_fd(fd, os.fstat(fd), store, key, max_bytes=max_bytes, shown=path)
+            return store_fd(fd, os.fstat(fd), store, key, max_bytes=max_bytes, shown=path, kernel=False)
         finally:
             os.close(fd)
 
@@ -276,20 +277,10 @@ class SingularitySandbox(Sandbox):
         name = posixpath.basename(dest_path)
         if not name:
             raise UnsafePath(f"{dest_path}: needs a file name")
-        lex_parent = posixpath.dirname(dest_path) or "/"
         # the deepest existing ancestor, resolved in the instance; the rest is made
         # (e.g. <workspace>/inbox/ on a turn's first attachment)
-        missing: list[str] = []
-        cur = lex_parent
-        while True:
-            try:
-                parent, pst = resolve_in_root(self.root, cur)
-                break
-            except FileMissing:
-                if cur == "/":
-                    raise
-                missing.insert(0, posixpath.basename(cur))
-                cur = posixpath.dirname(cur) or "/"
+        (parent, pst), missing = deepest_existing(posixpath.dirname(dest_path) or "/",
+                                                  lambda cur: resolve_in_root(self.root, cur))
         missing = [m for m in missing if m not in ("", ".")]
         final = posixpath.join(parent, *missing, name)
         self.policy.check(final, shown=dest_path)

@@ -51,7 +51,7 @@ def extract_bound(sb: DockerSandbox, bound: tuple[str, str], path: str, store, k
                         check=lambda st: policy.check_links(resolved, st.st_nlink, shown=path))
     try:
         sb.check_size(path, st.st_size, max_bytes)
-        return store_fd(fd, st, store, key, max_bytes=max_bytes, shown=path)
+        return store_fd(fd, st, store, key, max_bytes=max_bytes, shown=path, kernel=False)
     finally:
         os.close(fd)
 

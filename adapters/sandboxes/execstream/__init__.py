@@ -2,16 +2,6 @@
 in a constant number of round trips whatever the file size (one streaming
 ``cat``; a base64 chunk per exec is ~500 times slower):
 
-* resolve: ONE exec (``readlink -f``, a type test, ``stat``, ``$HOME``);
-* extract: ONE exec streaming the file from a descriptor the script checked
-  and stats before the first byte and after the last (a change:
-  FileChanging); a gated channel resolves and streams in ONE exec;
-* put: ONE exec reading stdin into a temp name, then renaming it;
-* ``Sandbox.exec``: the working directory resolved and checked (ONE exec,
-  cached), the argv run under :data:`RUN_SCRIPT`, a timeout killing every
-  process of the run by its id; never run twice, unless RUN_SCRIPT proves
-  nothing ran.
-
 No shell string is ever built from input: scripts are constants and paths
 travel as positional parameters (``sh -c SCRIPT sh "$path"``). A backend
 provides an :class:`ExecChannel` (raising SandboxGone when the sandbox

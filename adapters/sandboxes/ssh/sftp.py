@@ -1,16 +1,7 @@
 """The SFTP transport (paramiko, the default): resolve, stream and put over
 SFTP channels of the pooled connection, and exec runs on its session channels.
-
-Reads: a window's worth of READ requests in flight, read by a helper thread
-so that hashing and writing overlap the SSH parsing (the paramiko internals
-this takes are in :mod:`adapters.sandboxes.ssh.paramiko_internals`); bytes
-stream into storage in 1 MiB chunks.
-
-Safety: the path is resolved on the host (SFTP realpath; `readlink -f` over
-exec where the server's realpath is not trusted) and checked; the SFTP
-handle's fstat must be the checked file, with the path still resolving to
-itself right after the open and after the transfer (see :meth:`_stream_sftp`).
-"""
+Reads keep a window's worth of READ requests in flight, read by a helper
+thread so that hashing and writing overlap the SSH parsing."""
 
 from __future__ import annotations
 
@@ -25,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from adapters.errors import FileMissing, NotAFile, SandboxError, SandboxGone, UnsafePath
 from adapters.sandboxes.base import (
-    BoundedOutput, PathPolicy, ReadTimeout, call_with_deadline, grew_over_cap, temp_beside, with_deadline,
+    BoundedOutput, PathPolicy, ReadTimeout, call_with_deadline, deepest_existing, grew_over_cap, temp_beside,
+    with_deadline,
 )
 from adapters.sandboxes.execstream import ExecStream, exec_resolve, kill_argv
 from adapters.sandboxes.ssh.core import (
@@ -213,23 +205,14 @@ class SftpTransport(SshCore):
         with self._errors(dest_path), self._sftp() as sftp:
             policy = self._sftp_policy(sftp)
             policy.check_lexical_denied(dest_path)
-            # deepest existing ancestor, resolved on the host; the rest is created
-            missing: list[str] = []
-            cur = posixpath.dirname(dest_path)
-            while True:
-                try:
-                    real_anc = sftp.normalize(cur) if self._trusts_realpath(sftp) else self._readlink_f(cur)
-                    sftp.stat(real_anc)
-                    break
-                except FileNotFoundError:
-                    if cur == "/":
-                        raise
-                    missing.insert(0, posixpath.basename(cur))
-                    cur = posixpath.dirname(cur)
-            parent = posixpath.join(real_anc, *missing)
-            dest = posixpath.join(parent, posixpath.basename(dest_path))
+            def found(cur: str) -> tuple[str, SFTPAttributes]:  # resolved on the host
+                real = sftp.normalize(cur) if self._trusts_realpath(sftp) else self._readlink_f(cur)
+                return real, sftp.stat(real)
+
+            (real_anc, anc_st), missing = deepest_existing(posixpath.dirname(dest_path), found)
+            dest = posixpath.join(real_anc, *missing, posixpath.basename(dest_path))
             policy.check(dest, shown=dest_path)
-            if not stat.S_ISDIR(sftp.stat(real_anc).st_mode or 0):
+            if not stat.S_ISDIR(anc_st.st_mode or 0):
                 raise NotAFile(f"{dest_path}: {real_anc} is not a directory")
             for i in range(len(missing)):
                 d = posixpath.join(real_anc, *missing[: i + 1])
