@@ -19,7 +19,7 @@ from adapters.sandboxes.base import (
     DEFAULT_EXEC_OUTPUT_BYTES, PathPolicy, PipeRun, Sandbox, SandboxRef, check_lexical,
     exec_argv, os_error, run_exec, store_fd, temp_beside, write_blob_at,
 )
-from adapters.sandboxes.hostopen import open_regular
+from adapters.sandboxes.hostopen import open_checked
 
 CHUNK = 1024 * 1024
 #: where an open descriptor's real path is read back from
@@ -55,17 +55,11 @@ class LocalSandbox(Sandbox):
         """The checked file open for reading (its real path and link count
         checked on the O_PATH descriptor first, see hostopen), and its fstat
         at the open: the version the copy must still be at its end."""
-        def check(fd: int, st: os.stat_result) -> None:
-            real = os.readlink(f"/proc/self/fd/{fd}") if _PROC_FD else resolved
+        def check(real: str, st: os.stat_result) -> None:
             self.policy.check(real, shown=resolved)
             self.policy.check_links(real, st.st_nlink, shown=resolved)
 
-        try:
-            return open_regular(resolved, check=check)
-        except FileNotFoundError as exc:
-            raise FileMissing(f"{resolved}: no such file") from exc
-        except OSError as exc:  # ELOOP: swapped for a link after resolve
-            raise UnsafePath(f"{resolved}: changed while opening ({exc.strerror})") from exc
+        return open_checked(resolved, shown=resolved, check=check)
 
     def open_stream(self, resolved: str) -> Iterator[bytes]:
         with os.fdopen(self._open(resolved)[0], "rb", buffering=0) as f:

@@ -8,10 +8,10 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from adapters.errors import FileMissing, SandboxGone, UnsafePath
-from adapters.sandboxes.base import store_fd
+from adapters.errors import SandboxGone, UnsafePath
+from adapters.sandboxes.base import _under, store_fd
 from adapters.sandboxes.execstream import Resolved
-from adapters.sandboxes.hostopen import open_regular
+from adapters.sandboxes.hostopen import open_checked
 from adapters.sandboxes.hostroot import open_in_container
 
 if TYPE_CHECKING:
@@ -67,19 +67,13 @@ def open_under(host: str, src: str, *, shown: str,
         real = os.path.realpath(host)
     except OSError as exc:  # a link swapped for a file between realpath's lstat and readlink (EINVAL)
         raise UnsafePath(f"{shown}: changed while resolving on the host ({exc.strerror})") from exc
-    if not (real == src_real or real.startswith(src_real.rstrip("/") + "/")):
+    if not _under(real, src_real):
         raise UnsafePath(f"{shown}: leaves its bind mount on the host")
 
-    def inside(fd: int, st: os.stat_result) -> None:
-        opened = os.readlink(f"/proc/self/fd/{fd}")
-        if not (opened == src_real or opened.startswith(src_real.rstrip("/") + "/")):
+    def inside(opened: str, st: os.stat_result) -> None:
+        if not _under(opened, src_real):
             raise UnsafePath(f"{shown}: changed while opening")
         if check is not None:
             check(st)
 
-    try:
-        return open_regular(real, shown=shown, check=inside)
-    except FileNotFoundError as exc:
-        raise FileMissing(f"{shown}: no such file") from exc
-    except OSError as exc:
-        raise UnsafePath(f"{shown}: cannot open on the host ({exc.strerror})") from exc
+    return open_checked(real, shown=shown, check=inside)

@@ -21,13 +21,14 @@ from adapters.sandboxes.base import DEFAULT_EXEC_OUTPUT_BYTES, ExecRun, PathPoli
 from adapters.sandboxes.execstream.transfer import (
     ANCESTOR_SCRIPT, EXIT_CHANGED, GATED_STREAM_SCRIPT, VERSION_FORMAT, ExecChannel, ExecStream, Resolved, _ask,
     _err_text, _fields, default_roots, exec_extract, exec_gated_extract, exec_iter_file, exec_put, exec_resolve,
-    kill_argv, probe, resolve_put_dest,
+    kill_argv, probe, resolve_by_ancestor, resolve_put_dest,
 )
 
 __all__ = [
     "ANCESTOR_SCRIPT", "EXIT_CHANGED", "GATED_STREAM_SCRIPT", "VERSION_FORMAT", "ExecChannel", "ExecStream",
     "ExecStreamMixin", "Resolved", "default_roots", "exec_command", "exec_extract", "exec_gated_extract",
-    "exec_iter_file", "exec_put", "exec_resolve", "kill_argv", "probe", "resolve_put_dest",
+    "exec_iter_file", "exec_put", "exec_resolve", "kill_argv", "probe", "resolve_by_ancestor",
+    "resolve_put_dest",
 ]
 
 

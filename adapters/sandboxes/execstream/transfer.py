@@ -469,7 +469,7 @@ def resolve_put_dest(ch: ExecChannel, policy_for: Callable[[str | None], PathPol
     parent = posixpath.dirname(dest_path) or "/"
     rc, out, err = _ask(ch, PUT_RESOLVE_SCRIPT, parent, name)
     if rc == EXIT_MISSING:  # e.g. <workspace>/inbox/ on a turn's first attachment: made, then resolved again
-        _make_parents(ch, policy_for, dest_path, parent)
+        _make_parents(ch, policy_for, dest_path)
         rc, out, err = _ask(ch, PUT_RESOLVE_SCRIPT, parent, name)
     if rc == EXIT_MISSING:
         raise FileMissing(f"{dest_path}: directory {parent} does not exist")
@@ -488,11 +488,11 @@ def resolve_put_dest(ch: ExecChannel, policy_for: Callable[[str | None], PathPol
         return final, 0, 0
 
 
-def _make_parents(ch: ExecChannel, policy_for: Callable[[str | None], PathPolicy], dest_path: str,
-                  parent: str) -> None:
-    """Create the missing directories of `parent` (as the sandbox's user),
-    once the destination under its deepest existing ancestor (resolved in
-    the sandbox) passed the policy."""
+def resolve_by_ancestor(ch: ExecChannel, policy_for: Callable[[str | None], PathPolicy], dest_path: str
+                        ) -> tuple[PathPolicy, str]:
+    """ONE exec: `dest_path` under its parent's deepest existing ancestor
+    resolved in the sandbox (the rest as written), checked: (policy, path)."""
+    parent = posixpath.dirname(dest_path) or "/"
     rc, out, err = _ask(ch, ANCESTOR_SCRIPT, parent)
     if rc != 0:
         raise SandboxError(f"{dest_path}: cannot resolve (exit {rc}: {_err_text(err)})")
@@ -500,8 +500,14 @@ def _make_parents(ch: ExecChannel, policy_for: Callable[[str | None], PathPolicy
     rest = [p for p in parent[len(anc):].split("/") if p not in ("", ".")] if parent.startswith(anc) else None
     if rest is None or not real.startswith("/"):
         raise SandboxError(f"{dest_path}: unexpected answer from the sandbox ({out[:200]!r})")
-    target = posixpath.join(real, *rest) if rest else real
-    policy_for(home or None).check(posixpath.join(target, posixpath.basename(dest_path)), shown=dest_path)
+    policy = policy_for(home or None)
+    return policy, policy.check(posixpath.join(real, *rest, posixpath.basename(dest_path)), shown=dest_path)
+
+
+def _make_parents(ch: ExecChannel, policy_for: Callable[[str | None], PathPolicy], dest_path: str) -> None:
+    """Create the missing directories of `dest_path`'s parent (as the sandbox's
+    user), once the destination passed the policy (:func:`resolve_by_ancestor`)."""
+    target = posixpath.dirname(resolve_by_ancestor(ch, policy_for, dest_path)[1])
     rc, _out, err = ch.exec_small(["mkdir", "-p", "--", target])
     if rc != 0:
         raise SandboxError(f"{dest_path}: cannot create {target} (exit {rc}: {_err_text(err)})")

@@ -29,7 +29,7 @@ from typing import IO, TYPE_CHECKING, Any
 from adapters.errors import ConfigError, FileMissing, NotAFile, SandboxError, UnsafePath
 from adapters.sandboxes.base import PathPolicy, PipeRun, ReadTimeout, grew_over_cap, temp_beside
 from adapters.sandboxes.execstream import (
-    ANCESTOR_SCRIPT, ExecStream, Resolved, exec_gated_extract, exec_resolve, kill_argv,
+    ExecStream, Resolved, exec_gated_extract, exec_resolve, kill_argv, resolve_by_ancestor,
 )
 from adapters.sandboxes.ssh.core import (
     CHUNK, FileChanged, SshCore, _ready,
@@ -130,24 +130,10 @@ class OpenSshTransport(SshCore):
         return info
 
     def _copy_in_openssh(self, store: BlobStore, key: str, dest_path: str, *, size: int, max_bytes: int) -> str:
-        """The parent's deepest existing ancestor resolved (execstream's
-        ANCESTOR_SCRIPT), then _PUT_SH: a dropped connection ends its `cat`
-        with EOF, so it checks the received size before the rename."""
-        parent_lex = posixpath.dirname(dest_path)
-        rc, out, err = self._openssh().exec_small(["sh", "-c", ANCESTOR_SCRIPT, "sh", parent_lex])
-        if rc != 0 or out.count(b"\0") < 2:
-            raise self._ssh_error(rc, err, dest_path)
-        home, anc_lex, anc_real = out.split(b"\0", 2)
-        policy = self._policy(home.decode("utf-8", "surrogateescape") or None)
+        """The parent's deepest existing ancestor resolved, then _PUT_SH: a dropped
+        connection ends its `cat` with EOF, so it checks the received size before the rename."""
+        policy, dest = resolve_by_ancestor(self._openssh(), self._policy, dest_path)
         policy.check_lexical_denied(dest_path)
-        anc_lex_s = anc_lex.decode("utf-8", "surrogateescape")
-        anc_real_s = anc_real.decode("utf-8", "surrogateescape")
-        rest = parent_lex[len(anc_lex_s):].lstrip("/") if parent_lex.startswith(anc_lex_s) else None
-        if rest is None or not anc_real_s.startswith("/"):
-            raise SandboxError(f"{dest_path}: unexpected answer from {self.where}")
-        parent = posixpath.join(anc_real_s, rest) if rest else anc_real_s
-        dest = posixpath.join(parent, posixpath.basename(dest_path))
-        policy.check(dest, shown=dest_path)
         tmp = temp_beside(dest)
         sent = 0
 
@@ -159,7 +145,8 @@ class OpenSshTransport(SshCore):
                     raise grew_over_cap(key, sent, max_bytes)
                 yield chunk
 
-        rc, _, err = self._openssh().exec_stdin(["sh", "-c", _PUT_SH, "sh", parent, dest, tmp, str(size)], chunks())
+        rc, _, err = self._openssh().exec_stdin(
+            ["sh", "-c", _PUT_SH, "sh", posixpath.dirname(dest), dest, tmp, str(size)], chunks())
         if rc == 5:
             raise UnsafePath(f"{dest_path}: is a symbolic link")
         if rc == 4:
