@@ -307,11 +307,9 @@ class ReadTimeout(SandboxGone):
 def with_deadline(chunks: Iterable[T], idle_s: float | None, what: str = "",
                   on_timeout: Callable[[], object] | None = None, *, ahead: int = 2,
                   abort: Callable[[], object] | None = None) -> Iterator[T]:
-    """`chunks` (a blocking SDK stream) read by a daemon thread, at most `ahead`
-    ahead; when none arrives for `idle_s` seconds (None: no deadline),
-    `on_timeout()` runs (end the command) and :class:`ReadTimeout` is raised.
-    With `abort`: a consumer that stops early calls it (to unblock the reader),
-    and the reader is closed and joined (for a channel not safe to share)."""
+    """`chunks` (a blocking stream) read by a daemon thread, at most `ahead` ahead; none for
+    `idle_s` seconds (None: no deadline): `on_timeout()`, then ReadTimeout. With `abort`: a
+    consumer that stops early calls it, and the reader is closed and joined (a channel not safe to share)."""
     q: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=ahead)
     stop = threading.Event()
 

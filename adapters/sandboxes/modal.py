@@ -271,8 +271,8 @@ class ModalSandbox(ExecStreamMixin, Sandbox):  # type: ignore[misc]
         def chunks() -> Iterator[bytes]:
             try:
                 with self._errors(resolved):
-                    yield from with_deadline(iter(lambda: _as_bytes(f.read(CHUNK) or b""), b""), self.io_timeout_s,
-                                             f"modal sandbox {self.ref.target}: {resolved}")
+                    reads = iter(lambda: _as_bytes(f.read(CHUNK) or b""), b"")
+                    yield from with_deadline(reads, self.io_timeout_s, f"modal sandbox {self.ref.target}: {resolved}")
             finally:
                 with contextlib.suppress(Exception):
                     f.close()

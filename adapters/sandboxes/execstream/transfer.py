@@ -407,12 +407,9 @@ def _store_stream(ch: ExecChannel, st: ExecStream, run_id: str, resolved: str, m
 def exec_gated_extract(ch: GatedChannel, path: str, store, key: str, *, max_bytes: int,
                        check: Callable[[Resolved], PathPolicy],
                        guard: Callable[[Iterator[bytes]], Iterator[bytes]] | None = None):
-    """Resolve and store `path` with ONE exec (:data:`GATED_STREAM_SCRIPT`)
-    on a :class:`GatedChannel`: the resolve's answer is read first and
-    `check(resolved)` checks it (raises to refuse: the file is never opened)
-    and returns the policy (for hard links); only then does the script
-    stream the file, as :func:`exec_iter_file` does. None when the path did
-    not resolve: the caller asks :func:`exec_resolve` why."""
+    """Resolve and store `path` with ONE exec (:data:`GATED_STREAM_SCRIPT`):
+    `check(resolved)` refuses (raises: the file is never opened) or returns the
+    policy, and only then is the file streamed. None when the path did not resolve."""
     check_lexical(path)
     mode = "cat" if getattr(ch, "binary_safe", True) else "base64"
     run_id = uuid.uuid4().hex
@@ -538,12 +535,13 @@ def exec_put(ch, policy_for: Callable[[str | None], PathPolicy], store, key: str
         rc, _out, err = ch.exec_small(["sh", "-c", PUT_SCRIPT, "sh", tmp, final, "", str(size)])
     else:
         binary = getattr(ch, "binary_safe", True)
-        rc, _out, err = ch.exec_stdin(["sh", "-c", PUT_SCRIPT, "sh", tmp, final, "cat" if binary else "base64",
-                                       str(size)], counted() if binary else _b64_encode(counted()))
+        mode, body = ("cat", counted()) if binary else ("base64", _b64_encode(counted()))
+        rc, _out, err = ch.exec_stdin(["sh", "-c", PUT_SCRIPT, "sh", tmp, final, mode, str(size)], body)
     if rc == EXIT_CHANGED:
         raise UnsafePath(f"{dest_path}: is a link or a directory")
     if rc == EXIT_SHORT:
-        raise SandboxGone(f"{dest_path}: upload cut short; nothing written ({size:,} bytes expected, {sent:,} sent)")
+        raise SandboxGone(f"{dest_path}: upload cut short; nothing written "
+                          f"({size:,} bytes expected, {sent:,} sent)")
     if rc != 0:
         raise SandboxError(f"{dest_path}: writing failed (exit {rc}: {_err_text(err)})")
     return final
