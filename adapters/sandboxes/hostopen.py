@@ -147,10 +147,10 @@ def open_regular(path: str, *, dir_fd: int | None = None, shown: str | None = No
 def open_checked(path: str, *, shown: str, check: Callable[[str, os.stat_result], None]
                  ) -> tuple[int, os.stat_result]:
     """:func:`open_regular` of `path`, `check(real path, stat)` run on the
-    O_PATH descriptor first (its real path read back where /proc has it);
+    O_PATH descriptor first (its real path read back where /proc has it, asked once);
     the OS's refusals as courier errors."""
     def on_fd(fd: int, st: os.stat_result) -> None:
-        check(os.readlink(f"{_PROC_FD}/{fd}") if os.path.isdir(_PROC_FD) else path, st)
+        check(os.readlink(f"{_PROC_FD}/{fd}") if host_open_safe() else path, st)
 
     try:
         return open_regular(path, shown=shown, check=on_fd)
