@@ -14,8 +14,11 @@ import fnmatch
 import os
 import posixpath
 import queue
+import selectors
+import subprocess
 import threading
 import time
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -301,31 +304,38 @@ class ReadTimeout(SandboxGone):
     shell, a FIFO opened after the check): this attempt fails, not the worker."""
 
 
-def with_deadline(chunks: Iterable[T], idle_s: float, what: str,
-                  on_timeout: Callable[[], object] | None = None) -> Iterator[T]:
-    """`chunks` (a blocking SDK stream) read by a daemon thread, at most two
-    ahead; when none arrives for `idle_s` seconds, `on_timeout()` runs (end
-    the command) and :class:`ReadTimeout` is raised."""
-    q: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=2)
+def with_deadline(chunks: Iterable[T], idle_s: float | None, what: str = "",
+                  on_timeout: Callable[[], object] | None = None, *, ahead: int = 2,
+                  abort: Callable[[], object] | None = None) -> Iterator[T]:
+    """`chunks` (a blocking stream) read by a daemon thread, at most `ahead` ahead; none for
+    `idle_s` seconds (None: no deadline): `on_timeout()`, then ReadTimeout. With `abort`: a
+    consumer that stops early calls it, and the reader is closed and joined (a channel not safe to share)."""
+    q: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=ahead)
     stop = threading.Event()
 
-    def put(item: tuple[str, Any]) -> None:
+    def put(item: tuple[str, Any]) -> bool:
         while not stop.is_set():
             with contextlib.suppress(queue.Full):
                 q.put(item, timeout=0.1)
-                return
+                return True
+        return False
 
     def run() -> None:
         try:
             for chunk in chunks:
-                put(("c", chunk))
-                if stop.is_set():
+                if not put(("c", chunk)):
                     return
             put(("d", None))
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
             put(("e", exc))
+        finally:
+            if abort is not None:
+                with contextlib.suppress(Exception):
+                    chunks.close()  # type: ignore[attr-defined]
 
-    threading.Thread(target=run, name="courier-read-deadline", daemon=True).start()
+    t = threading.Thread(target=run, name="courier-read-ahead", daemon=True)
+    t.start()
+    kind = "c"
     try:
         while True:
             try:
@@ -342,27 +352,17 @@ def with_deadline(chunks: Iterable[T], idle_s: float, what: str,
             yield item
     finally:
         stop.set()
+        if abort is not None:
+            if kind == "c":  # the consumer stopped early
+                with contextlib.suppress(Exception):
+                    abort()
+            t.join()
 
 
-def call_with_deadline(fn: Callable[[], R], timeout_s: float, what: str) -> R | None:
+def call_with_deadline(fn: Callable[[], R], timeout_s: float, what: str) -> R:
     """`fn()`'s result (or exception), run by a helper thread; ReadTimeout if
     it has not returned within `timeout_s` (the thread is left to end on its own)."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["res"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            box["exc"] = exc
-
-    t = threading.Thread(target=run, name="courier-call-deadline", daemon=True)
-    t.start()
-    t.join(timeout_s)
-    if t.is_alive():
-        raise ReadTimeout(f"{what}: no progress for {timeout_s:g} s; given up")
-    if "exc" in box:
-        raise box["exc"]
-    return box.get("res")
+    return next(with_deadline((fn() for _ in (0,)), timeout_s, what))
 
 
 def unchanged(before: os.stat_result, after: os.stat_result, copied_bytes: int, store: BlobStore | None,
@@ -378,6 +378,57 @@ def unchanged(before: os.stat_result, after: os.stat_result, copied_bytes: int, 
                 store.delete(key)
         raise FileChanging(f"{shown}: changed while it was read ({before.st_size:,} -> {after.st_size:,} bytes); "
                            "read again later")
+
+
+def temp_beside(path: str) -> str:
+    """A private hidden temp name beside `path` (a bare name: in its directory), short enough for NAME_MAX."""
+    parent, name = posixpath.split(path)
+    return posixpath.join(parent, f".{name[:64]}.{uuid.uuid4().hex[:8]}.courier-part")
+
+
+def deepest_existing(path: str, resolve: Callable[[str], T]) -> tuple[T, list[str]]:
+    """`resolve` of the deepest of `path` and its ancestors that exists (`resolve` raises
+    FileNotFoundError or FileMissing for one that does not), and the names below it, to be made."""
+    missing: list[str] = []
+    while True:
+        try:
+            return resolve(path), missing
+        except (FileNotFoundError, FileMissing):
+            if path == "/":
+                raise
+            missing.insert(0, posixpath.basename(path))
+            path = posixpath.dirname(path) or "/"
+
+
+def store_fd(fd: int, before: os.stat_result, store: BlobStore, key: str, *, max_bytes: int, shown: str,
+             check: Callable[[], None] | None = None, kernel: bool = True) -> BlobInfo:
+    """The file open as `fd` (`before`: its fstat at the open) into `store`, in
+    the kernel where the store can and `kernel` (``put_fd``: no sha256), else
+    streamed; kept only if `check()` passes and it is that version, whole."""
+    def verdict(copied: int) -> None:
+        if check is not None:
+            check()
+        unchanged(before, os.fstat(fd), copied, None, key, shown=shown)
+
+    put_fd = getattr(store, "put_fd", None) if kernel else None  # a store wrapper may have none
+    info: BlobInfo | None = put_fd(key, fd, max_bytes=max_bytes) if put_fd is not None else None
+    if info is not None:
+        try:
+            verdict(info.size_bytes)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                store.delete(key)
+            raise
+        return info
+
+    def chunks() -> Iterator[bytes]:  # checked before the store publishes the blob
+        n = 0
+        while data := os.pread(fd, 1024 * 1024, n):
+            n += len(data)
+            yield data
+        verdict(n)
+
+    return store.put_stream(key, chunks(), max_bytes=max_bytes)
 
 
 def write_blob_at(dfd: int, name: str, tmp: str, store: BlobStore, key: str, *, owner_of_dir: bool = False) -> None:
@@ -538,6 +589,64 @@ class ExecRun(Protocol):
     def kill(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+class PipeRun:
+    """An :class:`ExecRun` of a local process with stdout and stderr as pipes
+    (`err_head`: stderr's first 4 KiB); `end()` ends it where `kill` does not."""
+
+    read_size = 65536
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self.proc = proc
+        self.sel = selectors.DefaultSelector()
+        assert proc.stdout is not None and proc.stderr is not None
+        self.sel.register(proc.stdout, selectors.EVENT_READ, "out")
+        self.sel.register(proc.stderr, selectors.EVENT_READ, "err")
+        self.err_head = bytearray()
+        self.closed = False
+
+    def pump(self, wait_s: float, out: BoundedOutput, err: BoundedOutput) -> bool:
+        if not self.sel.get_map():
+            return False
+        for key, _ in self.sel.select(timeout=wait_s):
+            chunk = os.read(key.fd, self.read_size)
+            if not chunk:
+                self.sel.unregister(key.fileobj)
+            elif key.data == "out":
+                out.add(chunk)
+            else:
+                err.add(chunk)
+                self.err_head += chunk[:4096 - len(self.err_head)]
+        return bool(self.sel.get_map())
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def wait(self, timeout_s: float) -> int | None:
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+        return self.poll()
+
+    def end(self) -> None:
+        self.proc.kill()
+
+    def kill(self) -> None:
+        self.end()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.sel.close()
+        for f in (self.proc.stdout, self.proc.stderr):
+            if f is not None:
+                f.close()
+        if self.proc.poll() is None:
+            self.end()
+        self.proc.wait()
 
 
 def run_exec(run: ExecRun, *, timeout_s: float, max_output_bytes: int,

@@ -25,7 +25,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from adapters.errors import NotAFile
+from adapters.errors import FileMissing, NotAFile, UnsafePath
 
 RESOLVE_BENEATH = 0x08
 RESOLVE_NO_MAGICLINKS = 0x02
@@ -142,3 +142,19 @@ def open_regular(path: str, *, dir_fd: int | None = None, shown: str | None = No
         return reopen_for_reading(opath), st
     finally:
         os.close(opath)
+
+
+def open_checked(path: str, *, shown: str, check: Callable[[str, os.stat_result], None]
+                 ) -> tuple[int, os.stat_result]:
+    """:func:`open_regular` of `path`, `check(real path, stat)` run on the
+    O_PATH descriptor first (its real path read back where /proc has it, asked once);
+    the OS's refusals as courier errors."""
+    def on_fd(fd: int, st: os.stat_result) -> None:
+        check(os.readlink(f"{_PROC_FD}/{fd}") if host_open_safe() else path, st)
+
+    try:
+        return open_regular(path, shown=shown, check=on_fd)
+    except FileNotFoundError as exc:
+        raise FileMissing(f"{shown}: no such file") from exc
+    except OSError as exc:  # ELOOP: swapped for a link after the check
+        raise UnsafePath(f"{shown}: changed while opening ({exc.strerror})") from exc

@@ -8,20 +8,18 @@ from __future__ import annotations
 
 import contextlib
 import os
-import selectors
 import signal
 import stat
 import subprocess
-import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from adapters.errors import FileMissing, NotAFile, UnsafePath
 from adapters.sandboxes.base import (
-    DEFAULT_EXEC_OUTPUT_BYTES, BoundedOutput, PathPolicy, Sandbox, SandboxRef, check_lexical,
-    exec_argv, os_error, run_exec, unchanged, write_blob_at,
+    DEFAULT_EXEC_OUTPUT_BYTES, PathPolicy, PipeRun, Sandbox, SandboxRef, check_lexical,
+    exec_argv, os_error, run_exec, store_fd, temp_beside, write_blob_at,
 )
-from adapters.sandboxes.hostopen import open_regular
+from adapters.sandboxes.hostopen import open_checked
 
 CHUNK = 1024 * 1024
 #: where an open descriptor's real path is read back from
@@ -57,17 +55,11 @@ class LocalSandbox(Sandbox):
         """The checked file open for reading (its real path and link count
         checked on the O_PATH descriptor first, see hostopen), and its fstat
         at the open: the version the copy must still be at its end."""
-        def check(fd: int, st: os.stat_result) -> None:
-            real = os.readlink(f"/proc/self/fd/{fd}") if _PROC_FD else resolved
+        def check(real: str, st: os.stat_result) -> None:
             self.policy.check(real, shown=resolved)
             self.policy.check_links(real, st.st_nlink, shown=resolved)
 
-        try:
-            return open_regular(resolved, check=check)
-        except FileNotFoundError as exc:
-            raise FileMissing(f"{resolved}: no such file") from exc
-        except OSError as exc:  # ELOOP: swapped for a link after resolve
-            raise UnsafePath(f"{resolved}: changed while opening ({exc.strerror})") from exc
+        return open_checked(resolved, shown=resolved, check=check)
 
     def open_stream(self, resolved: str) -> Iterator[bytes]:
         with os.fdopen(self._open(resolved)[0], "rb", buffering=0) as f:
@@ -79,13 +71,7 @@ class LocalSandbox(Sandbox):
         self.check_size(path, size, max_bytes)
         fd, before = self._open(resolved)  # `before`: its fstat at the open, no byte read yet
         try:
-            info = store.put_fd(key, fd, max_bytes=max_bytes)
-            if info is None:
-                os.lseek(fd, 0, os.SEEK_SET)
-                with os.fdopen(os.dup(fd), "rb", buffering=0) as f:
-                    info = store.put_stream(key, f, max_bytes=max_bytes)
-            unchanged(before, os.fstat(fd), info.size_bytes, store, key, shown=path)
-            return info
+            return store_fd(fd, before, store, key, max_bytes=max_bytes, shown=path)
         finally:
             os.close(fd)
 
@@ -108,10 +94,8 @@ class LocalSandbox(Sandbox):
         try:
             real = os.readlink(f"/proc/self/fd/{dfd}") if _PROC_FD else parent
             dest = self.policy.check(os.path.join(real, name), shown=dest_path)
-            # a temp name of our own (O_EXCL): concurrent puts never share or truncate one
-            tmp = f".{name[:64]}.{uuid.uuid4().hex[:8]}.courier-part"
-            try:
-                write_blob_at(dfd, name, tmp, store, key)
+            try:  # a temp name of our own (O_EXCL): concurrent puts never share or truncate one
+                write_blob_at(dfd, name, temp_beside(name), store, key)
             except IsADirectoryError as exc:  # a directory appeared there meanwhile
                 raise NotAFile(f"{dest_path}: is a directory") from exc
         finally:
@@ -151,47 +135,12 @@ class LocalSandbox(Sandbox):
         return real
 
 
-class _LocalRun:
-    """:class:`~adapters.sandboxes.base.ExecRun` of a local process group."""
+class _LocalRun(PipeRun):
+    """A local process group: ended, all of it, by SIGKILL."""
 
-    def __init__(self, proc: subprocess.Popen) -> None:
-        self.proc = proc
-        self.sel = selectors.DefaultSelector()
-        assert proc.stdout is not None and proc.stderr is not None
-        self.sel.register(proc.stdout, selectors.EVENT_READ, "out")
-        self.sel.register(proc.stderr, selectors.EVENT_READ, "err")
-
-    def pump(self, wait_s: float, out: BoundedOutput, err: BoundedOutput) -> bool:
-        if not self.sel.get_map():
-            return False
-        for key, _ in self.sel.select(timeout=wait_s):
-            chunk = os.read(key.fd, 65536)
-            if chunk:
-                (out if key.data == "out" else err).add(chunk)
-            else:
-                self.sel.unregister(key.fileobj)
-        return bool(self.sel.get_map())
-
-    def poll(self) -> int | None:
-        return self.proc.poll()
-
-    def wait(self, timeout_s: float) -> int | None:
-        try:
-            return self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            return None
-
-    def kill(self) -> None:
-        _killpg(self.proc.pid)
-
-    def close(self) -> None:
-        self.sel.close()
-        for f in (self.proc.stdout, self.proc.stderr):
-            if f is not None:
-                f.close()
-        if self.proc.poll() is None:
-            _killpg(self.proc.pid)
-        self.proc.wait()
+    def end(self) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
 
 
 def _exec_env(home: str | None) -> dict[str, str]:
@@ -199,8 +148,3 @@ def _exec_env(home: str | None) -> dict[str, str]:
            "HOME": home or os.environ.get("HOME") or "/tmp", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "TERM": "dumb"}
     env.update({k: os.environ[k] for k in ("USER", "LOGNAME", "TMPDIR", "TZ") if os.environ.get(k)})
     return env
-
-
-def _killpg(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)

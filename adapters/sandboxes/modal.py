@@ -1,30 +1,18 @@
 """Modal sandboxes (`modal://sb-id/abs/path`), on the modal SDK (imported
-lazily; credentials are the SDK's own).
-
-* resolve: ONE exec of execstream's resolve script, then the policy check;
-* read: the SDK's file API (``sandbox.open``), the file's version asked
-  again by one exec after the last byte (a change: FileChanging, nothing
-  stored); where the SDK has none (modal 1.x) or it fails before the first
-  byte, ONE streaming ``cat`` through ``sandbox.exec`` (execstream);
-* put: the destination resolved by one exec, written to a temp name beside
-  it (file API, or ``cat`` fed through exec stdin), then size-checked and
-  renamed by one exec, so a short upload never appears.
-
-Commands (``Sandbox.exec``) run execstream's run script, with the SDK's exec
-``timeout`` as the backstop. Reads happen inside the sandbox, scoped to its
-own filesystem: a process racing a link swap after the resolve can only
-reach what it could read itself. SDK errors are translated in ONE place
-(`_modal_errors`, through :meth:`ModalSandbox._errors`).
+lazily; credentials are the SDK's own): resolve, put and ``Sandbox.exec``
+through execstream; reads through the SDK's file API (``sandbox.open``; its
+version asked again after the last byte) where it has one, else execstream.
+Reads happen inside the sandbox: a process racing a link swap after the
+resolve can only reach what it could read itself. SDK errors are translated
+in ONE place (`_modal_errors`, through :meth:`ModalSandbox._errors`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import posixpath
 import threading
 import time
-import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -34,27 +22,16 @@ from adapters.errors import (
     UnsafePath, translating,
 )
 from adapters.sandboxes.base import (
-    DEFAULT_IO_TIMEOUT_S, BoundedOutput, PathPolicy, Sandbox, SandboxRef, check_lexical,
-    call_with_deadline, grew_over_cap, with_deadline,
+    DEFAULT_IO_TIMEOUT_S, BoundedOutput, PathPolicy, Sandbox, SandboxRef, call_with_deadline, grew_over_cap,
+    with_deadline,
 )
 from adapters.sandboxes.execstream import (
-    EXIT_CHANGED, VERSION_FORMAT, ExecStream, ExecStreamMixin, Resolved, exec_iter_file, exec_resolve, kill_argv,
-    resolve_put_dest,
+    VERSION_FORMAT, ExecStream, ExecStreamMixin, exec_iter_file, exec_put, kill_argv,
 )
 
 CHUNK = 1024 * 1024
 MODAL_DEFAULT_ROOTS = ("/workspace", "/tmp")
 INSTALL_HINT = "modal sandboxes need the modal SDK: pip install 'courier[modal]' (or: pip install modal)"
-
-#: $1 temp, $2 final, $3 expected size, $4 "cat" to read the temp from stdin first.
-#: A short temp (an aborted upload ends `cat` with EOF) is removed, never renamed.
-_PUT_SIZED = r"""umask 022
-if [ "$4" = cat ]; then cat > "$1" || { rm -f -- "$1"; exit 3; }; fi
-[ "$(stat -c %s -- "$1")" = "$3" ] || { rm -f -- "$1"; exit 6; }
-if [ -L "$2" ] || [ -d "$2" ]; then rm -f -- "$1"; exit 97; fi
-mv -f -- "$1" "$2" || { rm -f -- "$1"; exit 3; }
-"""
-
 
 def _modal():
     try:
@@ -273,34 +250,6 @@ class ModalSandbox(ExecStreamMixin, Sandbox):  # type: ignore[misc]
         which the SDK ends after `backstop_s` should the worker not."""
         return _ModalRun(self.exec_channel(), argv, run_id, backstop_s)
 
-    def home_dir(self) -> str | None:
-        """The configured home, else the sandbox user's $HOME (one exec, once)."""
-        if self.policy is not None and self.policy.home:
-            return self.policy.home
-        if getattr(self, "_home_cache", None) is None:
-            rc, out, _err = self.exec_channel().exec_small(["sh", "-c", 'printf %s "$HOME"'])
-            self._home_cache = out.decode("utf-8", "surrogateescape") if rc == 0 else ""
-        return self._home_cache or None
-
-    def resolve(self, path: str) -> tuple[str, int]:
-        r = self._resolve(path)
-        return r.path, r.size
-
-    def _resolve(self, path: str) -> Resolved:
-        check_lexical(path)
-        try:
-            r = exec_resolve(self.exec_channel(), path, policy_for=self.policy_for)
-        except (FileMissing, NotAFile):
-            self._deny_lexical(path)
-            raise
-        self.policy_for(r.home).check(r.path, shown=path)
-        return r
-
-    def _deny_lexical(self, path: str) -> None:
-        """A path that does not resolve is still refused if denylisted as written."""
-        policy = self.policy or PathPolicy(roots=MODAL_DEFAULT_ROOTS)
-        policy.check_lexical_denied(path)
-
     def _iter_file_api(self, resolved: str) -> Iterator[bytes] | None:
         """Chunks through ``sandbox.open``; None when the SDK has no usable file API."""
         h = self.handle()
@@ -309,8 +258,8 @@ class ModalSandbox(ExecStreamMixin, Sandbox):  # type: ignore[misc]
             return None
         me = _modal().exception
         try:  # the open too has a deadline (a FIFO swapped in after resolve may block it)
-            f = next(with_deadline((opener(resolved, "rb") for _ in (0,)), self.io_timeout_s,
-                                   f"modal sandbox {self.ref.target}: opening {resolved}"))
+            f = call_with_deadline(lambda: opener(resolved, "rb"), self.io_timeout_s,
+                                   f"modal sandbox {self.ref.target}: opening {resolved}")
         except (FileNotFoundError, IsADirectoryError, PermissionError) as exc:
             raise self._map(exc, resolved) from exc  # type: ignore[misc]
         except me.Error as exc:
@@ -321,12 +270,9 @@ class ModalSandbox(ExecStreamMixin, Sandbox):  # type: ignore[misc]
 
         def chunks() -> Iterator[bytes]:
             try:
-                def reads() -> Iterator[bytes]:
-                    while data := f.read(CHUNK):
-                        yield _as_bytes(data)
-
                 with self._errors(resolved):
-                    yield from with_deadline(reads(), self.io_timeout_s, f"modal sandbox {self.ref.target}: {resolved}")
+                    reads = iter(lambda: _as_bytes(f.read(CHUNK) or b""), b"")
+                    yield from with_deadline(reads, self.io_timeout_s, f"modal sandbox {self.ref.target}: {resolved}")
             finally:
                 with contextlib.suppress(Exception):
                     f.close()
@@ -377,55 +323,38 @@ class ModalSandbox(ExecStreamMixin, Sandbox):  # type: ignore[misc]
         return store.put_stream(key, self._stream(r.path, r.size, max_bytes, r.nlink, r.version), max_bytes=max_bytes)
 
     def _copy_in(self, store, key: str, dest_path: str, *, size: int, max_bytes: int) -> str:
-        ch = self.exec_channel()
+        """Through the file API where the SDK has one, else `cat` fed through exec stdin (exec_put)."""
         self._deny_lexical(dest_path)
-        final, _uid, _gid = resolve_put_dest(ch, self.policy_for, dest_path)
-        tmp = posixpath.join(posixpath.dirname(final), f".{posixpath.basename(final)[:64]}.{uuid.uuid4().hex[:8]}.courier-part")
+        return exec_put(self.exec_channel(), self.policy_for, store, key, dest_path, max_bytes=max_bytes,
+                        write=functools.partial(self._write_file_api, dest_path))
 
-        def chunks() -> Iterator[bytes]:
-            sent = 0
-            for chunk in store.iter_chunks(key):
-                sent += len(chunk)
-                if sent > max_bytes:
-                    raise grew_over_cap(key, sent, max_bytes)
-                yield chunk
-
+    def _write_file_api(self, dest_path: str, tmp: str, chunks: Iterator[bytes], uid: int, gid: int) -> bool:
+        """`chunks` written at `tmp` through ``sandbox.open``, each write with a
+        deadline; False when the SDK has no usable file API (nothing written)."""
         opener = getattr(self.handle(), "open", None)
-        wrote = False
-        if opener is not None:
-            me = _modal().exception
-            try:
-                f = opener(tmp, "wb")
-            except me.Error as exc:
-                mapped = self._map(exc, dest_path)
-                if isinstance(mapped, (SandboxGone, ConfigError)):
-                    raise mapped from exc
-            else:
-                what = f"modal sandbox {self.ref.target}: writing {tmp}"
-                try:
-                    with self._errors(dest_path):
-                        for chunk in chunks():  # each write has a deadline
-                            call_with_deadline(functools.partial(f.write, chunk), self.io_timeout_s, what)
-                        call_with_deadline(f.flush, self.io_timeout_s, what)
-                        call_with_deadline(f.close, self.io_timeout_s, what)
-                except BaseException:
-                    with contextlib.suppress(Exception):
-                        f.close()
-                    with contextlib.suppress(Exception):  # best effort: the sandbox may be gone
-                        ch.exec_small(["rm", "-f", "--", tmp])
-                    raise
-                wrote = True
-        if wrote:
-            rc, _, err = ch.exec_small(["sh", "-c", _PUT_SIZED, "sh", tmp, final, str(size), ""])
-        else:  # no file API: cat through exec stdin, same size check
-            rc, _, err = ch.exec_stdin(["sh", "-c", _PUT_SIZED, "sh", tmp, final, str(size), "cat"], chunks())
-        if rc == EXIT_CHANGED:
-            raise UnsafePath(f"{dest_path}: is a link or a directory")
-        if rc == 6:
-            raise SandboxGone(f"{dest_path}: short write into the sandbox (expected {size:,} bytes)")
-        if rc != 0:
-            raise SandboxError(f"{dest_path}: writing failed (exit {rc}: {err.decode('utf-8', 'replace')[:300]})")
-        return final
+        if opener is None:
+            return False
+        try:
+            f = opener(tmp, "wb")
+        except _modal().exception.Error as exc:
+            mapped = self._map(exc, dest_path)
+            if isinstance(mapped, (SandboxGone, ConfigError)):
+                raise mapped from exc
+            return False
+        what = f"modal sandbox {self.ref.target}: writing {tmp}"
+        try:
+            with self._errors(dest_path):
+                for chunk in chunks:
+                    call_with_deadline(functools.partial(f.write, chunk), self.io_timeout_s, what)
+                call_with_deadline(f.flush, self.io_timeout_s, what)
+                call_with_deadline(f.close, self.io_timeout_s, what)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                f.close()
+            with contextlib.suppress(Exception):  # best effort: the sandbox may be gone
+                self.exec_channel().exec_small(["rm", "-f", "--", tmp])
+            raise
+        return True
 
 
 # -- the ONE table of modal SDK / OS errors (rules take the ModalSandbox and what it was doing) --

@@ -24,13 +24,13 @@ import posixpath
 import shutil
 import stat as statmod
 import subprocess
-import uuid
 from collections import deque
 from collections.abc import Callable, Iterator
 
 from adapters.errors import ConfigError, CourierError, FileMissing, NotAFile, SandboxGone, UnsafePath
 from adapters.sandboxes.base import (
-    PathPolicy, Sandbox, SandboxRef, check_lexical, os_error, unchanged, write_blob_at,
+    PathPolicy, Sandbox, SandboxRef, check_lexical, deepest_existing, os_error, store_fd, temp_beside,
+    write_blob_at,
 )
 from adapters.sandboxes.hostopen import open_regular
 
@@ -243,11 +243,11 @@ class SingularitySandbox(Sandbox):
     def _copy_out(self, path: str, store, key: str, *, max_bytes: int):
         resolved, size = self.resolve(path)
         self.check_size(path, size, max_bytes)
-        with os.fdopen(self._open_checked(resolved), "rb", buffering=0) as f:
-            before = os.fstat(f.fileno())
-            info = store.put_stream(key, f, max_bytes=max_bytes)
-            unchanged(before, os.fstat(f.fileno()), info.size_bytes, store, key, shown=path)
-            return info
+        fd = self._open_checked(resolved)
+        try:
+            return store_fd(fd, os.fstat(fd), store, key, max_bytes=max_bytes, shown=path, kernel=False)
+        finally:
+            os.close(fd)
 
     def make_dirs(self, path: str) -> str:
         """``mkdir -p`` inside the instance (0700 for what it makes), for a
@@ -277,27 +277,16 @@ class SingularitySandbox(Sandbox):
         name = posixpath.basename(dest_path)
         if not name:
             raise UnsafePath(f"{dest_path}: needs a file name")
-        lex_parent = posixpath.dirname(dest_path) or "/"
         # the deepest existing ancestor, resolved in the instance; the rest is made
         # (e.g. <workspace>/inbox/ on a turn's first attachment)
-        missing: list[str] = []
-        cur = lex_parent
-        while True:
-            try:
-                parent, pst = resolve_in_root(self.root, cur)
-                break
-            except FileMissing:
-                if cur == "/":
-                    raise
-                missing.insert(0, posixpath.basename(cur))
-                cur = posixpath.dirname(cur) or "/"
+        (parent, pst), missing = deepest_existing(posixpath.dirname(dest_path) or "/",
+                                                  lambda cur: resolve_in_root(self.root, cur))
         missing = [m for m in missing if m not in ("", ".")]
         final = posixpath.join(parent, *missing, name)
         self.policy.check(final, shown=dest_path)
         if not statmod.S_ISDIR(pst.st_mode):
             raise NotAFile(f"{dest_path}: {parent} is not a directory")
         parts = [p for p in parent.split("/") if p]
-        tmp = f".{name[:64]}.{uuid.uuid4().hex[:8]}.courier-part"
         with _Walk(self.root) as w:
             try:
                 for part in parts:
@@ -321,7 +310,7 @@ class SingularitySandbox(Sandbox):
                 old = None
             if old is not None and (statmod.S_ISLNK(old.st_mode) or statmod.S_ISDIR(old.st_mode)):
                 raise UnsafePath(f"{dest_path}: is a link or a directory")
-            write_blob_at(dfd, name, tmp, store, key, owner_of_dir=True)
+            write_blob_at(dfd, name, temp_beside(name), store, key, owner_of_dir=True)
         finally:
             os.close(dfd)
         return final

@@ -5,15 +5,13 @@ both copied from the very descriptor that was checked."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
-from contextlib import suppress
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from adapters.errors import FileMissing, SandboxGone, UnsafePath
-from adapters.sandboxes.base import unchanged
-from adapters.sandboxes.docker.demux import CHUNK
+from adapters.errors import SandboxGone, UnsafePath
+from adapters.sandboxes.base import _under, store_fd
 from adapters.sandboxes.execstream import Resolved
-from adapters.sandboxes.hostopen import open_regular
+from adapters.sandboxes.hostopen import open_checked
 from adapters.sandboxes.hostroot import open_in_container
 
 if TYPE_CHECKING:
@@ -32,35 +30,13 @@ def extract_host_root(sb: DockerSandbox, r: Resolved, path: str, store, key: str
         return None
     fd, before = opened
 
-    def verdict(copied: int) -> None:
-        """The same version of the file, whole, from a container still there; else nothing is kept."""
-        after = os.fstat(fd)
-        if not sb.alive():  # as on the archive channel: a container gone meanwhile fails the same way
+    def alive() -> None:  # as on the archive channel: a container gone meanwhile fails the same way
+        if not sb.alive():
             raise SandboxGone(f"container {sb.ref.target} went away during the transfer")
-        unchanged(before, after, copied, None, key, shown=path)
 
     try:
         sb.policy_for(sb._home()).check_links(r.path, before.st_nlink, shown=path)
-        put_fd = getattr(store, "put_fd", None)  # a store wrapper may have none
-        info = put_fd(key, fd, max_bytes=max_bytes) if put_fd is not None else None
-        if info is not None:
-            try:
-                verdict(info.size_bytes)
-            except BaseException:
-                with suppress(Exception):
-                    store.delete(key)
-                raise
-            return info
-
-        def chunks() -> Iterator[bytes]:  # checked before the store publishes the blob
-            n = 0
-            with os.fdopen(os.dup(fd), "rb", buffering=0) as f:
-                while data := f.read(CHUNK):
-                    n += len(data)
-                    yield data
-            verdict(n)
-
-        return store.put_stream(key, chunks(), max_bytes=max_bytes)
+        return store_fd(fd, before, store, key, max_bytes=max_bytes, shown=path, check=alive)
     finally:
         os.close(fd)
 
@@ -73,11 +49,11 @@ def extract_bound(sb: DockerSandbox, bound: tuple[str, str], path: str, store, k
     policy = sb.policy_for(sb._home())
     fd, st = open_under(host, src, shown=path,
                         check=lambda st: policy.check_links(resolved, st.st_nlink, shown=path))
-    with os.fdopen(fd, "rb", buffering=0) as f:
+    try:
         sb.check_size(path, st.st_size, max_bytes)
-        info = store.put_stream(key, f, max_bytes=max_bytes)
-        unchanged(st, os.fstat(f.fileno()), info.size_bytes, store, key, shown=path)
-        return info
+        return store_fd(fd, st, store, key, max_bytes=max_bytes, shown=path, kernel=False)
+    finally:
+        os.close(fd)
 
 
 def open_under(host: str, src: str, *, shown: str,
@@ -91,19 +67,13 @@ def open_under(host: str, src: str, *, shown: str,
         real = os.path.realpath(host)
     except OSError as exc:  # a link swapped for a file between realpath's lstat and readlink (EINVAL)
         raise UnsafePath(f"{shown}: changed while resolving on the host ({exc.strerror})") from exc
-    if not (real == src_real or real.startswith(src_real.rstrip("/") + "/")):
+    if not _under(real, src_real):
         raise UnsafePath(f"{shown}: leaves its bind mount on the host")
 
-    def inside(fd: int, st: os.stat_result) -> None:
-        opened = os.readlink(f"/proc/self/fd/{fd}")
-        if not (opened == src_real or opened.startswith(src_real.rstrip("/") + "/")):
+    def inside(opened: str, st: os.stat_result) -> None:
+        if not _under(opened, src_real):
             raise UnsafePath(f"{shown}: changed while opening")
         if check is not None:
             check(st)
 
-    try:
-        return open_regular(real, shown=shown, check=inside)
-    except FileNotFoundError as exc:
-        raise FileMissing(f"{shown}: no such file") from exc
-    except OSError as exc:
-        raise UnsafePath(f"{shown}: cannot open on the host ({exc.strerror})") from exc
+    return open_checked(real, shown=shown, check=inside)

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import posixpath
 import threading
-import uuid
 from collections.abc import Iterator
 from contextlib import suppress
 from typing import Any
 
-from adapters.errors import FileMissing, NotAFile, SandboxError, SandboxGone, UnsafePath
+from adapters.errors import FileMissing, NotAFile, SandboxGone, UnsafePath
 from adapters.sandboxes.base import (
     DEFAULT_IO_TIMEOUT_S, DEFAULT_MAX_BYTES, PathPolicy, ReadTimeout, Sandbox, SandboxRef, check_lexical,
 )
@@ -21,18 +20,13 @@ from adapters.sandboxes.docker.tar import (
     _GO_MODE_DIR, _GO_MODE_SYMLINK, _GO_MODE_TYPE, has_glob, iter_archive, tar_stream,
 )
 from adapters.sandboxes.execstream import (
-    EXIT_CHANGED, ExecStreamMixin, Resolved, exec_extract, exec_iter_file, exec_put, exec_resolve, resolve_put_dest,
+    ExecStreamMixin, Resolved, exec_extract, exec_iter_file, exec_put, exec_resolve,
 )
 
 #: a path of more components than this is resolved by one exec, not one engine stat per component
 MAX_STAT_WALK = 32
 #: default roots inside a container (plus the exec user's $HOME when sane)
 DOCKER_DEFAULT_ROOTS = ("/workspace", "/tmp")
-
-_FINALIZE_SCRIPT = r"""if [ -L "$2" ] || [ -d "$2" ]; then rm -f -- "$1"; exit 97; fi
-mv -f -- "$1" "$2" || { rm -f -- "$1"; exit 3; }
-"""
-
 
 # the mixin's policy may be None until the first resolve learns $HOME (Sandbox's never is)
 class DockerSandbox(ExecStreamMixin, Engine, Sandbox):  # type: ignore[misc]
@@ -55,7 +49,6 @@ class DockerSandbox(ExecStreamMixin, Engine, Sandbox):  # type: ignore[misc]
         self._exec = DockerExec(self)
         #: which channel moved each file (observability and tests)
         self.stats = {"bind": 0, "archive": 0, "host_root": 0, "exec": 0, "resolve_stat": 0, "resolve_exec": 0}
-        self._home_cache: str | None = None
         #: (path, the engine's stat of it) when the last resolve was a link-free stat walk
         self._walk_stat: tuple[str, dict] | None = None
 
@@ -67,10 +60,6 @@ class DockerSandbox(ExecStreamMixin, Engine, Sandbox):  # type: ignore[misc]
         return DockerRun(self._exec, argv, run_id)
 
     # -- resolving ----------------------------------------------------------------------
-    def resolve(self, path: str) -> tuple[str, int]:
-        r = self._resolve(path)
-        return r.path, r.size
-
     def _resolve(self, path: str) -> Resolved:
         """Resolved and checked: a stat walk through the archive API when the
         path holds no links, else ONE exec (`readlink -f` + `stat`)."""
@@ -87,18 +76,8 @@ class DockerSandbox(ExecStreamMixin, Engine, Sandbox):  # type: ignore[misc]
         """$HOME of the exec user: the container's env, else one exec, once."""
         if self._home_cache is None:
             env = (self._attrs().get("Config") or {}).get("Env") or []
-            home = next((e[5:] for e in env if e.startswith("HOME=")), "")
-            if not home:
-                rc, out, _err = self._exec.exec_small(["sh", "-c", 'printf %s "$HOME"'])
-                home = out.decode("utf-8", "surrogateescape") if rc == 0 else ""
-            self._home_cache = home
-        return self._home_cache or None
-
-    def home_dir(self) -> str | None:
-        """The configured home, else the exec user's $HOME in the container."""
-        if self.policy is not None and self.policy.home:
-            return self.policy.home
-        return self._home()
+            self._home_cache = next((e[5:] for e in env if e.startswith("HOME=")), "") or None
+        return super()._home()
 
     def _resolve_by_stat(self, path: str) -> Resolved | None:
         """Resolved without an exec when every component is a plain directory
@@ -234,27 +213,23 @@ class DockerSandbox(ExecStreamMixin, Engine, Sandbox):  # type: ignore[misc]
         then one exec renames it; in a container not running as root, exec
         stdin as its user (``put_archive`` writes as root: the user writes
         where it may and nowhere else)."""
-        if not self.runs_as_root():
-            return exec_put(self._exec, self.policy_for, store, key, dest_path, max_bytes=max_bytes)
-        final, uid, gid = resolve_put_dest(self._exec, self.policy_for, dest_path)
-        parent, name = posixpath.split(final)
-        tmp_name = f".{name[:64]}.{uuid.uuid4().hex[:8]}.courier-part"
-        body = tar_stream(tmp_name, size, store.iter_chunks(key), uid=uid, gid=gid)
-        try:
-            with self._errors("put_archive", path=parent):
-                self.client.api.put_archive(self.container_id, parent, body)
-        except BaseException:
-            # a cut upload may leave a partial temp file: best-effort removal (the original error matters)
-            with suppress(Exception):
-                self._exec.exec_small(["rm", "-f", "--", posixpath.join(parent, tmp_name)])
-            raise
-        rc, _out, err = self._exec.exec_small(
-            ["sh", "-c", _FINALIZE_SCRIPT, "sh", posixpath.join(parent, tmp_name), final])
-        if rc == EXIT_CHANGED:
-            raise UnsafePath(f"{dest_path}: is a link or a directory")
-        if rc != 0:
-            raise SandboxError(f"{dest_path}: rename failed (exit {rc}: {err[:300]!r})")
-        return final
+        as_root = self.runs_as_root()
+
+        def put_archive(tmp: str, chunks: Iterator[bytes], uid: int, gid: int) -> bool:
+            parent, name = posixpath.split(tmp)
+            try:
+                with self._errors("put_archive", path=parent):
+                    self.client.api.put_archive(self.container_id, parent,
+                                                tar_stream(name, size, chunks, uid=uid, gid=gid))
+            except BaseException:
+                # a cut upload may leave a partial temp file: best-effort removal (the original error matters)
+                with suppress(Exception):
+                    self._exec.exec_small(["rm", "-f", "--", tmp])
+                raise
+            return True
+
+        return exec_put(self._exec, self.policy_for, store, key, dest_path, max_bytes=max_bytes,
+                        write=put_archive if as_root else None)
 
     def close(self) -> None:
         self.close_client()

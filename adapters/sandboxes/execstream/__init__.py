@@ -2,16 +2,6 @@
 in a constant number of round trips whatever the file size (one streaming
 ``cat``; a base64 chunk per exec is ~500 times slower):
 
-* resolve: ONE exec (``readlink -f``, a type test, ``stat``, ``$HOME``);
-* extract: ONE exec streaming the file from a descriptor the script checked
-  and stats before the first byte and after the last (a change:
-  FileChanging); a gated channel resolves and streams in ONE exec;
-* put: ONE exec reading stdin into a temp name, then renaming it;
-* ``Sandbox.exec``: the working directory resolved and checked (ONE exec,
-  cached), the argv run under :data:`RUN_SCRIPT`, a timeout killing every
-  process of the run by its id; never run twice, unless RUN_SCRIPT proves
-  nothing ran.
-
 No shell string is ever built from input: scripts are constants and paths
 travel as positional parameters (``sh -c SCRIPT sh "$path"``). A backend
 provides an :class:`ExecChannel` (raising SandboxGone when the sandbox
@@ -24,20 +14,21 @@ from __future__ import annotations
 import math
 import posixpath
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
-from adapters.errors import FileMissing, SandboxError, UnsafePath
+from adapters.errors import FileMissing, NotAFile, SandboxError, UnsafePath
 from adapters.sandboxes.base import DEFAULT_EXEC_OUTPUT_BYTES, ExecRun, PathPolicy, check_lexical, exec_argv, run_exec
 from adapters.sandboxes.execstream.transfer import (
     ANCESTOR_SCRIPT, EXIT_CHANGED, GATED_STREAM_SCRIPT, VERSION_FORMAT, ExecChannel, ExecStream, Resolved, _ask,
     _err_text, _fields, default_roots, exec_extract, exec_gated_extract, exec_iter_file, exec_put, exec_resolve,
-    kill_argv, probe, resolve_put_dest,
+    kill_argv, probe, resolve_by_ancestor, resolve_put_dest,
 )
 
 __all__ = [
     "ANCESTOR_SCRIPT", "EXIT_CHANGED", "GATED_STREAM_SCRIPT", "VERSION_FORMAT", "ExecChannel", "ExecStream",
     "ExecStreamMixin", "Resolved", "default_roots", "exec_command", "exec_extract", "exec_gated_extract",
-    "exec_iter_file", "exec_put", "exec_resolve", "kill_argv", "probe", "resolve_put_dest",
+    "exec_iter_file", "exec_put", "exec_resolve", "kill_argv", "probe", "resolve_by_ancestor",
+    "resolve_put_dest",
 ]
 
 
@@ -129,16 +120,17 @@ def exec_command(ch: ExecChannel, policy_for: Callable[[str | None], PathPolicy]
 
 
 class ExecStreamMixin:
-    """Sandbox methods (``resolve``, ``open_stream``, ``exec``) on top of
-    ``exec_channel()`` and ``exec_start``; ``self.policy`` None: defaults
-    built from the sandbox's $HOME on first use."""
+    """Sandbox methods (``resolve``, ``home_dir``, ``exec``) on top of
+    ``exec_channel()`` and ``exec_start(argv, run_id, backstop_s=...)`` (an
+    ExecRun whose `kill` runs ``kill_argv(run_id)``); ``self.policy`` None:
+    defaults built from the sandbox's $HOME on first use."""
 
     policy: PathPolicy | None
     #: roots used when neither the ref nor the constructor gave any
     exec_default_roots: tuple[str, ...] = ("/workspace", "/tmp")
-
-    def exec_channel(self) -> ExecChannel:  # pragma: no cover - provided by the backend
-        raise NotImplementedError
+    exec_channel: Callable[[], ExecChannel]
+    exec_start: Callable[..., ExecRun]
+    _home_cache: str | None = None
 
     def policy_for(self, home: str | None) -> PathPolicy:
         if self.policy is None:
@@ -148,16 +140,36 @@ class ExecStreamMixin:
         return self.policy
 
     def resolve(self, path: str) -> tuple[str, int]:
-        r = exec_resolve(self.exec_channel(), path, policy_for=self.policy_for)
-        self.policy_for(r.home).check(r.path, shown=path)
+        r = self._resolve(path)
         return r.path, r.size
 
-    def open_stream(self, resolved: str) -> Iterator[bytes]:
-        return exec_iter_file(self.exec_channel(), resolved, policy=self.policy)
+    def _resolve(self, path: str) -> Resolved:
+        """ONE exec resolves `path`, then the policy check; a path that does not
+        resolve (or no regular file) is still refused if denylisted as written."""
+        check_lexical(path)
+        try:
+            r = exec_resolve(self.exec_channel(), path, policy_for=self.policy_for)
+        except (FileMissing, NotAFile):
+            self._deny_lexical(path)
+            raise
+        self.policy_for(r.home).check(r.path, shown=path)
+        return r
 
-    def exec_start(self, argv: list[str], run_id: str, *, backstop_s: int | None = None) -> ExecRun:
-        """Start `argv` (stdin empty) as an ExecRun whose `kill` runs ``kill_argv(run_id)``."""
-        raise SandboxError(f"{type(self).__name__} does not support running commands (exec)")
+    def _deny_lexical(self, path: str) -> None:
+        (self.policy or PathPolicy(roots=self.exec_default_roots)).check_lexical_denied(path)
+
+    def home_dir(self) -> str | None:
+        """The configured home, else the exec user's $HOME (:meth:`_home`)."""
+        if self.policy is not None and self.policy.home:
+            return self.policy.home
+        return self._home()
+
+    def _home(self) -> str | None:
+        """$HOME of the exec user: one exec, once."""
+        if self._home_cache is None:
+            rc, out, _err = self.exec_channel().exec_small(["sh", "-c", 'printf %s "$HOME"'])
+            self._home_cache = out.decode("utf-8", "surrogateescape") if rc == 0 else ""
+        return self._home_cache or None
 
     def exec(self, argv: Sequence[str], *, timeout_s: float, cwd: str | None = None,
              max_output_bytes: int = DEFAULT_EXEC_OUTPUT_BYTES) -> tuple[int, bytes, bytes]:

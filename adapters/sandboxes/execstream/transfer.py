@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from adapters.errors import FileChanging, FileMissing, NotAFile, SandboxError, SandboxGone, TooLarge, UnsafePath
-from adapters.sandboxes.base import DEFAULT_MAX_BYTES, PathPolicy, ReadTimeout, check_lexical, check_size, grew_over_cap
+from adapters.sandboxes.base import (
+    DEFAULT_MAX_BYTES, PathPolicy, ReadTimeout, check_lexical, check_size, grew_over_cap, temp_beside,
+)
 
 #: exit codes of the constant scripts below
 EXIT_MISSING = 2
@@ -213,12 +215,14 @@ r=${r%?}
 printf '%s\0%s\0%s' "$HOME" "$d" "$r"
 """
 
-# $1 = temp path, $2 = final path, $3 = "cat" or "base64", $4 = expected size.
-# stdin -> temp -> size check -> rename. A cut upload ends `cat` with a plain
-# EOF: the size check refuses the short temp (exit 6) instead of publishing it.
+# $1 = temp path, $2 = final path, $3 = "cat" or "base64" (stdin into the temp), or "" (the
+# temp is written already), $4 = expected size. A cut upload ends `cat` with a plain EOF: the
+# size check refuses the short temp (exit 6) instead of publishing it.
 PUT_SCRIPT = r"""umask 022
-if [ "$3" = base64 ]; then base64 -d > "$1" || { rm -f -- "$1"; exit 3; }
-else cat > "$1" || { rm -f -- "$1"; exit 3; }; fi
+case $3 in
+base64) base64 -d > "$1" || { rm -f -- "$1"; exit 3; };;
+cat) cat > "$1" || { rm -f -- "$1"; exit 3; };;
+esac
 [ "$(stat -c %s -- "$1")" = "$4" ] || { rm -f -- "$1"; exit 6; }
 [ -L "$2" ] || [ -d "$2" ] && { rm -f -- "$1"; exit 97; }
 mv -f -- "$1" "$2" || { rm -f -- "$1"; exit 3; }
@@ -403,12 +407,9 @@ def _store_stream(ch: ExecChannel, st: ExecStream, run_id: str, resolved: str, m
 def exec_gated_extract(ch: GatedChannel, path: str, store, key: str, *, max_bytes: int,
                        check: Callable[[Resolved], PathPolicy],
                        guard: Callable[[Iterator[bytes]], Iterator[bytes]] | None = None):
-    """Resolve and store `path` with ONE exec (:data:`GATED_STREAM_SCRIPT`)
-    on a :class:`GatedChannel`: the resolve's answer is read first and
-    `check(resolved)` checks it (raises to refuse: the file is never opened)
-    and returns the policy (for hard links); only then does the script
-    stream the file, as :func:`exec_iter_file` does. None when the path did
-    not resolve: the caller asks :func:`exec_resolve` why."""
+    """Resolve and store `path` with ONE exec (:data:`GATED_STREAM_SCRIPT`):
+    `check(resolved)` refuses (raises: the file is never opened) or returns the
+    policy, and only then is the file streamed. None when the path did not resolve."""
     check_lexical(path)
     mode = "cat" if getattr(ch, "binary_safe", True) else "base64"
     run_id = uuid.uuid4().hex
@@ -465,7 +466,7 @@ def resolve_put_dest(ch: ExecChannel, policy_for: Callable[[str | None], PathPol
     parent = posixpath.dirname(dest_path) or "/"
     rc, out, err = _ask(ch, PUT_RESOLVE_SCRIPT, parent, name)
     if rc == EXIT_MISSING:  # e.g. <workspace>/inbox/ on a turn's first attachment: made, then resolved again
-        _make_parents(ch, policy_for, dest_path, parent)
+        _make_parents(ch, policy_for, dest_path)
         rc, out, err = _ask(ch, PUT_RESOLVE_SCRIPT, parent, name)
     if rc == EXIT_MISSING:
         raise FileMissing(f"{dest_path}: directory {parent} does not exist")
@@ -484,11 +485,11 @@ def resolve_put_dest(ch: ExecChannel, policy_for: Callable[[str | None], PathPol
         return final, 0, 0
 
 
-def _make_parents(ch: ExecChannel, policy_for: Callable[[str | None], PathPolicy], dest_path: str,
-                  parent: str) -> None:
-    """Create the missing directories of `parent` (as the sandbox's user),
-    once the destination under its deepest existing ancestor (resolved in
-    the sandbox) passed the policy."""
+def resolve_by_ancestor(ch: ExecChannel, policy_for: Callable[[str | None], PathPolicy], dest_path: str
+                        ) -> tuple[PathPolicy, str]:
+    """ONE exec: `dest_path` under its parent's deepest existing ancestor
+    resolved in the sandbox (the rest as written), checked: (policy, path)."""
+    parent = posixpath.dirname(dest_path) or "/"
     rc, out, err = _ask(ch, ANCESTOR_SCRIPT, parent)
     if rc != 0:
         raise SandboxError(f"{dest_path}: cannot resolve (exit {rc}: {_err_text(err)})")
@@ -496,41 +497,51 @@ def _make_parents(ch: ExecChannel, policy_for: Callable[[str | None], PathPolicy
     rest = [p for p in parent[len(anc):].split("/") if p not in ("", ".")] if parent.startswith(anc) else None
     if rest is None or not real.startswith("/"):
         raise SandboxError(f"{dest_path}: unexpected answer from the sandbox ({out[:200]!r})")
-    target = posixpath.join(real, *rest) if rest else real
-    policy_for(home or None).check(posixpath.join(target, posixpath.basename(dest_path)), shown=dest_path)
+    policy = policy_for(home or None)
+    return policy, policy.check(posixpath.join(real, *rest, posixpath.basename(dest_path)), shown=dest_path)
+
+
+def _make_parents(ch: ExecChannel, policy_for: Callable[[str | None], PathPolicy], dest_path: str) -> None:
+    """Create the missing directories of `dest_path`'s parent (as the sandbox's
+    user), once the destination passed the policy (:func:`resolve_by_ancestor`)."""
+    target = posixpath.dirname(resolve_by_ancestor(ch, policy_for, dest_path)[1])
     rc, _out, err = ch.exec_small(["mkdir", "-p", "--", target])
     if rc != 0:
         raise SandboxError(f"{dest_path}: cannot create {target} (exit {rc}: {_err_text(err)})")
 
 
 def exec_put(ch, policy_for: Callable[[str | None], PathPolicy], store, key: str, dest_path: str, *,
-             max_bytes: int = DEFAULT_MAX_BYTES) -> str:
-    """Inbound through ``ch.exec_stdin``: 2 execs whatever the size; the file
-    appears atomically (temp + rename), and only whole (the temp's size checked)."""
-    info = store.stat(key)
-    check_size(key, info.size_bytes, max_bytes)
-    final, _uid, _gid = resolve_put_dest(ch, policy_for, dest_path)
-    tmp = posixpath.join(posixpath.dirname(final), f".{posixpath.basename(final)}.{uuid.uuid4().hex[:8]}.courier-part")
-    binary = getattr(ch, "binary_safe", True)
-    chunks: Iterable[bytes] = store.iter_chunks(key)
-    if not binary:
-        chunks = _b64_encode(chunks)
+             max_bytes: int = DEFAULT_MAX_BYTES,
+             write: Callable[[str, Iterator[bytes], int, int], bool] | None = None) -> str:
+    """Inbound: the destination resolved (1 exec), the blob written to a temp
+    name beside it by `write(tmp, chunks, uid, gid)` (False: it could not,
+    nothing written) else through ``ch.exec_stdin``, then renamed by
+    :data:`PUT_SCRIPT` only whole (its size checked): 2 or 3 execs in all."""
+    size = store.stat(key).size_bytes
+    check_size(key, size, max_bytes)
+    final, uid, gid = resolve_put_dest(ch, policy_for, dest_path)
+    tmp = temp_beside(final)
     sent = 0
 
-    def counted(chunks: Iterable[bytes]) -> Iterator[bytes]:
+    def counted() -> Iterator[bytes]:
         nonlocal sent
-        for chunk in chunks:
+        for chunk in store.iter_chunks(key):
             sent += len(chunk)
+            if sent > max_bytes:
+                raise grew_over_cap(key, sent, max_bytes)
             yield chunk
 
-    rc, _out, err = ch.exec_stdin(
-        ["sh", "-c", PUT_SCRIPT, "sh", tmp, final, "cat" if binary else "base64", str(info.size_bytes)],
-        counted(chunks))
+    if write is not None and write(tmp, counted(), uid, gid):
+        rc, _out, err = ch.exec_small(["sh", "-c", PUT_SCRIPT, "sh", tmp, final, "", str(size)])
+    else:
+        binary = getattr(ch, "binary_safe", True)
+        mode, body = ("cat", counted()) if binary else ("base64", _b64_encode(counted()))
+        rc, _out, err = ch.exec_stdin(["sh", "-c", PUT_SCRIPT, "sh", tmp, final, mode, str(size)], body)
     if rc == EXIT_CHANGED:
         raise UnsafePath(f"{dest_path}: is a link or a directory")
     if rc == EXIT_SHORT:
         raise SandboxGone(f"{dest_path}: upload cut short; nothing written "
-                          f"({info.size_bytes:,} bytes expected, {sent:,} sent)")
+                          f"({size:,} bytes expected, {sent:,} sent)")
     if rc != 0:
         raise SandboxError(f"{dest_path}: writing failed (exit {rc}: {_err_text(err)})")
     return final

@@ -5,16 +5,9 @@ holds what both share, with the ONE place every paramiko / socket / ssh
 error is translated; only :mod:`.paramiko_internals` touches paramiko's
 privates; :class:`SshSandbox` (:mod:`.sandbox`) combines them.
 
-Safety: the path is resolved on the host and checked against the roots and
-the denylist; the file read is proved to be the one checked (SFTP: the open
-handle's fstat and the path before and after; OpenSSH: the stream script's
-checks of the descriptor it opened, and the byte count); a file with several
-hard links is refused; else nothing is stored. Every read has a deadline
-(``io_timeout_s``). Unknown host keys are refused, never added.
-
-Commands (``Sandbox.exec``) run under execstream's run script (GNU `timeout`
-on the host as a backstop); on a timeout one more remote command kills every
-process of the run.
+Safety: the path is resolved on the host and checked; the file read is
+proved to be the one checked; a file with several hard links is refused.
+Every read has a deadline (``io_timeout_s``). Unknown host keys are refused.
 """
 
 from __future__ import annotations

@@ -11,10 +11,8 @@ import errno
 import functools
 import getpass
 import os
-import posixpath
 import select
 import socket
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -42,12 +40,6 @@ class SshAccessDenied(ConfigError, SandboxError):
 class FileChanged(SandboxGone):
     """The file changed (size, mtime or resolved path) during the transfer:
     probably still being written, so worth a retry (as execstream reports it)."""
-
-
-def _temp_beside(dest: str) -> str:
-    """A hidden temp name next to `dest` (short enough for NAME_MAX)."""
-    return posixpath.join(posixpath.dirname(dest),
-                          f".{posixpath.basename(dest)[:64]}.{uuid.uuid4().hex[:8]}.courier-part")
 
 
 def _ready(fd: int, events: int, timeout_s: float) -> bool:

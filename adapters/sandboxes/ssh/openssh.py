@@ -19,7 +19,6 @@ import fcntl
 import os
 import posixpath
 import select
-import selectors
 import shlex
 import subprocess
 import tempfile
@@ -28,12 +27,12 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import IO, TYPE_CHECKING, Any
 
 from adapters.errors import ConfigError, FileMissing, NotAFile, SandboxError, UnsafePath
-from adapters.sandboxes.base import BoundedOutput, PathPolicy, ReadTimeout, grew_over_cap
+from adapters.sandboxes.base import PathPolicy, PipeRun, ReadTimeout, grew_over_cap, temp_beside
 from adapters.sandboxes.execstream import (
-    ANCESTOR_SCRIPT, ExecStream, Resolved, exec_gated_extract, exec_resolve, kill_argv,
+    ExecStream, Resolved, exec_gated_extract, exec_resolve, kill_argv, resolve_by_ancestor,
 )
 from adapters.sandboxes.ssh.core import (
-    CHUNK, FileChanged, SshCore, _ready, _temp_beside,
+    CHUNK, FileChanged, SshCore, _ready,
 )
 
 if TYPE_CHECKING:
@@ -131,25 +130,11 @@ class OpenSshTransport(SshCore):
         return info
 
     def _copy_in_openssh(self, store: BlobStore, key: str, dest_path: str, *, size: int, max_bytes: int) -> str:
-        """The parent's deepest existing ancestor resolved (execstream's
-        ANCESTOR_SCRIPT), then _PUT_SH: a dropped connection ends its `cat`
-        with EOF, so it checks the received size before the rename."""
-        parent_lex = posixpath.dirname(dest_path)
-        rc, out, err = self._openssh().exec_small(["sh", "-c", ANCESTOR_SCRIPT, "sh", parent_lex])
-        if rc != 0 or out.count(b"\0") < 2:
-            raise self._ssh_error(rc, err, dest_path)
-        home, anc_lex, anc_real = out.split(b"\0", 2)
-        policy = self._policy(home.decode("utf-8", "surrogateescape") or None)
+        """The parent's deepest existing ancestor resolved, then _PUT_SH: a dropped
+        connection ends its `cat` with EOF, so it checks the received size before the rename."""
+        policy, dest = resolve_by_ancestor(self._openssh(), self._policy, dest_path)
         policy.check_lexical_denied(dest_path)
-        anc_lex_s = anc_lex.decode("utf-8", "surrogateescape")
-        anc_real_s = anc_real.decode("utf-8", "surrogateescape")
-        rest = parent_lex[len(anc_lex_s):].lstrip("/") if parent_lex.startswith(anc_lex_s) else None
-        if rest is None or not anc_real_s.startswith("/"):
-            raise SandboxError(f"{dest_path}: unexpected answer from {self.where}")
-        parent = posixpath.join(anc_real_s, rest) if rest else anc_real_s
-        dest = posixpath.join(parent, posixpath.basename(dest_path))
-        policy.check(dest, shown=dest_path)
-        tmp = _temp_beside(dest)
+        tmp = temp_beside(dest)
         sent = 0
 
         def chunks() -> Iterator[bytes]:
@@ -160,7 +145,8 @@ class OpenSshTransport(SshCore):
                     raise grew_over_cap(key, sent, max_bytes)
                 yield chunk
 
-        rc, _, err = self._openssh().exec_stdin(["sh", "-c", _PUT_SH, "sh", parent, dest, tmp, str(size)], chunks())
+        rc, _, err = self._openssh().exec_stdin(
+            ["sh", "-c", _PUT_SH, "sh", posixpath.dirname(dest), dest, tmp, str(size)], chunks())
         if rc == 5:
             raise UnsafePath(f"{dest_path}: is a symbolic link")
         if rc == 4:
@@ -337,61 +323,24 @@ class _OpenSshChannel:
         return rc, b"", err
 
 
-class _OpenSshRun:
+class _OpenSshRun(PipeRun):
     """One ``Sandbox.exec`` command through the OpenSSH client (an ExecRun);
     the client joins the control master but never forks one."""
 
+    read_size = CHUNK
+
     def __init__(self, sb: OpenSshTransport, argv: Sequence[str], run_id: str) -> None:
         self.sb, self.run_id = sb, run_id
-        self.proc = sb._spawn(argv, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, master=False)
-        self.sel = selectors.DefaultSelector()
-        self.sel.register(_pipe(self.proc.stdout), selectors.EVENT_READ, "out")
-        self.sel.register(_pipe(self.proc.stderr), selectors.EVENT_READ, "err")
-        self.err_head = bytearray()  # for ssh's own failure messages (exit 255)
-        self.closed = False
-
-    def pump(self, wait_s: float, out: BoundedOutput, err: BoundedOutput) -> bool:
-        if not self.sel.get_map():
-            return False
-        for key, _ in self.sel.select(timeout=wait_s):
-            chunk = os.read(key.fd, CHUNK)
-            if not chunk:
-                self.sel.unregister(key.fileobj)
-            elif key.data == "out":
-                out.add(chunk)
-            else:
-                err.add(chunk)
-                if len(self.err_head) < 4096:
-                    self.err_head += chunk[:4096 - len(self.err_head)]
-        return bool(self.sel.get_map())
+        super().__init__(sb._spawn(argv, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, master=False))
 
     def poll(self) -> int | None:
         rc = self.proc.poll()
-        if rc == 255:
+        if rc == 255:  # ssh's own failure (its message: the head of stderr)
             raise self.sb._ssh_error(rc, bytes(self.err_head), "exec")
         return rc
-
-    def wait(self, timeout_s: float) -> int | None:
-        try:
-            self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            return None
-        return self.poll()
 
     def kill(self) -> None:
         with contextlib.suppress(Exception):  # best effort; the host's `timeout` is the backstop
             self.sb._openssh().exec_small(kill_argv(self.run_id))
         if self.proc.poll() is None:
             self.proc.kill()
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        self.sel.close()
-        for f in (self.proc.stdout, self.proc.stderr):
-            if f is not None:
-                f.close()
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()

@@ -34,15 +34,9 @@ class _Replies:
 
 def _sftp_pipeline(sftp: SFTPClient, handle: bytes, size: int, req: int, depth: int) -> Iterator[bytes]:
     """1 MiB chunks of a remote file, with `depth` READ requests of `req`
-    bytes in flight, consumed in order.
-
-    Not paramiko's `SFTPFile.prefetch()`: its helper thread marks the
-    prefetch done whenever replies overtake the requests it has registered,
-    after which every later reply is parked in memory unread and the rest is
-    read one round trip at a time. This uses the same SFTPClient primitives
-    (`_async_request`, `_read_response`) the SFTPFile is built on, bounded
-    by `depth`. A short read asks again for the remainder; the end of the
-    file before `size` is a change."""
+    bytes in flight, consumed in order; the end of the file before `size` is
+    a change. Not paramiko's `SFTPFile.prefetch()`: once replies overtake its
+    requests it parks every later reply unread and reads one round trip at a time."""
     from paramiko.sftp import CMD_DATA, CMD_READ, CMD_STATUS, int64
 
     replies = _Replies()
@@ -91,13 +85,9 @@ def _sftp_pipeline(sftp: SFTPClient, handle: bytes, size: int, req: int, depth: 
 
 
 def _fast_pipe_class() -> type[Any]:
-    """A paramiko BufferedPipe that does not move the whole buffer on every read.
-
-    paramiko's pipe is one array that `del buf[:n]` shifts on each read; SFTP
-    reads a 4-byte length and then the body of every response, so with a full
-    multi-MiB window each 255 KiB response cost two buffer-sized memmoves.
-    This keeps the fed chunks in a deque and an offset into the first one:
-    the same interface and locking, O(bytes read) per read."""
+    """A paramiko BufferedPipe whose reads cost O(bytes read): paramiko's shifts
+    its whole buffer on each read (two multi-MiB memmoves per SFTP response);
+    this keeps the fed chunks in a deque and an offset into the first one."""
     from paramiko.buffered_pipe import BufferedPipe, PipeTimeout
 
     class FastPipe(BufferedPipe):

@@ -1,35 +1,27 @@
 """The SFTP transport (paramiko, the default): resolve, stream and put over
 SFTP channels of the pooled connection, and exec runs on its session channels.
-
-Reads: a window's worth of READ requests in flight, read by a helper thread
-so that hashing and writing overlap the SSH parsing (the paramiko internals
-this takes are in :mod:`adapters.sandboxes.ssh.paramiko_internals`); bytes
-stream into storage in 1 MiB chunks.
-
-Safety: the path is resolved on the host (SFTP realpath; `readlink -f` over
-exec where the server's realpath is not trusted) and checked; the SFTP
-handle's fstat must be the checked file, with the path still resolving to
-itself right after the open and after the transfer (see :meth:`_stream_sftp`).
-"""
+Reads keep a window's worth of READ requests in flight, read by a helper
+thread so that hashing and writing overlap the SSH parsing."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
 import posixpath
-import queue
 import select
 import shlex
 import stat
-import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from adapters.errors import FileMissing, NotAFile, SandboxError, SandboxGone, UnsafePath
-from adapters.sandboxes.base import BoundedOutput, PathPolicy, ReadTimeout, call_with_deadline, grew_over_cap
+from adapters.sandboxes.base import (
+    BoundedOutput, PathPolicy, ReadTimeout, call_with_deadline, deepest_existing, grew_over_cap, temp_beside,
+    with_deadline,
+)
 from adapters.sandboxes.execstream import ExecStream, exec_resolve, kill_argv
 from adapters.sandboxes.ssh.core import (
-    CHUNK, FileChanged, SFTPAttributes, SFTPClient, SshCore, _check_same, _paramiko, _temp_beside,
+    CHUNK, FileChanged, SFTPAttributes, SFTPClient, SshCore, _check_same, _paramiko,
 )
 from adapters.sandboxes.ssh.paramiko_internals import _nlink_from_listing, _sftp_pipeline, _use_fast_pipe
 from adapters.sandboxes.ssh.pool import MAX_PACKET_SIZE, WINDOW_SIZE
@@ -40,54 +32,6 @@ if TYPE_CHECKING:
 #: SFTP read/write request size on OpenSSH servers (its max is 256 KiB - 1 KiB);
 #: other servers keep paramiko's 32 KiB, which every server honours
 OPENSSH_REQUEST_SIZE = 261120
-
-
-_DONE = object()  # the producer ran out of chunks
-
-
-def read_ahead(chunks: Iterator[bytes], *, abort: Callable[[], object]) -> Iterator[bytes]:
-    """Iterate `chunks` in a helper thread, at most 4 chunks ahead.
-
-    Errors raised by the producer are re-raised here. When the consumer stops
-    early, `abort()` (e.g. closing the channel) unblocks the producer."""
-    q: queue.Queue[object] = queue.Queue(maxsize=4)
-    stop = threading.Event()
-
-    def put(item: object) -> bool:
-        while not stop.is_set():
-            try:
-                q.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def run() -> None:
-        try:
-            for chunk in chunks:
-                if not put(chunk):
-                    return
-            put(_DONE)
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-            put(exc)
-        finally:
-            with contextlib.suppress(Exception):
-                chunks.close()  # type: ignore[attr-defined]
-
-    t = threading.Thread(target=run, name="courier-read-ahead", daemon=True)
-    t.start()
-    item: object = b""
-    try:
-        while (item := q.get()) is not _DONE:
-            if isinstance(item, BaseException):
-                raise item
-            yield item  # type: ignore[misc]
-    finally:
-        stop.set()
-        if isinstance(item, bytes):  # the consumer stopped early
-            with contextlib.suppress(Exception):
-                abort()
-        t.join()
 
 
 class SftpTransport(SshCore):
@@ -216,8 +160,8 @@ class SftpTransport(SshCore):
             # read by a helper thread: paramiko's parsing holds the GIL while hashing
             # and writing (in put_stream) mostly release it, so they overlap
             depth = max(4, WINDOW_SIZE // req)
-            for chunk in read_ahead(_sftp_pipeline(sftp, f.handle, fst.st_size, req, depth),
-                                    abort=sftp.get_channel().close):
+            for chunk in with_deadline(_sftp_pipeline(sftp, f.handle, fst.st_size, req, depth), None,
+                                       ahead=4, abort=sftp.get_channel().close):
                 total += len(chunk)
                 yield chunk
             if total != fst.st_size:
@@ -261,23 +205,14 @@ class SftpTransport(SshCore):
         with self._errors(dest_path), self._sftp() as sftp:
             policy = self._sftp_policy(sftp)
             policy.check_lexical_denied(dest_path)
-            # deepest existing ancestor, resolved on the host; the rest is created
-            missing: list[str] = []
-            cur = posixpath.dirname(dest_path)
-            while True:
-                try:
-                    real_anc = sftp.normalize(cur) if self._trusts_realpath(sftp) else self._readlink_f(cur)
-                    sftp.stat(real_anc)
-                    break
-                except FileNotFoundError:
-                    if cur == "/":
-                        raise
-                    missing.insert(0, posixpath.basename(cur))
-                    cur = posixpath.dirname(cur)
-            parent = posixpath.join(real_anc, *missing)
-            dest = posixpath.join(parent, posixpath.basename(dest_path))
+            def found(cur: str) -> tuple[str, SFTPAttributes]:  # resolved on the host
+                real = sftp.normalize(cur) if self._trusts_realpath(sftp) else self._readlink_f(cur)
+                return real, sftp.stat(real)
+
+            (real_anc, anc_st), missing = deepest_existing(posixpath.dirname(dest_path), found)
+            dest = posixpath.join(real_anc, *missing, posixpath.basename(dest_path))
             policy.check(dest, shown=dest_path)
-            if not stat.S_ISDIR(sftp.stat(real_anc).st_mode or 0):
+            if not stat.S_ISDIR(anc_st.st_mode or 0):
                 raise NotAFile(f"{dest_path}: {real_anc} is not a directory")
             for i in range(len(missing)):
                 d = posixpath.join(real_anc, *missing[: i + 1])
@@ -292,7 +227,7 @@ class SftpTransport(SshCore):
                     raise UnsafePath(f"{dest_path}: is a symbolic link")
                 if not stat.S_ISREG(mode):
                     raise NotAFile(f"{dest_path}: exists and is not a regular file")
-            tmp = _temp_beside(dest)
+            tmp = temp_beside(dest)
             try:
                 sent = 0
                 with sftp.open(tmp, "wbx") as f:
