@@ -36,8 +36,8 @@ LANE_GRACE_S = 10.0
 #: visibility timeout): the chat waits this long. A stage still queued is re-published too (its
 #: copy is dropped when it finds the stage done or held); the grace doubles per re-drive while the
 #: stage's queue has a backlog (tasks/dispatch/reconcile.grace).
-EXTRACT_GRACE_S = 20.0
-TURN_GRACE_S = 20.0
+EXTRACT_GRACE_S = 10.0
+TURN_GRACE_S = 10.0
 
 
 #: `<host>:<pid>:` of this process, made once (again in a forked child): no uname and getpid per token
