@@ -15,6 +15,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 from celery import Celery, Task, concurrency, current_app
 from celery.concurrency.thread import TaskPool as ThreadPool
@@ -223,12 +224,6 @@ def _check_agent_sandbox(sender=None, **_kw) -> None:
         log.log(level, text)
 
 
-@worker_shutdown.connect
-def _stop_reconciler(sender=None, **_kw) -> None:
-    if _reconciler is not None:
-        _reconciler.stop()
-
-
 _reconciler = None
 
 
@@ -269,38 +264,34 @@ def _number_send(url: str, headers: dict, body) -> None:
 _registered: dict[tuple[str, str], float] = {}
 
 
-class _Heartbeat:
-    """The worker's main process says which queues it consumes, every HEARTBEAT_S."""
-
-    def __init__(self, name: str, consumer, url: str) -> None:
-        self.name, self.consumer, self.url = name, consumer, url
-        self.queues: list[str] = []
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="courier-heartbeat", daemon=True)
-
-    def _run(self) -> None:
-        while not self.stopped.is_set():
-            with contextlib.suppress(AttributeError):
-                # read each time: `celery control add_consumer` may add a queue to a running worker
-                self.queues = [q.name for q in self.consumer.task_consumer.queues]
-            try:
-                queues.heartbeat(redis_client(self.url), self.name, self.queues)
-            except Exception as exc:  # noqa: BLE001 - the next beat tries again
-                log.debug("heartbeat: %r", exc)
-            self.stopped.wait(queues.HEARTBEAT_S)
-
-    def stop(self) -> None:
-        self.stopped.set()
-        with contextlib.suppress(Exception):  # it goes stale by itself
-            queues.leave(redis_client(self.url), self.name, self.queues)
+_heartbeat: tuple[threading.Event, Callable[[], None]] | None = None
 
 
 @worker_ready.connect
 def _start_ops(sender=None, **_kw) -> None:
+    """The worker's main process says which queues it consumes, every HEARTBEAT_S; and its metrics exporter."""
     global _heartbeat
-    url = sender.app.conf.get("courier_redis_url") if sender is not None else None
-    _heartbeat = _Heartbeat(getattr(sender, "hostname", None) or "worker", sender, url or get_settings().redis_url)
-    _heartbeat.thread.start()
+    url = (sender.app.conf.get("courier_redis_url") if sender is not None else None) or get_settings().redis_url
+    name, stopped = getattr(sender, "hostname", None) or "worker", threading.Event()
+    consumed: list[str] = []
+
+    def beat() -> None:
+        while not stopped.is_set():
+            with contextlib.suppress(AttributeError):
+                # read each time: `celery control add_consumer` may add a queue to a running worker
+                consumed[:] = [q.name for q in sender.task_consumer.queues]
+            try:
+                queues.heartbeat(redis_client(url), name, consumed)
+            except Exception as exc:  # noqa: BLE001 - the next beat tries again
+                log.debug("heartbeat: %r", exc)
+            stopped.wait(queues.HEARTBEAT_S)
+
+    def leave() -> None:
+        with contextlib.suppress(Exception):  # it goes stale by itself
+            queues.leave(redis_client(url), name, consumed)
+
+    _heartbeat = stopped, leave
+    threading.Thread(target=beat, name="courier-heartbeat", daemon=True).start()
     s = get_settings()
     if s.metrics_port:
         start_exporter(s.metrics_port, s.metrics_token, host=s.metrics_host)
@@ -308,16 +299,16 @@ def _start_ops(sender=None, **_kw) -> None:
 
 @worker_shutdown.connect
 def _stop_ops(sender=None, **_kw) -> None:
+    if _reconciler is not None:
+        _reconciler.stop()
     if _heartbeat is not None:
-        _heartbeat.stop()
+        _heartbeat[0].set()
+        _heartbeat[1]()
 
 
 @worker_process_shutdown.connect
 def _pool_process_ended(pid=None, **_kw) -> None:
     mark_dead(pid or os.getpid())
-
-
-_heartbeat = None
 
 
 # -- beat: one scheduler at a time ---------------------------------------------------------------
