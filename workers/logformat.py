@@ -45,14 +45,12 @@ def clear_task_fields() -> None:
     _task.set(None)
 
 
-class _TaskFields(logging.Filter):
-    """Copies the running task's ids onto each record (as `courier_fields`)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        fields = _task.get()
-        if fields and not hasattr(record, "courier_fields"):
-            record.courier_fields = fields
-        return True
+def _fields(record: logging.LogRecord) -> bool:
+    """A handler's filter: copies the running task's ids onto each record (as `courier_fields`)."""
+    fields = _task.get()
+    if fields and not hasattr(record, "courier_fields"):
+        record.courier_fields = fields
+    return True
 
 
 class JsonFormatter(logging.Formatter):
@@ -71,9 +69,6 @@ class JsonFormatter(logging.Formatter):
         elif record.exc_text:
             out["exc"] = record.exc_text
         return json.dumps(out, ensure_ascii=False, default=str)
-
-
-_fields = _TaskFields()
 
 
 def install(fmt: str | None = None) -> None:

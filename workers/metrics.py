@@ -71,17 +71,13 @@ class _WithWorkers:
             if other is None:
                 yield family
                 continue
-            totals: dict[tuple, list] = {}
+            totals: dict[tuple, Any] = {}
             for sample in (*other.samples, *family.samples):
-                if sample.name.endswith("_created"):
-                    continue
-                key = (sample.name, tuple(sorted(sample.labels.items())))
-                if key in totals:
-                    totals[key][2] += sample.value
-                else:
-                    totals[key] = [sample.name, sample.labels, sample.value]
-            family.samples = [type(family.samples[0] if family.samples else other.samples[0])(n, lb, v)
-                              for n, lb, v in totals.values()] if totals else []
+                if not sample.name.endswith("_created"):
+                    key = (sample.name, tuple(sorted(sample.labels.items())))
+                    got = totals.get(key)
+                    totals[key] = sample._replace(value=sample.value + got.value) if got else sample
+            family.samples = list(totals.values())
             yield family
         yield from theirs.values()
 
