@@ -75,9 +75,7 @@ def make_app(settings=None) -> Celery:
         # task messages are signed (workers/signed_messages.py): only those are run
         task_serializer=signed_messages.NAME,
         accept_content=[signed_messages.NAME],
-        result_serializer="json",
         result_accept_content=["json"],
-        event_serializer="json",
         task_acks_late=True,
         # a stage that hangs (an I/O without a deadline) is cut: the soft limit raises inside
         # the task (a transient error: the ledger retries it), the hard one (30 s later) ends the process
@@ -94,11 +92,8 @@ def make_app(settings=None) -> Celery:
             "visibility_timeout": s.visibility_timeout_s,
             # sweep for abandoned messages often: a killed worker's task comes back promptly
             "unacked_restore_interval": max(1, min(10, s.visibility_timeout_s // 3)),
-            "unacked_restore_throttle": 1,
-            "socket_connect_timeout": 5,
-            "socket_timeout": 30,
-            "socket_keepalive": True,
-            **sentinel_options,
+            "unacked_restore_throttle": 1, "socket_connect_timeout": 5, "socket_timeout": 30,
+            "socket_keepalive": True, **sentinel_options,
         },
         result_backend_transport_options={"visibility_timeout": s.visibility_timeout_s, **sentinel_options},
         worker_cancel_long_running_tasks_on_connection_loss=True,
@@ -107,25 +102,16 @@ def make_app(settings=None) -> Celery:
         task_publish_retry_policy={"max_retries": 3, "interval_start": 0.2, "interval_step": 0.5,
                                    "interval_max": 1.0},
         task_ignore_result=True,
-        result_expires=24 * 3600,
         task_track_started=True,
         worker_send_task_events=True,
         # no task-sent events: one message less per publish; Flower shows tasks from 'received' on
         task_send_sent_event=False,
-        task_default_queue="delivery",
-        task_default_exchange="delivery",
-        task_default_routing_key="delivery",
+        task_default_queue="delivery",  # its exchange and routing key too (Celery's default)
         # one direct exchange per queue: a message lands in exactly one queue
         task_queues=[Queue(q, Exchange(q, type="direct"), routing_key=q) for q in QUEUES],
-        task_create_missing_queues=True,
         task_routes=(task_queue,),
-        beat_schedule={
-            "janitor-sweep": {
-                "task": task_names.JANITOR_SWEEP,
-                "schedule": crontab(minute="*/15"),
-                "options": {"queue": "janitor", "expires": 14 * 60},
-            },
-        },
+        beat_schedule={"janitor-sweep": {"task": task_names.JANITOR_SWEEP, "schedule": crontab(minute="*/15"),
+                                         "options": {"queue": "janitor", "expires": 14 * 60}}},
         timezone="UTC",
         worker_hijack_root_logger=False,
         courier_redis_url=s.redis_url,  # courier's own reads and writes (queue registry, beat lock)
@@ -269,9 +255,10 @@ _heartbeat: tuple[threading.Event, Callable[[], None]] | None = None
 
 @worker_ready.connect
 def _start_ops(sender=None, **_kw) -> None:
-    """The worker's main process says which queues it consumes, every HEARTBEAT_S; and its metrics exporter."""
+    """The main process says which queues it consumes, every HEARTBEAT_S; and starts its metrics exporter."""
     global _heartbeat
-    url = (sender.app.conf.get("courier_redis_url") if sender is not None else None) or get_settings().redis_url
+    url = sender.app.conf.get("courier_redis_url") if sender is not None else None
+    url = url or get_settings().redis_url
     name, stopped = getattr(sender, "hostname", None) or "worker", threading.Event()
     consumed: list[str] = []
 
