@@ -178,8 +178,5 @@ def install(settings: Any = None) -> Redactor:
 
 
 def _handlers() -> list[logging.Handler]:
-    out = list(logging.getLogger().handlers)
-    for lg in list(logging.Logger.manager.loggerDict.values()):
-        if isinstance(lg, logging.Logger):
-            out.extend(lg.handlers)
-    return out
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    return [h for lg in loggers if isinstance(lg, logging.Logger) for h in lg.handlers]
