@@ -52,22 +52,26 @@ def parse_sentinel(url: str) -> SentinelUrl | None:
     return SentinelUrl(tuple(hosts), path[0], int(path[1]) if len(path) == 2 else 0, url_password(url))
 
 
+def _connect(url: str, mod, timeout_s: float, plain: dict, **options):
+    """(a client of `mod`, redis or redis.asyncio, for `url` with `options`, and `plain`'s for one Redis;
+    the Sentinel URL's parts or None). `timeout_s`: to connect, and a Sentinel's every call."""
+    options.update(socket_connect_timeout=timeout_s, decode_responses=True)
+    s = parse_sentinel(url)
+    if s is None:
+        return mod.Redis.from_url(url, **plain, **options), None
+    sentinel = mod.Sentinel(list(s.hosts), socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    return sentinel.master_for(s.master, db=s.db, password=s.password, **options), s
+
+
 def client(url: str, *, connect_timeout_s: float = CONNECT_TIMEOUT_S, socket_timeout_s: float = SOCKET_TIMEOUT_S,
            watch: bool = True):
     """The redis-py client for `url` every courier process and command uses. `watch`: a Sentinel
     client drops its connections the moment a new master is announced (a one-off probe needs none)."""
     import redis
 
-    s = parse_sentinel(url)
-    if s is None:
-        return redis.Redis.from_url(url, socket_connect_timeout=connect_timeout_s, socket_timeout=socket_timeout_s,
-                                    health_check_interval=30, decode_responses=True)
-    from redis.sentinel import Sentinel
-
-    sentinel = Sentinel(list(s.hosts), socket_timeout=connect_timeout_s, socket_connect_timeout=connect_timeout_s)
-    c = sentinel.master_for(s.master, db=s.db, password=s.password, socket_connect_timeout=connect_timeout_s,
-                            socket_timeout=socket_timeout_s, health_check_interval=30, decode_responses=True)
-    if watch:
+    c, s = _connect(url, redis, connect_timeout_s, {}, socket_timeout=socket_timeout_s,
+                    health_check_interval=30)
+    if s is not None and watch:
         threading.Thread(target=_watch_switches, args=(s, c.connection_pool), name="courier-sentinel-watch",
                          daemon=True).start()
     return c
@@ -96,20 +100,12 @@ def async_client(url: str, *, socket_timeout: float | None = None, single_connec
     """The asyncio twin of `client` (the web process's event streams and webhook turns)."""
     import redis.asyncio
 
-    extra: dict = {"decode_responses": True}
+    extra: dict = {}
     if socket_timeout is not None:
         extra["socket_timeout"] = socket_timeout
     if single_connection:
         extra["single_connection_client"] = True
-    s = parse_sentinel(url)
-    if s is None:
-        return redis.asyncio.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S, health_check_interval=30,
-                                            **extra)
-    from redis.asyncio.sentinel import Sentinel
-
-    sentinel = Sentinel(list(s.hosts), socket_timeout=CONNECT_TIMEOUT_S, socket_connect_timeout=CONNECT_TIMEOUT_S)
-    return sentinel.master_for(s.master, db=s.db, password=s.password, socket_connect_timeout=CONNECT_TIMEOUT_S,
-                               **extra)
+    return _connect(url, redis.asyncio, CONNECT_TIMEOUT_S, {"health_check_interval": 30}, **extra)[0]
 
 
 def with_password(url: str, password: str) -> str:
