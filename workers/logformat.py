@@ -57,11 +57,8 @@ class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
             "ts": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
-            "level": record.levelname,
-            "process": record.processName,
-            "pid": record.process,
-            "logger": record.name,
-            "message": record.getMessage(),
+            "level": record.levelname, "process": record.processName, "pid": record.process,
+            "logger": record.name, "message": record.getMessage(),
         }
         out.update(getattr(record, "courier_fields", None) or {})
         if record.exc_info:

@@ -498,5 +498,4 @@ def get_settings() -> Settings:
     return Settings()
 
 
-def reset_settings() -> None:
-    get_settings.cache_clear()
+reset_settings = get_settings.cache_clear
