@@ -320,8 +320,7 @@ def _beat_singleton(sender=None, **_kw) -> None:
             r = redis_client(url)
             if ledger.take(r, key, token, BEAT_LOCK_TTL_S):
                 break
-            holder = r.get(key)
-            why = f"another beat holds {key} ({holder})"
+            why = f"another beat holds {key} ({r.get(key)})"
         except Exception as exc:  # noqa: BLE001 - never schedule without the lock
             why = f"Redis is not reachable ({type(exc).__name__})"
         if not said:
