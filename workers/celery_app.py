@@ -15,6 +15,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 from celery import Celery, Task, concurrency, current_app
 from celery.concurrency.thread import TaskPool as ThreadPool
@@ -74,9 +75,7 @@ def make_app(settings=None) -> Celery:
         # task messages are signed (workers/signed_messages.py): only those are run
         task_serializer=signed_messages.NAME,
         accept_content=[signed_messages.NAME],
-        result_serializer="json",
         result_accept_content=["json"],
-        event_serializer="json",
         task_acks_late=True,
         # a stage that hangs (an I/O without a deadline) is cut: the soft limit raises inside
         # the task (a transient error: the ledger retries it), the hard one (30 s later) ends the process
@@ -93,11 +92,8 @@ def make_app(settings=None) -> Celery:
             "visibility_timeout": s.visibility_timeout_s,
             # sweep for abandoned messages often: a killed worker's task comes back promptly
             "unacked_restore_interval": max(1, min(10, s.visibility_timeout_s // 3)),
-            "unacked_restore_throttle": 1,
-            "socket_connect_timeout": 5,
-            "socket_timeout": 30,
-            "socket_keepalive": True,
-            **sentinel_options,
+            "unacked_restore_throttle": 1, "socket_connect_timeout": 5, "socket_timeout": 30,
+            "socket_keepalive": True, **sentinel_options,
         },
         result_backend_transport_options={"visibility_timeout": s.visibility_timeout_s, **sentinel_options},
         worker_cancel_long_running_tasks_on_connection_loss=True,
@@ -106,25 +102,16 @@ def make_app(settings=None) -> Celery:
         task_publish_retry_policy={"max_retries": 3, "interval_start": 0.2, "interval_step": 0.5,
                                    "interval_max": 1.0},
         task_ignore_result=True,
-        result_expires=24 * 3600,
         task_track_started=True,
         worker_send_task_events=True,
         # no task-sent events: one message less per publish; Flower shows tasks from 'received' on
         task_send_sent_event=False,
-        task_default_queue="delivery",
-        task_default_exchange="delivery",
-        task_default_routing_key="delivery",
+        task_default_queue="delivery",  # its exchange and routing key too (Celery's default)
         # one direct exchange per queue: a message lands in exactly one queue
         task_queues=[Queue(q, Exchange(q, type="direct"), routing_key=q) for q in QUEUES],
-        task_create_missing_queues=True,
         task_routes=(task_queue,),
-        beat_schedule={
-            "janitor-sweep": {
-                "task": task_names.JANITOR_SWEEP,
-                "schedule": crontab(minute="*/15"),
-                "options": {"queue": "janitor", "expires": 14 * 60},
-            },
-        },
+        beat_schedule={"janitor-sweep": {"task": task_names.JANITOR_SWEEP, "schedule": crontab(minute="*/15"),
+                                         "options": {"queue": "janitor", "expires": 14 * 60}}},
         timezone="UTC",
         worker_hijack_root_logger=False,
         courier_redis_url=s.redis_url,  # courier's own reads and writes (queue registry, beat lock)
@@ -223,12 +210,6 @@ def _check_agent_sandbox(sender=None, **_kw) -> None:
         log.log(level, text)
 
 
-@worker_shutdown.connect
-def _stop_reconciler(sender=None, **_kw) -> None:
-    if _reconciler is not None:
-        _reconciler.stop()
-
-
 _reconciler = None
 
 
@@ -269,38 +250,35 @@ def _number_send(url: str, headers: dict, body) -> None:
 _registered: dict[tuple[str, str], float] = {}
 
 
-class _Heartbeat:
-    """The worker's main process says which queues it consumes, every HEARTBEAT_S."""
-
-    def __init__(self, name: str, consumer, url: str) -> None:
-        self.name, self.consumer, self.url = name, consumer, url
-        self.queues: list[str] = []
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="courier-heartbeat", daemon=True)
-
-    def _run(self) -> None:
-        while not self.stopped.is_set():
-            with contextlib.suppress(AttributeError):
-                # read each time: `celery control add_consumer` may add a queue to a running worker
-                self.queues = [q.name for q in self.consumer.task_consumer.queues]
-            try:
-                queues.heartbeat(redis_client(self.url), self.name, self.queues)
-            except Exception as exc:  # noqa: BLE001 - the next beat tries again
-                log.debug("heartbeat: %r", exc)
-            self.stopped.wait(queues.HEARTBEAT_S)
-
-    def stop(self) -> None:
-        self.stopped.set()
-        with contextlib.suppress(Exception):  # it goes stale by itself
-            queues.leave(redis_client(self.url), self.name, self.queues)
+_heartbeat: tuple[threading.Event, Callable[[], None]] | None = None
 
 
 @worker_ready.connect
 def _start_ops(sender=None, **_kw) -> None:
+    """The main process says which queues it consumes, every HEARTBEAT_S; and starts its metrics exporter."""
     global _heartbeat
     url = sender.app.conf.get("courier_redis_url") if sender is not None else None
-    _heartbeat = _Heartbeat(getattr(sender, "hostname", None) or "worker", sender, url or get_settings().redis_url)
-    _heartbeat.thread.start()
+    url = url or get_settings().redis_url
+    name, stopped = getattr(sender, "hostname", None) or "worker", threading.Event()
+    consumed: list[str] = []
+
+    def beat() -> None:
+        while not stopped.is_set():
+            with contextlib.suppress(AttributeError):
+                # read each time: `celery control add_consumer` may add a queue to a running worker
+                consumed[:] = [q.name for q in sender.task_consumer.queues]
+            try:
+                queues.heartbeat(redis_client(url), name, consumed)
+            except Exception as exc:  # noqa: BLE001 - the next beat tries again
+                log.debug("heartbeat: %r", exc)
+            stopped.wait(queues.HEARTBEAT_S)
+
+    def leave() -> None:
+        with contextlib.suppress(Exception):  # it goes stale by itself
+            queues.leave(redis_client(url), name, consumed)
+
+    _heartbeat = stopped, leave
+    threading.Thread(target=beat, name="courier-heartbeat", daemon=True).start()
     s = get_settings()
     if s.metrics_port:
         start_exporter(s.metrics_port, s.metrics_token, host=s.metrics_host)
@@ -308,16 +286,16 @@ def _start_ops(sender=None, **_kw) -> None:
 
 @worker_shutdown.connect
 def _stop_ops(sender=None, **_kw) -> None:
+    if _reconciler is not None:
+        _reconciler.stop()
     if _heartbeat is not None:
-        _heartbeat.stop()
+        _heartbeat[0].set()
+        _heartbeat[1]()
 
 
 @worker_process_shutdown.connect
 def _pool_process_ended(pid=None, **_kw) -> None:
     mark_dead(pid or os.getpid())
-
-
-_heartbeat = None
 
 
 # -- beat: one scheduler at a time ---------------------------------------------------------------
@@ -342,8 +320,7 @@ def _beat_singleton(sender=None, **_kw) -> None:
             r = redis_client(url)
             if ledger.take(r, key, token, BEAT_LOCK_TTL_S):
                 break
-            holder = r.get(key)
-            why = f"another beat holds {key} ({holder})"
+            why = f"another beat holds {key} ({r.get(key)})"
         except Exception as exc:  # noqa: BLE001 - never schedule without the lock
             why = f"Redis is not reachable ({type(exc).__name__})"
         if not said:

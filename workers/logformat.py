@@ -45,25 +45,20 @@ def clear_task_fields() -> None:
     _task.set(None)
 
 
-class _TaskFields(logging.Filter):
-    """Copies the running task's ids onto each record (as `courier_fields`)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        fields = _task.get()
-        if fields and not hasattr(record, "courier_fields"):
-            record.courier_fields = fields
-        return True
+def _fields(record: logging.LogRecord) -> bool:
+    """A handler's filter: copies the running task's ids onto each record (as `courier_fields`)."""
+    fields = _task.get()
+    if fields and not hasattr(record, "courier_fields"):
+        record.courier_fields = fields
+    return True
 
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
             "ts": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
-            "level": record.levelname,
-            "process": record.processName,
-            "pid": record.process,
-            "logger": record.name,
-            "message": record.getMessage(),
+            "level": record.levelname, "process": record.processName, "pid": record.process,
+            "logger": record.name, "message": record.getMessage(),
         }
         out.update(getattr(record, "courier_fields", None) or {})
         if record.exc_info:
@@ -71,9 +66,6 @@ class JsonFormatter(logging.Formatter):
         elif record.exc_text:
             out["exc"] = record.exc_text
         return json.dumps(out, ensure_ascii=False, default=str)
-
-
-_fields = _TaskFields()
 
 
 def install(fmt: str | None = None) -> None:

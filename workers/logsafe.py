@@ -103,7 +103,8 @@ def clean(record: logging.LogRecord, redactor: Redactor) -> logging.LogRecord:
     if getattr(record, "_courier_clean", False):
         return record
     record._courier_clean = True
-    if record.levelno < logging.INFO and _in(record.name, PAYLOAD_LOGGERS):
+    if record.levelno < logging.INFO and any(record.name == lg or record.name.startswith(lg + ".")
+                                             for lg in PAYLOAD_LOGGERS):  # one of them or a child
         record.msg = _PLACEHOLDER.sub("…", str(record.msg)).replace("%%", "%") if record.args else \
             f"(a {record.name} debug line withheld: it may carry message text)"
         record.args = None
@@ -152,11 +153,6 @@ def _redacted_args(args: Any, redactor: Redactor) -> Any:
     return None
 
 
-def _in(name: str, loggers: tuple[str, ...]) -> bool:
-    """Whether logger `name` is one of `loggers` or a child of one."""
-    return any(name == lg or name.startswith(lg + ".") for lg in loggers)
-
-
 _redactor = Redactor()
 _factory_installed = False
 
@@ -182,8 +178,5 @@ def install(settings: Any = None) -> Redactor:
 
 
 def _handlers() -> list[logging.Handler]:
-    out = list(logging.getLogger().handlers)
-    for lg in list(logging.Logger.manager.loggerDict.values()):
-        if isinstance(lg, logging.Logger):
-            out.extend(lg.handlers)
-    return out
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    return [h for lg in loggers if isinstance(lg, logging.Logger) for h in lg.handlers]

@@ -15,9 +15,8 @@ import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from socketserver import ThreadingMixIn
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 log = logging.getLogger(__name__)
 
@@ -71,17 +70,13 @@ class _WithWorkers:
             if other is None:
                 yield family
                 continue
-            totals: dict[tuple, list] = {}
+            totals: dict[tuple, Any] = {}
             for sample in (*other.samples, *family.samples):
-                if sample.name.endswith("_created"):
-                    continue
-                key = (sample.name, tuple(sorted(sample.labels.items())))
-                if key in totals:
-                    totals[key][2] += sample.value
-                else:
-                    totals[key] = [sample.name, sample.labels, sample.value]
-            family.samples = [type(family.samples[0] if family.samples else other.samples[0])(n, lb, v)
-                              for n, lb, v in totals.values()] if totals else []
+                if not sample.name.endswith("_created"):
+                    key = (sample.name, tuple(sorted(sample.labels.items())))
+                    got = totals.get(key)
+                    totals[key] = sample._replace(value=sample.value + got.value) if got else sample
+            family.samples = list(totals.values())
             yield family
         yield from theirs.values()
 
@@ -149,6 +144,8 @@ def render(reg) -> bytes:
 def start_exporter(port: int, token=None, host: str = "0.0.0.0"):
     """Serve this process's registry (every pool process in multiprocess
     mode) on `host:port` from a daemon thread; returns the server."""
+    from prometheus_client.exposition import ThreadingWSGIServer  # daemon threads, one per request
+
     reg = registry()
 
     def app(environ, start_response):
@@ -162,14 +159,11 @@ def start_exporter(port: int, token=None, host: str = "0.0.0.0"):
         start_response("200 OK", [("Content-Type", CONTENT_TYPE), ("Content-Length", str(len(body)))])
         return [body]
 
-    class Server(ThreadingMixIn, WSGIServer):
-        daemon_threads = True
-
     class Quiet(WSGIRequestHandler):
         def log_message(self, *args) -> None:  # scrapes are not worth a log line
             pass
 
-    httpd = make_server(host, port, app, server_class=Server, handler_class=Quiet)
+    httpd = make_server(host, port, app, server_class=ThreadingWSGIServer, handler_class=Quiet)
     threading.Thread(target=httpd.serve_forever, name="courier-metrics", daemon=True).start()
     log.info("metrics on http://%s:%d/metrics%s", host, httpd.server_port,
              " (multiprocess)" if multiprocess() else "")

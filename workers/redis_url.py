@@ -1,19 +1,10 @@
-"""COURIER_REDIS_URL, plain or Sentinel-managed, for every client courier makes.
+"""COURIER_REDIS_URL made into every client courier uses: `redis://[[user]:password@]host:port/db`,
+`rediss://...[?ssl_ca_certs=/ca.pem&...]` (TLS: redis-py's options, taken apart for Celery by
+`celery_ssl` and `celery_url`), `unix:///path?db=0`, or `sentinel://[:password@]h1:p1,h2:p2/<master>/<db>`.
 
-    redis://[[user]:password@]host:port/db      one Redis
-    rediss://...[?ssl_ca_certs=/ca.pem&...]     TLS (below), unix:///path?db=0 a socket
-    sentinel://[:password@]h1:p1,h2:p2/<master>/<db>
-                                                the master Sentinel names (high availability)
-
-TLS: a `rediss://` URL's query names redis-py's options (`ssl_ca_certs`,
-`ssl_certfile`, `ssl_keyfile`, `ssl_cert_reqs`: `required` by default,
-`optional` or `none`; `ssl_check_hostname`). Celery's broker and result backend
-take them apart (`celery_ssl`), from a URL without them (`celery_url`).
-
-With Sentinel, every client (the task context's, the web's async one, Celery's
-via kombu's `sentinel://` transport) asks for the current master again after a
-failover. courier's own clients decode replies: everything courier stores, and
-what it reads of Celery's keys, is text, so there is no undecoded client.
+With Sentinel, every client (the task context's, the web's async one, Celery's via kombu's `sentinel://`
+transport) asks for the current master again after a failover. courier's own clients decode replies:
+everything courier stores, and what it reads of Celery's keys, is text.
 """
 
 from __future__ import annotations
@@ -61,69 +52,60 @@ def parse_sentinel(url: str) -> SentinelUrl | None:
     return SentinelUrl(tuple(hosts), path[0], int(path[1]) if len(path) == 2 else 0, url_password(url))
 
 
+def _connect(url: str, mod, timeout_s: float, plain: dict, **options):
+    """(a client of `mod`, redis or redis.asyncio, for `url` with `options`, and `plain`'s for one Redis;
+    the Sentinel URL's parts or None). `timeout_s`: to connect, and a Sentinel's every call."""
+    options.update(socket_connect_timeout=timeout_s, decode_responses=True)
+    s = parse_sentinel(url)
+    if s is None:
+        return mod.Redis.from_url(url, **plain, **options), None
+    sentinel = mod.Sentinel(list(s.hosts), socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    return sentinel.master_for(s.master, db=s.db, password=s.password, **options), s
+
+
 def client(url: str, *, connect_timeout_s: float = CONNECT_TIMEOUT_S, socket_timeout_s: float = SOCKET_TIMEOUT_S,
            watch: bool = True):
     """The redis-py client for `url` every courier process and command uses. `watch`: a Sentinel
     client drops its connections the moment a new master is announced (a one-off probe needs none)."""
     import redis
 
-    s = parse_sentinel(url)
-    if s is None:
-        return redis.Redis.from_url(url, socket_connect_timeout=connect_timeout_s, socket_timeout=socket_timeout_s,
-                                    health_check_interval=30, decode_responses=True)
-    from redis.sentinel import Sentinel
-
-    sentinel = Sentinel(list(s.hosts), socket_timeout=connect_timeout_s, socket_connect_timeout=connect_timeout_s)
-    c = sentinel.master_for(s.master, db=s.db, password=s.password, socket_connect_timeout=connect_timeout_s,
-                            socket_timeout=socket_timeout_s, health_check_interval=30, decode_responses=True)
-    if watch:
-        _SwitchWatcher(s, c.connection_pool).start()
+    c, s = _connect(url, redis, connect_timeout_s, {}, socket_timeout=socket_timeout_s,
+                    health_check_interval=30)
+    if s is not None and watch:
+        threading.Thread(target=_watch_switches, args=(s, c.connection_pool), name="courier-sentinel-watch",
+                         daemon=True).start()
     return c
 
 
-class _SwitchWatcher(threading.Thread):
+def _watch_switches(s: SentinelUrl, pool) -> None:
     """Drops a Sentinel client's connections on `+switch-master`. Without it the client
     keeps writing to the old master until it becomes a replica, and those writes are
     discarded: the ledger would replay, and re-send, everything done in that window."""
+    import redis
 
-    def __init__(self, s: SentinelUrl, pool) -> None:
-        super().__init__(name="courier-sentinel-watch", daemon=True)
-        self.s, self.pool = s, pool
-
-    def run(self) -> None:
-        import redis
-
-        while True:
-            for host, port in self.s.hosts:
-                with contextlib.suppress(Exception):  # that sentinel is away: try the next one
-                    conn = redis.Redis(host=host, port=port, socket_connect_timeout=CONNECT_TIMEOUT_S,
-                                       socket_timeout=None, decode_responses=True)
-                    sub = conn.pubsub(ignore_subscribe_messages=True)
-                    sub.subscribe("+switch-master")
-                    for msg in sub.listen():
-                        if str(msg.get("data")).split(" ", 1)[0] == self.s.master:
-                            self.pool.disconnect(inuse_connections=True)
-            threading.Event().wait(1.0)
+    while True:
+        for host, port in s.hosts:
+            with contextlib.suppress(Exception):  # that sentinel is away: try the next one
+                conn = redis.Redis(host=host, port=port, socket_connect_timeout=CONNECT_TIMEOUT_S,
+                                   socket_timeout=None, decode_responses=True)
+                sub = conn.pubsub(ignore_subscribe_messages=True)
+                sub.subscribe("+switch-master")
+                for msg in sub.listen():
+                    if str(msg.get("data")).split(" ", 1)[0] == s.master:
+                        pool.disconnect(inuse_connections=True)
+        threading.Event().wait(1.0)
 
 
 def async_client(url: str, *, socket_timeout: float | None = None, single_connection: bool = False):
     """The asyncio twin of `client` (the web process's event streams and webhook turns)."""
     import redis.asyncio
 
-    extra: dict = {"decode_responses": True}
+    extra: dict = {}
     if socket_timeout is not None:
         extra["socket_timeout"] = socket_timeout
     if single_connection:
         extra["single_connection_client"] = True
-    s = parse_sentinel(url)
-    if s is None:
-        return redis.asyncio.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S, health_check_interval=30,
-                                            **extra)
-    from redis.asyncio.sentinel import Sentinel
-
-    sentinel = Sentinel(list(s.hosts), socket_timeout=CONNECT_TIMEOUT_S, socket_connect_timeout=CONNECT_TIMEOUT_S)
-    return sentinel.master_for(s.master, db=s.db, password=s.password, socket_connect_timeout=CONNECT_TIMEOUT_S,
-                               **extra)
+    return _connect(url, redis.asyncio, CONNECT_TIMEOUT_S, {"health_check_interval": 30}, **extra)[0]
 
 
 def with_password(url: str, password: str) -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import stat
 import typing
-from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
@@ -89,22 +88,17 @@ class FileSecretsSource(PydanticBaseSettingsSource):
     def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
         return None, field_name, False  # unused: __call__ reads every field at once
 
-    def _files(self) -> Iterator[tuple[str, str, str]]:
+    def __call__(self) -> dict[str, Any]:
         environ = {k.lower(): v for k, v in os.environ.items()}
-        prefix = self.config.get("env_prefix") or ""
+        values = {}
         for name, field in self.settings_cls.model_fields.items():
-            if not takes_file(name, field):
-                continue
-            for var in env_names(name, field, prefix):
+            for var in env_names(name, field, self.config.get("env_prefix") or "") if takes_file(name, field) else ():
                 path = environ.get(f"{var}_FILE".lower(), "")
                 if not path.strip():
                     continue
                 if environ.get(var.lower(), "").strip():
                     raise SecretFileError(f"{var} and {var}_FILE are both set: set one of them")
-                yield name, f"{var}_FILE", path
-
-    def __call__(self) -> dict[str, Any]:
-        values = {name: read_secret_file(var, path) for name, var, path in self._files()}
+                values[name] = read_secret_file(f"{var}_FILE", path)
         return {name: v for name, v in values.items() if v.strip()}
 
 
@@ -504,5 +498,4 @@ def get_settings() -> Settings:
     return Settings()
 
 
-def reset_settings() -> None:
-    get_settings.cache_clear()
+reset_settings = get_settings.cache_clear

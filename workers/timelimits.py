@@ -1,11 +1,7 @@
-"""Task time limits for Celery's threads pool (only prefork and gevent enforce them).
-
-`Watchdog` keeps each running task's deadlines, keyed by its thread; one daemon
-thread waits for the earliest. Past the soft limit, `SoftTimeLimitExceeded` is
-raised inside the task's thread (at its next bytecode, as prefork's SIGUSR1
-does), so the ledger retries the stage; past the hard limit (a thread stuck in
-C code never sees it) the worker process ends (exit 70), as prefork ends a pool
-process, and the ledger re-drives its stages.
+"""Task time limits for Celery's threads pool (only prefork and gevent enforce them): past the soft
+limit `SoftTimeLimitExceeded` is raised inside the task's thread (as prefork's SIGUSR1 does: the
+ledger retries the stage); past the hard one (a thread stuck in C code never sees it) the worker
+process ends (exit 70), as prefork ends a pool process, and the ledger re-drives its stages.
 """
 
 from __future__ import annotations
@@ -39,6 +35,8 @@ def raise_in_thread(ident: int, exc_type: type[BaseException]) -> bool:
 
 
 class Watchdog:
+    """Each running task's deadlines, keyed by its thread; one daemon thread waits for the earliest."""
+
     def __init__(self, *, on_hard: Callable[[str, str], None] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.on_hard = on_hard or _end_process

@@ -32,7 +32,7 @@ _lock = threading.Lock()
 
 @lru_cache(maxsize=4)
 def _store_for(url: str, public_url: str | None = None, redis_url: str | None = None,
-               s3_credentials: tuple[str, str, str | None] | None = None) -> BlobStore:
+               s3_credentials: tuple | None = None) -> BlobStore:
     st = open_store(url, **dict(zip(("access_key", "secret_key", "session_token"), s3_credentials or ())))
     if public_url and not st.can_sign and hasattr(st, "links"):
         # a volume: its links are served (and checked) by the web process at public_url
@@ -42,17 +42,12 @@ def _store_for(url: str, public_url: str | None = None, redis_url: str | None = 
 
 
 def store(settings: Settings | None = None) -> BlobStore:
+    """The settings' store, with their S3 credentials when they hold a pair (from the variables or
+    their files; else boto3 finds its own: profile, instance role)."""
     s = settings or get_settings()
-    return _store_for(s.storage, s.public_url, s.redis_url, s3_credentials(s))
-
-
-def s3_credentials(s: Settings) -> tuple[str, str, str | None] | None:
-    """(access key, secret key, session token) when the settings hold a pair (from the
-    variables or their files); None: boto3 finds its own (profile, instance role)."""
-    if s.aws_access_key_id is None or s.aws_secret_access_key is None:
-        return None
-    token = s.aws_session_token.get_secret_value() if s.aws_session_token is not None else None
-    return s.aws_access_key_id.get_secret_value(), s.aws_secret_access_key.get_secret_value(), token
+    creds = (s.aws_access_key_id, s.aws_secret_access_key, s.aws_session_token)
+    pair = None if None in creds[:2] else tuple(None if c is None else c.get_secret_value() for c in creds)
+    return _store_for(s.storage, s.public_url, s.redis_url, pair)
 
 
 def file_links(settings: Settings | None = None):

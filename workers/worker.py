@@ -1,23 +1,11 @@
-"""`courier worker`: start Celery workers with the pool chosen for their
-queues, and keep them running (a small supervisor).
+"""`courier worker`: start Celery workers with the pool chosen for their queues, and keep them running.
 
     python -m workers.worker -Q delivery [celery worker options]   # or: courier worker -Q delivery
 
-A worker of only the `delivery` queue runs COURIER_DELIVERY_POOL (default
-`threads`) with COURIER_DELIVERY_CONCURRENCY slots, in COURIER_DELIVERY_PROCESSES
-Celery workers (one process uses one core): the first keeps the node name given,
-the others are `<name>-2@%h`, ... Any other keeps Celery's prefork pool. A
-`--pool` / `-P` or `--concurrency` / `-c` on the command line wins.
-
-The supervisor runs every Celery worker as a child and outlives them. A child
-that exits by itself is started again (at once after a deliberate recycle,
-RECYCLE_EXITS; else after a back-off, `backoff_s`), except after exit 0
-(`celery control shutdown`: once none is left the supervisor exits 0) or
-CONFIG_EXITS (the others are stopped, and the supervisor exits with that code).
-SIGTERM / SIGINT / SIGQUIT go to every child once, and the supervisor then exits
-with the first non-zero exit code; SIGUSR1 is passed on. Unless
-PROMETHEUS_MULTIPROC_DIR is set, the children share a private multiprocess
-directory (workers/metrics.py).
+A worker of only the `delivery` queue runs COURIER_DELIVERY_POOL with COURIER_DELIVERY_CONCURRENCY
+slots, in COURIER_DELIVERY_PROCESSES Celery workers (`<name>-2@%h`, ...); any other keeps Celery's
+prefork pool; a `-P` / `-c` given wins. `supervise` runs them as children and restarts them (the
+policy: docs/operations.md, "The worker supervisor").
 """
 
 from __future__ import annotations
@@ -62,13 +50,9 @@ def worker_argv(args: list[str], settings=None) -> list[str]:
     """The `celery worker` command line for `args` (the options given to `courier worker`)."""
     s = settings or get_settings()
     argv = [sys.executable, "-m", "celery", "-A", "workers.celery_app", "worker", *args]
-    chosen = pool_for(_queues(args), s)
-    if chosen is not None:
-        pool, concurrency = chosen
-        if not _given(args, "-P", "--pool"):
-            argv.append(f"--pool={pool}")
-        if not _given(args, "-c", "--concurrency"):
-            argv.append(f"--concurrency={concurrency}")
+    for (short, long), value in zip((("-P", "--pool"), ("-c", "--concurrency")), pool_for(_queues(args), s) or ()):
+        if not _given(args, short, long):
+            argv.append(f"{long}={value}")
     return argv
 
 
@@ -151,7 +135,7 @@ class _Child:
         self.started = 0.0
         self.failures = 0  # exits in a row without a stable run (the back-off's exponent)
         self.restarts = 0
-        self.due: float | None = None  # when to start it again
+        self.due: float | None = None  # when to start it again (None while it runs)
 
     def start(self) -> None:
         # its own process group: a terminal's Ctrl-C reaches it once, through here (twice would be
@@ -160,23 +144,24 @@ class _Child:
         self.started = time.monotonic()
         self.due = None
 
+    def signal(self, signum: int) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.send_signal(signum)
+
 
 def supervise(argvs: list[list[str]], envs: list[dict[str, str]] | None = None,
               names: list[str] | None = None) -> int:
-    """Run one Celery worker per argv and keep each running (see the module docstring); returns
-    the supervisor's exit code."""
-    children = [_Child((names or [])[i] if names and i < len(names) else f"worker-{i + 1}", a,
+    """Run one Celery worker per argv and keep each running (docs/operations.md); returns the
+    supervisor's exit code."""
+    children = [_Child(names[i] if names and i < len(names) else f"worker-{i + 1}", a,
                        (envs[i] if envs else dict(os.environ))) for i, a in enumerate(argvs)]
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
-    received: list[int] = []
-
-    def note(signum: int, _frame) -> None:
-        received.append(signum)  # acted on by the loop below (woken through the pipe)
-
+    received: list[int] = []  # acted on by the loop below (woken through the pipe, SIGCHLD too)
     old_wakeup = signal.set_wakeup_fd(wake_w)
-    handlers = {sig: signal.signal(sig, note) for sig in (*FORWARDED, signal.SIGCHLD)}
+    handlers = {sig: signal.signal(sig, lambda signum, _frame: received.append(signum)) for sig in FORWARDED}
+    handlers[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, lambda *_: None)
     stopping = False
     code = 0
     try:
@@ -185,13 +170,9 @@ def supervise(argvs: list[list[str]], envs: list[dict[str, str]] | None = None,
         while True:
             while received:
                 signum = received.pop(0)
-                if signum == signal.SIGCHLD:
-                    continue
-                if signum in STOPPING:
-                    stopping = True
+                stopping = stopping or signum in STOPPING
                 for c in children:
-                    if c.proc is not None and c.proc.returncode is None:
-                        c.proc.send_signal(signum)
+                    c.signal(signum)
             _reap(children)
             now = time.monotonic()
             for c in children:
@@ -205,7 +186,6 @@ def supervise(argvs: list[list[str]], envs: list[dict[str, str]] | None = None,
                     continue
                 if rc == 0:  # stopped on purpose (a remote `celery control shutdown`): not restarted
                     _say(f"{c.name} stopped (exit code 0): not restarted")
-                    c.due = None
                     if all(o.proc is None and o.due is None for o in children):
                         return code
                     continue
@@ -214,28 +194,23 @@ def supervise(argvs: list[list[str]], envs: list[dict[str, str]] | None = None,
                          f"stopping the others")
                     code, stopping = rc, True
                     for o in children:
-                        if o.proc is not None and o.proc.returncode is None:
-                            o.proc.send_signal(signal.SIGTERM)
+                        o.signal(signal.SIGTERM)
                     continue
                 ran_s = now - c.started
-                if rc in RECYCLE_EXITS:  # deliberate (it ran a task or a drive that long): no back-off
-                    wait_s = 0.0
-                else:
+                if rc not in RECYCLE_EXITS:  # a recycle is deliberate (it ran a task or drive that long)
                     c.failures = 1 if ran_s >= STABLE_S else c.failures + 1
-                    wait_s = backoff_s(c.failures)
+                wait_s = 0.0 if rc in RECYCLE_EXITS else backoff_s(c.failures)
                 c.restarts += 1
                 c.due = now + wait_s
                 _count_restart(c.name, rc)
                 _say(f"{c.name} exited with code {rc} after {ran_s:.1f} s: restart {c.restarts} in {wait_s:.0f} s")
-            if stopping:
-                if all(c.proc is None for c in children):
-                    return code
-            else:
-                for c in children:
-                    if c.proc is None and c.due is not None and c.due <= now:
-                        c.start()
-                        _say(f"{c.name} started again (pid {c.proc.pid if c.proc else '?'}, "
-                             f"restart {c.restarts})")
+            if stopping and all(c.proc is None for c in children):
+                return code
+            for c in children:
+                if not stopping and c.proc is None and c.due is not None and c.due <= now:
+                    c.start()
+                    _say(f"{c.name} started again (pid {c.proc.pid if c.proc else '?'}, "
+                         f"restart {c.restarts})")
             dues = [c.due for c in children if c.proc is None and c.due is not None and not stopping]
             timeout = max(0.0, min(dues) - time.monotonic()) if dues else 5.0
             if not received:
@@ -308,12 +283,11 @@ def main(args: list[str] | None = None) -> None:
 
 
 def _setting_error(exc: BaseException) -> str:
-    errors = getattr(exc, "errors", None)
-    if callable(errors):
-        with contextlib.suppress(Exception):
-            first = errors()[0]
-            loc = ".".join(str(x) for x in first.get("loc", ()))
-            return f"{loc.upper()}: {first.get('msg')}"
+    from pydantic import ValidationError
+
+    if isinstance(exc, ValidationError) and exc.errors():
+        first = exc.errors()[0]
+        return f"{'.'.join(str(x) for x in first['loc']).upper()}: {first['msg']}"
     return f"{type(exc).__name__}: {exc}"
 
 
