@@ -49,6 +49,9 @@ _PATH_KEYS = ("path", "file_path", "filepath", "file", "filename", "target_file"
 _PATTERN_KEYS = ("pattern", "query", "regex", "glob", "q", "search", "search_term", "term")
 _QUERY_KEYS = ("query", "q", "search", "search_term", "term", "question", "input")
 _URL_KEYS = ("url", "urls", "uri", "href", "link", "address")
+#: (tool names, verb, argument keys), first match wins
+_VERBS = ((_WEB_SEARCH, "web search:", _QUERY_KEYS), (_FETCH, "fetching", _URL_KEYS), (_EDIT, "editing", _PATH_KEYS),
+          (_READ, "reading", _PATH_KEYS), (_WRITE, "writing", _PATH_KEYS), (_SEARCH, "searching", _PATTERN_KEYS))
 
 
 def cut(text: Any, limit: int = MAX_ACTIVITY_CHARS) -> str:
@@ -119,33 +122,15 @@ def activity_for(tool_name: str | None, args: Any = None) -> str:
     text: str | None = None
     if key in _TERMINAL:
         cmd = _first(a, _CMD_KEYS, join=True)
-        if cmd:
-            text = f"$ {_first_line(cmd)}"
-    elif key in _WEB_SEARCH or ("web" in key and "search" in key):
-        q = _first(a, _QUERY_KEYS)
-        if q:
-            text = f"web search: {q}"
-    elif key in _FETCH:
-        u = _first(a, _URL_KEYS)
-        if u:
-            text = f"fetching {u}"
-    elif key in _EDIT:
-        p = _first(a, _PATH_KEYS)
-        if p:
-            verb = {"view": "reading", "create": "writing"}.get(str(a.get("command") or ""), "editing")
-            text = f"{verb} {p}"
-    elif key in _READ:
-        p = _first(a, _PATH_KEYS)
-        if p:
-            text = f"reading {p}"
-    elif key in _WRITE:
-        p = _first(a, _PATH_KEYS)
-        if p:
-            text = f"writing {p}"
-    elif key in _SEARCH:
-        p = _first(a, _PATTERN_KEYS)
-        if p:
-            text = f"searching {p}"
+        text = f"$ {_first_line(cmd)}" if cmd else None
+    else:
+        if "web" in key and "search" in key:
+            key = "web_search"
+        verb, keys = next(((v, k) for names, v, k in _VERBS if key in names), ("", ()))
+        if verb == "editing":
+            verb = {"view": "reading", "create": "writing"}.get(str(a.get("command") or ""), verb)
+        found = _first(a, keys)
+        text = f"{verb} {found}" if found else None
     if text is None:
         s = next((x for x in (_scalar(v) for v in a.values()) if x is not None), None)
         text = f"{name}: {_first_line(s)}" if s is not None else f"using {name}"

@@ -29,6 +29,10 @@ _NAT64 = ipaddress.ip_network("64:ff9b::/96")
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+_PROBLEMS = (("is_unspecified", "an unspecified address"), ("is_loopback", "a loopback address"),
+             ("is_link_local", "a link-local address"), ("is_multicast", "a multicast address"),
+             ("is_site_local", "a site-local address"), ("is_private", "a private address"),
+             ("is_reserved", "a reserved address"))
 
 
 def address_problem(addr: str | Address) -> str | None:
@@ -46,23 +50,11 @@ def address_problem(addr: str | Address) -> str | None:
                 return problem
             if ip.ipv4_mapped:
                 return None
-    if ip.is_unspecified:
-        return "an unspecified address"
-    if ip.is_loopback:
-        return "a loopback address"
-    if ip.is_link_local:
-        return "a link-local address"
-    if ip.is_multicast:
-        return "a multicast address"
-    if ip.version == 6 and ip.is_site_local:
-        return "a site-local address"
-    if ip.is_private:
-        return "a private address"
-    if ip.is_reserved:
-        return "a reserved address"
-    if not ip.is_global:
-        return "not a public address"
-    return None
+    # the first that holds names the problem (is_site_local: IPv6 only)
+    for attr, problem in _PROBLEMS:
+        if getattr(ip, attr, False):
+            return problem
+    return None if ip.is_global else "not a public address"
 
 
 @dataclass(frozen=True)
