@@ -16,12 +16,11 @@ Events (`kind`, or `type` as an alias), normalised by `EventNormaliser`:
   `activity` (from `activity_for(tool_name, args)` when the agent gives none),
   `status` (tool_call; tool_complete or error).
 
-A malformed event line is dropped and logged, never leaked into the reply. A
-non-zero exit, a crash or a timeout ends as one `error` result with a reason. A
-timeout (`runtime_timeout`) or the worker's death, even by SIGKILL, kills the
-agent and everything it started, `setsid` daemons too (it runs under
-`_guard.py`). Output is decoded incrementally (a character split across reads
-stays whole); the reply and every line are bounded.
+A malformed event line is dropped and logged, never put in the reply. A
+non-zero exit, a crash or a timeout (`runtime_timeout`) ends as one `error`
+result with a reason; a timeout or the worker's death, even by SIGKILL, kills
+the agent and all it started, `setsid` daemons too (`_guard.py`). The reply and
+every line are bounded.
 """
 
 from __future__ import annotations
@@ -119,6 +118,18 @@ def mapped_strings(v: Any, fn: Callable[[str], str]) -> Any:
     return v
 
 
+def event_sink(on_event: Callable[[dict], None] | None) -> Callable[[dict], None]:
+    """`on_event` (or nothing) that logs its failure: a failing sink must not kill the turn."""
+    def emit(ev: dict) -> None:
+        try:
+            if on_event is not None:
+                on_event(ev)
+        except Exception:  # noqa: BLE001
+            log.exception("event sink failed")
+
+    return emit
+
+
 class EventNormaliser:
     """Turns raw agent events into courier's phase events.
 
@@ -161,11 +172,7 @@ class EventNormaliser:
         if st not in PROGRESS_STATUSES and st not in TERMINAL_STATUSES:
             self.drop(f"unknown status {st[:40]!r}")
             return None
-        ev: dict[str, Any] = {"kind": "status", "status": st}
-        for k in ("message", "detail", "reason"):
-            v = _text(raw.get(k))
-            if v is not None:
-                ev[k] = v
+        ev: dict[str, Any] = {"kind": "status", "status": st, **_texts(raw, ("message", "detail", "reason"))}
         act = normalise_activity(raw.get("activity"))
         if act:
             ev["activity"] = act
@@ -185,12 +192,8 @@ class EventNormaliser:
             tool, raw.get("args", raw.get("arguments", raw.get("input"))))
         self._open.pop(call_id, None)  # a reopened id moves to the end
         self._open[call_id] = (tool, act, time.monotonic())
-        ev: dict[str, Any] = {"kind": "tool_start", "tool_name": tool, "tool_call_id": call_id,
-                              "activity": act, "status": "tool_call"}
-        msg = _text(raw.get("message"))
-        if msg:
-            ev["message"] = msg
-        return ev
+        return {"kind": "tool_start", "tool_name": tool, "tool_call_id": call_id, "activity": act,
+                "status": "tool_call", **_texts(raw, ("message",))}
 
     def tool_result(self, raw: dict[str, Any]) -> dict[str, Any]:
         tool, call_id = _tool_ids(raw)
@@ -209,11 +212,13 @@ class EventNormaliser:
             ev["activity"] = act
         if opened is not None:
             ev["duration_ms"] = round((time.monotonic() - opened[2]) * 1000)
-        for k in ("message", "error"):
-            v = _text(raw.get(k)) if raw.get(k) is not True else None
-            if v is not None:
-                ev[k] = v
+        ev.update(_texts({k: v for k, v in raw.items() if v is not True}, ("message", "error")))
         return ev
+
+
+def _texts(raw: dict[str, Any], keys: tuple[str, ...]) -> dict[str, str]:
+    """`raw`'s `keys` that hold some text, as one bounded line each."""
+    return {k: v for k in keys if (v := _text(raw.get(k))) is not None}
 
 
 def _word(v: Any) -> str:
@@ -309,13 +314,9 @@ class _Stdout:
             self.norm.drop(f"malformed event line ({len(line)} chars)")
             return
         ev = self.norm.feed(raw)
-        if ev is None:
-            return
-        self.events += 1
-        try:
+        if ev is not None:
+            self.events += 1
             self.emit(ev)
-        except Exception:  # noqa: BLE001 - a failing sink must not kill the turn
-            log.exception("event sink failed")
 
     def text(self) -> str:
         s = "".join(self.reply).strip("\r\n")
@@ -369,7 +370,7 @@ def run_bridge(
     except OSError as exc:
         return BridgeResult("error", reason=f"agent could not start: {exc.strerror or exc}")
 
-    out = _Stdout(on_event or (lambda ev: None), shown)
+    out = _Stdout(event_sink(on_event), shown)
     err_lines = _Lines(STDERR_TAIL_CHARS)
     err_tail = ""
 
@@ -455,11 +456,8 @@ def run_bridge(
     if rc != 0:
         why = f"agent exited with code {rc}" if rc > 0 else f"agent was killed by signal {_signame(-rc)}"
         hit = jail.limit_hit(rc, tail) if jail is not None else None
-        if hit:
-            log.warning("%s (%s); stderr tail: %s", hit, why, tail[-500:])
-            return BridgeResult("error", reason=hit, **common)
-        log.warning("%s; stderr tail: %s", why, tail[-500:])
-        return BridgeResult("error", reason=why, **common)
+        log.warning("%s; stderr tail: %s", f"{hit} ({why})" if hit else why, tail[-500:])
+        return BridgeResult("error", reason=hit or why, **common)
     term = out.norm.terminal
     if term is not None and term["status"] == "error":
         return BridgeResult("error", reason=term.get("reason") or term.get("message") or "agent reported an error",
