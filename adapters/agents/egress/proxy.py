@@ -25,6 +25,7 @@ import socket
 import threading
 from contextlib import suppress
 from dataclasses import dataclass
+from http import HTTPStatus
 from urllib.parse import urlsplit
 
 from adapters.agents.egress.policy import EgressPolicy, Refused
@@ -95,11 +96,6 @@ class _Reader:
             self._fill()
         out = bytes(self.buf[:n])
         del self.buf[:n]
-        return out
-
-    def take(self) -> bytes:
-        out = bytes(self.buf)
-        self.buf.clear()
         return out
 
 
@@ -258,9 +254,7 @@ class EgressProxy:
                 host, port = _split_authority(target)
                 upstream = self._dial(host, port)
                 client.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
-                pending = r.take()
-                if pending:
-                    upstream.sendall(pending)
+                upstream.sendall(r.buf)  # what the client sent after the head
                 self._pipe(client, upstream)
             else:
                 upstream = self._forward(client, r, method, target, headers)
@@ -306,8 +300,7 @@ class EgressProxy:
         self._respond(client, exc.status, exc.reason, mark=f"{self.token} {index}")
 
     def _respond(self, client: socket.socket, status: int, reason: str, mark: str | None = None) -> None:
-        phrase = {400: "Bad Request", 403: "Forbidden", 431: "Request Header Fields Too Large",
-                  502: "Bad Gateway"}.get(status, "Error")
+        phrase = HTTPStatus(status).phrase
         body = (reason.replace("\r", " ").replace("\n", " ") + "\n").encode("utf-8", "replace")
         head = [f"HTTP/1.1 {status} {phrase}", "Content-Type: text/plain; charset=utf-8",
                 f"Content-Length: {len(body)}", "Connection: close", "Cache-Control: no-store"]
@@ -382,12 +375,9 @@ class EgressProxy:
         elif rlower.get("content-length", "").isdigit() and "transfer-encoding" not in rlower:
             self._copy_exact(ur, client, int(rlower["content-length"]))
         else:  # delimited by the upstream's close
-            while True:
-                try:
-                    data = ur.read_some(CHUNK)
-                except EOFError:
-                    break
-                client.sendall(data)
+            with suppress(EOFError):
+                while True:
+                    client.sendall(ur.read_some(CHUNK))
         self._linger(client)
         return upstream
 
