@@ -1,24 +1,13 @@
-"""Tools of the built-in OpenAI-compatible runtime, acting in the turn's sandbox.
+"""Tools of the built-in OpenAI-compatible runtime (SCHEMAS), acting in the turn's sandbox.
 
-* ``terminal``: ``sh -c <command>`` through ``Sandbox.exec`` in the working
-  directory (timeout; output bounded, then spilled); on a local sandbox in the
-  turn's jail and under the agents' guard, so what it starts (``setsid`` too)
-  ends with it.
-* ``read_file`` / ``write_file``: text from / to a sandbox file (writes go
-  through a temporary blob and ``Sandbox.put``); allowed roots apply.
-* ``browser_screenshot``: an http(s) page in headless Chromium; the PNG goes to
-  ``screenshots/<job>/<uuid>.png`` in storage and into the sandbox. Every
-  connection of the browser passes the egress guard (:mod:`adapters.agents.egress`):
-  no loopback, private or link-local destination unless ``browser_allowed_hosts``
-  names it.
-* ``send_file``: marks a sandbox file for delivery.
-
-A marked file (``send_file``, every screenshot) comes back to the model as its
-``MEDIA:<path>`` tag and the runtime adds it to the reply. Screenshots are
-delivered from their blob: :attr:`Toolbox.stored` maps their sandbox path to
-it, and only paths in that map (made here, never by an agent's text) are
-treated so. A tool's failure is a result starting with ``error:``; the turn
-goes on.
+``terminal`` runs ``sh -c`` through ``Sandbox.exec``; on a local sandbox in the
+turn's jail and under the agents' guard, so what it starts (``setsid`` too) ends
+with it. ``browser_screenshot`` drives headless Chromium whose every connection
+passes the egress guard (:mod:`adapters.agents.egress`). A marked file
+(``send_file``, every screenshot) comes back to the model as its ``MEDIA:<path>``
+tag and the runtime adds it to the reply; screenshots are delivered from their
+blob (:attr:`Toolbox.stored`, filled here, never from an agent's text). A tool's
+failure is a result starting with ``error:``; the turn goes on.
 """
 
 from __future__ import annotations
