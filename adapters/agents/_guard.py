@@ -74,17 +74,12 @@ def _kill_descendants(reap: bool) -> None:
             with suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
         if reap:
-            _reap()
+            with suppress(ChildProcessError):
+                while os.waitpid(-1, os.WNOHANG)[0]:
+                    pass
         if not live:
             return
         time.sleep(0.005)
-
-
-def _reap() -> None:
-    """Reap every dead child (no wait for live ones)."""
-    with suppress(ChildProcessError):
-        while os.waitpid(-1, os.WNOHANG)[0]:
-            pass
 
 
 def _worker_died(*_args) -> None:
@@ -94,12 +89,8 @@ def _worker_died(*_args) -> None:
 
 def _terminated(*_args) -> None:
     # the agent got the group's SIGTERM too; it has TERM_GRACE_S to go by itself
-    signal.signal(signal.SIGALRM, _grace_over)
+    signal.signal(signal.SIGALRM, lambda *_: _kill_descendants(reap=False))
     signal.setitimer(signal.ITIMER_REAL, TERM_GRACE_S)
-
-
-def _grace_over(*_args) -> None:
-    _kill_descendants(reap=False)
 
 
 _deadline_s: list[float] = []

@@ -27,10 +27,7 @@ def _pipe(src, dst) -> None:
     import socket
 
     try:
-        while True:
-            data = src.recv(65536)
-            if not data:
-                break
+        while data := src.recv(65536):
             dst.sendall(data)
     except OSError:
         pass

@@ -1,15 +1,11 @@
 """Activity text for tool events: short and human (DESIGN.md, bridge protocol).
 
-``activity_for(tool_name, args)`` gives ``$ <first line of command>``,
-``reading <path>``, ``writing <path>``, ``editing <path>``, ``searching
-<pattern>``, ``web search: <query>``, ``fetching <url>``, else ``<tool>:
-<first scalar arg>`` or ``using <tool>``; always one line, at most
-:data:`MAX_ACTIVITY_CHARS` characters. ``args`` may be a dict, a JSON object
-string (as OpenAI ``tool_calls`` carry them), or a bare value (taken as the
-tool's one input). Tool names are matched loosely: ``mcp__fs__read_file``,
-``functions.ReadFile`` and ``read-file`` are all ``read_file``.
-
-One function for every runtime (the bridge and the OpenAI-compatible loop).
+``activity_for(tool_name, args)`` gives ``$ <first line of command>``, ``<verb>
+<path, pattern, query or url>``, ``<tool>: <first scalar arg>`` or ``using
+<tool>``: one line of at most :data:`MAX_ACTIVITY_CHARS`, for every runtime.
+``args`` may be a dict, a JSON object string (as OpenAI ``tool_calls`` carry
+them) or a bare value (the tool's one input). Tool names match loosely:
+``mcp__fs__read_file``, ``functions.ReadFile`` and ``read-file`` are ``read_file``.
 """
 
 from __future__ import annotations

@@ -131,12 +131,8 @@ def event_sink(on_event: Callable[[dict], None] | None) -> Callable[[dict], None
 
 
 class EventNormaliser:
-    """Turns raw agent events into courier's phase events.
-
-    `feed(raw)` returns the event to publish, or None (dropped, or a terminal
-    status, which is recorded in `terminal` for the caller to end the turn
-    with). Tool calls are paired: a `tool_result` without an id closes the
-    last open call of the same tool."""
+    """Raw agent events to courier's phase events: `feed(raw)` returns the event to publish, or None
+    (dropped, or a terminal status, kept in `terminal` for the caller to end the turn with)."""
 
     def __init__(self, shown: Callable[[str], str] | None = None) -> None:
         #: how the turn's texts are shown (its paths relative to its workspace), applied to every
@@ -338,15 +334,11 @@ def run_bridge(
     network: Network = "proxy",
     shown: Callable[[str], str] | None = None,
 ) -> BridgeResult:
-    """Run one agent turn; never raises for the agent's misbehaviour.
-    `on_event` gets each normalised non-terminal event, in order, from this
-    thread (`shown` applied to the raw event's texts first).
-
-    The agent's environment is an allowlist, never the worker's own (which
-    holds tokens, the API key and the Redis URL): :data:`BASE_ENV` and
-    `passthrough` from this process's environment, then `env`, then
-    ``COURIER_MESSAGE``. With `jail` it runs in that sandbox with `network`;
-    a limit it hits ends the turn with a reason naming it."""
+    """Run one agent turn; never raises for the agent's misbehaviour. `on_event` gets each normalised
+    non-terminal event, in order, from this thread (`shown` applied to the raw event's texts first).
+    The agent's environment is an allowlist, never the worker's own (tokens, the API key, the Redis
+    URL): :data:`BASE_ENV` and `passthrough`, then `env`, then ``COURIER_MESSAGE``. With `jail` it
+    runs in that sandbox with `network`; a limit it hits ends the turn with a reason naming it."""
     if not command:
         return BridgeResult("error", reason="agent has no command")
     full_env = {**agent_base_env(passthrough), **(env or {}), "COURIER_MESSAGE": message}

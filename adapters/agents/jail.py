@@ -258,9 +258,7 @@ class Jail:
                 a += ["--symlink", os.readlink(d), d]
             elif os.path.isdir(d):
                 a += ["--ro-bind", d, d]
-        for name in ETC:
-            if os.path.lexists(os.path.join("/etc", name)):
-                a += ["--ro-bind-try", os.path.join("/etc", name), os.path.join("/etc", name)]
+        a += [x for e in (f"/etc/{n}" for n in ETC) if os.path.lexists(e) for x in ("--ro-bind-try", e, e)]
         a += ["--ro-bind", os.path.join(self._dir, "passwd"), "/etc/passwd",
               "--ro-bind", os.path.join(self._dir, "group"), "/etc/group",
               "--proc", "/proc", "--dev", "/dev"]

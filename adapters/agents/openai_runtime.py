@@ -59,9 +59,7 @@ class OpenAIConfig:
 
 
 class _End(Exception):
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
+    """Ends the turn; its one argument is the reason."""
 
 
 def run_openai(
@@ -122,7 +120,7 @@ def run_openai(
                         raise _End("runtime_timeout")
                     messages.append(_run_tool(tools, call, emit, shown))
     except _End as end:
-        return BridgeResult("error", reason=end.reason, events=0, extra={"steps": steps, "usage": usage})
+        return BridgeResult("error", reason=str(end), events=0, extra={"steps": steps, "usage": usage})
 
 
 #: answers worth asking again: rate limited, the server's trouble

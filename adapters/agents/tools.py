@@ -201,38 +201,30 @@ class Toolbox:
             return ToolResult("error: offset is a line number from 1", ok=False)
         if limit is not None and (not isinstance(limit, int) or limit < 1):
             return ToolResult("error: limit is a number of lines, at least 1", ok=False)
-        ranged = offset is not None or limit is not None
-        first, last = (offset or 1), ((offset or 1) + limit - 1 if limit else None)
+        first = offset or 1
         resolved, size = self.sandbox.resolve(p)
-        buf = bytearray()
-        line = 1  # the line number buf starts at (ranged reads skip whole lines before `first`)
+        buf, skip = bytearray(), first - 1  # the lines before `first` are skipped as they stream by
         stream = self.sandbox.open_stream(resolved)
         try:
             for chunk in stream:
-                if ranged and line < first:
-                    start = 0
-                    while line < first:
-                        i = chunk.find(b"\n", start)
-                        if i < 0:
-                            break
-                        line, start = line + 1, i + 1
-                    if line < first:
-                        continue
-                    chunk = chunk[start:]
-                buf += chunk
-                if len(buf) >= READ_MAX_BYTES or (last is not None and buf.count(b"\n") >= last - first + 1):
+                start = 0
+                while skip and (i := chunk.find(b"\n", start)) >= 0:
+                    start, skip = i + 1, skip - 1
+                if skip:
+                    continue
+                buf += chunk[start:]
+                if len(buf) >= READ_MAX_BYTES or (limit and buf.count(b"\n") >= limit):
                     break
         finally:
             getattr(stream, "close", lambda: None)()
         data = bytes(buf[:READ_MAX_BYTES])
         if b"\x00" in data[:8192]:
             return ToolResult(f"error: {p} is a binary file ({size:,} bytes); use terminal to inspect it", ok=False)
-        if ranged:
+        if offset is not None or limit is not None:
             lines = data.split(b"\n")
             if lines and lines[-1] == b"":
                 lines.pop()
-            if last is not None:
-                lines = lines[: last - first + 1]
+            lines = lines[:limit]
             text = b"\n".join(lines).decode("utf-8", "replace")
             return ToolResult(self._spilled("read_file", f"[lines {first}-{first + len(lines) - 1} of {p}]\n{text}"))
         text = data.decode("utf-8", "replace")
@@ -312,12 +304,9 @@ def take_screenshot(url: str, *, chromium_path: str, full_page: bool = False,
                     timeout_s: float = SCREENSHOT_TIMEOUT_S, allowed_hosts: tuple[str, ...] | list[str] = (),
                     refused: list[Refusal] | None = None) -> bytes:
     """PNG bytes of `url` in the system's headless Chromium; raises ScreenshotError with a short reason.
-
-    The browser reaches the network only through an :class:`EgressProxy` that
-    refuses non-public destinations (but `allowed_hosts`) for the page, its
-    redirects and its subresources. A refused page is an error naming the
-    reason; a refused subresource just does not load. The refusals are
-    appended to `refused` when given."""
+    Every connection (the page, its redirects, its subresources) goes through an :class:`EgressProxy`:
+    a refused page is an error naming the reason, a refused subresource does not load; the refusals
+    are appended to `refused`."""
     try:
         from playwright.sync_api import Error as PlaywrightError
         from playwright.sync_api import sync_playwright

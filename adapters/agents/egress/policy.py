@@ -1,16 +1,13 @@
 """The egress address policy: which (host, port) a browser a model drives, or
 a sandboxed agent, may reach (adapters/agents/egress/proxy.py enforces it).
 
-Loopback, private, link-local (cloud metadata), multicast, reserved and
-other non-public addresses are refused, IPv4-mapped, 6to4 and NAT64
-addresses judged by the IPv4 address inside them too; a name is allowed only
-when every address it resolves to is. Only ports 80 and 443 are open, plus
-what the allow-list names.
-
-The allow-list (``COURIER_BROWSER_ALLOWED_HOSTS``) holds host names and
-addresses or CIDR networks, each optionally with ``:port`` (``[v6]:port`` for
-IPv6; no port: every port). A name is matched as the URL spells it
-(case-insensitive); a network matches the resolved addresses.
+Non-public addresses (loopback, private, link-local: cloud metadata, ...) are
+refused, IPv4-mapped, 6to4 and NAT64 ones judged by their IPv4 address too; a
+name only when every address it resolves to is allowed. Only ports 80 and 443
+are open, plus what the allow-list (``COURIER_BROWSER_ALLOWED_HOSTS``) names:
+host names (matched as the URL spells them, case-insensitive), addresses or CIDR
+networks (matching the resolved addresses), each optionally with ``:port``
+(``[v6]:port``; no port: every port).
 """
 
 from __future__ import annotations

@@ -1,18 +1,14 @@
 """The egress relay: a filtering forward proxy that lets a connection through
 only when the address policy (adapters/agents/egress/policy.py) allows it.
 
-- ``CONNECT host:port`` (https, wss): the host is resolved, *every* address
-  is checked, and the proxy connects to a checked address (the IP, never the
-  name again: a second DNS answer cannot rebind it), answers ``200`` and
-  pipes bytes both ways.
-- absolute-form plain http (``GET http://host/path HTTP/1.1``): the same
-  check; the request goes upstream in origin-form with ``Connection: close``
-  and no hop-by-hop or ``Proxy-*`` headers; its body and the response are
-  streamed; the client connection is closed after that one request.
-
-A refused destination gets ``403`` with a one-line reason, a host that does
-not resolve or answer ``502``; each is kept in :attr:`EgressProxy.refusals`
-(and logged at INFO with the host, never a URL).
+Every address a host resolves to is checked and the proxy connects to a checked
+address (never the name again: a second DNS answer cannot rebind it). ``CONNECT``
+(https, wss) is answered ``200`` and piped both ways; absolute-form plain http
+goes upstream in origin-form with ``Connection: close`` and no hop-by-hop or
+``Proxy-*`` headers, streamed, one request per client connection. A refused
+destination gets ``403`` with a one-line reason, one that does not resolve or
+answer ``502``; each is kept in :attr:`EgressProxy.refusals` and logged at INFO
+with the host, never a URL.
 """
 
 from __future__ import annotations
@@ -62,9 +58,7 @@ class Refusal:
 
 
 class _BadRequest(Exception):
-    def __init__(self, status: int, reason: str) -> None:
-        super().__init__(reason)
-        self.status, self.reason = status, reason
+    """(status, reason) of a request the proxy answers itself."""
 
 
 class _Reader:
@@ -261,7 +255,7 @@ class EgressProxy:
         except Refused as exc:
             self._refuse(client, exc)
         except _BadRequest as exc:
-            self._respond(client, exc.status, exc.reason)
+            self._respond(client, *exc.args)
         except (OSError, EOFError, ValueError):
             pass  # a side went away or timed out: nothing to tell anyone
         except Exception:  # noqa: BLE001 - one connection's bug must not end the proxy
