@@ -14,6 +14,7 @@ import json
 import re
 import shlex
 from collections.abc import Iterable
+from contextlib import suppress
 from typing import Any
 
 __all__ = ["MAX_ACTIVITY_CHARS", "activity_for", "cut"]
@@ -46,8 +47,9 @@ _PATTERN_KEYS = ("pattern", "query", "regex", "glob", "q", "search", "search_ter
 _QUERY_KEYS = ("query", "q", "search", "search_term", "term", "question", "input")
 _URL_KEYS = ("url", "urls", "uri", "href", "link", "address")
 #: (tool names, verb, argument keys), first match wins
-_VERBS = ((_WEB_SEARCH, "web search:", _QUERY_KEYS), (_FETCH, "fetching", _URL_KEYS), (_EDIT, "editing", _PATH_KEYS),
-          (_READ, "reading", _PATH_KEYS), (_WRITE, "writing", _PATH_KEYS), (_SEARCH, "searching", _PATTERN_KEYS))
+_VERBS = ((_WEB_SEARCH, "web search:", _QUERY_KEYS), (_FETCH, "fetching", _URL_KEYS),
+          (_EDIT, "editing", _PATH_KEYS), (_READ, "reading", _PATH_KEYS), (_WRITE, "writing", _PATH_KEYS),
+          (_SEARCH, "searching", _PATTERN_KEYS))
 
 
 def cut(text: Any, limit: int = MAX_ACTIVITY_CHARS) -> str:
@@ -69,19 +71,14 @@ def tool_key(name: str) -> str:
 
 
 def _as_dict(args: Any) -> dict:
-    if args is None:
-        return {}
-    if isinstance(args, dict):
-        return args
     if isinstance(args, bytes):
         args = args.decode("utf-8", "replace")
     if isinstance(args, str):
-        try:
-            v = json.loads(args)
-        except ValueError:
-            return {"input": args}
-        return v if isinstance(v, dict) else {"input": v}
-    return {"input": args}
+        with suppress(ValueError):
+            args = json.loads(args)
+    if args is None:
+        return {}
+    return args if isinstance(args, dict) else {"input": args}
 
 
 def _scalar(v: Any, *, join: bool = False) -> str | None:
@@ -91,20 +88,13 @@ def _scalar(v: Any, *, join: bool = False) -> str | None:
         if join and all(isinstance(x, str) for x in v):
             return shlex.join(v)
         v = v[0]
-    if isinstance(v, bool) or v is None:
-        return None
-    if isinstance(v, (str, int, float)):
-        s = str(v).strip()
-        return s or None
+    if isinstance(v, (str, int, float)) and not isinstance(v, bool):
+        return str(v).strip() or None
     return None
 
 
 def _first(args: dict, keys: Iterable[str], *, join: bool = False) -> str | None:
-    for k in keys:
-        s = _scalar(args.get(k), join=join)
-        if s is not None:
-            return s
-    return None
+    return next((s for k in keys if (s := _scalar(args.get(k), join=join)) is not None), None)
 
 
 def _first_line(s: str) -> str:

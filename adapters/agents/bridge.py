@@ -46,11 +46,9 @@ from adapters.defaults import AGENT_TIMEOUT_S
 from adapters.agents.activity import MAX_ACTIVITY_CHARS, activity_for, cut
 from adapters.agents.jail import Jail, Network
 
-__all__ = [
-    "ACTIVITY_MAX_CHARS", "BASE_ENV", "DEFAULT_TIMEOUT_S", "EVENT_PREFIX", "NO_REPLY_STATUSES", "BridgeResult",
-    "agent_base_env",
-    "EventNormaliser", "activity_for", "normalise_activity", "parse_event_line", "run_bridge",
-]
+__all__ = ["ACTIVITY_MAX_CHARS", "BASE_ENV", "DEFAULT_TIMEOUT_S", "EVENT_PREFIX", "NO_REPLY_STATUSES",
+           "BridgeResult", "EventNormaliser", "activity_for", "agent_base_env", "event_sink",
+           "normalise_activity", "parse_event_line", "run_bridge"]
 
 log = logging.getLogger(__name__)
 
@@ -291,7 +289,6 @@ class _Stdout:
                 self.norm.drop(f"event line over {MAX_EVENT_LINE_CHARS:,} characters")
                 self._pending = ""
                 self._mid = "skip"
-                return
             else:
                 self._pending += piece
         if complete:
@@ -380,19 +377,18 @@ def run_bridge(
     sel.register(proc.stderr, selectors.EVENT_READ, "err")
     deadline = started + timeout_s
     exited_at: float | None = None
-    timed_out = False
     stray_output = False
-    over_limit: str | None = None
+    stop: str | None = None  # why the agent is killed: runtime_timeout, or the workspace limit it passed
     next_measure = started + WORKSPACE_CHECK_S
     try:
         while sel.get_map():
             now = time.monotonic()
             if now >= deadline:
-                timed_out = True
+                stop = "runtime_timeout"
                 break
             if jail is not None and now >= next_measure:
                 if jail.over_workspace():
-                    over_limit = jail.workspace_message()
+                    stop = jail.workspace_message()
                     break
                 next_measure = time.monotonic() + WORKSPACE_CHECK_S
             if exited_at is None and proc.poll() is not None:
@@ -413,14 +409,13 @@ def run_bridge(
                 else:
                     for piece, _c in err_lines.feed(data):
                         err_tail = (err_tail + piece + "\n")[-STDERR_TAIL_CHARS:]
-        if timed_out or over_limit:
-            _kill_group(proc)
-        else:
+        if stop is None:
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                timed_out = True
-                _kill_group(proc)
+                stop = "runtime_timeout"
+        if stop is not None:
+            _kill_group(proc)
     finally:
         sel.close()
         _reap_group(proc)
@@ -439,12 +434,10 @@ def run_bridge(
     if stray_output:
         extra["stray_children"] = True
     common: dict[str, Any] = {"exit_code": rc, "stderr_tail": tail, "events": out.events, "extra": extra}
-    if timed_out:
-        log.warning("agent %s timed out after %gs; process group killed", _argv0(command), timeout_s)
-        return BridgeResult("error", reason="runtime_timeout", **common)
-    if over_limit:
-        log.warning("agent %s: %s; process group killed", _argv0(command), over_limit)
-        return BridgeResult("error", reason=over_limit, **common)
+    if stop is not None:
+        what = f" timed out after {timeout_s:g}s" if stop == "runtime_timeout" else f": {stop}"
+        log.warning("agent %s%s; process group killed", _argv0(command), what)
+        return BridgeResult("error", reason=stop, **common)
     if rc != 0:
         why = f"agent exited with code {rc}" if rc > 0 else f"agent was killed by signal {_signame(-rc)}"
         hit = jail.limit_hit(rc, tail) if jail is not None else None

@@ -192,15 +192,11 @@ class TurnHooks:
 
 
 def _context_text(value: Any) -> str:
-    if value is None:
-        return ""
-    if not isinstance(value, dict):
+    if value is not None and not isinstance(value, dict):
         raise HookSkipped(f"returned {type(value).__name__}, not a JSON object")
-    ctx = value.get("context")
-    if ctx is None:
-        return ""
-    if isinstance(ctx, str):
-        return ctx
+    ctx = (value or {}).get("context")
+    if ctx is None or isinstance(ctx, str):
+        return ctx or ""
     try:
         return json.dumps(ctx, ensure_ascii=False)
     except (TypeError, ValueError):

@@ -92,10 +92,7 @@ def run_openai(
     try:
         with httpx.Client(base_url=config.base_url.rstrip("/") + "/", headers=headers, follow_redirects=False,
                           trust_env=False) as client:
-            while True:
-                if steps >= config.max_steps:
-                    raise _End(f"max_steps_exceeded: no answer after {config.max_steps} model calls")
-                steps += 1
+            for steps in range(1, config.max_steps + 1):
                 if steps > 1:
                     emit({"kind": "status", "status": "thinking"})
                 call_messages = messages
@@ -119,6 +116,7 @@ def run_openai(
                     if time.monotonic() >= deadline:
                         raise _End("runtime_timeout")
                     messages.append(_run_tool(tools, call, emit, shown))
+            raise _End(f"max_steps_exceeded: no answer after {config.max_steps} model calls")
     except _End as end:
         return BridgeResult("error", reason=str(end), events=0, extra={"steps": steps, "usage": usage})
 

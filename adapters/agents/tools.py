@@ -128,10 +128,7 @@ class Toolbox:
     tool_network: Network = "none"
     marked: list[str] = field(default_factory=list)
     stored: dict[str, dict] = field(default_factory=dict)
-
-    @property
-    def schemas(self) -> list[dict]:
-        return SCHEMAS
+    schemas = SCHEMAS  # not a field: no annotation
 
     def call(self, name: str, args: Any) -> ToolResult:
         """Run one tool call; never raises (a failure is an `error:` result)."""

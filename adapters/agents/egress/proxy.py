@@ -379,17 +379,12 @@ class EgressProxy:
         """Close after the one response: FIN first, then discard what the
         client still sends (a pipelined request goes nowhere) until it closes,
         so the close is not a reset that could cut the response short."""
-        try:
+        with suppress(OSError):
             client.shutdown(socket.SHUT_WR)
             client.settimeout(LINGER_S)
             budget = CHUNK * 4
-            while budget > 0:
-                data = client.recv(CHUNK)
-                if not data:
-                    return
+            while budget > 0 and (data := client.recv(CHUNK)):
                 budget -= len(data)
-        except OSError:
-            pass
 
     @staticmethod
     def _copy_exact(r: _Reader, dest: socket.socket, length: int) -> None:
