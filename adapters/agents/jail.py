@@ -37,7 +37,7 @@ import sys
 import tempfile
 import threading
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext, suppress
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -315,10 +315,12 @@ class Jail:
         """Bytes the workspace takes on disk (blocks, so a sparse file counts
         what it uses); the walk stops once past `stop_at`."""
         total = 0
-        for st in _walk(self.workspace):
-            total += st.st_blocks * 512
-            if stop_at is not None and total > stop_at:
-                break
+        for d, dirs, files in os.walk(self.workspace):  # symlinks not followed, unreadable entries skipped
+            for name in (*dirs, *files):
+                with suppress(OSError):
+                    total += os.lstat(os.path.join(d, name)).st_blocks * 512
+                if stop_at is not None and total > stop_at:
+                    return total
         return total
 
     def over_workspace(self) -> bool:
@@ -351,14 +353,6 @@ def _ancestors(path: str) -> list[str]:
     """/a/b/c -> [/a, /a/b] (outermost first)."""
     parts = path.strip("/").split("/")[:-1]
     return ["/" + "/".join(parts[: i + 1]) for i in range(len(parts))]
-
-
-def _walk(top: str) -> Iterator[os.stat_result]:
-    """lstat of everything under `top` (symlinks not followed, unreadable entries skipped)."""
-    for d, dirs, files in os.walk(top):
-        for name in (*dirs, *files):
-            with suppress(OSError):
-                yield os.lstat(os.path.join(d, name))
 
 
 def maybe(jail: Jail | None) -> AbstractContextManager:

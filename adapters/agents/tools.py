@@ -184,9 +184,7 @@ class Toolbox:
             exec_t = t + GUARD_BACKSTOP_S
         rc, out, err = self.sandbox.exec(argv, timeout_s=exec_t, cwd=self.workdir,
                                          max_output_bytes=TERMINAL_MAX_OUTPUT_BYTES)
-        parts = []
-        if out:
-            parts.append(out.decode("utf-8", "replace").rstrip("\n"))
+        parts = [out.decode("utf-8", "replace").rstrip("\n")] if out else []
         if err:
             parts.append("[stderr]\n" + err.decode("utf-8", "replace").rstrip("\n"))
         parts.append(f"[exit code {rc}]")
