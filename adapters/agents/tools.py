@@ -303,8 +303,7 @@ def take_screenshot(url: str, *, chromium_path: str, full_page: bool = False,
     a refused page is an error naming the reason, a refused subresource does not load; the refusals
     are appended to `refused`."""
     try:
-        from playwright.sync_api import Error as PlaywrightError
-        from playwright.sync_api import sync_playwright
+        from playwright.sync_api import Error as PlaywrightError, sync_playwright
     except ImportError:
         raise ScreenshotError("screenshots need playwright: pip install 'courier[browser]'") from None
     if not os.access(chromium_path, os.X_OK):

@@ -236,10 +236,7 @@ class EgressProxy:
         try:
             client.settimeout(IDLE_TIMEOUT_S)
             r = _Reader(client)
-            try:
-                line, headers = _read_head(r)
-            except EOFError:
-                return
+            line, headers = _read_head(r)  # EOFError (nothing sent) ends quietly below
             parts = line.split(" ")
             if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
                 raise _BadRequest(400, "malformed request line")
