@@ -3,22 +3,16 @@ it starts ends with it, and with the worker that started it, even by SIGKILL.
 
     python -I -S _guard.py <worker pid>[:<deadline s>] <command> [args...]
 
-The caller starts this as a new session's leader; the command runs as its child
-in the same process group, on the same stdin/stdout/stderr.
-
-* **Subreaper** (``PR_SET_CHILD_SUBREAPER``): what the command leaves behind, a
-  double-forked ``setsid`` daemon included, is re-parented here, not to init.
-  When the command exits, every descendant is SIGKILLed (found in ``/proc`` by
-  parent pid, round after round: a child forked meanwhile shows up in the next
-  round) and reaped; then the guard exits the way the command did.
-* **Timeout**: the group's SIGTERM reaches the command; after
-  :data:`TERM_GRACE_S` every descendant is SIGKILLed.
-* **Deadline** (``<pid>:<seconds>``): past it every descendant is SIGKILLed
-  and the guard exits 124 with a note on stderr, like a timed-out exec.
-* **Worker death**: the kernel sends SIGHUP (``PR_SET_PDEATHSIG``); every
-  descendant and the whole group get SIGKILL, so the turn runs again elsewhere.
-
-Standard library only, run in isolated mode: nothing from courier is imported.
+It leads a new session; the command is its child in the same process group. As
+a subreaper (``PR_SET_CHILD_SUBREAPER``) it inherits what the command leaves
+behind, a double-forked ``setsid`` daemon too; when the command exits every
+descendant (found in ``/proc`` by parent pid, round after round: a child forked
+meanwhile shows up in the next) is SIGKILLed and reaped, and the guard exits as
+the command did. The group's SIGTERM (the turn's timeout) leaves
+:data:`TERM_GRACE_S` before every descendant is SIGKILLed; past a deadline the
+same, then exit 124 with a note on stderr; the worker's death (SIGHUP by
+``PR_SET_PDEATHSIG``) SIGKILLs every descendant and the group. Standard library
+only, isolated mode: nothing from courier is imported.
 """
 
 import ctypes
@@ -80,17 +74,12 @@ def _kill_descendants(reap: bool) -> None:
             with suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
         if reap:
-            _reap()
+            with suppress(ChildProcessError):
+                while os.waitpid(-1, os.WNOHANG)[0]:
+                    pass
         if not live:
             return
         time.sleep(0.005)
-
-
-def _reap() -> None:
-    """Reap every dead child (no wait for live ones)."""
-    with suppress(ChildProcessError):
-        while os.waitpid(-1, os.WNOHANG)[0]:
-            pass
 
 
 def _worker_died(*_args) -> None:
@@ -100,12 +89,8 @@ def _worker_died(*_args) -> None:
 
 def _terminated(*_args) -> None:
     # the agent got the group's SIGTERM too; it has TERM_GRACE_S to go by itself
-    signal.signal(signal.SIGALRM, _grace_over)
+    signal.signal(signal.SIGALRM, lambda *_: _kill_descendants(reap=False))
     signal.setitimer(signal.ITIMER_REAL, TERM_GRACE_S)
-
-
-def _grace_over(*_args) -> None:
-    _kill_descendants(reap=False)
 
 
 _deadline_s: list[float] = []

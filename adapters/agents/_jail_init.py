@@ -2,23 +2,16 @@
 
     python -I -S /run/courier/init.py <uid> <gid> <nproc> <nofile> <as> <fsize> <proxy port> <command> [args...]
 
-bubblewrap has made the namespaces and the filesystem; this finishes the job,
-then becomes the agent (``-`` for a value: none):
-
-* **Egress** (`proxy port`): a forwarder listens on ``127.0.0.1:<port>`` in the
-  sandbox's empty network namespace and relays each connection through the unix
-  socket ``/run/courier/proxy.sock`` to courier's egress proxy (its allowlist
-  and private-range refusal decide). It listens before the agent starts, so
-  the agent's first request never races it.
-* **Identity** (`uid`, `gid`; when bwrap ran as root): every process here drops
-  to the turn's own uid and gid with no supplementary groups; the kernel clears
-  every capability with that, and bwrap's ``PR_SET_NO_NEW_PRIVS`` keeps a
-  setuid binary from getting them back.
-* **Limits** (`nproc`, `nofile`, `as`, `fsize`): rlimits the agent and all it
-  starts inherit.
-
-Standard library only, ``-I -S``, importing only what it uses: its start-up is
-part of every sandboxed command's.
+bubblewrap has made the namespaces and the filesystem; this finishes the job and
+becomes the agent (``-`` for a value: none). With a `proxy port` a forwarder
+listens on ``127.0.0.1:<port>`` in the sandbox's empty network and relays each
+connection over ``/run/courier/proxy.sock`` to courier's egress proxy (which
+decides); it listens before the agent starts, so no first request races it.
+Then every process drops to `uid`/`gid` with no groups (the kernel clears the
+capabilities; bwrap's ``PR_SET_NO_NEW_PRIVS`` keeps a setuid binary from getting
+them back), and the rlimits are set for the agent and all it starts.
+Standard library only, importing only what it uses: its start-up is part of
+every sandboxed command's.
 """
 
 import os
@@ -34,10 +27,7 @@ def _pipe(src, dst) -> None:
     import socket
 
     try:
-        while True:
-            data = src.recv(65536)
-            if not data:
-                break
+        while data := src.recv(65536):
             dst.sendall(data)
     except OSError:
         pass

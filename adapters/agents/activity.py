@@ -1,15 +1,11 @@
 """Activity text for tool events: short and human (DESIGN.md, bridge protocol).
 
-``activity_for(tool_name, args)`` gives ``$ <first line of command>``,
-``reading <path>``, ``writing <path>``, ``editing <path>``, ``searching
-<pattern>``, ``web search: <query>``, ``fetching <url>``, else ``<tool>:
-<first scalar arg>`` or ``using <tool>``; always one line, at most
-:data:`MAX_ACTIVITY_CHARS` characters. ``args`` may be a dict, a JSON object
-string (as OpenAI ``tool_calls`` carry them), or a bare value (taken as the
-tool's one input). Tool names are matched loosely: ``mcp__fs__read_file``,
-``functions.ReadFile`` and ``read-file`` are all ``read_file``.
-
-One function for every runtime (the bridge and the OpenAI-compatible loop).
+``activity_for(tool_name, args)`` gives ``$ <first line of command>``, ``<verb>
+<path, pattern, query or url>``, ``<tool>: <first scalar arg>`` or ``using
+<tool>``: one line of at most :data:`MAX_ACTIVITY_CHARS`, for every runtime.
+``args`` may be a dict, a JSON object string (as OpenAI ``tool_calls`` carry
+them) or a bare value (the tool's one input). Tool names match loosely:
+``mcp__fs__read_file``, ``functions.ReadFile`` and ``read-file`` are ``read_file``.
 """
 
 from __future__ import annotations
@@ -18,6 +14,7 @@ import json
 import re
 import shlex
 from collections.abc import Iterable
+from contextlib import suppress
 from typing import Any
 
 __all__ = ["MAX_ACTIVITY_CHARS", "activity_for", "cut"]
@@ -49,6 +46,10 @@ _PATH_KEYS = ("path", "file_path", "filepath", "file", "filename", "target_file"
 _PATTERN_KEYS = ("pattern", "query", "regex", "glob", "q", "search", "search_term", "term")
 _QUERY_KEYS = ("query", "q", "search", "search_term", "term", "question", "input")
 _URL_KEYS = ("url", "urls", "uri", "href", "link", "address")
+#: (tool names, verb, argument keys), first match wins
+_VERBS = ((_WEB_SEARCH, "web search:", _QUERY_KEYS), (_FETCH, "fetching", _URL_KEYS),
+          (_EDIT, "editing", _PATH_KEYS), (_READ, "reading", _PATH_KEYS), (_WRITE, "writing", _PATH_KEYS),
+          (_SEARCH, "searching", _PATTERN_KEYS))
 
 
 def cut(text: Any, limit: int = MAX_ACTIVITY_CHARS) -> str:
@@ -70,19 +71,14 @@ def tool_key(name: str) -> str:
 
 
 def _as_dict(args: Any) -> dict:
-    if args is None:
-        return {}
-    if isinstance(args, dict):
-        return args
     if isinstance(args, bytes):
         args = args.decode("utf-8", "replace")
     if isinstance(args, str):
-        try:
-            v = json.loads(args)
-        except ValueError:
-            return {"input": args}
-        return v if isinstance(v, dict) else {"input": v}
-    return {"input": args}
+        with suppress(ValueError):
+            args = json.loads(args)
+    if args is None:
+        return {}
+    return args if isinstance(args, dict) else {"input": args}
 
 
 def _scalar(v: Any, *, join: bool = False) -> str | None:
@@ -92,20 +88,13 @@ def _scalar(v: Any, *, join: bool = False) -> str | None:
         if join and all(isinstance(x, str) for x in v):
             return shlex.join(v)
         v = v[0]
-    if isinstance(v, bool) or v is None:
-        return None
-    if isinstance(v, (str, int, float)):
-        s = str(v).strip()
-        return s or None
+    if isinstance(v, (str, int, float)) and not isinstance(v, bool):
+        return str(v).strip() or None
     return None
 
 
 def _first(args: dict, keys: Iterable[str], *, join: bool = False) -> str | None:
-    for k in keys:
-        s = _scalar(args.get(k), join=join)
-        if s is not None:
-            return s
-    return None
+    return next((s for k in keys if (s := _scalar(args.get(k), join=join)) is not None), None)
 
 
 def _first_line(s: str) -> str:
@@ -119,33 +108,15 @@ def activity_for(tool_name: str | None, args: Any = None) -> str:
     text: str | None = None
     if key in _TERMINAL:
         cmd = _first(a, _CMD_KEYS, join=True)
-        if cmd:
-            text = f"$ {_first_line(cmd)}"
-    elif key in _WEB_SEARCH or ("web" in key and "search" in key):
-        q = _first(a, _QUERY_KEYS)
-        if q:
-            text = f"web search: {q}"
-    elif key in _FETCH:
-        u = _first(a, _URL_KEYS)
-        if u:
-            text = f"fetching {u}"
-    elif key in _EDIT:
-        p = _first(a, _PATH_KEYS)
-        if p:
-            verb = {"view": "reading", "create": "writing"}.get(str(a.get("command") or ""), "editing")
-            text = f"{verb} {p}"
-    elif key in _READ:
-        p = _first(a, _PATH_KEYS)
-        if p:
-            text = f"reading {p}"
-    elif key in _WRITE:
-        p = _first(a, _PATH_KEYS)
-        if p:
-            text = f"writing {p}"
-    elif key in _SEARCH:
-        p = _first(a, _PATTERN_KEYS)
-        if p:
-            text = f"searching {p}"
+        text = f"$ {_first_line(cmd)}" if cmd else None
+    else:
+        if "web" in key and "search" in key:
+            key = "web_search"
+        verb, keys = next(((v, k) for names, v, k in _VERBS if key in names), ("", ()))
+        if verb == "editing":
+            verb = {"view": "reading", "create": "writing"}.get(str(a.get("command") or ""), verb)
+        found = _first(a, keys)
+        text = f"{verb} {found}" if found else None
     if text is None:
         s = next((x for x in (_scalar(v) for v in a.values()) if x is not None), None)
         text = f"{name}: {_first_line(s)}" if s is not None else f"using {name}"

@@ -16,12 +16,11 @@ Events (`kind`, or `type` as an alias), normalised by `EventNormaliser`:
   `activity` (from `activity_for(tool_name, args)` when the agent gives none),
   `status` (tool_call; tool_complete or error).
 
-A malformed event line is dropped and logged, never leaked into the reply. A
-non-zero exit, a crash or a timeout ends as one `error` result with a reason. A
-timeout (`runtime_timeout`) or the worker's death, even by SIGKILL, kills the
-agent and everything it started, `setsid` daemons too (it runs under
-`_guard.py`). Output is decoded incrementally (a character split across reads
-stays whole); the reply and every line are bounded.
+A malformed event line is dropped and logged, never put in the reply. A
+non-zero exit, a crash or a timeout (`runtime_timeout`) ends as one `error`
+result with a reason; a timeout or the worker's death, even by SIGKILL, kills
+the agent and all it started, `setsid` daemons too (`_guard.py`). The reply and
+every line are bounded.
 """
 
 from __future__ import annotations
@@ -47,11 +46,9 @@ from adapters.defaults import AGENT_TIMEOUT_S
 from adapters.agents.activity import MAX_ACTIVITY_CHARS, activity_for, cut
 from adapters.agents.jail import Jail, Network
 
-__all__ = [
-    "ACTIVITY_MAX_CHARS", "BASE_ENV", "DEFAULT_TIMEOUT_S", "EVENT_PREFIX", "NO_REPLY_STATUSES", "BridgeResult",
-    "agent_base_env",
-    "EventNormaliser", "activity_for", "normalise_activity", "parse_event_line", "run_bridge",
-]
+__all__ = ["ACTIVITY_MAX_CHARS", "BASE_ENV", "DEFAULT_TIMEOUT_S", "EVENT_PREFIX", "NO_REPLY_STATUSES",
+           "BridgeResult", "EventNormaliser", "activity_for", "agent_base_env", "event_sink",
+           "normalise_activity", "parse_event_line", "run_bridge"]
 
 log = logging.getLogger(__name__)
 
@@ -119,13 +116,21 @@ def mapped_strings(v: Any, fn: Callable[[str], str]) -> Any:
     return v
 
 
-class EventNormaliser:
-    """Turns raw agent events into courier's phase events.
+def event_sink(on_event: Callable[[dict], None] | None) -> Callable[[dict], None]:
+    """`on_event` (or nothing) that logs its failure: a failing sink must not kill the turn."""
+    def emit(ev: dict) -> None:
+        try:
+            if on_event is not None:
+                on_event(ev)
+        except Exception:  # noqa: BLE001
+            log.exception("event sink failed")
 
-    `feed(raw)` returns the event to publish, or None (dropped, or a terminal
-    status, which is recorded in `terminal` for the caller to end the turn
-    with). Tool calls are paired: a `tool_result` without an id closes the
-    last open call of the same tool."""
+    return emit
+
+
+class EventNormaliser:
+    """Raw agent events to courier's phase events: `feed(raw)` returns the event to publish, or None
+    (dropped, or a terminal status, kept in `terminal` for the caller to end the turn with)."""
 
     def __init__(self, shown: Callable[[str], str] | None = None) -> None:
         #: how the turn's texts are shown (its paths relative to its workspace), applied to every
@@ -161,11 +166,7 @@ class EventNormaliser:
         if st not in PROGRESS_STATUSES and st not in TERMINAL_STATUSES:
             self.drop(f"unknown status {st[:40]!r}")
             return None
-        ev: dict[str, Any] = {"kind": "status", "status": st}
-        for k in ("message", "detail", "reason"):
-            v = _text(raw.get(k))
-            if v is not None:
-                ev[k] = v
+        ev: dict[str, Any] = {"kind": "status", "status": st, **_texts(raw, ("message", "detail", "reason"))}
         act = normalise_activity(raw.get("activity"))
         if act:
             ev["activity"] = act
@@ -185,12 +186,8 @@ class EventNormaliser:
             tool, raw.get("args", raw.get("arguments", raw.get("input"))))
         self._open.pop(call_id, None)  # a reopened id moves to the end
         self._open[call_id] = (tool, act, time.monotonic())
-        ev: dict[str, Any] = {"kind": "tool_start", "tool_name": tool, "tool_call_id": call_id,
-                              "activity": act, "status": "tool_call"}
-        msg = _text(raw.get("message"))
-        if msg:
-            ev["message"] = msg
-        return ev
+        return {"kind": "tool_start", "tool_name": tool, "tool_call_id": call_id, "activity": act,
+                "status": "tool_call", **_texts(raw, ("message",))}
 
     def tool_result(self, raw: dict[str, Any]) -> dict[str, Any]:
         tool, call_id = _tool_ids(raw)
@@ -209,11 +206,13 @@ class EventNormaliser:
             ev["activity"] = act
         if opened is not None:
             ev["duration_ms"] = round((time.monotonic() - opened[2]) * 1000)
-        for k in ("message", "error"):
-            v = _text(raw.get(k)) if raw.get(k) is not True else None
-            if v is not None:
-                ev[k] = v
+        ev.update(_texts({k: v for k, v in raw.items() if v is not True}, ("message", "error")))
         return ev
+
+
+def _texts(raw: dict[str, Any], keys: tuple[str, ...]) -> dict[str, str]:
+    """`raw`'s `keys` that hold some text, as one bounded line each."""
+    return {k: v for k in keys if (v := _text(raw.get(k))) is not None}
 
 
 def _word(v: Any) -> str:
@@ -290,7 +289,6 @@ class _Stdout:
                 self.norm.drop(f"event line over {MAX_EVENT_LINE_CHARS:,} characters")
                 self._pending = ""
                 self._mid = "skip"
-                return
             else:
                 self._pending += piece
         if complete:
@@ -309,13 +307,9 @@ class _Stdout:
             self.norm.drop(f"malformed event line ({len(line)} chars)")
             return
         ev = self.norm.feed(raw)
-        if ev is None:
-            return
-        self.events += 1
-        try:
+        if ev is not None:
+            self.events += 1
             self.emit(ev)
-        except Exception:  # noqa: BLE001 - a failing sink must not kill the turn
-            log.exception("event sink failed")
 
     def text(self) -> str:
         s = "".join(self.reply).strip("\r\n")
@@ -337,15 +331,11 @@ def run_bridge(
     network: Network = "proxy",
     shown: Callable[[str], str] | None = None,
 ) -> BridgeResult:
-    """Run one agent turn; never raises for the agent's misbehaviour.
-    `on_event` gets each normalised non-terminal event, in order, from this
-    thread (`shown` applied to the raw event's texts first).
-
-    The agent's environment is an allowlist, never the worker's own (which
-    holds tokens, the API key and the Redis URL): :data:`BASE_ENV` and
-    `passthrough` from this process's environment, then `env`, then
-    ``COURIER_MESSAGE``. With `jail` it runs in that sandbox with `network`;
-    a limit it hits ends the turn with a reason naming it."""
+    """Run one agent turn; never raises for the agent's misbehaviour. `on_event` gets each normalised
+    non-terminal event, in order, from this thread (`shown` applied to the raw event's texts first).
+    The agent's environment is an allowlist, never the worker's own (tokens, the API key, the Redis
+    URL): :data:`BASE_ENV` and `passthrough`, then `env`, then ``COURIER_MESSAGE``. With `jail` it
+    runs in that sandbox with `network`; a limit it hits ends the turn with a reason naming it."""
     if not command:
         return BridgeResult("error", reason="agent has no command")
     full_env = {**agent_base_env(passthrough), **(env or {}), "COURIER_MESSAGE": message}
@@ -369,7 +359,7 @@ def run_bridge(
     except OSError as exc:
         return BridgeResult("error", reason=f"agent could not start: {exc.strerror or exc}")
 
-    out = _Stdout(on_event or (lambda ev: None), shown)
+    out = _Stdout(event_sink(on_event), shown)
     err_lines = _Lines(STDERR_TAIL_CHARS)
     err_tail = ""
 
@@ -387,19 +377,18 @@ def run_bridge(
     sel.register(proc.stderr, selectors.EVENT_READ, "err")
     deadline = started + timeout_s
     exited_at: float | None = None
-    timed_out = False
     stray_output = False
-    over_limit: str | None = None
+    stop: str | None = None  # why the agent is killed: runtime_timeout, or the workspace limit it passed
     next_measure = started + WORKSPACE_CHECK_S
     try:
         while sel.get_map():
             now = time.monotonic()
             if now >= deadline:
-                timed_out = True
+                stop = "runtime_timeout"
                 break
             if jail is not None and now >= next_measure:
                 if jail.over_workspace():
-                    over_limit = jail.workspace_message()
+                    stop = jail.workspace_message()
                     break
                 next_measure = time.monotonic() + WORKSPACE_CHECK_S
             if exited_at is None and proc.poll() is not None:
@@ -420,14 +409,13 @@ def run_bridge(
                 else:
                     for piece, _c in err_lines.feed(data):
                         err_tail = (err_tail + piece + "\n")[-STDERR_TAIL_CHARS:]
-        if timed_out or over_limit:
-            _kill_group(proc)
-        else:
+        if stop is None:
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                timed_out = True
-                _kill_group(proc)
+                stop = "runtime_timeout"
+        if stop is not None:
+            _kill_group(proc)
     finally:
         sel.close()
         _reap_group(proc)
@@ -446,20 +434,15 @@ def run_bridge(
     if stray_output:
         extra["stray_children"] = True
     common: dict[str, Any] = {"exit_code": rc, "stderr_tail": tail, "events": out.events, "extra": extra}
-    if timed_out:
-        log.warning("agent %s timed out after %gs; process group killed", _argv0(command), timeout_s)
-        return BridgeResult("error", reason="runtime_timeout", **common)
-    if over_limit:
-        log.warning("agent %s: %s; process group killed", _argv0(command), over_limit)
-        return BridgeResult("error", reason=over_limit, **common)
+    if stop is not None:
+        what = f" timed out after {timeout_s:g}s" if stop == "runtime_timeout" else f": {stop}"
+        log.warning("agent %s%s; process group killed", _argv0(command), what)
+        return BridgeResult("error", reason=stop, **common)
     if rc != 0:
         why = f"agent exited with code {rc}" if rc > 0 else f"agent was killed by signal {_signame(-rc)}"
         hit = jail.limit_hit(rc, tail) if jail is not None else None
-        if hit:
-            log.warning("%s (%s); stderr tail: %s", hit, why, tail[-500:])
-            return BridgeResult("error", reason=hit, **common)
-        log.warning("%s; stderr tail: %s", why, tail[-500:])
-        return BridgeResult("error", reason=why, **common)
+        log.warning("%s; stderr tail: %s", f"{hit} ({why})" if hit else why, tail[-500:])
+        return BridgeResult("error", reason=hit or why, **common)
     term = out.norm.terminal
     if term is not None and term["status"] == "error":
         return BridgeResult("error", reason=term.get("reason") or term.get("message") or "agent reported an error",

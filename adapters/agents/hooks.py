@@ -1,22 +1,16 @@
 """Hooks: extra prompt context from shell commands and Python plugins.
 
-Hooks run before each LLM call of the OpenAI-compatible runtime (``step``
-counts the calls from 1), and once before a bridge agent starts (``step`` 0;
-the context goes in env ``COURIER_HOOK_CONTEXT``). Each gets the turn context
-``{"job", "target", "message", "step", "agent"}`` and may return
-``{"context": "…"}``. That text goes through :func:`storage.spill.spill_if_needed`
-(source: the hook's name, session: the job id; through the turn's ``place``
-into its workspace, so the agent can read a spill back), once per text and turn
-so the prompt stays stable.
-
-* A **shell hook** is an argv command (no shell): the context JSON on stdin, a
-  JSON object (or nothing) on stdout; its process group is killed at its timeout.
-* A **Python plugin** is a callable ``(context: dict) -> dict | None`` named by
-  an entry point in the group ``courier.hooks``.
-
-A hook that fails or times out (default 10 s) is logged and skipped; the turn
-goes on. Hooks of one call run concurrently; their contexts are joined in the
-declared order (shell hooks, then plugins) by blank lines.
+They run before each LLM call of the OpenAI-compatible runtime (``step`` from 1)
+and once before a bridge agent starts (``step`` 0; the context goes in env
+``COURIER_HOOK_CONTEXT``), get ``{"job", "target", "message", "step", "agent"}``
+and may return ``{"context": "…"}``: a **shell hook** (an argv command, no shell)
+as JSON on stdout, given the context on stdin; a **Python plugin** (a callable
+registered in the entry point group ``courier.hooks``) as its return value. The
+text goes through :func:`storage.spill.spill_if_needed` (source: the hook's name,
+through the turn's ``place`` into its workspace), once per text and turn so the
+prompt stays stable. Hooks of one call run concurrently, their contexts joined
+in order by blank lines; one that fails or times out (default 10 s; a shell
+hook's process group is killed) is logged and skipped.
 """
 
 from __future__ import annotations
@@ -198,15 +192,11 @@ class TurnHooks:
 
 
 def _context_text(value: Any) -> str:
-    if value is None:
-        return ""
-    if not isinstance(value, dict):
+    if value is not None and not isinstance(value, dict):
         raise HookSkipped(f"returned {type(value).__name__}, not a JSON object")
-    ctx = value.get("context")
-    if ctx is None:
-        return ""
-    if isinstance(ctx, str):
-        return ctx
+    ctx = (value or {}).get("context")
+    if ctx is None or isinstance(ctx, str):
+        return ctx or ""
     try:
         return json.dumps(ctx, ensure_ascii=False)
     except (TypeError, ValueError):

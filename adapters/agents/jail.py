@@ -1,36 +1,29 @@
 """The local sandbox's isolation boundary: every agent command courier starts
 on its own host runs in a bubblewrap (``bwrap``) namespace sandbox.
 
-An agent is untrusted code. Unconfined on the worker's host it would run as
-the worker's uid, read the worker's secrets from its ancestors'
-``/proc/<pid>/environ``, reach Redis on loopback and send as the bot. Inside
-a :class:`Jail` it has:
+An agent is untrusted code: unconfined it would run as the worker's uid, read
+the worker's secrets from ``/proc/<pid>/environ``, reach Redis on loopback and
+send as the bot. A :class:`Jail` gives it:
 
-* **its own identity**: a root worker runs bwrap privileged and the sandbox's
-  init (``_jail_init.py``) drops to the turn's own unprivileged uid and gid
-  (``uid_base`` + a hash of the turn id): no groups, no capabilities,
-  ``no_new_privs``. A worker that is not root cannot switch uids: the agent
-  gets a user namespace (the worker's uid outside it), and the namespaces
-  below are the boundary;
-* **its own namespaces**: PID (``/proc`` is the sandbox's), IPC, UTS, cgroup
-  and an empty network (loopback only: no Redis, no metadata service, no web
-  process); ``--die-with-parent`` and a new session;
-* **its own filesystem**: read-only system directories, a few files of
-  ``/etc`` and the Python courier runs on; the turn's workspace read-write;
-  read-only the roots its agent config names and the files its command names;
-  no worker home, data dir or courier configuration; a private ``/tmp``;
-* **an allowlisted environment** (``--clearenv``, then what the runtime allows);
-* **network** ``none``, or ``proxy``: only through courier's egress proxy (its
-  allowlist and private-range refusal) over a unix socket bound in, where a
-  forwarder listens on ``127.0.0.1:3128`` and ``HTTP(S)_PROXY`` point at it;
-* **limits** per turn: processes, open files, address space, the size of a
-  file and of the workspace; hitting one ends the turn with a message naming
-  it (:meth:`Jail.limit_hit`).
+* **its own identity**: under a root worker the sandbox's init
+  (``_jail_init.py``) drops to the turn's own uid and gid (``uid_base`` + a
+  hash of the turn id), no groups, no capabilities, ``no_new_privs``; a worker
+  that is not root cannot switch uids, so the agent gets a user namespace and
+  the namespaces below are the boundary;
+* **its own namespaces**: PID, IPC, UTS, cgroup and an empty network (no Redis,
+  no metadata service); ``--die-with-parent``, a new session;
+* **its own filesystem**: read-only system directories, a few files of ``/etc``
+  and courier's Python; the workspace read-write; read-only the roots its config
+  and the files its command name; a private ``/tmp``; nothing of the worker's;
+* **an allowlisted environment** (``--clearenv``);
+* **network** ``none``, or ``proxy``: only through courier's egress proxy, over
+  a unix socket bound in (a forwarder on ``127.0.0.1:3128``, ``HTTP(S)_PROXY``);
+* **limits** per turn (processes, open files, address space, file and workspace
+  size); hitting one ends the turn with a message naming it (:meth:`Jail.limit_hit`).
 
-``"isolation": "host"`` in an agent's config runs it unconfined: an explicit
-opt-in, warned about at worker start. Where bwrap is missing or cannot make
-namespaces, a local agent is refused with a message naming that opt-in
-(:func:`unavailable`), never run unconfined by surprise.
+``"isolation": "host"`` runs an agent unconfined: an explicit opt-in, warned
+about at worker start. Where bwrap cannot make namespaces a local agent is
+refused naming that opt-in (:func:`unavailable`), never run unconfined by surprise.
 """
 
 from __future__ import annotations
@@ -39,13 +32,12 @@ import logging
 import os
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import tempfile
 import threading
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext, suppress
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -266,9 +258,7 @@ class Jail:
                 a += ["--symlink", os.readlink(d), d]
             elif os.path.isdir(d):
                 a += ["--ro-bind", d, d]
-        for name in ETC:
-            if os.path.lexists(os.path.join("/etc", name)):
-                a += ["--ro-bind-try", os.path.join("/etc", name), os.path.join("/etc", name)]
+        a += [x for e in (f"/etc/{n}" for n in ETC) if os.path.lexists(e) for x in ("--ro-bind-try", e, e)]
         a += ["--ro-bind", os.path.join(self._dir, "passwd"), "/etc/passwd",
               "--ro-bind", os.path.join(self._dir, "group"), "/etc/group",
               "--proc", "/proc", "--dev", "/dev"]
@@ -325,10 +315,12 @@ class Jail:
         """Bytes the workspace takes on disk (blocks, so a sparse file counts
         what it uses); the walk stops once past `stop_at`."""
         total = 0
-        for st in _walk(self.workspace):
-            total += st.st_blocks * 512
-            if stop_at is not None and total > stop_at:
-                break
+        for d, dirs, files in os.walk(self.workspace):  # symlinks not followed, unreadable entries skipped
+            for name in (*dirs, *files):
+                with suppress(OSError):
+                    total += os.lstat(os.path.join(d, name)).st_blocks * 512
+                if stop_at is not None and total > stop_at:
+                    return total
         return total
 
     def over_workspace(self) -> bool:
@@ -361,25 +353,6 @@ def _ancestors(path: str) -> list[str]:
     """/a/b/c -> [/a, /a/b] (outermost first)."""
     parts = path.strip("/").split("/")[:-1]
     return ["/" + "/".join(parts[: i + 1]) for i in range(len(parts))]
-
-
-def _walk(top: str) -> Iterator[os.stat_result]:
-    stack = [top]
-    while stack:
-        d = stack.pop()
-        try:
-            it = os.scandir(d)
-        except OSError:
-            continue
-        with it:
-            for e in it:
-                try:
-                    st = e.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                yield st
-                if stat.S_ISDIR(st.st_mode):
-                    stack.append(e.path)
 
 
 def maybe(jail: Jail | None) -> AbstractContextManager:

@@ -1,26 +1,16 @@
 """The built-in agent loop against an OpenAI-compatible chat-completions endpoint.
 
-``run_openai`` posts ``{base_url}/chat/completions`` with the conversation and
-the tools' schemas, runs each of the answer's ``tool_calls``
-(:class:`~adapters.agents.tools.Toolbox`) and sends the results back as
-``role: tool`` messages, until a message without tool calls: the reply. It
-returns a :class:`~adapters.agents.bridge.BridgeResult` and emits the bridge's
-phase events (``status: thinking`` before every LLM call after the first,
-``tool_start`` / ``tool_result`` around each tool call).
+``run_openai`` posts the conversation and the tools' schemas, runs the answer's
+``tool_calls`` (:class:`~adapters.agents.tools.Toolbox`) and sends their results
+back, until a message without tool calls: the reply, plus a ``MEDIA:`` tag for
+every file a tool marked. It emits the bridge's phase events and returns a
+:class:`~adapters.agents.bridge.BridgeResult`. Hooks run before each call (step
+from 1); their context goes into that call's user message only.
 
-Before each LLM call the hooks run (step = the call's number, from 1); their
-context is added to the user message *of that call only*.
-
-The turn ends with one short reason at ``max_steps`` LLM calls
-(``max_steps_exceeded``), at ``timeout_s`` (``runtime_timeout``), or on an
-endpoint error (``openai endpoint …``) once retries (429, 5xx, a dropped
-connection: see :func:`_call`) run out. Response bodies are never logged or
-shown (they can echo credentials); the API key goes only in the
-``Authorization`` header.
-
-The reply is the model's text plus a ``MEDIA:`` tag for every file a tool
-marked for delivery (once each); ``extra["stored"]`` maps screenshot paths to
-their blobs, ``extra["steps"]`` / ``extra["usage"]`` report the work done.
+The turn ends with one short reason at ``max_steps`` (``max_steps_exceeded``),
+``timeout_s`` (``runtime_timeout``) or an endpoint error once retries run out.
+Response bodies are never logged or shown (they can echo credentials); the API
+key goes only in the ``Authorization`` header.
 """
 
 from __future__ import annotations
@@ -41,7 +31,7 @@ import httpx
 
 from adapters.defaults import AGENT_TIMEOUT_S
 from adapters.agents.activity import activity_for
-from adapters.agents.bridge import BridgeResult, mapped_strings
+from adapters.agents.bridge import BridgeResult, event_sink, mapped_strings
 from adapters.agents.tools import Toolbox, media_tag
 
 __all__ = ["OpenAIConfig", "run_openai"]
@@ -69,9 +59,7 @@ class OpenAIConfig:
 
 
 class _End(Exception):
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
+    """Ends the turn; its one argument is the reason."""
 
 
 def run_openai(
@@ -90,7 +78,7 @@ def run_openai(
     deadline = time.monotonic() + config.timeout_s
     if tools is not None and tools.deadline is None:
         tools.deadline = deadline
-    emit = _emitter(on_event)
+    emit = event_sink(on_event)
     messages: list[dict] = []
     if config.system_prompt:
         messages.append({"role": "system", "content": config.system_prompt})
@@ -104,10 +92,7 @@ def run_openai(
     try:
         with httpx.Client(base_url=config.base_url.rstrip("/") + "/", headers=headers, follow_redirects=False,
                           trust_env=False) as client:
-            while True:
-                if steps >= config.max_steps:
-                    raise _End(f"max_steps_exceeded: no answer after {config.max_steps} model calls")
-                steps += 1
+            for steps in range(1, config.max_steps + 1):
                 if steps > 1:
                     emit({"kind": "status", "status": "thinking"})
                 call_messages = messages
@@ -131,20 +116,9 @@ def run_openai(
                     if time.monotonic() >= deadline:
                         raise _End("runtime_timeout")
                     messages.append(_run_tool(tools, call, emit, shown))
+            raise _End(f"max_steps_exceeded: no answer after {config.max_steps} model calls")
     except _End as end:
-        return BridgeResult("error", reason=end.reason, events=0, extra={"steps": steps, "usage": usage})
-
-
-def _emitter(on_event: Callable[[dict], None] | None) -> Callable[[dict], None]:
-    def emit(ev: dict) -> None:
-        if on_event is None:
-            return
-        try:
-            on_event(ev)
-        except Exception:  # noqa: BLE001 - a failing sink must not kill the turn
-            log.exception("event sink failed")
-
-    return emit
+        return BridgeResult("error", reason=str(end), events=0, extra={"steps": steps, "usage": usage})
 
 
 #: answers worth asking again: rate limited, the server's trouble

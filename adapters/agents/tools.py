@@ -1,24 +1,13 @@
-"""Tools of the built-in OpenAI-compatible runtime, acting in the turn's sandbox.
+"""Tools of the built-in OpenAI-compatible runtime (SCHEMAS), acting in the turn's sandbox.
 
-* ``terminal``: ``sh -c <command>`` through ``Sandbox.exec`` in the working
-  directory (timeout; output bounded, then spilled); on a local sandbox in the
-  turn's jail and under the agents' guard, so what it starts (``setsid`` too)
-  ends with it.
-* ``read_file`` / ``write_file``: text from / to a sandbox file (writes go
-  through a temporary blob and ``Sandbox.put``); allowed roots apply.
-* ``browser_screenshot``: an http(s) page in headless Chromium; the PNG goes to
-  ``screenshots/<job>/<uuid>.png`` in storage and into the sandbox. Every
-  connection of the browser passes the egress guard (:mod:`adapters.agents.egress`):
-  no loopback, private or link-local destination unless ``browser_allowed_hosts``
-  names it.
-* ``send_file``: marks a sandbox file for delivery.
-
-A marked file (``send_file``, every screenshot) comes back to the model as its
-``MEDIA:<path>`` tag and the runtime adds it to the reply. Screenshots are
-delivered from their blob: :attr:`Toolbox.stored` maps their sandbox path to
-it, and only paths in that map (made here, never by an agent's text) are
-treated so. A tool's failure is a result starting with ``error:``; the turn
-goes on.
+``terminal`` runs ``sh -c`` through ``Sandbox.exec``; on a local sandbox in the
+turn's jail and under the agents' guard, so what it starts (``setsid`` too) ends
+with it. ``browser_screenshot`` drives headless Chromium whose every connection
+passes the egress guard (:mod:`adapters.agents.egress`). A marked file
+(``send_file``, every screenshot) comes back to the model as its ``MEDIA:<path>``
+tag and the runtime adds it to the reply; screenshots are delivered from their
+blob (:attr:`Toolbox.stored`, filled here, never from an agent's text). A tool's
+failure is a result starting with ``error:``; the turn goes on.
 """
 
 from __future__ import annotations
@@ -139,10 +128,7 @@ class Toolbox:
     tool_network: Network = "none"
     marked: list[str] = field(default_factory=list)
     stored: dict[str, dict] = field(default_factory=dict)
-
-    @property
-    def schemas(self) -> list[dict]:
-        return SCHEMAS
+    schemas = SCHEMAS  # not a field: no annotation
 
     def call(self, name: str, args: Any) -> ToolResult:
         """Run one tool call; never raises (a failure is an `error:` result)."""
@@ -198,9 +184,7 @@ class Toolbox:
             exec_t = t + GUARD_BACKSTOP_S
         rc, out, err = self.sandbox.exec(argv, timeout_s=exec_t, cwd=self.workdir,
                                          max_output_bytes=TERMINAL_MAX_OUTPUT_BYTES)
-        parts = []
-        if out:
-            parts.append(out.decode("utf-8", "replace").rstrip("\n"))
+        parts = [out.decode("utf-8", "replace").rstrip("\n")] if out else []
         if err:
             parts.append("[stderr]\n" + err.decode("utf-8", "replace").rstrip("\n"))
         parts.append(f"[exit code {rc}]")
@@ -212,38 +196,30 @@ class Toolbox:
             return ToolResult("error: offset is a line number from 1", ok=False)
         if limit is not None and (not isinstance(limit, int) or limit < 1):
             return ToolResult("error: limit is a number of lines, at least 1", ok=False)
-        ranged = offset is not None or limit is not None
-        first, last = (offset or 1), ((offset or 1) + limit - 1 if limit else None)
+        first = offset or 1
         resolved, size = self.sandbox.resolve(p)
-        buf = bytearray()
-        line = 1  # the line number buf starts at (ranged reads skip whole lines before `first`)
+        buf, skip = bytearray(), first - 1  # the lines before `first` are skipped as they stream by
         stream = self.sandbox.open_stream(resolved)
         try:
             for chunk in stream:
-                if ranged and line < first:
-                    start = 0
-                    while line < first:
-                        i = chunk.find(b"\n", start)
-                        if i < 0:
-                            break
-                        line, start = line + 1, i + 1
-                    if line < first:
-                        continue
-                    chunk = chunk[start:]
-                buf += chunk
-                if len(buf) >= READ_MAX_BYTES or (last is not None and buf.count(b"\n") >= last - first + 1):
+                start = 0
+                while skip and (i := chunk.find(b"\n", start)) >= 0:
+                    start, skip = i + 1, skip - 1
+                if skip:
+                    continue
+                buf += chunk[start:]
+                if len(buf) >= READ_MAX_BYTES or (limit and buf.count(b"\n") >= limit):
                     break
         finally:
             getattr(stream, "close", lambda: None)()
         data = bytes(buf[:READ_MAX_BYTES])
         if b"\x00" in data[:8192]:
             return ToolResult(f"error: {p} is a binary file ({size:,} bytes); use terminal to inspect it", ok=False)
-        if ranged:
+        if offset is not None or limit is not None:
             lines = data.split(b"\n")
             if lines and lines[-1] == b"":
                 lines.pop()
-            if last is not None:
-                lines = lines[: last - first + 1]
+            lines = lines[:limit]
             text = b"\n".join(lines).decode("utf-8", "replace")
             return ToolResult(self._spilled("read_file", f"[lines {first}-{first + len(lines) - 1} of {p}]\n{text}"))
         text = data.decode("utf-8", "replace")
@@ -323,15 +299,11 @@ def take_screenshot(url: str, *, chromium_path: str, full_page: bool = False,
                     timeout_s: float = SCREENSHOT_TIMEOUT_S, allowed_hosts: tuple[str, ...] | list[str] = (),
                     refused: list[Refusal] | None = None) -> bytes:
     """PNG bytes of `url` in the system's headless Chromium; raises ScreenshotError with a short reason.
-
-    The browser reaches the network only through an :class:`EgressProxy` that
-    refuses non-public destinations (but `allowed_hosts`) for the page, its
-    redirects and its subresources. A refused page is an error naming the
-    reason; a refused subresource just does not load. The refusals are
-    appended to `refused` when given."""
+    Every connection (the page, its redirects, its subresources) goes through an :class:`EgressProxy`:
+    a refused page is an error naming the reason, a refused subresource does not load; the refusals
+    are appended to `refused`."""
     try:
-        from playwright.sync_api import Error as PlaywrightError
-        from playwright.sync_api import sync_playwright
+        from playwright.sync_api import Error as PlaywrightError, sync_playwright
     except ImportError:
         raise ScreenshotError("screenshots need playwright: pip install 'courier[browser]'") from None
     if not os.access(chromium_path, os.X_OK):

@@ -1,16 +1,13 @@
 """The egress address policy: which (host, port) a browser a model drives, or
 a sandboxed agent, may reach (adapters/agents/egress/proxy.py enforces it).
 
-Loopback, private, link-local (cloud metadata), multicast, reserved and
-other non-public addresses are refused, IPv4-mapped, 6to4 and NAT64
-addresses judged by the IPv4 address inside them too; a name is allowed only
-when every address it resolves to is. Only ports 80 and 443 are open, plus
-what the allow-list names.
-
-The allow-list (``COURIER_BROWSER_ALLOWED_HOSTS``) holds host names and
-addresses or CIDR networks, each optionally with ``:port`` (``[v6]:port`` for
-IPv6; no port: every port). A name is matched as the URL spells it
-(case-insensitive); a network matches the resolved addresses.
+Non-public addresses (loopback, private, link-local: cloud metadata, ...) are
+refused, IPv4-mapped, 6to4 and NAT64 ones judged by their IPv4 address too; a
+name only when every address it resolves to is allowed. Only ports 80 and 443
+are open, plus what the allow-list (``COURIER_BROWSER_ALLOWED_HOSTS``) names:
+host names (matched as the URL spells them, case-insensitive), addresses or CIDR
+networks (matching the resolved addresses), each optionally with ``:port``
+(``[v6]:port``; no port: every port).
 """
 
 from __future__ import annotations
@@ -29,6 +26,10 @@ _NAT64 = ipaddress.ip_network("64:ff9b::/96")
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+_PROBLEMS = (("is_unspecified", "an unspecified address"), ("is_loopback", "a loopback address"),
+             ("is_link_local", "a link-local address"), ("is_multicast", "a multicast address"),
+             ("is_site_local", "a site-local address"), ("is_private", "a private address"),
+             ("is_reserved", "a reserved address"))
 
 
 def address_problem(addr: str | Address) -> str | None:
@@ -46,23 +47,11 @@ def address_problem(addr: str | Address) -> str | None:
                 return problem
             if ip.ipv4_mapped:
                 return None
-    if ip.is_unspecified:
-        return "an unspecified address"
-    if ip.is_loopback:
-        return "a loopback address"
-    if ip.is_link_local:
-        return "a link-local address"
-    if ip.is_multicast:
-        return "a multicast address"
-    if ip.version == 6 and ip.is_site_local:
-        return "a site-local address"
-    if ip.is_private:
-        return "a private address"
-    if ip.is_reserved:
-        return "a reserved address"
-    if not ip.is_global:
-        return "not a public address"
-    return None
+    # the first that holds names the problem (is_site_local: IPv6 only)
+    for attr, problem in _PROBLEMS:
+        if getattr(ip, attr, False):
+            return problem
+    return None if ip.is_global else "not a public address"
 
 
 @dataclass(frozen=True)

@@ -1,18 +1,14 @@
 """The egress relay: a filtering forward proxy that lets a connection through
 only when the address policy (adapters/agents/egress/policy.py) allows it.
 
-- ``CONNECT host:port`` (https, wss): the host is resolved, *every* address
-  is checked, and the proxy connects to a checked address (the IP, never the
-  name again: a second DNS answer cannot rebind it), answers ``200`` and
-  pipes bytes both ways.
-- absolute-form plain http (``GET http://host/path HTTP/1.1``): the same
-  check; the request goes upstream in origin-form with ``Connection: close``
-  and no hop-by-hop or ``Proxy-*`` headers; its body and the response are
-  streamed; the client connection is closed after that one request.
-
-A refused destination gets ``403`` with a one-line reason, a host that does
-not resolve or answer ``502``; each is kept in :attr:`EgressProxy.refusals`
-(and logged at INFO with the host, never a URL).
+Every address a host resolves to is checked and the proxy connects to a checked
+address (never the name again: a second DNS answer cannot rebind it). ``CONNECT``
+(https, wss) is answered ``200`` and piped both ways; absolute-form plain http
+goes upstream in origin-form with ``Connection: close`` and no hop-by-hop or
+``Proxy-*`` headers, streamed, one request per client connection. A refused
+destination gets ``403`` with a one-line reason, one that does not resolve or
+answer ``502``; each is kept in :attr:`EgressProxy.refusals` and logged at INFO
+with the host, never a URL.
 """
 
 from __future__ import annotations
@@ -25,6 +21,7 @@ import socket
 import threading
 from contextlib import suppress
 from dataclasses import dataclass
+from http import HTTPStatus
 from urllib.parse import urlsplit
 
 from adapters.agents.egress.policy import EgressPolicy, Refused
@@ -61,9 +58,7 @@ class Refusal:
 
 
 class _BadRequest(Exception):
-    def __init__(self, status: int, reason: str) -> None:
-        super().__init__(reason)
-        self.status, self.reason = status, reason
+    """(status, reason) of a request the proxy answers itself."""
 
 
 class _Reader:
@@ -95,11 +90,6 @@ class _Reader:
             self._fill()
         out = bytes(self.buf[:n])
         del self.buf[:n]
-        return out
-
-    def take(self) -> bytes:
-        out = bytes(self.buf)
-        self.buf.clear()
         return out
 
 
@@ -246,10 +236,7 @@ class EgressProxy:
         try:
             client.settimeout(IDLE_TIMEOUT_S)
             r = _Reader(client)
-            try:
-                line, headers = _read_head(r)
-            except EOFError:
-                return
+            line, headers = _read_head(r)  # EOFError (nothing sent) ends quietly below
             parts = line.split(" ")
             if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
                 raise _BadRequest(400, "malformed request line")
@@ -258,16 +245,14 @@ class EgressProxy:
                 host, port = _split_authority(target)
                 upstream = self._dial(host, port)
                 client.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
-                pending = r.take()
-                if pending:
-                    upstream.sendall(pending)
+                upstream.sendall(r.buf)  # what the client sent after the head
                 self._pipe(client, upstream)
             else:
                 upstream = self._forward(client, r, method, target, headers)
         except Refused as exc:
             self._refuse(client, exc)
         except _BadRequest as exc:
-            self._respond(client, exc.status, exc.reason)
+            self._respond(client, *exc.args)
         except (OSError, EOFError, ValueError):
             pass  # a side went away or timed out: nothing to tell anyone
         except Exception:  # noqa: BLE001 - one connection's bug must not end the proxy
@@ -306,8 +291,7 @@ class EgressProxy:
         self._respond(client, exc.status, exc.reason, mark=f"{self.token} {index}")
 
     def _respond(self, client: socket.socket, status: int, reason: str, mark: str | None = None) -> None:
-        phrase = {400: "Bad Request", 403: "Forbidden", 431: "Request Header Fields Too Large",
-                  502: "Bad Gateway"}.get(status, "Error")
+        phrase = HTTPStatus(status).phrase
         body = (reason.replace("\r", " ").replace("\n", " ") + "\n").encode("utf-8", "replace")
         head = [f"HTTP/1.1 {status} {phrase}", "Content-Type: text/plain; charset=utf-8",
                 f"Content-Length: {len(body)}", "Connection: close", "Cache-Control: no-store"]
@@ -382,12 +366,9 @@ class EgressProxy:
         elif rlower.get("content-length", "").isdigit() and "transfer-encoding" not in rlower:
             self._copy_exact(ur, client, int(rlower["content-length"]))
         else:  # delimited by the upstream's close
-            while True:
-                try:
-                    data = ur.read_some(CHUNK)
-                except EOFError:
-                    break
-                client.sendall(data)
+            with suppress(EOFError):
+                while True:
+                    client.sendall(ur.read_some(CHUNK))
         self._linger(client)
         return upstream
 
@@ -395,17 +376,12 @@ class EgressProxy:
         """Close after the one response: FIN first, then discard what the
         client still sends (a pipelined request goes nowhere) until it closes,
         so the close is not a reset that could cut the response short."""
-        try:
+        with suppress(OSError):
             client.shutdown(socket.SHUT_WR)
             client.settimeout(LINGER_S)
             budget = CHUNK * 4
-            while budget > 0:
-                data = client.recv(CHUNK)
-                if not data:
-                    return
+            while budget > 0 and (data := client.recv(CHUNK)):
                 budget -= len(data)
-        except OSError:
-            pass
 
     @staticmethod
     def _copy_exact(r: _Reader, dest: socket.socket, length: int) -> None:
