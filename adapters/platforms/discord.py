@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import io
 import json
@@ -34,7 +35,7 @@ import aiohttp
 import discord
 
 from adapters.defaults import DISCORD_API_URL
-from adapters.errors import ConfigError, CourierError, DeliveryError, Permanent, RateLimited, Transient
+from adapters.errors import ConfigError, DeliveryError, Permanent, RateLimited, Transient
 from adapters.platforms import _aio, _ogg
 from adapters.platforms.base import ErrorMap, FileRefused, FileSource, Kind, Limits, MiB, Platform, Sent
 
@@ -129,13 +130,12 @@ class _StoredReader(io.RawIOBase):
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         if whence == io.SEEK_CUR:
             offset, whence = self._pos + offset, io.SEEK_SET
-        if whence == io.SEEK_SET and offset == self._pos:
-            return self._pos
-        if whence == io.SEEK_SET and offset == 0:
+        if whence != io.SEEK_SET or offset not in (0, self._pos):
+            raise io.UnsupportedOperation("a stored stream only seeks back to its start")
+        if offset != self._pos:
             self._release()
             self._pos = 0
-            return 0
-        raise io.UnsupportedOperation("a stored stream only seeks back to its start")
+        return self._pos
 
     def readinto(self, b: Any) -> int:
         if self._f is None:
@@ -266,12 +266,7 @@ class DiscordPlatform(Platform):
         async def go() -> T:
             return await fn(await self._ready())
 
-        try:
-            return _aio.run(go(), timeout_s=self.timeout_s)
-        except CourierError:
-            raise  # ours already (a bad channel id, a storage error while streaming)
-        except Exception as exc:  # noqa: BLE001 - every vendor error is translated here
-            raise map_error(exc, what) from exc
+        return map_error.call(lambda: _aio.run(go(), timeout_s=self.timeout_s), what)
 
     @staticmethod
     def _channel(client: discord.Client, chat: str) -> discord.PartialMessageable:
@@ -400,10 +395,8 @@ class DiscordPlatform(Platform):
 
     def end_progress(self, chat: str, message_id: str) -> None:
         async def go(client: discord.Client) -> None:
-            try:
+            with contextlib.suppress(discord.NotFound):  # already gone
                 await self._channel(client, chat).get_partial_message(int(message_id)).delete()
-            except discord.NotFound:
-                pass  # already gone
 
         self._run("delete the progress message", go)
 
@@ -420,12 +413,8 @@ class DiscordPlatform(Platform):
 def _retry_after(exc: discord.HTTPException) -> float:
     headers = getattr(exc.response, "headers", None) or {}
     for name in ("X-RateLimit-Reset-After", "Retry-After"):
-        value = headers.get(name)
-        if value:
-            try:
-                return float(value)
-            except ValueError:
-                continue
+        with contextlib.suppress(TypeError, ValueError):  # (none, or not a number: the next)
+            return float(headers.get(name, ""))
     return 1.0
 
 
