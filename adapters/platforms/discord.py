@@ -59,11 +59,6 @@ _OGG_MIME = frozenset({"audio/ogg", "audio/opus", "application/ogg"})
 #: attachment): extra content, not one audio attachment, bad metadata, a channel without
 #: voice messages, no permission to send them
 _VOICE_REFUSED = frozenset({50159, 50160, 50161, 50173, 50013})
-#: a voice message's waveform: at most 256 amplitudes (clients sample every 100 ms, then downsample)
-_WAVEFORM_MAX = 256
-_WAVEFORM_STEP_S = 0.1
-#: the flat level sent for every sample (0-255)
-_WAVEFORM_LEVEL = 128
 
 
 def nonce_for(delivery_id: str) -> str:
@@ -162,10 +157,9 @@ class _StoredReader(io.RawIOBase):
 
 
 def waveform_for(duration_s: float) -> bytes:
-    """A voice message's waveform: one amplitude (0-255) per 100 ms, at most 256: a flat
-    mid-level line of the right length (a real envelope needs an Opus decoder)."""
-    n = min(_WAVEFORM_MAX, max(1, math.ceil(duration_s / _WAVEFORM_STEP_S)))
-    return bytes([_WAVEFORM_LEVEL]) * n
+    """A voice message's waveform: one amplitude (0-255) per 100 ms (as clients sample), at most 256:
+    a flat mid-level line of the right length (a real envelope needs an Opus decoder)."""
+    return bytes([128]) * min(256, max(1, math.ceil(duration_s / 0.1)))
 
 
 def _may_be_ogg(file: FileSource) -> bool:

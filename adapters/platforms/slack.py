@@ -34,7 +34,8 @@ from slack_sdk.errors import SlackApiError, SlackClientError, SlackRequestError
 
 from adapters.defaults import SLACK_API_URL
 from adapters.errors import ConfigError, DeliveryError, Permanent, RateLimited, Transient
-from adapters.platforms.base import ErrorMap, FileRefused, FileSource, Kind, Limits, Platform, Sent, dropping, iter_file
+from adapters.platforms.base import ErrorMap, FileRefused, FileSource, Kind, Limits, Platform, Sent
+from adapters.platforms.base import dropping, iter_file
 
 __all__ = ["SlackPlatform", "DEFAULT_UPLOAD_BYTES", "map_error"]
 

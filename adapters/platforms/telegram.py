@@ -40,7 +40,8 @@ from telegram.request import HTTPXRequest
 from adapters.defaults import TELEGRAM_API_URL
 from adapters.errors import ConfigError, DeliveryError, Permanent, RateLimited, Transient
 from adapters.platforms import _aio
-from adapters.platforms.base import MB, ErrorMap, FileRefused, FileSource, Kind, Limits, Platform, Sent, dropping
+from adapters.platforms.base import MB, ErrorMap, FileRefused, FileSource, Kind, Limits, Platform, Sent
+from adapters.platforms.base import dropping
 
 __all__ = ["TelegramPlatform", "map_error"]
 

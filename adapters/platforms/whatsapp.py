@@ -235,7 +235,8 @@ class WhatsAppPlatform(Platform):
         if kind == Kind.VOICE:
             out = Kind.VOICE if mime == "audio/ogg" else Kind.AUDIO if cls == "audio" else Kind.DOCUMENT
         else:
-            out = Kind.DOCUMENT if _MESSAGE_TYPE.get(kind) != cls else Kind.PHOTO if kind == Kind.ANIMATION else kind
+            inline = _MESSAGE_TYPE.get(kind)
+            out = Kind.DOCUMENT if inline != cls else Kind.PHOTO if kind == Kind.ANIMATION else kind
         cap = CLASS_UPLOAD_BYTES[cls]
         if out == Kind.DOCUMENT and file.size_bytes > cap:  # an inline kind's own limit is the shared flow's check
             shown = f"{cap / MB:g} MB" if cap >= MB else f"{cap // 1000} KB"
