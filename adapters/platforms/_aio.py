@@ -9,6 +9,7 @@ its thread (a soft time limit) is seen within one and the abandoned call is canc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import ssl
 import threading
@@ -69,10 +70,8 @@ def close_all(objs: PerLoop[T], close: Callable[[T], Coroutine[Any, Any, Any]], 
         mine = _loop if _loop is not None and _pid == os.getpid() and not _loop.is_closed() else None
     obj = objs.drain(mine)
     if obj is not None:
-        try:
+        with contextlib.suppress(Exception):  # closing is best effort
             run(close(obj), timeout_s)
-        except Exception:  # noqa: BLE001 - closing is best effort
-            pass
 
 
 _tls: tuple[int, ssl.SSLContext] | None = None
@@ -82,15 +81,12 @@ def tls() -> ssl.SSLContext:
     """The process's TLS context for its SDK clients, as httpx would make it: made once
     (and again after a fork), since each parse of the CA bundle costs CPU."""
     global _tls
-    got = _tls
-    if got is None or got[0] != os.getpid():
-        import httpx
+    with _lock:  # (taken once per new SDK client, not per call)
+        if _tls is None or _tls[0] != os.getpid():
+            import httpx
 
-        with _lock:
-            got = _tls
-            if got is None or got[0] != os.getpid():
-                got = _tls = (os.getpid(), httpx.create_ssl_context())
-    return got[1]
+            _tls = (os.getpid(), httpx.create_ssl_context())
+        return _tls[1]
 
 
 class PerLoop(Generic[T]):

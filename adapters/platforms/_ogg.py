@@ -25,7 +25,7 @@ _HEADER = struct.Struct("<4sBBqIIIB")
 HEADER_BYTES = _HEADER.size  # 27
 #: how much of the end of the file is read to find the last page (a page is at most 65,307 bytes)
 TAIL_BYTES = 64 * 1024
-_BOS, _EOS = 0x02, 0x04
+_BOS = 0x02
 #: a page on which no packet ends carries granule -1
 _NO_GRANULE = -1
 
@@ -48,17 +48,13 @@ class OpusInfo:
     duration_s: float
 
 
-def _crc_table() -> list[int]:
-    table = []
-    for i in range(256):
-        r = i << 24
-        for _ in range(8):
-            r = ((r << 1) ^ 0x04C11DB7) if r & 0x80000000 else (r << 1)
-        table.append(r & 0xFFFFFFFF)
-    return table
+def _crc_entry(r: int) -> int:
+    for _ in range(8):
+        r = ((r << 1) ^ 0x04C11DB7) if r & 0x80000000 else (r << 1)
+    return r & 0xFFFFFFFF
 
 
-_CRC = _crc_table()
+_CRC = [_crc_entry(i << 24) for i in range(256)]
 
 
 def crc32(data: bytes | bytearray | memoryview) -> int:
@@ -72,52 +68,31 @@ def crc32(data: bytes | bytearray | memoryview) -> int:
     return crc
 
 
-@dataclass(frozen=True)
-class _Page:
-    header_type: int
-    granule: int
-    serial: int
-    start: int
-    #: header + lacing table + body
-    length: int
-    body_start: int
-    lacing: bytes
-
-
-def _page_at(buf: bytes, start: int) -> _Page | None:
-    """The page at `buf[start:]` if it is complete there and its CRC holds, else None."""
+def _page_at(buf: bytes, start: int) -> tuple[int, int, int, int] | None:
+    """The page at `buf[start:]` if it is whole there and its CRC holds: (header type,
+    granule, serial, where it ends), else None."""
     if len(buf) - start < HEADER_BYTES:
         return None
     capture, version, header_type, granule, serial, _seq, crc, nsegs = _HEADER.unpack_from(buf, start)
-    if capture != CAPTURE or version != 0:
+    body = start + HEADER_BYTES + nsegs
+    end = body + sum(buf[start + HEADER_BYTES:body])  # (a cut lacing table: body, so end, is past the buffer)
+    if capture != CAPTURE or version != 0 or end > len(buf):
         return None
-    lacing_end = start + HEADER_BYTES + nsegs
-    if lacing_end > len(buf):
-        return None
-    lacing = buf[start + HEADER_BYTES:lacing_end]
-    length = HEADER_BYTES + nsegs + sum(lacing)
-    if start + length > len(buf):
-        return None
-    page = bytearray(buf[start:start + length])
-    page[22:26] = b"\0\0\0\0"
-    if crc32(page) != crc:
-        return None
-    return _Page(header_type, granule, serial, start, length, lacing_end, bytes(lacing))
+    ok = crc32(buf[start:start + 22] + bytes(4) + buf[start + 26:end]) == crc  # (its CRC field zeroed)
+    return (header_type, granule, serial, end) if ok else None
 
 
 def _read_exactly(f: BinaryIO, n: int) -> bytes:
     out = bytearray()
-    while len(out) < n:
-        chunk = f.read(n - len(out))
-        if not chunk:
-            break
+    while len(out) < n and (chunk := f.read(n - len(out))):
         out += chunk
     return bytes(out)
 
 
-def _first_page(f: BinaryIO) -> tuple[_Page, bytes]:
+def _first_page(f: BinaryIO) -> tuple[int, int, bytes, int]:
+    """The first page's header type, serial, first packet (OpusHead, if Opus) and length."""
     head = _read_exactly(f, HEADER_BYTES)
-    if len(head) < 4 or head[:4] != CAPTURE:
+    if head[:4] != CAPTURE:
         raise OggError("not an Ogg file (no OggS capture pattern at its start)")
     if len(head) < HEADER_BYTES:
         raise OggError("truncated Ogg file: its first page header is incomplete")
@@ -127,23 +102,21 @@ def _first_page(f: BinaryIO) -> tuple[_Page, bytes]:
     body = _read_exactly(f, sum(lacing))
     if len(lacing) < head[26] or len(body) < sum(lacing):
         raise OggError("truncated Ogg file: its first page is incomplete")
-    buf = head + lacing + body
-    page = _page_at(buf, 0)
+    page = _page_at(head + lacing + body, 0)
     if page is None:
         raise OggError("corrupt Ogg file: the first page's CRC does not match")
-    return page, buf
-
-
-def _opus_head(page: _Page, buf: bytes) -> tuple[int, int, int]:
-    if not page.header_type & _BOS:
-        raise OggError("not the start of an Ogg stream (the first page is not marked beginning-of-stream)")
     # the first packet: segments up to the first lacing value under 255
     n = 0
-    for lace in page.lacing:
+    for lace in lacing:
         n += lace
         if lace < 255:
             break
-    packet = buf[page.body_start:page.body_start + n]
+    return page[0], page[2], body[:n], page[3]
+
+
+def _opus_head(header_type: int, packet: bytes) -> tuple[int, int, int]:
+    if not header_type & _BOS:
+        raise OggError("not the start of an Ogg stream (the first page is not marked beginning-of-stream)")
     if not packet.startswith(b"OpusHead"):
         what = "Vorbis" if packet[1:7] == b"vorbis" else "not Opus"
         raise OggError(f"not an Ogg Opus stream (no OpusHead; the first packet is {what})")
@@ -178,34 +151,31 @@ def _size_and_tail(f: BinaryIO, already_read: int) -> tuple[int, bytes]:
 
 def opus_info(f: BinaryIO) -> OpusInfo:
     """Describe the Ogg Opus stream `f` (a binary stream at its start); `OggError` if it is not one."""
-    first, buf = _first_page(f)
-    channels, pre_skip, input_rate = _opus_head(first, buf)
-    size, tail = _size_and_tail(f, len(buf))
+    header_type, serial, packet, read = _first_page(f)
+    channels, pre_skip, input_rate = _opus_head(header_type, packet)
+    size, tail = _size_and_tail(f, read)
     tail_offset = size - len(tail)
     if tail_offset < 0:  # (the stream's size moved under us)
         raise OggError("the file changed while it was read")
     # the last page: search backward for a capture pattern whose page is sound
     # (an "OggS" inside packet data fails the CRC check)
     ends_file = False
-    last: _Page | None = None
+    granule: int | None = None
     pos = len(tail)
-    while (pos := tail.rfind(CAPTURE, 0, pos)) >= 0:
+    while granule is None and (pos := tail.rfind(CAPTURE, 0, pos)) >= 0:
         page = _page_at(tail, pos)
         if page is None:
             continue
-        if not ends_file:
-            if tail_offset + page.start + page.length != size:
-                raise OggError("truncated or corrupt Ogg file: it does not end on a complete page")
-            ends_file = True
-        if page.serial == first.serial and page.granule != _NO_GRANULE:
-            last = page
-            break
+        if not ends_file and tail_offset + page[3] != size:
+            raise OggError("truncated or corrupt Ogg file: it does not end on a complete page")
+        ends_file = True
+        if page[2] == serial and page[1] != _NO_GRANULE:
+            granule = page[1]
     if not ends_file:
         raise OggError("truncated or corrupt Ogg file: no complete page at its end")
-    if last is None:
+    if granule is None:
         raise OggError("corrupt Ogg Opus file: no granule position near its end")
-    samples = last.granule - pre_skip
-    if samples <= 0:
+    if granule - pre_skip <= 0:
         raise OggError("the Ogg Opus stream holds no audio")
-    return OpusInfo(channels=channels, pre_skip=pre_skip, input_rate=input_rate, last_granule=last.granule,
-                    duration_s=samples / OPUS_RATE)
+    return OpusInfo(channels=channels, pre_skip=pre_skip, input_rate=input_rate, last_granule=granule,
+                    duration_s=(granule - pre_skip) / OPUS_RATE)

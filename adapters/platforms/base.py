@@ -6,6 +6,7 @@ Adapters raise only courier's own errors, mapped in one place, `map_error`.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
@@ -13,9 +14,11 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
-from adapters.errors import ConfigError, DeliveryError, ErrorTable, Permanent, Transient
+from adapters.errors import ConfigError, CourierError, DeliveryError, ErrorTable, Permanent, Transient
+
+T = TypeVar("T")
 
 MB = 1000 * 1000
 MiB = 1024 * 1024
@@ -104,6 +107,26 @@ class ErrorMap(ErrorTable[DeliveryError]):
         if out is None and self._unexpected is not None:
             out = self._unexpected(exc, *context)
         return out or Transient(f"{self.platform}: unexpected {type(exc).__name__}: {exc}")
+
+    def call(self, fn: Callable[[], T], *context: Any) -> T:
+        """`fn()`, with every error not courier's own raised as what the table makes of it."""
+        try:
+            return fn()
+        except CourierError:
+            raise  # ours already (a bad chat id, a storage error while streaming)
+        except Exception as exc:  # noqa: BLE001 - every vendor error is translated here
+            raise self(exc, *context) from exc
+
+
+@contextlib.contextmanager
+def dropping(*words: str) -> Iterator[None]:
+    """Run the block; a Permanent whose reason holds one of `words` ends it quietly (a message
+    already gone, an edit that changes nothing)."""
+    try:
+        yield
+    except Permanent as exc:
+        if not any(w in exc.reason for w in words):
+            raise
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import io
 import json
@@ -34,7 +35,7 @@ import aiohttp
 import discord
 
 from adapters.defaults import DISCORD_API_URL
-from adapters.errors import ConfigError, CourierError, DeliveryError, Permanent, RateLimited, Transient
+from adapters.errors import ConfigError, DeliveryError, Permanent, RateLimited, Transient
 from adapters.platforms import _aio, _ogg
 from adapters.platforms.base import ErrorMap, FileRefused, FileSource, Kind, Limits, MiB, Platform, Sent
 
@@ -58,11 +59,6 @@ _OGG_MIME = frozenset({"audio/ogg", "audio/opus", "application/ogg"})
 #: attachment): extra content, not one audio attachment, bad metadata, a channel without
 #: voice messages, no permission to send them
 _VOICE_REFUSED = frozenset({50159, 50160, 50161, 50173, 50013})
-#: a voice message's waveform: at most 256 amplitudes (clients sample every 100 ms, then downsample)
-_WAVEFORM_MAX = 256
-_WAVEFORM_STEP_S = 0.1
-#: the flat level sent for every sample (0-255)
-_WAVEFORM_LEVEL = 128
 
 
 def nonce_for(delivery_id: str) -> str:
@@ -129,13 +125,12 @@ class _StoredReader(io.RawIOBase):
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         if whence == io.SEEK_CUR:
             offset, whence = self._pos + offset, io.SEEK_SET
-        if whence == io.SEEK_SET and offset == self._pos:
-            return self._pos
-        if whence == io.SEEK_SET and offset == 0:
+        if whence != io.SEEK_SET or offset not in (0, self._pos):
+            raise io.UnsupportedOperation("a stored stream only seeks back to its start")
+        if offset != self._pos:
             self._release()
             self._pos = 0
-            return 0
-        raise io.UnsupportedOperation("a stored stream only seeks back to its start")
+        return self._pos
 
     def readinto(self, b: Any) -> int:
         if self._f is None:
@@ -162,10 +157,9 @@ class _StoredReader(io.RawIOBase):
 
 
 def waveform_for(duration_s: float) -> bytes:
-    """A voice message's waveform: one amplitude (0-255) per 100 ms, at most 256: a flat
-    mid-level line of the right length (a real envelope needs an Opus decoder)."""
-    n = min(_WAVEFORM_MAX, max(1, math.ceil(duration_s / _WAVEFORM_STEP_S)))
-    return bytes([_WAVEFORM_LEVEL]) * n
+    """A voice message's waveform: one amplitude (0-255) per 100 ms (as clients sample), at most 256:
+    a flat mid-level line of the right length (a real envelope needs an Opus decoder)."""
+    return bytes([128]) * min(256, max(1, math.ceil(duration_s / 0.1)))
 
 
 def _may_be_ogg(file: FileSource) -> bool:
@@ -266,12 +260,7 @@ class DiscordPlatform(Platform):
         async def go() -> T:
             return await fn(await self._ready())
 
-        try:
-            return _aio.run(go(), timeout_s=self.timeout_s)
-        except CourierError:
-            raise  # ours already (a bad channel id, a storage error while streaming)
-        except Exception as exc:  # noqa: BLE001 - every vendor error is translated here
-            raise map_error(exc, what) from exc
+        return map_error.call(lambda: _aio.run(go(), timeout_s=self.timeout_s), what)
 
     @staticmethod
     def _channel(client: discord.Client, chat: str) -> discord.PartialMessageable:
@@ -400,10 +389,8 @@ class DiscordPlatform(Platform):
 
     def end_progress(self, chat: str, message_id: str) -> None:
         async def go(client: discord.Client) -> None:
-            try:
+            with contextlib.suppress(discord.NotFound):  # already gone
                 await self._channel(client, chat).get_partial_message(int(message_id)).delete()
-            except discord.NotFound:
-                pass  # already gone
 
         self._run("delete the progress message", go)
 
@@ -420,12 +407,8 @@ class DiscordPlatform(Platform):
 def _retry_after(exc: discord.HTTPException) -> float:
     headers = getattr(exc.response, "headers", None) or {}
     for name in ("X-RateLimit-Reset-After", "Retry-After"):
-        value = headers.get(name)
-        if value:
-            try:
-                return float(value)
-            except ValueError:
-                continue
+        with contextlib.suppress(TypeError, ValueError):  # (none, or not a number: the next)
+            return float(headers.get(name, ""))
     return 1.0
 
 

@@ -33,8 +33,9 @@ from slack_sdk import WebClient
 from slack_sdk.errors import SlackApiError, SlackClientError, SlackRequestError
 
 from adapters.defaults import SLACK_API_URL
-from adapters.errors import ConfigError, CourierError, DeliveryError, Permanent, RateLimited, Transient
-from adapters.platforms.base import ErrorMap, FileRefused, FileSource, Kind, Limits, Platform, Sent, iter_file
+from adapters.errors import ConfigError, DeliveryError, Permanent, RateLimited, Transient
+from adapters.platforms.base import ErrorMap, FileRefused, FileSource, Kind, Limits, Platform, Sent
+from adapters.platforms.base import dropping, iter_file
 
 __all__ = ["SlackPlatform", "DEFAULT_UPLOAD_BYTES", "map_error"]
 
@@ -50,9 +51,8 @@ _CHANNEL_ID = re.compile(r"[CGD][A-Z0-9]{2,}")
 NAMES_TTL_S = 600.0
 
 #: `error` codes worth another try later
-_TRANSIENT_ERRORS = frozenset({
-    "internal_error", "fatal_error", "service_unavailable", "request_timeout", "team_added_to_org",
-})
+_TRANSIENT_ERRORS = frozenset({"internal_error", "fatal_error", "service_unavailable", "request_timeout",
+                               "team_added_to_org"})
 _TOO_LARGE_ERRORS = frozenset({"msg_too_long", "too_large"})
 #: a file's size refused by Slack or by the workspace's own restriction
 _FILE_TOO_LARGE_ERRORS = frozenset({"file_too_large", "file_upload_size_restricted"})
@@ -125,12 +125,7 @@ class SlackPlatform(Platform):
         return f"SlackPlatform(base_url={self.base_url!r})"
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
-        try:
-            return fn()
-        except CourierError:
-            raise  # ours already (e.g. a storage error while streaming)
-        except Exception as exc:  # noqa: BLE001 - every vendor error is translated here
-            raise map_error(exc, what) from exc
+        return map_error.call(fn, what)
 
     def _uploader(self) -> httpx.Client:
         if self._http is None or self._http_pid != os.getpid():
@@ -184,14 +179,11 @@ class SlackPlatform(Platform):
         completion failed (uploaded, never shared): completed without uploading again."""
         chat = self.channel_id(chat)
         if file_id:
-            try:
+            with dropping("file_not_found", "invalid"):
                 return self._complete(chat, [file_id], [file], caption)[0]
-            except Permanent as exc:
-                if "file_not_found" not in exc.reason and "invalid" not in exc.reason:
-                    raise
-                # no such pending upload: Slack lost it, or an earlier completion shared it
-                if self._shared_in(chat, file_id):
-                    return Sent(message_id=file_id)
+            # no such pending upload: Slack lost it, or an earlier completion shared it
+            if self._shared_in(chat, file_id):
+                return Sent(message_id=file_id)
         return self._share(chat, [file], caption)[0]
 
     def _shared_in(self, chat: str, file_id: str) -> bool:
@@ -257,11 +249,8 @@ class SlackPlatform(Platform):
 
     def end_progress(self, chat: str, message_id: str) -> None:
         chat = self.channel_id(chat)
-        try:
+        with dropping("message_not_found"):
             self._call("chat.delete", lambda: self._api.chat_delete(channel=chat, ts=message_id))
-        except Permanent as exc:
-            if "message_not_found" not in exc.reason:
-                raise
 
     def close(self) -> None:
         http, self._http = self._http, None

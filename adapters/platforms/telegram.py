@@ -41,6 +41,7 @@ from adapters.defaults import TELEGRAM_API_URL
 from adapters.errors import ConfigError, DeliveryError, Permanent, RateLimited, Transient
 from adapters.platforms import _aio
 from adapters.platforms.base import MB, ErrorMap, FileRefused, FileSource, Kind, Limits, Platform, Sent
+from adapters.platforms.base import dropping
 
 __all__ = ["TelegramPlatform", "map_error"]
 
@@ -49,20 +50,8 @@ T = TypeVar("T")
 #: a 429 without `parameters.retry_after` (a proxy, an odd server): wait this long
 DEFAULT_RETRY_AFTER_S = 3.0
 
-_SEND = {
-    Kind.PHOTO: ("send_photo", "photo"),
-    Kind.ANIMATION: ("send_animation", "animation"),
-    Kind.VIDEO: ("send_video", "video"),
-    Kind.AUDIO: ("send_audio", "audio"),
-    Kind.VOICE: ("send_voice", "voice"),
-    Kind.DOCUMENT: ("send_document", "document"),
-}
-_ALBUM_MEDIA = {
-    Kind.PHOTO: InputMediaPhoto,
-    Kind.VIDEO: InputMediaVideo,
-    Kind.AUDIO: InputMediaAudio,
-    Kind.DOCUMENT: InputMediaDocument,
-}
+_ALBUM_MEDIA = {Kind.PHOTO: InputMediaPhoto, Kind.VIDEO: InputMediaVideo, Kind.AUDIO: InputMediaAudio,
+                Kind.DOCUMENT: InputMediaDocument}
 _CHAT_ID = re.compile(r"-?\d+")
 #: the formats Telegram shows as audio (sendAudio) and as a voice note (sendVoice); any other
 #: file sent so shows as a document, so it goes as one on purpose (`route_file`)
@@ -82,16 +71,13 @@ def _redact(text: str, secret: str) -> str:
     return text.replace(secret, "<token>") if secret else text
 
 
-def _seconds(v: Any) -> float:
-    return v.total_seconds() if hasattr(v, "total_seconds") else float(v)
-
-
 def _msg(exc: BaseException, secret: str) -> str:
     return _redact(getattr(exc, "message", None) or str(exc) or type(exc).__name__, secret)
 
 
 def _retry_after(exc: RetryAfter, secret: str = "") -> DeliveryError:
-    s = _seconds(getattr(exc, "_retry_after", None) or exc.retry_after)
+    s = getattr(exc, "_retry_after", None) or exc.retry_after  # (a timedelta since v22.2)
+    s = s.total_seconds() if hasattr(s, "total_seconds") else float(s)
     return RateLimited(s, f"telegram: flood control, retry after {s:g}s")
 
 
@@ -161,22 +147,19 @@ def _json(payload: Any) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-class _RedactToken(logging.Filter):
-    """httpx logs every request URL at INFO; the Bot API URL holds the token."""
+def _redacting(secret: str) -> Callable[[logging.LogRecord], bool]:
+    """A log filter: httpx logs every request URL at INFO; the Bot API URL holds the token."""
 
-    def __init__(self, secret: str) -> None:
-        super().__init__()
-        self.secret = secret
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if self.secret:
-            try:
-                text = record.getMessage()
-            except Exception:  # noqa: BLE001 - a bad record is not ours to fix
-                return True
-            if self.secret in text:
-                record.msg, record.args = _redact(text, self.secret), None
+    def redact(record: logging.LogRecord) -> bool:
+        try:
+            text = record.getMessage()
+        except Exception:  # noqa: BLE001 - a bad record is not ours to fix
+            return True
+        if secret in text:
+            record.msg, record.args = _redact(text, secret), None
         return True
+
+    return redact
 
 
 # -- the adapter --------------------------------------------------------------------------
@@ -196,7 +179,7 @@ class TelegramPlatform(Platform):
         self._timeouts = (connect_timeout_s, read_timeout_s, media_write_timeout_s)
         self._pool_size = pool_size
         self._bots: _aio.PerLoop[Bot] = _aio.PerLoop(self._new_bot)
-        redactor = _RedactToken(token)
+        redactor = _redacting(token)  # (token is never empty here)
         for logger in ("httpx", "httpcore", "telegram"):
             logging.getLogger(logger).addFilter(redactor)
 
@@ -268,7 +251,8 @@ class TelegramPlatform(Platform):
     def send_file(self, chat: str, kind: Kind, file: FileSource, *, caption: str | None, delivery_id: str,
                   file_id: str | None = None) -> Sent:
         kind = self.route_file(kind, file)  # (the shared flow has routed it already: the same answer)
-        method, field = _SEND.get(kind, _SEND[Kind.DOCUMENT])
+        field = kind.value if kind != Kind.TEXT else "document"  # Bot.send_<kind>(chat, <kind>=...)
+        method = f"send_{field}"
         cid = self._chat(chat)
         if file_id:
             try:
@@ -313,19 +297,13 @@ class TelegramPlatform(Platform):
         return str(msg.message_id)
 
     def edit_progress(self, chat: str, message_id: str, text: str) -> None:
-        try:
+        with dropping("not modified"):
             self._call(lambda bot: bot.edit_message_text(text, chat_id=self._chat(chat),
                                                          message_id=int(message_id)), timeout_s=30)
-        except Permanent as exc:
-            if "not modified" not in exc.reason:
-                raise
 
     def end_progress(self, chat: str, message_id: str) -> None:
-        try:
+        with dropping("not found"):
             self._call(lambda bot: bot.delete_message(self._chat(chat), int(message_id)), timeout_s=30)
-        except Permanent as exc:
-            if "not found" not in exc.reason:
-                raise
 
     def close(self) -> None:
         """Close the Bots of the loops that run here (this thread's, the shared one)."""

@@ -84,10 +84,9 @@ def _answer(err: httpx.Response) -> DeliveryError:
     """An error answer of the Cloud API: its status, code and words."""
     status = err.status_code
     try:
-        body = err.json()
-    except ValueError:
-        body = {}
-    e = body.get("error") if isinstance(body, dict) else None
+        e = err.json()["error"]
+    except (ValueError, TypeError, KeyError):  # not JSON, not an object, no error in it
+        e = {}
     e = e if isinstance(e, dict) else {}
     code = e.get("code")
     message = str(e.get("message") or err.reason_phrase or f"HTTP {status}")
@@ -95,10 +94,9 @@ def _answer(err: httpx.Response) -> DeliveryError:
     text = f"whatsapp: {message}" + (f" — {details}" if details and details not in message else "")
     text += f" (HTTP {status}" + (f", code {code})" if code is not None else ")")
     if status == 429 or code in _RATE_LIMIT_CODES:
-        retry = err.headers.get("Retry-After")
         try:
-            wait = float(retry) if retry is not None else _RATE_LIMIT_CODES.get(int(code or 0), 5.0)
-        except ValueError:
+            wait = float(err.headers["Retry-After"])
+        except (KeyError, ValueError):
             wait = _RATE_LIMIT_CODES.get(int(code or 0), 5.0)
         return RateLimited(wait, text)
     if status >= 500 or code in _TRANSIENT_CODES or e.get("is_transient") is True:
@@ -238,7 +236,7 @@ class WhatsAppPlatform(Platform):
             out = Kind.VOICE if mime == "audio/ogg" else Kind.AUDIO if cls == "audio" else Kind.DOCUMENT
         else:
             inline = _MESSAGE_TYPE.get(kind)
-            out = Kind.DOCUMENT if inline is None or inline != cls else Kind.PHOTO if kind == Kind.ANIMATION else kind
+            out = Kind.DOCUMENT if inline != cls else Kind.PHOTO if kind == Kind.ANIMATION else kind
         cap = CLASS_UPLOAD_BYTES[cls]
         if out == Kind.DOCUMENT and file.size_bytes > cap:  # an inline kind's own limit is the shared flow's check
             shown = f"{cap / MB:g} MB" if cap >= MB else f"{cap // 1000} KB"

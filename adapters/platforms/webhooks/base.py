@@ -16,6 +16,7 @@ MAX_CLOCK_SKEW_S = 300
 #: ids that go into Redis keys (update, event, chat ids): a bounded, plain alphabet
 _ID = re.compile(r"[A-Za-z0-9_.:=+-]{1,256}")
 HEX = re.compile(r"[0-9a-fA-F]+")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 #: what a payload's shape can make a parser trip over: a 400, never a 500
 MALFORMED = (TypeError, AttributeError, KeyError, ValueError, IndexError, RecursionError)
 
@@ -122,11 +123,7 @@ def text(v) -> str | None:
     """A message text, or None; lone surrogates (invalid JSON escapes) become U+FFFD."""
     if not isinstance(v, str) or not v.strip():
         return None
-    try:
-        v.encode("utf-8")
-    except UnicodeEncodeError:
-        v = "".join("\ufffd" if 0xD800 <= ord(c) <= 0xDFFF else c for c in v)
-    return v
+    return _SURROGATE.sub("\ufffd", v)
 
 
 def signed_headers(h: dict, now: float, ts_name: str, sig_name: str, prefix: str, digits: int) -> None:

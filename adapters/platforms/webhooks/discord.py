@@ -38,8 +38,7 @@ def parse_webhook(headers: Mapping[str, str], body: bytes, public_key: str, now:
     from nacl.exceptions import BadSignatureError
 
     h = lower(headers)
-    refused = check_headers(h, public_key, now)
-    if refused is not None:
+    if refused := check_headers(h, public_key, now):
         return refused
     try:
         verify_key(public_key).verify(h["x-signature-timestamp"].encode() + body,

@@ -25,8 +25,7 @@ def parse_webhook(headers: Mapping[str, str], body: bytes, secret, now: float) -
     """The signature, then the event: a user message as one `Inbound`, or an answer
     (the url_verification challenge, an acknowledged event that is no user message)."""
     h = lower(headers)
-    refused = check_headers(h, secret, now)
-    if refused is not None:
+    if refused := check_headers(h, secret, now):
         return refused
     ts, sig = h["x-slack-request-timestamp"], h["x-slack-signature"]
     if not hmac_verifies(sig, "v0=", secret, f"v0:{ts}:".encode() + body):

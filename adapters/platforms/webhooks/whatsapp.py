@@ -32,8 +32,7 @@ def parse_webhook(headers: Mapping[str, str], body: bytes, secret, now: float) -
     """The signature, then every text message of the notification, all checked
     before any is enqueued (one bad id refuses the whole notification)."""
     h = lower(headers)
-    refused = check_headers(h, secret, now)
-    if refused is not None:
+    if refused := check_headers(h, secret, now):
         return refused
     if not hmac_verifies(h["x-hub-signature-256"], "sha256=", secret, body):
         return Refusal(401, "signature does not verify")
