@@ -354,31 +354,28 @@ def _webhook(platform: str):
 
 
 # -- logs: no secret in a request line --------------------------------------------------------
-class _NoQueryStrings(logging.Filter):
+def _no_query_strings(record: logging.LogRecord) -> bool:
     """uvicorn's access log without query strings (the WhatsApp verify token, an events
     token), and its ASGI trace without the scope's query string."""
+    if isinstance(record.args, tuple) and record.args:
+        record.args = tuple(_without_query(a) for a in record.args)
+    return True
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        args = record.args
-        if isinstance(args, tuple) and args:
-            record.args = tuple(self._clean(a) for a in args)
-        return True
 
-    @staticmethod
-    def _clean(a):
-        if isinstance(a, str) and "?" in a and a.startswith("/"):
-            return a.split("?", 1)[0] + "?…"
-        if isinstance(a, dict) and a.get("query_string"):
-            return {**a, "query_string": b"<...>"}
-        return a
+def _without_query(a):
+    if isinstance(a, str) and "?" in a and a.startswith("/"):
+        return a.split("?", 1)[0] + "?…"
+    if isinstance(a, dict) and a.get("query_string"):
+        return {**a, "query_string": b"<...>"}
+    return a
 
 
 def quiet_query_strings() -> None:
     """Install the filter on uvicorn's access and ASGI loggers (idempotent)."""
     for name in ("uvicorn.access", "uvicorn.asgi"):
         lg = logging.getLogger(name)
-        if not any(isinstance(f, _NoQueryStrings) for f in lg.filters):
-            lg.addFilter(_NoQueryStrings())
+        if _no_query_strings not in lg.filters:
+            lg.addFilter(_no_query_strings)
 
 
 async def _confirm(web: _Web, platform: str, parser, body: bytes) -> int:
@@ -472,8 +469,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
 
     async def turn_events(request: Request) -> Response:
         job_id = request.path_params["job_id"]
-        last = request.headers.get("last-event-id") or request.query_params.get("last_event_id") or ""
-        last = last.strip()
+        last = (request.headers.get("last-event-id") or request.query_params.get("last_event_id") or "").strip()
         refused = await authorize(request, job_id, "the events of a turn need its token: ?token= or "
                                                    "Authorization: Bearer")
         if refused is not None:
