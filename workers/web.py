@@ -19,16 +19,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import mimetypes
 import os
 import re
 import time
 import urllib.parse
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
 
 from starlette.applications import Starlette
-from starlette.concurrency import run_in_threadpool
+from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -333,24 +335,21 @@ async def _accept(web: _Web, platform: str, update_id: str, chat: str, message: 
         return JSONResponse({"ok": False, "error": "could not enqueue the turn"}, status_code=503)
 
 
-def _webhook(platform: str):
-    """A webhook route: a refused request (Refusal) is its status with a one-line reason;
+def _webhook(platform: str, handler):
+    """`handler` as a webhook route: a refused request (Refusal) is its status with a one-line reason;
     anything a payload's shape makes the handler trip over is a 400, never a 500."""
 
-    def wrap(handler):
-        async def route(request: Request) -> Response:
-            try:
-                resp = await handler(request)
-            except Refusal as exc:
-                resp = _refuse(platform, exc.status, exc.reason)
-            except MALFORMED as exc:
-                resp = _refuse(platform, 400, f"malformed {platform} payload ({type(exc).__name__})")
-            metrics.record_webhook(platform, resp.status_code)
-            return resp
+    async def route(request: Request) -> Response:
+        try:
+            resp = await handler(request)
+        except Refusal as exc:
+            resp = _refuse(platform, exc.status, exc.reason)
+        except MALFORMED as exc:
+            resp = _refuse(platform, 400, f"malformed {platform} payload ({type(exc).__name__})")
+        metrics.record_webhook(platform, resp.status_code)
+        return resp
 
-        return route
-
-    return wrap
+    return route
 
 
 # -- logs: no secret in a request line --------------------------------------------------------
@@ -404,10 +403,6 @@ def create_app(settings: Settings | None = None) -> Starlette:
 
     async def files(request: Request) -> Response:
         """A volume's blob behind a signed, expiring link (storage/links.py), streamed."""
-        import mimetypes
-
-        from starlette.concurrency import iterate_in_threadpool
-
         from storage.base import check_key
         from workers.wiring import file_links, store
 
@@ -522,7 +517,6 @@ def create_app(settings: Settings | None = None) -> Starlette:
         is read, then the signature and the payload; each message it finds is enqueued."""
         parser = _WEBHOOKS[platform]
 
-        @_webhook(platform)
         async def route(request: Request) -> Response:
             secret = secret_of(web.settings)
             if secret is None:
@@ -548,14 +542,13 @@ def create_app(settings: Settings | None = None) -> Starlette:
                 answered = Answer({**answered.body, "statuses": confirmed}, headers=answered.headers, plain=answered.plain)
             return _answer(answered)
 
-        return route
+        return _webhook(platform, route)
 
     telegram = webhook("telegram", lambda s: s.telegram_webhook_secret)
     slack = webhook("slack", lambda s: s.slack_signing_secret)
     discord = webhook("discord", lambda s: s.discord_public_key or None)
     whatsapp = webhook("whatsapp", lambda s: s.whatsapp_app_secret)
 
-    @_webhook("whatsapp")
     async def whatsapp_verify(request: Request) -> Response:
         token = web.settings.whatsapp_verify_token
         if token is None:
@@ -575,10 +568,9 @@ def create_app(settings: Settings | None = None) -> Starlette:
         Route("/webhooks/telegram", telegram, methods=["POST"]),
         Route("/webhooks/slack", slack, methods=["POST"]),
         Route("/webhooks/discord", discord, methods=["POST"]),
-        Route("/webhooks/whatsapp", whatsapp_verify, methods=["GET"]),
+        Route("/webhooks/whatsapp", _webhook("whatsapp", whatsapp_verify), methods=["GET"]),
         Route("/webhooks/whatsapp", whatsapp, methods=["POST"]),
     ]
-    from contextlib import asynccontextmanager
 
     @asynccontextmanager
     async def lifespan(_app):
