@@ -24,6 +24,7 @@ from rich.table import Table
 
 from adapters.errors import ConfigError, CourierError, StorageError
 from storage import prefixes
+from tasks.ledger import keys, receipts
 from tasks.states import DeliveryState, JobState
 from workers.console import (
     EXIT_FAILED,
@@ -295,8 +296,6 @@ def watch(
     as_json: Annotated[bool, typer.Option("--json", help="one JSON line per event (with its stream id)")] = False,
 ) -> None:
     """Show a turn's (or a send's) events live, until its deliveries are done."""
-    from tasks.ledger import keys, receipts
-
     settings = _settings()
     r = _redis(settings)
     if receipts.get_job(r, job_id) is None and not r.exists(keys.events(job_id)):
@@ -342,7 +341,6 @@ def status(
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """Show a job's deliveries (or one delivery's receipt)."""
-    from tasks.ledger import receipts
     from tasks.ops.listing import shown
     from workers.eventauth import events_token
 
@@ -489,7 +487,6 @@ def retry(
     when that is what failed. A delivered one is refused. Exit 2 (nothing re-queued) when an id is unknown
     or not failed."""
     from tasks.dispatch import chains
-    from tasks.ledger import receipts
     from tasks.ops import operations
 
     settings = _settings()
@@ -558,7 +555,6 @@ def cancel(
     """Cancel a job: its deliveries not sent yet are never sent (state `cancelled`); a send already in
     flight finishes; a queued turn ends, a running one is marked and delivers nothing."""
     from tasks.dispatch import chains
-    from tasks.ledger import receipts
     from tasks.ops import operations
     from tasks.ops import queues as queues_mod
 
@@ -754,8 +750,6 @@ def janitor(
 def send_state(rows: list[dict]) -> str:
     """A send's state from its receipts: queued, sending (some final or under
     way), delivered (all), failed (all final, one or more failed)."""
-    from tasks.ledger import receipts
-
     states = [row.get("state") for row in rows]
     if states and all(st in receipts.TERMINAL for st in states):
         if DeliveryState.FAILED in states:

@@ -20,6 +20,11 @@ from starlette.concurrency import iterate_in_threadpool
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
+from adapters.errors import CourierError
+from tasks.delivery import specs
+from tasks.ledger import keys, signing
+from workers.eventauth import JOB_ID, authorize
+
 IMAGE_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".gif": "image/gif",
                ".webp": "image/webp"}
 #: images over this are not shown as thumbnails (the page is a status view, not a download)
@@ -30,9 +35,6 @@ PAGE = files("workers").joinpath("turnpage.html").read_text(encoding="utf-8")
 
 
 async def turn_page(request: Request) -> Response:
-    from tasks.ledger import keys
-    from workers.eventauth import authorize
-
     job_id = request.path_params["job_id"]
     refused = await authorize(request, job_id, NO_TOKEN)
     if refused is not None:
@@ -55,10 +57,6 @@ async def turn_page(request: Request) -> Response:
 
 
 async def turn_thumb(request: Request) -> Response:
-    from adapters.errors import CourierError
-    from tasks.delivery import specs
-    from tasks.ledger import keys, signing
-    from workers.eventauth import JOB_ID, authorize
     from workers.wiring import store
 
     job_id, did = request.path_params["job_id"], request.path_params["delivery_id"]
