@@ -10,7 +10,7 @@
 - `POST /webhooks/<platform>`: the headers checked before the body is read, the body capped
   (`BODY_CAPS`: 413), the signature verified before it is parsed (401; 404 when the platform's
   secret is not set); a retried update is dropped (`keys.webhook_seen`), else its turn is enqueued
-  atomically (`_Enqueuer`; 503 when it cannot be). Every refusal is a 4xx with a one-line reason.
+  atomically (`_Web._drain`; 503 when it cannot be). Every refusal is a 4xx with a one-line reason.
 - uvicorn's access log and ASGI trace show no query string (tokens travel in it).
 """
 
@@ -68,11 +68,13 @@ def format_sse(eid: str, ev: dict) -> str:
 
 
 class _Web:
-    """The app's state: settings, Redis clients (sync for webhooks, async for SSE)."""
+    """The app's state: settings, Redis clients (sync for webhooks, async for SSE), the webhook
+    turns waiting for their batch."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self._enqueuer: _Enqueuer | None = None
+        self.pending: list[_Turn] = []
+        self.draining = False
 
     @cached_property
     def redis(self):
@@ -96,9 +98,7 @@ class _Web:
         return async_client(self.settings.redis_url, socket_timeout=SOCKET_TIMEOUT_S, single_connection=True)
 
     async def close(self) -> None:
-        if self._enqueuer is not None:
-            self._enqueuer.stop()
-            self._enqueuer = None
+        self.pending.clear()
         for name in ("aredis", "aredis_turns"):
             c = self.__dict__.pop(name, None)
             if c is not None:
@@ -128,59 +128,22 @@ class _Web:
                                      spec=signing.seal_json("turn", job_id, spec))
         turn = _Turn(platform=platform, update_id=update_id, seen=keys.webhook_seen(platform, update_id),
                      job_id=job_id, spec=spec, fields=fields, future=asyncio.get_running_loop().create_future())
-        if self._enqueuer is None:
-            self._enqueuer = _Enqueuer(self)
-        self._enqueuer.submit(turn)
+        self.pending.append(turn)
+        if not self.draining:  # the batch gathers until the loop runs the drain
+            self.draining = True
+            asyncio.get_running_loop().create_task(self._drain())
         # Redis stalling: a 503 after a while (the future cancelled: the platforms give up after a few
         # seconds anyway); the turn goes on: queued after all, the platform's retry is a duplicate;
         # not queued, nothing of it is left and the retry goes through
         return await asyncio.wait_for(turn.future, ENQUEUE_TIMEOUT_S)
 
-
-@dataclass
-class _Turn:
-    platform: str
-    update_id: str
-    seen: str
-    job_id: str
-    spec: TurnSpec
-    fields: dict[str, str]  # its job record's (receipts.job_fields)
-    future: asyncio.Future  # the request's answer
-
-
-def _settle(t: _Turn, result: dict | None = None, exc: BaseException | None = None) -> None:
-    """The request gets its turn's outcome, unless it has one (or gave up waiting)."""
-    if t.future.done():
-        return
-    if exc is not None:
-        t.future.set_exception(exc)
-    else:
-        t.future.set_result(result)
-
-
-class _Enqueuer:
-    """Enqueues webhook turns in batches of what came in while the previous batch was out (at
-    most ENQUEUE_BATCH). Per batch: one webhook_claim.lua call drops each retried update (its
-    de-dup key is there) or atomically sets the de-dup key and records the job and its due time;
-    then one thread publishes the new turns (the job id as task id). A failed publish takes its
-    claim back (webhook_unclaim.lua, a 503: the platform's retry goes through); should that fail
-    too, the reconciler publishes the turn at its due time and the retry is a duplicate."""
-
-    def __init__(self, web: _Web) -> None:
-        self.web = web
-        self.pending: list[_Turn] = []
-        self.draining = False
-
-    def submit(self, turn: _Turn) -> None:
-        self.pending.append(turn)
-        if not self.draining:  # the batch gathers until the loop runs the drain
-            self.draining = True
-            asyncio.get_running_loop().create_task(self._drain())
-
-    def stop(self) -> None:
-        self.pending.clear()
-
     async def _drain(self) -> None:
+        """Enqueues webhook turns in batches of what came in while the previous batch was out (at
+        most ENQUEUE_BATCH). Per batch: one webhook_claim.lua call drops each retried update (its
+        de-dup key is there) or atomically sets the de-dup key and records the job and its due time;
+        then one thread publishes the new turns (the job id as task id). A failed publish takes its
+        claim back (webhook_unclaim.lua, a 503: the platform's retry goes through); should that fail
+        too, the reconciler publishes the turn at its due time and the retry is a duplicate."""
         try:
             while self.pending:
                 batch, self.pending = self.pending[:ENQUEUE_BATCH], self.pending[ENQUEUE_BATCH:]
@@ -198,9 +161,9 @@ class _Enqueuer:
         from tasks.dispatch import chains
         from tasks.ledger import receipts
 
-        r = self.web.aredis_turns
+        r = self.aredis_turns
         ks: list = [keys.due("turn")]
-        args: list = [self.web.settings.webhook_dedupe_ttl_s, receipts.RETENTION_S]
+        args: list = [self.settings.webhook_dedupe_ttl_s, receipts.RETENTION_S]
         due_at = time.time() + chains.TURN_GRACE_S  # the ledger watches each turn from its claim on
         for t in batch:
             ks += (t.seen, keys.job(t.job_id))
@@ -242,7 +205,7 @@ class _Enqueuer:
 
         from tasks.dispatch import chains
 
-        app = self.web.celery
+        app = self.celery
         failed: dict[str, BaseException] = {}
         with denied_join_result(), app.producer_or_acquire() as producer:
             for t in turns:
@@ -251,6 +214,27 @@ class _Enqueuer:
                 except Exception as exc:  # noqa: BLE001 - answered per turn
                     failed[t.job_id] = exc
         return failed
+
+
+@dataclass
+class _Turn:
+    platform: str
+    update_id: str
+    seen: str
+    job_id: str
+    spec: TurnSpec
+    fields: dict[str, str]  # its job record's (receipts.job_fields)
+    future: asyncio.Future  # the request's answer
+
+
+def _settle(t: _Turn, result: dict | None = None, exc: BaseException | None = None) -> None:
+    """The request gets its turn's outcome, unless it has one (or gave up waiting)."""
+    if t.future.done():
+        return
+    if exc is not None:
+        t.future.set_exception(exc)
+    else:
+        t.future.set_result(result)
 
 
 class BrokerMismatch(RuntimeError):
