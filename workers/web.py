@@ -22,6 +22,7 @@ import logging
 import mimetypes
 import os
 import re
+import threading
 import time
 import urllib.parse
 from contextlib import asynccontextmanager
@@ -245,8 +246,6 @@ def courier_celery(settings: Settings):
     """Courier's Celery app, once it is checked that every thread publishes
     through it and that its broker is `settings.redis_url` (Celery reads
     CELERY_BROKER_URL from the environment before its own configuration)."""
-    import threading
-
     from celery import current_app
 
     from workers.celery_app import app
@@ -307,16 +306,6 @@ _WEBHOOKS = {"telegram": telegram_webhook, "slack": slack_webhook, "discord": di
 
 def _not_configured(platform: str, setting: str) -> Response:
     return JSONResponse({"ok": False, "error": f"{platform} webhook is not configured ({setting})"}, status_code=404)
-
-
-async def _accept(web: _Web, platform: str, update_id: str, chat: str, message: str) -> Response | dict:
-    try:
-        out = await web.accept(platform, update_id, chat, message)
-        metrics.record_webhook_turn(platform, bool(out.get("duplicate")))
-        return out
-    except Exception as exc:  # noqa: BLE001 - the platform retries on 5xx
-        log.error("%s webhook: could not enqueue a turn: %s", platform, type(exc).__name__)
-        return JSONResponse({"ok": False, "error": "could not enqueue the turn"}, status_code=503)
 
 
 def _webhook(platform: str, handler):
@@ -516,9 +505,12 @@ def create_app(settings: Settings | None = None) -> Starlette:
                 return _answer(got)
             outs = []
             for inbound in got:
-                out = await _accept(web, platform, inbound.update_id, inbound.chat, inbound.text)
-                if isinstance(out, Response):
-                    return out
+                try:
+                    out = await web.accept(platform, inbound.update_id, inbound.chat, inbound.text)
+                    metrics.record_webhook_turn(platform, bool(out.get("duplicate")))
+                except Exception as exc:  # noqa: BLE001 - the platform retries on 5xx
+                    log.error("%s webhook: could not enqueue a turn: %s", platform, type(exc).__name__)
+                    return JSONResponse({"ok": False, "error": "could not enqueue the turn"}, status_code=503)
                 outs.append(out)
             confirmed = await _confirm(web, platform, parser, body)
             answered = parser.answer(got, outs, request.headers)
