@@ -7,18 +7,24 @@ enqueued); 4 timed out waiting.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import logging
 import os
+import re
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
+from urllib.parse import urlparse
 
 import typer
 from rich.table import Table
 
 from adapters.errors import ConfigError, CourierError, StorageError
 from storage import prefixes
+from tasks.ledger import keys, receipts
 from tasks.states import DeliveryState, JobState
 from workers.console import (
     EXIT_FAILED,
@@ -47,6 +53,25 @@ app = typer.Typer(add_completion=True, no_args_is_help=True, pretty_exceptions_e
 PROGRESS_MIN_BYTES = 8 * 1024 * 1024
 
 
+@contextmanager
+def _or_die(errors: type[Exception] | tuple[type[Exception], ...] = ConfigError, prefix: str = "",
+            code: int = EXIT_INPUT):
+    """An `errors` raised inside: its message (after `prefix`) as the one-line error, exit `code`."""
+    try:
+        yield
+    except errors as exc:
+        raise die(f"{prefix}{exc}", code) from None
+
+
+def _emit(as_json: bool, data: object, *shown: object, **print_kw) -> None:
+    """`data` as one JSON line with --json, else each of `shown` printed."""
+    if as_json:
+        print(json.dumps(data))
+    else:
+        for x in shown:
+            out.print(x, **print_kw)
+
+
 def _settings():
     from pydantic import ValidationError
     from pydantic_settings import SettingsError
@@ -62,8 +87,6 @@ def _settings():
         loc = ".".join(str(x) for x in first.get("loc", ()))
         raise die(f"bad setting {loc.upper() or ''}: {first.get('msg')}", EXIT_INPUT) from None
     except SettingsError as exc:  # a JSON setting that is not JSON (COURIER_AGENTS='{bad')
-        import re
-
         m = re.search(r'field "([a-z0-9_]+)"', str(exc))
         field = Settings.model_fields.get(m.group(1)) if m else None
         name = env_names(m.group(1), field)[0] if field is not None else "a setting"
@@ -94,23 +117,17 @@ def _redis(settings, *, enqueues: bool = False):
 def _store(settings):
     from workers.wiring import store
 
-    try:
+    with _or_die(StorageError, "storage unavailable: ", EXIT_SERVICE), _or_die(prefix="COURIER_STORAGE_URL: "):
         return store(settings)
-    except ConfigError as exc:
-        raise die(f"COURIER_STORAGE_URL: {exc}", EXIT_INPUT) from None
-    except StorageError as exc:
-        raise die(f"storage unavailable: {exc}", EXIT_SERVICE) from None
 
 
 def _target(settings, target: str) -> str:
     from adapters.platforms.base import split_target
     from workers.wiring import check_platform
 
-    try:
+    with _or_die():
         platform, _chat = split_target(target)
         check_platform(platform, settings)
-    except ConfigError as exc:
-        raise die(str(exc), EXIT_INPUT) from None
     return platform
 
 
@@ -184,11 +201,8 @@ def send(
     job_id = plan.job_id
     ids = chains.enqueue(r, plan, job_kind="send")
     if not wait:
-        if as_json:
-            print(json.dumps({"job": job_id, "deliveries": ids}))
-        else:
-            out.print(f"queued [bold]{esc(job_id)}[/]: " + esc(" ".join(ids)), highlight=False)
-        return
+        return _emit(as_json, {"job": job_id, "deliveries": ids},
+                     f"queued [bold]{esc(job_id)}[/]: " + esc(" ".join(ids)), highlight=False)
     rows, done = wait_deliveries(r, job_id, timeout)
     _finish(job_id, rows, done, as_json)
 
@@ -198,23 +212,17 @@ def _upload(store, key: str, p: Path):
     from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
     size = p.stat().st_size
-    try:
-        with open(p, "rb") as f:
-            if size < PROGRESS_MIN_BYTES:
-                return store.put_stream(key, f)
-            with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                          TransferSpeedColumn(), console=err, transient=True) as prog:
-                t = prog.add_task(f"storing {p.name}", total=size)
-                return store.put_stream(key, f, progress=lambda n: prog.advance(t, n))
-    except CourierError as exc:
-        raise die(f"could not store {p}: {exc}", EXIT_SERVICE) from None
+    with _or_die(CourierError, f"could not store {p}: ", EXIT_SERVICE), open(p, "rb") as f:
+        if size < PROGRESS_MIN_BYTES:
+            return store.put_stream(key, f)
+        with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                      TransferSpeedColumn(), console=err, transient=True) as prog:
+            t = prog.add_task(f"storing {p.name}", total=size)
+            return store.put_stream(key, f, progress=lambda n: prog.advance(t, n))
 
 
 def _finish(job_id: str, rows: list[dict], done: bool, as_json: bool) -> None:
-    if as_json:
-        print(json.dumps({"job": job_id, "done": done, "deliveries": rows}))
-    else:
-        out.print(deliveries_table(job_id, rows))
+    _emit(as_json, {"job": job_id, "done": done, "deliveries": rows}, deliveries_table(job_id, rows))
     if not done:
         raise die(f"timed out waiting for {job_id}; see `courier status {job_id}`", EXIT_TIMEOUT)
     if any(row.get("state") == DeliveryState.FAILED for row in rows):
@@ -238,6 +246,7 @@ def turn(
     from adapters.sandboxes.base import parse_uri
     from tasks.dispatch import chains
     from tasks.turn.turn import BUILTIN_AGENTS
+    from workers.eventauth import events_token
 
     settings = _settings()
     _target(settings, target)
@@ -246,10 +255,8 @@ def turn(
         known = sorted(set(settings.agents) | set(BUILTIN_AGENTS))
         raise die(f"unknown agent {name!r}: known agents are {', '.join(known)}", EXIT_INPUT)
     if sandbox:
-        try:
+        with _or_die():
             parse_uri(sandbox)
-        except ConfigError as exc:
-            raise die(str(exc), EXIT_INPUT) from None
     for p in attach or []:
         if not p.is_file():
             raise die(f"no such file to attach: {p}", EXIT_INPUT)
@@ -267,8 +274,6 @@ def turn(
     chains.enqueue_turn(r, target, message, agent=name, job_id=job_id, sandbox=sandbox, attachments=attachments)
     if not wait:
         if as_json:
-            from workers.eventauth import events_token
-
             print(json.dumps({"job": job_id, "events_token": events_token(r, job_id)}))
         else:
             print(job_id)
@@ -291,8 +296,6 @@ def watch(
     as_json: Annotated[bool, typer.Option("--json", help="one JSON line per event (with its stream id)")] = False,
 ) -> None:
     """Show a turn's (or a send's) events live, until its deliveries are done."""
-    from tasks.ledger import keys, receipts
-
     settings = _settings()
     r = _redis(settings)
     if receipts.get_job(r, job_id) is None and not r.exists(keys.events(job_id)):
@@ -315,18 +318,13 @@ def web(
     """Serve platform webhooks and the turns' Server-Sent Events (uvicorn)."""
     import uvicorn
 
+    from workers import logformat, logsafe
     from workers.web import BrokerMismatch, courier_celery
 
     settings = _settings()
-    try:
-        courier_celery(settings)  # the app checks it too (lifespan); here with a one-line error
-    except BrokerMismatch as exc:
-        raise die(str(exc), EXIT_INPUT) from None
-    import logging
-
+    with _or_die(BrokerMismatch):  # the app checks it too (lifespan); here with a one-line error
+        courier_celery(settings)
     # courier's own lines (and its libraries') at the same level, on stderr like uvicorn's
-    from workers import logformat, logsafe
-
     logging.basicConfig(level="DEBUG" if log_level.lower() == "trace" else log_level.upper(),
                         format=logformat.PLAIN)
     logsafe.install(settings)
@@ -343,27 +341,22 @@ def status(
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """Show a job's deliveries (or one delivery's receipt)."""
-    from tasks.ledger import receipts
     from tasks.ops.listing import shown
+    from workers.eventauth import events_token
 
     settings = _settings()
     r = _redis(settings)
     job = receipts.get_job(r, ident)
     if job is not None:
-        from workers.eventauth import events_token
-
         rows = receipts.job_deliveries(r, ident)
         token = events_token(r, ident)
         if job.get("kind") == "send":  # a send's job record is not updated as it goes: its receipts say
             job["state"] = send_state(rows)
-        if as_json:
-            print(json.dumps({"job": shown(job), "deliveries": [shown(row) for row in rows], "events_token": token}))
-        else:
-            line = f"{job.get('kind')} {ident} → {job.get('target')}: {job.get('state')}"
-            if job.get("reason"):
-                line += f" ({job['reason']})"
-            out.print(line, highlight=False, markup=False)
-            out.print(f"events: /turns/{ident}/events?token={token}", highlight=False, markup=False)
+        line = f"{job.get('kind')} {ident} → {job.get('target')}: {job.get('state')}"
+        line += f" ({job['reason']})" if job.get("reason") else ""
+        _emit(as_json, {"job": shown(job), "deliveries": [shown(row) for row in rows], "events_token": token},
+              line, f"events: /turns/{ident}/events?token={token}", highlight=False, markup=False)
+        if not as_json:
             out.print(deliveries_table(ident, rows))
         if any(row.get("state") == DeliveryState.FAILED for row in rows) or job.get("state") == JobState.ERROR:
             raise typer.Exit(EXIT_FAILED)
@@ -371,10 +364,7 @@ def status(
     rec = receipts.get_delivery(r, ident)
     if rec is None:
         raise die(f"no send, turn or delivery with id {ident!r}", EXIT_INPUT)
-    if as_json:
-        print(json.dumps(shown(rec)))
-    else:
-        out.print(deliveries_table(rec.get("job", ""), [rec]))
+    _emit(as_json, shown(rec), deliveries_table(rec.get("job", ""), [rec]))
     if rec.get("state") == DeliveryState.FAILED:
         raise typer.Exit(EXIT_FAILED)
 
@@ -389,22 +379,17 @@ def deliveries(
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """List recent deliveries (newest job first) with their state and reason."""
+    from adapters.platforms.base import split_target
     from tasks.ops import listing
 
     settings = _settings()
     since_s = None
     if since is not None:
-        try:
+        with _or_die(ValueError, "--since: "):
             since_s = time.time() - parse_duration(since)
-        except ValueError as exc:
-            raise die(f"--since: {exc}", EXIT_INPUT) from None
     if chat is not None:
-        from adapters.platforms.base import split_target
-
-        try:
+        with _or_die(prefix="--chat: "):
             split_target(chat)
-        except ConfigError as exc:
-            raise die(f"--chat: {exc}", EXIT_INPUT) from None
     r = _redis(settings)
     rows = listing.deliveries(r, failed=failed, chat=chat, since_s=since_s, limit=limit)
     if as_json:
@@ -474,11 +459,8 @@ def queues(
 
 
 def _age(s: float) -> str:
-    if s < 120:
-        return f"{s:.1f}s"
-    if s < 7200:
-        return f"{s / 60:.1f}m"
-    return f"{s / 3600:.1f}h"
+    unit, per = ("s", 1) if s < 120 else ("m", 60) if s < 7200 else ("h", 3600)
+    return f"{s / per:.1f}{unit}"
 
 
 # -- retry, cancel ------------------------------------------------------------------
@@ -529,10 +511,8 @@ def retry(
             else:
                 recs.setdefault(rec["id"], rec)
     if problems:
-        if as_json:
-            print(json.dumps({"retried": [], "refused": problems}))
-        else:
-            out.print(_outcome_table("retry: nothing re-queued", problems))
+        table = _outcome_table("retry: nothing re-queued", problems)
+        _emit(as_json, {"retried": [], "refused": problems}, table)
         raise die("; ".join(f"{p['id']}: {p['reason']}" for p in problems) + " (nothing was re-queued)",
                   EXIT_INPUT)
     _celery()
@@ -545,15 +525,10 @@ def retry(
     for target in dict.fromkeys(res["target"] for res in requeued):
         chains.publish_lane(target)
     if not wait:
-        if as_json:
-            print(json.dumps({"retried": requeued, "refused": refused}))
-        else:
-            out.print(_outcome_table("retry", results))
+        _emit(as_json, {"retried": requeued, "refused": refused}, _outcome_table("retry", results))
         if refused:  # raced: it changed between the check and the reset
             raise typer.Exit(EXIT_FAILED)
         return
-    from tasks.ledger import receipts
-
     done_ids = [res["id"] for res in requeued]
 
     def look() -> tuple[list[dict], bool]:
@@ -563,10 +538,8 @@ def retry(
     jobs = dict.fromkeys(recs[d].get("job") or d.rsplit(".", 1)[0] for d in done_ids)
     rows, finished = follow(r, jobs, look, timeout)
     rows = [{k: v for k, v in row.items() if k != "spec"} for row in rows]
-    if as_json:
-        print(json.dumps({"done": finished, "deliveries": rows, "refused": refused}))
-    else:
-        out.print(deliveries_table("retried deliveries", rows))
+    _emit(as_json, {"done": finished, "deliveries": rows, "refused": refused},
+          deliveries_table("retried deliveries", rows))
     if not finished:
         raise die("timed out waiting for the retried deliveries; see `courier status ID`", EXIT_TIMEOUT)
     if refused or any(row.get("state") != DeliveryState.DELIVERED for row in rows):
@@ -582,8 +555,8 @@ def cancel(
     """Cancel a job: its deliveries not sent yet are never sent (state `cancelled`); a send already in
     flight finishes; a queued turn ends, a running one is marked and delivers nothing."""
     from tasks.dispatch import chains
-    from tasks.ledger import receipts
     from tasks.ops import operations
+    from tasks.ops import queues as queues_mod
 
     settings = _settings()
     r = _redis(settings)
@@ -611,8 +584,6 @@ def cancel(
         return None, not flight
 
     follow(r, [job], look, timeout)  # a send in flight: its final event wakes the next look
-    from tasks.ops import queues as queues_mod
-
     # its messages still queued (an extraction waiting on a sandbox.<host> queue nobody consumes, a
     # turn that had not started) would only find their entries cancelled: they go now
     purged = queues_mod.purge(r, queues_mod.orphans(r, job=job))
@@ -667,8 +638,6 @@ def webhook_set(
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """Telegram: call setWebhook with the secret token. Others: print the steps their console needs."""
-    from urllib.parse import urlparse
-
     settings = _settings()
     name = platform.lower()
     if name not in ("telegram", *WEBHOOK_STEPS):
@@ -681,11 +650,8 @@ def webhook_set(
         full += f"/webhooks/{name}"
     if name != "telegram":
         steps = WEBHOOK_STEPS[name].format(url=full)
-        if as_json:
-            print(json.dumps({"platform": name, "url": full, "done": False, "steps": steps}))
-        else:
-            out.print(steps, markup=False, highlight=False)
-        return
+        return _emit(as_json, {"platform": name, "url": full, "done": False, "steps": steps}, steps,
+                     markup=False, highlight=False)
     token, secret = settings.telegram_bot_token, settings.telegram_webhook_secret
     if token is None or secret is None:
         raise die("telegram webhook set needs TELEGRAM_BOT_TOKEN and TELEGRAM_WEBHOOK_SECRET "
@@ -701,11 +667,9 @@ def webhook_set(
         raise die(f"Telegram did not answer setWebhook ({type(exc).__name__})", EXIT_SERVICE) from None
     if not answer.get("ok"):
         raise die(f"Telegram refused the webhook: {answer.get('description') or resp.status_code}", EXIT_FAILED)
-    if as_json:
-        print(json.dumps({"platform": name, "url": full, "done": True}))
-    else:
-        out.print(f"telegram: webhook set to {full} (updates carry TELEGRAM_WEBHOOK_SECRET)", markup=False,
-                  highlight=False)
+    _emit(as_json, {"platform": name, "url": full, "done": True},
+          f"telegram: webhook set to {full} (updates carry TELEGRAM_WEBHOOK_SECRET)", markup=False,
+          highlight=False)
 
 
 # -- janitor ----------------------------------------------------------------------
@@ -714,8 +678,6 @@ _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 def parse_duration(raw: str) -> float:
     """`90`, `90s`, `15m`, `12h`, `7d`, `2w` -> seconds; ValueError otherwise."""
-    import re
-
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", raw or "")
     if not m:
         raise ValueError(f"not a duration: {raw!r} (e.g. 3600, 90m, 12h, 7d)")
@@ -733,21 +695,16 @@ def janitor(
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """Run one janitor sweep now (old screenshots, files, spills, partial writes, turn workspaces)."""
-    from tasks.ops.janitor import MIN_OLDER_THAN_S, sweep
+    from tasks.delivery.text import human_bytes
+    from tasks.ops import janitor as janitor_mod
     from workers.wiring import build_context
 
     settings = _settings()
     if install_lifecycle:
-        from tasks.ops import janitor as janitor_mod
-
         _redis(settings)
         _store(settings)
-        try:
+        with _or_die(CourierError, "could not install the lifecycle rules: ", EXIT_SERVICE), _or_die():
             res = janitor_mod.install_lifecycle(build_context(settings))
-        except ConfigError as exc:
-            raise die(str(exc), EXIT_INPUT) from None
-        except CourierError as exc:
-            raise die(f"could not install the lifecycle rules: {exc}", EXIT_SERVICE) from None
         if as_json:
             print(json.dumps(res))
             return
@@ -761,24 +718,18 @@ def janitor(
         return
     older_s = None
     if older_than is not None:
-        try:
+        with _or_die(ValueError, "--older-than: "):
             older_s = parse_duration(older_than)
-        except ValueError as exc:
-            raise die(f"--older-than: {exc}", EXIT_INPUT) from None
-        if older_s < MIN_OLDER_THAN_S:
+        if older_s < janitor_mod.MIN_OLDER_THAN_S:
             raise die("--older-than must be at least 1h: younger files may still be waiting for their delivery",
                       EXIT_INPUT)
     _redis(settings)
     _store(settings)
-    try:
-        res = sweep(build_context(settings), dry_run=dry_run, older_than_s=older_s)
-    except CourierError as exc:
-        raise die(f"the sweep stopped: {exc}", EXIT_SERVICE) from None
+    with _or_die(CourierError, "the sweep stopped: ", EXIT_SERVICE):
+        res = janitor_mod.sweep(build_context(settings), dry_run=dry_run, older_than_s=older_s)
     if as_json:
         print(json.dumps(res))
     elif not res.get("skipped"):
-        from tasks.delivery.text import human_bytes
-
         t = new_table("janitor (dry run: nothing deleted)" if dry_run else "janitor",
                       ("what", "would go" if dry_run else "deleted", "bytes"), numeric=True)
         for what, v in res.items():
@@ -799,8 +750,6 @@ def janitor(
 def send_state(rows: list[dict]) -> str:
     """A send's state from its receipts: queued, sending (some final or under
     way), delivered (all), failed (all final, one or more failed)."""
-    from tasks.ledger import receipts
-
     states = [row.get("state") for row in rows]
     if states and all(st in receipts.TERMINAL for st in states):
         if DeliveryState.FAILED in states:
@@ -841,8 +790,6 @@ def worker(ctx: typer.Context) -> None:
 def flower(ctx: typer.Context) -> None:
     """Start Flower on courier's Celery app (any `celery flower` option, e.g. --port=5555; --help is
     Flower's); it needs the flower extra."""
-    import importlib.util
-
     if importlib.util.find_spec("flower") is None:
         # (`celery flower` without it says only "No such command 'flower'")
         raise die("Flower is not installed: pip install 'courier[flower]' (or pip install flower)", EXIT_SERVICE)
@@ -853,10 +800,8 @@ def flower(ctx: typer.Context) -> None:
 
         if env.get("FLOWER_BASIC_AUTH", "").strip():
             raise die("FLOWER_BASIC_AUTH and FLOWER_BASIC_AUTH_FILE are both set: set one of them", EXIT_INPUT)
-        try:
+        with _or_die(SecretFileError):
             login = read_secret_file("FLOWER_BASIC_AUTH_FILE", path).strip()
-        except SecretFileError as exc:
-            raise die(str(exc), EXIT_INPUT) from None
         if ":" not in login.split(",")[0]:
             raise die(f"FLOWER_BASIC_AUTH_FILE: {path} must hold user:password (Flower would start without a "
                       "login)", EXIT_INPUT)

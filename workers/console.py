@@ -11,11 +11,16 @@ from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 import typer
+from rich import box
 from rich.console import Console
+from rich.live import Live
+from rich.markup import escape
+from rich.spinner import Spinner
 from rich.table import Table
 from rich.text import Text
 
 from adapters.display import visible
+from tasks.ledger import events, receipts
 from tasks.ledger.events import describe
 from tasks.states import TURN_OVER, DeliveryState, JobState
 
@@ -32,8 +37,6 @@ err = Console(stderr=True)
 def new_table(title: str, columns: Iterable[str] = (), *, numeric: bool = False, **col_kw) -> Table:
     """A table whose title is data; piped, without vertical rules (one line per row, for grep and awk).
     `numeric`: the columns after the first are right-justified."""
-    from rich import box
-
     t = Table(title=Text(visible(title)), title_justify="left",
               box=box.HEAVY_HEAD if out.is_terminal else box.SIMPLE)
     for i, col in enumerate(columns):
@@ -73,8 +76,6 @@ def follow(r, job_ids: Iterable[str], look: Callable[[], tuple[T, bool]], timeou
     last look's value and whether it was done. Between looks it blocks on the jobs' event
     streams (read from their start, then after the last event seen), so an event, even one
     that lands between a look and the next read, wakes it at once."""
-    from tasks.ledger import events
-
     deadline = time.monotonic() + timeout_s
     cursors = dict.fromkeys(job_ids, "0-0")
     while True:
@@ -90,7 +91,6 @@ def follow(r, job_ids: Iterable[str], look: Callable[[], tuple[T, bool]], timeou
 def wait_deliveries(r, job_id: str, timeout_s: float) -> tuple[list[dict], bool]:
     """The job's deliveries once all are final (`follow`); done at once for a turn that
     ended with none (no reply, an empty reply)."""
-    from tasks.ledger import receipts
 
     def look() -> tuple[list[dict], bool]:
         rows = receipts.job_deliveries(r, job_id)
@@ -113,10 +113,6 @@ def watch_job(r, job_id: str, timeout_s: float, *, quiet: bool = False, as_json:
     live status line above a log of the events (`as_json`: one JSON line per event, `id` the
     stream id). True: completed (or no reply: the agent chose so) and all delivered; False:
     error or a failed delivery; None: timed out."""
-    from rich.live import Live
-
-    from tasks.ledger import events
-
     tracker = events.EndTracker.for_job(r, job_id)
     view = _WatchView(job_id)
     deadline = time.monotonic() + timeout_s
@@ -156,8 +152,6 @@ class _WatchView:
     """The live status line of `courier watch` (a rich renderable)."""
 
     def __init__(self, job_id: str) -> None:
-        from rich.spinner import Spinner
-
         self.job_id = job_id
         self.phase: str = JobState.QUEUED
         self.activity = ""
@@ -223,8 +217,6 @@ def render_event(ev: dict) -> str:
 
 
 def esc(v) -> str:
-    from rich.markup import escape
-
     return escape(str(v)) if v is not None else ""
 
 

@@ -40,10 +40,6 @@ def events_token(r, job_id: str) -> str:
     return token_for(server_key(r), job_id)
 
 
-def verify(key: bytes, job_id: str, token: str) -> bool:
-    return hmac.compare_digest(token_for(key, job_id).encode(), token.encode("utf-8", "replace"))
-
-
 async def authorize(request, job_id: str, missing: str):
     """None when the request carries the job's token (`Authorization: Bearer`, else `?token=`),
     else the refusal (404 a bad id, 401 no token: `missing` says how to give one, 403 a wrong one).
@@ -59,6 +55,6 @@ async def authorize(request, job_id: str, missing: str):
         return JSONResponse({"error": f"{missing} (courier turn --json, courier status ID)"}, status_code=401,
                             headers={"WWW-Authenticate": "Bearer"})
     key = await run_in_threadpool(server_key, request.app.state.web.redis)
-    if not verify(key, job_id, token):
+    if not hmac.compare_digest(token_for(key, job_id).encode(), token.encode("utf-8", "replace")):
         return JSONResponse({"error": "wrong token for this turn"}, status_code=403)
     return None

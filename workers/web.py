@@ -10,7 +10,7 @@
 - `POST /webhooks/<platform>`: the headers checked before the body is read, the body capped
   (`BODY_CAPS`: 413), the signature verified before it is parsed (401; 404 when the platform's
   secret is not set); a retried update is dropped (`keys.webhook_seen`), else its turn is enqueued
-  atomically (`_Enqueuer`; 503 when it cannot be). Every refusal is a 4xx with a one-line reason.
+  atomically (`_Web._drain`; 503 when it cannot be). Every refusal is a 4xx with a one-line reason.
 - uvicorn's access log and ASGI trace show no query string (tokens travel in it).
 """
 
@@ -19,16 +19,19 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import mimetypes
 import os
 import re
+import threading
 import time
 import urllib.parse
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
 
 from starlette.applications import Starlette
-from starlette.concurrency import run_in_threadpool
+from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -66,11 +69,13 @@ def format_sse(eid: str, ev: dict) -> str:
 
 
 class _Web:
-    """The app's state: settings, Redis clients (sync for webhooks, async for SSE)."""
+    """The app's state: settings, Redis clients (sync for webhooks, async for SSE), the webhook
+    turns waiting for their batch."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self._enqueuer: _Enqueuer | None = None
+        self.pending: list[_Turn] = []
+        self.draining = False
 
     @cached_property
     def redis(self):
@@ -94,9 +99,7 @@ class _Web:
         return async_client(self.settings.redis_url, socket_timeout=SOCKET_TIMEOUT_S, single_connection=True)
 
     async def close(self) -> None:
-        if self._enqueuer is not None:
-            self._enqueuer.stop()
-            self._enqueuer = None
+        self.pending.clear()
         for name in ("aredis", "aredis_turns"):
             c = self.__dict__.pop(name, None)
             if c is not None:
@@ -126,59 +129,22 @@ class _Web:
                                      spec=signing.seal_json("turn", job_id, spec))
         turn = _Turn(platform=platform, update_id=update_id, seen=keys.webhook_seen(platform, update_id),
                      job_id=job_id, spec=spec, fields=fields, future=asyncio.get_running_loop().create_future())
-        if self._enqueuer is None:
-            self._enqueuer = _Enqueuer(self)
-        self._enqueuer.submit(turn)
+        self.pending.append(turn)
+        if not self.draining:  # the batch gathers until the loop runs the drain
+            self.draining = True
+            asyncio.get_running_loop().create_task(self._drain())
         # Redis stalling: a 503 after a while (the future cancelled: the platforms give up after a few
         # seconds anyway); the turn goes on: queued after all, the platform's retry is a duplicate;
         # not queued, nothing of it is left and the retry goes through
         return await asyncio.wait_for(turn.future, ENQUEUE_TIMEOUT_S)
 
-
-@dataclass
-class _Turn:
-    platform: str
-    update_id: str
-    seen: str
-    job_id: str
-    spec: TurnSpec
-    fields: dict[str, str]  # its job record's (receipts.job_fields)
-    future: asyncio.Future  # the request's answer
-
-
-def _settle(t: _Turn, result: dict | None = None, exc: BaseException | None = None) -> None:
-    """The request gets its turn's outcome, unless it has one (or gave up waiting)."""
-    if t.future.done():
-        return
-    if exc is not None:
-        t.future.set_exception(exc)
-    else:
-        t.future.set_result(result)
-
-
-class _Enqueuer:
-    """Enqueues webhook turns in batches of what came in while the previous batch was out (at
-    most ENQUEUE_BATCH). Per batch: one webhook_claim.lua call drops each retried update (its
-    de-dup key is there) or atomically sets the de-dup key and records the job and its due time;
-    then one thread publishes the new turns (the job id as task id). A failed publish takes its
-    claim back (webhook_unclaim.lua, a 503: the platform's retry goes through); should that fail
-    too, the reconciler publishes the turn at its due time and the retry is a duplicate."""
-
-    def __init__(self, web: _Web) -> None:
-        self.web = web
-        self.pending: list[_Turn] = []
-        self.draining = False
-
-    def submit(self, turn: _Turn) -> None:
-        self.pending.append(turn)
-        if not self.draining:  # the batch gathers until the loop runs the drain
-            self.draining = True
-            asyncio.get_running_loop().create_task(self._drain())
-
-    def stop(self) -> None:
-        self.pending.clear()
-
     async def _drain(self) -> None:
+        """Enqueues webhook turns in batches of what came in while the previous batch was out (at
+        most ENQUEUE_BATCH). Per batch: one webhook_claim.lua call drops each retried update (its
+        de-dup key is there) or atomically sets the de-dup key and records the job and its due time;
+        then one thread publishes the new turns (the job id as task id). A failed publish takes its
+        claim back (webhook_unclaim.lua, a 503: the platform's retry goes through); should that fail
+        too, the reconciler publishes the turn at its due time and the retry is a duplicate."""
         try:
             while self.pending:
                 batch, self.pending = self.pending[:ENQUEUE_BATCH], self.pending[ENQUEUE_BATCH:]
@@ -196,9 +162,9 @@ class _Enqueuer:
         from tasks.dispatch import chains
         from tasks.ledger import receipts
 
-        r = self.web.aredis_turns
+        r = self.aredis_turns
         ks: list = [keys.due("turn")]
-        args: list = [self.web.settings.webhook_dedupe_ttl_s, receipts.RETENTION_S]
+        args: list = [self.settings.webhook_dedupe_ttl_s, receipts.RETENTION_S]
         due_at = time.time() + chains.TURN_GRACE_S  # the ledger watches each turn from its claim on
         for t in batch:
             ks += (t.seen, keys.job(t.job_id))
@@ -240,7 +206,7 @@ class _Enqueuer:
 
         from tasks.dispatch import chains
 
-        app = self.web.celery
+        app = self.celery
         failed: dict[str, BaseException] = {}
         with denied_join_result(), app.producer_or_acquire() as producer:
             for t in turns:
@@ -251,6 +217,27 @@ class _Enqueuer:
         return failed
 
 
+@dataclass
+class _Turn:
+    platform: str
+    update_id: str
+    seen: str
+    job_id: str
+    spec: TurnSpec
+    fields: dict[str, str]  # its job record's (receipts.job_fields)
+    future: asyncio.Future  # the request's answer
+
+
+def _settle(t: _Turn, result: dict | None = None, exc: BaseException | None = None) -> None:
+    """The request gets its turn's outcome, unless it has one (or gave up waiting)."""
+    if t.future.done():
+        return
+    if exc is not None:
+        t.future.set_exception(exc)
+    else:
+        t.future.set_result(result)
+
+
 class BrokerMismatch(RuntimeError):
     """The web process would publish turns somewhere else than COURIER_REDIS_URL."""
 
@@ -259,8 +246,6 @@ def courier_celery(settings: Settings):
     """Courier's Celery app, once it is checked that every thread publishes
     through it and that its broker is `settings.redis_url` (Celery reads
     CELERY_BROKER_URL from the environment before its own configuration)."""
-    import threading
-
     from celery import current_app
 
     from workers.celery_app import app
@@ -323,62 +308,46 @@ def _not_configured(platform: str, setting: str) -> Response:
     return JSONResponse({"ok": False, "error": f"{platform} webhook is not configured ({setting})"}, status_code=404)
 
 
-async def _accept(web: _Web, platform: str, update_id: str, chat: str, message: str) -> Response | dict:
-    try:
-        out = await web.accept(platform, update_id, chat, message)
-        metrics.record_webhook_turn(platform, bool(out.get("duplicate")))
-        return out
-    except Exception as exc:  # noqa: BLE001 - the platform retries on 5xx
-        log.error("%s webhook: could not enqueue a turn: %s", platform, type(exc).__name__)
-        return JSONResponse({"ok": False, "error": "could not enqueue the turn"}, status_code=503)
-
-
-def _webhook(platform: str):
-    """A webhook route: a refused request (Refusal) is its status with a one-line reason;
+def _webhook(platform: str, handler):
+    """`handler` as a webhook route: a refused request (Refusal) is its status with a one-line reason;
     anything a payload's shape makes the handler trip over is a 400, never a 500."""
 
-    def wrap(handler):
-        async def route(request: Request) -> Response:
-            try:
-                resp = await handler(request)
-            except Refusal as exc:
-                resp = _refuse(platform, exc.status, exc.reason)
-            except MALFORMED as exc:
-                resp = _refuse(platform, 400, f"malformed {platform} payload ({type(exc).__name__})")
-            metrics.record_webhook(platform, resp.status_code)
-            return resp
+    async def route(request: Request) -> Response:
+        try:
+            resp = await handler(request)
+        except Refusal as exc:
+            resp = _refuse(platform, exc.status, exc.reason)
+        except MALFORMED as exc:
+            resp = _refuse(platform, 400, f"malformed {platform} payload ({type(exc).__name__})")
+        metrics.record_webhook(platform, resp.status_code)
+        return resp
 
-        return route
-
-    return wrap
+    return route
 
 
 # -- logs: no secret in a request line --------------------------------------------------------
-class _NoQueryStrings(logging.Filter):
+def _no_query_strings(record: logging.LogRecord) -> bool:
     """uvicorn's access log without query strings (the WhatsApp verify token, an events
     token), and its ASGI trace without the scope's query string."""
+    if isinstance(record.args, tuple) and record.args:
+        record.args = tuple(_without_query(a) for a in record.args)
+    return True
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        args = record.args
-        if isinstance(args, tuple) and args:
-            record.args = tuple(self._clean(a) for a in args)
-        return True
 
-    @staticmethod
-    def _clean(a):
-        if isinstance(a, str) and "?" in a and a.startswith("/"):
-            return a.split("?", 1)[0] + "?…"
-        if isinstance(a, dict) and a.get("query_string"):
-            return {**a, "query_string": b"<...>"}
-        return a
+def _without_query(a):
+    if isinstance(a, str) and "?" in a and a.startswith("/"):
+        return a.split("?", 1)[0] + "?…"
+    if isinstance(a, dict) and a.get("query_string"):
+        return {**a, "query_string": b"<...>"}
+    return a
 
 
 def quiet_query_strings() -> None:
     """Install the filter on uvicorn's access and ASGI loggers (idempotent)."""
     for name in ("uvicorn.access", "uvicorn.asgi"):
         lg = logging.getLogger(name)
-        if not any(isinstance(f, _NoQueryStrings) for f in lg.filters):
-            lg.addFilter(_NoQueryStrings())
+        if _no_query_strings not in lg.filters:
+            lg.addFilter(_no_query_strings)
 
 
 async def _confirm(web: _Web, platform: str, parser, body: bytes) -> int:
@@ -407,10 +376,6 @@ def create_app(settings: Settings | None = None) -> Starlette:
 
     async def files(request: Request) -> Response:
         """A volume's blob behind a signed, expiring link (storage/links.py), streamed."""
-        import mimetypes
-
-        from starlette.concurrency import iterate_in_threadpool
-
         from storage.base import check_key
         from workers.wiring import file_links, store
 
@@ -472,8 +437,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
 
     async def turn_events(request: Request) -> Response:
         job_id = request.path_params["job_id"]
-        last = request.headers.get("last-event-id") or request.query_params.get("last_event_id") or ""
-        last = last.strip()
+        last = (request.headers.get("last-event-id") or request.query_params.get("last_event_id") or "").strip()
         refused = await authorize(request, job_id, "the events of a turn need its token: ?token= or "
                                                    "Authorization: Bearer")
         if refused is not None:
@@ -526,7 +490,6 @@ def create_app(settings: Settings | None = None) -> Starlette:
         is read, then the signature and the payload; each message it finds is enqueued."""
         parser = _WEBHOOKS[platform]
 
-        @_webhook(platform)
         async def route(request: Request) -> Response:
             secret = secret_of(web.settings)
             if secret is None:
@@ -542,9 +505,12 @@ def create_app(settings: Settings | None = None) -> Starlette:
                 return _answer(got)
             outs = []
             for inbound in got:
-                out = await _accept(web, platform, inbound.update_id, inbound.chat, inbound.text)
-                if isinstance(out, Response):
-                    return out
+                try:
+                    out = await web.accept(platform, inbound.update_id, inbound.chat, inbound.text)
+                    metrics.record_webhook_turn(platform, bool(out.get("duplicate")))
+                except Exception as exc:  # noqa: BLE001 - the platform retries on 5xx
+                    log.error("%s webhook: could not enqueue a turn: %s", platform, type(exc).__name__)
+                    return JSONResponse({"ok": False, "error": "could not enqueue the turn"}, status_code=503)
                 outs.append(out)
             confirmed = await _confirm(web, platform, parser, body)
             answered = parser.answer(got, outs, request.headers)
@@ -552,14 +518,13 @@ def create_app(settings: Settings | None = None) -> Starlette:
                 answered = Answer({**answered.body, "statuses": confirmed}, headers=answered.headers, plain=answered.plain)
             return _answer(answered)
 
-        return route
+        return _webhook(platform, route)
 
     telegram = webhook("telegram", lambda s: s.telegram_webhook_secret)
     slack = webhook("slack", lambda s: s.slack_signing_secret)
     discord = webhook("discord", lambda s: s.discord_public_key or None)
     whatsapp = webhook("whatsapp", lambda s: s.whatsapp_app_secret)
 
-    @_webhook("whatsapp")
     async def whatsapp_verify(request: Request) -> Response:
         token = web.settings.whatsapp_verify_token
         if token is None:
@@ -579,10 +544,9 @@ def create_app(settings: Settings | None = None) -> Starlette:
         Route("/webhooks/telegram", telegram, methods=["POST"]),
         Route("/webhooks/slack", slack, methods=["POST"]),
         Route("/webhooks/discord", discord, methods=["POST"]),
-        Route("/webhooks/whatsapp", whatsapp_verify, methods=["GET"]),
+        Route("/webhooks/whatsapp", _webhook("whatsapp", whatsapp_verify), methods=["GET"]),
         Route("/webhooks/whatsapp", whatsapp, methods=["POST"]),
     ]
-    from contextlib import asynccontextmanager
 
     @asynccontextmanager
     async def lifespan(_app):
