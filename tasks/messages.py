@@ -105,10 +105,8 @@ class DeliverySpec:
 
     def with_extraction(self, extracted: Extracted) -> DeliverySpec:
         """The spec with what its extraction found (key, name, size, hash)."""
-        return replace(self, key=extracted.key if extracted.key is not None else self.key,
-                       name=extracted.name if extracted.name is not None else self.name,
-                       size=extracted.size if extracted.size is not None else self.size,
-                       sha256=extracted.sha256 if extracted.sha256 is not None else self.sha256)
+        found = {k: getattr(extracted, k) for k in ("key", "name", "size", "sha256")}
+        return replace(self, **{k: v for k, v in found.items() if v is not None})
 
     def to_json(self) -> JsonObject:
         """The wire form (what is signed into the receipt's `spec`)."""
