@@ -148,11 +148,6 @@ def _quickest(kind: tuple[str, str]) -> float:
         return min(seen) if seen else 0.0
 
 
-def _note_duration(kind: tuple[str, str], took_s: float) -> None:
-    with _lock:
-        _durations.setdefault(kind, collections.deque(maxlen=_DURATIONS)).append(took_s)
-
-
 class Slot:
     """The slots of one send: `sent()` when it is over, then `release()` (also a context manager)."""
 
@@ -169,7 +164,9 @@ class Slot:
         if self._end is None:
             self._end = time.time()
             self._quickest = _quickest(self._kind)  # (seen before this send: none seen, 0)
-            _note_duration(self._kind, self._end - self._start)
+            with _lock:
+                seen = _durations.setdefault(self._kind, collections.deque(maxlen=_DURATIONS))
+                seen.append(self._end - self._start)
 
     def release(self, pipe: Any = None) -> None:
         """Push the chat's gate to the send's estimated arrival plus the interval when that is
