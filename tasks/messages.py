@@ -125,12 +125,9 @@ class DeliverySpec:
     def from_json(cls, d: Mapping[str, Any]) -> DeliverySpec:
         """A spec from its wire form (ValueError: not a delivery spec)."""
         try:
-            kind = d["type"]
+            kind, extract, tell, size = d["type"], d.get("extract"), d.get("tell"), d.get("size")
             if kind not in ("text", "file"):
                 raise ValueError(f"a delivery spec of unknown type {kind!r}")
-            extract = d.get("extract")
-            tell = d.get("tell")
-            size = d.get("size")
             return cls(delivery_id=str(d["id"]), job_id=str(d["job"]), target=str(d["target"]),
                        type=cast(SpecType, kind), text=d.get("text"), key=d.get("key"), name=d.get("name"),
                        size=size if isinstance(size, int) else None, sha256=d.get("sha256"),

@@ -127,14 +127,10 @@ def _verified(r: Redis, did: str, rec: receipts.Receipt, target: str | None) -> 
 
 def _look(r: Redis, target: str, token: str, *, take: bool = False, last: Step | str | None = None,
           lock: bool = False, gate: str | None = None, pipe: Pipeline | None = None, pop: bool = False) -> Head:
-    """A look at the head of `target`'s lane by its lease's holder, in two round trips:
-    1. what is queued on `pipe` (the step just sent's record), the lease taken (`take`; held
-       by another: 'busy'), `last` popped if still the head and final, and the head read;
-    2. a script decides: no head (lane_forget.lua): the lane forgotten and the lease released
-       (`pop`: the next lane of the ready set popped with it); a head (lane_head.lua):
-       'extracting' (due time set, lease released) or 'head', a just-taken lease clearing a
-       dead sender's `gate`, `lock`: a single ready head's send lock taken, attempt counted.
-    A script that finds the lane changed since the first read makes the look again."""
+    """A look at the head of `target`'s lane by its lease's holder, in two round trips: `pipe`'s
+    queued writes, the lease taken (`take`), `last` popped if final and the head read; then
+    lane_forget.lua (no head; `pop`: the ready set's next lane) or lane_head.lua (`lock`: a ready
+    head's send lock taken). A script that finds the lane changed makes the look again."""
     lane, lease = keys.lane(target), keys.lease("lane", target)
     last_id = last.lead if isinstance(last, Step) else (last or "")
     last_ids = last.ids if isinstance(last, Step) else ([last] if last else [])
