@@ -65,10 +65,8 @@ def _sandbox_for(ctx: Context, spec: TurnSpec, agent: AgentConfig | None) -> tup
 
 def make_workspace(ctx: Context, ref: SandboxRef, local_dir: str | None, job_id: str,
                    extra_roots: tuple[str, ...] = ()) -> tuple[SandboxRef, str]:
-    """Make the turn's workspace (local: `<agent dir>/turns/<job>`, 0700; else
-    `<workdir>/turns/<job>` in the sandbox, by its `make_dirs` or `mkdir -p`); returns
-    the turn's sandbox ref and the workspace. The ref's roots are that workspace plus
-    `extra_roots` (the agent's config's): its MEDIA paths and file tools reach nothing else."""
+    """Make the turn's workspace (`<agent dir or workdir>/turns/<job>`); returns the turn's sandbox
+    ref, whose roots are that workspace plus `extra_roots` (its MEDIA paths reach nothing else)."""
     if ref.kind == "local":
         assert local_dir is not None
         ws = workspace_path(os.path.abspath(local_dir), job_id)
