@@ -315,8 +315,11 @@ def _drive_leased(ctx: Context, target: str, publish: Publish, token: str, first
         finally:
             if held is not None:  # taken by the look, not used: free it for the next drive
                 sendlock.release_send_lock(r, held_id or "", held.owner)
-        if wait is not None:
-            _wait(r, target, wait, publish)
+        if wait is not None:  # a countdown drive for a short wait, the reconciler for a long one
+            short = wait <= ledger.COUNTDOWN_MAX_S
+            ledger.set_due(r, "lane", target, wait + ledger.LANE_GRACE_S if short else wait)
+            if short:
+                publish(target, wait)
             return {"lane": target, "state": "waiting", "head": head, "wait_s": round(wait, 3), "sent": sent}
         sent += 1
         # the step's record (on `end`), popped once final, and the next: one round trip
@@ -334,15 +337,6 @@ def _gate(ctx: Context, target: str) -> str | None:
     except CourierError:
         return None  # the step itself reports an unusable target
     return gate
-
-
-def _wait(r: Redis, target: str, wait_s: float, publish: Publish) -> None:
-    """The lane goes on in `wait_s`: a countdown drive for a short wait, the reconciler for a long one."""
-    if wait_s <= ledger.COUNTDOWN_MAX_S:
-        ledger.set_due(r, "lane", target, wait_s + ledger.LANE_GRACE_S)
-        publish(target, wait_s)
-    else:
-        ledger.set_due(r, "lane", target, wait_s)
 
 
 def _specs(step: Step) -> list[DeliverySpec]:

@@ -188,19 +188,6 @@ class Slot:
         self.release()
 
 
-def _windows(redis: Any, platform: Platform, chat: str) -> None:
-    """Take the group and bot windows for a send (test the narrower ones first, so a denial takes nothing)."""
-    rs = rules(platform, chat)
-    if rs:
-        limiter = _limiter(redis)
-        for item, ids in rs[:-1]:
-            if not limiter.test(item, *ids):
-                raise _retry_after(limiter, item, ids)
-        for item, ids in reversed(rs):  # then take them, broadest first
-            if not limiter.hit(item, *ids):  # full (or just taken by another worker)
-                raise _retry_after(limiter, item, ids)
-
-
 def ask(pipe: Any, platform: Platform, chat: str) -> int:
     """Queue on `pipe` taking the chat's gate (with its widening after 429s); returns how many
     replies that is, for `take`."""
@@ -226,7 +213,14 @@ def take(redis: Any, platform: Platform, chat: str, replies: list[Any]) -> Slot:
             interval_s *= widening
             redis.pexpire(gate, _ms(interval_s))
     try:
-        _windows(redis, platform, chat)
+        if rs := rules(platform, chat):  # group, bot: tested narrowest first (a denial takes nothing)
+            limiter = _limiter(redis)
+            for item, ids in rs[:-1]:
+                if not limiter.test(item, *ids):
+                    raise _retry_after(limiter, item, ids)
+            for item, ids in reversed(rs):  # then taken, broadest first
+                if not limiter.hit(item, *ids):  # full (or just taken by another worker)
+                    raise _retry_after(limiter, item, ids)
     except BaseException:
         if gate is not None:
             redis.delete(gate)  # nothing was sent: open the gate again

@@ -242,9 +242,13 @@ def _run_agent(ctx: Context, spec: TurnSpec, agent: AgentConfig | None, name: st
             continue
         seen.add(same)
         files.append(chains.StoredFile(**stored[path]) if path in stored else chains.SandboxFile(ref=ref, path=path))
+    try:  # photos one album holds on the target's platform (0: none, or not configured)
+        album_max = ctx.platform(split_target(target)[0]).limits.album_max
+    except CourierError:
+        album_max = 0
     plan = chains.Plan(job_id=job_id, target=target, text=parsed.text or None, files=files,
                        voice=parsed.audio_as_voice, as_document=parsed.as_document,
-                       max_bytes=ctx.max_file_bytes, album_max=_album_max(ctx, target),
+                       max_bytes=ctx.max_file_bytes, album_max=album_max,
                        max_files=ctx.max_files_per_job, tell_unsent=True)
     if receipts.cancel_requested(r, job_id):  # `courier cancel` while it ran: its reply is not delivered
         return TurnOutcome(job_id, target, JobState.CANCELLED, reason=receipts.CANCEL_REASON)
@@ -303,14 +307,6 @@ def _publisher(ctx: Context, job_id: str, on_activity: Callable[[Event], None] |
             on_activity(ev)
 
     return publish
-
-
-def _album_max(ctx: Context, target: str) -> int:
-    """How many photos one album holds on the target's platform (0: none, or not configured)."""
-    try:
-        return ctx.platform(split_target(target)[0]).limits.album_max
-    except CourierError:
-        return 0
 
 
 #: where a turn's spilled outputs are put in its workspace, for the agent to read
