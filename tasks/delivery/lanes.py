@@ -242,7 +242,14 @@ def drive(ctx: Context, target: str, publish: Publish, *, started: str | None = 
     if started:
         pipe = r.pipeline(transaction=False)
         pipe.zrem(keys.drives_waiting(), started)
-    look = _look(r, target, token, take=True, lock=True, gate=_gate(ctx, target), pipe=pipe, pop=pop)
+    # the chat's gate (None: unpaced). The lane's lease is the chat's only sender, so a gate saying
+    # `DEAD_SEND` when a drive takes the lease was left by a holder that died mid-send: the first look
+    # clears it rather than the chat waiting out its TTL
+    gate: str | None = None
+    with suppress(CourierError):  # an unusable target: the step itself reports it
+        name, chat = split_target(target)
+        gate, _ = ratelimit.gate_of(ctx.platform(name), chat)
+    look = _look(r, target, token, take=True, lock=True, gate=gate, pipe=pipe, pop=pop)
     if look.what == "busy":
         return {"lane": target, "state": "busy"}  # a live worker is on it
     if look.what == "empty":  # its lease went with the look
@@ -325,18 +332,6 @@ def _drive_leased(ctx: Context, target: str, publish: Publish, token: str, first
         # the step's record (on `end`), popped once final, and the next: one round trip
         within = time.monotonic() <= deadline
         look = _look(r, target, token, last=step, lock=within, pipe=end, pop=pop and within)
-
-
-def _gate(ctx: Context, target: str) -> str | None:
-    """The chat's gate (None: its platform paces no chat). The lane's lease is the chat's only
-    sender, so a gate saying `DEAD_SEND` when a drive takes the lease was left by a holder
-    that died mid-send: the first look clears it rather than the chat waiting out its TTL."""
-    try:
-        name, chat = split_target(target)
-        gate, _ = ratelimit.gate_of(ctx.platform(name), chat)
-    except CourierError:
-        return None  # the step itself reports an unusable target
-    return gate
 
 
 def _specs(step: Step) -> list[DeliverySpec]:
