@@ -340,20 +340,14 @@ def put_attachments(ctx: Context, spec: TurnSpec, ref: SandboxRef, workdir: str)
     out = []
     taken: set[str] = set()
     for item in items:
-        name = _distinct(posixpath.basename(item["name"]).lstrip(".") or "file", taken)
-        dest = posixpath.join(workdir, "inbox", name)
-        out.append(sandbox.put(ctx.store, item["key"], dest, max_bytes=ctx.max_file_bytes))
-    return out
-
-
-def _distinct(name: str, taken: set[str]) -> str:
-    """`name`, or `stem-N.ext` when an earlier attachment of the turn took it."""
-    stem, ext = posixpath.splitext(name)
-    n, out = 1, name
-    while out.lower() in taken:
-        n += 1
-        out = f"{stem}-{n}{ext}"
-    taken.add(out.lower())
+        name = posixpath.basename(item["name"]).lstrip(".") or "file"
+        (stem, ext), n = posixpath.splitext(name), 1
+        while name.lower() in taken:  # an earlier attachment of the turn took it: `stem-N.ext`
+            n += 1
+            name = f"{stem}-{n}{ext}"
+        taken.add(name.lower())
+        out.append(sandbox.put(ctx.store, item["key"], posixpath.join(workdir, "inbox", name),
+                               max_bytes=ctx.max_file_bytes))
     return out
 
 
