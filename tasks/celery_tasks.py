@@ -91,25 +91,20 @@ class DeliveryFailed(Exception):
     recorded; Celery retries nothing (the ledger owns retries)."""
 
 
-def serves_delivery() -> bool:
-    """Whether this worker consumes the delivery queue too (the default all-queues worker):
-    its extractions then drive their chat's lane themselves, one message less per file."""
-    from celery import current_app
-
-    try:
-        return "delivery" in (current_app.amqp.queues.consume_from or {})
-    except Exception:  # noqa: BLE001 - not in a worker: publish
-        return False
-
-
 @_task(name=task_names.EXTRACT_FILE, acks_late=True, reject_on_worker_lost=True, throws=(DeliveryFailed,))
 def extract_file(delivery_id: str) -> ExtractionRun:
-    """Extract one sandbox file, then drive its chat's lane: here when this worker serves the
-    delivery queue too (`serves_delivery`), else by a `drive_lane` message."""
+    """Extract one sandbox file, then drive its chat's lane: here when this worker consumes the
+    delivery queue too (the default all-queues worker: one message less per file), else by a
+    `drive_lane` message."""
+    from celery import current_app
+
     from tasks.dispatch import chains
 
     ctx = runtime.ctx()
-    inline = serves_delivery()
+    try:
+        inline = "delivery" in (current_app.amqp.queues.consume_from or {})
+    except Exception:  # noqa: BLE001 - not in a worker: publish
+        inline = False
     out = extract_mod.run(ctx, delivery_id)
     wake = out.pop("wake", None)
     if wake is not None:  # its sandbox answers again: what its breaker postponed goes now

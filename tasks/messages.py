@@ -105,10 +105,8 @@ class DeliverySpec:
 
     def with_extraction(self, extracted: Extracted) -> DeliverySpec:
         """The spec with what its extraction found (key, name, size, hash)."""
-        return replace(self, key=extracted.key if extracted.key is not None else self.key,
-                       name=extracted.name if extracted.name is not None else self.name,
-                       size=extracted.size if extracted.size is not None else self.size,
-                       sha256=extracted.sha256 if extracted.sha256 is not None else self.sha256)
+        found = {k: getattr(extracted, k) for k in ("key", "name", "size", "sha256")}
+        return replace(self, **{k: v for k, v in found.items() if v is not None})
 
     def to_json(self) -> JsonObject:
         """The wire form (what is signed into the receipt's `spec`)."""
@@ -127,12 +125,9 @@ class DeliverySpec:
     def from_json(cls, d: Mapping[str, Any]) -> DeliverySpec:
         """A spec from its wire form (ValueError: not a delivery spec)."""
         try:
-            kind = d["type"]
+            kind, extract, tell, size = d["type"], d.get("extract"), d.get("tell"), d.get("size")
             if kind not in ("text", "file"):
                 raise ValueError(f"a delivery spec of unknown type {kind!r}")
-            extract = d.get("extract")
-            tell = d.get("tell")
-            size = d.get("size")
             return cls(delivery_id=str(d["id"]), job_id=str(d["job"]), target=str(d["target"]),
                        type=cast(SpecType, kind), text=d.get("text"), key=d.get("key"), name=d.get("name"),
                        size=size if isinstance(size, int) else None, sha256=d.get("sha256"),

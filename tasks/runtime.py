@@ -8,7 +8,7 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from adapters.defaults import CHROMIUM_PATH, MAX_FILE_BYTES
 from adapters.platforms.base import Platform
@@ -26,52 +26,34 @@ if TYPE_CHECKING:  # types only: a delivery worker never loads the hooks
 class AgentLimitsConfig(Protocol):
     """A sandboxed agent's limits (workers.settings.AgentLimits; 0: none)."""
 
-    @property
-    def processes(self) -> int: ...
-    @property
-    def open_files(self) -> int: ...
-    @property
-    def memory_bytes(self) -> int: ...
-    @property
-    def workspace_bytes(self) -> int: ...
+    processes: int
+    open_files: int
+    memory_bytes: int
+    workspace_bytes: int
 
 
 class AgentConfig(Protocol):
     """An agent as turns read it (workers.settings.AgentSpec)."""
 
-    @property
-    def runtime(self) -> str: ...  # bridge | openai
-    @property
-    def command(self) -> list[str]: ...
-    @property
-    def env(self) -> dict[str, str]: ...
-    @property
-    def env_passthrough(self) -> list[str]: ...
-    @property
-    def timeout_s(self) -> float: ...
-    @property
-    def sandbox(self) -> str | None: ...
-    @property
-    def cwd(self) -> str | None: ...
-    @property
-    def roots(self) -> list[str]: ...
-    @property
-    def isolation(self) -> str: ...  # bwrap | host
-    @property
-    def network(self) -> str | None: ...  # none | proxy | None (the runtime's default)
-    @property
-    def allowed_hosts(self) -> list[str]: ...
-    @property
-    def limits(self) -> AgentLimitsConfig: ...
+    runtime: Literal["bridge", "openai"]
+    command: list[str]
+    env: dict[str, str]
+    env_passthrough: list[str]
+    timeout_s: float
+    sandbox: str | None
+    cwd: str | None
+    roots: list[str]
+    isolation: Literal["bwrap", "host"]
+    network: Literal["none", "proxy"] | None  # None: the runtime's default
+    allowed_hosts: list[str]
     # runtime "openai"
-    @property
-    def model(self) -> str | None: ...
-    @property
-    def system_prompt(self) -> str | None: ...
-    @property
-    def base_url(self) -> str | None: ...
-    @property
-    def max_steps(self) -> int | None: ...
+    model: str | None
+    system_prompt: str | None
+    base_url: str | None
+    max_steps: int | None
+
+    @property  # read-only: a settings model's AgentLimits is one
+    def limits(self) -> AgentLimitsConfig: ...
 
 
 @dataclass(frozen=True)

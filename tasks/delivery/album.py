@@ -27,11 +27,8 @@ class Album:
 
 
 def deliver_album(ctx: Context, group: Album) -> AlbumOutcome:
-    """Deliver a group of photos, under one send lock on the first item's id. Items already
-    done are skipped; a failed extraction (its result in its receipt) is recorded failed,
-    its notice after what the group sends; photos within the photo and upload limits go as
-    one album when two or more remain, the rest one by one after it. The caption goes on
-    the album, else on the first item sent."""
+    """Deliver a group of photos under one send lock (the first item's): those within the limits as
+    one album when two or more remain, the rest one by one after it, failed extractions' notices last."""
     lead = group.items[0].delivery_id
     return sendlock.under_send_lock(ctx, lead, lambda rec: None,
                                     lambda session: _deliver_album_locked(ctx, group))

@@ -29,7 +29,6 @@ from tasks import metrics
 from tasks.delivery import confirm, parts, ratelimit, sendlock
 from tasks.delivery.routing import route
 from tasks.ledger import events, keys, ledger, receipts
-from storage import BlobStore
 from tasks.messages import DeliveryOutcome, DeliverySpec, Extracted
 from tasks.states import EXTRACTION_FAILED, EXTRACTION_OK, DeliveryState
 from tasks.runtime import Context
@@ -387,7 +386,10 @@ def _send_file(ctx: Context, platform: parts.Guarded, chat: str, spec: DeliveryS
     caption, overflow = fit_caption(spec.caption, platform.caption_chars_for(kind, src), platform.limits.text_chars)
     if platform.cache_key and not src.sha256:
         # extraction by kernel copy hashes nothing; the file-id cache needs it
-        src = replace(src, sha256=_sha256_of(ctx.store, key))
+        digest = hashlib.sha256()
+        for chunk in ctx.store.iter_chunks(key):
+            digest.update(chunk)
+        src = replace(src, sha256=digest.hexdigest())
     fid_key = file_id_key(platform, src.sha256, kind)
     did = spec.delivery_id
     upload_part = f"{did}#upload"
@@ -426,13 +428,6 @@ def _send_file(ctx: Context, platform: parts.Guarded, chat: str, spec: DeliveryS
         platform.after_sent(lambda pipe: pipe.set(fid_key, file_id, ex=FILE_ID_TTL_S))
     send_overflow(platform, chat, overflow, spec.delivery_id)
     return sent, (sent.kind or kind).value, size  # what the chat shows (a refused voice message: audio)
-
-
-def _sha256_of(store: BlobStore, key: str) -> str:
-    digest = hashlib.sha256()
-    for chunk in store.iter_chunks(key):
-        digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _notice_refused(ctx: Context, platform: Platform, chat: str, spec: DeliverySpec, src: FileSource, exc: FileRefused,

@@ -17,6 +17,7 @@ import random
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -127,14 +128,10 @@ def _verified(r: Redis, did: str, rec: receipts.Receipt, target: str | None) -> 
 
 def _look(r: Redis, target: str, token: str, *, take: bool = False, last: Step | str | None = None,
           lock: bool = False, gate: str | None = None, pipe: Pipeline | None = None, pop: bool = False) -> Head:
-    """A look at the head of `target`'s lane by its lease's holder, in two round trips:
-    1. what is queued on `pipe` (the step just sent's record), the lease taken (`take`; held
-       by another: 'busy'), `last` popped if still the head and final, and the head read;
-    2. a script decides: no head (lane_forget.lua): the lane forgotten and the lease released
-       (`pop`: the next lane of the ready set popped with it); a head (lane_head.lua):
-       'extracting' (due time set, lease released) or 'head', a just-taken lease clearing a
-       dead sender's `gate`, `lock`: a single ready head's send lock taken, attempt counted.
-    A script that finds the lane changed since the first read makes the look again."""
+    """A look at the head of `target`'s lane by its lease's holder, in two round trips: `pipe`'s
+    queued writes, the lease taken (`take`), `last` popped if final and the head read; then
+    lane_forget.lua (no head; `pop`: the ready set's next lane) or lane_head.lua (`lock`: a ready
+    head's send lock taken). A script that finds the lane changed makes the look again."""
     lane, lease = keys.lane(target), keys.lease("lane", target)
     last_id = last.lead if isinstance(last, Step) else (last or "")
     last_ids = last.ids if isinstance(last, Step) else ([last] if last else [])
@@ -246,7 +243,14 @@ def drive(ctx: Context, target: str, publish: Publish, *, started: str | None = 
     if started:
         pipe = r.pipeline(transaction=False)
         pipe.zrem(keys.drives_waiting(), started)
-    look = _look(r, target, token, take=True, lock=True, gate=_gate(ctx, target), pipe=pipe, pop=pop)
+    # the chat's gate (None: unpaced). The lane's lease is the chat's only sender, so a gate saying
+    # `DEAD_SEND` when a drive takes the lease was left by a holder that died mid-send: the first look
+    # clears it rather than the chat waiting out its TTL
+    gate: str | None = None
+    with suppress(CourierError):  # an unusable target: the step itself reports it
+        name, chat = split_target(target)
+        gate, _ = ratelimit.gate_of(ctx.platform(name), chat)
+    look = _look(r, target, token, take=True, lock=True, gate=gate, pipe=pipe, pop=pop)
     if look.what == "busy":
         return {"lane": target, "state": "busy"}  # a live worker is on it
     if look.what == "empty":  # its lease went with the look
@@ -319,34 +323,16 @@ def _drive_leased(ctx: Context, target: str, publish: Publish, token: str, first
         finally:
             if held is not None:  # taken by the look, not used: free it for the next drive
                 sendlock.release_send_lock(r, held_id or "", held.owner)
-        if wait is not None:
-            _wait(r, target, wait, publish)
+        if wait is not None:  # a countdown drive for a short wait, the reconciler for a long one
+            short = wait <= ledger.COUNTDOWN_MAX_S
+            ledger.set_due(r, "lane", target, wait + ledger.LANE_GRACE_S if short else wait)
+            if short:
+                publish(target, wait)
             return {"lane": target, "state": "waiting", "head": head, "wait_s": round(wait, 3), "sent": sent}
         sent += 1
         # the step's record (on `end`), popped once final, and the next: one round trip
         within = time.monotonic() <= deadline
         look = _look(r, target, token, last=step, lock=within, pipe=end, pop=pop and within)
-
-
-def _gate(ctx: Context, target: str) -> str | None:
-    """The chat's gate (None: its platform paces no chat). The lane's lease is the chat's only
-    sender, so a gate saying `DEAD_SEND` when a drive takes the lease was left by a holder
-    that died mid-send: the first look clears it rather than the chat waiting out its TTL."""
-    try:
-        name, chat = split_target(target)
-        gate, _ = ratelimit.gate_of(ctx.platform(name), chat)
-    except CourierError:
-        return None  # the step itself reports an unusable target
-    return gate
-
-
-def _wait(r: Redis, target: str, wait_s: float, publish: Publish) -> None:
-    """The lane goes on in `wait_s`: a countdown drive for a short wait, the reconciler for a long one."""
-    if wait_s <= ledger.COUNTDOWN_MAX_S:
-        ledger.set_due(r, "lane", target, wait_s + ledger.LANE_GRACE_S)
-        publish(target, wait_s)
-    else:
-        ledger.set_due(r, "lane", target, wait_s)
 
 
 def _specs(step: Step) -> list[DeliverySpec]:

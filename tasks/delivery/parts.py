@@ -141,6 +141,4 @@ class Guarded(Platform):
         return out or [Sent(message_id=m) for m in sent.message_id.split(",")]
 
 
-def guard(redis: Redis, platform: Platform, delivery_id: str, *, first_attempt: bool = False,
-          defer: bool = False) -> Guarded:
-    return Guarded(redis, platform, delivery_id, first_attempt=first_attempt, defer=defer)
+guard = Guarded

@@ -148,11 +148,6 @@ def _quickest(kind: tuple[str, str]) -> float:
         return min(seen) if seen else 0.0
 
 
-def _note_duration(kind: tuple[str, str], took_s: float) -> None:
-    with _lock:
-        _durations.setdefault(kind, collections.deque(maxlen=_DURATIONS)).append(took_s)
-
-
 class Slot:
     """The slots of one send: `sent()` when it is over, then `release()` (also a context manager)."""
 
@@ -169,7 +164,9 @@ class Slot:
         if self._end is None:
             self._end = time.time()
             self._quickest = _quickest(self._kind)  # (seen before this send: none seen, 0)
-            _note_duration(self._kind, self._end - self._start)
+            with _lock:
+                seen = _durations.setdefault(self._kind, collections.deque(maxlen=_DURATIONS))
+                seen.append(self._end - self._start)
 
     def release(self, pipe: Any = None) -> None:
         """Push the chat's gate to the send's estimated arrival plus the interval when that is
@@ -189,19 +186,6 @@ class Slot:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
-
-
-def _windows(redis: Any, platform: Platform, chat: str) -> None:
-    """Take the group and bot windows for a send (test the narrower ones first, so a denial takes nothing)."""
-    rs = rules(platform, chat)
-    if rs:
-        limiter = _limiter(redis)
-        for item, ids in rs[:-1]:
-            if not limiter.test(item, *ids):
-                raise _retry_after(limiter, item, ids)
-        for item, ids in reversed(rs):  # then take them, broadest first
-            if not limiter.hit(item, *ids):  # full (or just taken by another worker)
-                raise _retry_after(limiter, item, ids)
 
 
 def ask(pipe: Any, platform: Platform, chat: str) -> int:
@@ -229,7 +213,14 @@ def take(redis: Any, platform: Platform, chat: str, replies: list[Any]) -> Slot:
             interval_s *= widening
             redis.pexpire(gate, _ms(interval_s))
     try:
-        _windows(redis, platform, chat)
+        if rs := rules(platform, chat):  # group, bot: tested narrowest first (a denial takes nothing)
+            limiter = _limiter(redis)
+            for item, ids in rs[:-1]:
+                if not limiter.test(item, *ids):
+                    raise _retry_after(limiter, item, ids)
+            for item, ids in reversed(rs):  # then taken, broadest first
+                if not limiter.hit(item, *ids):  # full (or just taken by another worker)
+                    raise _retry_after(limiter, item, ids)
     except BaseException:
         if gate is not None:
             redis.delete(gate)  # nothing was sent: open the gate again

@@ -29,14 +29,8 @@ KNOWN_EXT: frozenset[str] = MEDIA_EXTENSIONS | DOCUMENT_EXT
 
 def route(filename: str | os.PathLike[str], *, voice: bool = False, as_document: bool = False,
           animation: bool = True, voice_notes: bool = True) -> Kind:
-    """Kind for a file by extension (case-insensitive), per DESIGN.md's table:
-    animation: the platform has a native animation kind (Telegram) — else .gif is PHOTO.
-    voice_notes: the platform takes voice notes — else voice requests give AUDIO.
-    as_document: images, gifs and video go as DOCUMENT (audio is unaffected).
-    .ogg/.opus: VOICE when voice asked (and voice_notes), else AUDIO.
-    .mp3 .wav .m4a .flac: AUDIO, or VOICE when voice asked and voice_notes.
-    anything else (no extension, a dot-file such as `.png`): DOCUMENT.
-    """
+    """Kind for a file by extension (case-insensitive), per DESIGN.md's table. `animation`,
+    `voice_notes`: the platform has those kinds (else a .gif is a PHOTO, a voice note AUDIO)."""
     name = os.fspath(filename).replace("\\", "/").rsplit("/", 1)[-1]
     ext = os.path.splitext(name)[1].lower()
     if as_document and ext in PHOTO_EXT | ANIMATION_EXT | VIDEO_EXT:

@@ -96,10 +96,9 @@ class Plan:
     tell_unsent: bool = False
 
 
-def sandbox_queue(ref: SandboxRef) -> str:
-    """A ref pinned to a host (`?host=`: containers live on one) is extracted on
-    `sandbox.<host>`; everything else on `sandbox`."""
-    return queue_for(ref)
+#: a ref pinned to a host (`?host=`: containers live on one) is extracted on `sandbox.<host>`, others on
+#: `sandbox`
+sandbox_queue = queue_for
 
 
 #: the reconciler re-drives a stage nobody has looked at for this long (defined once, in the ledger)

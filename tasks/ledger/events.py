@@ -96,17 +96,7 @@ def read_range(r: Redis, job_id: str, start: str = "-", end: str = "+", *, count
 
 def describe(ev: Event) -> str:
     """The human text of one event, one line, no markup: every place that says an event in
-    words says it with this (the turn page renders events itself, in the browser).
-
-    status       its reason, activity or message, else the status itself:
-                 `planning`, `agent exited with code 2`, `thinking`
-    tool_start   its activity, else `using <tool>`
-    tool_result  `<activity or tool> (<status>)`, with the error when it
-                 failed: `$ pytest -q (tool_complete)`, `$ make (error: exit 2)`
-    delivery     `<state> <file name or id>`, then its reason or media:
-                 `delivered chart.png photo`, `failed a.pdf too large`
-    anything else: its JSON
-    """
+    words says it with this (the turn page renders events itself, in the browser)."""
     kind = ev.get("kind")
     if kind == "status":
         return _text(ev.get("reason") or ev.get("activity") or ev.get("message") or ev.get("status"))

@@ -101,11 +101,8 @@ def _agent_dirs(ctx: Context) -> list[str]:
     """Local agent sandbox directories: every one under the default sandbox
     dir, plus those agents name (`retention.agent_sandbox_dirs`)."""
     dirs = list(ctx.retention.agent_sandbox_dirs)
-    try:
-        with os.scandir(ctx.default_sandbox_dir) as it:
-            dirs += [e.path for e in it if e.is_dir(follow_symlinks=False)]
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), os.scandir(ctx.default_sandbox_dir) as it:
+        dirs += [e.path for e in it if e.is_dir(follow_symlinks=False)]
     return dirs
 
 
@@ -120,10 +117,8 @@ def _du(path: str) -> int:
     total = 0
     for dirpath, dirnames, filenames in os.walk(path):
         for name in filenames:
-            try:
+            with contextlib.suppress(OSError):
                 total += os.lstat(os.path.join(dirpath, name)).st_size
-            except OSError:
-                pass
     return total
 
 

@@ -7,6 +7,7 @@ first. Receipts are shown without their `spec` (it holds chat text).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import suppress
 from typing import cast
 
 from redis import Redis
@@ -28,13 +29,10 @@ def shown(rec: Mapping[str, str | None] | None) -> dict[str, object]:
     for k, v in (rec or {}).items():
         if k in HIDDEN or k == "message":
             continue
-        if v is not None and (k in COUNTS or k.endswith("_s")):
-            try:
-                out[k] = int(v) if k in COUNTS else float(v)
-                continue
-            except (TypeError, ValueError):
-                pass
         out[k] = v
+        if v is not None and (k in COUNTS or k.endswith("_s")):
+            with suppress(TypeError, ValueError):
+                out[k] = int(v) if k in COUNTS else float(v)
     return out
 
 

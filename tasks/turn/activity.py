@@ -205,12 +205,11 @@ class TurnActivity:
         if not self.progress:
             return
         try:
-            h = self.redis.hgetall(keys.progress_message(self.job_id))
+            rec = cast("dict[str, str]", self.redis.hgetall(keys.progress_message(self.job_id)))
         except Exception:  # noqa: BLE001
             return
-        if not h:
+        if not rec:
             return
-        rec = cast("dict[str, str]", h)
         if rec.get("platform") == self.platform_name and rec.get("message_id"):
             self._call("end_progress", rec.get("chat") or self.chat, rec["message_id"], force=True)
         self._forget()

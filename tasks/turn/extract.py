@@ -118,12 +118,9 @@ def record_failure(r: Redis, did: str, result: Extracted) -> Extracted:
 
 
 def run(ctx: Context, did: str) -> ExtractionRun:
-    """The extraction stage of delivery `did`, from the ledger alone (its spec is in the
-    receipt), under the stage's lease. A transient failure backs off through the due time
-    (storage outages until their deadline, other errors up to `max_transient_attempts`),
-    then fails the file. Two round trips besides the extraction: extract_begin.lua (read,
-    lease, due time) and one pipeline (result, due time, lease released). The caller
-    drives the chat's lane after it."""
+    """The extraction stage of delivery `did`, from the ledger alone, under the stage's lease: a
+    transient failure backs off through the due time (`ledger.gives_up`), then fails the file.
+    The caller drives the chat's lane after it."""
     r = ctx.redis
     token = ledger.new_token()
     lease = keys.lease("extract", did)

@@ -172,18 +172,6 @@ class _Scanner:
         if s or kind == "x":
             self.pieces.append((kind, s))
 
-    def _last_text_char(self) -> str:
-        if self.pieces and self.pieces[-1][0] == "t":
-            return self.pieces[-1][1][-1]
-        return ""
-
-    def _pop_text_char(self) -> None:
-        kind, s = self.pieces[-1]
-        if len(s) == 1:
-            self.pieces.pop()
-        else:
-            self.pieces[-1] = (kind, s[:-1])
-
     # -- code
     def _fence_end(self, m: re.Match[str]) -> int:
         fence = m.group(1)
@@ -215,16 +203,6 @@ class _Scanner:
         return close + k if close < limit else -1
 
     # -- tags
-    def _directive_at(self, j: int) -> re.Match[str] | None:
-        return _DIRECTIVE_RE.match(self.text, j)
-
-    def _closing_quote(self, q: str, start: int, line_end: int) -> int:
-        """The first `q` followed by a boundary, else the first `q`, else -1."""
-        m = _CLOSING_QUOTE_RE[q].search(self.text, start, line_end)
-        if m is not None:
-            return m.start()
-        return self.text.find(q, start, line_end)
-
     def _split_quoted(self, q: str, start: int) -> tuple[str, int] | None:
         """A quoted path a line break cuts (`MEDIA:"/w/a<newline>b.png"`): one tag, its
         path holding the break, when what the quotes enclose has no other
@@ -241,17 +219,10 @@ class _Scanner:
     def _unquoted(self, start: int) -> tuple[str, int] | None:
         text = self.text
         limit = min(self.n, start + _MAX_PATH + 1)
-        pos = start
-        while True:
-            m = _UNQUOTED_END_RE.search(text, pos, limit)
-            if m is None:
-                end = limit
-                break
-            if m.group() == "[[" and self._directive_at(m.start()) is None:
-                pos = m.start() + 2
-                continue
-            end = m.start()
-            break
+        m = _UNQUOTED_END_RE.search(text, start, limit)
+        while m is not None and m.group() == "[[" and _DIRECTIVE_RE.match(text, m.start()) is None:
+            m = _UNQUOTED_END_RE.search(text, m.start() + 2, limit)  # `[[` of no directive: part of the path
+        end = limit if m is None else m.start()
         if end - start > _MAX_PATH:
             return None
         path = _clean_unquoted(text[start:end])
@@ -269,14 +240,13 @@ class _Scanner:
         if line_end == -1:
             line_end = min(self.n, p + _MAX_PATH + 16)
         if c in "\"'":
-            q = self._closing_quote(c, p + 1, line_end)
+            # the first quote followed by a boundary, else the first quote
+            m = _CLOSING_QUOTE_RE[c].search(text, p + 1, line_end)
+            q = m.start() if m is not None else text.find(c, p + 1, line_end)
             if q != -1:
                 path = text[p + 1 : q].strip()
                 return (path, q + 1) if _valid_path(path) else None
-            split = self._split_quoted(c, p + 1)
-            if split is not None:
-                return split
-            return self._unquoted(p + 1)
+            return self._split_quoted(c, p + 1) or self._unquoted(p + 1)
         if c == "`":
             k = self._run_len(p)
             m = re.compile(r"(?<!`)`{%d}(?!`)" % k).search(text, p + k, line_end)
@@ -322,15 +292,12 @@ class _Scanner:
                     self._emit("c", text[j:end])
                     i = end
             elif tok == "[[":
-                d = self._directive_at(j)
+                d = _DIRECTIVE_RE.match(text, j)
                 if d is None:
                     self._emit("t", "[[")
                     i = j + 2
                 else:
-                    if d.group(1).lower() == "audio_as_voice":
-                        self.audio_as_voice = True
-                    else:
-                        self.as_document = True
+                    setattr(self, d.group(1).lower(), True)  # audio_as_voice | as_document: all it matches
                     self._emit("x", "")
                     i = d.end()
             else:  # MEDIA:
@@ -340,13 +307,11 @@ class _Scanner:
                     i = j + len(_TAG)
                     continue
                 path, end = res
-                while end < n:
-                    opener = self._last_text_char()
-                    if opener and _WRAP_PAIRS.get(opener) == text[end]:
-                        self._pop_text_char()
-                        end += 1
-                    else:
-                        break
+                # a pair wrapped tightly around the tag goes with it (text pieces are never empty)
+                while end < n and self.pieces and self.pieces[-1][0] == "t" \
+                        and _WRAP_PAIRS.get(self.pieces[-1][1][-1]) == text[end]:
+                    self._emit("t", self.pieces.pop()[1][:-1])
+                    end += 1
                 self._emit("x", "")
                 self.tag_starts.append(j)
                 if path not in seen:
@@ -463,10 +428,9 @@ def parse_reply(text: str) -> ParsedReply:
         raise TypeError(f"parse_reply() wants str, not {type(text).__name__}")
     text = str(text)
     sc = _Scanner(text).scan()
+    out = _assemble(sc.pieces)
     if sc.tag_starts or sc.audio_as_voice or sc.as_document:
-        out = _defuse(_assemble(sc.pieces))
-    else:
-        out = _assemble(sc.pieces)
+        out = _defuse(out)
     clean = _CONTROL_RE.sub("", out)
     if clean != out:  # what a control character kept apart may now read as a tag: defuse it
         out = _defuse(clean).strip()

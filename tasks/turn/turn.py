@@ -65,10 +65,8 @@ def _sandbox_for(ctx: Context, spec: TurnSpec, agent: AgentConfig | None) -> tup
 
 def make_workspace(ctx: Context, ref: SandboxRef, local_dir: str | None, job_id: str,
                    extra_roots: tuple[str, ...] = ()) -> tuple[SandboxRef, str]:
-    """Make the turn's workspace (local: `<agent dir>/turns/<job>`, 0700; else
-    `<workdir>/turns/<job>` in the sandbox, by its `make_dirs` or `mkdir -p`); returns
-    the turn's sandbox ref and the workspace. The ref's roots are that workspace plus
-    `extra_roots` (the agent's config's): its MEDIA paths and file tools reach nothing else."""
+    """Make the turn's workspace (`<agent dir or workdir>/turns/<job>`); returns the turn's sandbox
+    ref, whose roots are that workspace plus `extra_roots` (its MEDIA paths reach nothing else)."""
     if ref.kind == "local":
         assert local_dir is not None
         ws = workspace_path(os.path.abspath(local_dir), job_id)
@@ -244,9 +242,13 @@ def _run_agent(ctx: Context, spec: TurnSpec, agent: AgentConfig | None, name: st
             continue
         seen.add(same)
         files.append(chains.StoredFile(**stored[path]) if path in stored else chains.SandboxFile(ref=ref, path=path))
+    try:  # photos one album holds on the target's platform (0: none, or not configured)
+        album_max = ctx.platform(split_target(target)[0]).limits.album_max
+    except CourierError:
+        album_max = 0
     plan = chains.Plan(job_id=job_id, target=target, text=parsed.text or None, files=files,
                        voice=parsed.audio_as_voice, as_document=parsed.as_document,
-                       max_bytes=ctx.max_file_bytes, album_max=_album_max(ctx, target),
+                       max_bytes=ctx.max_file_bytes, album_max=album_max,
                        max_files=ctx.max_files_per_job, tell_unsent=True)
     if receipts.cancel_requested(r, job_id):  # `courier cancel` while it ran: its reply is not delivered
         return TurnOutcome(job_id, target, JobState.CANCELLED, reason=receipts.CANCEL_REASON)
@@ -307,14 +309,6 @@ def _publisher(ctx: Context, job_id: str, on_activity: Callable[[Event], None] |
     return publish
 
 
-def _album_max(ctx: Context, target: str) -> int:
-    """How many photos one album holds on the target's platform (0: none, or not configured)."""
-    try:
-        return ctx.platform(split_target(target)[0]).limits.album_max
-    except CourierError:
-        return 0
-
-
 #: where a turn's spilled outputs are put in its workspace, for the agent to read
 SPILL_DIR = ".courier/spills"
 
@@ -346,20 +340,14 @@ def put_attachments(ctx: Context, spec: TurnSpec, ref: SandboxRef, workdir: str)
     out = []
     taken: set[str] = set()
     for item in items:
-        name = _distinct(posixpath.basename(item["name"]).lstrip(".") or "file", taken)
-        dest = posixpath.join(workdir, "inbox", name)
-        out.append(sandbox.put(ctx.store, item["key"], dest, max_bytes=ctx.max_file_bytes))
-    return out
-
-
-def _distinct(name: str, taken: set[str]) -> str:
-    """`name`, or `stem-N.ext` when an earlier attachment of the turn took it."""
-    stem, ext = posixpath.splitext(name)
-    n, out = 1, name
-    while out.lower() in taken:
-        n += 1
-        out = f"{stem}-{n}{ext}"
-    taken.add(out.lower())
+        name = posixpath.basename(item["name"]).lstrip(".") or "file"
+        (stem, ext), n = posixpath.splitext(name), 1
+        while name.lower() in taken:  # an earlier attachment of the turn took it: `stem-N.ext`
+            n += 1
+            name = f"{stem}-{n}{ext}"
+        taken.add(name.lower())
+        out.append(sandbox.put(ctx.store, item["key"], posixpath.join(workdir, "inbox", name),
+                               max_bytes=ctx.max_file_bytes))
     return out
 
 
