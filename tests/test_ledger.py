@@ -107,14 +107,36 @@ def test_a_lost_extraction_is_published_again_with_a_grace_that_grows_only_behin
     waits = [redrive() for _ in range(3)]
     assert ("extract", "snd_e.0", "sandbox") in published and published.count(published[-1]) == 3
     assert all(ledger.EXTRACT_GRACE_S - 1 < w <= ledger.EXTRACT_GRACE_S for w in waits), waits
-    r.rpush("sandbox", "a message of another stage")  # a backlog in the stage's queue
+    r.zadd(keys.consumers("sandbox"), {"w1": time.time()})  # a worker consumes the queue...
+    r.rpush("sandbox", "a message of another stage")  # ...which has a backlog
     assert redrive() > ledger.EXTRACT_GRACE_S * 7  # its fourth re-drive: 2**3 x the base
+    assert published.count(published[-1]) == 4
     # once extracted, the reconciler forgets it and drives its lane
     receipts.update_delivery(r, "snd_e.0", extraction="ok")
     r.zadd(keys.due("extract"), {"snd_e.0": time.time() - 1})
     published.clear()
     reconcile.tick(ctx, stages())
     assert published == [("lane", "outbox:e")] and r.zscore(keys.due("extract"), "snd_e.0") is None
+
+
+def test_an_extraction_waiting_in_a_queue_nobody_consumes_is_not_copied_there(redis_client, ctx, published):
+    """A file pinned to a host nobody serves (`sandbox.gpu7`): its message is still in that queue, so the
+    reconciler looks again without publishing a copy (which would pile up while the host is down);
+    once a worker consumes the queue, an overdue extraction is published again."""
+    r = redis_client
+    plan = chains.Plan(job_id="snd_g", target="outbox:g",
+                       files=[chains.SandboxFile(chains.SandboxRef("docker", "ctr1", options={"host": "gpu7"}),
+                                                 "/w/a.png")])
+    chains.register(r, plan)
+    r.rpush("sandbox.gpu7", "its message")
+    for _ in range(3):
+        r.zadd(keys.due("extract"), {"snd_g.0": time.time() - 1})
+        reconcile.tick(ctx, stages())
+    assert published == [] and r.zscore(keys.due("extract"), "snd_g.0") > time.time()
+    r.zadd(keys.consumers("sandbox.gpu7"), {"gpu7-worker": time.time()})
+    r.zadd(keys.due("extract"), {"snd_g.0": time.time() - 1})
+    reconcile.tick(ctx, stages())
+    assert published == [("extract", "snd_g.0", "sandbox.gpu7")]
 
 
 def test_a_turn_that_keeps_killing_its_worker_ends_with_an_error_and_a_message(redis_client, ctx, published):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -67,6 +68,16 @@ def grace(r: Redis, queue: str, base_s: float, redrives: int) -> float:
     if not r.llen(queue):  # Celery's queue on Redis: a list named after it (tasks/ops/queues.py)
         return base_s
     return min(MAX_GRACE_S, base_s * 2.0 ** min(redrives, 10))
+
+
+def unserved_backlog(r: Redis, queue: str) -> bool:
+    """`queue` holds messages and no worker consumes it (none has said so for `keys.CONSUMER_STALE_S`):
+    a stage's message published there waits for one, so a copy would only pile up (a host down for a day)."""
+    pipe = r.pipeline(transaction=False)
+    pipe.llen(queue)
+    pipe.zcount(keys.consumers(queue), time.time() - keys.CONSUMER_STALE_S, "+inf")
+    depth, consumers = pipe.execute()
+    return bool(depth) and not consumers
 
 
 def tick(ctx: Context, stages: Sequence[Stage], *, now: float | None = None) -> dict[str, int]:

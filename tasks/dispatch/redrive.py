@@ -8,7 +8,7 @@ import time
 from tasks.delivery import specs
 from tasks.dispatch import chains
 from tasks.ledger import keys, ledger, receipts, signing
-from tasks.dispatch.reconcile import Stage, grace
+from tasks.dispatch.reconcile import Stage, grace, unserved_backlog
 from tasks.runtime import Context
 from tasks.states import EXTRACTION_FAILED, EXTRACTION_OK
 
@@ -42,6 +42,9 @@ def _extraction(ctx: Context, did: str) -> str:
         target = _target_of(rec) if rec is not None and rec.get("spec") else ""
         if target:
             chains.publish_lane(target)  # the lane may be waiting for it
+        return ""
+    if unserved_backlog(r, rec["queue"]):  # its message is still waiting there: looked at again, no copy
+        ledger.set_due(r, "extract", did, ledger.EXTRACT_GRACE_S)
         return ""
     n = int(r.hincrby(keys.delivery(did), "redrives", 1))
     ledger.set_due(r, "extract", did, grace(r, rec["queue"], ledger.EXTRACT_GRACE_S, n - 1))

@@ -130,6 +130,11 @@ def queues() -> str:
     return f"{PREFIX}queues"
 
 
+#: a worker says which queues it consumes this often; one silent for `CONSUMER_STALE_S` consumes nothing
+HEARTBEAT_S = 10.0
+CONSUMER_STALE_S = 3 * HEARTBEAT_S
+
+
 def consumers(queue: str) -> str:
     """sorted set: the workers consuming `queue`, scored by their last heartbeat (every 10 s)"""
     return f"{PREFIX}consumers:{queue}"

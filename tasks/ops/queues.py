@@ -22,8 +22,7 @@ from tasks import task_names
 from tasks.ledger import keys, receipts, signing
 from tasks.states import EXTRACTION_FAILED, EXTRACTION_OK, TURN_OVER
 
-HEARTBEAT_S = 10.0
-CONSUMER_STALE_S = 3 * HEARTBEAT_S
+HEARTBEAT_S, CONSUMER_STALE_S = keys.HEARTBEAT_S, keys.CONSUMER_STALE_S
 #: a queue nobody published to or consumed from for this long, and empty, is forgotten
 FORGET_S = 7 * 24 * 3600
 REGISTRY_TTL_S = 30 * 24 * 3600
