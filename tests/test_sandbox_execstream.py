@@ -242,6 +242,17 @@ def test_local_shell_channel(tmp_path, store):
         assert (root / f"back_{binary}").read_bytes() == data
 
 
+def test_put_of_a_name_near_name_max(tmp_path, store):
+    """A 250-byte file name (NAME_MAX is 255): the hidden temp name beside it is capped too
+    (9efaeac: execstream's `.{name}.{hex}.courier-part` was not, so the put failed)."""
+    root = tmp_path / "ws"
+    root.mkdir()
+    store.put_bytes("in/long", b"near the limit")
+    dest = root / ("n" * 250)
+    exec_put(Counting(LocalShell()), lambda home: PathPolicy(roots=(str(root),)), store, "in/long", str(dest))
+    assert dest.read_bytes() == b"near the limit" and [p.name for p in root.iterdir()] == [dest.name]
+
+
 # -- the docker exec demultiplexer on crafted frame streams --------------------------------
 def _frames(*frames: tuple[int, bytes]) -> bytes:
     import struct
