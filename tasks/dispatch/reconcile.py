@@ -5,7 +5,8 @@ one of them work at a time. A pass reads only each stage's due entries. An overd
 entry whose lease is held is looked at again later (its holder renews it); else its
 stage's re-driver (a `Stage`, given by the stage's owner) forgets it if final, or
 publishes its task again (ids only) and looks again after a grace (`grace`: doubling
-with each re-drive while its queue has a backlog). This module knows the ledger only.
+with each re-drive while its queue has a backlog; no copy into a backlog nobody consumes).
+This module knows the ledger only.
 Recovery after a worker dies: about `ledger.LEASE_TTL_S` + 1 s.
 """
 
@@ -59,25 +60,23 @@ def _unleased_overdue(r: Redis, stage: str, now: float | None) -> Iterator[str]:
             yield ident
 
 
-def grace(r: Redis, queue: str, base_s: float, redrives: int) -> float:
-    """The wait before the next look at an entry re-driven `redrives` times before, whose message
-    goes to `queue`. While the queue holds messages, `base_s` doubling with each re-drive (at most
-    `MAX_GRACE_S`): a long queue is not a lost message. With it empty, `base_s`: the message is
-    waiting nowhere (a worker that loses its broker connection drops what it had prefetched, and
-    kombu restores it only after the visibility timeout), so each re-drive is looked at as soon."""
-    if not r.llen(queue):  # Celery's queue on Redis: a list named after it (tasks/ops/queues.py)
-        return base_s
-    return min(MAX_GRACE_S, base_s * 2.0 ** min(redrives, 10))
+def grace(base_s: float, redrives: int, depth: int) -> float:
+    """The wait before the next look at an entry re-driven `redrives` times before, whose queue holds
+    `depth` messages. Behind a backlog, `base_s` doubling with each re-drive (at most `MAX_GRACE_S`):
+    a long queue is not a lost message. With it empty, `base_s`: the message is waiting nowhere (a
+    worker that loses its broker connection drops what it had prefetched, and kombu restores it only
+    after the visibility timeout), so each re-drive is looked at as soon."""
+    return min(MAX_GRACE_S, base_s * 2.0 ** min(redrives, 10)) if depth else base_s
 
 
-def unserved_backlog(r: Redis, queue: str) -> bool:
-    """`queue` holds messages and no worker consumes it (none has said so for `keys.CONSUMER_STALE_S`):
-    a stage's message published there waits for one, so a copy would only pile up (a host down for a day)."""
+def queue_load(r: Redis, queue: str) -> tuple[int, int]:
+    """(messages in `queue`, workers that said they consume it within `keys.CONSUMER_STALE_S`), in one
+    round trip. Celery's queue on Redis is a list named after it (tasks/ops/queues.py)."""
     pipe = r.pipeline(transaction=False)
     pipe.llen(queue)
     pipe.zcount(keys.consumers(queue), time.time() - keys.CONSUMER_STALE_S, "+inf")
     depth, consumers = pipe.execute()
-    return bool(depth) and not consumers
+    return int(depth), int(consumers)
 
 
 def tick(ctx: Context, stages: Sequence[Stage], *, now: float | None = None) -> dict[str, int]:

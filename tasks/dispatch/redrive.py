@@ -8,7 +8,7 @@ import time
 from tasks.delivery import specs
 from tasks.dispatch import chains
 from tasks.ledger import keys, ledger, receipts, signing
-from tasks.dispatch.reconcile import Stage, grace, unserved_backlog
+from tasks.dispatch.reconcile import Stage, grace, queue_load
 from tasks.runtime import Context
 from tasks.states import EXTRACTION_FAILED, EXTRACTION_OK
 
@@ -43,11 +43,12 @@ def _extraction(ctx: Context, did: str) -> str:
         if target:
             chains.publish_lane(target)  # the lane may be waiting for it
         return ""
-    if unserved_backlog(r, rec["queue"]):  # its message is still waiting there: looked at again, no copy
+    depth, consumers = queue_load(r, rec["queue"])
+    if depth and not consumers:  # its message waits in a queue nobody consumes: looked at again, no copy
         ledger.set_due(r, "extract", did, ledger.EXTRACT_GRACE_S)
         return ""
     n = int(r.hincrby(keys.delivery(did), "redrives", 1))
-    ledger.set_due(r, "extract", did, grace(r, rec["queue"], ledger.EXTRACT_GRACE_S, n - 1))
+    ledger.set_due(r, "extract", did, grace(ledger.EXTRACT_GRACE_S, n - 1, depth))
     chains.publish_extract(did, rec["queue"], rec.get("source", ""))
     return "extractions"
 

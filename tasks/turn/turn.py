@@ -36,7 +36,7 @@ from tasks.dispatch import chains
 from tasks.ledger import events, keys, ledger, receipts, signing
 from tasks.ledger.events import Event
 from tasks.messages import TurnResult, TurnSpec
-from tasks.dispatch.reconcile import Stage, grace
+from tasks.dispatch.reconcile import Stage, grace, queue_load
 from tasks.runtime import AgentConfig, Context
 from tasks.states import TURN_OVER, DeliveryState, JobState
 from tasks.turn.reply import parse_reply
@@ -412,7 +412,7 @@ def _redrive(ctx: Context, job_id: str) -> str:
         abandon(ctx, job_id, f"the agent's worker died {job['attempts']} times during this turn")
         return "abandoned"
     n = int(r.hincrby(keys.job(job_id), "redrives", 1))
-    ledger.set_due(r, "turn", job_id, grace(r, TURNS_QUEUE, ledger.TURN_GRACE_S, n - 1))
+    ledger.set_due(r, "turn", job_id, grace(ledger.TURN_GRACE_S, n - 1, queue_load(r, TURNS_QUEUE)[0]))
     try:
         spec = signing.open_json("turn", job_id, job["spec"])  # logged and counted when forged
     except signing.Forged as exc:
