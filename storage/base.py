@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Protocol, cast
+from typing import BinaryIO, Protocol
 
 from adapters.errors import ConfigError, TooLarge
 
@@ -173,7 +173,7 @@ def iter_chunks(src: BinaryIO | Iterable[bytes], chunk_bytes: int = CHUNK_BYTES)
         while chunk := read(chunk_bytes):
             yield chunk
         return
-    for chunk in cast("Iterable[bytes]", src):  # not a file object: an iterable of bytes
+    for chunk in src:  # not a file object: an iterable of bytes
         if chunk:
             yield bytes(chunk)
 

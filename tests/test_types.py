@@ -5,15 +5,17 @@ checked as `mypy --strict` checks them."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tomllib
+from pathlib import Path
 
 import pytest
 
 from tests.fixtures.services import need
 
-ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _mypy(*args: str) -> subprocess.CompletedProcess[str]:
@@ -21,8 +23,12 @@ def _mypy(*args: str) -> subprocess.CompletedProcess[str]:
         import mypy  # noqa: F401
     except ImportError:
         need(False, "mypy is not installed (pip install -e .[test])")
-    return subprocess.run([sys.executable, "-m", "mypy", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=580)
+    # mypy's incremental cache outside the checkout (one a flag set: a cache made with other flags is
+    # thrown away): a fresh clone's run re-checks only what differs (by content), 10 s -> 0.4 s of CPU
+    cache = (Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "courier"
+             / ("mypy-strict" if "--strict" in args else "mypy"))
+    return subprocess.run([sys.executable, "-m", "mypy", "--cache-dir", str(cache), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=580)
 
 
 def _strict_modules() -> list[str]:
