@@ -148,7 +148,7 @@ class S3Store(BlobStore):
                 signature_version="s3v4",
                 connect_timeout=connect_timeout_s,
                 read_timeout=read_timeout_s,
-                retries={"mode": "standard", "max_attempts": max_attempts},
+                retries={"mode": "standard", "total_max_attempts": max_attempts},  # the first one included
                 # path-style always works on loopback / S3-compatible servers;
                 # virtual-host style stays the default on AWS itself.
                 s3={"addressing_style": "path" if custom_endpoint else "auto"},
