@@ -16,7 +16,7 @@ from adapters.errors import SandboxError, SandboxGone, UnsafePath
 from adapters.sandboxes.base import ReadTimeout, SandboxRef
 from adapters.sandboxes.docker import DockerSandbox
 from tests.fixtures._exec import start_streams_at_the_open
-from tests.fixtures._files import sha_in_container, stored
+from tests.fixtures._files import run_in, sha_in_container, stored
 from tests.fixtures.services import bounded, wait_until
 
 # -- 4. reads happen with the container user's permissions ------------------------------------
@@ -112,10 +112,10 @@ def test_non_root_container_put_writes_only_where_its_user_may(docker_api, user_
     info = store.put_bytes("in/a", b"attachment")
     with pytest.raises(SandboxError):
         s.put(store, "in/a", "/workspace/rootdir/evil.txt")
-    assert user_ctr.exec_run(["ls", "-A", "/workspace/rootdir"]).output == b""  # not even a temp file
+    assert run_in(user_ctr, ["ls", "-A", "/workspace/rootdir"]) == b""  # not even a temp file (a whole, empty answer)
     final = s.put(store, "in/a", "/workspace/turn/inbox/a.txt")
     assert sha_in_container(user_ctr, final) == info.sha256
-    assert user_ctr.exec_run(["stat", "-c", "%u", final]).output.strip() == b"1000"
+    assert run_in(user_ctr, ["stat", "-c", "%u", final]).strip() == b"1000"
     client.close()
 
 
@@ -136,7 +136,7 @@ def test_fifo_open_in_the_stream_is_killed_after_the_deadline(docker_api, store)
         assert isinstance(exc, ReadTimeout), exc
         assert len(seen) == 1
         probe = ["sh", "-c", 'grep -lzxF "$1" /proc/[0-9]*/environ 2>/dev/null | grep -v self || true', "sh", seen[0]]
-        wait_until(lambda: c.exec_run(probe).output.strip() == b"", timeout_s=10,
+        wait_until(lambda: run_in(c, probe).strip() == b"", timeout_s=10,
                    what="the blocked stream run to be killed")
         client.close()
     finally:
