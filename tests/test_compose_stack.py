@@ -55,15 +55,14 @@ import pytest
 import yaml
 
 from tests.fixtures.podman import podman_env, write_podman_conf
-from tests.fixtures.services import need, wait_until
+from tests.fixtures.services import need, user_cache, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "compose" / "docker-compose.yml"
 OVERRIDE = ROOT / "compose" / "ci" / "docker-compose.ci.yml"
-CACHE = Path(os.environ.get("COURIER_COMPOSE_CACHE")
-             or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "courier" / "compose-proof")
+CACHE = Path(os.environ.get("COURIER_COMPOSE_CACHE") or user_cache("compose-proof"))
 DEBIAN_SOURCES = Path("/etc/apt/sources.list.d/debian.sources")
 CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
 #: one base for the three images: what compose/Dockerfile needs, and redis-server and wget for the CI images

@@ -5,7 +5,6 @@ checked as `mypy --strict` checks them."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import tomllib
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures.services import need
+from tests.fixtures.services import need, user_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,8 +24,7 @@ def _mypy(*args: str) -> subprocess.CompletedProcess[str]:
         need(False, "mypy is not installed (pip install -e .[test])")
     # mypy's incremental cache outside the checkout (one a flag set: a cache made with other flags is
     # thrown away): a fresh clone's run re-checks only what differs (by content), 10 s -> 0.4 s of CPU
-    cache = (Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "courier"
-             / ("mypy-strict" if "--strict" in args else "mypy"))
+    cache = user_cache("mypy-strict" if "--strict" in args else "mypy")
     return subprocess.run([sys.executable, "-m", "mypy", "--cache-dir", str(cache), *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=580)
 

@@ -271,7 +271,7 @@ def _start_ops(sender=None, **_kw) -> None:
                 queues.heartbeat(redis_client(url), name, consumed)
             except Exception as exc:  # noqa: BLE001 - the next beat tries again
                 log.debug("heartbeat: %r", exc)
-            stopped.wait(queues.HEARTBEAT_S)
+            stopped.wait(keys.HEARTBEAT_S)
 
     def leave() -> None:
         with contextlib.suppress(Exception):  # it goes stale by itself

@@ -401,15 +401,13 @@ def create_app(settings: Settings | None = None) -> Starlette:
                                  media_type=mimetypes.guess_type(name)[0] or "application/octet-stream")
 
     async def healthz(request: Request) -> Response:
-        from tasks.ops import queues
-
         need = [q for q in request.query_params.get("consumers", "").split(",") if q]
         try:
             await asyncio.wait_for(web.aredis.ping(), timeout=3)
             now = time.time()
             pipe = web.aredis.pipeline(transaction=False)
             for q in ("turns", *need):
-                pipe.zcount(keys.consumers(q), now - queues.CONSUMER_STALE_S, "+inf")
+                keys.count_consumers(pipe, q, now)
             counts = await asyncio.wait_for(pipe.execute(), timeout=3)
         except Exception as exc:  # noqa: BLE001
             return JSONResponse({"ok": False, "redis": type(exc).__name__}, status_code=503)

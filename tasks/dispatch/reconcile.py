@@ -74,7 +74,7 @@ def queue_load(r: Redis, queue: str) -> tuple[int, int]:
     round trip. Celery's queue on Redis is a list named after it (tasks/ops/queues.py)."""
     pipe = r.pipeline(transaction=False)
     pipe.llen(queue)
-    pipe.zcount(keys.consumers(queue), time.time() - keys.CONSUMER_STALE_S, "+inf")
+    keys.count_consumers(pipe, queue, time.time())
     depth, consumers = pipe.execute()
     return int(depth), int(consumers)
 

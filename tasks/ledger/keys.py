@@ -3,6 +3,8 @@ the broker queues, `unacked*`, `celery-task-meta-*`, are Celery's)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 PREFIX = "courier:"
 
 
@@ -138,6 +140,12 @@ CONSUMER_STALE_S = 3 * HEARTBEAT_S
 def consumers(queue: str) -> str:
     """sorted set: the workers consuming `queue`, scored by their last heartbeat (every 10 s)"""
     return f"{PREFIX}consumers:{queue}"
+
+
+def count_consumers(pipe: Any, queue: str, now: float) -> Any:
+    """Queue on `pipe` (sync or async) the count of `queue`'s live consumers: heartbeats younger
+    than `CONSUMER_STALE_S`."""
+    return pipe.zcount(consumers(queue), now - CONSUMER_STALE_S, "+inf")
 
 
 def janitor_lock() -> str:

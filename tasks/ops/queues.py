@@ -5,7 +5,7 @@ A queue is a Redis list consumed from the right: the oldest message is `LINDEX q
 and courier stamps each message with its publish time (header `sent_s`). Known queues
 are kept in `keys.queues()`, so a `sandbox.<host>` queue with messages but no worker is
 still listed. A consumer is a worker whose heartbeat on the queue is younger than
-CONSUMER_STALE_S. The `delivery` queue counts the lanes waiting in the ready set too.
+`keys.CONSUMER_STALE_S`. The `delivery` queue counts the lanes waiting in the ready set too.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from tasks import task_names
 from tasks.ledger import keys, receipts, signing
 from tasks.states import EXTRACTION_FAILED, EXTRACTION_OK, TURN_OVER
 
-HEARTBEAT_S, CONSUMER_STALE_S = keys.HEARTBEAT_S, keys.CONSUMER_STALE_S
 #: a queue nobody published to or consumed from for this long, and empty, is forgotten
 FORGET_S = 7 * 24 * 3600
 REGISTRY_TTL_S = 30 * 24 * 3600
@@ -52,7 +51,7 @@ def heartbeat(r: Redis, worker: str, queues: list[str], *, now: float | None = N
     pipe = r.pipeline(transaction=False)
     for q in queues:
         pipe.zadd(keys.consumers(q), {worker: now})
-        pipe.zremrangebyscore(keys.consumers(q), "-inf", now - 10 * CONSUMER_STALE_S)
+        pipe.zremrangebyscore(keys.consumers(q), "-inf", now - 10 * keys.CONSUMER_STALE_S)
         pipe.expire(keys.consumers(q), 24 * 3600)
         register(pipe, q, now=now)
     pipe.execute()
@@ -90,7 +89,7 @@ def stats(r: Redis, *, now: float | None = None) -> list[QueueStats]:
         # Celery's message: kombu's JSON envelope (body base64); read as bytes, so a foreign
         # entry that is not UTF-8 shows as an unknown age, not a decoding error
         pipe.execute_command("LINDEX", q, -1, **{NEVER_DECODE: True})  # type: ignore[no-untyped-call]  # redis-py's
-        pipe.zcount(keys.consumers(q), now - CONSUMER_STALE_S, "+inf")
+        keys.count_consumers(pipe, q, now)
     pipe.zcard(keys.lanes_ready())
     pipe.zrange(keys.lanes_ready(), 0, 0, withscores=True)
     res = pipe.execute()

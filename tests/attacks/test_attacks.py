@@ -12,10 +12,12 @@ none may be there), so no row can pass by leaking.
 
 from __future__ import annotations
 
+import contextlib
 import filecmp
 import os
 import pwd
 import shutil
+import signal
 import stat
 import threading
 import time
@@ -28,6 +30,7 @@ from adapters.errors import (
 )
 from adapters.sandboxes.base import ReadTimeout, parse_uri
 from tests.attacks.harness import ALL, HOST_VISIBLE, LEGIT, SECRET
+from tests.fixtures._files import proc_cmdlines
 from tests.fixtures.services import bounded as run_bounded
 
 #: what every bounded call may take at most (the read deadlines in the rows are 2-3 s)
@@ -144,7 +147,7 @@ def fifo_swap_race(h, store, request):
     anything but the legit bytes."""
     stop = threading.Event()
     h.write(h.ws + "/p", LEGIT)
-    runner, started = None, time.time()
+    runner, left_before = None, _blocked_sshd() if h.name == "ssh-sftp" else set()
     if h.hp(h.ws) is not None:
         ws = h.hp(h.ws)
 
@@ -171,8 +174,9 @@ def fifo_swap_race(h, store, request):
         outcomes = _race(h, sb, store, h.ws + "/p", release=h.hp(h.ws + "/p"))
     finally:
         _stop(h, stop, runner)
-        if h.name == "ssh-sftp":
-            _end_blocked_sftp_servers(since=started)
+        if h.name == "ssh-sftp":  # the run leaves nothing behind
+            for pid in _blocked_sshd() - left_before:
+                os.kill(pid, signal.SIGTERM)
     if runner is not None:  # the loop may have stopped on its FIFO (never opened here: it would block)
         h.remove(h.ws + "/p")
         h.write(h.ws + "/p", LEGIT)
@@ -180,24 +184,17 @@ def fifo_swap_race(h, store, request):
     print(f"{h.name} fifo swap: {outcomes}")
 
 
-def _end_blocked_sftp_servers(since: float) -> None:
-    """The SFTP server processes this row left blocked opening a FIFO whose inode the swaps replaced
-    (docs/security.md: SFTP has no non-blocking open; they outlive the connection courier dropped at
-    its deadline): ended, so the run leaves nothing behind. Found by their kernel wait, name and start."""
-    boot = time.time() - float(open("/proc/uptime").read().split()[0])
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/wchan") as f:
-                if f.read() != "wait_for_partner":
-                    continue
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rpartition(")")[2].split()
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                named = f.read().startswith(b"sshd: ")
-        except OSError:
-            continue
-        if named and boot + int(fields[19]) / os.sysconf("SC_CLK_TCK") >= since - 1:
-            os.kill(int(pid), 15)
+def _blocked_sshd() -> set[int]:
+    """sshd processes blocked opening a FIFO (kernel wait `wait_for_partner`): what paramiko's SFTP
+    leaves on the host when a FIFO is swapped in for its open (docs/security.md: no non-blocking open
+    in SFTP; they outlive the connection courier dropped at its deadline)."""
+    found = set()
+    for pid, argv in proc_cmdlines():
+        if argv[0].startswith(b"sshd: "):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/wchan") as f:
+                if f.read() == "wait_for_partner":
+                    found.add(pid)
+    return found
 
 
 def _delivers_once_still(sb, store, path: str) -> None:
