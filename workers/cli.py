@@ -27,23 +27,8 @@ from storage import prefixes
 from tasks.ledger import keys, receipts
 from tasks.states import DeliveryState, JobState
 from workers.console import (
-    EXIT_FAILED,
-    EXIT_INPUT,
-    EXIT_SERVICE,
-    EXIT_TIMEOUT,
-    STATE_COLORS,
-    cell,
-    deliveries_table,
-    delivery_cells,
-    delivery_columns,
-    die,
-    err,
-    esc,
-    follow,
-    new_table,
-    out,
-    wait_deliveries,
-    watch_job,
+    EXIT_FAILED, EXIT_INPUT, EXIT_SERVICE, EXIT_TIMEOUT, cell, deliveries_table, delivery_cells, delivery_columns,
+    die, err, esc, follow, new_table, out, wait_deliveries, watch_job,
 )
 
 if TYPE_CHECKING:
@@ -85,13 +70,12 @@ def _settings():
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = ".".join(str(x) for x in first.get("loc", ()))
-        raise die(f"bad setting {loc.upper() or ''}: {first.get('msg')}", EXIT_INPUT) from None
+        raise die(f"bad setting {loc.upper()}: {first.get('msg')}", EXIT_INPUT) from None
     except SettingsError as exc:  # a JSON setting that is not JSON (COURIER_AGENTS='{bad')
         m = re.search(r'field "([a-z0-9_]+)"', str(exc))
         field = Settings.model_fields.get(m.group(1)) if m else None
         name = env_names(m.group(1), field)[0] if field is not None else "a setting"
-        cause = exc.__cause__
-        why = f": {cause}" if isinstance(cause, ValueError) else ""
+        why = f": {exc.__cause__}" if isinstance(exc.__cause__, ValueError) else ""
         raise die(f"bad setting {name}: not valid JSON{why}", EXIT_INPUT) from None
     from workers import logformat, logsafe
 
@@ -101,8 +85,7 @@ def _settings():
 
 
 def _redis(settings, *, enqueues: bool = False):
-    """Redis, or a one-line error (exit 3): `enqueues`, for a command that would have enqueued
-    something, says nothing was (a read-only command has nothing to say about it)."""
+    """Redis, or a one-line error (exit 3); with `enqueues` (a command that would have enqueued) it says nothing was."""
     from workers.embedded import redact_url, redis_refusal
     from workers.wiring import redis_client
 
@@ -136,7 +119,6 @@ def _celery():
     import workers.celery_app  # noqa: F401 - binds the tasks to the configured app
 
 
-# -- send ----------------------------------------------------------------------
 @app.command()
 def send(
     target: Annotated[str, typer.Argument(help="<platform>:<chat id>, e.g. outbox:demo or telegram:-100123")],
@@ -229,7 +211,6 @@ def _finish(job_id: str, rows: list[dict], done: bool, as_json: bool) -> None:
         raise typer.Exit(EXIT_FAILED)
 
 
-# -- turn ------------------------------------------------------------------------
 @app.command()
 def turn(
     target: Annotated[str, typer.Argument(help="<platform>:<chat id> the reply goes to")],
@@ -273,10 +254,7 @@ def turn(
             attachments.append({"key": key, "name": p.name})
     chains.enqueue_turn(r, target, message, agent=name, job_id=job_id, sandbox=sandbox, attachments=attachments)
     if not wait:
-        if as_json:
-            print(json.dumps({"job": job_id, "events_token": events_token(r, job_id)}))
-        else:
-            print(job_id)
+        print(json.dumps({"job": job_id, "events_token": events_token(r, job_id)}) if as_json else job_id)
         return
     if not as_json:
         out.print(f"turn [bold]{esc(job_id)}[/] queued", highlight=False)
@@ -296,8 +274,7 @@ def watch(
     as_json: Annotated[bool, typer.Option("--json", help="one JSON line per event (with its stream id)")] = False,
 ) -> None:
     """Show a turn's (or a send's) events live, until its deliveries are done."""
-    settings = _settings()
-    r = _redis(settings)
+    r = _redis(_settings())
     if receipts.get_job(r, job_id) is None and not r.exists(keys.events(job_id)):
         raise die(f"no turn or send with id {job_id!r}", EXIT_INPUT)
     res = watch_job(r, job_id, timeout, as_json=as_json)
@@ -307,7 +284,6 @@ def watch(
         raise typer.Exit(EXIT_FAILED)
 
 
-# -- web ---------------------------------------------------------------------------
 @app.command()
 def web(
     host: Annotated[str | None, typer.Option(help="address to bind (default COURIER_WEB_HOST)")] = None,
@@ -334,7 +310,6 @@ def web(
                 log_level=log_level.lower(), timeout_graceful_shutdown=5, log_config=None)
 
 
-# -- status ------------------------------------------------------------------------
 @app.command()
 def status(
     ident: Annotated[str, typer.Argument(metavar="ID", help="a send, turn or delivery id")],
@@ -344,8 +319,7 @@ def status(
     from tasks.ops.listing import shown
     from workers.eventauth import events_token
 
-    settings = _settings()
-    r = _redis(settings)
+    r = _redis(_settings())
     job = receipts.get_job(r, ident)
     if job is not None:
         rows = receipts.job_deliveries(r, ident)
@@ -369,7 +343,6 @@ def status(
         raise typer.Exit(EXIT_FAILED)
 
 
-# -- deliveries, queues ---------------------------------------------------------------
 @app.command()
 def deliveries(
     failed: Annotated[bool, typer.Option("--failed", help="only deliveries that failed")] = False,
@@ -383,10 +356,7 @@ def deliveries(
     from tasks.ops import listing
 
     settings = _settings()
-    since_s = None
-    if since is not None:
-        with _or_die(ValueError, "--since: "):
-            since_s = time.time() - parse_duration(since)
+    since_s = None if since is None else time.time() - parse_duration(since, "--since")
     if chat is not None:
         with _or_die(prefix="--chat: "):
             split_target(chat)
@@ -419,8 +389,7 @@ def queues(
     from tasks.ledger import ledger
     from tasks.ops import queues as queues_mod
 
-    settings = _settings()
-    r = _redis(settings)
+    r = _redis(_settings())
     if yes and not purge_orphans:
         raise die("--yes goes with --purge-orphans", EXIT_INPUT)
     if purge_orphans:
@@ -442,20 +411,16 @@ def queues(
         return
     rows = queues_mod.stats(r)
     pending = ledger.pending(r)
-    if as_json:
-        print(json.dumps({"queues": rows, "ledger_pending": pending}))
-        return
     t = new_table("queues", ("queue", "depth", "oldest", "consumers"), numeric=True)
     for row in rows:
         age = row["oldest_age_s"]
         warn = row["depth"] and not row["consumers"]
         t.add_row(cell(row["queue"]), cell(row["depth"]), cell(_age(age) if age is not None else "-"),
                   cell(row["consumers"], "bold red" if warn else ""))
-    out.print(t)
     lt = new_table("ledger: pending per stage", ("stage", "pending"), numeric=True)
     for stage, n in pending.items():
         lt.add_row(cell(stage), cell(n))
-    out.print(lt)
+    _emit(as_json, {"queues": rows, "ledger_pending": pending}, t, lt)
 
 
 def _age(s: float) -> str:
@@ -463,7 +428,6 @@ def _age(s: float) -> str:
     return f"{s / per:.1f}{unit}"
 
 
-# -- retry, cancel ------------------------------------------------------------------
 def _outcome_table(title: str, rows: list[dict]) -> Table:
     t = new_table(title, ("delivery", "outcome", "state", "note"), overflow="fold")
     for row in rows:
@@ -489,8 +453,7 @@ def retry(
     from tasks.dispatch import chains
     from tasks.ops import operations
 
-    settings = _settings()
-    r = _redis(settings, enqueues=True)
+    r = _redis(_settings(), enqueues=True)
     recs: dict[str, dict] = {}
     problems: list[dict] = []
     for ident in dict.fromkeys(ids):
@@ -511,8 +474,7 @@ def retry(
             else:
                 recs.setdefault(rec["id"], rec)
     if problems:
-        table = _outcome_table("retry: nothing re-queued", problems)
-        _emit(as_json, {"retried": [], "refused": problems}, table)
+        _emit(as_json, {"retried": [], "refused": problems}, _outcome_table("retry: nothing re-queued", problems))
         raise die("; ".join(f"{p['id']}: {p['reason']}" for p in problems) + " (nothing was re-queued)",
                   EXIT_INPUT)
     _celery()
@@ -558,8 +520,7 @@ def cancel(
     from tasks.ops import operations
     from tasks.ops import queues as queues_mod
 
-    settings = _settings()
-    r = _redis(settings)
+    r = _redis(_settings())
     rec = receipts.get_job(r, job)
     if rec is None:
         if receipts.get_delivery(r, job) is not None:
@@ -569,7 +530,6 @@ def cancel(
     results: dict[str, dict] = {}
 
     def look() -> tuple[None, bool]:  # cancel what has not started; done when no send is in flight
-        flight = False
         for row in receipts.job_deliveries(r, job):
             before = results.get(row["id"])
             if before is not None and before["outcome"] != "in_flight":
@@ -577,13 +537,12 @@ def cancel(
             res = operations.cancel_delivery(r, row)
             if res["outcome"] == "in_flight":
                 res["note"] = "being sent: it finishes"
-                flight = True
             elif res["outcome"] == "final":
                 res["note"] = "was in flight: it finished" if before is not None else "already final"
             results[res["id"]] = res
-        return None, not flight
+        return None, all(res["outcome"] != "in_flight" for res in results.values())
 
-    follow(r, [job], look, timeout)  # a send in flight: its final event wakes the next look
+    _, settled = follow(r, [job], look, timeout)  # a send in flight: its final event wakes the next look
     # its messages still queued (an extraction waiting on a sandbox.<host> queue nobody consumes, a
     # turn that had not started) would only find their entries cancelled: they go now
     purged = queues_mod.purge(r, queues_mod.orphans(r, job=job))
@@ -591,10 +550,9 @@ def cancel(
         _celery()
         chains.publish_lane(rec.get("target", ""))  # the lane drops the cancelled steps now, not at its due time
     rows_out = list(results.values())
-    timed_out = any(res["outcome"] == "in_flight" for res in rows_out)
     if as_json:
         print(json.dumps({"job": job, "kind": rec.get("kind"), "turn": turn_was, "deliveries": rows_out,
-                          "timed_out": timed_out, "messages_dropped": purged}))
+                          "timed_out": not settled, "messages_dropped": purged}))
     else:
         if turn_was is not None:
             msg = {"queued": "the turn had not started: it ends now, delivering nothing",
@@ -605,11 +563,10 @@ def cancel(
         out.print(f"{job}: {n} deliver{'y' if n == 1 else 'ies'} cancelled", markup=False, highlight=False)
         if rows_out:
             out.print(_outcome_table(f"cancel {job}", rows_out))
-    if timed_out:
+    if not settled:
         raise die(f"sends still in flight after {timeout:g}s; see `courier status {job}`", EXIT_TIMEOUT)
 
 
-# -- webhook set ------------------------------------------------------------------
 webhook_app = typer.Typer(no_args_is_help=True, help="Point a platform's webhook at the web process.")
 app.add_typer(webhook_app, name="webhook")
 
@@ -668,19 +625,17 @@ def webhook_set(
     if not answer.get("ok"):
         raise die(f"Telegram refused the webhook: {answer.get('description') or resp.status_code}", EXIT_FAILED)
     _emit(as_json, {"platform": name, "url": full, "done": True},
-          f"telegram: webhook set to {full} (updates carry TELEGRAM_WEBHOOK_SECRET)", markup=False,
-          highlight=False)
+          f"telegram: webhook set to {full} (updates carry TELEGRAM_WEBHOOK_SECRET)", markup=False, highlight=False)
 
 
-# -- janitor ----------------------------------------------------------------------
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
-def parse_duration(raw: str) -> float:
-    """`90`, `90s`, `15m`, `12h`, `7d`, `2w` -> seconds; ValueError otherwise."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", raw or "")
+def parse_duration(raw: str, option: str) -> float:
+    """`90`, `90s`, `15m`, `12h`, `7d`, `2w` -> seconds; anything else exits 2, naming `option`."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", raw)
     if not m:
-        raise ValueError(f"not a duration: {raw!r} (e.g. 3600, 90m, 12h, 7d)")
+        raise die(f"{option}: not a duration: {raw!r} (e.g. 3600, 90m, 12h, 7d)", EXIT_INPUT)
     return float(m.group(1)) * _UNITS[m.group(2) or "s"]
 
 
@@ -705,24 +660,17 @@ def janitor(
         _store(settings)
         with _or_die(CourierError, "could not install the lifecycle rules: ", EXIT_SERVICE), _or_die():
             res = janitor_mod.install_lifecycle(build_context(settings))
-        if as_json:
-            print(json.dumps(res))
-            return
         t = new_table("S3 lifecycle rules " + ("installed" if res["changed"] else "already in place")
                       + (f" (and {res['kept']} other rules kept)" if res["kept"] else ""), ("rule", "prefix", "after"))
         for rule in res["rules"]:
             after = (f"expire {rule['Expiration']['Days']} d" if "Expiration" in rule else
                      f"abort unfinished uploads {rule['AbortIncompleteMultipartUpload']['DaysAfterInitiation']} d")
             t.add_row(cell(rule["ID"]), cell(rule["Filter"]["Prefix"]), cell(after))
-        out.print(t)
-        return
-    older_s = None
-    if older_than is not None:
-        with _or_die(ValueError, "--older-than: "):
-            older_s = parse_duration(older_than)
-        if older_s < janitor_mod.MIN_OLDER_THAN_S:
-            raise die("--older-than must be at least 1h: younger files may still be waiting for their delivery",
-                      EXIT_INPUT)
+        return _emit(as_json, res, t)
+    older_s = None if older_than is None else parse_duration(older_than, "--older-than")
+    if older_s is not None and older_s < janitor_mod.MIN_OLDER_THAN_S:
+        raise die("--older-than must be at least 1h: younger files may still be waiting for their delivery",
+                  EXIT_INPUT)
     _redis(settings)
     _store(settings)
     with _or_die(CourierError, "the sweep stopped: ", EXIT_SERVICE):
@@ -760,7 +708,6 @@ def send_state(rows: list[dict]) -> str:
     return DeliveryState.QUEUED
 
 
-# -- demo --------------------------------------------------------------------------
 @app.command()
 def demo(
     to: Annotated[str | None, typer.Option("--to", help="deliver to this target instead of the outbox")] = None,
@@ -770,11 +717,9 @@ def demo(
     """Run the whole pipeline locally: Redis (embedded if needed), a worker, the demo agent, the outbox."""
     from workers.demo import run_demo
 
-    code = run_demo(to=to, message=message, timeout_s=timeout, console=out, err=err)
-    raise typer.Exit(code)
+    raise typer.Exit(run_demo(to=to, message=message, timeout_s=timeout, console=out, err=err))
 
 
-# -- worker ------------------------------------------------------------------------
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def worker(ctx: typer.Context) -> None:
     """Start a Celery worker (any `celery worker` option, e.g. -Q delivery -n d@%h): a delivery-only
@@ -785,7 +730,6 @@ def worker(ctx: typer.Context) -> None:
     start(list(ctx.args))
 
 
-# -- flower --------------------------------------------------------------------------
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
 def flower(ctx: typer.Context) -> None:
     """Start Flower on courier's Celery app (any `celery flower` option, e.g. --port=5555; --help is

@@ -8,6 +8,7 @@ import json
 import sys
 import time
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 from typing import TypeVar
 
 import typer
@@ -71,11 +72,13 @@ def die(msg: str, code: int) -> "typer.Exit":
 LOOK_MS = 250
 
 
-def follow(r, job_ids: Iterable[str], look: Callable[[], tuple[T, bool]], timeout_s: float) -> tuple[T, bool]:
+def follow(r, job_ids: Iterable[str], look: Callable[[], tuple[T, bool]], timeout_s: float,
+           on_event: Callable[[str, dict], None] | None = None) -> tuple[T, bool]:
     """`look()` (-> its value, and whether it is done) until done or `timeout_s` is up: the
     last look's value and whether it was done. Between looks it blocks on the jobs' event
     streams (read from their start, then after the last event seen), so an event, even one
-    that lands between a look and the next read, wakes it at once."""
+    that lands between a look and the next read, wakes it at once; each event read goes to
+    `on_event(stream id, event)`, in order."""
     deadline = time.monotonic() + timeout_s
     cursors = dict.fromkeys(job_ids, "0-0")
     while True:
@@ -83,9 +86,11 @@ def follow(r, job_ids: Iterable[str], look: Callable[[], tuple[T, bool]], timeou
         left = deadline - time.monotonic()
         if done or left <= 0 or not cursors:
             return value, done
-        for job_id, eid, _ev in events.read_many(r, cursors, block_ms=int(min(left * 1000, LOOK_MS)) or 1,
-                                                 count=200):
+        for job_id, eid, ev in events.read_many(r, cursors, block_ms=int(min(left * 1000, LOOK_MS)) or 1,
+                                                count=200):
             cursors[job_id] = eid
+            if on_event is not None:
+                on_event(eid, ev)
 
 
 def wait_deliveries(r, job_id: str, timeout_s: float) -> tuple[list[dict], bool]:
@@ -115,29 +120,21 @@ def watch_job(r, job_id: str, timeout_s: float, *, quiet: bool = False, as_json:
     error or a failed delivery; None: timed out."""
     tracker = events.EndTracker.for_job(r, job_id)
     view = _WatchView(job_id)
-    deadline = time.monotonic() + timeout_s
-    cursor = "0-0"
-    live = Live(view, console=out, transient=True, refresh_per_second=8) \
-        if not (quiet or as_json) and out.is_terminal else None
-    try:
-        if live is not None:
-            live.start()
-        while not tracker.done:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            for eid, ev in events.read(r, job_id, cursor, block_ms=int(min(left, 0.25) * 1000) or 1, count=200):
-                cursor = eid
-                tracker.feed(ev)
-                line = view.feed(ev)
-                if as_json:
-                    print(json.dumps({"id": eid, **ev}, ensure_ascii=False), flush=True)
-                elif not quiet and line:
-                    out.print(line, highlight=False)
-    finally:
-        if live is not None:
-            live.stop()
-    if not (quiet or as_json):
+    shown = not (quiet or as_json)
+
+    def on_event(eid: str, ev: dict) -> None:
+        tracker.feed(ev)
+        line = view.feed(ev)
+        if as_json:
+            print(json.dumps({"id": eid, **ev}, ensure_ascii=False), flush=True)
+        elif shown and line:
+            out.print(line, highlight=False)
+
+    with Live(view, console=out, transient=True, refresh_per_second=8) if shown and out.is_terminal else nullcontext():
+        _, done = follow(r, [job_id], lambda: (None, tracker.done), timeout_s, on_event)
+    if not done:
+        return None
+    if shown:
         out.print(view.summary(tracker), highlight=False)
     return _ok(tracker)
 
@@ -178,8 +175,7 @@ class _WatchView:
         done = sum(1 for s in self.deliveries.values() if s in (DeliveryState.DELIVERED, DeliveryState.FAILED))
         line = Text.assemble((self.job_id, "bold"), " · ", (self.phase, "cyan"))
         if self.activity:
-            line.append(" · ")
-            line.append(self.activity)
+            line.append(f" · {self.activity}")
         line.append(f" · {time.monotonic() - self.t0:.1f}s", style="dim")
         if self.deliveries:
             line.append(f" · deliveries {done}/{len(self.deliveries)}", style="dim")
