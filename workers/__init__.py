@@ -1,10 +1,8 @@
-"""courier's processes (worker, web, CLI, demo).
+"""courier's processes (worker, web, CLI, demo). Every entry point imports this package first.
 
-Every entry point imports this package first. It puts courier's root on
-`sys.path` ahead of the working directory (courier's top-level packages have
-common names, and a data dir holding `storage/` would otherwise be imported as
-a namespace package under an editable install), and makes the process
-non-dumpable before it reads a setting (`_not_dumpable`).
+It puts courier's root on `sys.path` ahead of the working directory (courier's top-level packages have
+common names, and a data dir holding `storage/` would otherwise be imported as a namespace package under
+an editable install), and makes the process non-dumpable before it reads a setting (`_not_dumpable`).
 """
 
 from __future__ import annotations
@@ -17,10 +15,9 @@ PR_SET_DUMPABLE = 4
 
 
 def _not_dumpable() -> None:
-    """`prctl(PR_SET_DUMPABLE, 0)`: another process of the same uid (an agent) can no longer
-    read this process's /proc/<pid>/environ, mem or fds, nor ptrace it, so the tokens and
-    Redis URL stay in it; no core dumps either. Kept across fork (pool children), reset by
-    execve (an agent courier starts is an ordinary process)."""
+    """`prctl(PR_SET_DUMPABLE, 0)`: another process of the same uid (an agent) can no longer read this
+    process's /proc/<pid>/environ, mem or fds, nor ptrace it, so the tokens and Redis URL stay in it; no
+    core dumps either. Kept across fork (pool children), reset by execve (an agent courier starts)."""
     if not sys.platform.startswith("linux"):
         return
     try:

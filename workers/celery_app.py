@@ -77,8 +77,7 @@ def make_app(settings=None) -> Celery:
         accept_content=[signed_messages.NAME],
         result_accept_content=["json"],
         task_acks_late=True,
-        # a stage that hangs (an I/O without a deadline) is cut: the soft limit raises inside
-        # the task (a transient error: the ledger retries it), the hard one (30 s later) ends the process
+        # a stage that hangs (an I/O without a deadline) is cut: the ledger retries it past the soft limit
         task_annotations={name: {"soft_time_limit": soft_s, "time_limit": soft_s + 30} for name, soft_s in (
             (task_names.DRIVE_LANE, s.delivery_time_limit_s), (task_names.EXTRACT_FILE, s.extract_time_limit_s),
             (task_names.AGENT_TURN, s.turn_time_limit_s), (task_names.JANITOR_SWEEP, 1800),
@@ -86,8 +85,7 @@ def make_app(settings=None) -> Celery:
         task_reject_on_worker_lost=True,
         task_acks_on_failure_or_timeout=True,
         worker_prefetch_multiplier=1,
-        # a message reserved by a worker that died comes back after this (it must exceed the
-        # longest countdown); recovery does not wait for it (the reconciler re-drives the stage)
+        # a message reserved by a worker that died comes back after this (above the longest countdown)
         broker_transport_options={
             "visibility_timeout": s.visibility_timeout_s,
             # sweep for abandoned messages often: a killed worker's task comes back promptly
@@ -142,6 +140,7 @@ def _redact_logs(logger=None, **_kw) -> None:
 
 # -- the threads pool (a delivery worker's default): time limits kept by a watchdog ----------------
 _watchdog = None
+_reconciler = None
 
 
 @worker_init.connect
@@ -158,9 +157,10 @@ def _time_limits_for_threads(sender=None, **_kw) -> None:
 
 @task_prerun.connect
 def _task_started(task=None, task_id=None, args=None, **_kw) -> None:
-    if task is not None:
-        logformat.task_fields(task.name, task_id or "", args)  # its ids on this thread's log lines
-    if _watchdog is None or task is None:
+    if task is None:
+        return
+    logformat.task_fields(task.name, task_id or "", args)  # its ids on this thread's log lines
+    if _watchdog is None:
         return
     hard, soft = (getattr(task.request, "timelimit", None) or (None, None))[:2]
     conf = task.app.conf
@@ -210,9 +210,6 @@ def _check_agent_sandbox(sender=None, **_kw) -> None:
         log.log(level, text)
 
 
-_reconciler = None
-
-
 # -- operations: queue registry, consumer heartbeats, metrics exporter ---------------------------
 @before_task_publish.connect
 def _stamp(sender=None, headers=None, routing_key=None, body=None, **_kw) -> None:
@@ -220,7 +217,7 @@ def _stamp(sender=None, headers=None, routing_key=None, body=None, **_kw) -> Non
     (tasks/ops/queues.py) at most once a minute per process, so a queue without a worker is still
     seen. An operator's send carries its number in its chat's order (tasks/ops/sendorder.py)."""
     now = time.time()
-    url = current_app.conf.get("courier_redis_url") or get_settings().redis_url  # the publishing app's Redis
+    url = _redis_url(current_app)  # the publishing app's Redis
     if headers is not None:
         headers["sent_s"] = round(now, 3)
         if sender == task_names.SEND:
@@ -248,17 +245,19 @@ def _number_send(url: str, headers: dict, body) -> None:
 
 
 _registered: dict[tuple[str, str], float] = {}
+_leave: Callable[[], None] | None = None
 
 
-_heartbeat: tuple[threading.Event, Callable[[], None]] | None = None
+def _redis_url(app_) -> str:
+    """The Redis of courier's own reads and writes for Celery app `app_` (None: the settings')."""
+    return (app_.conf.get("courier_redis_url") if app_ is not None else None) or get_settings().redis_url
 
 
 @worker_ready.connect
 def _start_ops(sender=None, **_kw) -> None:
     """The main process says which queues it consumes, every HEARTBEAT_S; and starts its metrics exporter."""
-    global _heartbeat
-    url = sender.app.conf.get("courier_redis_url") if sender is not None else None
-    url = url or get_settings().redis_url
+    global _leave
+    url = _redis_url(getattr(sender, "app", None))
     name, stopped = getattr(sender, "hostname", None) or "worker", threading.Event()
     consumed: list[str] = []
 
@@ -274,10 +273,11 @@ def _start_ops(sender=None, **_kw) -> None:
             stopped.wait(keys.HEARTBEAT_S)
 
     def leave() -> None:
+        stopped.set()
         with contextlib.suppress(Exception):  # it goes stale by itself
             queues.leave(redis_client(url), name, consumed)
 
-    _heartbeat = stopped, leave
+    _leave = leave
     threading.Thread(target=beat, name="courier-heartbeat", daemon=True).start()
     s = get_settings()
     if s.metrics_port:
@@ -288,9 +288,8 @@ def _start_ops(sender=None, **_kw) -> None:
 def _stop_ops(sender=None, **_kw) -> None:
     if _reconciler is not None:
         _reconciler.stop()
-    if _heartbeat is not None:
-        _heartbeat[0].set()
-        _heartbeat[1]()
+    if _leave is not None:
+        _leave()
 
 
 @worker_process_shutdown.connect
@@ -311,8 +310,7 @@ def _beat_singleton(sender=None, **_kw) -> None:
     until the lock is free (never scheduling without it, Redis unreachable included). The holder
     renews it from a thread, and stops itself (SIGTERM) if it finds it taken by another."""
     beat_log = logging.getLogger("courier.beat")
-    app_ = getattr(sender, "app", None) or app
-    url = app_.conf.get("courier_redis_url") or get_settings().redis_url
+    url = _redis_url(getattr(sender, "app", None) or app)
     key, token = keys.beat_lock(), ledger.new_token()
     said = False
     while True:

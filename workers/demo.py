@@ -105,9 +105,7 @@ def run_demo(*, to: str | None, message: str, timeout_s: float, console: Console
         if target.startswith("outbox:"):
             console.print(_arriveddeliveries_table(settings.outbox, split_target(target)[1]))
             console.print(f"outbox: {escape(str(settings.outbox / split_target(target)[1]))}", highlight=False)
-        if not ok or not done or any(row.get("state") == DeliveryState.FAILED for row in rows):
-            return 1
-        return 0
+        return 1 if not ok or not done or any(row.get("state") == DeliveryState.FAILED for row in rows) else 0
     except KeyboardInterrupt:
         err.print("interrupted: shutting down")
         return 130

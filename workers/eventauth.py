@@ -1,11 +1,10 @@
 """Who may read a turn's events and page over HTTP (`GET /turns/{id}[/events]`).
 
-A per-job token: HMAC-SHA256 of the job id under a random server key kept in
-Redis (`keys.events_key`, made once with SET NX), first 32 hex characters: every
-web process and the CLI derive the same token without configuration (whoever
-reads courier's Redis is an operator anyway). Requests give it as `?token=`
-(EventSource cannot set headers) or `Authorization: Bearer`. Deleting the key
-revokes every token given so far.
+A per-job token: HMAC-SHA256 of the job id under a random server key kept in Redis (`keys.events_key`,
+made once with SET NX), first 32 hex characters: every web process and the CLI derive the same token
+without configuration (whoever reads courier's Redis is an operator anyway). Requests give it as
+`?token=` (EventSource cannot set headers) or `Authorization: Bearer`. Deleting the key revokes every
+token given so far.
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
-"""The only code in courier that reaches into kombu's private internals (pyproject allows
-``kombu>=5.4,<6``; tests/test_kombu_internals.py runs it against both ends).
+"""The only code in courier that reaches into kombu's private internals (pyproject allows ``kombu>=5.4,<6``;
+tests/test_kombu_internals.py runs it against both ends).
 
-``kombu.transport.redis.Channel._create_client`` is wrapped (:func:`install`): a channel that
-closes after Redis went away restores its unacked messages with a new client, but kombu has let
-go of the connection's parameters (``Channel.connection.client`` is None) and ``_connparams``
-raises AttributeError, which ends the worker ("Unrecoverable error"). The wrapper raises a redis
-``ConnectionError`` instead: Celery ignores those while it closes, reconnects, and the unacked
-messages come back later (kombu 5.4 to 5.7 still need it).
+``kombu.transport.redis.Channel._create_client`` is wrapped (:func:`install`): a channel that closes after
+Redis went away restores its unacked messages with a new client, but kombu has let go of the connection's
+parameters (``Channel.connection.client`` is None) and ``_connparams`` raises AttributeError, which ends the
+worker ("Unrecoverable error"). The wrapper raises a redis ``ConnectionError`` instead: Celery ignores those
+while it closes, reconnects, and the unacked messages come back later.
 """
 
 from __future__ import annotations

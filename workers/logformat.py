@@ -1,12 +1,6 @@
-"""How every courier process's log lines look (`COURIER_LOG_FORMAT`).
-
-- ``plain`` (the default): ``<time> <LEVEL> <process> <logger>: <message>``.
-- ``json``: one JSON object a line: ``ts`` (ISO 8601, UTC), ``level``,
-  ``process``, ``pid``, ``logger``, ``message``, ``exc`` (a traceback), and the
-  ids of the task the line was logged for (``job``, ``delivery``, ``lane``,
-  ``task``, ``task_id``; never the chat's text).
-
-Records are redacted before they are formatted (workers/logsafe.py).
+"""How every courier process's log lines look (`COURIER_LOG_FORMAT`): ``plain`` (the default, `PLAIN`) or
+``json`` (`JsonFormatter`: one object a line, with the ids of the task the line was logged for, never the
+chat's text). Records are redacted before they are formatted (workers/logsafe.py).
 """
 
 from __future__ import annotations
@@ -14,7 +8,6 @@ from __future__ import annotations
 import contextvars
 import json
 import logging
-import os
 import time
 from datetime import datetime, timezone
 from typing import Any
@@ -68,10 +61,10 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, ensure_ascii=False, default=str)
 
 
-def install(fmt: str | None = None) -> None:
-    """The format `fmt` (default COURIER_LOG_FORMAT; anything but json is plain) on every handler so far."""
+def install(fmt: str) -> None:
+    """The format `fmt` (the setting COURIER_LOG_FORMAT: json, else plain) on every handler so far."""
     f: logging.Formatter
-    if (fmt or os.environ.get("COURIER_LOG_FORMAT") or "").lower() == "json":
+    if fmt == "json":
         f = JsonFormatter()
     else:
         f = logging.Formatter(PLAIN)

@@ -1,15 +1,14 @@
 """What every courier process logs, whatever its level: no secret, no chat text.
 
-Secrets and chat text reach log lines from libraries (python-telegram-bot and
-httpx log the Bot API URL with its token, SDKs log request bodies at DEBUG, a
-traceback may quote a URL with a password). A filter on one SDK's logger misses
-its children and the next SDK, so `install` puts one `Redactor` on every handler
-configured so far and in the record factory (a handler a library adds later
-gets only redacted records too). The rules, for every record:
-- every secret courier knows (`secrets_of`), and its URL-encoded form, becomes
-  `<redacted>` in the message, its exception text and its stack;
-- a DEBUG record of a `PAYLOAD_LOGGERS` logger keeps its format string with each
-  argument shown as `…`; one without arguments (an f-string) is withheld whole.
+Secrets and chat text reach log lines from libraries (python-telegram-bot and httpx log the Bot API URL
+with its token, SDKs log request bodies at DEBUG, a traceback may quote a URL with a password). A filter
+on one SDK's logger misses its children and the next SDK, so `install` puts one `Redactor` on every
+handler configured so far and in the record factory (a handler a library adds later gets only redacted
+records too). The rules, for every record:
+- every secret courier knows (`secrets_of`), and its URL-encoded form, becomes `<redacted>` in the
+  message, its exception text and its stack;
+- a DEBUG record of a `PAYLOAD_LOGGERS` logger keeps its format string with each argument shown as `…`;
+  one without arguments (an f-string) is withheld whole.
 """
 
 from __future__ import annotations

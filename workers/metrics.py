@@ -1,9 +1,7 @@
-"""Prometheus exposition: the web process's `/metrics` and a worker's exporter
-(what is counted is in tasks/metrics.py).
-
-In multiprocess mode (`PROMETHEUS_MULTIPROC_DIR`) a scrape reads every process's
-values from that directory. The Redis gauges (`LedgerCollector`) describe the
-whole deployment, so only the web process exports them (no duplicate series).
+"""Prometheus exposition: the web process's `/metrics` and a worker's exporter (what is counted is in
+tasks/metrics.py). In multiprocess mode (`PROMETHEUS_MULTIPROC_DIR`) a scrape reads every process's values
+from that directory. The Redis gauges (`LedgerCollector`) describe the whole deployment, so only the web
+process exports them (no duplicate series).
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """COURIER_REDIS_URL made into every client courier uses: `redis://[[user]:password@]host:port/db`,
-`rediss://...[?ssl_ca_certs=/ca.pem&...]` (TLS: redis-py's options, taken apart for Celery by
-`celery_ssl` and `celery_url`), `unix:///path?db=0`, or `sentinel://[:password@]h1:p1,h2:p2/<master>/<db>`.
+`rediss://...[?ssl_ca_certs=/ca.pem&...]` (TLS: redis-py's options, taken apart for Celery by `celery_ssl`
+and `celery_url`), `unix:///path?db=0`, or `sentinel://[:password@]h1:p1,h2:p2/<master>/<db>`.
 
-With Sentinel, every client (the task context's, the web's async one, Celery's via kombu's `sentinel://`
-transport) asks for the current master again after a failover. courier's own clients decode replies:
-everything courier stores, and what it reads of Celery's keys, is text.
+With Sentinel, every client (the task context's, the web's async one, Celery's through kombu) asks for
+the current master again after a failover. courier's own clients decode replies: all they read is text.
 """
 
 from __future__ import annotations

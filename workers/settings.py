@@ -1,8 +1,7 @@
 """courier's settings: the environment, read in one place (only `workers/` reads it).
 
-Tokens are `SecretStr` (never in repr, logs or `--help`). Every secret (each
-`SecretStr` field, and COURIER_REDIS_URL) may come from `<NAME>_FILE` instead,
-so that it sits in no process's environment (`/proc/<pid>/environ`).
+Tokens are `SecretStr` (never in repr, logs or `--help`). Every secret (each `SecretStr` field, and
+COURIER_REDIS_URL) may come from `<NAME>_FILE` instead: then it sits in no process's environment.
 """
 
 from __future__ import annotations
@@ -61,17 +60,15 @@ def read_secret_file(var: str, path: str) -> str:
     try:
         # O_NONBLOCK: opening a FIFO does not wait for a writer (it is refused just below)
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise SecretFileError(f"{var}: {path} is not a regular file")
+            with open(fd, "rb", closefd=False) as f:
+                data = f.read(SECRET_FILE_MAX_BYTES + 1)
+        finally:
+            os.close(fd)
     except OSError as exc:
         raise SecretFileError(f"{var}: cannot read {path}: {exc.strerror}") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise SecretFileError(f"{var}: {path} is not a regular file")
-        with open(fd, "rb", closefd=False) as f:
-            data = f.read(SECRET_FILE_MAX_BYTES + 1)
-    except OSError as exc:
-        raise SecretFileError(f"{var}: cannot read {path}: {exc.strerror}") from None
-    finally:
-        os.close(fd)
     if len(data) > SECRET_FILE_MAX_BYTES:
         raise SecretFileError(f"{var}: {path} is larger than {SECRET_FILE_MAX_BYTES} bytes: not a secret file")
     try:

@@ -1,9 +1,8 @@
-"""Celery's task messages, signed: a kombu serializer (`courier-signed`, the app's only
-accepted task content type) that seals each body with the control plane's key
-(tasks/ledger/signing.py) and opens it, verified, in the worker. A message without the
-key (plain JSON pushed into Redis, another key's, a tampered one) is never run: it is
-logged, counted (`courier_forged_total{what="message"}`) and dropped by Celery (acked,
-never retried). Results and events stay plain JSON: nothing is executed from them.
+"""Celery's task messages, signed: a kombu serializer (`courier-signed`, the app's only accepted task content
+type) that seals each body with the control plane's key (tasks/ledger/signing.py) and opens it, verified, in
+the worker. A message without the key (plain JSON pushed into Redis, another key's, a tampered one) is never
+run: it is logged, counted (`courier_forged_total{what="message"}`) and dropped by Celery (acked, never
+retried). Results and events stay plain JSON: nothing is executed from them.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
-"""Task time limits for Celery's threads pool (only prefork and gevent enforce them): past the soft
-limit `SoftTimeLimitExceeded` is raised inside the task's thread (as prefork's SIGUSR1 does: the
-ledger retries the stage); past the hard one (a thread stuck in C code never sees it) the worker
-process ends (exit 70), as prefork ends a pool process, and the ledger re-drives its stages.
-"""
+"""Task time limits for Celery's threads pool (only prefork and gevent enforce them): past the soft limit
+`SoftTimeLimitExceeded` is raised inside the task's thread (as prefork's SIGUSR1 does: the ledger retries
+the stage); past the hard one (a thread stuck in C code never sees it) the worker process ends, as
+prefork ends a pool process, and the ledger re-drives its stages."""
 
 from __future__ import annotations
 

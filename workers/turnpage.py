@@ -1,10 +1,9 @@
 """A turn's live page on the web process: `GET /turns/{id}?token=…` (the events' token, workers/eventauth.py).
 
-One self-contained HTML page that follows the turn's SSE stream (history first: a page opened
-late shows everything): phases, tool activity, deliveries, a thumbnail of each delivered image
-(`GET /turns/{id}/thumbs/{delivery id}`, at most THUMB_MAX_BYTES, streamed from storage). All
-data is set as text (textContent), never parsed as HTML; a strict Content-Security-Policy lets
-only the page's own script (by nonce) run and connect to its own origin.
+One self-contained HTML page that follows the turn's SSE stream (history first: a page opened late shows
+everything) and shows each delivered image (`turn_thumb`). All data is set as text (textContent), never
+parsed as HTML; a strict Content-Security-Policy lets only the page's own script (by nonce) run and
+connect to its own origin.
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
 """The web process (`courier web`, or `uvicorn workers.web:app`): platform webhooks in, phase events out.
 
-- `GET /turns/{id}/events`: the job's events as Server-Sent Events, behind its token
-  (workers/eventauth.py). Resumable with `Last-Event-ID` (header or `?last_event_id=`): nothing
-  skipped or repeated; it ends after the terminal status and every delivery's final state (a
-  resume of an ended stream: 204); an idle one gets `: keep-alive` every `sse_keepalive_s`.
-- `GET /healthz` (503 while Redis does not answer, or `?consumers=` names a queue nobody
-  consumes), `GET /metrics` (behind COURIER_METRICS_TOKEN when set), `GET /files/{key}`
-  (signed links), the turn page (workers/turnpage.py).
-- `POST /webhooks/<platform>`: the headers checked before the body is read, the body capped
-  (`BODY_CAPS`: 413), the signature verified before it is parsed (401; 404 when the platform's
-  secret is not set); a retried update is dropped (`keys.webhook_seen`), else its turn is enqueued
-  atomically (`_Web._drain`; 503 when it cannot be). Every refusal is a 4xx with a one-line reason.
+- `GET /turns/{id}/events`: the job's events as SSE, behind its token (workers/eventauth.py); resumable
+  with `Last-Event-ID` (header or `?last_event_id=`): nothing skipped or repeated; it ends after the
+  terminal status and every delivery's final state (a resume of an ended stream: 204).
+- `GET /healthz` (503 while Redis does not answer, or `?consumers=` names a queue nobody consumes),
+  `GET /metrics`, `GET /files/{key}` (signed links), the turn page (workers/turnpage.py).
+- `POST /webhooks/<platform>`: the headers checked before the body is read, the body capped (413), the
+  signature verified before it is parsed (401; 404 when the platform's secret is not set); a retried
+  update is dropped, else its turn is enqueued atomically (`_Web._drain`; 503 when it cannot be).
 - uvicorn's access log and ASGI trace show no query string (tokens travel in it).
 """
 
@@ -91,9 +88,8 @@ class _Web:
 
     @cached_property
     def aredis_turns(self):
-        """The asyncio client of webhook turns: a stalled Redis is waited for as long as the
-        sync clients do (`redis_url.SOCKET_TIMEOUT_S`): a turn sent is not given up early.
-        One batch is out at a time: one connection, no pool."""
+        """Webhook turns' asyncio client: a stalled Redis is waited for as long as the sync clients
+        do (a turn sent is not given up early); one batch is out at a time: one connection, no pool."""
         from workers.redis_url import SOCKET_TIMEOUT_S, async_client
 
         return async_client(self.settings.redis_url, socket_timeout=SOCKET_TIMEOUT_S, single_connection=True)
@@ -284,24 +280,16 @@ async def _body(request: Request, cap: int) -> bytes:
             raise Refusal(400, "bad Content-Length")
         if int(declared) > cap:
             raise Refusal(413, f"body over {cap} bytes")
-    chunks: list[bytes] = []
-    n = 0
+    body = bytearray()
     async for chunk in request.stream():
-        n += len(chunk)
-        if n > cap:
+        body += chunk
+        if len(body) > cap:
             raise Refusal(413, f"body over {cap} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+    return bytes(body)
 
 
 def _answer(a: Answer) -> Response:
-    if a.plain:
-        return PlainTextResponse(a.body, headers=a.headers)
-    return JSONResponse(a.body, headers=a.headers)
-
-
-_WEBHOOKS = {"telegram": telegram_webhook, "slack": slack_webhook, "discord": discord_webhook,
-             "whatsapp": whatsapp_webhook}
+    return (PlainTextResponse if a.plain else JSONResponse)(a.body, headers=a.headers)
 
 
 def _not_configured(platform: str, setting: str) -> Response:
@@ -384,8 +372,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
             check_key(key)
         except Exception:  # noqa: BLE001 - a key that cannot be one
             return JSONResponse({"ok": False, "error": "bad key"}, status_code=400)
-        links = file_links(web.settings)
-        why = await asyncio.to_thread(links.check, key, request.query_params.get("exp", ""),
+        why = await asyncio.to_thread(file_links(web.settings).check, key, request.query_params.get("exp", ""),
                                       request.query_params.get("sig", ""))
         if why is not None:
             return JSONResponse({"ok": False, "error": why}, status_code=403)
@@ -483,10 +470,10 @@ def create_app(settings: Settings | None = None) -> Starlette:
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     # -- platform webhooks: headers, capped body, signature and payload (adapters/platforms/webhooks) --
-    def webhook(platform: str, secret_of):
+    def webhook(parser, secret_of):
         """The route of a platform's webhook: its parser checks the headers before the body
         is read, then the signature and the payload; each message it finds is enqueued."""
-        parser = _WEBHOOKS[platform]
+        platform = parser.PLATFORM
 
         async def route(request: Request) -> Response:
             secret = secret_of(web.settings)
@@ -518,11 +505,6 @@ def create_app(settings: Settings | None = None) -> Starlette:
 
         return _webhook(platform, route)
 
-    telegram = webhook("telegram", lambda s: s.telegram_webhook_secret)
-    slack = webhook("slack", lambda s: s.slack_signing_secret)
-    discord = webhook("discord", lambda s: s.discord_public_key or None)
-    whatsapp = webhook("whatsapp", lambda s: s.whatsapp_app_secret)
-
     async def whatsapp_verify(request: Request) -> Response:
         token = web.settings.whatsapp_verify_token
         if token is None:
@@ -539,11 +521,12 @@ def create_app(settings: Settings | None = None) -> Starlette:
         Route("/turns/{job_id}", turnpage.turn_page, methods=["GET"]),  # the turn's live page
         Route("/turns/{job_id}/thumbs/{delivery_id}", turnpage.turn_thumb, methods=["GET"]),
         Route("/files/{key:path}", files, methods=["GET"]),
-        Route("/webhooks/telegram", telegram, methods=["POST"]),
-        Route("/webhooks/slack", slack, methods=["POST"]),
-        Route("/webhooks/discord", discord, methods=["POST"]),
+        Route("/webhooks/telegram", webhook(telegram_webhook, lambda s: s.telegram_webhook_secret), methods=["POST"]),
+        Route("/webhooks/slack", webhook(slack_webhook, lambda s: s.slack_signing_secret), methods=["POST"]),
+        Route("/webhooks/discord", webhook(discord_webhook, lambda s: s.discord_public_key or None),
+              methods=["POST"]),
         Route("/webhooks/whatsapp", _webhook("whatsapp", whatsapp_verify), methods=["GET"]),
-        Route("/webhooks/whatsapp", whatsapp, methods=["POST"]),
+        Route("/webhooks/whatsapp", webhook(whatsapp_webhook, lambda s: s.whatsapp_app_secret), methods=["POST"]),
     ]
 
     @asynccontextmanager

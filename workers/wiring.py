@@ -3,6 +3,7 @@ environment into constructor arguments. Cached per process (connections reused).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -267,15 +268,11 @@ def _data_dir_key(data_dir) -> bytes:
                           f"set COURIER_SIGNING_KEY (or COURIER_SIGNING_KEY_FILE)") from None
     os.makedirs(str(data_dir), mode=0o700, exist_ok=True)
     tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+        f.write(secrets.token_hex(32).encode() + b"\n")
     try:
-        os.write(fd, secrets.token_hex(32).encode() + b"\n")
-    finally:
-        os.close(fd)
-    try:
-        os.link(tmp, path)
-    except FileExistsError:
-        pass  # another process made it first: that one is the key
+        with contextlib.suppress(FileExistsError):  # another process made it first: that one is the key
+            os.link(tmp, path)
     finally:
         os.unlink(tmp)
     with open(path, "rb") as f:

@@ -2,10 +2,9 @@
 
     python -m workers.worker -Q delivery [celery worker options]   # or: courier worker -Q delivery
 
-A worker of only the `delivery` queue runs COURIER_DELIVERY_POOL with COURIER_DELIVERY_CONCURRENCY
-slots, in COURIER_DELIVERY_PROCESSES Celery workers (`<name>-2@%h`, ...); any other keeps Celery's
-prefork pool; a `-P` / `-c` given wins. `supervise` runs them as children and restarts them (the
-policy: docs/operations.md, "The worker supervisor").
+A worker of only the `delivery` queue runs COURIER_DELIVERY_POOL with COURIER_DELIVERY_CONCURRENCY slots,
+in COURIER_DELIVERY_PROCESSES Celery workers (`<name>-2@%h`, ...); any other keeps Celery's prefork pool;
+a `-P` / `-c` given wins. `supervise` runs them as children and restarts them (docs/operations.md).
 """
 
 from __future__ import annotations
@@ -209,8 +208,7 @@ def supervise(argvs: list[list[str]], envs: list[dict[str, str]] | None = None,
             for c in children:
                 if not stopping and c.proc is None and c.due is not None and c.due <= now:
                     c.start()
-                    _say(f"{c.name} started again (pid {c.proc.pid if c.proc else '?'}, "
-                         f"restart {c.restarts})")
+                    _say(f"{c.name} started again (pid {c.proc.pid if c.proc else '?'}, restart {c.restarts})")
             dues = [c.due for c in children if c.proc is None and c.due is not None and not stopping]
             timeout = max(0.0, min(dues) - time.monotonic()) if dues else 5.0
             if not received:
