@@ -6,13 +6,12 @@ it starts ends with it, and with the worker that started it, even by SIGKILL.
 It leads a new session; the command is its child in the same process group. As
 a subreaper (``PR_SET_CHILD_SUBREAPER``) it inherits what the command leaves
 behind, a double-forked ``setsid`` daemon too; when the command exits every
-descendant (found in ``/proc`` by parent pid, round after round: a child forked
-meanwhile shows up in the next) is SIGKILLed and reaped, and the guard exits as
-the command did. The group's SIGTERM (the turn's timeout) leaves
-:data:`TERM_GRACE_S` before every descendant is SIGKILLed; past a deadline the
-same, then exit 124 with a note on stderr; the worker's death (SIGHUP by
-``PR_SET_PDEATHSIG``) SIGKILLs every descendant and the group. Standard library
-only, isolated mode: nothing from courier is imported.
+descendant is SIGKILLed and reaped, and the guard exits as the command did. The
+group's SIGTERM (the turn's timeout) leaves :data:`TERM_GRACE_S` before every
+descendant is SIGKILLed; past a deadline the same, then exit 124 with a note on
+stderr; the worker's death (SIGHUP by ``PR_SET_PDEATHSIG``) SIGKILLs every
+descendant and the group. Standard library only, isolated mode: nothing from
+courier is imported.
 """
 
 import ctypes
@@ -41,9 +40,7 @@ def _descendants(root: int) -> list[int]:
         names = os.listdir("/proc")
     except OSError:
         return []
-    for name in names:
-        if not name.isdigit():
-            continue
+    for name in filter(str.isdigit, names):
         try:
             with open(f"/proc/{name}/stat", "rb") as f:
                 stat = f.read()
@@ -65,8 +62,9 @@ def _descendants(root: int) -> list[int]:
 
 
 def _kill_descendants(reap: bool) -> None:
-    """SIGKILL every descendant until none is left alive (`reap`: and wait
-    for our own dead children; never while the agent's Popen may wait)."""
+    """SIGKILL every descendant (found in /proc by parent pid), round after round until none is left
+    alive: a child forked meanwhile shows up in the next. `reap`: and wait for our own dead children
+    (never while the agent's Popen may wait)."""
     me = os.getpid()
     for _ in range(KILL_ROUNDS):
         live = _descendants(me)

@@ -42,19 +42,15 @@ def _relay(client) -> None:
     import socket
     import threading
 
-    up = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        up.connect(PROXY_SOCK)
-    except OSError:
-        client.close()
-        up.close()
-        return
-    t = threading.Thread(target=_pipe, args=(up, client), daemon=True)
-    t.start()
-    _pipe(client, up)
-    t.join()
-    client.close()
-    up.close()
+    with client, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as up:
+        try:
+            up.connect(PROXY_SOCK)
+        except OSError:
+            return
+        t = threading.Thread(target=_pipe, args=(up, client), daemon=True)
+        t.start()
+        _pipe(client, up)
+        t.join()
 
 
 def _forward(listener) -> None:

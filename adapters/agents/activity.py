@@ -1,4 +1,4 @@
-"""Activity text for tool events: short and human (DESIGN.md, bridge protocol).
+"""Activity text for tool events: short and human (the bridge protocol's ``activity``).
 
 ``activity_for(tool_name, args)`` gives ``$ <first line of command>``, ``<verb>
 <path, pattern, query or url>``, ``<tool>: <first scalar arg>`` or ``using

@@ -1,11 +1,9 @@
 """The agent bridge runtime: any agent as a subprocess.
 
-The user's message goes on stdin (and in `COURIER_MESSAGE`); the command
-writes lines on stdout. A line `AX_GATEWAY_EVENT <json object>` is an event;
-every other stdout line is part of the final reply. stderr never becomes the
-reply (its tail is kept for the logs).
-
-Events (`kind`, or `type` as an alias), normalised by `EventNormaliser`:
+The user's message goes on stdin (and in `COURIER_MESSAGE`). A stdout line
+`AX_GATEWAY_EVENT <json object>` is an event; every other stdout line is part of
+the final reply; stderr never is (its tail is kept for the logs). Events (`kind`,
+or `type` as an alias), normalised by `EventNormaliser`:
 
 - `status`: `status` in started, thinking, processing, completed, error,
   no_reply (declined, skipped, not_responding: end without a reply); optional
@@ -13,14 +11,13 @@ Events (`kind`, or `type` as an alias), normalised by `EventNormaliser`:
   on: the caller publishes exactly one terminal event from `BridgeResult`.
 - `tool_start` / `tool_result`: `tool_name`, `tool_call_id` (made up when
   missing; a result without one closes the last open call of the same tool),
-  `activity` (from `activity_for(tool_name, args)` when the agent gives none),
+  `activity` (`activity_for(tool_name, args)` when the agent gives none),
   `status` (tool_call; tool_complete or error).
 
-A malformed event line is dropped and logged, never put in the reply. A
-non-zero exit, a crash or a timeout (`runtime_timeout`) ends as one `error`
-result with a reason; a timeout or the worker's death, even by SIGKILL, kills
-the agent and all it started, `setsid` daemons too (`_guard.py`). The reply and
-every line are bounded.
+A malformed event line is dropped and logged, never put in the reply. A non-zero
+exit, a crash or a timeout (`runtime_timeout`) ends as one `error` result with a
+reason; a timeout or the worker's death, even by SIGKILL, kills the agent and all
+it started, `setsid` daemons too (`_guard.py`). The reply and every line are bounded.
 """
 
 from __future__ import annotations
@@ -46,14 +43,13 @@ from adapters.defaults import AGENT_TIMEOUT_S
 from adapters.agents.activity import MAX_ACTIVITY_CHARS, activity_for, cut
 from adapters.agents.jail import Jail, Network
 
-__all__ = ["ACTIVITY_MAX_CHARS", "BASE_ENV", "DEFAULT_TIMEOUT_S", "EVENT_PREFIX", "NO_REPLY_STATUSES",
+__all__ = ["ACTIVITY_MAX_CHARS", "BASE_ENV", "EVENT_PREFIX", "NO_REPLY_STATUSES",
            "BridgeResult", "EventNormaliser", "activity_for", "agent_base_env", "event_sink",
            "normalise_activity", "parse_event_line", "run_bridge"]
 
 log = logging.getLogger(__name__)
 
 EVENT_PREFIX = "AX_GATEWAY_EVENT"
-DEFAULT_TIMEOUT_S = AGENT_TIMEOUT_S
 ACTIVITY_MAX_CHARS = MAX_ACTIVITY_CHARS
 NO_REPLY_STATUSES = frozenset({"no_reply", "declined", "skipped", "not_responding"})
 PROGRESS_STATUSES = frozenset({"started", "thinking", "processing"})
@@ -73,23 +69,20 @@ GUARD_CLEANUP_S = 3.0
 #: how often a sandboxed agent's workspace is measured against its limit
 WORKSPACE_CHECK_S = 1.0
 REPLY_CUT_NOTE = "\n… [reply cut at {n:,} characters]"
+#: runs every agent command courier starts on its own host (a bridge agent, a local terminal command)
+GUARD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_guard.py")
 
-#: one short human line (adapters.agents.activity.cut)
-normalise_activity = cut
+normalise_activity = cut  # one short human line
 
 
-def parse_event_line(line: str) -> dict | None | bool:
-    """The event dict of a protocol line, False for a malformed protocol line
-    (dropped, never in the reply), None for a reply line."""
-    stripped = line.strip()
-    if not stripped.startswith(EVENT_PREFIX):
-        return None
-    rest = stripped[len(EVENT_PREFIX):]
+def parse_event_line(line: str) -> dict | None:
+    """The event dict of a protocol line (one starting with EVENT_PREFIX); None when it is malformed."""
+    rest = line.strip()[len(EVENT_PREFIX):]
     try:
-        ev = json.loads(rest) if rest[:1].isspace() else False
+        ev = json.loads(rest) if rest[:1].isspace() else None
     except ValueError:
-        return False
-    return ev if isinstance(ev, dict) else False
+        return None
+    return ev if isinstance(ev, dict) else None
 
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
@@ -193,9 +186,8 @@ class EventNormaliser:
         tool, call_id = _tool_ids(raw)
         if not call_id:
             call_id = next((c for c in reversed(self._open) if not tool or self._open[c][0] == tool), "")
-        opened = self._open.pop(call_id, None) if call_id else None
-        if not call_id:
-            call_id = self._new_id()
+        opened = self._open.pop(call_id, None)  # no open call has the id ""
+        call_id = call_id or self._new_id()
         tool = tool or (opened[0] if opened else "tool")
         st = _word(raw.get("status"))
         failed = st in ("error", "failed", "failure") or (raw.get("error") not in (None, False, "") and st != "tool_complete")
@@ -303,7 +295,7 @@ class _Stdout:
 
     def _event_line(self, line: str) -> None:
         raw = parse_event_line(line)
-        if not isinstance(raw, dict):
+        if raw is None:
             self.norm.drop(f"malformed event line ({len(line)} chars)")
             return
         ev = self.norm.feed(raw)
@@ -324,7 +316,7 @@ def run_bridge(
     *,
     cwd: str | None = None,
     env: dict[str, str] | None = None,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
+    timeout_s: float = AGENT_TIMEOUT_S,
     on_event: Callable[[dict], None] | None = None,
     passthrough: tuple[str, ...] | list[str] = (),
     jail: Jail | None = None,
@@ -352,7 +344,7 @@ def run_bridge(
     try:
         # the guard leads the agent's new session and takes the group down if this worker dies
         proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", _GUARD, str(os.getpid()), *argv],
+            [sys.executable, "-I", "-S", GUARD, str(os.getpid()), *argv],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             cwd=cwd, env=popen_env, start_new_session=True,
         )
@@ -387,8 +379,8 @@ def run_bridge(
                 stop = "runtime_timeout"
                 break
             if jail is not None and now >= next_measure:
-                if jail.over_workspace():
-                    stop = jail.workspace_message()
+                stop = jail.over_workspace()
+                if stop is not None:
                     break
                 next_measure = time.monotonic() + WORKSPACE_CHECK_S
             if exited_at is None and proc.poll() is not None:
@@ -436,7 +428,7 @@ def run_bridge(
     common: dict[str, Any] = {"exit_code": rc, "stderr_tail": tail, "events": out.events, "extra": extra}
     if stop is not None:
         what = f" timed out after {timeout_s:g}s" if stop == "runtime_timeout" else f": {stop}"
-        log.warning("agent %s%s; process group killed", _argv0(command), what)
+        log.warning("agent %s%s; process group killed", os.path.basename(command[0]), what)
         return BridgeResult("error", reason=stop, **common)
     if rc != 0:
         why = f"agent exited with code {rc}" if rc > 0 else f"agent was killed by signal {_signame(-rc)}"
@@ -462,9 +454,6 @@ def agent_base_env(passthrough: tuple[str, ...] | list[str] = ()) -> dict[str, s
     return {k: os.environ[k] for k in (*BASE_ENV, *passthrough) if k in os.environ}
 
 
-_GUARD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_guard.py")
-
-
 def _not_runnable(program: str, cwd: str | None, path: str | None) -> str | None:
     """Why `program` cannot be started (None: it can), checked before the
     guard starts it, so a bad command is a clean error, not an exit code."""
@@ -478,10 +467,6 @@ def _not_runnable(program: str, cwd: str | None, path: str | None) -> str | None
     if shutil.which(program, path=path if path is not None else os.defpath) is None:
         return f"{program}: not found on PATH"
     return None
-
-
-def _argv0(command: list[str]) -> str:
-    return os.path.basename(command[0]) if command else "?"
 
 
 def _signame(n: int) -> str:

@@ -51,8 +51,7 @@ def draw_chart(points: list[tuple[float, float]]) -> bytes:
                 for dy in range(-(thick // 2), thick // 2 + 1):
                     put(x + dx, y + dy, rgb)
 
-    xs = [p[0] for p in points]
-    ys = [p[1] for p in points]
+    xs, ys = zip(*points)
     x0, x1, y0, y1 = min(xs), max(xs), min(0.0, min(ys)), max(ys) or 1.0
 
     def sx(x: float) -> int:

@@ -3,14 +3,14 @@
 They run before each LLM call of the OpenAI-compatible runtime (``step`` from 1)
 and once before a bridge agent starts (``step`` 0; the context goes in env
 ``COURIER_HOOK_CONTEXT``), get ``{"job", "target", "message", "step", "agent"}``
-and may return ``{"context": "…"}``: a **shell hook** (an argv command, no shell)
-as JSON on stdout, given the context on stdin; a **Python plugin** (a callable
-registered in the entry point group ``courier.hooks``) as its return value. The
-text goes through :func:`storage.spill.spill_if_needed` (source: the hook's name,
-through the turn's ``place`` into its workspace), once per text and turn so the
-prompt stays stable. Hooks of one call run concurrently, their contexts joined
-in order by blank lines; one that fails or times out (default 10 s; a shell
-hook's process group is killed) is logged and skipped.
+and may return ``{"context": "…"}``: a **shell hook** (an argv command, no shell,
+given the context on stdin) as JSON on stdout; a **Python plugin** (a callable in
+the entry point group ``courier.hooks``) as its return value. The text is spilled
+(:func:`storage.spill.spill_if_needed`, source: the hook's name, into the turn's
+workspace through its ``place``) once per text and turn, so the prompt stays
+stable. Hooks of one call run concurrently, their contexts joined in order by
+blank lines; one that fails or times out (a shell hook's process group is killed)
+is logged and skipped.
 """
 
 from __future__ import annotations
@@ -64,9 +64,8 @@ class ShellHook:
                                     stderr=subprocess.PIPE, start_new_session=True, env=env)
         except OSError as exc:
             raise HookSkipped(f"could not start: {exc.strerror or exc}") from None
-        payload = json.dumps(context, ensure_ascii=False).encode()
         try:
-            out, err = proc.communicate(payload, timeout=self.timeout_s)
+            out, err = proc.communicate(json.dumps(context, ensure_ascii=False).encode(), timeout=self.timeout_s)
         except subprocess.TimeoutExpired:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -182,9 +181,6 @@ class TurnHooks:
     place: Any
     jail: Jail | None = None
     network: Network = "none"
-
-    def __bool__(self) -> bool:
-        return bool(self.runner)
 
     def context_for(self, context: dict) -> str:
         """The hooks' contexts joined by blank lines ("" when none)."""

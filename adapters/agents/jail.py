@@ -134,15 +134,8 @@ def _namespace_flags(euid: int) -> list[str]:
 def bind_paths(command: Sequence[str]) -> tuple[str, ...]:
     """The absolute paths a command names (its program, its script, its
     config files) that exist here: the sandbox sees them read-only."""
-    out: list[str] = []
-    for arg in command:
-        if not arg.startswith("/") or arg == "/" or "\x00" in arg:
-            continue
-        p = os.path.normpath(arg)
-        if any(p == n or p.startswith(n + "/") for n in _NEVER) or not os.path.exists(p):
-            continue
-        out.append(p)
-    return tuple(out)
+    paths = (os.path.normpath(a) for a in command if a.startswith("/") and a != "/" and "\x00" not in a)
+    return tuple(p for p in paths if not any(p == n or p.startswith(n + "/") for n in _NEVER) and os.path.exists(p))
 
 
 def _python_paths() -> tuple[str, ...]:
@@ -201,14 +194,14 @@ class Jail:
         if self._dir is None:
             d = tempfile.mkdtemp(prefix="courier-jail-")
             os.chmod(d, 0o711)
-            home = self.workspace
-            with open(os.path.join(d, "passwd"), "w") as f:
-                f.write(f"root:x:0:0:root:/root:/bin/sh\nagent:x:{self.uid}:{self.uid}:agent:{home}:/bin/sh\n"
-                        "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
-            with open(os.path.join(d, "group"), "w") as f:
-                f.write(f"root:x:0:\nagent:x:{self.uid}:\nnogroup:x:65534:\n")
-            for n in ("passwd", "group"):
-                os.chmod(os.path.join(d, n), 0o644)
+            passwd = ("root:x:0:0:root:/root:/bin/sh\n"
+                      f"agent:x:{self.uid}:{self.uid}:agent:{self.workspace}:/bin/sh\n"
+                      "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
+            group = f"root:x:0:\nagent:x:{self.uid}:\nnogroup:x:65534:\n"
+            for name, text in (("passwd", passwd), ("group", group)):
+                with open(os.path.join(d, name), "w") as f:
+                    f.write(text)
+                os.chmod(os.path.join(d, name), 0o644)
             self._dir = d
             self.own(self.workspace)
         return self
@@ -230,13 +223,13 @@ class Jail:
 
     def _proxy_socket(self) -> str:
         """The turn's egress proxy (started on first use), listening on a unix socket."""
-        d = self._dir
-        assert d is not None
+        assert self._dir is not None
+        path = os.path.join(self._dir, "proxy.sock")
         with self._lock:
             if self._proxy is None:
                 policy = EgressPolicy((*self.config.allowed_hosts, *self.extra_allowed_hosts))
-                self._proxy = EgressProxy(policy).start(unix_path=os.path.join(d, "proxy.sock"))
-            return os.path.join(d, "proxy.sock")
+                self._proxy = EgressProxy(policy).start(unix_path=path)
+        return path
 
     @property
     def refusals(self) -> list:
@@ -265,11 +258,8 @@ class Jail:
         tmp_bytes = self.limits.workspace_bytes
         for t in ("/tmp", "/var/tmp"):
             a += (["--size", str(tmp_bytes)] if tmp_bytes else []) + ["--perms", "1777", "--tmpfs", t]
-        ro = []
-        for p in (*_python_paths(), *self.config.ro_paths, *self.ro_paths, *also_ro):
-            rp = os.path.normpath(p)
-            if rp not in ro and not rp.startswith("/usr/") and os.path.exists(rp):
-                ro.append(rp)
+        wanted = (os.path.normpath(p) for p in (*_python_paths(), *self.config.ro_paths, *self.ro_paths, *also_ro))
+        ro = [p for p in dict.fromkeys(wanted) if not p.startswith("/usr/") and os.path.exists(p)]  # in order, once
         ws = os.path.normpath(self.workspace)
         # the directories above each bound path are made traversable (bwrap would make them 0700 as root)
         made = {"/", "/tmp", "/var/tmp", "/etc", "/run", "/proc", "/dev", *SYSTEM_DIRS}
@@ -311,24 +301,20 @@ class Jail:
             return f"{program}: not found on PATH"
         return None
 
-    def workspace_bytes(self, stop_at: int | None = None) -> int:
-        """Bytes the workspace takes on disk (blocks, so a sparse file counts
-        what it uses); the walk stops once past `stop_at`."""
+    def over_workspace(self) -> str | None:
+        """The chat's words once the workspace is past its limit (None: within it). It is measured on
+        disk (blocks, so a sparse file counts what it uses); the walk stops once past the limit."""
+        cap = self.limits.workspace_bytes
+        if not cap:
+            return None
         total = 0
         for d, dirs, files in os.walk(self.workspace):  # symlinks not followed, unreadable entries skipped
             for name in (*dirs, *files):
                 with suppress(OSError):
                     total += os.lstat(os.path.join(d, name)).st_blocks * 512
-                if stop_at is not None and total > stop_at:
-                    return total
-        return total
-
-    def over_workspace(self) -> bool:
-        cap = self.limits.workspace_bytes
-        return bool(cap) and self.workspace_bytes(stop_at=cap) > cap
-
-    def workspace_message(self) -> str:
-        return f"the agent's workspace passed its limit of {_fmt_bytes(self.limits.workspace_bytes)}"
+                if total > cap:
+                    return f"the agent's workspace passed its limit of {_fmt_bytes(cap)}"
+        return None
 
     def limit_hit(self, returncode: int | None, stderr_tail: str) -> str | None:
         """The limit an agent that failed ran into, in the chat's words (None: none that shows)."""

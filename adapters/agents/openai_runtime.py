@@ -79,9 +79,7 @@ def run_openai(
     if tools is not None and tools.deadline is None:
         tools.deadline = deadline
     emit = event_sink(on_event)
-    messages: list[dict] = []
-    if config.system_prompt:
-        messages.append({"role": "system", "content": config.system_prompt})
+    messages: list[dict] = [{"role": "system", "content": config.system_prompt}] if config.system_prompt else []
     user_index = len(messages)
     messages.append({"role": "user", "content": message})
     usage: dict[str, int] = {}

@@ -26,6 +26,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from adapters.defaults import CHROMIUM_PATH
+from adapters.agents.bridge import GUARD
 from adapters.agents.egress import ALLOW_SETTING, EgressPolicy, EgressProxy, Refusal
 from adapters.agents.jail import Jail, Network
 from adapters.errors import CourierError
@@ -38,8 +39,6 @@ __all__ = ["CHROMIUM_ARGS", "EGRESS_ARGS", "ToolResult", "Toolbox", "media_tag",
 log = logging.getLogger(__name__)
 
 TERMINAL_DEFAULT_TIMEOUT_S = 60.0
-#: the guard of a local terminal command
-GUARD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_guard.py")
 #: the local exec's own timeout, past the guard's deadline (the guard kills first, and cleans up)
 GUARD_BACKSTOP_S = 5.0
 TERMINAL_MAX_TIMEOUT_S = 600.0

@@ -166,9 +166,8 @@ class EgressPolicy:
         if any(e.net is not None and e.allows_port(port) and _in(ip, e.net) for e in self.entries):
             return
         problem = address_problem(ip)
-        literal = _is_literal(host, ip)
         if problem:
-            where = f"{addr} is {problem}" if literal else f"{host} resolves to {addr}, {problem}"
+            where = f"{addr} is {problem}" if _is_literal(host, ip) else f"{host} resolves to {addr}, {problem}"
             raise Refused(host, port, f"{where} (allow it with {ALLOW_SETTING})")
         if port not in self.ports:
             shown = f"[{host}]" if ":" in host else host

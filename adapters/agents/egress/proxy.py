@@ -188,10 +188,8 @@ class EgressProxy:
         """The latest refusal of (host, port)."""
         name = host.strip("[]").lower().rstrip(".")
         with self._lock:
-            for r in reversed(self.refusals):
-                if r.host.lower().rstrip(".") == name and r.port == port:
-                    return r
-        return None
+            return next((r for r in reversed(self.refusals) if r.host.lower().rstrip(".") == name and r.port == port),
+                        None)
 
     def refusal_marked(self, headers: dict[str, str]) -> Refusal | None:
         """The refusal a response's headers carry (the proxy's own 403/502 to
