@@ -36,7 +36,6 @@ if TYPE_CHECKING:
 
 DEFAULT_MAX_BYTES = MAX_FILE_BYTES
 T = TypeVar("T")
-R = TypeVar("R")
 #: Sandbox.exec: bytes kept per output stream, and the exit code of a timeout
 DEFAULT_EXEC_OUTPUT_BYTES = 1024 * 1024
 EXEC_TIMEOUT_EXIT = 124
@@ -304,12 +303,11 @@ class ReadTimeout(SandboxGone):
     shell, a FIFO opened after the check): this attempt fails, not the worker."""
 
 
-def with_deadline(chunks: Iterable[T], idle_s: float | None, what: str = "",
-                  on_timeout: Callable[[], object] | None = None, *, ahead: int = 2,
+def with_deadline(chunks: Iterable[T], idle_s: float | None, what: str = "", *, ahead: int = 2,
                   abort: Callable[[], object] | None = None) -> Iterator[T]:
     """`chunks` (a blocking stream) read by a daemon thread, at most `ahead` ahead; none for
-    `idle_s` seconds (None: no deadline): `on_timeout()`, then ReadTimeout. With `abort`: a
-    consumer that stops early calls it, and the reader is closed and joined (a channel not safe to share)."""
+    `idle_s` seconds (None: no deadline): ReadTimeout. With `abort`: a consumer that stops
+    early calls it, and the reader is closed and joined (a channel not safe to share)."""
     q: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=ahead)
     stop = threading.Event()
 
@@ -341,9 +339,6 @@ def with_deadline(chunks: Iterable[T], idle_s: float | None, what: str = "",
             try:
                 kind, item = q.get(timeout=idle_s)
             except queue.Empty:
-                if on_timeout is not None:
-                    with contextlib.suppress(Exception):
-                        on_timeout()
                 raise ReadTimeout(f"{what}: nothing received for {idle_s:g} s; given up") from None
             if kind == "d":
                 return
@@ -359,25 +354,10 @@ def with_deadline(chunks: Iterable[T], idle_s: float | None, what: str = "",
             t.join()
 
 
-def call_with_deadline(fn: Callable[[], R], timeout_s: float, what: str) -> R:
+def call_with_deadline(fn: Callable[[], T], timeout_s: float, what: str) -> T:
     """`fn()`'s result (or exception), run by a helper thread; ReadTimeout if
     it has not returned within `timeout_s` (the thread is left to end on its own)."""
     return next(with_deadline((fn() for _ in (0,)), timeout_s, what))
-
-
-def unchanged(before: os.stat_result, after: os.stat_result, copied_bytes: int, store: BlobStore | None,
-              key: str, *, shown: str) -> None:
-    """A file read through one descriptor must be the same version (size,
-    mtime, ctime) at the end as at the start and give exactly its size: else
-    the torn copy is deleted (`store` None: not stored yet), FileChanging raised."""
-    same = (before.st_size == after.st_size == copied_bytes and before.st_mtime_ns == after.st_mtime_ns
-            and before.st_ctime_ns == after.st_ctime_ns)
-    if not same:
-        with contextlib.suppress(Exception):
-            if store is not None:
-                store.delete(key)
-        raise FileChanging(f"{shown}: changed while it was read ({before.st_size:,} -> {after.st_size:,} bytes); "
-                           "read again later")
 
 
 def temp_beside(path: str) -> str:
@@ -404,11 +384,17 @@ def store_fd(fd: int, before: os.stat_result, store: BlobStore, key: str, *, max
              check: Callable[[], None] | None = None, kernel: bool = True) -> BlobInfo:
     """The file open as `fd` (`before`: its fstat at the open) into `store`, in
     the kernel where the store can and `kernel` (``put_fd``: no sha256), else
-    streamed; kept only if `check()` passes and it is that version, whole."""
+    streamed; kept only if `check()` passes and it is that version, whole: the
+    same size, mtime and ctime at the end as at the open, and exactly its size
+    copied (else FileChanging: a file still being written is never stored torn)."""
     def verdict(copied: int) -> None:
         if check is not None:
             check()
-        unchanged(before, os.fstat(fd), copied, None, key, shown=shown)
+        after = os.fstat(fd)
+        if not (before.st_size == after.st_size == copied and before.st_mtime_ns == after.st_mtime_ns
+                and before.st_ctime_ns == after.st_ctime_ns):
+            raise FileChanging(f"{shown}: changed while it was read ({before.st_size:,} -> {after.st_size:,} "
+                               "bytes); read again later")
 
     put_fd = getattr(store, "put_fd", None) if kernel else None  # a store wrapper may have none
     info: BlobInfo | None = put_fd(key, fd, max_bytes=max_bytes) if put_fd is not None else None
@@ -495,8 +481,7 @@ class Sandbox(ABC):
 
     def home_dir(self) -> str | None:
         """The sandbox user's home (absolute, inside the sandbox), or None if not known."""
-        policy = getattr(self, "policy", None)
-        return policy.home if policy is not None else None
+        return self.policy.home
 
     def expand_home(self, path: str) -> str:
         """`~/x` (an agent's `MEDIA:~/x`) under the sandbox's own home; any
@@ -649,18 +634,17 @@ class PipeRun:
         self.proc.wait()
 
 
-def run_exec(run: ExecRun, *, timeout_s: float, max_output_bytes: int,
-             drain_s: float = EXEC_DRAIN_S, poll_s: float = EXEC_POLL_S) -> tuple[int, bytes, bytes]:
+def run_exec(run: ExecRun, *, timeout_s: float, max_output_bytes: int) -> tuple[int, bytes, bytes]:
     """Drive a started command to (exit code, stdout, stderr): output bounded
     per stream; past `timeout_s` it is killed, exit 124 with a note on stderr;
-    once it exited, output is read for `drain_s` more, then what still holds
+    once it exited, output is read for EXEC_DRAIN_S more, then what still holds
     it is killed too. A command killed by signal N exits 128 + N, as in a shell."""
     out, err = BoundedOutput(max_output_bytes), BoundedOutput(max_output_bytes)
     deadline = time.monotonic() + max(0.0, float(timeout_s))
     timed_out = False
     rc: int | None = None
     drain_until: float | None = None
-    next_poll = time.monotonic() + min(poll_s, 0.05)  # quick commands: one early look
+    next_poll = time.monotonic() + min(EXEC_POLL_S, 0.05)  # quick commands: one early look
     streaming = True
     try:
         while streaming:
@@ -670,9 +654,9 @@ def run_exec(run: ExecRun, *, timeout_s: float, max_output_bytes: int,
                 break
             if rc is None and now >= next_poll:
                 rc = run.poll()
-                next_poll = now + poll_s
+                next_poll = now + EXEC_POLL_S
                 if rc is not None:
-                    drain_until = now + drain_s
+                    drain_until = now + EXEC_DRAIN_S
             if drain_until is not None and now >= drain_until:
                 break
             until = min(deadline, drain_until or deadline, next_poll if rc is None else deadline)

@@ -12,7 +12,6 @@ import signal
 import stat
 import subprocess
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 
 from adapters.errors import FileMissing, NotAFile, UnsafePath
 from adapters.sandboxes.base import (
@@ -77,18 +76,18 @@ class LocalSandbox(Sandbox):
 
     def _copy_in(self, store, key: str, dest_path: str, *, size: int, max_bytes: int) -> str:
         parent = os.path.realpath(os.path.dirname(dest_path))
-        dest = os.path.join(parent, os.path.basename(dest_path))
+        name = os.path.basename(dest_path)
+        dest = os.path.join(parent, name)
         self.policy.check(dest, shown=dest_path)
         if os.path.islink(dest):
             raise UnsafePath(f"{dest_path}: is a symbolic link")
         if os.path.isdir(dest):
             raise NotAFile(f"{dest_path}: is a directory")
-        Path(parent).mkdir(parents=True, exist_ok=True)
+        os.makedirs(parent, exist_ok=True)
         # the directory is opened once and what was opened is checked: a parent
         # swapped for a link after the check above cannot move the write elsewhere
-        name = os.path.basename(dest)
         try:
-            dfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+            dfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as exc:
             raise UnsafePath(f"{dest_path}: {parent} changed while opening ({exc.strerror})") from exc
         try:

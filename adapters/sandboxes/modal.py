@@ -14,7 +14,7 @@ import functools
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from adapters.errors import (
@@ -252,17 +252,15 @@ class ModalSandbox(ExecStreamMixin, Sandbox):  # type: ignore[misc]
 
     def _iter_file_api(self, resolved: str) -> Iterator[bytes] | None:
         """Chunks through ``sandbox.open``; None when the SDK has no usable file API."""
-        h = self.handle()
-        opener = getattr(h, "open", None)
+        opener = getattr(self.handle(), "open", None)
         if opener is None:
             return None
-        me = _modal().exception
         try:  # the open too has a deadline (a FIFO swapped in after resolve may block it)
             f = call_with_deadline(lambda: opener(resolved, "rb"), self.io_timeout_s,
                                    f"modal sandbox {self.ref.target}: opening {resolved}")
         except (FileNotFoundError, IsADirectoryError, PermissionError) as exc:
             raise self._map(exc, resolved) from exc  # type: ignore[misc]
-        except me.Error as exc:
+        except _modal().exception.Error as exc:
             mapped = self._map(exc, resolved)
             if isinstance(mapped, (SandboxGone, ConfigError, FileMissing, NotAFile, UnsafePath)):
                 raise mapped from exc
@@ -359,35 +357,30 @@ class ModalSandbox(ExecStreamMixin, Sandbox):  # type: ignore[misc]
 
 # -- the ONE table of modal SDK / OS errors (rules take the ModalSandbox and what it was doing) --
 def _modal_errors() -> ErrorTable[CourierError]:
-    """Built per error, not cached: without the SDK (or another SDK loaded) only its OS rows."""
-    def gone(exc: BaseException, sb: ModalSandbox, what: str) -> CourierError:
-        return SandboxGone(f"modal sandbox {sb.ref.target} is gone or unreachable ({what}): {exc}")
-
-    rows: list[tuple[type | tuple[type, ...], Callable[..., CourierError | None]]] = []
+    """Built per error, not cached: without the SDK (or another SDK loaded) only its OS rows. The
+    file rows take the SDK's errors and the OS's alike (no SDK error is an OSError)."""
     try:
         me = _modal().exception
     except ConfigError:
         me = None
-    if me is not None:
-        rows += [
-            (getattr(me, "AuthError", ()), lambda exc, sb, what: ConfigError(
-                f"modal sandbox {sb.ref.target}: authentication failed (MODAL_TOKEN_ID / MODAL_TOKEN_SECRET): {exc}")),
-            (getattr(me, "PermissionDeniedError", ()), lambda exc, sb, what: ConfigError(
-                f"modal sandbox {sb.ref.target}: permission denied by Modal: {exc}")),
-            (getattr(me, "SandboxFilesystemNotFoundError", ()), _missing),
-            (getattr(me, "SandboxFilesystemIsADirectoryError", ()), _a_directory),
-            (getattr(me, "SandboxFilesystemPermissionError", ()), _denied),
-            (tuple(getattr(me, n) for n in (
-                "NotFoundError", "SandboxTerminatedError", "SandboxTimeoutError", "ConnectionError", "ClientClosed",
-                "TimeoutError", "ExecTimeoutError", "InternalFailure", "ServiceError",
-            ) if hasattr(me, n)), gone),
-            (me.Error, lambda exc, sb, what: SandboxError(f"{what}: modal sandbox {sb.ref.target}: {exc}")),
-        ]
+
+    def sdk(*names: str) -> tuple[type, ...]:
+        return tuple(getattr(me, n) for n in names if hasattr(me, n))
+
+    def gone(exc: BaseException, sb: ModalSandbox, what: str) -> CourierError:
+        return SandboxGone(f"modal sandbox {sb.ref.target} is gone or unreachable ({what}): {exc}")
+
     return ErrorTable([
-        *rows,
-        (FileNotFoundError, _missing),
-        (IsADirectoryError, _a_directory),
-        (PermissionError, _denied),
+        (sdk("AuthError"), lambda exc, sb, what: ConfigError(
+            f"modal sandbox {sb.ref.target}: authentication failed (MODAL_TOKEN_ID / MODAL_TOKEN_SECRET): {exc}")),
+        (sdk("PermissionDeniedError"), lambda exc, sb, what: ConfigError(
+            f"modal sandbox {sb.ref.target}: permission denied by Modal: {exc}")),
+        ((*sdk("SandboxFilesystemNotFoundError"), FileNotFoundError), _missing),
+        ((*sdk("SandboxFilesystemIsADirectoryError"), IsADirectoryError), _a_directory),
+        ((*sdk("SandboxFilesystemPermissionError"), PermissionError), _denied),
+        (sdk("NotFoundError", "SandboxTerminatedError", "SandboxTimeoutError", "ConnectionError", "ClientClosed",
+             "TimeoutError", "ExecTimeoutError", "InternalFailure", "ServiceError"), gone),
+        (sdk("Error"), lambda exc, sb, what: SandboxError(f"{what}: modal sandbox {sb.ref.target}: {exc}")),
         ((ConnectionError, TimeoutError), lambda exc, sb, what: SandboxGone(
             f"modal sandbox {sb.ref.target}: connection lost ({what}): {exc}")),
     ])

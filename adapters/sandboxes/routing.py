@@ -6,7 +6,6 @@ work there); the task layer routes its work to the queue ``sandbox.<host>``.
 from __future__ import annotations
 
 import re
-
 from typing import TYPE_CHECKING
 
 from adapters.errors import ConfigError

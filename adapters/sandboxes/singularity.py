@@ -27,7 +27,7 @@ import subprocess
 from collections import deque
 from collections.abc import Callable, Iterator
 
-from adapters.errors import ConfigError, CourierError, FileMissing, NotAFile, SandboxGone, UnsafePath
+from adapters.errors import ConfigError, FileMissing, NotAFile, SandboxGone, UnsafePath
 from adapters.sandboxes.base import (
     PathPolicy, Sandbox, SandboxRef, check_lexical, deepest_existing, os_error, store_fd, temp_beside,
     write_blob_at,
@@ -83,15 +83,14 @@ def root_from_listing(listing: dict, instance: str) -> str:
     raise SandboxGone(f"singularity instance {instance!r} is not running")
 
 
-class _Walk:
-    """Directory fds from the instance root down to a path's parent."""
+class _Walk(contextlib.AbstractContextManager["_Walk"]):
+    """Directory fds from the instance root down to a path's parent, closed on exit."""
 
     def __init__(self, root: str) -> None:
         try:
-            self.root_fd = os.open(root, _O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            self.fds: list[int] = [os.open(root, _O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)]
         except FileNotFoundError as exc:
             raise SandboxGone(f"instance root {root} is gone") from exc
-        self.fds: list[int] = [self.root_fd]
         self.names: list[str] = []
 
     @property
@@ -111,76 +110,63 @@ class _Walk:
     def path(self, leaf: str | None = None) -> str:
         return "/" + "/".join([*self.names, leaf] if leaf else self.names)
 
-    def close(self) -> None:
+    def __exit__(self, *exc: object) -> None:
         for fd in self.fds:
             os.close(fd)
-        self.fds = []
-
-    def __enter__(self) -> "_Walk":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
-def resolve_in_root(root: str, path: str, *, max_links: int = MAX_LINKS) -> tuple[str, os.stat_result]:
+def resolve_in_root(root: str, path: str) -> tuple[str, os.stat_result]:
     """Resolve absolute `path` as the instance sees it, never leaving `root`:
     (the path inside the instance, lstat of the final entry). FileMissing's
     `resolved` is what the path would name (a denied one is refused as an
     existing one is); other OS errors are one courier error (base.os_error)."""
     try:
-        return _resolve_in_root(root, path, max_links)
-    except CourierError:
-        raise
+        parts = deque(p for p in path.split("/") if p)
+        links = 0
+        with _Walk(root) as w:
+            final: os.stat_result | None = None
+            leaf: str | None = None
+            while parts:
+                part = parts.popleft()
+                if part == ".":
+                    continue
+                if part == "..":
+                    w.up()
+                    continue
+                try:
+                    st = os.stat(part, dir_fd=w.cur, follow_symlinks=False)
+                except (FileNotFoundError, NotADirectoryError) as exc:
+                    missing = FileMissing(f"{path}: no such file")
+                    would = posixpath.normpath(posixpath.join(w.path(part), *parts))
+                    missing.resolved = would  # type: ignore[attr-defined]
+                    raise missing from exc
+                except PermissionError as exc:
+                    raise UnsafePath(f"{path}: permission denied") from exc
+                if statmod.S_ISLNK(st.st_mode):
+                    links += 1
+                    if links > MAX_LINKS:
+                        raise UnsafePath(f"{path}: a symbolic link loop (too many levels of symbolic links)")
+                    target = os.readlink(part, dir_fd=w.cur)
+                    while target.startswith("/") and len(w.fds) > 1:  # an absolute target: from the root
+                        w.up()
+                    parts.extendleft(reversed([p for p in target.split("/") if p]))
+                    continue
+                if parts:
+                    if not statmod.S_ISDIR(st.st_mode):
+                        raise FileMissing(f"{path}: {w.path(part)} is not a directory")
+                    try:
+                        w.down(part)
+                    except OSError as exc:  # swapped for a link between stat and open
+                        raise UnsafePath(f"{path}: changed while resolving ({exc.strerror})") from exc
+                else:
+                    final, leaf = st, part
+            if final is None:  # the root itself
+                return "/", os.fstat(w.cur)
+            return w.path(leaf), final
     except OSError as exc:  # a link or directory swapped mid-walk, a name too long, ...
         if exc.errno == errno.EINVAL:  # readlink of an entry swapped for a non-link after its lstat
             raise UnsafePath(f"{path}: changed while resolving") from exc
         raise os_error(exc, path) from exc
-
-
-def _resolve_in_root(root: str, path: str, max_links: int) -> tuple[str, os.stat_result]:
-    parts = deque(p for p in path.split("/") if p)
-    links = 0
-    with _Walk(root) as w:
-        final: os.stat_result | None = None
-        leaf: str | None = None
-        while parts:
-            part = parts.popleft()
-            if part == ".":
-                continue
-            if part == "..":
-                w.up()
-                continue
-            try:
-                st = os.stat(part, dir_fd=w.cur, follow_symlinks=False)
-            except (FileNotFoundError, NotADirectoryError) as exc:
-                missing = FileMissing(f"{path}: no such file")
-                would = posixpath.normpath(posixpath.join(w.path(part), *parts))
-                missing.resolved = would  # type: ignore[attr-defined]
-                raise missing from exc
-            except PermissionError as exc:
-                raise UnsafePath(f"{path}: permission denied") from exc
-            if statmod.S_ISLNK(st.st_mode):
-                links += 1
-                if links > max_links:
-                    raise UnsafePath(f"{path}: a symbolic link loop (too many levels of symbolic links)")
-                target = os.readlink(part, dir_fd=w.cur)
-                while target.startswith("/") and len(w.fds) > 1:  # an absolute target: from the root
-                    w.up()
-                parts.extendleft(reversed([p for p in target.split("/") if p]))
-                continue
-            if parts:
-                if not statmod.S_ISDIR(st.st_mode):
-                    raise FileMissing(f"{path}: {w.path(part)} is not a directory")
-                try:
-                    w.down(part)
-                except OSError as exc:  # swapped for a link between stat and open
-                    raise UnsafePath(f"{path}: changed while resolving ({exc.strerror})") from exc
-            else:
-                final, leaf = st, part
-        if final is None:  # the root itself
-            return "/", os.fstat(w.cur)
-        return w.path(leaf), final
 
 
 def open_in_root(root: str, resolved: str, check: Callable[[int, os.stat_result], None] | None = None) -> int:
@@ -262,10 +248,8 @@ class SingularitySandbox(Sandbox):
                     try:
                         w.down(part)
                     except FileNotFoundError:
-                        try:
+                        with contextlib.suppress(FileExistsError):
                             os.mkdir(part, 0o700, dir_fd=w.cur)
-                        except FileExistsError:
-                            pass
                         w.down(part)
                 except OSError as exc:  # ELOOP / ENOTDIR: a link or a file on the way
                     raise UnsafePath(f"{path}: cannot make {w.path(part)} ({exc.strerror})") from exc
@@ -292,24 +276,21 @@ class SingularitySandbox(Sandbox):
                 for part in parts:
                     w.down(part)
                 for part in missing:  # made here, owned like the directory they are made in
-                    try:
+                    # made meanwhile (FileExistsError): entered below only if a real directory (O_NOFOLLOW)
+                    with contextlib.suppress(FileExistsError):
                         os.mkdir(part, 0o755, dir_fd=w.cur)
                         owner = os.fstat(w.cur)
                         with contextlib.suppress(PermissionError):
                             os.chown(part, owner.st_uid, owner.st_gid, dir_fd=w.cur, follow_symlinks=False)
-                    except FileExistsError:
-                        pass  # made meanwhile: entered below only if a real directory (O_NOFOLLOW)
                     w.down(part)
                 dfd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=w.cur)
             except OSError as exc:
                 raise UnsafePath(f"{dest_path}: changed after it was checked ({exc.strerror})") from exc
         try:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 old = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-            except FileNotFoundError:
-                old = None
-            if old is not None and (statmod.S_ISLNK(old.st_mode) or statmod.S_ISDIR(old.st_mode)):
-                raise UnsafePath(f"{dest_path}: is a link or a directory")
+                if statmod.S_ISLNK(old.st_mode) or statmod.S_ISDIR(old.st_mode):
+                    raise UnsafePath(f"{dest_path}: is a link or a directory")
             write_blob_at(dfd, name, temp_beside(name), store, key, owner_of_dir=True)
         finally:
             os.close(dfd)
