@@ -153,7 +153,7 @@ def test_task_labels_are_short_and_messages_carry_ids_only():
     assert extract.args == ("snd_l.1",) and extract.options["argsrepr"] == "(snd_l.1 local:/tmp/a.csv)"
     assert lane.args == ("outbox:a",) and lane.options["argsrepr"] == "(lane outbox:a)"
     assert chains.lane_sig("outbox:a", 1.5).options["countdown"] == 1.5
-    turn = chains.turn_sig("turn_x", "outbox:a", "my private question", agent="demo")
+    turn = chains.spec_sig(chains.turn_spec("turn_x", "outbox:a", "my private question", agent="demo"))
     assert turn.options["argsrepr"] == "(turn_x demo -> outbox:a, 19 chars)"
     assert turn.args[0]["message"] == "my private question" and "sandbox" not in turn.args[0]
 

@@ -29,8 +29,7 @@ class Album:
 def deliver_album(ctx: Context, group: Album) -> AlbumOutcome:
     """Deliver a group of photos under one send lock (the first item's): those within the limits as
     one album when two or more remain, the rest one by one after it, failed extractions' notices last."""
-    lead = group.items[0].delivery_id
-    return sendlock.under_send_lock(ctx, lead, lambda rec: None,
+    return sendlock.under_send_lock(ctx, group.items[0].delivery_id, lambda rec: None,
                                     lambda session: _deliver_album_locked(ctx, group))
 
 

@@ -1,10 +1,9 @@
 """Delivering one stored file (or a text) to one chat: plain code, no Celery.
 
-The flow above every adapter (adapters only send): idempotency (a receipt checked
-before sending, under the send lock), the photo and upload limits (a notice instead
-of a too-large file), fitting text and captions, upload-once file ids, receipts and
-delivery events. `RateLimited` / `Transient` propagate for the lane to re-schedule;
-`Permanent` is recorded here and not retried.
+The flow above every adapter (adapters only send): idempotency (a receipt checked before sending, under
+the send lock), the photo and upload limits (a notice instead of a too-large file), fitting text and
+captions, upload-once file ids, receipts and delivery events. `RateLimited` / `Transient` propagate for
+the lane to re-schedule; `Permanent` is recorded here and not retried.
 """
 
 from __future__ import annotations
@@ -92,9 +91,8 @@ def choose_kind(platform: Platform, name: str, size_bytes: int, *, voice: bool, 
 
 def deliver(ctx: Context, spec: DeliverySpec, extracted: Extracted | None = None, *,
             held: sendlock.Held | None = None, end: Pipeline | None = None) -> DeliveryOutcome:
-    """Deliver one item (`extracted`: the result of a sandbox file's extraction).
-    `held`: its send lock already taken by the caller; `end`: a pipeline the delivered
-    record (and the lock's release) is queued on, for the caller to execute."""
+    """Deliver one item (`extracted`: its sandbox file's extraction). `held`: its send lock taken by the
+    caller; `end`: a pipeline the delivered record (and the lock's release) is queued on, not executed."""
     did = spec.delivery_id
 
     def work(session: sendlock.SendSession) -> DeliveryOutcome:
@@ -149,12 +147,10 @@ def deliver_item(ctx: Context, platform: Platform, chat: str, spec: DeliverySpec
             failed = exc
         if spec.tell:  # the reply's last file: the notice of its files that could not go, after its outcome
             tell_reply(ctx, guarded, chat, spec)
-    except ratelimit.Paced:
+    except BaseException as exc:
         guarded.flush()  # parts already sent stay recorded for the retry
-        r.hincrby(keys.delivery(did), "attempts", -1)  # courier's own pacing: this try never reached the platform
-        raise
-    except BaseException:
-        guarded.flush()  # parts already sent stay recorded for the retry
+        if isinstance(exc, ratelimit.Paced):  # courier's own pacing: this try never reached the platform
+            r.hincrby(keys.delivery(did), "attempts", -1)
         raise
     if failed is not None:
         guarded.flush()
@@ -175,10 +171,8 @@ def _extraction_failed(ctx: Context, platform: Platform, chat: str, spec: Delive
     reason = extracted.reason or "extraction failed"
     if spec.tell:  # the reply's last file: one notice for every file of it that could not go
         tell_reply(ctx, platform, chat, spec)
-    elif (extracted.too_large or extracted.notify) and not spec.told_by:
-        # (a reply's earlier file: named in the notice its last file sends, after the files that went)
-        _notice(ctx, platform, chat, spec, unsent_notice([_unsent_item(
-            extracted.name or spec.name or "file", extracted)]), key=None)
+    elif (extracted.too_large or extracted.notify) and not spec.told_by:  # (told_by: its reply's notice names it)
+        _notice(ctx, platform, chat, spec, _unsent_item(extracted.name or spec.name or "file", extracted)[0], key=None)
     if extracted.too_large or extracted.notify:
         log.warning("delivery %s to %s failed for good: %s", spec.delivery_id, spec.target, reason)
     return record_failure(ctx, spec, reason, final=True)
@@ -215,16 +209,12 @@ def unsent_notice(items: list[tuple[str, str]]) -> str:
 
 
 def tell_reply(ctx: Context, platform: Platform, chat: str, spec: DeliverySpec) -> None:
-    """At a reply's last file (its spec's `tell`: the reply's file ids, `tasks.dispatch.chains`),
-    one notice of every file of the reply whose extraction failed with words for the chat
-    (`notify`) or as too large; the others send none of their own (`told_by`). Sent once
-    (part `<id>#unsent`), names only (`visible`), never a path. A RateLimited/Paced
-    notice propagates: the step is re-scheduled and resumes here."""
-    ids = list(spec.tell or ())
-    if not ids:
-        return
+    """At a reply's last file (its spec's `tell`: the reply's file ids, `tasks.dispatch.chains`), one notice
+    of every file of the reply whose extraction failed with words for the chat (`notify`) or as too large;
+    the others send none of their own (`told_by`). Sent once (part `<id>#unsent`), names only (`visible`),
+    never a path. A RateLimited/Paced notice propagates: the step is re-scheduled and resumes here."""
     pipe = ctx.redis.pipeline(transaction=False)
-    for rid in ids:
+    for rid in spec.tell or ():
         pipe.hgetall(keys.delivery(rid))
     failed = [result_of(rec, "") for rec in pipe.execute()
               if rec and rec.get("extraction") == EXTRACTION_FAILED
@@ -288,10 +278,8 @@ def _send_text(platform: Platform, chat: str, text: str, did: str) -> Sent:
     pieces = split_text(text, platform.limits.text_chars) or [""]
     if len(pieces) > REPLY_MAX_PARTS:
         return long_reply(platform, chat, text, did)
-    ids = []
-    for i, part in enumerate(pieces):
-        sub_id = did if len(pieces) == 1 else f"{did}#{i}"
-        ids.append(platform.send_text(chat, part, delivery_id=sub_id).message_id)
+    ids = [platform.send_text(chat, part, delivery_id=did if len(pieces) == 1 else f"{did}#{i}").message_id
+           for i, part in enumerate(pieces)]
     return Sent(message_id=",".join(ids))
 
 
@@ -351,8 +339,7 @@ def _key_of(spec: DeliverySpec) -> str:
 
 
 def file_id_key(platform: Platform, sha: str, kind: Kind) -> str | None:
-    bot = platform.cache_key
-    return keys.file_id(platform.name, bot, sha, kind.value) if bot and sha else None
+    return keys.file_id(platform.name, platform.cache_key, sha, kind.value) if platform.cache_key and sha else None
 
 
 def send_overflow(platform: Platform, chat: str, overflow: list[str], base_id: str) -> None:
@@ -400,7 +387,7 @@ def _send_file(ctx: Context, platform: parts.Guarded, chat: str, spec: DeliveryS
         pipe.get(fid_key)
     if not fresh:
         pipe.hmget(keys.delivery_parts(did), [upload_part, f"{did}#refused"])
-    got = pipe.execute() if len(pipe) else []
+    got = pipe.execute()  # (an empty pipeline: [], no round trip)
     uploaded, refused = (None, None) if fresh else got[-1]
     cached = (got[0] if fid_key else None) or uploaded
     if refused:  # refused by the platform before; its notice was re-scheduled (the chat's rate limit)
@@ -432,9 +419,8 @@ def _send_file(ctx: Context, platform: parts.Guarded, chat: str, spec: DeliveryS
 
 def _notice_refused(ctx: Context, platform: Platform, chat: str, spec: DeliverySpec, src: FileSource, exc: FileRefused,
                     *, key: str | None, record: bool = False) -> str:
-    """The chat told why the platform does not take this file; returns the failure's reason.
-    `record`: the refusal came from sending, so it is recorded first (a part of the
-    delivery): a retry after the notice was rate-limited sends only the notice."""
+    """The chat told why the platform does not take this file; returns the failure's reason. `record`: a
+    refusal from sending, recorded first (a part): a retry after a rate-limited notice sends only the notice."""
     size_s = human_bytes(src.size_bytes)
     if exc.too_large:
         reason = f"too large: {src.name} is {size_s}, refused by {platform.name} ({exc.reason})"

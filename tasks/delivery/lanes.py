@@ -1,12 +1,10 @@
-"""Per-chat lanes: a chat's deliveries go out one step at a time, in enqueue order
-(plain code, no Celery).
+"""Per-chat lanes: a chat's deliveries go out one step at a time, in enqueue order (plain code, no Celery).
 
-`keys.lane(target)` lists the chat's steps (a delivery id, or an album's first id).
-`drive` takes the lane's lease and sends the head step while it is ready: a final step
-is dropped; one still being extracted waits (its extraction drives the lane when it
-ends); courier's own pacing (`Paced`, no attempt) or a platform's 429 waits
-`retry_after` (a countdown drive, or the reconciler for a long wait); transient errors
-back off before the step fails (`_run_step`). Nothing behind a waiting step overtakes it.
+`keys.lane(target)` lists the chat's steps (a delivery id, or an album's first id). `drive` takes the lane's
+lease and sends the head step while it is ready: a final step is dropped; one still being extracted waits
+(its extraction drives the lane when it ends); courier's own pacing (`Paced`, no attempt) or a platform's
+429 waits `retry_after` (a countdown drive, or the reconciler for a long wait); transient errors back off
+before the step fails (`_run_step`). Nothing behind a waiting step overtakes it.
 """
 
 from __future__ import annotations
@@ -31,7 +29,6 @@ from tasks import metrics
 from tasks.delivery import album, ratelimit, sendlock, specs
 from tasks.delivery import delivery as delivery_mod
 from tasks.ledger import keys, ledger, receipts, scripts, signing
-from tasks.delivery.delivery import result_of
 from tasks.messages import DeliverySpec, JsonObject
 from tasks.runtime import Context
 from tasks.states import EXTRACTION_FAILED, EXTRACTION_OK, DeliveryState
@@ -57,9 +54,8 @@ _TERMINAL = sorted(receipts.TERMINAL)
 
 @dataclass
 class Head:
-    """What `_look` found: 'head' (`id`, its receipt, `held`: its send lock when taken),
-    'extracting' (`id`), 'empty' (`id`: the next lane popped from the ready set when asked,
-    '' when it was empty) or 'busy'."""
+    """What `_look` found: 'head' (`id`, its receipt, `held`: its send lock when taken), 'extracting'
+    (`id`), 'empty' (`id`: the ready set's next lane popped when asked, '' when it was empty) or 'busy'."""
 
     what: str
     id: str | None = None
@@ -86,11 +82,9 @@ class Step:
                    or rec.get("state") in receipts.TERMINAL for rec, spec in zip(self.recs, self.specs))
 
 
-def load_step(r: Redis, lead: str, rec: receipts.Receipt | None = None, target: str | None = None
-              ) -> Step | None:
-    """The step `lead` leads (`rec`: its receipt when already read) in the lane of `target`. A spec
-    that does not verify, or names another chat than the lane's, is never sent: its receipt fails."""
-    rec = rec if rec is not None else receipts.get_delivery(r, lead)
+def load_step(r: Redis, lead: str, rec: receipts.Receipt | None, target: str) -> Step | None:
+    """The step `lead` leads (`rec`: its receipt as read) in the lane of `target`. A spec that does
+    not verify, or names another chat than the lane's, is never sent: its receipt fails."""
     if not rec:
         return None  # expired or never there: nothing to send
     ids = json.loads(rec["album"]) if rec.get("album") else [lead]
@@ -106,7 +100,7 @@ def load_step(r: Redis, lead: str, rec: receipts.Receipt | None = None, target: 
     return Step(lead, ids, recs, specs)
 
 
-def _verified(r: Redis, did: str, rec: receipts.Receipt, target: str | None) -> DeliverySpec | None:
+def _verified(r: Redis, did: str, rec: receipts.Receipt, target: str) -> DeliverySpec | None:
     """The receipt's spec, verified as delivery `did`'s (and of `target`'s lane); a forgery
     makes the receipt final `failed` (in `rec` too) and gives None."""
     raw = rec.get("spec")
@@ -114,7 +108,7 @@ def _verified(r: Redis, did: str, rec: receipts.Receipt, target: str | None) -> 
         return None
     try:
         spec = specs.open_delivery(did, raw)  # logged and counted when forged
-        if target is not None and spec.target != target:
+        if spec.target != target:
             exc = signing.Forged(f"delivery {did} names another chat than its lane's")
             signing.refused("delivery", exc)
             raise exc
@@ -243,9 +237,8 @@ def drive(ctx: Context, target: str, publish: Publish, *, started: str | None = 
     if started:
         pipe = r.pipeline(transaction=False)
         pipe.zrem(keys.drives_waiting(), started)
-    # the chat's gate (None: unpaced). The lane's lease is the chat's only sender, so a gate saying
-    # `DEAD_SEND` when a drive takes the lease was left by a holder that died mid-send: the first look
-    # clears it rather than the chat waiting out its TTL
+    # the chat's gate (None: unpaced). The lease holder is the chat's only sender, so a gate saying `DEAD_SEND`
+    # as a drive takes the lease was left by one that died mid-send: the first look clears it (no TTL waited)
     gate: str | None = None
     with suppress(CourierError):  # an unusable target: the step itself reports it
         name, chat = split_target(target)
@@ -276,8 +269,7 @@ def drive(ctx: Context, target: str, publish: Publish, *, started: str | None = 
     # its head read again after the release, in the same round trip: an extraction that ended
     # while this drive held the lease found it busy, so look once more now that it is free
     pipe.hgetall(keys.delivery(out["head"]))
-    rec = pipe.execute()[-1]
-    step = load_step(r, out["head"], rec, target) if rec else None
+    step = load_step(r, out["head"], pipe.execute()[-1], target)
     if step is not None and (step.ready or step.done):
         publish(target, None)
     return out
@@ -353,7 +345,7 @@ def _run_step(ctx: Context, step: Step, held: sendlock.Held | None = None, end: 
     try:
         if len(step.ids) == 1:
             spec = specs[0]
-            extracted = result_of(step.recs[0], spec.key or "") if spec.extract is not None else None
+            extracted = delivery_mod.result_of(step.recs[0], spec.key or "") if spec.extract is not None else None
             delivery_mod.deliver(ctx, spec, extracted, held=held, end=end)
         else:
             # the caption goes with the album (or its first send), not with its first photo alone

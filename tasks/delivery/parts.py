@@ -44,7 +44,6 @@ class Guarded(Platform):
         self._pending: list[tuple[str, str]] = []
         #: what else follows sends so far: their chat gates pushed (`Slot.release`), `after_sent` writes
         self._writes: list[Callable[[Pipeline], object]] = []
-        #: on a delivery's first attempt no part can have been sent before: no need to look
         self._fresh = first_attempt
         self._delivery_id = delivery_id
         # what the platform declares, as the platform says it
@@ -66,18 +65,17 @@ class Guarded(Platform):
     # -- a send: its part's record and the chat's gate in one round trip ------------------------
     def _once(self, chat: str, part: str, send: Callable[[], Sent]) -> Sent:
         r = self._redis
-        if self._pending or self._writes:
-            self.flush()  # an earlier part's record (and the gate's push) go before the next part is sent
+        self.flush()  # an earlier part's record (and the gate's push) go before the next part is sent
         pipe = r.pipeline(transaction=False)
         if not self._fresh:  # on a delivery's first attempt no part can have been sent before
             pipe.hget(keys.delivery_parts(self._delivery_id), part)
         asked = ratelimit.ask(pipe, self._p, chat)
-        replies = pipe.execute() if len(pipe) else []
+        replies = pipe.execute()  # (an empty pipeline: [], no round trip)
         done = None if self._fresh else replies[0]
         if done is not None:  # sent by an earlier run of this delivery
             gate, _ = ratelimit.gate_of(self._p, chat)
             if gate is not None and replies[-1]:
-                ratelimit.open_gate(r, gate)
+                r.delete(gate)  # sent before: the gate taken for it goes back
             return Sent(message_id=str(done))
         slot = ratelimit.take(r, self._p, chat, replies[len(replies) - asked:])
         try:

@@ -1,23 +1,20 @@
-"""Shared platform rate limits, enforced across every worker process in Redis:
-where a chat's pace is decided.
+"""Shared platform rate limits, enforced across every worker process in Redis: where a chat's pace is decided.
 
 Before each send one slot of each limit a platform declares is taken, narrowest first:
-- per chat (`per_chat_per_s`): a gate, one Redis key SET NX PX one interval (1 / rate +
-  `PACE_MARGIN_S`) when a send *starts*, so a platform answering in 250 ms still gets 1/s;
+- per chat (`per_chat_per_s`): a gate, one Redis key SET NX PX one interval (1 / rate + `PACE_MARGIN_S`)
+  when a send *starts*, so a platform answering in 250 ms still gets 1/s;
 - per group and per bot: the `limits` library's moving windows (its public API).
 
-The platform counts a send when it arrives, and a cold connection, a big upload or a
-descheduled process can bring two arrivals closer than two starts: an answered send's
-arrival is estimated as its end minus the quickest send this process made to that
-platform lately, and when that is later than its start the gate is pushed to it plus
-the interval. Two arrivals then come no closer than the limit minus `ARRIVAL_JITTER_S`.
-A platform's 429 (`refused`) closes the gate for its `retry_after` and widens the chat's
-interval (`BACKOFF_*`) for a while.
+The platform counts a send when it arrives, and a cold connection, a big upload or a descheduled process
+can bring two arrivals closer than two starts: an answered send's arrival is estimated as its end minus
+the quickest send this process made to that platform lately; when that is later than its start, the gate
+is pushed to it plus the interval (two arrivals come no closer than the limit minus `ARRIVAL_JITTER_S`).
+A platform's 429 (`refused`) closes the gate for its `retry_after` and widens the chat's interval a while.
 
-A slot not free raises `Paced` (the lane is driven again then; no worker sleeps); a
-denied send gives back what it took, so a send waiting for its chat uses none of the
-bot's slots; a send that fails keeps its slots (the safe side). `acquire` takes the
-slots, or `ask` (on a pipeline) then `take`; release the `Slot` when the send is over.
+A slot not free raises `Paced` (the lane is driven again then; no worker sleeps); a denied send gives back
+what it took, so a send waiting for its chat uses none of the bot's slots; a send that fails keeps its
+slots (the safe side). `ask` (on a pipeline) then `take` the slots (`acquire`: both); release the `Slot`
+when the send is over.
 """
 
 from __future__ import annotations
@@ -172,11 +169,10 @@ class Slot:
         """Push the chat's gate to the send's estimated arrival plus the interval when that is
         later than its start (see the module's doc; queued on `pipe` when given)."""
         gate, self._gate = self._gate, None
-        end = self._end or time.time()
-        quickest = self._quickest if self._quickest is not None else _quickest(self._kind)
         if gate is None:
             return
-        arrival = max(self._start, end - quickest)
+        quickest = self._quickest if self._quickest is not None else _quickest(self._kind)
+        arrival = max(self._start, (self._end or time.time()) - quickest)
         if arrival - self._start < _PUSH_MIN_S:
             return  # the gate taken at the start holds
         (pipe if pipe is not None else self._redis).set(gate, "paced", px=_ms(arrival + self._interval_s - time.time()))
@@ -248,8 +244,3 @@ def refused(redis: Any, platform: Platform, chat: str, retry_after_s: float) -> 
     if retry_after_s > 0:
         pipe.set(gate, "retry_after", px=_ms(retry_after_s))
     pipe.execute()
-
-
-def open_gate(redis: Any, gate: str) -> None:
-    """Give back a gate taken for a send that does not happen."""
-    redis.delete(gate)

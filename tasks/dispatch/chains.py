@@ -1,15 +1,13 @@
 """The one module that turns a job into ledger entries and task messages.
 
-A job (a turn's reply, an operator's send) is registered in one Redis transaction: a
-receipt per delivery holding its signed `spec` (all it takes to run it again), and its
-steps appended to the chat's lane (the text, then the files in order; jobs to one chat
-queue up in enqueue order). Then messages carrying ids only go out: an `extract_file` per
-sandbox file (on its sandbox's queue) and a `drive_lane` for the chat. A lost message
-costs nothing: the reconciler re-drives any stage whose due time passed. Delivery ids are
-deterministic (`<job>.<seq>`): re-enqueuing a job never sends twice what was delivered.
-
-Albums (`Plan.album_max` >= 2): a run of consecutive files that route to photos becomes
-one step (split at `album_max`); each file keeps its own delivery id and receipt.
+A job (a turn's reply, an operator's send) is registered in one Redis transaction: a receipt per delivery
+holding its signed `spec` (all it takes to run it again), and its steps appended to the chat's lane (the
+text, then the files in order; jobs to one chat queue up in enqueue order). Then messages carrying ids only
+go out: an `extract_file` per sandbox file (on its sandbox's queue) and a `drive_lane` for the chat. A lost
+message costs nothing: the reconciler re-drives any stage whose due time passed. Delivery ids are
+deterministic (`<job>.<seq>`): re-enqueuing a job never sends twice what was delivered. Albums
+(`Plan.album_max` >= 2): a run of consecutive files that route to photos becomes one step (split at
+`album_max`); each file keeps its own delivery id and receipt.
 """
 
 from __future__ import annotations
@@ -96,8 +94,7 @@ class Plan:
     tell_unsent: bool = False
 
 
-#: a ref pinned to a host (`?host=`: containers live on one) is extracted on `sandbox.<host>`, others on
-#: `sandbox`
+#: a ref pinned to a host (`?host=`: containers live on one) is extracted on `sandbox.<host>`, others on `sandbox`
 sandbox_queue = queue_for
 
 
@@ -141,15 +138,13 @@ def entries(plan: Plan) -> list[_Entry]:
     file job, the extraction of a sandbox file, an album's members)."""
     platform = split_target(plan.target)[0]
     out: list[_Entry] = []
-    seq = 0
     if plan.text:
-        d = delivery_id(plan.job_id, seq)
+        d = delivery_id(plan.job_id, 0)
         out.append(_Entry(d, {"type": "text", "platform": platform, "kind": "text",
                               "size_bytes": len(plan.text.encode())},
                           DeliverySpec(delivery_id=d, job_id=plan.job_id, target=plan.target, type="text",
                                        text=plan.text)))
-        seq += 1
-    first_seq = seq
+    first_seq = len(out)  # the files' ids follow the text's
     groups = {j: g for g in album_groups(plan) for j in g}
     for i, f in enumerate(plan.files):
         d = delivery_id(plan.job_id, first_seq + i)
@@ -170,8 +165,7 @@ def entries(plan: Plan) -> list[_Entry]:
         group = groups.get(i)
         entry = _Entry(d, fields, spec, queue=queue)
         if group is not None:
-            lead = delivery_id(plan.job_id, first_seq + group[0])
-            fields["step"] = lead
+            fields["step"] = delivery_id(plan.job_id, first_seq + group[0])
             entry.lane = i == group[0]
             if entry.lane:
                 fields["album"] = json.dumps([delivery_id(plan.job_id, first_seq + j) for j in group])
@@ -185,9 +179,8 @@ def entries(plan: Plan) -> list[_Entry]:
 
 
 def register(r: Redis, plan: Plan, *, job_kind: str | None = None) -> list[_Entry]:
-    """Record the plan in one transaction: the job (with `job_kind`), a queued receipt per
-    delivery with its spec, the steps at the end of the chat's lane, due times for the lane
-    and each extraction. Idempotent: a delivery already registered is left as it is."""
+    """Record the plan in one transaction: the job (with `job_kind`), a queued receipt per delivery with its
+    spec, the steps at the end of the chat's lane, due times for the lane and each extraction. Idempotent."""
     items = entries(plan)
     p = r.pipeline(transaction=True)  # one round trip, no other job's steps in between
     if job_kind is not None:
@@ -209,9 +202,8 @@ def _name(f: StoredFile | SandboxFile) -> str:
 
 
 def album_groups(plan: Plan) -> list[list[int]]:
-    """Indexes (into `plan.files`) of the files sent as albums: runs of >= 2
-    consecutive files that route to photos, cut into groups of <= album_max
-    (a group of one left over goes alone)."""
+    """Indexes (into `plan.files`) of the files sent as albums: runs of >= 2 consecutive files that route
+    to photos, cut into groups of <= album_max (a group of one left over goes alone)."""
     size = plan.album_max
     if size < 2 or plan.as_document:
         return []
@@ -226,8 +218,7 @@ def album_groups(plan: Plan) -> list[list[int]]:
 
 
 def _label(sig: Signature, text: str) -> Signature:
-    """A short `argsrepr`: what Flower and the worker's log show instead of the arguments
-    (never chat text or captions)."""
+    """A short `argsrepr`: what Flower and the worker's log show instead of the arguments (never chat text)."""
     return sig.set(argsrepr=text[:200], kwargsrepr="{}")
 
 
@@ -259,10 +250,9 @@ def publish_lane(target: str, countdown: float | None = None) -> None:
 
 
 def wake_lane(r: Redis, target: str) -> bool:
-    """Wake `target`'s lane: publish its `drive_lane`, unless `WAKE_BACKLOG` drives are
-    waiting already: then it joins the ready set they drain (lane_wake.lua decides).
-    `target` '': a drain of the ready set, always published. True when a drive was published.
-    A failed publish loses nothing: the lane's due time brings the reconciler."""
+    """Wake `target`'s lane: publish its `drive_lane`, unless `WAKE_BACKLOG` drives are waiting already:
+    then it joins the ready set they drain (lane_wake.lua decides). `target` '': a drain of the ready set,
+    always published. True when a drive was published. A failed publish loses nothing (the lane's due time)."""
     task_id = str(uuid.uuid4())
     if not scripts.run(r, "lane_wake", keys=[keys.drives_waiting(), keys.lanes_ready()],
                        args=[target, task_id, time.time(), WAKE_BACKLOG, WAKE_STALE_S]):
@@ -278,9 +268,8 @@ def publish_drain(r: Redis) -> None:
 
 
 def enqueue(r: Redis, plan: Plan, *, job_kind: str | None = None) -> list[str]:
-    """Register the plan (and the job, with `job_kind`), then publish its extractions and a
-    wake-up of the chat's lane. Returns the delivery ids. A failed publish is logged and
-    loses nothing: the reconciler finds the due times."""
+    """Register the plan (and the job, with `job_kind`), then publish its extractions and a wake-up of the
+    chat's lane. Returns the delivery ids. A failed publish is logged and loses nothing (the due times)."""
     items = register(r, capped(plan), job_kind=job_kind)
     for e in items:
         if e.queue is not None:
@@ -288,8 +277,7 @@ def enqueue(r: Redis, plan: Plan, *, job_kind: str | None = None) -> list[str]:
             what = f"{extract.sandbox.get('kind', '')}:{extract.path}" if extract is not None else ""
             _published(plan.job_id, publish_extract, e.did, e.queue, what)
     if any(e.queue is None for e in items):
-        # something is ready to go now; steps that wait for an extraction are
-        # driven by the extraction's end (and by the lane's due time)
+        # something is ready now; a step waiting for an extraction is driven by its end (and the lane's due time)
         _published(plan.job_id, wake_lane, r, plan.target)
     return [e.did for e in items]
 
@@ -299,8 +287,7 @@ def _published(job_id: str, publish: Callable[..., object], *args: Any) -> None:
     try:
         publish(*args)
     except Exception as exc:  # noqa: BLE001 - the ledger has it: a lost publish costs nothing
-        log.warning("job %s: a publish failed (%s); the reconciler will publish it",
-                                            job_id, type(exc).__name__)
+        log.warning("job %s: a publish failed (%s); the reconciler will publish it", job_id, type(exc).__name__)
 
 
 def enqueue_turn(r: Redis, target: str, message: str, *, agent: str, job_id: str | None = None,
@@ -309,7 +296,7 @@ def enqueue_turn(r: Redis, target: str, message: str, *, agent: str, job_id: str
     """Record a turn's job (with its spec: the ledger can run it again), then enqueue
     `agent_turn` with the job id as its task id. Returns the job id."""
     job_id = job_id or new_job_id("turn")
-    sig = turn_sig(job_id, target, message, agent=agent, sandbox=sandbox, attachments=attachments)
+    sig = spec_sig(turn_spec(job_id, target, message, agent=agent, sandbox=sandbox, attachments=attachments))
     p = r.pipeline(transaction=True)
     receipts.create_job(r, job_id, kind="turn", target=target, agent=agent, origin=origin, pipe=p,
                         spec=signing.seal_json("turn", job_id, sig.args[0]))
@@ -317,12 +304,6 @@ def enqueue_turn(r: Redis, target: str, message: str, *, agent: str, job_id: str
     p.execute()
     sig.apply_async(task_id=job_id)
     return job_id
-
-
-def turn_sig(job_id: str, target: str, message: str, *, agent: str, sandbox: str | None = None,
-             attachments: list[Attachment] | None = None) -> Signature:
-    """The `agent_turn` signature of a turn, labelled."""
-    return spec_sig(turn_spec(job_id, target, message, agent=agent, sandbox=sandbox, attachments=attachments))
 
 
 def turn_spec(job_id: str, target: str, message: str, *, agent: str, sandbox: str | None = None,

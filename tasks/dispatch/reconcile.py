@@ -1,13 +1,10 @@
 """The reconciler: re-drives every stage whose due time passed with nobody on it.
 
-Each worker process runs a `Reconciler` thread (one pass a second); a Redis lock lets
-one of them work at a time. A pass reads only each stage's due entries. An overdue
-entry whose lease is held is looked at again later (its holder renews it); else its
-stage's re-driver (a `Stage`, given by the stage's owner) forgets it if final, or
-publishes its task again (ids only) and looks again after a grace (`grace`: doubling
-with each re-drive while its queue has a backlog; no copy into a backlog nobody consumes).
-This module knows the ledger only.
-Recovery after a worker dies: about `ledger.LEASE_TTL_S` + 1 s.
+Each worker process runs a `Reconciler` thread (one pass a second); a Redis lock lets one of them work at
+a time. A pass reads only each stage's due entries. An overdue entry whose lease is held is looked at
+again when it lapses; else its stage's re-driver (a `Stage`, given by the stage's owner) forgets it if
+final, or publishes its task again (ids only) and looks again after a `grace`. This module knows the
+ledger only. Recovery after a worker dies: about `ledger.LEASE_TTL_S` + 1 s.
 """
 
 from __future__ import annotations
@@ -17,6 +14,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import suppress
 from dataclasses import dataclass
 
 from redis import Redis
@@ -35,13 +33,12 @@ MAX_GRACE_S = 300.0
 
 @dataclass(frozen=True)
 class Stage:
-    """A stage the reconciler watches, from its owner (`tasks/dispatch/redrive.py`: lanes,
-    extractions; `tasks/turn/turn.py`: turns; listed by `tasks/celery_tasks.py:stages`).
+    """A stage the reconciler watches, from its owner (`tasks/dispatch/redrive.py`: lanes, extractions;
+    `tasks/turn/turn.py`: turns; listed by `tasks/celery_tasks.py:stages`).
 
     name     the ledger's stage (its due times and leases)
-    redrive  an overdue, unleased entry: publish it again, forget it or end it; returns
-             what it did, counted in a pass's result ("": nothing counted)
-    counts   the names its re-drives may be counted under (0 when none)
+    redrive  an overdue, unleased entry: publish it again, forget it or end it; returns what it did,
+             counted in a pass's result ("": nothing counted) under one of `counts` (0 when none)
     first    a look before its entries, given the pass's `now` (a name to count, or "")"""
 
     name: str
@@ -61,11 +58,10 @@ def _unleased_overdue(r: Redis, stage: str, now: float | None) -> Iterator[str]:
 
 
 def grace(base_s: float, redrives: int, depth: int) -> float:
-    """The wait before the next look at an entry re-driven `redrives` times before, whose queue holds
-    `depth` messages. Behind a backlog, `base_s` doubling with each re-drive (at most `MAX_GRACE_S`):
-    a long queue is not a lost message. With it empty, `base_s`: the message is waiting nowhere (a
-    worker that loses its broker connection drops what it had prefetched, and kombu restores it only
-    after the visibility timeout), so each re-drive is looked at as soon."""
+    """The wait before the next look at an entry re-driven `redrives` times before, whose queue holds `depth`
+    messages. Behind a backlog, `base_s` doubling with each re-drive (at most `MAX_GRACE_S`): a long queue is
+    not a lost message. With it empty, `base_s`: the message is waiting nowhere (a worker that lost its
+    broker connection drops what it had prefetched; kombu restores it only after the visibility timeout)."""
     return min(MAX_GRACE_S, base_s * 2.0 ** min(redrives, 10)) if depth else base_s
 
 
@@ -128,8 +124,5 @@ class Reconciler:
                 self.failures += 1
                 if self.failures in (1, 10) or self.failures % 60 == 0:
                     log.warning("reconciler pass failed (%d in a row): %r", self.failures, exc)
-        try:
-            ctx = self.ctx_factory()
-            ledger.release(ctx.redis, keys.reconciler_lock(), self.token)
-        except Exception:  # noqa: BLE001 - it expires by itself
-            pass
+        with suppress(Exception):  # else it expires by itself
+            ledger.release(self.ctx_factory().redis, keys.reconciler_lock(), self.token)

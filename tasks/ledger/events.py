@@ -56,8 +56,7 @@ def read(r: Redis, job_id: str, after: str = "0-0", *, block_ms: int | None = No
 
 def read_many(r: Redis, after: Mapping[str, str], *, block_ms: int | None = None, count: int = 100
               ) -> list[tuple[str, str, Event]]:
-    """Several jobs' events in one XREAD, each after its own stream id
-    (`after`: job id -> stream id): (job id, stream id, event)."""
+    """Several jobs' events in one XREAD, each after its own stream id (`after`: job id -> stream id)."""
     if not after:
         return []
     job_of = {keys.events(job_id): job_id for job_id in after}
@@ -122,10 +121,9 @@ def is_terminal(ev: Event) -> bool:
 
 
 class EndTracker:
-    """Tells when a job's stream is over: after the terminal status and the
-    final state of every delivery (those it counts in `deliveries`, and any
-    seen queued). A send job has no status events: `expect_deliveries(n)`
-    marks it started with `n` deliveries to wait for."""
+    """Tells when a job's stream is over: after the terminal status and the final state of every delivery
+    (those it counts in `deliveries`, and any seen queued). A send job has no status events:
+    `expect_deliveries(n)` marks it started with `n` deliveries to wait for."""
 
     def __init__(self) -> None:
         self.terminal: Event | None = None
@@ -158,14 +156,12 @@ class EndTracker:
     @property
     def ok(self) -> bool:
         """The turn completed and no delivery failed."""
-        st = (self.terminal or {}).get("status")
-        return st == "completed" and DeliveryState.FAILED not in self.final.values()
+        return (self.terminal or {}).get("status") == "completed" and DeliveryState.FAILED not in self.final.values()
 
     @classmethod
     def for_job(cls, r: Redis, job_id: str) -> "EndTracker":
         """A tracker primed for the job's kind (a send: its registered deliveries)."""
         t = cls()
-        job = receipts.get_job(r, job_id) or {}
-        if job.get("kind") == "send":
+        if (receipts.get_job(r, job_id) or {}).get("kind") == "send":
             t.expect_deliveries(int(r.llen(keys.job_deliveries(job_id)) or 0))
         return t

@@ -75,14 +75,12 @@ def lane(target: str) -> str:
 
 
 def lanes_ready() -> str:
-    """sorted set: lanes to send whose wake-up was not published on its own (enough drives were
-    waiting: each drains this set), scored by when they joined (chains.py `wake_lane`)"""
+    """sorted set: lanes whose wake-up joined the waiting drives' (each drains it), by when (chains.wake_lane)"""
     return f"{PREFIX}lanes:ready"
 
 
 def drives_waiting() -> str:
-    """sorted set: the task ids of lane drives published and not started yet, scored by when they
-    were published (older than `chains.WAKE_STALE_S` they no longer count)"""
+    """sorted set: lane drives published and not started yet (task ids), by when (stale: chains.WAKE_STALE_S)"""
     return f"{PREFIX}lanes:waiting"
 
 
@@ -143,8 +141,7 @@ def consumers(queue: str) -> str:
 
 
 def count_consumers(pipe: Any, queue: str, now: float) -> Any:
-    """Queue on `pipe` (sync or async) the count of `queue`'s live consumers: heartbeats younger
-    than `CONSUMER_STALE_S`."""
+    """Queue on `pipe` (sync or async) the count of `queue`'s consumers heard within `CONSUMER_STALE_S`."""
     return pipe.zcount(consumers(queue), now - CONSUMER_STALE_S, "+inf")
 
 

@@ -1,11 +1,10 @@
 """The ledger's moving parts: who works on a stage and when somebody must look again.
 
-- a **lease** (`keys.lease(stage, id)`): its holder's token with a short TTL, renewed by
-  one heartbeat thread per process while the work runs: a dead worker's lease is gone
-  within `LEASE_TTL_S`.
-- a **due time** (`keys.due(stage)`): when the reconciler must look at an entry again if
-  nothing else has. Every stage not final has one, so a task message that vanished leaves
-  it behind, and the reconciler re-drives the stage from the ledger alone.
+- a **lease** (`keys.lease(stage, id)`): its holder's token with a short TTL, renewed by one heartbeat
+  thread per process while the work runs: a dead worker's lease is gone within `LEASE_TTL_S`.
+- a **due time** (`keys.due(stage)`): when the reconciler must look at an entry again if nothing else
+  has. Every stage not final has one, so a task message that vanished leaves it behind, and the
+  reconciler re-drives the stage from the ledger alone.
 
 Stages: `lane` (id = target), `extract` (id = delivery id), `turn` (id = job id).
 """
@@ -25,6 +24,7 @@ from typing import Any, cast
 
 from redis import Redis
 
+from adapters.errors import SandboxStalled, StorageError
 from tasks.ledger import keys, scripts
 
 #: a lease lives this long unless its holder renews it (every third of it)
@@ -32,10 +32,9 @@ LEASE_TTL_S = 20
 STAGES = ("lane", "extract", "turn")
 #: the reconciler re-drives a stage nobody has looked at for this long (its due time)
 LANE_GRACE_S = 10.0
-#: a stage's message may be lost with a broker connection (kombu restores it only after the
-#: visibility timeout): the chat waits this long. A stage still queued is re-published too (its
-#: copy is dropped when it finds the stage done or held); the grace doubles per re-drive while the
-#: stage's queue has a backlog (tasks/dispatch/reconcile.grace).
+#: a stage's message may be lost with a broker connection (kombu restores it only after the visibility
+#: timeout): the chat waits this long. A stage still queued is re-published too (its copy is dropped when it
+#: finds the stage done or held); the grace doubles per re-drive behind a backlog (reconcile.grace).
 EXTRACT_GRACE_S = 10.0
 TURN_GRACE_S = 10.0
 
@@ -96,13 +95,11 @@ class _Held:
 
 
 class _Renewer:
-    """One daemon thread per process renews every lease this process holds, in one
-    pipeline each third of its life. A missed renewal only shortens the lease: at worst
-    a second worker re-drives a stage, which every stage tolerates.
-
-    A lease held with `needs_progress` is renewed only while its holder shows progress
-    (`progress()`, or a `marker()`'s mark, at least every `stall_s`): a holder stuck
-    without a deadline stops holding it, and `on_stall` is told once."""
+    """One daemon thread per process renews every lease this process holds, in one pipeline each
+    third of its life. A missed renewal only shortens the lease: at worst a second worker re-drives
+    a stage, which every stage tolerates. A lease held with `needs_progress` is renewed only while
+    its holder shows progress (`progress()`, or a `marker()`'s mark, at least every `stall_s`): a
+    holder stuck without a deadline stops holding it, and `on_stall` is told once."""
 
     def __init__(self) -> None:
         self.held: dict[int, _Held] = {}
@@ -250,10 +247,9 @@ def renewing(r: Redis, key: str, token: str, ttl_s: int = LEASE_TTL_S, *,
 
 
 def release_soon(r: Redis, key: str, token: str, stage: str = "", ident: str = "", ttl_s: int = LEASE_TTL_S) -> None:
-    """Release a lease its holder is done with, now or, Redis away, as soon as it answers again
-    (this process's renewer thread tries every half second until the lease would have lapsed):
-    after an outage, a stage left by a drive that failed with it is not held for the rest of a
-    dead lease's TTL. Once released late, the stage's due time (`stage`, `ident`) comes forward."""
+    """Release a lease its holder is done with, now or, Redis away, as soon as it answers again (the
+    renewer thread tries every half second until the lease would have lapsed): after an outage, a stage
+    is not held for the rest of a dead lease's TTL. Released late, its due time (`stage`, `ident`) comes forward."""
     try:
         release(r, key, token)
     except Exception:  # noqa: BLE001 - Redis away: the renewer thread releases it
@@ -342,8 +338,6 @@ def count_transient(r: Redis, delivery_id: str, *, attempt: bool = True) -> tupl
 def gives_up(exc: BaseException, n: int, first_s: float, *, max_attempts: int, outage_deadline_s: float) -> bool:
     """Storage errors and a sandbox that stopped answering are an outage to wait out until its
     deadline; any other transient error gives up after `max_attempts`."""
-    from adapters.errors import SandboxStalled, StorageError
-
     if isinstance(exc, (StorageError, SandboxStalled)):
         return time.time() - first_s >= outage_deadline_s
     return n >= max_attempts

@@ -16,8 +16,7 @@ RETENTION_S = 30 * 24 * 3600
 TERMINAL = DELIVERY_OVER
 
 
-#: a receipt or a job record as read back: every field a string (courier's clients decode
-#: replies: workers/redis_url.py)
+#: a receipt or a job record as read back: every field a string (courier's clients decode replies)
 Receipt = dict[str, str]
 
 
@@ -92,11 +91,8 @@ def get_delivery(r: Redis, delivery_id: str) -> dict[str, str] | None:
 
 
 def job_deliveries(r: Redis, job_id: str) -> list[dict[str, str]]:
-    ids = cast("list[str]", r.lrange(keys.job_deliveries(job_id), 0, -1))
-    if not ids:
-        return []
-    pipe = r.pipeline()
-    for d in ids:
+    pipe = r.pipeline()  # (no ids: nothing sent, [])
+    for d in cast("list[str]", r.lrange(keys.job_deliveries(job_id), 0, -1)):
         pipe.hgetall(keys.delivery(d))
     return [h for h in cast("list[Receipt]", pipe.execute()) if h]
 

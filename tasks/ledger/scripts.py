@@ -1,12 +1,10 @@
 """The Lua scripts courier runs in Redis, and the only way it runs them.
 
-Each script is `lua/<name>.lua`; its header names every `KEYS[i]` and `ARGV[i]`
-(`KEYS[2...]`: the rest, `KEYS[6?]`: optional), bound to named locals; every key it
-touches comes in `KEYS`, state names as arguments (`tests/test_lua.py` checks it all).
-
-`run` checks the numbers of keys and arguments against the header and runs the script:
-on a client through redis-py's `Script` (EVALSHA), on a pipeline as EVAL with its text
-(a `Script` would cost a SCRIPT EXISTS round trip of its own). Keys are not hash-tagged
+Each script is `lua/<name>.lua`; its header names every `KEYS[i]` and `ARGV[i]` (`KEYS[2...]`: the rest,
+`KEYS[6?]`: optional), bound to named locals; every key it touches comes in `KEYS`, state names as
+arguments (`tests/test_lua.py` checks it all). `run` checks the numbers of keys and arguments against the
+header and runs the script: on a client through redis-py's `Script` (EVALSHA), on a pipeline as EVAL with
+its text (a `Script` would cost a SCRIPT EXISTS round trip of its own). Keys are not hash-tagged
 (deployments hold their names): scripts assume one Redis node (or Sentinel).
 """
 
@@ -43,11 +41,12 @@ class Lua:
     more_keys: int  # how many optional KEYS may follow (-1: any number)
     more_args: int  # the same for ARGV
 
-    def check(self, keys: Sequence[str], args: Sequence[Arg]) -> None:
+    def check(self, keys: Sequence[str], args: Sequence[Arg]) -> Lua:
         for what, n, need, more in (("KEYS", len(keys), self.keys, self.more_keys),
                                     ("ARGV", len(args), self.args, self.more_args)):
             if n < need or (more >= 0 and n > need + more):
                 raise ValueError(f"{self.name}.lua takes {need}{'+' if more else ''} {what}, given {n}")
+        return self
 
 
 def names() -> frozenset[str]:
@@ -76,8 +75,7 @@ _async: dict[str, AsyncScript] = {}
 
 def run(r: Redis | Pipeline, name: str, *, keys: Sequence[str], args: Sequence[Arg] = ()) -> Any:
     """Run script `name` with `keys` and `args` (its answer), or queue it on the pipeline `r`."""
-    lua = load(name)
-    lua.check(keys, args)
+    lua = load(name).check(keys, args)
     if isinstance(r, Pipeline):
         return r.eval(lua.text, len(keys), *keys, *args)
     script = _sync.get(name) or _sync.setdefault(name, r.register_script(lua.text))
@@ -86,7 +84,6 @@ def run(r: Redis | Pipeline, name: str, *, keys: Sequence[str], args: Sequence[A
 
 async def run_async(r: AsyncRedis, name: str, *, keys: Sequence[str], args: Sequence[Arg] = ()) -> Any:
     """`run` on an asyncio client."""
-    lua = load(name)
-    lua.check(keys, args)
+    lua = load(name).check(keys, args)
     script = _async.get(name) or _async.setdefault(name, r.register_script(lua.text))
     return await script(keys=keys, args=args, client=r)
