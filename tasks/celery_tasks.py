@@ -111,11 +111,10 @@ def extract_file(delivery_id: str) -> ExtractionRun:
         for did in wake["ids"]:
             chains.publish_extract(did, wake["queue"])
     if out["state"] in (DeliveryState.EXTRACTED, DeliveryState.FAILED, "done"):
-        if not inline:
+        if inline:
+            out["lane"] = {k: v for k, v in _drive_lanes(ctx, out["target"]).items() if k != "lane"}
+        else:
             chains.wake_lane(ctx.redis, out["target"])
-            return out
-        drove = _drive_lanes(ctx, out["target"])
-        out["lane"] = {k: v for k, v in drove.items() if k != "lane"}
     return out
 
 
@@ -153,7 +152,10 @@ def send(self: Task, target: str, text: str | None = None, files: list[str] | No
 
     job_id = f"snd_{self.request.id.replace('-', '')}" if self.request.id else None
     ctx = runtime.ctx()
-    seq = _int_or_none(self.request.get(sendorder.HEADER)) if isinstance(target, str) else None
+    try:  # the number its publisher stamped (sendorder.stamp); none, or not a number: no wait
+        seq = int(str(self.request.get(sendorder.HEADER))) if isinstance(target, str) else None
+    except ValueError:
+        seq = None
     if seq is not None:
         sendorder.wait_turn(ctx.redis, target, seq)
     try:
@@ -162,13 +164,6 @@ def send(self: Task, target: str, text: str | None = None, files: list[str] | No
     finally:
         if seq is not None:
             sendorder.done(ctx.redis, target, seq)
-
-
-def _int_or_none(v: object) -> int | None:
-    try:
-        return int(str(v)) if v is not None else None
-    except (TypeError, ValueError):
-        return None
 
 
 @_task(name=task_names.JANITOR_SWEEP, acks_late=True)

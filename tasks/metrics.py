@@ -1,9 +1,7 @@
 """courier's Prometheus series: each `record_*` is one call where a thing happens, and never
-raises (metrics must not fail a delivery).
-
-A prefork worker counts across its processes through prometheus_client's multiprocess mode
-(`PROMETHEUS_MULTIPROC_DIR`, read by workers/metrics.py); without it each process counts for
-itself. Labels are bounded: platform, message kind, state, sandbox kind, agent name, outcome.
+raises (metrics must not fail a delivery). A prefork worker counts across its processes through
+prometheus_client's multiprocess mode (`PROMETHEUS_MULTIPROC_DIR`, read by workers/metrics.py).
+Labels are bounded: platform, message kind, state, sandbox kind, agent name, outcome.
 """
 
 from __future__ import annotations
@@ -13,6 +11,8 @@ import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from prometheus_client import Counter, Histogram
+
 from tasks.states import DeliveryState
 
 log = logging.getLogger(__name__)
@@ -21,37 +21,32 @@ log = logging.getLogger(__name__)
 _noted: contextvars.ContextVar[list[tuple[str, str]] | None] = contextvars.ContextVar("courier_failures_noted",
                                                                                     default=None)
 
-try:
-    from prometheus_client import Counter, Histogram
-except ImportError:  # pragma: no cover - prometheus_client is a dependency; a stripped install still runs
-    Counter = Histogram = None  # type: ignore[assignment,misc]  # a stripped install: no metrics
-
-_ON = Counter is not None
+#: False: nothing is counted (bench/no_metrics.py, a baseline)
+_ON = True
 
 #: extraction and turn durations (seconds)
 EXTRACT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900)
 TURN_BUCKETS = (0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 3600)
 
-if _ON:
-    DELIVERIES = Counter("courier_deliveries", "Deliveries whose receipt became final, by platform, kind and state",
-                         ["platform", "kind", "state"])
-    RATE_LIMITED = Counter("courier_rate_limited", "429s (retry-after) answered by a platform", ["platform"])
-    EXTRACTED_BYTES = Counter("courier_extracted_bytes", "Bytes extracted from sandboxes into storage", ["sandbox"])
-    EXTRACTIONS = Histogram("courier_extract_seconds", "Time of one extraction, by sandbox kind and outcome",
-                            ["sandbox", "outcome"], buckets=EXTRACT_BUCKETS)
-    WEBHOOK_REQUESTS = Counter("courier_webhook_requests", "Webhook requests by platform and outcome "
-                               "(ok: 2xx, rejected: 4xx, unavailable: 5xx)", ["platform", "outcome"])
-    WEBHOOK_TURNS = Counter("courier_webhook_turns", "Webhook updates that were enqueued as a turn or dropped as "
-                            "a platform's retry", ["platform", "result"])
-    FORGED = Counter("courier_forged", "Specs and task messages refused: unsigned, tampered, bound to another id "
-                     "or too old (tasks/ledger/signing.py)", ["what"])
-    BREAKER_EVENTS = Counter("courier_sandbox_breaker_events", "Sandbox circuit breakers by sandbox kind: `opened` "
-                             "(an I/O timeout, or a probe that timed out again) and `postponed` (an extraction it "
-                             "held back untried: no attempt, no read deadline spent)", ["sandbox", "event"])
-    TURNS = Histogram("courier_turn_seconds", "Time of one agent turn run, by agent and end state",
-                      ["agent", "state"], buckets=TURN_BUCKETS)
-    WORKER_RESTARTS = Counter("courier_worker_restarts", "Celery workers started again by `courier worker` after "
-                              "they exited, by process name and exit code (workers/worker.py)", ["worker", "code"])
+DELIVERIES = Counter("courier_deliveries", "Deliveries whose receipt became final, by platform, kind and state",
+                     ["platform", "kind", "state"])
+RATE_LIMITED = Counter("courier_rate_limited", "429s (retry-after) answered by a platform", ["platform"])
+EXTRACTED_BYTES = Counter("courier_extracted_bytes", "Bytes extracted from sandboxes into storage", ["sandbox"])
+EXTRACTIONS = Histogram("courier_extract_seconds", "Time of one extraction, by sandbox kind and outcome",
+                        ["sandbox", "outcome"], buckets=EXTRACT_BUCKETS)
+WEBHOOK_REQUESTS = Counter("courier_webhook_requests", "Webhook requests by platform and outcome "
+                           "(ok: 2xx, rejected: 4xx, unavailable: 5xx)", ["platform", "outcome"])
+WEBHOOK_TURNS = Counter("courier_webhook_turns", "Webhook updates that were enqueued as a turn or dropped as "
+                        "a platform's retry", ["platform", "result"])
+FORGED = Counter("courier_forged", "Specs and task messages refused: unsigned, tampered, bound to another id "
+                 "or too old (tasks/ledger/signing.py)", ["what"])
+BREAKER_EVENTS = Counter("courier_sandbox_breaker_events", "Sandbox circuit breakers by sandbox kind: `opened` "
+                         "(an I/O timeout, or a probe that timed out again) and `postponed` (an extraction it "
+                         "held back untried: no attempt, no read deadline spent)", ["sandbox", "event"])
+TURNS = Histogram("courier_turn_seconds", "Time of one agent turn run, by agent and end state",
+                  ["agent", "state"], buckets=TURN_BUCKETS)
+WORKER_RESTARTS = Counter("courier_worker_restarts", "Celery workers started again by `courier worker` after "
+                          "they exited, by process name and exit code (workers/worker.py)", ["worker", "code"])
 
 
 def _platform(target: str | None) -> str:

@@ -90,7 +90,7 @@ class TurnTools:
     #: the agents' namespace sandbox on this host (adapters.agents.jail)
     jail: JailConfig = field(default_factory=lambda: _jail_config())
     #: network of the built-in loop's terminal commands and of hooks in a sandbox
-    tool_network: str = "none"
+    tool_network: Literal["none", "proxy"] = "none"
 
 
 def _jail_config() -> JailConfig:

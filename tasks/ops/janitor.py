@@ -1,9 +1,7 @@
-"""The janitor: expire screenshots, delivered files, hook-output spills, partial writes
-and old turn workspaces of local sandboxes.
-
-One sweep at a time: it holds a Redis lock, renewed while it runs (a dead sweeper's
-lapses within LOCK_TTL_S); a second sweep finds it held and leaves. `dry_run` counts
-what would go and touches nothing.
+"""The janitor: expire screenshots, delivered files, hook-output spills, partial writes and
+old turn workspaces of local sandboxes. One sweep at a time: it holds a Redis lock, renewed
+while it runs (a dead sweeper's lapses within LOCK_TTL_S); a second sweep finds it held and
+leaves. `dry_run` counts what would go and touches nothing.
 """
 
 from __future__ import annotations
@@ -129,9 +127,8 @@ def workspace_stats(agent_dirs: list[str], ttl_s: int, now: float | None = None,
     cutoff = (time.time() if now is None else now) - ttl_s
     n = size = 0
     for d in dict.fromkeys(agent_dirs):
-        turns = os.path.join(d, TURNS_DIR)
         try:
-            entries = list(os.scandir(turns))
+            entries = list(os.scandir(os.path.join(d, TURNS_DIR)))
         except OSError:
             continue
         for e in entries:

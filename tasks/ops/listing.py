@@ -1,7 +1,6 @@
-"""Deliveries as an operator lists them (`courier deliveries`): plain code.
-
-Jobs are found by scanning `courier:job:*` hashes (no index on the hot path), newest
-first. Receipts are shown without their `spec` (it holds chat text).
+"""Deliveries as an operator lists them (`courier deliveries`): plain code. Jobs are found by
+scanning `courier:job:*` hashes (no index on the hot path), newest first; receipts are shown
+without their `spec` (it holds chat text).
 """
 
 from __future__ import annotations
@@ -63,8 +62,7 @@ def deliveries(r: Redis, *, failed: bool = False, chat: str | None = None, since
                 continue
             row: dict[str, str | None] = {k: v for k, v in rec.items() if k not in HIDDEN}
             row.setdefault("target", job["target"])
-            row["job_kind"] = job["kind"]
-            row["created_s"] = job["created_s"]
+            row.update(job_kind=job["kind"], created_s=job["created_s"])
             out.append(row)
             if len(out) >= limit:
                 return out

@@ -1,15 +1,10 @@
 """The operator's retry and cancel (`courier retry`, `courier cancel`): plain code over the
-ledger, no Celery.
-
-Retry: a failed (or cancelled) delivery is reset to `queued` in one script (only if it
-is still failed: a delivered one is never sent again) and appended again at the end of
-its chat's lane as a step of its own; a file whose extraction failed is extracted again
-first. The caller publishes; the due times set here are the safety net.
-
-Cancel: every delivery of a job that has not started is made final as `cancelled`, in
-one script that checks its send lock: one in flight is left to finish as it would. A
-turn is marked `cancel_requested`: a queued one ends at once, a running one delivers
-nothing (tasks/turn/turn.py checks the mark before registering the reply).
+ledger. Retry resets a failed (or cancelled) delivery to `queued` in one script, only if it is
+still failed (a delivered one is never sent again), and appends it to its chat's lane as a step
+of its own; a file whose extraction failed is extracted again first. The caller publishes; the
+due times set here are the safety net. Cancel makes each delivery of a job that has not started
+final as `cancelled`, in one script that checks its send lock (one in flight finishes as it
+would); a turn is marked `cancel_requested` (`mark_turn`).
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
-"""Celery's queues as an operator sees them: depth, the oldest message's age, consumers
-(plain code; for `courier queues` and the metrics).
-
-A queue is a Redis list consumed from the right: the oldest message is `LINDEX q -1`,
-and courier stamps each message with its publish time (header `sent_s`). Known queues
-are kept in `keys.queues()`, so a `sandbox.<host>` queue with messages but no worker is
-still listed. A consumer is a worker whose heartbeat on the queue is younger than
-`keys.CONSUMER_STALE_S`. The `delivery` queue counts the lanes waiting in the ready set too.
+"""Celery's queues as an operator sees them (`courier queues`, the metrics): depth, the oldest
+message's age, consumers; and the orphans, queued messages with nothing left to do. A queue is a
+Redis list consumed from the right: the oldest message is `LINDEX q -1`, stamped with its publish
+time (header `sent_s`). Known queues are kept in `keys.queues()`, so a `sandbox.<host>` queue with
+messages but no worker is still listed. A consumer is a worker whose heartbeat on the queue is
+younger than `keys.CONSUMER_STALE_S`. The `delivery` queue counts the lanes of the ready set too.
 """
 
 from __future__ import annotations
@@ -70,8 +68,7 @@ def sent_at(raw: str | bytes | None) -> float | None:
     if raw is None:
         return None
     try:
-        msg = json.loads(raw)
-        return float(msg["headers"]["sent_s"])
+        return float(json.loads(raw)["headers"]["sent_s"])
     except (ValueError, KeyError, TypeError):
         return None
 
@@ -159,7 +156,6 @@ def _orphan_why(r: Redis, task: str, args: list[object]) -> tuple[str, str] | No
             return first, "its delivery is gone"
         if rec.get("state") in receipts.TERMINAL or rec.get("extraction") in (EXTRACTION_OK, EXTRACTION_FAILED):
             return first, f"its delivery is {rec.get('state') if rec.get('state') in receipts.TERMINAL else 'extracted'}"
-        return None
     if task == task_names.AGENT_TURN and isinstance(first, dict):
         job_id = str(first.get("job") or "")
         job = receipts.get_job(r, job_id)
@@ -167,7 +163,6 @@ def _orphan_why(r: Redis, task: str, args: list[object]) -> tuple[str, str] | No
             return job_id, "its turn is gone"
         if job.get("state") in TURN_OVER:
             return job_id, f"its turn is {job.get('state')}"
-        return None
     return None
 
 

@@ -9,13 +9,11 @@ task): plain code, no Celery.
      "caption": "for the first file",              # optional
      "voice": false, "as_document": false}         # optional
 
-At least a text or one file. It goes through the ledger like `courier send` (a job with
-receipts, the chat's lane, an extraction per file). Bad input raises `ConfigError`.
-
-The pre-checks (`check_send`, shared with `courier send`) refuse what can be known before
-enqueueing: a remote sandbox's path when the path policy refuses it as written (relative,
-`..`, the system denylist); a local one resolved (links, roots) and its size checked
-against the extraction cap and the platform's upload limit.
+At least a text or one file; bad input raises `ConfigError`. It goes through the ledger like
+`courier send`. The pre-checks (`check_send`, shared with `courier send`) refuse what can be
+known before enqueueing: a remote sandbox's path the path policy refuses as written (relative,
+`..`, the system denylist); a local one resolved (links, roots), its size checked against the
+extraction cap and the platform's upload limit.
 """
 
 from __future__ import annotations
@@ -42,10 +40,11 @@ class NothingToSend(ConfigError):
     """A send with neither a text nor a file (the CLI words it for its own options)."""
 
 
-#: a file on the sender's own host (`courier send ./report.pdf`): checked when the send is,
-#: stored (uploaded) only when its plan is made, after every check passed
 @dataclass(frozen=True)
 class HostFile:
+    """A file on the sender's own host (`courier send ./report.pdf`): checked when the send is,
+    stored (uploaded) only when its plan is made, after every check passed."""
+
     path: str
     name: str
 
@@ -99,15 +98,13 @@ def check_send(target: str, *, platform: Callable[[], Platform], album_max: Call
         raise ConfigError("text must be a string")
     if caption is not None and not isinstance(caption, str):
         raise ConfigError("caption must be a string")
-    if files is None:
-        files = []
-    if isinstance(files, str) or not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+    files = [] if files is None else files
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
         raise ConfigError("files must be a list of sandbox URIs or absolute paths")
     if not (text and text.strip()) and not files:
         raise NothingToSend("nothing to send: give a text, files, or both")
     if max_files and len(files) > max_files:
-        raise ConfigError(f"{len(files)} files: at most {max_files} go with one send "
-                          "(COURIER_MAX_FILES_PER_JOB)")
+        raise ConfigError(f"{len(files)} files: at most {max_files} go with one send (COURIER_MAX_FILES_PER_JOB)")
     checked: list[chains.SandboxFile | HostFile] = []
     for f in files:
         if "://" not in f and host_files is not None:
@@ -122,22 +119,6 @@ def check_send(target: str, *, platform: Callable[[], Platform], album_max: Call
         checked.append(chains.SandboxFile(ref=ref, path=path))
     return CheckedSend(target=target, text=text or None, files=checked, caption=caption, voice=bool(voice),
                        as_document=bool(as_document), max_bytes=max_file_bytes, album_max=album_max())
-
-
-def plan_send(ctx: Context, target: str, *, text: str | None = None, files: list[str] | None = None,
-              caption: str | None = None, voice: bool = False, as_document: bool = False,
-              job_id: str | None = None) -> chains.Plan:
-    """The checked plan of a send (ConfigError on bad input): `check_send` with the worker's
-    configuration, files as sandbox URIs or absolute paths (the local sandbox's)."""
-    if not isinstance(target, str):
-        raise ConfigError("target must be a string: <platform>:<chat id>")
-    platform_name, _chat = split_target(target)
-    platform = ctx.platform(platform_name)  # unknown or unconfigured: ConfigError
-    checked = check_send(target, platform=lambda: platform, album_max=lambda: platform.limits.album_max,
-                         open_sandbox=ctx.sandbox, max_files=ctx.max_files_per_job,
-                         max_file_bytes=ctx.max_file_bytes, text=text, files=files, caption=caption, voice=voice,
-                         as_document=as_document)
-    return checked.plan(job_id)
 
 
 def check_size(platform: Platform, shown: str, name: str, size: int, *, voice: bool, as_document: bool,
@@ -159,17 +140,13 @@ def check_size(platform: Platform, shown: str, name: str, size: int, *, voice: b
 
 
 def check_file(open_sandbox: Callable[[SandboxRef], Sandbox], platform: Platform, ref: SandboxRef, path: str,
-               shown: str, *, voice: bool, as_document: bool,
-               max_file_bytes: int) -> None:
+               shown: str, *, voice: bool, as_document: bool, max_file_bytes: int) -> None:
     """The pre-checks of one sandbox file (see the module's doc); ConfigError when refused."""
-    if ref.kind != "local":
-        try:
+    try:
+        if ref.kind != "local":
             check_lexical(path)
             PathPolicy(roots=tuple(ref.roots) or ("/",)).check(posixpath.normpath(path), shown=shown)
-        except SandboxError as exc:
-            raise ConfigError(str(exc)) from None
-        return
-    try:
+            return
         resolved, size = open_sandbox(ref).resolve(path)
     except SandboxError as exc:
         raise ConfigError(str(exc)) from None
@@ -181,10 +158,17 @@ def check_file(open_sandbox: Callable[[SandboxRef], Sandbox], platform: Platform
 
 
 def send(ctx: Context, target: str, **kw: Any) -> SendResult:
-    """Check and enqueue a send; returns {"job", "deliveries"}."""
+    """Check (`check_send` with the worker's configuration) and enqueue a send; returns {"job",
+    "deliveries"}. ConfigError on bad input, nothing enqueued."""
     unknown = set(kw) - set(FIELDS)
     if unknown:
         raise ConfigError(f"unknown send field(s) {', '.join(sorted(unknown))}: known are {', '.join(FIELDS)}")
-    plan = plan_send(ctx, target, **kw)
+    if not isinstance(target, str):
+        raise ConfigError("target must be a string: <platform>:<chat id>")
+    job_id = kw.pop("job_id", None)
+    platform = ctx.platform(split_target(target)[0])  # unknown or unconfigured: ConfigError
+    plan = check_send(target, platform=lambda: platform, album_max=lambda: platform.limits.album_max,
+                      open_sandbox=ctx.sandbox, max_files=ctx.max_files_per_job,
+                      max_file_bytes=ctx.max_file_bytes, **kw).plan(job_id)
     ids = chains.enqueue(ctx.redis, plan, job_kind="send")
     return {"job": plan.job_id, "deliveries": ids}

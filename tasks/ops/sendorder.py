@@ -1,10 +1,8 @@
 """Operators' sends (`courier.delivery.send`) join a chat's lane in the order they were
-published: plain code, no Celery.
-
-The delivery pool runs several messages at once, so sends published close together could
-register swapped. The publisher stamps each send with its chat's next number (`stamp`, in
-the app's `before_task_publish` hook); the task waits until `registered` reaches its number
-before registering, at most `WAIT_S`: a predecessor that never comes delays the chat once,
+published: plain code. The delivery pool runs several messages at once, so sends published
+close together could register swapped: the publisher stamps each with its chat's next number
+(`stamp`, in the app's `before_task_publish` hook) and the task waits for the ones before it to
+register (`wait_turn`), at most `WAIT_S`: a predecessor that never comes delays the chat once,
 never loses anything. A redelivered message registers at once (its job id makes it a no-op).
 """
 

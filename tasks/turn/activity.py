@@ -1,11 +1,9 @@
-"""Native activity on the chat while a turn runs: plain code, no Celery.
-
-`TurnActivity` runs one thread per turn that re-sends the typing indicator every
-`typing_interval_s` (Telegram shows it 5 s) and keeps a progress message with the
-current activity (at most one edit per `edit_interval_s`, latest text wins), removed
-when the turn ends. A platform with neither starts no thread. A platform call's error
-(or rate limit, which pauses that call) is logged and never fails the turn. The
-progress message id is kept in Redis so a redelivered turn removes a stale one.
+"""Native activity on the chat while a turn runs, plain code: one thread per turn re-sends the
+typing indicator every `typing_interval_s` (Telegram shows it 5 s) and keeps a progress message
+with the current activity (at most one edit per `edit_interval_s`, latest text wins), removed
+when the turn ends; a platform with neither starts no thread. A platform call's error (or rate
+limit, which pauses that call) is logged and never fails the turn. The progress message id is
+kept in Redis so a redelivered turn removes a stale one.
 """
 
 from __future__ import annotations
@@ -33,11 +31,8 @@ PROGRESS_TTL_S = 24 * 3600
 def activity_text(ev: Event) -> str | None:
     """What a progress message shows for an event (None: keep the current text): a tool
     starting, or a thinking/processing status that says what (`events.describe`'s words)."""
-    kind = ev.get("kind")
-    if kind == "tool_start":
-        return describe(ev)
-    says = ev.get("activity") or ev.get("message")
-    if kind == "status" and ev.get("status") in ("thinking", "processing") and says:
+    kind, says = ev.get("kind"), ev.get("activity") or ev.get("message")
+    if kind == "tool_start" or (kind == "status" and ev.get("status") in ("thinking", "processing") and says):
         return describe(ev)
     return None
 
@@ -135,8 +130,7 @@ class TurnActivity:
     def _run(self) -> None:
         next_typing = time.monotonic()
         while not self._stopped.is_set():
-            now = time.monotonic()
-            if self.typing and now >= next_typing:
+            if self.typing and time.monotonic() >= next_typing:
                 self._call("typing", self.chat)
                 next_typing = time.monotonic() + self.typing_interval_s
             with self._lock:
@@ -170,8 +164,7 @@ class TurnActivity:
         self._shown = text
 
     def _call(self, name: str, *args: Any, force: bool = False) -> object:
-        if self.platform is None:
-            return None
+        """A platform call (`start` resolved the platform before any), paused while it is rate limited."""
         if not force and time.monotonic() < self._paused_until.get(name, 0.0):
             return None
         self._paused_until.pop(name, None)

@@ -1,20 +1,15 @@
 """A circuit breaker per sandbox, in the ledger: a stalled sandbox costs one slot, once
-(docs/guarantees.md, "A stalled sandbox").
+(docs/guarantees.md, "A stalled sandbox"). A sandbox not heard from within `io_timeout_s`
+(cold, or half-open) is tried by ONE extraction, the scout, while its others wait for the
+verdict. An I/O timeout (`is_timeout`) opens the breaker for a period that doubles while it
+keeps timing out (at most `max_s`): its extractions are postponed untried (`SandboxStalled`:
+due at its end, no attempt counted, no slot held). At its end one probes: any answer closes
+it and hands the postponed ones on at once (`Gate.woke`, published by the task; the
+reconciler re-drives a lost message). A file postponed past the outage deadline fails.
 
-- scout: a sandbox that has not answered within `io_timeout_s` (cold, or half-open)
-  is tried by ONE extraction at a time; its others are postponed until the verdict.
-- open: an I/O timeout (`is_timeout`) opens the breaker for a period that doubles
-  while it keeps timing out (from `io_timeout_s`, at most `max_s`); until then its
-  extractions are postponed untried (`SandboxStalled`: due at the breaker's end, no
-  attempt counted, no slot held).
-- half-open, closed: at its end one extraction probes; any answer closes the breaker
-  and hands the postponed ones on at once (`Gate.woke`, published by the task; the
-  reconciler re-drives a lost message); a timeout opens it again, longer.
-- a file postponed past the outage deadline fails, as in a storage outage.
-
-A sandbox is `<kind>:<host>:<target>` (`ident_of`, as routing names it). Only kinds
-whose reads have a deadline take part (`STALLABLE`). Its state: `keys.breakers()`,
-`breaker`, `breaker_scout`, `breaker_waiting` and `sandboxes_answered()`.
+A sandbox is `<kind>:<host>:<target>` (`ident_of`), of a kind whose reads have a deadline
+(`STALLABLE`); its state: `keys.breakers()`, `breaker`, `breaker_scout`, `breaker_waiting`
+and `sandboxes_answered()`.
 """
 
 from __future__ import annotations

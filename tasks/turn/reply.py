@@ -1,7 +1,7 @@
-"""Reply parsing: plain Python, no Celery, no I/O.
-
-`parse_reply(text)` finds the `MEDIA:<path>` tags and `[[...]]` directives in an agent's
-reply and returns the chat text without them (the kind a file goes as is routing's).
+"""Reply parsing, plain Python: `parse_reply(text)` finds the `MEDIA:<path>` tags and the
+`[[audio_as_voice]]`, `[[as_document]]` directives (any case, spaces or tabs inside; they set the
+flags) of an agent's reply, outside code, and returns the chat text without them (the kind a file
+goes as is routing's). It never raises for a `str`; anything else is a `TypeError`.
 
 Tags
 - `MEDIA:` exactly (upper case, no space after the colon), glued to a word or not.
@@ -29,9 +29,6 @@ end) and inline code (a backtick run closed by one as long before the next blank
 are kept byte for byte: no tags, no directives. A backtick run right after `MEDIA:`
 quotes the path when it closes on the line around a valid path, else opens code.
 
-Directives: `[[audio_as_voice]]`, `[[as_document]]` (any case, spaces or tabs inside),
-outside code: stripped, and they set the flags.
-
 Text: around a cut, a line's indentation is kept and separators after a cut at its
 start dropped; at a line's end or before closing punctuation the whitespace goes, and of
 two separators meeting one goes (`Done: MEDIA:/a.png.` -> `Done.`); elsewhere one
@@ -39,7 +36,6 @@ whitespace character stays, or a space between two glued words. A line a cut lea
 blank goes; outside fenced code blank runs collapse to one; the result is stripped. A
 tag that cutting glues together gets a zero-width space after `MEDIA`: the text never
 yields a delivery. C0/C1 controls and DEL are removed, except `\n`, `\t`, `\r`.
-`parse_reply` never raises for a `str`; anything else is a `TypeError`.
 """
 
 from __future__ import annotations
@@ -98,9 +94,7 @@ class ParsedReply:
 
 
 def _valid_path(path: str) -> bool:
-    """A tag's path: absolute or `~/`-relative, not `//`, at most PATH_MAX. A
-    control character does not stop it being a tag (it is cut from the text and
-    refused by the extraction, the chat told: `has_control`)."""
+    """A tag's path: absolute or `~/`-relative, not `//`, at most PATH_MAX (control characters allowed)."""
     home = path.startswith("~/") and len(path) > 2
     absolute = path.startswith("/") and len(path) > 1 and not path.startswith("//")
     return (home or absolute) and len(path) <= _MAX_PATH
@@ -155,10 +149,9 @@ class _Scanner:
     def __init__(self, text: str) -> None:
         self.text = text
         self.n = len(text)
-        runs: dict[int, list[int]] = {}
+        self.runs: dict[int, list[int]] = {}  # backtick runs' starts, by their length
         for m in _BACKTICKS_RE.finditer(text):
-            runs.setdefault(m.end() - m.start(), []).append(m.start())
-        self.runs = runs
+            self.runs.setdefault(m.end() - m.start(), []).append(m.start())
         self.blanks = [m.start() for m in _BLANK_LINE_RE.finditer(text)]
         #: (kind, str): "t" text, "c" inline code, "f" fenced code, "x" cut
         self.pieces: list[tuple[str, str]] = []
@@ -167,12 +160,10 @@ class _Scanner:
         self.audio_as_voice = False
         self.as_document = False
 
-    # -- output helpers
     def _emit(self, kind: str, s: str) -> None:
         if s or kind == "x":
             self.pieces.append((kind, s))
 
-    # -- code
     def _fence_end(self, m: re.Match[str]) -> int:
         fence = m.group(1)
         close = re.compile(_FENCE_PREFIX + re.escape(fence[0]) + "{%d,}[ \t]*\r?$" % len(fence))
@@ -202,7 +193,6 @@ class _Scanner:
         close = starts[idx]
         return close + k if close < limit else -1
 
-    # -- tags
     def _split_quoted(self, q: str, start: int) -> tuple[str, int] | None:
         """A quoted path a line break cuts (`MEDIA:"/w/a<newline>b.png"`): one tag, its
         path holding the break, when what the quotes enclose has no other
@@ -226,9 +216,7 @@ class _Scanner:
         if end - start > _MAX_PATH:
             return None
         path = _clean_unquoted(text[start:end])
-        if not _valid_path(path):
-            return None
-        return path, start + len(path)
+        return (path, start + len(path)) if _valid_path(path) else None
 
     def _tag_at(self, p: int) -> tuple[str, int] | None:
         """Parse the path after `MEDIA:` (p is just past the colon)."""
@@ -256,7 +244,6 @@ class _Scanner:
             return self._unquoted(p + k)
         return self._unquoted(p)
 
-    # -- main loop
     def scan(self) -> _Scanner:
         text, n = self.text, self.n
         seen: set[str] = set()

@@ -59,8 +59,7 @@ def _sandbox_for(ctx: Context, spec: TurnSpec, agent: AgentConfig | None) -> tup
         if ref.kind == "local":
             return ref, path
         return SandboxRef(ref.kind, ref.target, ref.roots, {**ref.options, "workdir": path}), None
-    d = os.path.join(ctx.default_sandbox_dir, spec.get("agent") or "default")
-    return SandboxRef("local"), d
+    return SandboxRef("local"), os.path.join(ctx.default_sandbox_dir, spec.get("agent") or "default")
 
 
 def make_workspace(ctx: Context, ref: SandboxRef, local_dir: str | None, job_id: str,
@@ -105,10 +104,6 @@ class TurnOutcome:
 Enqueue = Callable[[Redis, chains.Plan], list[str]]
 
 
-#: what a chat is told when its turn's workspace could not be made (the reason stays in the job's record)
-NO_WORKSPACE = "could not make the turn's workspace; the operator was told"
-
-
 def failed(job_id: str, target: str, reason: str, *, said: str | None = None) -> TurnOutcome:
     """An error outcome: its plan is a short message to the chat, never a traceback:
     `said` (courier's own failure in the chat's words, `in_chat_words`: the `reason`
@@ -123,8 +118,7 @@ def run_turn(ctx: Context, spec: TurnSpec, *, on_activity: Callable[[Event], Non
     """Run the turn's agent and make its reply a plan (`finish` enqueues it): the job marked
     running, `started` and the agent's phase events published (the terminal one is `finish`'s)."""
     r = ctx.redis
-    job_id = spec["job"]
-    target = spec["target"]
+    job_id, target = spec["job"], spec["target"]
     job = receipts.get_job(r, job_id) or {}
     over = job.get("state") in TURN_OVER
     if over or job.get("cancel_requested") == "1":
@@ -149,14 +143,14 @@ def run_turn(ctx: Context, spec: TurnSpec, *, on_activity: Callable[[Event], Non
         ref, workdir = make_workspace(ctx, ref, local_dir, job_id, tuple(agent.roots if agent is not None else ()))
     except (CourierError, OSError) as exc:
         why = exc.reason if isinstance(exc, CourierError) else exc.strerror or exc
-        return failed(job_id, target, f"could not make the turn's workspace: {why}", said=NO_WORKSPACE)
-    local = ref.kind == "local"
+        return failed(job_id, target, f"could not make the turn's workspace: {why}",
+                      said="could not make the turn's workspace; the operator was told")
     try:
-        jail = turn_jail(ctx, name, agent, command, workdir, job_id) if local else None
+        jail = turn_jail(ctx, name, agent, command, workdir, job_id) if ref.kind == "local" else None
     except CourierError as exc:
         log.error("turn %s: %s", job_id, exc.reason)
-        return failed(job_id, target, exc.reason, said="this agent cannot run safely on this host; "
-                                                       "the operator was told")
+        return failed(job_id, target, exc.reason,
+                      said="this agent cannot run safely on this host; the operator was told")
     with maybe(jail):
         return _run_agent(ctx, spec, agent, name, ref, workdir, jail, command, env, timeout_s, publish)
 
@@ -182,14 +176,12 @@ def _run_agent(ctx: Context, spec: TurnSpec, agent: AgentConfig | None, name: st
                jail: Jail | None, command: list[str], env: dict[str, str], timeout_s: float,
                publish: Callable[[Event], None]) -> TurnOutcome:
     """The agent's run in its workspace (and sandbox), to the outcome."""
-    r = ctx.redis
     job_id, target = spec["job"], spec["target"]
     local = ref.kind == "local"
-    runner = ctx.turn_tools().hooks
+    tools = ctx.turn_tools()
     hook_ctx = {"job": job_id, "target": target, "message": spec.get("message", ""), "agent": name}
     place = spill_placer(ctx, ref, workdir, jail)
-    tool_network = ctx.turn_tools().tool_network
-    hooks = TurnHooks(runner, place, jail, "proxy" if tool_network == "proxy" else "none") if runner else None
+    hooks = TurnHooks(tools.hooks, place, jail, tools.tool_network) if tools.hooks else None
     try:
         attached = put_attachments(ctx, spec, ref, workdir)
     except CourierError as exc:
@@ -215,7 +207,6 @@ def _run_agent(ctx: Context, spec: TurnSpec, agent: AgentConfig | None, name: st
             turn_env["PYTHONPATH"] = os.pathsep.join(p for p in [_ROOT, os.environ.get("PYTHONPATH", "")] if p)
         home = {"HOME": workdir} if local else {}  # ~ is the workspace, as for its MEDIA paths
         env = {**home, **env, **turn_env}
-        # hooks run once before a bridge agent starts; their context goes in its environment
         hook_text = hooks.context_for({**hook_ctx, "step": 0}) if hooks else ""
         if hook_text:
             env["COURIER_HOOK_CONTEXT"] = hook_text
@@ -231,17 +222,14 @@ def _run_agent(ctx: Context, spec: TurnSpec, agent: AgentConfig | None, name: st
         return TurnOutcome(job_id, target, JobState.NO_REPLY, reason=result.reason or None)
 
     parsed = parse_reply(result.reply)
-    files: list[chains.StoredFile | chains.SandboxFile] = []
-    stored = result.extra.get("stored") or {}  # screenshots of the OpenAI runtime: already in storage
-    seen: set[str] = set()
+    paths: dict[str, str] = {}  # `./x` and `x` name one file: it goes once, where first named
     for path in parsed.media:
         if path.startswith("~/") and local:  # a local agent's home is its workspace
             path = posixpath.join(workdir, path[2:])
-        same = _same_file(path)  # `./x` and `x` name one file: it goes once, where first named
-        if same in seen:
-            continue
-        seen.add(same)
-        files.append(chains.StoredFile(**stored[path]) if path in stored else chains.SandboxFile(ref=ref, path=path))
+        paths.setdefault(_same_file(path), path)
+    stored = result.extra.get("stored") or {}  # screenshots of the OpenAI runtime: already in storage
+    files: list[chains.StoredFile | chains.SandboxFile] = [
+        chains.StoredFile(**stored[p]) if p in stored else chains.SandboxFile(ref=ref, path=p) for p in paths.values()]
     try:  # photos one album holds on the target's platform (0: none, or not configured)
         album_max = ctx.platform(split_target(target)[0]).limits.album_max
     except CourierError:
@@ -250,7 +238,7 @@ def _run_agent(ctx: Context, spec: TurnSpec, agent: AgentConfig | None, name: st
                        voice=parsed.audio_as_voice, as_document=parsed.as_document,
                        max_bytes=ctx.max_file_bytes, album_max=album_max,
                        max_files=ctx.max_files_per_job, tell_unsent=True)
-    if receipts.cancel_requested(r, job_id):  # `courier cancel` while it ran: its reply is not delivered
+    if receipts.cancel_requested(ctx.redis, job_id):  # `courier cancel` while it ran: its reply is not delivered
         return TurnOutcome(job_id, target, JobState.CANCELLED, reason=receipts.CANCEL_REASON)
     return TurnOutcome(job_id, target, JobState.REPLIED, plan=plan)
 
@@ -286,11 +274,12 @@ def finish(ctx: Context, outcome: TurnOutcome, enqueue: Enqueue, *,
     for d in ids:
         publish({"kind": "delivery", "delivery_id": d, "state": DeliveryState.QUEUED})
     state = outcome.state
-    receipts.set_job(r, job_id, state=state, **({"reason": outcome.reason} if outcome.reason else {}))
+    reason = {"reason": outcome.reason} if outcome.reason else {}
+    receipts.set_job(r, job_id, state=state, **reason)
     ledger.clear_due(r, "turn", job_id)
-    tail: dict[str, str | int] = {"reason": outcome.reason} if outcome.reason else {}
-    tail["deliveries"] = len(ids)  # readers wait for this many deliveries' final states
-    publish({"kind": "status", "status": "completed" if state == JobState.REPLIED else state, **tail})
+    # `deliveries`: readers wait for this many deliveries' final states
+    publish({"kind": "status", "status": "completed" if state == JobState.REPLIED else state, **reason,
+             "deliveries": len(ids)})
     out: TurnResult = {"job": job_id, "state": state, "deliveries": len(ids)}
     if outcome.reason:
         out["reason"] = outcome.reason
@@ -309,10 +298,6 @@ def _publisher(ctx: Context, job_id: str, on_activity: Callable[[Event], None] |
     return publish
 
 
-#: where a turn's spilled outputs are put in its workspace, for the agent to read
-SPILL_DIR = ".courier/spills"
-
-
 def spill_placer(ctx: Context, ref: SandboxRef, workdir: str, jail: Jail | None = None) -> Callable[[str], str]:
     """`place` for the turn's spills: the blob is copied once (by the sandbox's `put`) into
     `<workspace>/.courier/spills/<name>`, the path the preview names for the agent to read."""
@@ -320,7 +305,7 @@ def spill_placer(ctx: Context, ref: SandboxRef, workdir: str, jail: Jail | None 
 
     def place(key: str) -> str:
         if key not in placed:
-            dest = posixpath.join(workdir, SPILL_DIR, posixpath.basename(key))
+            dest = posixpath.join(workdir, ".courier", "spills", posixpath.basename(key))
             placed[key] = ctx.sandbox(ref).put(ctx.store, key, dest, max_bytes=ctx.max_file_bytes * 4)
             if jail is not None:
                 jail.own(placed[key])
@@ -352,9 +337,8 @@ def put_attachments(ctx: Context, spec: TurnSpec, ref: SandboxRef, workdir: str)
 
 
 def _run_openai(ctx: Context, job_id: str, message: str, agent: AgentConfig, ref: SandboxRef, workdir: str,
-                hooks: TurnHooks | None, hook_ctx: dict[str, Any], timeout_s: float,
-                publish: Callable[[Event], None], place: Callable[[str], str] | None = None,
-                jail: Jail | None = None) -> BridgeResult:
+                hooks: TurnHooks | None, hook_ctx: dict[str, Any], timeout_s: float, publish: Callable[[Event], None],
+                place: Callable[[str], str], jail: Jail | None) -> BridgeResult:
     """The built-in OpenAI-compatible loop, its tools acting in the turn's sandbox."""
     from adapters.agents.openai_runtime import OpenAIConfig, run_openai
     from adapters.agents.tools import Toolbox
@@ -379,7 +363,7 @@ def _run_openai(ctx: Context, job_id: str, message: str, agent: AgentConfig, ref
     tools = Toolbox(sandbox=sandbox, workdir=workdir, store=ctx.store,
                     job_id=job_id, spill=turn_tools.spill or SpillConfig(),
                     chromium_path=turn_tools.chromium_path, browser_allowed_hosts=turn_tools.browser_allowed_hosts,
-                    place=place, jail=jail, tool_network="proxy" if turn_tools.tool_network == "proxy" else "none")
+                    place=place, jail=jail, tool_network=turn_tools.tool_network)
     return run_openai(config, message, tools=tools, hooks=hooks, hook_context=hook_ctx, on_event=publish,
                       shown=lambda text: relative(text, job_id))
 
