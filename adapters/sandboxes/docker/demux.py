@@ -78,7 +78,7 @@ def demux_stdout(recv_into: Callable[[memoryview], int], err: bytearray, *, bloc
             elif kind == STDERR and len(err) < err_cap:
                 err.extend(piece[:err_cap - len(err)])
         if have >= block // 2:
-            yield out[0] if len(out) == 1 else b"".join(out)
+            yield b"".join(out)  # of one piece: that very object, no copy
             out, have = [], 0
     if out:
-        yield out[0] if len(out) == 1 else b"".join(out)
+        yield b"".join(out)

@@ -29,24 +29,12 @@ PROBE_ATTEMPTS = 3
 
 
 class Engine:
-    """The engine side of a docker sandbox: its client and the container's facts."""
+    """The engine side of a docker sandbox: its client (the caller's, which
+    it never closes) and the container's facts."""
 
-    ref: SandboxRef
-    io_timeout_s: float
-
-    def __init__(self, ref: SandboxRef, *, base_url: str | None = None, client: Any = None, timeout_s: int = 120,
-                 io_timeout_s: float = DEFAULT_IO_TIMEOUT_S) -> None:
+    def __init__(self, ref: SandboxRef, *, client: Any, io_timeout_s: float = DEFAULT_IO_TIMEOUT_S) -> None:
         self.ref = ref
         self.io_timeout_s = io_timeout_s
-        self._own_client = client is None
-        if client is None:
-            import docker
-
-            try:
-                client = (docker.DockerClient(base_url=base_url, timeout=timeout_s) if base_url
-                          else docker.from_env(timeout=timeout_s))
-            except docker.errors.DockerException as exc:
-                raise SandboxGone(f"cannot reach the docker engine: {exc}") from exc
         self.client = client
         self._attrs_cache: dict | None = None
 
@@ -67,7 +55,6 @@ class Engine:
         if self._attrs_cache is None:
             with self._errors("inspect"):
                 self._attrs_cache = self.client.api.inspect_container(self.ref.target)
-        assert self._attrs_cache is not None
         return self._attrs_cache
 
     @property
@@ -130,11 +117,6 @@ class Engine:
             return decode_stat_header(hdr) if hdr else None
         except ValueError:
             return None
-
-    def close_client(self) -> None:
-        if self._own_client:
-            with suppress(Exception):
-                self.client.close()
 
 
 class Hijacked:

@@ -25,24 +25,22 @@ from adapters.sandboxes.execstream import (
 
 #: a path of more components than this is resolved by one exec, not one engine stat per component
 MAX_STAT_WALK = 32
-#: default roots inside a container (plus the exec user's $HOME when sane)
-DOCKER_DEFAULT_ROOTS = ("/workspace", "/tmp")
+
 
 # the mixin's policy may be None until the first resolve learns $HOME (Sandbox's never is)
 class DockerSandbox(ExecStreamMixin, Engine, Sandbox):  # type: ignore[misc]
     kind = "docker"
-    exec_default_roots = DOCKER_DEFAULT_ROOTS
 
-    def __init__(self, ref: SandboxRef, policy: PathPolicy | None = None, *, base_url: str | None = None,
-                 client: Any = None, prefer_bind_mounts: bool = True, timeout_s: int = 120,
-                 io_timeout_s: float = DEFAULT_IO_TIMEOUT_S, prefer_host_root: bool = True) -> None:
+    def __init__(self, ref: SandboxRef, policy: PathPolicy | None = None, *, client: Any,
+                 prefer_bind_mounts: bool = True, io_timeout_s: float = DEFAULT_IO_TIMEOUT_S,
+                 prefer_host_root: bool = True) -> None:
         """`policy` None: roots from the ref, else /workspace, /tmp and the
         exec user's $HOME, minus the denylist. `io_timeout_s`: read deadline
         of every exec's output."""
         self.policy = policy  # type: ignore[assignment]
         if not ref.target:
             raise UnsafePath("docker sandbox needs a container name or id")
-        Engine.__init__(self, ref, base_url=base_url, client=client, timeout_s=timeout_s, io_timeout_s=io_timeout_s)
+        Engine.__init__(self, ref, client=client, io_timeout_s=io_timeout_s)
         self.prefer_bind_mounts = prefer_bind_mounts
         #: a local engine's container file read from the host (/proc/<pid>/root) instead of the archive API
         self.prefer_host_root = prefer_host_root
@@ -56,7 +54,6 @@ class DockerSandbox(ExecStreamMixin, Engine, Sandbox):  # type: ignore[misc]
         return self._exec
 
     def exec_start(self, argv: list[str], run_id: str, *, backstop_s: int | None = None) -> DockerRun:
-        """A ``Sandbox.exec`` command (ExecStreamMixin.exec): one docker exec."""
         return DockerRun(self._exec, argv, run_id)
 
     # -- resolving ----------------------------------------------------------------------
@@ -213,8 +210,6 @@ class DockerSandbox(ExecStreamMixin, Engine, Sandbox):  # type: ignore[misc]
         then one exec renames it; in a container not running as root, exec
         stdin as its user (``put_archive`` writes as root: the user writes
         where it may and nowhere else)."""
-        as_root = self.runs_as_root()
-
         def put_archive(tmp: str, chunks: Iterator[bytes], uid: int, gid: int) -> bool:
             parent, name = posixpath.split(tmp)
             try:
@@ -229,7 +224,4 @@ class DockerSandbox(ExecStreamMixin, Engine, Sandbox):  # type: ignore[misc]
             return True
 
         return exec_put(self._exec, self.policy_for, store, key, dest_path, max_bytes=max_bytes,
-                        write=put_archive if as_root else None)
-
-    def close(self) -> None:
-        self.close_client()
+                        write=put_archive if self.runs_as_root() else None)

@@ -54,11 +54,7 @@ class ForwardReader:
     def of(cls, src, block: int = CHUNK) -> "ForwardReader":
         if isinstance(src, ForwardReader):
             return src
-
-        def chunks():
-            while data := src.read(block):
-                yield data
-        return cls(chunks())
+        return cls(iter(lambda: src.read(block), b""))
 
     def _fill(self) -> bool:
         while self._off >= len(self._cur):
@@ -83,13 +79,10 @@ class ForwardReader:
     def read(self, n: int = -1) -> bytes:
         parts = []
         want = n if n >= 0 else 1 << 62
-        while want > 0:
-            piece = self.read_some(want)
-            if not piece:
-                break
+        while want > 0 and (piece := self.read_some(want)):
             parts.append(piece)
             want -= len(piece)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+        return b"".join(parts)  # of one chunk: that very object, no copy
 
     def tell(self) -> int:
         return self._pos
@@ -133,7 +126,7 @@ def iter_single_member(fileobj, *, expected_name: str | None, expected_size: int
         have += len(chunk)
         if have >= block or left == 0:
             # engines send small HTTP chunks: hashing and writing see few, large ones
-            yield parts[0] if len(parts) == 1 else b"".join(parts)
+            yield b"".join(parts)
             parts, have = [], 0
     try:
         extra = tar.next()

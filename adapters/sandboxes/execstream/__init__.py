@@ -17,18 +17,19 @@ import uuid
 from collections.abc import Callable, Sequence
 
 from adapters.errors import FileMissing, NotAFile, SandboxError, UnsafePath
-from adapters.sandboxes.base import DEFAULT_EXEC_OUTPUT_BYTES, ExecRun, PathPolicy, check_lexical, exec_argv, run_exec
+from adapters.sandboxes.base import (
+    DEFAULT_EXEC_OUTPUT_BYTES, ExecRun, PathPolicy, SandboxRef, check_lexical, exec_argv, run_exec,
+)
 from adapters.sandboxes.execstream.transfer import (
-    ANCESTOR_SCRIPT, EXIT_CHANGED, GATED_STREAM_SCRIPT, VERSION_FORMAT, ExecChannel, ExecStream, Resolved, _ask,
-    _err_text, _fields, default_roots, exec_extract, exec_gated_extract, exec_iter_file, exec_put, exec_resolve,
-    kill_argv, probe, resolve_by_ancestor, resolve_put_dest,
+    EXIT_CHANGED, GATED_STREAM_SCRIPT, VERSION_FORMAT, Counted, ExecChannel, ExecStream, Resolved, _ask, _err_text,
+    _fields, default_roots, exec_extract, exec_gated_extract, exec_iter_file, exec_put, exec_resolve, kill_argv,
+    probe, resolve_by_ancestor,
 )
 
 __all__ = [
-    "ANCESTOR_SCRIPT", "EXIT_CHANGED", "GATED_STREAM_SCRIPT", "VERSION_FORMAT", "ExecChannel", "ExecStream",
-    "ExecStreamMixin", "Resolved", "default_roots", "exec_command", "exec_extract", "exec_gated_extract",
-    "exec_iter_file", "exec_put", "exec_resolve", "kill_argv", "probe", "resolve_by_ancestor",
-    "resolve_put_dest",
+    "GATED_STREAM_SCRIPT", "VERSION_FORMAT", "Counted", "ExecChannel", "ExecStream", "ExecStreamMixin", "Resolved",
+    "default_roots", "exec_command", "exec_extract", "exec_gated_extract", "exec_iter_file", "exec_put",
+    "exec_resolve", "kill_argv", "probe", "resolve_by_ancestor",
 ]
 
 
@@ -98,6 +99,7 @@ def exec_command(ch: ExecChannel, policy_for: Callable[[str | None], PathPolicy]
     The working directory is cached in `cwd_cache`; RUN_SCRIPT proves it
     unchanged on every run, and a changed one is resolved and checked again."""
     args = exec_argv(argv)
+    backstop = math.ceil(max(0.0, float(timeout_s))) + EXEC_BACKSTOP_S
     for attempt in (0, 1):
         workdir = cwd_cache.get(cwd) if attempt == 0 else None
         if workdir is None:
@@ -106,17 +108,13 @@ def exec_command(ch: ExecChannel, policy_for: Callable[[str | None], PathPolicy]
                 cwd_cache.clear()
             cwd_cache[cwd] = workdir
         run_id = uuid.uuid4().hex
-        backstop = math.ceil(max(0.0, float(timeout_s))) + EXEC_BACKSTOP_S
         run = start(["sh", "-c", RUN_SCRIPT, "sh", run_id, workdir, str(backstop), *args], run_id,
                     backstop_s=backstop)
         rc, out, err = run_exec(run, timeout_s=timeout_s, max_output_bytes=max_output_bytes)
-        if rc == EXIT_CHANGED and err == f"courier-exec-{run_id}: cwd\n".encode():
-            cwd_cache.pop(cwd, None)  # nothing ran: resolve and check it again
-            if attempt == 0:
-                continue
-            raise UnsafePath(f"{cwd or workdir}: changed while the command was starting")
-        return rc, out, err
-    raise AssertionError("unreachable")
+        if rc != EXIT_CHANGED or err != f"courier-exec-{run_id}: cwd\n".encode():
+            return rc, out, err
+        cwd_cache.pop(cwd, None)  # nothing ran: resolve and check it again
+    raise UnsafePath(f"{cwd or workdir}: changed while the command was starting")
 
 
 class ExecStreamMixin:
@@ -125,6 +123,7 @@ class ExecStreamMixin:
     ExecRun whose `kill` runs ``kill_argv(run_id)``); ``self.policy`` None:
     defaults built from the sandbox's $HOME on first use."""
 
+    ref: SandboxRef
     policy: PathPolicy | None
     #: roots used when neither the ref nor the constructor gave any
     exec_default_roots: tuple[str, ...] = ("/workspace", "/tmp")
@@ -134,9 +133,7 @@ class ExecStreamMixin:
 
     def policy_for(self, home: str | None) -> PathPolicy:
         if self.policy is None:
-            ref = getattr(self, "ref", None)
-            roots = tuple(ref.roots) if ref is not None and ref.roots else default_roots(home, self.exec_default_roots)
-            self.policy = PathPolicy(roots=roots, home=home)
+            self.policy = PathPolicy(roots=self.ref.roots or default_roots(home, self.exec_default_roots), home=home)
         return self.policy
 
     def resolve(self, path: str) -> tuple[str, int]:
@@ -146,7 +143,6 @@ class ExecStreamMixin:
     def _resolve(self, path: str) -> Resolved:
         """ONE exec resolves `path`, then the policy check; a path that does not
         resolve (or no regular file) is still refused if denylisted as written."""
-        check_lexical(path)
         try:
             r = exec_resolve(self.exec_channel(), path, policy_for=self.policy_for)
         except (FileMissing, NotAFile):
@@ -159,13 +155,12 @@ class ExecStreamMixin:
         (self.policy or PathPolicy(roots=self.exec_default_roots)).check_lexical_denied(path)
 
     def home_dir(self) -> str | None:
-        """The configured home, else the exec user's $HOME (:meth:`_home`)."""
+        """The configured home, else the exec user's $HOME (one exec, once)."""
         if self.policy is not None and self.policy.home:
             return self.policy.home
         return self._home()
 
     def _home(self) -> str | None:
-        """$HOME of the exec user: one exec, once."""
         if self._home_cache is None:
             rc, out, _err = self.exec_channel().exec_small(["sh", "-c", 'printf %s "$HOME"'])
             self._home_cache = out.decode("utf-8", "surrogateescape") if rc == 0 else ""
@@ -175,11 +170,7 @@ class ExecStreamMixin:
              max_output_bytes: int = DEFAULT_EXEC_OUTPUT_BYTES) -> tuple[int, bytes, bytes]:
         """Sandbox.exec through the channel (:func:`exec_command`); `cwd`
         None: the first allowed root that is a directory."""
-        policy = self.policy
-        ref = getattr(self, "ref", None)
-        defaults = policy.roots if policy is not None else (
-            tuple(ref.roots) if ref is not None and ref.roots else self.exec_default_roots)
+        defaults = self.policy.roots if self.policy is not None else (self.ref.roots or self.exec_default_roots)
         cache = self.__dict__.setdefault("_exec_cwds", {})
         return exec_command(self.exec_channel(), self.policy_for, self.exec_start, argv, timeout_s=timeout_s,
                             cwd=cwd, max_output_bytes=max_output_bytes, defaults=defaults, cwd_cache=cache)
-

@@ -8,7 +8,7 @@ import contextlib
 import os
 import posixpath
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -241,11 +241,10 @@ def exec_resolve(ch: ExecChannel, path: str, *, policy_for: Callable[[str | None
         raise UnsafePath(f"{path}: a symbolic link loop (too many levels of symbolic links)")
     if rc == EXIT_MISSING:
         if policy_for is not None:
-            home, _, would = out.partition(b"\0")
-            policy = policy_for(home.decode("utf-8", "surrogateescape") or None)
-            would_s = would.decode("utf-8", "surrogateescape")
-            if would_s.startswith("/"):
-                policy.check(posixpath.normpath(would_s), shown=path)
+            home, _, would = (part.decode("utf-8", "surrogateescape") for part in out.partition(b"\0"))
+            policy = policy_for(home or None)
+            if would.startswith("/"):
+                policy.check(posixpath.normpath(would), shown=path)
             else:
                 policy.check_lexical_denied(path)
         raise FileMissing(f"{path}: no such file")
@@ -294,25 +293,24 @@ def exec_iter_file(ch: ExecChannel, resolved: str, *, expected_size: int | None 
     mode = "cat" if getattr(ch, "binary_safe", True) else "base64"
     links_ok = "1" if policy is not None and policy.links_allowed(resolved) else ""
     for attempt in range(3):
-        # podman's Docker-compatible attach can drop a stream's output under load (exit 0,
-        # no byte of a non-empty file): nothing was yielded then, so the read runs again
-        lost: list[bool] | None = [] if attempt < 2 else None
         # the run carries its id in its environment: a stalled one is killed by it (_kill)
         run_id = uuid.uuid4().hex
         st = ch.exec_stream(["env", f"COURIER_EXEC_ID={run_id}", "sh", "-c", STREAM_SCRIPT, "sh", resolved, mode,
                              links_ok])
-        yield from _iter_stream(ch, st, run_id, resolved, mode, expected_size=expected_size, max_bytes=max_bytes,
-                                lost=lost)
+        # podman's Docker-compatible attach can drop a stream's output under load (exit 0,
+        # no byte of a non-empty file): nothing was yielded then, so the read runs again
+        lost = yield from _iter_stream(ch, st, run_id, resolved, mode, expected_size=expected_size,
+                                       max_bytes=max_bytes, lost_ok=attempt < 2)
         if not lost:
             return
 
 
 def _iter_stream(ch: ExecChannel, st: ExecStream, run_id: str, resolved: str, mode: str, *,
-                 expected_size: int | None, max_bytes: int | None, lost: list[bool] | None = None
-                 ) -> Iterator[bytes]:
-    """exec_iter_file's chunks of a started stream script. With `lost`, a
-    stream that exited 0 without a byte of a non-empty file is noted there
-    (its output was lost on the way) instead of raised."""
+                 expected_size: int | None, max_bytes: int | None, lost_ok: bool = False
+                 ) -> Generator[bytes, None, bool]:
+    """exec_iter_file's chunks of a started stream script. With `lost_ok`, a
+    stream that exited 0 without a byte of a non-empty file (its output lost
+    on the way) returns True instead of raising."""
     n = 0
     try:
         body = st.chunks if mode == "cat" else _b64_decode(st.chunks)
@@ -329,10 +327,10 @@ def _iter_stream(ch: ExecChannel, st: ExecStream, run_id: str, resolved: str, mo
         raise
     finally:
         st.close()
-    if lost is not None and n == 0 and rc == 0 and expected_size:
-        lost.append(True)
-        return
+    if lost_ok and n == 0 and rc == 0 and expected_size:
+        return True
     _check_stream_end(st, rc, n, resolved, expected_size)
+    return False
 
 
 def _kill(ch: ExecChannel, st: ExecStream, run_id: str) -> None:
@@ -356,12 +354,11 @@ def _check_stream_end(st: ExecStream, rc: int | None, n: int, resolved: str, exp
     """The stream script's verdict once its output has ended: raises unless it
     exited 0 having sent exactly `expected_size` bytes of a file whose stat
     did not change while they were read (exit 75: FileChanging)."""
-    refused = _STREAM_EXITS.get(rc) if rc is not None else None
-    if refused is not None:
-        error, why = refused
-        raise error(f"{resolved}: {why}")
     if rc is None:
         raise SandboxGone(f"{resolved}: the transfer ended without an exit status")
+    if rc in _STREAM_EXITS:
+        error, why = _STREAM_EXITS[rc]
+        raise error(f"{resolved}: {why}")
     if rc not in (0, EXIT_CHANGING):
         raise SandboxError(f"{resolved}: reading failed (exit {rc}: {_err_text(st.stderr())})")
     if expected_size is not None and n != expected_size:
@@ -379,7 +376,6 @@ def _store_stream(ch: ExecChannel, st: ExecStream, run_id: str, resolved: str, m
     the channel has a stdout pipe and the store ``put_pipe``, else through
     ``store.put_stream`` wrapped in `guard` (error mapping)."""
     put_pipe = getattr(store, "put_pipe", None)
-    info = None
     if st.pipe_fd is not None and mode == "cat" and put_pipe is not None:
         def finish(n: int) -> None:  # before the blob is published: the script's verdict, the byte count
             st.end()
@@ -396,9 +392,9 @@ def _store_stream(ch: ExecChannel, st: ExecStream, run_id: str, resolved: str, m
         except BaseException:
             st.close()
             raise
-    if info is not None:
-        st.close()
-        return info
+        if info is not None:
+            st.close()
+            return info
     # no pipe, or a store (or kernel) that cannot take one: nothing was read yet, stream it
     body = _iter_stream(ch, st, run_id, resolved, mode, expected_size=expected_size, max_bytes=max_bytes)
     return store.put_stream(key, guard(body) if guard else body, max_bytes=max_bytes)
@@ -465,8 +461,13 @@ def resolve_put_dest(ch: ExecChannel, policy_for: Callable[[str | None], PathPol
         raise UnsafePath(f"{dest_path}: needs a file name")
     parent = posixpath.dirname(dest_path) or "/"
     rc, out, err = _ask(ch, PUT_RESOLVE_SCRIPT, parent, name)
-    if rc == EXIT_MISSING:  # e.g. <workspace>/inbox/ on a turn's first attachment: made, then resolved again
-        _make_parents(ch, policy_for, dest_path)
+    if rc == EXIT_MISSING:
+        # e.g. <workspace>/inbox/ on a turn's first attachment: made as the sandbox's user once the
+        # destination passed the policy (resolve_by_ancestor), then resolved again
+        target = posixpath.dirname(resolve_by_ancestor(ch, policy_for, dest_path)[1])
+        rc, _out, err = ch.exec_small(["mkdir", "-p", "--", target])
+        if rc != 0:
+            raise SandboxError(f"{dest_path}: cannot create {target} (exit {rc}: {_err_text(err)})")
         rc, out, err = _ask(ch, PUT_RESOLVE_SCRIPT, parent, name)
     if rc == EXIT_MISSING:
         raise FileMissing(f"{dest_path}: directory {parent} does not exist")
@@ -501,13 +502,19 @@ def resolve_by_ancestor(ch: ExecChannel, policy_for: Callable[[str | None], Path
     return policy, policy.check(posixpath.join(real, *rest, posixpath.basename(dest_path)), shown=dest_path)
 
 
-def _make_parents(ch: ExecChannel, policy_for: Callable[[str | None], PathPolicy], dest_path: str) -> None:
-    """Create the missing directories of `dest_path`'s parent (as the sandbox's
-    user), once the destination passed the policy (:func:`resolve_by_ancestor`)."""
-    target = posixpath.dirname(resolve_by_ancestor(ch, policy_for, dest_path)[1])
-    rc, _out, err = ch.exec_small(["mkdir", "-p", "--", target])
-    if rc != 0:
-        raise SandboxError(f"{dest_path}: cannot create {target} (exit {rc}: {_err_text(err)})")
+class Counted:
+    """A stored blob's chunks for an upload, counted in `sent`: past `max_bytes`, TooLarge."""
+
+    def __init__(self, store, key: str, max_bytes: int) -> None:
+        self.store, self.key, self.max_bytes = store, key, max_bytes
+        self.sent = 0
+
+    def __iter__(self) -> Iterator[bytes]:
+        for chunk in self.store.iter_chunks(self.key):
+            self.sent += len(chunk)
+            if self.sent > self.max_bytes:
+                raise grew_over_cap(self.key, self.sent, self.max_bytes)
+            yield chunk
 
 
 def exec_put(ch, policy_for: Callable[[str | None], PathPolicy], store, key: str, dest_path: str, *,
@@ -521,27 +528,17 @@ def exec_put(ch, policy_for: Callable[[str | None], PathPolicy], store, key: str
     check_size(key, size, max_bytes)
     final, uid, gid = resolve_put_dest(ch, policy_for, dest_path)
     tmp = temp_beside(final)
-    sent = 0
-
-    def counted() -> Iterator[bytes]:
-        nonlocal sent
-        for chunk in store.iter_chunks(key):
-            sent += len(chunk)
-            if sent > max_bytes:
-                raise grew_over_cap(key, sent, max_bytes)
-            yield chunk
-
-    if write is not None and write(tmp, counted(), uid, gid):
+    body = Counted(store, key, max_bytes)
+    if write is not None and write(tmp, iter(body), uid, gid):
         rc, _out, err = ch.exec_small(["sh", "-c", PUT_SCRIPT, "sh", tmp, final, "", str(size)])
     else:
-        binary = getattr(ch, "binary_safe", True)
-        mode, body = ("cat", counted()) if binary else ("base64", _b64_encode(counted()))
-        rc, _out, err = ch.exec_stdin(["sh", "-c", PUT_SCRIPT, "sh", tmp, final, mode, str(size)], body)
+        mode, data = ("cat", body) if getattr(ch, "binary_safe", True) else ("base64", _b64_encode(body))
+        rc, _out, err = ch.exec_stdin(["sh", "-c", PUT_SCRIPT, "sh", tmp, final, mode, str(size)], data)
     if rc == EXIT_CHANGED:
         raise UnsafePath(f"{dest_path}: is a link or a directory")
     if rc == EXIT_SHORT:
         raise SandboxGone(f"{dest_path}: upload cut short; nothing written "
-                          f"({size:,} bytes expected, {sent:,} sent)")
+                          f"({size:,} bytes expected, {body.sent:,} sent)")
     if rc != 0:
         raise SandboxError(f"{dest_path}: writing failed (exit {rc}: {_err_text(err)})")
     return final

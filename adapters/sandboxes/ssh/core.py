@@ -64,20 +64,9 @@ class SshCore(Sandbox):
 
     kind = "ssh"
 
-    def __init__(
-        self,
-        ref: SandboxRef,
-        policy: PathPolicy,
-        *,
-        key_path: str | None,
-        known_hosts: str | None,
-        user: str | None = None,
-        port: int = 22,
-        use_openssh: bool = False,
-        control_dir: str | None = None,
-        connect_timeout_s: float = 10,
-        io_timeout_s: float = 60,
-    ) -> None:
+    def __init__(self, ref: SandboxRef, policy: PathPolicy, *, key_path: str | None, known_hosts: str | None,
+                 user: str | None = None, port: int = 22, use_openssh: bool = False, control_dir: str | None = None,
+                 connect_timeout_s: float = 10, io_timeout_s: float = 60) -> None:
         super().__init__(ref, policy)
         if not ref.target:
             raise ConfigError("ssh sandbox needs a host (ssh://user@host:port/path)")

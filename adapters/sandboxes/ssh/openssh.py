@@ -2,14 +2,14 @@
 ControlMaster socket (``ControlPersist=60``) named by
 :func:`adapters.sandboxes.ssh.pool.trust_key`. An extraction is ONE ssh run
 of execstream's gated stream script. ssh joins its arguments into one remote
-shell command line, so the argv is quoted with `shlex.join` (a POSIX login
-shell is assumed on the host). Every read and write has a deadline.
+command line, so the argv is quoted with `shlex.join` (a POSIX login shell is
+assumed on the host). Every read and write has a deadline.
 
-Commands (``Sandbox.exec``) run through an `ssh` client that joins the
-control master but never starts one, so no master inherits its output pipes.
-Exit 255 is ssh's own failure and raises (the command's own 255 cannot be
-told apart); the exit is only known when the channel closes, so a background
-job still holding the output keeps exec waiting until the timeout (124).
+``Sandbox.exec`` runs through an `ssh` client that joins the control master
+but never starts one (a master would inherit its output pipes). Exit 255 is
+ssh's own failure and raises (a command's own 255 looks the same); the exit
+is known only when the channel closes, so a background job still holding the
+output keeps exec waiting until the timeout (124).
 """
 
 from __future__ import annotations
@@ -27,13 +27,11 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import IO, TYPE_CHECKING, Any
 
 from adapters.errors import ConfigError, FileMissing, NotAFile, SandboxError, UnsafePath
-from adapters.sandboxes.base import PathPolicy, PipeRun, ReadTimeout, grew_over_cap, temp_beside
+from adapters.sandboxes.base import PathPolicy, PipeRun, ReadTimeout, temp_beside
 from adapters.sandboxes.execstream import (
-    ExecStream, Resolved, exec_gated_extract, exec_resolve, kill_argv, resolve_by_ancestor,
+    Counted, ExecStream, Resolved, exec_gated_extract, exec_resolve, kill_argv, resolve_by_ancestor,
 )
-from adapters.sandboxes.ssh.core import (
-    CHUNK, FileChanged, SshCore, _ready,
-)
+from adapters.sandboxes.ssh.core import CHUNK, FileChanged, SshCore, _ready
 
 if TYPE_CHECKING:
     from storage.base import BlobInfo, BlobStore
@@ -71,8 +69,7 @@ class OpenSshTransport(SshCore):
     """The OpenSSH half of :class:`adapters.sandboxes.ssh.sandbox.SshSandbox`."""
 
     def _ssh_argv(self, command: str, *, master: bool = True) -> list[str]:
-        """`master` False: use a running control master but never fork one
-        (a forked master would inherit this client's output pipes)."""
+        """`master` False: join a running control master, never fork one (see the module docstring)."""
         cdir = self.control_dir or _control_dir()
         argv = [
             "ssh", "-T", "-e", "none", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
@@ -134,25 +131,15 @@ class OpenSshTransport(SshCore):
         connection ends its `cat` with EOF, so it checks the received size before the rename."""
         policy, dest = resolve_by_ancestor(self._openssh(), self._policy, dest_path)
         policy.check_lexical_denied(dest_path)
-        tmp = temp_beside(dest)
-        sent = 0
-
-        def chunks() -> Iterator[bytes]:
-            nonlocal sent
-            for chunk in store.iter_chunks(key):
-                sent += len(chunk)
-                if sent > max_bytes:
-                    raise grew_over_cap(key, sent, max_bytes)
-                yield chunk
-
+        body = Counted(store, key, max_bytes)
         rc, _, err = self._openssh().exec_stdin(
-            ["sh", "-c", _PUT_SH, "sh", posixpath.dirname(dest), dest, tmp, str(size)], chunks())
+            ["sh", "-c", _PUT_SH, "sh", posixpath.dirname(dest), dest, temp_beside(dest), str(size)], body)
         if rc == 5:
             raise UnsafePath(f"{dest_path}: is a symbolic link")
         if rc == 4:
             raise NotAFile(f"{dest_path}: exists and is not a regular file")
         if rc == 6:
-            raise FileChanged(f"{dest_path}: short write ({sent:,} of {size:,} bytes)")
+            raise FileChanged(f"{dest_path}: short write ({body.sent:,} of {size:,} bytes)")
         if rc != 0:
             raise self._ssh_error(rc, err, dest_path)
         return dest
@@ -170,7 +157,6 @@ class OpenSshTransport(SshCore):
         return self._home_openssh() or None
 
     def _close_openssh(self) -> None:
-        """Stop this sandbox's OpenSSH control master, if any."""
         cdir = self.control_dir or _default_control_dir
         if not cdir:
             return

@@ -11,6 +11,7 @@ only public paramiko API. Each function's docstring says why it exists:
 from __future__ import annotations
 
 import contextlib
+import functools
 import posixpath
 import threading
 import time
@@ -84,6 +85,7 @@ def _sftp_pipeline(sftp: SFTPClient, handle: bytes, size: int, req: int, depth: 
                 sftp._expecting.pop(num, None)
 
 
+@functools.cache
 def _fast_pipe_class() -> type[Any]:
     """A paramiko BufferedPipe whose reads cost O(bytes read): paramiko's shifts
     its whole buffer on each read (two multi-MiB memmoves per SFTP response);
@@ -132,26 +134,23 @@ def _fast_pipe_class() -> type[Any]:
                     self._off = 0
                 else:
                     self._off = end
-            out = bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
+            out = b"".join(parts)  # one whole fed chunk: that very object, no copy
             self._size -= len(out)
             return out
 
         def read(self, nbytes: int, timeout: float | None = None) -> bytes:
             with self._lock:
-                if self._size == 0:
-                    if self._closed:
-                        return b""
-                    if timeout == 0.0:
-                        raise PipeTimeout()
-                    while self._size == 0 and not self._closed:
-                        then = time.time()
-                        self._cv.wait(timeout)
-                        if timeout is not None:
-                            timeout -= time.time() - then
-                            if timeout <= 0.0:
-                                raise PipeTimeout()
-                    if self._size == 0:
-                        return b""
+                if self._size == 0 and not self._closed and timeout == 0.0:
+                    raise PipeTimeout()
+                while self._size == 0 and not self._closed:
+                    then = time.time()
+                    self._cv.wait(timeout)
+                    if timeout is not None:
+                        timeout -= time.time() - then
+                        if timeout <= 0.0:
+                            raise PipeTimeout()
+                if self._size == 0:  # closed
+                    return b""
                 out = self._take(min(nbytes, self._size))
                 if self._size == 0 and self._event is not None and not self._closed:
                     self._event.clear()
@@ -171,19 +170,13 @@ def _fast_pipe_class() -> type[Any]:
     return FastPipe
 
 
-_FastPipe: type[Any] | None = None
-
-
 def _use_fast_pipe(chan: Any) -> None:
     """Swap a quiet channel's input pipe (no request outstanding, nothing
     buffered); a paramiko whose pipe looks different keeps its own."""
-    global _FastPipe
-    if _FastPipe is None:
-        _FastPipe = _fast_pipe_class()
     old = chan.in_buffer
     if not all(hasattr(old, a) for a in ("_lock", "_buffer", "_event")):
-        return  # a paramiko whose pipe looks different: keep it
-    new = _FastPipe()
+        return
+    new = _fast_pipe_class()()
     with old._lock:
         left = old._buffer.tobytes() if len(old._buffer) else b""
         if old._event is not None:

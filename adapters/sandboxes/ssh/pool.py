@@ -108,10 +108,6 @@ def pooled(key: PoolKey, connect: Callable[[], Any]) -> Any:
         return client
 
 
-def _prefer(available: tuple[str, ...], first: tuple[str, ...]) -> tuple[str, ...]:
-    return tuple(c for c in first if c in available) + tuple(c for c in available if c not in first)
-
-
 def connect(*, host: str, port: int, user: str, key_path: str | None, known_hosts: str | None,
             timeout_s: float, where: str) -> Any:
     """A new paramiko SSHClient: host key checked (unknown: refused), TCP_NODELAY,
@@ -132,16 +128,14 @@ def connect(*, host: str, port: int, user: str, key_path: str | None, known_host
     def factory(s: socket.socket, **kw: Any) -> Any:
         t = paramiko.Transport(s, default_window_size=WINDOW_SIZE, default_max_packet_size=MAX_PACKET_SIZE, **kw)
         opts = t.get_security_options()
-        opts.ciphers = _prefer(opts.ciphers, PREFERRED_CIPHERS)
+        first = tuple(c for c in PREFERRED_CIPHERS if c in opts.ciphers)
+        opts.ciphers = first + tuple(c for c in opts.ciphers if c not in first)
         return t
 
     try:
-        client.connect(
-            host, port=port, username=user, key_filename=key_path, sock=sock,
-            timeout=timeout_s, banner_timeout=timeout_s,
-            auth_timeout=timeout_s, allow_agent=key_path is None,
-            look_for_keys=key_path is None, transport_factory=factory,
-        )
+        client.connect(host, port=port, username=user, key_filename=key_path, sock=sock, timeout=timeout_s,
+                       banner_timeout=timeout_s, auth_timeout=timeout_s, allow_agent=key_path is None,
+                       look_for_keys=key_path is None, transport_factory=factory)
     except BaseException:
         client.close()
         sock.close()

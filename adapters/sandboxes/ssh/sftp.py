@@ -16,13 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 from adapters.errors import FileMissing, NotAFile, SandboxError, SandboxGone, UnsafePath
 from adapters.sandboxes.base import (
-    BoundedOutput, PathPolicy, ReadTimeout, call_with_deadline, deepest_existing, grew_over_cap, temp_beside,
-    with_deadline,
+    BoundedOutput, PathPolicy, ReadTimeout, call_with_deadline, deepest_existing, temp_beside, with_deadline,
 )
-from adapters.sandboxes.execstream import ExecStream, exec_resolve, kill_argv
-from adapters.sandboxes.ssh.core import (
-    CHUNK, FileChanged, SFTPAttributes, SFTPClient, SshCore, _check_same, _paramiko,
-)
+from adapters.sandboxes.execstream import Counted, ExecStream, exec_resolve, kill_argv
+from adapters.sandboxes.ssh.core import CHUNK, FileChanged, SFTPAttributes, SFTPClient, SshCore, _check_same, _paramiko
 from adapters.sandboxes.ssh.paramiko_internals import _nlink_from_listing, _sftp_pipeline, _use_fast_pipe
 from adapters.sandboxes.ssh.pool import MAX_PACKET_SIZE, WINDOW_SIZE
 
@@ -90,10 +87,9 @@ class SftpTransport(SshCore):
             chan.close()
 
     def _sftp_policy(self, sftp: SFTPClient) -> PathPolicy:
-        if self._checked_policy is None:
-            home = None if (self.policy.roots and self.policy.home) else sftp.normalize(".")
-            return self._policy(home)
-        return self._checked_policy
+        if self._checked_policy is not None:
+            return self._checked_policy
+        return self._policy(None if (self.policy.roots and self.policy.home) else sftp.normalize("."))
 
     def _trusts_realpath(self, sftp: SFTPClient) -> bool:
         """OpenSSH's SFTP realpath resolves every link; other servers' may be lexical."""
@@ -104,10 +100,7 @@ class SftpTransport(SshCore):
     def _resolve_sftp(self, sftp: SFTPClient, path: str) -> tuple[str, SFTPAttributes]:
         policy = self._sftp_policy(sftp)
         try:
-            if self._trusts_realpath(sftp):
-                real = sftp.normalize(path)
-            else:
-                real = self._readlink_f(path)
+            real = self._realpath(sftp, path)
         except FileNotFoundError:
             # the server says only "no such file" (for a link loop too): ONE exec says what the
             # path would name (a denied one is refused as if it existed) or that it loops
@@ -128,6 +121,10 @@ class SftpTransport(SshCore):
         if not stat.S_ISREG(st.st_mode or 0):
             raise NotAFile(f"{path}: not a regular file")
         return real, st
+
+    def _realpath(self, sftp: SFTPClient, path: str) -> str:
+        """`path` resolved on the host: by the server's realpath where it is trusted, else `readlink -f`."""
+        return sftp.normalize(path) if self._trusts_realpath(sftp) else self._readlink_f(path)
 
     def _readlink_f(self, path: str) -> str:
         rc, out, err = self._exec(shlex.join(["readlink", "-f", "--", path]), limit=65536)
@@ -173,10 +170,8 @@ class SftpTransport(SshCore):
                 f.close()
 
     def _nlink(self, sftp: SFTPClient, resolved: str, fst: SFTPAttributes) -> int:
-        """The file's hard link count. OpenSSH's SFTP server puts it in the
-        `ls -l` line of each directory entry: the parent is listed until the
-        name is found (an entry that is not the open handle's file is a
-        change); other servers: one `stat` over exec."""
+        """The file's hard link count: from its directory's listing on an OpenSSH
+        server (:func:`_nlink_from_listing`), else one `stat` over exec."""
         if self._trusts_realpath(sftp):
             n = _nlink_from_listing(sftp, resolved, fst)
             if n is not None:
@@ -205,8 +200,8 @@ class SftpTransport(SshCore):
         with self._errors(dest_path), self._sftp() as sftp:
             policy = self._sftp_policy(sftp)
             policy.check_lexical_denied(dest_path)
-            def found(cur: str) -> tuple[str, SFTPAttributes]:  # resolved on the host
-                real = sftp.normalize(cur) if self._trusts_realpath(sftp) else self._readlink_f(cur)
+            def found(cur: str) -> tuple[str, SFTPAttributes]:
+                real = self._realpath(sftp, cur)
                 return real, sftp.stat(real)
 
             (real_anc, anc_st), missing = deepest_existing(posixpath.dirname(dest_path), found)
@@ -229,21 +224,18 @@ class SftpTransport(SshCore):
                     raise NotAFile(f"{dest_path}: exists and is not a regular file")
             tmp = temp_beside(dest)
             try:
-                sent = 0
+                body = Counted(store, key, max_bytes)
                 with sftp.open(tmp, "wbx") as f:
                     f.MAX_REQUEST_SIZE = self._request_size(sftp)
                     f.set_pipelined(True)
-                    for chunk in store.iter_chunks(key):
-                        sent += len(chunk)
-                        if sent > max_bytes:
-                            raise grew_over_cap(key, sent, max_bytes)
+                    for chunk in body:
                         f.write(chunk)
-                if sent != size or sftp.stat(tmp).st_size != sent:
-                    raise FileChanged(f"{dest_path}: short write ({sent:,} of {size:,} bytes)")
+                if body.sent != size or sftp.stat(tmp).st_size != body.sent:
+                    raise FileChanged(f"{dest_path}: short write ({body.sent:,} of {size:,} bytes)")
                 try:
                     sftp.posix_rename(tmp, dest)
                 except OSError as exc:
-                    if getattr(exc, "errno", None) is not None:
+                    if exc.errno is not None:
                         raise
                     sftp.rename(tmp, dest)  # no posix-rename extension, and dest absent
             except BaseException:
