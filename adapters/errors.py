@@ -1,6 +1,5 @@
-"""courier's one error tree: every vendor error is translated into one of
-these in one place per adapter, so the task layer decides retries from the
-class alone::
+"""courier's one error tree: every vendor error is translated into one of these in one place per
+adapter, so the task layer decides retries from the class alone::
 
     CourierError
     ├── ConfigError            bad settings / URL / target (user input)
@@ -20,9 +19,8 @@ class alone::
     └── StorageError           blob store failures
         └── BlobMissing        no such key
 
-`chat_words`: what a chat is told when such a failure ends its file or its
-turn; never the reason, which names buckets, keys, endpoints and paths and
-stays in the receipt and the log.
+`chat_words`: what a chat is told when such a failure ends its file or its turn; never the reason,
+which names buckets, keys, endpoints and paths and stays in the receipt and the log.
 """
 
 from __future__ import annotations
@@ -105,8 +103,8 @@ class TooLarge(SandboxError):
 
 
 class FileChanging(SandboxError):
-    """The file changed (size or mtime) while it was read: what was read is
-    not a whole version of it. Transient: the writer may finish; read again later."""
+    """The file changed (size or mtime) while it was read: what was read is not a whole version of it.
+    Transient: the writer may finish; read again later."""
 
     transient = True
     chat_words = "the file kept changing while it was read"
@@ -118,8 +116,8 @@ class SandboxGone(SandboxError):
 
 
 class SandboxStalled(SandboxError):
-    """The sandbox's circuit breaker is open (tasks/turn/breaker.py): the
-    extraction is postponed to `until_s` (epoch seconds) without reaching it."""
+    """The sandbox's circuit breaker is open (tasks/turn/breaker.py): the extraction is postponed to
+    `until_s` (epoch seconds) without reaching it."""
 
     transient = True
     chat_words = "the agent's sandbox stopped answering; the operator was told"
@@ -148,10 +146,8 @@ E = TypeVar("E", bound=CourierError)
 
 
 class ErrorTable(Generic[E]):
-    """An adapter's vendor errors and the courier error each becomes: rows
-    `(vendor types, rule)`, tried in order; the first row whose types match
-    and whose rule (`rule(exc, *context)`) gives an error wins; None: no row
-    takes it."""
+    """An adapter's vendor errors and the courier error each becomes: rows `(vendor types, rule)`, tried
+    in order; the first row whose types match and whose `rule(exc, *context)` gives an error wins."""
 
     def __init__(self, rows: Sequence[tuple[type | tuple[type, ...], Callable[..., E | None]]]) -> None:
         self.rows = tuple((t if isinstance(t, tuple) else (t,), rule) for t, rule in rows)
@@ -172,10 +168,9 @@ class ErrorTable(Generic[E]):
 @contextlib.contextmanager
 def translating(table: Callable[[], ErrorTable[Any]], *context: Any,
                 then: Callable[[CourierError], None] | None = None) -> Iterator[None]:
-    """Run the block with its vendor errors translated by `table()` (built
-    only when an error comes: the vendor's module is imported then); one no
-    row takes is raised as it is; `then(error)` runs before a translated one
-    is raised (e.g. to drop a broken connection)."""
+    """Run the block with its vendor errors translated by `table()` (built only when an error comes: the
+    vendor's module is imported then); one no row takes is raised as it is; `then(error)` runs before a
+    translated one is raised (e.g. to drop a broken connection)."""
     try:
         yield
     except CourierError:

@@ -1,6 +1,5 @@
-"""Optional dependencies: each platform, sandbox backend, S3 and the browser
-tool is an extra (`pip install 'courier[telegram,s3]'`); a missing SDK is a
-ConfigError that names the extra to install."""
+"""Optional dependencies: each platform, sandbox backend, S3 and the browser tool is an extra
+(`pip install 'courier[telegram,s3]'`); a missing SDK is a ConfigError that names the extra to install."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""Run async SDK calls (python-telegram-bot, discord.py) from sync code.
-
-Every call runs on the process's one event loop, in a daemon thread (made lazily, and
-again after a fork), over one SDK client per loop (`PerLoop`) and the process's one TLS
-context (`tls`). The caller waits in slices of `WAIT_SLICE_S`, so an exception raised in
-its thread (a soft time limit) is seen within one and the abandoned call is cancelled.
-"""
+"""Run async SDK calls (python-telegram-bot, discord.py) from sync code: every call runs on the process's
+one event loop, in a daemon thread (made lazily, and again after a fork), over one SDK client per loop
+(`PerLoop`) and the process's one TLS context (`tls`); the caller waits in slices (`WAIT_SLICE_S`) and
+cancels the call it abandons."""
 
 from __future__ import annotations
 
@@ -18,7 +15,7 @@ import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any, Generic, TypeVar
 
-__all__ = ["PerLoop", "WAIT_SLICE_S", "close_all", "run", "tls"]
+__all__ = ["PerLoop", "WAIT_SLICE_S", "run", "tls"]
 
 T = TypeVar("T")
 
@@ -40,14 +37,12 @@ def loop() -> asyncio.AbstractEventLoop:
         if _loop is None or _pid != os.getpid() or _loop.is_closed():
             _loop = asyncio.new_event_loop()
             _pid = os.getpid()
-            t = threading.Thread(target=_loop.run_forever, name="courier-aio", daemon=True)
-            t.start()
+            threading.Thread(target=_loop.run_forever, name="courier-aio", daemon=True).start()
         return _loop
 
 
 def run(coro: Coroutine[Any, Any, T], timeout_s: float | None = 300.0) -> T:
-    """Run `coro` on the process's loop and wait for its result (in slices: see the module
-    docstring). A `TimeoutError` past `timeout_s`."""
+    """Run `coro` on the process's loop and wait for its result, in slices; a `TimeoutError` past `timeout_s`."""
     fut = asyncio.run_coroutine_threadsafe(coro, loop())
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
@@ -63,23 +58,12 @@ def run(coro: Coroutine[Any, Any, T], timeout_s: float | None = 300.0) -> T:
         raise
 
 
-def close_all(objs: PerLoop[T], close: Callable[[T], Coroutine[Any, Any, Any]], timeout_s: float = 10.0) -> None:
-    """Close `objs`' object on this process's loop (best effort); any other is dropped (a
-    loop of the parent process before a fork: its connections close with it)."""
-    with _lock:
-        mine = _loop if _loop is not None and _pid == os.getpid() and not _loop.is_closed() else None
-    obj = objs.drain(mine)
-    if obj is not None:
-        with contextlib.suppress(Exception):  # closing is best effort
-            run(close(obj), timeout_s)
-
-
 _tls: tuple[int, ssl.SSLContext] | None = None
 
 
 def tls() -> ssl.SSLContext:
-    """The process's TLS context for its SDK clients, as httpx would make it: made once
-    (and again after a fork), since each parse of the CA bundle costs CPU."""
+    """The TLS context for the process's SDK clients, as httpx makes it: made once per process (a parse of
+    the CA bundle costs CPU)."""
     global _tls
     with _lock:  # (taken once per new SDK client, not per call)
         if _tls is None or _tls[0] != os.getpid():
@@ -90,8 +74,7 @@ def tls() -> ssl.SSLContext:
 
 
 class PerLoop(Generic[T]):
-    """One object per event loop, made on first use on it: an SDK client (its connection
-    pool, its locks) belongs to the loop it was made on."""
+    """One object per event loop, made on first use: an SDK client (its pool, its locks) belongs to its loop."""
 
     def __init__(self, make: Callable[[], T]) -> None:
         self._make = make
@@ -110,9 +93,14 @@ class PerLoop(Generic[T]):
                 obj = self._objs[loop] = self._make()
             return obj
 
-    def drain(self, loop: asyncio.AbstractEventLoop | None) -> T | None:
-        """Forget every loop's object; give back `loop`'s (None: there was none)."""
+    def close(self, close: Callable[[T], Coroutine[Any, Any, Any]], timeout_s: float = 10.0) -> None:
+        """Forget every loop's object; close the one of this process's loop (best effort). Any other is
+        dropped (a loop of the parent process before a fork: its connections close with it)."""
+        with _lock:
+            mine = _loop if _loop is not None and _pid == os.getpid() and not _loop.is_closed() else None
         with self._lock:
-            obj = self._objs.pop(loop, None) if loop is not None else None
+            obj = self._objs.pop(mine, None) if mine is not None else None
             self._objs.clear()
-            return obj
+        if obj is not None:
+            with contextlib.suppress(Exception):  # closing is best effort
+                run(close(obj), timeout_s)

@@ -1,11 +1,9 @@
-"""Just enough Ogg Opus to describe a voice note: its duration, read without
-reading the file whole.
+"""Just enough Ogg Opus to describe a voice note: its duration, read without reading the file whole.
 
-The first page must hold the `OpusHead` packet (RFC 7845 §5.1). The duration
-is the last page's granule position less the pre-skip, over 48000 (§4); that
-page is found in the file's last `TAIL_BYTES`: the last `OggS` whose page
-checks out (CRC, the stream's serial, a granule set) and ends where the file
-does. Anything else raises `OggError` with a reason a person can read.
+The first page must hold the `OpusHead` packet (RFC 7845 §5.1). The duration is the last page's granule
+position less the pre-skip, over 48000 (§4); that page is found in the file's last `TAIL_BYTES`: the last
+`OggS` whose page checks out (CRC, the stream's serial, a granule set) and ends where the file does.
+Anything else raises `OggError` with a reason a person can read.
 """
 
 from __future__ import annotations
@@ -58,9 +56,8 @@ _CRC = [_crc_entry(i << 24) for i in range(256)]
 
 
 def crc32(data: bytes | bytearray | memoryview) -> int:
-    """Ogg's page checksum: CRC-32, polynomial 0x04c11db7, initial value 0,
-    not reflected, no final xor (not zlib's CRC-32). Computed with the page's
-    CRC field zeroed."""
+    """Ogg's page checksum: CRC-32, polynomial 0x04c11db7, initial value 0, not reflected, no final xor
+    (not zlib's CRC-32). Computed with the page's CRC field zeroed."""
     crc = 0
     table = _CRC  # (a local: the loop runs once a byte)
     for b in bytes(data):
@@ -69,8 +66,8 @@ def crc32(data: bytes | bytearray | memoryview) -> int:
 
 
 def _page_at(buf: bytes, start: int) -> tuple[int, int, int, int] | None:
-    """The page at `buf[start:]` if it is whole there and its CRC holds: (header type,
-    granule, serial, where it ends), else None."""
+    """The page at `buf[start:]` if it is whole there and its CRC holds: (header type, granule, serial,
+    where it ends), else None."""
     if len(buf) - start < HEADER_BYTES:
         return None
     capture, version, header_type, granule, serial, _seq, crc, nsegs = _HEADER.unpack_from(buf, start)
@@ -131,8 +128,8 @@ def _opus_head(header_type: int, packet: bytes) -> tuple[int, int, int]:
 
 
 def _size_and_tail(f: BinaryIO, already_read: int) -> tuple[int, bytes]:
-    """The stream's total size and its last TAIL_BYTES, seeking when the
-    stream can, else reading through it keeping only the tail."""
+    """The stream's total size and its last TAIL_BYTES, seeking when the stream can, else reading
+    through it keeping only the tail."""
     try:
         seekable = f.seekable()
     except (AttributeError, ValueError, OSError):
@@ -154,11 +151,8 @@ def opus_info(f: BinaryIO) -> OpusInfo:
     header_type, serial, packet, read = _first_page(f)
     channels, pre_skip, input_rate = _opus_head(header_type, packet)
     size, tail = _size_and_tail(f, read)
-    tail_offset = size - len(tail)
-    if tail_offset < 0:  # (the stream's size moved under us)
-        raise OggError("the file changed while it was read")
-    # the last page: search backward for a capture pattern whose page is sound
-    # (an "OggS" inside packet data fails the CRC check)
+    tail_offset = size - len(tail)  # (>= 0: the tail is at most what was counted)
+    # the last page: search backward for a capture pattern whose page is sound (an "OggS" in packet data fails the CRC)
     ends_file = False
     granule: int | None = None
     pos = len(tail)

@@ -1,8 +1,6 @@
-"""The platform interface: every chat platform declares `name` and `limits`
-and implements a few send methods; the shared flow (routing, limits,
-splitting, retries, rate limits, idempotency) is `tasks.delivery.delivery`.
-Adapters raise only courier's own errors, mapped in one place, `map_error`.
-"""
+"""The platform interface: a chat platform declares `name` and `limits` and implements a few send
+methods; the shared flow (routing, splitting, retries, rate limits, idempotency) is
+`tasks.delivery.delivery`. Adapters raise only courier's errors, mapped in one place: `map_error`."""
 
 from __future__ import annotations
 
@@ -75,9 +73,8 @@ class FileSource:
 
 
 class FileRefused(Permanent):
-    """This file cannot go to this platform (a type or size it refuses, an
-    empty file): the chat is told `notice` (short words for a person), with a
-    download link when it can. `too_large`: a size refusal."""
+    """This file cannot go to this platform (a type or size it refuses, an empty file): the chat is
+    told `notice` (short words for a person), with a download link when it can. `too_large`: a size refusal."""
 
     def __init__(self, reason: str, *, notice: str | None = None, too_large: bool = False) -> None:
         super().__init__(reason)
@@ -90,9 +87,8 @@ ErrorRule = Callable[..., "DeliveryError | None"]
 
 
 class ErrorMap(ErrorTable[DeliveryError]):
-    """An adapter's `map_error(exc, *context)`: an `ErrorTable`; courier's own
-    errors pass as they are, what no row takes is `unexpected`'s (a Transient
-    by default)."""
+    """An adapter's `map_error(exc, *context)`: an `ErrorTable`; courier's own errors pass as they are,
+    what no row takes is `unexpected`'s (a Transient by default)."""
 
     def __init__(self, platform: str, rows: Sequence[tuple[type | tuple[type, ...], ErrorRule]], *,
                  unexpected: ErrorRule | None = None) -> None:
@@ -120,8 +116,7 @@ class ErrorMap(ErrorTable[DeliveryError]):
 
 @contextlib.contextmanager
 def dropping(*words: str) -> Iterator[None]:
-    """Run the block; a Permanent whose reason holds one of `words` ends it quietly (a message
-    already gone, an edit that changes nothing)."""
+    """Run the block; a Permanent whose reason holds one of `words` ends it quietly (a message gone, a no-op edit)."""
     try:
         yield
     except Permanent as exc:
@@ -142,8 +137,7 @@ class Sent:
 
 
 class Platform(ABC):
-    """A chat platform: every capability the delivery flow asks about has its
-    default here; an adapter states what differs."""
+    """A chat platform: every capability the delivery flow asks about has its default here."""
 
     name: str = ""
     limits: Limits
@@ -158,8 +152,7 @@ class Platform(ABC):
 
     @classmethod
     def limits_for(cls, **options: Any) -> Limits:
-        """The `limits` an adapter built with these constructor options has, read
-        without building one (no client, no credentials)."""
+        """The `limits` an adapter built with these options has, read without building one (no client)."""
         return cls.limits
 
     def is_group(self, chat: str) -> bool:
@@ -171,30 +164,19 @@ class Platform(ABC):
         return self.limits.caption_chars
 
     def route_file(self, kind: Kind, file: FileSource) -> Kind:
-        """The kind the file goes as by the platform's own type rules; FileRefused when
-        it cannot go at all."""
+        """The kind the file goes as by the platform's own type rules; FileRefused when it cannot go at all."""
         return kind
 
     @abstractmethod
     def send_text(self, chat: str, text: str, *, delivery_id: str) -> Sent: ...
 
     @abstractmethod
-    def send_file(
-        self,
-        chat: str,
-        kind: Kind,
-        file: FileSource,
-        *,
-        caption: str | None,
-        delivery_id: str,
-        file_id: str | None = None,
-    ) -> Sent:
-        """Send one file as `kind`. `file_id` is a cached platform id for the
-        same bytes (send it instead of uploading when given)."""
+    def send_file(self, chat: str, kind: Kind, file: FileSource, *, caption: str | None, delivery_id: str,
+                  file_id: str | None = None) -> Sent:
+        """Send one file as `kind`; `file_id`: a cached platform id for the same bytes, sent instead of uploading."""
 
-    def send_album(
-        self, chat: str, files: list[tuple[Kind, FileSource]], *, caption: str | None, delivery_id: str
-    ) -> list[Sent]:
+    def send_album(self, chat: str, files: list[tuple[Kind, FileSource]], *, caption: str | None,
+                   delivery_id: str) -> list[Sent]:
         raise NotImplementedError
 
     # -- activity (optional; default: nothing) ---------------------------
@@ -215,8 +197,7 @@ class Platform(ABC):
         return None
 
     def sweep_partial(self, older_than_s: float = 3600) -> int:
-        """Remove partial writes a killed worker left where this platform
-        writes locally (the outbox); returns how many went."""
+        """Remove partial writes a killed worker left (the outbox's); returns how many went."""
         return 0
 
 
@@ -233,13 +214,12 @@ CHAT_IDS: dict[str, tuple[re.Pattern[str], str]] = {
 
 
 def split_target(target: str) -> tuple[str, str]:
-    """`<platform>:<chat id>` -> (platform, chat); a chat id that cannot be one on
-    its platform (`discord:not-a-number`, `whatsapp:hello`) is a ConfigError."""
+    """`<platform>:<chat id>` -> (platform, chat); a chat id that cannot be one on its platform
+    (`discord:not-a-number`, `whatsapp:hello`) is a ConfigError."""
     platform, sep, chat = target.partition(":")
     if not sep or not platform or not chat or not platform.isidentifier():
-        raise ConfigError(
-            f"malformed target {target!r}: write <platform>:<chat id>, e.g. outbox:demo or telegram:-100123"
-        )
+        raise ConfigError(f"malformed target {target!r}: write <platform>:<chat id>, "
+                          "e.g. outbox:demo or telegram:-100123")
     platform = platform.lower()
     rule = CHAT_IDS.get(platform)
     if rule is not None and not rule[0].fullmatch(chat):

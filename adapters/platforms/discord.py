@@ -1,19 +1,14 @@
-"""Discord over discord.py's REST client (no gateway websocket), on the
-process's one asyncio loop (`_aio`): one client and one login per process.
+"""Discord over discord.py's REST client (no gateway websocket), on the process's one asyncio loop
+(`_aio`): one client and one login per process. Files go as attachments of one message, streamed.
 
-- Files go as attachments of one message, streamed from storage.
-- A voice note that is Ogg Opus goes as a native voice message (flag
-  IS_VOICE_MESSAGE, `duration_secs` read by `_ogg`, a `waveform`, no content:
-  `caption_chars_for` is 0, so its caption follows as text); one that is not,
-  or that Discord refuses as one (`_VOICE_REFUSED`), goes as an audio
-  attachment. discord.py cannot send voice messages itself: `_VoiceFile` and
-  `HTTPClient.send_message` with `MessageFlags(voice=True)` do.
-- Every message carries a nonce derived from its delivery id with
-  `enforce_nonce`: a rerun after a lost receipt gets the original message back.
-- Agent text never pings anyone (`allowed_mentions` none).
-- No sleeping in a worker: discord.py's buckets are no-ops (courier's limits
-  live in Redis), its 429 wait is capped so a 429 raises, and its 5xx retries
-  are cut short by raising from an aiohttp trace hook.
+- A voice note that is Ogg Opus goes as a native voice message (IS_VOICE_MESSAGE, `duration_secs` read by
+  `_ogg`, a `waveform`, no content: its caption follows as text); one that is not, or that Discord refuses
+  as one (`_VOICE_REFUSED`), as an audio attachment. discord.py cannot send voice messages itself:
+  `_VoiceFile` and `HTTPClient.send_message` with `MessageFlags(voice=True)` do.
+- Every message carries a nonce derived from its delivery id with `enforce_nonce`: a rerun after a lost
+  receipt gets the original message back. Agent text never pings anyone (`allowed_mentions` none).
+- No sleeping in a worker: discord.py's buckets are no-ops (courier's limits live in Redis), its 429 wait
+  is capped so a 429 raises, and its 5xx retries are cut short by raising from an aiohttp trace hook.
 """
 
 from __future__ import annotations
@@ -37,7 +32,7 @@ import discord
 from adapters.defaults import DISCORD_API_URL
 from adapters.errors import ConfigError, DeliveryError, Permanent, RateLimited, Transient
 from adapters.platforms import _aio, _ogg
-from adapters.platforms.base import ErrorMap, FileRefused, FileSource, Kind, Limits, MiB, Platform, Sent
+from adapters.platforms.base import ErrorMap, FileRefused, FileSource, Kind, Limits, MiB, Platform, Sent, dropping
 
 __all__ = ["DiscordPlatform", "DEFAULT_UPLOAD_BYTES", "map_error"]
 
@@ -46,29 +41,24 @@ T = TypeVar("T")
 
 #: the default attachment cap since 2025 (boosted guilds allow more)
 DEFAULT_UPLOAD_BYTES = 10 * MiB
-#: discord.py raises `RateLimited` for any 429 wait longer than this
-_NO_WAIT_S = 1e-6
 #: statuses discord.py retries itself, sleeping 1-9 s in between
 _SDK_RETRIED = frozenset({500, 502, 504, 524})
-#: Discord allows up to 25 characters in a nonce
-_NONCE_CHARS = 25
 #: names and media types that may hold Ogg Opus (what Discord plays as a voice message)
 _OGG_EXT = frozenset({".ogg", ".opus", ".oga"})
 _OGG_MIME = frozenset({"audio/ogg", "audio/opus", "application/ogg"})
-#: Discord's answers that refuse a message as a voice message (then it goes as an audio
-#: attachment): extra content, not one audio attachment, bad metadata, a channel without
-#: voice messages, no permission to send them
+#: Discord's answers that refuse a message as a voice message (then it goes as an audio attachment): extra
+#: content, not one audio attachment, bad metadata, a channel without voice messages, no permission
 _VOICE_REFUSED = frozenset({50159, 50160, 50161, 50173, 50013})
 
 
 def nonce_for(delivery_id: str) -> str:
     """The message nonce of a delivery (stable, at most 25 characters)."""
-    return hashlib.sha256(delivery_id.encode()).hexdigest()[:_NONCE_CHARS]
+    return hashlib.sha256(delivery_id.encode()).hexdigest()[:25]
 
 
 class _NoWaitBucket:
-    """Stands in for discord.py's per-process `Ratelimit` bucket: never waits.
-    Limits are shared across workers in Redis; a 429 re-schedules the task."""
+    """Stands in for discord.py's per-process `Ratelimit` bucket: never waits (limits are shared
+    across workers in Redis; a 429 re-schedules the task)."""
 
     remaining = 1
 
@@ -83,8 +73,7 @@ class _NoWaitBucket:
 
 
 def _server_errors_raise() -> aiohttp.TraceConfig:
-    """discord.py retries 500/502/504/524 five times, sleeping between; raise
-    instead, so the task backs off without holding the worker."""
+    """discord.py retries `_SDK_RETRIED` five times, sleeping between: raise instead (the task backs off)."""
 
     async def on_end(session: object, ctx: object, params: aiohttp.TraceRequestEndParams) -> None:
         resp = params.response
@@ -102,8 +91,8 @@ def _server_errors_raise() -> aiohttp.TraceConfig:
 
 
 class _StoredReader(io.RawIOBase):
-    """A stored file as `discord.File` wants it (readable and seekable):
-    reads stream from storage; seeking back to the start reopens it."""
+    """A stored file as `discord.File` wants it (readable, seekable): reads stream from storage;
+    seeking back to the start reopens it (io's own `tell` is `seek(0, SEEK_CUR)`)."""
 
     def __init__(self, file: FileSource) -> None:
         super().__init__()
@@ -118,9 +107,6 @@ class _StoredReader(io.RawIOBase):
 
     def seekable(self) -> bool:
         return True
-
-    def tell(self) -> int:
-        return self._pos
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         if whence == io.SEEK_CUR:
@@ -169,15 +155,13 @@ def _may_be_ogg(file: FileSource) -> bool:
 
 
 def _voice_filename(name: str) -> str:
-    """Discord takes a voice message's audio by its `.ogg` name (discord.py sends
-    every part as application/octet-stream)."""
+    """Discord takes a voice message's audio by its `.ogg` name (discord.py sends every part as octet-stream)."""
     stem, ext = os.path.splitext(os.path.basename(name) or "voice-message.ogg")
     return name if ext.lower() == ".ogg" else f"{stem or 'voice-message'}.ogg"
 
 
 class _VoiceFile(discord.File):
-    """A `discord.File` whose attachment entry in `payload_json` carries a voice
-    message's `duration_secs` and `waveform` (base64)."""
+    """A `discord.File` whose `payload_json` entry carries a voice message's `duration_secs` and `waveform`."""
 
     __slots__ = ("duration_secs", "waveform")
 
@@ -207,8 +191,7 @@ class DiscordPlatform(Platform):
         self._client: discord.Client | None = None
         self._pid: int | None = None
         self._login_lock: asyncio.Lock | None = None
-        #: the last file probed as a voice note and what was found (the shared flow asks
-        #: `caption_chars_for` and then `send_file` about the same FileSource)
+        #: the last file probed as a voice note and what was found (asked twice of one FileSource)
         self._voice_memo: tuple[FileSource, _ogg.OpusInfo | None] | None = None
 
     @classmethod
@@ -220,7 +203,7 @@ class DiscordPlatform(Platform):
             per_chat_per_s=1.0,  # a channel's message bucket is 5 per 5 s
             per_bot_per_s=50.0,  # the global limit
             # VOICE: a native voice message when the file is Ogg Opus, else an audio attachment
-            native_kinds=frozenset({Kind.TEXT, Kind.PHOTO, Kind.VIDEO, Kind.AUDIO, Kind.VOICE, Kind.DOCUMENT}),
+            native_kinds=frozenset(Kind) - {Kind.ANIMATION},
             album_max=10,
         )
 
@@ -245,8 +228,9 @@ class DiscordPlatform(Platform):
             discord.VoiceClient.warn_nacl = False
             # (no gateway connection: intents only quiet the "guilds intent disabled" warning)
             client = discord.Client(intents=discord.Intents(guilds=True), http_trace=_server_errors_raise())
-            # the constructor floors this at 30 s; courier never waits in a worker
-            client.http.max_ratelimit_timeout = _NO_WAIT_S
+            # discord.py raises RateLimited for a 429 wait longer than this (its constructor floors it
+            # at 30 s); courier never waits in a worker
+            client.http.max_ratelimit_timeout = 1e-6
             client.http.get_ratelimit = lambda key: _NoWaitBucket()  # type: ignore[method-assign,assignment,return-value]
             try:
                 await client.login(self.__token)
@@ -297,15 +281,11 @@ class DiscordPlatform(Platform):
 
     def route_file(self, kind: Kind, file: FileSource) -> Kind:
         """A voice note that is not Ogg Opus goes as an audio attachment (and is recorded so)."""
-        if kind == Kind.VOICE and self.voice_info(file) is None:
-            return Kind.AUDIO
-        return kind
+        return Kind.AUDIO if kind == Kind.VOICE and self.voice_info(file) is None else kind
 
     def caption_chars_for(self, kind: Kind, file: FileSource) -> int:
         """A voice message holds no text: 0 (its caption follows as text messages)."""
-        if kind == Kind.VOICE and self.voice_info(file) is not None:
-            return 0
-        return self.limits.caption_chars
+        return 0 if kind == Kind.VOICE and self.voice_info(file) is not None else self.limits.caption_chars
 
     def send_file(self, chat: str, kind: Kind, file: FileSource, *, caption: str | None, delivery_id: str,
                   file_id: str | None = None) -> Sent:
@@ -388,11 +368,9 @@ class DiscordPlatform(Platform):
                   lambda client: self._channel(client, chat).get_partial_message(int(message_id)).edit(content=text))
 
     def end_progress(self, chat: str, message_id: str) -> None:
-        async def go(client: discord.Client) -> None:
-            with contextlib.suppress(discord.NotFound):  # already gone
-                await self._channel(client, chat).get_partial_message(int(message_id)).delete()
-
-        self._run("delete the progress message", go)
+        with dropping("discord: not found"):  # already gone
+            self._run("delete the progress message",
+                      lambda client: self._channel(client, chat).get_partial_message(int(message_id)).delete())
 
     def close(self) -> None:
         client, self._client = self._client, None
@@ -444,7 +422,7 @@ map_error = ErrorMap("discord", [
                                                                             f"{exc.retry_after:g}s")),
     (discord.LoginFailure, lambda exc, what="": Permanent("discord: the bot token was rejected (401 Unauthorized)")),
     (discord.HTTPException, _http),
-    ((asyncio.TimeoutError, TimeoutError), lambda exc, what="": Transient(f"discord: timed out trying to {what}")),
+    (TimeoutError, lambda exc, what="": Transient(f"discord: timed out trying to {what}")),
     (aiohttp.ClientError, lambda exc, what="": Transient(f"discord: connection failed trying to {what}: "
                                                          f"{type(exc).__name__}: {exc}")),
     (OSError, lambda exc, what="": Transient(f"discord: I/O error trying to {what}: {exc.strerror or exc}")),

@@ -1,8 +1,6 @@
-"""The outbox platform: a real adapter that writes each delivery to
-``<outbox dir>/<chat>/`` as the file itself plus one JSON line in
-``deliveries.jsonl`` (kind, name, caption, size, sha256). The console email
-backend of courier, for development, demos and tests.
-"""
+"""The outbox platform: a real adapter that writes each delivery to ``<outbox dir>/<chat>/`` as the file
+itself plus one JSON line in ``deliveries.jsonl`` (kind, name, caption, size, sha256). The console email
+backend of courier, for development, demos and tests."""
 
 from __future__ import annotations
 
@@ -22,9 +20,8 @@ _SAFE = re.compile(r"[^A-Za-z0-9._@+-]")
 LOG_NAME = "deliveries.jsonl"
 
 
-def safe_name(name: str, fallback: str = "file") -> str:
-    name = _SAFE.sub("_", os.path.basename(name)).lstrip(".")
-    return name[:120] or fallback
+def safe_name(name: str) -> str:
+    return _SAFE.sub("_", os.path.basename(name)).lstrip(".")[:120] or "file"
 
 
 class OutboxPlatform(Platform):

@@ -1,18 +1,14 @@
 """Slack over slack_sdk's WebClient.
 
 - Text: `chat.postMessage`, with `&`, `<`, `>` escaped so agent text shows as written.
-- Files: Slack's external upload flow, streamed (slack_sdk's `files_upload_v2`
-  reads every file whole): `files.getUploadURLExternal` -> POST of the bytes
-  (httpx; the bot token is not sent there) -> `files.completeUploadExternal`
-  (shared in the channel, the caption as `initial_comment`). When the
-  completion fails, the upload's id rides on the error (`file_id`) and the
-  retry only completes it; a completion that answers `file_not_found` asks
-  `files.info` whether an earlier one shared it already (its answer lost).
-- A chat is a channel id or a name, resolved through `conversations.list`
-  (cached per process): file sharing takes only ids.
+- Files: Slack's external upload flow, streamed (slack_sdk's `files_upload_v2` reads every file whole):
+  `files.getUploadURLExternal` -> POST of the bytes (httpx; the bot token is not sent there) ->
+  `files.completeUploadExternal` (the caption as `initial_comment`). When the completion fails, the
+  upload's id rides on the error (`file_id`) and the retry only completes it; a completion that answers
+  `file_not_found` asks `files.info` whether an earlier one shared it already (its answer lost).
+- A chat is a channel id or a name, resolved through `conversations.list` (cached): sharing takes only ids.
 - No typing indicator for bots; progress is a message posted, updated, deleted.
-- No sleeping in a worker: the client has no retry handlers (they sleep); a
-  429 is `RateLimited(Retry-After)` and the task is re-scheduled.
+- No sleeping in a worker: the client has no retry handlers (they sleep); a 429 is `RateLimited`.
 """
 
 from __future__ import annotations
@@ -21,12 +17,10 @@ import http.client
 import logging
 import os
 import re
-import socket
 import threading
 import time
 import urllib.error
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 from slack_sdk import WebClient
@@ -40,7 +34,6 @@ from adapters.platforms.base import dropping, iter_file
 __all__ = ["SlackPlatform", "DEFAULT_UPLOAD_BYTES", "map_error"]
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 #: Slack's per-file cap (slack_sdk: MAX_V2_FILE_SIZE)
 DEFAULT_UPLOAD_BYTES = 1024 * 1024 * 1024
@@ -64,8 +57,7 @@ def escape(text: str) -> str:
 
 
 def fit_escaped(text: str, limit_chars: int) -> list[str]:
-    """Escaping can push a text that fit past the limit (`&` is 5 characters
-    on the wire): cut it again at a space, never inside an entity."""
+    """Escaping can push a text past the limit (`&` is 5 characters): cut it again at a space, not in an entity."""
     parts: list[str] = []
     while len(text) > limit_chars:
         cut = text.rfind(" ", limit_chars // 2, limit_chars)
@@ -124,9 +116,6 @@ class SlackPlatform(Platform):
     def __repr__(self) -> str:
         return f"SlackPlatform(base_url={self.base_url!r})"
 
-    def _call(self, what: str, fn: Callable[[], T]) -> T:
-        return map_error.call(fn, what)
-
     def _uploader(self) -> httpx.Client:
         if self._http is None or self._http_pid != os.getpid():
             self._http = httpx.Client(timeout=httpx.Timeout(self.upload_timeout_s, connect=min(30.0, self.timeout_s)),
@@ -136,8 +125,7 @@ class SlackPlatform(Platform):
 
     # -- channels ------------------------------------------------------------------
     def channel_id(self, chat: str) -> str:
-        """`chat` as a channel id: a name (`#general`, `general`) is looked up in
-        `conversations.list` (cached `NAMES_TTL_S`); an unknown one is Permanent."""
+        """`chat` as a channel id: a name (`#general`) is looked up in `conversations.list`; unknown: Permanent."""
         if _CHANNEL_ID.fullmatch(chat):
             return chat
         name = chat.lstrip("#").lower()
@@ -154,8 +142,9 @@ class SlackPlatform(Platform):
         names: dict[str, str] = {}
         cursor = None
         for _ in range(100):  # at most 100 pages of 1000
-            resp = self._call("conversations.list", lambda c=cursor: self._api.conversations_list(  # type: ignore[misc]
-                types="public_channel,private_channel", exclude_archived=True, limit=1000, cursor=c))
+            resp = map_error.call(lambda: self._api.conversations_list(
+                types="public_channel,private_channel", exclude_archived=True, limit=1000, cursor=cursor),
+                "conversations.list")
             for ch in resp.get("channels") or []:
                 if ch.get("name") and ch.get("id"):
                     names[str(ch["name"]).lower()] = str(ch["id"])
@@ -169,7 +158,7 @@ class SlackPlatform(Platform):
         chat = self.channel_id(chat)
         ts = []
         for piece in fit_escaped(escape(text), self.limits.text_chars):
-            resp = self._call("chat.postMessage", lambda p=piece: self._api.chat_postMessage(channel=chat, text=p))  # type: ignore[misc]
+            resp = map_error.call(lambda: self._api.chat_postMessage(channel=chat, text=piece), "chat.postMessage")
             ts.append(str(resp["ts"]))
         return Sent(message_id=",".join(ts))
 
@@ -190,7 +179,7 @@ class SlackPlatform(Platform):
         """Whether `files.info` says the file is shared in `chat` already. A file Slack
         does not know, or no answer (a bot without `files:read`): False, and it is shared again."""
         try:
-            info = self._call("files.info", lambda: self._api.files_info(file=file_id))
+            info = map_error.call(lambda: self._api.files_info(file=file_id), "files.info")
         except Permanent as exc:
             if "file_not_found" not in exc.reason:
                 log.warning("slack: cannot check whether file %s is shared already (%s): sharing it again",
@@ -212,9 +201,9 @@ class SlackPlatform(Platform):
     def _share(self, chat: str, files: list[FileSource], caption: str | None) -> list[Sent]:
         ids: list[str] = []
         for f in files:
-            got = self._call("files.getUploadURLExternal",
-                             lambda f=f: self._api.files_getUploadURLExternal(filename=f.name, length=f.size_bytes))  # type: ignore[misc]
-            self._call("the file upload", lambda f=f, url=got["upload_url"]: self._post(url, f))  # type: ignore[misc]
+            got = map_error.call(lambda: self._api.files_getUploadURLExternal(filename=f.name, length=f.size_bytes),
+                                 "files.getUploadURLExternal")
+            map_error.call(lambda: self._post(got["upload_url"], f), "the file upload")
             ids.append(str(got["file_id"]))
         try:
             return self._complete(chat, ids, files, caption)
@@ -224,9 +213,9 @@ class SlackPlatform(Platform):
             raise
 
     def _complete(self, chat: str, ids: list[str], files: list[FileSource], caption: str | None) -> list[Sent]:
-        done = self._call("files.completeUploadExternal", lambda: self._api.files_completeUploadExternal(
+        done = map_error.call(lambda: self._api.files_completeUploadExternal(
             files=[{"id": fid, "title": f.name} for fid, f in zip(ids, files)], channel_id=chat,
-            initial_comment=escape(caption) if caption else None))
+            initial_comment=escape(caption) if caption else None), "files.completeUploadExternal")
         shared = [str(x.get("id")) for x in (done.get("files") or [])] or ids
         return [Sent(message_id=fid) for fid in shared]
 
@@ -240,17 +229,17 @@ class SlackPlatform(Platform):
     # -- activity ---------------------------------------------------------------------
     def start_progress(self, chat: str, text: str) -> str | None:
         chat = self.channel_id(chat)
-        resp = self._call("chat.postMessage", lambda: self._api.chat_postMessage(channel=chat, text=escape(text)))
+        resp = map_error.call(lambda: self._api.chat_postMessage(channel=chat, text=escape(text)), "chat.postMessage")
         return str(resp["ts"])
 
     def edit_progress(self, chat: str, message_id: str, text: str) -> None:
         chat = self.channel_id(chat)
-        self._call("chat.update", lambda: self._api.chat_update(channel=chat, ts=message_id, text=escape(text)))
+        map_error.call(lambda: self._api.chat_update(channel=chat, ts=message_id, text=escape(text)), "chat.update")
 
     def end_progress(self, chat: str, message_id: str) -> None:
         chat = self.channel_id(chat)
         with dropping("message_not_found"):
-            self._call("chat.delete", lambda: self._api.chat_delete(channel=chat, ts=message_id))
+            map_error.call(lambda: self._api.chat_delete(channel=chat, ts=message_id), "chat.delete")
 
     def close(self) -> None:
         http, self._http = self._http, None
@@ -303,8 +292,7 @@ map_error = ErrorMap("slack", [
     (SlackApiError, _api_error),
     (_UploadRejected, _upload_rejected),
     (SlackRequestError, lambda exc, what="": Permanent(f"slack: {what}: bad request: {exc}")),
-    ((httpx.TimeoutException, socket.timeout, TimeoutError),
-     lambda exc, what="": Transient(f"slack: timed out on {what}")),
+    ((httpx.TimeoutException, TimeoutError), lambda exc, what="": Transient(f"slack: timed out on {what}")),
     ((httpx.TransportError, urllib.error.URLError, http.client.HTTPException, ConnectionError, OSError),
      lambda exc, what="": Transient(f"slack: connection failed on {what}: {type(exc).__name__}")),
     (SlackClientError, lambda exc, what="": Transient(f"slack: {what}: {type(exc).__name__}")),

@@ -1,14 +1,13 @@
 """Telegram over python-telegram-bot (Bot API over HTTP; no polling, no updater).
 
 - One Bot per event loop (`_aio.PerLoop`), all calls on the process's one loop.
-- No rate limiter that waits: a 429 becomes `RateLimited` and the task is
-  re-scheduled; the shared limits are enforced in Redis, above the adapter.
+- No rate limiter that waits: a 429 becomes `RateLimited` (the shared limits are enforced in Redis).
 - Uploads stream the open file to httpx, never read whole.
-- A `file_id` Telegram returned for the same bytes is sent instead of
-  uploading again (`cache_key`: a hash of the token, never the token).
+- A `file_id` Telegram returned for the same bytes is sent instead of uploading again (`cache_key`: a
+  hash of the token, never the token).
 
-The token is part of every Bot API URL; it never appears in a repr, a log line
-or an exception message (`_redact`, and httpx's log lines are filtered).
+The token is part of every Bot API URL; it never appears in a repr, a log line or an exception message
+(`_redact`, and httpx's log lines are filtered).
 """
 
 from __future__ import annotations
@@ -60,7 +59,7 @@ _SHOWN_AS = {Kind.AUDIO: (".mp3", ".m4a"), Kind.VOICE: (".ogg", ".oga", ".opus",
 
 # -- errors -------------------------------------------------------------------------------
 class _HTTPStatus(TelegramError):
-    """An HTTP status python-telegram-bot folds into a generic NetworkError (413)."""
+    """An HTTP status python-telegram-bot folds into a generic NetworkError (raised for a 413 only)."""
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
@@ -81,12 +80,6 @@ def _retry_after(exc: RetryAfter, secret: str = "") -> DeliveryError:
     return RateLimited(s, f"telegram: flood control, retry after {s:g}s")
 
 
-def _http_status(exc: _HTTPStatus, secret: str = "") -> DeliveryError:
-    if exc.status == 413:
-        return FileRefused(f"telegram: too large for the Bot API server (413): {_msg(exc, secret)}", too_large=True)
-    return (Transient if exc.status >= 500 else Permanent)(f"telegram: HTTP {exc.status}: {_msg(exc, secret)}")
-
-
 def _unexpected(exc: BaseException, secret: str = "") -> DeliveryError:
     return Transient(f"telegram: unexpected {type(exc).__name__}: {_msg(exc, secret)}")
 
@@ -94,7 +87,8 @@ def _unexpected(exc: BaseException, secret: str = "") -> DeliveryError:
 #: The one place Telegram's errors become courier's (`map_error(exc, secret)`: `secret` is redacted)
 map_error = ErrorMap("telegram", [
     (RetryAfter, _retry_after),
-    (_HTTPStatus, _http_status),
+    (_HTTPStatus, lambda exc, secret="": FileRefused(f"telegram: too large for the Bot API server ({exc.status}): "
+                                                     f"{_msg(exc, secret)}", too_large=True)),
     (ChatMigrated, lambda exc, secret="": Permanent(f"telegram: the group is now the supergroup {exc.new_chat_id}; "
                                                     f"send to telegram:{exc.new_chat_id}")),
     # chat not found, bad file, text too long, ...; blocked by the user, kicked from the group
@@ -115,8 +109,7 @@ ONE_WRITE_BYTES = 64 * 1024
 
 
 class _OneWrite(httpx.AsyncHTTPTransport):
-    """httpx's transport, sending a small request body in one write (a multipart
-    upload otherwise streams field by field: ~10 socket writes, each costing CPU)."""
+    """httpx's transport, sending a small body in one write (a multipart upload streams ~10 socket writes)."""
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         size = request.headers.get("content-length")
@@ -185,16 +178,9 @@ class TelegramPlatform(Platform):
 
     @classmethod
     def limits_for(cls, *, local_api: bool = False, bot_per_s: float | None = 30.0, **options: Any) -> Limits:
-        return Limits(
-            text_chars=4096,
-            caption_chars=1024,
-            upload_bytes=(2000 if local_api else 50) * MB,
-            photo_bytes=10 * MB,
-            per_chat_per_s=1.0,
-            per_group_per_min=20,
-            per_bot_per_s=bot_per_s or None,
-            album_max=10,
-        )
+        return Limits(text_chars=4096, caption_chars=1024, upload_bytes=(2000 if local_api else 50) * MB,
+                      photo_bytes=10 * MB, per_chat_per_s=1.0, per_group_per_min=20, per_bot_per_s=bot_per_s or None,
+                      album_max=10)
 
     def __repr__(self) -> str:
         return f"TelegramPlatform(base_url={self._base!r}, bot={self.cache_key})"
@@ -241,12 +227,8 @@ class TelegramPlatform(Platform):
         return Sent(message_id=str(msg.message_id))
 
     def route_file(self, kind: Kind, file: FileSource) -> Kind:
-        """The kind Telegram will show: audio or a voice note of another format (`_SHOWN_AS`)
-        goes as a document, as Telegram would show it anyway."""
-        formats = _SHOWN_AS.get(kind)
-        if formats is not None and not file.name.lower().endswith(formats):
-            return Kind.DOCUMENT
-        return kind
+        """Audio or a voice note of a format Telegram shows as a document (`_SHOWN_AS`) goes as one."""
+        return Kind.DOCUMENT if kind in _SHOWN_AS and not file.name.lower().endswith(_SHOWN_AS[kind]) else kind
 
     def send_file(self, chat: str, kind: Kind, file: FileSource, *, caption: str | None, delivery_id: str,
                   file_id: str | None = None) -> Sent:
@@ -271,8 +253,7 @@ class TelegramPlatform(Platform):
 
     def send_album(self, chat: str, files: list[tuple[Kind, FileSource]], *, caption: str | None,
                    delivery_id: str) -> list[Sent]:
-        """Up to 10 photos/videos (or audios, or documents) as one media group;
-        the caption goes on the first item."""
+        """Up to 10 files as one media group; the caption goes on the first item."""
         if not 2 <= len(files) <= self.limits.album_max:
             raise Permanent(f"telegram: an album holds 2 to {self.limits.album_max} items, not {len(files)}")
         with ExitStack() as stack:
@@ -307,7 +288,7 @@ class TelegramPlatform(Platform):
 
     def close(self) -> None:
         """Close the Bots of the loops that run here (this thread's, the shared one)."""
-        _aio.close_all(self._bots, lambda bot: bot.shutdown())
+        self._bots.close(lambda bot: bot.shutdown())
 
 
 def _file_id(msg: Message, kind: Kind) -> str | None:

@@ -1,20 +1,15 @@
 """WhatsApp Cloud API over httpx: upload media, then send a message by media id.
 
-- `POST /{phone_number_id}/media` streams the file; the media id it returns is
-  the reusable file id (ids live 30 days: a cached one is looked up first, as
-  a message naming an expired id is accepted and never delivered). A send
-  that fails after its upload carries the media id on its error (`file_id`),
-  so the retry does not upload again.
-- `POST /{phone_number_id}/messages`; a voice note is `audio` with
-  `"voice": true`; audio takes no caption (`caption_chars_for` 0: it follows
-  as text).
-- Each file is routed before sending (`route_file`) by the API's own type
-  rules and per-type size limits (`SUPPORTED_MIME`, `CLASS_UPLOAD_BYTES`):
-  what it cannot take is refused before anything is uploaded. Every upload
-  carries the file's real type (the API refuses application/octet-stream).
+- `POST /{phone_number_id}/media` streams the file; the media id it returns is the reusable file id (ids
+  live 30 days: a cached one is looked up first, as a message naming an expired id is accepted and never
+  delivered). A send that fails after its upload carries the media id on its error (`file_id`), so the
+  retry does not upload again.
+- `POST /{phone_number_id}/messages`; a voice note is `audio` with `"voice": true`; audio takes no caption.
+- Each file is routed before sending (`route_file`) by the API's own type rules and per-type size limits:
+  what it cannot take is refused before anything is uploaded. Every upload carries the file's real type
+  (the API refuses application/octet-stream).
 
-The access token only travels in the Authorization header: never in a URL,
-a repr, or an error message.
+The access token only travels in the Authorization header: never in a URL, a repr, or an error message.
 """
 
 from __future__ import annotations
@@ -114,18 +109,15 @@ def _answer(err: httpx.Response) -> DeliveryError:
     return perm
 
 
-def _unexpected(err: object) -> DeliveryError:
-    return Transient(f"whatsapp: unexpected {type(err).__name__}: {err}")
-
-
 #: The one place WhatsApp's answers (an `httpx.Response`) and transport failures become courier's errors
 map_error = ErrorMap("whatsapp", [
     (httpx.TimeoutException, lambda err: Transient(f"whatsapp: timed out ({type(err).__name__})")),
     ((httpx.TransportError, OSError),
      lambda err: Transient(f"whatsapp: connection failed ({type(err).__name__}: {err})")),
     (httpx.Response, _answer),
-    (httpx.HTTPError, _unexpected),  # any other of httpx's (DecodingError, TooManyRedirects, ...): retried
-], unexpected=_unexpected)
+    # any other of httpx's (DecodingError, TooManyRedirects, ...): retried
+    (httpx.HTTPError, lambda err: Transient(f"whatsapp: unexpected {type(err).__name__}: {err}")),
+])
 
 
 class WhatsAppPlatform(Platform):
@@ -133,18 +125,12 @@ class WhatsAppPlatform(Platform):
     #: the Cloud API answers a send with an id, then tells delivered / read / failed by status webhook
     confirms_later = True
     limits = Limits(
-        text_chars=4096,
-        caption_chars=1024,
-        upload_bytes=100 * MB,
-        photo_bytes=5 * MB,
+        text_chars=4096, caption_chars=1024, upload_bytes=100 * MB, photo_bytes=5 * MB, per_bot_per_s=80,
         kind_upload_bytes={Kind.PHOTO: 5 * MB, Kind.VIDEO: 16 * MB, Kind.AUDIO: 16 * MB, Kind.VOICE: 16 * MB},
-        per_bot_per_s=80,
-        native_kinds=frozenset({Kind.TEXT, Kind.PHOTO, Kind.VIDEO, Kind.AUDIO, Kind.VOICE, Kind.DOCUMENT}),
-    )
+        native_kinds=frozenset(Kind) - {Kind.ANIMATION})
 
-    def __init__(self, access_token: str, phone_number_id: str, *,
-                 base_url: str = WHATSAPP_API_URL, connect_timeout_s: float = 10.0,
-                 read_timeout_s: float = 60.0, write_timeout_s: float = 120.0) -> None:
+    def __init__(self, access_token: str, phone_number_id: str, *, base_url: str = WHATSAPP_API_URL,
+                 connect_timeout_s: float = 10.0, read_timeout_s: float = 60.0, write_timeout_s: float = 120.0) -> None:
         if not access_token:
             raise ConfigError("whatsapp: WHATSAPP_ACCESS_TOKEN is not set")
         if not phone_number_id:
@@ -154,8 +140,7 @@ class WhatsAppPlatform(Platform):
         self._root = f"{self._base}/{phone_number_id}"
         #: names this sender in shared Redis keys (media ids, rate limits)
         self.cache_key = hashlib.sha256(b"whatsapp:" + phone_number_id.encode()).hexdigest()[:20]
-        self._timeout = httpx.Timeout(connect=connect_timeout_s, read=read_timeout_s, write=write_timeout_s,
-                                      pool=30.0)
+        self._timeout = httpx.Timeout(connect=connect_timeout_s, read=read_timeout_s, write=write_timeout_s, pool=30.0)
         self._lock = threading.Lock()
         self._client: httpx.Client | None = None
         self._client_pid: int | None = None
@@ -199,8 +184,7 @@ class WhatsAppPlatform(Platform):
         return self._message(chat, "text", {"body": text, "preview_url": False})
 
     def media_known(self, media_id: str) -> bool:
-        """Whether the API still has this media id (`GET /<media id>`): a 4xx is no (rate
-        limits and server errors propagate: the send is retried)."""
+        """Whether the API still has this media id: a 4xx is no (rate limits and server errors propagate)."""
         try:
             resp = self._http().get(f"{self._base}/{media_id}")
         except httpx.HTTPError as exc:
@@ -222,10 +206,9 @@ class WhatsAppPlatform(Platform):
         return str(media_id)
 
     def route_file(self, kind: Kind, file: FileSource) -> Kind:
-        """The kind this file goes as: a type off the supported list is refused; one not
-        shown inline goes as a document (webp); a voice note that is not ogg/opus goes as
-        audio. A document over its own type's limit (a photo over 5 MB) is refused as too
-        large: the API limits an upload by the file's type, whatever message it goes in."""
+        """The kind this file goes as: a type off the supported list is refused; one not shown inline goes
+        as a document (webp); a voice note that is not ogg/opus goes as audio. A document over its own type's
+        limit (a photo over 5 MB) is refused as too large: the API limits an upload by the file's type."""
         mime = mime_of(file.name, file.mime)
         cls = SUPPORTED_MIME.get(mime)
         if cls is None:
@@ -246,9 +229,7 @@ class WhatsAppPlatform(Platform):
 
     def caption_chars_for(self, kind: Kind, file: FileSource) -> int:
         """An audio message takes no caption: 0 (its caption follows as text parts)."""
-        if kind in (Kind.AUDIO, Kind.VOICE):
-            return 0
-        return self.limits.caption_chars
+        return 0 if kind in (Kind.AUDIO, Kind.VOICE) else self.limits.caption_chars
 
     def send_file(self, chat: str, kind: Kind, file: FileSource, *, caption: str | None, delivery_id: str,
                   file_id: str | None = None) -> Sent:

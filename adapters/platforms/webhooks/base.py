@@ -1,5 +1,5 @@
-"""What every platform webhook parser shares: its results (`Inbound`,
-`Answer`, `Refusal`) and the checks on a payload's values."""
+"""What every platform webhook parser shares: its results (`Inbound`, `Answer`, `Refusal`) and the
+checks on a payload's values."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import hmac
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 #: how far a signed timestamp (Slack, Discord) may be from now, either way
@@ -41,8 +41,8 @@ class Refusal(Exception):
 
 @dataclass(frozen=True)
 class Inbound:
-    """One user message that becomes a turn: the platform's update (or event,
-    message) id for de-dup, the chat the reply goes to, the text."""
+    """One user message that becomes a turn: the platform's update (or event, message) id for de-dup,
+    the chat the reply goes to, the text."""
 
     update_id: str
     chat: str
@@ -54,7 +54,7 @@ class Answer:
     """A webhook's reply: a JSON body (or plain text), its headers."""
 
     body: Any
-    headers: dict[str, str] | None = field(default=None)
+    headers: dict[str, str] | None = None
     plain: bool = False
 
 
@@ -127,18 +127,14 @@ def text(v) -> str | None:
 
 
 def signed_headers(h: dict, now: float, ts_name: str, sig_name: str, prefix: str, digits: int) -> None:
-    """A signed timestamp within MAX_CLOCK_SKEW_S and a signature of the right shape; Refusal 401 otherwise."""
-    timestamp(h.get(ts_name, ""), now)
-    signature_shape(h.get(sig_name, ""), prefix, digits)
-
-
-def timestamp(raw: str, now: float) -> int:
-    """A signed request's timestamp (epoch seconds): within MAX_CLOCK_SKEW_S of `now`, else Refusal 401."""
+    """A signed timestamp (epoch seconds) within MAX_CLOCK_SKEW_S of `now` and a signature of the right
+    shape; Refusal 401 otherwise."""
+    raw = h.get(ts_name, "")
     if not (raw.isascii() and raw.isdigit()) or len(raw) > 12:
         raise Refusal(401, "missing or bad timestamp")
     if abs(now - int(raw)) > MAX_CLOCK_SKEW_S:
         raise Refusal(401, "stale or future timestamp")
-    return int(raw)
+    signature_shape(h.get(sig_name, ""), prefix, digits)
 
 
 def guarded(platform: str, fn, *args) -> Any:

@@ -1,7 +1,6 @@
-"""Discord's interactions webhook: Ed25519 over the timestamp and body
-(PyNaCl, imported when a request is verified), the timestamp within 5
-minutes; PING -> PONG; a slash command's first text option is the turn,
-answered at once with the user's words quoted back."""
+"""Discord's interactions webhook: Ed25519 over the timestamp and body (PyNaCl, imported when a request
+is verified), the timestamp within 5 minutes; PING -> PONG; a slash command's first text option is the
+turn, answered at once with the user's words quoted back."""
 
 from __future__ import annotations
 
@@ -33,8 +32,8 @@ def check_headers(headers: Mapping[str, str], public_key: str, now: float) -> Re
 
 
 def parse_webhook(headers: Mapping[str, str], body: bytes, public_key: str, now: float) -> Parsed:
-    """The signature, then the interaction: a command's text as one `Inbound`, or an answer
-    (PONG, an ephemeral note for what is no command with text)."""
+    """The signature, then the interaction: a command's text as one `Inbound`, or an answer (PONG, an
+    ephemeral note for what is no command with text)."""
     from nacl.exceptions import BadSignatureError
 
     h = lower(headers)

@@ -1,6 +1,5 @@
-"""Slack's Events API webhook: the signing secret (v0 HMAC-SHA256 over the
-timestamp and body, the timestamp within 5 minutes), url_verification,
-user messages and app mentions (one turn per message `ts`)."""
+"""Slack's Events API webhook: the signing secret (v0 HMAC-SHA256 over the timestamp and body, the
+timestamp within 5 minutes), url_verification, user messages and app mentions (one turn per message `ts`)."""
 
 from __future__ import annotations
 
@@ -22,8 +21,8 @@ def check_headers(headers: Mapping[str, str], secret, now: float) -> Refusal | N
 
 
 def parse_webhook(headers: Mapping[str, str], body: bytes, secret, now: float) -> Parsed:
-    """The signature, then the event: a user message as one `Inbound`, or an answer
-    (the url_verification challenge, an acknowledged event that is no user message)."""
+    """The signature, then the event: a user message as one `Inbound`, or an answer (the url_verification
+    challenge, an acknowledged event that is no user message)."""
     h = lower(headers)
     if refused := check_headers(h, secret, now):
         return refused

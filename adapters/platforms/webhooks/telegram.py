@@ -1,5 +1,5 @@
-"""Telegram's webhook: the X-Telegram-Bot-Api-Secret-Token header, one
-update (`update_id`) with a text message or a channel post."""
+"""Telegram's webhook: the X-Telegram-Bot-Api-Secret-Token header, one update (`update_id`) with a text
+message or a channel post."""
 
 from __future__ import annotations
 

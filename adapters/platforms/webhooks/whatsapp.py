@@ -1,6 +1,5 @@
-"""WhatsApp Cloud API's webhook: the hub.challenge subscription check
-(the verify token), X-Hub-Signature-256 (HMAC-SHA256 of the body with the
-app secret); every text message of a notification is a turn."""
+"""WhatsApp Cloud API's webhook: the hub.challenge subscription check (the verify token),
+X-Hub-Signature-256 (HMAC-SHA256 of the body with the app secret); every text message is a turn."""
 
 from __future__ import annotations
 
@@ -29,8 +28,8 @@ def check_headers(headers: Mapping[str, str], secret, now: float) -> Refusal | N
 
 
 def parse_webhook(headers: Mapping[str, str], body: bytes, secret, now: float) -> Parsed:
-    """The signature, then every text message of the notification, all checked
-    before any is enqueued (one bad id refuses the whole notification)."""
+    """The signature, then every text message of the notification, all checked before any is enqueued
+    (one bad id refuses the whole notification)."""
     h = lower(headers)
     if refused := check_headers(h, secret, now):
         return refused
@@ -69,9 +68,8 @@ class StatusUpdate:
 
 
 def statuses(body: bytes) -> list[StatusUpdate]:
-    """The status updates of a notification whose signature `parse_webhook` verified (the
-    same body): each message id with its status and, for `failed`, the error's title, code and
-    details in one line."""
+    """The status updates of a notification whose signature `parse_webhook` verified (the same body):
+    each message id with its status and, for `failed`, the error's title, code and details in one line."""
     out: list[StatusUpdate] = []
     for st in _values(body, "statuses"):
         if not isinstance(st, dict) or not st.get("id") or not isinstance(st.get("status"), str):
