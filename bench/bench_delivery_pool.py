@@ -129,7 +129,9 @@ class Deployment:
             ids: list[str] = []
             for plan in plans:
                 ids += chains.enqueue(self.r, plan)
-        failed, left = wait_final(self.r, ids, poll_s=0.02, timeout_s=600)
+        # every 0.1 s: the poll reads every pending receipt, and on 2 cores a tighter one takes CPU from the
+        # worker it measures (at 20 ms, ~180 HGETs a delivery); the end-to-end figure is at most 0.1 s late
+        failed, left = wait_final(self.r, ids, poll_s=0.1, timeout_s=600)
         out.update(n=len(ids), failed=failed + left, s=time.perf_counter() - t0)
 
     def arrivals(self) -> list[float]:
