@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._common import quick, start_redis, wait_final  # noqa: E402
+from bench._common import cpu_s, quick, start_redis, tree_pids, wait_final  # noqa: E402
 
 CHATS = 100
 WARM_CHATS = 20
@@ -159,7 +159,6 @@ def _put(store, key: str, data: bytes):
 def measure(deps: list[Deployment], per_chat: int) -> dict[str, float]:
     """`deps` sending at once (each to its own 100 chats): total deliveries/s end to end (`rate`), the
     first deployment's pace at its server (`at_platform`) and its worker's CPU, % of one core (`cpu`)."""
-    from bench._common import cpu_s, tree_pids
 
     warm = [str(800000 + i) for i in range(WARM_CHATS)]
     chats = [str(700000 + i) for i in range(CHATS)]

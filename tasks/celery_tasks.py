@@ -152,8 +152,9 @@ def send(self: Task, target: str, text: str | None = None, files: list[str] | No
 
     job_id = f"snd_{self.request.id.replace('-', '')}" if self.request.id else None
     ctx = runtime.ctx()
+    stamped = self.request.get(sendorder.HEADER) if isinstance(target, str) else None
     try:  # the number its publisher stamped (sendorder.stamp); none, or not a number: no wait
-        seq = int(str(self.request.get(sendorder.HEADER))) if isinstance(target, str) else None
+        seq = int(str(stamped)) if stamped is not None else None
     except ValueError:
         seq = None
     if seq is not None:
