@@ -251,7 +251,8 @@ def test_a_setsid_daemon_ends_with_a_turn_that_times_out(tmp_path):
     from adapters.agents.bridge import run_bridge
 
     beat = tmp_path / "heartbeat"
-    res = run_bridge([*HOSTILE, "daemon-sleep", str(beat)], "go", cwd=str(tmp_path), timeout_s=2)
+    # 8 s: the agent starts and puts its daemon on record before the timeout, however loaded the machine
+    res = run_bridge([*HOSTILE, "daemon-sleep", str(beat)], "go", cwd=str(tmp_path), timeout_s=8)
     assert res.status == "error" and res.reason == "runtime_timeout"
     _assert_daemon_ends(beat)
 
