@@ -503,13 +503,15 @@ def resolve_by_ancestor(ch: ExecChannel, policy_for: Callable[[str | None], Path
 
 
 class Counted:
-    """A stored blob's chunks for an upload, counted in `sent`: past `max_bytes`, TooLarge."""
+    """A stored blob's chunks for an upload, counted in `sent` (each pass from 0: a write path that gave up
+    part way is followed by another whole pass): past `max_bytes`, TooLarge."""
 
     def __init__(self, store, key: str, max_bytes: int) -> None:
         self.store, self.key, self.max_bytes = store, key, max_bytes
         self.sent = 0
 
     def __iter__(self) -> Iterator[bytes]:
+        self.sent = 0
         for chunk in self.store.iter_chunks(self.key):
             self.sent += len(chunk)
             if self.sent > self.max_bytes:
