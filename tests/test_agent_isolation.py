@@ -17,7 +17,9 @@ from adapters.platforms.outbox import read_log
 from tests.fixtures.services import wait_until
 from tests.fixtures.workers import CourierEnv
 
-pytestmark = pytest.mark.slow
+# each test's Redis starts empty: the rows reuse agent and chat names ("d"), and a reply the previous test's
+# worker left undelivered (stopped cold) was re-driven by the next test's reconciler into its own outbox
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("redis_emptied")]
 
 #: a script the agent's sandbox sees (a path its command names), the standard library only
 HOSTILE = [sys.executable, str(__import__("pathlib").Path(__file__).parent / "fixtures" / "hostile_agent.py")]
