@@ -141,6 +141,40 @@ def test_group_and_bot_limits_and_denied_sends_use_no_slot(redis_client):
     ratelimit.acquire(redis_client, other, "-100").release()
 
 
+def test_a_full_bot_window_books_slots_first_come_first_served(redis_client):
+    """While the bot's window is full each send is given its own slot, in the order the sends asked:
+    with 1 send per 2 s, the second to fifth chats wait about 2, 4, 6 and 8 s; a chat asking again
+    early keeps its slot (never booked twice), at its time it goes, and a newcomer goes behind every
+    slot booked before it. (With a window that only said when it resets, all four waited for the same
+    reset and took the slot by lottery: one chat's first message came after others' third.)"""
+    p = _Stub(_limits(per_bot_per_s=0.5), bot=f"fifo-{time.time()}")
+    ratelimit.acquire(redis_client, p, "0").release()
+    waits = []
+    for chat in "1234":
+        with pytest.raises(ratelimit.Paced) as held:
+            ratelimit.acquire(redis_client, p, chat)
+        assert "bot limit of 1 per 2s" in str(held.value)
+        waits.append(held.value.retry_after_s)
+    assert all(2 * k < w <= 2 * (k + 1) for k, w in enumerate(waits)), waits  # first come, first served
+    with pytest.raises(ratelimit.Paced) as again:  # chat 4 asks again before its turn: the same slot
+        ratelimit.acquire(redis_client, p, "4")
+    assert again.value.retry_after_s <= waits[-1]
+    slot4 = time.time() + again.value.retry_after_s  # (a bound: when chat 4 goes, at the latest)
+
+    def goes(chat: str) -> bool:
+        try:
+            ratelimit.acquire(redis_client, p, chat).release()
+        except ratelimit.Paced:
+            return False
+        return True
+
+    wait_until(lambda: goes("1"), timeout_s=30, interval_s=0.02, what="chat 1's slot")
+    t0 = time.time()
+    with pytest.raises(ratelimit.Paced) as late:  # a newcomer, once chat 1 went: behind chat 4's slot
+        ratelimit.acquire(redis_client, p, "new")
+    assert t0 + late.value.retry_after_s > slot4, (late.value.retry_after_s, slot4 - t0)
+
+
 def test_per_second_items():
     assert (ratelimit.per_second(30).amount, ratelimit.per_second(30).get_expiry()) == (30, 1)
     assert (ratelimit.per_second(0.2).amount, ratelimit.per_second(0.2).get_expiry()) == (1, 5)
