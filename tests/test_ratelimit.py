@@ -1,5 +1,5 @@
-"""Shared rate limits: Redis-backed windows (the `limits` library) and the
-per-chat gate, against real Redis; then held by two worker processes sending
+"""Shared rate limits: the group window (the `limits` library), the bot's
+booked window (rate_book.lua) and the per-chat gate, against real Redis; then held by two worker processes sending
 40 messages to one chat at once through the real Telegram SDK."""
 
 from __future__ import annotations
