@@ -1,6 +1,7 @@
 """Shared rate limits: the group window (the `limits` library), the bot's
-booked window (rate_book.lua) and the per-chat gate, against real Redis; then held by two worker processes sending
-40 messages to one chat at once through the real Telegram SDK."""
+booked window (rate_book.lua) and the per-chat gate, against real Redis;
+then held by two worker processes sending 40 messages to one chat at once
+through the real Telegram SDK."""
 
 from __future__ import annotations
 
