@@ -26,10 +26,10 @@ delivered; a warm-up of 20 other chats first, not timed. Targets (issue
 Where the bot's limit is felt, at the platform: the one worker's pace as the
 Bot API server saw it, (N - 1) / (last arrival - first arrival) of the timed
 sends (issue 23: >= 30/s, the per-bot ceiling; the most arrivals in any 1 s is
-printed beside it: the limit is a moving window of 30 starts a second), and the worker's CPU over the
-timed window (user + sys of its process tree, % of one core; issue 23: <= 50 %).
-The end-to-end figure also holds the enqueue before the first send and the
-receipts after the last one.
+printed beside it: the limit is a moving window of 30 starts a second), and
+the worker's CPU over the timed window (user + sys of its process tree, % of
+one core; issue 23: <= 50 %). The end-to-end figure also holds the enqueue
+before the first send and the receipts after the last one.
 """
 
 from __future__ import annotations
@@ -236,7 +236,8 @@ def main() -> None:
                   f"{TARGET_SCALING:g}) {'PASS' if ok else 'MISS'} [one worker {chosen}; server answers after "
                   f"{latency_ms:g} ms; {CHATS} chats x {per_chat} 1 KB documents; per-bot limit 30/s; "
                   f"2 bots x 1 worker each: {two:.4g} deliveries/s, scaling {scaling:.2f} of linear; "
-                  f"at the platform {at_platform:.4g} deliveries/s (at most {peak} in any 1 s) at {cpu:.0f} % of one core (issue 23: >= "
+                  f"at the platform {at_platform:.4g} deliveries/s (at most {peak} in any 1 s) at {cpu:.0f} % "
+                  f"of one core (issue 23: >= "
                   f"{TARGET_AT_PLATFORM:g}/s, <= {TARGET_CPU_PCT:g} %): {'PASS' if felt else 'MISS'}]", flush=True)
         finally:
             for dep in deps:

@@ -18,8 +18,8 @@ A platform's 429 (`refused`) closes the gate for its `retry_after` and widens th
 
 A slot not free raises `Paced` (the lane is driven again then; no worker sleeps); a denied send gives back
 what it took, so a send waiting for its chat uses none of the bot's slots (one waiting for the bot holds
-the slot booked for it); a send that fails keeps its slots (the safe side). `ask` (on a pipeline) then `take` the slots (`acquire`: both); release the `Slot`
-when the send is over.
+the slot booked for it); a send that fails keeps its slots (the safe side). `ask` (on a pipeline) then
+`take` the slots (`acquire`: both); release the `Slot` when the send is over.
 """
 
 from __future__ import annotations
@@ -98,18 +98,26 @@ def _bot(platform: Platform) -> str:
     return str(platform.cache_key or "default")
 
 
-def rules(platform: Platform, chat: str) -> list[tuple[RateLimitItem, tuple[str, ...]]]:
-    """The moving windows that apply to one send (group, then bot), with their identifiers.
-    The per-chat limit is the chat's gate (`gate_of`)."""
+Window = tuple[RateLimitItem, tuple[str, ...]]
+
+
+def group_window(platform: Platform, chat: str) -> Window | None:
+    """The group's moving window (`limits`) for a send to `chat`, with its identifiers, if it has one."""
     lim = platform.limits
-    bot = _bot(platform)
-    out: list[tuple[RateLimitItem, tuple[str, ...]]] = []
-    if lim.per_group_per_min and platform.is_group(chat):
-        out.append((RateLimitItemPerMinute(int(round(lim.per_group_per_min)), 1),
-                    (platform.name, bot, "group", chat)))
-    if lim.per_bot_per_s:
-        out.append((per_second(lim.per_bot_per_s), (platform.name, bot, "bot")))
-    return out
+    if not (lim.per_group_per_min and platform.is_group(chat)):
+        return None
+    return RateLimitItemPerMinute(int(round(lim.per_group_per_min)), 1), (platform.name, _bot(platform), "group", chat)
+
+
+def bot_window(platform: Platform) -> Window | None:
+    """The bot's booked window (rate_book.lua), with its identifiers, if the platform has one."""
+    rate = platform.limits.per_bot_per_s
+    return (per_second(rate), (platform.name, _bot(platform), "bot")) if rate else None
+
+
+def rules(platform: Platform, chat: str) -> list[Window]:
+    """The windows that apply to one send (group, then bot). The per-chat limit is the chat's gate (`gate_of`)."""
+    return [w for w in (group_window(platform, chat), bot_window(platform)) if w is not None]
 
 
 def gate_of(platform: Platform, chat: str) -> tuple[str | None, float]:
@@ -147,10 +155,18 @@ def _retry_after(limiter: MovingWindowRateLimiter, item: RateLimitItem, ids: tup
                        f"retry after {wait:.2f}s")
 
 
+def _window(redis: Any, window: Window, *, take: bool) -> None:
+    """A `limits` moving window's slot tested, or taken (`take`); `Paced` when it is full."""
+    limiter, (item, ids) = _limiter(redis), window
+    if not (limiter.hit if take else limiter.test)(item, *ids):
+        raise _retry_after(limiter, item, ids)
+
+
 def booked_key(ids: tuple[str, ...], chat: str | None = None) -> str:
     """The bot window's slots given (a list of times), or with `chat` the chat's booked slot."""
-    return ":".join((keys.rate_limit_prefix(), "slots" if chat is None else "ticket", *ids,
-                     *(() if chat is None else (chat,))))
+    if chat is None:
+        return ":".join((keys.rate_limit_prefix(), "slots", *ids))
+    return ":".join((keys.rate_limit_prefix(), "ticket", *ids, chat))
 
 
 def _book(redis: Any, item: RateLimitItem, ids: tuple[str, ...], chat: str) -> None:
@@ -235,16 +251,13 @@ def take(redis: Any, platform: Platform, chat: str, replies: list[Any]) -> Slot:
             interval_s *= widening
             redis.pexpire(gate, _ms(interval_s))
     try:
-        rs = rules(platform, chat)
-        limiter = _limiter(redis)
-        for item, ids in rs:  # narrowest first: a group's window tested (a denial takes nothing), the bot's booked
-            if ids[2] == "bot":
-                _book(redis, item, ids, chat)
-            elif not limiter.test(item, *ids):
-                raise _retry_after(limiter, item, ids)
-        for item, ids in rs:  # then the group's taken (full again only when another worker just took it)
-            if ids[2] != "bot" and not limiter.hit(item, *ids):
-                raise _retry_after(limiter, item, ids)
+        group, bot = group_window(platform, chat), bot_window(platform)
+        if group is not None:  # tested first: a denial takes nothing
+            _window(redis, group, take=False)
+        if bot is not None:
+            _book(redis, *bot, chat)
+        if group is not None:  # then taken (full again only when another worker just took it)
+            _window(redis, group, take=True)
     except BaseException:
         if gate is not None:
             redis.delete(gate)  # nothing was sent: open the gate again
