@@ -19,16 +19,18 @@ from rich.table import Table
 from workers.embedded import stop_worker
 
 
-def worker_args(name: str, *, queues: str = "turns,sandbox,delivery,janitor", concurrency: int = 2,
-                pool: str = "prefork") -> list[str]:
-    """`celery`'s arguments for a worker of the demo (and the tests)."""
-    return ["-A", "workers.celery_app", "worker", "-Q", queues, f"--pool={pool}", f"--concurrency={concurrency}",
-            "-n", name, "--loglevel=WARNING", "--without-mingle", "--without-gossip"]
+def worker_options(name: str, *, queues: str = "turns,sandbox,delivery,janitor", concurrency: int = 2,
+                   pool: str = "prefork") -> list[str]:
+    """A worker's options in the demo (and the tests): after `celery -A workers.celery_app worker`
+    or `python -m workers.worker`."""
+    return ["-Q", queues, f"--pool={pool}", f"--concurrency={concurrency}", "-n", name, "--loglevel=WARNING",
+            "--without-mingle", "--without-gossip"]
 
 
 def start_worker(env: dict[str, str], name: str, *, queues: str = "turns,sandbox,delivery,janitor",
                  concurrency: int = 2, log_path: str | None = None, pool: str = "prefork") -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "celery", *worker_args(name, queues=queues, concurrency=concurrency, pool=pool)]
+    cmd = [sys.executable, "-m", "celery", "-A", "workers.celery_app", "worker",
+           *worker_options(name, queues=queues, concurrency=concurrency, pool=pool)]
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT if log_path else subprocess.DEVNULL,
                             cwd=str(Path(__file__).resolve().parent.parent))
