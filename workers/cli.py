@@ -28,7 +28,7 @@ from tasks.ledger import keys, receipts
 from tasks.states import DeliveryState, JobState
 from workers.console import (
     EXIT_FAILED, EXIT_INPUT, EXIT_SERVICE, EXIT_TIMEOUT, cell, deliveries_table, delivery_cells, delivery_columns,
-    die, err, esc, follow, new_table, out, wait_deliveries, watch_job,
+    die, err, esc, follow, new_table, out, wait_deliveries, warn, watch_job,
 )
 
 if TYPE_CHECKING:
@@ -137,7 +137,7 @@ def send(
     """Deliver files (and/or a text) to a chat."""
     from tasks.dispatch import chains
     from tasks.ops.send import HostFile, NothingToSend, check_send, check_size
-    from workers.wiring import open_sandbox
+    from workers.wiring import durability, open_sandbox
     from workers.wiring import platform as wired_platform
     from workers.wiring import platform_limits
 
@@ -181,7 +181,7 @@ def send(
 
     plan = checked.plan(upload=upload)
     job_id = plan.job_id
-    ids = chains.enqueue(r, plan, job_kind="send")
+    ids = chains.enqueue(r, plan, job_kind="send", durability=durability(settings), warn=warn)
     if not wait:
         return _emit(as_json, {"job": job_id, "deliveries": ids},
                      f"queued [bold]{esc(job_id)}[/]: " + esc(" ".join(ids)), highlight=False)
@@ -228,6 +228,7 @@ def turn(
     from tasks.dispatch import chains
     from tasks.turn.turn import BUILTIN_AGENTS
     from workers.eventauth import events_token
+    from workers.wiring import durability
 
     settings = _settings()
     _target(settings, target)
@@ -252,7 +253,8 @@ def turn(
             key = chains.storage_key(job_id, i, p.name, prefix=prefixes.INBOUND)
             _upload(store, key, p)
             attachments.append({"key": key, "name": p.name})
-    chains.enqueue_turn(r, target, message, agent=name, job_id=job_id, sandbox=sandbox, attachments=attachments)
+    chains.enqueue_turn(r, target, message, agent=name, job_id=job_id, sandbox=sandbox, attachments=attachments,
+                        durability=durability(settings), warn=warn)
     if not wait:
         print(json.dumps({"job": job_id, "events_token": events_token(r, job_id)}) if as_json else job_id)
         return

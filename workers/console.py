@@ -63,6 +63,11 @@ def delivery_columns(where: str = "platform") -> tuple[str, ...]:
     return ("delivery", where, "kind", "name", "size", "attempts", "state", "message id / reason")
 
 
+def warn(msg: str) -> None:
+    """A warning on stderr (the command goes on)."""
+    err.print(f"[bold yellow]warning:[/] {esc(msg)}", highlight=False, soft_wrap=True)
+
+
 def die(msg: str, code: int) -> "typer.Exit":
     err.print(f"[bold red]error:[/] {esc(msg)}", highlight=False, soft_wrap=True)
     return typer.Exit(code)

@@ -208,6 +208,13 @@ class Settings(BaseSettings):
     redis_url: str = Field("redis://127.0.0.1:6379/0", repr=False)
     #: Redis's password (`requirepass`) when COURIER_REDIS_URL carries none (e.g. from COURIER_REDIS_PASSWORD_FILE)
     redis_password: SecretStr | None = None
+    #: replicas that must confirm a send or turn before `courier send`/`courier turn`/a webhook answer "queued"
+    #: (Redis `WAIT`: a write taken by a master deposed in a failover is made again on the new one); unset:
+    #: 1 with a `sentinel://` URL, else 0 (no confirmation)
+    redis_confirm_replicas: int | None = Field(default=None, ge=0)
+    #: how long an unconfirmed send or turn is written again (a failover in between) before it is accepted
+    #: on the master alone, with a warning
+    redis_confirm_s: float = Field(default=10.0, gt=0)
     #: `file:///abs/dir` or `s3://bucket/prefix` (endpoint: AWS_ENDPOINT_URL); default file://<data dir>/storage
     storage_url: str | None = None
     #: S3 credentials (boto3's own variables, read here too so that they may come from files:

@@ -197,6 +197,18 @@ def redis_client(url: str | None = None):
         return _redis_clients[k]
 
 
+def durability(settings: Settings | None = None):
+    """How a send or turn is confirmed on Redis replicas before it is answered "queued" (tasks/ledger/durable.py)."""
+    from tasks.ledger.durable import Durability
+    from workers.redis_url import parse_sentinel
+
+    s = settings or get_settings()
+    replicas = s.redis_confirm_replicas
+    if replicas is None:
+        replicas = 1 if parse_sentinel(s.redis_url) is not None else 0
+    return Durability(replicas=replicas, within_s=s.redis_confirm_s)
+
+
 def build_context(settings: Settings | None = None) -> Context:
     s = settings or get_settings()
     built: list = []

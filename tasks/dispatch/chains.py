@@ -33,7 +33,8 @@ from storage import prefixes
 from tasks.delivery import specs
 from tasks.delivery.routing import route
 from tasks import task_names
-from tasks.ledger import keys, ledger, receipts, scripts, signing
+from tasks.ledger import durable, keys, ledger, receipts, scripts, signing
+from tasks.ledger.durable import Durability
 from tasks.messages import Attachment, DeliverySpec, ExtractSpec, TurnSpec
 
 if TYPE_CHECKING:
@@ -178,23 +179,37 @@ def entries(plan: Plan) -> list[_Entry]:
     return out
 
 
-def register(r: Redis, plan: Plan, *, job_kind: str | None = None) -> list[_Entry]:
+def register(r: Redis, plan: Plan, *, job_kind: str | None = None, durability: Durability | None = None,
+             warn: Callable[[str], None] | None = None) -> list[_Entry]:
     """Record the plan in one transaction: the job (with `job_kind`), a queued receipt per delivery with its
-    spec, the steps at the end of the chat's lane, due times for the lane and each extraction. Idempotent."""
+    spec, the steps at the end of the chat's lane, due times for the lane and each extraction. Idempotent.
+    With `durability`, confirmed on replicas (tasks/ledger/durable.py); `warn` hears when it was not."""
     items = entries(plan)
-    p = r.pipeline(transaction=True)  # one round trip, no other job's steps in between
-    if job_kind is not None:
-        receipts.create_job(r, plan.job_id, kind=job_kind, target=plan.target, pipe=p)
-    for e in items:
-        receipts.add_delivery(p, plan.job_id, e.did, spec=specs.seal_delivery(e.spec),
-                              queue=e.queue, lane=plan.target if e.lane else None, **e.fields)
-    if items:
-        ledger.set_due(p, "lane", plan.target, LANE_GRACE_S)
-    for e in items:
-        if e.queue is not None:
-            ledger.set_due(p, "extract", e.did, EXTRACT_GRACE_S)
-    p.execute()
+
+    def fill(p) -> None:  # one round trip, no other job's steps in between
+        if job_kind is not None:
+            receipts.create_job(r, plan.job_id, kind=job_kind, target=plan.target, pipe=p)
+        for e in items:
+            receipts.add_delivery(p, plan.job_id, e.did, spec=specs.seal_delivery(e.spec),
+                                  queue=e.queue, lane=plan.target if e.lane else None, **e.fields)
+        if items:
+            ledger.set_due(p, "lane", plan.target, LANE_GRACE_S)
+        for e in items:
+            if e.queue is not None:
+                ledger.set_due(p, "extract", e.did, EXTRACT_GRACE_S)
+
+    _durably(r, fill, durability, warn, plan.job_id)
     return items
+
+
+def _durably(r: Redis, fill: Callable[[Any], None], d: Durability | None, warn: Callable[[str], None] | None,
+             job_id: str) -> None:
+    if not durable.write(r, fill, d) and d is not None:
+        text = (f"job {job_id} is recorded on the Redis master, but no replica confirmed it within "
+                f"{d.within_s:g} s: it would be lost if that master failed now")
+        log.warning("%s", text)
+        if warn is not None:
+            warn(text)
 
 
 def _name(f: StoredFile | SandboxFile) -> str:
@@ -267,10 +282,12 @@ def publish_drain(r: Redis) -> None:
     wake_lane(r, "")
 
 
-def enqueue(r: Redis, plan: Plan, *, job_kind: str | None = None) -> list[str]:
-    """Register the plan (and the job, with `job_kind`), then publish its extractions and a wake-up of the
-    chat's lane. Returns the delivery ids. A failed publish is logged and loses nothing (the due times)."""
-    items = register(r, capped(plan), job_kind=job_kind)
+def enqueue(r: Redis, plan: Plan, *, job_kind: str | None = None, durability: Durability | None = None,
+            warn: Callable[[str], None] | None = None) -> list[str]:
+    """Register the plan (and the job, with `job_kind`; `durability`, `warn`: see `register`), then publish
+    its extractions and a wake-up of the chat's lane. Returns the delivery ids. A failed publish is logged
+    and loses nothing (the due times)."""
+    items = register(r, capped(plan), job_kind=job_kind, durability=durability, warn=warn)
     for e in items:
         if e.queue is not None:
             extract = e.spec.extract
@@ -292,18 +309,30 @@ def _published(job_id: str, publish: Callable[..., object], *args: Any) -> None:
 
 def enqueue_turn(r: Redis, target: str, message: str, *, agent: str, job_id: str | None = None,
                  sandbox: str | None = None, attachments: list[Attachment] | None = None,
-                 origin: str | None = None) -> str:
-    """Record a turn's job (with its spec: the ledger can run it again), then enqueue
-    `agent_turn` with the job id as its task id. Returns the job id."""
+                 origin: str | None = None, durability: Durability | None = None,
+                 warn: Callable[[str], None] | None = None) -> str:
+    """Record a turn's job (`register_turn`), then enqueue `agent_turn` with the job id as its task id.
+    Returns the job id."""
     job_id = job_id or new_job_id("turn")
-    sig = spec_sig(turn_spec(job_id, target, message, agent=agent, sandbox=sandbox, attachments=attachments))
-    p = r.pipeline(transaction=True)
-    receipts.create_job(r, job_id, kind="turn", target=target, agent=agent, origin=origin, pipe=p,
-                        spec=signing.seal_json("turn", job_id, sig.args[0]))
-    ledger.set_due(p, "turn", job_id, TURN_GRACE_S)
-    p.execute()
-    sig.apply_async(task_id=job_id)
+    spec = turn_spec(job_id, target, message, agent=agent, sandbox=sandbox, attachments=attachments)
+    register_turn(r, spec, origin=origin, durability=durability, warn=warn)
+    spec_sig(spec).apply_async(task_id=job_id)
     return job_id
+
+
+def register_turn(r: Redis, spec: TurnSpec, *, origin: str | None = None, durability: Durability | None = None,
+                  warn: Callable[[str], None] | None = None) -> None:
+    """A turn's job record (with its spec, sealed: the ledger can run it again) and its due time, in one
+    transaction (`durability`, `warn`: see `register`)."""
+    job_id = spec["job"]
+    sealed = signing.seal_json("turn", job_id, spec)
+
+    def fill(p) -> None:
+        receipts.create_job(r, job_id, kind="turn", target=spec["target"], agent=spec["agent"], origin=origin,
+                            pipe=p, spec=sealed)
+        ledger.set_due(p, "turn", job_id, TURN_GRACE_S)
+
+    _durably(r, fill, durability, warn, job_id)
 
 
 def turn_spec(job_id: str, target: str, message: str, *, agent: str, sandbox: str | None = None,
