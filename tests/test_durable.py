@@ -13,6 +13,7 @@ import contextlib
 
 import pytest
 import redis
+import redis.asyncio
 
 from tasks.dispatch import chains
 from tasks.ledger import keys, receipts
@@ -151,3 +152,71 @@ def test_an_error_inside_the_transaction_is_raised(tmp_path):
         r.close()
     finally:
         server.stop()
+
+
+class _AsyncAsks(redis.asyncio.Connection):
+    """`_Asks` for asyncio clients (the web process's)."""
+
+    async def connect(self, *args, **kwargs):
+        self.port = _Asks.master["port"]
+        return await super().connect(*args, **kwargs)
+
+
+def test_a_webhook_turn_claimed_by_a_deposed_master_is_claimed_again_on_the_new_one(tmp_path):
+    """The web process's batch claim (webhook_claim.lua) under the same failover: unconfirmed, the claim
+    lost with the old master; confirmed, claimed again on the new one (once: the script knows its own
+    job), so the platform's retry is a duplicate there."""
+    import asyncio
+    import json
+    import time
+
+    from tasks.ledger import scripts
+    from tasks.ledger.durable import write_async
+
+    async def claim(r, job: str, d: Durability | None):
+        ks = [keys.due("turn"), keys.webhook_seen("telegram", job), keys.job(job)]
+        args = [60, 600, job, time.time() + 10, json.dumps({"id": job, "kind": "turn"})]
+        if d is None:
+            return await scripts.run_async(r, "webhook_claim", keys=ks, args=args), False
+        return await write_async(r, lambda p: scripts.run_async(p, "webhook_claim", keys=ks, args=args), d)
+
+    for confirm in (False, True):
+        with _pair(tmp_path / f"c{int(confirm)}") as (old, new):
+            async def run():
+                _Asks.master["port"] = old.port
+                r = redis.asyncio.Redis(connection_pool=redis.asyncio.ConnectionPool(
+                    connection_class=_AsyncAsks, host="127.0.0.1", port=old.port, decode_responses=True))
+                await r.ping()
+                _depose(old, new)
+                job = chains.new_job_id("turn")
+                got = await claim(r, job, Durability(replicas=1, wait_s=0.2, within_s=1.0) if confirm else None)
+                await r.aclose()
+                return job, got
+
+            job, (reply, confirmed) = asyncio.run(run())
+            assert reply == [1] and not confirmed  # the new master has no replica yet: accepted unconfirmed
+            _rejoin(old, new)
+            n = new.client()
+            if not confirm:
+                assert receipts.get_job(n, job) is None  # the loss, reproduced
+                continue
+            assert receipts.get_job(n, job) is not None and n.exists(keys.webhook_seen("telegram", job))
+
+
+def test_the_web_process_confirms_webhook_turns_on_replicas(tmp_path):
+    """`courier web` with COURIER_REDIS_CONFIRM_REPLICAS=1 on a master without a replica: a webhook turn is
+    claimed again until COURIER_REDIS_CONFIRM_S ends, then answered (queued on the master alone, with a
+    warning in the log); the platform's retry is a duplicate."""
+    import httpx
+
+    from tests.fixtures.webstack import TELEGRAM_SECRET, web_only
+
+    with web_only(tmp_path, COURIER_REDIS_CONFIRM_REPLICAS="1", COURIER_REDIS_CONFIRM_S="1") as web:
+        body = b'{"update_id": 515151, "message": {"chat": {"id": 7}, "text": "hi"}}'
+        headers = {"X-Telegram-Bot-Api-Secret-Token": TELEGRAM_SECRET, "Content-Type": "application/json"}
+        first = httpx.post(web.base + "/webhooks/telegram", content=body, headers=headers, timeout=30)
+        assert first.status_code == 200 and first.json().get("job"), first.text
+        assert [m["id"] for m in web.queued()] == [first.json()["job"]]
+        assert "no replica confirmed them within 1 s" in web.log()
+        again = httpx.post(web.base + "/webhooks/telegram", content=body, headers=headers, timeout=30)
+        assert again.status_code == 200 and again.json().get("duplicate"), again.text

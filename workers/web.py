@@ -39,7 +39,7 @@ from adapters.platforms.webhooks import telegram as telegram_webhook
 from adapters.platforms.webhooks import whatsapp as whatsapp_webhook
 from adapters.platforms.webhooks.base import MALFORMED, Answer, Refusal
 from tasks import metrics
-from tasks.ledger import events, keys, scripts
+from tasks.ledger import durable, events, keys, scripts
 from workers import turnpage
 from workers.eventauth import authorize
 from workers.settings import Settings, get_settings
@@ -85,6 +85,16 @@ class _Web:
         from workers.redis_url import async_client
 
         return async_client(self.settings.redis_url)
+
+    @cached_property
+    def durability(self):
+        """How a batch of webhook turns is confirmed on replicas, within half the time a request waits."""
+        from dataclasses import replace
+
+        from workers.wiring import durability
+
+        d = durability(self.settings)
+        return replace(d, within_s=min(d.within_s, ENQUEUE_TIMEOUT_S / 2))
 
     @cached_property
     def aredis_turns(self):
@@ -165,7 +175,15 @@ class _Web:
         for t in batch:
             ks += (t.seen, keys.job(t.job_id))
             args += (t.job_id, due_at, json.dumps(t.fields, separators=(",", ":"), ensure_ascii=False))
-        res = await scripts.run_async(r, "webhook_claim", keys=ks, args=args)
+        d = self.durability
+        if d.replicas > 0:  # confirmed on replicas, else claimed again (a deposed master: tasks/ledger/durable.py)
+            res, confirmed = await durable.write_async(
+                r, lambda p: scripts.run_async(p, "webhook_claim", keys=ks, args=args), d)
+            if not confirmed:
+                log.warning("webhook: %d turns are recorded on the Redis master, but no replica confirmed them "
+                            "within %g s", len(batch), d.within_s)
+        else:
+            res = await scripts.run_async(r, "webhook_claim", keys=ks, args=args)
         new = []
         for t, got in zip(batch, res):
             if got == 1:

@@ -186,7 +186,7 @@ def register(r: Redis, plan: Plan, *, job_kind: str | None = None, durability: D
     With `durability`, confirmed on replicas (tasks/ledger/durable.py); `warn` hears when it was not."""
     items = entries(plan)
 
-    def fill(p) -> None:  # one round trip, no other job's steps in between
+    def fill(p: Any) -> None:  # one round trip, no other job's steps in between
         if job_kind is not None:
             receipts.create_job(r, plan.job_id, kind=job_kind, target=plan.target, pipe=p)
         for e in items:
@@ -327,7 +327,7 @@ def register_turn(r: Redis, spec: TurnSpec, *, origin: str | None = None, durabi
     job_id = spec["job"]
     sealed = signing.seal_json("turn", job_id, spec)
 
-    def fill(p) -> None:
+    def fill(p: Any) -> None:
         receipts.create_job(r, job_id, kind="turn", target=spec["target"], agent=spec["agent"], origin=origin,
                             pipe=p, spec=sealed)
         ledger.set_due(p, "turn", job_id, TURN_GRACE_S)

@@ -14,11 +14,12 @@ down: the write then stands on the master, and the caller is told).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from redis import Redis
+from redis.asyncio import Redis as AsyncRedis
 from redis.client import Pipeline
 
 
@@ -37,13 +38,13 @@ def transaction(r: Redis, fill: Callable[[Any], None], replicas: int = 0, wait_s
     """`fill(pipe)`'s commands as one MULTI/EXEC; with `replicas`, then `WAIT` on that connection in the
     same round trip. Returns how many replicas acknowledged the write (None: none were asked)."""
     if replicas <= 0:
-        p = r.pipeline(transaction=True)
-        fill(p)
-        p.execute()
+        t = r.pipeline(transaction=True)
+        fill(t)
+        t.execute()
         return None
     # a plain pipeline (one connection, one round trip, sent again whole if the connection drops) that
     # spells MULTI/EXEC itself, so that WAIT can follow EXEC; no reply callbacks: queued commands answer QUEUED
-    p = Pipeline(r.connection_pool, {}, False, None)
+    p: Any = Pipeline(r.connection_pool, {}, False, None)
     p.execute_command("MULTI")
     fill(p)
     p.execute_command("EXEC")
@@ -53,6 +54,20 @@ def transaction(r: Redis, fill: Callable[[Any], None], replicas: int = 0, wait_s
         if isinstance(reply, Exception):
             raise reply
     return int(replies[-1])
+
+
+async def write_async(r: AsyncRedis, fill: Callable[[Any], Awaitable[Any]], d: Durability) -> tuple[Any, bool]:
+    """The asyncio twin of `write`, for one atomic command (a script) that `fill(pipe)` queues: its reply,
+    and whether `d.replicas` confirmed it. Made again until then, or until `d.within_s` ends."""
+    deadline = time.monotonic() + d.within_s
+    while True:
+        p: Any = r.pipeline(transaction=False)
+        await fill(p)
+        p.execute_command("WAIT", d.replicas, max(1, int(min(d.wait_s, max(0.001, deadline - time.monotonic())) * 1000)))
+        reply, acked = await p.execute()
+        if int(acked) >= d.replicas or time.monotonic() >= deadline:
+            return reply, int(acked) >= d.replicas
+        await r.connection_pool.disconnect()
 
 
 def write(r: Redis, fill: Callable[[Any], None], d: Durability | None) -> bool:

@@ -19,6 +19,7 @@ from typing import Any
 
 from redis import Redis
 from redis.asyncio import Redis as AsyncRedis
+from redis.asyncio.client import Pipeline as AsyncPipeline
 from redis.client import Pipeline
 from redis.commands.core import AsyncScript, Script
 
@@ -82,8 +83,10 @@ def run(r: Redis | Pipeline, name: str, *, keys: Sequence[str], args: Sequence[A
     return script(keys=keys, args=args, client=r)
 
 
-async def run_async(r: AsyncRedis, name: str, *, keys: Sequence[str], args: Sequence[Arg] = ()) -> Any:
-    """`run` on an asyncio client."""
+async def run_async(r: AsyncRedis | AsyncPipeline, name: str, *, keys: Sequence[str], args: Sequence[Arg] = ()) -> Any:
+    """`run` on an asyncio client (or queued on its pipeline)."""
     lua = load(name).check(keys, args)
+    if isinstance(r, AsyncPipeline):
+        return r.eval(lua.text, len(keys), *keys, *args)
     script = _async.get(name) or _async.setdefault(name, r.register_script(lua.text))
     return await script(keys=keys, args=args, client=r)
