@@ -48,7 +48,7 @@ def transaction(r: Redis, fill: Callable[[Any], None], replicas: int = 0, wait_s
     p.execute_command("MULTI")
     fill(p)
     p.execute_command("EXEC")
-    p.execute_command("WAIT", replicas, max(1, int(wait_s * 1000)))
+    p.execute_command("WAIT", replicas, _ms(wait_s))
     replies = p.execute()
     for reply in replies[-2] or ():
         if isinstance(reply, Exception):
@@ -63,7 +63,7 @@ async def write_async(r: AsyncRedis, fill: Callable[[Any], Awaitable[Any]], d: D
     while True:
         p: Any = r.pipeline(transaction=False)
         await fill(p)
-        p.execute_command("WAIT", d.replicas, max(1, int(min(d.wait_s, max(0.001, deadline - time.monotonic())) * 1000)))
+        p.execute_command("WAIT", d.replicas, _ms(_bound(d, deadline)))
         reply, acked = await p.execute()
         if int(acked) >= d.replicas or time.monotonic() >= deadline:
             return reply, int(acked) >= d.replicas
@@ -78,10 +78,20 @@ def write(r: Redis, fill: Callable[[Any], None], d: Durability | None) -> bool:
         return True
     deadline = time.monotonic() + d.within_s
     while True:
-        acked = transaction(r, fill, d.replicas, min(d.wait_s, max(0.001, deadline - time.monotonic())))
+        acked = transaction(r, fill, d.replicas, _bound(d, deadline))
         if acked is not None and acked >= d.replicas:
             return True
         if time.monotonic() >= deadline:
             return False
         # maybe a deposed master: the next connection asks the Sentinel where the master is now
         r.connection_pool.disconnect()
+
+
+def _bound(d: Durability, deadline: float) -> float:
+    """One WAIT's bound: `d.wait_s`, or what is left of `d.within_s`."""
+    return min(d.wait_s, max(0.001, deadline - time.monotonic()))
+
+
+def _ms(seconds: float) -> int:
+    """WAIT's milliseconds (at least 1: WAIT 0 would wait for ever)."""
+    return max(1, int(seconds * 1000))
